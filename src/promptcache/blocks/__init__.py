@@ -1,0 +1,1 @@
+"""Pure-Python block bookkeeping: block pool, free queue, prefix index. No MLX, no I/O."""

@@ -1,0 +1,1 @@
+"""PromptCache: the one policy module (being built; see docs/INTERFACES.md)."""

@@ -1,0 +1,16 @@
+"""`promptcache serve` (not built yet)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("serve", help="serve (not built yet)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    print("promptcache serve: not built yet", file=sys.stderr)
+    return 0

@@ -1,0 +1,130 @@
+"""Configuration: one frozen dataclass per component. Validation raises ValueError."""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+MB = 1024**2
+GB = 1024**3
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 1024, "m": MB, "g": GB, "t": 1024**4}
+
+
+def parse_size(text: str | int, *, total: int | None = None) -> int:
+    """Parse ``512MB``, ``4GB``, ``1.5G``, ``1048576`` or ``20%`` (of ``total``) into bytes."""
+    if isinstance(text, bool):
+        raise ValueError(f"invalid size: {text!r}")
+    if isinstance(text, int):
+        if text < 0:
+            raise ValueError(f"size must be >= 0, got {text}")
+        return text
+    s = str(text).strip()
+    if s.endswith("%"):
+        if total is None:
+            raise ValueError(f"a percentage size ({s}) needs a total to be relative to")
+        try:
+            pct = float(s[:-1])
+        except ValueError:
+            raise ValueError(f"invalid size: {text!r}") from None
+        if not 0 < pct <= 100:
+            raise ValueError(f"percentage must be in (0, 100], got {s}")
+        return int(total * pct / 100)
+    m = _SIZE_RE.match(s)
+    if not m:
+        raise ValueError(f"invalid size: {text!r} (use e.g. 512MB, 4GB, 20%)")
+    unit = (m.group(2) or "").lower().rstrip("b").rstrip("i")
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+def default_cache_dir() -> Path:
+    base = os.environ.get("PROMPTCACHE_HOME") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "promptcache"
+    )
+    return Path(base)
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The block cache and its RAM tier."""
+
+    block_size: int = 64
+    # None = 20% of available RAM (psutil), at least ``min_ram_budget_bytes``.
+    ram_budget_bytes: int | None = None
+    min_ram_budget_bytes: int = 100 * MB
+    ttl_seconds: float | None = None
+    # bounded memory of recent misses/evictions used to explain misses
+    explain_history: int = 4096
+    enabled: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.block_size, int) or not 1 <= self.block_size <= 4096:
+            raise ValueError(f"block_size must be an integer in [1, 4096], got {self.block_size!r}")
+        if self.ram_budget_bytes is not None and self.ram_budget_bytes < 0:
+            raise ValueError(f"ram_budget_bytes must be >= 0, got {self.ram_budget_bytes}")
+        if self.ttl_seconds is not None and self.ttl_seconds <= 0:
+            raise ValueError(f"ttl_seconds must be > 0, got {self.ttl_seconds}")
+
+    def resolved_ram_budget(self) -> int:
+        if self.ram_budget_bytes is not None:
+            return self.ram_budget_bytes
+        import psutil
+
+        return max(self.min_ram_budget_bytes, int(psutil.virtual_memory().available * 0.20))
+
+
+@dataclass(frozen=True)
+class SSDConfig:
+    """The persistent SSD tier."""
+
+    path: Path = field(default_factory=lambda: default_cache_dir() / "blocks")
+    budget_bytes: int = 10 * GB
+    ttl_seconds: float | None = None
+    queue_size: int = 64
+    policy: str = "write_back"  # or "write_through"
+    daily_write_budget_bytes: int | None = None
+    admission_min_hits: int = 0  # persist only blocks hit at least this often
+    admission_min_tokens: int = 0  # persist only sequences of at least this many tokens
+    fsync: bool = True
+
+    def __post_init__(self) -> None:
+        if self.policy not in ("write_back", "write_through"):
+            raise ValueError(f"policy must be 'write_back' or 'write_through', got {self.policy!r}")
+        if self.queue_size < 1:
+            raise ValueError(f"queue_size must be >= 1, got {self.queue_size}")
+        if self.budget_bytes < 0:
+            raise ValueError(f"budget_bytes must be >= 0, got {self.budget_bytes}")
+        if self.ttl_seconds is not None and self.ttl_seconds <= 0:
+            raise ValueError(f"ttl_seconds must be > 0, got {self.ttl_seconds}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Generation: prefill chunking and state snapshots."""
+
+    # a multiple of the block size; each completed chunk is stored (mid-prefill save)
+    prefill_chunk_tokens: int = 256
+    # non-truncatable states (SSM/hybrid): snapshot every k blocks during prefill
+    snapshot_every_blocks: int = 4
+    max_tokens_limit: int = 32768
+    default_max_tokens: int = 512
+
+    def __post_init__(self) -> None:
+        if self.prefill_chunk_tokens < 1:
+            raise ValueError("prefill_chunk_tokens must be >= 1")
+        if self.snapshot_every_blocks < 1:
+            raise ValueError("snapshot_every_blocks must be >= 1")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8080
+    api_key: str | None = None
+    # optional JSON file mapping API keys to tenants
+    api_keys_file: Path | None = None
+    hit_rate_window: int = 50
+    hit_rate_alert_threshold: float = 0.8

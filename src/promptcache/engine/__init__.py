@@ -1,0 +1,1 @@
+"""Everything that touches mlx / mlx-lm lives under this package."""

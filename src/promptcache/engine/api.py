@@ -1,0 +1,104 @@
+"""Plain data that crosses the engine boundary (no MLX here).
+
+The server builds a ``GenerationRequest``, calls ``Engine.submit`` and consumes
+the ``RequestHandle``'s events: ``TokenEvent`` as tokens are generated, then one
+final ``GenerationResult``. See ``engine/engine.py`` for the Engine itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..meta import DEFAULT_TENANT, ExtraKeySpan
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
+            raise ValueError(f"max_tokens must be an integer, got {self.max_tokens!r}")
+        if self.max_tokens <= 0:
+            raise ValueError(f"max_tokens must be > 0, got {self.max_tokens}")
+        if not 0.0 <= float(self.temperature) <= 100.0:
+            raise ValueError(f"temperature must be in [0, 100], got {self.temperature}")
+        if not 0.0 < float(self.top_p) <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"stop strings must be non-empty strings, got {s!r}")
+        for t in self.stop_token_ids:
+            if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+                raise ValueError(f"stop token ids must be non-negative integers, got {t!r}")
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    prompt_tokens: tuple[int, ...]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    tenant: str = DEFAULT_TENANT
+    session_id: str | None = None
+    extra_keys: tuple[ExtraKeySpan, ...] = ()
+    use_cache: bool = True
+    # for miss explanations: token offsets where each chat message starts
+    message_starts: tuple[int, ...] = ()
+    request_id: str = ""
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    cached_by_tier: dict[str, int] = field(default_factory=dict)
+    completion_tokens: int = 0
+    # blocks stored at each of the three save points
+    saved_mid_prefill: int = 0
+    saved_end_prefill: int = 0
+    saved_end_generation: int = 0
+
+    @property
+    def prefilled_tokens(self) -> int:
+        return self.prompt_tokens - self.cached_tokens
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
+            "cached_by_tier": dict(self.cached_by_tier),
+            "completion_tokens": self.completion_tokens,
+            "saved_mid_prefill": self.saved_mid_prefill,
+            "saved_end_prefill": self.saved_end_prefill,
+            "saved_end_generation": self.saved_end_generation,
+        }
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    token_id: int
+    text: str  # the newly decodable text (may be "" while a multi-byte char is pending)
+
+
+@dataclass
+class GenerationResult:
+    tokens: list[int]
+    text: str
+    finish_reason: str  # "stop" | "length" | "cancelled" | "error"
+    usage: Usage
+    ttft_s: float = 0.0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    lookup_s: float = 0.0
+    restore_s: float = 0.0
+    miss_reason: str | None = None
+    error: str | None = None
+
+    @property
+    def decode_tps(self) -> float:
+        return (len(self.tokens) / self.decode_s) if self.decode_s > 0 else 0.0

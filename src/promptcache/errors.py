@@ -1,0 +1,34 @@
+"""The project's exception types.
+
+Bad input raises ``ValueError`` (or a subclass of it); a broken invariant raises
+``InvariantError``. A failing cache tier raises ``TierError`` internally, which the
+cache policy turns into a counted miss: it never reaches a request.
+"""
+
+
+class PromptCacheError(Exception):
+    """Base class of promptcache's own exceptions."""
+
+
+class InvariantError(PromptCacheError, RuntimeError):
+    """An internal invariant was broken: a bug, never a user mistake."""
+
+
+class TierError(PromptCacheError):
+    """A cache tier failed (I/O error, corrupt data, unreachable service)."""
+
+
+class CorruptBlockError(TierError):
+    """A stored block failed its checksum or could not be decoded."""
+
+
+class RequestError(PromptCacheError, ValueError):
+    """A request is invalid (maps to HTTP 4xx)."""
+
+
+class ContextLengthError(RequestError):
+    """The prompt (plus max_tokens) does not fit the model's context."""
+
+
+class CancelledError(PromptCacheError):
+    """A request was cancelled (client disconnect)."""

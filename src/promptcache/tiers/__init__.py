@@ -1,0 +1,1 @@
+"""Cache tiers below the policy: RAM (in-process), SSD (persistent)."""

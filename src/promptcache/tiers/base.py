@@ -1,0 +1,51 @@
+"""The protocol every lower tier (SSD, and later shared ones) implements.
+
+The RAM tier is the block pool itself (``blocks``); lower tiers store encoded
+payload bytes (see ``codec``) and answer metadata queries without reading them,
+so a lookup never touches the disk to decide whether a block is there.
+
+Error contract: methods may raise ``TierError``; the cache policy catches it,
+counts it, and treats the block as a miss. ``get`` verifies the checksum and
+raises ``CorruptBlockError`` (after quarantining) on a mismatch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any, Protocol
+
+from ..hashing import BlockHash
+from ..meta import BlockMeta
+
+
+class Tier(Protocol):
+    name: str
+
+    def get_meta(self, block_hash: BlockHash) -> BlockMeta | None:
+        """Metadata of a stored, unexpired block, or None. No payload read."""
+
+    def children(self, parent_hash: BlockHash) -> list[BlockMeta]:
+        """Metadata of the stored blocks whose parent is ``parent_hash``."""
+
+    def get(self, block_hash: BlockHash) -> bytes | None:
+        """The payload bytes (checksum verified), or None if absent."""
+
+    def put(self, meta: BlockMeta, payload: bytes, sessions: Iterable[str] = ()) -> bool:
+        """Store (possibly asynchronously). False if dropped (queue full, budget,
+        admission rule, degraded). Never blocks a request for long."""
+
+    def add_sessions(self, block_hash: BlockHash, sessions: Iterable[str]) -> None:
+        """Record more sessions on an already stored block."""
+
+    def delete_session(self, session_id: str) -> int:
+        """Remove the session from every block; delete blocks left with no session
+        that had at least one. Returns the number of blocks deleted."""
+
+    def delete_tenant(self, tenant: str | None) -> int:
+        """Delete every block of a tenant (None: all). Returns the count."""
+
+    def stats(self) -> Mapping[str, Any]:
+        """Counters and gauges for /v1/cache/stats and /metrics."""
+
+    def close(self) -> None:
+        """Flush pending writes and release resources."""
