@@ -10,7 +10,7 @@ PRELOAD := $(if $(wildcard $(OPENBLAS)),LD_PRELOAD=$(OPENBLAS),)
 HOST ?= 127.0.0.1
 PORT ?= 8080
 
-.PHONY: setup serve test lint typecheck pytest bench clean
+.PHONY: setup serve test lint typecheck pytest bench peers clean
 
 setup: $(STAMP)
 
@@ -36,6 +36,10 @@ test: lint typecheck pytest
 
 bench: setup
 	$(PRELOAD) $(BIN)/promptcache bench
+
+# the vllm-mlx peer lives in its own venv (~6.5 GB; it downgrades mlx-lm): never in `make test`
+peers:
+	bash bench/peers.sh
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
