@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import struct
 from pathlib import Path
 
 import mlx.core as mx
@@ -12,6 +13,14 @@ from mlx_lm import load
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
 
 from promptcache.engine import tiny_models
+from promptcache.engine.loader import (
+    SAMPLE_BYTES,
+    SAMPLES,
+    context_length_from_config,
+    load_model,
+    model_fingerprint,
+    resolve_model_path,
+)
 from promptcache.engine.tiny_models import (
     SLIDING_WINDOW,
     VOCAB_SIZE,
@@ -150,3 +159,113 @@ def test_build_refuses_non_empty_folder(tmp_path: Path) -> None:
     (tmp_path / "junk.txt").write_text("x")
     with pytest.raises(ValueError, match="not empty"):
         build_tiny_model("llama", tmp_path)
+
+
+# --- loader and fingerprint -------------------------------------------------------
+
+
+def _copy_model(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_load_model_info(tiny_hybrid_path: Path) -> None:
+    model, tok, info = load_model(tiny_hybrid_path)
+    assert info.model_id == tiny_hybrid_path.name
+    assert info.path == tiny_hybrid_path.resolve()
+    assert info.model_type == "nemotron_h"
+    assert info.context_length == tiny_models.CONTEXT_LENGTH
+    assert info.dtype == "float32"
+    assert info.num_layers == 4
+    assert info.fingerprint == model_fingerprint(tiny_hybrid_path)
+    assert tok.decode(tok.encode("abc", add_special_tokens=False)) == "abc"
+
+
+def test_load_model_casts_half_precision_weights_to_float32_on_cpu(
+    tmp_path: Path, tiny_llama_path: Path
+) -> None:
+    half = _copy_model(tiny_llama_path, tmp_path / "half")
+    weights = mx.load(str(half / "model.safetensors"))
+    mx.save_safetensors(
+        str(half / "model.safetensors"), {k: v.astype(mx.bfloat16) for k, v in weights.items()}
+    )
+    assert mx.default_device() == mx.cpu
+    model, _, info = load_model(half)
+    assert info.dtype == "float32"
+    assert model.model.embed_tokens.weight.dtype == mx.float32
+    _, _, kept = load_model(half, float32_on_cpu=False)
+    assert kept.dtype == "bfloat16"
+
+
+def test_fingerprint_is_stable_and_sees_config_and_weight_changes(
+    tmp_path: Path, tiny_llama_path: Path
+) -> None:
+    base = model_fingerprint(tiny_llama_path)
+    assert len(base) == 64
+    copy = _copy_model(tiny_llama_path, tmp_path / "copy")
+    assert model_fingerprint(copy) == base  # same content elsewhere: same fingerprint
+    # reformatting config.json does not matter, changing a value does
+    cfg = json.loads((copy / "config.json").read_text())
+    (copy / "config.json").write_text(json.dumps(cfg, indent=4))
+    assert model_fingerprint(copy) == base
+    (copy / "config.json").write_text(json.dumps({**cfg, "rope_theta": 500000.0}))
+    assert model_fingerprint(copy) != base
+    (copy / "config.json").write_text(json.dumps(cfg))
+    # one changed weight value (same header, same size) changes it
+    path = copy / "model.safetensors"
+    data = bytearray(path.read_bytes())
+    header_len = int.from_bytes(data[:8], "little")
+    data[8 + header_len : 8 + header_len + 4] = struct.pack("<f", 12.5)
+    path.write_bytes(bytes(data))
+    assert path.stat().st_size == (tiny_llama_path / "model.safetensors").stat().st_size
+    assert model_fingerprint(copy) != base
+    # tiny models of other kinds differ
+    assert len({base, model_fingerprint(ensure_tiny_model("hybrid", tiny_llama_path.parent))}) == 2
+
+
+def test_fingerprint_samples_instead_of_hashing_every_byte(tmp_path: Path) -> None:
+    folder = tmp_path / "big"
+    folder.mkdir()
+    (folder / "config.json").write_text('{"model_type": "llama"}')
+    mx.save_safetensors(str(folder / "model.safetensors"), {"w": mx.zeros((4 * 1024 * 1024,))})
+    path = folder / "model.safetensors"
+    fp = model_fingerprint(folder)
+    data = bytearray(path.read_bytes())
+    data_start = len(data) - 16 * 1024 * 1024
+    stride = (16 * 1024 * 1024 - SAMPLE_BYTES) // (SAMPLES - 1)
+    # a byte between two sampled chunks is not read (this is what keeps it cheap) ...
+    data[data_start + stride // 2] = 1
+    path.write_bytes(bytes(data))
+    assert model_fingerprint(folder) == fp
+    # ... a byte inside a sampled chunk is
+    data[data_start + 3 * stride + 10] = 1
+    path.write_bytes(bytes(data))
+    assert model_fingerprint(folder) != fp
+
+
+def test_bad_model_paths_are_value_errors(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="empty"):
+        resolve_model_path("  ")
+    with pytest.raises(ValueError, match="not a model folder"):
+        resolve_model_path(tmp_path)
+    with pytest.raises(ValueError, match="neither an existing folder nor a Hugging Face repo id"):
+        resolve_model_path("./no/such/folder")
+    with pytest.raises(ValueError, match="not a model folder"):
+        model_fingerprint(tmp_path)
+    (tmp_path / "config.json").write_text("{")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        model_fingerprint(tmp_path)
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match="no .safetensors"):
+        model_fingerprint(tmp_path)
+    (tmp_path / "model.safetensors").write_bytes(b"\xff" * 8 + b"x")
+    with pytest.raises(ValueError, match="not a safetensors file"):
+        model_fingerprint(tmp_path)
+
+
+def test_context_length_from_config() -> None:
+    assert context_length_from_config({"max_position_embeddings": 8192}) == 8192
+    assert context_length_from_config({"text_config": {"max_position_embeddings": 2048}}) == 2048
+    assert context_length_from_config({"n_ctx": 1024}) == 1024
+    assert context_length_from_config({}) == 4096
+    assert context_length_from_config({"max_position_embeddings": None}, default=77) == 77

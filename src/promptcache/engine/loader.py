@@ -1,0 +1,183 @@
+"""Model loading (mlx-lm) and the model fingerprint used in the cache namespace.
+
+``load_model(path_or_repo)`` loads a local model folder or a Hugging Face repo id
+(downloaded on first use) with ``mlx_lm.load``. On CPU the weights are cast to
+float32 (the CPU backend is slow or inexact in half precision).
+
+``model_fingerprint(path)`` is a cheap digest that identifies the weights: the
+canonical config.json, and for every safetensors file its name, size, header
+(tensor names, dtypes, shapes, offsets) and a sample of its data bytes. It
+never reads whole files, so it costs milliseconds even for large models.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+FINGERPRINT_VERSION = 1
+DEFAULT_CONTEXT_LENGTH = 4096
+# Sampled data bytes per weight file: SAMPLES evenly spaced chunks of SAMPLE_BYTES
+SAMPLES = 16
+SAMPLE_BYTES = 4096
+_MAX_HEADER_BYTES = 100 * 1024 * 1024
+_CONTEXT_KEYS = (
+    "max_position_embeddings",
+    "max_sequence_length",
+    "max_seq_len",
+    "seq_length",
+    "n_positions",
+    "n_ctx",
+    "model_max_length",
+)
+# Patterns fetched for a Hugging Face repo id (what mlx_lm.load needs).
+_ALLOW_PATTERNS = [
+    "*.json", "model*.safetensors", "*.py", "tokenizer.model", "*.tiktoken",
+    "tiktoken.model", "*.txt", "*.jsonl", "*.jinja",
+]
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the engine needs to know about a loaded model."""
+
+    model_id: str  # the repo id, or the folder name of a local model
+    path: Path
+    fingerprint: str
+    model_type: str
+    context_length: int
+    dtype: str  # of the floating-point weights after loading, e.g. "float32"
+    num_layers: int
+    config: dict[str, Any] = field(repr=False, compare=False)
+
+
+def resolve_model_path(path_or_repo: str | os.PathLike[str]) -> tuple[Path, str]:
+    """A local folder as is, or a Hugging Face repo id downloaded into the HF cache.
+
+    Returns ``(folder, model_id)``. Raises ValueError for an empty name or a
+    local path that exists but is not a model folder.
+    """
+    text = os.fspath(path_or_repo).strip()
+    if not text:
+        raise ValueError("model path or repo id is empty")
+    local = Path(text).expanduser()
+    if local.exists():
+        if not (local / "config.json").is_file():
+            raise ValueError(f"{local} is not a model folder (no config.json)")
+        return local.resolve(), local.resolve().name
+    if text.startswith((".", "/", "~")) or text.count("/") != 1:
+        raise ValueError(
+            f"model {text!r} is neither an existing folder nor a Hugging Face repo id (owner/name)"
+        )
+    from huggingface_hub import snapshot_download
+
+    logger.info("fetching %s from the Hugging Face hub (cached after the first time)", text)
+    folder = Path(snapshot_download(text, allow_patterns=_ALLOW_PATTERNS))
+    return folder, text
+
+
+def context_length_from_config(config: dict[str, Any], default: int = DEFAULT_CONTEXT_LENGTH) -> int:
+    """The model's context length from its config (``text_config`` too), else ``default``."""
+    for cfg in (config, config.get("text_config") or {}):
+        for key in _CONTEXT_KEYS:
+            value = cfg.get(key)
+            if isinstance(value, int) and not isinstance(value, bool) and 0 < value < 10**8:
+                return value
+    return default
+
+
+def _weight_files(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.glob("*.safetensors") if p.is_file())
+
+
+def _safetensors_header(f: Any, path: Path) -> bytes:
+    raw = f.read(8)
+    if len(raw) != 8:
+        raise ValueError(f"{path} is not a safetensors file (too short)")
+    (n,) = struct.unpack("<Q", raw)
+    if n > _MAX_HEADER_BYTES:
+        raise ValueError(f"{path} is not a safetensors file (header of {n} bytes)")
+    header = f.read(n)
+    if len(header) != n:
+        raise ValueError(f"{path} is truncated (header)")
+    return bytes(header)
+
+
+def model_fingerprint(path: str | os.PathLike[str]) -> str:
+    """Hex sha256 identifying a model folder's config and weights (cheap: samples, headers, sizes)."""
+    folder = Path(path)
+    config_file = folder / "config.json"
+    if not config_file.is_file():
+        raise ValueError(f"{folder} is not a model folder (no config.json)")
+    h = hashlib.sha256(f"promptcache-model-fingerprint-v{FINGERPRINT_VERSION}\0".encode())
+    try:
+        config = json.loads(config_file.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{config_file} is not valid JSON: {e}") from None
+    h.update(json.dumps(config, sort_keys=True, separators=(",", ":")).encode())
+    files = _weight_files(folder)
+    if not files:
+        raise ValueError(f"{folder} has no .safetensors weight files")
+    for wf in files:
+        size = wf.stat().st_size
+        h.update(f"\0{wf.name}\0{size}\0".encode())
+        with open(wf, "rb") as f:
+            header = _safetensors_header(f, wf)
+            h.update(header)
+            data_start = 8 + len(header)
+            data_len = size - data_start
+            if data_len <= SAMPLES * SAMPLE_BYTES:
+                h.update(f.read())
+                continue
+            stride = (data_len - SAMPLE_BYTES) // (SAMPLES - 1)
+            for i in range(SAMPLES):
+                f.seek(data_start + i * stride)
+                h.update(f.read(SAMPLE_BYTES))
+    return h.hexdigest()
+
+
+def load_model(
+    path_or_repo: str | os.PathLike[str], *, float32_on_cpu: bool = True
+) -> tuple[Any, Any, ModelInfo]:
+    """Load ``(model, tokenizer, info)`` with mlx-lm from a folder or a Hugging Face repo id."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm import load
+
+    folder, model_id = resolve_model_path(path_or_repo)
+    fingerprint = model_fingerprint(folder)
+    model, tokenizer, config = load(str(folder), lazy=True, return_config=True)
+    if float32_on_cpu and mx.default_device() == mx.cpu:
+        model.set_dtype(mx.float32)  # floating-point parameters only
+    mx.eval(model.parameters())
+    float_dtypes = {
+        str(v.dtype).removeprefix("mlx.core.")
+        for _, v in tree_flatten(model.parameters())
+        if mx.issubdtype(v.dtype, mx.floating)
+    }
+    dtype = float_dtypes.pop() if len(float_dtypes) == 1 else ",".join(sorted(float_dtypes))
+    layers = getattr(model, "layers", None)
+    info = ModelInfo(
+        model_id=model_id,
+        path=folder,
+        fingerprint=fingerprint,
+        model_type=str(config.get("model_type", "unknown")),
+        context_length=context_length_from_config(config),
+        dtype=dtype,
+        num_layers=len(layers) if layers is not None else 0,
+        config=config,
+    )
+    logger.info(
+        "loaded %s (%s, %d layers, %s, context %d, fingerprint %s)",
+        info.model_id, info.model_type, info.num_layers, info.dtype,
+        info.context_length, info.fingerprint[:12],
+    )
+    return model, tokenizer, info
