@@ -1,0 +1,410 @@
+"""mlx-lm cache objects <-> block payloads.
+
+Every per-layer cache object of mlx-lm 0.32 exposes its full state through the
+public ``state`` property (KVCache: keys, values, offset; RotatingKVCache: keys,
+values, offset, keep, max_size, idx; QuantizedKVCache: (wq, scales, biases) x 2,
+offset, group_size, bits; ArraysCache: arrays, left_padding, lengths; CacheList:
+a list of sub-states). ``extract_block`` reads a token range out of a live cache
+list; ``restore`` builds fresh cache objects from the payloads of consecutive
+blocks. Payload names follow docs/INTERFACES.md:
+
+- ``"<layer>.k"`` / ``"<layer>.v"``: KV of the block's tokens, ``[B, heads, n, dim]``
+- ``"<layer>.k.<i>"`` / ``"<layer>.v.<i>"``: part ``i`` of a quantized KV slice
+- ``"<layer>.s.<i>"``: array ``i`` of a non-KV state (SSM) snapshot at the block's end
+
+A ``CacheList`` at layer ``L`` names its sub-caches ``"L.0"``, ``"L.1"``, ...
+Payload arrays are evaluated, contiguous copies: a lazy slice would pin the
+whole cache buffer in memory.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, NamedTuple, Protocol
+
+import mlx.core as mx
+from mlx_lm.models.cache import (
+    ArraysCache,
+    CacheList,
+    KVCache,
+    QuantizedKVCache,
+    RotatingKVCache,
+    make_prompt_cache,
+)
+
+from ..errors import InvariantError
+
+logger = logging.getLogger(__name__)
+
+Payload = dict[str, mx.array]
+
+
+class Span(Protocol):
+    @property
+    def start(self) -> int: ...
+
+    @property
+    def end(self) -> int: ...
+
+
+class BlockSpan(NamedTuple):
+    """Token range of a block; ``meta.BlockMeta`` has the same two properties."""
+
+    start: int
+    end: int
+
+
+_KV_TYPES = (KVCache, RotatingKVCache, QuantizedKVCache)
+
+
+def _leaves(caches: Sequence[Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
+    """(name, cache) for every leaf cache object; CacheList children are ``L.i``."""
+    for i, c in enumerate(caches):
+        name = f"{prefix}{i}"
+        if isinstance(c, CacheList):
+            yield from _leaves(list(c.caches), prefix=name + ".")
+        else:
+            yield name, c
+
+
+def _check_supported(c: Any) -> None:
+    if not isinstance(c, (*_KV_TYPES, ArraysCache)):
+        raise ValueError(f"unsupported cache type for block storage: {type(c).__name__}")
+
+
+def is_truncatable(caches: Sequence[Any]) -> bool:
+    """True if the state can be restored at any token position (KV caches only).
+
+    An ArraysCache (SSM / linear attention state) anywhere makes the model
+    non-truncatable: it can be restored only where a snapshot was stored.
+    """
+    for _, c in _leaves(caches):
+        _check_supported(c)
+        if isinstance(c, ArraysCache):
+            return False
+    return True
+
+
+def _model_dtype(model: Any) -> str:
+    from mlx.utils import tree_flatten
+
+    for _, p in tree_flatten(model.parameters()):
+        if isinstance(p, mx.array) and mx.issubdtype(p.dtype, mx.floating):
+            return str(p.dtype).replace("mlx.core.", "")
+    return "float32"
+
+
+def kv_spec(model: Any, caches: Sequence[Any] | None = None) -> str:
+    """A namespace string for the KV representation: dtype, quantization, layer kinds.
+
+    Two processes share blocks only if they agree on this (plus the model
+    fingerprint, block size and tenant in the namespace root).
+    """
+    if caches is None:
+        caches = make_prompt_cache(model)
+    kinds = []
+    quant = ""
+    for _, c in _leaves(caches):
+        _check_supported(c)
+        if isinstance(c, QuantizedKVCache):
+            quant = f"/q{c.bits}g{c.group_size}"
+            kinds.append("q")
+        elif isinstance(c, RotatingKVCache):
+            kinds.append(f"r{c.max_size}k{c.keep}")
+        elif isinstance(c, KVCache):
+            kinds.append("kv")
+        else:
+            kinds.append(f"s{len(c.cache)}")
+    # run-length compress the layer kinds to keep the spec short
+    parts: list[str] = []
+    for k in kinds:
+        if parts and parts[-1].rsplit("*", 1)[0] == k:
+            head, _, n = parts[-1].partition("*")
+            parts[-1] = f"{head}*{int(n or 1) + 1}"
+        else:
+            parts.append(k)
+    return f"{_model_dtype(model)}{quant};{','.join(parts)}"
+
+
+def _copy(x: mx.array) -> mx.array:
+    """An evaluated, contiguous copy that does not share the source buffer."""
+    return mx.contiguous(x)
+
+
+# ---------------------------------------------------------------- rotating cache
+
+
+def _rotating_segments(c: RotatingKVCache, start: int, end: int) -> list[tuple[int, int]]:
+    """Raw buffer index ranges holding the tokens ``[start, end)``, in order.
+
+    The temporal order of the buffer is derived from the public state
+    (keys, values, offset, keep, max_size, idx), mirroring mlx-lm's own rule:
+    - idx == len(buffer): the buffer is in temporal order;
+    - idx < offset: rotated: buffer[:keep], buffer[idx:], buffer[keep:idx];
+    - otherwise: buffer[:idx] holds tokens 0..offset.
+    """
+    keys, _, offset, keep, _max_size, idx = c.state
+    length = keys.shape[2]
+    if idx == length:
+        order = [(0, length)]
+    elif idx < offset:
+        order = [(0, keep), (idx, length), (keep, idx)]
+    else:
+        order = [(0, idx)]
+    order = [(a, b) for a, b in order if b > a]
+    total = sum(b - a for a, b in order)
+    # temporal index -> token position: [0, keep) are tokens 0..keep-1 when tokens were
+    # dropped; the rest are the last (total - keep) tokens before ``offset``.
+    if total == offset:
+        first_tail = 0
+        tail_start_index = 0
+    else:
+        first_tail = offset - (total - keep)
+        tail_start_index = keep
+
+    def temporal_index(pos: int) -> int:
+        if total == offset:
+            return pos
+        if pos < keep:
+            return pos
+        if pos < first_tail:
+            raise InvariantError(
+                f"token {pos} is no longer in the sliding window "
+                f"(window holds {first_tail}..{offset}, keep={keep})"
+            )
+        return tail_start_index + pos - first_tail
+
+    # split [start, end) into the keep part and the window part
+    ranges: list[tuple[int, int]] = []
+    if total != offset and start < keep:
+        ranges.append((temporal_index(start), temporal_index(min(end, keep) - 1) + 1))
+        start = min(end, keep)
+    if start < end:
+        ranges.append((temporal_index(start), temporal_index(end - 1) + 1))
+    # map temporal ranges onto raw buffer ranges
+    out: list[tuple[int, int]] = []
+    for t0, t1 in ranges:
+        base = 0
+        for a, b in order:
+            n = b - a
+            lo, hi = max(t0, base), min(t1, base + n)
+            if lo < hi:
+                out.append((a + lo - base, a + hi - base))
+            base += n
+    return out
+
+
+def _slice_rotating(c: RotatingKVCache, start: int, end: int) -> tuple[mx.array, mx.array]:
+    segs = _rotating_segments(c, start, end)
+    ks = [c.keys[..., a:b, :] for a, b in segs]
+    vs = [c.values[..., a:b, :] for a, b in segs]
+    k = ks[0] if len(ks) == 1 else mx.concatenate(ks, axis=2)
+    v = vs[0] if len(vs) == 1 else mx.concatenate(vs, axis=2)
+    return k, v
+
+
+# ---------------------------------------------------------------- extract
+
+
+def extract_block(caches: Sequence[Any], start: int, end: int, snapshot: bool) -> Payload:
+    """The payload of the block ``[start, end)`` from live cache objects.
+
+    KV slices are taken for every attention layer; a non-KV state (ArraysCache)
+    is included only when ``snapshot`` is True, and then ``end`` must equal the
+    current position of the cache (a state exists only for "now").
+    """
+    if not 0 <= start < end:
+        raise ValueError(f"block range must satisfy 0 <= start < end, got [{start}, {end})")
+    out: Payload = {}
+    for name, c in _leaves(caches):
+        _check_supported(c)
+        if isinstance(c, ArraysCache):
+            if snapshot:
+                for i, a in enumerate(c.cache):
+                    if a is not None:
+                        out[f"{name}.s.{i}"] = _copy(a)
+            continue
+        if c.offset < end:
+            raise InvariantError(
+                f"layer {name} holds {c.offset} tokens, cannot extract [{start}, {end})"
+            )
+        if isinstance(c, QuantizedKVCache):
+            for i, part in enumerate(c.keys):
+                out[f"{name}.k.{i}"] = _copy(part[..., start:end, :])
+            for i, part in enumerate(c.values):
+                out[f"{name}.v.{i}"] = _copy(part[..., start:end, :])
+        elif isinstance(c, RotatingKVCache):
+            k, v = _slice_rotating(c, start, end)
+            out[f"{name}.k"] = _copy(k)
+            out[f"{name}.v"] = _copy(v)
+        else:
+            out[f"{name}.k"] = _copy(c.keys[..., start:end, :])
+            out[f"{name}.v"] = _copy(c.values[..., start:end, :])
+    mx.eval(list(out.values()))
+    return out
+
+
+def payload_nbytes(payload: Mapping[str, Any]) -> int:
+    """Bytes of a payload from shape x dtype metadata (never evaluates)."""
+    return sum(int(a.nbytes) for a in payload.values())
+
+
+# ---------------------------------------------------------------- restore
+
+
+def _template(model_or_caches: Any) -> list[Any]:
+    if isinstance(model_or_caches, (list, tuple)):
+        return list(model_or_caches)
+    return list(make_prompt_cache(model_or_caches))
+
+
+def _cut_blocks(
+    blocks: Sequence[tuple[Span, Mapping[str, mx.array]]], num_tokens: int
+) -> list[tuple[int, int, Mapping[str, mx.array]]]:
+    """Blocks covering [0, num_tokens), checked for contiguity."""
+    out = []
+    pos = 0
+    for span, payload in blocks:
+        if pos >= num_tokens:
+            break
+        if span.start != pos:
+            raise ValueError(f"blocks are not contiguous: expected start {pos}, got {span.start}")
+        out.append((span.start, span.end, payload))
+        pos = span.end
+    if pos < num_tokens:
+        raise ValueError(f"blocks cover {pos} tokens, fewer than num_tokens={num_tokens}")
+    return out
+
+
+def _take(parts: list[mx.array], n: int) -> mx.array:
+    arr = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=2)
+    if arr.shape[2] > n:
+        arr = arr[..., :n, :]
+    return arr
+
+
+def _kv_parts(
+    blocks: list[tuple[int, int, Mapping[str, mx.array]]], key: str, lo: int, hi: int
+) -> list[mx.array]:
+    """The slices of array ``key`` covering tokens [lo, hi) across blocks."""
+    parts = []
+    for s, e, payload in blocks:
+        if e <= lo or s >= hi:
+            continue
+        if key not in payload:
+            raise ValueError(f"block [{s}, {e}) has no array {key!r}")
+        a = payload[key]
+        if a.shape[2] != e - s:
+            raise ValueError(
+                f"array {key!r} of block [{s}, {e}) holds {a.shape[2]} tokens, expected {e - s}"
+            )
+        a0, a1 = max(lo, s) - s, min(hi, e) - s
+        parts.append(a if (a0, a1) == (0, e - s) else a[..., a0:a1, :])
+    return parts
+
+
+def restore(
+    model_or_caches: Any,
+    blocks: Sequence[tuple[Span, Mapping[str, mx.array]]],
+    num_tokens: int,
+) -> list[Any]:
+    """Fresh cache objects holding the state after ``num_tokens`` tokens.
+
+    ``blocks`` are consecutive ``(span, payload)`` pairs from position 0 (a
+    ``BlockMeta`` is a span). KV layers: concatenate and cut at ``num_tokens``.
+    Rotating layers: the ``keep`` tokens plus the last window. Non-KV states:
+    the snapshot of the block ending exactly at ``num_tokens``.
+    The returned arrays are evaluated.
+    """
+    template = _template(model_or_caches)
+    if num_tokens <= 0:
+        return template
+    used = _cut_blocks(blocks, num_tokens)
+    out = [_restore_one(str(i), c, used, num_tokens) for i, c in enumerate(template)]
+    arrays = [a for _, a in _state_arrays(out)]
+    mx.eval(arrays)
+    return out
+
+
+def _restore_one(
+    name: str, c: Any, blocks: list[tuple[int, int, Mapping[str, mx.array]]], n: int
+) -> Any:
+    if isinstance(c, CacheList):
+        return CacheList(
+            *(_restore_one(f"{name}.{j}", sub, blocks, n) for j, sub in enumerate(c.caches))
+        )
+    _check_supported(c)
+    if isinstance(c, ArraysCache):
+        s, e, payload = blocks[-1]
+        if e != n:
+            raise ValueError(
+                f"non-truncatable state can be restored only at a snapshot: "
+                f"last block ends at {e}, num_tokens={n}"
+            )
+        prefix = f"{name}.s."
+        size = len(c.cache)
+        arrays: list[mx.array | None] = [payload.get(f"{prefix}{i}") for i in range(size)]
+        if all(a is None for a in arrays):
+            raise ValueError(f"block [{s}, {e}) has no state snapshot for layer {name}")
+        fresh = ArraysCache(size)
+        fresh.cache = arrays
+        return fresh
+    if isinstance(c, QuantizedKVCache):
+        kq = tuple(
+            _take(_kv_parts(blocks, f"{name}.k.{i}", 0, n), n) for i in range(3)
+        )
+        vq = tuple(
+            _take(_kv_parts(blocks, f"{name}.v.{i}", 0, n), n) for i in range(3)
+        )
+        return QuantizedKVCache.from_state((kq, vq, n, c.group_size, c.bits))
+    if isinstance(c, RotatingKVCache):
+        keep, max_size = c.keep, c.max_size
+        ranges = [(0, n)] if n <= max_size else [(0, keep), (n - (max_size - keep), n)]
+        ks: list[mx.array] = []
+        vs: list[mx.array] = []
+        for lo, hi in ranges:
+            if hi > lo:
+                ks += _kv_parts(blocks, f"{name}.k", lo, hi)
+                vs += _kv_parts(blocks, f"{name}.v", lo, hi)
+        k = ks[0] if len(ks) == 1 else mx.concatenate(ks, axis=2)
+        v = vs[0] if len(vs) == 1 else mx.concatenate(vs, axis=2)
+        return RotatingKVCache.from_state((k, v, n, keep, max_size, k.shape[2]))
+    k = _take(_kv_parts(blocks, f"{name}.k", 0, n), n)
+    v = _take(_kv_parts(blocks, f"{name}.v", 0, n), n)
+    return KVCache.from_state((k, v, n))
+
+
+def _state_arrays(caches: Sequence[Any]) -> Iterator[tuple[str, mx.array]]:
+    for name, c in _leaves(caches):
+        if isinstance(c, ArraysCache):
+            for i, a in enumerate(c.cache):
+                if a is not None:
+                    yield f"{name}.s.{i}", a
+        elif isinstance(c, QuantizedKVCache):
+            if c.keys is not None:
+                for i, a in enumerate(c.keys):
+                    yield f"{name}.k.{i}", a
+                for i, a in enumerate(c.values):
+                    yield f"{name}.v.{i}", a
+        elif c.keys is not None:
+            yield f"{name}.k", c.keys
+            yield f"{name}.v", c.values
+
+
+def cache_offset(caches: Sequence[Any]) -> int | None:
+    """The token position of a KV cache list (None if it has no KV layer)."""
+    for _, c in _leaves(caches):
+        if isinstance(c, _KV_TYPES):
+            return int(c.offset)
+    return None
+
+
+def min_window(caches: Sequence[Any]) -> int | None:
+    """The smallest sliding window (RotatingKVCache.max_size), or None."""
+    sizes = [c.max_size for _, c in _leaves(caches) if isinstance(c, RotatingKVCache)]
+    return min(sizes) if sizes else None
+
+
+def has_sliding_window(caches: Sequence[Any]) -> bool:
+    return min_window(caches) is not None
