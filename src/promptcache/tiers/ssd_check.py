@@ -1,0 +1,107 @@
+"""Reconcile the SSD tier's index with its files (startup recovery and test oracle).
+
+Rules (a row is committed only after its file is complete, so these are safe):
+- temp files are leftovers of interrupted writes: removed;
+- a row whose file is missing: the row is dropped;
+- a row whose file has the wrong size: the file is quarantined, the row dropped;
+- a file with no row (written, but the process died before the commit, or an
+  eviction died after its commit): removed;
+- byte and block totals are recomputed from the index.
+
+The caller holds the tier's write lock, so no write is in flight.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from .ssd_files import quarantine, remove_file, scan
+from .ssd_index import SSDIndex
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class CheckReport:
+    temp_files: int = 0
+    missing_files: int = 0
+    wrong_size: int = 0
+    orphan_files: int = 0
+    index_rebuilt: bool = False
+    blocks: int = 0
+    bytes: int = 0
+    fixed: bool = False
+
+    @property
+    def problems(self) -> int:
+        return (
+            self.temp_files
+            + self.missing_files
+            + self.wrong_size
+            + self.orphan_files
+            + int(self.index_rebuilt)
+        )
+
+    def to_dict(self) -> dict[str, int | bool]:
+        d: dict[str, int | bool] = dict(asdict(self))
+        d["problems"] = self.problems
+        return d
+
+
+def reconcile(root: Path, index: SSDIndex, *, fix: bool) -> CheckReport:
+    report = CheckReport(fixed=fix)
+    on_disk: dict[str, int] = {}
+    for rel, size, kind in scan(root):
+        if kind == "temp":
+            report.temp_files += 1
+            if fix:
+                remove_file(root / rel)
+        elif kind == "block":
+            on_disk[rel] = size
+        else:
+            report.orphan_files += 1
+            if fix:
+                remove_file(root / rel)
+
+    referenced: set[str] = set()
+    drop: list[bytes] = []
+    for block_hash, rel, nbytes in index.files():
+        size = on_disk.get(rel)
+        if size is None:
+            report.missing_files += 1
+            drop.append(block_hash)
+            log.warning("ssd check: block %s has no file %s", block_hash.hex()[:16], rel)
+            continue
+        referenced.add(rel)
+        if size != nbytes:
+            report.wrong_size += 1
+            drop.append(block_hash)
+            log.warning(
+                "ssd check: block %s file has %d bytes, index says %d",
+                block_hash.hex()[:16],
+                size,
+                nbytes,
+            )
+            if fix:
+                quarantine(root, root / rel, block_hash.hex(), "size")
+    if fix and drop:
+        index.begin()
+        try:
+            index.delete(drop)
+            index.commit()
+        except BaseException:
+            index.rollback()
+            raise
+
+    for rel in on_disk:
+        if rel not in referenced:
+            report.orphan_files += 1
+            if fix:
+                remove_file(root / rel)
+
+    report.blocks, report.bytes = index.totals()
+    if report.problems:
+        log.info("ssd check (fix=%s): %s", fix, report.to_dict())
+    return report

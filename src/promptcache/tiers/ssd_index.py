@@ -1,0 +1,332 @@
+"""The SQLite index of the SSD tier (one ``index.sqlite`` in WAL mode).
+
+The index answers every metadata question (``get_meta``, ``children``, LRU and
+TTL victims, sessions, tenants) without touching a block file. A row is
+committed only after its file is durably in place, so a row always names a
+complete file; files without a row are garbage that reconcile removes.
+
+This class is not thread-safe: the tier serializes every call with its lock.
+"""
+
+from __future__ import annotations
+
+import logging
+import sqlite3
+import struct
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..hashing import BlockHash
+from ..meta import BlockMeta
+
+log = logging.getLogger(__name__)
+
+SCHEMA_VERSION = "1"
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS blocks (
+    hash BLOB PRIMARY KEY,
+    parent BLOB NOT NULL,
+    token_ids BLOB NOT NULL,
+    start INTEGER NOT NULL,
+    extra_keys BLOB NOT NULL,
+    num_tokens INTEGER NOT NULL,
+    nbytes INTEGER NOT NULL,
+    file_name TEXT NOT NULL,
+    file_bytes INTEGER NOT NULL,
+    checksum TEXT NOT NULL,
+    namespace_key TEXT NOT NULL,
+    tenant TEXT NOT NULL,
+    truncatable INTEGER NOT NULL,
+    snapshot INTEGER NOT NULL,
+    created REAL NOT NULL,
+    last_access REAL NOT NULL,
+    expiry REAL,
+    hits INTEGER NOT NULL DEFAULT 0,
+    had_session INTEGER NOT NULL DEFAULT 0
+) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS blocks_parent ON blocks(parent);
+CREATE INDEX IF NOT EXISTS blocks_last_access ON blocks(last_access);
+CREATE INDEX IF NOT EXISTS blocks_tenant ON blocks(tenant);
+CREATE INDEX IF NOT EXISTS blocks_expiry ON blocks(expiry) WHERE expiry IS NOT NULL;
+CREATE TABLE IF NOT EXISTS sessions (
+    session TEXT NOT NULL,
+    hash BLOB NOT NULL,
+    PRIMARY KEY (session, hash)
+) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS sessions_hash ON sessions(hash);
+CREATE TABLE IF NOT EXISTS kv (key TEXT PRIMARY KEY, value TEXT NOT NULL) WITHOUT ROWID;
+"""
+
+_COLUMNS = (
+    "hash, parent, token_ids, start, extra_keys, num_tokens, nbytes, file_name, file_bytes, "
+    "checksum, namespace_key, tenant, truncatable, snapshot, created, last_access, expiry, "
+    "hits, had_session"
+)
+
+
+class IndexCorruptError(Exception):
+    """index.sqlite cannot be opened or fails its integrity check."""
+
+
+@dataclass(frozen=True, slots=True)
+class IndexRow:
+    meta: BlockMeta
+    file_name: str  # relative to the tier root
+    file_bytes: int
+    checksum: str
+    created: float
+    last_access: float
+    expiry: float | None
+    hits: int = 0
+    had_session: bool = False
+
+
+def pack_tokens(token_ids: Iterable[int]) -> bytes:
+    return np.asarray(list(token_ids), dtype="<u4").tobytes()
+
+
+def unpack_tokens(blob: bytes) -> tuple[int, ...]:
+    return tuple(int(t) for t in np.frombuffer(blob, dtype="<u4").tolist())
+
+
+def pack_extra_keys(keys: Iterable[bytes]) -> bytes:
+    return b"".join(struct.pack("<I", len(k)) + k for k in keys)
+
+
+def unpack_extra_keys(blob: bytes) -> tuple[bytes, ...]:
+    out: list[bytes] = []
+    i = 0
+    while i < len(blob):
+        (n,) = struct.unpack_from("<I", blob, i)
+        out.append(bytes(blob[i + 4 : i + 4 + n]))
+        i += 4 + n
+    return tuple(out)
+
+
+def _row_to_index_row(r: tuple) -> IndexRow:  # type: ignore[type-arg]
+    meta = BlockMeta(
+        block_hash=BlockHash(bytes(r[0])),
+        parent_hash=BlockHash(bytes(r[1])),
+        token_ids=unpack_tokens(r[2]),
+        start=int(r[3]),
+        extra_keys=unpack_extra_keys(r[4]),
+        nbytes=int(r[6]),
+        truncatable=bool(r[12]),
+        snapshot=bool(r[13]),
+        namespace_key=r[10],
+        tenant=r[11],
+    )
+    return IndexRow(
+        meta=meta,
+        file_name=r[7],
+        file_bytes=int(r[8]),
+        checksum=r[9],
+        created=float(r[14]),
+        last_access=float(r[15]),
+        expiry=None if r[16] is None else float(r[16]),
+        hits=int(r[17]),
+        had_session=bool(r[18]),
+    )
+
+
+class SSDIndex:
+    def __init__(self, path: Path, *, durable: bool = True) -> None:
+        self.path = path
+        try:
+            self._db = sqlite3.connect(
+                str(path), check_same_thread=False, isolation_level=None, timeout=30.0
+            )
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute(f"PRAGMA synchronous={'FULL' if durable else 'NORMAL'}")
+            ok = self._db.execute("PRAGMA quick_check").fetchone()
+            if not ok or ok[0] != "ok":
+                raise IndexCorruptError(f"quick_check failed: {ok!r}")
+            self._db.executescript(_SCHEMA)
+            version = self.kv_get("schema_version")
+            if version is None:
+                self.kv_set("schema_version", SCHEMA_VERSION)
+            elif version != SCHEMA_VERSION:
+                raise IndexCorruptError(f"unknown index schema version {version!r}")
+        except sqlite3.DatabaseError as e:
+            self.close()
+            raise IndexCorruptError(str(e)) from e
+        except IndexCorruptError:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        db = getattr(self, "_db", None)
+        if db is not None:
+            try:
+                db.close()
+            except sqlite3.Error:  # pragma: no cover - closing a broken handle
+                log.debug("closing index failed", exc_info=True)
+            self._db = None  # type: ignore[assignment]
+
+    # -- transactions -------------------------------------------------------------
+
+    def begin(self) -> None:
+        self._db.execute("BEGIN IMMEDIATE")
+
+    def commit(self) -> None:
+        self._db.execute("COMMIT")
+
+    def rollback(self) -> None:
+        if self._db.in_transaction:
+            self._db.execute("ROLLBACK")
+
+    # -- key/value ------------------------------------------------------------
+
+    def kv_get(self, key: str) -> str | None:
+        r = self._db.execute("SELECT value FROM kv WHERE key=?", (key,)).fetchone()
+        return None if r is None else str(r[0])
+
+    def kv_set(self, key: str, value: str) -> None:
+        self._db.execute(
+            "INSERT INTO kv(key, value) VALUES(?, ?) "
+            "ON CONFLICT(key) DO UPDATE SET value=excluded.value",
+            (key, value),
+        )
+
+    # -- blocks ---------------------------------------------------------------
+
+    def get(self, block_hash: bytes) -> IndexRow | None:
+        r = self._db.execute(
+            f"SELECT {_COLUMNS} FROM blocks WHERE hash=?", (bytes(block_hash),)
+        ).fetchone()
+        return None if r is None else _row_to_index_row(r)
+
+    def children(self, parent_hash: bytes) -> list[IndexRow]:
+        rows = self._db.execute(
+            f"SELECT {_COLUMNS} FROM blocks WHERE parent=? ORDER BY hash", (bytes(parent_hash),)
+        ).fetchall()
+        return [_row_to_index_row(r) for r in rows]
+
+    def upsert(self, row: IndexRow) -> None:
+        m = row.meta
+        self._db.execute(
+            f"INSERT OR REPLACE INTO blocks({_COLUMNS}) "
+            "VALUES(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (
+                bytes(m.block_hash),
+                bytes(m.parent_hash),
+                pack_tokens(m.token_ids),
+                m.start,
+                pack_extra_keys(m.extra_keys),
+                m.num_tokens,
+                m.nbytes,
+                row.file_name,
+                row.file_bytes,
+                row.checksum,
+                m.namespace_key,
+                m.tenant,
+                int(m.truncatable),
+                int(m.snapshot),
+                row.created,
+                row.last_access,
+                row.expiry,
+                row.hits,
+                int(row.had_session),
+            ),
+        )
+
+    def delete(self, hashes: Iterable[bytes]) -> None:
+        items = [(bytes(h),) for h in hashes]
+        self._db.executemany("DELETE FROM blocks WHERE hash=?", items)
+        self._db.executemany("DELETE FROM sessions WHERE hash=?", items)
+
+    def touch(self, updates: Iterable[tuple[bytes, float, int, float | None]]) -> None:
+        """Apply batched accesses: (hash, last_access, added hits, ttl seconds or None)."""
+        for h, when, hits, ttl in updates:
+            self._db.execute(
+                "UPDATE blocks SET last_access=max(last_access, ?), hits=hits+?, "
+                "expiry=CASE WHEN ? IS NULL THEN expiry ELSE ? + ? END WHERE hash=?",
+                (when, hits, ttl, when, ttl, bytes(h)),
+            )
+
+    def totals(self) -> tuple[int, int]:
+        r = self._db.execute("SELECT COUNT(*), COALESCE(SUM(file_bytes), 0) FROM blocks").fetchone()
+        return int(r[0]), int(r[1])
+
+    def iter_rows(self, where: str = "", params: tuple = ()) -> Iterator[IndexRow]:  # type: ignore[type-arg]
+        sql = f"SELECT {_COLUMNS} FROM blocks {where}"
+        for r in self._db.execute(sql, params).fetchall():
+            yield _row_to_index_row(r)
+
+    def files(self) -> list[tuple[bytes, str, int]]:
+        """(hash, file name, file bytes) of every row."""
+        rows = self._db.execute("SELECT hash, file_name, file_bytes FROM blocks").fetchall()
+        return [(bytes(h), str(f), int(n)) for h, f, n in rows]
+
+    def lru(self, limit: int) -> list[tuple[bytes, str, int]]:
+        """The ``limit`` least recently used blocks (oldest first; ties by hash)."""
+        rows = self._db.execute(
+            "SELECT hash, file_name, file_bytes FROM blocks ORDER BY last_access, hash LIMIT ?",
+            (limit,),
+        ).fetchall()
+        return [(bytes(h), str(f), int(n)) for h, f, n in rows]
+
+    def expired(self, now: float) -> list[tuple[bytes, str, int]]:
+        rows = self._db.execute(
+            "SELECT hash, file_name, file_bytes FROM blocks "
+            "WHERE expiry IS NOT NULL AND expiry <= ? ORDER BY expiry, hash",
+            (now,),
+        ).fetchall()
+        return [(bytes(h), str(f), int(n)) for h, f, n in rows]
+
+    def select_files(self, where: str, params: tuple) -> list[tuple[bytes, str, int]]:  # type: ignore[type-arg]
+        rows = self._db.execute(
+            f"SELECT hash, file_name, file_bytes FROM blocks {where}", params
+        ).fetchall()
+        return [(bytes(h), str(f), int(n)) for h, f, n in rows]
+
+    # -- sessions -------------------------------------------------------------
+
+    def add_sessions(self, block_hash: bytes, sessions: Iterable[str]) -> bool:
+        """Record sessions on a block; False if the block has no row."""
+        h = bytes(block_hash)
+        items = [(s, h) for s in sessions]
+        if not items:
+            return self.get(h) is not None
+        cur = self._db.execute("UPDATE blocks SET had_session=1 WHERE hash=?", (h,))
+        if cur.rowcount == 0:
+            return False
+        self._db.executemany("INSERT OR IGNORE INTO sessions(session, hash) VALUES(?, ?)", items)
+        return True
+
+    def remove_session(self, session_id: str) -> list[tuple[bytes, str, int]]:
+        """Drop a session from every block; return the blocks left with no session."""
+        hashes = [
+            bytes(r[0])
+            for r in self._db.execute(
+                "SELECT hash FROM sessions WHERE session=?", (session_id,)
+            ).fetchall()
+        ]
+        self._db.execute("DELETE FROM sessions WHERE session=?", (session_id,))
+        orphaned: list[tuple[bytes, str, int]] = []
+        for h in hashes:
+            left = self._db.execute("SELECT 1 FROM sessions WHERE hash=? LIMIT 1", (h,)).fetchone()
+            if left is None:
+                r = self._db.execute(
+                    "SELECT hash, file_name, file_bytes FROM blocks WHERE hash=? AND had_session=1",
+                    (h,),
+                ).fetchone()
+                if r is not None:
+                    orphaned.append((bytes(r[0]), str(r[1]), int(r[2])))
+        return orphaned
+
+    def sessions_of(self, block_hash: bytes) -> list[str]:
+        rows = self._db.execute(
+            "SELECT session FROM sessions WHERE hash=? ORDER BY session", (bytes(block_hash),)
+        ).fetchall()
+        return [str(r[0]) for r in rows]
+
+    def tenants(self) -> list[tuple[str, int, int]]:
+        rows = self._db.execute(
+            "SELECT tenant, COUNT(*), SUM(file_bytes) FROM blocks GROUP BY tenant ORDER BY tenant"
+        ).fetchall()
+        return [(str(t), int(n), int(b)) for t, n, b in rows]

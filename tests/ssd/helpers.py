@@ -1,0 +1,55 @@
+"""Shared helpers of the SSD tier tests: deterministic blocks and payloads."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from promptcache.codec import encode
+from promptcache.config import SSDConfig
+from promptcache.hashing import BlockHash, hash_block
+from promptcache.meta import BlockMeta, Namespace
+from promptcache.tiers.ssd import SSDTier
+
+NS = Namespace("test-model", block_size=4, tenant="alice")
+NS_BOB = NS.with_tenant("bob")
+
+
+def payload_for(i: int, n: int = 64) -> bytes:
+    """A deterministic safetensors payload for block number ``i``."""
+    rng = np.random.default_rng(i)
+    arr = rng.standard_normal((1, 2, 4, n // 8), dtype=np.float32)
+    return encode({"0.k": arr, "0.v": arr * 2}, {"block": str(i)})
+
+
+def chain(ns: Namespace, n_blocks: int, first_token: int = 0) -> list[BlockMeta]:
+    """Metas of ``n_blocks`` chained full blocks of ``ns`` (tokens first_token, +1, ...)."""
+    out = []
+    parent: BlockHash = ns.root
+    for b in range(n_blocks):
+        start = b * ns.block_size
+        toks = tuple(range(first_token + start, first_token + start + ns.block_size))
+        h = hash_block(parent, toks)
+        out.append(
+            BlockMeta(h, parent, toks, start, nbytes=100, namespace_key=ns.key, tenant=ns.tenant)
+        )
+        parent = h
+    return out
+
+
+def make_tier(path: Path, **kw: object) -> SSDTier:
+    tier_kw = {k: kw.pop(k) for k in list(kw) if k in ("clock", "sweep_interval_s", "degraded_backoff_s", "reconcile_on_open")}
+    cfg = SSDConfig(path=path, fsync=bool(kw.pop("fsync", False)), **kw)  # type: ignore[arg-type]
+    return SSDTier(cfg, **tier_kw)  # type: ignore[arg-type]
+
+
+class FakeClock:
+    def __init__(self, t: float = 1_700_000_000.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+    def advance(self, dt: float) -> None:
+        self.t += dt
