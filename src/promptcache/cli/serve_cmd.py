@@ -1,16 +1,112 @@
-"""`promptcache serve` (not built yet)."""
+"""`promptcache serve`: load a model into an Engine and serve the OpenAI/Anthropic APIs.
+
+Without ``--model`` the embedded default model is prepared (offline) and served.
+The SSD tier is on by default (under ``--cache-dir``, default
+``config.default_cache_dir()/blocks``); ``--no-ssd`` keeps the cache in RAM only and
+``--no-cache`` disables caching entirely (for comparisons).
+"""
 
 from __future__ import annotations
 
 import argparse
+import logging
+import shutil
 import sys
+from pathlib import Path
+
+from ..config import CacheConfig, EngineConfig, ServerConfig, SSDConfig, parse_size
+
+log = logging.getLogger(__name__)
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    p = sub.add_parser("serve", help="serve (not built yet)")
+    p = sub.add_parser("serve", help="serve the OpenAI/Anthropic-compatible API",
+                       description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", help="local model folder or Hugging Face repo id "
+                                   "(default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8080)
+    p.add_argument("--cache-dir", type=Path, default=None,
+                   help="SSD tier folder (default: <promptcache home>/blocks)")
+    p.add_argument("--ram-budget", default=None,
+                   help="RAM tier budget: 512MB, 4GB or 20%% of available RAM (default 20%%)")
+    p.add_argument("--ssd-budget", default="10GB",
+                   help="SSD tier budget: 10GB, or a %% of the free disk space")
+    p.add_argument("--block-size", type=int, default=64, help="tokens per cache block")
+    p.add_argument("--no-ssd", action="store_true", help="RAM tier only")
+    p.add_argument("--no-cache", action="store_true", help="disable the prompt cache")
+    p.add_argument("--api-key", default=None, help="require this key (Bearer or x-api-key)")
+    p.add_argument("--api-keys-file", type=Path, default=None,
+                   help='JSON object {"<key>": "<tenant>"}: keys that select a tenant')
+    p.add_argument("--model-alias", action="append", default=[],
+                   help="extra model name to accept (repeatable), e.g. a name a client insists on")
+    p.add_argument("--hit-rate-window", type=int, default=50,
+                   help="requests in the rolling hit-rate window")
+    p.add_argument("--hit-rate-threshold", type=float, default=0.8,
+                   help="warn when the rolling token hit rate drops below this")
+    p.add_argument("--max-tokens-limit", type=int, default=EngineConfig.max_tokens_limit)
+    p.add_argument("--log-level", default="info",
+                   choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=run)
 
 
+def build_configs(args: argparse.Namespace) -> tuple[
+        EngineConfig, CacheConfig, SSDConfig | None, ServerConfig]:
+    """Validate the options into configs (ValueError on bad values)."""
+    import psutil
+
+    if not 1 <= args.port <= 65535:
+        raise ValueError(f"--port must be in 1..65535, got {args.port}")
+    ram = None
+    if args.ram_budget is not None:
+        ram = parse_size(args.ram_budget, total=psutil.virtual_memory().available)
+    cache_cfg = CacheConfig(block_size=args.block_size, ram_budget_bytes=ram,
+                            enabled=not args.no_cache)
+    ssd_cfg = None
+    if not args.no_cache and not args.no_ssd:
+        path = args.cache_dir if args.cache_dir is not None else SSDConfig().path
+        path.mkdir(parents=True, exist_ok=True)
+        budget = parse_size(args.ssd_budget, total=shutil.disk_usage(path).free)
+        ssd_cfg = SSDConfig(path=path, budget_bytes=budget)
+    chunk = max(args.block_size, (256 // args.block_size) * args.block_size)
+    engine_cfg = EngineConfig(prefill_chunk_tokens=chunk,
+                              max_tokens_limit=args.max_tokens_limit)
+    if args.api_keys_file is not None and not args.api_keys_file.is_file():
+        raise ValueError(f"--api-keys-file {args.api_keys_file} does not exist")
+    server_cfg = ServerConfig(host=args.host, port=args.port, api_key=args.api_key,
+                              api_keys_file=args.api_keys_file,
+                              hit_rate_window=args.hit_rate_window,
+                              hit_rate_alert_threshold=args.hit_rate_threshold)
+    return engine_cfg, cache_cfg, ssd_cfg, server_cfg
+
+
 def run(args: argparse.Namespace) -> int:
-    print("promptcache serve: not built yet", file=sys.stderr)
+    logging.getLogger().setLevel(args.log_level.upper())
+    engine_cfg, cache_cfg, ssd_cfg, server_cfg = build_configs(args)
+
+    import uvicorn
+
+    from ..engine.engine import Engine
+    from ..server import create_app
+
+    model = args.model
+    if model is None:
+        from ..engine.gguf import ensure_default_model
+
+        print("promptcache: preparing the embedded default model ...", file=sys.stderr)
+        model = str(ensure_default_model())
+    print(f"promptcache: loading {model}", file=sys.stderr)
+    engine = Engine.load(model, engine_cfg, cache_cfg, ssd_config=ssd_cfg,
+                         use_cache=not args.no_cache)
+    try:
+        app = create_app(engine, server_cfg, engine_config=engine_cfg,
+                         model_aliases=args.model_alias)
+        print(f"promptcache: serving {engine.model_id} on http://{args.host}:{args.port} "
+              f"(cache: {'off' if args.no_cache else 'RAM' + (' + SSD ' + str(ssd_cfg.path) if ssd_cfg else '')})",
+              file=sys.stderr, flush=True)
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                    timeout_graceful_shutdown=5)
+    finally:
+        engine.close()
     return 0

@@ -1,0 +1,107 @@
+"""Admin endpoints: cache stats and deletion, health, Prometheus metrics.
+
+``/health`` and ``/metrics`` need no API key; ``/v1/cache*`` does (when keys are
+configured). A key bound to a tenant (``--api-keys-file``) can only see the stats and
+delete the blocks of its own tenant scope: ``DELETE /v1/cache`` with such a key deletes
+that tenant's blocks, never everything.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from ..meta import validate_tenant
+from .auth import validate_session_id
+from .errors import APIError
+from .openai import state_of
+
+log = logging.getLogger(__name__)
+router = APIRouter()
+
+
+def cache_stats_dict(engine: Any) -> dict[str, Any] | None:
+    cache = getattr(engine, "cache", None)
+    if cache is None:
+        return None
+    stats = cache.stats()
+    data = stats.to_dict() if hasattr(stats, "to_dict") else dict(stats)
+    return dict(data)
+
+
+@router.get("/health")
+async def health(request: Request) -> dict[str, Any]:
+    st = state_of(request)
+    return {"status": "ok", "model": st.model_id,
+            "cache_enabled": getattr(st.engine, "cache", None) is not None,
+            "uptime_s": round(time.time() - st.started_at, 3)}
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    st = state_of(request)
+    body = await run_in_threadpool(st.metrics.render)
+    return Response(body, media_type=CONTENT_TYPE_LATEST)
+
+
+@router.get("/v1/cache/stats")
+async def cache_stats(request: Request) -> dict[str, Any]:
+    st = state_of(request)
+    try:
+        stats = await run_in_threadpool(cache_stats_dict, st.engine)
+        error = None
+    except Exception as e:  # a broken cache must not break the admin view
+        log.warning("cache stats failed", exc_info=True)
+        stats, error = None, f"{type(e).__name__}: {e}"
+    out: dict[str, Any] = {
+        "model": st.model_id,
+        "cache_enabled": getattr(st.engine, "cache", None) is not None,
+        "cache": stats,
+        "rolling": st.monitor.snapshot(),
+        "alert": {"active": st.monitor.alerting, "threshold": st.monitor.threshold},
+    }
+    if error:
+        out["error"] = error
+    return out
+
+
+@router.delete("/v1/cache")
+async def delete_cache(request: Request, tenant: str | None = None) -> dict[str, Any]:
+    st = state_of(request)
+    if tenant is not None:
+        try:
+            validate_tenant(tenant)
+        except ValueError as e:
+            raise APIError(400, f"invalid tenant: {e}", param="tenant") from e
+    fixed = st.auth.key_tenant(request)
+    if fixed is not None:
+        if tenant is not None and tenant != fixed:
+            raise APIError(403, "this API key may only delete its own tenant's cache")
+        tenant = fixed
+    cache = getattr(st.engine, "cache", None)
+    if cache is None:
+        return {"deleted_blocks": 0, "tenant": tenant, "cache_enabled": False}
+    n = await run_in_threadpool(cache.delete, tenant)
+    log.info("deleted %d cached blocks (tenant=%s)", n, tenant or "*")
+    return {"deleted_blocks": int(n), "tenant": tenant, "cache_enabled": True}
+
+
+@router.delete("/v1/cache/sessions/{session_id}")
+async def delete_session(session_id: str, request: Request) -> dict[str, Any]:
+    st = state_of(request)
+    try:
+        validate_session_id(session_id)
+    except ValueError as e:
+        raise APIError(400, str(e), param="session_id") from e
+    cache = getattr(st.engine, "cache", None)
+    if cache is None:
+        return {"deleted_blocks": 0, "session_id": session_id, "cache_enabled": False}
+    n = await run_in_threadpool(cache.delete_session, session_id)
+    log.info("deleted %d cached blocks of session %s", n, session_id)
+    return {"deleted_blocks": int(n), "session_id": session_id, "cache_enabled": True}

@@ -1,0 +1,145 @@
+"""Anthropic-compatible endpoints: /v1/messages (streaming and not), /v1/messages/count_tokens.
+
+Usage accounting (all counts are prompt tokens of this request):
+- ``cache_read_input_tokens``: tokens restored from the cache;
+- ``input_tokens``: the uncached part, so ``input_tokens + cache_read_input_tokens ==
+  prompt tokens``;
+- ``cache_creation_input_tokens``: the part of ``input_tokens`` that this request
+  stored in the cache (its uncached prompt tokens when it saved prompt blocks, else 0).
+  Unlike Anthropic's billing fields it is a subset of ``input_tokens``, not disjoint.
+
+Streaming: ``message_start`` is sent at once; its usage is a prediction from a pure
+cache lookup (the engine reports exact numbers only at the end). The exact usage is in
+``message_delta`` (the SDKs take the latest values).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from ..engine.api import GenerationResult
+from .errors import APIError
+from .openai import SSE_HEADERS, render_messages, state_of
+from .prompt import anthropic_messages, anthropic_tools
+from .runner import Generation, ServerState, cache_creation_tokens, unstreamed_tail
+from .schemas import CountTokensRequest, MessagesRequest
+
+log = logging.getLogger(__name__)
+router = APIRouter()
+
+
+def anthropic_usage(result: GenerationResult) -> dict[str, int]:
+    u = result.usage
+    return {
+        "input_tokens": u.prompt_tokens - u.cached_tokens,
+        "cache_creation_input_tokens": cache_creation_tokens(result),
+        "cache_read_input_tokens": u.cached_tokens,
+        "output_tokens": u.completion_tokens,
+    }
+
+
+def _stop_reason(result: GenerationResult) -> str:
+    return "max_tokens" if result.finish_reason == "length" else "end_turn"
+
+
+def _event(name: str, data: dict[str, Any]) -> str:
+    return f"event: {name}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+def _predicted_cached(st: ServerState, prompt: list[int], tenant: str) -> int:
+    cache = getattr(st.engine, "cache", None)
+    if cache is None:
+        return 0
+    try:
+        match = cache.lookup(prompt, st.engine.namespace(tenant))
+        return max(0, min(int(match.num_tokens), len(prompt) - 1))
+    except Exception:  # a prediction only; never fails the request
+        log.debug("cache lookup for the usage prediction failed", exc_info=True)
+        return 0
+
+
+async def _stream(gen: Generation, msg_id: str, model: str, prompt_len: int,
+                  predicted: int, caching: bool) -> AsyncIterator[str]:
+    start_usage = {"input_tokens": prompt_len - predicted,
+                   "cache_creation_input_tokens": (prompt_len - predicted) if caching else 0,
+                   "cache_read_input_tokens": predicted, "output_tokens": 0}
+    yield _event("message_start", {"type": "message_start", "message": {
+        "id": msg_id, "type": "message", "role": "assistant", "model": model, "content": [],
+        "stop_reason": None, "stop_sequence": None, "usage": start_usage}})
+    yield _event("content_block_start", {"type": "content_block_start", "index": 0,
+                                         "content_block": {"type": "text", "text": ""}})
+    yield _event("ping", {"type": "ping"})
+    streamed: list[str] = []
+    async for ev in gen.events():
+        if isinstance(ev, GenerationResult):
+            if ev.finish_reason == "error":
+                yield _event("error", {"type": "error", "error": {
+                    "type": "api_error", "message": f"generation failed: {ev.error}"}})
+                return
+            tail = unstreamed_tail("".join(streamed), ev)
+            if tail:
+                yield _event("content_block_delta", {"type": "content_block_delta", "index": 0,
+                                                     "delta": {"type": "text_delta",
+                                                               "text": tail}})
+            yield _event("content_block_stop", {"type": "content_block_stop", "index": 0})
+            yield _event("message_delta", {"type": "message_delta",
+                                           "delta": {"stop_reason": _stop_reason(ev),
+                                                     "stop_sequence": None},
+                                           "usage": anthropic_usage(ev)})
+            yield _event("message_stop", {"type": "message_stop"})
+            return
+        if ev.text:
+            streamed.append(ev.text)
+            yield _event("content_block_delta", {"type": "content_block_delta", "index": 0,
+                                                 "delta": {"type": "text_delta",
+                                                           "text": ev.text}})
+
+
+@router.post("/v1/messages")
+async def messages(body: MessagesRequest, request: Request) -> Any:
+    st = state_of(request)
+    model = st.check_model(body.model)
+    msgs = anthropic_messages(body.messages, body.system)
+    tools = anthropic_tools(body.tools)
+    if body.tool_choice and body.tool_choice.get("type") == "none":
+        tools = None
+    prompt, starts = render_messages(st, msgs, tools)
+    max_tokens = st.max_tokens_for(body.max_tokens, len(prompt))
+    if body.temperature is not None and not 0.0 <= body.temperature <= 1.0:
+        raise APIError(400, f"temperature must be in [0, 1], got {body.temperature}",
+                       param="temperature")
+    sampling = st.sampling(max_tokens=max_tokens, temperature=body.temperature,
+                           top_p=body.top_p, seed=None, stop=body.stop_sequences)
+    scope = request.state.pc_scope
+    predicted = _predicted_cached(st, prompt, scope.tenant) if body.stream else 0
+    gen = st.start("anthropic", request, scope, prompt, sampling, starts)
+    msg_id = f"msg_{uuid.uuid4().hex[:24]}"
+    if body.stream:
+        caching = getattr(st.engine, "cache", None) is not None
+        return StreamingResponse(_stream(gen, msg_id, model, len(prompt), predicted, caching),
+                                 media_type="text/event-stream", headers=SSE_HEADERS)
+    text, result = await gen.collect()
+    if result.finish_reason == "error":
+        raise APIError(500, f"generation failed: {result.error or 'engine error'}")
+    return JSONResponse({
+        "id": msg_id, "type": "message", "role": "assistant", "model": model,
+        "content": [{"type": "text", "text": text}],
+        "stop_reason": _stop_reason(result), "stop_sequence": None,
+        "usage": anthropic_usage(result),
+    })
+
+
+@router.post("/v1/messages/count_tokens")
+async def count_tokens(body: CountTokensRequest, request: Request) -> dict[str, int]:
+    st = state_of(request)
+    st.check_model(body.model)
+    msgs = anthropic_messages(body.messages, body.system)
+    prompt, _ = render_messages(st, msgs, anthropic_tools(body.tools))
+    return {"input_tokens": len(prompt)}

@@ -1,0 +1,88 @@
+"""The FastAPI app factory: ``create_app(engine, server_config)``.
+
+Wiring only: routers (openai, anthropic, admin), exception handlers, the
+authentication/scoping middleware, and one ``ServerState`` per app (its own metrics
+registry, hit-rate monitor and authenticator: no global state).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import Any
+
+from fastapi import FastAPI
+from starlette.requests import Request
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from ..config import EngineConfig, ServerConfig
+from . import admin, anthropic, openai
+from .alerts import HitRateMonitor
+from .auth import Authenticator, load_api_keys
+from .errors import APIError, error_response, install_handlers
+from .metrics import ServerMetrics
+from .runner import BASE_ALIASES, ServerState
+
+log = logging.getLogger(__name__)
+
+# paths that need neither a key nor a scope
+_OPEN_PATHS = ("/health", "/metrics", "/docs", "/openapi.json", "/redoc")
+
+
+class ScopeMiddleware:
+    """Authenticates ``/v1/*`` requests and resolves their tenant/session scope into
+    ``request.state.pc_scope`` before routing (so a 401 wins over a body error)."""
+
+    def __init__(self, app: ASGIApp, auth: Authenticator) -> None:
+        self.app = app
+        self.auth = auth
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+            await self.app(scope, receive, send)
+            return
+        request = Request(scope, receive)
+        try:
+            request.state.pc_scope = self.auth.scope(request)
+        except APIError as e:
+            response = error_response(request, e.status, e.message, e.code, e.param)
+            await response(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
+def _engine_config_of(engine: Any) -> EngineConfig:
+    for attr in ("engine_config", "config"):
+        cfg = getattr(engine, attr, None)
+        if isinstance(cfg, EngineConfig):
+            return cfg
+    return EngineConfig()
+
+
+def create_app(engine: Any, server_config: ServerConfig | None = None, *,
+               engine_config: EngineConfig | None = None,
+               model_aliases: Iterable[str] = ()) -> FastAPI:
+    """Build the app around a loaded engine (see docs/INTERFACES.md for its API)."""
+    config = server_config or ServerConfig()
+    keys = load_api_keys(config.api_keys_file) if config.api_keys_file else None
+    auth = Authenticator(config.api_key, keys)
+    state = ServerState(
+        engine=engine,
+        config=config,
+        engine_config=engine_config or _engine_config_of(engine),
+        auth=auth,
+        monitor=HitRateMonitor(config.hit_rate_window, config.hit_rate_alert_threshold),
+        metrics=ServerMetrics(lambda: admin.cache_stats_dict(engine)),
+        aliases=frozenset(BASE_ALIASES) | frozenset(a for a in model_aliases if a),
+    )
+    app = FastAPI(title="promptcache", version="0.1.0",
+                  description="OpenAI/Anthropic-compatible server with a multi-tier prompt cache")
+    app.state.pc = state
+    install_handlers(app)
+    app.include_router(openai.router)
+    app.include_router(anthropic.router)
+    app.include_router(admin.router)
+    app.add_middleware(ScopeMiddleware, auth=auth)
+    log.info("promptcache app ready: model=%s auth=%s", state.model_id,
+             "on" if auth.enabled else "off")
+    return app

@@ -1,0 +1,116 @@
+"""API keys and request scoping (tenant, session).
+
+Rules:
+- With no API key configured, every request is allowed; ``X-Tenant-Id`` picks the
+  tenant (validated like ``meta.validate_tenant``; default ``"default"``).
+- ``--api-key KEY``: a request must send ``Authorization: Bearer KEY`` or
+  ``x-api-key: KEY`` (401 otherwise); the tenant still comes from ``X-Tenant-Id``.
+- ``--api-keys-file F``: a JSON object ``{"<key>": "<tenant>", ...}``. A key from the
+  file authenticates *and* fixes the tenant; an ``X-Tenant-Id`` header naming another
+  tenant is refused (403). Both options may be combined.
+- ``X-Session-Id`` (optional): 1-256 printable ASCII characters; it is recorded on
+  the blocks the request writes (``DELETE /v1/cache/sessions/{id}`` removes them).
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from fastapi import Request
+
+from ..meta import DEFAULT_TENANT, validate_tenant
+from .errors import APIError
+
+_SESSION_RE = re.compile(r"^[\x21-\x7e]{1,256}$")
+
+
+def validate_session_id(session_id: str) -> str:
+    if not _SESSION_RE.match(session_id):
+        raise ValueError(
+            "session id must be 1-256 printable ASCII characters without spaces, "
+            f"got {session_id[:80]!r}"
+        )
+    return session_id
+
+
+def load_api_keys(path: Path) -> dict[str, str]:
+    """Read ``{"key": "tenant"}``; bad files raise ValueError (at startup)."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"cannot read API keys file {path}: {e}") from e
+    if not isinstance(data, dict) or not data:
+        raise ValueError(f"API keys file {path} must hold a non-empty JSON object key -> tenant")
+    keys: dict[str, str] = {}
+    for key, tenant in data.items():
+        if not isinstance(key, str) or not key or not isinstance(tenant, str):
+            raise ValueError(f"API keys file {path}: entries must map key strings to tenants")
+        keys[key] = validate_tenant(tenant)
+    return keys
+
+
+@dataclass(frozen=True)
+class Scope:
+    tenant: str = DEFAULT_TENANT
+    session_id: str | None = None
+
+
+class Authenticator:
+    def __init__(self, api_key: str | None = None, keys: dict[str, str] | None = None) -> None:
+        if api_key is not None and not api_key:
+            raise ValueError("api key must not be empty")
+        self.api_key = api_key
+        self.keys = dict(keys or {})
+
+    @property
+    def enabled(self) -> bool:
+        return self.api_key is not None or bool(self.keys)
+
+    @staticmethod
+    def _presented_key(request: Request) -> str | None:
+        auth = request.headers.get("authorization")
+        if auth:
+            scheme, _, value = auth.partition(" ")
+            if scheme.lower() == "bearer" and value.strip():
+                return value.strip()
+        key = request.headers.get("x-api-key")
+        return key.strip() if key else None
+
+    def key_tenant(self, request: Request) -> str | None:
+        """The tenant fixed by the key (None: not fixed). Raises 401 when auth fails."""
+        if not self.enabled:
+            return None
+        presented = self._presented_key(request)
+        if presented is None:
+            raise APIError(401, "missing API key: send 'Authorization: Bearer <key>' or "
+                                "'x-api-key: <key>'", code="invalid_api_key")
+        if self.api_key is not None and hmac.compare_digest(presented, self.api_key):
+            return None
+        for key, tenant in self.keys.items():
+            if hmac.compare_digest(presented, key):
+                return tenant
+        raise APIError(401, "invalid API key", code="invalid_api_key")
+
+    def scope(self, request: Request) -> Scope:
+        fixed = self.key_tenant(request)
+        header = request.headers.get("x-tenant-id")
+        if header is not None:
+            try:
+                validate_tenant(header)
+            except ValueError as e:
+                raise APIError(400, f"invalid X-Tenant-Id: {e}", code="invalid_tenant") from e
+        if fixed is not None and header is not None and header != fixed:
+            raise APIError(403, "X-Tenant-Id does not match the tenant of this API key",
+                           code="tenant_mismatch")
+        tenant = fixed or header or DEFAULT_TENANT
+        session = request.headers.get("x-session-id")
+        if session is not None:
+            try:
+                validate_session_id(session)
+            except ValueError as e:
+                raise APIError(400, f"invalid X-Session-Id: {e}", code="invalid_session") from e
+        return Scope(tenant=tenant, session_id=session)

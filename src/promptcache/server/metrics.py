@@ -1,0 +1,116 @@
+"""Prometheus metrics: one ``CollectorRegistry`` per app (no global state).
+
+Request-side metrics are counted as requests finish. Cache-side metrics (hit rate per
+tier, bytes per tier, spills, drops, quarantines, ...) are read from
+``engine.cache.stats().to_dict()`` at scrape time by a custom collector that flattens
+the numeric values: ``{"hits": 3}`` -> ``promptcache_cache_hits 3``; nested mappings
+keyed by tier name become a ``tier`` label (``{"bytes_by_tier": {"ram": 10}}`` ->
+``promptcache_cache_bytes_by_tier{tier="ram"} 10``); other nesting joins names with ``_``.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+log = logging.getLogger(__name__)
+
+TIER_NAMES = frozenset({"ram", "ssd", "redis", "disk", "none", "miss"})
+_BAD = re.compile(r"[^a-zA-Z0-9_]")
+_TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+def _name(*parts: str) -> str:
+    return _BAD.sub("_", "_".join(p for p in parts if p)).lower()
+
+
+def flatten_stats(stats: Mapping[str, Any], prefix: str = "") -> Iterator[
+        tuple[str, dict[str, str], float]]:
+    """Yield (name, labels, value) for every number in a nested stats mapping."""
+    for key, value in stats.items():
+        key = str(key)
+        if isinstance(value, bool):
+            yield _name(prefix, key), {}, float(value)
+        elif isinstance(value, int | float):
+            yield _name(prefix, key), {}, float(value)
+        elif isinstance(value, Mapping):
+            if value and all(str(k).lower() in TIER_NAMES for k in value):
+                for tier, sub in value.items():
+                    if isinstance(sub, Mapping):
+                        for name, labels, v in flatten_stats(sub, prefix):
+                            yield name, {"tier": str(tier), **labels}, v
+                    elif isinstance(sub, int | float) and not isinstance(sub, bool):
+                        yield _name(prefix, key), {"tier": str(tier)}, float(sub)
+            else:
+                yield from flatten_stats(value, _name(prefix, key))
+
+
+class CacheStatsCollector(Collector):
+    def __init__(self, get_stats: Callable[[], Mapping[str, Any] | None]) -> None:
+        self._get_stats = get_stats
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        try:
+            stats = self._get_stats()
+        except Exception:  # a failing cache never breaks a scrape
+            log.warning("cache stats unavailable for /metrics", exc_info=True)
+            return
+        if not stats:
+            return
+        families: dict[tuple[str, tuple[str, ...]], GaugeMetricFamily] = {}
+        for name, labels, value in flatten_stats(stats):
+            full = _name("promptcache_cache", name)
+            keys = tuple(sorted(labels))
+            fam = families.get((full, keys))
+            if fam is None:
+                if any(f == full for f, _ in families):
+                    continue  # same name with other labels: not allowed by Prometheus
+                fam = GaugeMetricFamily(full, f"cache stat {name}", labels=list(keys))
+                families[(full, keys)] = fam
+            fam.add_metric([labels[k] for k in keys], value)
+        yield from families.values()
+
+
+class ServerMetrics:
+    def __init__(self, get_cache_stats: Callable[[], Mapping[str, Any] | None]) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter("promptcache_requests", "HTTP generation requests",
+                                ["api", "status"], registry=r)
+        self.ttft = Histogram("promptcache_ttft_seconds", "time to first token",
+                              ["api"], buckets=_TTFT_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("promptcache_prompt_tokens", "prompt tokens", registry=r)
+        self.cached_tokens = Counter("promptcache_cached_tokens",
+                                     "prompt tokens served from the cache", ["tier"], registry=r)
+        self.generated_tokens = Counter("promptcache_generated_tokens", "generated tokens",
+                                        registry=r)
+        self.in_flight = Gauge("promptcache_requests_in_flight", "requests being generated",
+                               registry=r)
+        self.rolling_hit_rate = Gauge("promptcache_rolling_token_hit_rate",
+                                      "token hit rate over the alert window", registry=r)
+        self.alert = Gauge("promptcache_hit_rate_alert",
+                           "1 while the rolling hit rate is below the threshold", registry=r)
+        r.register(CacheStatsCollector(get_cache_stats))
+
+    def observe_result(self, api: str, prompt_tokens: int, cached_by_tier: Mapping[str, int],
+                       completion_tokens: int, ttft_s: float | None) -> None:
+        self.requests.labels(api=api, status="ok").inc()
+        self.prompt_tokens.inc(prompt_tokens)
+        for tier, n in cached_by_tier.items():
+            if n:
+                self.cached_tokens.labels(tier=tier).inc(n)
+        self.generated_tokens.inc(completion_tokens)
+        if ttft_s is not None:
+            self.ttft.labels(api=api).observe(ttft_s)
+
+    def observe_failure(self, api: str, status: str) -> None:
+        self.requests.labels(api=api, status=status).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,216 @@
+"""The shared request path of both APIs: checks, submit, event pump, accounting.
+
+``ServerState`` holds what the routers need (engine, config, metrics, hit-rate
+monitor, authenticator). ``ServerState.start(...)`` validates and submits a request
+and returns a ``Generation`` whose ``events()`` async iterator yields the engine's
+``TokenEvent``s and then the final ``GenerationResult``. While it runs, a watcher
+task polls ``request.is_disconnected()``; a disconnect (or the stream being
+cancelled/closed early) calls ``handle.cancel()``: the engine stops and keeps the
+blocks it already stored. Each finished request updates the metrics and the rolling
+hit rate and logs one line.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request
+
+from ..config import EngineConfig, ServerConfig
+from ..engine.api import GenerationRequest, GenerationResult, SamplingParams, TokenEvent
+from .alerts import HitRateMonitor
+from .auth import Authenticator, Scope
+from .errors import APIError
+from .metrics import ServerMetrics
+
+log = logging.getLogger(__name__)
+
+DISCONNECT_POLL_S = 0.2
+BASE_ALIASES = ("default", "promptcache")
+
+
+@dataclass
+class ServerState:
+    engine: Any
+    config: ServerConfig
+    engine_config: EngineConfig
+    auth: Authenticator
+    monitor: HitRateMonitor
+    metrics: ServerMetrics
+    aliases: frozenset[str] = frozenset()
+    started_at: float = field(default_factory=time.time)
+
+    @property
+    def model_id(self) -> str:
+        return str(self.engine.model_id)
+
+    def check_model(self, name: str | None) -> str:
+        """The served model id for an accepted name; 404 model_not_found otherwise."""
+        if name is None or name == "" or name == self.model_id or name in self.aliases:
+            return self.model_id
+        raise APIError(404, f"model {name!r} is not served here; use {self.model_id!r} "
+                            f"(or one of: {', '.join(sorted(self.aliases))})",
+                       code="model_not_found", param="model")
+
+    def max_tokens_for(self, requested: int | None, prompt_len: int) -> int:
+        ctx = int(self.engine.context_length)
+        limit = self.engine_config.max_tokens_limit
+        if prompt_len == 0:
+            raise APIError(400, "the prompt is empty", code="invalid_request")
+        if prompt_len >= ctx:
+            raise APIError(400, f"the prompt has {prompt_len} tokens, more than the model's "
+                                f"context length of {ctx} tokens allows",
+                           code="context_length_exceeded", param="messages")
+        if requested is None:
+            return max(1, min(self.engine_config.default_max_tokens, ctx - prompt_len))
+        if isinstance(requested, bool) or requested <= 0:
+            raise APIError(400, f"max_tokens must be > 0, got {requested}", param="max_tokens")
+        if requested > limit:
+            raise APIError(400, f"max_tokens must be <= {limit}, got {requested}",
+                           param="max_tokens")
+        if prompt_len + requested > ctx:
+            raise APIError(400, f"prompt ({prompt_len} tokens) + max_tokens ({requested}) "
+                                f"exceeds the model's context length of {ctx} tokens",
+                           code="context_length_exceeded", param="max_tokens")
+        return requested
+
+    def sampling(self, *, max_tokens: int, temperature: float | None, top_p: float | None,
+                 seed: int | None, stop: Sequence[str] | str | None) -> SamplingParams:
+        stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
+        if len(stops) > 16:
+            raise APIError(400, "at most 16 stop sequences are supported", param="stop")
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=0.0 if temperature is None else float(temperature),
+            top_p=1.0 if top_p is None else float(top_p),
+            seed=seed,
+            stop=stops,
+        )
+
+    def start(self, api: str, http_request: Request, scope: Scope, prompt: Sequence[int],
+              sampling: SamplingParams, message_starts: Sequence[int] = ()) -> Generation:
+        req = GenerationRequest(
+            prompt_tokens=tuple(int(t) for t in prompt),
+            sampling=sampling,
+            tenant=scope.tenant,
+            session_id=scope.session_id,
+            message_starts=tuple(message_starts),
+            request_id=uuid.uuid4().hex[:16],
+        )
+        handle = self.engine.submit(req)  # ValueError -> 400 via the app's handlers
+        return Generation(self, api, http_request, req, handle)
+
+
+class Generation:
+    """One submitted request; iterate ``events()`` exactly once."""
+
+    def __init__(self, state: ServerState, api: str, http_request: Request,
+                 req: GenerationRequest, handle: Any) -> None:
+        self.state = state
+        self.api = api
+        self.http_request = http_request
+        self.request = req
+        self.handle = handle
+        self.t0 = time.monotonic()
+        self.first_token_s: float | None = None
+        self.result: GenerationResult | None = None
+        self.disconnected = False
+        state.metrics.in_flight.inc()
+
+    async def _watch(self) -> None:
+        while True:
+            await asyncio.sleep(DISCONNECT_POLL_S)
+            if await self.http_request.is_disconnected():
+                self.disconnected = True
+                log.info("request %s: client disconnected, cancelling", self.request.request_id)
+                self.handle.cancel()
+                return
+
+    async def events(self) -> AsyncIterator[TokenEvent | GenerationResult]:
+        watcher = asyncio.create_task(self._watch())
+        try:
+            async for ev in self.handle.aevents():
+                if isinstance(ev, GenerationResult):
+                    self.result = ev
+                    self._finish(ev)
+                    yield ev
+                    return
+                if self.first_token_s is None:
+                    self.first_token_s = time.monotonic() - self.t0
+                yield ev
+        finally:
+            watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await watcher
+            if self.result is None:
+                self.handle.cancel()
+                self.state.metrics.observe_failure(self.api, "cancelled")
+                self.state.metrics.in_flight.dec()
+                log.info("request %s api=%s tenant=%s cancelled (client gone) after %.2fs",
+                         self.request.request_id, self.api, self.request.tenant,
+                         time.monotonic() - self.t0)
+
+    async def collect(self) -> tuple[str, GenerationResult]:
+        """Run to the end (non-streaming); returns (text, result)."""
+        parts: list[str] = []
+        result: GenerationResult | None = None
+        async for ev in self.events():
+            if isinstance(ev, GenerationResult):
+                result = ev
+            else:
+                parts.append(ev.text)
+        if result is None:  # pragma: no cover - the engine always ends with a result
+            raise RuntimeError("engine stream ended without a result")
+        joined = "".join(parts)
+        return (result.text if result.text or not joined else joined), result
+
+    def _finish(self, result: GenerationResult) -> None:
+        s = self.state
+        s.metrics.in_flight.dec()
+        u = result.usage
+        if result.finish_reason == "error":
+            s.metrics.observe_failure(self.api, "error")
+            log.error("request %s failed in the engine: %s", self.request.request_id,
+                      result.error)
+            return
+        if result.finish_reason == "cancelled":
+            s.metrics.observe_failure(self.api, "cancelled")
+        ttft = result.ttft_s if result.ttft_s > 0 else self.first_token_s
+        if result.finish_reason != "cancelled":
+            s.metrics.observe_result(self.api, u.prompt_tokens, u.cached_by_tier,
+                                     u.completion_tokens, ttft)
+            s.monitor.record(u.prompt_tokens, u.cached_tokens, result.miss_reason)
+        rate = s.monitor.hit_rate()
+        if rate is not None:
+            s.metrics.rolling_hit_rate.set(rate)
+        s.metrics.alert.set(1 if s.monitor.alerting else 0)
+        tiers = " ".join(f"{k}={v}" for k, v in sorted(u.cached_by_tier.items())) or "-"
+        log.info(
+            "request %s api=%s tenant=%s prompt=%d cached=%d (%s) completion=%d ttft=%.3fs "
+            "decode=%.1f tok/s finish=%s%s", self.request.request_id, self.api,
+            self.request.tenant, u.prompt_tokens, u.cached_tokens, tiers, u.completion_tokens,
+            ttft or 0.0, result.decode_tps, result.finish_reason,
+            f" miss={result.miss_reason}" if result.miss_reason else "")
+
+
+def unstreamed_tail(streamed: str, result: GenerationResult) -> str:
+    """Text of the final result not yet sent as deltas (e.g. held back by a decoder)."""
+    if result.text.startswith(streamed):
+        return result.text[len(streamed):]
+    return ""
+
+
+def cache_creation_tokens(result: GenerationResult) -> int:
+    """Prompt tokens this request stored: its uncached prompt part, when it saved any
+    prompt block (mid-prefill or end-of-prefill save points); else 0."""
+    u = result.usage
+    if u.saved_mid_prefill + u.saved_end_prefill > 0:
+        return max(0, u.prompt_tokens - u.cached_tokens)
+    return 0

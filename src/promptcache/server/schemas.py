@@ -1,0 +1,111 @@
+"""Request bodies of the OpenAI and Anthropic endpoints (pydantic).
+
+The models are deliberately lenient about fields we do not use (``extra="allow"``:
+clients send many vendor options) and strict about the ones we do. Semantic checks
+(roles, empty messages, limits) live in ``prompt.py`` and the routers, so that they
+produce the API's own error shape.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Lenient(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+# --- OpenAI ---------------------------------------------------------------------------
+
+
+class OAIFunctionCall(_Lenient):
+    name: str
+    arguments: str | dict[str, Any] = "{}"
+
+
+class OAIToolCall(_Lenient):
+    id: str | None = None
+    type: str = "function"
+    function: OAIFunctionCall
+
+
+class OAIMessage(_Lenient):
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[OAIToolCall] | None = None
+    tool_call_id: str | None = None
+
+
+class OAIStreamOptions(_Lenient):
+    include_usage: bool = False
+
+
+class ChatCompletionRequest(_Lenient):
+    model: str | None = None
+    messages: list[OAIMessage]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: OAIStreamOptions | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    n: int | None = None
+    user: str | None = None
+
+
+class CompletionRequest(_Lenient):
+    model: str | None = None
+    prompt: str | list[str] | list[int]
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: OAIStreamOptions | None = None
+    n: int | None = None
+    echo: bool = False
+    user: str | None = None
+
+
+# --- Anthropic ------------------------------------------------------------------------
+
+
+class AnthropicMessage(_Lenient):
+    role: str
+    content: str | list[dict[str, Any]]
+
+
+class AnthropicTool(_Lenient):
+    name: str
+    description: str | None = None
+    input_schema: dict[str, Any] = Field(default_factory=dict)
+
+
+class MessagesRequest(_Lenient):
+    model: str | None = None
+    messages: list[AnthropicMessage]
+    max_tokens: int
+    system: str | list[dict[str, Any]] | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    stop_sequences: list[str] | None = None
+    stream: bool = False
+    tools: list[AnthropicTool] | None = None
+    tool_choice: dict[str, Any] | None = None
+    metadata: dict[str, Any] | None = None
+
+
+class CountTokensRequest(_Lenient):
+    model: str | None = None
+    messages: list[AnthropicMessage]
+    system: str | list[dict[str, Any]] | None = None
+    tools: list[AnthropicTool] | None = None

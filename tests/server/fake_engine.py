@@ -1,0 +1,187 @@
+"""A tokenizer-free stand-in for the Engine (docs/INTERFACES.md), for fast protocol tests.
+
+Tokens are the UTF-8 bytes of the text. The chat "template" is
+``<|role|>content\\n`` per message (+ tools as JSON) and ``<|assistant|>`` as the
+generation prompt. Generation is deterministic: it emits ``reply`` (default
+"Hello world!") byte by byte, up to max_tokens. The "cache" remembers every prompt
+(+ output) per tenant and reports the longest common prefix with them as cached
+tokens (at most len(prompt) - 1), all from the "ram" tier.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from promptcache.config import EngineConfig
+from promptcache.engine.api import GenerationRequest, GenerationResult, TokenEvent, Usage
+
+
+class FakeTokenizer:
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, tokens: list[int]) -> str:
+        return bytes(tokens).decode("utf-8", errors="replace")
+
+
+@dataclass
+class FakeStats:
+    data: dict[str, Any]
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.data)
+
+
+@dataclass
+class FakeMatch:
+    num_tokens: int
+
+
+class FakeCache:
+    def __init__(self) -> None:
+        self.seqs: dict[str, list[tuple[tuple[int, ...], str | None]]] = {}
+        self.lock = threading.Lock()
+        self.deleted: list[Any] = []
+
+    def match(self, tokens: tuple[int, ...], tenant: str) -> int:
+        best = 0
+        with self.lock:
+            for seq, _ in self.seqs.get(tenant, []):
+                n = 0
+                for a, b in zip(seq, tokens, strict=False):
+                    if a != b:
+                        break
+                    n += 1
+                best = max(best, n)
+        return min(best, max(0, len(tokens) - 1))
+
+    def store(self, tokens: tuple[int, ...], tenant: str, session: str | None) -> None:
+        with self.lock:
+            self.seqs.setdefault(tenant, []).append((tokens, session))
+
+    def lookup(self, tokens: Any, ns: Any) -> FakeMatch:
+        return FakeMatch(self.match(tuple(tokens), ns))
+
+    def stats(self) -> FakeStats:
+        with self.lock:
+            n = sum(len(v) for v in self.seqs.values())
+        return FakeStats({"sequences": n, "hit_rate": 0.5,
+                          "bytes_by_tier": {"ram": 100 * n, "ssd": 0},
+                          "ssd": {"spills": 2, "quarantined": 1}})
+
+    def delete(self, tenant: str | None = None) -> int:
+        with self.lock:
+            self.deleted.append(("tenant", tenant))
+            if tenant is None:
+                n = sum(len(v) for v in self.seqs.values())
+                self.seqs.clear()
+            else:
+                n = len(self.seqs.pop(tenant, []))
+        return n
+
+    def delete_session(self, session_id: str) -> int:
+        with self.lock:
+            self.deleted.append(("session", session_id))
+            n = 0
+            for tenant, seqs in self.seqs.items():
+                keep = [s for s in seqs if s[1] != session_id]
+                n += len(seqs) - len(keep)
+                self.seqs[tenant] = keep
+        return n
+
+
+@dataclass
+class FakeHandle:
+    engine: FakeEngine
+    request: GenerationRequest
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+        self.engine.cancelled.append(self.request.request_id)
+
+    def _run(self) -> Iterator[TokenEvent | GenerationResult]:
+        eng = self.engine
+        prompt = self.request.prompt_tokens
+        cached = eng.cache.match(prompt, self.request.tenant) if eng.cache else 0
+        out = list(eng.reply.encode("utf-8"))[: self.request.sampling.max_tokens]
+        finish = "length" if len(out) < len(eng.reply.encode("utf-8")) else "stop"
+        emitted: list[int] = []
+        for t in out:
+            if self.cancelled.is_set():
+                finish = "cancelled"
+                break
+            emitted.append(t)
+            yield TokenEvent(t, bytes([t]).decode("utf-8", errors="ignore"))
+        if eng.cache is not None:
+            eng.cache.store(prompt + tuple(emitted), self.request.tenant,
+                            self.request.session_id)
+        usage = Usage(prompt_tokens=len(prompt), cached_tokens=cached,
+                      cached_by_tier={"ram": cached} if cached else {},
+                      completion_tokens=len(emitted),
+                      saved_end_prefill=1 if eng.cache is not None else 0)
+        miss = None if cached else "cold: prefix never seen"
+        yield GenerationResult(tokens=emitted, text=bytes(emitted).decode("utf-8", "replace"),
+                               finish_reason=finish, usage=usage, ttft_s=0.001,
+                               decode_s=0.01, miss_reason=miss)
+
+    def events(self) -> Iterator[TokenEvent | GenerationResult]:
+        return self._run()
+
+    async def aevents(self) -> AsyncIterator[TokenEvent | GenerationResult]:
+        for ev in self._run():
+            if self.engine.delay:
+                await asyncio.sleep(self.engine.delay)
+            yield ev
+
+
+class FakeEngine:
+    model_id = "fake-model"
+
+    def __init__(self, *, context_length: int = 4096, reply: str = "Hello world!",
+                 use_cache: bool = True, delay: float = 0.0) -> None:
+        self.context_length = context_length
+        self.reply = reply
+        self.delay = delay
+        self.tokenizer = FakeTokenizer()
+        self.cache = FakeCache() if use_cache else None
+        self.config = EngineConfig(max_tokens_limit=1000, default_max_tokens=64)
+        self.submitted: list[GenerationRequest] = []
+        self.cancelled: list[str] = []
+        self.rendered: list[tuple[list[dict[str, Any]], Any]] = []
+
+    def namespace(self, tenant: str) -> str:
+        return tenant
+
+    def render_chat_with_offsets(self, messages: list[dict[str, Any]], tools: Any = None,
+                                 add_generation_prompt: bool = True) -> tuple[list[int], list[int]]:
+        self.rendered.append((messages, tools))
+        text, starts = "", []
+        if tools:
+            text += "<|tools|>" + json.dumps(tools, sort_keys=True) + "\n"
+        for m in messages:
+            starts.append(len(text.encode("utf-8")))
+            if m["role"] == "boom":
+                raise RuntimeError("template exploded")
+            text += f"<|{m['role']}|>{m['content']}"
+            for tc in m.get("tool_calls", []):
+                text += "<tool_call>" + json.dumps(tc["function"], sort_keys=True) + "</tool_call>"
+            text += "\n"
+        if add_generation_prompt:
+            text += "<|assistant|>"
+        return list(text.encode("utf-8")), starts
+
+    def render_chat(self, messages: list[dict[str, Any]], tools: Any = None,
+                    add_generation_prompt: bool = True) -> list[int]:
+        return self.render_chat_with_offsets(messages, tools, add_generation_prompt)[0]
+
+    def submit(self, request: GenerationRequest) -> FakeHandle:
+        if any(t > 255 for t in request.prompt_tokens):
+            raise ValueError("token id out of range for the fake vocabulary")
+        self.submitted.append(request)
+        return FakeHandle(self, request)
