@@ -1,1 +1,604 @@
-"""PromptCache: the one policy module (being built; see docs/INTERFACES.md)."""
+"""PromptCache: the one policy module (lookup, store, promote, demote, delete, TTL, stats).
+
+RAM is the block pool (``blocks.pool``); lower tiers (SSD, ...) implement
+``tiers.base.Tier`` and hold encoded payload bytes (``codec``). See
+docs/INTERFACES.md for the contract and ``blocks.matcher`` for the matching rule.
+
+Failure policy: a lower tier raising ``TierError`` (or returning undecodable
+bytes) is counted and treated as a miss; nothing a tier does fails a call here.
+Bad input raises ``ValueError``. Every public method holds one re-entrant lock.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from functools import cached_property
+from typing import Any, Protocol
+
+import numpy as np
+
+from .blocks import matcher as _matcher
+from .blocks.matcher import (
+    EVICTED,
+    EXPIRED,
+    RAM,
+    Entry,
+    GoneMemory,
+    LowerEntry,
+    Matcher,
+    MissInfo,
+    entry_meta,
+    entry_tier,
+)
+from .blocks.pool import PERSISTED, SNAPSHOT, TRUNCATABLE, Block, BlockPool
+from .blocks.tokens import RequestTokens, to_request_tokens
+from .config import CacheConfig
+from .errors import TierError
+from .meta import BlockMeta, ExtraKeySpan, Namespace, extra_keys_for
+from .stats import SAVE_POINTS, CacheStats, Counters, snapshot
+from .tiers.base import Tier
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "RAM", "CacheStats", "Hit", "Match", "MissInfo", "NumpyAdapter", "PayloadAdapter", "PromptCache",
+]
+
+EncodeFn = Callable[[Mapping[str, np.ndarray], Mapping[str, str]], bytes]
+DecodeFn = Callable[[bytes], tuple[dict[str, np.ndarray], dict[str, str]]]
+
+
+class PayloadAdapter(Protocol):
+    """How the cache sizes and (de)serializes opaque block payloads."""
+
+    def nbytes(self, payload: Any) -> int:
+        """Bytes of the payload from shape x dtype metadata (never evaluates arrays).
+        Raises ValueError for a payload the adapter does not accept."""
+
+    def to_numpy(self, payload: Any) -> dict[str, np.ndarray]: ...
+
+    def from_numpy(self, arrays: dict[str, np.ndarray]) -> Any: ...
+
+
+class NumpyAdapter:
+    """The default adapter: payloads are ``dict[str, np.ndarray]`` of numeric arrays."""
+
+    def nbytes(self, payload: Any) -> int:
+        if not isinstance(payload, Mapping):
+            raise ValueError(f"payload must be a mapping of name -> np.ndarray, got {type(payload).__name__}")
+        total = 0
+        for name, arr in payload.items():
+            if not isinstance(name, str) or not name:
+                raise ValueError(f"payload array names must be non-empty strings, got {name!r}")
+            if not isinstance(arr, np.ndarray):
+                raise ValueError(f"payload array {name!r} must be a numpy array, got {type(arr).__name__}")
+            if arr.dtype.kind not in "biufc":
+                raise ValueError(f"payload array {name!r} has unsupported dtype {arr.dtype}")
+            total += int(arr.nbytes)
+        return total
+
+    def to_numpy(self, payload: Any) -> dict[str, np.ndarray]:
+        return dict(payload)
+
+    def from_numpy(self, arrays: dict[str, np.ndarray]) -> Any:
+        return arrays
+
+
+def _tokens_by_tier(entries: Sequence[Entry], num_tokens: int) -> dict[str, int]:
+    out: Counter[str] = Counter()
+    for e in entries:
+        out[entry_tier(e)] += min(e.end, num_tokens) - e.start
+    return dict(out)
+
+
+class Match:
+    """The result of ``lookup``: a pure query. ``blocks``/``tiers``/``tokens_by_tier``
+    are computed on first access (a 2,000-block match stays cheap to return)."""
+
+    def __init__(self, entries: list[Entry], num_tokens: int, matched_tokens: int,
+                 miss: MissInfo | None) -> None:
+        self._entries = entries
+        self.num_tokens = num_tokens
+        self.matched_tokens = matched_tokens  # token LCP found, restorable or not
+        self.miss = miss
+
+    @cached_property
+    def blocks(self) -> list[BlockMeta]:
+        return [entry_meta(e) for e in self._entries]
+
+    @cached_property
+    def tiers(self) -> list[str]:
+        return [entry_tier(e) for e in self._entries]
+
+    @cached_property
+    def tokens_by_tier(self) -> dict[str, int]:
+        return _tokens_by_tier(self._entries, self.num_tokens)
+
+    def __repr__(self) -> str:
+        return f"Match(num_tokens={self.num_tokens}, blocks={len(self._entries)}, miss={self.miss})"
+
+
+class Hit:
+    """Blocks referenced for a request (``acquire``); give them back with ``release``.
+    ``blocks`` are ``(BlockMeta, payload)`` in order; the last one may extend past
+    ``num_tokens`` and must be truncated by the engine."""
+
+    def __init__(self, held: list[Block], num_tokens: int, num_prompt_tokens: int,
+                 tokens_by_tier: dict[str, int], tiers: list[str], miss: MissInfo | None) -> None:
+        self._held = held
+        self.num_tokens = num_tokens
+        self.num_prompt_tokens = num_prompt_tokens
+        self.tokens_by_tier = tokens_by_tier
+        self.tiers = tiers
+        self.miss = miss
+        self.released = False
+
+    @cached_property
+    def blocks(self) -> list[tuple[BlockMeta, Any]]:
+        return [(b.meta(), b.payload) for b in self._held]
+
+    def __repr__(self) -> str:
+        return f"Hit(num_tokens={self.num_tokens}, blocks={len(self._held)}, miss={self.miss})"
+
+
+def _check_spans(extra_keys: Sequence[ExtraKeySpan]) -> tuple[ExtraKeySpan, ...]:
+    spans = tuple(extra_keys)
+    for s in spans:
+        if not isinstance(s, ExtraKeySpan):
+            raise ValueError(f"extra_keys must be ExtraKeySpan items, got {type(s).__name__}")
+    return spans
+
+
+def _check_ns(ns: Namespace, block_size: int) -> None:
+    if not isinstance(ns, Namespace):
+        raise ValueError(f"namespace must be a Namespace, got {type(ns).__name__}")
+    if ns.block_size != block_size:
+        raise ValueError(f"namespace block_size {ns.block_size} != cache block_size {block_size}")
+
+
+class PromptCache:
+    """Multi-tier prompt cache: RAM block pool + lower tiers (see module docstring)."""
+
+    def __init__(
+        self,
+        config: CacheConfig,
+        adapter: PayloadAdapter | None = None,
+        lower: Sequence[Tier] = (),
+        *,
+        write_through: bool = False,
+        encode: EncodeFn | None = None,
+        decode: DecodeFn | None = None,
+        on_evict: Callable[[BlockMeta, Any], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if not isinstance(config, CacheConfig):
+            raise ValueError(f"config must be a CacheConfig, got {type(config).__name__}")
+        self.config = config
+        self.adapter: PayloadAdapter = adapter if adapter is not None else NumpyAdapter()
+        self.lower: list[Tier] = list(lower)
+        self.write_through = write_through
+        self._encode = encode
+        self._decode = decode
+        self._extra_on_evict = on_evict
+        self._clock = clock
+        self._now = clock()
+        self._lock = threading.RLock()
+        self._c = Counters()
+        self.gone = GoneMemory(config.explain_history)
+        self.pool = BlockPool(config.resolved_ram_budget(), on_evict=self._on_block_evicted)
+        self._matcher = Matcher(
+            self.pool, self.lower, self.gone,
+            is_expired=self._is_expired, on_tier_error=self._on_tier_error,
+        )
+
+    # ---- codec (lazy: the SSD side provides it) ---------------------------------
+    def _enc(self, arrays: Mapping[str, np.ndarray], meta: Mapping[str, str]) -> bytes:
+        if self._encode is None:
+            from . import codec
+
+            self._encode = codec.encode
+        return self._encode(arrays, meta)
+
+    def _dec(self, data: bytes) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+        if self._decode is None:
+            from . import codec
+
+            self._decode = codec.decode
+        return self._decode(data)
+
+    # ---- helpers -------------------------------------------------------------
+    def _is_expired(self, block: Block) -> bool:
+        ttl = self.config.ttl_seconds
+        return ttl is not None and self._now - block.last_access > ttl
+
+    def _on_tier_error(self, tier: Any, exc: Exception) -> None:
+        self._c.tier_errors += 1
+        logger.warning("cache tier %s failed: %s", getattr(tier, "name", tier), exc)
+
+    def _expire_lru(self) -> None:
+        """Remove expired unreferenced blocks from the LRU end of the free queue."""
+        if self.config.ttl_seconds is None:
+            return
+        for block in self.pool.lru_order():
+            if not self._is_expired(block):
+                break
+            self._remove_expired(block)
+
+    def _remove_expired(self, block: Block) -> None:
+        if block.block_hash is not None:
+            self.gone.record(block.block_hash, block.parent_hash, EXPIRED)
+        if self.pool.remove(block):
+            self._c.expired += 1
+
+    def _on_block_evicted(self, block: Block) -> None:
+        """The demotion hook: every evicted block passes here exactly once."""
+        self._c.evictions += 1
+        h = block.block_hash
+        if h is not None:
+            self.gone.record(h, block.parent_hash, EVICTED)
+        meta: BlockMeta | None = None
+        if self.lower and not block.persisted and h is not None:
+            try:
+                meta = block.meta()
+                data = self._enc(self.adapter.to_numpy(block.payload), {"block_hash": h.hex()})
+            except Exception as e:  # a payload that cannot be encoded is dropped, not raised
+                self._c.demotion_failures += 1
+                logger.warning("cannot encode evicted block %s: %s", block.block_id, e)
+            else:
+                for tier in self.lower:
+                    try:
+                        if tier.put(meta, data, block.sessions):
+                            self._c.demotions += 1
+                        else:
+                            self._c.demotion_failures += 1
+                    except (TierError, OSError) as e:
+                        self._c.demotion_failures += 1
+                        self._on_tier_error(tier, e)
+        elif not self.lower:
+            self._c.evicted_dropped += 1
+        if self._extra_on_evict is not None and h is not None:
+            try:
+                self._extra_on_evict(meta or block.meta(), block.payload)
+            except Exception:
+                logger.exception("on_evict hook failed for block %s", block.block_id)
+
+    # ---- lookup / acquire / release ------------------------------------------
+    def lookup(self, tokens: Any, ns: Namespace, extra_keys: Sequence[ExtraKeySpan] = (),
+               explain: bool = False) -> Match:
+        """The longest restorable cached prefix of ``tokens`` (a pure query: no LRU
+        change, no stats). ``explain`` is accepted for symmetry: ``miss`` is always set
+        on a short match."""
+        req = to_request_tokens(tokens)
+        _check_ns(ns, self.config.block_size)
+        spans = _check_spans(extra_keys)
+        with self._lock:
+            self._now = self._clock()
+            raw = self._matcher.match(req, ns, spans)
+            return Match(raw.entries, raw.num_tokens, raw.matched_tokens, raw.miss)
+
+    def acquire(self, tokens: Any, ns: Namespace, extra_keys: Sequence[ExtraKeySpan] = (),
+                session_id: str | None = None) -> Hit:
+        """Lookup + promote lower-tier blocks into RAM + reference the blocks."""
+        req = to_request_tokens(tokens)
+        _check_ns(ns, self.config.block_size)
+        spans = _check_spans(extra_keys)
+        with self._lock:
+            self._now = self._clock()
+            self._expire_lru()
+            raw = self._matcher.match(req, ns, spans)
+            held, num = self._take(raw.entries, raw.num_tokens, ns, req.n)
+            miss = raw.miss
+            if num < raw.num_tokens:
+                miss = MissInfo(position=raw.matched_tokens, restorable=num, num_tokens=req.n,
+                                cause="promotion_failed")
+            by_tier = _tokens_by_tier(held, num)
+            c = self._c
+            c.lookups += 1
+            c.hit_tokens += num
+            c.miss_tokens += req.n - num
+            c.hit_tokens_by_tier.update(by_tier)
+            if miss is not None:
+                c.misses_by_cause[miss.cause] += 1
+            return Hit(held, num, req.n, by_tier, [entry_tier(b) for b in held], miss)
+
+    def _take(self, entries: list[Entry], num_tokens: int, ns: Namespace, n: int
+              ) -> tuple[list[Block], int]:
+        """Reference RAM entries, then promote lower ones in order; on a failed
+        promotion cut the hit at the last restorable position before it."""
+        now = self._now
+        for e in entries:
+            if isinstance(e, Block):
+                self.pool.ref(e, now)
+        held: list[Block] = []
+        cut = len(entries)
+        for i, e in enumerate(entries):
+            if isinstance(e, Block):
+                held.append(e)
+                continue
+            block = self._promote(e, ns)
+            if block is None:
+                cut = i
+                break
+            held.append(block)
+        if cut == len(entries):
+            return held, num_tokens
+        for e in entries[cut + 1 :]:
+            if isinstance(e, Block):
+                self.pool.unref(e)
+        # the last restorable position inside what we hold
+        num = 0
+        for b in reversed(held):
+            if b.end <= n - 1 and b.restorable_at_end():
+                num = b.end
+                break
+        keep = [b for b in held if b.start < num]
+        self.pool.release_chain(held[len(keep) :])
+        return keep, num
+
+    def _promote(self, entry: LowerEntry, ns: Namespace) -> Block | None:
+        meta = entry.meta
+        c = self._c
+        existing = self.pool.get(meta.block_hash)
+        if existing is not None:
+            if existing.ref_cnt:
+                c.promotion_failures += 1
+                return None
+            self._remove_expired(existing)
+        if not self.pool.make_room(meta.nbytes):  # reserve RAM before reading
+            c.promotion_failures += 1
+            return None
+        try:
+            data = entry.source.get(meta.block_hash)  # type: ignore[attr-defined]
+        except (TierError, OSError) as e:
+            self._on_tier_error(entry.source, e)
+            return None
+        if data is None:
+            c.promotion_failures += 1
+            return None
+        try:
+            arrays, _ = self._dec(data)
+            payload = self.adapter.from_numpy(arrays)
+            nbytes = self.adapter.nbytes(payload)
+        except Exception as e:  # corrupt or foreign bytes: a counted miss
+            self._on_tier_error(entry.source, e)
+            return None
+        if not self.pool.can_allocate(nbytes):
+            c.promotion_failures += 1
+            return None
+        flags = PERSISTED | (TRUNCATABLE if meta.truncatable else 0) | (SNAPSHOT if meta.snapshot else 0)
+        block = self.pool.allocate(
+            block_hash=meta.block_hash, parent_hash=meta.parent_hash,
+            tokens=np.asarray(meta.token_ids, dtype="<u4").tobytes(), start=meta.start,
+            extra_keys=tuple(meta.extra_keys), flags=flags, ns=ns, payload=payload,
+            nbytes=nbytes, now=self._now,
+        )
+        self.gone.forget(meta.block_hash)
+        c.promotions += 1
+        return block
+
+    def release(self, hit: Hit) -> None:
+        """Unreference a hit's blocks (tail-first); they become evictable. Idempotent."""
+        if not isinstance(hit, Hit):
+            raise ValueError(f"release expects a Hit, got {type(hit).__name__}")
+        with self._lock:
+            if hit.released:
+                return
+            hit.released = True
+            self.pool.release_chain(hit._held)
+
+    # ---- store ---------------------------------------------------------------
+    def store(
+        self,
+        ns: Namespace,
+        tokens: Any,
+        num_tokens: int,
+        payload_for: Callable[[int, int, bool], Any],
+        *,
+        extra_keys: Sequence[ExtraKeySpan] = (),
+        session_id: str | None = None,
+        truncatable: bool = True,
+        snapshot_at_end: bool = True,
+        include_partial: bool = True,
+        save_point: str = "mid_prefill",
+    ) -> int:
+        """Store the blocks of ``tokens[:num_tokens]`` that are not stored yet; returns
+        the number of blocks created. ``payload_for(start, end, snapshot)`` is called
+        only for blocks that must be created (or upgraded with a snapshot)."""
+        req = to_request_tokens(tokens)
+        _check_ns(ns, self.config.block_size)
+        spans = _check_spans(extra_keys)
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int):
+            raise ValueError(f"num_tokens must be an integer, got {num_tokens!r}")
+        if not 0 <= num_tokens <= req.n:
+            raise ValueError(f"num_tokens must be in [0, {req.n}], got {num_tokens}")
+        if save_point not in SAVE_POINTS:
+            raise ValueError(f"save_point must be one of {SAVE_POINTS}, got {save_point!r}")
+        if session_id is not None and (not isinstance(session_id, str) or not session_id):
+            raise ValueError(f"session_id must be a non-empty string or None, got {session_id!r}")
+        if not callable(payload_for):
+            raise ValueError("payload_for must be callable")
+        with self._lock:
+            self._now = self._clock()
+            created = self._store(ns, req, num_tokens, payload_for, spans, session_id,
+                                  truncatable, snapshot_at_end, include_partial)
+            self._c.saves[save_point] += 1
+            self._c.blocks_saved[save_point] += created
+            return created
+
+    def _store(self, ns: Namespace, req: RequestTokens, num_tokens: int,
+               payload_for: Callable[[int, int, bool], Any], spans: tuple[ExtraKeySpan, ...],
+               session_id: str | None, truncatable: bool, snapshot_at_end: bool,
+               include_partial: bool) -> int:
+        pool, c, bs = self.pool, self._c, ns.block_size
+        held: list[Block] = []
+        created: list[Block] = []
+        parent = ns.root
+        try:
+            for start in range(0, num_tokens, bs):
+                end = min(start + bs, num_tokens)
+                if end - start < bs and not include_partial:
+                    break
+                extra = extra_keys_for(spans, start, end) if spans else ()
+                h = _matcher.block_hash(parent, req.arr[start:end], extra)
+                want = req.slice_bytes(start, end)
+                snap = snapshot_at_end and end == num_tokens
+                flags = (TRUNCATABLE if truncatable else 0) | (SNAPSHOT if snap else 0)
+                existing = pool.get(h)
+                if existing is not None and not (
+                    existing.parent_hash == parent and existing.start == start
+                    and existing.tokens == want and existing.ns == ns
+                ):
+                    c.collisions += 1
+                    logger.warning("hash collision at token %d: block not stored", start)
+                    break
+                if existing is not None and existing.ref_cnt == 0 and self._is_expired(existing):
+                    self._remove_expired(existing)
+                    existing = None
+                if existing is not None:
+                    pool.ref(existing, self._now)
+                    held.append(existing)
+                    c.dedup_blocks += 1
+                    self._touch_existing(existing, session_id, snap, start, end, payload_for)
+                else:
+                    payload = payload_for(start, end, snap)
+                    nbytes = self.adapter.nbytes(payload)
+                    if not pool.can_allocate(nbytes):
+                        c.drops += 1
+                        logger.debug("no room for a %d-byte block at token %d: dropped", nbytes, start)
+                        break
+                    block = pool.allocate(
+                        block_hash=h, parent_hash=parent, tokens=want, start=start,
+                        extra_keys=extra, flags=flags, ns=ns, payload=payload, nbytes=nbytes,
+                        now=self._now,
+                    )
+                    if session_id is not None:
+                        block.add_session(session_id)
+                    self.gone.forget(h)
+                    held.append(block)
+                    created.append(block)
+                parent = h
+            if self.write_through and self.lower:
+                for block in created:
+                    self._write_through(block)
+        finally:
+            pool.release_chain(held)
+        return len(created)
+
+    def _touch_existing(self, block: Block, session_id: str | None, snap: bool, start: int,
+                        end: int, payload_for: Callable[[int, int, bool], Any]) -> None:
+        if session_id is not None and block.add_session(session_id) and block.persisted:
+            for tier in self.lower:
+                try:
+                    tier.add_sessions(block.meta().block_hash, (session_id,))
+                except (TierError, OSError) as e:
+                    self._on_tier_error(tier, e)
+        if snap and not block.restorable_at_end():
+            payload = payload_for(start, end, True)
+            nbytes = self.adapter.nbytes(payload)
+            flags = (block.flags | SNAPSHOT) & ~PERSISTED
+            if self.pool.replace_payload(block, payload, nbytes, flags):
+                self._c.upgrades += 1
+            else:
+                self._c.drops += 1
+
+    def _write_through(self, block: Block) -> None:
+        try:
+            meta = block.meta()
+            data = self._enc(self.adapter.to_numpy(block.payload), {"block_hash": meta.block_hash.hex()})
+        except Exception as e:
+            self._c.demotion_failures += 1
+            logger.warning("cannot encode block %s for write-through: %s", block.block_id, e)
+            return
+        ok = True
+        for tier in self.lower:
+            try:
+                ok = bool(tier.put(meta, data, block.sessions)) and ok
+            except (TierError, OSError) as e:
+                ok = False
+                self._on_tier_error(tier, e)
+        if ok:
+            block.flags |= PERSISTED
+            self._c.write_through += 1
+
+    # ---- eviction, deletion ----------------------------------------------------
+    def evict(self, num_blocks: int | None = None) -> int:
+        """Evict (demote) up to ``num_blocks`` LRU unreferenced blocks (None: all)."""
+        if num_blocks is not None and (isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 0):
+            raise ValueError(f"num_blocks must be a non-negative integer or None, got {num_blocks!r}")
+        with self._lock:
+            self._now = self._clock()
+            done = 0
+            while num_blocks is None or done < num_blocks:
+                if self.pool.evict() is None:
+                    break
+                done += 1
+            return done
+
+    def delete_session(self, session_id: str) -> int:
+        """Remove the session from every block in every tier; blocks left with no
+        session are deleted. Returns the number of blocks deleted (all tiers)."""
+        if not isinstance(session_id, str) or not session_id:
+            raise ValueError(f"session_id must be a non-empty string, got {session_id!r}")
+        with self._lock:
+            count = 0
+            for block in self.pool.blocks():
+                if session_id in block.sessions:
+                    block.sessions = tuple(s for s in block.sessions if s != session_id)
+                    if not block.sessions and self.pool.remove(block):
+                        count += 1
+            for tier in self.lower:
+                try:
+                    count += int(tier.delete_session(session_id))
+                except (TierError, OSError) as e:
+                    self._on_tier_error(tier, e)
+            return count
+
+    def delete(self, tenant: str | None = None) -> int:
+        """Delete every block of ``tenant`` (None: every block) in every tier."""
+        if tenant is not None and (not isinstance(tenant, str) or not tenant):
+            raise ValueError(f"tenant must be a non-empty string or None, got {tenant!r}")
+        with self._lock:
+            count = 0
+            for block in self.pool.blocks():
+                if (tenant is None or block.ns.tenant == tenant) and self.pool.remove(block):
+                    count += 1
+            for tier in self.lower:
+                try:
+                    count += int(tier.delete_tenant(tenant))
+                except (TierError, OSError) as e:
+                    self._on_tier_error(tier, e)
+            return count
+
+    # ---- stats -----------------------------------------------------------------
+    def stats(self) -> CacheStats:
+        with self._lock:
+            tiers: dict[str, dict[str, Any]] = {}
+            for tier in self.lower:
+                try:
+                    tiers[tier.name] = dict(tier.stats())
+                except Exception as e:  # stats must never fail the admin endpoint
+                    tiers[tier.name] = {"error": str(e)}
+            pool = self.pool
+            return snapshot(
+                self._c, ram_bytes=pool.used_bytes, ram_budget_bytes=pool.budget_bytes,
+                ram_blocks=pool.num_blocks, ram_used_blocks=pool.num_used_blocks,
+                ram_free_blocks=pool.num_free_blocks, tiers=tiers,
+            )
+
+    def check(self) -> None:
+        """Verify the pool's invariants (tests, admin); raises InvariantError."""
+        with self._lock:
+            self.pool.check()
+
+    def close(self) -> None:
+        """Close the lower tiers (flushing their pending writes)."""
+        with self._lock:
+            for tier in self.lower:
+                try:
+                    tier.close()
+                except Exception as e:
+                    logger.warning("closing tier %s failed: %s", getattr(tier, "name", tier), e)

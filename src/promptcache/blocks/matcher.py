@@ -1,0 +1,346 @@
+"""Token-granular prefix matching over block storage (RAM pool + lower tiers).
+
+1. Walk the request's full blocks by chained hash; each hash is looked up in RAM
+   first, then in each lower tier's metadata index. A found block counts only if
+   its stored token ids, parent and start equal the request's (a hash collision
+   is harmless).
+2. Among the children of the last matched block (RAM children index plus the
+   lower tiers' ``children``), take the one, full or partial, with the longest
+   common prefix with the rest of the request (its extra keys must equal the
+   request's for that range).
+3. The usable end is the furthest *restorable* position: inside a block only if
+   the state is truncatable, at a block's end only if ``restorable_at_end``;
+   never past ``len(tokens) - 1`` (the last token is recomputed for its logits).
+
+This module never changes the pool (a lookup is a pure query).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+from ..errors import TierError
+from ..hashing import BlockHash, hash_block
+from ..meta import BlockMeta, ExtraKeySpan, Namespace, extra_keys_for
+from .pool import Block, BlockPool
+from .tokens import RequestTokens
+
+logger = logging.getLogger(__name__)
+
+RAM = "ram"
+
+# Causes of a short match (MissInfo.cause)
+COLD = "cold"
+EVICTED = "evicted"
+EXPIRED = "expired"
+DIVERGED = "diverged"
+NOT_RESTORABLE = "not_restorable"
+
+
+def block_hash(parent: BlockHash, token_ids: Any, extra_keys: tuple[bytes, ...]) -> BlockHash:
+    """The one place blocks are hashed (tests patch ``hash_block`` here)."""
+    return hash_block(parent, token_ids, extra_keys)
+
+
+class MetaSource(Protocol):
+    """The metadata half of a lower tier (``tiers.base.Tier``)."""
+
+    name: str
+
+    def get_meta(self, block_hash: BlockHash) -> BlockMeta | None: ...
+
+    def children(self, parent_hash: BlockHash) -> list[BlockMeta]: ...
+
+
+class LowerEntry:
+    """A matched block that lives in a lower tier."""
+
+    __slots__ = ("meta", "source")
+
+    def __init__(self, meta: BlockMeta, source: MetaSource) -> None:
+        self.meta = meta
+        self.source = source
+
+    @property
+    def tier(self) -> str:
+        return self.source.name
+
+    @property
+    def start(self) -> int:
+        return self.meta.start
+
+    @property
+    def end(self) -> int:
+        return self.meta.end
+
+    @property
+    def truncatable(self) -> bool:
+        return self.meta.truncatable
+
+    def restorable_at_end(self) -> bool:
+        return self.meta.restorable_at_end()
+
+
+Entry = Block | LowerEntry
+
+
+def entry_tier(entry: Entry) -> str:
+    return RAM if isinstance(entry, Block) else entry.source.name
+
+
+def entry_meta(entry: Entry) -> BlockMeta:
+    return entry.meta() if isinstance(entry, Block) else entry.meta
+
+
+@dataclass(frozen=True, slots=True)
+class MissInfo:
+    """Why a lookup stopped short of ``len(tokens) - 1``.
+
+    ``position``: the first request token not found in any stored block;
+    ``restorable``: the position the state can actually be restored at;
+    ``cause``: cold | evicted | expired | diverged | not_restorable.
+    """
+
+    position: int
+    restorable: int
+    num_tokens: int
+    cause: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "position": self.position,
+            "restorable": self.restorable,
+            "num_tokens": self.num_tokens,
+            "cause": self.cause,
+        }
+
+
+@dataclass(slots=True)
+class RawMatch:
+    """The matcher's result: ``entries`` cover ``[0, num_tokens)`` (the last one may
+    extend past it and is then truncated by the engine)."""
+
+    entries: list[Entry]
+    num_tokens: int
+    matched_tokens: int
+    miss: MissInfo | None
+
+
+class GoneMemory:
+    """A bounded memory of blocks that left RAM (evicted or expired), keyed by the
+    block hash and by its parent hash, used to explain misses."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = max(0, capacity)
+        self._by_hash: OrderedDict[BlockHash, str] = OrderedDict()
+        self._by_parent: OrderedDict[BlockHash, str] = OrderedDict()
+
+    def record(self, block_hash: BlockHash, parent: BlockHash, cause: str) -> None:
+        if not self.capacity:
+            return
+        for mem, key in ((self._by_hash, block_hash), (self._by_parent, parent)):
+            mem[key] = cause
+            mem.move_to_end(key)
+            while len(mem) > self.capacity:
+                mem.popitem(last=False)
+
+    def forget(self, block_hash: BlockHash) -> None:
+        self._by_hash.pop(block_hash, None)
+
+    def by_hash(self, block_hash: BlockHash) -> str | None:
+        return self._by_hash.get(block_hash)
+
+    def by_parent(self, parent: BlockHash) -> str | None:
+        return self._by_parent.get(parent)
+
+
+def _lcp(a: bytes, b: bytes) -> int:
+    """Common prefix length, in tokens, of two packed token strings."""
+    n = min(len(a), len(b)) >> 2
+    if a[: n * 4] == b[: n * 4]:
+        return n
+    x = np.frombuffer(a, dtype="<u4", count=n)
+    y = np.frombuffer(b, dtype="<u4", count=n)
+    return int(np.argmax(x != y))
+
+
+class Matcher:
+    """Finds the longest restorable prefix of a request (see the module docstring)."""
+
+    def __init__(
+        self,
+        pool: BlockPool,
+        lower: Sequence[MetaSource],
+        gone: GoneMemory,
+        *,
+        is_expired: Callable[[Block], bool],
+        on_tier_error: Callable[[MetaSource, Exception], None],
+    ) -> None:
+        self.pool = pool
+        self.lower = list(lower)
+        self.gone = gone
+        self.is_expired = is_expired
+        self.on_tier_error = on_tier_error
+
+    def _ram_ok(self, block: Block | None, parent: BlockHash, start: int, want: bytes,
+                ns: Namespace) -> bool:
+        return (
+            block is not None
+            and block.parent_hash == parent
+            and block.start == start
+            and block.tokens == want
+            and (block.ns is ns or block.ns == ns)
+            and not self.is_expired(block)
+        )
+
+    @staticmethod
+    def _meta_ok(meta: BlockMeta | None, parent: BlockHash, start: int, want: bytes,
+                 ns_key: str, extra: tuple[bytes, ...]) -> bool:
+        return (
+            meta is not None
+            and meta.parent_hash == parent
+            and meta.start == start
+            and meta.namespace_key == ns_key
+            and meta.extra_keys == extra
+            and np.asarray(meta.token_ids, dtype="<u4").tobytes() == want
+        )
+
+    def _find_lower(self, h: BlockHash, parent: BlockHash, start: int, want: bytes,
+                    ns_key: str, extra: tuple[bytes, ...]) -> LowerEntry | None:
+        for src in self.lower:
+            try:
+                meta = src.get_meta(h)
+            except (TierError, OSError) as e:
+                self.on_tier_error(src, e)
+                continue
+            if self._meta_ok(meta, parent, start, want, ns_key, extra) and meta is not None:
+                return LowerEntry(meta, src)
+        return None
+
+    def match(self, req: RequestTokens, ns: Namespace, spans: Sequence[ExtraKeySpan]) -> RawMatch:
+        n = req.n
+        bs = ns.block_size
+        cap = n - 1  # the last token is always recomputed
+        arr, buf = req.arr, req.buf
+        pool_get = self.pool.get
+        ns_key = ns.key
+        entries: list[Entry] = []
+        parent = ns.root
+        pos = 0
+        best = 0  # furthest restorable position
+        best_len = 0  # entries needed for `best`
+        next_hash: BlockHash | None = None
+        while pos + bs <= n:
+            end = pos + bs
+            extra = extra_keys_for(spans, pos, end) if spans else ()
+            h = block_hash(parent, arr[pos:end], extra)
+            want = buf[pos * 4 : end * 4]
+            block = pool_get(h)
+            entry: Entry | None
+            if self._ram_ok(block, parent, pos, want, ns) and block is not None:
+                entry = block
+                trunc = bool(block.flags & 1)
+                at_end = bool(block.flags & 3)
+            else:
+                entry = self._find_lower(h, parent, pos, want, ns_key, extra) if self.lower else None
+                if entry is None:
+                    next_hash = h
+                    break
+                trunc = entry.meta.truncatable
+                at_end = entry.meta.restorable_at_end()
+            entries.append(entry)
+            if end <= cap:
+                if at_end:
+                    best, best_len = end, len(entries)
+            elif trunc:
+                best, best_len = cap, len(entries)
+            parent = h
+            pos = end
+        matched = pos
+        # children of the last matched block: the longest common prefix with the rest
+        rest = buf[pos * 4 :]
+        diverged = False
+        child_best: tuple[int, Entry] | None = None  # (restorable end, entry)
+        if pos < n:
+            top_lcp = -1
+            for cand, c_tokens, c_extra, c_trunc, c_at_end in self._children(parent, pos, ns, ns_key):
+                lcp = _lcp(c_tokens, rest)
+                c_len = len(c_tokens) >> 2
+                if lcp > top_lcp:
+                    top_lcp = lcp
+                    diverged = lcp < min(c_len, n - pos)
+                if not lcp:
+                    continue
+                c_end = pos + c_len
+                if c_extra != (extra_keys_for(spans, pos, c_end) if spans else ()):
+                    continue
+                matched = max(matched, pos + lcp)
+                reach = min(pos + lcp, cap)
+                if reach <= pos:
+                    continue
+                if reach < c_end and not c_trunc:
+                    continue
+                if reach == c_end and not (c_trunc or c_at_end):
+                    continue
+                if reach > best and (child_best is None or reach > child_best[0]):
+                    child_best = (reach, cand)
+        if child_best is not None:
+            best = child_best[0]
+            entries.append(child_best[1])
+            best_len = len(entries)
+        del entries[best_len:]
+        miss = None
+        if best < cap:
+            miss = self._explain(best, matched, n, next_hash, parent, diverged)
+        return RawMatch(entries, best, matched, miss)
+
+    def _children(self, parent: BlockHash, pos: int, ns: Namespace, ns_key: str
+                  ) -> list[tuple[Entry, bytes, tuple[bytes, ...], bool, bool]]:
+        out: list[tuple[Entry, bytes, tuple[bytes, ...], bool, bool]] = []
+        seen: set[bytes] = set()
+        for block in self.pool.children(parent):
+            if block.start != pos or not (block.ns is ns or block.ns == ns) or self.is_expired(block):
+                continue
+            if block.block_hash is not None:
+                seen.add(block.block_hash)
+            out.append((block, block.tokens, block.extra_keys, block.truncatable,
+                         block.restorable_at_end()))
+        for src in self.lower:
+            try:
+                metas = src.children(parent)
+            except (TierError, OSError) as e:
+                self.on_tier_error(src, e)
+                continue
+            for meta in metas:
+                if meta.block_hash in seen or meta.start != pos or meta.namespace_key != ns_key:
+                    continue
+                seen.add(meta.block_hash)
+                out.append((LowerEntry(meta, src), np.asarray(meta.token_ids, dtype="<u4").tobytes(),
+                            meta.extra_keys, meta.truncatable, meta.restorable_at_end()))
+        return out
+
+    def _explain(self, best: int, matched: int, n: int, next_hash: BlockHash | None,
+                 parent: BlockHash, diverged: bool) -> MissInfo:
+        cause = COLD
+        gone_next = self.gone.by_hash(next_hash) if next_hash is not None else None
+        if min(matched, n - 1) > best:
+            cause = NOT_RESTORABLE
+        elif gone_next is not None:
+            cause = gone_next
+        elif next_hash is not None and self._expired_in_ram(next_hash):
+            cause = EXPIRED
+        elif diverged:
+            cause = DIVERGED
+        else:
+            cause = self.gone.by_parent(parent) or COLD
+        return MissInfo(position=matched, restorable=best, num_tokens=n, cause=cause)
+
+    def _expired_in_ram(self, h: BlockHash) -> bool:
+        block = self.pool.get(h)
+        return block is not None and self.is_expired(block)

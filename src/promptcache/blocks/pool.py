@@ -1,0 +1,439 @@
+"""The RAM block pool: ref-counted blocks, a hash map, a children index, LRU eviction.
+
+A block exists in the pool only while it holds cached state. Its life:
+
+* ``allocate`` creates it with ``ref_cnt == 1`` (held by the caller) after
+  ``make_room`` evicted least recently used unreferenced blocks for its bytes;
+* ``ref`` / ``unref`` count its users (a live ``Hit``, a ``store`` in progress);
+  a block with ``ref_cnt == 0`` sits in the free queue (LRU order) and is the
+  only kind that can be evicted; ``release_chain`` unrefs a sequence tail-first
+  so a chain's tail is evicted before its head;
+* ``evict`` / ``make_room`` drop the LRU unreferenced block through the
+  ``on_evict`` hook (demotion to the lower tiers); ``remove`` deletes it without
+  the hook (session / tenant deletion, TTL).
+
+Counting invariant (``check``): ``num_free_blocks + num_used_blocks == num_blocks``,
+``used_bytes <= budget_bytes``, and the hash map, the children index and the
+blocks agree both ways. A *private* block (``block_hash is None``, from
+copy-on-write or a removal while referenced) is not in the map; it is discarded
+when its last reference goes.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from ..errors import InvariantError
+from ..hashing import BlockHash
+from ..meta import BlockMeta, Namespace
+from .free_queue import FreeNode, FreeQueue
+
+logger = logging.getLogger(__name__)
+
+TRUNCATABLE = 1
+SNAPSHOT = 2
+PERSISTED = 4  # a copy is known to be in the lower tiers: no demotion needed
+
+EMPTY_SESSIONS: tuple[str, ...] = ()
+
+
+def pack_tokens(token_ids: Sequence[int] | np.ndarray) -> bytes:
+    """Token ids as little-endian uint32 bytes (the compact form blocks keep)."""
+    return np.asarray(token_ids, dtype="<u4").tobytes()
+
+
+def unpack_tokens(data: bytes) -> tuple[int, ...]:
+    return tuple(np.frombuffer(data, dtype="<u4").tolist())
+
+
+class Block(FreeNode):
+    """One cached block in RAM. Token ids are kept packed (4 bytes each)."""
+
+    __slots__ = (
+        "block_id",
+        "block_hash",
+        "parent_hash",
+        "tokens",
+        "start",
+        "extra_keys",
+        "flags",
+        "ns",
+        "payload",
+        "nbytes",
+        "ref_cnt",
+        "last_access",
+        "sessions",
+    )
+
+    def __init__(
+        self,
+        block_id: int,
+        block_hash: BlockHash | None,
+        parent_hash: BlockHash,
+        tokens: bytes,
+        start: int,
+        extra_keys: tuple[bytes, ...],
+        flags: int,
+        ns: Namespace,
+        payload: Any,
+        nbytes: int,
+        last_access: float,
+    ) -> None:
+        self.prev_free: FreeNode | None = None
+        self.next_free: FreeNode | None = None
+        self.block_id = block_id
+        self.block_hash = block_hash
+        self.parent_hash = parent_hash
+        self.tokens = tokens
+        self.start = start
+        self.extra_keys = extra_keys
+        self.flags = flags
+        self.ns = ns
+        self.payload = payload
+        self.nbytes = nbytes
+        self.ref_cnt = 0
+        self.last_access = last_access
+        self.sessions = EMPTY_SESSIONS
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens) >> 2
+
+    @property
+    def end(self) -> int:
+        return self.start + (len(self.tokens) >> 2)
+
+    @property
+    def truncatable(self) -> bool:
+        return bool(self.flags & TRUNCATABLE)
+
+    @property
+    def snapshot(self) -> bool:
+        return bool(self.flags & SNAPSHOT)
+
+    @property
+    def persisted(self) -> bool:
+        return bool(self.flags & PERSISTED)
+
+    def restorable_at_end(self) -> bool:
+        return bool(self.flags & (TRUNCATABLE | SNAPSHOT))
+
+    def add_session(self, session_id: str) -> bool:
+        """Record a session; True if it was new."""
+        if session_id in self.sessions:
+            return False
+        self.sessions = (*self.sessions, session_id)
+        return True
+
+    def meta(self) -> BlockMeta:
+        if self.block_hash is None:
+            raise InvariantError(f"block {self.block_id} is private and has no hash")
+        return BlockMeta(
+            block_hash=self.block_hash,
+            parent_hash=self.parent_hash,
+            token_ids=unpack_tokens(self.tokens),
+            start=self.start,
+            extra_keys=self.extra_keys,
+            nbytes=self.nbytes,
+            truncatable=self.truncatable,
+            snapshot=self.snapshot,
+            namespace_key=self.ns.key,
+            tenant=self.ns.tenant,
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"Block(id={self.block_id}, start={self.start}, n={self.num_tokens}, "
+            f"ref={self.ref_cnt}, nbytes={self.nbytes})"
+        )
+
+
+class BlockPool:
+    """Blocks in RAM under a byte budget; LRU eviction of unreferenced blocks only."""
+
+    def __init__(
+        self, budget_bytes: int, on_evict: Callable[[Block], None] | None = None
+    ) -> None:
+        if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes < 0:
+            raise ValueError(f"budget_bytes must be a non-negative integer, got {budget_bytes!r}")
+        self.budget_bytes = budget_bytes
+        self.on_evict = on_evict
+        self._map: dict[BlockHash, Block] = {}
+        # parent hash -> the child block, or a list when there are several
+        self._children: dict[BlockHash, Block | list[Block]] = {}
+        self._free: FreeQueue[Block] = FreeQueue()
+        self._next_id = 0
+        self.used_bytes = 0
+        self._free_bytes = 0  # bytes of unreferenced (evictable) blocks
+        self.num_blocks = 0
+        self.num_used_blocks = 0
+        self.num_evictions = 0
+
+    # ---- queries -------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def evictable_bytes(self) -> int:
+        return self._free_bytes
+
+    def __len__(self) -> int:
+        return len(self._map)
+
+    def get(self, block_hash: BlockHash) -> Block | None:
+        return self._map.get(block_hash)
+
+    def children(self, parent_hash: BlockHash) -> list[Block]:
+        found = self._children.get(parent_hash)
+        if found is None:
+            return []
+        if isinstance(found, list):
+            return list(found)
+        return [found]
+
+    def blocks(self) -> list[Block]:
+        """Every hashed block (a snapshot list; order of insertion)."""
+        return list(self._map.values())
+
+    def lru_order(self) -> list[Block]:
+        """Unreferenced blocks, next to be evicted first."""
+        return list(self._free)
+
+    # ---- allocation ----------------------------------------------------------
+    def can_allocate(self, nbytes: int) -> bool:
+        """Whether ``nbytes`` fit after evicting every unreferenced block if needed."""
+        return nbytes <= self.budget_bytes and (
+            self.used_bytes - self._free_bytes + nbytes <= self.budget_bytes
+        )
+
+    def make_room(self, nbytes: int) -> bool:
+        """Evict LRU unreferenced blocks until ``nbytes`` more fit. False if impossible
+        (nothing is evicted then)."""
+        if not self.can_allocate(nbytes):
+            return False
+        while self.used_bytes + nbytes > self.budget_bytes:
+            self.evict()
+        return True
+
+    def allocate(
+        self,
+        *,
+        block_hash: BlockHash | None,
+        parent_hash: BlockHash,
+        tokens: bytes,
+        start: int,
+        extra_keys: tuple[bytes, ...],
+        flags: int,
+        ns: Namespace,
+        payload: Any,
+        nbytes: int,
+        now: float,
+    ) -> Block:
+        """Create a block held by the caller (``ref_cnt == 1``), evicting as needed.
+
+        Call ``can_allocate`` first: a block that cannot fit raises InvariantError.
+        """
+        if block_hash is not None and block_hash in self._map:
+            raise InvariantError("a block with this hash is already in the pool")
+        if not self.make_room(nbytes):
+            raise InvariantError(f"no room for {nbytes} bytes (call can_allocate first)")
+        block = Block(
+            self._next_id, block_hash, parent_hash, tokens, start, extra_keys, flags, ns,
+            payload, nbytes, now,
+        )
+        self._next_id += 1
+        block.ref_cnt = 1
+        self.num_blocks += 1
+        self.num_used_blocks += 1
+        self.used_bytes += nbytes
+        if block_hash is not None:
+            self._map[block_hash] = block
+            self._add_child(block)
+        return block
+
+    # ---- references ----------------------------------------------------------
+    def ref(self, block: Block, now: float | None = None) -> None:
+        """Take a reference (a hit or a store uses the block): it leaves the free queue."""
+        if block.ref_cnt == 0:
+            self._free.remove(block)
+            self._free_bytes -= block.nbytes
+            self.num_used_blocks += 1
+        block.ref_cnt += 1
+        if now is not None:
+            block.last_access = now
+
+    def unref(self, block: Block) -> None:
+        """Drop a reference; at zero the block becomes evictable (most recent end of
+        the LRU), or is discarded if it is private."""
+        if block.ref_cnt <= 0:
+            raise InvariantError(f"unref of an unreferenced block {block!r}")
+        block.ref_cnt -= 1
+        if block.ref_cnt:
+            return
+        self.num_used_blocks -= 1
+        if block.block_hash is None:
+            self._discard(block)
+        else:
+            self._free.append(block)
+            self._free_bytes += block.nbytes
+
+    def release_chain(self, blocks: list[Block]) -> None:
+        """Unref the blocks of one sequence tail-first: the tail enters the LRU
+        before the head, so it is evicted first."""
+        for block in reversed(blocks):
+            self.unref(block)
+
+    # ---- eviction and removal --------------------------------------------------
+    def evict(self) -> Block | None:
+        """Evict the least recently used unreferenced block through ``on_evict``."""
+        block = self._free.peekleft()
+        if block is None:
+            return None
+        self._drop(block)
+        self.num_evictions += 1
+        if self.on_evict is not None:
+            self.on_evict(block)
+        return block
+
+    def remove(self, block: Block) -> bool:
+        """Delete a block without demotion. A referenced block leaves the map at once
+        (no new hit can find it) and is discarded when its last user releases it.
+        Returns True if the block was in the map."""
+        if block.block_hash is None or self._map.get(block.block_hash) is not block:
+            return False
+        if block.ref_cnt == 0:
+            self._drop(block)
+        else:
+            self._unhash(block)
+        return True
+
+    def _drop(self, block: Block) -> None:
+        # an unreferenced, hashed block: out of the queue, the map and the budget.
+        # It keeps its hash (the eviction hook needs it); nothing refers to it any more.
+        self._free.remove(block)
+        self._free_bytes -= block.nbytes
+        if block.block_hash is not None:
+            del self._map[block.block_hash]
+            self._remove_child(block)
+        self._discard(block)
+
+    def _unhash(self, block: Block) -> None:
+        # a referenced block becomes private: discarded at its last unref
+        if block.block_hash is None:
+            return
+        del self._map[block.block_hash]
+        self._remove_child(block)
+        block.block_hash = None
+
+    def _discard(self, block: Block) -> None:
+        self.used_bytes -= block.nbytes
+        self.num_blocks -= 1
+
+    # ---- payload changes -----------------------------------------------------
+    def replace_payload(self, block: Block, payload: Any, nbytes: int, flags: int) -> bool:
+        """Swap a block's payload (e.g. upgrade to one with a snapshot). The block must
+        be referenced by the caller. False (nothing changed) if the bytes cannot fit."""
+        if block.ref_cnt <= 0:
+            raise InvariantError("replace_payload needs a referenced block")
+        extra = nbytes - block.nbytes
+        if extra > 0 and not self.make_room(extra):
+            return False
+        block.payload = payload
+        block.nbytes = nbytes
+        block.flags = flags
+        self.used_bytes += extra
+        return True
+
+    def copy_on_write(self, block: Block, copy_payload: Callable[[Any], Any], now: float) -> Block | None:
+        """The caller holds ``block`` and wants to modify it. A private block with no
+        other user is returned as is; a shared or hashed block yields a new private
+        copy (held by the caller, who loses its reference on the original). None if
+        the copy does not fit the budget (the original is still held then)."""
+        if block.ref_cnt <= 0:
+            raise InvariantError("copy_on_write needs a referenced block")
+        if block.block_hash is None and block.ref_cnt == 1:
+            return block
+        if not self.can_allocate(block.nbytes):
+            return None
+        # hold the original so making room cannot evict it
+        copy = self.allocate(
+            block_hash=None, parent_hash=block.parent_hash, tokens=block.tokens,
+            start=block.start, extra_keys=block.extra_keys, flags=block.flags & ~PERSISTED,
+            ns=block.ns, payload=copy_payload(block.payload), nbytes=block.nbytes, now=now,
+        )
+        copy.sessions = block.sessions
+        self.unref(block)
+        return copy
+
+    # ---- children index ------------------------------------------------------
+    def _add_child(self, block: Block) -> None:
+        cur = self._children.get(block.parent_hash)
+        if cur is None:
+            self._children[block.parent_hash] = block
+        elif isinstance(cur, list):
+            cur.append(block)
+        else:
+            self._children[block.parent_hash] = [cur, block]
+
+    def _remove_child(self, block: Block) -> None:
+        cur = self._children.get(block.parent_hash)
+        if cur is block:
+            del self._children[block.parent_hash]
+        elif isinstance(cur, list):
+            cur.remove(block)
+            if len(cur) == 1:
+                self._children[block.parent_hash] = cur[0]
+        else:
+            raise InvariantError(f"block {block!r} missing from the children index")
+
+    # ---- invariants (tests) ----------------------------------------------------
+    def check(self) -> None:
+        """Verify every invariant; raise InvariantError on the first broken one."""
+        self._free.check()
+        if self.num_free_blocks + self.num_used_blocks != self.num_blocks:
+            raise InvariantError(
+                f"free {self.num_free_blocks} + used {self.num_used_blocks} != total {self.num_blocks}"
+            )
+        if self.used_bytes > self.budget_bytes:
+            raise InvariantError(f"used bytes {self.used_bytes} > budget {self.budget_bytes}")
+        free_bytes = 0
+        for block in self._free:
+            if block.ref_cnt != 0:
+                raise InvariantError(f"referenced block in the free queue: {block!r}")
+            if block.block_hash is None or self._map.get(block.block_hash) is not block:
+                raise InvariantError(f"free block not in the map: {block!r}")
+            free_bytes += block.nbytes
+        if free_bytes != self._free_bytes:
+            raise InvariantError(f"free bytes {self._free_bytes} != {free_bytes}")
+        hashed_bytes = 0
+        num_children = 0
+        for h, block in self._map.items():
+            if block.block_hash != h:
+                raise InvariantError(f"map key does not match block hash: {block!r}")
+            if block.ref_cnt < 0:
+                raise InvariantError(f"negative ref count: {block!r}")
+            if (block.ref_cnt == 0) != block.in_free_queue:
+                raise InvariantError(f"free queue membership disagrees with ref count: {block!r}")
+            if block not in self.children(block.parent_hash):
+                raise InvariantError(f"block missing from the children index: {block!r}")
+            hashed_bytes += block.nbytes
+        for parent, kids in self._children.items():
+            group = kids if isinstance(kids, list) else [kids]
+            if not group:
+                raise InvariantError("empty children entry")
+            for kid in group:
+                if kid.parent_hash != parent or kid.block_hash is None or self._map.get(kid.block_hash) is not kid:
+                    raise InvariantError(f"children index holds a stale block: {kid!r}")
+            num_children += len(group)
+        if num_children != len(self._map):
+            raise InvariantError(f"children index holds {num_children} blocks, map {len(self._map)}")
+        private = self.num_blocks - len(self._map)
+        if private < 0:
+            raise InvariantError(f"{len(self._map)} mapped blocks but num_blocks {self.num_blocks}")
+        if private == 0 and hashed_bytes != self.used_bytes:
+            raise InvariantError(f"used bytes {self.used_bytes} != sum of blocks {hashed_bytes}")
