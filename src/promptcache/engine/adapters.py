@@ -322,7 +322,7 @@ def restore(
         return template
     used = _cut_blocks(blocks, num_tokens)
     out = [_restore_one(str(i), c, used, num_tokens) for i, c in enumerate(template)]
-    arrays = [a for _, a in _state_arrays(out)]
+    arrays = [a for _, a in state_arrays(out)]
     mx.eval(arrays)
     return out
 
@@ -375,7 +375,7 @@ def _restore_one(
     return KVCache.from_state((k, v, n))
 
 
-def _state_arrays(caches: Sequence[Any]) -> Iterator[tuple[str, mx.array]]:
+def state_arrays(caches: Sequence[Any]) -> Iterator[tuple[str, mx.array]]:
     for name, c in _leaves(caches):
         if isinstance(c, ArraysCache):
             for i, a in enumerate(c.cache):
