@@ -382,6 +382,10 @@ class SSDTier:
                     self.sweep()
             except Exception:  # the writer must survive anything
                 log.exception("ssd writer: unexpected error")
+                if isinstance(item, _Pending):
+                    with self._lock:
+                        self._counts["write_errors"] += 1
+                        self._forget(item)
             finally:
                 if item is not None:
                     self._queue.task_done()

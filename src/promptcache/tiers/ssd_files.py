@@ -81,6 +81,8 @@ def ensure_dir(path: Path, *, fsync: bool) -> None:
             continue
         if fsync:
             fsync_dir(d.parent)
+    if not path.is_dir():
+        raise NotADirectoryError(errno.ENOTDIR, "not a directory", str(path))
 
 
 def atomic_write(path: Path, data: bytes, *, fsync: bool) -> None:
