@@ -166,7 +166,7 @@ class FakeEngine:
             text += "<|tools|>" + json.dumps(tools, sort_keys=True) + "\n"
         for m in messages:
             starts.append(len(text.encode("utf-8")))
-            if m["role"] == "boom":
+            if m["content"] == "EXPLODE":
                 raise RuntimeError("template exploded")
             text += f"<|{m['role']}|>{m['content']}"
             for tc in m.get("tool_calls", []):

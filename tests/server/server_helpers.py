@@ -1,0 +1,55 @@
+"""Helpers of the server tests: SSE parsing, an in-thread uvicorn server."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import uvicorn
+
+
+def sse_events(text: str) -> list[tuple[str | None, Any]]:
+    """Parse an SSE body into (event name, parsed data) pairs ("[DONE]" stays a string)."""
+    out: list[tuple[str | None, Any]] = []
+    for block in text.split("\n\n"):
+        if not block.strip():
+            continue
+        name, data = None, None
+        for line in block.split("\n"):
+            if line.startswith("event: "):
+                name = line[len("event: "):]
+            elif line.startswith("data: "):
+                raw = line[len("data: "):]
+                data = raw if raw == "[DONE]" else json.loads(raw)
+        out.append((name, data))
+    return out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextmanager
+def uvicorn_thread(app: Any) -> Iterator[str]:
+    """Serve ``app`` with a real uvicorn on a free port in a thread; yields the base URL."""
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        if time.monotonic() > deadline:
+            raise RuntimeError("uvicorn did not start")
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)

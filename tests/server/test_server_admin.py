@@ -1,0 +1,232 @@
+"""Auth, scoping headers, admin endpoints, metrics, hit-rate alert, disconnects (fake engine)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from fake_engine import FakeEngine
+from fastapi.testclient import TestClient
+from server_helpers import sse_events, uvicorn_thread
+
+from promptcache.config import ServerConfig
+from promptcache.server import create_app
+from promptcache.server.alerts import HitRateMonitor, miss_cause
+
+HI = {"messages": [{"role": "user", "content": "hi"}]}
+AHI = {"max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]}
+
+
+def test_api_key_required(engine: FakeEngine) -> None:
+    c = TestClient(create_app(engine, ServerConfig(api_key="sekret")))
+    r = c.post("/v1/chat/completions", json=HI)
+    assert r.status_code == 401
+    assert r.json()["error"]["type"] == "authentication_error"
+    assert r.json()["error"]["code"] == "invalid_api_key"
+    r = c.post("/v1/messages", json=AHI, headers={"x-api-key": "wrong"})
+    assert r.status_code == 401
+    assert r.json() == {"type": "error", "error": {"type": "authentication_error",
+                                                   "message": "invalid API key"}}
+    # auth is checked before the body: a bad body without a key is still a 401
+    assert c.post("/v1/messages", content=b"{").status_code == 401
+    assert c.post("/v1/chat/completions", json=HI,
+                  headers={"Authorization": "Bearer sekret"}).status_code == 200
+    assert c.post("/v1/messages", json=AHI, headers={"x-api-key": "sekret"}).status_code == 200
+    assert c.get("/v1/cache/stats").status_code == 401
+    assert c.get("/health").status_code == 200
+    assert c.get("/metrics").status_code == 200
+
+
+def test_api_keys_file_maps_tenants(engine: FakeEngine, tmp_path: Path) -> None:
+    keys = tmp_path / "keys.json"
+    keys.write_text(json.dumps({"key-a": "alice", "key-b": "bob"}))
+    c = TestClient(create_app(engine, ServerConfig(api_keys_file=keys)))
+    assert c.post("/v1/chat/completions", json=HI).status_code == 401
+    c.post("/v1/chat/completions", json=HI, headers={"Authorization": "Bearer key-a"})
+    c.post("/v1/messages", json=AHI, headers={"x-api-key": "key-b", "X-Tenant-Id": "bob"})
+    assert [r.tenant for r in engine.submitted] == ["alice", "bob"]
+    r = c.post("/v1/chat/completions", json=HI,
+               headers={"Authorization": "Bearer key-a", "X-Tenant-Id": "bob"})
+    assert r.status_code == 403
+    # a tenant-bound key deletes only its own tenant's blocks
+    r = c.delete("/v1/cache", headers={"x-api-key": "key-a"})
+    assert r.json() == {"deleted_blocks": 1, "tenant": "alice", "cache_enabled": True}
+    assert c.delete("/v1/cache?tenant=bob", headers={"x-api-key": "key-a"}).status_code == 403
+
+
+def test_bad_api_keys_file(engine: FakeEngine, tmp_path: Path) -> None:
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"k": "../etc"}))
+    with pytest.raises(ValueError, match="tenant"):
+        create_app(engine, ServerConfig(api_keys_file=bad))
+
+
+def test_tenant_and_session_headers(client: TestClient, engine: FakeEngine) -> None:
+    r = client.post("/v1/chat/completions", json=HI,
+                    headers={"X-Tenant-Id": "team-1", "X-Session-Id": "sess-42"})
+    assert r.status_code == 200
+    assert (engine.submitted[-1].tenant, engine.submitted[-1].session_id) == ("team-1", "sess-42")
+    # another tenant never sees team-1's cached prefix
+    body = client.post("/v1/chat/completions", json=HI,
+                       headers={"X-Tenant-Id": "team-2"}).json()
+    assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    body = client.post("/v1/chat/completions", json=HI,
+                       headers={"X-Tenant-Id": "team-1"}).json()
+    assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 23
+    for bad in ("../x", "", "a b", "-lead"):
+        r = client.post("/v1/chat/completions", json=HI, headers={"X-Tenant-Id": bad})
+        assert r.status_code == 400, bad
+        assert r.json()["error"]["code"] == "invalid_tenant"
+    r = client.post("/v1/messages", json=AHI, headers={"X-Session-Id": "x" * 300})
+    assert r.status_code == 400 and r.json()["type"] == "error"
+    assert len(engine.submitted) == 3
+
+
+def test_cache_admin_endpoints(client: TestClient, engine: FakeEngine) -> None:
+    client.post("/v1/chat/completions", json=HI, headers={"X-Tenant-Id": "t1",
+                                                          "X-Session-Id": "s1"})
+    client.post("/v1/chat/completions", json=HI, headers={"X-Tenant-Id": "t2"})
+    client.post("/v1/chat/completions", json=HI, headers={"X-Tenant-Id": "t2",
+                                                          "X-Session-Id": "s2"})
+    stats = client.get("/v1/cache/stats").json()
+    assert stats["cache"]["sequences"] == 3
+    assert stats["cache_enabled"] is True
+    assert stats["rolling"]["requests_in_window"] == 1  # two cold starts skipped
+    assert stats["rolling"]["skipped_cold_starts"] == 2
+    assert stats["alert"] == {"active": False, "threshold": 0.8}
+    assert client.delete("/v1/cache/sessions/s2").json() == {
+        "deleted_blocks": 1, "session_id": "s2", "cache_enabled": True}
+    assert client.delete("/v1/cache?tenant=t1").json()["deleted_blocks"] == 1
+    assert client.delete("/v1/cache?tenant=../x").status_code == 400
+    assert client.delete("/v1/cache").json()["deleted_blocks"] == 1
+    assert engine.cache is not None
+    assert engine.cache.deleted == [("session", "s2"), ("tenant", "t1"), ("tenant", None)]
+    assert client.get("/health").json()["status"] == "ok"
+
+
+def test_cache_disabled(tmp_path: Path) -> None:
+    c = TestClient(create_app(FakeEngine(use_cache=False), ServerConfig()))
+    assert c.get("/v1/cache/stats").json()["cache"] is None
+    assert c.delete("/v1/cache").json()["cache_enabled"] is False
+    body = c.post("/v1/messages", json=AHI).json()
+    assert body["usage"]["cache_creation_input_tokens"] == 0
+
+
+def test_metrics(client: TestClient) -> None:
+    client.post("/v1/chat/completions", json=HI)
+    client.post("/v1/messages", json=AHI)
+    client.post("/v1/chat/completions", json={"messages": []})
+    text = client.get("/metrics").text
+    lines = set(text.splitlines())
+    assert 'promptcache_requests_total{api="openai",status="ok"} 1.0' in lines
+    assert 'promptcache_requests_total{api="anthropic",status="ok"} 1.0' in lines
+    assert "promptcache_prompt_tokens_total 48.0" in lines
+    assert 'promptcache_cached_tokens_total{tier="ram"} 23.0' in lines
+    assert "promptcache_generated_tokens_total 17.0" in lines
+    assert 'promptcache_ttft_seconds_count{api="openai"} 1.0' in lines
+    assert 'promptcache_cache_bytes_by_tier{tier="ram"} 200.0' in lines
+    assert "promptcache_cache_ssd_spills 2.0" in lines
+    assert "promptcache_cache_ssd_quarantined 1.0" in lines
+    assert "promptcache_hit_rate_alert 0.0" in lines
+    # each app has its own registry
+    other = TestClient(create_app(FakeEngine(), ServerConfig())).get("/metrics").text
+    assert "promptcache_prompt_tokens_total 0.0" in other.splitlines()
+
+
+def test_monitor_rules(caplog: pytest.LogCaptureFixture) -> None:
+    assert miss_cause("evicted at token 12 (message 3)") == "evicted"
+    assert miss_cause(None) is None
+    m = HitRateMonitor(window=4, threshold=0.8, min_samples=2)
+    m.record(100, 0, "cold: never seen")  # skipped
+    assert m.hit_rate() is None and m.num_skipped_cold == 1
+    m.record(100, 90, None)
+    assert not m.alerting  # below min_samples
+    with caplog.at_level(logging.WARNING, logger="promptcache.server.alerts"):
+        m.record(100, 10, "evicted at 10")
+        m.record(100, 20, "evicted at 20")
+        m.record(100, 30, "diverged at 30")
+    assert m.alerting
+    assert m.hit_rate() == pytest.approx(150 / 400)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1  # logged once on entering the alert state
+    assert warnings[0] == ("low prompt-cache hit rate: 50.0% over the last 2 requests "
+                           "(threshold 80%); most common miss reasons: evicted x1")
+    for _ in range(4):
+        m.record(100, 99, None)
+    assert not m.alerting and m.hit_rate() == pytest.approx(0.99)
+    with pytest.raises(ValueError):
+        HitRateMonitor(window=0)
+
+
+def test_alert_gauge_through_app(caplog: pytest.LogCaptureFixture) -> None:
+    engine = FakeEngine()
+    c = TestClient(create_app(engine, ServerConfig(hit_rate_window=3)))
+    with caplog.at_level(logging.WARNING, logger="promptcache.server.alerts"):
+        for i in range(4):  # each prompt shares only "<|user|>" with the previous ones
+            c.post("/v1/chat/completions",
+                   json={"messages": [{"role": "user", "content": f"{i}" * 40}]})
+    stats = c.get("/v1/cache/stats").json()["rolling"]
+    assert stats["requests_in_window"] == 3 and stats["skipped_cold_starts"] == 1
+    assert stats["alerting"] is True
+    assert "promptcache_hit_rate_alert 1.0" in c.get("/metrics").text.splitlines()
+    assert any("low prompt-cache hit rate" in r.getMessage() for r in caplog.records)
+
+
+def test_disconnect_cancels_and_server_keeps_serving() -> None:
+    engine = FakeEngine(reply="x" * 200, delay=0.02)
+    with uvicorn_thread(create_app(engine, ServerConfig())) as base:
+        with httpx.Client(base_url=base, timeout=10) as hc:
+            with hc.stream("POST", "/v1/chat/completions",
+                           json={**HI, "stream": True}) as r:
+                lines = r.iter_lines()
+                for _ in range(6):
+                    next(lines)
+            deadline = time.monotonic() + 5
+            while not engine.cancelled and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert engine.cancelled == [engine.submitted[0].request_id]
+            engine.delay = 0
+            body = hc.post("/v1/chat/completions", json=HI).json()
+            assert body["choices"][0]["message"]["content"] == "x" * 64
+            metrics = hc.get("/metrics").text.splitlines()
+            assert 'promptcache_requests_total{api="openai",status="cancelled"} 1.0' in metrics
+            assert "promptcache_requests_in_flight 0.0" in metrics
+
+
+def test_non_streaming_disconnect_cancels() -> None:
+    engine = FakeEngine(reply="y" * 100, delay=0.05)
+    with uvicorn_thread(create_app(engine, ServerConfig())) as base:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{base}/v1/messages", json={**AHI, "max_tokens": 100}, timeout=0.5)
+        deadline = time.monotonic() + 5
+        while not engine.cancelled and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert engine.cancelled == [engine.submitted[0].request_id]
+
+
+def test_concurrent_streams() -> None:
+    engine = FakeEngine(delay=0.005)
+
+    async def one(ac: httpx.AsyncClient, i: int) -> str:
+        r = await ac.post("/v1/messages", json={
+            "max_tokens": 50, "stream": True, "system": "shared system prompt",
+            "messages": [{"role": "user", "content": f"q{i}"}]})
+        return "".join(d["delta"]["text"] for n, d in sse_events(r.text)
+                       if n == "content_block_delta")
+
+    async def main(base: str) -> list[str]:
+        async with httpx.AsyncClient(base_url=base, timeout=20) as ac:
+            return await asyncio.gather(*(one(ac, i) for i in range(8)))
+
+    with uvicorn_thread(create_app(engine, ServerConfig())) as base:
+        t0 = time.monotonic()
+        outs = asyncio.run(main(base))
+        elapsed = time.monotonic() - t0
+    assert outs == ["Hello world!"] * 8
+    # interleaved, not serialized: 8 x 12 tokens x 5 ms sequentially would be >= 0.48 s
+    assert elapsed < 0.45
