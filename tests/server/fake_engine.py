@@ -70,9 +70,14 @@ class FakeCache:
     def stats(self) -> FakeStats:
         with self.lock:
             n = sum(len(v) for v in self.seqs.values())
-        return FakeStats({"sequences": n, "hit_rate": 0.5,
-                          "bytes_by_tier": {"ram": 100 * n, "ssd": 0},
-                          "ssd": {"spills": 2, "quarantined": 1}})
+        return FakeStats({
+            "sequences": n, "hit_tokens": 30, "miss_tokens": 70,
+            "hit_tokens_by_tier": {"ram": 20, "ssd": 10}, "misses_by_cause": {"cold": 2},
+            "saves": {"end_prefill": n}, "ram_bytes": 100 * n,
+            "tiers": {"ssd": {"name": "ssd", "spills": 2, "quarantined": 1,
+                              "bytes_on_disk": 4096, "dropped_spills": {"queue_full": 3},
+                              "degraded": False, "degraded_reason": None,
+                              "reload_latency_ms": {"buckets": [1, 2], "count": 0}}}})
 
     def delete(self, tenant: str | None = None) -> int:
         with self.lock:

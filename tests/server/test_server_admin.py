@@ -95,6 +95,7 @@ def test_cache_admin_endpoints(client: TestClient, engine: FakeEngine) -> None:
                                                           "X-Session-Id": "s2"})
     stats = client.get("/v1/cache/stats").json()
     assert stats["cache"]["sequences"] == 3
+    assert stats["cache"]["tiers"]["ssd"]["spills"] == 2
     assert stats["cache_enabled"] is True
     assert stats["rolling"]["requests_in_window"] == 1  # two cold starts skipped
     assert stats["rolling"]["skipped_cold_starts"] == 2
@@ -129,9 +130,17 @@ def test_metrics(client: TestClient) -> None:
     assert 'promptcache_cached_tokens_total{tier="ram"} 23.0' in lines
     assert "promptcache_generated_tokens_total 17.0" in lines
     assert 'promptcache_ttft_seconds_count{api="openai"} 1.0' in lines
-    assert 'promptcache_cache_bytes_by_tier{tier="ram"} 200.0' in lines
-    assert "promptcache_cache_ssd_spills 2.0" in lines
-    assert "promptcache_cache_ssd_quarantined 1.0" in lines
+    # read from cache.stats().to_dict() at scrape time
+    assert "promptcache_cache_ram_bytes 200.0" in lines
+    assert 'promptcache_cache_hit_tokens_by_tier{tier="ssd"} 10.0' in lines
+    assert 'promptcache_cache_token_hit_rate_per_tier{tier="ram"} 0.2' in lines
+    assert 'promptcache_cache_misses_by_cause{cause="cold"} 2.0' in lines
+    assert 'promptcache_cache_saves{save_point="end_prefill"} 2.0' in lines
+    assert 'promptcache_cache_spills{tier="ssd"} 2.0' in lines
+    assert 'promptcache_cache_quarantined{tier="ssd"} 1.0' in lines
+    assert 'promptcache_cache_bytes_on_disk{tier="ssd"} 4096.0' in lines
+    assert 'promptcache_cache_dropped_spills{reason="queue_full",tier="ssd"} 3.0' in lines
+    assert 'promptcache_cache_degraded{tier="ssd"} 0.0' in lines
     assert "promptcache_hit_rate_alert 0.0" in lines
     # each app has its own registry
     other = TestClient(create_app(FakeEngine(), ServerConfig())).get("/metrics").text
@@ -141,6 +150,7 @@ def test_metrics(client: TestClient) -> None:
 def test_monitor_rules(caplog: pytest.LogCaptureFixture) -> None:
     assert miss_cause("evicted at token 12 (message 3)") == "evicted"
     assert miss_cause(None) is None
+    assert miss_cause("MissInfo(position=0, restorable=0, num_tokens=9, cause='cold')") == "cold"
     m = HitRateMonitor(window=4, threshold=0.8, min_samples=2)
     m.record(100, 0, "cold: never seen")  # skipped
     assert m.hit_rate() is None and m.num_skipped_cold == 1

@@ -22,15 +22,18 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-_CAUSE_RE = re.compile(r"[A-Za-z_]+")
+_CAUSE_FIELD_RE = re.compile(r"cause['\"]?\s*[=:]\s*['\"]?([A-Za-z_]+)")
+_WORD_RE = re.compile(r"[A-Za-z_]+")
 
 
 def miss_cause(reason: str | None) -> str | None:
-    """The leading word of an engine miss reason (``"evicted at token 12 ..."`` -> evicted)."""
+    """The cause of an engine miss reason: a ``cause=...`` field when present
+    (``"MissInfo(position=0, ..., cause='cold')"``), else the leading word
+    (``"evicted at token 12 (message 3)"`` -> ``evicted``)."""
     if not reason:
         return None
-    m = _CAUSE_RE.search(reason)
-    return m.group(0).lower() if m else None
+    m = _CAUSE_FIELD_RE.search(reason) or _WORD_RE.search(reason)
+    return m.group(1 if m.re is _CAUSE_FIELD_RE else 0).lower() if m else None
 
 
 @dataclass

@@ -30,25 +30,56 @@ def _name(*parts: str) -> str:
     return _BAD.sub("_", "_".join(p for p in parts if p)).lower()
 
 
+_LABEL_FOR_KEY = {"saves": "save_point", "blocks_saved": "save_point",
+                  "dropped_spills": "reason"}
+
+
+def _label_name(key: str) -> str:
+    if "_by_" in key:
+        return _name(key.rsplit("_by_", 1)[1])
+    return _LABEL_FOR_KEY.get(key, "key")
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool)
+
+
 def flatten_stats(stats: Mapping[str, Any], prefix: str = "") -> Iterator[
         tuple[str, dict[str, str], float]]:
-    """Yield (name, labels, value) for every number in a nested stats mapping."""
+    """Yield (name, labels, value) for every number in a nested stats mapping.
+
+    A mapping whose keys are all tier names becomes a ``tier`` label; a mapping of
+    plain numbers becomes a label named after the key (``x_by_cause`` -> ``cause``);
+    other nested mappings extend the name. Strings and lists are skipped."""
     for key, value in stats.items():
         key = str(key)
-        if isinstance(value, bool):
+        if isinstance(value, bool) or _is_number(value):
             yield _name(prefix, key), {}, float(value)
-        elif isinstance(value, int | float):
-            yield _name(prefix, key), {}, float(value)
-        elif isinstance(value, Mapping):
-            if value and all(str(k).lower() in TIER_NAMES for k in value):
+        elif isinstance(value, Mapping) and value:
+            if all(str(k).lower() in TIER_NAMES for k in value):
                 for tier, sub in value.items():
                     if isinstance(sub, Mapping):
                         for name, labels, v in flatten_stats(sub, prefix):
                             yield name, {"tier": str(tier), **labels}, v
-                    elif isinstance(sub, int | float) and not isinstance(sub, bool):
+                    elif _is_number(sub):
                         yield _name(prefix, key), {"tier": str(tier)}, float(sub)
+            elif all(_is_number(v) for v in value.values()):
+                label = _label_name(key)
+                for k, v in value.items():
+                    yield _name(prefix, key), {label: str(k)}, float(v)
             else:
                 yield from flatten_stats(value, _name(prefix, key))
+
+
+def derived_stats(stats: Mapping[str, Any]) -> Iterator[tuple[str, dict[str, str], float]]:
+    """Token hit rate per tier: hit tokens of the tier / all looked-up prompt tokens."""
+    by_tier = stats.get("hit_tokens_by_tier")
+    total = stats.get("hit_tokens", 0) + stats.get("miss_tokens", 0) \
+        if _is_number(stats.get("hit_tokens")) and _is_number(stats.get("miss_tokens")) else 0
+    if isinstance(by_tier, Mapping) and total:
+        for tier, n in by_tier.items():
+            if _is_number(n):
+                yield "token_hit_rate_per_tier", {"tier": str(tier)}, n / total
 
 
 class CacheStatsCollector(Collector):
@@ -64,7 +95,7 @@ class CacheStatsCollector(Collector):
         if not stats:
             return
         families: dict[tuple[str, tuple[str, ...]], GaugeMetricFamily] = {}
-        for name, labels, value in flatten_stats(stats):
+        for name, labels, value in (*flatten_stats(stats), *derived_stats(stats)):
             full = _name("promptcache_cache", name)
             keys = tuple(sorted(labels))
             fam = families.get((full, keys))
