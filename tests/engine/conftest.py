@@ -1,0 +1,51 @@
+"""Engines over the tiny models for the generation tests (small blocks and chunks)."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import numpy as np
+import pytest
+
+from promptcache.config import CacheConfig, EngineConfig
+from promptcache.engine.engine import Engine
+
+BLOCK = 8
+CHUNK = 16
+
+
+class LogitsRecorder:
+    """Collects the last-position logits of every sampling step, per request id."""
+
+    def __init__(self) -> None:
+        self.by_request: dict[str, list[np.ndarray]] = defaultdict(list)
+
+    def __call__(self, request_id: str, step: int, logits: np.ndarray) -> None:
+        self.by_request[request_id].append(logits)
+
+
+def make_engine(path, *, snapshot_every_blocks=1, use_cache=True, budget=64 * 1024**2):
+    rec = LogitsRecorder()
+    eng = Engine.load(
+        path,
+        EngineConfig(prefill_chunk_tokens=CHUNK, snapshot_every_blocks=snapshot_every_blocks),
+        CacheConfig(block_size=BLOCK, ram_budget_bytes=budget),
+        use_cache=use_cache,
+        logits_hook=rec,
+    )
+    eng.recorder = rec
+    return eng
+
+
+@pytest.fixture(scope="module")
+def engine_factory():
+    made = []
+
+    def make(path, **kw):
+        eng = make_engine(path, **kw)
+        made.append(eng)
+        return eng
+
+    yield make
+    for eng in made:
+        eng.close()
