@@ -1,16 +1,113 @@
-"""`promptcache cache` (not built yet)."""
+"""`promptcache cache stats | ls | check [--fix] | purge [--tenant T] [--older-than D]`.
+
+``--cache-dir DIR`` is the SSD tier's folder (``SSDConfig.path``; default
+``$PROMPTCACHE_HOME/blocks``). ``check`` exits with status 1 when it finds
+problems and ``--fix`` is not given.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
+import re
 import sys
+import time
+from pathlib import Path
+
+from ..config import SSDConfig
+from ..tiers.ssd import SSDTier
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*$", re.IGNORECASE)
+_UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+
+
+def parse_duration(text: str) -> float:
+    """``7d``, ``12h``, ``30m``, ``45s``, ``2w`` -> seconds. ValueError otherwise."""
+    m = _DURATION.match(text or "")
+    if not m:
+        raise ValueError(f"invalid duration {text!r} (use e.g. 7d, 12h, 30m)")
+    return float(m.group(1)) * _UNIT_S[m.group(2).lower()]
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    p = sub.add_parser("cache", help="cache (not built yet)")
-    p.set_defaults(func=run)
+    p = sub.add_parser("cache", help="inspect and maintain the SSD cache")
+    csub = p.add_subparsers(dest="cache_command", required=True)
+
+    def add(name: str, help_: str) -> argparse.ArgumentParser:
+        sp = csub.add_parser(name, help=help_)
+        sp.add_argument(
+            "--cache-dir",
+            type=Path,
+            default=SSDConfig().path,
+            help="the SSD tier folder (default: %(default)s)",
+        )
+        sp.set_defaults(func=run)
+        return sp
+
+    add("stats", "counts and bytes per tenant")
+    ls = add("ls", "list stored blocks, most recently used first")
+    ls.add_argument("--tenant", default=None)
+    ls.add_argument("--limit", type=int, default=50, help="at most this many rows (0: all)")
+    chk = add("check", "compare the index with the files")
+    chk.add_argument("--fix", action="store_true", help="repair what is found")
+    pg = add("purge", "delete blocks")
+    pg.add_argument("--tenant", default=None, help="only this tenant")
+    pg.add_argument("--older-than", default=None, help="only blocks unused for D (7d, 12h, 30m)")
+
+
+def _open(args: argparse.Namespace, *, reconcile: bool) -> SSDTier:
+    cache_dir: Path = args.cache_dir
+    if not cache_dir.is_dir():
+        raise ValueError(f"cache folder {cache_dir} does not exist")
+    return SSDTier(SSDConfig(path=cache_dir), reconcile_on_open=reconcile)
 
 
 def run(args: argparse.Namespace) -> int:
-    print("promptcache cache: not built yet", file=sys.stderr)
-    return 0
+    cmd = args.cache_command
+    if cmd == "purge":
+        older = parse_duration(args.older_than) if args.older_than is not None else None
+    if cmd == "ls" and args.limit < 0:
+        raise ValueError(f"--limit must be >= 0, got {args.limit}")
+    tier = _open(args, reconcile=False)
+    try:
+        if cmd == "stats":
+            s = tier.stats()
+            out = {
+                "cache_dir": str(args.cache_dir),
+                "blocks": s["blocks_on_disk"],
+                "bytes": s["bytes_on_disk"],
+                "bytes_written": s["bytes_written"],
+                "degraded": s["degraded"],
+                "tenants": {t: {"blocks": n, "bytes": b} for t, n, b in tier.tenants()},
+            }
+            print(json.dumps(out, indent=2))
+            return 0
+        if cmd == "ls":
+            rows = tier.rows(args.tenant)
+            if args.limit:
+                rows = rows[: args.limit]
+            print(f"{'hash':16}  {'tenant':12} {'start':>7} {'tokens':>6} {'bytes':>10} {'hits':>5}  last access")
+            for r in rows:
+                when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r.last_access))
+                print(
+                    f"{r.meta.block_hash.hex()[:16]}  {r.meta.tenant:12} {r.meta.start:>7} "
+                    f"{r.meta.num_tokens:>6} {r.file_bytes:>10} {r.hits:>5}  {when}"
+                )
+            return 0
+        if cmd == "check":
+            report = tier.check(fix=args.fix)
+            print(json.dumps(report.to_dict(), indent=2))
+            if report.problems and not args.fix:
+                print(
+                    f"promptcache cache check: {report.problems} problem(s); run with --fix",
+                    file=sys.stderr,
+                )
+                return 1
+            return 0
+        if cmd == "purge":
+            n = tier.purge(tenant=args.tenant, older_than_s=older)
+            print(f"purged {n} block(s)")
+            return 0
+        raise ValueError(f"unknown cache command {cmd!r}")
+    finally:
+        tier.close()
