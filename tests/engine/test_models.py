@@ -269,3 +269,18 @@ def test_context_length_from_config() -> None:
     assert context_length_from_config({"n_ctx": 1024}) == 1024
     assert context_length_from_config({}) == 4096
     assert context_length_from_config({"max_position_embeddings": None}, default=77) == 77
+
+
+def test_model_info_cli(capsys: pytest.CaptureFixture[str], tiny_llama_path: Path, tmp_path: Path) -> None:
+    from promptcache.cli import main as cli_main
+
+    assert cli_main(["model", "info", str(tiny_llama_path)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out == [
+        f"path: {tiny_llama_path.resolve()}",
+        "model_type: llama",
+        f"context_length: {tiny_models.CONTEXT_LENGTH}",
+        f"fingerprint: {model_fingerprint(tiny_llama_path)}",
+    ]
+    assert cli_main(["model", "info", str(tmp_path)]) == 2
+    assert "is not a model folder" in capsys.readouterr().err

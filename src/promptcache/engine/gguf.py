@@ -293,7 +293,7 @@ def ensure_default_model(
         shutil.rmtree(final)
     try:
         return convert_gguf(gguf, final, progress=progress)
-    except OSError:
+    except (OSError, ValueError):
         if is_converted(final):  # another process converted it at the same time
             return final
         raise
