@@ -1,0 +1,139 @@
+"""Helpers for the core tests: payload factories, a test codec and an in-memory Tier."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import numpy as np
+
+from promptcache.cache import PromptCache
+from promptcache.config import CacheConfig
+from promptcache.errors import CorruptBlockError, TierError
+from promptcache.hashing import BlockHash
+from promptcache.meta import BlockMeta, Namespace
+
+BYTES_PER_TOKEN = 8  # payload: float32 [n_tokens, 2]
+
+
+def payload_for(start: int, end: int, snapshot: bool) -> dict[str, np.ndarray]:
+    """A payload whose values identify the tokens it covers (and the snapshot flag)."""
+    x = np.arange(start, end, dtype=np.float32).reshape(-1, 1).repeat(2, axis=1)
+    out = {"0.k": x}
+    if snapshot:
+        out["0.s.0"] = np.full((1,), float(end), dtype=np.float32)
+    return out
+
+
+class PayloadRecorder:
+    """payload_for that records its calls."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, int, bool]] = []
+
+    def __call__(self, start: int, end: int, snapshot: bool) -> dict[str, np.ndarray]:
+        self.calls.append((start, end, snapshot))
+        return payload_for(start, end, snapshot)
+
+
+def make_cache(block_size: int = 4, budget: int = 1 << 20, **kw: Any) -> PromptCache:
+    cfg_kw = {k: kw.pop(k) for k in ("ttl_seconds", "explain_history") if k in kw}
+    cfg = CacheConfig(block_size=block_size, ram_budget_bytes=budget, **cfg_kw)
+    kw.setdefault("encode", test_encode)
+    kw.setdefault("decode", test_decode)
+    return PromptCache(cfg, **kw)
+
+
+def ns_of(block_size: int = 4, tenant: str = "default") -> Namespace:
+    return Namespace("test-model", block_size, tenant=tenant)
+
+
+def test_encode(arrays: Mapping[str, np.ndarray], meta: Mapping[str, str]) -> bytes:
+    doc = {
+        "meta": dict(meta),
+        "arrays": {k: [str(v.dtype), list(v.shape), v.ravel().tolist()] for k, v in arrays.items()},
+    }
+    return json.dumps(doc).encode()
+
+
+def test_decode(data: bytes) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    try:
+        doc = json.loads(data)
+        arrays = {
+            k: np.asarray(vals, dtype=dt).reshape(shape) for k, (dt, shape, vals) in doc["arrays"].items()
+        }
+    except (ValueError, KeyError, TypeError) as e:
+        raise CorruptBlockError(f"bad test payload: {e}") from e
+    return arrays, doc["meta"]
+
+
+test_encode.__test__ = False  # type: ignore[attr-defined]
+test_decode.__test__ = False  # type: ignore[attr-defined]
+
+
+class FakeTier:
+    """An in-memory lower tier following tiers.base.Tier, with failure switches."""
+
+    def __init__(self, name: str = "ssd") -> None:
+        self.name = name
+        self.blocks: dict[BlockHash, tuple[BlockMeta, bytes, set[str]]] = {}
+        self.fail_meta = False
+        self.fail_get = False
+        self.fail_put = False
+        self.refuse_put = False
+        self.corrupt = False
+        self.gets: list[BlockHash] = []
+        self.closed = False
+
+    def get_meta(self, block_hash: BlockHash) -> BlockMeta | None:
+        if self.fail_meta:
+            raise TierError("meta index down")
+        entry = self.blocks.get(block_hash)
+        return entry[0] if entry else None
+
+    def children(self, parent_hash: BlockHash) -> list[BlockMeta]:
+        if self.fail_meta:
+            raise TierError("meta index down")
+        return [m for m, _, _ in self.blocks.values() if m.parent_hash == parent_hash]
+
+    def get(self, block_hash: BlockHash) -> bytes | None:
+        self.gets.append(block_hash)
+        if self.fail_get:
+            raise TierError("disk read failed")
+        entry = self.blocks.get(block_hash)
+        if entry is None:
+            return None
+        return b"\x00garbage" if self.corrupt else entry[1]
+
+    def put(self, meta: BlockMeta, payload: bytes, sessions: Iterable[str] = ()) -> bool:
+        if self.fail_put:
+            raise TierError("disk full")
+        if self.refuse_put:
+            return False
+        self.blocks[meta.block_hash] = (meta, payload, set(sessions))
+        return True
+
+    def add_sessions(self, block_hash: BlockHash, sessions: Iterable[str]) -> None:
+        if block_hash in self.blocks:
+            self.blocks[block_hash][2].update(sessions)
+
+    def delete_session(self, session_id: str) -> int:
+        gone = [h for h, (_, _, s) in self.blocks.items() if session_id in s and s == {session_id}]
+        for h, (_, _, s) in self.blocks.items():
+            s.discard(session_id)
+        for h in gone:
+            del self.blocks[h]
+        return len(gone)
+
+    def delete_tenant(self, tenant: str | None) -> int:
+        gone = [h for h, (m, _, _) in self.blocks.items() if tenant is None or m.tenant == tenant]
+        for h in gone:
+            del self.blocks[h]
+        return len(gone)
+
+    def stats(self) -> Mapping[str, Any]:
+        return {"blocks": len(self.blocks), "bytes": sum(len(b) for _, b, _ in self.blocks.values())}
+
+    def close(self) -> None:
+        self.closed = True

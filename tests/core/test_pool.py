@@ -1,0 +1,158 @@
+import pytest
+
+from promptcache.blocks.pool import PERSISTED, TRUNCATABLE, Block, BlockPool, pack_tokens
+from promptcache.errors import InvariantError
+from promptcache.hashing import BlockHash
+from promptcache.meta import Namespace
+
+NS = Namespace("m", 2)
+
+
+def H(i: int) -> BlockHash:
+    return BlockHash(i.to_bytes(32, "big"))
+
+
+def alloc(pool: BlockPool, i: int, parent: int = 0, nbytes: int = 10, now: float = 0.0) -> Block:
+    return pool.allocate(
+        block_hash=H(i), parent_hash=H(parent), tokens=pack_tokens([i, i]), start=0,
+        extra_keys=(), flags=TRUNCATABLE, ns=NS, payload={"i": i}, nbytes=nbytes, now=now,
+    )
+
+
+def make(budget: int = 100) -> tuple[BlockPool, list[int]]:
+    evicted: list[int] = []
+    pool = BlockPool(budget, on_evict=lambda b: evicted.append(b.block_id))
+    return pool, evicted
+
+
+def test_allocate_assigns_ids_refs_and_bytes():
+    pool, _ = make()
+    blocks = [alloc(pool, i + 1) for i in range(3)]
+    assert [b.block_id for b in blocks] == [0, 1, 2]
+    assert [b.ref_cnt for b in blocks] == [1, 1, 1]
+    assert (pool.num_blocks, pool.num_used_blocks, pool.num_free_blocks, pool.used_bytes) == (3, 3, 0, 30)
+    assert pool.get(H(2)) is blocks[1]
+    assert pool.children(H(0)) == blocks
+    pool.check()
+    with pytest.raises(InvariantError):
+        alloc(pool, 2)  # the hash is taken
+
+
+def test_ref_counting_moves_blocks_in_and_out_of_the_free_queue():
+    pool, _ = make()
+    a = alloc(pool, 1)
+    pool.ref(a, now=5.0)
+    assert a.ref_cnt == 2 and a.last_access == 5.0
+    pool.unref(a)
+    assert a.ref_cnt == 1 and pool.num_free_blocks == 0
+    pool.unref(a)
+    assert a.ref_cnt == 0 and pool.num_free_blocks == 1 and pool.evictable_bytes == 10
+    pool.check()
+    with pytest.raises(InvariantError):
+        pool.unref(a)
+    pool.ref(a)
+    assert pool.num_free_blocks == 0 and pool.num_used_blocks == 1 and pool.evictable_bytes == 0
+    pool.check()
+
+
+def test_lru_eviction_order_and_referenced_blocks_are_never_evicted():
+    pool, evicted = make(budget=50)
+    blocks = [alloc(pool, i + 1) for i in range(5)]  # 50 bytes, all held
+    assert not pool.can_allocate(10)
+    assert not pool.make_room(10) and evicted == []
+    for i in (3, 0, 4):  # released in this order -> LRU order 4, 1, 5 (ids 3, 0, 4)
+        pool.unref(blocks[i])
+    assert [b.block_id for b in pool.lru_order()] == [3, 0, 4]
+    pool.ref(blocks[0])  # a hit takes block 0 out of the queue; re-release makes it MRU
+    pool.unref(blocks[0])
+    assert [b.block_id for b in pool.lru_order()] == [3, 4, 0]
+    alloc(pool, 10, nbytes=20)  # needs two evictions
+    assert evicted == [3, 4]
+    assert pool.get(H(4)) is None and pool.get(H(5)) is None and pool.get(H(1)) is blocks[0]
+    assert pool.num_evictions == 2 and pool.used_bytes == 50
+    pool.check()
+    # blocks 1 and 2 (ids 1, 2) are still referenced: only id 0 may go
+    assert pool.can_allocate(10) and not pool.can_allocate(11)
+
+
+def test_release_chain_is_tail_first_so_tails_are_evicted_first():
+    pool, evicted = make(budget=100)
+    chain = [alloc(pool, 1, 0), alloc(pool, 2, 1), alloc(pool, 3, 2)]
+    other = [alloc(pool, 7, 0), alloc(pool, 8, 7)]
+    pool.release_chain(chain)
+    pool.release_chain(other)
+    assert [b.block_id for b in pool.lru_order()] == [2, 1, 0, 4, 3]
+    assert pool.evict() is chain[2] and pool.evict() is chain[1]
+    assert evicted == [2, 1]
+    pool.check()
+
+
+def test_block_larger_than_budget_cannot_be_allocated():
+    pool, _ = make(budget=100)
+    assert not pool.can_allocate(101)
+    assert pool.can_allocate(100)
+    with pytest.raises(InvariantError):
+        alloc(pool, 1, nbytes=101)
+    assert pool.num_blocks == 0 and pool.used_bytes == 0
+
+
+def test_remove_unreferenced_and_referenced_blocks():
+    pool, evicted = make()
+    a, b = alloc(pool, 1), alloc(pool, 2)
+    pool.unref(a)
+    assert pool.remove(a) and pool.get(H(1)) is None and pool.used_bytes == 10
+    assert pool.remove(b)  # referenced: leaves the map now, discarded at its last unref
+    assert pool.get(H(2)) is None and b.block_hash is None
+    assert pool.num_blocks == 1 and pool.used_bytes == 10
+    pool.check()
+    pool.unref(b)
+    assert pool.num_blocks == 0 and pool.used_bytes == 0 and pool.num_free_blocks == 0
+    assert evicted == []  # removal is not eviction: no demotion
+    pool.check()
+    assert not pool.remove(b)
+
+
+def test_copy_on_write():
+    pool, _ = make(budget=100)
+    shared = alloc(pool, 1, nbytes=30)
+    pool.ref(shared)  # a second user
+    copy = pool.copy_on_write(shared, lambda p: dict(p, copied=True), now=1.0)
+    assert copy is not None and copy is not shared
+    assert copy.block_hash is None and copy.ref_cnt == 1 and copy.payload == {"i": 1, "copied": True}
+    assert shared.ref_cnt == 1 and pool.get(H(1)) is shared and shared.payload == {"i": 1}
+    assert pool.used_bytes == 60 and pool.num_blocks == 2
+    pool.check()
+    # a private block with one user is written in place
+    assert pool.copy_on_write(copy, lambda p: p, now=2.0) is copy
+    # even a hashed block used only by the caller is copied (others may hit it later)
+    solo = pool.copy_on_write(shared, lambda p: dict(p), now=3.0)
+    assert solo is not None and solo is not shared and shared.ref_cnt == 0
+    pool.check()
+    pool.unref(copy)
+    pool.unref(solo)
+    assert pool.num_blocks == 1 and pool.used_bytes == 30  # private copies are discarded
+    pool.check()
+
+
+def test_copy_on_write_without_room_keeps_the_original():
+    pool, _ = make(budget=50)
+    a = alloc(pool, 1, nbytes=30)
+    assert pool.copy_on_write(a, lambda p: p, now=0.0) is None
+    assert a.ref_cnt == 1 and pool.num_blocks == 1
+    pool.check()
+
+
+def test_replace_payload_accounts_bytes():
+    pool, _ = make(budget=100)
+    a = alloc(pool, 1, nbytes=30)
+    assert pool.replace_payload(a, {"big": 1}, 60, TRUNCATABLE | PERSISTED)
+    assert pool.used_bytes == 60 and a.nbytes == 60 and a.persisted
+    assert not pool.replace_payload(a, {"huge": 1}, 101, TRUNCATABLE)
+    assert pool.used_bytes == 60 and a.payload == {"big": 1}
+    pool.check()
+
+
+def test_bad_budget():
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError):
+            BlockPool(bad)  # type: ignore[arg-type]
