@@ -290,12 +290,16 @@ class PromptCache:
             self._now = self._clock()
             self._expire_lru()
             raw = self._matcher.match(req, ns, spans)
+            sources = [entry_tier(e) for e in raw.entries]
             held, num = self._take(raw.entries, raw.num_tokens, ns, req.n)
+            sources = sources[: len(held)]
             miss = raw.miss
             if num < raw.num_tokens:
                 miss = MissInfo(position=raw.matched_tokens, restorable=num, num_tokens=req.n,
                                 cause="promotion_failed")
-            by_tier = _tokens_by_tier(held, num)
+            by_tier: Counter[str] = Counter()
+            for b, tier in zip(held, sources, strict=True):
+                by_tier[tier] += min(b.end, num) - b.start
             c = self._c
             c.lookups += 1
             c.hit_tokens += num
@@ -303,7 +307,7 @@ class PromptCache:
             c.hit_tokens_by_tier.update(by_tier)
             if miss is not None:
                 c.misses_by_cause[miss.cause] += 1
-            return Hit(held, num, req.n, by_tier, [entry_tier(b) for b in held], miss)
+            return Hit(held, num, req.n, dict(by_tier), sources, miss)
 
     def _take(self, entries: list[Entry], num_tokens: int, ns: Namespace, n: int
               ) -> tuple[list[Block], int]:

@@ -120,7 +120,7 @@ class FakeTier:
 
     def delete_session(self, session_id: str) -> int:
         gone = [h for h, (_, _, s) in self.blocks.items() if session_id in s and s == {session_id}]
-        for h, (_, _, s) in self.blocks.items():
+        for _, _, s in self.blocks.values():
             s.discard(session_id)
         for h in gone:
             del self.blocks[h]

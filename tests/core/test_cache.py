@@ -2,8 +2,8 @@
 
 import numpy as np
 import pytest
-
 from core_helpers import BYTES_PER_TOKEN, PayloadRecorder, make_cache, ns_of, payload_for
+
 from promptcache.cache import Hit
 
 NS = ns_of(4)

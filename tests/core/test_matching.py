@@ -1,8 +1,8 @@
 """Token-granular matching: the four strategies, partial tails, collisions, snapshots."""
 
 import pytest
-
 from core_helpers import PayloadRecorder, make_cache, ns_of, payload_for
+
 from promptcache.blocks import matcher
 from promptcache.hashing import chain_hashes, hash_block
 from promptcache.meta import ExtraKeySpan
