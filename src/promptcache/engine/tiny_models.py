@@ -229,7 +229,8 @@ def build_tiny_model(kind: str, out_dir: str | os.PathLike[str]) -> Path:
         raise ValueError(f"unknown tiny model kind {kind!r}; expected one of {KINDS}")
     import mlx.core as mx
     from mlx.utils import tree_flatten
-    from mlx_lm.utils import _get_classes
+
+    from .mlx_compat import model_classes
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -241,7 +242,7 @@ def build_tiny_model(kind: str, out_dir: str | os.PathLike[str]) -> Path:
     special_ids = {t["content"]: int(t["id"]) for t in tok["added_tokens"]}
     config = model_config(kind, special_ids)
 
-    model_cls, args_cls = _get_classes(config)
+    model_cls, args_cls = model_classes(config["model_type"])
     mx.random.seed(_seed_for(kind))
     model = model_cls(args_cls.from_dict(config))
     weights = {k: v.astype(mx.float32) for k, v in tree_flatten(model.parameters())}
