@@ -248,9 +248,12 @@ class GenerationTask:
         if end < n:
             self._save_mid_prefill()
             return
-        self._store(self.prompt, n, "end_prefill", include_partial=True, snapshot_at_end=True)
         self.phase = "decode"
-        self._sample_and_emit()
+        # the first token goes out before the end-of-prefill save: saving is not in TTFT
+        reason = self._sample_and_emit(finish=False)
+        self._store(self.prompt, n, "end_prefill", include_partial=True, snapshot_at_end=True)
+        if reason is not None:
+            self._finish(reason)
 
     def _decode_step(self) -> None:
         last = self.output[-1]
@@ -266,7 +269,8 @@ class GenerationTask:
 
     # ------------------------------------------------------------------ helpers
 
-    def _sample_and_emit(self) -> None:
+    def _sample_and_emit(self, finish: bool = True) -> str | None:
+        """Sample, emit one TokenEvent; return the finish reason (and finish if asked)."""
         logits = self._logits
         if logits is None:  # pragma: no cover - prefill always sets it
             raise RuntimeError("no logits to sample from")
@@ -288,8 +292,9 @@ class GenerationTask:
                 reason, text = "length", text + self._flush_text()
         # one TokenEvent per output token; the last one carries any held-back text
         self.emit(TokenEvent(token_id=tok, text=text))
-        if reason is not None:
+        if reason is not None and finish:
             self._finish(reason)
+        return reason
 
     def _flush_text(self) -> str:
         text = self.stops.feed(self.detok.flush())
