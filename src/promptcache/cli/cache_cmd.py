@@ -34,7 +34,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     csub = p.add_subparsers(dest="cache_command", required=True)
 
     def add(name: str, help_: str) -> argparse.ArgumentParser:
-        sp = csub.add_parser(name, help=help_)
+        sp: argparse.ArgumentParser = csub.add_parser(name, help=help_)
         sp.add_argument(
             "--cache-dir",
             type=Path,

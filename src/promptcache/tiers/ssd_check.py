@@ -68,20 +68,20 @@ def reconcile(root: Path, index: SSDIndex, *, fix: bool) -> CheckReport:
     referenced: set[str] = set()
     drop: list[bytes] = []
     for block_hash, rel, nbytes in index.files():
-        size = on_disk.get(rel)
-        if size is None:
+        found = on_disk.get(rel)
+        if found is None:
             report.missing_files += 1
             drop.append(block_hash)
             log.warning("ssd check: block %s has no file %s", block_hash.hex()[:16], rel)
             continue
         referenced.add(rel)
-        if size != nbytes:
+        if found != nbytes:
             report.wrong_size += 1
             drop.append(block_hash)
             log.warning(
                 "ssd check: block %s file has %d bytes, index says %d",
                 block_hash.hex()[:16],
-                size,
+                found,
                 nbytes,
             )
             if fix:

@@ -206,6 +206,12 @@ class SSDIndex:
         ).fetchall()
         return [_row_to_index_row(r) for r in rows]
 
+    def child_files(self, parent_hash: bytes, *, limit: int) -> list[str]:
+        rows = self._db.execute(
+            "SELECT file_name FROM blocks WHERE parent=? LIMIT ?", (bytes(parent_hash), limit)
+        ).fetchall()
+        return [str(r[0]) for r in rows]
+
     def upsert(self, row: IndexRow) -> None:
         m = row.meta
         self._db.execute(
