@@ -54,10 +54,14 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 def build_configs(args: argparse.Namespace) -> tuple[
         EngineConfig, CacheConfig, SSDConfig | None, ServerConfig]:
     """Validate the options into configs (ValueError on bad values)."""
-    import psutil
+    import psutil  # type: ignore[import-untyped]
 
     if not 1 <= args.port <= 65535:
         raise ValueError(f"--port must be in 1..65535, got {args.port}")
+    if args.hit_rate_window < 1:
+        raise ValueError(f"--hit-rate-window must be >= 1, got {args.hit_rate_window}")
+    if not 0.0 <= args.hit_rate_threshold <= 1.0:
+        raise ValueError(f"--hit-rate-threshold must be in [0, 1], got {args.hit_rate_threshold}")
     ram = None
     if args.ram_budget is not None:
         ram = parse_size(args.ram_budget, total=psutil.virtual_memory().available)

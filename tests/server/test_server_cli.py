@@ -1,0 +1,50 @@
+"""`promptcache serve` option parsing (no model is loaded)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import psutil
+import pytest
+
+from promptcache.cli import build_parser
+from promptcache.cli.serve_cmd import build_configs
+
+
+def _configs(*argv: str):  # type: ignore[no-untyped-def]
+    return build_configs(build_parser().parse_args(["serve", *argv]))
+
+
+def test_serve_options(tmp_path: Path) -> None:
+    keys = tmp_path / "keys.json"
+    keys.write_text('{"k": "alice"}')
+    eng, cache, ssd, srv = _configs(
+        "--port", "9000", "--block-size", "32", "--ram-budget", "512MB", "--cache-dir",
+        str(tmp_path / "blocks"), "--ssd-budget", "4GB", "--api-key", "s", "--api-keys-file",
+        str(keys), "--hit-rate-window", "7", "--hit-rate-threshold", "0.5")
+    assert (cache.block_size, cache.ram_budget_bytes, cache.enabled) == (32, 512 * 1024**2, True)
+    assert ssd is not None and ssd.path == tmp_path / "blocks" and ssd.budget_bytes == 4 * 1024**3
+    assert eng.prefill_chunk_tokens == 256
+    assert (srv.port, srv.api_key, srv.api_keys_file) == (9000, "s", keys)
+    assert (srv.hit_rate_window, srv.hit_rate_alert_threshold) == (7, 0.5)
+
+
+def test_serve_percent_budget_and_switches(tmp_path: Path) -> None:
+    _, cache, ssd, _ = _configs("--ram-budget", "20%", "--no-ssd")
+    assert ssd is None
+    assert cache.ram_budget_bytes == pytest.approx(psutil.virtual_memory().available * 0.2,
+                                                   rel=0.05)
+    _, cache, ssd, _ = _configs("--no-cache", "--cache-dir", str(tmp_path))
+    assert ssd is None and cache.enabled is False
+    eng, _, _, _ = _configs("--block-size", "48", "--no-ssd")
+    assert eng.prefill_chunk_tokens == 240  # a multiple of the block size
+
+
+@pytest.mark.parametrize("argv", [
+    ("--ram-budget", "lots"), ("--ssd-budget=-1GB",), ("--block-size", "0"),
+    ("--port", "70000"), ("--api-keys-file", "/nonexistent/keys.json"),
+    ("--ram-budget", "150%"), ("--hit-rate-window", "0"), ("--hit-rate-threshold", "2"),
+])
+def test_serve_bad_options(argv: tuple[str, ...], tmp_path: Path) -> None:
+    with pytest.raises(ValueError):
+        _configs(*argv, "--cache-dir", str(tmp_path))
