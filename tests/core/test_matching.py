@@ -135,6 +135,11 @@ def test_extra_keys_must_agree():
     assert cache.lookup(SEQ, NS, img_a).num_tokens == 10
     assert cache.lookup(SEQ, NS, img_b).num_tokens == 4
     assert cache.lookup(SEQ, NS).num_tokens == 4
+    # both images stored: each request finds its own blocks
+    cache.store(NS, SEQ[:10], 10, payload_for, extra_keys=img_b)
+    assert cache.lookup(SEQ, NS, img_b).num_tokens == 10
+    assert cache.lookup(SEQ, NS, img_a).num_tokens == 10
+    assert cache.acquire(SEQ, NS, img_b).tiers == ["ram", "ram", "ram"]
     # the partial tail (8..10) does not overlap the image but the child check uses the span
     img_c = (ExtraKeySpan(9, 10, b"image-c"),)
     cache2 = make_cache()

@@ -188,13 +188,11 @@ class Matcher:
         self.is_expired = is_expired
         self.on_tier_error = on_tier_error
 
-    def _ram_ok(self, block: Block | None, parent: BlockHash, start: int, want: bytes,
-                ns: Namespace) -> bool:
+    def _ram_ok(self, block: Block, start: int, extra: tuple[bytes, ...], ns: Namespace) -> bool:
         return (
-            block is not None
-            and block.parent_hash == parent
+            block.block_hash is not None
             and block.start == start
-            and block.tokens == want
+            and block.extra_keys == extra
             and (block.ns is ns or block.ns == ns)
             and not self.is_expired(block)
         )
@@ -228,7 +226,6 @@ class Matcher:
         bs = ns.block_size
         cap = n - 1  # the last token is always recomputed
         arr, buf = req.arr, req.buf
-        pool_get = self.pool.get
         ns_key = ns.key
         entries: list[Entry] = []
         parent = ns.root
@@ -236,31 +233,42 @@ class Matcher:
         best = 0  # furthest restorable position
         best_len = 0  # entries needed for `best`
         next_hash: BlockHash | None = None
+        find_child = self.pool.find_child
         while pos + bs <= n:
             end = pos + bs
             extra = extra_keys_for(spans, pos, end) if spans else ()
-            h = block_hash(parent, arr[pos:end], extra)
             want = buf[pos * 4 : end * 4]
-            block = pool_get(h)
+            # RAM first, by content: the child of `parent` holding exactly these tokens
+            # (its hash is by construction hash_block(parent, want, extra): no hashing).
+            block = find_child(parent, want)
             entry: Entry | None
-            if self._ram_ok(block, parent, pos, want, ns) and block is not None:
+            if block is not None and self._ram_ok(block, pos, extra, ns):
                 entry = block
+                h = block.block_hash
                 trunc = bool(block.flags & 1)
                 at_end = bool(block.flags & 3)
             else:
-                entry = self._find_lower(h, parent, pos, want, ns_key, extra) if self.lower else None
-                if entry is None:
-                    next_hash = h
-                    break
-                trunc = entry.meta.truncatable
-                at_end = entry.meta.restorable_at_end()
+                h = block_hash(parent, arr[pos:end], extra)
+                block = self.pool.get(h)  # e.g. a sibling with the same tokens, other extra keys
+                if (block is not None and block.parent_hash == parent and block.tokens == want
+                        and self._ram_ok(block, pos, extra, ns)):
+                    entry = block
+                    trunc = bool(block.flags & 1)
+                    at_end = bool(block.flags & 3)
+                else:
+                    entry = self._find_lower(h, parent, pos, want, ns_key, extra) if self.lower else None
+                    if entry is None:
+                        next_hash = h
+                        break
+                    trunc = entry.meta.truncatable
+                    at_end = entry.meta.restorable_at_end()
             entries.append(entry)
             if end <= cap:
                 if at_end:
                     best, best_len = end, len(entries)
             elif trunc:
                 best, best_len = cap, len(entries)
-            parent = h
+            parent = h  # type: ignore[assignment]
             pos = end
         matched = pos
         # children of the last matched block: the longest common prefix with the rest

@@ -196,6 +196,18 @@ class BlockPool:
             return list(found)
         return [found]
 
+    def find_child(self, parent_hash: BlockHash, tokens: bytes) -> Block | None:
+        """The child of ``parent_hash`` whose packed token ids equal ``tokens``."""
+        found = self._children.get(parent_hash)
+        if found is None:
+            return None
+        if isinstance(found, Block):
+            return found if found.tokens == tokens else None
+        for block in found:
+            if block.tokens == tokens:
+                return block
+        return None
+
     def blocks(self) -> list[Block]:
         """Every hashed block (a snapshot list; order of insertion)."""
         return list(self._map.values())
