@@ -1,0 +1,257 @@
+"""The SSD tier's shared state and maintenance: counters, deletion, capacity (LRU),
+TTL sweeps, sessions, tenants and stats. ``SSDTier`` (``ssd.py``) adds the read
+and write paths and the lifecycle on top. Locking rules: see ``ssd.py``.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import sqlite3
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..config import SSDConfig
+from ..errors import TierError
+from ..meta import BlockMeta
+from . import ssd_files as files
+from .ssd_index import SSDIndex
+
+log = logging.getLogger(__name__)
+
+LATENCY_BUCKETS_MS = (0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 250.0, 500.0, 1000.0)
+DROP_REASONS = ("queue_full", "budget", "admission", "degraded", "write_budget", "closed")
+
+
+@dataclass(eq=False)
+class _Pending:
+    meta: BlockMeta
+    payload: bytes
+    sessions: set[str] = field(default_factory=set)
+    had_session: bool = False
+    taken: bool = False
+    cancelled: bool = False
+
+
+class SSDStore:
+    """State shared by the SSD tier's paths; not used on its own."""
+
+    name = "ssd"
+    config: SSDConfig
+    policy: str
+    root: Path
+    _clock: Callable[[], float]
+    _lock: threading.RLock
+    _write_lock: threading.RLock
+    _index: SSDIndex
+    _queue: queue.Queue[Any]
+    _pending: dict[bytes, _Pending]
+    _pending_bytes: int
+    _touches: dict[bytes, tuple[float, int]]
+    _counts: Counter[str]
+    _drops: Counter[str]
+    _latency: list[int]
+    _latency_sum_ms: float
+    _degraded_reason: str | None
+    _retry_at: float
+    _backoff: float
+    _blocks: int
+    _bytes: int
+    _bytes_written: int
+    _day: str
+    _day_bytes: int
+    _last_sweep: float
+
+    def _today_bytes(self) -> int:
+        day = time.strftime("%Y-%m-%d", time.gmtime(self._clock()))
+        if day != self._day:
+            self._day, self._day_bytes = day, 0
+        return self._day_bytes
+
+    def _forget(self, p: _Pending) -> None:
+        h = bytes(p.meta.block_hash)
+        if self._pending.get(h) is p:
+            del self._pending[h]
+            self._pending_bytes -= len(p.payload)
+
+    def _degrade(self, reason: str) -> None:
+        with self._lock:
+            self._counts["io_errors"] += 1
+            if self._degraded_reason is None:
+                log.error("ssd tier degraded: %s", reason)
+            self._degraded_reason = reason
+            if self._retry_at != float("inf"):
+                self._retry_at = self._clock() + self._backoff
+
+    def _index_error(self, e: sqlite3.Error) -> None:
+        self._counts["index_errors"] += 1
+        self._degrade(f"index error: {e}")
+
+    # -- deletion, capacity, TTL --------------------------------------------------------
+
+    def _delete_rows(self, victims: list[tuple[bytes, str, int]], *, unlink: bool = True) -> None:
+        """Delete rows (commit first), then their files. Caller holds both locks."""
+        if not victims:
+            return
+        self._index.begin()
+        try:
+            self._index.delete(h for h, _, _ in victims)
+            self._index.commit()
+        except sqlite3.Error:
+            self._index.rollback()
+            raise
+        for _h, rel, nbytes in victims:
+            self._bytes -= nbytes
+            self._blocks -= 1
+            if unlink:
+                try:
+                    files.remove_file(self.root / rel)
+                except OSError as e:  # left for reconcile as an orphan
+                    log.warning("cannot remove %s: %s", rel, e)
+
+    def _enforce_capacity(self, keep: bytes | None = None) -> int:
+        evicted = 0
+        with self._write_lock, self._lock:
+            while self._bytes > self.config.budget_bytes:
+                batch = [v for v in self._index.lru(32) if v[0] != keep]
+                if not batch:
+                    break
+                victims = []
+                excess = self._bytes - self.config.budget_bytes
+                for v in batch:
+                    if excess <= 0:
+                        break
+                    victims.append(v)
+                    excess -= v[2]
+                self._delete_rows(victims)
+                evicted += len(victims)
+            self._counts["evictions_capacity"] += evicted
+        return evicted
+
+    def sweep(self) -> int:
+        """Apply batched accesses, delete expired blocks, enforce the byte limit."""
+        self._last_sweep = time.monotonic()
+        try:
+            with self._write_lock, self._lock:
+                self._apply_touches()
+                expired = self._index.expired(self._clock())
+                self._delete_rows(expired)
+                self._counts["evictions_ttl"] += len(expired)
+            return len(expired) + self._enforce_capacity()
+        except sqlite3.Error as e:
+            with self._lock:
+                self._index_error(e)
+            return 0
+
+    def _apply_touches(self) -> None:
+        if not self._touches:
+            return
+        batch = [(h, when, n, self.config.ttl_seconds) for h, (when, n) in self._touches.items()]
+        self._touches.clear()
+        try:
+            self._index.begin()
+            self._index.touch(batch)
+            self._index.commit()
+        except sqlite3.Error as e:
+            self._index.rollback()
+            self._index_error(e)
+
+    def _cancel_pending(self, match: Callable[[_Pending], bool]) -> set[bytes]:
+        out = set()
+        for h, p in list(self._pending.items()):
+            if not p.cancelled and match(p):
+                p.cancelled = True
+                out.add(h)
+                if not p.taken:
+                    self._forget(p)
+        return out
+
+    def delete_session(self, session_id: str) -> int:
+        if not isinstance(session_id, str) or not session_id:
+            raise ValueError("session_id must be a non-empty string")
+        with self._write_lock, self._lock:
+            for p in self._pending.values():
+                p.sessions.discard(session_id)
+            cancelled = self._cancel_pending(lambda p: p.had_session and not p.sessions)
+            try:
+                self._index.begin()
+                orphaned = self._index.remove_session(session_id)
+                self._index.commit()
+                self._delete_rows(orphaned)
+            except sqlite3.Error as e:
+                self._index.rollback()
+                self._index_error(e)
+                raise TierError(f"ssd delete_session failed: {e}") from e
+            return len(cancelled | {h for h, _, _ in orphaned})
+
+    def delete_tenant(self, tenant: str | None) -> int:
+        return self.purge(tenant=tenant)
+
+    def purge(self, *, tenant: str | None = None, older_than_s: float | None = None) -> int:
+        """Delete the blocks of ``tenant`` (None: every tenant) not used for
+        ``older_than_s`` seconds (None: regardless of age). Returns the count."""
+        if older_than_s is not None and older_than_s < 0:
+            raise ValueError(f"older_than_s must be >= 0, got {older_than_s}")
+        conds: list[str] = []
+        params: list[str | float] = []
+        if tenant is not None:
+            conds.append("tenant=?")
+            params.append(tenant)
+        if older_than_s is not None:
+            conds.append("last_access < ?")
+            params.append(self._clock() - older_than_s)
+        where = ("WHERE " + " AND ".join(conds)) if conds else ""
+        with self._write_lock, self._lock:
+            self._apply_touches()
+            cancelled: set[bytes] = set()
+            if older_than_s is None:
+                cancelled = self._cancel_pending(lambda p: tenant is None or p.meta.tenant == tenant)
+            try:
+                victims = self._index.select_files(where, tuple(params))
+                self._delete_rows(victims)
+            except sqlite3.Error as e:
+                self._index_error(e)
+                raise TierError(f"ssd purge failed: {e}") from e
+            return len(cancelled | {h for h, _, _ in victims})
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            c = self._counts
+            return {
+                "name": self.name,
+                "policy": self.policy,
+                "spills": c["spills"],
+                "dedup_writes": c["dedup"],
+                "dropped_spills": dict(self._drops),
+                "dropped_spills_total": sum(self._drops.values()),
+                "hits": c["hits"],
+                "misses": c["misses"],
+                "corrupt": c["corrupt"],
+                "quarantined": c["quarantined"],
+                "missing_files": c["missing_files"],
+                "read_errors": c["read_errors"],
+                "write_errors": c["write_errors"],
+                "index_errors": c["index_errors"],
+                "io_errors": c["io_errors"],
+                "evictions_capacity": c["evictions_capacity"],
+                "evictions_ttl": c["evictions_ttl"],
+                "blocks_on_disk": self._blocks,
+                "bytes_on_disk": self._bytes,
+                "budget_bytes": self.config.budget_bytes,
+                "bytes_written": self._bytes_written,
+                "bytes_written_today": self._today_bytes(),
+                "queue_depth": len(self._pending),
+                "degraded": self._degraded_reason is not None,
+                "degraded_reason": self._degraded_reason,
+                "reload_latency_ms": {
+                    "buckets": list(LATENCY_BUCKETS_MS),
+                    "counts": list(self._latency),
+                    "count": sum(self._latency),
+                    "sum": round(self._latency_sum_ms, 3),
+                },
+            }
