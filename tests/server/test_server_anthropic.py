@@ -23,7 +23,7 @@ def test_messages_non_streaming(client: TestClient, engine: FakeEngine) -> None:
     assert body["content"] == [{"type": "text", "text": "Hello world!"}]
     assert body["stop_reason"] == "end_turn" and body["stop_sequence"] is None
     # "<|system|>be nice\n<|user|>hi\n<|assistant|>" = 18 + 11 + 13 bytes
-    assert body["usage"] == {"input_tokens": 42, "cache_creation_input_tokens": 42,
+    assert body["usage"] == {"input_tokens": 0, "cache_creation_input_tokens": 42,
                              "cache_read_input_tokens": 0, "output_tokens": 12}
     assert engine.rendered[-1][0][0] == {"role": "system", "content": "be nice"}
 
@@ -36,8 +36,10 @@ def test_usage_sums_over_turns(client: TestClient) -> None:
         u = body["usage"]
         prompt = len(FakeEngine().render_chat(
             [{"role": m["role"], "content": m["content"]} for m in msgs]))
-        assert u["input_tokens"] + u["cache_read_input_tokens"] == prompt
-        assert u["cache_creation_input_tokens"] == u["input_tokens"]
+        # disjoint, as in Anthropic's API: the three add up to the prompt
+        assert (u["input_tokens"] + u["cache_creation_input_tokens"]
+                + u["cache_read_input_tokens"]) == prompt
+        assert u["input_tokens"] == 0  # every uncached prompt token was stored
         reads.append(u["cache_read_input_tokens"])
         msgs += [{"role": "assistant", "content": body["content"][0]["text"]},
                  {"role": "user", "content": f"turn {turn}"}]
@@ -57,14 +59,14 @@ def test_messages_streaming_event_sequence(client: TestClient) -> None:
     start = events[0][1]["message"]
     assert start["content"] == [] and start["stop_reason"] is None
     # predicted from a pure lookup: 24-token prompt, 23 cached (the last token is recomputed)
-    assert start["usage"] == {"input_tokens": 1, "cache_creation_input_tokens": 1,
+    assert start["usage"] == {"input_tokens": 0, "cache_creation_input_tokens": 1,
                               "cache_read_input_tokens": 23, "output_tokens": 0}
     assert events[1][1]["content_block"] == {"type": "text", "text": ""}
     text = "".join(d["delta"]["text"] for n, d in events if n == "content_block_delta")
     assert text == "Hello"
     delta = events[-2][1]
     assert delta["delta"] == {"stop_reason": "max_tokens", "stop_sequence": None}
-    assert delta["usage"] == {"input_tokens": 1, "cache_creation_input_tokens": 1,
+    assert delta["usage"] == {"input_tokens": 0, "cache_creation_input_tokens": 1,
                               "cache_read_input_tokens": 23, "output_tokens": 5}
 
 

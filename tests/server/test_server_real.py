@@ -115,7 +115,8 @@ def test_anthropic_sdk_usage_sums(server: str) -> None:
     count = client.messages.count_tokens(model="default", messages=msgs, system="Be kind.")
     m1 = client.messages.create(model="default", max_tokens=10, system="Be kind.", messages=msgs)
     u = m1.usage
-    assert u.input_tokens + (u.cache_read_input_tokens or 0) == count.input_tokens
+    assert (u.input_tokens + (u.cache_creation_input_tokens or 0)
+            + (u.cache_read_input_tokens or 0)) == count.input_tokens
     assert (u.cache_read_input_tokens, u.output_tokens) == (0, 10)
     assert u.cache_creation_input_tokens == count.input_tokens
     msgs += [{"role": "assistant", "content": m1.content[0].text},  # type: ignore[union-attr]
@@ -127,7 +128,8 @@ def test_anthropic_sdk_usage_sums(server: str) -> None:
         final = stream.get_final_message()
     u2 = final.usage
     assert final.content[0].text == streamed  # type: ignore[union-attr]
-    assert u2.input_tokens + (u2.cache_read_input_tokens or 0) == count2.input_tokens
+    assert (u2.input_tokens + (u2.cache_creation_input_tokens or 0)
+            + (u2.cache_read_input_tokens or 0)) == count2.input_tokens
     assert (u2.cache_read_input_tokens or 0) >= count.input_tokens - 1 - BLOCK
     assert u2.output_tokens == 10
     with pytest.raises(anthropic.NotFoundError):
@@ -232,7 +234,7 @@ def test_claude_code_style_conversation(server: str) -> None:
         u = m.usage
         read = u.cache_read_input_tokens or 0
         reads.append(read)
-        prompts.append(u.input_tokens + read)
+        prompts.append(u.input_tokens + (u.cache_creation_input_tokens or 0) + read)
         text = m.content[0].text  # type: ignore[union-attr]
         msgs += [
             {"role": "assistant", "content": [

@@ -2,11 +2,13 @@
 
 Usage accounting (all counts are prompt tokens of this request):
 - ``cache_read_input_tokens``: tokens restored from the cache;
-- ``input_tokens``: the uncached part, so ``input_tokens + cache_read_input_tokens ==
-  prompt tokens``;
-- ``cache_creation_input_tokens``: the part of ``input_tokens`` that this request
-  stored in the cache (its uncached prompt tokens when it saved prompt blocks, else 0).
-  Unlike Anthropic's billing fields it is a subset of ``input_tokens``, not disjoint.
+- ``cache_creation_input_tokens``: uncached tokens this request wrote to the cache
+  (its uncached prompt tokens when it saved prompt blocks, else 0);
+- ``input_tokens``: uncached tokens that were not written to the cache.
+The three are disjoint, as in Anthropic's API: ``input_tokens +
+cache_creation_input_tokens + cache_read_input_tokens == prompt tokens`` (clients such
+as Claude Code add them up to size the context). The uncached part of the prompt is
+``input_tokens + cache_creation_input_tokens``.
 
 Streaming: ``message_start`` is sent at once; its usage is a prediction from a pure
 cache lookup (the engine reports exact numbers only at the end). The exact usage is in
@@ -37,9 +39,10 @@ router = APIRouter()
 
 def anthropic_usage(result: GenerationResult) -> dict[str, int]:
     u = result.usage
+    created = cache_creation_tokens(result)
     return {
-        "input_tokens": u.prompt_tokens - u.cached_tokens,
-        "cache_creation_input_tokens": cache_creation_tokens(result),
+        "input_tokens": u.prompt_tokens - u.cached_tokens - created,
+        "cache_creation_input_tokens": created,
         "cache_read_input_tokens": u.cached_tokens,
         "output_tokens": u.completion_tokens,
     }
@@ -67,8 +70,9 @@ def _predicted_cached(st: ServerState, prompt: list[int], tenant: str) -> int:
 
 async def _stream(gen: Generation, msg_id: str, model: str, prompt_len: int,
                   predicted: int, caching: bool) -> AsyncIterator[str]:
-    start_usage = {"input_tokens": prompt_len - predicted,
-                   "cache_creation_input_tokens": (prompt_len - predicted) if caching else 0,
+    created = (prompt_len - predicted) if caching else 0
+    start_usage = {"input_tokens": prompt_len - predicted - created,
+                   "cache_creation_input_tokens": created,
                    "cache_read_input_tokens": predicted, "output_tokens": 0}
     yield _event("message_start", {"type": "message_start", "message": {
         "id": msg_id, "type": "message", "role": "assistant", "model": model, "content": [],
