@@ -251,7 +251,7 @@ class PromptCache:
             else:
                 for tier in self.lower:
                     try:
-                        if tier.put(meta, data, block.sessions):
+                        if tier.put(meta, data, block.sessions, hits=block.hits):
                             self._c.demotions += 1
                         else:
                             self._c.demotion_failures += 1
@@ -317,6 +317,7 @@ class PromptCache:
         for e in entries:
             if isinstance(e, Block):
                 self.pool.ref(e, now)
+                e.hits += 1
         held: list[Block] = []
         cut = len(entries)
         for i, e in enumerate(entries):
@@ -380,6 +381,12 @@ class PromptCache:
             extra_keys=tuple(meta.extra_keys), flags=flags, ns=ns, payload=payload,
             nbytes=nbytes, now=self._now,
         )
+        block.hits = 1
+        try:  # the sessions that wrote it, so delete_session also reaches this copy
+            for sid in entry.source.sessions_of(meta.block_hash):  # type: ignore[attr-defined]
+                block.add_session(sid)
+        except (TierError, OSError) as e:
+            self._on_tier_error(entry.source, e)
         self.gone.forget(meta.block_hash)
         c.promotions += 1
         return block

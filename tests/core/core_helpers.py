@@ -84,6 +84,7 @@ class FakeTier:
         self.refuse_put = False
         self.corrupt = False
         self.gets: list[BlockHash] = []
+        self.put_hits: list[int | None] = []
         self.closed = False
 
     def get_meta(self, block_hash: BlockHash) -> BlockMeta | None:
@@ -106,13 +107,19 @@ class FakeTier:
             return None
         return b"\x00garbage" if self.corrupt else entry[1]
 
-    def put(self, meta: BlockMeta, payload: bytes, sessions: Iterable[str] = ()) -> bool:
+    def put(self, meta: BlockMeta, payload: bytes, sessions: Iterable[str] = (),
+            hits: int | None = None) -> bool:
+        self.put_hits.append(hits)
         if self.fail_put:
             raise TierError("disk full")
         if self.refuse_put:
             return False
         self.blocks[meta.block_hash] = (meta, payload, set(sessions))
         return True
+
+    def sessions_of(self, block_hash: BlockHash) -> list[str]:
+        entry = self.blocks.get(block_hash)
+        return sorted(entry[2]) if entry is not None else []
 
     def add_sessions(self, block_hash: BlockHash, sessions: Iterable[str]) -> None:
         if block_hash in self.blocks:

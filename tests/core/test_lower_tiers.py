@@ -165,3 +165,24 @@ def test_default_codec_round_trip():
     hit = cache.acquire(SEQ, NS)
     assert hit.num_tokens == 11 and cache.stats().promotions == 3
     np.testing.assert_array_equal(hit.blocks[2][1]["0.s.0"], np.array([12.0], dtype=np.float32))
+
+
+def test_reuse_counts_travel_with_demotion():
+    tier = FakeTier()
+    cache = make_cache(budget=3 * BLOCK, lower=[tier])
+    cache.store(NS, SEQ, 12, payload_for, snapshot_at_end=False)
+    for _ in range(2):
+        cache.release(cache.acquire(SEQ[:9], NS))  # reuses the first two blocks
+    cache.evict()
+    # evicted LRU first: the third block (never reused), then the two reused ones
+    assert tier.put_hits == [0, 2, 2]
+
+
+def test_promoted_block_keeps_its_sessions_for_deletion():
+    cache, tier = demoted()
+    cache.release(cache.acquire(SEQ, NS))  # promote all three back into RAM
+    assert cache.lookup(SEQ, NS).tiers == ["ram"] * 3
+    assert cache.delete_session("s1") >= 3
+    assert cache.lookup(SEQ, NS).num_tokens == 0
+    assert tier.blocks == {}
+    cache.check()

@@ -67,6 +67,7 @@ class Block(FreeNode):
         "ref_cnt",
         "last_access",
         "sessions",
+        "hits",
     )
 
     def __init__(
@@ -98,6 +99,7 @@ class Block(FreeNode):
         self.ref_cnt = 0
         self.last_access = last_access
         self.sessions = EMPTY_SESSIONS
+        self.hits = 0  # times a lookup reused it (SSD admission rule)
 
     @property
     def num_tokens(self) -> int:

@@ -30,9 +30,15 @@ class Tier(Protocol):
     def get(self, block_hash: BlockHash) -> bytes | None:
         """The payload bytes (checksum verified), or None if absent."""
 
-    def put(self, meta: BlockMeta, payload: bytes, sessions: Iterable[str] = ()) -> bool:
+    def put(self, meta: BlockMeta, payload: bytes, sessions: Iterable[str] = (),
+            hits: int | None = None) -> bool:
         """Store (possibly asynchronously). False if dropped (queue full, budget,
-        admission rule, degraded). Never blocks a request for long."""
+        admission rule, degraded). ``hits``: how often the block was reused (for an
+        admission rule). A block put again under the same hash replaces the stored
+        copy (e.g. upgraded with a snapshot). Never blocks a request for long."""
+
+    def sessions_of(self, block_hash: BlockHash) -> list[str]:
+        """The sessions recorded on a stored block."""
 
     def add_sessions(self, block_hash: BlockHash, sessions: Iterable[str]) -> None:
         """Record more sessions on an already stored block."""
