@@ -1,16 +1,164 @@
-"""`promptcache bench` (not built yet)."""
+"""`promptcache bench`: replay S1..S5 against ours and the peers, with the floor.
+
+Writes <out>/results.json, <out>/report.md and <out>/charts/*.png, printing progress as
+it goes. Run it with the BLAS preload the numbers should be taken with, e.g.
+``LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0``; the
+environment is recorded in the results, never changed.
+"""
 
 from __future__ import annotations
 
 import argparse
+import gc
+import logging
+import shlex
+import signal
 import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from ..bench import report, scenarios, systems
+from ..bench.runner import run_scenario
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    p = sub.add_parser("bench", help="bench (not built yet)")
+    p = sub.add_parser("bench", help="benchmark S1..S5 against mlx_lm.server / vllm-mlx",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--scenarios", default=",".join(scenarios.SCENARIO_NAMES),
+                   help="comma-separated, from S1,S2,S3,S4,S5 (default: all)")
+    p.add_argument("--systems", default=",".join(systems.SYSTEM_NAMES),
+                   help="comma-separated, from ours,mlx_lm,vllm_mlx,nocache (default: all)")
+    p.add_argument("--model", default=None,
+                   help="MLX model folder (default: the embedded default model)")
+    p.add_argument("--out", default="bench/out", help="output folder (default: bench/out)")
+    p.add_argument("--quick", action="store_true", help="small scenarios for a smoke run")
+    p.add_argument("--max-tokens", type=int, default=16, help="tokens generated per turn")
+    p.add_argument("--seed", type=int, default=0, help="scenario text seed")
+    p.add_argument("--floor-repeats", type=int, default=2, help="best of N floor timings")
+    p.add_argument("--no-floor", action="store_true", help="skip the in-process floor")
     p.set_defaults(func=run)
 
 
+def _say(msg: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def _resolve_model(arg: str | None) -> str:
+    if arg:
+        path = Path(arg).expanduser()
+        if not (path / "config.json").is_file():
+            raise ValueError(f"--model {arg}: no config.json there (an MLX model folder is needed)")
+        return str(path.resolve())
+    try:
+        from ..engine.gguf import ensure_default_model
+    except ImportError as e:
+        raise ValueError("no --model given and the default model is not available "
+                         f"({e}); pass --model PATH") from e
+    return str(ensure_default_model())
+
+
+def _command(args: argparse.Namespace, model: str) -> str:
+    parts = ["promptcache", "bench", "--model", model, "--systems", args.systems]
+    if args.quick:
+        parts.append("--quick")
+    if args.max_tokens != 16:
+        parts += ["--max-tokens", str(args.max_tokens)]
+    return " ".join(shlex.quote(p) for p in parts)
+
+
+def _terminate(signum: int, _frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")  # unwinds through the servers' stop()
+
+
 def run(args: argparse.Namespace) -> int:
-    print("promptcache bench: not built yet", file=sys.stderr)
+    signal.signal(signal.SIGTERM, _terminate)
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    names = scenarios.parse_names(args.scenarios)
+    wanted = systems.parse_systems(args.systems)
+    if args.max_tokens <= 0 or args.max_tokens > 4096:
+        raise ValueError(f"--max-tokens must be in 1..4096, got {args.max_tokens}")
+    model = _resolve_model(args.model)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    kv_per_token = report.kv_bytes_per_token_or_none(model)
+    scns = [scenarios.build(n, quick=args.quick, seed=args.seed) for n in names]
+    results: dict[str, Any] = {
+        "meta": report.environment(model),
+        "config": {"quick": args.quick, "max_tokens": args.max_tokens, "seed": args.seed,
+                   "systems": wanted, "scenarios": names},
+        "scenarios": {},
+    }
+    meta = results["meta"]
+    _say(f"model {model}; LD_PRELOAD={meta['LD_PRELOAD'] or '(none)'} "
+         f"OPENBLAS_CORETYPE={meta['OPENBLAS_CORETYPE'] or '(unset)'}")
+    for s in scns:
+        results["scenarios"][s.name] = {
+            "title": s.title, "api": s.api, "notes": list(s.notes),
+            "measure_bytes": s.measure_bytes, "kv_bytes_per_token": kv_per_token,
+            "num_requests": len(s.turns), "num_conversations": s.num_conversations,
+            "floor": [], "runs": {}, "skipped": {},
+        }
+    if not args.no_floor:
+        from ..bench.floor import FloorMeter
+
+        _say("floor: loading the model in-process")
+        meter = FloorMeter(model, repeats=args.floor_repeats)
+        for s in scns:
+            t0 = time.perf_counter()
+            floor = meter.measure(s, progress=_say)
+            results["scenarios"][s.name]["floor"] = [f.to_dict() for f in floor]
+            _say(f"floor {s.name}: {len(floor)} turns, Σ {sum(f.floor_s for f in floor):.2f} s "
+                 f"(measured in {time.perf_counter() - t0:.0f} s)")
+        del meter
+        gc.collect()
+    results_path = out / "results.json"
+    for s in scns:
+        scn = results["scenarios"][s.name]
+        budget = _ram_budget(s, scn, kv_per_token)
+        scn["ram_budget_bytes"] = budget
+        for name in wanted:
+            why = systems.unavailable_reason(name)
+            if why:
+                scn["skipped"][name] = why
+                _say(f"{s.name}/{name}: skipped: {why}")
+                continue
+            _say(f"{s.name}/{name}: {len(s.turns)} requests"
+                 + (f", RAM budget {budget / 2**20:.1f} MB" if budget else ""))
+            r = run_scenario(name, s, model, out / "work", out / "logs",
+                             max_tokens=args.max_tokens, ram_budget_bytes=budget, progress=_say)
+            scn["runs"][name] = r.to_dict()
+            if r.error:
+                _say(f"{s.name}/{name}: ERROR {r.error}")
+            scn["summary"] = report.summarize(scn)
+            report.write_json(results, results_path)
+        scn["summary"] = report.summarize(scn)
+        for name, summ in scn["summary"].items():
+            sum_ttft = summ["sum_ttft_s"]
+            _say(f"{s.name}/{name}: Σ TTFT {_num(sum_ttft, ' s')}, ÷ floor "
+                 f"{_num(summ['vs_floor'], '×')}, ÷ best peer {_num(summ['vs_best_peer'], '×')}")
+    report.write_json(results, results_path)
+    md = report.markdown(results, _command(args, model))
+    (out / "report.md").write_text(md)
+    charts = report.write_charts(results, out / "charts")
+    _say(f"wrote {results_path}, {out / 'report.md'}, {len(charts)} charts in {out / 'charts'}")
+    print(md)
     return 0
+
+
+def _num(v: float | None, unit: str) -> str:
+    return "—" if v is None else f"{v:.2f}{unit}"
+
+
+def _ram_budget(s: scenarios.Scenario, scn: dict[str, Any], kv_per_token: int | None) -> int | None:
+    """S3's budget: a fraction of the scenario's total KV (unique prompt + generated tokens)."""
+    if s.ram_budget_fraction is None or not kv_per_token:
+        return None
+    floor = scn.get("floor") or []
+    if floor:
+        tokens = sum(f["new_tokens"] for f in floor)
+    else:  # no floor: ~4 characters per token over each conversation's last request
+        last = {t.conversation: t for t in s.turns}
+        tokens = sum(sum(len(str(m.get("content") or "")) for m in t.messages) // 4
+                     for t in last.values())
+    return max(1, int(s.ram_budget_fraction * tokens * kv_per_token))
