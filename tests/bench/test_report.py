@@ -79,6 +79,9 @@ def test_bytes_held_from_stats_shapes() -> None:
     assert bytes_held_from_stats({"bytes_held": 5}) == 5
     assert bytes_held_from_stats({"ram_bytes": 5, "ssd_bytes": 7, "other_bytes": 100}) == 12
     assert bytes_held_from_stats({"tiers": {"ram": {"bytes": 1}, "ssd": {"bytes": 2}}}) == 3
+    ours = {"cache": {"ram_bytes": 700, "tiers": {"ssd": {"bytes_on_disk": 300, "hits": 2}}},
+            "model": "m"}
+    assert bytes_held_from_stats(ours) == 1000
     assert bytes_held_from_stats({"hits": 3}) is None
     assert bytes_held_from_stats(None) is None
 
@@ -94,7 +97,7 @@ def test_markdown_has_the_command_a_row_per_system_and_the_floor() -> None:
     assert "LD_PRELOAD=`/lib/libopenblas.so.0`" in md
     assert "OPENBLAS_CORETYPE=`(unset)`" in md
     assert "promptcache bench --model /m --scenarios S1" in md
-    assert "| ours | 1.25 | 0.50× | 1.25× | 1.50× / 2.00× | 50% | 3 | 1 | 0 |" in md
+    assert "| ours | 1.25 | 0.50× | 1.25× | 1.50× / 2.00× | 50% | 3.0 | 1.0 | 0 |" in md
     assert "| vllm_mlx | 1.00 | — | — | — / — | — | 0 | 0 | 1 |" in md
     assert "| floor | 1.00 | | 1.00× | 1.00× | 50% | | | |" in md
     assert "Σ TTFT ≤ 0.8 × best peer: yes" in md

@@ -137,7 +137,7 @@ def _fmt(v: Any, kind: str) -> str:
     if kind == "pct":
         return f"{100 * v:.0f}%"
     if kind == "mb":
-        return f"{v / 2**20:.0f}"
+        return f"{v / 2**20:.0f}" if v >= 10 * 2**20 or v == 0 else f"{v / 2**20:.1f}"
     if kind == "yn":
         return "yes" if v else "**no**"
     return str(v)

@@ -48,22 +48,28 @@ class SystemRun:
 def bytes_held_from_stats(stats: dict[str, Any] | None) -> int | None:
     """Total bytes the cache holds across tiers, from ``/v1/cache/stats`` if it says so.
 
-    Accepts ``{"bytes_held": n}``, ``{"<tier>_bytes": n, ...}`` or
-    ``{"tiers": {"<tier>": {"bytes": n}}}``; None when no such figure is present.
+    Ours: ``{"cache": {"ram_bytes": n, "tiers": {"ssd": {"bytes_on_disk": n}}}}``. Also
+    accepted: a top-level ``bytes_held``, ``<tier>_bytes`` keys, tiers with ``bytes``.
+    None when no such figure is present.
     """
     if not isinstance(stats, dict):
         return None
-    for key in ("bytes_held", "total_bytes"):
-        if isinstance(stats.get(key), int):
-            return int(stats[key])
+    if isinstance(stats.get("cache"), dict):
+        stats = stats["cache"]
+    if isinstance(stats.get("bytes_held"), int):
+        return int(stats["bytes_held"])
+    found = False
+    total = 0
+    for tier in ("ram", "ssd", "redis"):
+        v = stats.get(f"{tier}_bytes")
+        if isinstance(v, int):
+            total, found = total + v, True
     tiers = stats.get("tiers")
-    if isinstance(tiers, dict):
-        vals = [t.get("bytes") for t in tiers.values() if isinstance(t, dict)]
-        if vals and all(isinstance(v, int) for v in vals):
-            return int(sum(vals))
-    vals = [v for k, v in stats.items() if k.endswith("_bytes") and k[:-6] in ("ram", "ssd", "redis")
-            and isinstance(v, int)]
-    return int(sum(vals)) if vals else None
+    for t in (tiers.values() if isinstance(tiers, dict) else ()):
+        v = t.get("bytes_on_disk", t.get("bytes")) if isinstance(t, dict) else None
+        if isinstance(v, int):
+            total, found = total + v, True
+    return total if found else None
 
 
 def _fetch_stats(srv: ServerProcess) -> dict[str, Any] | None:

@@ -233,11 +233,12 @@ class ServerProcess:
     def _probe(self) -> bool:
         """Ready when GET /health or GET /v1/models answers 200; learns the model id.
 
-        mlx_lm.server's /v1/models scans the Hugging Face cache and fails without one,
-        so /health comes first and the id falls back to the model path it was given.
+        The model id falls back to the model path the server was given.
         """
         ready = False
-        for path in ("/health", "/v1/models"):
+        # mlx_lm.server's /v1/models scans the Hugging Face cache (a traceback without one)
+        paths = ("/health",) if self.name == "mlx_lm" else ("/health", "/v1/models")
+        for path in paths:
             try:
                 r = httpx.get(f"{self.base_url}{path}", timeout=5.0)
             except httpx.HTTPError:
