@@ -14,10 +14,12 @@ import itertools
 import logging
 import queue
 import threading
+import weakref
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 from ..config import CacheConfig, EngineConfig, SSDConfig
@@ -164,6 +166,8 @@ class Engine:
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="promptcache-engine", daemon=True)
         self._thread.start()
+        # stop the engine thread at interpreter exit even if close() was never called
+        self._finalizer = weakref.finalize(self, _stop_thread, self._inbox, self._thread)
 
     # ------------------------------------------------------------------ construction
 
@@ -295,8 +299,7 @@ class Engine:
         if self._closed:
             return
         self._closed = True
-        self._inbox.put(None)
-        self._thread.join(timeout=60)
+        self._finalizer()
         if self.cache is not None and hasattr(self.cache, "close"):
             try:
                 self.cache.close()
@@ -312,6 +315,15 @@ class Engine:
     # ------------------------------------------------------------------ the engine thread
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        finally:
+            # mlx keeps per-thread streams; destroy them before the thread ends, or the
+            # process may abort at exit ("terminate called without an active exception")
+            mx.synchronize()
+            mx.clear_streams()
+
+    def _loop(self) -> None:
         active: list[GenerationTask] = []
         stopping = False
         while True:
@@ -333,6 +345,12 @@ class Engine:
             for task in list(active):
                 if task.step():
                     active.remove(task)
+
+
+def _stop_thread(inbox: queue.Queue[Any], thread: threading.Thread) -> None:
+    inbox.put(None)
+    if thread.is_alive() and thread is not threading.current_thread():
+        thread.join(timeout=60)
 
 
 def _validate_messages(messages: Any) -> None:
