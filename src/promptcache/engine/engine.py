@@ -376,4 +376,6 @@ def _build_cache(cache_config: CacheConfig, ssd_config: SSDConfig | None) -> Any
         from ..tiers.ssd import SSDTier
 
         lower.append(SSDTier(ssd_config))
-    return PromptCache(cache_config, adapter=MLXPayloadAdapter(), lower=lower)
+    write_through = ssd_config is not None and ssd_config.policy == "write_through"
+    return PromptCache(cache_config, adapter=MLXPayloadAdapter(), lower=lower,
+                       write_through=write_through)
