@@ -204,3 +204,17 @@ def test_aevents_and_cancel_before_start(llama):
     evs = asyncio.run(_collect(h))
     assert isinstance(evs[-1], GenerationResult) and len(evs) == 4
     assert BLOCK == 8
+
+
+def test_miss_reason_names_position_and_message(llama):
+    from promptcache.blocks.matcher import MissInfo
+    from promptcache.engine.generate import describe_miss
+
+    m = MissInfo(position=17, restorable=16, num_tokens=30, cause="diverged")
+    assert describe_miss(m, (0, 7, 14, 25)) == (
+        "diverged: first uncached token at position 17 (chat message 2); state restorable at 16"
+    )
+    assert describe_miss(MissInfo(0, 0, 5, "cold")) == "cold: first uncached token at position 0"
+    msgs = [{"role": "user", "content": "a question about rivers"}]
+    first = llama.generate(msgs, max_tokens=2)
+    assert first.miss_reason.endswith(": first uncached token at position 0 (chat message 0)")

@@ -20,6 +20,7 @@ skipped save): it never fails the request.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -211,7 +212,7 @@ class GenerationTask:
         try:
             miss = getattr(hit, "miss", None)
             if miss is not None:
-                self._miss_reason = str(getattr(miss, "reason", miss))
+                self._miss_reason = describe_miss(miss, self.req.message_starts)
             n = int(hit.num_tokens)
             if n >= len(self.prompt):  # an exact hit must still re-run the last token
                 n = len(self.prompt) - 1
@@ -375,3 +376,20 @@ def _cut_by_tier(by_tier: Any, n: int) -> dict[str, int]:
             out[str(tier)] = take
         left -= take
     return out
+
+
+def describe_miss(miss: Any, message_starts: Sequence[int] = ()) -> str:
+    """One line saying why a lookup stopped short: cause, first divergent token, message."""
+    cause = getattr(miss, "cause", None)
+    position = getattr(miss, "position", None)
+    if cause is None or position is None:
+        return str(miss)
+    text = f"{cause}: first uncached token at position {position}"
+    if message_starts:
+        idx = bisect.bisect_right(list(message_starts), int(position)) - 1
+        if idx >= 0:
+            text += f" (chat message {idx})"
+    restorable = getattr(miss, "restorable", None)
+    if restorable is not None and restorable != position:
+        text += f"; state restorable at {restorable}"
+    return text
