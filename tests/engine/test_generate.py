@@ -197,13 +197,30 @@ async def _collect(handle):
     return [ev async for ev in handle.aevents()]
 
 
-def test_aevents_and_cancel_before_start(llama):
+def test_aevents(llama):
     import asyncio
 
     h = llama.submit(_req(_toks(10, 1000), max_tokens=3))
     evs = asyncio.run(_collect(h))
     assert isinstance(evs[-1], GenerationResult) and len(evs) == 4
-    assert BLOCK == 8
+
+
+def test_cancel_during_decode_through_handle(llama):
+    prompt = _toks(20, 1100)
+    h = llama.submit(_req(prompt, max_tokens=400, stop_token_ids=()))
+    got = []
+    for ev in h.events():
+        got.append(ev)
+        if len(got) == 3:
+            h.cancel()
+    res = got[-1]
+    assert res.finish_reason == "cancelled"
+    assert 3 <= len(res.tokens) < 400
+    # the decoded tokens whose KV exists were saved: the continuation hits them
+    n = len(prompt) + len(res.tokens) - 1
+    assert res.usage.saved_end_generation == (n // BLOCK) - (len(prompt) // BLOCK) + (1 if n % BLOCK else 0)
+    nxt = llama.generate(prompt + res.tokens + [5], max_tokens=1)
+    assert nxt.usage.cached_tokens == n
 
 
 def test_miss_reason_names_position_and_message(llama):
