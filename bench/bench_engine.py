@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 import mlx.core as mx
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
 from promptcache.config import CacheConfig, EngineConfig
 from promptcache.engine.api import GenerationRequest, SamplingParams
@@ -45,32 +45,45 @@ def user_message(rng: random.Random, n_words: int) -> str:
     return "Please read this note and reply briefly. " + " ".join(sentences)
 
 
-def floor_ttft(model, prompt: list[int], start: int, chunk: int, repeats: int) -> float:
-    """Time to prefill prompt[start:] on top of an (untimed) prefilled history."""
-    times = []
-    for _ in range(repeats):
-        caches = make_prompt_cache(model)
+class Floor:
+    """Times the prefill of ``prompt[start:]`` on top of an (untimed) prefilled history.
+
+    The history is prefilled once, in the engine's chunk boundaries; after each
+    timed run the caches are trimmed back to ``start`` (KVCache.trim), so the
+    runs can be interleaved with the cached requests they are compared with.
+    """
+
+    def __init__(self, model, prompt: list[int], start: int, chunk: int) -> None:
+        self.model, self.prompt, self.start, self.chunk = model, prompt, start, chunk
+        self.caches = make_prompt_cache(model)
         pos = 0
-        while pos < start:  # the history, in the engine's chunk boundaries
+        while pos < start:
             end = min(start, (pos // chunk + 1) * chunk)
-            model(mx.array(prompt[pos:end])[None], cache=caches)
-            mx.eval([c.state for c in caches])
+            model(mx.array(prompt[pos:end])[None], cache=self.caches)
+            mx.eval([c.state for c in self.caches])
             pos = end
+        if not can_trim_prompt_cache(self.caches):
+            raise SystemExit("the floor needs a trimmable (KV) cache")
+
+    def time_once(self) -> float:
+        pos, prompt, chunk = self.start, self.prompt, self.chunk
         t0 = time.perf_counter()
         logits = None
         while pos < len(prompt):
             end = min(len(prompt), (pos // chunk + 1) * chunk)
-            logits = model(mx.array(prompt[pos:end])[None], cache=caches)
-            mx.eval(logits, [c.state for c in caches])
+            logits = self.model(mx.array(prompt[pos:end])[None], cache=self.caches)
+            mx.eval(logits, [c.state for c in self.caches])
             pos = end
         int(mx.argmax(logits[0, -1]).item())
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        elapsed = time.perf_counter() - t0
+        trim_prompt_cache(self.caches, len(prompt) - self.start)
+        return elapsed
 
 
-def run_request(eng: Engine, tokens: list[int], use_cache: bool, max_tokens: int):
+def run_request(eng: Engine, tokens: list[int], use_cache: bool, max_tokens: int,
+                tenant: str = "default"):
     req = GenerationRequest(prompt_tokens=tuple(tokens), sampling=SamplingParams(max_tokens=max_tokens),
-                            use_cache=use_cache, session_id="bench")
+                            use_cache=use_cache, session_id="bench", tenant=tenant)
     return eng.submit(req).result()
 
 
@@ -79,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default=None, help="model folder (default: the embedded SmolLM2)")
     ap.add_argument("--turns", type=int, default=10)
     ap.add_argument("--max-tokens", type=int, default=16)
-    ap.add_argument("--repeats", type=int, default=3, help="floor/uncached repeats (median)")
+    ap.add_argument("--repeats", type=int, default=3, help="cached/floor repeats (median)")
     ap.add_argument("--markdown", action="store_true", help="print a BENCHMARKS.md section")
     args = ap.parse_args(argv)
 
@@ -100,16 +113,34 @@ def main(argv: list[str] | None = None) -> int:
     for turn in range(1, args.turns + 1):
         messages.append({"role": "user", "content": user_message(rng, rng.randint(70, 200))})
         tokens = eng.render_chat(messages)
-        cached = run_request(eng, tokens, True, args.max_tokens)
-        unc = [run_request(eng, tokens, False, args.max_tokens).ttft_s for _ in range(args.repeats)]
-        new_from = cached.usage.cached_tokens
-        floor = floor_ttft(eng.model, tokens, new_from, ec.prefill_chunk_tokens, args.repeats)
+        # the same conversation is cached under `repeats` tenants; each cached request is
+        # paired with a floor measurement taken right after it (the machine is shared:
+        # pairing in time keeps load changes out of the ratio)
+        unc = run_request(eng, tokens, False, args.max_tokens)
+        new_from = None
+        runs, floors, ratios = [], [], []
+        floor = None
+        for i in range(args.repeats):
+            r = run_request(eng, tokens, True, args.max_tokens, tenant=f"t{i}")
+            if floor is None:
+                new_from = r.usage.cached_tokens
+                floor = Floor(eng.model, tokens, new_from, ec.prefill_chunk_tokens)
+            if r.usage.cached_tokens != new_from or r.tokens != unc.tokens:
+                raise SystemExit(f"turn {turn}: tenant t{i} disagrees (cached {r.usage.cached_tokens})")
+            f = floor.time_once()
+            runs.append(r)
+            floors.append(f)
+            ratios.append(r.ttft_s / f)
+        cached = runs[0]
         messages.append({"role": "assistant", "content": cached.text})
-        lr = cached.lookup_s + cached.restore_s
+        ttft = statistics.median(r.ttft_s for r in runs)
+        lr = statistics.median(r.lookup_s + r.restore_s for r in runs)
+        floor_s = statistics.median(floors)
         rows.append({
             "turn": turn, "prompt": len(tokens), "cached": new_from, "new": len(tokens) - new_from,
-            "ttft_cached": cached.ttft_s, "ttft_uncached": statistics.median(unc), "floor": floor,
-            "ratio": cached.ttft_s / floor, "lookup_restore": lr, "lr_pct": lr / cached.ttft_s,
+            "ttft_cached": ttft, "ttft_uncached": unc.ttft_s, "floor": floor_s,
+            "ratio": statistics.median(ratios), "lookup_restore": lr,
+            "lr_pct": statistics.median((r.lookup_s + r.restore_s) / r.ttft_s for r in runs),
         })
         r = rows[-1]
         print(f"turn {turn:2d}: prompt {r['prompt']:5d} cached {r['cached']:5d} new {r['new']:4d} | "
@@ -126,10 +157,10 @@ def main(argv: list[str] | None = None) -> int:
               f"OpenBLAS preloaded: {'yes' if preload else 'no'}  ")
         print(f"Date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}  ")
         print(f"Model: SmolLM2-135M-Instruct (float32); block {cc.block_size}, prefill chunk "
-              f"{ec.prefill_chunk_tokens}; max_tokens {args.max_tokens}; uncached and floor: median of "
-              f"{args.repeats}\n")
+              f"{ec.prefill_chunk_tokens}; max_tokens {args.max_tokens}; cached TTFT, lookup+restore and floor: "
+              f"median of {args.repeats} (cached: the same chat under {args.repeats} tenants); uncached: one run\n")
         print("| turn | prompt | cached | new | TTFT cached (ms) | TTFT uncached (ms) | floor (ms) "
-              "| cached / floor | lookup+restore (ms) | % of TTFT |")
+              "| cached / floor (median of paired ratios) | lookup+restore (ms) | % of TTFT |")
         print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         for r in rows:
             print(f"| {r['turn']} | {r['prompt']} | {r['cached']} | {r['new']} | {r['ttft_cached']*1e3:.1f} "

@@ -267,3 +267,21 @@ def test_kv_spec_strings(llama, gemma, hybrid):
     assert kv_spec(llama) == "float32;kv*2"
     assert kv_spec(gemma) == "float32;r16k0*2,kv,r16k0*2,kv"
     assert kv_spec(hybrid) == "float32;s2,kv,s2,kv"
+
+
+def test_restore_reserve_allocates_room_and_keeps_values(llama):
+    toks = _tokens(40, seed=9)
+    caches = make_prompt_cache(llama)
+    _prefill(llama, caches, toks[:30], 16)
+    blocks = _blocks_of(caches, 0, 30)
+    plain = restore(llama, blocks, 21)
+    roomy = restore(llama, blocks, 21, reserve=10)
+    assert plain[0].keys.shape[2] == 21
+    assert roomy[0].keys.shape[2] == 256 and roomy[0].offset == 21
+    assert np.array_equal(np.array(roomy[0].keys[..., :21, :]), np.array(plain[0].keys))
+    a = _prefill(llama, plain, toks[21:30], 9)
+    b = _prefill(llama, roomy, toks[21:30], 9)
+    assert roomy[0].keys.shape[2] == 256  # written in place: no reallocation
+    np.testing.assert_array_equal(np.array(a), np.array(b))
+    with pytest.raises(ValueError, match="reserve"):
+        restore(llama, blocks, 21, reserve=-1)

@@ -308,8 +308,14 @@ def restore(
     model_or_caches: Any,
     blocks: Sequence[tuple[Span, Mapping[str, mx.array]]],
     num_tokens: int,
+    *,
+    reserve: int = 0,
 ) -> list[Any]:
     """Fresh cache objects holding the state after ``num_tokens`` tokens.
+
+    ``reserve``: room for that many more tokens is allocated in plain KV layers
+    (rounded up to mlx-lm's growth step), so the prefill that follows writes in
+    place instead of copying the whole restored KV into a larger buffer.
 
     ``blocks`` are consecutive ``(span, payload)`` pairs from position 0 (a
     ``BlockMeta`` is a span). KV layers: concatenate and cut at ``num_tokens``.
@@ -321,18 +327,21 @@ def restore(
     if num_tokens <= 0:
         return template
     used = _cut_blocks(blocks, num_tokens)
-    out = [_restore_one(str(i), c, used, num_tokens) for i, c in enumerate(template)]
+    if reserve < 0:
+        raise ValueError(f"reserve must be >= 0, got {reserve}")
+    out = [_restore_one(str(i), c, used, num_tokens, reserve) for i, c in enumerate(template)]
     arrays = [a for _, a in state_arrays(out)]
     mx.eval(arrays)
     return out
 
 
 def _restore_one(
-    name: str, c: Any, blocks: list[tuple[int, int, Mapping[str, mx.array]]], n: int
+    name: str, c: Any, blocks: list[tuple[int, int, Mapping[str, mx.array]]], n: int,
+    reserve: int = 0,
 ) -> Any:
     if isinstance(c, CacheList):
         return CacheList(
-            *(_restore_one(f"{name}.{j}", sub, blocks, n) for j, sub in enumerate(c.caches))
+            *(_restore_one(f"{name}.{j}", sub, blocks, n, reserve) for j, sub in enumerate(c.caches))
         )
     _check_supported(c)
     if isinstance(c, ArraysCache):
@@ -370,8 +379,15 @@ def _restore_one(
         k = ks[0] if len(ks) == 1 else mx.concatenate(ks, axis=2)
         v = vs[0] if len(vs) == 1 else mx.concatenate(vs, axis=2)
         return RotatingKVCache.from_state((k, v, n, keep, max_size, k.shape[2]))
-    k = _take(_kv_parts(blocks, f"{name}.k", 0, n), n)
-    v = _take(_kv_parts(blocks, f"{name}.v", 0, n), n)
+    kp = _kv_parts(blocks, f"{name}.k", 0, n)
+    vp = _kv_parts(blocks, f"{name}.v", 0, n)
+    if reserve > 0:
+        step = KVCache.step
+        pad = (n + reserve + step - 1) // step * step - n
+        kp.append(mx.zeros((*kp[0].shape[:2], pad, kp[0].shape[3]), dtype=kp[0].dtype))
+        vp.append(mx.zeros((*vp[0].shape[:2], pad, vp[0].shape[3]), dtype=vp[0].dtype))
+    k = _take(kp, n + (kp[-1].shape[2] if reserve > 0 else 0))
+    v = _take(vp, n + (vp[-1].shape[2] if reserve > 0 else 0))
     return KVCache.from_state((k, v, n))
 
 

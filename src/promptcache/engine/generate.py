@@ -217,7 +217,9 @@ class GenerationTask:
             if n >= len(self.prompt):  # an exact hit must still re-run the last token
                 n = len(self.prompt) - 1
             if n > 0:
-                self.caches = adapters.restore(self.ctx.model, hit.blocks, n)
+                self.caches = adapters.restore(
+                    self.ctx.model, hit.blocks, n, reserve=len(self.prompt) - n + 1
+                )
                 self.pos = n
                 self.usage.cached_tokens = n
                 self.usage.cached_by_tier = _cut_by_tier(hit.tokens_by_tier, n)
