@@ -235,3 +235,18 @@ def test_miss_reason_names_position_and_message(llama):
     msgs = [{"role": "user", "content": "a question about rivers"}]
     first = llama.generate(msgs, max_tokens=2)
     assert first.miss_reason.endswith(": first uncached token at position 0 (chat message 0)")
+
+
+def test_aevents_many_concurrent_streams(llama):
+    import asyncio
+
+    prompts = [_toks(12, 1200 + i) for i in range(12)]
+
+    async def main():
+        handles = [llama.submit(_req(p, max_tokens=4, use_cache=False)) for p in prompts]
+        return await asyncio.gather(*(_collect(h) for h in handles))
+
+    results = asyncio.run(main())
+    for p, evs in zip(prompts, results, strict=True):
+        assert [type(e).__name__ for e in evs] == ["TokenEvent"] * 4 + ["GenerationResult"]
+        assert evs[-1].tokens == llama.generate(p, max_tokens=4, use_cache=False).tokens

@@ -53,12 +53,22 @@ class RequestHandle:
         self._consumed = False
         self._task: GenerationTask | None = None
         self._cancel_requested = False
+        self._lock = threading.Lock()
+        self._async: tuple[asyncio.AbstractEventLoop, asyncio.Queue[Event]] | None = None
 
     def _emit(self, ev: Event) -> None:
-        if isinstance(ev, GenerationResult):
-            self._result = ev
-            self._done.set()
-        self._q.put(ev)
+        with self._lock:
+            if isinstance(ev, GenerationResult):
+                self._result = ev
+                self._done.set()
+            if self._async is not None:
+                loop, aq = self._async
+                try:
+                    loop.call_soon_threadsafe(aq.put_nowait, ev)
+                except RuntimeError:  # the consumer's event loop is closed: nobody listens
+                    logger.debug("dropping an event for a closed event loop")
+            else:
+                self._q.put(ev)
 
     def _attach(self, task: GenerationTask) -> None:
         self._task = task
@@ -87,12 +97,21 @@ class RequestHandle:
                 return
 
     async def aevents(self) -> AsyncIterator[TokenEvent | GenerationResult]:
-        """The same events for asyncio code (waits in a worker thread)."""
+        """The same events for asyncio code (delivered with ``call_soon_threadsafe``,
+        so no worker thread is held per stream)."""
         if self._consumed:
             raise RuntimeError("the events of a request can be consumed only once")
         self._consumed = True
+        aq: asyncio.Queue[Event] = asyncio.Queue()
+        with self._lock:
+            while True:  # events emitted before we started listening
+                try:
+                    aq.put_nowait(self._q.get_nowait())
+                except queue.Empty:
+                    break
+            self._async = (asyncio.get_running_loop(), aq)
         while True:
-            ev = await asyncio.to_thread(self._q.get)
+            ev = await aq.get()
             yield ev
             if isinstance(ev, GenerationResult):
                 return
