@@ -71,7 +71,7 @@ class CacheConfig:
     def resolved_ram_budget(self) -> int:
         if self.ram_budget_bytes is not None:
             return self.ram_budget_bytes
-        import psutil
+        import psutil  # type: ignore[import-untyped]
 
         return max(self.min_ram_budget_bytes, int(psutil.virtual_memory().available * 0.20))
 
