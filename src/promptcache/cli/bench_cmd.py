@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import gc
 import logging
+import os
 import shlex
 import signal
 import sys
@@ -52,19 +53,23 @@ def _resolve_model(arg: str | None) -> str:
         return str(path.resolve())
     try:
         from ..engine.gguf import ensure_default_model
-    except ImportError as e:
+
+        return str(ensure_default_model())
+    except Exception as e:  # noqa: BLE001 - any failure: tell the user to pass --model
         raise ValueError("no --model given and the default model is not available "
-                         f"({e}); pass --model PATH") from e
-    return str(ensure_default_model())
+                         f"({type(e).__name__}: {e}); pass --model PATH") from e
 
 
 def _command(args: argparse.Namespace, model: str) -> str:
     parts = ["promptcache", "bench", "--model", model, "--systems", args.systems]
+    preload = os.environ.get("LD_PRELOAD")
+    if preload:
+        parts.insert(0, f"LD_PRELOAD={preload}")
     if args.quick:
         parts.append("--quick")
     if args.max_tokens != 16:
         parts += ["--max-tokens", str(args.max_tokens)]
-    return " ".join(shlex.quote(p) for p in parts)
+    return " ".join(p if p.startswith("LD_PRELOAD=") else shlex.quote(p) for p in parts)
 
 
 def _terminate(signum: int, _frame: object) -> None:

@@ -1,0 +1,38 @@
+"""`promptcache bench --quick` end to end against mlx_lm.server on the tiny model."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from promptcache.cli import main
+
+
+def test_bench_quick_s1_against_mlx_lm(tiny_llama_path: Path, tmp_path: Path,
+                                       capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "out"
+    rc = main(["bench", "--quick", "--scenarios", "S1", "--systems", "mlx_lm",
+               "--model", str(tiny_llama_path), "--out", str(out), "--max-tokens", "4",
+               "--floor-repeats", "1"])
+    assert rc == 0
+    results = json.loads((out / "results.json").read_text())
+    s1 = results["scenarios"]["S1"]
+    run = s1["runs"]["mlx_lm"]
+    assert run["error"] is None
+    assert [(t["conversation"], t["index"], t["ok"]) for t in run["turns"]] == [
+        (0, 0, True), (0, 1, True), (0, 2, True)]
+    # greedy, 4 tokens; the server renders the same template as the floor
+    assert [t["completion_tokens"] for t in run["turns"]] == [4, 4, 4]
+    assert [t["prompt_tokens"] for t in run["turns"]] == [f["prompt_tokens"] for f in s1["floor"]]
+    # turn 2 and 3 hit the previous prompt in mlx_lm's LRUPromptCache
+    assert all(t["cached_tokens"] > 0 for t in run["turns"][1:])
+    assert run["peak_rss"] > 10 * 2**20 and len(run["startup_s"]) == 1
+    assert s1["summary"]["mlx_lm"]["complete"] is True
+    assert (out / "charts" / "s1_ttft.png").stat().st_size > 5_000
+    md = (out / "report.md").read_text()
+    assert "| mlx_lm | " in md and "--scenarios S1" in md
+    assert "### S1: 3-turn chat" in capsys.readouterr().out
+    assert main(["bench", "--model", str(tmp_path), "--out", str(out)]) == 2
+    assert "no config.json there" in capsys.readouterr().err
