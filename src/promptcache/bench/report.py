@@ -17,6 +17,7 @@ import json
 import os
 import platform
 import statistics
+import textwrap
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -206,6 +207,7 @@ def write_charts(results: Mapping[str, Any], out_dir: Path, dpi: int = 72) -> li
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = []
@@ -224,7 +226,8 @@ def write_charts(results: Mapping[str, Any], out_dir: Path, dpi: int = 72) -> li
         for i, t in enumerate(next(iter((scn.get("runs") or {}).values()), {}).get("turns", [])):
             if t.get("before"):
                 ax.axvline(i + 1, color="grey", lw=0.8, ls=":")
-        ax.set_title(f"{name}: {scn.get('title', '')}"[:80], fontsize=9)
+        ax.set_title(textwrap.fill(f"{name}: {scn.get('title', '')}", 75), fontsize=8)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_xlabel("request")
         ax.set_ylabel("TTFT ms")
         ax.set_yscale("log")
