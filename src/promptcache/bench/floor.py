@@ -107,7 +107,9 @@ class FloorMeter:
             raise ValueError("prefill_step and repeats must be > 0")
         from mlx_lm import load
 
-        self.model, self.tokenizer = load(model_path)
+        loaded = load(model_path)
+        self.model: Any = loaded[0]
+        self.tokenizer: Any = loaded[1]
         self.prefill_step = prefill_step
         self.repeats = repeats
         self._warm = False

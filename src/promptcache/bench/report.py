@@ -34,7 +34,7 @@ def environment(model: str) -> dict[str, Any]:
     """What the numbers depend on: BLAS preload, versions, CPU (never changes the env)."""
     from importlib.metadata import PackageNotFoundError, version
 
-    versions = {}
+    versions: dict[str, str | None] = {}
     for pkg in ("mlx", "mlx-lm", "promptcache"):
         try:
             versions[pkg] = version(pkg)
@@ -223,7 +223,9 @@ def write_charts(results: Mapping[str, Any], out_dir: Path, dpi: int = 72) -> li
         if floor:
             ax.plot(range(1, len(floor) + 1), [f["floor_s"] * 1000 for f in floor], "k--",
                     label="floor")
-        for i, t in enumerate(next(iter((scn.get("runs") or {}).values()), {}).get("turns", [])):
+        runs: Mapping[str, Any] = scn.get("runs") or {}
+        first: Mapping[str, Any] = next(iter(runs.values()), {})
+        for i, t in enumerate(first.get("turns", [])):
             if t.get("before"):
                 ax.axvline(i + 1, color="grey", lw=0.8, ls=":")
         ax.set_title(textwrap.fill(f"{name}: {scn.get('title', '')}", 75), fontsize=8)

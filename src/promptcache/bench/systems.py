@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
-import psutil
+import psutil  # type: ignore[import-untyped]
 
 log = logging.getLogger(__name__)
 
