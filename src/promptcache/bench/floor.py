@@ -94,8 +94,8 @@ def render(tokenizer: Any, turn: Turn) -> list[int]:
         plain = [{"role": m["role"] if m["role"] != "tool" else "user",
                   "content": str(m.get("content") or "")} for m in messages]
         out = tokenizer.apply_chat_template(plain, add_generation_prompt=True, tokenize=True)
-    if isinstance(out, dict):
-        out = out["input_ids"]
+    if not isinstance(out, list) and hasattr(out, "keys") and "input_ids" in out:
+        out = out["input_ids"]  # transformers 5 returns a BatchEncoding
     return [int(t) for t in out]
 
 
