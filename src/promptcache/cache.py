@@ -469,6 +469,9 @@ class PromptCache:
                 if existing is not None and existing.ref_cnt == 0 and self._is_expired(existing):
                     self._remove_expired(existing)
                     existing = None
+                if existing is None and truncatable and end - start < bs:
+                    # a partial tail already covered by a longer stored sibling adds nothing
+                    existing = self._covering_sibling(parent, want, extra, ns)
                 if existing is not None:
                     pool.ref(existing, self._now)
                     held.append(existing)
@@ -488,6 +491,8 @@ class PromptCache:
                     )
                     if session_id is not None:
                         block.add_session(session_id)
+                    if truncatable:
+                        self._drop_superseded(block)
                     self.gone.forget(h)
                     held.append(block)
                     created.append(block)
@@ -498,6 +503,31 @@ class PromptCache:
         finally:
             pool.release_chain(held)
         return len(created)
+
+    def _covering_sibling(self, parent: BlockHash, want: bytes, extra: tuple[bytes, ...],
+                          ns: Namespace) -> Block | None:
+        """A stored truncatable sibling whose tokens extend ``want`` (same extra keys)."""
+        for sib in self.pool.children(parent):
+            if (sib.truncatable and sib.ns == ns and sib.extra_keys == extra
+                    and len(sib.tokens) > len(want) and sib.tokens.startswith(want)
+                    and not self._is_expired(sib)):
+                return sib
+        return None
+
+    def _drop_superseded(self, block: Block) -> None:
+        """Remove unreferenced partial siblings whose tokens are a prefix of ``block``'s
+        (e.g. the end-of-prefill tail once the end-of-generation block exists): the
+        longer block restores every position they could. Their sessions move over."""
+        bs = block.ns.block_size
+        for sib in self.pool.children(block.parent_hash):
+            if (sib is not block and sib.ref_cnt == 0 and sib.truncatable
+                    and sib.num_tokens < bs and sib.num_tokens < block.num_tokens
+                    and sib.extra_keys == block.extra_keys
+                    and block.tokens.startswith(sib.tokens)):
+                for sid in sib.sessions:
+                    block.add_session(sid)
+                if self.pool.remove(sib):
+                    self._c.superseded += 1
 
     def _touch_existing(self, block: Block, session_id: str | None, snap: bool, start: int,
                         end: int, payload_for: Callable[[int, int, bool], Any]) -> None:

@@ -23,6 +23,7 @@ class Counters:
     drops: int = 0  # blocks not stored (no room, larger than the budget)
     dedup_blocks: int = 0  # store() found the block already stored
     upgrades: int = 0  # an existing block got a snapshot payload
+    superseded: int = 0  # partial tails removed because a longer sibling covers them
     collisions: int = 0
     promotions: int = 0
     promotion_failures: int = 0
@@ -49,6 +50,7 @@ class CacheStats:
     drops: int
     dedup_blocks: int
     upgrades: int
+    superseded: int
     collisions: int
     promotions: int
     promotion_failures: int
@@ -98,6 +100,7 @@ def snapshot(
         drops=c.drops,
         dedup_blocks=c.dedup_blocks,
         upgrades=c.upgrades,
+        superseded=c.superseded,
         collisions=c.collisions,
         promotions=c.promotions,
         promotion_failures=c.promotion_failures,
