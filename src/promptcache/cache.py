@@ -38,6 +38,7 @@ from .blocks.pool import PERSISTED, SNAPSHOT, TRUNCATABLE, Block, BlockPool
 from .blocks.tokens import RequestTokens, to_request_tokens
 from .config import CacheConfig
 from .errors import TierError
+from .hashing import BlockHash
 from .meta import BlockMeta, ExtraKeySpan, Namespace, extra_keys_for
 from .stats import SAVE_POINTS, CacheStats, Counters, snapshot
 from .tiers.base import Tier
