@@ -235,35 +235,44 @@ class PromptCache:
         if self.pool.remove(block):
             self._c.expired += 1
 
+    def _put_lower(self, block: Block) -> tuple[int, int]:
+        """Encode a block once and put it into every lower tier. Returns (accepted,
+        failed) counts; a block every tier accepted is marked persisted. Never raises."""
+        try:
+            meta = block.meta()
+            data = self._enc(self.adapter.to_numpy(block.payload), {"block_hash": meta.block_hash.hex()})
+        except Exception as e:  # a payload that cannot be encoded is dropped, not raised
+            logger.warning("cannot encode block %s for a lower tier: %s", block.block_id, e)
+            return 0, len(self.lower)
+        ok = failed = 0
+        for tier in self.lower:
+            try:
+                if tier.put(meta, data, block.sessions, hits=block.hits):
+                    ok += 1
+                else:
+                    failed += 1
+            except (TierError, OSError) as e:
+                failed += 1
+                self._on_tier_error(tier, e)
+        if not failed:
+            block.flags |= PERSISTED
+        return ok, failed
+
     def _on_block_evicted(self, block: Block) -> None:
         """The demotion hook: every evicted block passes here exactly once."""
         self._c.evictions += 1
         h = block.block_hash
         if h is not None:
             self.gone.record(h, block.parent_hash, EVICTED)
-        meta: BlockMeta | None = None
         if self.lower and not block.persisted and h is not None:
-            try:
-                meta = block.meta()
-                data = self._enc(self.adapter.to_numpy(block.payload), {"block_hash": h.hex()})
-            except Exception as e:  # a payload that cannot be encoded is dropped, not raised
-                self._c.demotion_failures += 1
-                logger.warning("cannot encode evicted block %s: %s", block.block_id, e)
-            else:
-                for tier in self.lower:
-                    try:
-                        if tier.put(meta, data, block.sessions, hits=block.hits):
-                            self._c.demotions += 1
-                        else:
-                            self._c.demotion_failures += 1
-                    except (TierError, OSError) as e:
-                        self._c.demotion_failures += 1
-                        self._on_tier_error(tier, e)
+            ok, failed = self._put_lower(block)
+            self._c.demotions += ok
+            self._c.demotion_failures += failed
         elif not self.lower:
             self._c.evicted_dropped += 1
         if self._extra_on_evict is not None and h is not None:
             try:
-                self._extra_on_evict(meta or block.meta(), block.payload)
+                self._extra_on_evict(block.meta(), block.payload)
             except Exception:
                 logger.exception("on_evict hook failed for block %s", block.block_id)
 
@@ -548,23 +557,10 @@ class PromptCache:
                 self._c.drops += 1
 
     def _write_through(self, block: Block) -> None:
-        try:
-            meta = block.meta()
-            data = self._enc(self.adapter.to_numpy(block.payload), {"block_hash": meta.block_hash.hex()})
-        except Exception as e:
-            self._c.demotion_failures += 1
-            logger.warning("cannot encode block %s for write-through: %s", block.block_id, e)
-            return
-        ok = True
-        for tier in self.lower:
-            try:
-                ok = bool(tier.put(meta, data, block.sessions)) and ok
-            except (TierError, OSError) as e:
-                ok = False
-                self._on_tier_error(tier, e)
-        if ok:
-            block.flags |= PERSISTED
+        ok, failed = self._put_lower(block)
+        if ok and not failed:
             self._c.write_through += 1
+        self._c.demotion_failures += failed
 
     # ---- eviction, deletion ----------------------------------------------------
     def evict(self, num_blocks: int | None = None) -> int:
@@ -636,8 +632,28 @@ class PromptCache:
         with self._lock:
             self.pool.check()
 
-    def close(self) -> None:
-        """Close the lower tiers (flushing their pending writes)."""
+    def persist(self) -> int:
+        """Put every RAM block that no lower tier holds yet into the lower tiers (a
+        clean shutdown keeps the whole cache). Returns the number of blocks put."""
+        with self._lock:
+            if not self.lower:
+                return 0
+            count = 0
+            for block in self.pool.blocks():
+                if block.block_hash is not None and not block.persisted:
+                    ok, failed = self._put_lower(block)
+                    count += 1 if ok and not failed else 0
+                    self._c.demotion_failures += failed
+            self._c.persisted_on_close += count
+            return count
+
+    def close(self, persist: bool = True) -> None:
+        """Persist the RAM blocks (``persist``), then close the lower tiers (flushing
+        their pending writes)."""
+        if persist:
+            n = self.persist()
+            if n:
+                logger.info("persisted %d RAM blocks to the lower tiers", n)
         with self._lock:
             for tier in self.lower:
                 try:

@@ -30,6 +30,7 @@ class Counters:
     tier_errors: int = 0
     expired: int = 0
     write_through: int = 0
+    persisted_on_close: int = 0
     saves: Counter[str] = field(default_factory=Counter)
     blocks_saved: Counter[str] = field(default_factory=Counter)
 
@@ -57,6 +58,7 @@ class CacheStats:
     tier_errors: int
     expired: int
     write_through: int
+    persisted_on_close: int
     saves: dict[str, int]
     blocks_saved: dict[str, int]
     ram_bytes: int
@@ -107,6 +109,7 @@ def snapshot(
         tier_errors=c.tier_errors,
         expired=c.expired,
         write_through=c.write_through,
+        persisted_on_close=c.persisted_on_close,
         saves={k: c.saves[k] for k in SAVE_POINTS},
         blocks_saved={k: c.blocks_saved[k] for k in SAVE_POINTS},
         ram_bytes=ram_bytes,

@@ -41,7 +41,7 @@ def fill_and_demote(path):
     assert cache.stats().demotions == 3
     s = ssd.stats()
     assert (s["spills"], s["blocks_on_disk"], s["bytes_on_disk"] > 3 * BLOCK_BYTES) == (3, 3, True)
-    cache.close()
+    cache.close(persist=False)  # a shutdown that keeps only what was demoted
 
 
 def test_demoted_blocks_hit_from_ssd_after_a_restart_with_exact_bytes(tmp_path):
@@ -112,4 +112,17 @@ def test_delete_tenant_reaches_the_ssd_tier(tmp_path):
     assert cache.delete("bob") == 0
     assert cache.delete("alice") == 3
     assert ssd.stats()["blocks_on_disk"] == 0
+    cache.close()
+
+
+def test_clean_close_persists_the_ram_blocks(tmp_path):
+    cache, ssd = open_cache(tmp_path)
+    cache.store(NS, A, len(A), payload_for, session_id="conv-a")
+    cache.store(NS, B, len(B), payload_for, session_id="conv-b")  # evicts A to the SSD
+    cache.close()  # B is only in RAM: persisted now
+    assert cache.stats().persisted_on_close == 3
+    cache, ssd = open_cache(tmp_path)
+    assert ssd.stats()["blocks_on_disk"] == 6
+    assert cache.lookup(A + [7], NS).tokens_by_tier == {"ssd": 12}
+    assert cache.lookup(B + [7], NS).tokens_by_tier == {"ssd": 12}
     cache.close()
