@@ -24,6 +24,7 @@ def test_serve_options(tmp_path: Path) -> None:
         str(keys), "--hit-rate-window", "7", "--hit-rate-threshold", "0.5")
     assert (cache.block_size, cache.ram_budget_bytes, cache.enabled) == (32, 512 * 1024**2, True)
     assert ssd is not None and ssd.path == tmp_path / "blocks" and ssd.budget_bytes == 4 * 1024**3
+    assert ssd.policy == "write_through"  # the server's default: survives kill -9
     assert eng.prefill_chunk_tokens == 256
     assert (srv.port, srv.api_key, srv.api_keys_file) == (9000, "s", keys)
     assert (srv.hit_rate_window, srv.hit_rate_alert_threshold) == (7, 0.5)
@@ -36,6 +37,8 @@ def test_serve_percent_budget_and_switches(tmp_path: Path) -> None:
                                                    rel=0.05)
     _, cache, ssd, _ = _configs("--no-cache", "--cache-dir", str(tmp_path))
     assert ssd is None and cache.enabled is False
+    _, _, ssd, _ = _configs("--cache-dir", str(tmp_path), "--ssd-policy", "write_back")
+    assert ssd is not None and ssd.policy == "write_back"
     eng, _, _, _ = _configs("--block-size", "48", "--no-ssd")
     assert eng.prefill_chunk_tokens == 240  # a multiple of the block size
 

@@ -4,6 +4,10 @@ Without ``--model`` the embedded default model is prepared (offline) and served.
 The SSD tier is on by default (under ``--cache-dir``, default
 ``config.default_cache_dir()/blocks``); ``--no-ssd`` keeps the cache in RAM only and
 ``--no-cache`` disables caching entirely (for comparisons).
+
+The server writes every stored block to the SSD asynchronously (``write_through``), so a
+crash or ``kill -9`` loses at most the blocks still queued. ``--ssd-policy write_back``
+writes only blocks evicted from RAM (fewer SSD writes) and the rest at a clean shutdown.
 """
 
 from __future__ import annotations
@@ -34,6 +38,10 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--ssd-budget", default="10GB",
                    help="SSD tier budget: 10GB, or a %% of the free disk space")
     p.add_argument("--block-size", type=int, default=64, help="tokens per cache block")
+    p.add_argument("--ssd-policy", choices=("write_through", "write_back"),
+                   default="write_through",
+                   help="write_through: persist blocks as they are stored (survives kill -9); "
+                        "write_back: only evicted blocks, the rest at a clean shutdown")
     p.add_argument("--no-ssd", action="store_true", help="RAM tier only")
     p.add_argument("--no-cache", action="store_true", help="disable the prompt cache")
     p.add_argument("--api-key", default=None, help="require this key (Bearer or x-api-key)")
@@ -72,7 +80,7 @@ def build_configs(args: argparse.Namespace) -> tuple[
         path = args.cache_dir if args.cache_dir is not None else SSDConfig().path
         path.mkdir(parents=True, exist_ok=True)
         budget = parse_size(args.ssd_budget, total=shutil.disk_usage(path).free)
-        ssd_cfg = SSDConfig(path=path, budget_bytes=budget)
+        ssd_cfg = SSDConfig(path=path, budget_bytes=budget, policy=args.ssd_policy)
     chunk = max(args.block_size, (256 // args.block_size) * args.block_size)
     engine_cfg = EngineConfig(prefill_chunk_tokens=chunk,
                               max_tokens_limit=args.max_tokens_limit)
