@@ -46,11 +46,12 @@ class SystemRun:
 
 
 def bytes_held_from_stats(stats: dict[str, Any] | None) -> int | None:
-    """Total bytes the cache holds across tiers, from ``/v1/cache/stats`` if it says so.
+    """Bytes the cache holds, from ``/v1/cache/stats`` if it says so: the largest tier.
 
-    Ours: ``{"cache": {"ram_bytes": n, "tiers": {"ssd": {"bytes_on_disk": n}}}}``. Also
-    accepted: a top-level ``bytes_held``, ``<tier>_bytes`` keys, tiers with ``bytes``.
-    None when no such figure is present.
+    Ours: ``{"cache": {"ram_bytes": n, "tiers": {"ssd": {"bytes_on_disk": n}}}}``. Under
+    write-through every tier holds a copy of the same blocks, so the dedup figure is per
+    tier (the largest one), not their sum. Also accepted: a top-level ``bytes_held``,
+    ``<tier>_bytes`` keys, tiers with ``bytes``. None when no such figure is present.
     """
     if not isinstance(stats, dict):
         return None
@@ -58,18 +59,17 @@ def bytes_held_from_stats(stats: dict[str, Any] | None) -> int | None:
         stats = stats["cache"]
     if isinstance(stats.get("bytes_held"), int):
         return int(stats["bytes_held"])
-    found = False
-    total = 0
+    sizes: list[int] = []
     for tier in ("ram", "ssd", "redis"):
         v = stats.get(f"{tier}_bytes")
         if isinstance(v, int):
-            total, found = total + v, True
+            sizes.append(v)
     tiers = stats.get("tiers")
     for t in (tiers.values() if isinstance(tiers, dict) else ()):
         v = t.get("bytes_on_disk", t.get("bytes")) if isinstance(t, dict) else None
         if isinstance(v, int):
-            total, found = total + v, True
-    return total if found else None
+            sizes.append(v)
+    return max(sizes) if sizes else None
 
 
 def _fetch_stats(srv: ServerProcess) -> dict[str, Any] | None:
