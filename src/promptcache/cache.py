@@ -62,7 +62,12 @@ class PayloadAdapter(Protocol):
 
     def to_numpy(self, payload: Any) -> dict[str, np.ndarray]: ...
 
-    def from_numpy(self, arrays: dict[str, np.ndarray]) -> Any: ...
+    def meta(self, payload: Any) -> dict[str, str]:
+        """String metadata ``from_numpy`` needs to rebuild the payload (e.g. which
+        arrays are bfloat16 travelling as uint16); stored beside the arrays."""
+
+    def from_numpy(self, arrays: dict[str, np.ndarray], meta: Mapping[str, str] | None = None
+                   ) -> Any: ...
 
 
 class NumpyAdapter:
@@ -85,7 +90,11 @@ class NumpyAdapter:
     def to_numpy(self, payload: Any) -> dict[str, np.ndarray]:
         return dict(payload)
 
-    def from_numpy(self, arrays: dict[str, np.ndarray]) -> Any:
+    def meta(self, payload: Any) -> dict[str, str]:
+        return {}
+
+    def from_numpy(self, arrays: dict[str, np.ndarray], meta: Mapping[str, str] | None = None
+                   ) -> Any:
         return arrays
 
 
@@ -240,7 +249,9 @@ class PromptCache:
         failed) counts; a block every tier accepted is marked persisted. Never raises."""
         try:
             meta = block.meta()
-            data = self._enc(self.adapter.to_numpy(block.payload), {"block_hash": meta.block_hash.hex()})
+            extra = {k: v for k, v in self.adapter.meta(block.payload).items() if k != "block_hash"}
+            data = self._enc(self.adapter.to_numpy(block.payload),
+                             {**extra, "block_hash": meta.block_hash.hex()})
         except Exception as e:  # a payload that cannot be encoded is dropped, not raised
             logger.warning("cannot encode block %s for a lower tier: %s", block.block_id, e)
             return 0, len(self.lower)
@@ -375,8 +386,10 @@ class PromptCache:
             c.promotion_failures += 1
             return None
         try:
-            arrays, _ = self._dec(data)
-            payload = self.adapter.from_numpy(arrays)
+            arrays, payload_meta = self._dec(data)
+            if payload_meta.get("block_hash", meta.block_hash.hex()) != meta.block_hash.hex():
+                raise TierError("the stored payload belongs to another block")
+            payload = self.adapter.from_numpy(arrays, payload_meta)
             nbytes = self.adapter.nbytes(payload)
         except Exception as e:  # corrupt or foreign bytes: a counted miss
             self._on_tier_error(entry.source, e)

@@ -23,3 +23,37 @@ def test_restarted_engine_hits_ssd_blocks(tiny_llama_path, tmp_path):
     assert r2.usage.cached_by_tier == {"ssd": 29}
     assert r2.tokens == r1.tokens == ref.tokens
     assert stats["cache"]["promotions"] == 4
+
+
+def test_bfloat16_blocks_come_back_from_ssd_as_bfloat16(tmp_path):
+    """Apple GPUs keep KV in bfloat16; numpy has no bf16, so it travels as uint16 + meta."""
+    import mlx.core as mx
+
+    from promptcache.cache import PromptCache
+    from promptcache.engine.payload import MLXPayloadAdapter
+    from promptcache.meta import Namespace
+    from promptcache.tiers.ssd import SSDTier
+
+    ns = Namespace("bf16-model", 4, kv_spec="bfloat16")
+    k = mx.arange(2 * 4 * 3, dtype=mx.float32).reshape(1, 2, 4, 3).astype(mx.bfloat16) / 7
+
+    def payload_for(start, end, snapshot):
+        return {"0.k": k + start, "0.v": -(k + start)}
+
+    tier = SSDTier(SSDConfig(path=tmp_path, fsync=False))
+    cache = PromptCache(CacheConfig(block_size=4, ram_budget_bytes=1 << 20),
+                        adapter=MLXPayloadAdapter(), lower=[tier], write_through=True)
+    cache.store(ns, [1, 2, 3, 4, 5, 6, 7, 8], 8, payload_for)
+    cache.close()
+    tier = SSDTier(SSDConfig(path=tmp_path, fsync=False))
+    cache = PromptCache(CacheConfig(block_size=4, ram_budget_bytes=1 << 20),
+                        adapter=MLXPayloadAdapter(), lower=[tier])
+    hit = cache.acquire([1, 2, 3, 4, 5, 6, 7, 8, 9], ns)
+    assert hit.num_tokens == 8 and hit.tokens_by_tier == {"ssd": 8}
+    for (meta, payload) in hit.blocks:
+        want = payload_for(meta.start, meta.end, False)
+        for name in ("0.k", "0.v"):
+            assert payload[name].dtype == mx.bfloat16
+            assert mx.array_equal(payload[name], want[name]).item()
+    cache.release(hit)
+    cache.close()
