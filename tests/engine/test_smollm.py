@@ -12,21 +12,21 @@ from promptcache.engine.engine import Engine
 pytestmark = pytest.mark.slow
 
 SYSTEM = (
-    "You are a friendly and concise assistant. Answer every question in one short "
-    "sentence, use plain words, do not repeat the question, and never make up facts. "
+    "You are a friendly assistant. Answer every question in two or three sentences, "
+    "use plain words, do not repeat the question, and never make up facts. "
     "If you do not know an answer, say so politely and suggest where to look it up."
 )
 USER_TURNS = [
-    "Hi! Who are you?",
-    "What is the capital of France?",
-    "And of Italy?",
-    "Name a fruit.",
-    "What color is it?",
-    "Count to three.",
-    "Say something kind.",
-    "What is 2+2?",
-    "Name an animal.",
-    "Thanks, bye!",
+    "Hi! Tell me about yourself.",
+    "Describe Paris for a visitor.",
+    "And what about Rome?",
+    "Explain how bread is made.",
+    "Why is the sky blue?",
+    "Describe a good breakfast.",
+    "How do plants grow?",
+    "Tell me about the ocean.",
+    "Describe a cat.",
+    "Thanks! Any last advice?",
 ]
 
 
@@ -65,14 +65,14 @@ def test_smollm_cached_equals_uncached(smol):
 
 
 def test_smollm_ten_turn_chat_hit_rate(smol):
-    # a short system prompt, short user messages, 8-token replies: per turn ~18 new
-    # tokens (template markers + the user message) are necessarily prefilled
+    # a short system prompt, short user messages, replies of up to 48 tokens: per turn
+    # only the template markers + the user message (~18 tokens) are new
     messages: list[dict[str, str]] = [{"role": "system", "content": SYSTEM}]
     prompt_total = cached_total = 0
     per_turn = []
     for text in USER_TURNS:
         messages.append({"role": "user", "content": text})
-        res = smol.generate(messages, max_tokens=8, session_id="chat-1")
+        res = smol.generate(messages, max_tokens=48, session_id="chat-1")
         assert res.finish_reason in ("length", "stop")
         messages.append({"role": "assistant", "content": res.text})
         u = res.usage
@@ -84,5 +84,8 @@ def test_smollm_ten_turn_chat_hit_rate(smol):
     print(f"\n10-turn chat: per turn (prompt, cached) = {per_turn}")
     print(f"token hit rate: all turns {rate:.1%}, turns 2-10 {later:.1%}")
     assert per_turn[0][1] == 0 or per_turn[0][1] < per_turn[0][0]
-    assert all(c > 0 for _, c in per_turn[1:])
-    assert later >= 0.90
+    # every turn reuses the whole previous prompt + reply (the reply's last token and the
+    # end-of-turn marker are re-rendered by the template, so allow a few tokens)
+    for (p_prev, _), (_, c) in zip(per_turn, per_turn[1:]):
+        assert c >= p_prev
+    assert rate >= 0.90 and later >= 0.90
