@@ -11,8 +11,8 @@ Prompts are rendered with the model's own chat template from the OpenAI-format
 history (``tools`` passed through); the servers render theirs, so the token counts are
 recorded next to the ones the servers report.
 
-This is the one bench module that touches mlx; it imports it lazily, so the rest of
-the harness (and its tests) never loads it.
+The mlx work itself is ``engine.floor.PrefillTimer`` (mlx stays under ``engine/``); it
+is imported lazily, so the rest of the harness (and its tests) never loads mlx.
 """
 
 from __future__ import annotations
@@ -105,46 +105,30 @@ class FloorMeter:
     def __init__(self, model_path: str, *, prefill_step: int = 2048, repeats: int = 2) -> None:
         if prefill_step <= 0 or repeats <= 0:
             raise ValueError("prefill_step and repeats must be > 0")
-        from mlx_lm import load
+        from ..engine.floor import PrefillTimer
 
-        loaded = load(model_path)
-        self.model: Any = loaded[0]
-        self.tokenizer: Any = loaded[1]
-        self.prefill_step = prefill_step
+        self.timer = PrefillTimer(model_path, prefill_step=prefill_step)
+        self.tokenizer: Any = self.timer.tokenizer
         self.repeats = repeats
         self._warm = False
 
     def _run(self, tokens: list[int], cache: list[Any], sample: bool) -> None:
-        import mlx.core as mx
-
-        step = self.prefill_step
-        i = 0
-        while len(tokens) - i > step:
-            self.model(mx.array(tokens[i : i + step])[None], cache=cache)
-            mx.eval([c.state for c in cache])
-            i += step
-        logits = self.model(mx.array(tokens[i:])[None], cache=cache)
-        if sample:
-            mx.eval(mx.argmax(logits[:, -1, :], axis=-1))
-        else:
-            mx.eval([c.state for c in cache])
+        self.timer.run(tokens, cache, sample)
 
     def measure(self, scenario: Scenario,
                 progress: Callable[[str], None] | None = None) -> list[FloorTurn]:
-        from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
-
         prompts = [render(self.tokenizer, t) for t in scenario.turns]
         targets = ideal_cached(prompts)
-        cache = make_prompt_cache(self.model)
+        cache = self.timer.new_cache()
         held: list[int] = []
         if not self._warm:  # first-call compilation is not part of any turn
-            self._run(prompts[0][: min(64, len(prompts[0]))], make_prompt_cache(self.model), True)
+            self._run(prompts[0][: min(64, len(prompts[0]))], self.timer.new_cache(), True)
             self._warm = True
         out: list[FloorTurn] = []
         for n, (turn, prompt, c) in enumerate(zip(scenario.turns, prompts, targets, strict=True)):
             base = min(common_prefix(held, prompt), c)
             if len(held) > base:
-                trim_prompt_cache(cache, len(held) - base)
+                self.timer.trim(cache, len(held) - base)
             if c > base:
                 self._run(prompt[base:c], cache, sample=False)
             best = float("inf")
@@ -153,7 +137,7 @@ class FloorMeter:
                 self._run(prompt[c:], cache, sample=True)
                 best = min(best, time.perf_counter() - t0)
                 if r + 1 < self.repeats:
-                    trim_prompt_cache(cache, len(prompt) - c)
+                    self.timer.trim(cache, len(prompt) - c)
             held = prompt
             out.append(FloorTurn(turn.conversation, turn.index, len(prompt), c, len(prompt) - c, best))
             if progress is not None and (n + 1) % 10 == 0:
