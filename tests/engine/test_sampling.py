@@ -65,3 +65,39 @@ def test_stop_strings_hold_back_partial_matches():
     s = StopStrings(["END"])
     s.feed("abc EN")
     assert s.flush() == "EN" and s.text == "abc EN"
+    assert s.matched is None and not s.stopped
+
+
+def test_stop_strings_record_which_one_matched():
+    s = StopStrings(["STOP", "END"])
+    assert s.matched is None
+    assert s.feed("abc EN") == "abc "
+    assert s.feed("D STOP") == "" and s.stopped
+    assert s.matched == "END" and s.text == "abc "
+    # both in one delta: the earliest match wins, whichever is listed first
+    s = StopStrings(["STOP", "END"])
+    assert s.feed("x END y STOP") == "x " and s.matched == "END"
+    # same position: the first listed wins
+    s = StopStrings(["ENDS", "END"])
+    assert s.feed("a ENDS") == "a " and s.matched == "ENDS"
+
+
+@pytest.fixture(scope="module")
+def llama(engine_factory, tiny_llama_path):
+    return engine_factory(tiny_llama_path)
+
+
+def test_generation_result_reports_the_stop_sequence(llama):
+    prompt = [5, 17, 230, 99, 4, 310, 8, 77]
+    ref = llama.generate(prompt, max_tokens=8, use_cache=False)
+    assert ref.finish_reason == "length" and ref.stop_sequence is None
+    text = ref.text
+    assert len(text) > 4
+    stop = text[2:4]
+    res = llama.generate(prompt, max_tokens=8, stop=["never-in-output", stop], use_cache=False)
+    assert res.finish_reason == "stop"
+    assert res.stop_sequence == stop
+    assert res.text == text[: text.find(stop)]
+    # a stop token id is not a stop sequence
+    res = llama.generate(prompt, max_tokens=8, stop_token_ids=[ref.tokens[3]], use_cache=False)
+    assert res.finish_reason == "stop" and res.stop_sequence is None

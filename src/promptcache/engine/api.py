@@ -98,6 +98,9 @@ class GenerationResult:
     restore_s: float = 0.0
     miss_reason: str | None = None
     error: str | None = None
+    # the stop string that ended generation (finish_reason "stop"); None for EOS,
+    # a stop token id, a length cut or a cancellation
+    stop_sequence: str | None = None
 
     @property
     def decode_tps(self) -> float:

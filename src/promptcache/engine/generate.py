@@ -362,6 +362,7 @@ class GenerationTask:
             restore_s=self._timings["restore_s"],
             miss_reason=self._miss_reason,
             error=error,
+            stop_sequence=self.stops.matched if reason == "stop" else None,
         )
         self.caches = []
         self._logits = None

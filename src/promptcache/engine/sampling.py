@@ -95,6 +95,8 @@ class StopStrings:
         self.text = ""
         self.emitted = 0
         self.stopped = False
+        # which stop string cut the text (the earliest match; ties: the first listed)
+        self.matched: str | None = None
 
     def feed(self, delta: str) -> str:
         """Append ``delta``; return the text that is safe to emit now."""
@@ -103,9 +105,11 @@ class StopStrings:
             out = self.text[self.emitted :]
             self.emitted = len(self.text)
             return out
-        cut = min((i for i in (self.text.find(s) for s in self.stops) if i >= 0), default=-1)
-        if cut >= 0:
+        found = [(i, k) for k, i in enumerate(self.text.find(s) for s in self.stops) if i >= 0]
+        if found:
+            cut, which = min(found)
             self.stopped = True
+            self.matched = self.stops[which]
             self.text = self.text[:cut]
             out = self.text[self.emitted :]
             self.emitted = len(self.text)
