@@ -14,10 +14,10 @@ import hashlib
 import json
 import struct
 from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 from safetensors import SafetensorError
-from safetensors.numpy import load as _st_load
 from safetensors.numpy import save as _st_save
 
 from .errors import CorruptBlockError
@@ -44,7 +44,7 @@ def encode(arrays: Mapping[str, np.ndarray], meta: Mapping[str, str]) -> bytes:
             raise ValueError(f"array {name!r} must be a numpy array, got {type(arr).__name__}")
         if arr.dtype == object:
             raise ValueError(f"array {name!r} has dtype object, which cannot be stored")
-        tensors[name] = np.ascontiguousarray(arr)
+        tensors[name] = np.ascontiguousarray(arr).reshape(arr.shape)  # keeps 0-d arrays 0-d
     header_meta: dict[str, str] = {}
     for key, value in meta.items():
         if not isinstance(key, str) or not isinstance(value, str):
@@ -56,19 +56,48 @@ def encode(arrays: Mapping[str, np.ndarray], meta: Mapping[str, str]) -> bytes:
         raise ValueError(f"cannot encode payload: {e}") from e
 
 
-def read_metadata(data: bytes) -> dict[str, str]:
-    """The ``__metadata__`` of a safetensors buffer, without touching the tensors."""
-    if len(data) < _HEADER_LEN.size:
-        raise CorruptBlockError(f"payload too short for a safetensors header ({len(data)} bytes)")
-    (n,) = _HEADER_LEN.unpack_from(data, 0)
-    if n > _MAX_HEADER_BYTES or _HEADER_LEN.size + n > len(data):
+Buffer = bytes | bytearray | memoryview
+
+# safetensors dtype codes numpy can represent (BF16 and the F8 types have no numpy
+# dtype: the engine stores bfloat16 as U16, see the module docstring).
+_DTYPES: dict[str, np.dtype[Any]] = {
+    code: np.dtype(name).newbyteorder("<")
+    for code, name in (
+        ("BOOL", "bool"), ("U8", "uint8"), ("I8", "int8"), ("U16", "uint16"),
+        ("I16", "int16"), ("F16", "float16"), ("U32", "uint32"), ("I32", "int32"),
+        ("F32", "float32"), ("U64", "uint64"), ("I64", "int64"), ("F64", "float64"),
+    )
+}
+
+
+def _as_bytes_view(data: Buffer) -> memoryview:
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise CorruptBlockError(f"payload must be bytes, got {type(data).__name__}")
+    mv = memoryview(data)
+    if mv.format != "B" or mv.ndim != 1:
+        if not mv.c_contiguous:
+            raise CorruptBlockError("payload buffer is not contiguous")
+        mv = mv.cast("B")
+    return mv
+
+
+def _header(mv: memoryview) -> tuple[dict[str, Any], int]:
+    """The parsed JSON header and the offset where the tensor bytes start."""
+    if mv.nbytes < _HEADER_LEN.size:
+        raise CorruptBlockError(f"payload too short for a safetensors header ({mv.nbytes} bytes)")
+    (n,) = _HEADER_LEN.unpack_from(mv, 0)
+    if n > _MAX_HEADER_BYTES or _HEADER_LEN.size + n > mv.nbytes:
         raise CorruptBlockError(f"safetensors header length {n} does not fit the payload")
     try:
-        header = json.loads(bytes(data[_HEADER_LEN.size : _HEADER_LEN.size + n]))
+        header = json.loads(bytes(mv[_HEADER_LEN.size : _HEADER_LEN.size + n]))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CorruptBlockError(f"safetensors header is not valid JSON: {e}") from e
     if not isinstance(header, dict):
         raise CorruptBlockError("safetensors header is not a JSON object")
+    return header, _HEADER_LEN.size + n
+
+
+def _metadata(header: dict[str, Any]) -> dict[str, str]:
     meta = header.get("__metadata__") or {}
     if not isinstance(meta, dict) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in meta.items()
@@ -77,19 +106,74 @@ def read_metadata(data: bytes) -> dict[str, str]:
     return dict(meta)
 
 
-def decode(data: bytes) -> tuple[dict[str, np.ndarray], dict[str, str]]:
-    """Inverse of ``encode``. Raises ``CorruptBlockError`` on anything malformed."""
-    if not isinstance(data, (bytes, bytearray, memoryview)):
-        raise CorruptBlockError(f"payload must be bytes, got {type(data).__name__}")
-    data = bytes(data)
-    meta = read_metadata(data)
-    try:
-        arrays = _st_load(data)
-    except (SafetensorError, ValueError, KeyError, TypeError) as e:
-        raise CorruptBlockError(f"cannot decode safetensors payload: {e}") from e
-    return dict(arrays), meta
+def read_metadata(data: Buffer) -> dict[str, str]:
+    """The ``__metadata__`` of a safetensors buffer, without touching the tensors."""
+    header, _ = _header(_as_bytes_view(data))
+    return _metadata(header)
 
 
-def checksum(data: bytes) -> str:
+def _tensor_spec(name: str, spec: Any) -> tuple[np.dtype[Any], tuple[int, ...], int, int]:
+    if not isinstance(spec, dict):
+        raise CorruptBlockError(f"tensor {name!r}: header entry is not an object")
+    dtype = _DTYPES.get(spec.get("dtype"))  # type: ignore[arg-type]
+    if dtype is None:
+        raise CorruptBlockError(f"tensor {name!r}: unsupported dtype {spec.get('dtype')!r}")
+    shape, offsets = spec.get("shape"), spec.get("data_offsets")
+    if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+        raise CorruptBlockError(f"tensor {name!r}: bad shape {shape!r}")
+    if (
+        not isinstance(offsets, list)
+        or len(offsets) != 2
+        or not all(type(o) is int for o in offsets)
+        or not 0 <= offsets[0] <= offsets[1]
+    ):
+        raise CorruptBlockError(f"tensor {name!r}: bad data_offsets {offsets!r}")
+    count = 1
+    for d in shape:
+        count *= d
+    if count * dtype.itemsize != offsets[1] - offsets[0]:
+        raise CorruptBlockError(
+            f"tensor {name!r}: shape {shape} x {dtype.itemsize} B does not match "
+            f"{offsets[1] - offsets[0]} bytes"
+        )
+    return dtype, tuple(shape), offsets[0], offsets[1]
+
+
+def decode(data: Buffer) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """Inverse of ``encode``. Raises ``CorruptBlockError`` on anything malformed.
+
+    Zero-copy: the arrays are read-only numpy views over ``data`` (they keep it
+    alive). The caller must not modify ``data`` (a ``bytearray``) while the arrays
+    are in use; copy them (``mx.array(view)`` does) if they must outlive that.
+    The tensor byte ranges must tile the data section exactly, as safetensors
+    writes them (no gaps, no overlaps, nothing after the last tensor).
+    """
+    mv = _as_bytes_view(data)
+    header, base = _header(mv)
+    meta = _metadata(header)
+    specs = []
+    for name, spec in header.items():
+        if name != "__metadata__":
+            specs.append((name, *_tensor_spec(name, spec)))
+    specs.sort(key=lambda s: (s[3], s[4]))
+    pos = 0
+    for name, _dtype, _shape, begin, end in specs:
+        if begin != pos:
+            raise CorruptBlockError(f"tensor {name!r}: data_offsets leave a gap or overlap at {pos}")
+        pos = end
+    if base + pos != mv.nbytes:
+        raise CorruptBlockError(
+            f"safetensors data section is {mv.nbytes - base} bytes, tensors cover {pos}"
+        )
+    arrays: dict[str, np.ndarray] = {}
+    for name, dtype, shape, begin, end in specs:
+        count = (end - begin) // dtype.itemsize
+        arr = np.frombuffer(mv, dtype=dtype, count=count, offset=base + begin).reshape(shape)
+        arr.flags.writeable = False
+        arrays[name] = arr
+    return arrays, meta
+
+
+def checksum(data: Buffer) -> str:
     """Hex sha256 of ``data``."""
     return hashlib.sha256(data).hexdigest()

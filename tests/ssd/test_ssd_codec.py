@@ -73,3 +73,69 @@ def test_non_bytes_input_is_corrupt():
 def test_bad_input_raises_value_error(arrays, meta):
     with pytest.raises(ValueError):
         encode(arrays, meta)
+
+
+def _with_header(data: bytes, edit) -> bytes:
+    """Re-encode ``data`` with its JSON header changed by ``edit(dict)``."""
+    import json
+    import struct
+
+    (n,) = struct.unpack_from("<Q", data, 0)
+    header = json.loads(data[8 : 8 + n])
+    edit(header)
+    raw = json.dumps(header).encode()
+    return struct.pack("<Q", len(raw)) + raw + data[8 + n :]
+
+
+def test_decode_is_zero_copy_and_read_only_for_every_buffer_type():
+    arrays = {"a": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.arange(4, dtype=np.int64)}
+    data = encode(arrays, {"m": "1"})
+    for buf in (data, bytearray(data), memoryview(bytearray(data))):
+        out, meta = decode(buf)
+        assert meta == {"m": "1"}
+        for name, arr in arrays.items():
+            assert np.array_equal(out[name], arr)
+            assert out[name].dtype == arr.dtype
+            assert np.shares_memory(out[name], np.frombuffer(buf, dtype=np.uint8))
+            assert out[name].flags.writeable is False
+
+
+def test_decode_views_keep_the_buffer_alive():
+    out, _ = decode(bytearray(encode({"x": np.arange(1000, dtype=np.float32)}, {})))
+    import gc
+
+    gc.collect()
+    assert out["x"].sum() == sum(range(1000))
+
+
+def test_decode_of_a_zero_size_and_a_scalar_tensor():
+    arrays = {"e": np.zeros((0, 3), dtype=np.float16), "s": np.array(7, dtype=np.int32)}
+    out, _ = decode(encode(arrays, {}))
+    assert out["e"].shape == (0, 3)
+    assert out["s"].shape == () and int(out["s"]) == 7
+
+
+def _two():
+    return encode({"a": np.ones(4, dtype=np.float32), "b": np.ones(4, dtype=np.float32)}, {})
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda h: h["a"].update(dtype="BF16"), "unsupported dtype"),
+        (lambda h: h["a"].update(dtype="X9"), "unsupported dtype"),
+        (lambda h: h["a"].update(shape=[5]), "does not match"),
+        (lambda h: h["a"].update(shape=[-4]), "bad shape"),
+        (lambda h: h["a"].update(shape="4"), "bad shape"),
+        (lambda h: h["a"].update(data_offsets=[0]), "bad data_offsets"),
+        (lambda h: h["a"].update(data_offsets=[8, 4]), "bad data_offsets"),
+        (lambda h: h["b"].update(data_offsets=[0, 16]), "gap or overlap"),  # overlaps a
+        (lambda h: h["a"].update(data_offsets=[4, 20]), "gap or overlap"),  # a gap before a
+        (lambda h: h.pop("b"), "tensors cover 16"),  # trailing bytes nobody owns
+        (lambda h: h.update(a=[1, 2]), "not an object"),
+        (lambda h: h.update(__metadata__={"k": 1}), "__metadata__"),
+    ],
+)
+def test_malformed_headers_are_corrupt(edit, message):
+    with pytest.raises(CorruptBlockError, match=message):
+        decode(_with_header(_two(), edit))
