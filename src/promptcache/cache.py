@@ -253,7 +253,7 @@ class PromptCache:
             data = self._enc(self.adapter.to_numpy(block.payload),
                              {**extra, "block_hash": meta.block_hash.hex()})
         except Exception as e:  # a payload that cannot be encoded is dropped, not raised
-            logger.warning("cannot encode block %s for a lower tier: %s", block.block_id, e)
+            logger.warning("cannot encode block %r for a lower tier: %s", block, e)
             return 0, len(self.lower)
         ok = failed = 0
         for tier in self.lower:
@@ -285,7 +285,7 @@ class PromptCache:
             try:
                 self._extra_on_evict(block.meta(), block.payload)
             except Exception:
-                logger.exception("on_evict hook failed for block %s", block.block_id)
+                logger.exception("on_evict hook failed for block %r", block)
 
     # ---- lookup / acquire / release ------------------------------------------
     def lookup(self, tokens: Any, ns: Namespace, extra_keys: Sequence[ExtraKeySpan] = (),

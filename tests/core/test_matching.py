@@ -157,9 +157,10 @@ def test_tenant_isolation():
 
 def test_lookup_is_a_pure_query():
     cache = stored()
-    lru_before = [b.block_id for b in cache.pool.lru_order()]
+    lru_before = [b.block_hash for b in cache.pool.lru_order()]
+    assert len(lru_before) == 3
     cache.lookup(SEQ, NS)
-    assert [b.block_id for b in cache.pool.lru_order()] == lru_before
+    assert [b.block_hash for b in cache.pool.lru_order()] == lru_before
     assert cache.stats().lookups == 0
 
 

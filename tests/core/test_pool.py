@@ -19,16 +19,22 @@ def alloc(pool: BlockPool, i: int, parent: int = 0, nbytes: int = 10, now: float
     )
 
 
+def num(block: Block) -> int:
+    """The ``i`` of ``H(i)``: blocks carry no id, their hash identifies them."""
+    assert block.block_hash is not None
+    return int.from_bytes(block.block_hash, "big")
+
+
 def make(budget: int = 100) -> tuple[BlockPool, list[int]]:
     evicted: list[int] = []
-    pool = BlockPool(budget, on_evict=lambda b: evicted.append(b.block_id))
+    pool = BlockPool(budget, on_evict=lambda b: evicted.append(num(b)))
     return pool, evicted
 
 
-def test_allocate_assigns_ids_refs_and_bytes():
+def test_allocate_assigns_hashes_refs_and_bytes():
     pool, _ = make()
     blocks = [alloc(pool, i + 1) for i in range(3)]
-    assert [b.block_id for b in blocks] == [0, 1, 2]
+    assert [num(b) for b in blocks] == [1, 2, 3] and len({id(b) for b in blocks}) == 3
     assert [b.ref_cnt for b in blocks] == [1, 1, 1]
     assert (pool.num_blocks, pool.num_used_blocks, pool.num_free_blocks, pool.used_bytes) == (3, 3, 0, 30)
     assert pool.get(H(2)) is blocks[1]
@@ -60,18 +66,18 @@ def test_lru_eviction_order_and_referenced_blocks_are_never_evicted():
     blocks = [alloc(pool, i + 1) for i in range(5)]  # 50 bytes, all held
     assert not pool.can_allocate(10)
     assert not pool.make_room(10) and evicted == []
-    for i in (3, 0, 4):  # released in this order -> LRU order 4, 1, 5 (ids 3, 0, 4)
+    for i in (3, 0, 4):  # released in this order -> LRU order H(4), H(1), H(5)
         pool.unref(blocks[i])
-    assert [b.block_id for b in pool.lru_order()] == [3, 0, 4]
-    pool.ref(blocks[0])  # a hit takes block 0 out of the queue; re-release makes it MRU
+    assert [num(b) for b in pool.lru_order()] == [4, 1, 5]
+    pool.ref(blocks[0])  # a hit takes H(1) out of the queue; re-release makes it MRU
     pool.unref(blocks[0])
-    assert [b.block_id for b in pool.lru_order()] == [3, 4, 0]
+    assert [num(b) for b in pool.lru_order()] == [4, 5, 1]
     alloc(pool, 10, nbytes=20)  # needs two evictions
-    assert evicted == [3, 4]
+    assert evicted == [4, 5]
     assert pool.get(H(4)) is None and pool.get(H(5)) is None and pool.get(H(1)) is blocks[0]
     assert pool.num_evictions == 2 and pool.used_bytes == 50
     pool.check()
-    # blocks 1 and 2 (ids 1, 2) are still referenced: only id 0 may go
+    # H(2) and H(3) are still referenced: only H(1) may go
     assert pool.can_allocate(10) and not pool.can_allocate(11)
 
 
@@ -81,9 +87,9 @@ def test_release_chain_is_tail_first_so_tails_are_evicted_first():
     other = [alloc(pool, 7, 0), alloc(pool, 8, 7)]
     pool.release_chain(chain)
     pool.release_chain(other)
-    assert [b.block_id for b in pool.lru_order()] == [2, 1, 0, 4, 3]
+    assert [num(b) for b in pool.lru_order()] == [3, 2, 1, 8, 7]
     assert pool.evict() is chain[2] and pool.evict() is chain[1]
-    assert evicted == [2, 1]
+    assert evicted == [3, 2]
     pool.check()
 
 
@@ -156,3 +162,41 @@ def test_bad_budget():
     for bad in (-1, 1.5, True):
         with pytest.raises(ValueError):
             BlockPool(bad)  # type: ignore[arg-type]
+
+
+def test_children_of_an_evicted_parent_are_detached_and_readopted():
+    pool, evicted = make(budget=100)
+    parent, kid, kid2 = alloc(pool, 1, 0), alloc(pool, 2, 1), alloc(pool, 3, 1)
+    assert parent.kids == [kid, kid2] and pool.children(H(1)) == [kid, kid2]
+    pool.unref(parent)  # the children stay referenced: the parent alone is evictable
+    assert pool.evict() is parent and evicted == [1]
+    assert parent.kids is None and pool.get(H(1)) is None
+    assert pool.children(H(1)) == [kid, kid2] and pool.find_child(H(1), pack_tokens([3, 3])) is kid2
+    pool.check()
+    again = alloc(pool, 1, 0)  # e.g. promoted back from SSD: adopts its children
+    assert again.kids == [kid, kid2] and pool.children(H(1)) == [kid, kid2]
+    assert pool.children(H(0)) == [again]
+    pool.check()
+    pool.release_chain([kid])
+    assert pool.remove(kid) and again.kids is kid2 and pool.children(H(1)) == [kid2]
+    pool.release_chain([again])
+    assert pool.remove(again) and pool.children(H(1)) == [kid2] and pool.children(H(0)) == []
+    pool.check()
+    pool.unref(kid2)
+    assert pool.evict() is kid2 and pool.children(H(1)) == [] and pool.num_blocks == 0
+    pool.check()
+
+
+def test_start_offsets_and_sizes_are_shared_int_objects():
+    pool, _ = make(budget=10**9)
+    blocks = [
+        pool.allocate(block_hash=H(i), parent_hash=H(100 + i), tokens=pack_tokens([i]),
+                      start=int("128000"), extra_keys=(), flags=TRUNCATABLE, ns=NS, payload=None,
+                      nbytes=int("1048576"), now=0.0)
+        for i in range(1, 4)
+    ]
+    assert [b.start for b in blocks] == [128000] * 3 and [b.nbytes for b in blocks] == [1048576] * 3
+    assert blocks[0].start is blocks[1].start is blocks[2].start
+    assert blocks[0].nbytes is blocks[2].nbytes
+    assert pool.used_bytes == 3 * 1048576
+    pool.check()

@@ -12,6 +12,16 @@ A block exists in the pool only while it holds cached state. Its life:
   ``on_evict`` hook (demotion to the lower tiers); ``remove`` deletes it without
   the hook (session / tenant deletion, TTL).
 
+Index layout (kept small: about 280 B per block besides its token ids, see
+BENCHMARKS.md): one hash map ``block_hash -> Block`` (the identity of a block: a
+hash is held by at most one block); the children index lives in the parent block
+itself (``Block.kids``: None, one block or a list), and children whose parent is
+not a block in the map (namespace roots, parents evicted or only in a lower tier)
+are kept in ``_detached`` keyed by the parent hash, adopted back when a block with
+that hash is allocated. Block start offsets and byte sizes are interned (blocks
+at one depth share one int object). Blocks carry no id: a block is identified by
+its hash (or by identity when private).
+
 Counting invariant (``check``): ``num_free_blocks + num_used_blocks == num_blocks``,
 ``used_bytes <= budget_bytes``, and the hash map, the children index and the
 blocks agree both ways. A *private* block (``block_hash is None``, from
@@ -39,6 +49,8 @@ SNAPSHOT = 2
 PERSISTED = 4  # a copy is known to be in the lower tiers: no demotion needed
 
 EMPTY_SESSIONS: tuple[str, ...] = ()
+MAX_INTERNED = 1 << 16  # distinct start offsets / byte sizes shared between blocks
+
 
 
 def pack_tokens(token_ids: Sequence[int] | np.ndarray) -> bytes:
@@ -54,7 +66,6 @@ class Block(FreeNode):
     """One cached block in RAM. Token ids are kept packed (4 bytes each)."""
 
     __slots__ = (
-        "block_id",
         "block_hash",
         "parent_hash",
         "tokens",
@@ -68,11 +79,11 @@ class Block(FreeNode):
         "last_access",
         "sessions",
         "hits",
+        "kids",
     )
 
     def __init__(
         self,
-        block_id: int,
         block_hash: BlockHash | None,
         parent_hash: BlockHash,
         tokens: bytes,
@@ -86,7 +97,6 @@ class Block(FreeNode):
     ) -> None:
         self.prev_free: FreeNode | None = None
         self.next_free: FreeNode | None = None
-        self.block_id = block_id
         self.block_hash = block_hash
         self.parent_hash = parent_hash
         self.tokens = tokens
@@ -100,6 +110,8 @@ class Block(FreeNode):
         self.last_access = last_access
         self.sessions = EMPTY_SESSIONS
         self.hits = 0  # times a lookup reused it (SSD admission rule)
+        # children index (pool-managed): None, the one child, or a list of children
+        self.kids: Block | list[Block] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -133,7 +145,7 @@ class Block(FreeNode):
 
     def meta(self) -> BlockMeta:
         if self.block_hash is None:
-            raise InvariantError(f"block {self.block_id} is private and has no hash")
+            raise InvariantError(f"block {self!r} is private and has no hash")
         return BlockMeta(
             block_hash=self.block_hash,
             parent_hash=self.parent_hash,
@@ -149,7 +161,8 @@ class Block(FreeNode):
 
     def __repr__(self) -> str:
         return (
-            f"Block(id={self.block_id}, start={self.start}, n={self.num_tokens}, "
+            f"Block({self.block_hash.hex()[:12] if self.block_hash is not None else 'private'}, "
+            f"start={self.start}, n={self.num_tokens}, "
             f"ref={self.ref_cnt}, nbytes={self.nbytes})"
         )
 
@@ -165,10 +178,10 @@ class BlockPool:
         self.budget_bytes = budget_bytes
         self.on_evict = on_evict
         self._map: dict[BlockHash, Block] = {}
-        # parent hash -> the child block, or a list when there are several
-        self._children: dict[BlockHash, Block | list[Block]] = {}
+        # children whose parent is not a block in the map: parent hash -> child(ren)
+        self._detached: dict[BlockHash, Block | list[Block]] = {}
+        self._ints: dict[int, int] = {}
         self._free: FreeQueue[Block] = FreeQueue()
-        self._next_id = 0
         self.used_bytes = 0
         self._free_bytes = 0  # bytes of unreferenced (evictable) blocks
         self.num_blocks = 0
@@ -190,8 +203,14 @@ class BlockPool:
     def get(self, block_hash: BlockHash) -> Block | None:
         return self._map.get(block_hash)
 
+    def _kids_of(self, parent_hash: BlockHash) -> Block | list[Block] | None:
+        parent = self._map.get(parent_hash)
+        if parent is not None:
+            return parent.kids
+        return self._detached.get(parent_hash)
+
     def children(self, parent_hash: BlockHash) -> list[Block]:
-        found = self._children.get(parent_hash)
+        found = self._kids_of(parent_hash)
         if found is None:
             return []
         if isinstance(found, list):
@@ -200,7 +219,8 @@ class BlockPool:
 
     def find_child(self, parent_hash: BlockHash, tokens: bytes) -> Block | None:
         """The child of ``parent_hash`` whose packed token ids equal ``tokens``."""
-        found = self._children.get(parent_hash)
+        parent = self._map.get(parent_hash)
+        found = parent.kids if parent is not None else self._detached.get(parent_hash)
         if found is None:
             return None
         if isinstance(found, Block):
@@ -257,18 +277,28 @@ class BlockPool:
         if not self.make_room(nbytes):
             raise InvariantError(f"no room for {nbytes} bytes (call can_allocate first)")
         block = Block(
-            self._next_id, block_hash, parent_hash, tokens, start, extra_keys, flags, ns,
-            payload, nbytes, now,
+            block_hash, parent_hash, tokens, self._intern(start), extra_keys, flags, ns,
+            payload, self._intern(nbytes), now,
         )
-        self._next_id += 1
         block.ref_cnt = 1
         self.num_blocks += 1
         self.num_used_blocks += 1
         self.used_bytes += nbytes
         if block_hash is not None:
             self._map[block_hash] = block
+            block.kids = self._detached.pop(block_hash, None)
             self._add_child(block)
         return block
+
+    def _intern(self, value: int) -> int:
+        """One shared int object per distinct value (bounded table): blocks at the same
+        depth share their start offset, blocks of one shape their byte size."""
+        got = self._ints.get(value)
+        if got is not None:
+            return got
+        if len(self._ints) < MAX_INTERNED:
+            self._ints[value] = value
+        return value
 
     # ---- references ----------------------------------------------------------
     def ref(self, block: Block, now: float | None = None) -> None:
@@ -332,17 +362,26 @@ class BlockPool:
         self._free.remove(block)
         self._free_bytes -= block.nbytes
         if block.block_hash is not None:
-            del self._map[block.block_hash]
-            self._remove_child(block)
+            self._unindex(block)
         self._discard(block)
 
     def _unhash(self, block: Block) -> None:
         # a referenced block becomes private: discarded at its last unref
         if block.block_hash is None:
             return
-        del self._map[block.block_hash]
-        self._remove_child(block)
+        self._unindex(block)
         block.block_hash = None
+
+    def _unindex(self, block: Block) -> None:
+        # out of the map and of its parent's children; its own children are detached
+        h = block.block_hash
+        if h is None:
+            return
+        self._remove_child(block)
+        del self._map[h]
+        if block.kids is not None:
+            self._detached[h] = block.kids
+            block.kids = None
 
     def _discard(self, block: Block) -> None:
         self.used_bytes -= block.nbytes
@@ -358,7 +397,7 @@ class BlockPool:
         if extra > 0 and not self.make_room(extra):
             return False
         block.payload = payload
-        block.nbytes = nbytes
+        block.nbytes = self._intern(nbytes)
         block.flags = flags
         self.used_bytes += extra
         return True
@@ -386,24 +425,42 @@ class BlockPool:
 
     # ---- children index ------------------------------------------------------
     def _add_child(self, block: Block) -> None:
-        cur = self._children.get(block.parent_hash)
+        ph = block.parent_hash
+        parent = self._map.get(ph)
+        cur = parent.kids if parent is not None else self._detached.get(ph)
+        new: Block | list[Block]
         if cur is None:
-            self._children[block.parent_hash] = block
+            new = block
         elif isinstance(cur, list):
             cur.append(block)
+            return
         else:
-            self._children[block.parent_hash] = [cur, block]
+            new = [cur, block]
+        if parent is not None:
+            parent.kids = new
+        else:
+            self._detached[ph] = new
 
     def _remove_child(self, block: Block) -> None:
-        cur = self._children.get(block.parent_hash)
+        ph = block.parent_hash
+        parent = self._map.get(ph)
+        cur = parent.kids if parent is not None else self._detached.get(ph)
+        new: Block | list[Block] | None
         if cur is block:
-            del self._children[block.parent_hash]
-        elif isinstance(cur, list):
+            new = None
+        elif isinstance(cur, list) and block in cur:
             cur.remove(block)
-            if len(cur) == 1:
-                self._children[block.parent_hash] = cur[0]
+            if len(cur) != 1:
+                return
+            new = cur[0]
         else:
             raise InvariantError(f"block {block!r} missing from the children index")
+        if parent is not None:
+            parent.kids = new
+        elif new is None:
+            del self._detached[ph]
+        else:
+            self._detached[ph] = new
 
     # ---- invariants (tests) ----------------------------------------------------
     def check(self) -> None:
@@ -433,17 +490,14 @@ class BlockPool:
                 raise InvariantError(f"negative ref count: {block!r}")
             if (block.ref_cnt == 0) != block.in_free_queue:
                 raise InvariantError(f"free queue membership disagrees with ref count: {block!r}")
-            if block not in self.children(block.parent_hash):
+            if not any(kid is block for kid in self.children(block.parent_hash)):
                 raise InvariantError(f"block missing from the children index: {block!r}")
             hashed_bytes += block.nbytes
-        for parent, kids in self._children.items():
-            group = kids if isinstance(kids, list) else [kids]
-            if not group:
-                raise InvariantError("empty children entry")
-            for kid in group:
-                if kid.parent_hash != parent or kid.block_hash is None or self._map.get(kid.block_hash) is not kid:
-                    raise InvariantError(f"children index holds a stale block: {kid!r}")
-            num_children += len(group)
+            num_children += self._check_kids(h, block.kids)
+        for parent, kids in self._detached.items():
+            if parent in self._map:
+                raise InvariantError(f"detached children of a block in the map: {parent.hex()[:12]}")
+            num_children += self._check_kids(parent, kids)
         if num_children != len(self._map):
             raise InvariantError(f"children index holds {num_children} blocks, map {len(self._map)}")
         private = self.num_blocks - len(self._map)
@@ -451,3 +505,14 @@ class BlockPool:
             raise InvariantError(f"{len(self._map)} mapped blocks but num_blocks {self.num_blocks}")
         if private == 0 and hashed_bytes != self.used_bytes:
             raise InvariantError(f"used bytes {self.used_bytes} != sum of blocks {hashed_bytes}")
+
+    def _check_kids(self, parent: BlockHash, kids: Block | list[Block] | None) -> int:
+        if kids is None:
+            return 0
+        group = kids if isinstance(kids, list) else [kids]
+        if len(group) < (2 if isinstance(kids, list) else 1):
+            raise InvariantError("a children list with fewer than two blocks")
+        for kid in group:
+            if kid.parent_hash != parent or kid.block_hash is None or self._map.get(kid.block_hash) is not kid:
+                raise InvariantError(f"children index holds a stale block: {kid!r}")
+        return len(group)
