@@ -32,6 +32,7 @@ from .openai import SSE_HEADERS, render_messages, state_of
 from .prompt import anthropic_messages, anthropic_tools
 from .runner import Generation, ServerState, cache_creation_tokens, unstreamed_tail
 from .schemas import CountTokensRequest, MessagesRequest
+from .toolcalls import ToolCall, ToolCallStream, offered_tool_names, parse_tool_calls
 
 log = logging.getLogger(__name__)
 router = APIRouter()
@@ -48,8 +49,29 @@ def anthropic_usage(result: GenerationResult) -> dict[str, int]:
     }
 
 
-def _stop_reason(result: GenerationResult) -> str:
-    return "max_tokens" if result.finish_reason == "length" else "end_turn"
+def _stop(result: GenerationResult, calls: tuple[ToolCall, ...] = ()) -> dict[str, Any]:
+    """``stop_reason`` and ``stop_sequence`` of a finished reply."""
+    if calls:
+        return {"stop_reason": "tool_use", "stop_sequence": None}
+    if result.finish_reason == "length":
+        return {"stop_reason": "max_tokens", "stop_sequence": None}
+    if result.stop_sequence is not None:
+        return {"stop_reason": "stop_sequence", "stop_sequence": result.stop_sequence}
+    return {"stop_reason": "end_turn", "stop_sequence": None}
+
+
+def _tool_use(call: ToolCall) -> dict[str, Any]:
+    return {"type": "tool_use", "id": f"toolu_{uuid.uuid4().hex[:24]}", "name": call.name,
+            "input": call.arguments}
+
+
+def content_blocks(text: str, calls: tuple[ToolCall, ...]) -> list[dict[str, Any]]:
+    """[text?, tool_use...]: the text block is left out when empty and there are calls."""
+    blocks: list[dict[str, Any]] = []
+    if text or not calls:
+        blocks.append({"type": "text", "text": text})
+    blocks.extend(_tool_use(c) for c in calls)
+    return blocks
 
 
 def _event(name: str, data: dict[str, Any]) -> str:
@@ -68,8 +90,30 @@ def _predicted_cached(st: ServerState, prompt: list[int], tenant: str) -> int:
         return 0
 
 
+def _text_delta(index: int, text: str) -> str:
+    return _event("content_block_delta", {"type": "content_block_delta", "index": index,
+                                          "delta": {"type": "text_delta", "text": text}})
+
+
+def _tool_use_events(index: int, call: ToolCall) -> list[str]:
+    block = _tool_use(call)
+    block["input"] = {}
+    return [
+        _event("content_block_start", {"type": "content_block_start", "index": index,
+                                       "content_block": block}),
+        _event("content_block_delta", {"type": "content_block_delta", "index": index,
+                                       "delta": {"type": "input_json_delta",
+                                                 "partial_json": call.arguments_json}}),
+        _event("content_block_stop", {"type": "content_block_stop", "index": index}),
+    ]
+
+
 async def _stream(gen: Generation, msg_id: str, model: str, prompt_len: int,
-                  predicted: int, caching: bool) -> AsyncIterator[str]:
+                  predicted: int, caching: bool,
+                  parser: ToolCallStream | None = None) -> AsyncIterator[str]:
+    """The event sequence. Without tools the text block (index 0) opens at once; with a
+    tool-call ``parser`` it opens at the first text (a reply that only calls tools has
+    no text block) and the tool_use blocks follow it at the end."""
     created = (prompt_len - predicted) if caching else 0
     start_usage = {"input_tokens": prompt_len - predicted - created,
                    "cache_creation_input_tokens": created,
@@ -77,8 +121,16 @@ async def _stream(gen: Generation, msg_id: str, model: str, prompt_len: int,
     yield _event("message_start", {"type": "message_start", "message": {
         "id": msg_id, "type": "message", "role": "assistant", "model": model, "content": [],
         "stop_reason": None, "stop_sequence": None, "usage": start_usage}})
-    yield _event("content_block_start", {"type": "content_block_start", "index": 0,
-                                         "content_block": {"type": "text", "text": ""}})
+    text_open = False
+
+    def open_text() -> str:
+        nonlocal text_open
+        text_open = True
+        return _event("content_block_start", {"type": "content_block_start", "index": 0,
+                                              "content_block": {"type": "text", "text": ""}})
+
+    if parser is None:
+        yield open_text()
     yield _event("ping", {"type": "ping"})
     streamed: list[str] = []
     async for ev in gen.events():
@@ -88,22 +140,32 @@ async def _stream(gen: Generation, msg_id: str, model: str, prompt_len: int,
                     "type": "api_error", "message": f"generation failed: {ev.error}"}})
                 return
             tail = unstreamed_tail("".join(streamed), ev)
+            calls: tuple[ToolCall, ...] = ()
+            if parser is not None:
+                tail = parser.feed(tail)
+                rest, calls = parser.finish()
+                tail += rest
+            if (tail or not calls) and not text_open:
+                yield open_text()
             if tail:
-                yield _event("content_block_delta", {"type": "content_block_delta", "index": 0,
-                                                     "delta": {"type": "text_delta",
-                                                               "text": tail}})
-            yield _event("content_block_stop", {"type": "content_block_stop", "index": 0})
-            yield _event("message_delta", {"type": "message_delta",
-                                           "delta": {"stop_reason": _stop_reason(ev),
-                                                     "stop_sequence": None},
+                yield _text_delta(0, tail)
+            if text_open:
+                yield _event("content_block_stop", {"type": "content_block_stop", "index": 0})
+            first = 1 if text_open else 0
+            for i, call in enumerate(calls):
+                for event in _tool_use_events(first + i, call):
+                    yield event
+            yield _event("message_delta", {"type": "message_delta", "delta": _stop(ev, calls),
                                            "usage": anthropic_usage(ev)})
             yield _event("message_stop", {"type": "message_stop"})
             return
         if ev.text:
             streamed.append(ev.text)
-            yield _event("content_block_delta", {"type": "content_block_delta", "index": 0,
-                                                 "delta": {"type": "text_delta",
-                                                           "text": ev.text}})
+            text = parser.feed(ev.text) if parser is not None else ev.text
+            if text:
+                if not text_open:
+                    yield open_text()
+                yield _text_delta(0, text)
 
 
 @router.post("/v1/messages")
@@ -114,6 +176,7 @@ async def messages(body: MessagesRequest, request: Request) -> Any:
     tools = anthropic_tools(body.tools)
     if body.tool_choice and body.tool_choice.get("type") == "none":
         tools = None
+    tool_names = offered_tool_names(tools)
     prompt, starts = render_messages(st, msgs, tools)
     max_tokens = st.max_tokens_for(body.max_tokens, len(prompt))
     if body.temperature is not None and not 0.0 <= body.temperature <= 1.0:
@@ -127,15 +190,18 @@ async def messages(body: MessagesRequest, request: Request) -> Any:
     msg_id = f"msg_{uuid.uuid4().hex[:24]}"
     if body.stream:
         caching = getattr(st.engine, "cache", None) is not None
-        return StreamingResponse(_stream(gen, msg_id, model, len(prompt), predicted, caching),
+        parser = ToolCallStream(tool_names) if tool_names else None
+        return StreamingResponse(_stream(gen, msg_id, model, len(prompt), predicted, caching,
+                                         parser),
                                  media_type="text/event-stream", headers=SSE_HEADERS)
     text, result = await gen.collect()
     if result.finish_reason == "error":
         raise APIError(500, f"generation failed: {result.error or 'engine error'}")
+    parsed = parse_tool_calls(text, tool_names)
     return JSONResponse({
         "id": msg_id, "type": "message", "role": "assistant", "model": model,
-        "content": [{"type": "text", "text": text}],
-        "stop_reason": _stop_reason(result), "stop_sequence": None,
+        "content": content_blocks(parsed.text, parsed.tool_calls),
+        **_stop(result, parsed.tool_calls),
         "usage": anthropic_usage(result),
     })
 

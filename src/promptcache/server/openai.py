@@ -16,6 +16,7 @@ from .errors import APIError, error_body
 from .prompt import openai_messages, openai_tools
 from .runner import Generation, ServerState, unstreamed_tail
 from .schemas import ChatCompletionRequest, CompletionRequest
+from .toolcalls import ToolCall, ToolCallStream, offered_tool_names, parse_tool_calls
 
 router = APIRouter()
 
@@ -54,8 +55,31 @@ def openai_usage(result: GenerationResult) -> dict[str, Any]:
     }
 
 
-def _finish_reason(result: GenerationResult) -> str:
+def _finish_reason(result: GenerationResult, calls: tuple[ToolCall, ...] = ()) -> str:
+    if calls:
+        return "tool_calls"
     return "length" if result.finish_reason == "length" else "stop"
+
+
+def _call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def tool_call_dicts(calls: tuple[ToolCall, ...]) -> list[dict[str, Any]]:
+    """``message.tool_calls`` of a chat completion (arguments as a JSON string)."""
+    return [{"id": _call_id(), "type": "function",
+             "function": {"name": c.name, "arguments": c.arguments_json}} for c in calls]
+
+
+def tool_call_deltas(calls: tuple[ToolCall, ...]) -> list[dict[str, Any]]:
+    """Streaming deltas: per call, one with id/type/name (arguments ""), then the arguments."""
+    deltas: list[dict[str, Any]] = []
+    for i, c in enumerate(calls):
+        deltas.append({"tool_calls": [{"index": i, "id": _call_id(), "type": "function",
+                                       "function": {"name": c.name, "arguments": ""}}]})
+        deltas.append({"tool_calls": [{"index": i,
+                                       "function": {"arguments": c.arguments_json}}]})
+    return deltas
 
 
 def _sse(data: Any) -> str:
@@ -68,8 +92,12 @@ def _engine_failed(result: GenerationResult) -> APIError:
 
 
 async def _stream(gen: Generation, make_chunk: Any, first: dict[str, Any] | None,
-                  include_usage: bool, path: str) -> AsyncIterator[str]:
-    """OpenAI SSE: chunks, a final chunk with finish_reason, optional usage, [DONE]."""
+                  include_usage: bool, path: str,
+                  parser: ToolCallStream | None = None) -> AsyncIterator[str]:
+    """OpenAI SSE: chunks, a final chunk with finish_reason, optional usage, [DONE].
+
+    With a tool-call ``parser`` (chat completions offering tools), text goes through
+    it and the calls it finds are sent as ``delta.tool_calls`` chunks at the end."""
     if first is not None:
         yield _sse(make_chunk(first, None, include_usage))
     streamed: list[str] = []
@@ -80,9 +108,16 @@ async def _stream(gen: Generation, make_chunk: Any, first: dict[str, Any] | None
                                       "engine_error"))
                 break
             tail = unstreamed_tail("".join(streamed), ev)
+            calls: tuple[ToolCall, ...] = ()
+            if parser is not None:
+                tail = parser.feed(tail)
+                rest, calls = parser.finish()
+                tail += rest
             if tail:
                 yield _sse(make_chunk(tail, None, include_usage))
-            yield _sse(make_chunk(None, _finish_reason(ev), include_usage))
+            for delta in tool_call_deltas(calls):
+                yield _sse(make_chunk(delta, None, include_usage))
+            yield _sse(make_chunk(None, _finish_reason(ev, calls), include_usage))
             if include_usage:
                 chunk = make_chunk(None, None, False)
                 chunk["choices"] = []
@@ -91,7 +126,9 @@ async def _stream(gen: Generation, make_chunk: Any, first: dict[str, Any] | None
             break
         if ev.text:
             streamed.append(ev.text)
-            yield _sse(make_chunk(ev.text, None, include_usage))
+            text = parser.feed(ev.text) if parser is not None else ev.text
+            if text:
+                yield _sse(make_chunk(text, None, include_usage))
     yield "data: [DONE]\n\n"
 
 
@@ -105,6 +142,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
         raise APIError(400, "logprobs are not supported", param="logprobs")
     messages = openai_messages(body.messages)
     tools = openai_tools(body.tools) if body.tool_choice != "none" else None
+    tool_names = offered_tool_names(tools)
     prompt, starts = render_messages(st, messages, tools)
     requested = body.max_completion_tokens if body.max_completion_tokens is not None \
         else body.max_tokens
@@ -136,16 +174,21 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
 
         return StreamingResponse(
             _stream(gen, make_chunk, {"role": "assistant", "content": ""}, include_usage,
-                    request.url.path),
+                    request.url.path, ToolCallStream(tool_names) if tool_names else None),
             media_type="text/event-stream", headers=SSE_HEADERS)
 
     text, result = await gen.collect()
     if result.finish_reason == "error":
         raise _engine_failed(result)
+    parsed = parse_tool_calls(text, tool_names)
+    message: dict[str, Any] = {"role": "assistant", "content": parsed.text}
+    if parsed.tool_calls:
+        message["content"] = parsed.text or None
+        message["tool_calls"] = tool_call_dicts(parsed.tool_calls)
     return JSONResponse({
         "id": cid, "object": "chat.completion", "created": created, "model": model,
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                     "logprobs": None, "finish_reason": _finish_reason(result)}],
+        "choices": [{"index": 0, "message": message, "logprobs": None,
+                     "finish_reason": _finish_reason(result, parsed.tool_calls)}],
         "usage": openai_usage(result),
     })
 
