@@ -2,12 +2,18 @@
 
 ``hashing.validate_tokens`` is exact but walks every token in Python; a 128K-token
 prompt would spend ~30 ms there. This module validates numpy arrays with vector
-operations and plain lists of ints through ``array('I')`` (C speed), and falls
-back to ``validate_tokens`` for anything unusual, which also words the errors.
+operations and lists / tuples through ``array('I')``, a C loop (~1 ms for 128K ids)
+that already rejects what ``validate_tokens`` rejects: floats and other non-integers
+(TypeError), negative ids and ids >= 2**32 (OverflowError), numpy bools. It accepts
+Python bools (as 0 / 1), so the ids equal to 0 or 1 (few in a real prompt) get an
+exact type check afterwards. Like ``operator.index`` it accepts numpy integers and
+other objects that implement ``__index__``. Anything rejected falls back to
+``validate_tokens``, which words the error.
 """
 
 from __future__ import annotations
 
+import sys
 from array import array
 from typing import Any
 
@@ -16,6 +22,8 @@ import numpy as np
 from ..hashing import MAX_TOKEN_ID, validate_tokens
 
 _U4 = np.dtype("<u4")
+# array('I') is the C unsigned int: 4 bytes, little-endian on every platform we run on
+_FAST_LIST = array("I").itemsize == 4 and sys.byteorder == "little"
 
 
 class RequestTokens:
@@ -44,14 +52,25 @@ def to_request_tokens(tokens: Any, *, allow_empty: bool = False) -> RequestToken
                 arr = tokens
             elif int(tokens.min()) >= 0 and int(tokens.max()) <= MAX_TOKEN_ID:
                 arr = tokens.astype(_U4)
-    elif isinstance(tokens, (list, tuple)) and tokens:
-        if set(map(type, tokens)) == {int}:
-            try:
-                arr = np.frombuffer(array("I", tokens), dtype=np.uintc).astype(_U4)
-            except OverflowError:
-                arr = None
+    elif isinstance(tokens, (list, tuple)) and tokens and _FAST_LIST:
+        arr = _from_sequence(tokens)
     elif isinstance(tokens, array) and tokens.typecode in "BHILQbhilq" and tokens:
         arr = to_request_tokens(np.frombuffer(tokens, dtype=tokens.typecode)).arr
     if arr is None:
         arr = np.asarray(validate_tokens(tokens, allow_empty=allow_empty), dtype=_U4)
     return RequestTokens(np.ascontiguousarray(arr))
+
+
+def _from_sequence(tokens: list[Any] | tuple[Any, ...]) -> np.ndarray | None:
+    """uint32 array of a list / tuple of integer ids, or None (let the exact path word
+    the error)."""
+    try:
+        packed = array("I", tokens)
+    except (TypeError, OverflowError):
+        return None
+    arr = np.frombuffer(packed.tobytes(), dtype=_U4)
+    # bools pass array('I') as 0 / 1: check the type only where the value is 0 or 1
+    for i in np.flatnonzero(arr <= 1).tolist():
+        if isinstance(tokens[i], bool):
+            return None
+    return arr
