@@ -234,25 +234,40 @@ class Matcher:
         best_len = 0  # entries needed for `best`
         next_hash: BlockHash | None = None
         find_child = self.pool.find_child
+        is_expired = self.is_expired
+        prev: Block | None = None  # the last matched RAM block: its kids are `parent`'s children
+        block: Block | None
         while pos + bs <= n:
             end = pos + bs
             extra = extra_keys_for(spans, pos, end) if spans else ()
             want = buf[pos * 4 : end * 4]
             # RAM first, by content: the child of `parent` holding exactly these tokens
             # (its hash is by construction hash_block(parent, want, extra): no hashing).
-            block = find_child(parent, want)
+            if prev is None:
+                block = find_child(parent, want)
+            else:  # a block in the pool's map keeps its children index itself
+                kids = prev.kids
+                if kids is None:
+                    block = None
+                elif isinstance(kids, list):
+                    block = next((k for k in kids if k.tokens == want), None)
+                else:
+                    block = kids if kids.tokens == want else None
             entry: Entry | None
-            if block is not None and self._ram_ok(block, pos, extra, ns):
-                entry = block
+            if (block is not None and block.start == pos and block.extra_keys == extra
+                    and (block.ns is ns or block.ns == ns) and not is_expired(block)):
+                # found through the children index: hashed and in the map
+                entry = prev = block
                 h = block.block_hash
                 trunc = bool(block.flags & 1)
                 at_end = bool(block.flags & 3)
             else:
+                prev = None
                 h = block_hash(parent, arr[pos:end], extra)
                 block = self.pool.get(h)  # e.g. a sibling with the same tokens, other extra keys
                 if (block is not None and block.parent_hash == parent and block.tokens == want
                         and self._ram_ok(block, pos, extra, ns)):
-                    entry = block
+                    entry = prev = block
                     trunc = bool(block.flags & 1)
                     at_end = bool(block.flags & 3)
                 else:
