@@ -48,6 +48,8 @@ log = logging.getLogger(__name__)
 
 _STOP = object()
 PREFETCH_CHILDREN = 4
+# Blocks of a chain read and verified ahead of the caller (see ssd_files.ReadAhead).
+READ_AHEAD_BLOCKS = 2
 _FADV_WILLNEED: int | None = getattr(os, "POSIX_FADV_WILLNEED", None)
 
 
@@ -63,7 +65,10 @@ class SSDTier(SSDStore):
         sweep_interval_s: float = 10.0,
         degraded_backoff_s: float = 5.0,
         reconcile_on_open: bool = True,
+        read_ahead_blocks: int = READ_AHEAD_BLOCKS,
     ) -> None:
+        if read_ahead_blocks < 0:
+            raise ValueError(f"read_ahead_blocks must be >= 0, got {read_ahead_blocks}")
         self.config = config
         self.policy = config.policy
         self.root = Path(config.path)
@@ -82,6 +87,8 @@ class SSDTier(SSDStore):
         self._degraded_reason: str | None = None
         self._retry_at = 0.0
         self._closed = False
+        self._read_ahead_blocks = read_ahead_blocks
+        self._ahead = files.ReadAhead(max_blocks=max(1, read_ahead_blocks))
         self._index_rebuilt = False
         self._index = self._open_index()
         self._blocks, self._bytes = self._index.totals()
@@ -200,8 +207,13 @@ class SSDTier(SSDStore):
                     self._counts["misses"] += 1
                 return None
             path = self.root / row.file_name
+            ahead = self._ahead.take(h, path, row.file_name, row.checksum)
+            if ahead is not None:  # verified against this row's checksum by the reader
+                self._prefetch_children(h, now)
+                self._record_hit(h, now, (time.perf_counter() - t0) * 1000.0)
+                return ahead
             try:
-                with open(path, "rb") as f:
+                with open(path, "rb", buffering=0) as f:
                     data = f.read()
             except FileNotFoundError:
                 again = self._reread_row(h, row)
@@ -215,7 +227,7 @@ class SSDTier(SSDStore):
                     self._counts["read_errors"] += 1
                 self._degrade(f"read failed: {e}")
                 raise TierError(f"ssd block {h.hex()[:16]}: cannot read {row.file_name}: {e}") from e
-            self._prefetch_children(h)
+            self._prefetch_children(h, now)
             if len(data) != row.file_bytes or checksum(data) != row.checksum:
                 again = self._reread_row(h, row)
                 if again is not row:
@@ -228,22 +240,36 @@ class SSDTier(SSDStore):
             return data
         raise TierError(f"ssd block {h.hex()[:16]} kept changing while being read")
 
-    def _prefetch_children(self, h: bytes) -> None:
-        """Ask the kernel to start reading the files of ``h``'s children: a restore
-        walks a chain, so the next block's read overlaps this block's checksum."""
-        if _FADV_WILLNEED is None:
-            return
+    def _prefetch_children(self, h: bytes, now: float) -> None:
+        """A restore walks a chain: read and verify the next ``read_ahead_blocks``
+        blocks along it on worker threads (followed while a block has exactly one
+        live child), and ask the kernel (``posix_fadvise(WILLNEED)``) to start
+        reading the files of the children beyond, and of every child at a fork."""
         try:
-            with self._lock:
-                rels = self._index.child_files(h, limit=PREFETCH_CHILDREN)
-            for rel in rels:
-                fd = os.open(self.root / rel, os.O_RDONLY)
-                try:
-                    os.posix_fadvise(fd, 0, 0, _FADV_WILLNEED)
-                finally:
-                    os.close(fd)
+            cur, depth = h, 0
+            while True:
+                with self._lock:
+                    kids = [k for k in self._index.child_reads(cur, limit=PREFETCH_CHILDREN)
+                            if k[4] is None or k[4] > now]
+                if len(kids) != 1 or depth >= self._read_ahead_blocks:
+                    for kid in kids:
+                        self._willneed(kid[1])
+                    return
+                kh, rel, size, digest, _expiry = kids[0]
+                if kh not in self._ahead:
+                    self._ahead.schedule(kh, self.root / rel, rel, size, digest)
+                cur, depth = kh, depth + 1
         except (OSError, sqlite3.Error):  # a hint only
             pass
+
+    def _willneed(self, rel: str) -> None:
+        if _FADV_WILLNEED is None:
+            return
+        fd = os.open(self.root / rel, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, _FADV_WILLNEED)
+        finally:
+            os.close(fd)
 
     def _reread_row(self, h: bytes, row: IndexRow) -> IndexRow | None:
         """The current row if it changed since ``row`` was read, else ``row`` itself."""
@@ -509,6 +535,7 @@ class SSDTier(SSDStore):
             self._closed = True
         self._queue.put(_STOP)
         self._thread.join()
+        self._ahead.close()
         with self._write_lock, self._lock:
             self._apply_touches()
             self._index.close()

@@ -20,10 +20,16 @@ import errno
 import logging
 import os
 import re
+import threading
 import time
 import uuid
+from collections import Counter
 from collections.abc import Iterator
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
+
+from ..codec import checksum
 
 log = logging.getLogger(__name__)
 
@@ -169,3 +175,127 @@ def scan(root: Path) -> Iterator[tuple[str, int, str]]:
                 else:
                     kind = "other"
                 yield rel, size, kind
+
+
+# -- verified read-ahead ------------------------------------------------------------
+
+FileStamp = tuple[int, int, int]  # (st_ino, st_size, st_mtime_ns)
+
+
+def stamp_of(st: os.stat_result) -> FileStamp:
+    return (st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+# File timestamps come from a coarse clock (one kernel tick): a file modified less
+# than this long before it was read could be modified again without its mtime
+# changing, so its stamp proves nothing and the read-ahead copy is not used.
+STAMP_MARGIN_NS = 100_000_000
+
+
+def read_verified(path: Path, size: int, digest: str) -> tuple[bytes, FileStamp] | None:
+    """The file's bytes and stamp if it has ``size`` bytes hashing to ``digest`` and
+    was last modified well before this read, else None (a bad file is left for the
+    foreground read to quarantine). Raises OSError."""
+    started = time.time_ns()
+    with open(path, "rb", buffering=0) as f:
+        st = os.fstat(f.fileno())
+        if st.st_size != size or st.st_mtime_ns > started - STAMP_MARGIN_NS:
+            return None
+        data = f.read()
+    if len(data) != size or checksum(data) != digest:
+        return None
+    return data, stamp_of(st)
+
+
+@dataclass
+class _Ahead:
+    file_name: str
+    digest: str
+    size: int
+    started: float
+    future: Future[tuple[bytes, FileStamp] | None]
+
+
+class ReadAhead:
+    """Reads and verifies the next blocks of a chain on worker threads while the
+    caller uses the current one (``read`` and sha256 release the GIL, so reading,
+    hashing and the caller's decode overlap on separate cores).
+
+    ``take`` hands a block over only if it was read from the file the index row
+    names now, hashed to the row's checksum, and the file's (inode, size, mtime)
+    has not changed since it was read; otherwise it returns None and the caller
+    reads the file itself (and quarantines it if it is bad). So every byte served
+    was verified against the current row, and a file damaged after the read-ahead
+    is still caught by the get that follows. Memory is bounded by ``max_blocks``
+    and ``max_bytes``; a block not taken within ``ttl_s`` is dropped.
+    """
+
+    def __init__(self, *, workers: int = 2, max_blocks: int = 4, max_bytes: int = 256 << 20,
+                 ttl_s: float = 5.0) -> None:
+        if workers < 1 or max_blocks < 1 or max_bytes < 1:
+            raise ValueError("read-ahead needs at least one worker, block and byte")
+        self.max_blocks, self.max_bytes, self.ttl_s = max_blocks, max_bytes, ttl_s
+        self._workers = workers
+        self._pool: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+        self._entries: dict[bytes, _Ahead] = {}
+        self._closed = False
+        self.counts: Counter[str] = Counter({"scheduled": 0, "used": 0, "discarded": 0})
+
+    def __contains__(self, block_hash: bytes) -> bool:
+        with self._lock:
+            return block_hash in self._entries
+
+    def schedule(self, block_hash: bytes, path: Path, file_name: str, size: int, digest: str) -> bool:
+        """Start reading ``path`` in the background; False if already there or full."""
+        now = time.monotonic()
+        with self._lock:
+            if self._closed or block_hash in self._entries:
+                return False
+            for h, e in list(self._entries.items()):
+                if now - e.started > self.ttl_s:
+                    self._discard(h)
+            held = sum(e.size for e in self._entries.values())
+            if len(self._entries) >= self.max_blocks or held + size > self.max_bytes:
+                return False
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self._workers, thread_name_prefix="promptcache-ssd-read")
+            fut = self._pool.submit(read_verified, path, size, digest)
+            self._entries[block_hash] = _Ahead(file_name, digest, size, now, fut)
+            self.counts["scheduled"] += 1
+            return True
+
+    def take(self, block_hash: bytes, path: Path, file_name: str, digest: str) -> bytes | None:
+        """The verified bytes of ``block_hash`` if read ahead from this very file, else None."""
+        with self._lock:
+            e = self._entries.pop(block_hash, None)
+        if e is None:
+            return None
+        try:
+            got = e.future.result() if e.file_name == file_name and e.digest == digest else None
+            if got is not None and stamp_of(os.stat(path)) != got[1]:
+                got = None
+        except (OSError, CancelledError):
+            got = None
+        with self._lock:
+            self.counts["used" if got is not None else "discarded"] += 1
+        return None if got is None else got[0]
+
+    def _discard(self, block_hash: bytes) -> None:
+        e = self._entries.pop(block_hash)
+        e.future.cancel()
+        self.counts["discarded"] += 1
+
+    def clear(self) -> None:
+        with self._lock:
+            for h in list(self._entries):
+                self._discard(h)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            for h in list(self._entries):
+                self._discard(h)
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)

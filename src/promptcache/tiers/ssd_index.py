@@ -212,6 +212,19 @@ class SSDIndex:
         ).fetchall()
         return [str(r[0]) for r in rows]
 
+    def child_reads(self, parent_hash: bytes, *, limit: int) -> list[tuple[bytes, str, int, str, float | None]]:
+        """(hash, file_name, file_bytes, checksum, expiry) of up to ``limit`` children:
+        what a read-ahead needs, without decoding whole rows."""
+        rows = self._db.execute(
+            "SELECT hash, file_name, file_bytes, checksum, expiry FROM blocks WHERE parent=? "
+            "ORDER BY hash LIMIT ?",
+            (bytes(parent_hash), limit),
+        ).fetchall()
+        return [
+            (bytes(r[0]), str(r[1]), int(r[2]), str(r[3]), None if r[4] is None else float(r[4]))
+            for r in rows
+        ]
+
     def upsert(self, row: IndexRow) -> None:
         m = row.meta
         self._db.execute(

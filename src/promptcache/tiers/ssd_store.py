@@ -54,6 +54,7 @@ class SSDStore:
     _pending_bytes: int
     _touches: dict[bytes, tuple[float, int]]
     _counts: Counter[str]
+    _ahead: files.ReadAhead
     _drops: Counter[str]
     _latency: list[int]
     _latency_sum_ms: float
@@ -246,6 +247,7 @@ class SSDStore:
                 "bytes_written": self._bytes_written,
                 "bytes_written_today": self._today_bytes(),
                 "queue_depth": len(self._pending),
+                "read_ahead": dict(self._ahead.counts),
                 "degraded": self._degraded_reason is not None,
                 "degraded_reason": self._degraded_reason,
                 "reload_latency_ms": {
