@@ -3,7 +3,10 @@
 Tokens are the UTF-8 bytes of the text. The chat "template" is
 ``<|role|>content\\n`` per message (+ tools as JSON) and ``<|assistant|>`` as the
 generation prompt. Generation is deterministic: it emits ``reply`` (default
-"Hello world!") byte by byte, up to max_tokens. The "cache" remembers every prompt
+"Hello world!"; set ``engine.reply`` to script the next replies) byte by byte, up to
+max_tokens. Stop strings work as in the engine: the first one found (earliest, then
+first listed) ends the reply after its bytes were generated, the text stops before it
+and ``GenerationResult.stop_sequence`` names it. The "cache" remembers every prompt
 (+ output) per tenant and reports the longest common prefix with them as cached
 tokens (at most len(prompt) - 1), all from the "ram" tier.
 """
@@ -114,15 +117,27 @@ class FakeHandle:
         eng = self.engine
         prompt = self.request.prompt_tokens
         cached = eng.cache.match(prompt, self.request.tenant) if eng.cache else 0
-        out = list(eng.reply.encode("utf-8"))[: self.request.sampling.max_tokens]
-        finish = "length" if len(out) < len(eng.reply.encode("utf-8")) else "stop"
+        sampling = self.request.sampling
+        reply = eng.reply
+        full = list(reply.encode("utf-8"))
+        text_len, stop_seq = len(full), None
+        found = [(i, k) for k, i in enumerate(reply.find(s) for s in sampling.stop) if i >= 0]
+        if found:
+            at, which = min(found)
+            end = len(reply[: at + len(sampling.stop[which])].encode("utf-8"))
+            if end <= sampling.max_tokens:
+                full, stop_seq = full[:end], sampling.stop[which]
+                text_len = len(reply[:at].encode("utf-8"))
+        out = full[: sampling.max_tokens]
+        finish = "length" if len(out) < len(full) else "stop"
         emitted: list[int] = []
         for t in out:
             if self.cancelled.is_set():
-                finish = "cancelled"
+                finish, stop_seq = "cancelled", None
                 break
             emitted.append(t)
-            yield TokenEvent(t, bytes([t]).decode("utf-8", errors="ignore"))
+            text = bytes([t]).decode("utf-8", errors="ignore") if len(emitted) <= text_len else ""
+            yield TokenEvent(t, text)
         if eng.cache is not None:
             eng.cache.store(prompt + tuple(emitted), self.request.tenant,
                             self.request.session_id)
@@ -131,9 +146,10 @@ class FakeHandle:
                       completion_tokens=len(emitted),
                       saved_end_prefill=1 if eng.cache is not None else 0)
         miss = None if cached else "cold: prefix never seen"
-        yield GenerationResult(tokens=emitted, text=bytes(emitted).decode("utf-8", "replace"),
+        yield GenerationResult(tokens=emitted,
+                               text=bytes(emitted[:text_len]).decode("utf-8", "replace"),
                                finish_reason=finish, usage=usage, ttft_s=0.001,
-                               decode_s=0.01, miss_reason=miss)
+                               decode_s=0.01, miss_reason=miss, stop_sequence=stop_seq)
 
     def events(self) -> Iterator[TokenEvent | GenerationResult]:
         return self._run()
