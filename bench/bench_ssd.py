@@ -35,7 +35,7 @@ import numpy as np
 from promptcache.codec import decode, encode
 from promptcache.config import SSDConfig
 from promptcache.meta import Namespace
-from promptcache.tiers.ssd import SSDTier
+from promptcache.tiers.ssd import READ_AHEAD_BLOCKS, SSDTier
 from promptcache.tiers.ssd_files import INDEX_NAME
 
 LAYERS, KV_HEADS, HEAD_DIM, BLOCK = 30, 3, 64, 64
@@ -77,6 +77,8 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--dir", type=Path, default=None, help="scratch folder (default: system temp)")
     ap.add_argument("--prefill-tok-s", type=float, default=160.0)
+    ap.add_argument("--read-ahead", type=int, default=READ_AHEAD_BLOCKS,
+                    help="blocks read and verified ahead by SSDTier.get (0: off)")
     args = ap.parse_args()
 
     n_blocks = max(1, round(args.mb * 1e6 / (BYTES_PER_TOKEN * BLOCK)))
@@ -84,7 +86,8 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="bench-ssd-", dir=args.dir))
     try:
         ns = Namespace("bench-model", block_size=BLOCK)
-        tier = SSDTier(SSDConfig(path=work / "ssd", queue_size=8, fsync=True))
+        tier = SSDTier(SSDConfig(path=work / "ssd", queue_size=8, fsync=True),
+                      read_ahead_blocks=args.read_ahead)
         rng = np.random.default_rng(0)
         tokens = list(range(n_tokens))
         from promptcache.hashing import hash_block
@@ -148,9 +151,9 @@ def main() -> None:
         for _ in range(args.repeat):
             method = drop_cache([*files, work / "ssd" / INDEX_NAME])
             cold_r.append(restore())
-            method = drop_cache([raw])
+            warm_r.append(restore())  # the files are page-cached by the cold restore
+            method = drop_cache([raw])  # drop_caches drops everything, block files too
             cold_raw.append(raw_read())
-            warm_r.append(restore())
             warm_raw.append(raw_read())
             drop_cache(files)
             cold_nock.append(files_decode())

@@ -112,31 +112,31 @@ def read_metadata(data: Buffer) -> dict[str, str]:
     return _metadata(header)
 
 
-def _tensor_spec(name: str, spec: Any) -> tuple[np.dtype[Any], tuple[int, ...], int, int]:
-    if not isinstance(spec, dict):
+def _tensor_spec(name: str, spec: Any) -> tuple[int, int, np.dtype[Any], list[int], str]:
+    """(begin, end, dtype, shape, name) of one header entry, validated."""
+    if type(spec) is not dict:
         raise CorruptBlockError(f"tensor {name!r}: header entry is not an object")
     dtype = _DTYPES.get(spec.get("dtype"))  # type: ignore[arg-type]
     if dtype is None:
         raise CorruptBlockError(f"tensor {name!r}: unsupported dtype {spec.get('dtype')!r}")
     shape, offsets = spec.get("shape"), spec.get("data_offsets")
-    if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+    if type(shape) is not list:
         raise CorruptBlockError(f"tensor {name!r}: bad shape {shape!r}")
-    if (
-        not isinstance(offsets, list)
-        or len(offsets) != 2
-        or not all(type(o) is int for o in offsets)
-        or not 0 <= offsets[0] <= offsets[1]
-    ):
-        raise CorruptBlockError(f"tensor {name!r}: bad data_offsets {offsets!r}")
     count = 1
     for d in shape:
+        if type(d) is not int or d < 0:
+            raise CorruptBlockError(f"tensor {name!r}: bad shape {shape!r}")
         count *= d
-    if count * dtype.itemsize != offsets[1] - offsets[0]:
+    if type(offsets) is not list or len(offsets) != 2:
+        raise CorruptBlockError(f"tensor {name!r}: bad data_offsets {offsets!r}")
+    begin, end = offsets
+    if type(begin) is not int or type(end) is not int or not 0 <= begin <= end:
+        raise CorruptBlockError(f"tensor {name!r}: bad data_offsets {offsets!r}")
+    if count * dtype.itemsize != end - begin:
         raise CorruptBlockError(
-            f"tensor {name!r}: shape {shape} x {dtype.itemsize} B does not match "
-            f"{offsets[1] - offsets[0]} bytes"
+            f"tensor {name!r}: shape {shape} x {dtype.itemsize} B does not match {end - begin} bytes"
         )
-    return dtype, tuple(shape), offsets[0], offsets[1]
+    return begin, end, dtype, shape, name
 
 
 def decode(data: Buffer) -> tuple[dict[str, np.ndarray], dict[str, str]]:
@@ -151,13 +151,10 @@ def decode(data: Buffer) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     mv = _as_bytes_view(data)
     header, base = _header(mv)
     meta = _metadata(header)
-    specs = []
-    for name, spec in header.items():
-        if name != "__metadata__":
-            specs.append((name, *_tensor_spec(name, spec)))
-    specs.sort(key=lambda s: (s[3], s[4]))
+    specs = [_tensor_spec(n, s) for n, s in header.items() if n != "__metadata__"]
+    specs.sort(key=lambda s: (s[0], s[1]))
     pos = 0
-    for name, _dtype, _shape, begin, end in specs:
+    for begin, end, _dtype, _shape, name in specs:
         if begin != pos:
             raise CorruptBlockError(f"tensor {name!r}: data_offsets leave a gap or overlap at {pos}")
         pos = end
@@ -165,13 +162,12 @@ def decode(data: Buffer) -> tuple[dict[str, np.ndarray], dict[str, str]]:
         raise CorruptBlockError(
             f"safetensors data section is {mv.nbytes - base} bytes, tensors cover {pos}"
         )
-    arrays: dict[str, np.ndarray] = {}
-    for name, dtype, shape, begin, end in specs:
-        count = (end - begin) // dtype.itemsize
-        arr = np.frombuffer(mv, dtype=dtype, count=count, offset=base + begin).reshape(shape)
-        arr.flags.writeable = False
-        arrays[name] = arr
-    return arrays, meta
+    body = np.frombuffer(mv, dtype=np.uint8, offset=base)
+    body.flags.writeable = False  # the views below inherit it
+    return {
+        name: body[begin:end].view(dtype).reshape(shape)
+        for begin, end, dtype, shape, name in specs
+    }, meta
 
 
 def checksum(data: Buffer) -> str:

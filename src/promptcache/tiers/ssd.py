@@ -49,7 +49,10 @@ log = logging.getLogger(__name__)
 _STOP = object()
 PREFETCH_CHILDREN = 4
 # Blocks of a chain read and verified ahead of the caller (see ssd_files.ReadAhead).
-READ_AHEAD_BLOCKS = 2
+READ_AHEAD_BLOCKS = 4
+READ_WORKERS = 4
+# Blocks after those whose files the kernel is asked to start reading (WILLNEED).
+HINT_BLOCKS = 8
 _FADV_WILLNEED: int | None = getattr(os, "POSIX_FADV_WILLNEED", None)
 
 
@@ -88,7 +91,11 @@ class SSDTier(SSDStore):
         self._retry_at = 0.0
         self._closed = False
         self._read_ahead_blocks = read_ahead_blocks
-        self._ahead = files.ReadAhead(max_blocks=max(1, read_ahead_blocks))
+        self._ahead = files.ReadAhead(
+            workers=min(max(1, read_ahead_blocks), READ_WORKERS), max_blocks=max(1, read_ahead_blocks)
+        )
+        self._kids_memo: dict[bytes, tuple[float, list[tuple[bytes, str, int, str, float | None]]]] = {}
+        self._hinted: dict[bytes, float] = {}
         self._index_rebuilt = False
         self._index = self._open_index()
         self._blocks, self._bytes = self._index.totals()
@@ -214,6 +221,8 @@ class SSDTier(SSDStore):
                 return ahead
             try:
                 with open(path, "rb", buffering=0) as f:
+                    if _FADV_WILLNEED is not None:  # the whole file in one go
+                        os.posix_fadvise(f.fileno(), 0, 0, _FADV_WILLNEED)
                     data = f.read()
             except FileNotFoundError:
                 again = self._reread_row(h, row)
@@ -241,35 +250,52 @@ class SSDTier(SSDStore):
         raise TierError(f"ssd block {h.hex()[:16]} kept changing while being read")
 
     def _prefetch_children(self, h: bytes, now: float) -> None:
-        """A restore walks a chain: read and verify the next ``read_ahead_blocks``
-        blocks along it on worker threads (followed while a block has exactly one
-        live child), and ask the kernel (``posix_fadvise(WILLNEED)``) to start
-        reading the files of the children beyond, and of every child at a fork."""
+        """A restore walks a chain: along it (while a block has exactly one live
+        child), read and verify the next ``read_ahead_blocks`` blocks on worker
+        threads and ask the kernel (``posix_fadvise(WILLNEED)``) to start reading
+        the files of the ``HINT_BLOCKS`` after them, so the disk always has reads
+        queued; at a fork, hint every child. Hints only: a wrong guess costs a read."""
         try:
-            cur, depth = h, 0
-            while True:
-                with self._lock:
-                    kids = [k for k in self._index.child_reads(cur, limit=PREFETCH_CHILDREN)
-                            if k[4] is None or k[4] > now]
-                if len(kids) != 1 or depth >= self._read_ahead_blocks:
+            cur = h
+            for depth in range(self._read_ahead_blocks + HINT_BLOCKS):
+                kids = self._live_kids(cur, now)
+                if len(kids) != 1:
                     for kid in kids:
-                        self._willneed(kid[1])
+                        self._willneed(kid[0], kid[1])
                     return
                 kh, rel, size, digest, _expiry = kids[0]
-                if kh not in self._ahead:
-                    self._ahead.schedule(kh, self.root / rel, rel, size, digest)
-                cur, depth = kh, depth + 1
+                if depth < self._read_ahead_blocks:
+                    if kh not in self._ahead:
+                        self._ahead.schedule(kh, self.root / rel, rel, size, digest)
+                else:
+                    self._willneed(kh, rel)
+                cur = kh
         except (OSError, sqlite3.Error):  # a hint only
             pass
 
-    def _willneed(self, rel: str) -> None:
-        if _FADV_WILLNEED is None:
+    def _live_kids(self, h: bytes, now: float) -> list[tuple[bytes, str, int, str, float | None]]:
+        """``child_reads`` of ``h`` (unexpired), remembered for a second: consecutive
+        gets walk overlapping stretches of the chain."""
+        t = time.monotonic()
+        hit = self._kids_memo.get(h)
+        if hit is not None and t - hit[0] < 1.0:
+            kids = hit[1]
+        else:
+            with self._lock:
+                kids = self._index.child_reads(h, limit=PREFETCH_CHILDREN)
+            if len(self._kids_memo) >= 1024:
+                self._kids_memo.clear()
+            self._kids_memo[h] = (t, kids)
+        return [k for k in kids if k[4] is None or k[4] > now]
+
+    def _willneed(self, h: bytes, rel: str) -> None:
+        t = time.monotonic()
+        if _FADV_WILLNEED is None or t - self._hinted.get(h, float("-inf")) < 2.0:
             return
-        fd = os.open(self.root / rel, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, _FADV_WILLNEED)
-        finally:
-            os.close(fd)
+        if len(self._hinted) >= 1024:
+            self._hinted.clear()
+        self._hinted[h] = t
+        self._ahead.hint(self.root / rel)
 
     def _reread_row(self, h: bytes, row: IndexRow) -> IndexRow | None:
         """The current row if it changed since ``row`` was read, else ``row`` itself."""

@@ -26,6 +26,7 @@ import uuid
 from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_all
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -179,6 +180,7 @@ def scan(root: Path) -> Iterator[tuple[str, int, str]]:
 
 # -- verified read-ahead ------------------------------------------------------------
 
+_FADV_WILLNEED: int | None = getattr(os, "POSIX_FADV_WILLNEED", None)
 FileStamp = tuple[int, int, int]  # (st_ino, st_size, st_mtime_ns)
 
 
@@ -201,10 +203,27 @@ def read_verified(path: Path, size: int, digest: str) -> tuple[bytes, FileStamp]
         st = os.fstat(f.fileno())
         if st.st_size != size or st.st_mtime_ns > started - STAMP_MARGIN_NS:
             return None
+        if _FADV_WILLNEED is not None:  # submit the whole file at once, not window by window
+            os.posix_fadvise(f.fileno(), 0, 0, _FADV_WILLNEED)
         data = f.read()
     if len(data) != size or checksum(data) != digest:
         return None
     return data, stamp_of(st)
+
+
+def _willneed(path: Path) -> None:
+    if _FADV_WILLNEED is None:
+        return
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.posix_fadvise(fd, 0, 0, _FADV_WILLNEED)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 @dataclass
@@ -237,6 +256,7 @@ class ReadAhead:
         self.max_blocks, self.max_bytes, self.ttl_s = max_blocks, max_bytes, ttl_s
         self._workers = workers
         self._pool: ThreadPoolExecutor | None = None
+        self._hint_pool: ThreadPoolExecutor | None = None  # hints must not queue behind reads
         self._lock = threading.Lock()
         self._entries: dict[bytes, _Ahead] = {}
         self._closed = False
@@ -265,6 +285,16 @@ class ReadAhead:
             self.counts["scheduled"] += 1
             return True
 
+    def hint(self, path: Path) -> None:
+        """Ask the kernel, from a worker thread, to start reading ``path`` (the open
+        itself may wait for the disk when the folder or inode is not cached)."""
+        with self._lock:
+            if self._closed or _FADV_WILLNEED is None:
+                return
+            if self._hint_pool is None:
+                self._hint_pool = ThreadPoolExecutor(1, thread_name_prefix="promptcache-ssd-hint")
+            self._hint_pool.submit(_willneed, path)
+
     def take(self, block_hash: bytes, path: Path, file_name: str, digest: str) -> bytes | None:
         """The verified bytes of ``block_hash`` if read ahead from this very file, else None."""
         with self._lock:
@@ -281,6 +311,12 @@ class ReadAhead:
             self.counts["used" if got is not None else "discarded"] += 1
         return None if got is None else got[0]
 
+    def wait(self) -> None:
+        """Wait until every scheduled read has finished (tests, benchmarks)."""
+        with self._lock:
+            futures = [e.future for e in self._entries.values()]
+        wait_all(futures)
+
     def _discard(self, block_hash: bytes) -> None:
         e = self._entries.pop(block_hash)
         e.future.cancel()
@@ -296,6 +332,7 @@ class ReadAhead:
             self._closed = True
             for h in list(self._entries):
                 self._discard(h)
-            pool, self._pool = self._pool, None
-        if pool is not None:
+            pools = [p for p in (self._pool, self._hint_pool) if p is not None]
+            self._pool = self._hint_pool = None
+        for pool in pools:
             pool.shutdown(wait=True, cancel_futures=True)
