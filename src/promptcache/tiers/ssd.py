@@ -214,9 +214,9 @@ class SSDTier(SSDStore):
                     self._counts["misses"] += 1
                 return None
             path = self.root / row.file_name
+            self._prefetch_children(h, now)  # the next blocks' reads overlap this one
             ahead = self._ahead.take(h, path, row.file_name, row.checksum)
             if ahead is not None:  # verified against this row's checksum by the reader
-                self._prefetch_children(h, now)
                 self._record_hit(h, now, (time.perf_counter() - t0) * 1000.0)
                 return ahead
             try:
@@ -236,7 +236,6 @@ class SSDTier(SSDStore):
                     self._counts["read_errors"] += 1
                 self._degrade(f"read failed: {e}")
                 raise TierError(f"ssd block {h.hex()[:16]}: cannot read {row.file_name}: {e}") from e
-            self._prefetch_children(h, now)
             if len(data) != row.file_bytes or checksum(data) != row.checksum:
                 again = self._reread_row(h, row)
                 if again is not row:
