@@ -549,8 +549,18 @@ class PromptCache:
                     and block.tokens.startswith(sib.tokens)):
                 for sid in sib.sessions:
                     block.add_session(sid)
+                persisted, h = sib.persisted, sib.block_hash
                 if self.pool.remove(sib):
                     self._c.superseded += 1
+                    if persisted and h is not None:
+                        self._discard_lower(h)
+
+    def _discard_lower(self, block_hash: BlockHash) -> None:
+        for tier in self.lower:
+            try:
+                tier.discard((block_hash,))
+            except (TierError, OSError) as e:
+                self._on_tier_error(tier, e)
 
     def _touch_existing(self, block: Block, session_id: str | None, snap: bool, start: int,
                         end: int, payload_for: Callable[[int, int, bool], Any]) -> None:

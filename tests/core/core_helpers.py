@@ -117,6 +117,10 @@ class FakeTier:
         self.blocks[meta.block_hash] = (meta, payload, set(sessions))
         return True
 
+    def discard(self, block_hashes: Iterable[BlockHash]) -> int:
+        gone = [h for h in block_hashes if self.blocks.pop(h, None) is not None]
+        return len(gone)
+
     def sessions_of(self, block_hash: BlockHash) -> list[str]:
         entry = self.blocks.get(block_hash)
         return sorted(entry[2]) if entry is not None else []

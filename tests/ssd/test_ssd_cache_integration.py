@@ -126,3 +126,19 @@ def test_clean_close_persists_the_ram_blocks(tmp_path):
     assert cache.lookup(A + [7], NS).tokens_by_tier == {"ssd": 12}
     assert cache.lookup(B + [7], NS).tokens_by_tier == {"ssd": 12}
     cache.close()
+
+
+def test_a_superseded_partial_tail_leaves_the_ssd_too(tmp_path):
+    ssd = make_tier(tmp_path)
+    cache = PromptCache(CacheConfig(block_size=BS, ram_budget_bytes=8 * BLOCK_BYTES), lower=[ssd],
+                        write_through=True)
+    cache.store(NS, A[:10], 10, payload_for)  # 2 full blocks + the partial [108, 109]
+    ssd.flush()
+    assert ssd.stats()["blocks_on_disk"] == 3
+    cache.store(NS, A, 12, payload_for)  # [108..111] covers the partial
+    ssd.flush()
+    assert cache.stats().superseded == 1
+    rows = sorted(r.meta.token_ids for r in ssd.rows())
+    assert rows == [tuple(A[0:4]), tuple(A[4:8]), tuple(A[8:12])]
+    assert ssd.check(fix=False).problems == 0
+    cache.close()

@@ -43,6 +43,9 @@ class Tier(Protocol):
     def add_sessions(self, block_hash: BlockHash, sessions: Iterable[str]) -> None:
         """Record more sessions on an already stored block."""
 
+    def discard(self, block_hashes: Iterable[BlockHash]) -> int:
+        """Delete these blocks (e.g. partial tails a longer sibling now covers)."""
+
     def delete_session(self, session_id: str) -> int:
         """Remove the session from every block; delete blocks left with no session
         that had at least one. Returns the number of blocks deleted."""

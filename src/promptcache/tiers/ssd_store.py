@@ -11,13 +11,14 @@ import sqlite3
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ..config import SSDConfig
 from ..errors import TierError
+from ..hashing import BlockHash
 from ..meta import BlockMeta
 from . import ssd_files as files
 from .ssd_index import SSDIndex
@@ -189,6 +190,23 @@ class SSDStore:
                 self._index_error(e)
                 raise TierError(f"ssd delete_session failed: {e}") from e
             return len(cancelled | {h for h, _, _ in orphaned})
+
+    def discard(self, block_hashes: Iterable[BlockHash]) -> int:
+        """Delete these blocks (e.g. partial tails a longer sibling now covers), queued
+        or stored. Returns the number deleted."""
+        hs = {bytes(h) for h in block_hashes}
+        if not hs:
+            return 0
+        with self._write_lock, self._lock:
+            cancelled = self._cancel_pending(lambda p: bytes(p.meta.block_hash) in hs)
+            marks = ",".join("?" * len(hs))
+            try:
+                victims = self._index.select_files(f"WHERE hash IN ({marks})", tuple(hs))
+                self._delete_rows(victims)
+            except sqlite3.Error as e:
+                self._index_error(e)
+                raise TierError(f"ssd discard failed: {e}") from e
+            return len(cancelled | {h for h, _, _ in victims})
 
     def delete_tenant(self, tenant: str | None) -> int:
         return self.purge(tenant=tenant)
