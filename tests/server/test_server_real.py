@@ -225,7 +225,7 @@ def test_claude_code_style_conversation(server: str) -> None:
                                 ("Bash", "Run a shell command in the project folder."),
                                 ("Grep", "Search file contents with a regular expression.")]]
     system = ("You are an interactive CLI coding agent. Use the tools to help the user with "
-              "software engineering tasks. Keep answers short. Never invent file contents. ") * 10
+              "software engineering tasks. Keep answers short. Never invent file contents. ") * 22
     msgs: list[Any] = [{"role": "user", "content": "Fix the failing test in tests/test_app.py"}]
     reads, prompts = [], []
     for turn in range(5):
@@ -248,7 +248,7 @@ def test_claude_code_style_conversation(server: str) -> None:
     rate = sum(reads) / sum(prompts)
     print(f"claude-code style: prompt tokens {prompts}, cache reads {reads}, "
           f"token hit rate {rate:.1%}")
-    assert prompts[0] > 600
+    assert prompts[0] > 2800  # a ~3k-token system prompt with tool definitions
     assert reads[0] == 0
     assert all(b > a for a, b in zip(reads, reads[1:], strict=False))
     assert rate > 0.6
