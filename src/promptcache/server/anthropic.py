@@ -30,7 +30,7 @@ from ..engine.api import GenerationResult
 from .errors import APIError
 from .openai import SSE_HEADERS, render_messages, state_of
 from .prompt import anthropic_messages, anthropic_tools
-from .runner import Generation, ServerState, cache_creation_tokens, unstreamed_tail
+from .runner import Generation, ServerState, cache_creation_tokens, final_tail
 from .schemas import CountTokensRequest, MessagesRequest
 from .toolcalls import ToolCall, ToolCallStream, offered_tool_names, parse_tool_calls
 
@@ -139,12 +139,7 @@ async def _stream(gen: Generation, msg_id: str, model: str, prompt_len: int,
                 yield _event("error", {"type": "error", "error": {
                     "type": "api_error", "message": f"generation failed: {ev.error}"}})
                 return
-            tail = unstreamed_tail("".join(streamed), ev)
-            calls: tuple[ToolCall, ...] = ()
-            if parser is not None:
-                tail = parser.feed(tail)
-                rest, calls = parser.finish()
-                tail += rest
+            tail, calls = final_tail("".join(streamed), ev, parser)
             if (tail or not calls) and not text_open:
                 yield open_text()
             if tail:

@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from ..engine.api import GenerationResult
 from .errors import APIError, error_body
 from .prompt import openai_messages, openai_tools
-from .runner import Generation, ServerState, unstreamed_tail
+from .runner import Generation, ServerState, final_tail
 from .schemas import ChatCompletionRequest, CompletionRequest
 from .toolcalls import ToolCall, ToolCallStream, offered_tool_names, parse_tool_calls
 
@@ -107,12 +107,7 @@ async def _stream(gen: Generation, make_chunk: Any, first: dict[str, Any] | None
                 yield _sse(error_body(path, 500, f"generation failed: {ev.error}",
                                       "engine_error"))
                 break
-            tail = unstreamed_tail("".join(streamed), ev)
-            calls: tuple[ToolCall, ...] = ()
-            if parser is not None:
-                tail = parser.feed(tail)
-                rest, calls = parser.finish()
-                tail += rest
+            tail, calls = final_tail("".join(streamed), ev, parser)
             if tail:
                 yield _sse(make_chunk(tail, None, include_usage))
             for delta in tool_call_deltas(calls):

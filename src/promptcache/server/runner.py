@@ -29,6 +29,7 @@ from .alerts import HitRateMonitor
 from .auth import Authenticator, Scope
 from .errors import APIError
 from .metrics import ServerMetrics
+from .toolcalls import ToolCall, ToolCallStream
 
 log = logging.getLogger(__name__)
 
@@ -205,6 +206,18 @@ def unstreamed_tail(streamed: str, result: GenerationResult) -> str:
     if result.text.startswith(streamed):
         return result.text[len(streamed):]
     return ""
+
+
+def final_tail(streamed: str, result: GenerationResult, parser: ToolCallStream | None
+               ) -> tuple[str, tuple[ToolCall, ...]]:
+    """At the end of a stream: the text still to send and the tool calls found (the
+    parser, when tools were offered, releases what it held back)."""
+    tail = unstreamed_tail(streamed, result)
+    if parser is None:
+        return tail, ()
+    tail = parser.feed(tail)
+    rest, calls = parser.finish()
+    return tail + rest, calls
 
 
 def cache_creation_tokens(result: GenerationResult) -> int:

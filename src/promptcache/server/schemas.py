@@ -43,36 +43,31 @@ class OAIStreamOptions(_Lenient):
     include_usage: bool = False
 
 
-class ChatCompletionRequest(_Lenient):
+class _OAISampling(_Lenient):
+    """Fields the OpenAI chat and completions requests share."""
+
     model: str | None = None
-    messages: list[OAIMessage]
     max_tokens: int | None = None
-    max_completion_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: OAIStreamOptions | None = None
+    n: int | None = None
+    user: str | None = None
+
+
+class ChatCompletionRequest(_OAISampling):
+    messages: list[OAIMessage]
+    max_completion_tokens: int | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    n: int | None = None
-    user: str | None = None
 
 
-class CompletionRequest(_Lenient):
-    model: str | None = None
+class CompletionRequest(_OAISampling):
     prompt: str | list[str] | list[int]
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stream: bool = False
-    stream_options: OAIStreamOptions | None = None
-    n: int | None = None
     echo: bool = False
-    user: str | None = None
 
 
 # --- Anthropic ------------------------------------------------------------------------
