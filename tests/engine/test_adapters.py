@@ -93,7 +93,11 @@ def test_kvcache_round_trip_at_every_position(llama):
         got = _next_logits(llama, restored, toks[n])
         want = _next_logits(llama, ref, toks[n])
         np.testing.assert_allclose(got, want, atol=1e-4)
-        assert np.array_equal(np.array(restored[0].keys[..., :n, :]), np.array(ref[0].keys[..., :n, :]))
+        # restore copies the stored KV bit for bit; a prefill of another shape (``ref``)
+        # agrees only within float tolerance (multithreaded BLAS splits work by shape)
+        assert np.array_equal(np.array(restored[0].keys[..., :n, :]), np.array(caches[0].keys[..., :n, :]))
+        np.testing.assert_allclose(np.array(restored[0].keys[..., :n, :]),
+                                   np.array(ref[0].keys[..., :n, :]), atol=1e-5)
 
 
 def test_payload_is_a_copy_not_a_view(llama):

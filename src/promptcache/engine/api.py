@@ -8,7 +8,7 @@ final ``GenerationResult``. See ``engine/engine.py`` for the Engine itself.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from ..meta import DEFAULT_TENANT, ExtraKeySpan
 
@@ -21,6 +21,11 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
+    # 0 = off; otherwise sample among the k most likely tokens
+    top_k: int = 0
+    # None = no log-probabilities; k >= 0 = the chosen token's logprob plus the k most
+    # likely alternatives on every TokenEvent (OpenAI ``top_logprobs``, at most 20)
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
@@ -37,6 +42,40 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if isinstance(t, bool) or not isinstance(t, int) or t < 0:
                 raise ValueError(f"stop token ids must be non-negative integers, got {t!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be a non-negative integer, got {self.top_k!r}")
+        if self.logprobs is not None and (
+            isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
+            or not 0 <= self.logprobs <= 20
+        ):
+            raise ValueError(f"logprobs must be None or an integer in [0, 20], got {self.logprobs!r}")
+
+
+ConstraintKind = Literal["json_schema", "regex", "lark"]
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """Constrained decoding: the output must match ``spec``.
+
+    ``json_schema``: a JSON Schema document (as a JSON string; ``{"type": "object"}``
+    for OpenAI ``json_object``); ``regex``: a regular expression; ``lark``: a Lark
+    grammar (llguidance dialect: it may embed ``%json{...}`` schemas), e.g. a forced
+    tool call in the model's own tool-call format. The engine turns it into a logits
+    processor (``engine/constrained.py``).
+    """
+
+    kind: ConstraintKind
+    spec: str
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("json_schema", "regex", "lark"):
+            raise ValueError(f"constraint kind must be json_schema, regex or lark, got {self.kind!r}")
+        if not isinstance(self.spec, str) or not self.spec:
+            raise ValueError("constraint spec must be a non-empty string")
+
+
+Priority = Literal["interactive", "background"]
 
 
 @dataclass(frozen=True)
@@ -50,6 +89,13 @@ class GenerationRequest:
     # for miss explanations: token offsets where each chat message starts
     message_starts: tuple[int, ...] = ()
     request_id: str = ""
+    constraint: Constraint | None = None
+    # "background" work (next-turn pre-render, shadow verification) runs only when no
+    # interactive request is waiting and yields to one at the next chunk boundary
+    priority: Priority = "interactive"
+    # compute and store the prompt's blocks, generate nothing (pre-render): the result
+    # has finish_reason "prefilled" and no tokens
+    prefill_only: bool = False
 
 
 @dataclass
@@ -83,13 +129,17 @@ class Usage:
 class TokenEvent:
     token_id: int
     text: str  # the newly decodable text (may be "" while a multi-byte char is pending)
+    # with SamplingParams.logprobs set: this token's log-probability (after the logits
+    # processors, before temperature) and the top alternatives as (token_id, logprob)
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass
 class GenerationResult:
     tokens: list[int]
     text: str
-    finish_reason: str  # "stop" | "length" | "cancelled" | "error"
+    finish_reason: str  # "stop" | "length" | "cancelled" | "error" | "prefilled"
     usage: Usage
     ttft_s: float = 0.0
     prefill_s: float = 0.0

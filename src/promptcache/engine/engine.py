@@ -227,29 +227,48 @@ class Engine:
 
     # ------------------------------------------------------------------ chat templates
 
-    def _apply_template(self, messages: Sequence[Mapping[str, Any]], tools: Any, gen: bool) -> list[int]:
+    def _apply_template(
+        self, messages: Sequence[Mapping[str, Any]], tools: Any, gen: bool,
+        continue_final_message: bool = False, template_kwargs: Mapping[str, Any] | None = None,
+    ) -> list[int]:
+        kwargs = dict(template_kwargs or {})
+        if continue_final_message:
+            kwargs["continue_final_message"] = True
+            gen = False
         out = self.tokenizer.apply_chat_template(
-            list(messages), tools=tools, add_generation_prompt=gen, tokenize=True
+            list(messages), tools=tools, add_generation_prompt=gen, tokenize=True, **kwargs
         )
         if isinstance(out, Mapping):
             out = out["input_ids"]
         return [int(t) for t in out]
 
     def render_chat(
-        self, messages: Sequence[Mapping[str, Any]], tools: Any = None, add_generation_prompt: bool = True
+        self, messages: Sequence[Mapping[str, Any]], tools: Any = None,
+        add_generation_prompt: bool = True, *, continue_final_message: bool = False,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[int]:
-        """Prompt token ids of a chat, through the tokenizer's chat template."""
+        """Prompt token ids of a chat, through the tokenizer's chat template.
+
+        ``continue_final_message``: the last (assistant) message is left open so the
+        model continues it (an Anthropic / OpenAI assistant prefill) instead of a new
+        turn. ``template_kwargs``: extra template variables (e.g. ``enable_thinking``).
+        """
         _validate_messages(messages)
-        return self._apply_template(messages, tools, add_generation_prompt)
+        return self._apply_template(messages, tools, add_generation_prompt,
+                                    continue_final_message, template_kwargs)
 
     def render_chat_with_offsets(
-        self, messages: Sequence[Mapping[str, Any]], tools: Any = None, add_generation_prompt: bool = True
+        self, messages: Sequence[Mapping[str, Any]], tools: Any = None,
+        add_generation_prompt: bool = True, *, continue_final_message: bool = False,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> tuple[list[int], tuple[int, ...]]:
         """``(tokens, message_starts)``: where each message starts (for miss explanations)."""
-        tokens = self.render_chat(messages, tools, add_generation_prompt)
+        tokens = self.render_chat(messages, tools, add_generation_prompt,
+                                  continue_final_message=continue_final_message,
+                                  template_kwargs=template_kwargs)
         starts = [0]
         for i in range(1, len(messages)):
-            prefix = self._apply_template(messages[:i], tools, False)
+            prefix = self._apply_template(messages[:i], tools, False, False, template_kwargs)
             n = 0
             for a, b in zip(prefix, tokens, strict=False):
                 if a != b:

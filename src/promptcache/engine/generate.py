@@ -99,6 +99,15 @@ def validate_request(req: GenerationRequest, ctx: GenContext) -> tuple[int, ...]
         raise RequestError(f"stop_token_ids must be a sequence of token ids, got {sp.stop_token_ids!r}")
     if isinstance(sp.max_tokens, bool) or not isinstance(sp.max_tokens, int) or sp.max_tokens <= 0:
         raise RequestError(f"max_tokens must be a positive integer, got {sp.max_tokens!r}")
+    # seam fields the batched scheduler implements (issue 11); refused until then
+    if req.constraint is not None:
+        raise RequestError("constrained decoding is not supported by this engine yet")
+    if sp.logprobs is not None:
+        raise RequestError("logprobs are not supported by this engine yet")
+    if sp.top_k:
+        raise RequestError("top_k is not supported by this engine yet")
+    if req.prefill_only or req.priority != "interactive":
+        raise RequestError("background / prefill-only requests are not supported yet")
     if sp.max_tokens > ctx.config.max_tokens_limit:
         raise RequestError(f"max_tokens {sp.max_tokens} exceeds the limit {ctx.config.max_tokens_limit}")
     if len(tokens) + sp.max_tokens > ctx.context_length:
