@@ -27,6 +27,7 @@ from ..errors import RequestError
 from ..meta import DEFAULT_TENANT, Namespace, validate_tenant
 from . import adapters
 from .api import GenerationRequest, GenerationResult, SamplingParams, TokenEvent
+from .chat_format import chat_format_of
 from .generate import (
     EngineCounters,
     Event,
@@ -226,6 +227,8 @@ class Engine:
         return ns
 
     # ------------------------------------------------------------------ chat templates
+
+    chat_format = property(lambda self: chat_format_of(self.tokenizer))  # engine/chat_format.py
 
     def _apply_template(
         self, messages: Sequence[Mapping[str, Any]], tools: Any, gen: bool,

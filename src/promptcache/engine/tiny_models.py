@@ -9,6 +9,12 @@ ChatML chat template) that ``mlx_lm.load(path)`` loads without network:
   x2 (``sliding_window_pattern=3``) with a 16-token window, so short prompts slide.
 - ``"hybrid"``: ``nemotron_h`` with the layer pattern ``M*M*`` (Mamba2 SSM,
   attention, SSM, attention): caches ``[ArraysCache, KVCache, ArraysCache, KVCache]``.
+- ``"scripted"``: a one-layer, one-head llama with a 128K window (real clients' prompts
+  of 30-50K tokens prefill in seconds) whose weights are set so that greedy decoding
+  after a newline (the end of the ChatML generation prompt) always answers
+  ``SCRIPTED_REPLY`` and then ends with the EOS token, whatever the prompt: each reply
+  token's embedding carries a large value in a dimension of its own, and the output row
+  of the token that should follow it reads that dimension.
 
 All share one byte-level BPE tokenizer trained with ``tokenizers`` on text
 generated here from a fixed seed (no files of the host are read, so the models
@@ -32,9 +38,11 @@ logger = logging.getLogger(__name__)
 
 # Bump when the models or the tokenizer change: the on-disk cache folder name carries it.
 TINY_MODELS_VERSION = 1
-KINDS = ("llama", "gemma3_text", "hybrid")
+KINDS = ("llama", "gemma3_text", "hybrid", "scripted")
 VOCAB_SIZE = 1024
 CONTEXT_LENGTH = 4096
+LONG_CONTEXT_LENGTH = 131072  # the "scripted" model's window
+SCRIPTED_REPLY = "Hello from the tiny model."
 SLIDING_WINDOW = 16
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 EOS_TOKEN = "<|im_end|>"
@@ -139,7 +147,8 @@ def tokenizer_json() -> str:
     return str(tok.to_str())
 
 
-def _tokenizer_config(tok: dict[str, Any]) -> dict[str, Any]:
+def _tokenizer_config(tok: dict[str, Any], context_length: int = CONTEXT_LENGTH
+                      ) -> dict[str, Any]:
     added = {
         str(t["id"]): {
             "content": t["content"], "lstrip": False, "normalized": False,
@@ -155,7 +164,7 @@ def _tokenizer_config(tok: dict[str, Any]) -> dict[str, Any]:
         "pad_token": PAD_TOKEN,
         "unk_token": None,
         "clean_up_tokenization_spaces": False,
-        "model_max_length": CONTEXT_LENGTH,
+        "model_max_length": context_length,
         "chat_template": CHATML_TEMPLATE,
     }
 
@@ -183,6 +192,19 @@ def model_config(kind: str, special_ids: dict[str, int]) -> dict[str, Any]:
             "rms_norm_eps": 1e-5,
             "rope_theta": 10000.0,
             "tie_word_embeddings": True,
+        }
+    if kind == "scripted":
+        return {
+            **common,
+            "model_type": "llama",
+            "architectures": ["LlamaForCausalLM"],
+            "num_hidden_layers": 1,
+            "num_attention_heads": 1,
+            "num_key_value_heads": 1,
+            "max_position_embeddings": LONG_CONTEXT_LENGTH,
+            "rms_norm_eps": 1e-5,
+            "rope_theta": 10000.0,
+            "tie_word_embeddings": False,
         }
     if kind == "gemma3_text":
         return {
@@ -246,19 +268,47 @@ def build_tiny_model(kind: str, out_dir: str | os.PathLike[str]) -> Path:
     mx.random.seed(_seed_for(kind))
     model = model_cls(args_cls.from_dict(config))
     weights = {k: v.astype(mx.float32) for k, v in tree_flatten(model.parameters())}
+    if kind == "scripted":
+        weights = _script_reply(weights, tok_text, special_ids[EOS_TOKEN])
     mx.eval(weights)
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
 
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     (out / "tokenizer.json").write_text(tok_text)
     (out / "tokenizer_config.json").write_text(
-        json.dumps(_tokenizer_config(tok), indent=2) + "\n"
+        json.dumps(_tokenizer_config(tok, int(config["max_position_embeddings"])), indent=2)
+        + "\n"
     )
     (out / "special_tokens_map.json").write_text(
         json.dumps({"eos_token": EOS_TOKEN, "pad_token": PAD_TOKEN}, indent=2) + "\n"
     )
     logger.info("built tiny %s model in %s (%d tensors)", kind, out, len(weights))
     return out
+
+
+def _script_reply(weights: dict[str, Any], tok_text: str, eos_id: int) -> dict[str, Any]:
+    """Set the "scripted" model's embedding and output rows (see the module docstring):
+    newline -> reply token 1 -> ... -> last reply token -> EOS."""
+    import mlx.core as mx
+    import numpy as np
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_str(tok_text)
+    chain = [tok.token_to_id("Ċ"), *tok.encode(SCRIPTED_REPLY).ids]
+    if len(set(chain)) != len(chain):
+        raise RuntimeError("the scripted reply must not repeat a token")
+    follows = chain[1:] + [eos_id]
+    emb = np.array(weights["model.embed_tokens.weight"])
+    head = np.array(weights["lm_head.weight"])
+    k = len(chain)
+    emb[:, :k] = 0.0
+    head[:, :k] = 0.0
+    for dim, (cur, nxt) in enumerate(zip(chain, follows, strict=True)):
+        emb[cur, dim] = 50.0
+        head[nxt, dim] = 8.0
+    weights["model.embed_tokens.weight"] = mx.array(emb)
+    weights["lm_head.weight"] = mx.array(head)
+    return weights
 
 
 def tiny_model_dirname(kind: str) -> str:
