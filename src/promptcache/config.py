@@ -128,3 +128,25 @@ class ServerConfig:
     api_keys_file: Path | None = None
     hit_rate_window: int = 50
     hit_rate_alert_threshold: float = 0.8
+    # the context window the server enforces (None: the model's own; may only shrink it)
+    context_window: int | None = None
+    # prompt + max_tokens past the window: "clamp" max_tokens to the room left, or
+    # "error" (the APIs' own context-limit wordings, which clients act on)
+    max_tokens_overflow: str = "clamp"
+    # seconds between keep-alive events on a stream that has nothing else to send
+    keepalive_s: float = 10.0
+    # debug: write every /v1 request (secrets scrubbed) as a JSON file into this folder
+    log_requests_dir: Path | None = None
+    # responses kept for previous_response_id / GET /v1/responses/{id} (bounded, in RAM)
+    responses_store_size: int = 256
+
+    def __post_init__(self) -> None:
+        if self.context_window is not None and self.context_window < 2:
+            raise ValueError(f"context_window must be >= 2, got {self.context_window}")
+        if self.max_tokens_overflow not in ("clamp", "error"):
+            raise ValueError("max_tokens_overflow must be 'clamp' or 'error', "
+                             f"got {self.max_tokens_overflow!r}")
+        if not self.keepalive_s > 0:
+            raise ValueError(f"keepalive_s must be > 0, got {self.keepalive_s}")
+        if self.responses_store_size < 0:
+            raise ValueError(f"responses_store_size must be >= 0, got {self.responses_store_size}")

@@ -9,6 +9,13 @@ first listed) ends the reply after its bytes were generated, the text stops befo
 and ``GenerationResult.stop_sequence`` names it. The "cache" remembers every prompt
 (+ output) per tenant and reports the longest common prefix with them as cached
 tokens (at most len(prompt) - 1), all from the "ram" tier.
+
+Knobs for the protocol tests: ``renders_tools=False`` makes the "template" drop tools
+(as SmolLM2's does); ``think=True`` gives it ``<think>`` / ``</think>`` reasoning markers
+and an ``enable_thinking`` switch (True opens ``<think>`` in the generation prompt);
+with ``SamplingParams.logprobs`` each token's logprob is ``-(id % 7) / 10`` and the
+alternatives are the next ids; ``before_first_token`` (an async callable) runs before
+the first token is sent (a slow prefill).
 """
 
 from __future__ import annotations
@@ -16,12 +23,13 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from promptcache.config import EngineConfig
 from promptcache.engine.api import GenerationRequest, GenerationResult, TokenEvent, Usage
+from promptcache.engine.chat_format import ChatFormat
 
 
 class FakeTokenizer:
@@ -131,13 +139,18 @@ class FakeHandle:
         out = full[: sampling.max_tokens]
         finish = "length" if len(out) < len(full) else "stop"
         emitted: list[int] = []
+        k = sampling.logprobs
         for t in out:
             if self.cancelled.is_set():
                 finish, stop_seq = "cancelled", None
                 break
             emitted.append(t)
             text = bytes([t]).decode("utf-8", errors="ignore") if len(emitted) <= text_len else ""
-            yield TokenEvent(t, text)
+            if k is None:
+                yield TokenEvent(t, text)
+            else:
+                top = tuple(((t + j) % 256, -((t + j) % 7) / 10 - j) for j in range(k))
+                yield TokenEvent(t, text, logprob=-(t % 7) / 10, top_logprobs=top)
         if eng.cache is not None:
             eng.cache.store(prompt + tuple(emitted), self.request.tenant,
                             self.request.session_id)
@@ -155,6 +168,8 @@ class FakeHandle:
         return self._run()
 
     async def aevents(self) -> AsyncIterator[TokenEvent | GenerationResult]:
+        if self.engine.before_first_token is not None:
+            await self.engine.before_first_token()
         for ev in self._run():
             if self.engine.delay:
                 await asyncio.sleep(self.engine.delay)
@@ -165,10 +180,16 @@ class FakeEngine:
     model_id = "fake-model"
 
     def __init__(self, *, context_length: int = 4096, reply: str = "Hello world!",
-                 use_cache: bool = True, delay: float = 0.0) -> None:
+                 use_cache: bool = True, delay: float = 0.0, renders_tools: bool = True,
+                 think: bool = False) -> None:
         self.context_length = context_length
         self.reply = reply
         self.delay = delay
+        self.renders_tools = renders_tools
+        self.chat_format = ChatFormat("<think>", "</think>", "enable_thinking") if think \
+            else ChatFormat()
+        self.before_first_token: Callable[[], Awaitable[None]] | None = None
+        self.template_kwargs: list[dict[str, Any] | None] = []
         self.tokenizer = FakeTokenizer()
         self.cache = FakeCache() if use_cache else None
         self.config = EngineConfig(max_tokens_limit=1000, default_max_tokens=64)
@@ -180,26 +201,34 @@ class FakeEngine:
         return tenant
 
     def render_chat_with_offsets(self, messages: list[dict[str, Any]], tools: Any = None,
-                                 add_generation_prompt: bool = True) -> tuple[list[int], list[int]]:
+                                 add_generation_prompt: bool = True, *,
+                                 continue_final_message: bool = False,
+                                 template_kwargs: dict[str, Any] | None = None,
+                                 ) -> tuple[list[int], list[int]]:
         self.rendered.append((messages, tools))
+        self.template_kwargs.append(template_kwargs)
         text, starts = "", []
-        if tools:
+        if tools and self.renders_tools:
             text += "<|tools|>" + json.dumps(tools, sort_keys=True) + "\n"
-        for m in messages:
+        for i, m in enumerate(messages):
             starts.append(len(text.encode("utf-8")))
             if m["content"] == "EXPLODE":
                 raise RuntimeError("template exploded")
             text += f"<|{m['role']}|>{m['content']}"
             for tc in m.get("tool_calls", []):
                 text += "<tool_call>" + json.dumps(tc["function"], sort_keys=True) + "</tool_call>"
-            text += "\n"
-        if add_generation_prompt:
+            if not (continue_final_message and i == len(messages) - 1):
+                text += "\n"
+        if add_generation_prompt and not continue_final_message:
             text += "<|assistant|>"
+            if (template_kwargs or {}).get("enable_thinking"):
+                text += "<think>"
         return list(text.encode("utf-8")), starts
 
     def render_chat(self, messages: list[dict[str, Any]], tools: Any = None,
-                    add_generation_prompt: bool = True) -> list[int]:
-        return self.render_chat_with_offsets(messages, tools, add_generation_prompt)[0]
+                    add_generation_prompt: bool = True, **kwargs: Any) -> list[int]:
+        return self.render_chat_with_offsets(messages, tools, add_generation_prompt,
+                                             **kwargs)[0]
 
     def submit(self, request: GenerationRequest) -> FakeHandle:
         if any(t > 255 for t in request.prompt_tokens):

@@ -111,7 +111,7 @@ def test_count_tokens(client: TestClient) -> None:
 
 
 @pytest.mark.parametrize("payload, status, etype, fragment", [
-    ({"max_tokens": 5, "messages": [{"role": "system", "content": "x"}]}, 400,
+    ({"max_tokens": 5, "messages": [{"role": "tool", "content": "x"}]}, 400,
      "invalid_request_error", "unknown role"),
     ({"messages": HI}, 400, "invalid_request_error", "max_tokens"),
     ({"max_tokens": 0, "messages": HI}, 400, "invalid_request_error", "max_tokens must be > 0"),

@@ -54,6 +54,16 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--hit-rate-threshold", type=float, default=0.8,
                    help="warn when the rolling token hit rate drops below this")
     p.add_argument("--max-tokens-limit", type=int, default=EngineConfig.max_tokens_limit)
+    p.add_argument("--default-max-tokens", type=int, default=EngineConfig.default_max_tokens,
+                   help="max_tokens of a request that gives none (within the room left)")
+    p.add_argument("--context-window", type=int, default=None,
+                   help="the context window to enforce (default: the model's; may only "
+                        "shrink it)")
+    p.add_argument("--max-tokens-overflow", choices=("clamp", "error"), default="clamp",
+                   help="prompt + max_tokens past the window: clamp max_tokens to the room "
+                        "left (default), or answer with the APIs' context-limit error")
+    p.add_argument("--log-requests", type=Path, default=None, metavar="DIR",
+                   help="debug: write every /v1 request (secrets left out) as JSON into DIR")
     p.add_argument("--log-level", default="info",
                    choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=run)
@@ -82,14 +92,20 @@ def build_configs(args: argparse.Namespace) -> tuple[
         budget = parse_size(args.ssd_budget, total=shutil.disk_usage(path).free)
         ssd_cfg = SSDConfig(path=path, budget_bytes=budget, policy=args.ssd_policy)
     chunk = max(args.block_size, (256 // args.block_size) * args.block_size)
+    if args.default_max_tokens < 1:
+        raise ValueError(f"--default-max-tokens must be >= 1, got {args.default_max_tokens}")
     engine_cfg = EngineConfig(prefill_chunk_tokens=chunk,
-                              max_tokens_limit=args.max_tokens_limit)
+                              max_tokens_limit=args.max_tokens_limit,
+                              default_max_tokens=args.default_max_tokens)
     if args.api_keys_file is not None and not args.api_keys_file.is_file():
         raise ValueError(f"--api-keys-file {args.api_keys_file} does not exist")
     server_cfg = ServerConfig(host=args.host, port=args.port, api_key=args.api_key,
                               api_keys_file=args.api_keys_file,
                               hit_rate_window=args.hit_rate_window,
-                              hit_rate_alert_threshold=args.hit_rate_threshold)
+                              hit_rate_alert_threshold=args.hit_rate_threshold,
+                              context_window=args.context_window,
+                              max_tokens_overflow=args.max_tokens_overflow,
+                              log_requests_dir=args.log_requests)
     return engine_cfg, cache_cfg, ssd_cfg, server_cfg
 
 
@@ -111,6 +127,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"promptcache: loading {model}", file=sys.stderr)
     engine = Engine.load(model, engine_cfg, cache_cfg, ssd_config=ssd_cfg,
                          use_cache=not args.no_cache)
+    if server_cfg.context_window and server_cfg.context_window > engine.context_length:
+        log.warning("--context-window %d is larger than the model's window (%d); using %d",
+                    server_cfg.context_window, engine.context_length, engine.context_length)
     try:
         app = create_app(engine, server_cfg, engine_config=engine_cfg,
                          model_aliases=args.model_alias)

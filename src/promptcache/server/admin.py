@@ -19,8 +19,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from ..meta import validate_tenant
 from .auth import validate_session_id
+from .common import state_of
 from .errors import APIError
-from .openai import state_of
 
 log = logging.getLogger(__name__)
 router = APIRouter()

@@ -1,14 +1,18 @@
 """The FastAPI app factory: ``create_app(engine, server_config)``.
 
-Wiring only: routers (openai, anthropic, admin), exception handlers, the
-authentication/scoping middleware, and one ``ServerState`` per app (its own metrics
-registry, hit-rate monitor and authenticator: no global state).
+Wiring only: routers (openai, responses, anthropic, admin), exception handlers, the
+authentication/scoping middleware, the request log (every 4xx with its reason;
+``--log-requests``), ``HEAD /`` / ``GET /`` (Claude Code sends ``HEAD /`` before its
+requests), and per app one ``ServerState`` (its own metrics registry, hit-rate monitor
+and authenticator: no global state), one ``Preparer`` (prompt rendering off the event
+loop) and one Responses store.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import AsyncIterator, Iterable
+from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI
@@ -16,11 +20,14 @@ from starlette.requests import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ..config import EngineConfig, ServerConfig
-from . import admin, anthropic, openai
+from . import admin, anthropic, openai, responses
 from .alerts import HitRateMonitor
 from .auth import Authenticator, load_api_keys
+from .common import Preparer
 from .errors import APIError, error_response, install_handlers
 from .metrics import ServerMetrics
+from .request_log import RequestLog
+from .responses_items import ResponseStore
 from .runner import BASE_ALIASES, ServerState
 
 log = logging.getLogger(__name__)
@@ -75,14 +82,30 @@ def create_app(engine: Any, server_config: ServerConfig | None = None, *,
         metrics=ServerMetrics(lambda: admin.cache_stats_dict(engine)),
         aliases=frozenset(BASE_ALIASES) | frozenset(a for a in model_aliases if a),
     )
-    app = FastAPI(title="promptcache", version="0.1.0",
+    preparer = Preparer(engine)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        preparer.close()
+
+    app = FastAPI(title="promptcache", version="0.1.0", lifespan=lifespan,
                   description="OpenAI/Anthropic-compatible server with a multi-tier prompt cache")
     app.state.pc = state
+    app.state.pc_prepare = preparer
+    app.state.pc_responses = ResponseStore(config.responses_store_size)
     install_handlers(app)
+
+    @app.api_route("/", methods=["GET", "HEAD"], include_in_schema=False)
+    async def root() -> dict[str, Any]:
+        return {"name": "promptcache", "model": state.model_id}
+
     app.include_router(openai.router)
+    app.include_router(responses.router)
     app.include_router(anthropic.router)
     app.include_router(admin.router)
     app.add_middleware(ScopeMiddleware, auth=auth)
+    app.add_middleware(RequestLog, directory=config.log_requests_dir)
     log.info("promptcache app ready: model=%s auth=%s", state.model_id,
              "on" if auth.enabled else "off")
     return app

@@ -8,14 +8,23 @@ Rules:
 - ``--api-keys-file F``: a JSON object ``{"<key>": "<tenant>", ...}``. A key from the
   file authenticates *and* fixes the tenant; an ``X-Tenant-Id`` header naming another
   tenant is refused (403). Both options may be combined.
-- ``X-Session-Id`` (optional): 1-256 printable ASCII characters; it is recorded on
-  the blocks the request writes (``DELETE /v1/cache/sessions/{id}`` removes them).
+- The session (recorded on the blocks the request writes, so ``DELETE
+  /v1/cache/sessions/{id}``, TTL and the stats work per session) comes from the first of
+  these headers that is present: ``X-Session-Id`` (also what OpenCode sends),
+  ``X-Claude-Code-Session-Id`` (Claude Code), ``session-id`` (Codex CLI),
+  ``x-session-affinity`` (OpenCode); without one, a body field the endpoint passes to
+  ``Scope.with_session`` (``prompt_cache_key``: Codex, OpenAI SDKs). A session id is 1-256
+  printable ASCII characters: a bad ``X-Session-Id`` is a 400; a bad client header is
+  ignored (logged). ``x-claude-code-agent-id`` / ``x-claude-code-parent-agent-id`` name
+  the (sub)agent; which header won and the agent go into the request log line.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hmac
 import json
+import logging
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +34,14 @@ from fastapi import Request
 from ..meta import DEFAULT_TENANT, validate_tenant
 from .errors import APIError
 
+log = logging.getLogger(__name__)
+
 _SESSION_RE = re.compile(r"^[\x21-\x7e]{1,256}$")
+# client session headers, in order of precedence (the explicit one first)
+SESSION_HEADERS = ("x-session-id", "x-claude-code-session-id", "session-id",
+                   "x-session-affinity")
+AGENT_HEADER = "x-claude-code-agent-id"
+PARENT_AGENT_HEADER = "x-claude-code-parent-agent-id"
 
 
 def validate_session_id(session_id: str) -> str:
@@ -53,10 +69,39 @@ def load_api_keys(path: Path) -> dict[str, str]:
     return keys
 
 
+def _valid_session(value: str | None) -> bool:
+    return value is not None and bool(_SESSION_RE.match(value))
+
+
 @dataclass(frozen=True)
 class Scope:
     tenant: str = DEFAULT_TENANT
     session_id: str | None = None
+    # where the session id came from: a header name, or a body field such as
+    # "prompt_cache_key" (None: no session)
+    session_source: str | None = None
+    agent_id: str | None = None
+    parent_agent_id: str | None = None
+
+    def with_session(self, value: str | None, source: str) -> Scope:
+        """Fill the session from a body field when no header named one (an invalid
+        value is ignored, as for client headers)."""
+        if self.session_id is not None or value is None:
+            return self
+        if not _valid_session(value):
+            log.info("ignoring an invalid %s as the session id: %r", source, value[:80])
+            return self
+        return dataclasses.replace(self, session_id=value, session_source=source)
+
+    def describe(self) -> str:
+        """For the request log line: ``session=<id> (<source>) agent=<id>``."""
+        out = f"session={self.session_id} ({self.session_source})" if self.session_id \
+            else "session=-"
+        if self.agent_id:
+            out += f" agent={self.agent_id}"
+            if self.parent_agent_id:
+                out += f" parent={self.parent_agent_id}"
+        return out
 
 
 class Authenticator:
@@ -107,10 +152,23 @@ class Authenticator:
             raise APIError(403, "X-Tenant-Id does not match the tenant of this API key",
                            code="tenant_mismatch")
         tenant = fixed or header or DEFAULT_TENANT
-        session = request.headers.get("x-session-id")
-        if session is not None:
+        explicit = request.headers.get("x-session-id")
+        if explicit is not None:
             try:
-                validate_session_id(session)
+                validate_session_id(explicit)
             except ValueError as e:
                 raise APIError(400, f"invalid X-Session-Id: {e}", code="invalid_session") from e
-        return Scope(tenant=tenant, session_id=session)
+        session, source = None, None
+        for name in SESSION_HEADERS:
+            value = request.headers.get(name)
+            if value is None:
+                continue
+            if _valid_session(value):
+                session, source = value, name
+                break
+            log.info("ignoring an invalid %s header: %r", name, value[:80])
+        agent = request.headers.get(AGENT_HEADER)
+        parent = request.headers.get(PARENT_AGENT_HEADER)
+        return Scope(tenant=tenant, session_id=session, session_source=source,
+                     agent_id=agent if _valid_session(agent) else None,
+                     parent_agent_id=parent if _valid_session(parent) else None)

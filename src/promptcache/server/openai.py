@@ -1,8 +1,15 @@
-"""OpenAI-compatible endpoints: /v1/chat/completions, /v1/completions, /v1/models."""
+"""OpenAI-compatible endpoints: /v1/chat/completions, /v1/completions, /v1/models.
+
+Chat replies: reasoning the model marks (``<think>``…) comes back as
+``message.reasoning_content`` (streamed as ``delta.reasoning_content``), tool calls as
+``tool_calls``; with ``logprobs`` (and ``top_logprobs``) every token's log-probability
+in ``choices[0].logprobs.content``. A final assistant message is continued (prefill).
+Streams send an SSE comment when they have nothing else to send for a while (a long
+prefill), so proxies and clients keep the connection.
+"""
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -11,38 +18,32 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from ..engine.api import GenerationResult
+from ..engine.api import GenerationResult, TokenEvent
+from .common import (
+    KEEPALIVE,
+    SSE_COMMENT,
+    SSE_HEADERS,
+    ChatPrompt,
+    Finished,
+    LogprobDecoder,
+    collect_reply,
+    context_window,
+    max_output_tokens,
+    plan_max_tokens,
+    preparer_of,
+    reply_events,
+    reply_parser,
+    sse_data,
+    state_of,
+)
 from .errors import APIError, error_body
 from .prompt import openai_messages, openai_tools
-from .runner import Generation, ServerState, final_tail
+from .reasoning import Piece, ReplyParser
+from .runner import Generation, ServerState
 from .schemas import ChatCompletionRequest, CompletionRequest
-from .toolcalls import ToolCall, ToolCallStream, offered_tool_names, parse_tool_calls
+from .toolcalls import ToolCall
 
 router = APIRouter()
-
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-
-
-def state_of(request: Request) -> ServerState:
-    st: ServerState = request.app.state.pc
-    return st
-
-
-def render_messages(st: ServerState, messages: list[dict[str, Any]],
-                    tools: list[dict[str, Any]] | None) -> tuple[list[int], list[int]]:
-    """Chat template -> (tokens, message start offsets). Template failures are 400s."""
-    engine = st.engine
-    try:
-        with_offsets = getattr(engine, "render_chat_with_offsets", None)
-        if with_offsets is not None:
-            tokens, starts = with_offsets(messages, tools=tools)
-            return list(tokens), list(starts)
-        return list(engine.render_chat(messages, tools=tools)), []
-    except ValueError:
-        raise
-    except Exception as e:  # jinja TemplateError & co: caused by the request's messages
-        raise APIError(400, f"cannot render the chat template for these messages: {e}",
-                       code="invalid_messages", param="messages") from e
 
 
 def openai_usage(result: GenerationResult) -> dict[str, Any]:
@@ -82,48 +83,63 @@ def tool_call_deltas(calls: tuple[ToolCall, ...]) -> list[dict[str, Any]]:
     return deltas
 
 
-def _sse(data: Any) -> str:
-    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
-
-
 def _engine_failed(result: GenerationResult) -> APIError:
     return APIError(500, f"generation failed: {result.error or 'engine error'}",
                     code="engine_error")
 
 
-async def _stream(gen: Generation, make_chunk: Any, first: dict[str, Any] | None,
-                  include_usage: bool, path: str,
-                  parser: ToolCallStream | None = None) -> AsyncIterator[str]:
-    """OpenAI SSE: chunks, a final chunk with finish_reason, optional usage, [DONE].
+def _thinking_switch(effort: str | None) -> bool | None:
+    """Chat ``reasoning_effort`` -> the template's thinking switch (None: its default)."""
+    if effort is None:
+        return None
+    return effort not in ("none", "minimal")
 
-    With a tool-call ``parser`` (chat completions offering tools), text goes through
-    it and the calls it finds are sent as ``delta.tool_calls`` chunks at the end."""
-    if first is not None:
-        yield _sse(make_chunk(first, None, include_usage))
-    streamed: list[str] = []
-    async for ev in gen.events():
-        if isinstance(ev, GenerationResult):
-            if ev.finish_reason == "error":
-                yield _sse(error_body(path, 500, f"generation failed: {ev.error}",
-                                      "engine_error"))
+
+def _logprobs_k(logprobs: bool | None, top: int | None) -> int | None:
+    if not logprobs:
+        if top:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        return None
+    if top is not None and not 0 <= top <= 20:
+        raise APIError(400, f"top_logprobs must be in [0, 20], got {top}", param="top_logprobs")
+    return top or 0
+
+
+async def _chat_stream(gen: Generation, parser: ReplyParser, st: ServerState,
+                       make_chunk: Any, include_usage: bool, path: str,
+                       decoder: LogprobDecoder | None) -> AsyncIterator[str]:
+    yield sse_data(make_chunk({"role": "assistant", "content": ""}))
+    pending: list[TokenEvent] = []  # logprobs travel with the next chunk
+
+    async def chunk(delta: dict[str, Any] | None, finish: str | None = None) -> str:
+        logprobs = None
+        if decoder is not None and pending:
+            logprobs = {"content": await decoder.entries(pending), "refusal": None}
+            pending.clear()
+        return sse_data(make_chunk(delta, finish, logprobs))
+
+    async for ev in reply_events(gen, parser, keepalive_s=st.config.keepalive_s):
+        if ev is KEEPALIVE:
+            yield SSE_COMMENT
+        elif isinstance(ev, TokenEvent):
+            pending.append(ev)
+        elif isinstance(ev, Piece):
+            key = "reasoning_content" if ev.kind == "reasoning" else "content"
+            yield await chunk({key: ev.text})
+        elif isinstance(ev, Finished):
+            if ev.failed:
+                yield sse_data(error_body(path, 500, f"generation failed: {ev.result.error}",
+                                          "engine_error"))
                 break
-            tail, calls = final_tail("".join(streamed), ev, parser)
-            if tail:
-                yield _sse(make_chunk(tail, None, include_usage))
-            for delta in tool_call_deltas(calls):
-                yield _sse(make_chunk(delta, None, include_usage))
-            yield _sse(make_chunk(None, _finish_reason(ev, calls), include_usage))
+            for delta in tool_call_deltas(ev.tool_calls):
+                yield await chunk(delta)
+            yield await chunk({}, _finish_reason(ev.result, ev.tool_calls))
             if include_usage:
-                chunk = make_chunk(None, None, False)
-                chunk["choices"] = []
-                chunk["usage"] = openai_usage(ev)
-                yield _sse(chunk)
+                last = make_chunk(None)
+                last["choices"] = []
+                last["usage"] = openai_usage(ev.result)
+                yield sse_data(last)
             break
-        if ev.text:
-            streamed.append(ev.text)
-            text = parser.feed(ev.text) if parser is not None else ev.text
-            if text:
-                yield _sse(make_chunk(text, None, include_usage))
     yield "data: [DONE]\n\n"
 
 
@@ -133,62 +149,67 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     model = st.check_model(body.model)
     if body.n not in (None, 1):
         raise APIError(400, "only n=1 is supported", param="n")
-    if (body.model_extra or {}).get("logprobs"):
-        raise APIError(400, "logprobs are not supported", param="logprobs")
+    k = _logprobs_k(body.logprobs, body.top_logprobs)
     messages = openai_messages(body.messages)
     tools = openai_tools(body.tools) if body.tool_choice != "none" else None
-    tool_names = offered_tool_names(tools)
-    prompt, starts = render_messages(st, messages, tools)
+    scope = request.state.pc_scope.with_session(body.prompt_cache_key, "prompt_cache_key")
+    prepared = await preparer_of(request).prepare(
+        ChatPrompt(messages, tools, _thinking_switch(body.reasoning_effort)))
     requested = body.max_completion_tokens if body.max_completion_tokens is not None \
         else body.max_tokens
-    max_tokens = st.max_tokens_for(requested, len(prompt))
+    param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    max_tokens = plan_max_tokens(st, "openai", len(prepared.tokens), requested, param)
     sampling = st.sampling(max_tokens=max_tokens, temperature=body.temperature,
-                           top_p=body.top_p, seed=body.seed, stop=body.stop)
-    gen = st.start("openai", request, request.state.pc_scope, prompt, sampling, starts)
+                           top_p=body.top_p, seed=body.seed, stop=body.stop, logprobs=k)
+    gen = st.start("openai", request, scope, prepared.tokens, sampling,
+                   prepared.message_starts)
+    parser = reply_parser(prepared)
+    decoder = LogprobDecoder(st.engine.tokenizer) if k is not None else None
     cid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
     created = int(time.time())
 
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
-        def make_chunk(content: Any, finish: str | None, with_usage: bool) -> dict[str, Any]:
-            delta: dict[str, Any] = {}
-            if isinstance(content, dict):
-                delta = content
-            elif content is not None:
-                delta = {"content": content}
+        def make_chunk(delta: dict[str, Any] | None, finish: str | None = None,
+                       logprobs: Any = None) -> dict[str, Any]:
             chunk: dict[str, Any] = {
                 "id": cid, "object": "chat.completion.chunk", "created": created,
                 "model": model,
-                "choices": [{"index": 0, "delta": delta, "logprobs": None,
+                "choices": [{"index": 0, "delta": delta or {}, "logprobs": logprobs,
                              "finish_reason": finish}],
             }
-            if with_usage:
+            if include_usage:
                 chunk["usage"] = None
             return chunk
 
         return StreamingResponse(
-            _stream(gen, make_chunk, {"role": "assistant", "content": ""}, include_usage,
-                    request.url.path, ToolCallStream(tool_names) if tool_names else None),
+            _chat_stream(gen, parser, st, make_chunk, include_usage, request.url.path,
+                         decoder),
             media_type="text/event-stream", headers=SSE_HEADERS)
 
-    text, result = await gen.collect()
-    if result.finish_reason == "error":
-        raise _engine_failed(result)
-    parsed = parse_tool_calls(text, tool_names)
-    message: dict[str, Any] = {"role": "assistant", "content": parsed.text}
-    if parsed.tool_calls:
-        message["content"] = parsed.text or None
-        message["tool_calls"] = tool_call_dicts(parsed.tool_calls)
+    finished, token_events = await collect_reply(gen, parser)
+    if finished.failed:
+        raise _engine_failed(finished.result)
+    message: dict[str, Any] = {"role": "assistant", "content": finished.text}
+    if finished.reasoning:
+        message["reasoning_content"] = finished.reasoning
+    if finished.tool_calls:
+        message["content"] = finished.text or None
+        message["tool_calls"] = tool_call_dicts(finished.tool_calls)
+    logprobs = None
+    if decoder is not None:
+        logprobs = {"content": await decoder.entries(token_events), "refusal": None}
     return JSONResponse({
         "id": cid, "object": "chat.completion", "created": created, "model": model,
-        "choices": [{"index": 0, "message": message, "logprobs": None,
-                     "finish_reason": _finish_reason(result, parsed.tool_calls)}],
-        "usage": openai_usage(result),
+        "choices": [{"index": 0, "message": message, "logprobs": logprobs,
+                     "finish_reason": _finish_reason(finished.result, finished.tool_calls)}],
+        "usage": openai_usage(finished.result),
     })
 
 
-def _completion_prompt(st: ServerState, prompt: str | list[str] | list[int]) -> list[int]:
+def _completion_tokens(st: ServerState, prompt: str | list[str] | list[int]) -> list[int]:
+    """Worker-thread part of /v1/completions: tokenize (or check) the prompt."""
     if isinstance(prompt, str):
         return list(st.engine.tokenizer.encode(prompt))
     if not prompt:
@@ -205,14 +226,36 @@ def _completion_prompt(st: ServerState, prompt: str | list[str] | list[int]) -> 
     return tokens
 
 
+async def _completion_stream(gen: Generation, st: ServerState, make_chunk: Any,
+                             include_usage: bool, path: str) -> AsyncIterator[str]:
+    async for ev in reply_events(gen, ReplyParser(), keepalive_s=st.config.keepalive_s):
+        if ev is KEEPALIVE:
+            yield SSE_COMMENT
+        elif isinstance(ev, Piece):
+            yield sse_data(make_chunk(ev.text))
+        elif isinstance(ev, Finished):
+            if ev.failed:
+                yield sse_data(error_body(path, 500, f"generation failed: {ev.result.error}",
+                                          "engine_error"))
+                break
+            yield sse_data(make_chunk("", _finish_reason(ev.result)))
+            if include_usage:
+                last = make_chunk("")
+                last["choices"] = []
+                last["usage"] = openai_usage(ev.result)
+                yield sse_data(last)
+            break
+    yield "data: [DONE]\n\n"
+
+
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request) -> Any:
     st = state_of(request)
     model = st.check_model(body.model)
     if body.n not in (None, 1):
         raise APIError(400, "only n=1 is supported", param="n")
-    prompt = _completion_prompt(st, body.prompt)
-    max_tokens = st.max_tokens_for(body.max_tokens, len(prompt))
+    prompt = await preparer_of(request).run(_completion_tokens, st, body.prompt)
+    max_tokens = plan_max_tokens(st, "openai", len(prompt), body.max_tokens)
     sampling = st.sampling(max_tokens=max_tokens, temperature=body.temperature,
                            top_p=body.top_p, seed=body.seed, stop=body.stop)
     gen = st.start("openai", request, request.state.pc_scope, prompt, sampling)
@@ -223,44 +266,59 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
-        def make_chunk(text: Any, finish: str | None, with_usage: bool) -> dict[str, Any]:
+        def make_chunk(text: str, finish: str | None = None) -> dict[str, Any]:
             chunk: dict[str, Any] = {
                 "id": cid, "object": "text_completion", "created": created, "model": model,
-                "choices": [{"index": 0, "text": text or "", "logprobs": None,
+                "choices": [{"index": 0, "text": text, "logprobs": None,
                              "finish_reason": finish}],
             }
-            if with_usage:
+            if include_usage:
                 chunk["usage"] = None
             return chunk
 
         return StreamingResponse(
-            _stream(gen, make_chunk, None, include_usage, request.url.path),
+            _completion_stream(gen, st, make_chunk, include_usage, request.url.path),
             media_type="text/event-stream", headers=SSE_HEADERS)
 
-    text, result = await gen.collect()
-    if result.finish_reason == "error":
-        raise _engine_failed(result)
+    finished, _ = await collect_reply(gen, ReplyParser())
+    if finished.failed:
+        raise _engine_failed(finished.result)
     return JSONResponse({
         "id": cid, "object": "text_completion", "created": created, "model": model,
-        "choices": [{"index": 0, "text": echo + text, "logprobs": None,
-                     "finish_reason": _finish_reason(result)}],
-        "usage": openai_usage(result),
+        "choices": [{"index": 0, "text": echo + finished.text, "logprobs": None,
+                     "finish_reason": _finish_reason(finished.result)}],
+        "usage": openai_usage(finished.result),
     })
 
 
-def _model_card(st: ServerState, model_id: str) -> dict[str, Any]:
-    return {"id": model_id, "object": "model", "created": int(st.started_at),
-            "owned_by": "promptcache"}
+def model_card(st: ServerState, model_id: str) -> dict[str, Any]:
+    """One model, readable by OpenAI and Anthropic clients alike: the context window
+    under the names clients look for, and the largest max_tokens accepted."""
+    window = context_window(st)
+    created = int(st.started_at)
+    return {
+        "id": model_id, "object": "model", "created": created, "owned_by": "promptcache",
+        # Anthropic's model object
+        "type": "model", "display_name": model_id,
+        "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(created)),
+        # the window and the output limit
+        "context_window": window, "context_length": window, "max_model_len": window,
+        "max_input_tokens": window, "max_output_tokens": max_output_tokens(st),
+        "max_tokens": max_output_tokens(st),
+    }
 
 
 @router.get("/v1/models")
 async def list_models(request: Request) -> dict[str, Any]:
     st = state_of(request)
-    return {"object": "list", "data": [_model_card(st, st.model_id)]}
+    cards = [model_card(st, st.model_id)]
+    return {"object": "list", "data": cards,
+            # Anthropic's list envelope
+            "has_more": False, "first_id": st.model_id, "last_id": st.model_id}
 
 
 @router.get("/v1/models/{model_id:path}")
 async def get_model(model_id: str, request: Request) -> dict[str, Any]:
     st = state_of(request)
     st.check_model(model_id)
-    return _model_card(st, st.model_id)
+    return model_card(st, st.model_id)

@@ -5,6 +5,21 @@ assistant ``tool_calls`` as ``[{"id", "type": "function", "function": {"name",
 "arguments": dict}}]``, and ``{"role": "tool", "tool_call_id", "content"}``. Tools are
 passed in the OpenAI function format (``{"type": "function", "function": {...}}``),
 which is what chat templates expect. Every mistake raises ``ValueError``.
+
+Two rewrites adapt a conversation to what the model's template can show (``common.py``
+finds out once per model by rendering probes, and applies them):
+
+- ``place_system_messages``: a system message in the middle of a conversation (Claude
+  Code puts them there) stays where it stands. When the template cannot render a system
+  turn there, it becomes a note, ``<system-message>...</system-message>``, at the same
+  position: prepended to the next user turn, else appended to the previous one, else a
+  user turn of its own. It is never hoisted to the top (that would move the cached
+  prefix). System messages before the first other message are joined into one.
+- ``tools_into_system``: when the template drops the ``tools`` it is given, the tools go
+  into the system turn in the Hermes format (``TOOLS_FALLBACK_FORMAT``: the signatures in
+  ``<tools></tools>``, calls asked for as ``<tool_call>{"name", "arguments"}</tool_call>``,
+  which ``toolcalls.py`` parses); earlier calls are shown the same way and tool results
+  as ``<tool_response>...</tool_response>`` in a user turn.
 """
 
 from __future__ import annotations
@@ -34,7 +49,7 @@ def _text_of_parts(parts: list[dict[str, Any]], where: str) -> str:
     return "".join(texts)
 
 
-def _arguments(value: str | dict[str, Any], where: str) -> dict[str, Any]:
+def function_arguments(value: str | dict[str, Any], where: str) -> dict[str, Any]:
     if isinstance(value, dict):
         return value
     try:
@@ -65,7 +80,7 @@ def openai_messages(messages: list[OAIMessage]) -> list[dict[str, Any]]:
             msg["tool_calls"] = [
                 {"id": tc.id or f"call_{i}_{j}", "type": "function",
                  "function": {"name": tc.function.name,
-                              "arguments": _arguments(tc.function.arguments,
+                              "arguments": function_arguments(tc.function.arguments,
                                                       f"{where}.tool_calls[{j}]")}}
                 for j, tc in enumerate(m.tool_calls)
             ]
@@ -111,6 +126,9 @@ def _tool_result_text(block: dict[str, Any], where: str) -> str:
 
 def anthropic_messages(messages: list[AnthropicMessage],
                        system: str | list[dict[str, Any]] | None) -> list[dict[str, Any]]:
+    """Anthropic Messages -> template messages. ``role: "system"`` messages may stand
+    anywhere in ``messages`` (the ``mid-conversation-system`` beta); they keep their
+    place (see ``place_system_messages``)."""
     if not messages:
         raise ValueError("messages must not be empty")
     out: list[dict[str, Any]] = []
@@ -119,8 +137,13 @@ def anthropic_messages(messages: list[AnthropicMessage],
         out.append({"role": "system", "content": sys_text})
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
-        if m.role not in ("user", "assistant"):
-            raise ValueError(f"{where}.role: unknown role {m.role!r} (expected user or assistant)")
+        if m.role not in ("user", "assistant", "system"):
+            raise ValueError(f"{where}.role: unknown role {m.role!r} "
+                             "(expected user, assistant or system)")
+        if m.role == "system":
+            text = m.content if isinstance(m.content, str) else _text_of_parts(m.content, where)
+            out.append({"role": "system", "content": text})
+            continue
         if isinstance(m.content, str):
             out.append({"role": m.role, "content": m.content})
             continue
@@ -159,9 +182,117 @@ def anthropic_messages(messages: list[AnthropicMessage],
 
 
 def anthropic_tools(tools: list[AnthropicTool] | None) -> list[dict[str, Any]] | None:
-    if not tools:
-        return None
-    return [{"type": "function",
-             "function": {"name": t.name, "description": t.description or "",
-                          "parameters": t.input_schema or {"type": "object", "properties": {}}}}
-            for t in tools]
+    """Client tools in the OpenAI function format; Anthropic server / built-in tools
+    (any other ``type``: ``web_search_*``, ``bash_*``, ...) are left out."""
+    out = [{"type": "function",
+            "function": {"name": t.name, "description": t.description or "",
+                         "parameters": t.input_schema or {"type": "object", "properties": {}}}}
+           for t in tools or () if t.type in (None, "custom")]
+    return out or None
+
+
+# --- adapting a conversation to the template ------------------------------------------
+
+SYSTEM_NOTE_FORMAT = "<system-message>\n{text}\n</system-message>"
+
+
+def _note(text: str) -> str:
+    return SYSTEM_NOTE_FORMAT.format(text=text)
+
+
+def place_system_messages(messages: list[dict[str, Any]], mid_system_ok: bool
+                          ) -> list[dict[str, Any]]:
+    """Leading system messages joined into one; later ones kept where they stand, as
+    system turns (``mid_system_ok``) or as notes in the neighbouring user turn."""
+    out: list[dict[str, Any]] = []
+    i = 0
+    while i < len(messages) and messages[i]["role"] == "system":
+        if out:
+            out[0] = {**out[0], "content": out[0]["content"] + "\n\n" + messages[i]["content"]}
+        else:
+            out.append(dict(messages[i]))
+        i += 1
+    pending: list[str] = []  # notes waiting for the next user turn
+    for j in range(i, len(messages)):
+        m = messages[j]
+        if m["role"] != "system":
+            if pending and m["role"] == "user":
+                m = {**m, "content": "\n\n".join(pending + [m["content"]])}
+                pending = []
+            elif pending:
+                out.append({"role": "user", "content": "\n\n".join(pending)})
+                pending = []
+            out.append(m)
+            continue
+        if mid_system_ok:
+            out.append(dict(m))
+            continue
+        nxt = next((n for n in messages[j + 1:] if n["role"] != "system"), None)
+        if nxt is not None and nxt["role"] == "user":
+            pending.append(_note(m["content"]))
+        elif out and out[-1]["role"] == "user" and not pending:
+            out[-1] = {**out[-1], "content": out[-1]["content"] + "\n\n" + _note(m["content"])}
+        else:
+            pending.append(_note(m["content"]))
+    if pending:
+        if out and out[-1]["role"] == "user":
+            out[-1] = {**out[-1], "content": out[-1]["content"] + "\n\n" + "\n\n".join(pending)}
+        else:
+            out.append({"role": "user", "content": "\n\n".join(pending)})
+    return out
+
+
+TOOLS_FALLBACK_FORMAT = (
+    "# Tools\n\n"
+    "You may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n"
+    "<tools>\n{tools}\n</tools>\n\n"
+    "For each function call, return a json object with function name and arguments "
+    "within <tool_call></tool_call> XML tags:\n"
+    "<tool_call>\n"
+    '{{"name": <function-name>, "arguments": <args-json-object>}}\n'
+    "</tool_call>"
+)
+
+
+def tools_text(tools: list[dict[str, Any]]) -> str:
+    """The fallback tools block (one JSON signature per line, in the client's order)."""
+    return TOOLS_FALLBACK_FORMAT.format(
+        tools="\n".join(json.dumps(t, ensure_ascii=False) for t in tools))
+
+
+def _call_text(call: dict[str, Any]) -> str:
+    fn = call.get("function", {})
+    body = json.dumps({"name": fn.get("name"), "arguments": fn.get("arguments", {})},
+                      ensure_ascii=False)
+    return f"<tool_call>\n{body}\n</tool_call>"
+
+
+def tools_into_system(messages: list[dict[str, Any]], tools: list[dict[str, Any]]
+                      ) -> list[dict[str, Any]]:
+    """For templates that drop ``tools``: the tools block joins the leading system turn
+    (one is created), earlier calls become ``<tool_call>`` text of their assistant turn,
+    tool results ``<tool_response>`` text of a user turn (consecutive ones share one)."""
+    block = tools_text(tools)
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        if m["role"] == "assistant" and m.get("tool_calls"):
+            parts = [m["content"]] if m.get("content") else []
+            parts += [_call_text(c) for c in m["tool_calls"]]
+            out.append({"role": "assistant", "content": "\n".join(parts)})
+        elif m["role"] == "tool":
+            text = f"<tool_response>\n{m['content']}\n</tool_response>"
+            if out and out[-1]["role"] == "user" and out[-1].get("_tool_results"):
+                out[-1]["content"] += "\n" + text
+            else:
+                out.append({"role": "user", "content": text, "_tool_results": True})
+        else:
+            out.append(dict(m))
+    for m in out:
+        m.pop("_tool_results", None)
+    if out and out[0]["role"] == "system":
+        sys_text = out[0]["content"]
+        out[0] = {**out[0], "content": (sys_text + "\n\n" + block) if sys_text else block}
+    else:
+        out.insert(0, {"role": "system", "content": block})
+    return out

@@ -29,7 +29,6 @@ from .alerts import HitRateMonitor
 from .auth import Authenticator, Scope
 from .errors import APIError
 from .metrics import ServerMetrics
-from .toolcalls import ToolCall, ToolCallStream
 
 log = logging.getLogger(__name__)
 
@@ -60,30 +59,9 @@ class ServerState:
                             f"(or one of: {', '.join(sorted(self.aliases))})",
                        code="model_not_found", param="model")
 
-    def max_tokens_for(self, requested: int | None, prompt_len: int) -> int:
-        ctx = int(self.engine.context_length)
-        limit = self.engine_config.max_tokens_limit
-        if prompt_len == 0:
-            raise APIError(400, "the prompt is empty", code="invalid_request")
-        if prompt_len >= ctx:
-            raise APIError(400, f"the prompt has {prompt_len} tokens, more than the model's "
-                                f"context length of {ctx} tokens allows",
-                           code="context_length_exceeded", param="messages")
-        if requested is None:
-            return max(1, min(self.engine_config.default_max_tokens, ctx - prompt_len))
-        if isinstance(requested, bool) or requested <= 0:
-            raise APIError(400, f"max_tokens must be > 0, got {requested}", param="max_tokens")
-        if requested > limit:
-            raise APIError(400, f"max_tokens must be <= {limit}, got {requested}",
-                           param="max_tokens")
-        if prompt_len + requested > ctx:
-            raise APIError(400, f"prompt ({prompt_len} tokens) + max_tokens ({requested}) "
-                                f"exceeds the model's context length of {ctx} tokens",
-                           code="context_length_exceeded", param="max_tokens")
-        return requested
-
     def sampling(self, *, max_tokens: int, temperature: float | None, top_p: float | None,
-                 seed: int | None, stop: Sequence[str] | str | None) -> SamplingParams:
+                 seed: int | None, stop: Sequence[str] | str | None, top_k: int | None = None,
+                 logprobs: int | None = None) -> SamplingParams:
         stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
         if len(stops) > 16:
             raise APIError(400, "at most 16 stop sequences are supported", param="stop")
@@ -93,6 +71,8 @@ class ServerState:
             top_p=1.0 if top_p is None else float(top_p),
             seed=seed,
             stop=stops,
+            top_k=top_k or 0,
+            logprobs=logprobs,
         )
 
     def start(self, api: str, http_request: Request, scope: Scope, prompt: Sequence[int],
@@ -106,16 +86,17 @@ class ServerState:
             request_id=uuid.uuid4().hex[:16],
         )
         handle = self.engine.submit(req)  # ValueError -> 400 via the app's handlers
-        return Generation(self, api, http_request, req, handle)
+        return Generation(self, api, http_request, req, handle, scope)
 
 
 class Generation:
     """One submitted request; iterate ``events()`` exactly once."""
 
     def __init__(self, state: ServerState, api: str, http_request: Request,
-                 req: GenerationRequest, handle: Any) -> None:
+                 req: GenerationRequest, handle: Any, scope: Scope | None = None) -> None:
         self.state = state
         self.api = api
+        self.scope = scope or Scope(tenant=req.tenant, session_id=req.session_id)
         self.http_request = http_request
         self.request = req
         self.handle = handle
@@ -194,10 +175,10 @@ class Generation:
         s.metrics.alert.set(1 if s.monitor.alerting else 0)
         tiers = " ".join(f"{k}={v}" for k, v in sorted(u.cached_by_tier.items())) or "-"
         log.info(
-            "request %s api=%s tenant=%s prompt=%d cached=%d (%s) completion=%d ttft=%.3fs "
-            "decode=%.1f tok/s finish=%s%s", self.request.request_id, self.api,
-            self.request.tenant, u.prompt_tokens, u.cached_tokens, tiers, u.completion_tokens,
-            ttft or 0.0, result.decode_tps, result.finish_reason,
+            "request %s api=%s tenant=%s %s prompt=%d cached=%d (%s) completion=%d "
+            "ttft=%.3fs decode=%.1f tok/s finish=%s%s", self.request.request_id, self.api,
+            self.request.tenant, self.scope.describe(), u.prompt_tokens, u.cached_tokens,
+            tiers, u.completion_tokens, ttft or 0.0, result.decode_tps, result.finish_reason,
             f" miss={result.miss_reason}" if result.miss_reason else "")
 
 
@@ -206,18 +187,6 @@ def unstreamed_tail(streamed: str, result: GenerationResult) -> str:
     if result.text.startswith(streamed):
         return result.text[len(streamed):]
     return ""
-
-
-def final_tail(streamed: str, result: GenerationResult, parser: ToolCallStream | None
-               ) -> tuple[str, tuple[ToolCall, ...]]:
-    """At the end of a stream: the text still to send and the tool calls found (the
-    parser, when tools were offered, releases what it held back)."""
-    tail = unstreamed_tail(streamed, result)
-    if parser is None:
-        return tail, ()
-    tail = parser.feed(tail)
-    rest, calls = parser.finish()
-    return tail + rest, calls
 
 
 def cache_creation_tokens(result: GenerationResult) -> int:

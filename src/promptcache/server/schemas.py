@@ -63,6 +63,11 @@ class ChatCompletionRequest(_OAISampling):
     max_completion_tokens: int | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    # the session key of OpenAI's prompt caching (used when no session header is sent)
+    prompt_cache_key: str | None = None
+    reasoning_effort: str | None = None
 
 
 class CompletionRequest(_OAISampling):
@@ -80,6 +85,9 @@ class AnthropicMessage(_Lenient):
 
 class AnthropicTool(_Lenient):
     name: str
+    # None / "custom": a client tool; anything else (web_search_*, bash_*, ...) is an
+    # Anthropic server or built-in tool, which a local model cannot run: left out
+    type: str | None = None
     description: str | None = None
     input_schema: dict[str, Any] = Field(default_factory=dict)
 
@@ -97,6 +105,12 @@ class MessagesRequest(_Lenient):
     tools: list[AnthropicTool] | None = None
     tool_choice: dict[str, Any] | None = None
     metadata: dict[str, Any] | None = None
+    # {"type": "enabled" | "adaptive" | "disabled", "budget_tokens"?}: the template's switch
+    thinking: dict[str, Any] | None = None
+    # accepted and ignored on purpose (see the README's Claude Code table)
+    context_management: dict[str, Any] | None = None
+    output_config: dict[str, Any] | None = None
+    service_tier: str | None = None
 
 
 class CountTokensRequest(_Lenient):
@@ -104,3 +118,29 @@ class CountTokensRequest(_Lenient):
     messages: list[AnthropicMessage]
     system: str | list[dict[str, Any]] | None = None
     tools: list[AnthropicTool] | None = None
+    thinking: dict[str, Any] | None = None
+
+
+# --- OpenAI Responses -------------------------------------------------------------------
+
+
+class ResponsesRequest(_Lenient):
+    model: str | None = None
+    input: str | list[dict[str, Any]] | None = None
+    instructions: str | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_logprobs: int | None = None
+    reasoning: dict[str, Any] | None = None
+    text: dict[str, Any] | None = None
+    store: bool | None = None
+    previous_response_id: str | None = None
+    include: list[str] | None = None
+    prompt_cache_key: str | None = None
+    metadata: dict[str, Any] | None = None
+    stream: bool = False
+    user: str | None = None

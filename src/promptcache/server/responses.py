@@ -1,0 +1,380 @@
+"""OpenAI Responses API: POST /v1/responses, GET / DELETE /v1/responses/{id}.
+
+What the request may hold is in ``responses_items.py`` (input items, tools). The
+conversation of ``previous_response_id`` comes from a bounded in-memory store
+(``--responses-store``-sized; ``store: false`` responses are not kept; an unknown id is
+a 404 in OpenAI's error shape). ``prompt_cache_key`` names the session when no session
+header does (Codex sends its session id there). ``reasoning.effort`` drives the
+template's thinking switch (``none`` / ``minimal``: off); reasoning the model emits is
+returned as ``reasoning`` items (``content`` of ``reasoning_text`` parts). ``text.format``
+other than plain text, and ``tool_choice`` ``required`` / a named function, are accepted
+but not enforced yet.
+
+Output items: [reasoning?, message?, function_call...]; a reply cut by
+``max_output_tokens`` has ``status: "incomplete"``. Streaming sends the event sequence
+Codex consumes: ``response.created``, ``response.in_progress``, per item
+``response.output_item.added`` → (``response.content_part.added`` →
+``response.output_text.delta``… / ``response.reasoning_text.delta``… → ``….done`` →
+``response.content_part.done``) or ``response.function_call_arguments.delta`` /
+``.done`` → ``response.output_item.done``, and ``response.completed`` (or
+``response.incomplete`` / ``response.failed``) with usage
+(``input_tokens_details.cached_tokens``). SSE comments keep a silent stream alive.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from ..engine.api import GenerationResult, TokenEvent
+from .common import (
+    KEEPALIVE,
+    SSE_COMMENT,
+    SSE_HEADERS,
+    ChatPrompt,
+    Finished,
+    LogprobDecoder,
+    plan_max_tokens,
+    preparer_of,
+    reply_events,
+    reply_parser,
+    sse_event,
+    state_of,
+)
+from .errors import APIError
+from .reasoning import Piece, ReplyParser
+from .responses_items import (
+    Conversation,
+    OfferedTools,
+    ResponseStore,
+    StoredResponse,
+    responses_tools,
+)
+from .runner import Generation, ServerState
+from .schemas import ResponsesRequest
+from .toolcalls import ToolCall
+
+router = APIRouter()
+
+
+def store_of(request: Request) -> ResponseStore:
+    store: ResponseStore = request.app.state.pc_responses
+    return store
+
+
+def _id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def _not_found(rid: str, param: str | None = None) -> APIError:
+    return APIError(404, f"Response with id '{rid}' not found.", code="not_found",
+                    param=param)
+
+
+def _thinking_switch(reasoning: dict[str, Any] | None) -> bool | None:
+    effort = (reasoning or {}).get("effort")
+    if effort is None:
+        return None
+    return effort not in ("none", "minimal")
+
+
+def _check_text_format(text: dict[str, Any] | None) -> None:
+    fmt = (text or {}).get("format")
+    if fmt is not None and not isinstance(fmt, dict):
+        raise APIError(400, "text.format must be an object", param="text.format")
+
+
+def responses_usage(result: GenerationResult, reasoning_tokens: int) -> dict[str, Any]:
+    u = result.usage
+    return {"input_tokens": u.prompt_tokens,
+            "input_tokens_details": {"cached_tokens": u.cached_tokens},
+            "output_tokens": u.completion_tokens,
+            "output_tokens_details": {"reasoning_tokens": min(reasoning_tokens,
+                                                              u.completion_tokens)},
+            "total_tokens": u.prompt_tokens + u.completion_tokens}
+
+
+class _Reply:
+    """Builds the output items of one reply, and (streaming) the events that announce
+    them; ``sequence_number`` counts every event."""
+
+    def __init__(self, offered: OfferedTools, decoder: LogprobDecoder | None) -> None:
+        self.offered = offered
+        self.decoder = decoder
+        self.output: list[dict[str, Any]] = []
+        self.seq = 0
+        self.kind: str | None = None  # the open item: "reasoning" | "message" | None
+        self.text = ""
+        self.pending: list[TokenEvent] = []  # logprobs of the open message's text
+        self.logprobs: list[dict[str, Any]] = []
+
+    def event(self, etype: str, **data: Any) -> str:
+        payload = {"type": etype, "sequence_number": self.seq, **data}
+        self.seq += 1
+        return sse_event(etype, payload)
+
+    # ---- items
+
+    def _item_id(self) -> str:
+        return str(self.output[-1]["id"])
+
+    def _open(self, kind: str) -> list[str]:
+        out = self._close()
+        self.kind, self.text = kind, ""
+        if kind == "reasoning":
+            item: dict[str, Any] = {"type": "reasoning", "id": _id("rs"), "summary": [],
+                                    "content": [], "encrypted_content": None,
+                                    "status": "in_progress"}
+            part: dict[str, Any] = {"type": "reasoning_text", "text": ""}
+        else:
+            item = {"type": "message", "id": _id("msg"), "status": "in_progress",
+                    "role": "assistant", "content": []}
+            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        self.output.append(item)
+        index = len(self.output) - 1
+        out.append(self.event("response.output_item.added", output_index=index,
+                              item=dict(item)))
+        out.append(self.event("response.content_part.added", item_id=item["id"],
+                              output_index=index, content_index=0, part=part))
+        return out
+
+    async def _flush_logprobs(self) -> list[dict[str, Any]]:
+        if self.decoder is None or not self.pending:
+            return []
+        entries = await self.decoder.entries(self.pending)
+        self.pending.clear()
+        self.logprobs += entries
+        return entries
+
+    def _close(self) -> list[str]:
+        if self.kind is None:
+            return []
+        item, index = self.output[-1], len(self.output) - 1
+        out = []
+        if self.kind == "reasoning":
+            part: dict[str, Any] = {"type": "reasoning_text", "text": self.text}
+            out.append(self.event("response.reasoning_text.done", item_id=item["id"],
+                                  output_index=index, content_index=0, text=self.text))
+        else:
+            part = {"type": "output_text", "text": self.text, "annotations": [],
+                    "logprobs": self.logprobs}
+            out.append(self.event("response.output_text.done", item_id=item["id"],
+                                  output_index=index, content_index=0, text=self.text,
+                                  logprobs=self.logprobs))
+        out.append(self.event("response.content_part.done", item_id=item["id"],
+                              output_index=index, content_index=0, part=part))
+        item["content"] = [part]
+        item["status"] = "completed"
+        if self.kind == "reasoning":
+            item.pop("status")
+        out.append(self.event("response.output_item.done", output_index=index,
+                              item=dict(item)))
+        self.kind = None
+        return out
+
+    async def piece(self, p: Piece) -> list[str]:
+        kind = "reasoning" if p.kind == "reasoning" else "message"
+        if kind == "reasoning":
+            self.pending.clear()  # logprobs cover the message text
+        out = self._open(kind) if self.kind != kind else []
+        self.text += p.text
+        index = len(self.output) - 1
+        if kind == "reasoning":
+            out.append(self.event("response.reasoning_text.delta", item_id=self._item_id(),
+                                  output_index=index, content_index=0, delta=p.text))
+        else:
+            entries = await self._flush_logprobs()
+            out.append(self.event("response.output_text.delta", item_id=self._item_id(),
+                                  output_index=index, content_index=0, delta=p.text,
+                                  logprobs=entries))
+        return out
+
+    def call(self, call: ToolCall) -> list[str]:
+        out = self._close()
+        namespace = self.offered.namespaced.get(call.name)
+        item: dict[str, Any] = {"type": "function_call", "id": _id("fc"),
+                                "call_id": f"call_{uuid.uuid4().hex[:24]}",
+                                "name": namespace[1] if namespace else call.name,
+                                "arguments": "", "status": "in_progress"}
+        if namespace:
+            item["namespace"] = namespace[0]
+        self.output.append(item)
+        index = len(self.output) - 1
+        out.append(self.event("response.output_item.added", output_index=index,
+                              item=dict(item)))
+        args = call.arguments_json
+        out.append(self.event("response.function_call_arguments.delta", item_id=item["id"],
+                              output_index=index, delta=args))
+        out.append(self.event("response.function_call_arguments.done", item_id=item["id"],
+                              output_index=index, name=item["name"], arguments=args))
+        item["arguments"], item["status"] = args, "completed"
+        out.append(self.event("response.output_item.done", output_index=index,
+                              item=dict(item)))
+        return out
+
+    async def finish(self, fin: Finished) -> list[str]:
+        """Close the open item; calls follow; an empty reply still has a message."""
+        out: list[str] = []
+        if self.pending and self.kind == "message":
+            self.logprobs += await self._flush_logprobs()
+        if not self.output and not fin.tool_calls:
+            out += self._open("message")
+        out += self._close()
+        for call in fin.tool_calls:
+            out += self.call(call)
+        return out
+
+
+def _response(rid: str, body: ResponsesRequest, model: str, created: int, *,
+              status: str, output: list[dict[str, Any]], usage: dict[str, Any] | None,
+              store: bool, incomplete: str | None = None,
+              error: dict[str, Any] | None = None) -> dict[str, Any]:
+    return {
+        "id": rid, "object": "response", "created_at": created, "status": status,
+        "background": False, "error": error,
+        "incomplete_details": {"reason": incomplete} if incomplete else None,
+        "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
+        "model": model, "output": output,
+        "parallel_tool_calls": True if body.parallel_tool_calls is None
+        else body.parallel_tool_calls,
+        "previous_response_id": body.previous_response_id,
+        "prompt_cache_key": body.prompt_cache_key,
+        "reasoning": {"effort": (body.reasoning or {}).get("effort"),
+                      "summary": (body.reasoning or {}).get("summary")},
+        "store": store, "temperature": 1.0 if body.temperature is None else body.temperature,
+        "text": body.text or {"format": {"type": "text"}},
+        "tool_choice": body.tool_choice or "auto", "tools": body.tools or [],
+        "top_p": 1.0 if body.top_p is None else body.top_p, "truncation": "disabled",
+        "usage": usage, "user": body.user, "metadata": body.metadata or {},
+    }
+
+
+class _Call:
+    """What one POST /v1/responses needs after preparation."""
+
+    def __init__(self, st: ServerState, body: ResponsesRequest, model: str,
+                 conv: Conversation, offered: OfferedTools, store: ResponseStore,
+                 decoder: LogprobDecoder | None) -> None:
+        self.st, self.body, self.model = st, body, model
+        self.conv, self.offered, self.store, self.decoder = conv, offered, store, decoder
+        self.rid = _id("resp")
+        self.created = int(time.time())
+        self.keep = body.store is not False
+        self.response: dict[str, Any] | None = None
+        self.failure: str | None = None
+
+    def base(self, status: str, output: list[dict[str, Any]],
+             usage: dict[str, Any] | None = None, **kw: Any) -> dict[str, Any]:
+        return _response(self.rid, self.body, self.model, self.created, status=status,
+                         output=output, usage=usage, store=self.keep, **kw)
+
+    def final(self, fin: Finished, output: list[dict[str, Any]]) -> dict[str, Any]:
+        incomplete = "max_output_tokens" if fin.result.finish_reason == "length" else None
+        response = self.base("incomplete" if incomplete else "completed", output,
+                             responses_usage(fin.result, fin.reasoning_tokens),
+                             incomplete=incomplete)
+        if self.keep:
+            conv = self.conv.copy()
+            conv.add_output(output)
+            self.store.put(self.rid, StoredResponse(response, conv))
+        return response
+
+
+async def _events(call: _Call, gen: Generation, reply: _Reply, parser: ReplyParser,
+                  keepalive: bool = True) -> AsyncIterator[str]:
+    """The stream; a non-streamed request runs the same machine and keeps
+    ``call.response`` (or ``call.failure``)."""
+    yield reply.event("response.created", response=call.base("in_progress", []))
+    yield reply.event("response.in_progress", response=call.base("in_progress", []))
+    interval = call.st.config.keepalive_s if keepalive else None
+    async for ev in reply_events(gen, parser, keepalive_s=interval):
+        if ev is KEEPALIVE:
+            yield SSE_COMMENT
+        elif isinstance(ev, TokenEvent):
+            reply.pending.append(ev)
+        elif isinstance(ev, Piece):
+            for event in await reply.piece(ev):
+                yield event
+        elif isinstance(ev, Finished):
+            if ev.failed:
+                error = {"code": "server_error",
+                         "message": f"generation failed: {ev.result.error}"}
+                call.failure = error["message"]
+                yield reply.event("response.failed",
+                                  response=call.base("failed", reply.output, error=error))
+                return
+            for event in await reply.finish(ev):
+                yield event
+            response = call.final(ev, reply.output)
+            call.response = response
+            done = "response.incomplete" if response["status"] == "incomplete" \
+                else "response.completed"
+            yield reply.event(done, response=response)
+            return
+
+
+@router.post("/v1/responses")
+async def create_response(body: ResponsesRequest, request: Request) -> Any:
+    st = state_of(request)
+    model = st.check_model(body.model)
+    store = store_of(request)
+    _check_text_format(body.text)
+    if body.top_logprobs is not None and not 0 <= body.top_logprobs <= 20:
+        raise APIError(400, f"top_logprobs must be in [0, 20], got {body.top_logprobs}",
+                       param="top_logprobs")
+    if body.input is None and body.previous_response_id is None:
+        raise APIError(400, "input is required", param="input")
+    conv = Conversation()
+    if body.previous_response_id is not None:
+        prev = store.get(body.previous_response_id)
+        if prev is None:
+            raise _not_found(body.previous_response_id, "previous_response_id")
+        conv = prev.conversation.copy()
+    conv.add_input(body.input, store)
+    offered = responses_tools(body.tools)
+    tools = offered.tools if body.tool_choice != "none" else None
+    messages = conv.messages
+    if body.instructions:
+        messages = [{"role": "system", "content": body.instructions}] + messages
+    scope = request.state.pc_scope.with_session(body.prompt_cache_key, "prompt_cache_key")
+    prepared = await preparer_of(request).prepare(
+        ChatPrompt(messages, tools, _thinking_switch(body.reasoning)))
+    max_tokens = plan_max_tokens(st, "openai", len(prepared.tokens), body.max_output_tokens,
+                                 "max_output_tokens")
+    k = body.top_logprobs
+    sampling = st.sampling(max_tokens=max_tokens, temperature=body.temperature,
+                           top_p=body.top_p, seed=None, stop=None, logprobs=k)
+    gen = st.start("responses", request, scope, prepared.tokens, sampling,
+                   prepared.message_starts)
+    decoder = LogprobDecoder(st.engine.tokenizer) if k is not None else None
+    call = _Call(st, body, model, conv, offered, store, decoder)
+    reply = _Reply(offered, decoder)
+    parser = reply_parser(prepared)
+    if body.stream:
+        return StreamingResponse(_events(call, gen, reply, parser),
+                                 media_type="text/event-stream", headers=SSE_HEADERS)
+    async for _ in _events(call, gen, reply, parser, keepalive=False):
+        pass
+    if call.response is None:
+        raise APIError(500, call.failure or "generation failed", code="engine_error")
+    return JSONResponse(call.response)
+
+
+@router.get("/v1/responses/{response_id}")
+async def get_response(response_id: str, request: Request) -> dict[str, Any]:
+    stored = store_of(request).get(response_id)
+    if stored is None:
+        raise _not_found(response_id)
+    return stored.response
+
+
+@router.delete("/v1/responses/{response_id}")
+async def delete_response(response_id: str, request: Request) -> dict[str, Any]:
+    if not store_of(request).delete(response_id):
+        raise _not_found(response_id)
+    return {"id": response_id, "object": "response", "deleted": True}

@@ -1,0 +1,261 @@
+"""OpenAI Responses API: request items and tools -> template messages; the response store.
+
+Input items (``input`` is a string or a list of items):
+- ``message`` (``type`` may be left out): roles ``user``, ``assistant``, ``system``,
+  ``developer`` (rendered as system); content a string or ``input_text`` /
+  ``output_text`` / ``refusal`` parts. Image, file and audio parts are a 400 (text-only
+  model).
+- ``function_call`` (``call_id``, ``name``, ``arguments`` as a JSON string, optional
+  ``namespace``) joins the assistant turn before it; ``function_call_output``
+  (``call_id``, ``output`` string or text parts) becomes a tool turn and must answer a
+  call of this conversation. ``custom_tool_call`` / ``custom_tool_call_output`` likewise
+  (the call's ``input`` string as the argument ``input``).
+- ``reasoning`` items are accepted and not replayed into the prompt (as Anthropic
+  ``thinking`` blocks). ``item_reference`` names an item of a stored response.
+- Any other item type is a 400.
+
+Tools: ``function`` tools (flat Responses format) are offered as they are; the functions
+of a ``namespace`` tool under their qualified names ``<namespace>__<name>`` (a call of one
+is returned with ``name`` and ``namespace`` apart); other tool types (``web_search``,
+``file_search``, ``custom``, ``mcp``, ... server-side tools the model cannot run) are
+accepted and left out.
+
+``ResponseStore``: responses kept for ``previous_response_id`` and ``GET
+/v1/responses/{id}``, bounded (least recently used out), in memory; ``store: false``
+responses are not kept.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import APIError
+from .prompt import function_arguments
+
+NAMESPACE_SEP = "__"
+_ROLES = {"user": "user", "assistant": "assistant", "system": "system",
+          "developer": "system"}
+_TEXT_PARTS = ("input_text", "output_text", "text", "refusal")
+_MEDIA_PARTS = ("input_image", "input_file", "input_audio", "image_url", "file")
+
+
+def _bad(message: str, param: str = "input") -> APIError:
+    return APIError(400, message, code="invalid_request", param=param)
+
+
+def _parts_text(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise _bad(f"{where}.content must be a string or a list of content parts")
+    texts = []
+    for i, part in enumerate(content):
+        if not isinstance(part, Mapping):
+            raise _bad(f"{where}.content[{i}] must be an object")
+        ptype = part.get("type")
+        if ptype in _TEXT_PARTS:
+            text = part.get("refusal") if ptype == "refusal" else part.get("text")
+            if not isinstance(text, str):
+                raise _bad(f"{where}.content[{i}].text must be a string")
+            texts.append(text)
+        elif ptype in _MEDIA_PARTS:
+            raise _bad(f"{where}.content[{i}]: content type {ptype!r} is not supported "
+                       "(text-only model)")
+        else:
+            raise _bad(f"{where}.content[{i}]: unknown content part type {ptype!r}")
+    return "".join(texts)
+
+
+@dataclass
+class Conversation:
+    """Template messages of a Responses conversation and the call ids it holds."""
+
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    call_ids: set[str] = field(default_factory=set)
+
+    def copy(self) -> Conversation:
+        return Conversation([dict(m) for m in self.messages], set(self.call_ids))
+
+    def _assistant(self) -> dict[str, Any]:
+        """The assistant turn a call joins: the last message if it is one."""
+        if self.messages and self.messages[-1]["role"] == "assistant":
+            return self.messages[-1]
+        msg: dict[str, Any] = {"role": "assistant", "content": ""}
+        self.messages.append(msg)
+        return msg
+
+    def add_call(self, call_id: str, name: str, arguments: dict[str, Any]) -> None:
+        msg = self._assistant()
+        msg.setdefault("tool_calls", []).append(
+            {"id": call_id, "type": "function",
+             "function": {"name": name, "arguments": arguments}})
+        self.call_ids.add(call_id)
+
+    def add_item(self, item: Mapping[str, Any], where: str,
+                 store: ResponseStore | None = None) -> None:
+        itype = item.get("type", "message" if "role" in item else None)
+        if itype == "message":
+            role = item.get("role")
+            if role not in _ROLES:
+                raise _bad(f"{where}.role: unknown role {role!r} "
+                           f"(expected one of {', '.join(_ROLES)})")
+            self.messages.append({"role": _ROLES[role],
+                                  "content": _parts_text(item.get("content", ""), where)})
+        elif itype in ("function_call", "custom_tool_call"):
+            call_id, name = item.get("call_id"), item.get("name")
+            if not isinstance(call_id, str) or not call_id or not isinstance(name, str):
+                raise _bad(f"{where}: {itype} needs string 'call_id' and 'name'")
+            namespace = item.get("namespace")
+            if isinstance(namespace, str) and namespace:
+                name = f"{namespace}{NAMESPACE_SEP}{name}"
+            if itype == "function_call":
+                raw = item.get("arguments", "{}")
+                if not isinstance(raw, str):
+                    raise _bad(f"{where}.arguments must be a JSON string")
+                args = function_arguments(raw, where)
+            else:
+                text = item.get("input", "")
+                if not isinstance(text, str):
+                    raise _bad(f"{where}.input must be a string")
+                args = {"input": text}
+            self.add_call(call_id, name, args)
+        elif itype in ("function_call_output", "custom_tool_call_output"):
+            call_id = item.get("call_id")
+            if not isinstance(call_id, str) or call_id not in self.call_ids:
+                raise _bad(f"{where}: no tool call found for function call output with "
+                           f"call_id {call_id!r}")
+            output = item.get("output", "")
+            text = output if isinstance(output, str) else _parts_text(output, where)
+            self.messages.append({"role": "tool", "tool_call_id": call_id, "content": text})
+        elif itype == "reasoning":
+            return  # not replayed into the prompt
+        elif itype == "item_reference":
+            ref = store.item(str(item.get("id"))) if store is not None else None
+            if ref is None:
+                raise _bad(f"{where}: item {item.get('id')!r} not found")
+            self.add_item(ref, where, None)
+        else:
+            raise _bad(f"{where}.type: unknown item type {itype!r}")
+
+    def add_input(self, items: str | list[dict[str, Any]] | None,
+                  store: ResponseStore | None) -> None:
+        if items is None:
+            return
+        if isinstance(items, str):
+            self.messages.append({"role": "user", "content": items})
+            return
+        for i, item in enumerate(items):
+            if not isinstance(item, Mapping):
+                raise _bad(f"input[{i}] must be an object")
+            self.add_item(item, f"input[{i}]", store)
+
+    def add_output(self, output: list[dict[str, Any]]) -> None:
+        """The output items of a response, as the next turn will see them."""
+        for item in output:
+            if item.get("type") == "message":
+                text = "".join(p.get("text", "") for p in item.get("content", []))
+                self.messages.append({"role": "assistant", "content": text})
+            elif item.get("type") == "function_call":
+                name = item["name"]
+                if item.get("namespace"):
+                    name = f"{item['namespace']}{NAMESPACE_SEP}{name}"
+                self.add_call(item["call_id"], name, json.loads(item["arguments"] or "{}"))
+
+
+@dataclass(frozen=True)
+class OfferedTools:
+    tools: list[dict[str, Any]] | None  # in the OpenAI chat function format
+    # qualified name -> (namespace, name) for functions of namespace tools
+    namespaced: dict[str, tuple[str, str]]
+
+
+def _function(tool: Mapping[str, Any], where: str, name: str | None = None) -> dict[str, Any]:
+    fname = tool.get("name")
+    if not isinstance(fname, str) or not fname:
+        raise _bad(f"{where}.name must be a non-empty string", "tools")
+    params = tool.get("parameters") or {"type": "object", "properties": {}}
+    if not isinstance(params, Mapping):
+        raise _bad(f"{where}.parameters must be an object", "tools")
+    return {"type": "function", "function": {"name": name or fname,
+                                             "description": tool.get("description") or "",
+                                             "parameters": dict(params)}}
+
+
+def responses_tools(tools: list[dict[str, Any]] | None) -> OfferedTools:
+    out: list[dict[str, Any]] = []
+    namespaced: dict[str, tuple[str, str]] = {}
+    for i, tool in enumerate(tools or ()):
+        where = f"tools[{i}]"
+        if not isinstance(tool, Mapping):
+            raise _bad(f"{where} must be an object", "tools")
+        kind = tool.get("type")
+        if kind == "function":
+            out.append(_function(tool, where))
+        elif kind == "namespace":
+            ns = tool.get("name")
+            inner = tool.get("tools")
+            if not isinstance(ns, str) or not ns or not isinstance(inner, list):
+                raise _bad(f"{where}: a namespace tool needs a 'name' and a list of 'tools'",
+                           "tools")
+            for j, fn in enumerate(inner):
+                if isinstance(fn, Mapping) and fn.get("type", "function") == "function":
+                    qualified = f"{ns}{NAMESPACE_SEP}{fn.get('name')}"
+                    out.append(_function(fn, f"{where}.tools[{j}]", qualified))
+                    namespaced[qualified] = (ns, str(fn.get("name")))
+        elif not isinstance(kind, str):
+            raise _bad(f"{where}.type must be a string", "tools")
+        # any other type: a server-side tool the model cannot run, left out
+    return OfferedTools(out or None, namespaced)
+
+
+@dataclass
+class StoredResponse:
+    response: dict[str, Any]  # the response object (GET /v1/responses/{id})
+    conversation: Conversation  # without the instructions (not carried over)
+
+
+class ResponseStore:
+    """Bounded LRU of stored responses (thread-safe)."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._items: OrderedDict[str, StoredResponse] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def put(self, rid: str, stored: StoredResponse) -> None:
+        if self.capacity <= 0:
+            return
+        with self._lock:
+            self._items[rid] = stored
+            self._items.move_to_end(rid)
+            while len(self._items) > self.capacity:
+                self._items.popitem(last=False)
+
+    def get(self, rid: str) -> StoredResponse | None:
+        with self._lock:
+            stored = self._items.get(rid)
+            if stored is not None:
+                self._items.move_to_end(rid)
+            return stored
+
+    def delete(self, rid: str) -> bool:
+        with self._lock:
+            return self._items.pop(rid, None) is not None
+
+    def item(self, item_id: str) -> dict[str, Any] | None:
+        """An output item of a stored response, by its id."""
+        with self._lock:
+            for stored in reversed(self._items.values()):
+                for item in stored.response.get("output", []):
+                    if item.get("id") == item_id:
+                        return dict(item)
+        return None
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._items)
