@@ -1,6 +1,7 @@
 """Fuzz the OpenAPI schema (schemathesis, positive + negative cases): never a 5xx.
 
-Runs in process against the fake engine: ~10 generated cases per operation (plus schemathesis coverage cases) x 11 operations.
+Runs in process against the fake engine: ~10 generated cases per operation (plus
+schemathesis coverage cases) x every operation, /v1/responses and /v1/messages included.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ ENGINE = FakeEngine(reply="ok")
 APP = create_app(ENGINE, ServerConfig())
 schema = schemathesis.openapi.from_asgi("/openapi.json", APP)
 STATUSES: Counter[int] = Counter()
+PATHS: Counter[str] = Counter()
 
 
 @schema.parametrize()
@@ -26,6 +28,7 @@ STATUSES: Counter[int] = Counter()
 def test_no_server_errors(case: schemathesis.Case) -> None:
     response = case.call()
     STATUSES[response.status_code] += 1
+    PATHS[f"{case.method} {case.path}"] += 1
     assert response.status_code < 500, (case.method, case.path, case.body, response.text)
 
 
@@ -37,3 +40,6 @@ def test_fuzz_summary() -> None:
         return
     assert total >= 150
     assert all(status < 500 for status in STATUSES)
+    for op in ("POST /v1/responses", "GET /v1/responses/{response_id}", "POST /v1/messages",
+               "POST /v1/messages/count_tokens"):
+        assert PATHS[op] >= 10, (op, dict(PATHS))

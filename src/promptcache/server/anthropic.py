@@ -44,11 +44,13 @@ from .common import (
     ChatPrompt,
     Finished,
     Prepared,
+    Sleep,
     collect_reply,
     plan_max_tokens,
     preparer_of,
     reply_events,
     reply_parser,
+    sleep_of,
     sse_event,
     state_of,
 )
@@ -196,7 +198,8 @@ class _Blocks:
 
 
 async def _stream(gen: Generation, st: ServerState, parser: ReplyParser, msg_id: str,
-                  model: str, prepared: Prepared, caching: bool) -> AsyncIterator[str]:
+                  model: str, prepared: Prepared, caching: bool, sleep: Sleep
+                  ) -> AsyncIterator[str]:
     """The event sequence. A plain reply (no tools offered, no reasoning markers) opens
     its text block at once; otherwise blocks open as their first piece arrives, and
     tool_use blocks follow at the end."""
@@ -214,7 +217,7 @@ async def _stream(gen: Generation, st: ServerState, parser: ReplyParser, msg_id:
         for event in blocks.open("text"):
             yield event
     yield sse_event("ping", {"type": "ping"})
-    async for ev in reply_events(gen, parser, keepalive_s=st.config.keepalive_s):
+    async for ev in reply_events(gen, parser, keepalive_s=st.config.keepalive_s, sleep=sleep):
         if ev is KEEPALIVE:
             yield sse_event("ping", {"type": "ping"})
         elif isinstance(ev, Piece):
@@ -261,7 +264,8 @@ async def messages(body: MessagesRequest, request: Request) -> Any:
     msg_id = f"msg_{uuid.uuid4().hex[:24]}"
     if body.stream:
         caching = getattr(st.engine, "cache", None) is not None
-        return StreamingResponse(_stream(gen, st, parser, msg_id, model, prepared, caching),
+        return StreamingResponse(_stream(gen, st, parser, msg_id, model, prepared, caching,
+                                         sleep_of(request)),
                                  media_type="text/event-stream", headers=SSE_HEADERS)
     finished, _ = await collect_reply(gen, parser)
     if finished.failed:

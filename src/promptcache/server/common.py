@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -55,6 +56,15 @@ def preparer_of(request: Request) -> Preparer:
     return prep
 
 
+Sleep = Callable[[float], Awaitable[Any]]
+
+
+def sleep_of(request: Request) -> Sleep:
+    """The keep-alive timer of the app (``asyncio.sleep``; tests set a fake clock)."""
+    sleep: Sleep = getattr(request.app.state, "pc_sleep", asyncio.sleep)
+    return sleep
+
+
 # --- SSE --------------------------------------------------------------------------------
 
 
@@ -75,8 +85,7 @@ KEEPALIVE = _KeepAlive()
 
 
 async def with_keepalive(events: AsyncIterator[T], interval: float,
-                         sleep: Callable[[float], Awaitable[Any]] = asyncio.sleep
-                         ) -> AsyncIterator[T | _KeepAlive]:
+                         sleep: Sleep = asyncio.sleep) -> AsyncIterator[T | _KeepAlive]:
     """``events``, with ``KEEPALIVE`` after every ``interval`` seconds without one.
 
     ``sleep`` is the timer (a test passes a controllable clock). The source iterator is
@@ -166,16 +175,28 @@ class Preparer:
 
     def __init__(self, engine: Any) -> None:
         self.engine = engine
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="promptcache-prep")
+        self._pool: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
         self._abilities: TemplateAbilities | None = None
         self.chat_format = _chat_format(engine)
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        """Stop the worker (at app shutdown; a later request starts a new one)."""
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
+
+    def _executor(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=1,
+                                                thread_name_prefix="promptcache-prep")
+            return self._pool
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         """Run ``fn(*args)`` in the worker thread."""
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+        return await asyncio.get_running_loop().run_in_executor(self._executor(), fn, *args)
 
     async def prepare(self, chat: ChatPrompt, *, predict_tenant: str | None = None
                       ) -> Prepared:
@@ -363,8 +384,7 @@ ReplyEvent = Piece | TokenEvent | Finished | _KeepAlive
 
 
 async def reply_events(gen: Generation, parser: ReplyParser, *,
-                       keepalive_s: float | None = None,
-                       sleep: Callable[[float], Awaitable[Any]] = asyncio.sleep
+                       keepalive_s: float | None = None, sleep: Sleep = asyncio.sleep
                        ) -> AsyncIterator[ReplyEvent]:
     """One reply as the APIs send it: ``Piece``s (reasoning / text, as safe to send),
     the ``TokenEvent``s that carry logprobs, ``KEEPALIVE`` ticks (with ``keepalive_s``),

@@ -26,6 +26,7 @@ from .common import (
     ChatPrompt,
     Finished,
     LogprobDecoder,
+    Sleep,
     collect_reply,
     context_window,
     max_output_tokens,
@@ -33,6 +34,7 @@ from .common import (
     preparer_of,
     reply_events,
     reply_parser,
+    sleep_of,
     sse_data,
     state_of,
 )
@@ -107,7 +109,7 @@ def _logprobs_k(logprobs: bool | None, top: int | None) -> int | None:
 
 async def _chat_stream(gen: Generation, parser: ReplyParser, st: ServerState,
                        make_chunk: Any, include_usage: bool, path: str,
-                       decoder: LogprobDecoder | None) -> AsyncIterator[str]:
+                       decoder: LogprobDecoder | None, sleep: Sleep) -> AsyncIterator[str]:
     yield sse_data(make_chunk({"role": "assistant", "content": ""}))
     pending: list[TokenEvent] = []  # logprobs travel with the next chunk
 
@@ -118,7 +120,7 @@ async def _chat_stream(gen: Generation, parser: ReplyParser, st: ServerState,
             pending.clear()
         return sse_data(make_chunk(delta, finish, logprobs))
 
-    async for ev in reply_events(gen, parser, keepalive_s=st.config.keepalive_s):
+    async for ev in reply_events(gen, parser, keepalive_s=st.config.keepalive_s, sleep=sleep):
         if ev is KEEPALIVE:
             yield SSE_COMMENT
         elif isinstance(ev, TokenEvent):
@@ -185,7 +187,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
 
         return StreamingResponse(
             _chat_stream(gen, parser, st, make_chunk, include_usage, request.url.path,
-                         decoder),
+                         decoder, sleep_of(request)),
             media_type="text/event-stream", headers=SSE_HEADERS)
 
     finished, token_events = await collect_reply(gen, parser)
@@ -227,8 +229,10 @@ def _completion_tokens(st: ServerState, prompt: str | list[str] | list[int]) -> 
 
 
 async def _completion_stream(gen: Generation, st: ServerState, make_chunk: Any,
-                             include_usage: bool, path: str) -> AsyncIterator[str]:
-    async for ev in reply_events(gen, ReplyParser(), keepalive_s=st.config.keepalive_s):
+                             include_usage: bool, path: str, sleep: Sleep
+                             ) -> AsyncIterator[str]:
+    async for ev in reply_events(gen, ReplyParser(), keepalive_s=st.config.keepalive_s,
+                                 sleep=sleep):
         if ev is KEEPALIVE:
             yield SSE_COMMENT
         elif isinstance(ev, Piece):
@@ -277,7 +281,8 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
             return chunk
 
         return StreamingResponse(
-            _completion_stream(gen, st, make_chunk, include_usage, request.url.path),
+            _completion_stream(gen, st, make_chunk, include_usage, request.url.path,
+                               sleep_of(request)),
             media_type="text/event-stream", headers=SSE_HEADERS)
 
     finished, _ = await collect_reply(gen, ReplyParser())

@@ -23,6 +23,7 @@ Codex consumes: ``response.created``, ``response.in_progress``, per item
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -39,10 +40,12 @@ from .common import (
     ChatPrompt,
     Finished,
     LogprobDecoder,
+    Sleep,
     plan_max_tokens,
     preparer_of,
     reply_events,
     reply_parser,
+    sleep_of,
     sse_event,
     state_of,
 )
@@ -286,13 +289,14 @@ class _Call:
 
 
 async def _events(call: _Call, gen: Generation, reply: _Reply, parser: ReplyParser,
-                  keepalive: bool = True) -> AsyncIterator[str]:
+                  sleep: Sleep | None = None) -> AsyncIterator[str]:
     """The stream; a non-streamed request runs the same machine and keeps
     ``call.response`` (or ``call.failure``)."""
     yield reply.event("response.created", response=call.base("in_progress", []))
     yield reply.event("response.in_progress", response=call.base("in_progress", []))
-    interval = call.st.config.keepalive_s if keepalive else None
-    async for ev in reply_events(gen, parser, keepalive_s=interval):
+    interval = call.st.config.keepalive_s if sleep is not None else None
+    async for ev in reply_events(gen, parser, keepalive_s=interval,
+                                 sleep=sleep or asyncio.sleep):
         if ev is KEEPALIVE:
             yield SSE_COMMENT
         elif isinstance(ev, TokenEvent):
@@ -356,9 +360,9 @@ async def create_response(body: ResponsesRequest, request: Request) -> Any:
     reply = _Reply(offered, decoder)
     parser = reply_parser(prepared)
     if body.stream:
-        return StreamingResponse(_events(call, gen, reply, parser),
+        return StreamingResponse(_events(call, gen, reply, parser, sleep_of(request)),
                                  media_type="text/event-stream", headers=SSE_HEADERS)
-    async for _ in _events(call, gen, reply, parser, keepalive=False):
+    async for _ in _events(call, gen, reply, parser):
         pass
     if call.response is None:
         raise APIError(500, call.failure or "generation failed", code="engine_error")

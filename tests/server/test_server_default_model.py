@@ -1,0 +1,97 @@
+"""The server on the real default model (SmolLM2-135M-Instruct), in process: its template
+drops ``tools``, so they go into the system turn (count_tokens grows by their size) and
+the model sees a tool call and its result; a system turn mid-conversation is rendered
+where it stands; an assistant prefill is left open."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+from promptcache.config import CacheConfig, EngineConfig, ServerConfig
+from promptcache.engine.engine import Engine
+from promptcache.server import create_app
+from promptcache.server.prompt import tools_text
+
+pytestmark = pytest.mark.slow
+
+TOOL = {"name": "get_weather", "description": "Get the current weather in a city.",
+        "input_schema": {"type": "object", "properties": {"city": {"type": "string"}},
+                         "required": ["city"]}}
+
+
+@pytest.fixture(scope="module")
+def smol(default_model_path: Path) -> Iterator[tuple[Engine, TestClient]]:
+    engine = Engine.load(default_model_path, EngineConfig(),
+                         CacheConfig(block_size=16, ram_budget_bytes=256 * 1024**2))
+    try:
+        with TestClient(create_app(engine, ServerConfig())) as client:
+            yield engine, client
+    finally:
+        engine.close()
+
+
+def test_tools_go_into_the_system_turn(smol: tuple[Engine, TestClient]) -> None:
+    engine, client = smol
+    base = {"model": "default", "system": "You are helpful.",
+            "messages": [{"role": "user", "content": "Weather in Paris?"}]}
+    # the template alone drops tools: same tokens with and without them
+    msgs = [{"role": "system", "content": "You are helpful."},
+            {"role": "user", "content": "Weather in Paris?"}]
+    fn = [{"type": "function", "function": {"name": TOOL["name"],
+                                            "description": TOOL["description"],
+                                            "parameters": TOOL["input_schema"]}}]
+    assert engine.render_chat(msgs, tools=fn) == engine.render_chat(msgs)
+    without = client.post("/v1/messages/count_tokens", json=base).json()["input_tokens"]
+    with_tools = client.post("/v1/messages/count_tokens",
+                             json={**base, "tools": [TOOL]}).json()["input_tokens"]
+    block = len(engine.tokenizer.encode("\n\n" + tools_text(fn), add_special_tokens=False))
+    print(f"SmolLM2 count_tokens: {without} without tools, {with_tools} with one tool "
+          f"(the block alone: {block} tokens)")
+    assert abs((with_tools - without) - block) <= 2
+
+
+def test_tool_history_and_placement_are_rendered(smol: tuple[Engine, TestClient],
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    engine, client = smol
+    submitted: list[Any] = []
+    submit = engine.submit
+
+    def spy(req: Any) -> Any:
+        submitted.append(req)
+        return submit(req)
+
+    monkeypatch.setattr(engine, "submit", spy)
+    r = client.post("/v1/messages", json={
+        "model": "default", "max_tokens": 1, "tools": [TOOL], "messages": [
+            {"role": "user", "content": "Weather in Paris?"},
+            {"role": "system", "content": "MID-SYSTEM-NOTE"},
+            {"role": "assistant", "content": [{"type": "tool_use", "id": "t1",
+                                               "name": "get_weather",
+                                               "input": {"city": "Paris"}}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1",
+                                          "content": "sunny, 21C"}]}]})
+    assert r.status_code == 200, r.text
+    prep = client.app.state.pc_prepare  # type: ignore[attr-defined]
+    assert (prep.abilities().mid_system, prep.abilities().tools) == (True, False)
+    text = engine.tokenizer.decode(list(submitted[-1].prompt_tokens))
+    assert text.startswith("<|im_start|>system\n# Tools\n")
+    assert '"name": "get_weather"' in text.split("<|im_end|>")[0]
+    # the system turn stays where it stood: after the first user turn
+    assert "Weather in Paris?<|im_end|>\n<|im_start|>system\nMID-SYSTEM-NOTE<|im_end|>" in text
+    assert ('<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": '
+            '{"city": "Paris"}}\n</tool_call><|im_end|>') in text
+    assert "<|im_start|>user\n<tool_response>\nsunny, 21C\n</tool_response><|im_end|>" in text
+    assert text.endswith("<|im_start|>assistant\n")
+
+
+def test_prefill_is_left_open(smol: tuple[Engine, TestClient]) -> None:
+    engine, _ = smol
+    tokens = engine.render_chat([{"role": "user", "content": "JSON please"},
+                                 {"role": "assistant", "content": "{"}],
+                                continue_final_message=True)
+    assert engine.tokenizer.decode(tokens).endswith("<|im_start|>assistant\n{")
