@@ -28,6 +28,13 @@ def test_serve_options(tmp_path: Path) -> None:
     assert eng.prefill_chunk_tokens == 256
     assert (srv.port, srv.api_key, srv.api_keys_file) == (9000, "s", keys)
     assert (srv.hit_rate_window, srv.hit_rate_alert_threshold) == (7, 0.5)
+    assert (eng.default_max_tokens, srv.context_window, srv.max_tokens_overflow,
+            srv.log_requests_dir) == (512, None, "clamp", None)
+    eng, _, _, srv = _configs("--default-max-tokens", "2048", "--context-window", "8192",
+                              "--max-tokens-overflow", "error", "--log-requests",
+                              str(tmp_path / "req"), "--no-ssd")
+    assert (eng.default_max_tokens, srv.context_window, srv.max_tokens_overflow,
+            srv.log_requests_dir) == (2048, 8192, "error", tmp_path / "req")
 
 
 def test_serve_percent_budget_and_switches(tmp_path: Path) -> None:
@@ -47,6 +54,7 @@ def test_serve_percent_budget_and_switches(tmp_path: Path) -> None:
     ("--ram-budget", "lots"), ("--ssd-budget=-1GB",), ("--block-size", "0"),
     ("--port", "70000"), ("--api-keys-file", "/nonexistent/keys.json"),
     ("--ram-budget", "150%"), ("--hit-rate-window", "0"), ("--hit-rate-threshold", "2"),
+    ("--default-max-tokens", "0"), ("--context-window", "1"),
 ])
 def test_serve_bad_options(argv: tuple[str, ...], tmp_path: Path) -> None:
     with pytest.raises(ValueError):

@@ -463,3 +463,43 @@ def test_official_sdks_read_the_context_window(client: TestClient) -> None:
                               max_retries=0)
     page = sdk.models.list()
     assert [m.id for m in page.data] == ["fake-model"]
+
+
+def test_chat_reasoning_content() -> None:
+    eng = FakeEngine(think=True, reply="<think>Hmm.</think>Yes.")
+    client = _app(eng)
+    msg = client.post("/v1/chat/completions", json={"messages": HI}).json()["choices"][0][
+        "message"]
+    assert (msg["reasoning_content"], msg["content"]) == ("Hmm.", "Yes.")
+    got = sse_checks.chat_stream(client.post("/v1/chat/completions", json={
+        "messages": HI, "stream": True}).text)
+    assert (got["reasoning"], got["content"]) == ("Hmm.", "Yes.")
+    client.post("/v1/chat/completions", json={"messages": HI, "reasoning_effort": "high"})
+    assert eng.template_kwargs[-1] == {"enable_thinking": True}
+
+
+def test_request_log_leaves_secrets_out(tmp_path: Any) -> None:
+    eng = FakeEngine()
+    client = TestClient(create_app(eng, ServerConfig(log_requests_dir=tmp_path,
+                                                     api_key="sekrit")))
+    r = client.post("/v1/messages?beta=true", json={"max_tokens": 5, "messages": HI},
+                    headers={"x-api-key": "sekrit", "X-Claude-Code-Session-Id": "s9",
+                             "Authorization": "Bearer sekrit"})
+    assert r.status_code == 200
+    client.post("/v1/chat/completions", json={"messages": HI})  # 401: recorded too
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert files == ["000001-messages.json", "000002-chat.json"]
+    rec = json.loads((tmp_path / files[0]).read_text())
+    assert (rec["method"], rec["path"], rec["query"], rec["status"]) == \
+        ("POST", "/v1/messages", "beta=true", 200)
+    assert rec["body"] == {"max_tokens": 5, "messages": HI}
+    assert rec["headers"]["x-claude-code-session-id"] == "s9"
+    assert "sekrit" not in (tmp_path / files[0]).read_text()
+    assert json.loads((tmp_path / files[1]).read_text())["status"] == 401
+
+
+def test_documented_defaults() -> None:
+    cfg = ServerConfig()
+    assert (cfg.keepalive_s, cfg.responses_store_size, cfg.max_tokens_overflow,
+            cfg.context_window) == (10.0, 256, "clamp", None)
+    assert EngineConfig().default_max_tokens == 512

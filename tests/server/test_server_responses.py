@@ -254,3 +254,17 @@ def test_bad_input_is_a_4xx_in_openai_shape(client: TestClient, body: dict[str, 
     assert err["code"] == code
     assert fragment in err["message"]
     assert _post(client, input="still fine").status_code == 200
+
+
+def test_item_reference(client: TestClient, engine: FakeEngine) -> None:
+    first = _post(client, input="hi").json()
+    msg_id = first["output"][0]["id"]
+    r = _post(client, input=[{"role": "user", "content": "hi"},
+                             {"type": "item_reference", "id": msg_id},
+                             {"role": "user", "content": "more"}])
+    assert r.status_code == 200, r.text
+    assert engine.rendered[-1][0] == [{"role": "user", "content": "hi"},
+                                      {"role": "assistant", "content": "Hello world!"},
+                                      {"role": "user", "content": "more"}]
+    r = _post(client, input=[{"type": "item_reference", "id": "msg_gone"}])
+    assert r.status_code == 400 and "not found" in r.json()["error"]["message"]
