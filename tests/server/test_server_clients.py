@@ -503,3 +503,11 @@ def test_documented_defaults() -> None:
     assert (cfg.keepalive_s, cfg.responses_store_size, cfg.max_tokens_overflow,
             cfg.context_window) == (10.0, 256, "clamp", None)
     assert EngineConfig().default_max_tokens == 512
+
+
+def test_count_tokens_with_odd_extras(client: TestClient) -> None:
+    r = client.post("/v1/messages/count_tokens", json={"messages": HI, "tool_choice": "auto"})
+    assert r.status_code == 400 and "tool_choice" in r.json()["error"]["message"]
+    r = client.post("/v1/messages/count_tokens", json={"messages": HI,
+                                                       "tool_choice": {"type": "none"}})
+    assert r.status_code == 200

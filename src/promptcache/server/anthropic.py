@@ -129,7 +129,7 @@ def _chat_prompt(body: MessagesRequest | CountTokensRequest) -> ChatPrompt:
     tools = anthropic_tools(body.tools)
     choice = getattr(body, "tool_choice", None)
     if choice is not None:
-        kind = choice.get("type")
+        kind = choice.get("type") if isinstance(choice, dict) else None
         if kind not in TOOL_CHOICES:
             raise APIError(400, f"tool_choice.type: expected one of {', '.join(TOOL_CHOICES)}, "
                                 f"got {kind!r}", param="tool_choice")

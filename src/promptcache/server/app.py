@@ -26,7 +26,7 @@ from .auth import Authenticator, load_api_keys
 from .common import Preparer
 from .errors import APIError, error_response, install_handlers
 from .metrics import ServerMetrics
-from .request_log import RequestLog
+from .request_log import RequestLog, first_sequence_number
 from .responses_items import ResponseStore
 from .runner import BASE_ALIASES, ServerState
 
@@ -105,7 +105,9 @@ def create_app(engine: Any, server_config: ServerConfig | None = None, *,
     app.include_router(anthropic.router)
     app.include_router(admin.router)
     app.add_middleware(ScopeMiddleware, auth=auth)
-    app.add_middleware(RequestLog, directory=config.log_requests_dir)
+    log_dir = config.log_requests_dir
+    app.add_middleware(RequestLog, directory=log_dir,
+                       first_seq=first_sequence_number(log_dir) if log_dir else 1)
     log.info("promptcache app ready: model=%s auth=%s", state.model_id,
              "on" if auth.enabled else "off")
     return app

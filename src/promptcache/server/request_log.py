@@ -57,16 +57,21 @@ def _write(path: Path, record: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
+def first_sequence_number(directory: Path) -> int:
+    """Create ``directory``; the number after the highest one recorded there (call it
+    when the app is built, not on the event loop)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    existing = [int(p.name.split("-")[0]) for p in directory.glob("*-*.json")
+                if p.name.split("-")[0].isdigit()]
+    return max(existing, default=0) + 1
+
+
 class RequestLog:
-    def __init__(self, app: ASGIApp, directory: Path | None = None) -> None:
+    def __init__(self, app: ASGIApp, directory: Path | None = None, first_seq: int = 1
+                 ) -> None:
         self.app = app
         self.directory = directory
-        self._seq = itertools.count(1)
-        if directory is not None:
-            directory.mkdir(parents=True, exist_ok=True)
-            existing = [int(p.name.split("-")[0]) for p in directory.glob("*-*.json")
-                        if p.name.split("-")[0].isdigit()]
-            self._seq = itertools.count(max(existing, default=0) + 1)
+        self._seq = itertools.count(first_seq)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":

@@ -118,6 +118,7 @@ class CountTokensRequest(_Lenient):
     messages: list[AnthropicMessage]
     system: str | list[dict[str, Any]] | None = None
     tools: list[AnthropicTool] | None = None
+    tool_choice: dict[str, Any] | None = None
     thinking: dict[str, Any] | None = None
 
 
