@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -133,8 +134,9 @@ def _save_fixtures(server: Server, client: str, since: int, paths: dict[str, str
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     paths = {**paths, str(server.tmp): "/tmp/promptcache-test", str(Path.home()): "/home/user"}
-    # Claude Code names a project folder after its path: /a/b -> -a-b
-    paths.update({real.replace("/", "-"): fake.replace("/", "-") for real, fake in paths.items()})
+    # Claude Code names a project folder after its path: /a/b_c -> -a-b-c
+    paths.update({re.sub(r"[^A-Za-z0-9]", "-", real): re.sub(r"[^A-Za-z0-9]", "-", fake)
+                  for real, fake in paths.items()})
     for i, rec in enumerate(r for r in server.records(since) if r["method"] == "POST"):
         name = f"{i + 1:02d}-{rec['path'].strip('/').replace('/', '_')}.json"
         (out / name).write_text(json.dumps(scrub_record(rec, paths), indent=1,
