@@ -1,4 +1,4 @@
-"""The shared request path of both APIs: checks, submit, event pump, accounting.
+"""The shared request path of every API: checks, submit, event pump, accounting.
 
 ``ServerState`` holds what the routers need (engine, config, metrics, hit-rate
 monitor, authenticator). ``ServerState.start(...)`` validates and submits a request
