@@ -101,6 +101,55 @@ class SSDConfig:
             raise ValueError(f"ttl_seconds must be > 0, got {self.ttl_seconds}")
 
 
+_REDIS_SCHEMES = ("redis://", "rediss://", "unix://", "redis+cluster://", "rediss+cluster://")
+_SAFE_PREFIX = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+
+
+@dataclass(frozen=True)
+class RedisConfig:
+    """The shared Redis / Valkey tier (standalone or Cluster). Times in seconds."""
+
+    url: str
+    cluster: bool = False  # also implied by a redis+cluster:// url
+    prefix: str = "promptcache"  # every key starts with "<prefix>:"
+    ttl_seconds: float = 24 * 3600.0  # on every key, counted from the last write
+    timeout_s: float = 0.05  # per socket operation (read / write)
+    connect_timeout_s: float = 0.1
+    queue_size: int = 256  # blocks waiting for the writer thread; full -> dropped
+    policy: str = "write_through"  # or "write_back" (only blocks evicted from RAM)
+    max_value_bytes: int = 64 * MB
+    batch_bytes: int = 32 * MB  # payload bytes per pipelined write / read batch
+    breaker_failures: int = 3  # consecutive failures that open the circuit
+    breaker_backoff_s: float = 1.0  # first open period; doubles up to the max
+    breaker_max_backoff_s: float = 30.0
+    probe_interval_s: float = 0.25  # how often the prober checks whether a probe is due
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.url, str) or not self.url.startswith(_REDIS_SCHEMES):
+            raise ValueError(
+                f"redis url must start with one of {', '.join(_REDIS_SCHEMES)}, got {self.url!r}"
+            )
+        if not _SAFE_PREFIX.match(self.prefix):
+            raise ValueError(f"redis key prefix must be 1-64 of [A-Za-z0-9._-], got {self.prefix!r}")
+        if self.policy not in ("write_back", "write_through"):
+            raise ValueError(f"policy must be 'write_back' or 'write_through', got {self.policy!r}")
+        for name in ("ttl_seconds", "timeout_s", "connect_timeout_s", "breaker_backoff_s",
+                     "breaker_max_backoff_s", "probe_interval_s"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int | float) or not v > 0:
+                raise ValueError(f"{name} must be > 0, got {v!r}")
+        if self.breaker_max_backoff_s < self.breaker_backoff_s:
+            raise ValueError("breaker_max_backoff_s must be >= breaker_backoff_s")
+        for name in ("queue_size", "max_value_bytes", "batch_bytes", "breaker_failures"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+
+    @property
+    def is_cluster(self) -> bool:
+        return self.cluster or "+cluster://" in self.url
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Generation: prefill chunking and state snapshots."""

@@ -1,0 +1,264 @@
+"""The Redis tier's connection side: clients, fail-fast calls, the breaker, the prober.
+
+Two clients share one circuit breaker: the *read* client (the request path: lookups
+and promotions) with the per-operation timeout (tens of ms), and the *write* client
+(the writer thread and admin deletions) with a longer one, since sending a batch of
+megabyte values takes longer than a lookup and never holds up a request. redis-py's
+own retries are off (a retry is a stall); reconnection is redis-py's: a connection
+that failed or timed out is dropped and the next command opens a new one.
+
+Every call goes through ``Remote.call``: skipped at once while the circuit is open,
+timed, classified (timeout / unavailable / out of memory / error) and counted; a
+failure raises ``TierError``. Out-of-memory and plain command errors do not open the
+circuit (Redis is up; it refuses one write). While the circuit is open the prober
+thread pings Redis every ``probe_interval_s`` once the backoff has passed; a request
+never waits for a probe.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from typing import Any, TypeVar
+from urllib.parse import urlsplit, urlunsplit
+
+import redis
+from redis.backoff import NoBackoff
+from redis.cluster import RedisCluster
+from redis.exceptions import (
+    ConnectionError as RedisConnectionError,
+)
+from redis.exceptions import (
+    DataError,
+    OutOfMemoryError,
+    RedisClusterException,
+    RedisError,
+    ResponseError,
+)
+from redis.exceptions import (
+    TimeoutError as RedisTimeoutError,
+)
+from redis.retry import Retry
+
+from ..config import RedisConfig
+from ..errors import TierError
+from .redis_breaker import CLOSED, CircuitBreaker
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+LATENCY_BUCKETS_MS = (0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 250.0, 1000.0)
+# the writer thread and admin calls: sending a batch of large values takes longer
+MIN_WRITE_TIMEOUT_S = 2.0
+Client = Any  # redis.Redis | RedisCluster (both untyped enough that Any is honest)
+
+
+class Skipped(TierError):
+    """The circuit is open: the operation was not attempted."""
+
+
+def redact(url: str) -> str:
+    """The URL without its password (for logs and stats)."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.hostname or ""
+    if parts.port is not None:
+        host = f"{host}:{parts.port}"
+    user = f"{parts.username}:***@" if parts.username else ":***@"
+    return urlunsplit((parts.scheme, user + host, parts.path, parts.query, parts.fragment))
+
+
+def make_client(config: RedisConfig, timeout_s: float) -> Client:
+    """A redis-py client for ``config.url`` (cluster for ``redis+cluster://`` or
+    ``config.cluster``), without retries. A cluster client connects (and may raise)
+    here; a standalone one on its first command."""
+    url = config.url.replace("+cluster://", "://", 1)
+    opts: dict[str, Any] = {
+        "socket_timeout": timeout_s,
+        "socket_connect_timeout": config.connect_timeout_s,
+        "retry": Retry(NoBackoff(), 0),
+        "health_check_interval": 0,
+    }
+    if config.is_cluster:
+        if url.startswith("unix://"):
+            raise ValueError("a Redis Cluster is reached over TCP (redis:// or rediss://)")
+        return RedisCluster.from_url(url, **opts)
+    return redis.Redis.from_url(url, **opts)
+
+
+class Remote:
+    """Clients + breaker + counters + prober (see the module docstring)."""
+
+    def __init__(
+        self,
+        config: RedisConfig,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        start_prober: bool = True,
+    ) -> None:
+        self.config = config
+        self.lock = threading.RLock()
+        self.breaker = CircuitBreaker(
+            failures=config.breaker_failures, backoff_s=config.breaker_backoff_s,
+            max_backoff_s=config.breaker_max_backoff_s, clock=clock,
+        )
+        self.counts: Counter[str] = Counter()
+        self.latency = [0] * (len(LATENCY_BUCKETS_MS) + 1)
+        self.latency_sum_ms = 0.0
+        self.last_error: str | None = None
+        self._clients: dict[str, Client] = {}
+        self._stop = threading.Event()
+        self._prober: threading.Thread | None = None
+        if start_prober:
+            self._prober = threading.Thread(target=self._probe_loop, name="promptcache-redis-probe",
+                                            daemon=True)
+            self._prober.start()
+
+    # -- clients ----------------------------------------------------------------------
+    def client(self, kind: str) -> Client:
+        """The ``read`` or ``write`` client, created on first use."""
+        with self.lock:
+            c = self._clients.get(kind)
+        if c is not None:
+            return c
+        timeout = self.config.timeout_s
+        if kind == "write":
+            timeout = max(timeout, MIN_WRITE_TIMEOUT_S)
+        try:
+            c = make_client(self.config, timeout)
+        except (RedisError, RedisClusterException, OSError) as e:
+            raise RedisConnectionError(f"cannot connect: {e}") from e
+        with self.lock:
+            return self._clients.setdefault(kind, c)
+
+    def _drop_clients(self) -> None:
+        with self.lock:
+            clients, self._clients = list(self._clients.values()), {}
+        for c in clients:
+            try:
+                c.close()
+            except Exception:  # closing a broken client must not raise
+                log.debug("closing a redis client failed", exc_info=True)
+
+    # -- calls ------------------------------------------------------------------------
+    def call(self, what: str, fn: Callable[[Client], T], *, kind: str = "read") -> T:
+        """Run ``fn(client)`` fail-fast; raises ``Skipped`` or ``TierError``."""
+        with self.lock:
+            if not self.breaker.allow():
+                self.counts["skipped"] += 1
+                raise Skipped(f"redis {what}: circuit open")
+        t0 = time.perf_counter()
+        try:
+            result = fn(self.client(kind))
+        except OutOfMemoryError as e:
+            self._failed("oom_errors", what, e, trip=False)
+        except RedisTimeoutError as e:
+            self._failed("timeouts", what, e, trip=True)
+        except (RedisConnectionError, RedisClusterException, OSError) as e:
+            self._failed("connection_errors", what, e, trip=True)
+        except (ResponseError, DataError) as e:
+            from redis.exceptions import ClusterError, ReadOnlyError
+
+            trip = isinstance(e, ClusterError | ReadOnlyError)
+            self._failed("unavailable_errors" if trip else "command_errors", what, e, trip=trip)
+        except RedisError as e:
+            self._failed("connection_errors", what, e, trip=True)
+        ms = (time.perf_counter() - t0) * 1000.0
+        with self.lock:
+            self.breaker.record_success()
+            self.counts["round_trips"] += 1
+            self.latency[bisect.bisect_left(LATENCY_BUCKETS_MS, ms)] += 1
+            self.latency_sum_ms += ms
+        return result
+
+    def _failed(self, counter: str, what: str, e: BaseException, *, trip: bool) -> Any:
+        with self.lock:
+            self.counts[counter] += 1
+            self.counts["errors"] += 1
+            self.last_error = f"{what}: {type(e).__name__}: {e}"
+            if trip:
+                was = self.breaker.state
+                self.breaker.record_failure()
+                if was == CLOSED and self.breaker.state != CLOSED:
+                    log.warning("redis tier unavailable (%s); circuit open for %.1fs",
+                                self.last_error, self.breaker.backoff)
+        raise TierError(f"redis {what} failed: {type(e).__name__}: {e}") from e
+
+    # -- health -----------------------------------------------------------------------
+    def probe(self) -> bool | None:
+        """One health probe if one is due (None if not). Runs on the prober thread, or
+        in tests with an injected clock."""
+        with self.lock:
+            if not self.breaker.begin_probe():
+                return None
+        self._drop_clients()  # a fresh connection (and cluster topology) for the probe
+        ok = True
+        try:
+            c = self.client("read")
+            if isinstance(c, RedisCluster):
+                c.ping(target_nodes=RedisCluster.PRIMARIES)
+            else:
+                c.ping()
+        except (RedisError, RedisClusterException, OSError) as e:
+            ok = False
+            with self.lock:
+                self.last_error = f"probe: {type(e).__name__}: {e}"
+        with self.lock:
+            self.breaker.end_probe(ok)
+            if ok:
+                log.info("redis tier reachable again; circuit closed")
+            else:
+                log.debug("redis probe failed; next in %.1fs", self.breaker.backoff)
+        return ok
+
+    def _probe_loop(self) -> None:
+        while not self._stop.wait(self.config.probe_interval_s):
+            try:
+                self.probe()
+            except Exception:  # the prober must survive anything
+                log.exception("redis prober: unexpected error")
+
+    @property
+    def healthy(self) -> bool:
+        return self.breaker.state == CLOSED
+
+    def stats(self) -> dict[str, Any]:
+        with self.lock:
+            b, c = self.breaker, self.counts
+            return {
+                "url": redact(self.config.url),
+                "cluster": self.config.is_cluster,
+                "state": b.state,
+                "healthy": b.state == CLOSED,
+                "breaker_trips": b.trips,
+                "breaker_recoveries": b.recoveries,
+                "breaker_backoff_s": b.backoff,
+                "probes": b.probes,
+                "probe_failures": b.probe_failures,
+                "skipped_ops": c["skipped"],
+                "round_trips": c["round_trips"],
+                "errors": c["errors"],
+                "timeouts": c["timeouts"],
+                "connection_errors": c["connection_errors"],
+                "unavailable_errors": c["unavailable_errors"],
+                "oom_errors": c["oom_errors"],
+                "command_errors": c["command_errors"],
+                "last_error": self.last_error,
+                "latency_ms": {
+                    "buckets": list(LATENCY_BUCKETS_MS),
+                    "counts": list(self.latency),
+                    "count": sum(self.latency),
+                    "sum": round(self.latency_sum_ms, 3),
+                },
+            }
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._prober is not None:
+            self._prober.join()
+        self._drop_clients()
