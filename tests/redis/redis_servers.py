@@ -110,7 +110,9 @@ class RedisClusterProcs:
         self.nodes = [
             RedisServer(workdir / f"node{i}", "--cluster-enabled", "yes",
                         "--cluster-config-file", "nodes.conf",
-                        "--cluster-node-timeout", "2000")
+                        "--cluster-node-timeout", "2000",
+                        # the bus port: else port + 10000, which may be taken or > 65535
+                        "--cluster-port", str(free_port()))
             for i in range(3)
         ]
 

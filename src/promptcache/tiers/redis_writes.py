@@ -79,9 +79,10 @@ def write_batch(tier: RedisTier, batch: list[Any]) -> None:
         return list(pipe.execute())
 
     def write(c: Client, existing: dict[str, list[str]]) -> list[Any]:
-        """Queue the batch's commands; returns, per session item, its script reply."""
+        """Puts and discards in one pipeline (queue order), then the session scripts
+        (a Cluster pipeline cannot run scripts); returns the scripts' replies."""
         pipe = c.pipeline(transaction=False)
-        script_at: list[int] = []
+        scripts: list[tuple[str, list[bytes]]] = []
         for it, data in work:
             if isinstance(it, _Put):
                 m = it.meta
@@ -106,12 +107,13 @@ def write_batch(tier: RedisTier, batch: list[Any]) -> None:
             elif isinstance(it, _Sessions):
                 with tier._lock:
                     fields = [SESSION_FIELD_PREFIX + s.encode("utf-8") for s in sorted(it.sessions)]
-                script_at.append(len(pipe))
-                pipe.eval(_ADD_SESSIONS, 1, block_key(it), ttl, *fields)
+                scripts.append((block_key(it), fields))
             else:
                 pipe.delete(block_key(it))
-        results = pipe.execute()
-        return [results[i] for i in script_at]
+        if len(pipe):
+            pipe.execute()
+        return [c.eval(_ADD_SESSIONS, 1, key, ttl, *fields) if fields else None
+                for key, fields in scripts]
 
     try:
         found = tier._call("write", existing_sessions, kind="write") if targets else []
