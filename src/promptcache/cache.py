@@ -53,6 +53,12 @@ from .tiers.base import Tier
 
 logger = logging.getLogger(__name__)
 
+# A chain's blocks in one remote tier are read in batches of at most this many bytes
+# (RAM is reserved for a whole batch before it is read).
+PROMOTE_BATCH_BYTES = 64 * 1024 * 1024
+_UNFETCHED = object()
+_FAILED = object()
+
 __all__ = [
     "RAM", "CacheStats", "Hit", "Match", "MissInfo", "NumpyAdapter", "PayloadAdapter", "PromptCache",
 ]
@@ -228,11 +234,14 @@ class PromptCache:
                 e.hits += 1
         held: list[Block] = []
         cut = len(entries)
+        fetched: dict[int, Any] = {}
         for i, e in enumerate(entries):
             if isinstance(e, Block):
                 held.append(e)
                 continue
-            block = self._promote(e, ns)
+            if i not in fetched and getattr(e.source, "get_many", None) is not None:
+                fetched = self._fetch_run(entries, i, ns)
+            block = self._promote(e, ns, fetched.pop(i, _UNFETCHED))
             if block is None:
                 cut = i
                 break
@@ -252,9 +261,47 @@ class PromptCache:
         self.pool.release_chain(held[len(keep) :])
         return keep, num
 
-    def _promote(self, entry: LowerEntry, ns: Namespace) -> Block | None:
+    def _fetch_run(self, entries: list[Entry], i: int, ns: Namespace) -> dict[int, Any]:
+        """Read the run of entries from ``i`` on that live in the same remote tier with
+        one ``get_many`` (one round trip), after reserving RAM for all of them; the run
+        ends at another tier, at ``PROMOTE_BATCH_BYTES`` or where RAM cannot hold more.
+        Returns ``{index: (payload, sessions) | None | _FAILED}``."""
+        src = entries[i].source  # type: ignore[union-attr]
+        get_many = getattr(src, "get_many", None)
+        run: list[int] = []
+        hashes: list[BlockHash] = []
+        total = 0
+        for j in range(i, len(entries)):
+            e = entries[j]
+            if not isinstance(e, LowerEntry) or e.source is not src:
+                break
+            if run and total + e.meta.nbytes > PROMOTE_BATCH_BYTES:
+                break
+            if self.pool.get(e.meta.block_hash) is not None or not self.pool.can_allocate(
+                    total + e.meta.nbytes):
+                break
+            run.append(j)
+            hashes.append(e.meta.block_hash)
+            total += e.meta.nbytes
+        if get_many is None or not run or not self.pool.make_room(total):  # RAM first
+            return {}
+        try:
+            got = get_many(hashes, ns=ns)
+        except (TierError, OSError) as e:
+            self._on_tier_error(src, e)
+            return dict.fromkeys(run, _FAILED)
+        if len(got) != len(run):
+            self._on_tier_error(src, TierError("get_many returned a wrong number of blocks"))
+            return dict.fromkeys(run, _FAILED)
+        return dict(zip(run, got, strict=True))
+
+    def _promote(self, entry: LowerEntry, ns: Namespace, fetched: Any = None) -> Block | None:
+        """Promote one lower-tier block into RAM. ``fetched``: what ``_fetch_run`` read
+        for it (``(payload, sessions)``, None: absent, ``_FAILED``), or ``_UNFETCHED``."""
         meta = entry.meta
         c = self._c
+        if fetched is _FAILED:
+            return None
         existing = self.pool.get(meta.block_hash)
         if existing is not None:
             if existing.ref_cnt:
@@ -264,11 +311,17 @@ class PromptCache:
         if not self.pool.make_room(meta.nbytes):  # reserve RAM before reading
             c.promotion_failures += 1
             return None
-        try:
-            data = entry.source.get(meta.block_hash)  # type: ignore[attr-defined]
-        except (TierError, OSError) as e:
-            self._on_tier_error(entry.source, e)
-            return None
+        sessions: list[str] | None = None
+        if fetched is _UNFETCHED:
+            try:
+                data = entry.source.get(meta.block_hash, ns=ns)  # type: ignore[attr-defined]
+            except (TierError, OSError) as e:
+                self._on_tier_error(entry.source, e)
+                return None
+        elif fetched is None:
+            data = None
+        else:
+            data, sessions = fetched
         if data is None:
             c.promotion_failures += 1
             return None
@@ -293,7 +346,9 @@ class PromptCache:
         )
         block.hits = 1
         try:  # the sessions that wrote it, so delete_session also reaches this copy
-            for sid in entry.source.sessions_of(meta.block_hash):  # type: ignore[attr-defined]
+            if sessions is None:
+                sessions = entry.source.sessions_of(meta.block_hash, ns=ns)  # type: ignore[attr-defined]
+            for sid in sessions:
                 block.add_session(sid)
         except (TierError, OSError) as e:
             self._on_tier_error(entry.source, e)
@@ -440,12 +495,12 @@ class PromptCache:
                 if self.pool.remove(sib):
                     self._c.superseded += 1
                     if persisted and h is not None:
-                        self._discard_lower(h)
+                        self._discard_lower(h, sib.ns)
 
-    def _discard_lower(self, block_hash: BlockHash) -> None:
+    def _discard_lower(self, block_hash: BlockHash, ns: Namespace) -> None:
         for tier in self.lower:
             try:
-                tier.discard((block_hash,))
+                tier.discard((block_hash,), ns=ns)
             except (TierError, OSError) as e:
                 self._on_tier_error(tier, e)
 
@@ -454,7 +509,7 @@ class PromptCache:
         if session_id is not None and block.add_session(session_id) and block.persisted:
             for tier in self.lower:
                 try:
-                    tier.add_sessions(block.meta().block_hash, (session_id,))
+                    tier.add_sessions(block.meta().block_hash, (session_id,), ns=block.ns)
                 except (TierError, OSError) as e:
                     self._on_tier_error(tier, e)
         if snap and not block.restorable_at_end():

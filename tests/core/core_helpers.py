@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -87,18 +87,22 @@ class FakeTier:
         self.put_hits: list[int | None] = []
         self.closed = False
 
-    def get_meta(self, block_hash: BlockHash) -> BlockMeta | None:
+    def get_metas(self, block_hashes: Sequence[BlockHash], *, ns: Namespace | None = None
+                  ) -> list[BlockMeta | None]:
+        return [self.get_meta(h) for h in block_hashes]
+
+    def get_meta(self, block_hash: BlockHash, *, ns: Namespace | None = None) -> BlockMeta | None:
         if self.fail_meta:
             raise TierError("meta index down")
         entry = self.blocks.get(block_hash)
         return entry[0] if entry else None
 
-    def children(self, parent_hash: BlockHash) -> list[BlockMeta]:
+    def children(self, parent_hash: BlockHash, *, ns: Namespace | None = None) -> list[BlockMeta]:
         if self.fail_meta:
             raise TierError("meta index down")
         return [m for m, _, _ in self.blocks.values() if m.parent_hash == parent_hash]
 
-    def get(self, block_hash: BlockHash) -> bytes | None:
+    def get(self, block_hash: BlockHash, *, ns: Namespace | None = None) -> bytes | None:
         self.gets.append(block_hash)
         if self.fail_get:
             raise TierError("disk read failed")
@@ -117,15 +121,16 @@ class FakeTier:
         self.blocks[meta.block_hash] = (meta, payload, set(sessions))
         return True
 
-    def discard(self, block_hashes: Iterable[BlockHash]) -> int:
+    def discard(self, block_hashes: Iterable[BlockHash], *, ns: Namespace | None = None) -> int:
         gone = [h for h in block_hashes if self.blocks.pop(h, None) is not None]
         return len(gone)
 
-    def sessions_of(self, block_hash: BlockHash) -> list[str]:
+    def sessions_of(self, block_hash: BlockHash, *, ns: Namespace | None = None) -> list[str]:
         entry = self.blocks.get(block_hash)
         return sorted(entry[2]) if entry is not None else []
 
-    def add_sessions(self, block_hash: BlockHash, sessions: Iterable[str]) -> None:
+    def add_sessions(self, block_hash: BlockHash, sessions: Iterable[str], *,
+                     ns: Namespace | None = None) -> None:
         if block_hash in self.blocks:
             self.blocks[block_hash][2].update(sessions)
 

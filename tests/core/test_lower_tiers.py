@@ -97,7 +97,7 @@ def test_corrupt_and_vanished_blocks_are_counted_misses():
     assert cache.acquire(SEQ, NS).num_tokens == 0
     assert cache.stats().tier_errors == 1
     tier.corrupt = False
-    tier.get = lambda h: None  # type: ignore[method-assign]  # payload lost after lookup
+    tier.get = lambda h, ns=None: None  # type: ignore[method-assign]  # payload lost after lookup
     assert cache.acquire(SEQ, NS).num_tokens == 0
     assert cache.stats().promotion_failures == 1
     head = next(h for h, (m, _, _) in tier.blocks.items() if m.start == 0)

@@ -44,7 +44,7 @@ def test_cluster_round_trip_and_deletion(make_tier: Make, cluster: RedisClusterP
     assert all(per_node) and sum(map(len, per_node)) == 41  # spread over all three masters
     hs = [m.block_hash for m in metas]
     assert b.get_metas(hs, ns=alice) == metas
-    assert b.get_many(hs, ns=alice) == [payload(m) for m in metas]
+    assert b.get_many(hs, ns=alice) == [(payload(m), ["chat"]) for m in metas]
     assert b.children(metas[-2].block_hash, ns=alice) == [metas[-1]]
     assert b.sessions_of(metas[0].block_hash, ns=alice) == ["chat"]
     b.add_sessions(metas[0].block_hash, ["other"], ns=alice)

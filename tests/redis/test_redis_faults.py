@@ -139,7 +139,7 @@ def test_killed_and_restarted(make_tier: Make, tmp_path: Path) -> None:
             tier.put(m, payload(m))
         tier.flush()
         assert tier.get_metas(hs, ns=space) == metas
-        assert tier.get_many(hs, ns=space) == [payload(m) for m in metas]
+        assert tier.get_many(hs, ns=space) == [(payload(m), []) for m in metas]
     finally:
         srv.stop()
 
@@ -169,7 +169,7 @@ def test_replies_delayed_past_the_timeout(make_tier: Make, redis_url: str,
         clock.t += 1.0
         assert tier.probe() is True
         assert tier.get_metas(hs, ns=space) == metas
-        assert tier.get_many(hs, ns=space) == [payload(m) for m in metas]
+        assert tier.get_many(hs, ns=space) == [(payload(m), []) for m in metas]
     finally:
         proxy.stop()
 
@@ -192,8 +192,8 @@ def test_maxmemory_with_lru_eviction(make_tier: Make, tmp_path: Path) -> None:
         present = [i for i, f in enumerate(found) if f is not None]
         assert 0 < len(present) < 200  # Redis evicted some
         got = tier.get_many([metas[i].block_hash for i in present], ns=space)
-        assert all(g is None or g == big_payload(metas[i], 64) for g, i in zip(got, present,
-                                                                                  strict=True))
+        assert all(g is None or g == (big_payload(metas[i], 64), []) for g, i in zip(got, present,
+                                                                                        strict=True))
         for m in metas:  # the children index may name evicted blocks: never returned
             kids = tier.children(m.parent_hash, ns=space)
             assert all(k.block_hash == m.block_hash for k in kids)

@@ -35,7 +35,8 @@ def test_round_trip_keys_and_ttl(make_tier: Make, redis_url: str, redis_server: 
     metas = chain(space, list(range(10)))  # blocks of 4, 4 and a partial 2
     put_all(tier, metas, ["s1"])
     assert tier.get_metas([m.block_hash for m in metas], ns=space) == metas
-    assert tier.get_many([m.block_hash for m in metas], ns=space) == [payload(m) for m in metas]
+    assert tier.get_many([m.block_hash for m in metas], ns=space) == [
+        (payload(m), ["s1"]) for m in metas]
     assert tier.get(metas[2].block_hash, ns=space) == payload(metas[2])
     assert tier.children(metas[1].block_hash, ns=space) == [metas[2]]
     assert tier.children(space.root, ns=space) == [metas[0]]
@@ -247,7 +248,8 @@ def test_two_tiers_share_blocks(make_tier: Make, redis_url: str) -> None:
     metas = chain(space, list(range(12)))
     put_all(a, metas, ["s"])
     assert b.get_metas([m.block_hash for m in metas], ns=space) == metas
-    assert b.get_many([m.block_hash for m in metas], ns=space) == [payload(m) for m in metas]
+    assert b.get_many([m.block_hash for m in metas], ns=space) == [
+        (payload(m), ["s"]) for m in metas]
     assert b.delete_session("s") == 3
     assert a.get_metas([metas[0].block_hash], ns=space) == [None]
 

@@ -1,9 +1,13 @@
 """Token-granular prefix matching over block storage (RAM pool + lower tiers).
 
 1. Walk the request's full blocks by chained hash; each hash is looked up in RAM
-   first, then in each lower tier's metadata index. A found block counts only if
-   its stored token ids, parent and start equal the request's (a hash collision
-   is harmless).
+   first, then in the lower tiers' metadata. Where RAM ends, the hashes of every
+   remaining full block are computed and each lower tier is asked once for all of
+   them (``get_metas``: one round trip for a remote tier), in tier order, each tier
+   only from the first block no earlier tier holds; the walk then takes, block by
+   block, RAM or the first tier holding it, and stops at the first block none
+   holds (only the leading run counts). A found block counts only if its stored
+   token ids, parent and start equal the request's (a hash collision is harmless).
 2. Among the children of the last matched block (RAM children index plus the
    lower tiers' ``children``), take the one, full or partial, with the longest
    common prefix with the rest of the request (its extra keys must equal the
@@ -49,13 +53,16 @@ def block_hash(parent: BlockHash, token_ids: Any, extra_keys: tuple[bytes, ...])
 
 
 class MetaSource(Protocol):
-    """The metadata half of a lower tier (``tiers.base.Tier``)."""
+    """The metadata half of a lower tier (``tiers.base.Tier``). ``ns``: the namespace
+    the hashes belong to (a tier whose keys carry it, e.g. Redis, needs it)."""
 
     name: str
 
-    def get_meta(self, block_hash: BlockHash) -> BlockMeta | None: ...
+    def get_metas(self, block_hashes: Sequence[BlockHash], *, ns: Namespace | None = None
+                  ) -> list[BlockMeta | None]: ...
 
-    def children(self, parent_hash: BlockHash) -> list[BlockMeta]: ...
+    def children(self, parent_hash: BlockHash, *, ns: Namespace | None = None
+                 ) -> list[BlockMeta]: ...
 
 
 class LowerEntry:
@@ -209,17 +216,41 @@ class Matcher:
             and np.asarray(meta.token_ids, dtype="<u4").tobytes() == want
         )
 
-    def _find_lower(self, h: BlockHash, parent: BlockHash, start: int, want: bytes,
-                    ns_key: str, extra: tuple[bytes, ...]) -> LowerEntry | None:
+    def _lower_chain(self, req: RequestTokens, ns: Namespace, spans: Sequence[ExtraKeySpan],
+                     pos: int, parent: BlockHash, h: BlockHash
+                     ) -> tuple[dict[int, BlockHash], dict[int, LowerEntry]]:
+        """Hashes of the full blocks from ``pos`` on (``h`` is the first) and the lower
+        tier entries found for them: one ``get_metas`` per tier (see the module
+        docstring). Returns ``({start: hash}, {start: entry})``."""
+        bs, n, arr, buf = ns.block_size, req.n, req.arr, req.buf
+        starts = list(range(pos, n - bs + 1, bs))
+        hashes = [h]
+        for s in starts[1:]:
+            extra = extra_keys_for(spans, s, s + bs) if spans else ()
+            hashes.append(block_hash(hashes[-1], arr[s:s + bs], extra))
+        found: list[LowerEntry | None] = [None] * len(hashes)
+        first = 0
+        ns_key = ns.key
         for src in self.lower:
+            if first >= len(hashes):
+                break
             try:
-                meta = src.get_meta(h)
+                metas = src.get_metas(hashes[first:], ns=ns)
             except (TierError, OSError) as e:
                 self.on_tier_error(src, e)
                 continue
-            if self._meta_ok(meta, parent, start, want, ns_key, extra) and meta is not None:
-                return LowerEntry(meta, src)
-        return None
+            for j, meta in enumerate(metas, first):
+                if found[j] is not None or meta is None:
+                    continue
+                s = starts[j]
+                extra = extra_keys_for(spans, s, s + bs) if spans else ()
+                p = hashes[j - 1] if j else parent
+                if self._meta_ok(meta, p, s, buf[s * 4:(s + bs) * 4], ns_key, extra):
+                    found[j] = LowerEntry(meta, src)
+            while first < len(hashes) and found[first] is not None:
+                first += 1
+        chain = dict(zip(starts, hashes, strict=True))
+        return chain, {s: e for s, e in zip(starts, found, strict=True) if e is not None}
 
     def match(self, req: RequestTokens, ns: Namespace, spans: Sequence[ExtraKeySpan]) -> RawMatch:
         n = req.n
@@ -237,6 +268,8 @@ class Matcher:
         is_expired = self.is_expired
         prev: Block | None = None  # the last matched RAM block: its kids are `parent`'s children
         block: Block | None
+        chain: dict[int, BlockHash] | None = None  # hashes from where RAM first ended
+        lower_at: dict[int, LowerEntry] = {}
         while pos + bs <= n:
             end = pos + bs
             extra = extra_keys_for(spans, pos, end) if spans else ()
@@ -263,7 +296,8 @@ class Matcher:
                 at_end = bool(block.flags & 3)
             else:
                 prev = None
-                h = block_hash(parent, arr[pos:end], extra)
+                known = chain.get(pos) if chain is not None else None
+                h = known if known is not None else block_hash(parent, arr[pos:end], extra)
                 block = self.pool.get(h)  # e.g. a sibling with the same tokens, other extra keys
                 if (block is not None and block.parent_hash == parent and block.tokens == want
                         and self._ram_ok(block, pos, extra, ns)):
@@ -271,7 +305,9 @@ class Matcher:
                     trunc = bool(block.flags & 1)
                     at_end = bool(block.flags & 3)
                 else:
-                    entry = self._find_lower(h, parent, pos, want, ns_key, extra) if self.lower else None
+                    if self.lower and chain is None:
+                        chain, lower_at = self._lower_chain(req, ns, spans, pos, parent, h)
+                    entry = lower_at.get(pos)
                     if entry is None:
                         next_hash = h
                         break
@@ -336,7 +372,7 @@ class Matcher:
                          block.restorable_at_end()))
         for src in self.lower:
             try:
-                metas = src.children(parent)
+                metas = src.children(parent, ns=ns)
             except (TierError, OSError) as e:
                 self.on_tier_error(src, e)
                 continue

@@ -303,25 +303,28 @@ class RedisTier:
         got = self._fetch([bytes(block_hash)], ns)[0]
         if isinstance(got, CorruptBlockError):
             raise got
-        return got
+        return None if got is None else got[0]
 
     def get_many(self, block_hashes: Sequence[BlockHash], *, ns: Namespace | None = None
-                 ) -> list[bytes | None]:
-        """Payloads of many blocks in one round trip (None where absent or damaged)."""
-        return [g if isinstance(g, bytes) else None
+                 ) -> list[tuple[bytes, list[str]] | None]:
+        """``(payload, sessions)`` of many blocks in one round trip (None where absent
+        or damaged: a damaged block is deleted and counted)."""
+        return [g if isinstance(g, tuple) else None
                 for g in self._fetch([bytes(h) for h in block_hashes], ns)]
 
-    def _fetch(self, hs: list[bytes], ns: Namespace | None) -> list[bytes | None | CorruptBlockError]:
-        out: list[bytes | None | CorruptBlockError] = [None] * len(hs)
+    def _fetch(self, hs: list[bytes], ns: Namespace | None
+               ) -> list[tuple[bytes, list[str]] | None | CorruptBlockError]:
+        out: list[tuple[bytes, list[str]] | None | CorruptBlockError] = [None] * len(hs)
         if ns is None or not hs:
             return out
         ask: list[int] = []
         for i, h in enumerate(hs):
             with self._lock:
                 p = self._pending_for(h, ns)
+                sessions = sorted(p.sessions) if p is not None else []
             if p is not None:
                 try:
-                    out[i] = p.data()
+                    out[i] = (p.data(), sessions)
                     self._count("pending_hits")
                     continue
                 except Exception:  # an unencodable pending block: ask Redis
@@ -334,7 +337,7 @@ class RedisTier:
         def fetch(c: Client) -> list[Any]:
             pipe = c.pipeline(transaction=False)
             for k in keys:
-                pipe.hmget(k, [META_FIELD, PAYLOAD_FIELD])
+                pipe.hgetall(k)  # record, payload and session fields: one command
             return list(pipe.execute())
 
         try:
@@ -342,8 +345,10 @@ class RedisTier:
         except Skipped:
             return out
         hits = misses = nbytes = 0
-        for i, (data, payload) in zip(ask, raw, strict=True):
+        n = len(SESSION_FIELD_PREFIX)
+        for i, fields in zip(ask, raw, strict=True):
             h = hs[i]
+            data, payload = fields.get(META_FIELD), fields.get(PAYLOAD_FIELD)
             if data is None or payload is None:
                 misses += 1
                 continue
@@ -358,7 +363,9 @@ class RedisTier:
                 self._corrupt(ns, h, record_parent(data), str(e))
                 out[i] = CorruptBlockError(f"redis block {h.hex()[:16]}: {e}; deleted")
                 continue
-            out[i] = bytes(payload)
+            sessions = sorted(f[n:].decode("utf-8", "replace") for f in fields
+                              if f.startswith(SESSION_FIELD_PREFIX))
+            out[i] = (bytes(payload), sessions)
             hits += 1
             nbytes += len(payload)
         with self._lock:
@@ -369,8 +376,10 @@ class RedisTier:
 
     # -- writes (queued) ------------------------------------------------------------------
     def put(self, meta: BlockMeta, payload: Any, sessions: Iterable[str] = (),
-            hits: int | None = None) -> bool:
-        """Queue a block for writing; False if dropped (counted by reason)."""
+            hits: int | None = None, *, timeout: float | None = 0.0) -> bool:
+        """Queue a block for writing; False if refused (counted by reason).
+        ``timeout``: how long to wait for room in a full queue (0: never wait, the
+        request path; None: as long as it takes)."""
         if not isinstance(meta, BlockMeta):
             raise ValueError(f"meta must be a BlockMeta, got {type(meta).__name__}")
         if len(meta.block_hash) != 32 or len(meta.parent_hash) != 32:
@@ -380,8 +389,11 @@ class RedisTier:
             raise ValueError(f"payload must be bytes or have encode(), got {type(payload).__name__}")
         if isinstance(sessions, str):
             raise ValueError("sessions must be an iterable of session ids, not a string")
-        sess = {str(s) for s in sessions}
+        if isinstance(payload, bytearray | memoryview):
+            payload = bytes(payload)
         h = bytes(meta.block_hash)
+        item = _Put(meta, payload, {str(s) for s in sessions})
+        item.had_session = bool(item.sessions)
         with self._lock:
             reason = None
             if self._closed:
@@ -393,19 +405,43 @@ class RedisTier:
             if reason is not None:
                 self._drops[reason] += 1
                 return False
-            item = _Put(meta, payload if not isinstance(payload, bytearray | memoryview)
-                        else bytes(payload), set(sess), bool(sess))
+            old = self._pending.get(h)
+            self._pending[h] = item  # before it is queued: the writer forgets it
             try:
                 self._queue.put_nowait(item)
+                queued = True
             except queue.Full:
+                queued = False
+        if not queued and timeout != 0:
+            try:
+                self._queue.put(item, timeout=timeout)
+                queued = True
+            except queue.Full:
+                pass
+        with self._lock:
+            if not queued:
+                self._forget(item)
+                if old is not None and self._pending.get(h) is None and not old.cancelled:
+                    self._pending[h] = old
                 self._drops["queue_full"] += 1
                 return False
-            old = self._pending.get(h)
-            if old is not None:  # superseded by this newer version; keep its sessions
+            if old is not None and old is not item:  # superseded: keep its sessions
                 old.cancelled = True
                 item.sessions |= old.sessions
                 item.had_session = item.had_session or old.had_session
-            self._pending[h] = item
+            return True
+
+    def has_room(self, timeout: float | None = 0.0) -> bool:
+        """Whether a put that does not wait would find room in the queue now (waiting
+        up to ``timeout`` seconds for it; None: as long as it takes)."""
+        q = self._queue
+        deadline = None if timeout is None else time.monotonic() + max(0.0, timeout)
+        with q.not_full:
+            while q.maxsize > 0 and q._qsize() >= q.maxsize:
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return False
+                q.not_full.wait(remaining)
             return True
 
     def add_sessions(self, block_hash: BlockHash, sessions: Iterable[str], *,
@@ -496,9 +532,18 @@ class RedisTier:
 
         write_batch(self, batch)
 
-    def flush(self) -> None:
-        """Wait until every queued write was sent (or dropped)."""
-        self._queue.join()
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every queued write was sent (or dropped). True if done within
+        ``timeout`` seconds (None: no limit)."""
+        q = self._queue
+        deadline = None if timeout is None else time.monotonic() + max(0.0, timeout)
+        with q.all_tasks_done:
+            while q.unfinished_tasks:
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return False
+                q.all_tasks_done.wait(remaining)
+        return True
 
     # -- deletion -------------------------------------------------------------------------
     def delete_session(self, session_id: str, tenant: str | None = None) -> int:

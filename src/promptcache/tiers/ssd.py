@@ -30,7 +30,7 @@ import sqlite3
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +38,7 @@ from ..codec import checksum
 from ..config import SSDConfig
 from ..errors import CorruptBlockError, TierError
 from ..hashing import BlockHash
-from ..meta import BlockMeta
+from ..meta import BlockMeta, Namespace
 from . import ssd_files as files
 from .ssd_check import CheckReport, reconcile
 from .ssd_index import IndexCorruptError, IndexRow, SSDIndex
@@ -146,7 +146,12 @@ class SSDTier(SSDStore):
     def _live(self, row: IndexRow | None, now: float) -> bool:
         return row is not None and (row.expiry is None or row.expiry > now)
 
-    def get_meta(self, block_hash: BlockHash) -> BlockMeta | None:
+    def get_metas(self, block_hashes: Sequence[BlockHash], *, ns: Namespace | None = None
+                  ) -> list[BlockMeta | None]:
+        """``get_meta`` of each hash (the index is local: one query each)."""
+        return [self.get_meta(h) for h in block_hashes]
+
+    def get_meta(self, block_hash: BlockHash, *, ns: Namespace | None = None) -> BlockMeta | None:
         h = bytes(block_hash)
         with self._lock:
             p = self._pending.get(h)
@@ -159,7 +164,8 @@ class SSDTier(SSDStore):
                 return None
         return row.meta if row is not None and self._live(row, self._clock()) else None
 
-    def children(self, parent_hash: BlockHash) -> list[BlockMeta]:
+    def children(self, parent_hash: BlockHash, *, ns: Namespace | None = None
+                 ) -> list[BlockMeta]:
         parent = bytes(parent_hash)
         now = self._clock()
         with self._lock:
@@ -174,7 +180,7 @@ class SSDTier(SSDStore):
                     out[h] = p.meta
         return [out[h] for h in sorted(out)]
 
-    def sessions_of(self, block_hash: BlockHash) -> list[str]:
+    def sessions_of(self, block_hash: BlockHash, *, ns: Namespace | None = None) -> list[str]:
         with self._lock:
             p = self._pending.get(bytes(block_hash))
             if p is not None and not p.cancelled:
@@ -193,7 +199,7 @@ class SSDTier(SSDStore):
 
     # -- read path --------------------------------------------------------------------
 
-    def get(self, block_hash: BlockHash) -> bytes | None:
+    def get(self, block_hash: BlockHash, *, ns: Namespace | None = None) -> bytes | None:
         h = bytes(block_hash)
         t0 = time.perf_counter()
         with self._lock:
@@ -397,7 +403,8 @@ class SSDTier(SSDStore):
             self._pending_bytes += len(payload)
             return True
 
-    def add_sessions(self, block_hash: BlockHash, sessions: Iterable[str]) -> None:
+    def add_sessions(self, block_hash: BlockHash, sessions: Iterable[str], *,
+                     ns: Namespace | None = None) -> None:
         if isinstance(sessions, str):
             raise ValueError("sessions must be an iterable of session ids, not a string")
         sess = {str(s) for s in sessions}

@@ -19,7 +19,7 @@ from typing import Any
 from ..config import SSDConfig
 from ..errors import TierError
 from ..hashing import BlockHash
-from ..meta import BlockMeta
+from ..meta import BlockMeta, Namespace
 from . import ssd_files as files
 from .ssd_index import SSDIndex
 
@@ -191,7 +191,7 @@ class SSDStore:
                 raise TierError(f"ssd delete_session failed: {e}") from e
             return len(cancelled | {h for h, _, _ in orphaned})
 
-    def discard(self, block_hashes: Iterable[BlockHash]) -> int:
+    def discard(self, block_hashes: Iterable[BlockHash], *, ns: Namespace | None = None) -> int:
         """Delete these blocks (e.g. partial tails a longer sibling now covers), queued
         or stored. Returns the number deleted."""
         hs = {bytes(h) for h in block_hashes}

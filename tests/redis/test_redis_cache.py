@@ -1,0 +1,165 @@
+"""PromptCache over the Redis tier: two caches (two servers) share blocks through one
+Redis; RAM -> SSD -> Redis order; a chain is looked up and read in a fixed number of
+round trips; faults are counted misses; deletion and tenants reach Redis."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+from redis_servers import RedisServer
+
+from promptcache.cache import PromptCache
+from promptcache.config import CacheConfig, SSDConfig
+from promptcache.meta import Namespace
+from promptcache.tiers.redis import RedisTier
+from promptcache.tiers.ssd import SSDTier
+
+Make = Callable[..., RedisTier]
+BS = 4
+BLOCK_BYTES = BS * 2 * 4
+NS = Namespace("test-model", BS)
+SEQ = list(range(1, 4 * 50 + 3))  # 50 full blocks and a partial one
+
+
+def payload_for(start: int, end: int, snapshot: bool) -> dict[str, np.ndarray]:
+    x = np.arange(start, end, dtype=np.float32).reshape(-1, 1).repeat(2, axis=1)
+    return {"0.k": x}
+
+
+def cache_on(*lower: object, budget: int = 1 << 20) -> PromptCache:
+    return PromptCache(CacheConfig(block_size=BS, ram_budget_bytes=budget), lower=lower,  # type: ignore[arg-type]
+                       write_through=True)
+
+
+def round_trips(tier: RedisTier) -> int:
+    return int(tier.stats()["round_trips"])
+
+
+def test_two_caches_share_a_conversation(make_tier: Make, redis_url: str) -> None:
+    ta, tb = make_tier(redis_url), make_tier(redis_url)
+    a, b = cache_on(ta), cache_on(tb)
+    assert a.store(NS, SEQ, len(SEQ), payload_for, session_id="chat") == 51
+    ta.flush()
+    before = round_trips(tb)
+    m = b.lookup(SEQ + [999], NS)
+    assert m.num_tokens == len(SEQ) and m.tokens_by_tier == {"redis": len(SEQ)}
+    # one pipelined lookup of the 50 full blocks, then the children (index + liveness)
+    assert round_trips(tb) - before == 3
+    before = round_trips(tb)
+    hit = b.acquire(SEQ + [999], NS)
+    assert hit.num_tokens == len(SEQ) and hit.tokens_by_tier == {"redis": len(SEQ)}
+    assert round_trips(tb) - before == 4  # the same lookup, then one read of all 51 blocks
+    for meta, payload in hit.blocks:
+        np.testing.assert_array_equal(payload["0.k"], payload_for(meta.start, meta.end, False)["0.k"])
+    b.release(hit)
+    st = b.stats()
+    assert (st.promotions, st.hit_tokens_by_tier) == (51, {"redis": len(SEQ)})
+    # promoted blocks carry their sessions, and are known to be in Redis: no rewrite
+    assert all(blk.sessions == ("chat",) for blk in b.pool.blocks())
+    writes = tb.stats()["writes"]
+    b.evict()
+    tb.flush()
+    assert tb.stats()["writes"] == writes
+    b.check()
+
+
+def test_ram_then_ssd_then_redis(make_tier: Make, redis_url: str, tmp_path: Path) -> None:
+    ta = make_tier(redis_url)
+    a = cache_on(ta)
+    a.store(NS, SEQ, len(SEQ), payload_for)
+    ta.flush()
+    ssd = SSDTier(SSDConfig(path=tmp_path / "ssd", fsync=False))
+    tb = make_tier(redis_url)
+    b = cache_on(ssd, tb)
+    try:
+        b.store(NS, SEQ, 40, payload_for)  # 10 blocks: in RAM and (write-through) on SSD
+        ssd.flush()
+        b.evict(5)  # the 5 LRU of them leave RAM (they stay on SSD)
+        m = b.lookup(SEQ + [0], NS)
+        assert m.num_tokens == len(SEQ)
+        assert m.tokens_by_tier == {"ram": 20, "ssd": 20, "redis": len(SEQ) - 40}
+        hit = b.acquire(SEQ + [0], NS)
+        assert hit.tokens_by_tier == {"ram": 20, "ssd": 20, "redis": len(SEQ) - 40}
+        b.release(hit)
+    finally:
+        b.close(persist=False)
+
+
+def test_no_room_in_ram_cuts_the_hit_before_reading(make_tier: Make, redis_url: str) -> None:
+    ta = make_tier(redis_url)
+    cache_on(ta).store(NS, SEQ, len(SEQ), payload_for)
+    ta.flush()
+    tb = make_tier(redis_url)
+    b = cache_on(tb, budget=10 * BLOCK_BYTES)
+    hit = b.acquire(SEQ + [0], NS)
+    assert hit.num_tokens == 40 and hit.miss is not None and hit.miss.cause == "promotion_failed"
+    st = b.stats()
+    assert (st.promotions, st.ram_bytes, st.ram_budget_bytes) == (10, 10 * BLOCK_BYTES,
+                                                                  10 * BLOCK_BYTES)
+    assert tb.stats()["bytes_read"] == sum(  # only what fitted was read
+        len(tb.get(bm.block_hash, ns=NS) or b"") for bm, _ in hit.blocks)
+    b.release(hit)
+    b.check()
+
+
+def test_corrupt_value_is_a_counted_miss_and_deleted(make_tier: Make, redis_url: str,
+                                                     redis_server: RedisServer) -> None:
+    ta = make_tier(redis_url)
+    cache_on(ta).store(NS, SEQ[:20], 20, payload_for)
+    ta.flush()
+    client = redis_server.client()
+    key = next(k for k in client.scan_iter(match="*:b:*")
+               if client.hget(k, "m") and b'"s":8,' in client.hget(k, "m"))
+    client.hset(key, "p", b"garbage")
+    tb = make_tier(redis_url)
+    b = cache_on(tb)
+    hit = b.acquire(SEQ[:20] + [0], NS)
+    assert hit.num_tokens == 8  # blocks 0 and 1; block 2 was damaged
+    assert tb.stats()["corrupt"] == 1 and client.exists(key) == 0
+    assert b.stats().promotion_failures == 1
+    b.release(hit)
+
+
+def test_redis_down_is_a_counted_miss(make_tier: Make, tmp_path: Path) -> None:
+    srv = RedisServer(tmp_path / "r").start()
+    try:
+        tier = make_tier(srv.url, start_prober=False)
+        cache = cache_on(tier, budget=8 * BLOCK_BYTES)
+        cache.store(NS, SEQ[:16], 16, payload_for)
+        tier.flush()
+        cache.evict()
+        srv.kill()
+        for _ in range(5):
+            hit = cache.acquire(SEQ[:16] + [0], NS)
+            assert hit.num_tokens == 0
+            cache.release(hit)
+        assert cache.stats().tier_errors == 3  # then the circuit is open: skipped at once
+        assert tier.stats()["skipped_ops"] >= 2
+        assert cache.store(NS, SEQ, 20, payload_for) == 5  # stores go on in RAM
+    finally:
+        srv.stop()
+
+
+def test_session_and_tenant_deletion_reach_redis(make_tier: Make, redis_url: str,
+                                                 redis_server: RedisServer) -> None:
+    ta = make_tier(redis_url)
+    a = cache_on(ta)
+    other = NS.with_tenant("other")
+    a.store(NS, SEQ[:12], 12, payload_for, session_id="s1")
+    a.store(other, SEQ[:12], 12, payload_for, session_id="s1")
+    ta.flush()
+    tb = make_tier(redis_url)
+    b = cache_on(tb)
+    # tenant isolation: identical tokens in another tenant hit nothing of the first
+    assert b.lookup(SEQ[:12], NS.with_tenant("third")).num_tokens == 0
+    assert b.delete_session("s1") == 3 + 3  # both tenants (no tenant given)
+    assert list(redis_server.client().scan_iter(match="promptcache:*:b:*")) == []
+    a = cache_on(ta)  # (server A's RAM still holds its copies: a deletion reaches the
+    a.store(NS, SEQ[:12], 12, payload_for)  # RAM of the server that receives it only)
+    a.store(other, SEQ[:12], 12, payload_for)
+    ta.flush()
+    assert b.delete(tenant="other") == 3
+    assert list(redis_server.client().scan_iter(match="promptcache:*:other:*")) == []
+    assert b.lookup(SEQ[:12] + [0], NS).num_tokens == 12
