@@ -10,11 +10,14 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+import httpx
 import redis
 
 REDIS_SERVER = shutil.which("redis-server") or shutil.which("valkey-server")
@@ -222,3 +225,65 @@ def running(server: RedisServer | RedisClusterProcs) -> Iterator[RedisServer | R
         yield server
     finally:
         server.stop()
+
+
+PROMPTCACHE_ARGV = [sys.executable, "-c",
+                    "import sys; from promptcache.cli import main; sys.exit(main())"]
+
+
+class ServeProcess:
+    """A real ``promptcache serve`` subprocess on a free port (stopped by PID)."""
+
+    def __init__(self, workdir: Path, model: Path, *args: str) -> None:
+        self.workdir = workdir
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.port = free_port()
+        self.argv = [*PROMPTCACHE_ARGV, "serve", "--model", str(model), "--port", str(self.port),
+                     "--log-level", "warning", *args]
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def base(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> ServeProcess:
+        log = open(self.workdir / "server.log", "ab")  # noqa: SIM115 - owned by the process
+        self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT)
+        log.close()
+        wait_until(self._ready, timeout=120, what=f"promptcache serve on {self.port}")
+        return self
+
+    def _ready(self) -> bool:
+        if self.proc is not None and self.proc.poll() is not None:
+            raise RuntimeError("server exited:\n" + self.log())
+        try:
+            return httpx.get(f"{self.base}/health", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def log(self) -> str:
+        return (self.workdir / "server.log").read_text(errors="replace")[-4000:]
+
+    def stats(self) -> dict[str, Any]:
+        """The cache statistics (``/v1/cache/stats``'s ``cache``; {} without a cache)."""
+        data: dict[str, Any] = httpx.get(f"{self.base}/v1/cache/stats", timeout=10).json()
+        return data.get("cache") or {}
+
+    def redis_stats(self) -> dict[str, Any]:
+        out: dict[str, Any] = self.stats()["tiers"]["redis"]
+        return out
+
+    def wait_redis_written(self) -> None:
+        """Until every block this server queued for Redis is written (or dropped)."""
+        wait_until(lambda: self.redis_stats()["pending_writes"] == 0,
+                   what=f"redis writes of {self.port}")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.kill(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self.proc = None

@@ -18,7 +18,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from ..config import CacheConfig, EngineConfig, ServerConfig, SSDConfig, parse_size
+from ..config import CacheConfig, EngineConfig, RedisConfig, ServerConfig, SSDConfig, parse_size
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +44,15 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                         "write_back: only evicted blocks, the rest at a clean shutdown")
     p.add_argument("--no-ssd", action="store_true", help="RAM tier only")
     p.add_argument("--no-cache", action="store_true", help="disable the prompt cache")
+    p.add_argument("--redis-url", default=None,
+                   help="shared tier on Redis / Valkey: redis://, rediss://, unix:// or "
+                        "redis+cluster://HOST:PORT (several servers reuse each other's blocks)")
+    p.add_argument("--redis-cluster", action="store_true",
+                   help="the --redis-url names a Redis Cluster node")
+    p.add_argument("--redis-ttl", default="24h", help="TTL of every Redis key (24h, 7d, 3600)")
+    p.add_argument("--redis-timeout-ms", type=float, default=50.0,
+                   help="per-operation timeout on the request path (default 50)")
+    p.add_argument("--redis-prefix", default="promptcache", help="key prefix")
     p.add_argument("--api-key", default=None, help="require this key (Bearer or x-api-key)")
     p.add_argument("--api-keys-file", type=Path, default=None,
                    help='JSON object {"<key>": "<tenant>"}: keys that select a tenant')
@@ -109,9 +118,25 @@ def build_configs(args: argparse.Namespace) -> tuple[
     return engine_cfg, cache_cfg, ssd_cfg, server_cfg
 
 
+def build_redis_config(args: argparse.Namespace) -> RedisConfig | None:
+    """The shared tier's config, or None without ``--redis-url`` (ValueError if bad)."""
+    if args.redis_url is None or args.no_cache:
+        if args.redis_cluster:
+            raise ValueError("--redis-cluster needs --redis-url")
+        return None
+    from .cache_cmd import parse_duration
+
+    ttl = parse_duration(args.redis_ttl)
+    if args.redis_timeout_ms <= 0:
+        raise ValueError(f"--redis-timeout-ms must be > 0, got {args.redis_timeout_ms}")
+    return RedisConfig(url=args.redis_url, cluster=args.redis_cluster, prefix=args.redis_prefix,
+                       ttl_seconds=ttl, timeout_s=args.redis_timeout_ms / 1000.0)
+
+
 def run(args: argparse.Namespace) -> int:
     logging.getLogger().setLevel(args.log_level.upper())
     engine_cfg, cache_cfg, ssd_cfg, server_cfg = build_configs(args)
+    redis_cfg = build_redis_config(args)
 
     import uvicorn
 
@@ -126,7 +151,7 @@ def run(args: argparse.Namespace) -> int:
         model = str(ensure_default_model())
     print(f"promptcache: loading {model}", file=sys.stderr)
     engine = Engine.load(model, engine_cfg, cache_cfg, ssd_config=ssd_cfg,
-                         use_cache=not args.no_cache)
+                         use_cache=not args.no_cache, redis_config=redis_cfg)
     if server_cfg.context_window and server_cfg.context_window > engine.context_length:
         log.warning("--context-window %d is larger than the model's window (%d); using %d",
                     server_cfg.context_window, engine.context_length, engine.context_length)
@@ -134,7 +159,7 @@ def run(args: argparse.Namespace) -> int:
         app = create_app(engine, server_cfg, engine_config=engine_cfg,
                          model_aliases=args.model_alias)
         print(f"promptcache: serving {engine.model_id} on http://{args.host}:{args.port} "
-              f"(cache: {'off' if args.no_cache else 'RAM' + (' + SSD ' + str(ssd_cfg.path) if ssd_cfg else '')})",
+              f"(cache: {'off' if args.no_cache else 'RAM' + (' + SSD ' + str(ssd_cfg.path) if ssd_cfg else '') + (' + Redis' if redis_cfg else '')})",
               file=sys.stderr, flush=True)
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
                     timeout_graceful_shutdown=5)

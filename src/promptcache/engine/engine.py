@@ -22,7 +22,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
-from ..config import CacheConfig, EngineConfig, SSDConfig
+from ..config import CacheConfig, EngineConfig, RedisConfig, SSDConfig
 from ..errors import RequestError
 from ..meta import DEFAULT_TENANT, Namespace, validate_tenant
 from . import adapters
@@ -200,15 +200,17 @@ class Engine:
         ssd_config: SSDConfig | None = None,
         use_cache: bool = True,
         logits_hook: LogitsHook | None = None,
+        redis_config: RedisConfig | None = None,
     ) -> Engine:
-        """Load a model folder or Hugging Face repo id; build the cache (RAM [+ SSD])."""
+        """Load a model folder or Hugging Face repo id; build the cache (RAM [+ SSD]
+        [+ Redis])."""
         from .loader import load_model
 
         model, tokenizer, info = load_model(model_path)
         cache_config = cache_config or CacheConfig()
         cache = None
         if use_cache and cache_config.enabled:
-            cache = _build_cache(cache_config, ssd_config)
+            cache = _build_cache(cache_config, ssd_config, redis_config)
         cfg = info.config
         vocab = cfg.get("vocab_size") or (cfg.get("text_config") or {}).get("vocab_size")
         return cls(
@@ -408,15 +410,21 @@ def _replace(req: GenerationRequest, **changes: Any) -> GenerationRequest:
     return dataclasses.replace(req, **changes)
 
 
-def _build_cache(cache_config: CacheConfig, ssd_config: SSDConfig | None) -> Any:
-    """PromptCache over RAM, plus the SSD tier when configured."""
+def _build_cache(cache_config: CacheConfig, ssd_config: SSDConfig | None,
+                 redis_config: RedisConfig | None = None) -> Any:
+    """PromptCache over RAM, plus the SSD tier and the Redis tier when configured."""
     from ..cache import PromptCache
 
-    lower = []
+    lower: list[Any] = []
     if ssd_config is not None:
         from ..tiers.ssd import SSDTier
 
         lower.append(SSDTier(ssd_config))
-    write_through = ssd_config is not None and ssd_config.policy == "write_through"
+    if redis_config is not None:
+        from ..tiers.redis import RedisTier
+
+        lower.append(RedisTier(redis_config))
+    write_through = (ssd_config is not None and ssd_config.policy == "write_through") or (
+        redis_config is not None and redis_config.policy == "write_through")
     return PromptCache(cache_config, adapter=MLXPayloadAdapter(), lower=lower,
                        write_through=write_through)

@@ -586,6 +586,7 @@ class RedisTier:
                 "dropped_writes_by_reason": dict(self._drops),
                 "dropped_writes_total": sum(self._drops.values()),
                 "queue_depth": self._queue.qsize(),
+                "pending_writes": self._queue.unfinished_tasks,
                 "ttl_seconds": self._ttl,
             })
         return out
