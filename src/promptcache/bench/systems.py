@@ -90,11 +90,14 @@ def unavailable_reason(name: str) -> str | None:
 
 
 def build_command(name: str, model: str, port: int, *, cache_dir: Path | None = None,
-                  ram_budget_bytes: int | None = None) -> list[str]:
-    """The argv that starts system ``name`` serving ``model`` on 127.0.0.1:``port``."""
+                  ram_budget_bytes: int | None = None, extra_args: tuple[str, ...] = ()
+                  ) -> list[str]:
+    """The argv that starts system ``name`` serving ``model`` on 127.0.0.1:``port``
+    (``extra_args``: more options for ours, e.g. ``--redis-url``)."""
     if name in ("ours", "nocache"):
         cmd = [sys.executable, "-c", "import sys; from promptcache.cli import main; sys.exit(main())",
-               "serve", "--model", model, "--host", "127.0.0.1", "--port", str(port)]
+               "serve", "--model", model, "--host", "127.0.0.1", "--port", str(port),
+               *extra_args]
         if name == "nocache":
             return cmd + ["--no-cache"]
         if cache_dir is not None:
@@ -170,6 +173,7 @@ class ServerProcess:
     log_path: Path
     cache_dir: Path | None = None
     ram_budget_bytes: int | None = None
+    extra_args: tuple[str, ...] = ()
     ready_timeout_s: float = 600.0
     sample_interval_s: float = 0.2
     port: int = 0
@@ -195,7 +199,7 @@ class ServerProcess:
         self.model_id = ""
         self.port = free_port()
         cmd = build_command(self.name, self.model, self.port, cache_dir=self.cache_dir,
-                            ram_budget_bytes=self.ram_budget_bytes)
+                            ram_budget_bytes=self.ram_budget_bytes, extra_args=self.extra_args)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log.info("starting %s: %s", self.name, " ".join(cmd))
         t0 = time.perf_counter()

@@ -27,7 +27,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("bench", help="benchmark S1..S5 against mlx_lm.server / vllm-mlx",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--scenarios", default=",".join(scenarios.SCENARIO_NAMES),
-                   help="comma-separated, from S1,S2,S3,S4,S5 (default: all)")
+                   help="comma-separated, from S1,S2,S3,S4,S5 (default: all) and S6 (two "
+                        "servers sharing one Redis; needs redis-server; only when named)")
     p.add_argument("--systems", default=",".join(systems.SYSTEM_NAMES),
                    help="comma-separated, from ours,mlx_lm,vllm_mlx,nocache (default: all)")
     p.add_argument("--model", default=None,
@@ -61,7 +62,8 @@ def _resolve_model(arg: str | None) -> str:
 
 
 def _command(args: argparse.Namespace, model: str) -> str:
-    parts = ["promptcache", "bench", "--model", model, "--systems", args.systems]
+    parts = ["promptcache", "bench", "--model", model, "--scenarios", args.scenarios,
+             "--systems", args.systems]
     preload = os.environ.get("LD_PRELOAD")
     if preload:
         parts.insert(0, f"LD_PRELOAD={preload}")
@@ -79,7 +81,10 @@ def _terminate(signum: int, _frame: object) -> None:
 def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _terminate)
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    names = scenarios.parse_names(args.scenarios)
+    parts = [p.strip() for p in args.scenarios.split(",") if p.strip()]
+    want_s6 = any(p.upper() == "S6" for p in parts)
+    rest = [p for p in parts if p.upper() != "S6"]
+    names = scenarios.parse_names(",".join(rest)) if rest or not want_s6 else []
     wanted = systems.parse_systems(args.systems)
     if args.max_tokens <= 0 or args.max_tokens > 4096:
         raise ValueError(f"--max-tokens must be in 1..4096, got {args.max_tokens}")
@@ -143,7 +148,15 @@ def run(args: argparse.Namespace) -> int:
             _say(f"{s.name}/{name}: Σ TTFT {_num(sum_ttft, ' s')}, ÷ floor "
                  f"{_num(summ['vs_floor'], '×')}, ÷ best peer {_num(summ['vs_best_peer'], '×')}")
     report.write_json(results, results_path)
-    md = report.markdown(results, _command(args, model))
+    s6_md = ""
+    if want_s6:
+        from ..bench import shared
+
+        results["s6"] = shared.run_s6(model, out / "work", out / "logs", wanted, quick=args.quick,
+                                      seed=args.seed, max_tokens=args.max_tokens, progress=_say)
+        report.write_json(results, results_path)
+        s6_md = "\n" + shared.markdown(results["s6"])
+    md = report.markdown(results, _command(args, model)) + s6_md
     (out / "report.md").write_text(md)
     charts = report.write_charts(results, out / "charts")
     _say(f"wrote {results_path}, {out / 'report.md'}, {len(charts)} charts in {out / 'charts'}")
