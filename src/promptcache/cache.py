@@ -57,6 +57,10 @@ logger = logging.getLogger(__name__)
 # (RAM is reserved for a whole batch before it is read).
 PROMOTE_BATCH_BYTES = 64 * 1024 * 1024
 _UNFETCHED = object()
+# Block flag bits above the pool's: bit (_IN_TIER << i) = lower tier i holds the block.
+_IN_TIER = 8
+_MAX_TIERS = 4
+_ALL_TIERS = ((1 << _MAX_TIERS) - 1) * _IN_TIER
 _FAILED = object()
 
 __all__ = [
@@ -83,7 +87,12 @@ class PromptCache:
         self.config = config
         self.adapter: PayloadAdapter = adapter if adapter is not None else NumpyAdapter()
         self.lower: list[Tier] = list(lower)
+        if len(self.lower) > _MAX_TIERS:
+            raise ValueError(f"at most {_MAX_TIERS} lower tiers, got {len(self.lower)}")
         self.write_through = write_through
+        # per-tier write policy: tiers that get every new block at once
+        self._wt_tiers = [i for i, t in enumerate(self.lower)
+                          if getattr(t, "policy", None) == "write_through"]
         self._encode = encode
         self._decode = decode
         self._extra_on_evict = on_evict
@@ -137,9 +146,26 @@ class PromptCache:
         if self.pool.remove(block):
             self._c.expired += 1
 
-    def _put_lower(self, block: Block) -> tuple[int, int]:
-        """Encode a block once and put it into every lower tier. Returns (accepted,
-        failed) counts; a block every tier accepted is marked persisted. Never raises."""
+    def _in_tiers(self, block: Block) -> list[int]:
+        """Indices of the lower tiers known to hold ``block`` (its per-tier flag bits)."""
+        if block.flags & PERSISTED:
+            return list(range(len(self.lower)))
+        return [i for i in range(len(self.lower)) if block.flags & (_IN_TIER << i)]
+
+    def _mark_in_tier(self, block: Block, i: int) -> None:
+        block.flags |= _IN_TIER << i
+        if all(block.flags & (_IN_TIER << j) for j in range(len(self.lower))):
+            block.flags |= PERSISTED
+
+    def _put_lower(self, block: Block, targets: Sequence[int] | None = None) -> tuple[int, int]:
+        """Encode a block once and put it into the lower tiers ``targets`` (None: every
+        tier) that do not hold it yet. Returns (accepted, failed) counts; a block that
+        every tier holds is marked persisted. Never raises."""
+        have = set(self._in_tiers(block))
+        todo = [i for i in (range(len(self.lower)) if targets is None else targets)
+                if i not in have]
+        if not todo:
+            return 0, 0
         try:
             meta = block.meta()
             extra = {k: v for k, v in self.adapter.meta(block.payload).items() if k != "block_hash"}
@@ -147,19 +173,19 @@ class PromptCache:
                              {**extra, "block_hash": meta.block_hash.hex()})
         except Exception as e:  # a payload that cannot be encoded is dropped, not raised
             logger.warning("cannot encode block %r for a lower tier: %s", block, e)
-            return 0, len(self.lower)
+            return 0, len(todo)
         ok = failed = 0
-        for tier in self.lower:
+        for i in todo:
+            tier = self.lower[i]
             try:
                 if tier.put(meta, data, block.sessions, hits=block.hits):
                     ok += 1
+                    self._mark_in_tier(block, i)
                 else:
                     failed += 1
             except (TierError, OSError) as e:
                 failed += 1
                 self._on_tier_error(tier, e)
-        if not failed:
-            block.flags |= PERSISTED
         return ok, failed
 
     def _on_block_evicted(self, block: Block) -> None:
@@ -337,7 +363,7 @@ class PromptCache:
         if not self.pool.can_allocate(nbytes):
             c.promotion_failures += 1
             return None
-        flags = PERSISTED | (TRUNCATABLE if meta.truncatable else 0) | (SNAPSHOT if meta.snapshot else 0)
+        flags = (TRUNCATABLE if meta.truncatable else 0) | (SNAPSHOT if meta.snapshot else 0)
         block = self.pool.allocate(
             block_hash=meta.block_hash, parent_hash=meta.parent_hash,
             tokens=np.asarray(meta.token_ids, dtype="<u4").tobytes(), start=meta.start,
@@ -345,6 +371,7 @@ class PromptCache:
             nbytes=nbytes, now=self._now,
         )
         block.hits = 1
+        self._mark_in_tier(block, self.lower.index(entry.source))  # type: ignore[arg-type]
         try:  # the sessions that wrote it, so delete_session also reaches this copy
             if sessions is None:
                 sessions = entry.source.sessions_of(meta.block_hash, ns=ns)  # type: ignore[attr-defined]
@@ -462,7 +489,7 @@ class PromptCache:
                     held.append(block)
                     created.append(block)
                 parent = h
-            if self.write_through and self.lower:
+            if self.lower and (self.write_through or self._wt_tiers):
                 for block in created:
                     self._write_through(block)
         finally:
@@ -491,14 +518,14 @@ class PromptCache:
                     and block.tokens.startswith(sib.tokens)):
                 for sid in sib.sessions:
                     block.add_session(sid)
-                persisted, h = sib.persisted, sib.block_hash
+                where, h = self._in_tiers(sib), sib.block_hash
                 if self.pool.remove(sib):
                     self._c.superseded += 1
-                    if persisted and h is not None:
-                        self._discard_lower(h, sib.ns)
+                    if where and h is not None:
+                        self._discard_lower(h, sib.ns, where)
 
-    def _discard_lower(self, block_hash: BlockHash, ns: Namespace) -> None:
-        for tier in self.lower:
+    def _discard_lower(self, block_hash: BlockHash, ns: Namespace, where: list[int]) -> None:
+        for tier in (self.lower[i] for i in where):
             try:
                 tier.discard((block_hash,), ns=ns)
             except (TierError, OSError) as e:
@@ -506,8 +533,8 @@ class PromptCache:
 
     def _touch_existing(self, block: Block, session_id: str | None, snap: bool, start: int,
                         end: int, payload_for: Callable[[int, int, bool], Any]) -> None:
-        if session_id is not None and block.add_session(session_id) and block.persisted:
-            for tier in self.lower:
+        if session_id is not None and block.add_session(session_id):
+            for tier in (self.lower[i] for i in self._in_tiers(block)):
                 try:
                     tier.add_sessions(block.meta().block_hash, (session_id,), ns=block.ns)
                 except (TierError, OSError) as e:
@@ -515,14 +542,17 @@ class PromptCache:
         if snap and not block.restorable_at_end():
             payload = payload_for(start, end, True)
             nbytes = self.adapter.nbytes(payload)
-            flags = (block.flags | SNAPSHOT) & ~PERSISTED
+            flags = (block.flags | SNAPSHOT) & ~(PERSISTED | _ALL_TIERS)
             if self.pool.replace_payload(block, payload, nbytes, flags):
                 self._c.upgrades += 1
             else:
                 self._c.drops += 1
 
     def _write_through(self, block: Block) -> None:
-        ok, failed = self._put_lower(block)
+        """Put a new block into the write-through tiers (every tier when the cache is
+        ``write_through``; else the tiers whose ``policy`` is ``"write_through"``, e.g.
+        the shared Redis tier); the others get it when it is evicted."""
+        ok, failed = self._put_lower(block, None if self.write_through else self._wt_tiers)
         if ok and not failed:
             self._c.write_through += 1
         self._c.demotion_failures += failed

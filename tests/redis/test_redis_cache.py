@@ -163,3 +163,32 @@ def test_session_and_tenant_deletion_reach_redis(make_tier: Make, redis_url: str
     assert b.delete(tenant="other") == 3
     assert list(redis_server.client().scan_iter(match="promptcache:*:other:*")) == []
     assert b.lookup(SEQ[:12] + [0], NS).num_tokens == 12
+
+
+def test_per_tier_write_policy(make_tier: Make, redis_url: str, tmp_path: Path) -> None:
+    """SSD write-back + Redis write-through: a stored block goes to Redis at once and to
+    the SSD only when it leaves RAM; nothing is written twice."""
+    ssd = SSDTier(SSDConfig(path=tmp_path / "ssd", fsync=False, policy="write_back"))
+    redis_tier = make_tier(redis_url)  # policy write_through (the default)
+    cache = PromptCache(CacheConfig(block_size=BS, ram_budget_bytes=1 << 20),
+                        lower=[ssd, redis_tier], write_through=False)
+    try:
+        cache.store(NS, SEQ[:16], 16, payload_for, session_id="s1")
+        redis_tier.flush()
+        ssd.flush()
+        hs = [blk.block_hash for blk in cache.pool.blocks()]
+        assert len(hs) == 4
+        assert all(m is not None for m in redis_tier.get_metas(hs, ns=NS))
+        assert ssd.get_metas(hs) == [None] * 4
+        # a session added to a block that only Redis holds reaches Redis
+        cache.store(NS, SEQ[:16], 16, payload_for, session_id="s2")
+        redis_tier.flush()
+        assert redis_tier.sessions_of(hs[0], ns=NS) == ["s1", "s2"]
+        assert cache.evict() == 4
+        ssd.flush()
+        redis_tier.flush()
+        assert all(m is not None for m in ssd.get_metas(hs))
+        assert redis_tier.stats()["writes"] == 4  # not written again on eviction
+        assert cache.stats().demotions == 4
+    finally:
+        cache.close(persist=False)

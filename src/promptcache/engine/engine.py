@@ -424,7 +424,7 @@ def _build_cache(cache_config: CacheConfig, ssd_config: SSDConfig | None,
         from ..tiers.redis import RedisTier
 
         lower.append(RedisTier(redis_config))
-    write_through = (ssd_config is not None and ssd_config.policy == "write_through") or (
-        redis_config is not None and redis_config.policy == "write_through")
+    # each tier's own ``policy`` decides too: the Redis tier is write-through by default
+    write_through = ssd_config is not None and ssd_config.policy == "write_through"
     return PromptCache(cache_config, adapter=MLXPayloadAdapter(), lower=lower,
                        write_through=write_through)
