@@ -192,3 +192,28 @@ def test_per_tier_write_policy(make_tier: Make, redis_url: str, tmp_path: Path) 
         assert cache.stats().demotions == 4
     finally:
         cache.close(persist=False)
+
+
+def test_lookup_asks_a_window_then_the_rest(make_tier: Make, redis_url: str,
+                                            monkeypatch: object) -> None:
+    from promptcache.blocks import matcher
+
+    monkeypatch.setattr(matcher, "LOWER_WINDOW", 8)  # type: ignore[attr-defined]
+    ta = make_tier(redis_url)
+    cache_on(ta).store(NS, SEQ[:80], 80, payload_for)  # 20 blocks
+    ta.flush()
+    tb = make_tier(redis_url)
+    b = cache_on(tb)
+    before = tb.stats()
+    assert b.lookup(SEQ[:80] + [0], NS).num_tokens == 80
+    after = tb.stats()
+    assert after["meta_lookups"] - before["meta_lookups"] == 20  # 8, then the other 12
+    assert after["round_trips"] - before["round_trips"] == 2 + 1  # + the children index
+    # a cold prompt costs one window of hashes and one round trip, not its whole length
+    cold = list(range(10_000, 10_000 + 4 * 50))
+    before = tb.stats()
+    assert b.lookup(cold, NS).num_tokens == 0
+    after = tb.stats()
+    assert after["meta_lookups"] - before["meta_lookups"] == 8
+    # the window, then the root's children (SEQ's first block) and their liveness
+    assert after["round_trips"] - before["round_trips"] == 3

@@ -1,10 +1,11 @@
 """Token-granular prefix matching over block storage (RAM pool + lower tiers).
 
 1. Walk the request's full blocks by chained hash; each hash is looked up in RAM
-   first, then in the lower tiers' metadata. Where RAM ends, the hashes of every
-   remaining full block are computed and each lower tier is asked once for all of
-   them (``get_metas``: one round trip for a remote tier), in tier order, each tier
-   only from the first block no earlier tier holds; the walk then takes, block by
+   first, then in the lower tiers' metadata. Where RAM ends, the hashes of the next
+   ``LOWER_WINDOW`` full blocks are computed and each lower tier is asked once for all
+   of them (``get_metas``: one round trip for a remote tier), in tier order, each tier
+   only from the first block no earlier tier holds; if the whole window was found,
+   the rest of the chain is asked for the same way; the walk then takes, block by
    block, RAM or the first tier holding it, and stops at the first block none
    holds (only the leading run counts). A found block counts only if its stored
    token ids, parent and start equal the request's (a hash collision is harmless).
@@ -38,6 +39,9 @@ from .tokens import RequestTokens
 logger = logging.getLogger(__name__)
 
 RAM = "ram"
+# Where RAM ends, the lower tiers are asked for this many blocks at once, then (if all
+# of them were found) for the rest of the chain: at most two calls per tier per lookup.
+LOWER_WINDOW = 256
 
 # Causes of a short match (MissInfo.cause)
 COLD = "cold"
@@ -220,37 +224,46 @@ class Matcher:
                      pos: int, parent: BlockHash, h: BlockHash
                      ) -> tuple[dict[int, BlockHash], dict[int, LowerEntry]]:
         """Hashes of the full blocks from ``pos`` on (``h`` is the first) and the lower
-        tier entries found for them: one ``get_metas`` per tier (see the module
-        docstring). Returns ``({start: hash}, {start: entry})``."""
+        tier entries found for them (see the module docstring): the first
+        ``LOWER_WINDOW`` blocks are asked for with one ``get_metas`` per tier, and the
+        rest of the chain with one more only if the whole window was found (a cold
+        prompt costs a window of hashes, not its whole length). Returns
+        ``({start: hash}, {start: entry})`` for the hashes computed."""
         bs, n, arr, buf = ns.block_size, req.n, req.arr, req.buf
         starts = list(range(pos, n - bs + 1, bs))
         hashes = [h]
-        for s in starts[1:]:
-            extra = extra_keys_for(spans, s, s + bs) if spans else ()
-            hashes.append(block_hash(hashes[-1], arr[s:s + bs], extra))
-        found: list[LowerEntry | None] = [None] * len(hashes)
-        first = 0
+        found: list[LowerEntry | None] = []
         ns_key = ns.key
-        for src in self.lower:
-            if first >= len(hashes):
-                break
-            try:
-                metas = src.get_metas(hashes[first:], ns=ns)
-            except (TierError, OSError) as e:
-                self.on_tier_error(src, e)
-                continue
-            for j, meta in enumerate(metas, first):
-                if found[j] is not None or meta is None:
-                    continue
-                s = starts[j]
+        done, stop = 0, min(len(starts), LOWER_WINDOW)
+        while done < stop:
+            for s in starts[len(hashes):stop]:
                 extra = extra_keys_for(spans, s, s + bs) if spans else ()
-                p = hashes[j - 1] if j else parent
-                if self._meta_ok(meta, p, s, buf[s * 4:(s + bs) * 4], ns_key, extra):
-                    found[j] = LowerEntry(meta, src)
-            while first < len(hashes) and found[first] is not None:
-                first += 1
-        chain = dict(zip(starts, hashes, strict=True))
-        return chain, {s: e for s, e in zip(starts, found, strict=True) if e is not None}
+                hashes.append(block_hash(hashes[-1], arr[s:s + bs], extra))
+            found.extend([None] * (stop - done))
+            first = done
+            for src in self.lower:
+                if first >= stop:
+                    break
+                try:
+                    metas = src.get_metas(hashes[first:stop], ns=ns)
+                except (TierError, OSError) as e:
+                    self.on_tier_error(src, e)
+                    continue
+                for j, meta in enumerate(metas, first):
+                    if found[j] is not None or meta is None:
+                        continue
+                    s = starts[j]
+                    extra = extra_keys_for(spans, s, s + bs) if spans else ()
+                    p = hashes[j - 1] if j else parent
+                    if self._meta_ok(meta, p, s, buf[s * 4:(s + bs) * 4], ns_key, extra):
+                        found[j] = LowerEntry(meta, src)
+                while first < stop and found[first] is not None:
+                    first += 1
+            if first < stop:  # the leading run ends inside this window
+                break
+            done, stop = stop, len(starts)
+        chain = dict(zip(starts, hashes, strict=False))
+        return chain, {s: e for s, e in zip(starts, found, strict=False) if e is not None}
 
     def match(self, req: RequestTokens, ns: Namespace, spans: Sequence[ExtraKeySpan]) -> RawMatch:
         n = req.n

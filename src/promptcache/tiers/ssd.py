@@ -148,8 +148,33 @@ class SSDTier(SSDStore):
 
     def get_metas(self, block_hashes: Sequence[BlockHash], *, ns: Namespace | None = None
                   ) -> list[BlockMeta | None]:
-        """``get_meta`` of each hash (the index is local: one query each)."""
-        return [self.get_meta(h) for h in block_hashes]
+        """``get_meta`` of each hash: queued blocks, then the index (one query per 500)."""
+        hs = [bytes(h) for h in block_hashes]
+        out: list[BlockMeta | None] = [None] * len(hs)
+        rows: dict[bytes, IndexRow] = {}
+        with self._lock:
+            ask = []
+            for i, h in enumerate(hs):
+                p = self._pending.get(h)
+                if p is not None and not p.cancelled:
+                    out[i] = p.meta
+                else:
+                    ask.append(h)
+            try:
+                for k in range(0, len(ask), 500):
+                    chunk = tuple(ask[k:k + 500])
+                    where = f"WHERE hash IN ({','.join('?' * len(chunk))})"
+                    for row in self._index.iter_rows(where, chunk):
+                        rows[bytes(row.meta.block_hash)] = row
+            except sqlite3.Error as e:
+                self._index_error(e)
+                return out
+        now = self._clock()
+        for i, h in enumerate(hs):
+            got = rows.get(h)
+            if out[i] is None and got is not None and self._live(got, now):
+                out[i] = got.meta
+        return out
 
     def get_meta(self, block_hash: BlockHash, *, ns: Namespace | None = None) -> BlockMeta | None:
         h = bytes(block_hash)
