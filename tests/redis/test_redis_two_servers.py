@@ -169,3 +169,20 @@ def test_redis_killed_and_restarted_no_request_fails(env: dict[str, Any]) -> Non
     after_restart = conversation([a, b], turns=6, tenant="t3")
     assert [t.text for t in after_restart] == [t.text for t in reference]
     assert b.stats()["hit_tokens_by_tier"].get("redis", 0) > before  # Redis hits again
+
+
+def test_a_server_starts_and_serves_with_redis_down(tiny_llama_path: Path,
+                                                    tmp_path: Path) -> None:
+    from redis_servers import free_port
+
+    srv = ServeProcess(tmp_path / "down", tiny_llama_path, "--block-size", str(BLOCK),
+                       "--no-ssd", "--redis-url", f"redis://127.0.0.1:{free_port()}").start()
+    try:
+        messages = [{"role": "user", "content": user_text(60)}]
+        first = chat(srv.base, messages)
+        again = chat(srv.base, messages)
+        assert again.text == first.text and again.cached > 0  # RAM still serves hits
+        st = srv.redis_stats()
+        assert st["healthy"] is False and st["connection_errors"] >= 1
+    finally:
+        srv.stop()

@@ -384,8 +384,8 @@ class RedisTier:
             raise ValueError(f"meta must be a BlockMeta, got {type(meta).__name__}")
         if len(meta.block_hash) != 32 or len(meta.parent_hash) != 32:
             raise ValueError("block and parent hashes must be 32 bytes")
-        if not isinstance(payload, bytes | bytearray | memoryview) and not callable(
-                getattr(payload, "encode", None)):
+        if isinstance(payload, str) or (not isinstance(payload, bytes | bytearray | memoryview)
+                                        and not callable(getattr(payload, "encode", None))):
             raise ValueError(f"payload must be bytes or have encode(), got {type(payload).__name__}")
         if isinstance(sessions, str):
             raise ValueError("sessions must be an iterable of session ids, not a string")
