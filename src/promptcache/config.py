@@ -121,7 +121,7 @@ class RedisConfig:
     batch_bytes: int = 32 * MB  # payload bytes per pipelined write / read batch
     breaker_failures: int = 3  # consecutive failures that open the circuit
     breaker_backoff_s: float = 1.0  # first open period; doubles up to the max
-    breaker_max_backoff_s: float = 30.0
+    breaker_max_backoff_s: float = 10.0  # bounds the recovery after Redis is back
     probe_interval_s: float = 0.25  # how often the prober checks whether a probe is due
 
     def __post_init__(self) -> None:
