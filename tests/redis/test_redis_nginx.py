@@ -110,10 +110,12 @@ def test_sessions_stick_and_spread(front: dict[str, Any]) -> None:
             seen.setdefault(f"session-{i}", set()).add(upstream)
     assert all(len(v) == 1 for v in seen.values())  # a session always lands on one server
     assert len(set().union(*seen.values())) == 2  # and sessions use both servers
-    # Claude Code's own header routes the same way
-    a, _ = ask(front, "cc-1", "hi", header="X-Claude-Code-Session-Id")
-    b, _ = ask(front, "cc-1", "hi again", header="X-Claude-Code-Session-Id")
-    assert a == b
+    # the clients' own session headers route the same way
+    for header in ("X-Claude-Code-Session-Id", "session-id", "x-session-affinity"):
+        routes = [{ask(front, f"{header}-{i}", "hi", header=header)[0] for _ in range(2)}
+                  for i in range(6)]
+        assert all(len(r) == 1 for r in routes)  # sticky
+        assert len(set().union(*routes)) == 2  # and spread
 
 
 def test_streaming_passes_through(front: dict[str, Any]) -> None:
