@@ -41,6 +41,9 @@ def make_tier() -> Iterator[Callable[..., RedisTier]]:
 
     def make(url: str, **kw: object) -> RedisTier:
         opts = {k: kw.pop(k) for k in ("clock", "start_prober") if k in kw}
+        # a generous default: a CPU-starved machine must not turn a slow local reply
+        # into a timeout (the tests that want timeouts set their own)
+        kw.setdefault("timeout_s", 2.0)
         tier = RedisTier(RedisConfig(url=url, **kw), **opts)  # type: ignore[arg-type]
         tiers.append(tier)
         return tier

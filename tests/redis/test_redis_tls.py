@@ -47,7 +47,7 @@ def test_rediss_url(make_tier: Callable[..., RedisTier], tmp_path: Path) -> None
         pytest.skip(f"redis-server without TLS: {e}")
     try:
         url = f"rediss://127.0.0.1:{tls_port}/0?ssl_ca_certs={tmp_path / 'ca.crt'}"
-        tier = make_tier(url, timeout_s=0.5, connect_timeout_s=1.0)
+        tier = make_tier(url, timeout_s=2.0, connect_timeout_s=2.0)
         space = ns()
         metas = chain(space, list(range(8)))
         for m in metas:
@@ -58,8 +58,8 @@ def test_rediss_url(make_tier: Callable[..., RedisTier], tmp_path: Path) -> None
         assert tier.get_many([m.block_hash for m in metas], ns=space) == [
             (payload(m), []) for m in metas]
         assert srv.client().dbsize() > 0  # what went over TLS is in this server
-        untrusted = make_tier(f"rediss://127.0.0.1:{tls_port}/0", timeout_s=0.5,
-                              connect_timeout_s=1.0, start_prober=False)
+        untrusted = make_tier(f"rediss://127.0.0.1:{tls_port}/0", timeout_s=2.0,
+                              connect_timeout_s=2.0, start_prober=False)
         with pytest.raises(TierError, match="redis lookup failed"):  # certificate not trusted
             untrusted.get_metas([metas[0].block_hash], ns=space)
     finally:

@@ -69,11 +69,14 @@ def env(tiny_llama_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
     redis_srv = RedisServer(tmp / "redis").start()
     proxy = DelayProxy(redis_srv.port).start()
     common = ["--block-size", str(BLOCK), "--no-ssd", "--ram-budget", "64MB"]
+    # timeouts far above a loopback round trip, so a CPU-starved CI machine does not turn
+    # a slow reply into a miss (the reuse assertions); the delay test exceeds B's
     procs = {
-        "a": ServeProcess(tmp / "a", tiny_llama_path, *common, "--redis-url", redis_srv.url),
+        "a": ServeProcess(tmp / "a", tiny_llama_path, *common, "--redis-url", redis_srv.url,
+                          "--redis-timeout-ms", "1000"),
         # B reaches Redis through the proxy (no delay unless a test sets one)
         "b": ServeProcess(tmp / "b", tiny_llama_path, *common, "--redis-url", proxy.url,
-                          "--redis-timeout-ms", "50"),
+                          "--redis-timeout-ms", "300"),
         "single": ServeProcess(tmp / "single", tiny_llama_path, *common),
         "ref": ServeProcess(tmp / "ref", tiny_llama_path, "--no-cache"),
     }
@@ -141,7 +144,7 @@ def test_replies_delayed_past_the_timeout_requests_still_served(env: dict[str, A
     messages = [{"role": "user", "content": user_text(50)}]
     expected = chat(ref.base, messages)
     before = b.redis_stats()
-    proxy.delay_s = 1.0
+    proxy.delay_s = 3.0  # 10x B's timeout
     try:
         for i in range(3):
             got = chat(b.base, messages + [{"role": "user", "content": str(i)}])
