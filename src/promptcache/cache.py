@@ -49,7 +49,7 @@ from .errors import TierError
 from .hashing import BlockHash
 from .meta import BlockMeta, ExtraKeySpan, Namespace, extra_keys_for
 from .stats import SAVE_POINTS, CacheStats, Counters, snapshot
-from .tiers.base import Tier
+from .tiers.base import LazyPayload, Tier
 
 logger = logging.getLogger(__name__)
 
@@ -157,33 +157,39 @@ class PromptCache:
         if all(block.flags & (_IN_TIER << j) for j in range(len(self.lower))):
             block.flags |= PERSISTED
 
+    def _source(self, block: Block) -> LazyPayload:
+        """The block's payload as a ``PayloadSource``: encoded (arrays -> numpy ->
+        safetensors) by the first tier writer that needs the bytes, off the request
+        path, once for every tier."""
+        adapter, payload, hx = self.adapter, block.payload, block.meta().block_hash.hex()
+
+        def make() -> bytes:
+            extra = {k: v for k, v in adapter.meta(payload).items() if k != "block_hash"}
+            return self._enc(adapter.to_numpy(payload), {**extra, "block_hash": hx})
+
+        return LazyPayload(make, block.nbytes)
+
     def _put_lower(self, block: Block, targets: Sequence[int] | None = None) -> tuple[int, int]:
-        """Encode a block once and put it into the lower tiers ``targets`` (None: every
-        tier) that do not hold it yet. Returns (accepted, failed) counts; a block that
-        every tier holds is marked persisted. Never raises."""
+        """Hand a block (one shared ``PayloadSource``) to the lower tiers ``targets``
+        (None: every tier) that do not hold it yet. Returns (accepted, failed) counts;
+        a block that every tier holds is marked persisted. Never raises."""
         have = set(self._in_tiers(block))
         todo = [i for i in (range(len(self.lower)) if targets is None else targets)
                 if i not in have]
         if not todo:
             return 0, 0
-        try:
-            meta = block.meta()
-            extra = {k: v for k, v in self.adapter.meta(block.payload).items() if k != "block_hash"}
-            data = self._enc(self.adapter.to_numpy(block.payload),
-                             {**extra, "block_hash": meta.block_hash.hex()})
-        except Exception as e:  # a payload that cannot be encoded is dropped, not raised
-            logger.warning("cannot encode block %r for a lower tier: %s", block, e)
-            return 0, len(todo)
+        meta = block.meta()
+        source = self._source(block)
         ok = failed = 0
         for i in todo:
             tier = self.lower[i]
             try:
-                if tier.put(meta, data, block.sessions, hits=block.hits):
+                if tier.put(meta, source, block.sessions, hits=block.hits):
                     ok += 1
                     self._mark_in_tier(block, i)
                 else:
                     failed += 1
-            except (TierError, OSError) as e:
+            except Exception as e:
                 failed += 1
                 self._on_tier_error(tier, e)
         return ok, failed
@@ -571,22 +577,25 @@ class PromptCache:
                 done += 1
             return done
 
-    def delete_session(self, session_id: str) -> int:
-        """Remove the session from every block in every tier; blocks left with no
-        session are deleted. Returns the number of blocks deleted (all tiers)."""
+    def delete_session(self, session_id: str, tenant: str | None = None) -> int:
+        """Remove the session from the blocks of ``tenant`` (None: of every tenant) in
+        every tier; blocks left with no session are deleted. Returns the number of
+        blocks deleted (all tiers)."""
         if not isinstance(session_id, str) or not session_id:
             raise ValueError(f"session_id must be a non-empty string, got {session_id!r}")
+        if tenant is not None and (not isinstance(tenant, str) or not tenant):
+            raise ValueError(f"tenant must be a non-empty string or None, got {tenant!r}")
         with self._lock:
             count = 0
             for block in self.pool.blocks():
-                if session_id in block.sessions:
+                if session_id in block.sessions and (tenant is None or block.ns.tenant == tenant):
                     block.sessions = tuple(s for s in block.sessions if s != session_id)
                     if not block.sessions and self.pool.remove(block):
                         count += 1
             for tier in self.lower:
                 try:
-                    count += int(tier.delete_session(session_id))
-                except (TierError, OSError) as e:
+                    count += int(tier.delete_session(session_id, tenant))
+                except Exception as e:
                     self._on_tier_error(tier, e)
             return count
 

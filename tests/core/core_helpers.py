@@ -13,6 +13,7 @@ from promptcache.config import CacheConfig
 from promptcache.errors import CorruptBlockError, TierError
 from promptcache.hashing import BlockHash
 from promptcache.meta import BlockMeta, Namespace
+from promptcache.tiers.base import PayloadSource
 
 BYTES_PER_TOKEN = 8  # payload: float32 [n_tokens, 2]
 
@@ -85,6 +86,7 @@ class FakeTier:
         self.corrupt = False
         self.gets: list[BlockHash] = []
         self.put_hits: list[int | None] = []
+        self.put_timeouts: list[float | None] = []
         self.closed = False
 
     def get_metas(self, block_hashes: Sequence[BlockHash], *, ns: Namespace | None = None
@@ -111,14 +113,16 @@ class FakeTier:
             return None
         return b"\x00garbage" if self.corrupt else entry[1]
 
-    def put(self, meta: BlockMeta, payload: bytes, sessions: Iterable[str] = (),
-            hits: int | None = None) -> bool:
+    def put(self, meta: BlockMeta, payload: bytes | PayloadSource, sessions: Iterable[str] = (),
+            hits: int | None = None, *, timeout: float | None = 0.0) -> bool:
         self.put_hits.append(hits)
+        self.put_timeouts.append(timeout)
         if self.fail_put:
             raise TierError("disk full")
         if self.refuse_put:
             return False
-        self.blocks[meta.block_hash] = (meta, payload, set(sessions))
+        data = payload if isinstance(payload, bytes) else payload.encode()
+        self.blocks[meta.block_hash] = (meta, data, set(sessions))
         return True
 
     def discard(self, block_hashes: Iterable[BlockHash], *, ns: Namespace | None = None) -> int:
@@ -134,10 +138,11 @@ class FakeTier:
         if block_hash in self.blocks:
             self.blocks[block_hash][2].update(sessions)
 
-    def delete_session(self, session_id: str) -> int:
-        gone = [h for h, (_, _, s) in self.blocks.items() if session_id in s and s == {session_id}]
-        for _, _, s in self.blocks.values():
-            s.discard(session_id)
+    def delete_session(self, session_id: str, tenant: str | None = None) -> int:
+        mine = {h for h, (m, _, _) in self.blocks.items() if tenant is None or m.tenant == tenant}
+        gone = [h for h in mine if self.blocks[h][2] == {session_id}]
+        for h in mine:
+            self.blocks[h][2].discard(session_id)
         for h in gone:
             del self.blocks[h]
         return len(gone)

@@ -25,7 +25,6 @@ from __future__ import annotations
 import bisect
 import logging
 import os
-import queue
 import sqlite3
 import threading
 import time
@@ -42,6 +41,8 @@ from ..meta import BlockMeta, Namespace
 from . import ssd_files as files
 from .ssd_check import CheckReport, reconcile
 from .ssd_index import IndexCorruptError, IndexRow, SSDIndex
+from .base import PayloadSource, as_source
+from .ssd_queue import WriteQueue
 from .ssd_store import DROP_REASONS, LATENCY_BUCKETS_MS, SSDStore, _Pending
 
 log = logging.getLogger(__name__)
@@ -105,7 +106,7 @@ class SSDTier(SSDStore):
         self.startup_report: CheckReport | None = None
         if reconcile_on_open:
             self.startup_report = self.check(fix=True)
-        self._queue: queue.Queue[Any] = queue.Queue(maxsize=config.queue_size)
+        self._queue = WriteQueue(config.queue_size)
         self._last_sweep = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="promptcache-ssd-writer", daemon=True)
         self._thread.start()
@@ -232,12 +233,19 @@ class SSDTier(SSDStore):
             if p is not None and not p.cancelled:
                 self._counts["hits"] += 1
                 self._counts["pending_hits"] += 1
-                return p.payload
+                source = p.source
+            else:
+                source = None
+                try:
+                    row = self._index.get(h)
+                except sqlite3.Error as e:
+                    self._index_error(e)
+                    raise TierError(f"ssd index unavailable: {e}") from e
+        if source is not None:  # queued, not written yet: encoded here if the writer has not
             try:
-                row = self._index.get(h)
-            except sqlite3.Error as e:
-                self._index_error(e)
-                raise TierError(f"ssd index unavailable: {e}") from e
+                return source.encode()
+            except Exception as e:
+                raise TierError(f"ssd block {h.hex()[:16]}: cannot encode the queued payload: {e}") from e
         now = self._clock()
         for _attempt in range(3):
             if row is None or not self._live(row, now):
@@ -374,20 +382,21 @@ class SSDTier(SSDStore):
     def put(
         self,
         meta: BlockMeta,
-        payload: bytes,
+        payload: bytes | PayloadSource,
         sessions: Iterable[str] = (),
         hits: int | None = None,
+        *,
+        timeout: float | None = 0.0,
     ) -> bool:
         if not isinstance(meta, BlockMeta):
             raise ValueError(f"meta must be a BlockMeta, got {type(meta).__name__}")
         if len(meta.block_hash) != 32 or len(meta.parent_hash) != 32:
             raise ValueError("block and parent hashes must be 32 bytes")
-        if not isinstance(payload, (bytes, bytearray, memoryview)):
-            raise ValueError(f"payload must be bytes, got {type(payload).__name__}")
+        source = as_source(payload)  # ValueError for anything else
         if isinstance(sessions, str):
             raise ValueError("sessions must be an iterable of session ids, not a string")
         files.block_rel_path(meta.namespace_key, meta.tenant, "00")  # validates folder names
-        payload = bytes(payload)
+        nbytes = source.nbytes
         sess = {str(s) for s in sessions}
         cfg = self.config
         h = bytes(meta.block_hash)
@@ -397,12 +406,12 @@ class SSDTier(SSDStore):
                 reason = "closed"
             elif meta.end < cfg.admission_min_tokens or (hits or 0) < cfg.admission_min_hits:
                 reason = "admission"
-            elif len(payload) > cfg.budget_bytes:
+            elif nbytes > cfg.budget_bytes:
                 reason = "budget"
             elif self._degraded_reason is not None and self._clock() < self._retry_at:
                 reason = "degraded"
             elif cfg.daily_write_budget_bytes is not None and (
-                self._today_bytes() + self._pending_bytes + len(payload)
+                self._today_bytes() + self._pending_bytes + nbytes
                 > cfg.daily_write_budget_bytes
             ):
                 reason = "write_budget"
@@ -410,23 +419,43 @@ class SSDTier(SSDStore):
                 self._drops[reason] += 1
                 return False
             p = self._pending.get(h)
-            if p is not None and not p.taken and not p.cancelled:
-                self._pending_bytes += len(payload) - len(p.payload)
-                p.meta, p.payload = meta, payload
+            if p is not None and p.queued and not p.taken and not p.cancelled:
+                self._pending_bytes += nbytes - p.nbytes
+                p.meta, p.source, p.nbytes = meta, source, nbytes
                 p.sessions |= sess
                 p.had_session = p.had_session or bool(sess)
                 return True
-            item = _Pending(meta, payload, set(sess), bool(sess))
-            try:
-                self._queue.put_nowait(item)
-            except queue.Full:
+            item = _Pending(meta, source, nbytes, set(sess), bool(sess))
+            # (the writer takes the lock before it looks at an item: queuing first is safe)
+            item.queued = self._queue.put(item, 0.0)
+            if not item.queued and timeout is not None and timeout <= 0:
                 self._drops["queue_full"] += 1
                 return False
-            if p is not None:  # an older version is being written: it is superseded
+            if p is not None:  # an older version (being written, or waiting): superseded
+                item.sessions |= p.sessions
+                item.had_session = item.had_session or p.had_session
+                if not p.taken:
+                    p.cancelled = True
                 self._forget(p)
-            self._pending[h] = item
-            self._pending_bytes += len(payload)
-            return True
+            self._pending[h] = item  # visible to get_meta / children / get from now on
+            self._pending_bytes += nbytes
+            if item.queued:
+                return True
+        # back-pressure: wait for room outside the lock (the writer needs it)
+        queued = self._queue.put(item, timeout)
+        with self._lock:
+            if queued:
+                item.queued = True
+                return True
+            if item.cancelled:  # superseded or deleted while waiting: nothing to write
+                return True
+            self._forget(item)
+            self._drops["queue_full"] += 1
+            return False
+
+    def has_room(self, timeout: float | None = 0.0) -> bool:
+        """True if a put that does not wait would find room in the write queue."""
+        return self._queue.wait_for_room(timeout)
 
     def add_sessions(self, block_hash: BlockHash, sessions: Iterable[str], *,
                      ns: Namespace | None = None) -> None:
@@ -453,10 +482,7 @@ class SSDTier(SSDStore):
 
     def _run(self) -> None:
         while True:
-            try:
-                item = self._queue.get(timeout=max(0.05, self._sweep_interval / 4))
-            except queue.Empty:
-                item = None
+            got, item = self._queue.get(timeout=max(0.05, self._sweep_interval / 4))
             if item is _STOP:
                 self._queue.task_done()
                 return
@@ -472,7 +498,7 @@ class SSDTier(SSDStore):
                         self._counts["write_errors"] += 1
                         self._forget(item)
             finally:
-                if item is not None:
+                if got:
                     self._queue.task_done()
 
     def _write(self, p: _Pending) -> None:
@@ -494,14 +520,27 @@ class SSDTier(SSDStore):
                     self._index_error(e)
                     self._forget(p)
                     return
-            digest = checksum(p.payload)
+            try:  # the encoding happens here, on the writer thread
+                data = p.source.encode()
+            except Exception as e:
+                log.warning("ssd block %s: cannot encode the payload: %s", h.hex()[:16], e)
+                with self._lock:
+                    self._counts["encode_errors"] += 1
+                    self._forget(p)
+                return
+            if len(data) > self.config.budget_bytes:
+                with self._lock:
+                    self._drops["budget"] += 1
+                    self._forget(p)
+                return
+            digest = checksum(data)
             if existing is not None and existing.checksum == digest:
-                self._commit(p, existing.file_name, digest, existing)
+                self._commit(p, len(data), existing.file_name, digest, existing)
                 return
             alt = existing is not None and not files.is_alt(existing.file_name)
             rel = files.block_rel_path(p.meta.namespace_key, p.meta.tenant, h.hex(), alt=alt)
             try:
-                files.atomic_write(self.root / rel, p.payload, fsync=self.config.fsync)
+                files.atomic_write(self.root / rel, data, fsync=self.config.fsync)
             except OSError as e:
                 with self._lock:
                     self._counts["write_errors"] += 1
@@ -509,12 +548,13 @@ class SSDTier(SSDStore):
                     self._forget(p)
                 self._degrade(f"write failed: {e}")
                 return
-            if self._commit(p, rel, digest, existing) and existing is not None:
+            if self._commit(p, len(data), rel, digest, existing) and existing is not None:
                 if existing.file_name != rel:
                     files.remove_file(self.root / existing.file_name)
             self._enforce_capacity(keep=h)
 
-    def _commit(self, p: _Pending, rel: str, digest: str, existing: IndexRow | None) -> bool:
+    def _commit(self, p: _Pending, size: int, rel: str, digest: str, existing: IndexRow | None
+                ) -> bool:
         h = bytes(p.meta.block_hash)
         now = self._clock()
         ttl = self.config.ttl_seconds
@@ -528,7 +568,7 @@ class SSDTier(SSDStore):
             row = IndexRow(
                 meta=p.meta,
                 file_name=rel,
-                file_bytes=len(p.payload),
+                file_bytes=size,
                 checksum=digest,
                 created=existing.created if existing is not None else now,
                 last_access=now,
@@ -542,8 +582,8 @@ class SSDTier(SSDStore):
                 self._index.add_sessions(h, p.sessions)
                 if written:
                     self._today_bytes()
-                    self._day_bytes += len(p.payload)
-                    self._bytes_written += len(p.payload)
+                    self._day_bytes += size
+                    self._bytes_written += size
                     self._index.kv_set("bytes_written", str(self._bytes_written))
                     self._index.kv_set("write_day", self._day)
                     self._index.kv_set("write_day_bytes", str(self._day_bytes))
@@ -579,18 +619,21 @@ class SSDTier(SSDStore):
             self._blocks, self._bytes = self._index.totals()
         return report
 
-    def flush(self) -> None:
-        """Wait until every queued block is written (or dropped); apply batched accesses."""
-        self._queue.join()
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every queued block is written (or dropped); apply batched accesses.
+        False if the queue did not drain within ``timeout`` seconds (None: no limit)."""
+        if not self._queue.join(timeout):
+            return False
         with self._write_lock, self._lock:
             self._apply_touches()
+        return True
 
     def close(self) -> None:
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-        self._queue.put(_STOP)
+        self._queue.put(_STOP, force=True)
         self._thread.join()
         self._ahead.close()
         with self._write_lock, self._lock:

@@ -317,15 +317,20 @@ class SSDIndex:
         self._db.executemany("INSERT OR IGNORE INTO sessions(session, hash) VALUES(?, ?)", items)
         return True
 
-    def remove_session(self, session_id: str) -> list[tuple[bytes, str, int]]:
-        """Drop a session from every block; return the blocks left with no session."""
-        hashes = [
-            bytes(r[0])
-            for r in self._db.execute(
-                "SELECT hash FROM sessions WHERE session=?", (session_id,)
-            ).fetchall()
-        ]
-        self._db.execute("DELETE FROM sessions WHERE session=?", (session_id,))
+    def remove_session(self, session_id: str, tenant: str | None = None
+                       ) -> list[tuple[bytes, str, int]]:
+        """Drop a session from the blocks of ``tenant`` (None: every tenant); return the
+        blocks left with no session."""
+        if tenant is None:
+            rows = self._db.execute(
+                "SELECT hash FROM sessions WHERE session=?", (session_id,)).fetchall()
+        else:
+            rows = self._db.execute(
+                "SELECT s.hash FROM sessions s JOIN blocks b ON b.hash = s.hash "
+                "WHERE s.session=? AND b.tenant=?", (session_id, tenant)).fetchall()
+        hashes = [bytes(r[0]) for r in rows]
+        self._db.executemany("DELETE FROM sessions WHERE session=? AND hash=?",
+                             [(session_id, h) for h in hashes])
         orphaned: list[tuple[bytes, str, int]] = []
         for h in hashes:
             left = self._db.execute("SELECT 1 FROM sessions WHERE hash=? LIMIT 1", (h,)).fetchone()

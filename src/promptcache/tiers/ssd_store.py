@@ -6,7 +6,6 @@ and write paths and the lifecycle on top. Locking rules: see ``ssd.py``.
 from __future__ import annotations
 
 import logging
-import queue
 import sqlite3
 import threading
 import time
@@ -21,6 +20,8 @@ from ..errors import TierError
 from ..hashing import BlockHash
 from ..meta import BlockMeta, Namespace
 from . import ssd_files as files
+from .base import PayloadSource
+from .ssd_queue import WriteQueue
 from .ssd_index import SSDIndex
 
 log = logging.getLogger(__name__)
@@ -31,11 +32,16 @@ DROP_REASONS = ("queue_full", "budget", "admission", "degraded", "write_budget",
 
 @dataclass(eq=False)
 class _Pending:
+    """A block accepted by ``put`` and not written yet. ``source`` is encoded by the
+    writer thread; ``nbytes`` is its size estimate until then."""
+
     meta: BlockMeta
-    payload: bytes
+    source: PayloadSource
+    nbytes: int
     sessions: set[str] = field(default_factory=set)
     had_session: bool = False
-    taken: bool = False
+    queued: bool = False  # in the write queue (False: a put is waiting for room)
+    taken: bool = False  # the writer is writing it
     cancelled: bool = False
 
 
@@ -50,7 +56,7 @@ class SSDStore:
     _lock: threading.RLock
     _write_lock: threading.RLock
     _index: SSDIndex
-    _queue: queue.Queue[Any]
+    _queue: WriteQueue
     _pending: dict[bytes, _Pending]
     _pending_bytes: int
     _touches: dict[bytes, tuple[float, int]]
@@ -79,7 +85,7 @@ class SSDStore:
         h = bytes(p.meta.block_hash)
         if self._pending.get(h) is p:
             del self._pending[h]
-            self._pending_bytes -= len(p.payload)
+            self._pending_bytes -= p.nbytes
 
     def _degrade(self, reason: str) -> None:
         with self._lock:
@@ -173,16 +179,23 @@ class SSDStore:
                     self._forget(p)
         return out
 
-    def delete_session(self, session_id: str) -> int:
+    def delete_session(self, session_id: str, tenant: str | None = None) -> int:
+        """Remove the session from the blocks of ``tenant`` (None: every tenant); delete
+        the blocks it leaves without a session. Returns the number deleted."""
         if not isinstance(session_id, str) or not session_id:
             raise ValueError("session_id must be a non-empty string")
+        if tenant is not None and (not isinstance(tenant, str) or not tenant):
+            raise ValueError("tenant must be a non-empty string or None")
         with self._write_lock, self._lock:
             for p in self._pending.values():
-                p.sessions.discard(session_id)
-            cancelled = self._cancel_pending(lambda p: p.had_session and not p.sessions)
+                if tenant is None or p.meta.tenant == tenant:
+                    p.sessions.discard(session_id)
+            cancelled = self._cancel_pending(
+                lambda p: p.had_session and not p.sessions
+                and (tenant is None or p.meta.tenant == tenant))
             try:
                 self._index.begin()
-                orphaned = self._index.remove_session(session_id)
+                orphaned = self._index.remove_session(session_id, tenant)
                 self._index.commit()
                 self._delete_rows(orphaned)
             except sqlite3.Error as e:
@@ -255,6 +268,7 @@ class SSDStore:
                 "missing_files": c["missing_files"],
                 "read_errors": c["read_errors"],
                 "write_errors": c["write_errors"],
+                "encode_errors": c["encode_errors"],
                 "index_errors": c["index_errors"],
                 "io_errors": c["io_errors"],
                 "evictions_capacity": c["evictions_capacity"],
