@@ -34,6 +34,15 @@ from .blocks.matcher import (
 )
 from .blocks.pool import PERSISTED, SNAPSHOT, TRUNCATABLE, Block, BlockPool
 from .blocks.tokens import RequestTokens, to_request_tokens
+from .cache_lower import (
+    ALL_TIERS,
+    DEMOTE_TIMEOUT_S,
+    MAX_TIERS,
+    LowerWriter,
+    PersistReport,
+    in_tiers,
+    mark_in_tier,
+)
 from .cache_types import (
     DecodeFn,
     EncodeFn,
@@ -57,10 +66,6 @@ logger = logging.getLogger(__name__)
 # (RAM is reserved for a whole batch before it is read).
 PROMOTE_BATCH_BYTES = 64 * 1024 * 1024
 _UNFETCHED = object()
-# Block flag bits above the pool's: bit (_IN_TIER << i) = lower tier i holds the block.
-_IN_TIER = 8
-_MAX_TIERS = 4
-_ALL_TIERS = ((1 << _MAX_TIERS) - 1) * _IN_TIER
 _FAILED = object()
 
 __all__ = [
@@ -81,18 +86,23 @@ class PromptCache:
         decode: DecodeFn | None = None,
         on_evict: Callable[[BlockMeta, Any], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        demote_timeout_s: float = DEMOTE_TIMEOUT_S,
     ) -> None:
         if not isinstance(config, CacheConfig):
             raise ValueError(f"config must be a CacheConfig, got {type(config).__name__}")
         self.config = config
         self.adapter: PayloadAdapter = adapter if adapter is not None else NumpyAdapter()
         self.lower: list[Tier] = list(lower)
-        if len(self.lower) > _MAX_TIERS:
-            raise ValueError(f"at most {_MAX_TIERS} lower tiers, got {len(self.lower)}")
+        if len(self.lower) > MAX_TIERS:
+            raise ValueError(f"at most {MAX_TIERS} lower tiers, got {len(self.lower)}")
         self.write_through = write_through
-        # per-tier write policy: tiers that get every new block at once
-        self._wt_tiers = [i for i, t in enumerate(self.lower)
-                          if getattr(t, "policy", None) == "write_through"]
+        # the per-tier write policy: the tiers that get every new block at store (every
+        # tier when the cache is write_through; else the tiers whose ``policy`` is
+        # "write_through", e.g. the shared Redis tier); the others get a block when it
+        # leaves RAM
+        wt_tiers = (range(len(self.lower)) if write_through else
+                    [i for i, t in enumerate(self.lower)
+                     if getattr(t, "policy", None) == "write_through"])
         self._encode = encode
         self._decode = decode
         self._extra_on_evict = on_evict
@@ -102,6 +112,10 @@ class PromptCache:
         self._c = Counters()
         self.gone = GoneMemory(config.explain_history)
         self.pool = BlockPool(config.resolved_ram_budget(), on_evict=self._on_block_evicted)
+        self._writer = LowerWriter(
+            self.lower, self._source, self._is_live, self._lock, self._c, self._on_tier_error,
+            write_through=wt_tiers, demote_timeout_s=demote_timeout_s,
+        )
         self._matcher = Matcher(
             self.pool, self.lower, self.gone,
             is_expired=self._is_expired, on_tier_error=self._on_tier_error,
@@ -127,7 +141,7 @@ class PromptCache:
         ttl = self.config.ttl_seconds
         return ttl is not None and self._now - block.last_access > ttl
 
-    def _on_tier_error(self, tier: Any, exc: Exception) -> None:
+    def _on_tier_error(self, tier: Any, exc: BaseException) -> None:
         self._c.tier_errors += 1
         logger.warning("cache tier %s failed: %s", getattr(tier, "name", tier), exc)
 
@@ -146,17 +160,6 @@ class PromptCache:
         if self.pool.remove(block):
             self._c.expired += 1
 
-    def _in_tiers(self, block: Block) -> list[int]:
-        """Indices of the lower tiers known to hold ``block`` (its per-tier flag bits)."""
-        if block.flags & PERSISTED:
-            return list(range(len(self.lower)))
-        return [i for i in range(len(self.lower)) if block.flags & (_IN_TIER << i)]
-
-    def _mark_in_tier(self, block: Block, i: int) -> None:
-        block.flags |= _IN_TIER << i
-        if all(block.flags & (_IN_TIER << j) for j in range(len(self.lower))):
-            block.flags |= PERSISTED
-
     def _source(self, block: Block) -> LazyPayload:
         """The block's payload as a ``PayloadSource``: encoded (arrays -> numpy ->
         safetensors) by the first tier writer that needs the bytes, off the request
@@ -169,30 +172,8 @@ class PromptCache:
 
         return LazyPayload(make, block.nbytes)
 
-    def _put_lower(self, block: Block, targets: Sequence[int] | None = None) -> tuple[int, int]:
-        """Hand a block (one shared ``PayloadSource``) to the lower tiers ``targets``
-        (None: every tier) that do not hold it yet. Returns (accepted, failed) counts;
-        a block that every tier holds is marked persisted. Never raises."""
-        have = set(self._in_tiers(block))
-        todo = [i for i in (range(len(self.lower)) if targets is None else targets)
-                if i not in have]
-        if not todo:
-            return 0, 0
-        meta = block.meta()
-        source = self._source(block)
-        ok = failed = 0
-        for i in todo:
-            tier = self.lower[i]
-            try:
-                if tier.put(meta, source, block.sessions, hits=block.hits):
-                    ok += 1
-                    self._mark_in_tier(block, i)
-                else:
-                    failed += 1
-            except Exception as e:
-                failed += 1
-                self._on_tier_error(tier, e)
-        return ok, failed
+    def _is_live(self, block: Block) -> bool:
+        return block.block_hash is not None and self.pool.get(block.block_hash) is block
 
     def _on_block_evicted(self, block: Block) -> None:
         """The demotion hook: every evicted block passes here exactly once."""
@@ -201,7 +182,7 @@ class PromptCache:
         if h is not None:
             self.gone.record(h, block.parent_hash, EVICTED)
         if self.lower and not block.persisted and h is not None:
-            ok, failed = self._put_lower(block)
+            ok, failed = self._writer.demote(block)
             self._c.demotions += ok
             self._c.demotion_failures += failed
         elif not self.lower:
@@ -258,26 +239,36 @@ class PromptCache:
     def _take(self, entries: list[Entry], num_tokens: int, ns: Namespace, n: int
               ) -> tuple[list[Block], int]:
         """Reference RAM entries, then promote lower ones in order; on a failed
-        promotion cut the hit at the last restorable position before it."""
+        promotion cut the hit at the last restorable position before it. On any
+        exception every reference taken here is given back before it propagates
+        (nothing stays pinned)."""
         now = self._now
-        for e in entries:
-            if isinstance(e, Block):
-                self.pool.ref(e, now)
-                e.hits += 1
-        held: list[Block] = []
-        cut = len(entries)
-        fetched: dict[int, Any] = {}
-        for i, e in enumerate(entries):
-            if isinstance(e, Block):
-                held.append(e)
-                continue
-            if i not in fetched and getattr(e.source, "get_many", None) is not None:
-                fetched = self._fetch_run(entries, i, ns)
-            block = self._promote(e, ns, fetched.pop(i, _UNFETCHED))
-            if block is None:
-                cut = i
-                break
-            held.append(block)
+        taken: list[Block] = []  # every reference this call holds, in order
+        try:
+            for e in entries:
+                if isinstance(e, Block):
+                    self.pool.ref(e, now)
+                    taken.append(e)
+                    e.hits += 1
+            held: list[Block] = []
+            cut = len(entries)
+            fetched: dict[int, Any] = {}
+            for i, e in enumerate(entries):
+                if isinstance(e, Block):
+                    held.append(e)
+                    continue
+                if i not in fetched and getattr(e.source, "get_many", None) is not None:
+                    fetched = self._fetch_run(entries, i, ns)
+                block = self._promote(e, ns, fetched.pop(i, _UNFETCHED))
+                if block is None:
+                    cut = i
+                    break
+                taken.append(block)
+                held.append(block)
+        except BaseException:
+            for b in reversed(taken):
+                self.pool.unref(b)
+            raise
         if cut == len(entries):
             return held, num_tokens
         for e in entries[cut + 1 :]:
@@ -319,10 +310,10 @@ class PromptCache:
             return {}
         try:
             got = get_many(hashes, ns=ns)
-        except (TierError, OSError) as e:
+        except Exception as e:  # a tier breaking its contract is a tier failure too
             self._on_tier_error(src, e)
             return dict.fromkeys(run, _FAILED)
-        if len(got) != len(run):
+        if not isinstance(got, list) or len(got) != len(run):
             self._on_tier_error(src, TierError("get_many returned a wrong number of blocks"))
             return dict.fromkeys(run, _FAILED)
         return dict(zip(run, got, strict=True))
@@ -343,17 +334,20 @@ class PromptCache:
         if not self.pool.make_room(meta.nbytes):  # reserve RAM before reading
             c.promotion_failures += 1
             return None
-        sessions: list[str] | None = None
-        if fetched is _UNFETCHED:
-            try:
-                data = entry.source.get(meta.block_hash, ns=ns)  # type: ignore[attr-defined]
-            except (TierError, OSError) as e:
-                self._on_tier_error(entry.source, e)
-                return None
-        elif fetched is None:
-            data = None
-        else:
-            data, sessions = fetched
+        source: Tier = entry.source  # type: ignore[assignment]
+        # the sessions that wrote it, so delete_session also reaches this copy: a block
+        # whose sessions cannot be read is not promoted (it would escape them)
+        try:
+            if fetched is _UNFETCHED:
+                data = source.get(meta.block_hash, ns=ns)
+                sessions = source.sessions_of(meta.block_hash, ns=ns) if data is not None else []
+            elif fetched is None:
+                data, sessions = None, []
+            else:
+                data, sessions = fetched
+        except Exception as e:
+            self._on_tier_error(source, e)
+            return None
         if data is None:
             c.promotion_failures += 1
             return None
@@ -377,14 +371,9 @@ class PromptCache:
             nbytes=nbytes, now=self._now,
         )
         block.hits = 1
-        self._mark_in_tier(block, self.lower.index(entry.source))  # type: ignore[arg-type]
-        try:  # the sessions that wrote it, so delete_session also reaches this copy
-            if sessions is None:
-                sessions = entry.source.sessions_of(meta.block_hash, ns=ns)  # type: ignore[attr-defined]
-            for sid in sessions:
-                block.add_session(sid)
-        except (TierError, OSError) as e:
-            self._on_tier_error(entry.source, e)
+        mark_in_tier(block, self.lower.index(source), len(self.lower))
+        for sid in sessions:
+            block.add_session(str(sid))
         self.gone.forget(meta.block_hash)
         c.promotions += 1
         return block
@@ -445,6 +434,7 @@ class PromptCache:
         pool, c, bs = self.pool, self._c, ns.block_size
         held: list[Block] = []
         created: list[Block] = []
+        upgraded: list[Block] = []
         parent = ns.root
         try:
             for start in range(0, num_tokens, bs):
@@ -474,7 +464,8 @@ class PromptCache:
                     pool.ref(existing, self._now)
                     held.append(existing)
                     c.dedup_blocks += 1
-                    self._touch_existing(existing, session_id, snap, start, end, payload_for)
+                    if self._touch_existing(existing, session_id, snap, start, end, payload_for):
+                        upgraded.append(existing)
                 else:
                     payload = payload_for(start, end, snap)
                     nbytes = self.adapter.nbytes(payload)
@@ -495,9 +486,9 @@ class PromptCache:
                     held.append(block)
                     created.append(block)
                 parent = h
-            if self.lower and (self.write_through or self._wt_tiers):
-                for block in created:
-                    self._write_through(block)
+            if self.lower:
+                for block in created + upgraded:
+                    self._writer.offer(block)  # to the write-through tiers, if any
         finally:
             pool.release_chain(held)
         return len(created)
@@ -524,7 +515,7 @@ class PromptCache:
                     and block.tokens.startswith(sib.tokens)):
                 for sid in sib.sessions:
                     block.add_session(sid)
-                where, h = self._in_tiers(sib), sib.block_hash
+                where, h = in_tiers(sib, len(self.lower)), sib.block_hash
                 if self.pool.remove(sib):
                     self._c.superseded += 1
                     if where and h is not None:
@@ -534,34 +525,29 @@ class PromptCache:
         for tier in (self.lower[i] for i in where):
             try:
                 tier.discard((block_hash,), ns=ns)
-            except (TierError, OSError) as e:
+            except Exception as e:
                 self._on_tier_error(tier, e)
 
     def _touch_existing(self, block: Block, session_id: str | None, snap: bool, start: int,
-                        end: int, payload_for: Callable[[int, int, bool], Any]) -> None:
+                        end: int, payload_for: Callable[[int, int, bool], Any]) -> bool:
+        """A store found ``block`` already there: record the session (in RAM and in the
+        lower tiers that hold it); upgrade it with a snapshot payload if one is wanted.
+        True if the payload was upgraded."""
         if session_id is not None and block.add_session(session_id):
-            for tier in (self.lower[i] for i in self._in_tiers(block)):
+            for tier in (self.lower[i] for i in in_tiers(block, len(self.lower))):
                 try:
                     tier.add_sessions(block.meta().block_hash, (session_id,), ns=block.ns)
-                except (TierError, OSError) as e:
+                except Exception as e:
                     self._on_tier_error(tier, e)
         if snap and not block.restorable_at_end():
             payload = payload_for(start, end, True)
             nbytes = self.adapter.nbytes(payload)
-            flags = (block.flags | SNAPSHOT) & ~(PERSISTED | _ALL_TIERS)
+            flags = (block.flags | SNAPSHOT) & ~(PERSISTED | ALL_TIERS)
             if self.pool.replace_payload(block, payload, nbytes, flags):
                 self._c.upgrades += 1
-            else:
-                self._c.drops += 1
-
-    def _write_through(self, block: Block) -> None:
-        """Put a new block into the write-through tiers (every tier when the cache is
-        ``write_through``; else the tiers whose ``policy`` is ``"write_through"``, e.g.
-        the shared Redis tier); the others get it when it is evicted."""
-        ok, failed = self._put_lower(block, None if self.write_through else self._wt_tiers)
-        if ok and not failed:
-            self._c.write_through += 1
-        self._c.demotion_failures += failed
+                return True
+            self._c.drops += 1
+        return False
 
     # ---- eviction, deletion ----------------------------------------------------
     def evict(self, num_blocks: int | None = None) -> int:
@@ -628,7 +614,8 @@ class PromptCache:
             return snapshot(
                 self._c, ram_bytes=pool.used_bytes, ram_budget_bytes=pool.budget_bytes,
                 ram_blocks=pool.num_blocks, ram_used_blocks=pool.num_used_blocks,
-                ram_free_blocks=pool.num_free_blocks, tiers=tiers,
+                ram_free_blocks=pool.num_free_blocks, unwritten_blocks=self._writer.num_unwritten(),
+                tiers=tiers,
             )
 
     def check(self) -> None:
@@ -636,28 +623,40 @@ class PromptCache:
         with self._lock:
             self.pool.check()
 
-    def persist(self) -> int:
-        """Put every RAM block that no lower tier holds yet into the lower tiers (a
-        clean shutdown keeps the whole cache). Returns the number of blocks put."""
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every block handed to the lower tiers is written: the blocks
+        waiting for room in a tier's queue, then the tiers' own queues. False if
+        that did not happen within ``timeout`` seconds (None: no limit)."""
+        with self._lock:
+            return self._writer.flush(timeout)
+
+    def persist(self, timeout: float | None = -1.0) -> int:
+        """Write every RAM block the lower tiers lack into them (a clean shutdown keeps
+        the whole cache): with back-pressure, then a flush, within ``timeout`` seconds
+        (default ``config.persist_timeout_s``; None: no limit). Logs progress, and
+        counts and names the blocks that did not arrive (``stats().persist_failures``,
+        ``last_persist``). Returns the number of blocks written."""
+        if timeout is not None and timeout < 0:
+            timeout = self.config.persist_timeout_s
         with self._lock:
             if not self.lower:
                 return 0
-            count = 0
-            for block in self.pool.blocks():
-                if block.block_hash is not None and not block.persisted:
-                    ok, failed = self._put_lower(block)
-                    count += 1 if ok and not failed else 0
-                    self._c.demotion_failures += failed
-            self._c.persisted_on_close += count
-            return count
+            blocks = [b for b in self.pool.blocks() if b.block_hash is not None and not b.persisted]
+            report = self._writer.persist(blocks, timeout)
+            self._c.persisted_on_close += report.written
+            self._c.persist_failures += report.failed
+            return report.written
 
-    def close(self, persist: bool = True) -> None:
-        """Persist the RAM blocks (``persist``), then close the lower tiers (flushing
-        their pending writes)."""
+    @property
+    def last_persist(self) -> PersistReport | None:
+        return self._writer.last_persist
+
+    def close(self, persist: bool = True, timeout: float | None = -1.0) -> None:
+        """Stop the write-through feeder, persist the RAM blocks (``persist``; see
+        ``persist`` for ``timeout``), then close the lower tiers (flushing them)."""
+        self._writer.stop()
         if persist:
-            n = self.persist()
-            if n:
-                logger.info("persisted %d RAM blocks to the lower tiers", n)
+            self.persist(timeout)
         with self._lock:
             for tier in self.lower:
                 try:

@@ -59,6 +59,8 @@ class CacheConfig:
     # bounded memory of recent misses/evictions used to explain misses
     explain_history: int = 4096
     enabled: bool = True
+    # a clean shutdown writes every RAM block the lower tiers lack within this time
+    persist_timeout_s: float | None = 120.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.block_size, int) or not 1 <= self.block_size <= 4096:
@@ -67,6 +69,8 @@ class CacheConfig:
             raise ValueError(f"ram_budget_bytes must be >= 0, got {self.ram_budget_bytes}")
         if self.ttl_seconds is not None and self.ttl_seconds <= 0:
             raise ValueError(f"ttl_seconds must be > 0, got {self.ttl_seconds}")
+        if self.persist_timeout_s is not None and self.persist_timeout_s < 0:
+            raise ValueError(f"persist_timeout_s must be >= 0, got {self.persist_timeout_s}")
 
     def resolved_ram_budget(self) -> int:
         if self.ram_budget_bytes is not None:

@@ -29,8 +29,10 @@ class Counters:
     promotion_failures: int = 0
     tier_errors: int = 0
     expired: int = 0
-    write_through: int = 0
+    write_through: int = 0  # blocks every lower tier accepted on store (write-through)
+    write_through_deferred: int = 0  # ... that first found a tier's write queue full
     persisted_on_close: int = 0
+    persist_failures: int = 0  # blocks persist() could not get into every lower tier
     saves: Counter[str] = field(default_factory=Counter)
     blocks_saved: Counter[str] = field(default_factory=Counter)
 
@@ -58,7 +60,9 @@ class CacheStats:
     tier_errors: int
     expired: int
     write_through: int
+    write_through_deferred: int
     persisted_on_close: int
+    persist_failures: int
     saves: dict[str, int]
     blocks_saved: dict[str, int]
     ram_bytes: int
@@ -66,6 +70,7 @@ class CacheStats:
     ram_blocks: int
     ram_used_blocks: int
     ram_free_blocks: int
+    unwritten_blocks: int  # RAM blocks waiting for room in a lower tier's write queue
     tiers: dict[str, dict[str, Any]]
 
     @property
@@ -87,6 +92,7 @@ def snapshot(
     ram_blocks: int,
     ram_used_blocks: int,
     ram_free_blocks: int,
+    unwritten_blocks: int = 0,
     tiers: dict[str, dict[str, Any]],
 ) -> CacheStats:
     return CacheStats(
@@ -109,7 +115,9 @@ def snapshot(
         tier_errors=c.tier_errors,
         expired=c.expired,
         write_through=c.write_through,
+        write_through_deferred=c.write_through_deferred,
         persisted_on_close=c.persisted_on_close,
+        persist_failures=c.persist_failures,
         saves={k: c.saves[k] for k in SAVE_POINTS},
         blocks_saved={k: c.blocks_saved[k] for k in SAVE_POINTS},
         ram_bytes=ram_bytes,
@@ -117,5 +125,6 @@ def snapshot(
         ram_blocks=ram_blocks,
         ram_used_blocks=ram_used_blocks,
         ram_free_blocks=ram_free_blocks,
+        unwritten_blocks=unwritten_blocks,
         tiers=tiers,
     )

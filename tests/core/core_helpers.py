@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -158,3 +159,111 @@ class FakeTier:
 
     def close(self) -> None:
         self.closed = True
+
+
+class QueueTier(FakeTier):
+    """A FakeTier with a bounded write queue drained by its own writer thread, which
+    writes only while ``gate`` is set: a full queue, back-pressure and flush without
+    timing. ``write_order`` records the written blocks' starts."""
+
+    def __init__(self, capacity: int, name: str = "ssd") -> None:
+        super().__init__(name)
+        self.capacity = capacity
+        self.gate = threading.Event()
+        self.cond = threading.Condition()
+        self.queue: list[tuple[BlockMeta, PayloadSource, set[str]]] = []
+        self.in_flight = 0
+        self.waiting = 0  # puts waiting for room
+        self.write_order: list[int] = []
+        self.encode_threads: list[str] = []
+        self.lose_writes = False  # accept, then lose them (a failing disk)
+        self.stop = False
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _room(self) -> bool:
+        return len(self.queue) < self.capacity
+
+    def put(self, meta: BlockMeta, payload: bytes | PayloadSource, sessions: Iterable[str] = (),
+            hits: int | None = None, *, timeout: float | None = 0.0) -> bool:
+        self.put_hits.append(hits)
+        self.put_timeouts.append(timeout)
+        if self.refuse_put:
+            return False
+        source = payload if not isinstance(payload, bytes) else _Bytes(payload)
+        with self.cond:
+            if not self._room():
+                if timeout is not None and timeout <= 0:
+                    return False
+                self.waiting += 1
+                self.cond.notify_all()
+                ok = self.cond.wait_for(self._room, timeout)
+                self.waiting -= 1
+                if not ok:
+                    return False
+            self.queue.append((meta, source, set(sessions)))
+            self.cond.notify_all()
+            return True
+
+    def has_room(self, timeout: float | None = 0.0) -> bool:
+        with self.cond:
+            if timeout is not None and timeout <= 0:
+                return self._room()
+            return self.cond.wait_for(self._room, timeout)
+
+    def flush(self, timeout: float | None = None) -> bool:
+        with self.cond:
+            return self.cond.wait_for(lambda: not self.queue and not self.in_flight, timeout)
+
+    def _run(self) -> None:
+        while True:
+            self.gate.wait()
+            with self.cond:
+                self.cond.wait_for(lambda: self.queue or self.stop)
+                if self.stop:
+                    return
+                if not self.gate.is_set():
+                    continue
+                meta, source, sessions = self.queue.pop(0)
+                self.in_flight += 1
+                self.cond.notify_all()
+            data = source.encode()
+            self.encode_threads.append(threading.current_thread().name)
+            with self.cond:
+                if not self.lose_writes:
+                    self.blocks[meta.block_hash] = (meta, data, sessions)
+                    self.write_order.append(meta.start)
+                self.in_flight -= 1
+                self.cond.notify_all()
+
+    def delete_session(self, session_id: str, tenant: str | None = None) -> int:
+        with self.cond:
+            n = len(self.queue)
+            self.queue = [q for q in self.queue if not (
+                (tenant is None or q[0].tenant == tenant) and q[2] == {session_id})]
+            for meta, _, sessions in self.queue:
+                if tenant is None or meta.tenant == tenant:
+                    sessions.discard(session_id)
+            self.cond.notify_all()
+            return n - len(self.queue) + super().delete_session(session_id, tenant)
+
+    def wait_for_waiting_put(self) -> None:
+        with self.cond:
+            self.cond.wait_for(lambda: self.waiting > 0)
+
+    def close(self) -> None:
+        with self.cond:
+            self.stop = True
+            self.cond.notify_all()
+        self.gate.set()
+        self.thread.join()
+        self.closed = True
+
+
+class _Bytes:
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+        self.nbytes = len(data)
+
+    def encode(self) -> bytes:
+        return self.data

@@ -31,7 +31,6 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
 
 from ..codec import checksum
 from ..config import SSDConfig
@@ -39,9 +38,9 @@ from ..errors import CorruptBlockError, TierError
 from ..hashing import BlockHash
 from ..meta import BlockMeta, Namespace
 from . import ssd_files as files
+from .base import PayloadSource, as_source
 from .ssd_check import CheckReport, reconcile
 from .ssd_index import IndexCorruptError, IndexRow, SSDIndex
-from .base import PayloadSource, as_source
 from .ssd_queue import WriteQueue
 from .ssd_store import DROP_REASONS, LATENCY_BUCKETS_MS, SSDStore, _Pending
 

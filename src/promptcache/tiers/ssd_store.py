@@ -21,8 +21,8 @@ from ..hashing import BlockHash
 from ..meta import BlockMeta, Namespace
 from . import ssd_files as files
 from .base import PayloadSource
-from .ssd_queue import WriteQueue
 from .ssd_index import SSDIndex
+from .ssd_queue import WriteQueue
 
 log = logging.getLogger(__name__)
 

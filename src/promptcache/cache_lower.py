@@ -1,0 +1,386 @@
+"""How ``PromptCache`` writes RAM blocks to its lower tiers without silent loss.
+
+Three paths, one rule: a block is handed over as a ``PayloadSource`` (encoded by
+the tier's writer thread, off the request path), and each block records which
+lower tiers hold it: flag bit ``IN_TIER << i`` for tier ``i``, set when tier ``i``
+accepts it (or when the block was promoted from tier ``i``); ``PERSISTED`` once
+every lower tier does. A block is never put twice into a tier that holds it, and
+session changes / discards reach exactly the tiers that hold it.
+
+* **Write-through** (``offer``, on the request path, never waits): only to the
+  *write-through tiers* (every tier when the cache is write-through; else the tiers
+  whose ``policy`` is ``"write_through"``, e.g. the shared Redis tier). A tier whose
+  write queue is full does not drop the block; it stays *unwritten* (its RAM copy
+  is the data) and a feeder thread offers it again as soon as the tier has room
+  (``Tier.has_room``), in the order the blocks were stored. A put refused while
+  the tier has room (admission rule, degraded disk, open circuit) is refused for
+  good and counted; the block is offered again only when it is evicted.
+* **Demotion** (``demote``, when the pool evicts a block not yet persisted): to
+  every tier that lacks it, with back-pressure instead of a drop — the put waits up
+  to ``demote_timeout_s`` for room, since the RAM copy is about to go.
+* **Persist** (``persist``, at a clean shutdown): every RAM block is put into every
+  tier that lacks it, with back-pressure within a bounded time; the tiers are
+  flushed, the blocks verified (one ``get_metas`` per tier and namespace), and what
+  did not reach a tier is counted and named in the log.
+
+Locking: every method except the feeder's wait runs under the cache lock (the
+caller holds it); the feeder waits for room without it, so requests never wait
+for the disk except through ``demote``. Tier writer threads never take the
+cache lock, so waiting for them under it cannot deadlock.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+from .blocks.pool import PERSISTED, Block
+from .hashing import BlockHash
+from .meta import Namespace
+from .stats import Counters
+from .tiers.base import PayloadSource, Tier
+
+logger = logging.getLogger(__name__)
+
+DEMOTE_TIMEOUT_S = 30.0  # an evicted block waits this long for room in a tier's queue
+FEED_WAIT_S = 0.5  # the feeder re-checks for close/new work at least this often
+PROGRESS_EVERY_S = 2.0
+NAMED_FAILURES = 10  # failed blocks named in the persist log line
+# Block flag bits above the pool's: bit (IN_TIER << i) = lower tier i holds the block.
+IN_TIER = 8
+MAX_TIERS = 4
+ALL_TIERS = ((1 << MAX_TIERS) - 1) * IN_TIER
+
+
+def in_tiers(block: Block, n: int) -> list[int]:
+    """Indices of the ``n`` lower tiers known to hold ``block`` (its flag bits)."""
+    if block.flags & PERSISTED:
+        return list(range(n))
+    return [i for i in range(n) if block.flags & (IN_TIER << i)]
+
+
+def mark_in_tier(block: Block, i: int, n: int) -> None:
+    """Record that lower tier ``i`` (of ``n``) holds ``block``; ``PERSISTED`` once all do."""
+    block.flags |= IN_TIER << i
+    if all(block.flags & (IN_TIER << j) for j in range(n)):
+        block.flags |= PERSISTED
+
+
+@dataclass
+class PersistReport:
+    """The outcome of one ``persist``: blocks to write, written, and the ones that did
+    not reach every lower tier (``failed_names``: the first few, for the log)."""
+
+    blocks: int = 0
+    written: int = 0
+    failed: int = 0
+    timed_out: bool = False
+    seconds: float = 0.0
+    failed_names: list[str] = field(default_factory=list)
+
+
+@dataclass(eq=False)
+class _Unwritten:
+    block: Block
+    left: set[int]  # write-through tiers that had no room yet
+    refused: bool = False  # some tier refused it for good
+
+
+def block_name(block: Block) -> str:
+    h = block.block_hash.hex()[:16] if block.block_hash is not None else "private"
+    return f"{block.ns.tenant}@{block.start}:{h}"
+
+
+class LowerWriter:
+    def __init__(
+        self,
+        tiers: Sequence[Tier],
+        source_of: Callable[[Block], PayloadSource],
+        is_live: Callable[[Block], bool],
+        lock: threading.RLock,
+        counters: Counters,
+        on_tier_error: Callable[[Tier, Exception], None],
+        *,
+        write_through: Iterable[int] = (),
+        demote_timeout_s: float = DEMOTE_TIMEOUT_S,
+    ) -> None:
+        self.tiers = list(tiers)
+        if len(self.tiers) > MAX_TIERS:
+            raise ValueError(f"at most {MAX_TIERS} lower tiers, got {len(self.tiers)}")
+        self.write_through = sorted(set(write_through))  # the tiers offer() writes to
+        if any(not 0 <= i < len(self.tiers) for i in self.write_through):
+            raise ValueError(f"write-through tier indices out of range: {self.write_through}")
+        self._source_of = source_of
+        self._is_live = is_live
+        self._cond = threading.Condition(lock)
+        self._c = counters
+        self._on_tier_error = on_tier_error
+        self.demote_timeout_s = demote_timeout_s
+        self._unwritten: dict[BlockHash, _Unwritten] = {}
+        self._thread: threading.Thread | None = None
+        self._closing = False
+        self.last_persist: PersistReport | None = None
+
+    # ---- one put to a set of tiers ---------------------------------------------------
+    def _has_room(self, tier: Tier, timeout: float | None = 0.0) -> bool:
+        fn = getattr(tier, "has_room", None)
+        if fn is None:
+            return True
+        try:
+            return bool(fn(timeout))
+        except Exception as e:
+            self._on_tier_error(tier, e)
+            return True  # a broken tier: treat its refusal as final
+
+    def _lacking(self, block: Block, targets: Iterable[int]) -> set[int]:
+        """The tiers of ``targets`` that do not hold ``block`` yet."""
+        have = set(in_tiers(block, len(self.tiers)))
+        return {i for i in targets if i not in have}
+
+    def _put(self, block: Block, targets: Iterable[int], timeout: float | None
+             ) -> tuple[set[int], set[int], set[int]]:
+        """Put ``block`` into the tiers ``targets`` (each accepting one is recorded on
+        the block); returns (accepted, no room, refused)."""
+        meta = block.meta()
+        source = self._source_of(block)
+        accepted: set[int] = set()
+        full: set[int] = set()
+        refused: set[int] = set()
+        for i in sorted(targets):
+            tier = self.tiers[i]
+            # Every put of this cache runs under its lock and a tier's writer only makes
+            # room, so room seen here is still there for the put: a full queue is never
+            # tried (the tier would count a drop), and a refusal despite room is final.
+            if timeout == 0 and not self._has_room(tier):
+                full.add(i)
+                continue
+            try:
+                if timeout == 0:
+                    ok = tier.put(meta, source, block.sessions, hits=block.hits)
+                else:
+                    ok = tier.put(meta, source, block.sessions, hits=block.hits, timeout=timeout)
+            except Exception as e:
+                self._on_tier_error(tier, e)
+                refused.add(i)
+                continue
+            if ok:
+                accepted.add(i)
+                mark_in_tier(block, i, len(self.tiers))
+            else:
+                refused.add(i)
+        return accepted, full, refused
+
+    def _all(self) -> set[int]:
+        return set(range(len(self.tiers)))
+
+    # ---- write-through ---------------------------------------------------------
+    def offer(self, block: Block) -> None:
+        """Write-through of a new (or upgraded) block to the write-through tiers that
+        lack it; never waits. Lock held."""
+        if block.block_hash is None or not self.write_through:
+            return
+        left = self._lacking(block, self.write_through)
+        if not left:
+            return
+        entry = _Unwritten(block, left)
+        if self._unwritten:  # behind the blocks already waiting: the order is kept
+            self._unwritten.pop(block.block_hash, None)
+            self._unwritten[block.block_hash] = entry
+            self._c.write_through_deferred += 1
+            self._wake()
+            return
+        self._advance(entry, timeout=0.0)
+        if entry.left:
+            self._unwritten[block.block_hash] = entry
+            self._c.write_through_deferred += 1
+            self._wake()
+
+    def _advance(self, entry: _Unwritten, timeout: float | None) -> None:
+        _, full, refused = self._put(entry.block, self._lacking(entry.block, entry.left), timeout)
+        entry.left = full
+        if refused:
+            entry.refused = True
+            self._c.demotion_failures += len(refused)
+        if not entry.left and not entry.refused:
+            self._c.write_through += 1  # every write-through tier took it
+
+    def _wake(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="promptcache-cache-feeder",
+                                            daemon=True)
+            self._thread.start()
+        self._cond.notify_all()
+
+    def _run(self) -> None:
+        while True:
+            wait_on: list[Tier] = []
+            with self._cond:
+                while not self._unwritten and not self._closing:
+                    self._cond.wait()
+                if self._closing:
+                    return
+                h, entry = next(iter(self._unwritten.items()))
+                if not self._is_live(entry.block) or not self._lacking(entry.block, entry.left):
+                    del self._unwritten[h]  # deleted, evicted (demoted) or written since
+                    continue
+                try:
+                    self._advance(entry, timeout=0.0)
+                except Exception:  # the feeder must survive anything
+                    logger.exception("writing block %s to the lower tiers failed",
+                                     block_name(entry.block))
+                    entry.left = set()
+                if entry.left:
+                    wait_on = [self.tiers[i] for i in sorted(entry.left)]
+                else:
+                    del self._unwritten[h]
+                    if not self._unwritten:
+                        self._cond.notify_all()  # flush() waits for this
+            for tier in wait_on:  # outside the cache lock: requests go on meanwhile
+                self._has_room(tier, FEED_WAIT_S)
+
+    def num_unwritten(self) -> int:
+        return sum(1 for e in self._unwritten.values() if self._is_live(e.block))
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until no block waits for room (lock held: it is released while
+        waiting), then flush the tiers. False if not done within ``timeout``."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self._unwritten:
+            if self._thread is None or not self._thread.is_alive():
+                break
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return False
+            self._cond.wait(left)
+        ok = True
+        for tier in self.tiers:
+            fn = getattr(tier, "flush", None)
+            if fn is None:
+                continue
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                ok = bool(fn(left)) and ok
+            except Exception as e:
+                self._on_tier_error(tier, e)
+                ok = False
+        return ok and not self._unwritten
+
+    # ---- demotion ------------------------------------------------------------------
+    def demote(self, block: Block) -> tuple[int, int]:
+        """An evicted block not yet persisted: put it into every tier that lacks it,
+        waiting for room (back-pressure). Returns (accepted, failed). Lock held."""
+        if block.block_hash is not None:
+            entry = self._unwritten.get(block.block_hash)
+            if entry is not None and entry.block is block:
+                del self._unwritten[block.block_hash]
+        accepted, _, refused = self._put(block, self._lacking(block, self._all()),
+                                         self.demote_timeout_s)
+        return len(accepted), len(refused)
+
+    # ---- persist at shutdown ---------------------------------------------------------
+    def persist(self, blocks: list[Block], timeout: float | None) -> PersistReport:
+        """Put every block (not persisted) into the tiers that lack it, waiting for
+        room, then flush; at most ``timeout`` seconds (None: no limit). Lock held."""
+        t0 = time.monotonic()
+        deadline = None if timeout is None else t0 + timeout
+        report = PersistReport(blocks=len(blocks))
+        names = [getattr(t, "name", "tier") for t in self.tiers]
+        if blocks:
+            nbytes = sum(b.nbytes for b in blocks)
+            logger.info("persisting %d RAM blocks (%.1f MB) to %s (at most %s)", len(blocks),
+                        nbytes / 1e6, "+".join(names),
+                        "no time limit" if timeout is None else f"{timeout:g} s")
+        handed: list[Block] = []  # every tier accepted (now or before)
+        failed: list[Block] = []
+        last_log = t0
+        for n, block in enumerate(blocks):
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                report.timed_out = True
+                failed.extend(blocks[n:])
+                break
+            _, _, refused = self._put(block, self._lacking(block, self._all()),
+                                      None if left is None else max(left, 1e-3))
+            if refused:
+                failed.append(block)
+            else:
+                handed.append(block)
+            now = time.monotonic()
+            if now - last_log >= PROGRESS_EVERY_S:
+                last_log = now
+                logger.info("persisting: %d / %d blocks handed over", n + 1, len(blocks))
+        self._unwritten.clear()
+        # wait for the tiers' writers, then see what really arrived
+        flushed = True
+        for tier in self.tiers:
+            fn = getattr(tier, "flush", None)
+            if fn is None:
+                continue
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                flushed = bool(fn(left)) and flushed
+            except Exception as e:
+                self._on_tier_error(tier, e)
+                flushed = False
+        if not flushed:
+            report.timed_out = True
+        missing = self._missing(handed)
+        for block in handed:
+            gone = missing.get(id(block))
+            if not gone and block.persisted:
+                report.written += 1
+                continue
+            for i in gone or ():  # accepted but not there: a later eviction tries again
+                block.flags &= ~(PERSISTED | (IN_TIER << i))
+            failed.append(block)
+        order = {id(b): i for i, b in enumerate(blocks)}
+        failed.sort(key=lambda b: order[id(b)])
+        report.failed = len(failed)
+        report.failed_names = [block_name(b) for b in failed[:NAMED_FAILURES]]
+        report.seconds = time.monotonic() - t0
+        self.last_persist = report
+        if failed:
+            logger.warning(
+                "persist: %d of %d RAM blocks did not reach %s%s: %s%s", len(failed),
+                len(blocks), "+".join(names), " (time limit reached)" if report.timed_out else "",
+                ", ".join(report.failed_names), ", ..." if len(failed) > NAMED_FAILURES else "")
+        elif blocks:
+            logger.info("persisted %d RAM blocks in %.1f s", report.written, report.seconds)
+        return report
+
+    def _missing(self, blocks: list[Block]) -> dict[int, set[int]]:
+        """After a flush: ``{id(block): tiers that lack it}`` over the asynchronous tiers
+        (those with ``flush``), asked with one ``get_metas`` per tier and namespace."""
+        by_ns: dict[Namespace, list[Block]] = {}
+        for b in blocks:
+            by_ns.setdefault(b.ns, []).append(b)
+        missing: dict[int, set[int]] = {}
+        for i, tier in enumerate(self.tiers):
+            if getattr(tier, "flush", None) is None:
+                continue
+            for ns, group in by_ns.items():
+                try:
+                    metas = tier.get_metas([b.meta().block_hash for b in group], ns=ns)
+                    if len(metas) != len(group):
+                        raise ValueError("get_metas returned a wrong number of entries")
+                except Exception as e:
+                    self._on_tier_error(tier, e)
+                    metas = [None] * len(group)
+                for b, m in zip(group, metas, strict=True):
+                    if m is None:
+                        missing.setdefault(id(b), set()).add(i)
+        return missing
+
+    # ---- lifecycle -------------------------------------------------------------------
+    def stop(self) -> None:
+        """Stop the feeder (call without the cache lock; what it had not written yet
+        stays for ``persist``)."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
