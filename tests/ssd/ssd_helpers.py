@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -53,3 +55,11 @@ class FakeClock:
 
     def advance(self, dt: float) -> None:
         self.t += dt
+
+
+def dead_pid() -> int:
+    """The pid of a process that has exited and been reaped (a temp file named with it
+    is a dead writer's leftover; pids are reused only after wrapping around)."""
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid

@@ -11,19 +11,20 @@ from promptcache.errors import CorruptBlockError, TierError
 from promptcache.tiers import ssd_files
 
 
-def test_enospc_on_replace_degrades_and_recovers(tmp_path, monkeypatch):
+def test_enospc_on_publish_degrades_and_recovers(tmp_path, monkeypatch):
     clock = FakeClock()
     tier = make_tier(tmp_path, clock=clock, degraded_backoff_s=30)
     a, b, c = chain(NS, 3)
     tier.put(a, payload_for(0))
     tier.flush()
 
-    real_replace = os.replace
+    real_replace, real_link = os.replace, os.link
 
     def full_disk(src, dst):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(os, "replace", full_disk)
+    monkeypatch.setattr(os, "link", full_disk)
     assert tier.put(b, payload_for(1)) is True  # accepted: the failure happens in the writer
     tier.flush()
     s = tier.stats()
@@ -36,6 +37,7 @@ def test_enospc_on_replace_degrades_and_recovers(tmp_path, monkeypatch):
     assert [p.name for p in tmp_path.rglob(".tmp-*")] == []  # the temp file was removed
 
     monkeypatch.setattr(os, "replace", real_replace)
+    monkeypatch.setattr(os, "link", real_link)
     clock.advance(31)
     assert tier.put(c, payload_for(2)) is True
     tier.flush()
@@ -127,7 +129,7 @@ def test_writer_survives_an_unexpected_exception(tmp_path, monkeypatch):
     def boom(*args, **kw):
         raise RuntimeError("bug")
 
-    monkeypatch.setattr(ssd_files, "atomic_write", boom)
+    monkeypatch.setattr(ssd_files, "write_temp", boom)
     tier.put(a, payload_for(0))
     tier.flush()
     monkeypatch.undo()

@@ -5,7 +5,7 @@ import os
 from pathlib import Path
 
 import pytest
-from ssd_helpers import NS, chain, make_tier, payload_for
+from ssd_helpers import NS, chain, dead_pid, make_tier, payload_for
 
 from promptcache.errors import CorruptBlockError
 from promptcache.tiers.ssd_files import block_rel_path
@@ -82,7 +82,7 @@ def test_reconcile_on_restart_finds_every_kind_of_damage(tmp_path):
     path_of(tmp_path, ms[0]).unlink()  # row without file
     p1 = path_of(tmp_path, ms[1])
     p1.write_bytes(p1.read_bytes()[:5])  # wrong size
-    tmp_file = p1.parent / ".tmp-leftover.safetensors.123.abcd"
+    tmp_file = p1.parent / f".tmp-leftover.safetensors.{dead_pid()}.abcd"
     tmp_file.write_bytes(b"partial")  # leftover temp file
     orphan = p1.parent / ("ab" * 32 + ".safetensors")
     orphan.write_bytes(payload_for(9))  # file without row

@@ -29,7 +29,7 @@ import sqlite3
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 from ..codec import checksum
@@ -38,15 +38,14 @@ from ..errors import CorruptBlockError, TierError
 from ..hashing import BlockHash
 from ..meta import BlockMeta, Namespace
 from . import ssd_files as files
-from .base import PayloadSource, as_source
 from .ssd_check import CheckReport, reconcile
 from .ssd_index import IndexCorruptError, IndexRow, SSDIndex
 from .ssd_queue import WriteQueue
-from .ssd_store import DROP_REASONS, LATENCY_BUCKETS_MS, SSDStore, _Pending
+from .ssd_store import DROP_REASONS, LATENCY_BUCKETS_MS, _Pending
+from .ssd_write import STOP, SSDWriter
 
 log = logging.getLogger(__name__)
 
-_STOP = object()
 PREFETCH_CHILDREN = 4
 # Blocks of a chain read and verified ahead of the caller (see ssd_files.ReadAhead).
 READ_AHEAD_BLOCKS = 4
@@ -56,7 +55,7 @@ HINT_BLOCKS = 8
 _FADV_WILLNEED: int | None = getattr(os, "POSIX_FADV_WILLNEED", None)
 
 
-class SSDTier(SSDStore):
+class SSDTier(SSDWriter):
     """See the module docstring. ``clock`` returns wall-clock seconds (tests fake it)."""
 
 
@@ -97,11 +96,14 @@ class SSDTier(SSDStore):
         self._kids_memo: dict[bytes, tuple[float, list[tuple[bytes, str, int, str, float | None]]]] = {}
         self._hinted: dict[bytes, float] = {}
         self._index_rebuilt = False
+        self._dirlock = files.DirLock(None)
         self._index = self._open_index()
-        self._blocks, self._bytes = self._index.totals()
-        self._bytes_written = int(self._index.kv_get("bytes_written") or 0)
-        self._day = self._index.kv_get("write_day") or ""
-        self._day_bytes = int(self._index.kv_get("write_day_bytes") or 0)
+        self._blocks = self._bytes = self._bytes_written = self._day_bytes = 0
+        self._day = ""
+        try:
+            self._refresh_totals()
+        except sqlite3.Error as e:
+            self._index_error(e)
         self.startup_report: CheckReport | None = None
         if reconcile_on_open:
             self.startup_report = self.check(fix=True)
@@ -117,11 +119,20 @@ class SSDTier(SSDStore):
         path = self.root / files.INDEX_NAME
         try:
             files.ensure_dir(self.root, fsync=durable)
+            self._dirlock = files.DirLock(self.root / files.LOCK_NAME)
             return SSDIndex(path, durable=durable)
         except IndexCorruptError as e:
             log.error("ssd index %s is unusable (%s): moving it aside, starting empty", path, e)
         except OSError as e:
             return self._memory_index(f"cannot create {self.root}: {e}")
+        with self._dirlock.exclusive():  # no other process is in the middle of a change
+            return self._rebuild_index(path, durable)
+
+    def _rebuild_index(self, path: Path, durable: bool) -> SSDIndex:
+        try:  # another process may have rebuilt it while we waited for the lock
+            return SSDIndex(path, durable=durable)
+        except IndexCorruptError:
+            pass
         self._index_rebuilt = True
         stamp = int(time.time() * 1000)
         try:
@@ -350,12 +361,17 @@ class SSDTier(SSDStore):
 
     def _drop_bad(self, row: IndexRow, *, reason: str | None) -> None:
         h = bytes(row.meta.block_hash)
-        with self._write_lock, self._lock:
+
+        def still_this_row() -> list[tuple[bytes, str, int]]:
+            cur = self._index.get(h)  # (in the deleting transaction: no other writer now)
+            if cur is None or cur.file_name != row.file_name or cur.checksum != row.checksum:
+                return []
+            return [(h, row.file_name, row.file_bytes)]
+
+        with self._write_lock, self._dirlock.shared(), self._lock:
             try:
-                cur = self._index.get(h)
-                if cur is None or cur.file_name != row.file_name or cur.checksum != row.checksum:
+                if not self._delete_where(still_this_row, unlink=False):
                     return
-                self._delete_rows([(h, row.file_name, row.file_bytes)], unlink=False)
             except sqlite3.Error as e:
                 self._index_error(e)
                 return
@@ -376,246 +392,20 @@ class SSDTier(SSDStore):
             self._latency[bisect.bisect_left(LATENCY_BUCKETS_MS, ms)] += 1
             self._latency_sum_ms += ms
 
-    # -- write path -------------------------------------------------------------------
-
-    def put(
-        self,
-        meta: BlockMeta,
-        payload: bytes | PayloadSource,
-        sessions: Iterable[str] = (),
-        hits: int | None = None,
-        *,
-        timeout: float | None = 0.0,
-    ) -> bool:
-        if not isinstance(meta, BlockMeta):
-            raise ValueError(f"meta must be a BlockMeta, got {type(meta).__name__}")
-        if len(meta.block_hash) != 32 or len(meta.parent_hash) != 32:
-            raise ValueError("block and parent hashes must be 32 bytes")
-        source = as_source(payload)  # ValueError for anything else
-        if isinstance(sessions, str):
-            raise ValueError("sessions must be an iterable of session ids, not a string")
-        files.block_rel_path(meta.namespace_key, meta.tenant, "00")  # validates folder names
-        nbytes = source.nbytes
-        sess = {str(s) for s in sessions}
-        cfg = self.config
-        h = bytes(meta.block_hash)
-        with self._lock:
-            reason = None
-            if self._closed:
-                reason = "closed"
-            elif meta.end < cfg.admission_min_tokens or (hits or 0) < cfg.admission_min_hits:
-                reason = "admission"
-            elif nbytes > cfg.budget_bytes:
-                reason = "budget"
-            elif self._degraded_reason is not None and self._clock() < self._retry_at:
-                reason = "degraded"
-            elif cfg.daily_write_budget_bytes is not None and (
-                self._today_bytes() + self._pending_bytes + nbytes
-                > cfg.daily_write_budget_bytes
-            ):
-                reason = "write_budget"
-            if reason is not None:
-                self._drops[reason] += 1
-                return False
-            p = self._pending.get(h)
-            if p is not None and p.queued and not p.taken and not p.cancelled:
-                self._pending_bytes += nbytes - p.nbytes
-                p.meta, p.source, p.nbytes = meta, source, nbytes
-                p.sessions |= sess
-                p.had_session = p.had_session or bool(sess)
-                return True
-            item = _Pending(meta, source, nbytes, set(sess), bool(sess))
-            # (the writer takes the lock before it looks at an item: queuing first is safe)
-            item.queued = self._queue.put(item, 0.0)
-            if not item.queued and timeout is not None and timeout <= 0:
-                self._drops["queue_full"] += 1
-                return False
-            if p is not None:  # an older version (being written, or waiting): superseded
-                item.sessions |= p.sessions
-                item.had_session = item.had_session or p.had_session
-                if not p.taken:
-                    p.cancelled = True
-                self._forget(p)
-            self._pending[h] = item  # visible to get_meta / children / get from now on
-            self._pending_bytes += nbytes
-            if item.queued:
-                return True
-        # back-pressure: wait for room outside the lock (the writer needs it)
-        queued = self._queue.put(item, timeout)
-        with self._lock:
-            if queued:
-                item.queued = True
-                return True
-            if item.cancelled:  # superseded or deleted while waiting: nothing to write
-                return True
-            self._forget(item)
-            self._drops["queue_full"] += 1
-            return False
-
-    def has_room(self, timeout: float | None = 0.0) -> bool:
-        """True if a put that does not wait would find room in the write queue."""
-        return self._queue.wait_for_room(timeout)
-
-    def add_sessions(self, block_hash: BlockHash, sessions: Iterable[str], *,
-                     ns: Namespace | None = None) -> None:
-        if isinstance(sessions, str):
-            raise ValueError("sessions must be an iterable of session ids, not a string")
-        sess = {str(s) for s in sessions}
-        if not sess:
-            return
-        h = bytes(block_hash)
-        with self._lock:
-            p = self._pending.get(h)
-            if p is not None and not p.cancelled:
-                p.sessions |= sess
-                p.had_session = True
-                if not p.taken:
-                    return
-            try:
-                self._index.begin()
-                self._index.add_sessions(h, sess)
-                self._index.commit()
-            except sqlite3.Error as e:
-                self._index.rollback()
-                self._index_error(e)
-
-    def _run(self) -> None:
-        while True:
-            got, item = self._queue.get(timeout=max(0.05, self._sweep_interval / 4))
-            if item is _STOP:
-                self._queue.task_done()
-                return
-            try:
-                if item is not None:
-                    self._write(item)
-                if time.monotonic() - self._last_sweep >= self._sweep_interval:
-                    self.sweep()
-            except Exception:  # the writer must survive anything
-                log.exception("ssd writer: unexpected error")
-                if isinstance(item, _Pending):
-                    with self._lock:
-                        self._counts["write_errors"] += 1
-                        self._forget(item)
-            finally:
-                if got:
-                    self._queue.task_done()
-
-    def _write(self, p: _Pending) -> None:
-        h = bytes(p.meta.block_hash)
-        with self._write_lock:
-            with self._lock:
-                if p.cancelled:
-                    self._forget(p)
-                    return
-                p.taken = True
-                if self._degraded_reason is not None and self._clock() < self._retry_at:
-                    self._drops["degraded"] += 1
-                    self._forget(p)
-                    return
-                self._apply_touches()
-                try:
-                    existing = self._index.get(h)
-                except sqlite3.Error as e:
-                    self._index_error(e)
-                    self._forget(p)
-                    return
-            try:  # the encoding happens here, on the writer thread
-                data = p.source.encode()
-            except Exception as e:
-                log.warning("ssd block %s: cannot encode the payload: %s", h.hex()[:16], e)
-                with self._lock:
-                    self._counts["encode_errors"] += 1
-                    self._forget(p)
-                return
-            if len(data) > self.config.budget_bytes:
-                with self._lock:
-                    self._drops["budget"] += 1
-                    self._forget(p)
-                return
-            digest = checksum(data)
-            if existing is not None and existing.checksum == digest:
-                self._commit(p, len(data), existing.file_name, digest, existing)
-                return
-            alt = existing is not None and not files.is_alt(existing.file_name)
-            rel = files.block_rel_path(p.meta.namespace_key, p.meta.tenant, h.hex(), alt=alt)
-            try:
-                files.atomic_write(self.root / rel, data, fsync=self.config.fsync)
-            except OSError as e:
-                with self._lock:
-                    self._counts["write_errors"] += 1
-                    self._drops["degraded"] += 1
-                    self._forget(p)
-                self._degrade(f"write failed: {e}")
-                return
-            if self._commit(p, len(data), rel, digest, existing) and existing is not None:
-                if existing.file_name != rel:
-                    files.remove_file(self.root / existing.file_name)
-            self._enforce_capacity(keep=h)
-
-    def _commit(self, p: _Pending, size: int, rel: str, digest: str, existing: IndexRow | None
-                ) -> bool:
-        h = bytes(p.meta.block_hash)
-        now = self._clock()
-        ttl = self.config.ttl_seconds
-        written = existing is None or existing.file_name != rel
-        with self._lock:
-            if p.cancelled:
-                self._forget(p)
-                if written:
-                    files.remove_file(self.root / rel)
-                return False
-            row = IndexRow(
-                meta=p.meta,
-                file_name=rel,
-                file_bytes=size,
-                checksum=digest,
-                created=existing.created if existing is not None else now,
-                last_access=now,
-                expiry=None if ttl is None else now + ttl,
-                hits=existing.hits if existing is not None else 0,
-                had_session=p.had_session or (existing is not None and existing.had_session),
-            )
-            try:
-                self._index.begin()
-                self._index.upsert(row)
-                self._index.add_sessions(h, p.sessions)
-                if written:
-                    self._today_bytes()
-                    self._day_bytes += size
-                    self._bytes_written += size
-                    self._index.kv_set("bytes_written", str(self._bytes_written))
-                    self._index.kv_set("write_day", self._day)
-                    self._index.kv_set("write_day_bytes", str(self._day_bytes))
-                self._index.commit()
-            except sqlite3.Error as e:
-                self._index.rollback()
-                self._index_error(e)
-                self._forget(p)
-                if written:
-                    files.remove_file(self.root / rel)
-                return False
-            self._forget(p)
-            if existing is not None:
-                self._bytes -= existing.file_bytes
-                self._blocks -= 1
-            self._bytes += row.file_bytes
-            self._blocks += 1
-            self._counts["spills" if written else "dedup"] += 1
-            if self._degraded_reason is not None and self._retry_at != float("inf"):
-                log.info("ssd tier recovered (was: %s)", self._degraded_reason)
-                self._degraded_reason = None
-            return True
-
     # -- maintenance, stats, lifecycle ----------------------------------------------------
 
     def check(self, fix: bool = False) -> CheckReport:
         """Compare index and files (see ``ssd_check``). Waits for queued writes first."""
         if not self._closed and hasattr(self, "_thread"):
             self.flush()
-        with self._write_lock, self._lock:
-            report = reconcile(self.root, self._index, fix=fix)
+        with self._write_lock, self._dirlock.exclusive(), self._lock:
+            try:
+                report = reconcile(self.root, self._index, fix=fix)
+                self._refresh_totals()
+            except sqlite3.Error as e:
+                self._index_error(e)
+                raise TierError(f"ssd check failed: {e}") from e
             report.index_rebuilt, self._index_rebuilt = self._index_rebuilt, False
-            self._blocks, self._bytes = self._index.totals()
         return report
 
     def flush(self, timeout: float | None = None) -> bool:
@@ -632,12 +422,13 @@ class SSDTier(SSDStore):
             if self._closed:
                 return
             self._closed = True
-        self._queue.put(_STOP, force=True)
+        self._queue.put(STOP, force=True)
         self._thread.join()
         self._ahead.close()
         with self._write_lock, self._lock:
             self._apply_touches()
             self._index.close()
+            self._dirlock.close()
 
     def __enter__(self) -> SSDTier:
         return self

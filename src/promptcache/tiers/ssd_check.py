@@ -1,14 +1,18 @@
 """Reconcile the SSD tier's index with its files (startup recovery and test oracle).
 
 Rules (a row is committed only after its file is complete, so these are safe):
-- temp files are leftovers of interrupted writes: removed;
+- temp files of writers that are gone (their pid is not alive, or older than
+  ``STALE_TEMP_S``) are leftovers of interrupted writes: removed; a live writer's
+  temp file (another server on the same folder) is left alone and not a problem;
 - a row whose file is missing: the row is dropped;
 - a row whose file has the wrong size: the file is quarantined, the row dropped;
 - a file with no row (written, but the process died before the commit, or an
   eviction died after its commit): removed;
 - byte and block totals are recomputed from the index.
 
-The caller holds the tier's write lock, so no write is in flight.
+The caller holds the tier's write lock and the folder's exclusive ``DirLock``, so
+no write or deletion of this or any other process is between its file step and its
+index step: a file without a row really is an orphan.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import logging
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .ssd_files import quarantine, remove_file, scan
+from .ssd_files import quarantine, remove_file, scan, temp_is_stale
 from .ssd_index import SSDIndex
 
 log = logging.getLogger(__name__)
@@ -55,6 +59,8 @@ def reconcile(root: Path, index: SSDIndex, *, fix: bool) -> CheckReport:
     on_disk: dict[str, int] = {}
     for rel, size, kind in scan(root):
         if kind == "temp":
+            if not temp_is_stale(root / rel):
+                continue  # a live writer's (another process on this folder)
             report.temp_files += 1
             if fix:
                 remove_file(root / rel)
@@ -101,7 +107,13 @@ def reconcile(root: Path, index: SSDIndex, *, fix: bool) -> CheckReport:
             if fix:
                 remove_file(root / rel)
 
-    report.blocks, report.bytes = index.totals()
+    index.begin()
+    try:
+        report.blocks, report.bytes = index.recount()  # (and repairs the kept totals)
+        index.commit()
+    except BaseException:
+        index.rollback()
+        raise
     if report.problems:
         log.info("ssd check (fix=%s): %s", fix, report.to_dict())
     return report

@@ -3,20 +3,28 @@
 Layout under the tier root::
 
     index.sqlite                                   (+ -wal / -shm)
+    lock                                           (the advisory lock, see DirLock)
     quarantine/<hash hex>.<unix time>.<reason>.safetensors
     <namespace key>/<tenant>/blocks/<2 hex>/<hash hex>.safetensors
-    <namespace key>/<tenant>/blocks/<2 hex>/<hash hex>.1.safetensors   (a rewrite, see below)
+    <namespace key>/<tenant>/blocks/<2 hex>/<hash hex>.<tag>.safetensors   (see below)
 
-Files are content-addressed by block hash. A block rewritten with a different
-payload (e.g. upgraded with a state snapshot) goes to the *other* of the two
-names, so the old file stays valid until the new row is committed and only
-then is removed. Temp files (``.tmp-*``) live in the destination folder so
-``os.replace`` is atomic.
+Files are content-addressed by block hash. A block file is written to a temp file
+in its destination folder (``.tmp-<name>.<pid>.<random>``: the writer's pid, so a
+repair can tell a dead writer's leftovers from a live one's), fsynced, and then
+published under a name nobody else holds: ``os.link`` creates the primary name
+only if it does not exist, so two processes writing the same block never clobber
+each other's file. If the primary name is taken (the block is being rewritten,
+e.g. upgraded with a state snapshot, or another process holds it) the file goes
+to ``<hash>.1.safetensors``, and if that is taken too, to a name with a random
+tag. The old file stays valid until the new index row is committed and only then
+is removed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import fcntl
 import logging
 import os
 import re
@@ -41,7 +49,12 @@ SUFFIX = ".safetensors"
 ALT_SUFFIX = ".1.safetensors"
 _NO_NAMESPACE = "_"
 _SAFE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-_BLOCK_FILE = re.compile(r"^[0-9a-f]{64}(\.1)?\.safetensors$")
+_BLOCK_FILE = re.compile(r"^[0-9a-f]{64}(\.[0-9a-z]{1,16})?\.safetensors$")
+_TEMP_FILE = re.compile(r"^\.tmp-.*\.(\d+)\.[0-9a-f]+$")
+LOCK_NAME = "lock"
+# A temp file lives for the milliseconds of one write: one older than this is a
+# leftover even if its pid now names a live process (pids are reused).
+STALE_TEMP_S = 3600.0
 
 
 def _folder_name(value: str, what: str) -> str:
@@ -62,6 +75,11 @@ def block_rel_path(namespace_key: str, tenant: str, hash_hex: str, *, alt: bool 
 
 def is_alt(rel_path: str) -> bool:
     return rel_path.endswith(ALT_SUFFIX)
+
+
+def block_names(hash_hex: str) -> list[str]:
+    """The two preferred file names of a block: primary, then the alternate."""
+    return [hash_hex + SUFFIX, hash_hex + ALT_SUFFIX]
 
 
 def fsync_dir(path: Path) -> None:
@@ -92,21 +110,51 @@ def ensure_dir(path: Path, *, fsync: bool) -> None:
         raise NotADirectoryError(errno.ENOTDIR, "not a directory", str(path))
 
 
-def atomic_write(path: Path, data: bytes, *, fsync: bool) -> None:
-    """Write ``data`` to ``path`` so that ``path`` is either absent/old or complete.
-
-    temp file in the same folder -> write -> flush + fsync -> os.replace -> fsync folder.
-    """
-    folder = path.parent
+def write_temp(folder: Path, name: str, data: bytes, *, fsync: bool) -> Path:
+    """Write ``data`` to a new temp file for ``name`` in ``folder`` (fsynced)."""
     ensure_dir(folder, fsync=fsync)
-    tmp = folder / f"{TEMP_PREFIX}{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
+    tmp = folder / f"{TEMP_PREFIX}{name}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
     try:
         with open(tmp, "wb") as f:
             f.write(data)
             f.flush()
             if fsync:
                 os.fsync(f.fileno())
-        os.replace(tmp, path)
+    except BaseException:
+        try:
+            tmp.unlink()
+        except OSError:
+            pass
+        raise
+    return tmp
+
+
+def publish(tmp: Path, names: list[str], *, fsync: bool) -> str:
+    """Give the temp file ``tmp`` the first of ``names`` (in its folder) that does not
+    exist, atomically and without ever replacing an existing file (``os.link``); if
+    all are taken (or the file system has no hard links) a fresh random name.
+    Returns the name used. The temp file is gone afterwards; raises OSError."""
+    folder = tmp.parent
+    used = None
+    try:
+        for name in names:
+            try:
+                os.link(tmp, folder / name)
+            except FileExistsError:
+                continue
+            except OSError as e:
+                if e.errno in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK,
+                               errno.EXDEV, errno.ENOSYS):
+                    break  # no hard links here: a name nobody else can hold
+                raise
+            used = name
+            break
+        if used is None:
+            stem = names[0].removesuffix(SUFFIX)
+            used = f"{stem}.{uuid.uuid4().hex[:12]}{SUFFIX}"
+            os.replace(tmp, folder / used)
+        else:
+            tmp.unlink()
     except BaseException:
         try:
             tmp.unlink()
@@ -115,6 +163,97 @@ def atomic_write(path: Path, data: bytes, *, fsync: bool) -> None:
         raise
     if fsync:
         fsync_dir(folder)
+    return used
+
+
+def atomic_write(path: Path, data: bytes, *, fsync: bool) -> None:
+    """Write ``data`` to ``path`` so that ``path`` is either absent/old or complete.
+
+    temp file in the same folder -> write -> flush + fsync -> os.replace -> fsync folder.
+    (Block files use ``write_temp`` + ``publish``, which never replace a file.)
+    """
+    tmp = write_temp(path.parent, path.name, data, fsync=fsync)
+    try:
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            tmp.unlink()
+        except OSError:
+            pass
+        raise
+    if fsync:
+        fsync_dir(path.parent)
+
+
+def pid_alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    except OSError:
+        return True
+    return True
+
+
+def temp_is_stale(path: Path, *, now: float | None = None, max_age_s: float = STALE_TEMP_S) -> bool:
+    """A temp file left by a writer that is gone: its pid (in the name) is not a live
+    process, or it is older than ``max_age_s``. A live writer's temp file is kept."""
+    m = _TEMP_FILE.match(path.name)
+    try:
+        age = (time.time() if now is None else now) - path.stat().st_mtime
+    except FileNotFoundError:
+        return False
+    if age > max_age_s:
+        return True
+    if m is None:  # not one of ours (no pid): only by age
+        return False
+    return not pid_alive(int(m.group(1)))
+
+
+class DirLock:
+    """The tier folder's advisory lock (``flock`` on ``<root>/lock``): every change
+    to the index and the files (a write between publishing its file and committing
+    its row, a deletion between committing and unlinking) holds it shared; a repair
+    (reconcile), ``purge`` and ``cache check --fix`` hold it exclusively, so they
+    never see another live process's half-done change. One descriptor per tier:
+    the tier uses it only under its write lock. ``path=None``: a no-op lock."""
+
+    def __init__(self, path: Path | None) -> None:
+        self.path = path
+        self._fd: int | None = None
+        if path is not None:
+            self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+
+    @contextlib.contextmanager
+    def shared(self) -> Iterator[None]:
+        with self._held(fcntl.LOCK_SH):
+            yield
+
+    @contextlib.contextmanager
+    def exclusive(self) -> Iterator[None]:
+        with self._held(fcntl.LOCK_EX):
+            yield
+
+    @contextlib.contextmanager
+    def _held(self, how: int) -> Iterator[None]:
+        fd = self._fd
+        if fd is None:
+            yield
+            return
+        fcntl.flock(fd, how)
+        try:
+            yield
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
 
 def remove_file(path: Path) -> bool:

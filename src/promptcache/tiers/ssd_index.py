@@ -24,7 +24,7 @@ from ..meta import BlockMeta
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = "1"
+SCHEMA_VERSION = "2"  # 2: totals kept by triggers (shared by every process)
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS blocks (
@@ -61,11 +61,48 @@ CREATE INDEX IF NOT EXISTS sessions_hash ON sessions(hash);
 CREATE TABLE IF NOT EXISTS kv (key TEXT PRIMARY KEY, value TEXT NOT NULL) WITHOUT ROWID;
 """
 
+# Block and byte totals maintained by SQLite itself, in the same transaction as the
+# change, so every process sharing the folder sees (and enforces the budget on) the
+# same numbers. Rows change only by INSERT, UPDATE (upsert) and DELETE.
+_TOTALS = """
+CREATE TABLE IF NOT EXISTS totals (
+    id INTEGER PRIMARY KEY CHECK (id = 0),
+    blocks INTEGER NOT NULL,
+    bytes INTEGER NOT NULL
+);
+CREATE TRIGGER IF NOT EXISTS totals_insert AFTER INSERT ON blocks BEGIN
+    UPDATE totals SET blocks = blocks + 1, bytes = bytes + NEW.file_bytes WHERE id = 0;
+END;
+CREATE TRIGGER IF NOT EXISTS totals_delete AFTER DELETE ON blocks BEGIN
+    UPDATE totals SET blocks = blocks - 1, bytes = bytes - OLD.file_bytes WHERE id = 0;
+END;
+CREATE TRIGGER IF NOT EXISTS totals_update AFTER UPDATE OF file_bytes ON blocks BEGIN
+    UPDATE totals SET bytes = bytes - OLD.file_bytes + NEW.file_bytes WHERE id = 0;
+END;
+"""
+
 _COLUMNS = (
     "hash, parent, token_ids, start, extra_keys, num_tokens, nbytes, file_name, file_bytes, "
     "checksum, namespace_key, tenant, truncatable, snapshot, created, last_access, expiry, "
     "hits, had_session"
 )
+
+
+def _statements(script: str) -> list[str]:
+    """Split a script of CREATE statements (triggers end with ``END;``)."""
+    out: list[str] = []
+    cur: list[str] = []
+    for line in script.strip().splitlines():
+        cur.append(line)
+        text = "\n".join(cur).strip()
+        if text.endswith(";") and (not text.upper().startswith("CREATE TRIGGER")
+                                   or text.upper().endswith("END;")):
+            out.append(text)
+            cur = []
+    return out
+
+
+_UPDATES = ", ".join(f"{c}=excluded.{c}" for c in _COLUMNS.split(", ") if c != "hash")
 
 
 class IndexCorruptError(Exception):
@@ -145,17 +182,35 @@ class SSDIndex:
             ok = self._db.execute("PRAGMA quick_check").fetchone()
             if not ok or ok[0] != "ok":
                 raise IndexCorruptError(f"quick_check failed: {ok!r}")
-            self._db.executescript(_SCHEMA)
-            version = self.kv_get("schema_version")
-            if version is None:
-                self.kv_set("schema_version", SCHEMA_VERSION)
-            elif version != SCHEMA_VERSION:
-                raise IndexCorruptError(f"unknown index schema version {version!r}")
+            self._migrate()
         except sqlite3.DatabaseError as e:
             self.close()
             raise IndexCorruptError(str(e)) from e
         except IndexCorruptError:
             self.close()
+            raise
+
+    def _migrate(self) -> None:
+        """Create or upgrade the schema, in one write transaction (another process may
+        be opening the same index at the same moment)."""
+        self.begin()
+        try:
+            for stmt in _statements(_SCHEMA):
+                self._db.execute(stmt)
+            version = self.kv_get("schema_version")
+            if version not in (None, "1", SCHEMA_VERSION):
+                raise IndexCorruptError(f"unknown index schema version {version!r}")
+            if version != SCHEMA_VERSION:
+                for stmt in _statements(_TOTALS):
+                    self._db.execute(stmt)
+                self._db.execute("DELETE FROM totals")
+                self._db.execute(
+                    "INSERT INTO totals(id, blocks, bytes) "
+                    "SELECT 0, COUNT(*), COALESCE(SUM(file_bytes), 0) FROM blocks")
+                self.kv_set("schema_version", SCHEMA_VERSION)
+            self.commit()
+        except BaseException:
+            self.rollback()
             raise
 
     def close(self) -> None:
@@ -228,8 +283,9 @@ class SSDIndex:
     def upsert(self, row: IndexRow) -> None:
         m = row.meta
         self._db.execute(
-            f"INSERT OR REPLACE INTO blocks({_COLUMNS}) "
-            "VALUES(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            f"INSERT INTO blocks({_COLUMNS}) "
+            "VALUES(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) "
+            f"ON CONFLICT(hash) DO UPDATE SET {_UPDATES}",
             (
                 bytes(m.block_hash),
                 bytes(m.parent_hash),
@@ -268,8 +324,34 @@ class SSDIndex:
             )
 
     def totals(self) -> tuple[int, int]:
+        """(blocks, bytes) of every process's blocks (kept by triggers: one row read)."""
+        r = self._db.execute("SELECT blocks, bytes FROM totals WHERE id = 0").fetchone()
+        return (int(r[0]), int(r[1])) if r is not None else (0, 0)
+
+    def recount(self) -> tuple[int, int]:
+        """Totals counted from the rows (the oracle for ``totals``; repairs them)."""
         r = self._db.execute("SELECT COUNT(*), COALESCE(SUM(file_bytes), 0) FROM blocks").fetchone()
-        return int(r[0]), int(r[1])
+        n, b = int(r[0]), int(r[1])
+        if (n, b) != self.totals():
+            self._db.execute("UPDATE totals SET blocks = ?, bytes = ? WHERE id = 0", (n, b))
+        return n, b
+
+    def add_written(self, nbytes: int, day: str) -> tuple[int, int]:
+        """Count ``nbytes`` written (today: ``day``, UTC date) in the shared counters;
+        returns (bytes written ever, bytes written on ``day``). Inside a transaction."""
+        total = int(self.kv_get("bytes_written") or 0) + nbytes
+        today = int(self.kv_get("write_day_bytes") or 0) if self.kv_get("write_day") == day else 0
+        today += nbytes
+        self.kv_set("bytes_written", str(total))
+        self.kv_set("write_day", day)
+        self.kv_set("write_day_bytes", str(today))
+        return total, today
+
+    def written(self, day: str) -> tuple[int, int]:
+        """(bytes written ever, bytes written on ``day``) as the shared counters say."""
+        total = int(self.kv_get("bytes_written") or 0)
+        today = int(self.kv_get("write_day_bytes") or 0) if self.kv_get("write_day") == day else 0
+        return total, today
 
     def iter_rows(self, where: str = "", params: tuple = ()) -> Iterator[IndexRow]:  # type: ignore[type-arg]
         sql = f"SELECT {_COLUMNS} FROM blocks {where}"

@@ -1,6 +1,11 @@
 """The SSD tier's shared state and maintenance: counters, deletion, capacity (LRU),
 TTL sweeps, sessions, tenants and stats. ``SSDTier`` (``ssd.py``) adds the read
 and write paths and the lifecycle on top. Locking rules: see ``ssd.py``.
+
+Several processes may share one folder: block and byte totals live in the index
+(kept by triggers), so the byte budget is enforced on everyone's blocks together;
+each deletion selects and deletes its rows in one transaction, and unlinks the
+files only after the commit, holding the folder's shared ``DirLock`` meanwhile.
 """
 
 from __future__ import annotations
@@ -55,6 +60,7 @@ class SSDStore:
     _clock: Callable[[], float]
     _lock: threading.RLock
     _write_lock: threading.RLock
+    _dirlock: files.DirLock
     _index: SSDIndex
     _queue: WriteQueue
     _pending: dict[bytes, _Pending]
@@ -68,18 +74,30 @@ class SSDStore:
     _degraded_reason: str | None
     _retry_at: float
     _backoff: float
-    _blocks: int
+    _blocks: int  # the last totals read from the index (every process's blocks)
     _bytes: int
-    _bytes_written: int
+    _bytes_written: int  # ... and the shared write counters
     _day: str
     _day_bytes: int
     _last_sweep: float
 
+    def _today(self) -> str:
+        return time.strftime("%Y-%m-%d", time.gmtime(self._clock()))
+
     def _today_bytes(self) -> int:
-        day = time.strftime("%Y-%m-%d", time.gmtime(self._clock()))
+        """Bytes written today (as of this process's last commit: a cheap estimate for
+        the daily write budget, never a query on the request path)."""
+        day = self._today()
         if day != self._day:
             self._day, self._day_bytes = day, 0
         return self._day_bytes
+
+    def _refresh_totals(self) -> None:
+        """Re-read the shared totals and write counters (caller holds ``_lock``)."""
+        self._blocks, self._bytes = self._index.totals()
+        day = self._today()
+        self._bytes_written, self._day_bytes = self._index.written(day)
+        self._day = day
 
     def _forget(self, p: _Pending) -> None:
         h = bytes(p.meta.block_hash)
@@ -102,42 +120,62 @@ class SSDStore:
 
     # -- deletion, capacity, TTL --------------------------------------------------------
 
-    def _delete_rows(self, victims: list[tuple[bytes, str, int]], *, unlink: bool = True) -> None:
-        """Delete rows (commit first), then their files. Caller holds both locks."""
-        if not victims:
-            return
+    def _delete_where(self, select: Callable[[], list[tuple[bytes, str, int]]], *,
+                      unlink: bool = True) -> list[tuple[bytes, str, int]]:
+        """Select victims and delete their rows in one transaction, then unlink their
+        files. Caller holds ``_write_lock``, the shared ``DirLock`` and ``_lock``.
+        Raises sqlite3.Error (rolled back)."""
         self._index.begin()
         try:
-            self._index.delete(h for h, _, _ in victims)
+            victims = select()
+            if victims:
+                self._index.delete(h for h, _, _ in victims)
             self._index.commit()
-        except sqlite3.Error:
+        except BaseException:
             self._index.rollback()
             raise
-        for _h, rel, nbytes in victims:
-            self._bytes -= nbytes
-            self._blocks -= 1
+        if victims:
+            self._unlink(victims, unlink=unlink)
+        return victims
+
+    def _unlink(self, victims: list[tuple[bytes, str, int]], *, unlink: bool) -> None:
+        for _h, rel, _nbytes in victims:
             if unlink:
                 try:
                     files.remove_file(self.root / rel)
                 except OSError as e:  # left for reconcile as an orphan
                     log.warning("cannot remove %s: %s", rel, e)
+        self._blocks, self._bytes = self._index.totals()
 
     def _enforce_capacity(self, keep: bytes | None = None) -> int:
+        """Delete least recently used blocks (of every process) until the folder's
+        bytes fit the budget. Never raises (an index error degrades the tier)."""
         evicted = 0
-        with self._write_lock, self._lock:
-            while self._bytes > self.config.budget_bytes:
-                batch = [v for v in self._index.lru(32) if v[0] != keep]
-                if not batch:
+        budget = self.config.budget_bytes
+
+        def victims() -> list[tuple[bytes, str, int]]:
+            _, total = self._index.totals()
+            out: list[tuple[bytes, str, int]] = []
+            excess = total - budget
+            if excess <= 0:
+                return out
+            for v in self._index.lru(64):
+                if excess <= 0:
                     break
-                victims = []
-                excess = self._bytes - self.config.budget_bytes
-                for v in batch:
-                    if excess <= 0:
-                        break
-                    victims.append(v)
+                if v[0] != keep:
+                    out.append(v)
                     excess -= v[2]
-                self._delete_rows(victims)
-                evicted += len(victims)
+            return out
+
+        with self._write_lock, self._dirlock.shared(), self._lock:
+            try:
+                while True:
+                    gone = self._delete_where(victims)
+                    if not gone:
+                        break
+                    evicted += len(gone)
+            except sqlite3.Error as e:
+                self._index_error(e)
             self._counts["evictions_capacity"] += evicted
         return evicted
 
@@ -145,11 +183,11 @@ class SSDStore:
         """Apply batched accesses, delete expired blocks, enforce the byte limit."""
         self._last_sweep = time.monotonic()
         try:
-            with self._write_lock, self._lock:
+            with self._write_lock, self._dirlock.shared(), self._lock:
                 self._apply_touches()
-                expired = self._index.expired(self._clock())
-                self._delete_rows(expired)
+                expired = self._delete_where(lambda: self._index.expired(self._clock()))
                 self._counts["evictions_ttl"] += len(expired)
+                self._refresh_totals()
             return len(expired) + self._enforce_capacity()
         except sqlite3.Error as e:
             with self._lock:
@@ -186,7 +224,7 @@ class SSDStore:
             raise ValueError("session_id must be a non-empty string")
         if tenant is not None and (not isinstance(tenant, str) or not tenant):
             raise ValueError("tenant must be a non-empty string or None")
-        with self._write_lock, self._lock:
+        with self._write_lock, self._dirlock.shared(), self._lock:
             for p in self._pending.values():
                 if tenant is None or p.meta.tenant == tenant:
                     p.sessions.discard(session_id)
@@ -194,12 +232,9 @@ class SSDStore:
                 lambda p: p.had_session and not p.sessions
                 and (tenant is None or p.meta.tenant == tenant))
             try:
-                self._index.begin()
-                orphaned = self._index.remove_session(session_id, tenant)
-                self._index.commit()
-                self._delete_rows(orphaned)
+                orphaned = self._delete_where(
+                    lambda: self._index.remove_session(session_id, tenant))
             except sqlite3.Error as e:
-                self._index.rollback()
                 self._index_error(e)
                 raise TierError(f"ssd delete_session failed: {e}") from e
             return len(cancelled | {h for h, _, _ in orphaned})
@@ -210,12 +245,12 @@ class SSDStore:
         hs = {bytes(h) for h in block_hashes}
         if not hs:
             return 0
-        with self._write_lock, self._lock:
+        marks = ",".join("?" * len(hs))
+        with self._write_lock, self._dirlock.shared(), self._lock:
             cancelled = self._cancel_pending(lambda p: bytes(p.meta.block_hash) in hs)
-            marks = ",".join("?" * len(hs))
             try:
-                victims = self._index.select_files(f"WHERE hash IN ({marks})", tuple(hs))
-                self._delete_rows(victims)
+                victims = self._delete_where(
+                    lambda: self._index.select_files(f"WHERE hash IN ({marks})", tuple(hs)))
             except sqlite3.Error as e:
                 self._index_error(e)
                 raise TierError(f"ssd discard failed: {e}") from e
@@ -226,7 +261,8 @@ class SSDStore:
 
     def purge(self, *, tenant: str | None = None, older_than_s: float | None = None) -> int:
         """Delete the blocks of ``tenant`` (None: every tenant) not used for
-        ``older_than_s`` seconds (None: regardless of age). Returns the count."""
+        ``older_than_s`` seconds (None: regardless of age). Returns the count. Holds
+        the folder's exclusive lock (as ``cache check --fix`` does)."""
         if older_than_s is not None and older_than_s < 0:
             raise ValueError(f"older_than_s must be >= 0, got {older_than_s}")
         conds: list[str] = []
@@ -238,14 +274,13 @@ class SSDStore:
             conds.append("last_access < ?")
             params.append(self._clock() - older_than_s)
         where = ("WHERE " + " AND ".join(conds)) if conds else ""
-        with self._write_lock, self._lock:
+        with self._write_lock, self._dirlock.exclusive(), self._lock:
             self._apply_touches()
             cancelled: set[bytes] = set()
             if older_than_s is None:
                 cancelled = self._cancel_pending(lambda p: tenant is None or p.meta.tenant == tenant)
             try:
-                victims = self._index.select_files(where, tuple(params))
-                self._delete_rows(victims)
+                victims = self._delete_where(lambda: self._index.select_files(where, tuple(params)))
             except sqlite3.Error as e:
                 self._index_error(e)
                 raise TierError(f"ssd purge failed: {e}") from e
@@ -253,6 +288,11 @@ class SSDStore:
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
+            if not getattr(self, "_closed", False):
+                try:
+                    self._refresh_totals()  # every process's blocks, not only ours
+                except sqlite3.Error as e:
+                    self._index_error(e)
             c = self._counts
             return {
                 "name": self.name,
