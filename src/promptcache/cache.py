@@ -597,7 +597,7 @@ class PromptCache:
             for tier in self.lower:
                 try:
                     count += int(tier.delete_tenant(tenant))
-                except (TierError, OSError) as e:
+                except Exception as e:
                     self._on_tier_error(tier, e)
             return count
 

@@ -30,7 +30,6 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from ..errors import TierError
 from ..hashing import BlockHash, hash_block
 from ..meta import BlockMeta, ExtraKeySpan, Namespace, extra_keys_for
 from .pool import Block, BlockPool
@@ -244,19 +243,25 @@ class Matcher:
             for src in self.lower:
                 if first >= stop:
                     break
+                got: list[tuple[int, BlockMeta]] = []
                 try:
                     metas = src.get_metas(hashes[first:stop], ns=ns)
-                except (TierError, OSError) as e:
+                    if len(metas) != stop - first:
+                        raise ValueError(f"get_metas returned {len(metas)} entries for "
+                                        f"{stop - first} hashes")
+                    for j, meta in enumerate(metas, first):
+                        if found[j] is not None or meta is None:
+                            continue
+                        s = starts[j]
+                        extra = extra_keys_for(spans, s, s + bs) if spans else ()
+                        p = hashes[j - 1] if j else parent
+                        if self._meta_ok(meta, p, s, buf[s * 4:(s + bs) * 4], ns_key, extra):
+                            got.append((j, meta))
+                except Exception as e:  # a tier breaking its contract is a tier failure too
                     self.on_tier_error(src, e)
                     continue
-                for j, meta in enumerate(metas, first):
-                    if found[j] is not None or meta is None:
-                        continue
-                    s = starts[j]
-                    extra = extra_keys_for(spans, s, s + bs) if spans else ()
-                    p = hashes[j - 1] if j else parent
-                    if self._meta_ok(meta, p, s, buf[s * 4:(s + bs) * 4], ns_key, extra):
-                        found[j] = LowerEntry(meta, src)
+                for j, meta in got:
+                    found[j] = LowerEntry(meta, src)
                 while first < stop and found[first] is not None:
                     first += 1
             if first < stop:  # the leading run ends inside this window
@@ -386,7 +391,7 @@ class Matcher:
         for src in self.lower:
             try:
                 metas = src.children(parent, ns=ns)
-            except (TierError, OSError) as e:
+            except Exception as e:  # a tier breaking its contract is a tier failure too
                 self.on_tier_error(src, e)
                 continue
             for meta in metas:

@@ -41,7 +41,7 @@ from . import ssd_files as files
 from .ssd_check import CheckReport, reconcile
 from .ssd_index import IndexCorruptError, IndexRow, SSDIndex
 from .ssd_queue import WriteQueue
-from .ssd_store import DROP_REASONS, LATENCY_BUCKETS_MS, _Pending
+from .ssd_store import DROP_REASONS, LATENCY_BUCKETS_MS, _Pending, tier_errors
 from .ssd_write import STOP, SSDWriter
 
 log = logging.getLogger(__name__)
@@ -157,6 +157,7 @@ class SSDTier(SSDWriter):
     def _live(self, row: IndexRow | None, now: float) -> bool:
         return row is not None and (row.expiry is None or row.expiry > now)
 
+    @tier_errors
     def get_metas(self, block_hashes: Sequence[BlockHash], *, ns: Namespace | None = None
                   ) -> list[BlockMeta | None]:
         """``get_meta`` of each hash: queued blocks, then the index (one query per 500)."""
@@ -187,6 +188,7 @@ class SSDTier(SSDWriter):
                 out[i] = got.meta
         return out
 
+    @tier_errors
     def get_meta(self, block_hash: BlockHash, *, ns: Namespace | None = None) -> BlockMeta | None:
         h = bytes(block_hash)
         with self._lock:
@@ -200,6 +202,7 @@ class SSDTier(SSDWriter):
                 return None
         return row.meta if row is not None and self._live(row, self._clock()) else None
 
+    @tier_errors
     def children(self, parent_hash: BlockHash, *, ns: Namespace | None = None
                  ) -> list[BlockMeta]:
         parent = bytes(parent_hash)
@@ -216,6 +219,7 @@ class SSDTier(SSDWriter):
                     out[h] = p.meta
         return [out[h] for h in sorted(out)]
 
+    @tier_errors
     def sessions_of(self, block_hash: BlockHash, *, ns: Namespace | None = None) -> list[str]:
         with self._lock:
             p = self._pending.get(bytes(block_hash))
@@ -223,18 +227,21 @@ class SSDTier(SSDWriter):
                 return sorted(p.sessions)
             return self._index.sessions_of(bytes(block_hash))
 
+    @tier_errors
     def rows(self, tenant: str | None = None) -> list[IndexRow]:
         """Index rows (for the CLI and tests), most recently used first."""
         where, params = ("WHERE tenant=?", (tenant,)) if tenant is not None else ("", ())
         with self._lock:
             return list(self._index.iter_rows(where + " ORDER BY last_access DESC, hash", params))
 
+    @tier_errors
     def tenants(self) -> list[tuple[str, int, int]]:
         with self._lock:
             return self._index.tenants()
 
     # -- read path --------------------------------------------------------------------
 
+    @tier_errors
     def get(self, block_hash: BlockHash, *, ns: Namespace | None = None) -> bytes | None:
         h = bytes(block_hash)
         t0 = time.perf_counter()
@@ -394,6 +401,7 @@ class SSDTier(SSDWriter):
 
     # -- maintenance, stats, lifecycle ----------------------------------------------------
 
+    @tier_errors
     def check(self, fix: bool = False) -> CheckReport:
         """Compare index and files (see ``ssd_check``). Waits for queued writes first."""
         if not self._closed and hasattr(self, "_thread"):
@@ -408,6 +416,7 @@ class SSDTier(SSDWriter):
             report.index_rebuilt, self._index_rebuilt = self._index_rebuilt, False
         return report
 
+    @tier_errors
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every queued block is written (or dropped); apply batched accesses.
         False if the queue did not drain within ``timeout`` seconds (None: no limit)."""

@@ -10,6 +10,7 @@ files only after the commit, holding the folder's shared ``DirLock`` meanwhile.
 
 from __future__ import annotations
 
+import functools
 import logging
 import sqlite3
 import threading
@@ -18,7 +19,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from ..config import SSDConfig
 from ..errors import TierError
@@ -48,6 +49,37 @@ class _Pending:
     queued: bool = False  # in the write queue (False: a put is waiting for room)
     taken: bool = False  # the writer is writing it
     cancelled: bool = False
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def tier_errors(fn: _F) -> _F:
+    """The tier boundary: a public method lets only ``TierError`` out. An index or
+    I/O error that the method did not turn into a degraded answer itself (or any
+    other unexpected exception: a bug must not fail a request either) becomes a
+    ``TierError`` and is counted; bad input still raises ``ValueError``."""
+
+    @functools.wraps(fn)
+    def wrapper(self: SSDStore, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(self, *args, **kwargs)
+        except (TierError, ValueError):
+            raise
+        except sqlite3.Error as e:
+            with self._lock:
+                self._index_error(e)
+            raise TierError(f"ssd {fn.__name__} failed: index error: {e}") from e
+        except OSError as e:
+            self._degrade(f"{fn.__name__} failed: {e}")
+            raise TierError(f"ssd {fn.__name__} failed: {e}") from e
+        except Exception as e:
+            log.exception("ssd %s: unexpected error", fn.__name__)
+            with self._lock:
+                self._counts["unexpected_errors"] += 1
+            raise TierError(f"ssd {fn.__name__} failed unexpectedly: {e!r}") from e
+
+    return wrapper  # type: ignore[return-value]
 
 
 class SSDStore:
@@ -179,6 +211,7 @@ class SSDStore:
             self._counts["evictions_capacity"] += evicted
         return evicted
 
+    @tier_errors
     def sweep(self) -> int:
         """Apply batched accesses, delete expired blocks, enforce the byte limit."""
         self._last_sweep = time.monotonic()
@@ -217,6 +250,7 @@ class SSDStore:
                     self._forget(p)
         return out
 
+    @tier_errors
     def delete_session(self, session_id: str, tenant: str | None = None) -> int:
         """Remove the session from the blocks of ``tenant`` (None: every tenant); delete
         the blocks it leaves without a session. Returns the number deleted."""
@@ -239,6 +273,7 @@ class SSDStore:
                 raise TierError(f"ssd delete_session failed: {e}") from e
             return len(cancelled | {h for h, _, _ in orphaned})
 
+    @tier_errors
     def discard(self, block_hashes: Iterable[BlockHash], *, ns: Namespace | None = None) -> int:
         """Delete these blocks (e.g. partial tails a longer sibling now covers), queued
         or stored. Returns the number deleted."""
@@ -256,9 +291,11 @@ class SSDStore:
                 raise TierError(f"ssd discard failed: {e}") from e
             return len(cancelled | {h for h, _, _ in victims})
 
+    @tier_errors
     def delete_tenant(self, tenant: str | None) -> int:
         return self.purge(tenant=tenant)
 
+    @tier_errors
     def purge(self, *, tenant: str | None = None, older_than_s: float | None = None) -> int:
         """Delete the blocks of ``tenant`` (None: every tenant) not used for
         ``older_than_s`` seconds (None: regardless of age). Returns the count. Holds
@@ -286,6 +323,7 @@ class SSDStore:
                 raise TierError(f"ssd purge failed: {e}") from e
             return len(cancelled | {h for h, _, _ in victims})
 
+    @tier_errors
     def stats(self) -> dict[str, Any]:
         with self._lock:
             if not getattr(self, "_closed", False):
@@ -309,6 +347,7 @@ class SSDStore:
                 "read_errors": c["read_errors"],
                 "write_errors": c["write_errors"],
                 "encode_errors": c["encode_errors"],
+                "unexpected_errors": c["unexpected_errors"],
                 "index_errors": c["index_errors"],
                 "io_errors": c["io_errors"],
                 "evictions_capacity": c["evictions_capacity"],

@@ -25,7 +25,7 @@ from ..meta import BlockMeta, Namespace
 from . import ssd_files as files
 from .base import PayloadSource, as_source
 from .ssd_index import IndexRow
-from .ssd_store import SSDStore, _Pending
+from .ssd_store import SSDStore, _Pending, tier_errors
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +38,7 @@ class SSDWriter(SSDStore):
     _sweep_interval: float
     _closed: bool
 
+    @tier_errors
     def put(
         self,
         meta: BlockMeta,
@@ -112,10 +113,12 @@ class SSDWriter(SSDStore):
             self._drops["queue_full"] += 1
             return False
 
+    @tier_errors
     def has_room(self, timeout: float | None = 0.0) -> bool:
         """True if a put that does not wait would find room in the write queue."""
         return self._queue.wait_for_room(timeout)
 
+    @tier_errors
     def add_sessions(self, block_hash: BlockHash, sessions: Iterable[str], *,
                      ns: Namespace | None = None) -> None:
         if isinstance(sessions, str):
