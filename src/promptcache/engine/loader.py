@@ -4,31 +4,27 @@
 (downloaded on first use) with ``mlx_lm.load``. On CPU the weights are cast to
 float32 (the CPU backend is slow or inexact in half precision).
 
-``model_fingerprint(path)`` is a cheap digest that identifies the weights: the
-canonical config.json, and for every safetensors file its name, size, header
-(tensor names, dtypes, shapes, offsets) and a sample of its data bytes. It
-never reads whole files, so it costs milliseconds even for large models.
+``model_fingerprint(path)`` (``promptcache.fingerprint``) identifies the config and
+every byte of the weights; it is remembered in the cache folder, so only the first
+start with a model reads it whole.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import os
-import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..fingerprint import model_fingerprint
+
+__all__ = ["ModelInfo", "context_length_from_config", "load_model", "model_fingerprint",
+           "resolve_model_path"]
+
 logger = logging.getLogger(__name__)
 
-FINGERPRINT_VERSION = 1
 DEFAULT_CONTEXT_LENGTH = 4096
-# Sampled data bytes per weight file: SAMPLES evenly spaced chunks of SAMPLE_BYTES
-SAMPLES = 16
-SAMPLE_BYTES = 4096
-_MAX_HEADER_BYTES = 100 * 1024 * 1024
 _CONTEXT_KEYS = (
     "max_position_embeddings",
     "max_sequence_length",
@@ -92,56 +88,6 @@ def context_length_from_config(config: dict[str, Any], default: int = DEFAULT_CO
             if isinstance(value, int) and not isinstance(value, bool) and 0 < value < 10**8:
                 return value
     return default
-
-
-def _weight_files(folder: Path) -> list[Path]:
-    return sorted(p for p in folder.glob("*.safetensors") if p.is_file())
-
-
-def _safetensors_header(f: Any, path: Path) -> bytes:
-    raw = f.read(8)
-    if len(raw) != 8:
-        raise ValueError(f"{path} is not a safetensors file (too short)")
-    (n,) = struct.unpack("<Q", raw)
-    if n > _MAX_HEADER_BYTES:
-        raise ValueError(f"{path} is not a safetensors file (header of {n} bytes)")
-    header = f.read(n)
-    if len(header) != n:
-        raise ValueError(f"{path} is truncated (header)")
-    return bytes(header)
-
-
-def model_fingerprint(path: str | os.PathLike[str]) -> str:
-    """Hex sha256 identifying a model folder's config and weights (cheap: samples, headers, sizes)."""
-    folder = Path(path)
-    config_file = folder / "config.json"
-    if not config_file.is_file():
-        raise ValueError(f"{folder} is not a model folder (no config.json)")
-    h = hashlib.sha256(f"promptcache-model-fingerprint-v{FINGERPRINT_VERSION}\0".encode())
-    try:
-        config = json.loads(config_file.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{config_file} is not valid JSON: {e}") from None
-    h.update(json.dumps(config, sort_keys=True, separators=(",", ":")).encode())
-    files = _weight_files(folder)
-    if not files:
-        raise ValueError(f"{folder} has no .safetensors weight files")
-    for wf in files:
-        size = wf.stat().st_size
-        h.update(f"\0{wf.name}\0{size}\0".encode())
-        with open(wf, "rb") as f:
-            header = _safetensors_header(f, wf)
-            h.update(header)
-            data_start = 8 + len(header)
-            data_len = size - data_start
-            if data_len <= SAMPLES * SAMPLE_BYTES:
-                h.update(f.read())
-                continue
-            stride = (data_len - SAMPLE_BYTES) // (SAMPLES - 1)
-            for i in range(SAMPLES):
-                f.seek(data_start + i * stride)
-                h.update(f.read(SAMPLE_BYTES))
-    return h.hexdigest()
 
 
 def load_model(
