@@ -100,14 +100,17 @@ class FakeCache:
                 n = len(self.seqs.pop(tenant, []))
         return n
 
-    def delete_session(self, session_id: str) -> int:
+    def delete_session(self, session_id: str, tenant: str | None = None) -> int:
         with self.lock:
-            self.deleted.append(("session", session_id))
+            self.deleted.append(("session", session_id) if tenant is None
+                                else ("session", session_id, tenant))
             n = 0
-            for tenant, seqs in self.seqs.items():
+            for t, seqs in self.seqs.items():
+                if tenant is not None and t != tenant:
+                    continue
                 keep = [s for s in seqs if s[1] != session_id]
                 n += len(seqs) - len(keep)
-                self.seqs[tenant] = keep
+                self.seqs[t] = keep
         return n
 
 

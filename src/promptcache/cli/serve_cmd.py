@@ -5,17 +5,23 @@ The SSD tier is on by default (under ``--cache-dir``, default
 ``config.default_cache_dir()/blocks``); ``--no-ssd`` keeps the cache in RAM only and
 ``--no-cache`` disables caching entirely (for comparisons).
 
-The server writes every stored block to the SSD asynchronously (``write_through``), so a
-crash or ``kill -9`` loses at most the blocks still queued. ``--ssd-policy write_back``
-writes only blocks evicted from RAM (fewer SSD writes) and the rest at a clean shutdown.
+The server writes every stored block to the SSD asynchronously (``write_through``): a
+block that finds the writer's queue full waits in RAM and is written as the queue
+drains, so a crash or ``kill -9`` loses only blocks not written yet. ``--ssd-policy
+write_back`` writes only blocks evicted from RAM (fewer SSD writes). Either way a
+clean shutdown (SIGINT / SIGTERM) writes every RAM block the SSD lacks, within
+``--shutdown-persist-timeout`` seconds. Several servers may share one ``--cache-dir``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import shutil
+import signal
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 from ..config import CacheConfig, EngineConfig, RedisConfig, ServerConfig, SSDConfig, parse_size
@@ -42,6 +48,13 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                    default="write_through",
                    help="write_through: persist blocks as they are stored (survives kill -9); "
                         "write_back: only evicted blocks, the rest at a clean shutdown")
+    p.add_argument("--ssd-queue-size", type=int, default=SSDConfig.queue_size,
+                   help="blocks waiting for the SSD writer; more wait in RAM, never dropped "
+                        "(default %(default)s)")
+    p.add_argument("--shutdown-persist-timeout", type=float,
+                   default=CacheConfig.persist_timeout_s,
+                   help="seconds a clean shutdown may spend writing the RAM blocks the SSD "
+                        "lacks (default %(default)s; what is left is logged by name)")
     p.add_argument("--no-ssd", action="store_true", help="RAM tier only")
     p.add_argument("--no-cache", action="store_true", help="disable the prompt cache")
     p.add_argument("--redis-url", default=None,
@@ -92,14 +105,18 @@ def build_configs(args: argparse.Namespace) -> tuple[
     ram = None
     if args.ram_budget is not None:
         ram = parse_size(args.ram_budget, total=psutil.virtual_memory().available)
+    if args.shutdown_persist_timeout < 0:
+        raise ValueError(f"--shutdown-persist-timeout must be >= 0, got {args.shutdown_persist_timeout}")
     cache_cfg = CacheConfig(block_size=args.block_size, ram_budget_bytes=ram,
-                            enabled=not args.no_cache)
+                            enabled=not args.no_cache,
+                            persist_timeout_s=args.shutdown_persist_timeout)
     ssd_cfg = None
     if not args.no_cache and not args.no_ssd:
         path = args.cache_dir if args.cache_dir is not None else SSDConfig().path
         path.mkdir(parents=True, exist_ok=True)
         budget = parse_size(args.ssd_budget, total=shutil.disk_usage(path).free)
-        ssd_cfg = SSDConfig(path=path, budget_bytes=budget, policy=args.ssd_policy)
+        ssd_cfg = SSDConfig(path=path, budget_bytes=budget, policy=args.ssd_policy,
+                            queue_size=args.ssd_queue_size)
     chunk = max(args.block_size, (256 // args.block_size) * args.block_size)
     if args.default_max_tokens < 1:
         raise ValueError(f"--default-max-tokens must be >= 1, got {args.default_max_tokens}")
@@ -161,8 +178,35 @@ def run(args: argparse.Namespace) -> int:
         print(f"promptcache: serving {engine.model_id} on http://{args.host}:{args.port} "
               f"(cache: {'off' if args.no_cache else 'RAM' + (' + SSD ' + str(ssd_cfg.path) if ssd_cfg else '') + (' + Redis' if redis_cfg else '')})",
               file=sys.stderr, flush=True)
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                    timeout_graceful_shutdown=5)
+        with _terminate_raises():
+            uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                        timeout_graceful_shutdown=5)
+    except (_Terminated, KeyboardInterrupt):
+        pass  # a clean shutdown: the cache is persisted below
     finally:
+        # a second SIGINT / SIGTERM while the cache is being persisted ends the process
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        log.info("shutting down: closing the engine and persisting the cache")
         engine.close()
     return 0
+
+
+class _Terminated(Exception):
+    """SIGTERM, raised in the main thread once uvicorn has shut down."""
+
+
+@contextlib.contextmanager
+def _terminate_raises() -> Iterator[None]:
+    """uvicorn handles SIGTERM by shutting down gracefully and then re-raising the
+    signal, whose default action would end the process before the cache is persisted:
+    turn it into an exception instead, so the ``finally`` above runs."""
+
+    def raise_terminated(signum: int, frame: object) -> None:
+        raise _Terminated()
+
+    previous = signal.signal(signal.SIGTERM, raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -93,15 +93,27 @@ async def delete_cache(request: Request, tenant: str | None = None) -> dict[str,
 
 
 @router.delete("/v1/cache/sessions/{session_id}")
-async def delete_session(session_id: str, request: Request) -> dict[str, Any]:
+async def delete_session(session_id: str, request: Request,
+                         tenant: str | None = None) -> dict[str, Any]:
+    """Delete one session's blocks within one tenant (``Authenticator.deletion_tenant``:
+    a tenant-bound key's own; else ``?tenant=`` or the caller's ``X-Tenant-Id``; a
+    global caller naming neither: every tenant)."""
     st = state_of(request)
     try:
         validate_session_id(session_id)
     except ValueError as e:
         raise APIError(400, str(e), param="session_id") from e
+    scope = st.auth.deletion_tenant(request, tenant)
     cache = getattr(st.engine, "cache", None)
     if cache is None:
         return {"deleted_blocks": 0, "session_id": session_id, "cache_enabled": False}
-    n = await run_in_threadpool(cache.delete_session, session_id)
-    log.info("deleted %d cached blocks of session %s", n, session_id)
-    return {"deleted_blocks": int(n), "session_id": session_id, "cache_enabled": True}
+    if scope is None:
+        n = await run_in_threadpool(cache.delete_session, session_id)
+    else:
+        n = await run_in_threadpool(cache.delete_session, session_id, scope)
+    log.info("deleted %d cached blocks of session %s (tenant=%s)", n, session_id, scope or "*")
+    out: dict[str, Any] = {"deleted_blocks": int(n), "session_id": session_id,
+                           "cache_enabled": True}
+    if scope is not None:
+        out["tenant"] = scope
+    return out

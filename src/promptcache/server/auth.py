@@ -140,6 +140,26 @@ class Authenticator:
                 return tenant
         raise APIError(401, "invalid API key", code="invalid_api_key")
 
+    def deletion_tenant(self, request: Request, tenant: str | None) -> str | None:
+        """The tenant a deletion by session acts in (None: every tenant). A key bound
+        to a tenant deletes only there (naming another: 403); otherwise ``tenant``
+        (the ``?tenant=`` of a global admin), else the ``X-Tenant-Id`` the caller
+        works in, else every tenant. Raises 400 for an invalid tenant."""
+        fixed = self.key_tenant(request)
+        header = request.headers.get("x-tenant-id")
+        for what, value in (("tenant", tenant), ("X-Tenant-Id", header)):
+            if value is not None:
+                try:
+                    validate_tenant(value)
+                except ValueError as e:
+                    raise APIError(400, f"invalid {what}: {e}", code="invalid_tenant") from e
+        if fixed is not None:
+            if (tenant is not None and tenant != fixed) or (header is not None and header != fixed):
+                raise APIError(403, "this API key may only delete its own tenant's sessions",
+                               code="tenant_mismatch")
+            return fixed
+        return tenant if tenant is not None else header
+
     def scope(self, request: Request) -> Scope:
         fixed = self.key_tenant(request)
         header = request.headers.get("x-tenant-id")
