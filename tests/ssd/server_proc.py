@@ -63,8 +63,9 @@ class Server:
         return self.log_path.read_text(errors="replace")
 
     def complete(self, prompt: list[int], max_tokens: int = 4, timeout: float = 300.0,
-                 **extra: Any) -> dict[str, Any]:
-        r = httpx.post(f"{self.base}/v1/completions", timeout=timeout, json={
+                 tenant: str | None = None, **extra: Any) -> dict[str, Any]:
+        headers = {"X-Tenant-Id": tenant} if tenant is not None else {}
+        r = httpx.post(f"{self.base}/v1/completions", timeout=timeout, headers=headers, json={
             "model": "default", "prompt": prompt, "max_tokens": max_tokens,
             "temperature": 0, **extra})
         r.raise_for_status()
