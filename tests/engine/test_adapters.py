@@ -286,6 +286,8 @@ def test_restore_reserve_allocates_room_and_keeps_values(llama):
     a = _prefill(llama, plain, toks[21:30], 9)
     b = _prefill(llama, roomy, toks[21:30], 9)
     assert roomy[0].keys.shape[2] == 256  # written in place: no reallocation
-    np.testing.assert_array_equal(np.array(a), np.array(b))
+    # the same values in buffers of another layout (21 -> 277 vs 256 slots): BLAS may
+    # take other paths, so agreement within float32 noise, not bit for bit
+    np.testing.assert_allclose(np.array(a), np.array(b), atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="reserve"):
         restore(llama, blocks, 21, reserve=-1)

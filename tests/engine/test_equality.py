@@ -32,11 +32,25 @@ def _run(eng, tokens, use_cache):
 
 
 def _compare(eng, tokens, deltas):
+    """Greedy tokens identical and logits within TOL, step by step. Restored and full
+    prefills are computed in other shapes, so logits differ by float noise: where the
+    reference's two best tokens lie within 2 * TOL of each other (a tie), the argmax
+    may legitimately differ, and the rest of the sequence with it. Only such a tie
+    excuses a different token; any other difference fails."""
     cached, lc = _run(eng, tokens, True)
     plain, lp = _run(eng, tokens, False)
-    assert cached.tokens == plain.tokens, (len(tokens), cached.usage)
-    assert len(lc) == len(lp)
-    deltas.append(max(float(np.max(np.abs(a - b))) for a, b in zip(lc, lp, strict=True)))
+    step_deltas = []
+    for step, (a, b) in enumerate(zip(lc, lp, strict=False)):
+        step_deltas.append(float(np.max(np.abs(a - b))))
+        got, want = cached.tokens[step], plain.tokens[step]
+        if got != want:
+            gap = abs(float(b.reshape(-1)[want]) - float(b.reshape(-1)[got]))
+            assert gap <= 2 * TOL, (len(tokens), step, got, want, gap, cached.usage)
+            break  # a float tie: the two continuations differ from here on
+    else:
+        assert cached.tokens == plain.tokens, (len(tokens), cached.usage)
+        assert len(lc) == len(lp)
+    deltas.append(max(step_deltas))
     return cached
 
 

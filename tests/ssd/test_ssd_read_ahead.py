@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 
 import pytest
-from ssd_helpers import NS, chain, make_tier, payload_for
+from ssd_helpers import NS, FakeClock, chain, make_tier, payload_for
 
 from promptcache.errors import CorruptBlockError
 from promptcache.hashing import hash_block
@@ -146,7 +146,8 @@ def test_no_read_ahead_past_a_fork(tmp_path):
 
 
 def test_read_ahead_is_bounded_and_expires(tmp_path):
-    ra = ReadAhead(workers=1, max_blocks=2, max_bytes=100, ttl_s=0.05)
+    clock = FakeClock(100.0)
+    ra = ReadAhead(workers=1, max_blocks=2, max_bytes=100, ttl_s=5.0, clock=clock)
     f = tmp_path / "f"
     f.write_bytes(b"x" * 40)
     os.utime(f, (OLD, OLD))
@@ -159,7 +160,7 @@ def test_read_ahead_is_bounded_and_expires(tmp_path):
     assert not ra.schedule(b"c", f, "f", 40, d)  # max_blocks
     assert ra.take(b"b", f, "f", d) == b"x" * 40
     assert not ra.schedule(b"c", f, "f", 70, d)  # 40 + 70 > max_bytes
-    time.sleep(0.06)
+    clock.advance(5.01)
     assert ra.schedule(b"c", f, "f", 40, d)  # "a" expired and was dropped
     assert "a" not in [k.decode() for k in ra._entries]
     assert ra.take(b"c", f, "other-name", d) is None  # another file than the row names

@@ -32,7 +32,7 @@ import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_all
 from dataclasses import dataclass
@@ -389,10 +389,11 @@ class ReadAhead:
     """
 
     def __init__(self, *, workers: int = 2, max_blocks: int = 4, max_bytes: int = 256 << 20,
-                 ttl_s: float = 5.0) -> None:
+                 ttl_s: float = 5.0, clock: Callable[[], float] = time.monotonic) -> None:
         if workers < 1 or max_blocks < 1 or max_bytes < 1:
             raise ValueError("read-ahead needs at least one worker, block and byte")
         self.max_blocks, self.max_bytes, self.ttl_s = max_blocks, max_bytes, ttl_s
+        self._clock = clock
         self._workers = workers
         self._pool: ThreadPoolExecutor | None = None
         self._hint_pool: ThreadPoolExecutor | None = None  # hints must not queue behind reads
@@ -407,7 +408,7 @@ class ReadAhead:
 
     def schedule(self, block_hash: bytes, path: Path, file_name: str, size: int, digest: str) -> bool:
         """Start reading ``path`` in the background; False if already there or full."""
-        now = time.monotonic()
+        now = self._clock()
         with self._lock:
             if self._closed or block_hash in self._entries:
                 return False
