@@ -1,23 +1,30 @@
-"""The SSD tier: a crash-safe, persistent, content-addressed block store.
+"""The SSD tier: a crash-safe, persistent, content-addressed block store that
+several live processes may share.
 
-``put`` never blocks: it enqueues the block on a bounded queue drained by one
-writer thread (a full queue drops the block and counts it). Each write is
-temp file -> fsync -> ``os.replace`` -> fsync folder -> commit of the index row,
-so after a crash (even SIGKILL) every row names a complete file; reconcile at
-startup removes what a crash left behind. ``get`` verifies size and checksum and
-quarantines a bad file. Metadata queries (``get_meta``, ``children``) read only
-the SQLite index (and the blocks still queued for writing).
+``put(meta, payload, sessions=(), hits=None, *, timeout=0.0)`` enqueues the block
+(bytes, or a ``PayloadSource`` the writer thread encodes) on a bounded queue
+drained by one writer thread. With ``timeout=0`` (the request path) a full queue
+refuses at once (counted ``queue_full``; the cache keeps such a block in RAM and
+offers it again, see ``cache_lower``); a positive or None ``timeout`` waits for
+room (back-pressure). The write itself is in ``ssd_write``: temp file -> fsync ->
+publish under a free name -> fsync folder -> commit of the index row, so after a
+crash (even SIGKILL) every row names a complete file; reconcile at startup
+removes what a crash left behind (and only that: a live writer's temp files stay).
+``get`` verifies size and checksum and quarantines a bad file. Metadata queries
+(``get_meta``, ``children``) read only the SQLite index (and the blocks queued).
 
-Failures degrade, they never propagate: an ``OSError`` while writing marks the
-tier degraded (``stats()["degraded"]``) and puts are dropped until a backoff has
-passed; ``get`` raises only ``TierError`` / ``CorruptBlockError``.
-
-``put(meta, payload, sessions=(), hits=None)``: ``hits`` is the block's hit count
-as the policy knows it, used by the ``admission_min_hits`` rule (None counts as 0).
+Failures degrade, they never propagate: every public method lets only
+``TierError`` out (``ssd_store.tier_errors``); an ``OSError`` while writing marks
+the tier degraded (``stats()["degraded"]``) and puts are refused until a backoff
+has passed; ``get`` raises only ``TierError`` / ``CorruptBlockError``. ``hits`` is
+the block's hit count as the policy knows it, used by the ``admission_min_hits``
+rule (None counts as 0).
 
 Thread safety: every public method may be called from any thread. Lock order:
-``_write_lock`` (serializes file writes, deletions, sweeps and checks) before
-``_lock`` (guards the index connection, the pending map and the counters).
+``_write_lock`` (serializes file writes, deletions, sweeps and checks), then the
+folder's ``DirLock`` (shared for changes, exclusive for repair and purge, across
+processes), then ``_lock`` (guards the index connection, the pending map and the
+counters).
 """
 
 from __future__ import annotations
