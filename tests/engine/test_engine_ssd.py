@@ -38,7 +38,9 @@ def test_bfloat16_blocks_come_back_from_ssd_as_bfloat16(tmp_path):
     k = mx.arange(2 * 4 * 3, dtype=mx.float32).reshape(1, 2, 4, 3).astype(mx.bfloat16) / 7
 
     def payload_for(start, end, snapshot):
-        return {"0.k": k + start, "0.v": -(k + start)}
+        out = {"0.k": k + start, "0.v": -(k + start)}
+        mx.eval(list(out.values()))  # evaluated, as the engine's payloads are: a tier's
+        return out  # writer thread encodes them (docs/INTERFACES.md, block payloads)
 
     tier = SSDTier(SSDConfig(path=tmp_path, fsync=False))
     cache = PromptCache(CacheConfig(block_size=4, ram_budget_bytes=1 << 20),
