@@ -122,7 +122,7 @@ def test_kill_9_cycles(tiny_llama_path, tmp_path):
             if warm["usage"]["prompt_tokens_details"]["cached_tokens"] > 0:
                 checked_equal += 1
             known.update(committed_full_blocks(folder))
-            nxt = conversation(cycle % 4 + 1)
+            nxt = conversation((cycle + 1) % 4)  # (turn 3: 4,000 tokens, the longest that fits)
             if mode == "shutdown":
                 s.complete(nxt, max_tokens=4)
                 s.proc.send_signal(15)  # SIGTERM: the clean shutdown starts ...
