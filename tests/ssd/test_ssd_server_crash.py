@@ -121,6 +121,7 @@ def test_kill_9_cycles(tiny_llama_path, tmp_path):
             assert warm["choices"][0]["text"] == cold["choices"][0]["text"]
             if warm["usage"]["prompt_tokens_details"]["cached_tokens"] > 0:
                 checked_equal += 1
+            s.wait_written()  # this turn is on disk: the next cycle's warm turn hits it
             known.update(committed_full_blocks(folder))
             nxt = conversation((cycle + 1) % 4)  # (turn 3: 4,000 tokens, the longest that fits)
             if mode == "shutdown":
@@ -191,7 +192,7 @@ def test_two_live_servers_one_killed_repeatedly(tiny_llama_path, tmp_path):
     kills = 0
     try:
         deadline = time.monotonic() + SHARED_SECONDS
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline or kills < 2:
             # let the (re)started victim serve something, then kill it at a random moment
             done = sum(1 for name, _, _ in served if name == "victim")
             limit = time.monotonic() + 300
@@ -206,7 +207,20 @@ def test_two_live_servers_one_killed_repeatedly(tiny_llama_path, tmp_path):
         stop.set()
         for t in threads:
             t.join(timeout=180)
+        # blocks one server wrote are restored by the other: the steady server serves a
+        # new prompt (its blocks are then the newest on the SSD: no capacity eviction
+        # takes them), a fresh victim (empty RAM) asks for it again
         servers["victim"].kill()
+        final = token_prompt(1000, seed=77)
+        want = steady.complete(final, max_tokens=6, tenant="reference")["choices"][0]["text"]
+        steady.complete(final, max_tokens=6)
+        steady.wait_written()
+        servers["victim"] = fresh = Server(tiny_llama_path, folder, tmp_path / "victim-last.log",
+                                           *args)
+        out = fresh.complete(final, max_tokens=6)
+        assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == len(final) - 1
+        assert out["choices"][0]["text"] == want
+        fresh.kill()
         # a repair and a check while the other server is live
         for argv in (["--fix"], []):
             r = subprocess.run([PROMPTCACHE, "cache", "check", "--cache-dir", str(folder), *argv],
@@ -224,8 +238,7 @@ def test_two_live_servers_one_killed_repeatedly(tiny_llama_path, tmp_path):
             if s.proc.poll() is None:
                 s.kill()
     assert errors == []
-    assert kills >= 1 and len(served) >= 8
-    assert any(c > 0 for name, _, c in served if name == "victim")  # restored blocks were served
+    assert kills >= 2 and sum(1 for name, _, _ in served if name == "victim") >= kills
     tier = SSDTier(SSDConfig(path=folder, budget_bytes=budget), reconcile_on_open=False)
     try:
         assert tier.check(fix=False).problems == 0
