@@ -1,11 +1,13 @@
 """PromptCache: the one policy module (lookup, store, promote, demote, delete, TTL, stats).
 
-RAM is the block pool (``blocks.pool``); lower tiers (SSD, ...) implement
+RAM is the block pool (``blocks.pool``); lower tiers (SSD, Redis) implement
 ``tiers.base.Tier`` and hold encoded payload bytes (``codec``). See
-docs/INTERFACES.md for the contract and ``blocks.matcher`` for the matching rule.
+docs/INTERFACES.md for the contract, ``blocks.matcher`` for the matching rule and
+``cache_lower`` for how blocks reach the lower tiers (per-tier write policy).
 
-Failure policy: a lower tier raising ``TierError`` (or returning undecodable
-bytes) is counted and treated as a miss; nothing a tier does fails a call here.
+Failure policy: any exception from a lower tier (``TierError``, or a tier breaking
+its contract) and undecodable bytes are counted and treated as a miss; nothing a
+tier does fails a call here, and no reference stays pinned.
 Bad input raises ``ValueError``. Every public method holds one re-entrant lock.
 """
 

@@ -119,7 +119,7 @@ class RedisConfig:
     ttl_seconds: float = 24 * 3600.0  # on every key, counted from the last write
     timeout_s: float = 0.05  # per socket operation (read / write)
     connect_timeout_s: float = 0.1
-    queue_size: int = 256  # blocks waiting for the writer thread; full -> dropped
+    queue_size: int = 256  # blocks waiting for the writer thread; more wait in the cache's RAM
     policy: str = "write_through"  # or "write_back" (only blocks evicted from RAM)
     max_value_bytes: int = 64 * MB
     batch_bytes: int = 32 * MB  # payload bytes per pipelined write / read batch

@@ -29,7 +29,7 @@ class Counters:
     promotion_failures: int = 0
     tier_errors: int = 0
     expired: int = 0
-    write_through: int = 0  # blocks every lower tier accepted on store (write-through)
+    write_through: int = 0  # blocks every write-through tier accepted on store
     write_through_deferred: int = 0  # ... that first found a tier's write queue full
     persisted_on_close: int = 0
     persist_failures: int = 0  # blocks persist() could not get into every lower tier

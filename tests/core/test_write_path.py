@@ -186,3 +186,32 @@ def test_an_upgraded_block_is_written_through_again():
     assert b"0.s.0" in data
     arrays = cache.acquire(seq(2) + [0], NS).blocks[-1][1]
     np.testing.assert_array_equal(arrays["0.s.0"], np.array([8.0], dtype=np.float32))
+
+
+def test_per_tier_policy_with_a_full_write_through_queue():
+    """A write-back tier and a write-through tier (``policy``) whose queue is full: the
+    new blocks go only to the write-through tier (waiting in RAM for room, in order),
+    a new session reaches only the tiers holding the block, eviction writes each block
+    to the write-back tier only, and persist writes only what a tier lacks."""
+    back = FakeTier("back")
+    through = QueueTier(capacity=2, name="through")
+    through.policy = "write_through"  # type: ignore[attr-defined]
+    cache = make_cache(budget=2000 * BLOCK, lower=[back, through], write_through=False)
+    assert cache.store(NS, seq(5), 20, payload_for, session_id="s1") == 5
+    s = cache.stats()
+    assert (s.write_through, s.write_through_deferred, s.unwritten_blocks) == (2, 3, 3)
+    assert back.put_hits == [] and len(through.put_timeouts) == 2
+    through.gate.set()
+    assert cache.flush(timeout=None) is True
+    assert through.write_order == [0, 4, 8, 12, 16] and back.blocks == {}
+    assert cache.stats().write_through == 5
+    cache.store(NS, seq(5), 20, payload_for, session_id="s2")  # reaches the holder only
+    assert all(sess == {"s1", "s2"} for _, _, sess in through.blocks.values())
+    assert cache.store(NS, seq(2, first=500), 8, payload_for) == 2
+    assert cache.flush(timeout=None) is True
+    assert cache.evict(5) == 5  # the first five: each goes to the write-back tier only
+    assert len(back.blocks) == 5 and len(through.put_timeouts) == 7
+    assert cache.persist(timeout=None) == 2  # the last two: they lack only "back"
+    assert len(back.blocks) == 7 and len(through.put_timeouts) == 7
+    assert cache.stats().persist_failures == 0
+    cache.close()

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 from redis_servers import RedisServer
 
+from promptcache.bench.redisproc import wait_until
 from promptcache.cache import PromptCache
 from promptcache.config import CacheConfig, SSDConfig
 from promptcache.meta import Namespace
@@ -163,6 +164,77 @@ def test_session_and_tenant_deletion_reach_redis(make_tier: Make, redis_url: str
     assert b.delete(tenant="other") == 3
     assert list(redis_server.client().scan_iter(match="promptcache:*:other:*")) == []
     assert b.lookup(SEQ[:12] + [0], NS).num_tokens == 12
+
+
+def test_session_deletion_within_one_tenant_reaches_redis(make_tier: Make, redis_url: str,
+                                                         redis_server: RedisServer) -> None:
+    """Two tenants use the same session id: deleting it for one leaves the other's
+    blocks, in RAM and in Redis."""
+    ta = make_tier(redis_url)
+    a = cache_on(ta)
+    other = NS.with_tenant("other")
+    a.store(NS, SEQ[:12], 12, payload_for, session_id="s1")
+    a.store(other, SEQ[:12], 12, payload_for, session_id="s1")
+    ta.flush()
+    b = cache_on(make_tier(redis_url))
+    assert b.delete_session("s1", tenant="other") == 3
+    assert list(redis_server.client().scan_iter(match="promptcache:*:other:*:b:*")) == []
+    assert len(list(redis_server.client().scan_iter(match="promptcache:*:default:*:b:*"))) == 3
+    assert b.lookup(SEQ[:12] + [0], NS).num_tokens == 12
+    assert b.lookup(SEQ[:12] + [0], other).num_tokens == 0
+    assert a.delete_session("s1", tenant="other") == 3  # a's RAM copies of "other" only
+    assert a.lookup(SEQ[:12] + [0], NS).num_tokens == 12
+
+
+def test_write_through_burst_waits_for_a_full_redis_queue(make_tier: Make, redis_url: str
+                                                          ) -> None:
+    """Redis write-through (the only write-through tier) through a queue of 2 while its
+    writer is held: the blocks that find the queue full wait in RAM and reach Redis
+    once it drains, in order, none dropped."""
+    tier = make_tier(redis_url, queue_size=2)
+    cache = PromptCache(CacheConfig(block_size=BS, ram_budget_bytes=1 << 20), lower=[tier],
+                        write_through=False)
+    try:
+        with tier._write_lock:  # the writer blocks on its first batch
+            cache.store(NS.with_tenant("first"), SEQ[:4], 4, payload_for)
+            wait_until(lambda: tier._queue.qsize() == 0, timeout=30,
+                       what="the writer took the first block")
+            assert cache.store(NS, SEQ[:200], 200, payload_for) == 50
+            s = cache.stats()
+            assert (s.write_through, s.write_through_deferred, s.unwritten_blocks) == (3, 48, 48)
+            assert tier.stats()["dropped_writes_total"] == 0
+        assert cache.flush(timeout=60)
+        s = cache.stats()
+        assert (s.write_through, s.unwritten_blocks, s.demotion_failures) == (51, 0, 0)
+        st = tier.stats()
+        assert (st["writes"], st["dropped_writes_total"]) == (51, 0)
+        assert cache_on(make_tier(redis_url)).lookup(SEQ[:200], NS).num_tokens == 199
+    finally:
+        cache.close(persist=False)
+
+
+def test_persist_writes_every_tier_that_lacks_a_block(make_tier: Make, redis_url: str,
+                                                      tmp_path: Path) -> None:
+    """SSD write-back + Redis write-through: at a clean shutdown the SSD gets every RAM
+    block (Redis holds them already and is not written again); both are verified."""
+    ssd = SSDTier(SSDConfig(path=tmp_path / "ssd", fsync=False, policy="write_back"))
+    redis_tier = make_tier(redis_url)
+    cache = PromptCache(CacheConfig(block_size=BS, ram_budget_bytes=1 << 20),
+                        lower=[ssd, redis_tier], write_through=False)
+    try:
+        cache.store(NS, SEQ[:16], 16, payload_for, session_id="s1")
+        assert cache.flush(timeout=60)
+        hs = [blk.block_hash for blk in cache.pool.blocks()]
+        assert ssd.get_metas(hs) == [None] * 4 and redis_tier.stats()["writes"] == 4
+        assert cache.persist(timeout=60) == 4
+        report = cache.last_persist
+        assert report is not None and (report.blocks, report.written, report.failed) == (4, 4, 0)
+        assert all(m is not None for m in ssd.get_metas(hs))
+        assert redis_tier.stats()["writes"] == 4  # not written twice
+        assert all(blk.persisted for blk in cache.pool.blocks())
+        assert cache.persist(timeout=60) == 0  # nothing left to write
+    finally:
+        cache.close(persist=False)
 
 
 def test_per_tier_write_policy(make_tier: Make, redis_url: str, tmp_path: Path) -> None:

@@ -14,6 +14,12 @@ may share one) and estimates its size (``nbytes``) without encoding. The cache
 hands a source over, so the encoding (arrays -> numpy -> safetensors) runs on the
 tier's writer thread, never on the request path under the cache lock.
 
+Write policy: a tier may have ``policy = "write_through"`` (it gets every new block
+when it is stored) or anything else / none (it gets a block when the block leaves
+RAM, or at shutdown); the cache records per block which tiers hold it, so a block
+is never put twice into a tier and ``add_sessions`` / ``discard`` reach exactly the
+tiers that hold it.
+
 Error contract: every public method lets only ``TierError`` out (never
 ``sqlite3.Error``, ``OSError``, ...); the cache policy catches it, counts it, and
 treats the block as a miss. ``get`` verifies the checksum and raises

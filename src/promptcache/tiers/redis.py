@@ -4,9 +4,13 @@ the circuit breaker and the prober: ``redis_client``.
 
 Fail open: every read is one pipelined round trip with a per-operation timeout (tens
 of ms); any fault (down, slow, restarted, full, errors, a damaged value) ends as a
-counted miss, never as an error or a stall of a request. Writes are asynchronous: a
-bounded queue drained by one writer thread that pipelines whole batches (a full
-queue, an open circuit or an oversized block drops the block and counts it).
+counted miss, never as an error or a stall of a request. Every public method lets
+only ``TierError`` out (``tiers.base``; bad input raises ``ValueError``). Writes are
+asynchronous: a bounded queue drained by one writer thread that pipelines whole
+batches. ``put(..., timeout=0)`` (the request path) never waits: a full queue
+refuses it (counted ``queue_full``; the cache keeps the block in RAM and offers it
+again when ``has_room``); a positive or None ``timeout`` waits for room
+(back-pressure). An open circuit or an oversized block refuses the put (counted).
 
 Reads verify everything: the record must hash to its key (parent + tokens + extra
 keys), the payload must have the recorded size and sha256; a damaged block is
@@ -18,12 +22,13 @@ TTL (``ttl_seconds``) is set on every key at every write (put, new session), so 
 block written or reused by a server within the TTL stays; reads do not extend it.
 Sessions and tenants: ``delete_session`` removes the session from its blocks (a block
 left without sessions that had one is deleted); ``delete_tenant`` deletes every key
-of the tenant (SCAN over each master). Payloads are bytes or any object with
-``encode() -> bytes`` (encoded on the writer thread).
+of the tenant (SCAN over each master). Payloads are bytes or a ``PayloadSource``
+(``tiers.base``: encoded on the writer thread).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import threading
@@ -31,13 +36,14 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from ..codec import checksum
 from ..config import RedisConfig
 from ..errors import CorruptBlockError, TierError
 from ..hashing import BlockHash
 from ..meta import BlockMeta, Namespace
+from .base import PayloadSource, as_source
 from .redis_client import Client, Remote, Skipped
 from .redis_keys import (
     META_FIELD,
@@ -73,19 +79,38 @@ return 2
 """
 
 
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _boundary(fn: _F) -> _F:
+    """The tier boundary: only ``TierError`` (and ``ValueError`` for bad input) leaves
+    a public method; anything else (a bug must not fail a request) is logged, counted
+    (``unexpected_errors``) and raised as a ``TierError``."""
+
+    @functools.wraps(fn)
+    def wrapper(self: RedisTier, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(self, *args, **kwargs)
+        except (TierError, ValueError):
+            raise
+        except Exception as e:
+            log.exception("redis %s: unexpected error", fn.__name__)
+            self._count("unexpected_errors")
+            raise TierError(f"redis {fn.__name__} failed unexpectedly: {e!r}") from e
+
+    return wrapper  # type: ignore[return-value]
+
+
 @dataclass(eq=False)
 class _Put:
     meta: BlockMeta
-    payload: Any  # bytes or an object with encode() -> bytes
+    payload: PayloadSource  # encoded (memoised) on the writer thread
     sessions: set[str] = field(default_factory=set)
     had_session: bool = False
     cancelled: bool = False
 
     def data(self) -> bytes:
-        p = self.payload
-        if isinstance(p, bytes | bytearray | memoryview):
-            return bytes(p)
-        return bytes(p.encode())
+        return bytes(self.payload.encode())
 
 
 @dataclass(eq=False)
@@ -106,7 +131,7 @@ class _Discard:
 def _estimate(payload: Any) -> int:
     if isinstance(payload, bytes | bytearray | memoryview):
         return len(payload)
-    n = getattr(payload, "nbytes", 0)
+    n = getattr(payload, "nbytes", 0)  # a PayloadSource's size estimate
     return int(n) if isinstance(n, int) else 0
 
 
@@ -178,9 +203,11 @@ class RedisTier:
             pass
 
     # -- metadata queries ---------------------------------------------------------------
+    @_boundary
     def get_meta(self, block_hash: BlockHash, *, ns: Namespace | None = None) -> BlockMeta | None:
         return self.get_metas([block_hash], ns=ns)[0]
 
+    @_boundary
     def get_metas(self, block_hashes: Sequence[BlockHash], *, ns: Namespace | None = None
                   ) -> list[BlockMeta | None]:
         """Metadata of many blocks in one round trip (None where absent or damaged)."""
@@ -223,6 +250,7 @@ class RedisTier:
         self._count("meta_found", found)
         return out
 
+    @_boundary
     def children(self, parent_hash: BlockHash, *, ns: Namespace | None = None) -> list[BlockMeta]:
         if ns is None:
             return []
@@ -280,6 +308,7 @@ class RedisTier:
         except TierError:
             pass
 
+    @_boundary
     def sessions_of(self, block_hash: BlockHash, *, ns: Namespace | None = None) -> list[str]:
         if ns is None:
             return []
@@ -299,12 +328,14 @@ class RedisTier:
         )
 
     # -- payload reads --------------------------------------------------------------------
+    @_boundary
     def get(self, block_hash: BlockHash, *, ns: Namespace | None = None) -> bytes | None:
         got = self._fetch([bytes(block_hash)], ns)[0]
         if isinstance(got, CorruptBlockError):
             raise got
         return None if got is None else got[0]
 
+    @_boundary
     def get_many(self, block_hashes: Sequence[BlockHash], *, ns: Namespace | None = None
                  ) -> list[tuple[bytes, list[str]] | None]:
         """``(payload, sessions)`` of many blocks in one round trip (None where absent
@@ -375,7 +406,8 @@ class RedisTier:
         return out
 
     # -- writes (queued) ------------------------------------------------------------------
-    def put(self, meta: BlockMeta, payload: Any, sessions: Iterable[str] = (),
+    @_boundary
+    def put(self, meta: BlockMeta, payload: bytes | PayloadSource, sessions: Iterable[str] = (),
             hits: int | None = None, *, timeout: float | None = 0.0) -> bool:
         """Queue a block for writing; False if refused (counted by reason).
         ``timeout``: how long to wait for room in a full queue (0: never wait, the
@@ -384,21 +416,19 @@ class RedisTier:
             raise ValueError(f"meta must be a BlockMeta, got {type(meta).__name__}")
         if len(meta.block_hash) != 32 or len(meta.parent_hash) != 32:
             raise ValueError("block and parent hashes must be 32 bytes")
-        if isinstance(payload, str) or (not isinstance(payload, bytes | bytearray | memoryview)
-                                        and not callable(getattr(payload, "encode", None))):
-            raise ValueError(f"payload must be bytes or have encode(), got {type(payload).__name__}")
+        if isinstance(payload, str):
+            raise ValueError("payload must be bytes or a PayloadSource, got str")
+        source = as_source(payload)  # ValueError for anything else
         if isinstance(sessions, str):
             raise ValueError("sessions must be an iterable of session ids, not a string")
-        if isinstance(payload, bytearray | memoryview):
-            payload = bytes(payload)
         h = bytes(meta.block_hash)
-        item = _Put(meta, payload, {str(s) for s in sessions})
+        item = _Put(meta, source, {str(s) for s in sessions})
         item.had_session = bool(item.sessions)
         with self._lock:
             reason = None
             if self._closed:
                 reason = "closed"
-            elif _estimate(payload) > self.config.max_value_bytes:
+            elif source.nbytes > self.config.max_value_bytes:
                 reason = "too_large"
             elif not self.remote.healthy:
                 reason = "circuit_open"
@@ -419,6 +449,8 @@ class RedisTier:
             except queue.Full:
                 pass
         with self._lock:
+            if not queued and item.cancelled:  # deleted while waiting: nothing to write
+                return True
             if not queued:
                 self._forget(item)
                 if old is not None and self._pending.get(h) is None and not old.cancelled:
@@ -431,6 +463,7 @@ class RedisTier:
                 item.had_session = item.had_session or old.had_session
             return True
 
+    @_boundary
     def has_room(self, timeout: float | None = 0.0) -> bool:
         """Whether a put that does not wait would find room in the queue now (waiting
         up to ``timeout`` seconds for it; None: as long as it takes)."""
@@ -444,6 +477,7 @@ class RedisTier:
                 q.not_full.wait(remaining)
             return True
 
+    @_boundary
     def add_sessions(self, block_hash: BlockHash, sessions: Iterable[str], *,
                      ns: Namespace | None = None) -> None:
         if isinstance(sessions, str):
@@ -465,6 +499,7 @@ class RedisTier:
             except queue.Full:
                 self._drops["queue_full"] += 1
 
+    @_boundary
     def discard(self, block_hashes: Iterable[BlockHash], *, ns: Namespace | None = None) -> int:
         """Delete these blocks (asynchronously, in queue order). Returns how many were
         queued or cancelled."""
@@ -532,6 +567,7 @@ class RedisTier:
 
         write_batch(self, batch)
 
+    @_boundary
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every queued write was sent (or dropped). True if done within
         ``timeout`` seconds (None: no limit)."""
@@ -546,11 +582,13 @@ class RedisTier:
         return True
 
     # -- deletion -------------------------------------------------------------------------
+    @_boundary
     def delete_session(self, session_id: str, tenant: str | None = None) -> int:
         from .redis_writes import delete_session
 
         return delete_session(self, session_id, tenant)
 
+    @_boundary
     def delete_tenant(self, tenant: str | None) -> int:
         from .redis_writes import delete_tenant
 
@@ -583,6 +621,7 @@ class RedisTier:
                 "sessions_added": c["sessions_added"],
                 "discarded": c["discarded"],
                 "deleted_blocks": c["deleted_blocks"],
+                "unexpected_errors": c["unexpected_errors"],
                 "dropped_writes_by_reason": dict(self._drops),
                 "dropped_writes_total": sum(self._drops.values()),
                 "queue_depth": self._queue.qsize(),
