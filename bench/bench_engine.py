@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
 
     model_path = args.model
     if model_path is None:
-        from promptcache.engine.gguf import ensure_default_model
+        from promptcache.engine.models.gguf import ensure_default_model
 
         root = Path(__file__).resolve().parent.parent / ".models" / "default"
         model_path = str(ensure_default_model(root))

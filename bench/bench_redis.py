@@ -98,7 +98,7 @@ def prefill_seconds(n_tokens: int) -> float | None:
         from mlx_lm import load
         from mlx_lm.models.cache import make_prompt_cache
 
-        from promptcache.engine.gguf import ensure_default_model
+        from promptcache.engine.models.gguf import ensure_default_model
     except ImportError as e:
         print(f"recompute skipped: {e}")
         return None

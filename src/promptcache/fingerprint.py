@@ -14,7 +14,7 @@ file changed in the last ``RECENT_NS`` is not remembered (file times are coarse)
 A file in a Hugging Face hub cache is a link to ``blobs/<sha256 of the content>``:
 that digest (the hub's own, per revision) is used as is, without reading the file.
 
-Pure Python (no mlx): ``engine/loader.py`` calls ``model_fingerprint`` and the CLI
+Pure Python (no mlx): ``engine/models/loader.py`` calls ``model_fingerprint`` and the CLI
 shows it (``promptcache model info``).
 """
 

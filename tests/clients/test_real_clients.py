@@ -40,7 +40,7 @@ from clients_helpers import (
     scrub_record,
 )
 
-from promptcache.engine.tiny_models import LONG_CONTEXT_LENGTH, SCRIPTED_REPLY
+from promptcache.engine.models.tiny_models import LONG_CONTEXT_LENGTH, SCRIPTED_REPLY
 
 PROMPTCACHE = str(Path(sys.executable).parent / "promptcache")
 REPO = Path(__file__).resolve().parents[2]
@@ -70,7 +70,7 @@ class Server:
 
 @pytest.fixture(scope="module")
 def server(models_root: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    from promptcache.engine.tiny_models import ensure_tiny_model
+    from promptcache.engine.models.tiny_models import ensure_tiny_model
 
     model = ensure_tiny_model("scripted", models_root)
     tmp = tmp_path_factory.mktemp("clients")

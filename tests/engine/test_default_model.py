@@ -12,7 +12,7 @@ from mlx_lm.generate import generate
 from mlx_lm.models.cache import make_prompt_cache
 
 from promptcache.cli import main as cli_main
-from promptcache.engine.gguf import (
+from promptcache.engine.models.gguf import (
     DEFAULT_MODEL_NAME,
     config_from_metadata,
     convert_gguf,
@@ -22,8 +22,8 @@ from promptcache.engine.gguf import (
     permute_qk,
     unpermute_qk,
 )
-from promptcache.engine.gguf_tokenizer import build_tokenizer
-from promptcache.engine.loader import load_model, model_fingerprint
+from promptcache.engine.models.gguf_tokenizer import build_tokenizer
+from promptcache.engine.models.loader import load_model, model_fingerprint
 
 # --- pure conversion pieces -----------------------------------------------------
 

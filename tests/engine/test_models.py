@@ -12,14 +12,14 @@ import pytest
 from mlx_lm import load
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
 
-from promptcache.engine import tiny_models
-from promptcache.engine.loader import (
+from promptcache.engine.models import tiny_models
+from promptcache.engine.models.loader import (
     context_length_from_config,
     load_model,
     model_fingerprint,
     resolve_model_path,
 )
-from promptcache.engine.tiny_models import (
+from promptcache.engine.models.tiny_models import (
     SLIDING_WINDOW,
     VOCAB_SIZE,
     build_tiny_model,

@@ -53,7 +53,7 @@ def _resolve_model(arg: str | None) -> str:
             raise ValueError(f"--model {arg}: no config.json there (an MLX model folder is needed)")
         return str(path.resolve())
     try:
-        from ..engine.gguf import ensure_default_model
+        from ..engine.models.gguf import ensure_default_model
 
         return str(ensure_default_model())
     except Exception as e:  # noqa: BLE001 - any failure: tell the user to pass --model

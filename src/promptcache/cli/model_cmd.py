@@ -52,7 +52,7 @@ class _LineProgress:
 
 
 def run_prepare(args: argparse.Namespace) -> int:
-    from promptcache.engine.gguf import (
+    from promptcache.engine.models.gguf import (
         DEFAULT_MODEL_NAME,
         DefaultModelUnavailable,
         default_models_dir,
@@ -81,7 +81,7 @@ def run_prepare(args: argparse.Namespace) -> int:
 def run_info(args: argparse.Namespace) -> int:
     import json
 
-    from promptcache.engine.loader import context_length_from_config, model_fingerprint
+    from promptcache.engine.models.loader import context_length_from_config, model_fingerprint
 
     config = json.loads((args.path / "config.json").read_text()) if (args.path / "config.json").is_file() else {}
     fingerprint = model_fingerprint(args.path)  # ValueError for a non-model folder

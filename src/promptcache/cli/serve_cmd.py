@@ -162,7 +162,7 @@ def run(args: argparse.Namespace) -> int:
 
     model = args.model
     if model is None:
-        from ..engine.gguf import ensure_default_model
+        from ..engine.models.gguf import ensure_default_model
 
         print("promptcache: preparing the embedded default model ...", file=sys.stderr)
         model = str(ensure_default_model())

@@ -204,7 +204,7 @@ class Engine:
     ) -> Engine:
         """Load a model folder or Hugging Face repo id; build the cache (RAM [+ SSD]
         [+ Redis])."""
-        from .loader import load_model
+        from .models.loader import load_model
 
         model, tokenizer, info = load_model(model_path)
         cache_config = cache_config or CacheConfig()

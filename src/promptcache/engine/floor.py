@@ -11,7 +11,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
-from .loader import load_model
+from .models.loader import load_model
 
 
 class PrefillTimer:

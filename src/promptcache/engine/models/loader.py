@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..fingerprint import model_fingerprint
+from ...fingerprint import model_fingerprint
 
 __all__ = ["ModelInfo", "context_length_from_config", "load_model", "model_fingerprint",
            "resolve_model_path"]

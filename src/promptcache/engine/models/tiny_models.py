@@ -252,7 +252,7 @@ def build_tiny_model(kind: str, out_dir: str | os.PathLike[str]) -> Path:
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
-    from .mlx_compat import model_classes
+    from ..mlx_compat import model_classes
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from promptcache.config import default_cache_dir
-from promptcache.engine.gguf_tokenizer import build_tokenizer
+from promptcache.engine.models.gguf_tokenizer import build_tokenizer
 
 logger = logging.getLogger(__name__)
 
