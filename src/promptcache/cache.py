@@ -46,6 +46,7 @@ from .cache_lower import (
     mark_in_tier,
 )
 from .cache_types import (
+    ChainCursor,
     DecodeFn,
     EncodeFn,
     Hit,
@@ -71,7 +72,7 @@ _UNFETCHED = object()
 _FAILED = object()
 
 __all__ = [
-    "RAM", "CacheStats", "Hit", "Match", "MissInfo", "NumpyAdapter", "PayloadAdapter", "PromptCache",
+    "RAM", "CacheStats", "ChainCursor", "Hit", "Match", "MissInfo", "NumpyAdapter", "PayloadAdapter", "PromptCache",
 ]
 
 class PromptCache:
@@ -404,17 +405,34 @@ class PromptCache:
         snapshot_at_end: bool = True,
         include_partial: bool = True,
         save_point: str = "mid_prefill",
+        cursor: ChainCursor | None = None,
     ) -> int:
         """Store the blocks of ``tokens[:num_tokens]`` that are not stored yet; returns
         the number of blocks created. ``payload_for(start, end, snapshot)`` is called
-        only for blocks that must be created (or upgraded with a snapshot)."""
-        req = to_request_tokens(tokens)
+        only for blocks that must be created (or upgraded with a snapshot).
+
+        ``cursor``: resume the walk at ``cursor.start`` (a block boundary whose parent
+        hash it knows) instead of re-hashing the chain from the root, and move it to
+        the end of the last full block stored or found; only ``tokens[cursor.start:
+        num_tokens]`` is read, so repeated saves of a growing sequence cost only their
+        new blocks."""
         check_ns(ns, self.config.block_size)
-        spans = check_spans(extra_keys)
         if isinstance(num_tokens, bool) or not isinstance(num_tokens, int):
             raise ValueError(f"num_tokens must be an integer, got {num_tokens!r}")
-        if not 0 <= num_tokens <= req.n:
-            raise ValueError(f"num_tokens must be in [0, {req.n}], got {num_tokens}")
+        offset = 0
+        if cursor is not None:
+            if not isinstance(cursor, ChainCursor) or cursor.ns != ns:
+                raise ValueError("cursor must be a ChainCursor of the same namespace")
+            if cursor.start > num_tokens:
+                raise ValueError(f"cursor start {cursor.start} is past num_tokens {num_tokens}")
+            offset = cursor.start
+            # only the tokens from the cursor on are read (and validated)
+            tokens = (RequestTokens(tokens.arr[offset:num_tokens])
+                      if isinstance(tokens, RequestTokens) else tokens[offset:num_tokens])
+        req = to_request_tokens(tokens, allow_empty=cursor is not None)
+        spans = check_spans(extra_keys)
+        if not 0 <= num_tokens - offset <= req.n:
+            raise ValueError(f"num_tokens must be in [0, {offset + req.n}], got {num_tokens}")
         if save_point not in SAVE_POINTS:
             raise ValueError(f"save_point must be one of {SAVE_POINTS}, got {save_point!r}")
         if session_id is not None and (not isinstance(session_id, str) or not session_id):
@@ -423,8 +441,9 @@ class PromptCache:
             raise ValueError("payload_for must be callable")
         with self._lock:
             self._now = self._clock()
-            created = self._store(ns, req, num_tokens, payload_for, spans, session_id,
-                                  truncatable, snapshot_at_end, include_partial)
+            created = self._store(ns, req, num_tokens - offset, payload_for, spans,
+                                  session_id, truncatable, snapshot_at_end, include_partial,
+                                  offset, cursor)
             self._c.saves[save_point] += 1
             self._c.blocks_saved[save_point] += created
             return created
@@ -432,21 +451,25 @@ class PromptCache:
     def _store(self, ns: Namespace, req: RequestTokens, num_tokens: int,
                payload_for: Callable[[int, int, bool], Any], spans: tuple[ExtraKeySpan, ...],
                session_id: str | None, truncatable: bool, snapshot_at_end: bool,
-               include_partial: bool) -> int:
+               include_partial: bool, offset: int = 0, cursor: ChainCursor | None = None
+               ) -> int:
+        """``req`` holds the tokens from ``offset`` (a cursor's start) on; ``num_tokens``
+        counts from there too; block positions below are absolute."""
         pool, c, bs = self.pool, self._c, ns.block_size
         held: list[Block] = []
         created: list[Block] = []
         upgraded: list[Block] = []
-        parent = ns.root
+        parent = ns.root if cursor is None or cursor.parent is None else cursor.parent
+        total = offset + num_tokens
         try:
-            for start in range(0, num_tokens, bs):
-                end = min(start + bs, num_tokens)
+            for start in range(offset, total, bs):
+                end = min(start + bs, total)
                 if end - start < bs and not include_partial:
                     break
                 extra = extra_keys_for(spans, start, end) if spans else ()
-                h = _matcher.block_hash(parent, req.arr[start:end], extra)
-                want = req.slice_bytes(start, end)
-                snap = snapshot_at_end and end == num_tokens
+                h = _matcher.block_hash(parent, req.arr[start - offset:end - offset], extra)
+                want = req.slice_bytes(start - offset, end - offset)
+                snap = snapshot_at_end and end == total
                 flags = (TRUNCATABLE if truncatable else 0) | (SNAPSHOT if snap else 0)
                 existing = pool.get(h)
                 if existing is not None and not (
@@ -488,6 +511,8 @@ class PromptCache:
                     held.append(block)
                     created.append(block)
                 parent = h
+                if cursor is not None and end - start == bs:
+                    cursor.start, cursor.parent = end, h
             if self.lower:
                 for block in created + upgraded:
                     self._writer.offer(block)  # to the write-through tiers, if any

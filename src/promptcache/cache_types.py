@@ -12,6 +12,7 @@ import numpy as np
 
 from .blocks.matcher import Entry, MissInfo, entry_meta, entry_tier
 from .blocks.pool import Block
+from .hashing import BlockHash
 from .meta import BlockMeta, ExtraKeySpan, Namespace
 
 EncodeFn = Callable[[Mapping[str, np.ndarray], Mapping[str, str]], bytes]
@@ -118,6 +119,46 @@ class Hit:
 
     def __repr__(self) -> str:
         return f"Hit(num_tokens={self.num_tokens}, blocks={len(self._held)}, miss={self.miss})"
+
+
+class ChainCursor:
+    """Where one request's chain stands, so that repeated saves of a growing sequence
+    hash only their new blocks (``PromptCache.store(..., cursor=)``).
+
+    ``start``: a block boundary; the blocks of ``[0, start)`` are stored (or were hit)
+    and ``parent`` is the hash of the block ending at ``start`` (``ns.root`` at 0).
+    ``store`` begins its walk there and moves the cursor to the end of the last full
+    block it stored or found. ``after_hit`` starts a cursor behind the full blocks of
+    a hit (their hashes are known)."""
+
+    __slots__ = ("ns", "parent", "start")
+
+    def __init__(self, ns: Namespace, start: int = 0, parent: BlockHash | None = None) -> None:
+        if isinstance(start, bool) or not isinstance(start, int) or start < 0:
+            raise ValueError(f"cursor start must be a non-negative integer, got {start!r}")
+        if start % ns.block_size:
+            raise ValueError(f"cursor start {start} is not a multiple of the block size")
+        if (start == 0) != (parent is None):
+            raise ValueError("a cursor has a parent hash exactly when start > 0")
+        self.ns = ns
+        self.start = start
+        self.parent = parent
+
+    @classmethod
+    def after_hit(cls, ns: Namespace, blocks: Sequence[BlockMeta], num_tokens: int
+                  ) -> ChainCursor:
+        """A cursor behind the full blocks of ``blocks`` that end at or before
+        ``num_tokens`` (the restored position of a hit)."""
+        cur = cls(ns)
+        bs = ns.block_size
+        for meta in blocks:
+            if meta.start != cur.start or meta.end - meta.start != bs or meta.end > num_tokens:
+                break
+            cur.start, cur.parent = meta.end, meta.block_hash
+        return cur
+
+    def __repr__(self) -> str:
+        return f"ChainCursor(start={self.start})"
 
 
 def check_spans(extra_keys: Sequence[ExtraKeySpan]) -> tuple[ExtraKeySpan, ...]:
