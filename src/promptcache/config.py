@@ -164,12 +164,31 @@ class EngineConfig:
     snapshot_every_blocks: int = 4
     max_tokens_limit: int = 32768
     default_max_tokens: int = 512
+    # admission control: requests admitted at once (prefilling + decoding), requests
+    # waiting beyond that (more are refused: 429 / 529 with Retry-After), and the bytes
+    # of KV that admitted requests may hold (restored + growing, batch padding
+    # included; None = no byte limit). The RAM tier's budget is separate: the server
+    # may use ram_budget + active_kv_budget for KV.
+    max_active_requests: int = 16
+    max_queued_requests: int = 64
+    active_kv_budget_bytes: int | None = None
+    # decode rows in one batched forward (more wait at the next chunk boundary)
+    max_batch_size: int = 32
 
     def __post_init__(self) -> None:
         if self.prefill_chunk_tokens < 1:
             raise ValueError("prefill_chunk_tokens must be >= 1")
         if self.snapshot_every_blocks < 1:
             raise ValueError("snapshot_every_blocks must be >= 1")
+        if self.max_active_requests < 1:
+            raise ValueError(f"max_active_requests must be >= 1, got {self.max_active_requests}")
+        if self.max_queued_requests < 0:
+            raise ValueError(f"max_queued_requests must be >= 0, got {self.max_queued_requests}")
+        if self.active_kv_budget_bytes is not None and self.active_kv_budget_bytes <= 0:
+            raise ValueError(
+                f"active_kv_budget_bytes must be > 0 or None, got {self.active_kv_budget_bytes}")
+        if self.max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
 
 
 @dataclass(frozen=True)

@@ -32,3 +32,16 @@ class ContextLengthError(RequestError):
 
 class CancelledError(PromptCacheError):
     """A request was cancelled (client disconnect)."""
+
+
+class OverloadedError(PromptCacheError):
+    """The engine is at its admission limits and its wait queue is full (HTTP 429 for
+    OpenAI, 529 ``overloaded_error`` for Anthropic, both with ``Retry-After``)."""
+
+    def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class EngineDeadError(PromptCacheError):
+    """The engine thread has died; no request can be served (HTTP 503)."""

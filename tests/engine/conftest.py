@@ -7,8 +7,10 @@ from collections import defaultdict
 import numpy as np
 import pytest
 
+from promptcache.cache import PromptCache
 from promptcache.config import CacheConfig, EngineConfig
 from promptcache.engine.engine import Engine
+from promptcache.engine.payload import MLXPayloadAdapter
 
 BLOCK = 8
 CHUNK = 16
@@ -24,13 +26,23 @@ class LogitsRecorder:
         self.by_request[request_id].append(logits)
 
 
-def make_engine(path, *, snapshot_every_blocks=1, use_cache=True, budget=64 * 1024**2):
+def make_cache(budget=64 * 1024**2, block_size=BLOCK, lower=(), write_through=False):
+    """The RAM-tier PromptCache the tests hand to their engines (the engine never
+    builds tiers)."""
+    return PromptCache(CacheConfig(block_size=block_size, ram_budget_bytes=budget),
+                       adapter=MLXPayloadAdapter(), lower=list(lower),
+                       write_through=write_through)
+
+
+def make_engine(path, *, snapshot_every_blocks=1, use_cache=True, budget=64 * 1024**2, **cfg):
     rec = LogitsRecorder()
+    cache_config = CacheConfig(block_size=BLOCK, ram_budget_bytes=budget)
     eng = Engine.load(
         path,
-        EngineConfig(prefill_chunk_tokens=CHUNK, snapshot_every_blocks=snapshot_every_blocks),
-        CacheConfig(block_size=BLOCK, ram_budget_bytes=budget),
-        use_cache=use_cache,
+        EngineConfig(prefill_chunk_tokens=CHUNK, snapshot_every_blocks=snapshot_every_blocks,
+                     **cfg),
+        cache_config,
+        cache=make_cache(budget) if use_cache else None,
         logits_hook=rec,
     )
     eng.recorder = rec

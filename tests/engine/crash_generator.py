@@ -16,6 +16,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from crash_prompts import CACHE_CONFIG, ENGINE_CONFIG, prompt_for  # noqa: E402
 
+from promptcache.cli.wiring import build_cache  # noqa: E402
 from promptcache.config import SSDConfig  # noqa: E402
 from promptcache.engine.engine import Engine  # noqa: E402
 
@@ -23,7 +24,8 @@ from promptcache.engine.engine import Engine  # noqa: E402
 def main() -> None:
     model, root, seed = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3])
     ssd = SSDConfig(path=root, policy="write_through")
-    with Engine.load(model, ENGINE_CONFIG, CACHE_CONFIG, ssd_config=ssd) as engine:
+    with Engine.load(model, ENGINE_CONFIG, CACHE_CONFIG,
+                     cache=build_cache(CACHE_CONFIG, ssd)) as engine:
         i = 0
         while True:
             engine.generate(prompt_for(seed, i), max_tokens=6)

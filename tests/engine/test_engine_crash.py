@@ -13,6 +13,7 @@ from pathlib import Path
 
 from crash_prompts import CACHE_CONFIG, ENGINE_CONFIG, prompt_for
 
+from promptcache.cli.wiring import build_cache
 from promptcache.config import SSDConfig
 from promptcache.engine.engine import Engine
 from promptcache.tiers.ssd import SSDTier
@@ -43,7 +44,7 @@ def test_kill_9_during_generation_then_restore_equals_full_prefill(tiny_llama_pa
         assert tier.stats()["blocks_on_disk"] > 0
         tier.close()
         with Engine.load(tiny_llama_path, ENGINE_CONFIG, CACHE_CONFIG,
-                         ssd_config=SSDConfig(path=root)) as engine:
+                         cache=build_cache(CACHE_CONFIG, SSDConfig(path=root))) as engine:
             prompt = prompt_for(run, 0)  # finished before the kill: fully committed
             cached = engine.generate(prompt, max_tokens=6)
             full = engine.generate(prompt, max_tokens=6, use_cache=False)

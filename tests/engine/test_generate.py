@@ -4,9 +4,15 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from stepper import Stepper
 
-from promptcache.engine.api import GenerationRequest, GenerationResult, SamplingParams, TokenEvent
-from promptcache.engine.generate import GenerationTask
+from promptcache.engine.api import (
+    CacheMiss,
+    GenerationRequest,
+    GenerationResult,
+    SamplingParams,
+    TokenEvent,
+)
 from promptcache.errors import ContextLengthError, RequestError
 
 BLOCK = 8
@@ -30,18 +36,18 @@ def _req(tokens, max_tokens=6, **kw):
 
 def test_cancel_mid_prefill_keeps_completed_chunks(llama):
     prompt = _toks(40, 100)
-    events = []
-    task = GenerationTask(llama._ctx, _req(prompt, request_id="cancel-1"), events.append)
-    assert task.step() is False  # lookup: miss
-    assert task.usage.cached_tokens == 0
-    assert task.step() is False  # chunk [0, 16): 2 blocks stored
-    assert task.step() is False  # chunk [16, 32): 2 more
-    assert task.usage.saved_mid_prefill == 4
-    task.cancel()
-    assert task.step() is True
-    res = events[-1]
+    st = Stepper(llama)
+    run = st.submit(prompt)
+    assert st.step() is True  # lookup (a miss) + chunk [0, 16): 2 blocks stored
+    assert run.req.usage.cached_tokens == 0
+    assert st.step() is True  # chunk [16, 32): 2 more
+    assert run.req.usage.saved_mid_prefill == 4
+    run.cancel()
+    assert st.step() is True
+    res = run.result
     assert isinstance(res, GenerationResult) and res.finish_reason == "cancelled"
     assert res.tokens == [] and res.usage.saved_end_prefill == 0
+    assert st.step() is False  # idle
     # the next identical request resumes at the last completed chunk
     again = llama.submit(_req(prompt, request_id="cancel-2")).result()
     assert again.finish_reason == "length"
@@ -178,19 +184,24 @@ def test_interleaved_requests_equal_sequential(llama):
     assert r1.tokens == seq1.tokens and r2.tokens == seq2.tokens
 
 
-def test_interleaving_is_per_tick(llama):
-    """Two tasks stepped alternately (as the scheduler does) equal their solo runs."""
-    p1, p2 = _toks(40, 900), _toks(40, 901)
+def test_prefill_and_decode_interleave_one_chunk_per_step(llama):
+    """A long prompt advances one chunk per step while another request decodes in
+    the batch every step; both equal their solo runs."""
+    p1, p2 = _toks(64, 900), _toks(12, 901)
     solo = [llama.generate(p, max_tokens=5, use_cache=False).tokens for p in (p1, p2)]
-    ev1: list = []
-    ev2: list = []
-    t1 = GenerationTask(llama._ctx, _req(p1, max_tokens=5, use_cache=False), ev1.append)
-    t2 = GenerationTask(llama._ctx, _req(p2, max_tokens=5, use_cache=False), ev2.append)
-    while not (t1.done and t2.done):
-        t1.step()
-        t2.step()
-    assert ev1[-1].tokens == solo[0] and ev2[-1].tokens == solo[1]
-    assert all(isinstance(e, TokenEvent) for e in ev1[:-1])
+    st = Stepper(llama)
+    short = st.submit(p2, max_tokens=5, use_cache=False)
+    st.step()  # p2 prefilled in one chunk: first token out, joins the batch
+    assert len(short.tokens) == 1
+    long = st.submit(p1, max_tokens=5, use_cache=False)
+    for chunk in range(4):  # 64 tokens = 4 chunks of 16
+        st.step()
+        assert long.req.pos == 16 * (chunk + 1)
+        # the short request's decode never waits for the long prefill
+        assert len(short.tokens) == min(5, 1 + chunk)  # pipelined: reported a step later
+    st.run()
+    assert long.result.tokens == solo[0] and short.result.tokens == solo[1]
+    assert all(isinstance(e, TokenEvent) for e in long.events[:-1])
 
 
 async def _collect(handle):
@@ -223,17 +234,19 @@ def test_cancel_during_decode_through_handle(llama):
     assert nxt.usage.cached_tokens == n
 
 
-def test_miss_reason_names_position_and_message(llama):
-    from promptcache.blocks.matcher import MissInfo
-    from promptcache.engine.generate import describe_miss
-
-    m = MissInfo(position=17, restorable=16, num_tokens=30, cause="diverged")
-    assert describe_miss(m, (0, 7, 14, 25)) == (
+def test_miss_is_data_and_names_position_and_message(llama):
+    m = CacheMiss.of("diverged", 17, 16, 30, (0, 7, 14, 25))
+    assert m.message_index == 2
+    assert m.describe() == (
         "diverged: first uncached token at position 17 (chat message 2); state restorable at 16"
     )
-    assert describe_miss(MissInfo(0, 0, 5, "cold")) == "cold: first uncached token at position 0"
+    assert CacheMiss.of("cold", 0, 0, 5).describe() == "cold: first uncached token at position 0"
     msgs = [{"role": "user", "content": "a question about rivers"}]
     first = llama.generate(msgs, max_tokens=2)
+    assert first.miss is not None and first.miss.cause in ("cold", "diverged")
+    assert (first.miss.position, first.miss.restorable, first.miss.message_index) == (0, 0, 0)
+    assert first.miss.num_tokens == first.usage.prompt_tokens
+    assert first.miss_reason == first.miss.describe()
     assert first.miss_reason.endswith(": first uncached token at position 0 (chat message 0)")
 
 

@@ -4,30 +4,23 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
-from promptcache.engine.api import GenerationRequest, SamplingParams
-from promptcache.engine.generate import GenerationTask
+from stepper import Stepper
 
 
 def _toks(n, seed):
     return [int(t) for t in np.random.default_rng(seed).integers(3, 1000, size=n)]
 
 
-def _req(tokens, max_tokens=4, use_cache=True):
-    return GenerationRequest(prompt_tokens=tuple(tokens), sampling=SamplingParams(max_tokens=max_tokens),
-                             use_cache=use_cache)
-
-
 def _cancel_after_chunks(eng, prompt, chunks):
-    events = []
-    task = GenerationTask(eng._ctx, _req(prompt), events.append)
-    task.step()  # lookup
-    for _ in range(chunks):
-        task.step()
-    task.cancel()
-    assert task.step() is True
-    assert events[-1].finish_reason == "cancelled"
-    return events[-1]
+    st = Stepper(eng)
+    run = st.submit(prompt, max_tokens=4)
+    for _ in range(chunks):  # the first step also does the lookup
+        st.step()
+    run.cancel()
+    st.step()
+    assert run.result.finish_reason == "cancelled"
+    assert st.step() is False
+    return run.result
 
 
 @pytest.mark.parametrize("every, chunks, expect_hit", [(1, 2, 32), (4, 1, 0), (4, 2, 32), (2, 3, 48), (4, 3, 32)])

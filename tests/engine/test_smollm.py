@@ -7,6 +7,7 @@ from itertools import pairwise
 import numpy as np
 import pytest
 
+from promptcache.cli.wiring import build_cache
 from promptcache.config import CacheConfig, EngineConfig
 from promptcache.engine.api import GenerationRequest, SamplingParams
 from promptcache.engine.engine import Engine
@@ -39,8 +40,9 @@ def smol(default_model_path):
     def hook(rid, step, lg):
         logits.setdefault(rid, []).append(lg)
 
-    eng = Engine.load(default_model_path, EngineConfig(prefill_chunk_tokens=64),
-                      CacheConfig(block_size=16, ram_budget_bytes=512 * 1024**2), logits_hook=hook)
+    cc = CacheConfig(block_size=16, ram_budget_bytes=512 * 1024**2)
+    eng = Engine.load(default_model_path, EngineConfig(prefill_chunk_tokens=64), cc,
+                      cache=build_cache(cc), logits_hook=hook)
     eng.logits = logits
     yield eng
     eng.close()

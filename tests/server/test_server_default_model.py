@@ -13,6 +13,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from promptcache.config import CacheConfig, EngineConfig, ServerConfig
+from promptcache.cli.wiring import build_cache
 from promptcache.engine.engine import Engine
 from promptcache.server import create_app
 from promptcache.server.prompt import tools_text
@@ -26,8 +27,8 @@ TOOL = {"name": "get_weather", "description": "Get the current weather in a city
 
 @pytest.fixture(scope="module")
 def smol(default_model_path: Path) -> Iterator[tuple[Engine, TestClient]]:
-    engine = Engine.load(default_model_path, EngineConfig(),
-                         CacheConfig(block_size=16, ram_budget_bytes=256 * 1024**2))
+    cc = CacheConfig(block_size=16, ram_budget_bytes=256 * 1024**2)
+    engine = Engine.load(default_model_path, EngineConfig(), cc, cache=build_cache(cc))
     try:
         with TestClient(create_app(engine, ServerConfig())) as client:
             yield engine, client

@@ -159,6 +159,7 @@ def run(args: argparse.Namespace) -> int:
 
     from ..engine.engine import Engine
     from ..server import create_app
+    from .wiring import build_cache
 
     model = args.model
     if model is None:
@@ -167,8 +168,8 @@ def run(args: argparse.Namespace) -> int:
         print("promptcache: preparing the embedded default model ...", file=sys.stderr)
         model = str(ensure_default_model())
     print(f"promptcache: loading {model}", file=sys.stderr)
-    engine = Engine.load(model, engine_cfg, cache_cfg, ssd_config=ssd_cfg,
-                         use_cache=not args.no_cache, redis_config=redis_cfg)
+    engine = Engine.load(model, engine_cfg, cache_cfg,
+                         cache=build_cache(cache_cfg, ssd_cfg, redis_cfg))
     if server_cfg.context_window and server_cfg.context_window > engine.context_length:
         log.warning("--context-window %d is larger than the model's window (%d); using %d",
                     server_cfg.context_window, engine.context_length, engine.context_length)

@@ -1,133 +1,96 @@
 """The Engine: one thread owns the model; requests are submitted from any thread.
 
-``submit`` validates a request and returns a ``RequestHandle`` at once. The
-engine thread keeps a list of active ``GenerationTask``s and advances each by one
-unit of work (lookup + restore, one prefill chunk, or one decode step) per
-scheduler tick, so a long prefill does not stall a running stream. Events flow
-back through a per-request queue (``events()`` / ``aevents()``).
+``submit`` validates a request (fast token validation, a constraint compiled into a
+logits processor), takes an admission ticket (``admission.py``: active requests,
+active KV bytes, a bounded wait queue; ``OverloadedError`` past it) and returns a
+``RequestHandle`` at once. The engine thread runs the ``Scheduler``: every step one
+batched decode forward over all decoding requests plus at most one prefill chunk.
+The prompt cache is built by the caller and handed in (the engine never constructs
+tiers); the engine closes it in ``close()``.
+
+If the engine thread dies (a bug, not a model failure of one request, which only
+ends that request), every pending request ends with an error, ``alive`` turns
+False and ``submit`` raises ``EngineDeadError``.
 """
 
 from __future__ import annotations
 
-import asyncio
+import dataclasses
 import itertools
 import logging
-import queue
 import threading
+import time
 import weakref
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import make_prompt_cache
+import numpy as np
+from mlx_lm.models.cache import ArraysCache, make_prompt_cache
 
-from ..config import CacheConfig, EngineConfig, RedisConfig, SSDConfig
-from ..errors import RequestError
+from ..config import CacheConfig, EngineConfig
+from ..errors import EngineDeadError, RequestError
 from ..meta import DEFAULT_TENANT, Namespace, validate_tenant
-from . import adapters
-from .api import GenerationRequest, GenerationResult, SamplingParams, TokenEvent
-from .chat_format import chat_format_of
-from .generate import (
-    EngineCounters,
-    Event,
-    GenContext,
-    GenerationTask,
-    LogitsHook,
-    validate_request,
-)
-from .payload import MLXPayloadAdapter
+from . import adapters, constrained
+from .admission import Admission, Ticket
+from .api import GenerationRequest, GenerationResult, SamplingParams, Usage
+from .chat_format import ChatFormat, chat_format_of
+from .handles import RequestHandle
+from .request import EngineContext, EngineCounters, LogitsHook, Processor, Request, validate_request
+from .scheduler import Scheduler
+from .templates import ChatTemplate
 
 logger = logging.getLogger(__name__)
 
 _SAMPLING_FIELDS = frozenset(SamplingParams.__dataclass_fields__)
 
 
-class RequestHandle:
-    """The caller's side of one request: events, cancellation, the final result."""
+@dataclasses.dataclass(eq=False)
+class _Pending:
+    """What a ticket carries until the engine thread starts the request."""
 
-    def __init__(self, request: GenerationRequest) -> None:
-        self.request = request
-        self._q: queue.Queue[Event] = queue.Queue()
-        self._done = threading.Event()
-        self._result: GenerationResult | None = None
-        self._consumed = False
-        self._task: GenerationTask | None = None
-        self._cancel_requested = False
-        self._lock = threading.Lock()
-        self._async: tuple[asyncio.AbstractEventLoop, asyncio.Queue[Event]] | None = None
+    request: GenerationRequest
+    tokens: np.ndarray
+    handle: RequestHandle
+    processors: list[Processor]
+    t_submit: float
 
-    def _emit(self, ev: Event) -> None:
-        with self._lock:
-            if isinstance(ev, GenerationResult):
-                self._result = ev
-                self._done.set()
-            if self._async is not None:
-                loop, aq = self._async
-                try:
-                    loop.call_soon_threadsafe(aq.put_nowait, ev)
-                except RuntimeError:  # the consumer's event loop is closed: nobody listens
-                    logger.debug("dropping an event for a closed event loop")
+
+def kv_row_bytes(model: Any) -> Callable[[int], int]:
+    """Bytes of one request's cache state after ``n`` tokens, from a 1-token probe:
+    full-attention KV grows per token, sliding windows stop at their size, array
+    states (SSM) are constant."""
+    caches = make_prompt_cache(model)
+    mx.eval(model(mx.array([[0]]), cache=caches))
+    per_token = 0
+    windows: list[tuple[int, int]] = []  # (bytes per token, window)
+    fixed = 0
+    for c in caches:
+        leaves = list(getattr(c, "caches", [c]))
+        for leaf in leaves:
+            if isinstance(leaf, ArraysCache):
+                fixed += sum(int(a.nbytes) for a in leaf.cache if a is not None)
+                continue
+            arrays = [a for _, a in adapters.state_arrays([leaf])]
+            if not arrays:
+                continue
+            length = max(int(a.shape[2]) for a in arrays if a.ndim == 4)
+            per = sum(int(a.nbytes) for a in arrays) // max(1, length)
+            window = getattr(leaf, "max_size", None)
+            if isinstance(window, int) and window > 0:
+                windows.append((per, window))
             else:
-                self._q.put(ev)
+                per_token += per
 
-    def _attach(self, task: GenerationTask) -> None:
-        self._task = task
-        if self._cancel_requested:
-            task.cancel()
+    def row_bytes(n: int) -> int:
+        return per_token * n + sum(p * min(n, w) for p, w in windows) + fixed
 
-    def cancel(self) -> None:
-        """Stop the request (e.g. client disconnect). Blocks already saved stay saved."""
-        self._cancel_requested = True
-        if self._task is not None:
-            self._task.cancel()
-
-    @property
-    def done(self) -> bool:
-        return self._done.is_set()
-
-    def events(self) -> Iterator[TokenEvent | GenerationResult]:
-        """Blocking iterator: TokenEvent ..., then the GenerationResult (single consumer)."""
-        if self._consumed:
-            raise RuntimeError("the events of a request can be consumed only once")
-        self._consumed = True
-        while True:
-            ev = self._q.get()
-            yield ev
-            if isinstance(ev, GenerationResult):
-                return
-
-    async def aevents(self) -> AsyncIterator[TokenEvent | GenerationResult]:
-        """The same events for asyncio code (delivered with ``call_soon_threadsafe``,
-        so no worker thread is held per stream)."""
-        if self._consumed:
-            raise RuntimeError("the events of a request can be consumed only once")
-        self._consumed = True
-        aq: asyncio.Queue[Event] = asyncio.Queue()
-        with self._lock:
-            while True:  # events emitted before we started listening
-                try:
-                    aq.put_nowait(self._q.get_nowait())
-                except queue.Empty:
-                    break
-            self._async = (asyncio.get_running_loop(), aq)
-        while True:
-            ev = await aq.get()
-            yield ev
-            if isinstance(ev, GenerationResult):
-                return
-
-    def result(self, timeout: float | None = None) -> GenerationResult:
-        """Wait for the final result (works whether or not events were consumed)."""
-        if not self._done.wait(timeout):
-            raise TimeoutError("the request did not finish in time")
-        if self._result is None:  # pragma: no cover - _done is set only with a result
-            raise RuntimeError("request finished without a result")
-        return self._result
+    return row_bytes
 
 
 class Engine:
-    """Cache-aware generation on one mlx-lm model."""
+    """Cache-aware, batched generation on one mlx-lm model."""
 
     def __init__(
         self,
@@ -148,13 +111,15 @@ class Engine:
         self.model_id = model_id
         self.fingerprint = fingerprint
         self.context_length = context_length
+        self.vocab_size = vocab_size
         self.engine_config = engine_config or EngineConfig()
         self.cache_config = cache_config or CacheConfig()
         self.cache = cache
+        cfg = self.engine_config
         bs = self.cache_config.block_size
-        if self.engine_config.prefill_chunk_tokens % bs != 0:
+        if cfg.prefill_chunk_tokens % bs != 0:
             raise ValueError(
-                f"prefill_chunk_tokens ({self.engine_config.prefill_chunk_tokens}) must be a "
+                f"prefill_chunk_tokens ({cfg.prefill_chunk_tokens}) must be a "
                 f"multiple of the block size ({bs})"
             )
         template = make_prompt_cache(model)
@@ -165,29 +130,28 @@ class Engine:
                 "blocks are saved while their tokens are still in the window"
             )
         self.kv_spec = adapters.kv_spec(model, template)
+        self.templates = ChatTemplate(tokenizer)
         eos = getattr(tokenizer, "eos_token_ids", None) or []
         self.counters = EngineCounters()
-        self._ctx = GenContext(
-            model=model,
-            tokenizer=tokenizer,
-            config=self.engine_config,
-            context_length=context_length,
-            vocab_size=vocab_size,
-            eos_token_ids=frozenset(int(t) for t in eos),
-            cache=cache,
-            namespace_for=self.namespace if cache is not None else None,
-            block_size=bs,
-            counters=self.counters,
-            logits_hook=logits_hook,
+        self._ctx = EngineContext(
+            model=model, tokenizer=tokenizer, config=cfg, context_length=context_length,
+            vocab_size=vocab_size, eos_token_ids=frozenset(int(t) for t in eos), cache=cache,
+            namespace_for=self.namespace if cache is not None else None, block_size=bs,
+            counters=self.counters, logits_hook=logits_hook,
         )
+        self.row_bytes = kv_row_bytes(model)
+        self.admission = Admission(cfg.max_active_requests, cfg.max_queued_requests,
+                                   cfg.active_kv_budget_bytes, self.row_bytes)
+        self.scheduler = Scheduler(self._ctx, self.admission, self._make_request)
         self._namespaces: dict[str, Namespace] = {}
-        self._inbox: queue.Queue[tuple[GenerationTask, RequestHandle] | None] = queue.Queue()
         self._ids = itertools.count(1)
         self._closed = False
+        self._dead: str | None = None
+        self._control = _Control()
         self._thread = threading.Thread(target=self._run, name="promptcache-engine", daemon=True)
         self._thread.start()
         # stop the engine thread at interpreter exit even if close() was never called
-        self._finalizer = weakref.finalize(self, _stop_thread, self._inbox, self._thread)
+        self._finalizer = weakref.finalize(self, _stop_thread, self._control, self._thread)
 
     # ------------------------------------------------------------------ construction
 
@@ -197,20 +161,15 @@ class Engine:
         model_path: str | Path,
         engine_config: EngineConfig | None = None,
         cache_config: CacheConfig | None = None,
-        ssd_config: SSDConfig | None = None,
-        use_cache: bool = True,
+        *,
+        cache: Any | None = None,
         logits_hook: LogitsHook | None = None,
-        redis_config: RedisConfig | None = None,
     ) -> Engine:
-        """Load a model folder or Hugging Face repo id; build the cache (RAM [+ SSD]
-        [+ Redis])."""
+        """Load a model folder or Hugging Face repo id. ``cache``: a PromptCache built
+        by the caller (with ``engine.payload.MLXPayloadAdapter``), or None."""
         from .models.loader import load_model
 
         model, tokenizer, info = load_model(model_path)
-        cache_config = cache_config or CacheConfig()
-        cache = None
-        if use_cache and cache_config.enabled:
-            cache = _build_cache(cache_config, ssd_config, redis_config)
         cfg = info.config
         vocab = cfg.get("vocab_size") or (cfg.get("text_config") or {}).get("vocab_size")
         return cls(
@@ -230,72 +189,83 @@ class Engine:
 
     # ------------------------------------------------------------------ chat templates
 
-    chat_format = property(lambda self: chat_format_of(self.tokenizer))  # engine/chat_format.py
-
-    def _apply_template(
-        self, messages: Sequence[Mapping[str, Any]], tools: Any, gen: bool,
-        continue_final_message: bool = False, template_kwargs: Mapping[str, Any] | None = None,
-    ) -> list[int]:
-        kwargs = dict(template_kwargs or {})
-        if continue_final_message:
-            kwargs["continue_final_message"] = True
-            gen = False
-        out = self.tokenizer.apply_chat_template(
-            list(messages), tools=tools, add_generation_prompt=gen, tokenize=True, **kwargs
-        )
-        if isinstance(out, Mapping):
-            out = out["input_ids"]
-        return [int(t) for t in out]
+    @property
+    def chat_format(self) -> ChatFormat:
+        """Reasoning markers and the template's thinking switch (engine/chat_format.py)."""
+        return chat_format_of(self.tokenizer)
 
     def render_chat(
         self, messages: Sequence[Mapping[str, Any]], tools: Any = None,
         add_generation_prompt: bool = True, *, continue_final_message: bool = False,
         template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[int]:
-        """Prompt token ids of a chat, through the tokenizer's chat template.
-
-        ``continue_final_message``: the last (assistant) message is left open so the
-        model continues it (an Anthropic / OpenAI assistant prefill) instead of a new
-        turn. ``template_kwargs``: extra template variables (e.g. ``enable_thinking``).
-        """
-        _validate_messages(messages)
-        return self._apply_template(messages, tools, add_generation_prompt,
-                                    continue_final_message, template_kwargs)
+        """Prompt token ids of a chat (see ``templates.ChatTemplate.render``); thread-safe."""
+        return self.templates.render(messages, tools, add_generation_prompt,
+                                     continue_final_message=continue_final_message,
+                                     template_kwargs=template_kwargs)
 
     def render_chat_with_offsets(
         self, messages: Sequence[Mapping[str, Any]], tools: Any = None,
         add_generation_prompt: bool = True, *, continue_final_message: bool = False,
         template_kwargs: Mapping[str, Any] | None = None,
     ) -> tuple[list[int], tuple[int, ...]]:
-        """``(tokens, message_starts)``: where each message starts (for miss explanations)."""
-        tokens = self.render_chat(messages, tools, add_generation_prompt,
-                                  continue_final_message=continue_final_message,
-                                  template_kwargs=template_kwargs)
-        starts = [0]
-        for i in range(1, len(messages)):
-            prefix = self._apply_template(messages[:i], tools, False, False, template_kwargs)
-            n = 0
-            for a, b in zip(prefix, tokens, strict=False):
-                if a != b:
-                    break
-                n += 1
-            starts.append(n)
-        return tokens, tuple(starts)
+        """``(tokens, message_starts)`` in one render + tokenization; thread-safe."""
+        return self.templates.render_with_offsets(
+            messages, tools, add_generation_prompt,
+            continue_final_message=continue_final_message, template_kwargs=template_kwargs)
 
     # ------------------------------------------------------------------ requests
 
+    @property
+    def alive(self) -> bool:
+        """False once the engine thread has died (``/health`` answers 503)."""
+        return self._dead is None and self._thread.is_alive()
+
+    @property
+    def failure(self) -> str | None:
+        return self._dead
+
     def submit(self, request: GenerationRequest) -> RequestHandle:
-        """Validate and enqueue; returns at once. Raises ``RequestError`` (a ValueError)."""
+        """Validate and admit (or queue); returns at once. Raises ``RequestError`` (a
+        ValueError), ``OverloadedError`` or ``EngineDeadError``."""
+        if self._dead is not None:
+            raise EngineDeadError(f"the engine thread died: {self._dead}")
         if self._closed:
             raise RuntimeError("the engine is closed")
         tokens = validate_request(request, self._ctx)
+        processors: list[Processor] = []
+        if request.constraint is not None:
+            processors.append(constrained.logits_processor(
+                request.constraint, self.tokenizer, self.vocab_size))
         if not request.request_id:
-            request = _replace(request, request_id=f"req-{next(self._ids)}")
-        handle = RequestHandle(request)
-        task = GenerationTask(self._ctx, request, handle._emit, prompt_tokens=tokens)
-        handle._attach(task)
-        self._inbox.put((task, handle))
+            request = dataclasses.replace(request, request_id=f"req-{next(self._ids)}")
+        handle = RequestHandle(request, on_cancel=self._on_cancel)
+        pending = _Pending(request, tokens, handle, processors, time.perf_counter())
+        length = int(tokens.shape[0]) + (0 if request.prefill_only else request.sampling.max_tokens)
+        ticket = Ticket(pending, length, background=request.priority == "background")
+        handle._ticket = ticket  # type: ignore[attr-defined]
+        self.admission.submit(ticket)
+        if self._dead is not None:  # died while we were admitting: nobody will take it
+            self._fail_pending(f"the engine thread died: {self._dead}")
+        self._control.wake.set()
         return handle
+
+    def _on_cancel(self, handle: RequestHandle) -> None:
+        ticket: Ticket | None = getattr(handle, "_ticket", None)
+        if ticket is not None and self.admission.cancel(ticket):
+            self.counters.cancelled += 1
+            handle._emit(_empty_result(handle.request, "cancelled", queue_s=0.0))
+        self._control.wake.set()
+
+    def _make_request(self, ticket: Ticket) -> Request | None:
+        p: _Pending = ticket.item
+        if p.handle.cancel_requested:
+            p.handle._emit(_empty_result(p.request, "cancelled", ticket.queue_s))
+            self.counters.cancelled += 1
+            return None
+        return Request(self._ctx, p.request, p.tokens, p.handle._emit,
+                       cancelled=lambda: p.handle.cancel_requested, processors=p.processors,
+                       queue_s=ticket.queue_s, t_submit=p.t_submit)
 
     def generate(
         self,
@@ -329,7 +299,9 @@ class Engine:
         return self.submit(req).result()
 
     def stats(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"engine": self.counters.to_dict()}
+        engine: dict[str, Any] = {**self.counters.to_dict(), **self.admission.snapshot(),
+                                  "alive": self.alive, "batch_size": len(self.scheduler.batch)}
+        out: dict[str, Any] = {"engine": engine}
         if self.cache is not None:
             try:
                 out["cache"] = self.cache.stats().to_dict()
@@ -360,6 +332,14 @@ class Engine:
     def _run(self) -> None:
         try:
             self._loop()
+        except BaseException as e:  # the engine thread must never die silently
+            self._dead = f"{type(e).__name__}: {e}"
+            logger.critical("the engine thread died: %s", self._dead, exc_info=True)
+            error = f"the engine thread died: {self._dead}"
+            try:
+                self.scheduler.fail_all(error)
+            finally:
+                self._fail_pending(error)
         finally:
             # mlx keeps per-thread streams; destroy them before the thread ends, or the
             # process may abort at exit ("terminate called without an active exception")
@@ -367,64 +347,41 @@ class Engine:
             mx.clear_streams()
 
     def _loop(self) -> None:
-        active: list[GenerationTask] = []
-        stopping = False
+        sched = self.scheduler
         while True:
-            try:
-                item = self._inbox.get(block=not active)
-                while True:
-                    if item is None:
-                        stopping = True
-                    else:
-                        active.append(item[0])
-                    item = self._inbox.get_nowait()
-            except queue.Empty:
-                pass
-            if stopping:
-                for task in active:
-                    task.cancel()
-                    task.step()
+            if self._control.stopping:
+                sched.fail_all("the engine was closed", reason="cancelled")
+                self._fail_pending(None)
                 return
-            for task in list(active):
-                if task.step():
-                    active.remove(task)
+            if not sched.step():
+                self._control.wake.wait()
+                self._control.wake.clear()
+
+    def _fail_pending(self, error: str | None) -> None:
+        """Answer every ticket that was never started (error, or cancelled on close)."""
+        for t in self.admission.drain():
+            p: _Pending = t.item
+            reason = "error" if error is not None else "cancelled"
+            p.handle._emit(_empty_result(p.request, reason, t.queue_s, error))
 
 
-def _stop_thread(inbox: queue.Queue[Any], thread: threading.Thread) -> None:
-    inbox.put(None)
+def _empty_result(req: GenerationRequest, reason: str, queue_s: float,
+                  error: str | None = None) -> GenerationResult:
+    return GenerationResult(tokens=[], text="", finish_reason=reason,
+                            usage=Usage(prompt_tokens=len(req.prompt_tokens)), error=error,
+                            queue_s=queue_s)
+
+
+class _Control:
+    """The engine thread's stop flag and wake-up event (shared with the finalizer)."""
+
+    def __init__(self) -> None:
+        self.stopping = False
+        self.wake = threading.Event()
+
+
+def _stop_thread(control: _Control, thread: threading.Thread) -> None:
+    control.stopping = True
+    control.wake.set()
     if thread.is_alive() and thread is not threading.current_thread():
         thread.join(timeout=60)
-
-
-def _validate_messages(messages: Any) -> None:
-    if not isinstance(messages, (list, tuple)) or not messages:
-        raise RequestError("messages must be a non-empty list")
-    for i, m in enumerate(messages):
-        if not isinstance(m, Mapping) or not isinstance(m.get("role"), str):
-            raise RequestError(f"message {i} must be a mapping with a string 'role'")
-
-
-def _replace(req: GenerationRequest, **changes: Any) -> GenerationRequest:
-    import dataclasses
-
-    return dataclasses.replace(req, **changes)
-
-
-def _build_cache(cache_config: CacheConfig, ssd_config: SSDConfig | None,
-                 redis_config: RedisConfig | None = None) -> Any:
-    """PromptCache over RAM, plus the SSD tier and the Redis tier when configured."""
-    from ..cache import PromptCache
-
-    lower: list[Any] = []
-    if ssd_config is not None:
-        from ..tiers.ssd import SSDTier
-
-        lower.append(SSDTier(ssd_config))
-    if redis_config is not None:
-        from ..tiers.redis import RedisTier
-
-        lower.append(RedisTier(redis_config))
-    # each tier's own ``policy`` decides too: the Redis tier is write-through by default
-    write_through = ssd_config is not None and ssd_config.policy == "write_through"
-    return PromptCache(cache_config, adapter=MLXPayloadAdapter(), lower=lower,
-                       write_through=write_through)

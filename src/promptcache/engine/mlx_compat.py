@@ -1,12 +1,32 @@
 """The one place that knows mlx-lm's internal layout (tested against mlx-lm 0.32.x).
 
 Anything here may change between mlx-lm releases; pyproject pins the range.
+What is used:
+- model classes by ``model_type`` (``mlx_lm.models.<type>.Model / ModelArgs``);
+- the Hugging Face tokenizer inside mlx-lm's ``TokenizerWrapper`` (``_tokenizer``), for
+  one tokenization with character offsets;
+- the batch caches of ``mlx_lm.models.cache`` (``BatchKVCache``,
+  ``BatchRotatingKVCache``, ``ArraysCache``, ``CacheList``): their public ``merge`` /
+  ``extend`` / ``filter`` / ``extract``, plus the private fields ``left_padding`` /
+  ``_idx`` / ``offset`` of ``BatchKVCache`` to read one row's KV without copying the
+  whole row (``row_caches``).
 """
 
 from __future__ import annotations
 
 import importlib
+from collections.abc import Sequence
 from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models.cache import (
+    ArraysCache,
+    BatchKVCache,
+    BatchRotatingKVCache,
+    CacheList,
+    KVCache,
+    RotatingKVCache,
+)
 
 
 def model_classes(model_type: str) -> tuple[Any, Any]:
@@ -22,3 +42,131 @@ def model_classes(model_type: str) -> tuple[Any, Any]:
     except ImportError as e:
         raise ValueError(f"mlx-lm has no model type {model_type!r}") from e
     return module.Model, module.ModelArgs
+
+
+# ---------------------------------------------------------------- tokenizer
+
+
+def encode_with_offsets(tokenizer: Any, text: str) -> tuple[list[int], list[tuple[int, int]]] | None:
+    """Token ids of ``text`` (no special tokens added) and each token's character span,
+    from one call of the Hugging Face fast tokenizer; None if it has no offsets."""
+    hf = getattr(tokenizer, "_tokenizer", tokenizer)
+    if not callable(hf) or not getattr(hf, "is_fast", False):
+        return None
+    enc = hf(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids = [int(t) for t in enc["input_ids"]]
+    offsets = [(int(a), int(b)) for a, b in enc["offset_mapping"]]
+    return ids, offsets
+
+
+# ---------------------------------------------------------------- batch caches
+
+
+def _leaves(caches: Sequence[Any]) -> list[Any]:
+    out: list[Any] = []
+    for c in caches:
+        if isinstance(c, CacheList):
+            out.extend(_leaves(list(c.caches)))
+        else:
+            out.append(c)
+    return out
+
+
+def can_batch(caches: Sequence[Any]) -> bool:
+    """True if mlx-lm can merge these per-request caches into batch caches: plain KV,
+    sliding-window KV without kept tokens (``BatchRotatingKVCache`` has no ``keep``),
+    SSM / arrays state, and lists of those. Quantized KV and others cannot."""
+    for c in _leaves(caches):
+        if type(c) is KVCache or type(c) is ArraysCache:
+            continue
+        if type(c) is RotatingKVCache and c.keep == 0:
+            continue
+        return False
+    return True
+
+
+def merge(caches: Sequence[Any]) -> Any:
+    """One batch cache of a layer from the per-request caches of that layer."""
+    return type(caches[0]).merge(list(caches))
+
+
+def extend(batch: Any, other: Any) -> None:
+    """Append the rows of ``other`` to ``batch`` (both batch caches of one layer)."""
+    batch.extend(other)
+
+
+def filter_rows(batch: Any, keep: Sequence[int]) -> None:
+    batch.filter(list(keep))
+
+
+def _row_kv(c: BatchKVCache, idx: int, pads: list[int]) -> KVCache:
+    """A KVCache whose arrays are lazy views of row ``idx`` (nothing copied): the
+    caller slices the blocks it needs and copies those."""
+    pad = pads[idx]
+    out = KVCache()
+    end = int(c._idx)
+    out.keys = c.keys[idx : idx + 1, :, pad:end, :]
+    out.values = c.values[idx : idx + 1, :, pad:end, :]
+    out.offset = end - pad
+    return out
+
+
+def copy_array(x: mx.array) -> mx.array:
+    """A copy with its own buffer (``mx.contiguous`` returns a contiguous slice as is,
+    sharing -- and pinning -- the whole source buffer)."""
+    return mx.array(x)
+
+
+def _row_arrays(c: ArraysCache, idx: int, states: list[Any] | None) -> ArraysCache:
+    src = states if states is not None else c.cache
+    out = ArraysCache(len(src))
+    out.cache = [None if a is None else copy_array(a[idx : idx + 1]) for a in src]
+    return out
+
+
+def row_caches(batch: Sequence[Any], idx: int, ssm_states: list[list[Any]] | None = None
+               ) -> list[Any]:
+    """Per-layer cache objects of row ``idx`` of a batch, for reading blocks out of it.
+
+    Plain KV layers are lazy views of the row (slice what you need and copy it);
+    sliding-window layers are ``extract``-ed (a copy of one window); array states are
+    copies, taken from ``ssm_states`` (the states before the last step, in leaf order)
+    when given. Nothing returned shares a buffer that the batch later writes in place
+    without also being a view the caller copies from.
+    """
+    states = iter(ssm_states) if ssm_states is not None else None
+    pad_cache: dict[int, list[int]] = {}
+
+    def one(c: Any) -> Any:
+        if isinstance(c, CacheList):
+            return CacheList(*(one(sub) for sub in c.caches))
+        if isinstance(c, BatchKVCache):
+            pads = pad_cache.get(id(c.left_padding))
+            if pads is None:
+                pads = [int(p) for p in c.left_padding.tolist()]
+                pad_cache[id(c.left_padding)] = pads
+            return _row_kv(c, idx, pads)
+        if isinstance(c, BatchRotatingKVCache):
+            return c.extract(idx)
+        if isinstance(c, ArraysCache):
+            return _row_arrays(c, idx, next(states) if states is not None else None)
+        raise TypeError(f"not a batch cache: {type(c).__name__}")
+
+    return [one(c) for c in batch]
+
+
+def ssm_states(batch: Sequence[Any]) -> list[list[Any]]:
+    """The current array states of every ArraysCache leaf (references: the batch
+    replaces them with new arrays at each step, so these stay the pre-step state)."""
+    return [list(c.cache) for c in _leaves(batch) if isinstance(c, ArraysCache)]
+
+
+def batch_nbytes(batch: Sequence[Any]) -> int:
+    """Bytes held by a batch's caches (padding included), from shapes only."""
+    total = 0
+    for c in _leaves(batch):
+        if isinstance(c, ArraysCache):
+            total += sum(int(a.nbytes) for a in c.cache if a is not None)
+        elif getattr(c, "keys", None) is not None:
+            total += int(c.keys.nbytes) + int(c.values.nbytes)
+    return total

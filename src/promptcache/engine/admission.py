@@ -1,0 +1,225 @@
+"""Admission control: how many requests run at once and how much KV they may hold.
+
+Pure Python and thread-safe (``submit`` / ``cancel`` run on the callers' threads,
+``take`` / ``release`` on the engine thread). A submitted ``Ticket`` is admitted at
+once when the limits allow, else it waits in a bounded FIFO queue (interactive
+before background); when the queue is full ``submit`` raises ``OverloadedError``
+with a ``Retry-After`` estimate. Limits:
+
+- ``max_active``: admitted requests (prefilling, decoding, waiting to join the batch);
+- ``kv_budget``: bytes of KV the admitted requests may grow to. A request is charged
+  for its prompt + ``max_tokens``; since mlx-lm's batch caches pad every row to the
+  longest one, the charge of the whole set is ``n x row_bytes(longest)``
+  (``footprint``), which bounds the real batch from above.
+
+Background tickets are admitted only when no interactive ticket waits, and never
+into the last free slot (``max_active > 1``), so an interactive request that arrives
+finds room. A ticket is never admitted past a waiting one of its class (FIFO, no
+starvation of long requests).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import OverloadedError, RequestError
+
+WAITING, ADMITTED, TAKEN, RELEASED, CANCELLED = "waiting", "admitted", "taken", "released", "cancelled"
+
+
+@dataclass(eq=False)
+class Ticket:
+    """One request's claim on the engine (``item`` is whatever the engine needs)."""
+
+    item: Any
+    length: int  # prompt + max_tokens: what its KV may grow to
+    background: bool = False
+    t_submit: float = 0.0
+    t_admit: float | None = None
+    state: str = WAITING
+
+    @property
+    def queue_s(self) -> float:
+        return 0.0 if self.t_admit is None else self.t_admit - self.t_submit
+
+
+@dataclass
+class AdmissionStats:
+    admitted: int = 0
+    rejected: int = 0
+    queued_total: int = 0
+    cancelled_waiting: int = 0
+    wait_s_total: float = 0.0
+    wait_s_max: float = 0.0
+    recent_service_s: float = 0.0  # EWMA of admitted-to-release times
+
+    def to_dict(self) -> dict[str, float]:
+        return dict(self.__dict__)
+
+
+@dataclass
+class Admission:
+    max_active: int
+    max_queued: int
+    kv_budget: int | None
+    row_bytes: Callable[[int], int]
+    clock: Callable[[], float] = time.monotonic
+    stats: AdmissionStats = field(default_factory=AdmissionStats)
+
+    def __post_init__(self) -> None:
+        self._lock = threading.Lock()
+        self._waiting: tuple[deque[Ticket], deque[Ticket]] = (deque(), deque())  # interactive, background
+        self._num_waiting = 0
+        self._active: set[Ticket] = set()
+        self._ready: deque[Ticket] = deque()  # admitted, not yet taken by the engine
+
+    # ---------------------------------------------------------------- accounting
+
+    def footprint(self, lengths: list[int]) -> int:
+        """KV bytes of a batch of rows with these lengths (every row padded to the longest)."""
+        return len(lengths) * self.row_bytes(max(lengths)) if lengths else 0
+
+    def _fits(self, t: Ticket) -> bool:
+        n = len(self._active)
+        if n >= self.max_active:
+            return False
+        if t.background and self.max_active > 1 and n + 1 >= self.max_active:
+            return False
+        if self.kv_budget is None:
+            return True
+        lengths = [a.length for a in self._active] + [t.length]
+        return self.footprint(lengths) <= self.kv_budget
+
+    def _admit(self, t: Ticket) -> None:
+        now = self.clock()
+        t.state, t.t_admit = ADMITTED, now
+        self._active.add(t)
+        self._ready.append(t)
+        s = self.stats
+        s.admitted += 1
+        wait = now - t.t_submit
+        s.wait_s_total += wait
+        s.wait_s_max = max(s.wait_s_max, wait)
+
+    def _admit_waiting(self) -> None:
+        interactive, background = self._waiting
+        for q in (interactive, background):
+            while q:
+                head = q[0]
+                if head.state == CANCELLED:
+                    q.popleft()
+                    continue
+                if q is background and interactive:
+                    return
+                if not self._fits(head):
+                    return
+                q.popleft()
+                self._num_waiting -= 1
+                self._admit(head)
+
+    def retry_after_s(self) -> int:
+        """Seconds a refused client should wait: about one service time per full round
+        of the active slots ahead of it (at least 1, at most 60)."""
+        service = self.stats.recent_service_s or 1.0
+        rounds = (self._num_waiting + 1) / max(1, self.max_active)
+        return int(min(60, max(1, math.ceil(service * rounds))))
+
+    # ---------------------------------------------------------------- callers
+
+    def submit(self, t: Ticket) -> None:
+        """Admit or queue ``t``; raise ``OverloadedError`` when the queue is full and
+        ``RequestError`` when the request alone exceeds the KV budget."""
+        if self.kv_budget is not None and self.row_bytes(t.length) > self.kv_budget:
+            raise RequestError(
+                f"prompt + max_tokens ({t.length} tokens) need {self.row_bytes(t.length)} "
+                f"bytes of KV, more than the active-KV budget of {self.kv_budget} bytes")
+        with self._lock:
+            t.t_submit = self.clock()
+            q = self._waiting[1 if t.background else 0]
+            t.state = WAITING
+            q.append(t)
+            self._num_waiting += 1
+            self._admit_waiting()
+            if t.state != WAITING:
+                return
+            if self._num_waiting > self.max_queued:
+                q.pop()  # t is the last of its queue: _admit_waiting pops from the left
+                self._num_waiting -= 1
+                t.state = CANCELLED
+                self.stats.rejected += 1
+                retry = self.retry_after_s()
+                raise OverloadedError(
+                    f"the server is at capacity ({len(self._active)} active requests, "
+                    f"{self._num_waiting} waiting); retry in {retry}s", retry_after_s=retry)
+            self.stats.queued_total += 1
+
+    def cancel(self, t: Ticket) -> bool:
+        """Take a waiting ticket out of the queue (True); False if it was not waiting."""
+        with self._lock:
+            if t.state != WAITING:
+                return False
+            t.state = CANCELLED
+            self._num_waiting -= 1
+            self.stats.cancelled_waiting += 1
+            return True
+
+    # ---------------------------------------------------------------- engine thread
+
+    def take(self) -> list[Ticket]:
+        """Admitted tickets the engine has not started yet (in admission order)."""
+        with self._lock:
+            out = list(self._ready)
+            self._ready.clear()
+            for t in out:
+                t.state = TAKEN
+            return out
+
+    def release(self, t: Ticket) -> None:
+        """A ticket's request finished: free its slot and admit who fits now."""
+        with self._lock:
+            if t not in self._active:
+                return
+            self._active.discard(t)
+            t.state = RELEASED
+            if t.t_admit is not None:
+                service = self.clock() - t.t_admit
+                prev = self.stats.recent_service_s
+                self.stats.recent_service_s = service if prev == 0 else 0.8 * prev + 0.2 * service
+            self._admit_waiting()
+
+    def drain(self) -> list[Ticket]:
+        """Every ticket not yet taken (waiting or admitted): the engine is going away."""
+        with self._lock:
+            out = [t for q in self._waiting for t in q if t.state == WAITING]
+            out += [t for t in self._ready]
+            for q in self._waiting:
+                q.clear()
+            self._ready.clear()
+            self._num_waiting = 0
+            for t in out:
+                self._active.discard(t)
+                t.state = CANCELLED
+            return out
+
+    @property
+    def has_ready(self) -> bool:
+        return bool(self._ready)
+
+    def snapshot(self) -> dict[str, Any]:
+        with self._lock:
+            lengths = [t.length for t in self._active]
+            return {
+                "active": len(self._active),
+                "queued": self._num_waiting,
+                "max_active": self.max_active,
+                "max_queued": self.max_queued,
+                "kv_budget_bytes": self.kv_budget,
+                "kv_reserved_bytes": self.footprint(lengths),
+                **self.stats.to_dict(),
+            }

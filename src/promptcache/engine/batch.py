@@ -1,0 +1,198 @@
+"""Batched decode: every decoding request advances in one forward per step.
+
+``DecodeBatch`` holds the decoding rows and mlx-lm's batch caches (``BatchKVCache``,
+``BatchRotatingKVCache``, ``ArraysCache``, ``CacheList``; merged from each request's
+own caches when it joins, compacted with ``filter`` when it leaves). A step is
+pipelined as in mlx-lm's generate loop:
+
+    launch step k: feed the tokens sampled at step k-1, sample per row (each with its
+        own key, processors, log-probabilities), ``mx.async_eval``
+    meanwhile, on the host: report the step k-1 tokens to their requests (stop ids,
+        stop strings, max_tokens, events), save, remove the finished rows
+
+so host work overlaps the next forward. A row that finishes had its last token fed
+already; its end-of-generation save still stores prompt + output[:-1] (KV layers
+are sliced; array states, SSM, are taken from before the step: ``ssm_states``).
+What leaves the batch for the cache is read through ``mlx_compat.row_caches``: views
+sliced and copied block by block, copies of windows and states -- never rows of the
+live batch, which ``filter`` / ``extend`` rebuild and later steps write.
+
+``decode_alone`` is the per-request path for caches mlx-lm cannot batch (quantized
+KV, sliding windows that keep tokens): one forward per request per step.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import mlx.core as mx
+
+from . import mlx_compat
+from .request import Request
+from .sampling import logprob_values
+
+logger = logging.getLogger(__name__)
+
+LogprobArrays = tuple[mx.array, ...]
+
+
+class DecodeBatch:
+    """The rows decoding together and their batch caches."""
+
+    def __init__(self, model: Any, block_size: int) -> None:
+        self.model = model
+        self.block_size = block_size
+        self.rows: list[Request] = []
+        self.cache: list[Any] = []
+        # per row: the token to feed next (sampled last step, or the first token of a
+        # row that just joined), whether it was reported already, and its logprobs
+        self._inputs: mx.array | None = None
+        self._reported: list[bool] = []
+        self._lps: list[LogprobArrays | None] = []
+        self._logits: list[mx.array | None] = []  # for the logits hook (tests)
+        self.non_truncatable = False
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def nbytes(self) -> int:
+        return mlx_compat.batch_nbytes(self.cache) if self.rows else 0
+
+    # ------------------------------------------------------------------ membership
+
+    def join(self, req: Request, token: int) -> None:
+        """Add a request whose prefill is done (its caches hold ``req.pos`` tokens and
+        ``token``, its first output token, was reported already)."""
+        merged = [mlx_compat.merge([c]) for c in req.caches]
+        if not self.rows:
+            self.cache = merged
+        else:
+            for mine, theirs in zip(self.cache, merged, strict=True):
+                mlx_compat.extend(mine, theirs)
+        req.caches = []
+        tok = mx.array([token], dtype=mx.uint32)
+        self._inputs = tok if self._inputs is None else mx.concatenate([self._inputs, tok])
+        self.rows.append(req)
+        self._reported.append(True)
+        self._lps.append(None)
+        self._logits.append(None)
+        self.non_truncatable = self.non_truncatable or not req.truncatable
+
+    def _remove(self, drop: set[int]) -> None:
+        keep = [i for i in range(len(self.rows)) if i not in drop]
+        if not keep:
+            self.rows, self.cache, self._inputs = [], [], None
+            self._reported, self._lps, self._logits = [], [], []
+            self.non_truncatable = False
+            return
+        for c in self.cache:
+            mlx_compat.filter_rows(c, keep)
+        if self._inputs is not None:
+            self._inputs = self._inputs[mx.array(keep)]
+        self.rows = [self.rows[i] for i in keep]
+        self._reported = [self._reported[i] for i in keep]
+        self._lps = [self._lps[i] for i in keep]
+        self._logits = [self._logits[i] for i in keep]
+
+    def drop_cancelled(self) -> None:
+        """Finish the rows whose client went away (before the next forward)."""
+        gone = {i for i, r in enumerate(self.rows) if r.cancelled}
+        if not gone:
+            return
+        for i in sorted(gone):
+            r = self.rows[i]
+            # the state holds every reported token: KV layers are sliced to prompt +
+            # output[:-1] as always; array states (SSM) are stored where they are
+            pos = r.n_prompt + len(r.output) - 1 if r.truncatable else r.pos
+            r.finish("cancelled", mlx_compat.row_caches(self.cache, i), state_pos=pos)
+        self._remove(gone)
+
+    def fail_all(self, error: str) -> None:
+        for r in self.rows:
+            r.fail(error)
+        self._remove(set(range(len(self.rows))))
+
+    # ------------------------------------------------------------------ the step
+
+    def step(self) -> None:
+        """One batched forward (launched asynchronously), then the host work of the
+        previous step's tokens."""
+        if not self.rows or self._inputs is None:
+            return
+        rows = self.rows
+        inputs = self._inputs
+        before = mlx_compat.ssm_states(self.cache) if self.non_truncatable else None
+        logits = self.model(inputs[:, None], cache=self.cache)[:, -1, :]
+        greedy = mx.argmax(logits, axis=-1)
+        toks: list[mx.array] = []
+        lps: list[LogprobArrays | None] = []
+        for i, r in enumerate(rows):
+            row = r.process(logits[i], inputs[i : i + 1]) if r.processors else logits[i]
+            tok = greedy[i] if r.sampler.greedy and not r.processors else r.sampler.sample(row)
+            toks.append(tok)
+            lps.append(r.sampler.logprob_arrays(row, tok) if r.sampler.wants_logprobs else None)
+        sampled = mx.stack(toks).astype(mx.uint32)
+        mx.async_eval(sampled, *[a for lp in lps if lp is not None for a in lp])
+        hook = rows[0].ctx.logits_hook is not None
+        # host work for the tokens fed in this step (sampled in the previous one)
+        fed = inputs.tolist()
+        prev_lps, prev_logits, prev_reported = self._lps, self._logits, self._reported
+        finished: list[tuple[int, str]] = []
+        for i, r in enumerate(rows):
+            r.pos += 1
+            if prev_reported[i]:
+                continue
+            lp = prev_lps[i]
+            reason = r.accept(int(fed[i]), logprob_values(lp) if lp is not None else None,
+                              prev_logits[i])
+            if reason is not None:
+                finished.append((i, reason))
+        self._inputs = sampled
+        self._reported = [False] * len(rows)
+        self._lps = lps
+        self._logits = [logits[i] for i in range(len(rows))] if hook else [None] * len(rows)
+        self._after_step(finished, before)
+
+    def _after_step(self, finished: list[tuple[int, str]], before: list[list[Any]] | None
+                    ) -> None:
+        done = {i for i, _ in finished}
+        for i, reason in finished:
+            r = self.rows[i]
+            # r.pos counts the token just fed; the save covers prompt + output[:-1]
+            r.finish(reason, mlx_compat.row_caches(self.cache, i, before),
+                     state_pos=r.pos - 1)
+        bs = self.block_size
+        for i, r in enumerate(self.rows):
+            if i not in done and r.sliding and r.pos % bs == 0:
+                # a sliding window drops old tokens: store output blocks while in it
+                r.store_decoded_block(mlx_compat.row_caches(self.cache, i))
+        if done:
+            self._remove(done)
+
+
+def decode_alone(req: Request) -> None:
+    """One decode step of a request that cannot join the batch (its own caches)."""
+    last = req.output[-1]
+    fed = mx.array([last], dtype=mx.uint32)
+    logits = req.ctx.model(fed[None], cache=req.caches)[0, -1]
+    req.pos += 1
+    if req.sliding and req.pos % req.ctx.block_size == 0:
+        mx.eval(logits)
+        req.store_decoded_block(req.caches)
+    tok, lp = req.sample_now(logits, fed)
+    reason = req.accept(tok, lp, logits)
+    if reason is not None:
+        req.finish(reason, req.caches)
+
+
+def cancel_alone(reqs: Sequence[Request]) -> list[Request]:
+    """Finish the cancelled ones of requests decoding alone; returns the others."""
+    keep = []
+    for r in reqs:
+        if r.cancelled:
+            r.finish("cancelled", r.caches)
+        else:
+            keep.append(r)
+    return keep

@@ -1,0 +1,440 @@
+"""One request's state on the engine thread: prompt, output, sampling, stops, usage,
+and its three cache save points.
+
+    start: cache.acquire -> restore -> release (a miss is kept as data: CacheMiss)
+    -> chunked prefill; chunks end at absolute multiples of the chunk size (a
+       multiple of the block size), so every save lands on a block boundary
+       -> after each completed chunk: store (save point 1, "mid_prefill")
+    -> end of prompt: first token, then store incl. the partial tail (save point 2,
+       "end_prefill"); a prefill-only request ends here ("prefilled")
+    -> decode (in the scheduler's batch or alone): ``accept`` each token (stop ids,
+       stop strings, max_tokens), streaming TokenEvents; sliding-window models store
+       output blocks as they complete
+    -> end: store prompt + output[:-1], the tokens whose state is in the cache
+       (save point 3, "end_generation")
+
+Every save goes through one ``ChainCursor``: a save hashes and reads only the blocks
+after the last one this request stored. The token sequence lives in one
+preallocated uint32 buffer (prompt + output), so no save copies the prompt. Any
+exception from the cache is logged and counted and turns into a miss (or a skipped
+save): it never fails the request.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models.cache import TokenBuffer, make_prompt_cache
+
+from ..blocks.tokens import to_request_tokens
+from ..cache_types import ChainCursor
+from ..config import EngineConfig
+from ..errors import ContextLengthError, RequestError
+from ..meta import Namespace
+from . import adapters
+from .api import CacheMiss, GenerationRequest, GenerationResult, SamplingParams, TokenEvent, Usage
+from .handles import Event
+from .sampling import Detokenizer, Sampler, StopStrings, logprob_values
+
+logger = logging.getLogger(__name__)
+
+LogitsHook = Callable[[str, int, np.ndarray], None]
+Processor = Callable[[mx.array, mx.array], mx.array]
+
+
+@dataclass
+class EngineCounters:
+    """Counters of one engine (read by the stats endpoints)."""
+
+    requests: int = 0
+    cache_errors: int = 0
+    restore_errors: int = 0
+    store_errors: int = 0
+    cancelled: int = 0
+    errors: int = 0
+    prefilled: int = 0
+    prefill_chunks: int = 0
+    decode_steps: int = 0
+    decode_rows: int = 0  # sum of batch sizes over decode steps
+    solo_steps: int = 0  # decode steps of requests mlx-lm cannot batch
+    max_batch: int = 0
+    active_kv_bytes: int = 0
+    peak_active_kv_bytes: int = 0
+
+    def to_dict(self) -> dict[str, int]:
+        return dict(self.__dict__)
+
+
+@dataclass
+class EngineContext:
+    """What every request of one engine shares: the model, the tokenizer, the cache."""
+
+    model: Any
+    tokenizer: Any
+    config: EngineConfig
+    context_length: int
+    vocab_size: int
+    eos_token_ids: frozenset[int]
+    cache: Any | None = None  # PromptCache
+    namespace_for: Callable[[str], Namespace] | None = None
+    block_size: int = 64
+    counters: EngineCounters = field(default_factory=EngineCounters)
+    logits_hook: LogitsHook | None = None
+
+
+def validate_request(req: GenerationRequest, ctx: EngineContext) -> np.ndarray:
+    """Check a request before anything runs or is stored; raise ``RequestError``.
+    Returns the prompt as a uint32 array (the fast validator of ``blocks.tokens``)."""
+    if not isinstance(req, GenerationRequest):
+        raise RequestError(f"expected a GenerationRequest, got {type(req).__name__}")
+    sp = req.sampling
+    if not isinstance(sp, SamplingParams):
+        raise RequestError(f"sampling must be SamplingParams, got {type(sp).__name__}")
+    try:
+        arr = to_request_tokens(req.prompt_tokens).arr
+    except ValueError as e:
+        raise RequestError(f"invalid prompt: {e}") from None
+    top = int(arr.max())
+    if top >= ctx.vocab_size:
+        bad = int(arr[int(np.argmax(arr >= ctx.vocab_size))])
+        raise RequestError(f"prompt token id {bad} is outside the vocabulary (size {ctx.vocab_size})")
+    if not isinstance(sp.stop, (tuple, list)) or not all(isinstance(s, str) and s for s in sp.stop):
+        raise RequestError(f"stop must be a sequence of non-empty strings, got {sp.stop!r}")
+    if not isinstance(sp.stop_token_ids, (tuple, list)) or not all(
+        isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in sp.stop_token_ids
+    ):
+        raise RequestError(f"stop_token_ids must be a sequence of token ids, got {sp.stop_token_ids!r}")
+    if isinstance(sp.max_tokens, bool) or not isinstance(sp.max_tokens, int) or sp.max_tokens <= 0:
+        raise RequestError(f"max_tokens must be a positive integer, got {sp.max_tokens!r}")
+    if req.priority not in ("interactive", "background"):
+        raise RequestError(f"priority must be 'interactive' or 'background', got {req.priority!r}")
+    if sp.max_tokens > ctx.config.max_tokens_limit:
+        raise RequestError(f"max_tokens {sp.max_tokens} exceeds the limit {ctx.config.max_tokens_limit}")
+    n = int(arr.shape[0])
+    budget = 0 if req.prefill_only else sp.max_tokens
+    if n + budget > ctx.context_length:
+        raise ContextLengthError(
+            f"prompt ({n} tokens) + max_tokens ({sp.max_tokens}) exceeds the "
+            f"model's context length ({ctx.context_length})"
+        )
+    return arr
+
+
+def _cut_by_tier(by_tier: Any, n: int) -> dict[str, int]:
+    """Per-tier cached token counts, trimmed to the ``n`` tokens actually restored."""
+    out: dict[str, int] = {}
+    left = n
+    for tier, count in dict(by_tier or {}).items():
+        take = min(int(count), left)
+        if take > 0:
+            out[str(tier)] = take
+        left -= take
+    return out
+
+
+class Request:
+    """One request, advanced by the scheduler (prefill chunks) and a decoder (tokens)."""
+
+    def __init__(self, ctx: EngineContext, request: GenerationRequest, prompt: np.ndarray,
+                 emit: Callable[[Event], None], *, cancelled: Callable[[], bool] | None = None,
+                 processors: Sequence[Processor] = (), queue_s: float = 0.0,
+                 t_submit: float | None = None) -> None:
+        self.ctx = ctx
+        self.req = request
+        self.emit = emit
+        self._cancelled = cancelled
+        self.n_prompt = int(prompt.shape[0])
+        sp = request.sampling
+        # the token sequence: prompt, then output as it is generated (never reallocated)
+        self.seq = np.empty(self.n_prompt + (0 if request.prefill_only else sp.max_tokens) + 1,
+                            dtype=np.uint32)
+        self.seq[: self.n_prompt] = prompt
+        self.output: list[int] = []
+        self.sampler = Sampler(sp)
+        self.detok = Detokenizer(ctx.tokenizer)
+        self.stops = StopStrings(sp.stop)
+        self.stop_ids = frozenset(sp.stop_token_ids) | ctx.eos_token_ids
+        # logits processors (a constraint: engine/constrained.py), built at submit
+        self.processors: list[Processor] = list(processors)
+        self._context: TokenBuffer | None = None
+        self.usage = Usage(prompt_tokens=self.n_prompt)
+        self.result: GenerationResult | None = None
+        self.caches: list[Any] = []  # private caches (prefill, or decoding alone)
+        self.pos = 0  # tokens whose state is in the caches (private or a batch row)
+        self.phase = "new"  # new -> prefill -> decode -> done
+        self._t0 = t_submit if t_submit is not None else time.perf_counter()
+        self.queue_s = queue_s
+        self._t_first: float | None = None
+        self._timings = {"lookup_s": 0.0, "restore_s": 0.0, "prefill_s": 0.0}
+        self.miss: CacheMiss | None = None
+        self._last_snapshot = 0
+        self.use_cache = bool(request.use_cache and ctx.cache is not None and ctx.namespace_for)
+        self.ns: Namespace | None = (
+            ctx.namespace_for(request.tenant) if self.use_cache and ctx.namespace_for else None)
+        self.cursor: ChainCursor | None = ChainCursor(self.ns) if self.ns is not None else None
+        self.truncatable = True
+        self.sliding = False
+
+    # ------------------------------------------------------------------ state
+
+    @property
+    def request_id(self) -> str:
+        return self.req.request_id
+
+    @property
+    def done(self) -> bool:
+        return self.result is not None
+
+    @property
+    def background(self) -> bool:
+        return self.req.priority == "background"
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled is not None and self._cancelled()
+
+    def sequence(self, num_tokens: int) -> np.ndarray:
+        """The first ``num_tokens`` of prompt + output (a view, nothing copied)."""
+        return self.seq[:num_tokens]
+
+    @property
+    def prefill_done(self) -> bool:
+        return self.pos >= self.n_prompt
+
+    # ------------------------------------------------------------------ start
+
+    def start(self) -> None:
+        """Lookup + restore (the request's private caches start at ``self.pos``)."""
+        self.ctx.counters.requests += 1
+        template = make_prompt_cache(self.ctx.model)
+        self.truncatable = adapters.is_truncatable(template)
+        self.sliding = adapters.has_sliding_window(template)
+        self.caches = list(template)
+        if self.use_cache:
+            self._lookup_and_restore()
+        self._last_snapshot = self.pos
+        self.phase = "prefill"
+
+    def _lookup_and_restore(self) -> None:
+        cache, ns = self.ctx.cache, self.ns
+        n_prompt = self.n_prompt
+        t = time.perf_counter()
+        try:
+            hit = cache.acquire(self.seq[:n_prompt], ns, extra_keys=self.req.extra_keys,
+                                session_id=self.req.session_id)
+        except Exception:
+            logger.exception("cache lookup failed; prefilling the whole prompt")
+            self.ctx.counters.cache_errors += 1
+            self.miss = CacheMiss.of("cache_error", 0, 0, n_prompt, self.req.message_starts)
+            self._timings["lookup_s"] = time.perf_counter() - t
+            return
+        self._timings["lookup_s"] = time.perf_counter() - t
+        t = time.perf_counter()
+        try:
+            miss = getattr(hit, "miss", None)
+            if miss is not None:
+                self.miss = CacheMiss.of(str(miss.cause), int(miss.position),
+                                         int(miss.restorable), int(miss.num_tokens),
+                                         self.req.message_starts)
+            n = min(int(hit.num_tokens), n_prompt - 1)  # an exact hit re-runs the last token
+            if n > 0:
+                blocks = hit.blocks
+                self.caches = adapters.restore(self.ctx.model, blocks, n,
+                                               reserve=n_prompt - n + 1)
+                self.pos = n
+                self.usage.cached_tokens = n
+                self.usage.cached_by_tier = _cut_by_tier(hit.tokens_by_tier, n)
+                if self.ns is not None:
+                    self.cursor = ChainCursor.after_hit(self.ns, [m for m, _ in blocks], n)
+        except Exception:
+            logger.exception("restoring cached blocks failed; prefilling the whole prompt")
+            self.ctx.counters.restore_errors += 1
+            self.caches = list(make_prompt_cache(self.ctx.model))
+            self.pos = 0
+            self.usage.cached_tokens = 0
+            self.usage.cached_by_tier = {}
+            self.miss = CacheMiss.of("restore_error", 0, 0, n_prompt, self.req.message_starts)
+            self.cursor = ChainCursor(self.ns) if self.ns is not None else None
+        finally:
+            try:
+                cache.release(hit)
+            except Exception:
+                logger.exception("cache release failed")
+                self.ctx.counters.cache_errors += 1
+            self._timings["restore_s"] = time.perf_counter() - t
+
+    # ------------------------------------------------------------------ prefill
+
+    def prefill_chunk(self) -> bool:
+        """Run one chunk on the private caches; True once the prompt is done (then the
+        first token was emitted, or the request finished)."""
+        t = time.perf_counter()
+        n = self.n_prompt
+        chunk = self.ctx.config.prefill_chunk_tokens
+        end = min(n, (self.pos // chunk + 1) * chunk)
+        logits = self.ctx.model(mx.array(self.seq[self.pos : end])[None], cache=self.caches)
+        last = logits[0, -1]
+        mx.eval(last, *[a for _, a in adapters.state_arrays(self.caches)])
+        self.pos = end
+        self.ctx.counters.prefill_chunks += 1
+        self._timings["prefill_s"] += time.perf_counter() - t
+        if end < n:
+            self._save_mid_prefill()
+            return False
+        if self.req.prefill_only:
+            self._store(n, "end_prefill", include_partial=True, snapshot_at_end=True)
+            self.ctx.counters.prefilled += 1
+            self.finish("prefilled")
+            return True
+        self.phase = "decode"
+        # the first token goes out before the end-of-prefill save: saving is not in TTFT
+        tok, lp = self.sample_now(last)
+        reason = self.accept(tok, lp, last)
+        self._store(n, "end_prefill", include_partial=True, snapshot_at_end=True)
+        if reason is not None:
+            self.finish(reason, self.caches)
+        return True
+
+    def _save_mid_prefill(self) -> None:
+        snap = True
+        if not self.truncatable:
+            every = self.ctx.config.snapshot_every_blocks * self.ctx.block_size
+            snap = self.pos // every > self._last_snapshot // every
+        self._store(self.pos, "mid_prefill", include_partial=False, snapshot_at_end=snap)
+        if snap:
+            self._last_snapshot = self.pos
+
+    # ------------------------------------------------------------------ sampling
+
+    def process(self, logits: mx.array, fed: mx.array | None) -> mx.array:
+        """Apply the request's logits processors (a constraint) to ``[vocab]`` logits.
+        They see every token so far (mlx-lm's convention): the prompt, then ``fed``,
+        the token(s) fed to the model since the last call (lazy arrays are fine)."""
+        if not self.processors:
+            return logits
+        if self._context is None:
+            self._context = TokenBuffer(self.seq[: self.n_prompt].tolist())
+        context = self._context.update_and_fetch(fed) if fed is not None else self._context.tokens
+        out = logits[None]
+        for proc in self.processors:
+            out = proc(context, out)
+        return out[0]
+
+    def sample_now(self, logits: mx.array, fed: mx.array | None = None
+                   ) -> tuple[int, tuple[float, tuple[tuple[int, float], ...]] | None]:
+        """Sample one token from ``[vocab]`` logits and evaluate it (prefill, alone)."""
+        logits = self.process(logits, fed)
+        tok = self.sampler.sample(logits)
+        if self.sampler.wants_logprobs:
+            arrays = self.sampler.logprob_arrays(logits, tok)
+            mx.eval(tok, *arrays)
+            return int(tok.item()), logprob_values(arrays)
+        return int(tok.item()), None
+
+    def accept(self, tok: int, lp: tuple[float, tuple[tuple[int, float], ...]] | None,
+               logits: mx.array | None = None) -> str | None:
+        """One generated token: emit it; return the finish reason, if it ends here."""
+        if self.ctx.logits_hook is not None and logits is not None:
+            self.ctx.logits_hook(self.request_id, len(self.output),
+                                 np.array(logits.astype(mx.float32)))
+        if self._t_first is None:
+            self._t_first = time.perf_counter()
+        self.seq[self.n_prompt + len(self.output)] = tok
+        self.output.append(tok)
+        reason: str | None = None
+        if tok in self.stop_ids:
+            reason, text = "stop", self._flush_text()
+        else:
+            text = self.stops.feed(self.detok.add(tok))
+            if self.stops.stopped:
+                reason = "stop"
+            elif len(self.output) >= self.req.sampling.max_tokens:
+                reason, text = "length", text + self._flush_text()
+        # one TokenEvent per output token; the last one carries any held-back text
+        if lp is None:
+            self.emit(TokenEvent(token_id=tok, text=text))
+        else:
+            self.emit(TokenEvent(token_id=tok, text=text, logprob=lp[0], top_logprobs=lp[1]))
+        return reason
+
+    def _flush_text(self) -> str:
+        text = self.stops.feed(self.detok.flush())
+        return text if self.stops.stopped else text + self.stops.flush()
+
+    # ------------------------------------------------------------------ saves
+
+    def store_decoded_block(self, caches: Sequence[Any]) -> None:
+        """Sliding-window models: store the output block that just completed (its
+        tokens leave the window soon)."""
+        self._store(self.pos, "end_generation", include_partial=False, snapshot_at_end=False,
+                    caches=caches)
+
+    def _store(self, num_tokens: int, save_point: str, *, include_partial: bool,
+               snapshot_at_end: bool, caches: Sequence[Any] | None = None) -> None:
+        if not self.use_cache or num_tokens <= 0:
+            return
+        src = self.caches if caches is None else caches
+
+        def payload_for(start: int, end: int, snapshot: bool) -> dict[str, mx.array]:
+            return adapters.extract_block(src, start, end, snapshot)
+
+        try:
+            created = self.ctx.cache.store(
+                self.ns, self.seq, num_tokens, payload_for,
+                extra_keys=self.req.extra_keys, session_id=self.req.session_id,
+                truncatable=self.truncatable, snapshot_at_end=snapshot_at_end,
+                include_partial=include_partial, save_point=save_point, cursor=self.cursor,
+            )
+        except Exception:
+            logger.exception("storing blocks (%s) failed; continuing without saving", save_point)
+            self.ctx.counters.store_errors += 1
+            return
+        attr = f"saved_{save_point}"
+        setattr(self.usage, attr, getattr(self.usage, attr) + int(created))
+
+    # ------------------------------------------------------------------ finish
+
+    def finish(self, reason: str, caches: Sequence[Any] | None = None, *,
+               state_pos: int | None = None, error: str | None = None) -> None:
+        """End the request: the end-of-generation save from ``caches`` (holding the
+        state after ``state_pos`` tokens; default: prompt + output[:-1]), the result."""
+        if self.result is not None:
+            return
+        end = time.perf_counter()
+        if reason == "cancelled":
+            self.ctx.counters.cancelled += 1
+        if caches is not None and self.phase == "decode" and self.output:
+            pos = state_pos if state_pos is not None else self.n_prompt + len(self.output) - 1
+            self._store(pos, "end_generation", include_partial=True, snapshot_at_end=True,
+                        caches=caches)
+        self.usage.completion_tokens = len(self.output)
+        self.phase = "done"
+        self.result = GenerationResult(
+            tokens=list(self.output),
+            text=self.stops.text,
+            finish_reason=reason,
+            usage=self.usage,
+            ttft_s=(self._t_first - self._t0) if self._t_first is not None else 0.0,
+            prefill_s=self._timings["prefill_s"],
+            decode_s=(end - self._t_first) if self._t_first is not None else 0.0,
+            lookup_s=self._timings["lookup_s"],
+            restore_s=self._timings["restore_s"],
+            miss_reason=self.miss.describe() if self.miss is not None else None,
+            error=error,
+            stop_sequence=self.stops.matched if reason == "stop" else None,
+            miss=self.miss,
+            queue_s=self.queue_s,
+        )
+        self.caches = []
+        self.emit(self.result)
+
+    def fail(self, error: str) -> None:
+        """A model / runtime failure: end without saving."""
+        self.ctx.counters.errors += 1
+        self.finish("error", None, error=error)

@@ -1,0 +1,143 @@
+"""Chat templates: messages -> prompt token ids (+ where each message starts), one pass.
+
+``ChatTemplate.render_with_offsets`` renders the chat template once to text and
+tokenizes that text once with character offsets; a message's start is the token
+that holds the first character after the previous message's content (the
+template's closing / header markers between two messages count to the later one).
+Nothing is rendered per message, so a 200-message chat costs one render and one
+tokenization.
+
+Thread-safe: the server calls it from worker threads while the engine thread may
+use the tokenizer; Hugging Face fast tokenizers are not safe to share between
+threads (their padding / truncation state is mutated per call), so every render
+holds one lock.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from ..errors import RequestError
+from . import mlx_compat
+
+
+def validate_messages(messages: Any) -> None:
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise RequestError("messages must be a non-empty list")
+    for i, m in enumerate(messages):
+        if not isinstance(m, Mapping) or not isinstance(m.get("role"), str):
+            raise RequestError(f"message {i} must be a mapping with a string 'role'")
+
+
+def _text_pieces(message: Mapping[str, Any]) -> list[str]:
+    """The literal texts of a message a template copies into the prompt, in order."""
+    content = message.get("content")
+    pieces: list[str] = []
+    if isinstance(content, str):
+        pieces.append(content)
+    elif isinstance(content, (list, tuple)):
+        for part in content:
+            if isinstance(part, Mapping) and isinstance(part.get("text"), str):
+                pieces.append(part["text"])
+    for key in ("reasoning_content", "thinking"):
+        if isinstance(message.get(key), str):
+            pieces.insert(0, message[key])
+    return [p.strip() for p in pieces if p and p.strip()]
+
+
+def content_spans(text: str, messages: Sequence[Mapping[str, Any]]) -> list[tuple[int, int] | None]:
+    """Per message, the character span of its content in the rendered ``text``
+    (searched in order, each after the previous), or None if it cannot be located."""
+    spans: list[tuple[int, int] | None] = []
+    cursor = 0
+    for m in messages:
+        pieces = _text_pieces(m)
+        start = end = -1
+        pos = cursor
+        for piece in pieces:
+            at = text.find(piece, pos)
+            if at < 0:
+                continue
+            if start < 0:
+                start = at
+            end = pos = at + len(piece)
+        if start < 0:
+            spans.append(None)
+        else:
+            spans.append((start, end))
+            cursor = end
+    return spans
+
+
+def message_starts(text: str, offsets: Sequence[tuple[int, int]],
+                   messages: Sequence[Mapping[str, Any]]) -> tuple[int, ...]:
+    """Token index where each message starts (see the module docstring)."""
+    spans = content_spans(text, messages)
+    starts: list[int] = [0]
+    tok = 0
+    n = len(offsets)
+    boundary = 0  # character where the current message begins
+    for i in range(1, len(messages)):
+        prev = spans[i - 1]
+        if prev is not None:
+            boundary = max(boundary, prev[1])
+        # the first token that ends after the boundary holds its first character
+        while tok < n and offsets[tok][1] <= boundary:
+            tok += 1
+        starts.append(max(starts[-1], tok))
+    return tuple(starts)
+
+
+class ChatTemplate:
+    """The tokenizer's chat template, rendered under one lock."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self._lock = threading.Lock()
+
+    def _render_text(self, messages: Sequence[Mapping[str, Any]], tools: Any, gen: bool,
+                     continue_final_message: bool, template_kwargs: Mapping[str, Any] | None
+                     ) -> str:
+        kwargs = dict(template_kwargs or {})
+        if continue_final_message:
+            kwargs["continue_final_message"] = True
+            gen = False
+        out = self.tokenizer.apply_chat_template(
+            list(messages), tools=tools, add_generation_prompt=gen, tokenize=False, **kwargs
+        )
+        if not isinstance(out, str):
+            raise RequestError("the chat template did not render to text")
+        return out
+
+    def render(
+        self, messages: Sequence[Mapping[str, Any]], tools: Any = None,
+        add_generation_prompt: bool = True, *, continue_final_message: bool = False,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> list[int]:
+        """Prompt token ids of a chat (``continue_final_message``: the last assistant
+        message is left open; ``template_kwargs``: extra template variables such as
+        ``enable_thinking``)."""
+        validate_messages(messages)
+        with self._lock:
+            text = self._render_text(messages, tools, add_generation_prompt,
+                                     continue_final_message, template_kwargs)
+            return [int(t) for t in self.tokenizer.encode(text, add_special_tokens=False)]
+
+    def render_with_offsets(
+        self, messages: Sequence[Mapping[str, Any]], tools: Any = None,
+        add_generation_prompt: bool = True, *, continue_final_message: bool = False,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> tuple[list[int], tuple[int, ...]]:
+        """``(tokens, message_starts)`` from one render and one tokenization."""
+        validate_messages(messages)
+        with self._lock:
+            text = self._render_text(messages, tools, add_generation_prompt,
+                                     continue_final_message, template_kwargs)
+            encoded = mlx_compat.encode_with_offsets(self.tokenizer, text)
+            if encoded is None:  # a slow tokenizer: no character offsets
+                ids = self.tokenizer.encode(text, add_special_tokens=False)
+                return [int(t) for t in ids], ()
+        ids, offsets = encoded
+        return ids, message_starts(text, offsets, messages)
