@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 
@@ -134,10 +134,10 @@ class DecodeBatch:
             toks.append(tok)
             lps.append(r.sampler.logprob_arrays(row, tok) if r.sampler.wants_logprobs else None)
         sampled = mx.stack(toks).astype(mx.uint32)
-        mx.async_eval(sampled, *[a for lp in lps if lp is not None for a in lp])
+        mx.async_eval(sampled, *[a for lp in lps if lp is not None for a in lp])  # type: ignore[no-untyped-call]
         hook = rows[0].ctx.logits_hook is not None
         # host work for the tokens fed in this step (sampled in the previous one)
-        fed = inputs.tolist()
+        fed = cast(list[int], inputs.tolist())
         prev_lps, prev_logits, prev_reported = self._lps, self._logits, self._reported
         finished: list[tuple[int, str]] = []
         for i, r in enumerate(rows):

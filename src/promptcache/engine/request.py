@@ -26,7 +26,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 import numpy as np
@@ -223,6 +223,8 @@ class Request:
 
     def _lookup_and_restore(self) -> None:
         cache, ns = self.ctx.cache, self.ns
+        if cache is None or ns is None:  # pragma: no cover - use_cache implies both
+            return
         n_prompt = self.n_prompt
         t = time.perf_counter()
         try:
@@ -334,8 +336,8 @@ class Request:
         if self.sampler.wants_logprobs:
             arrays = self.sampler.logprob_arrays(logits, tok)
             mx.eval(tok, *arrays)
-            return int(tok.item()), logprob_values(arrays)
-        return int(tok.item()), None
+            return int(cast(int, tok.item())), logprob_values(arrays)
+        return int(cast(int, tok.item())), None
 
     def accept(self, tok: int, lp: tuple[float, tuple[tuple[int, float], ...]] | None,
                logits: mx.array | None = None) -> str | None:
@@ -377,7 +379,8 @@ class Request:
 
     def _store(self, num_tokens: int, save_point: str, *, include_partial: bool,
                snapshot_at_end: bool, caches: Sequence[Any] | None = None) -> None:
-        if not self.use_cache or num_tokens <= 0:
+        cache = self.ctx.cache
+        if not self.use_cache or cache is None or num_tokens <= 0:
             return
         src = self.caches if caches is None else caches
 
@@ -385,7 +388,7 @@ class Request:
             return adapters.extract_block(src, start, end, snapshot)
 
         try:
-            created = self.ctx.cache.store(
+            created = cache.store(
                 self.ns, self.seq, num_tokens, payload_for,
                 extra_keys=self.req.extra_keys, session_id=self.req.session_id,
                 truncatable=self.truncatable, snapshot_at_end=snapshot_at_end,

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_top_k, apply_top_p
@@ -63,7 +63,7 @@ class Sampler:
 
     def __call__(self, logits: mx.array) -> int:
         """Sample and evaluate (single-request use)."""
-        return int(self.sample(logits).item())
+        return int(cast(int, self.sample(logits).item()))
 
     def logprob_arrays(self, logits: mx.array, token: mx.array) -> tuple[mx.array, ...]:
         """Lazy ``(logprob of token, top ids, top logprobs)`` for ``logprobs=k`` (k may be 0)."""
@@ -81,11 +81,11 @@ class Sampler:
 
 def logprob_values(arrays: Sequence[mx.array]) -> tuple[float, tuple[tuple[int, float], ...]]:
     """Host values of ``Sampler.logprob_arrays`` (evaluated)."""
-    chosen = float(arrays[0].item())
+    chosen = float(cast(float, arrays[0].item()))
     if len(arrays) == 1:
         return chosen, ()
-    ids = arrays[1].tolist()
-    vals = arrays[2].tolist()
+    ids = cast(list[int], arrays[1].tolist())
+    vals = cast(list[float], arrays[2].tolist())
     return chosen, tuple((int(i), float(v)) for i, v in zip(ids, vals, strict=True))
 
 

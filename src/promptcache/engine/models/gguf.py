@@ -177,7 +177,10 @@ def convert_gguf(
         raise ValueError(f"dtype must be float32, float16 or bfloat16, got {dtype!r}")
     target = getattr(mx, dtype)
 
-    tensors, meta = mx.load(str(src), return_metadata=True)
+    loaded = mx.load(str(src), return_metadata=True)
+    if not isinstance(loaded, tuple):  # pragma: no cover - return_metadata gives a pair
+        raise ValueError(f"cannot read GGUF metadata from {src}")
+    tensors, meta = loaded
     config = config_from_metadata(meta, tied="output.weight" not in tensors, dtype=dtype)
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     tokenizer_json, tokenizer_config = build_tokenizer(meta)
