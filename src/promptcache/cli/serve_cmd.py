@@ -28,6 +28,8 @@ from ..config import CacheConfig, EngineConfig, RedisConfig, ServerConfig, SSDCo
 
 log = logging.getLogger(__name__)
 
+MIN_KV_BUDGET = 256 * 1024**2
+
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("serve", help="serve the OpenAI/Anthropic-compatible API",
@@ -86,6 +88,14 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                         "left (default), or answer with the APIs' context-limit error")
     p.add_argument("--log-requests", type=Path, default=None, metavar="DIR",
                    help="debug: write every /v1 request (secrets left out) as JSON into DIR")
+    p.add_argument("--max-active", type=int, default=EngineConfig.max_active_requests,
+                   help="requests admitted at once (prefilling + decoding)")
+    p.add_argument("--max-queue", type=int, default=EngineConfig.max_queued_requests,
+                   help="requests waiting for admission; more get 429 / 529 + Retry-After")
+    p.add_argument("--kv-budget", default="10%",
+                   help="bytes of KV the active requests may hold (batch padding included): "
+                        "2GB or a %% of available RAM (default 10%%; the RAM tier budget is "
+                        "separate, so KV memory stays under ram-budget + kv-budget)")
     p.add_argument("--log-level", default="info",
                    choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=run)
@@ -120,9 +130,18 @@ def build_configs(args: argparse.Namespace) -> tuple[
     chunk = max(args.block_size, (256 // args.block_size) * args.block_size)
     if args.default_max_tokens < 1:
         raise ValueError(f"--default-max-tokens must be >= 1, got {args.default_max_tokens}")
+    if args.max_active < 1:
+        raise ValueError(f"--max-active must be >= 1, got {args.max_active}")
+    if args.max_queue < 0:
+        raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
+    kv_budget = max(MIN_KV_BUDGET, parse_size(args.kv_budget,
+                                              total=psutil.virtual_memory().available))
     engine_cfg = EngineConfig(prefill_chunk_tokens=chunk,
                               max_tokens_limit=args.max_tokens_limit,
-                              default_max_tokens=args.default_max_tokens)
+                              default_max_tokens=args.default_max_tokens,
+                              max_active_requests=args.max_active,
+                              max_queued_requests=args.max_queue,
+                              active_kv_budget_bytes=kv_budget)
     if args.api_keys_file is not None and not args.api_keys_file.is_file():
         raise ValueError(f"--api-keys-file {args.api_keys_file} does not exist")
     server_cfg = ServerConfig(host=args.host, port=args.port, api_key=args.api_key,
@@ -177,7 +196,9 @@ def run(args: argparse.Namespace) -> int:
         app = create_app(engine, server_cfg, engine_config=engine_cfg,
                          model_aliases=args.model_alias)
         print(f"promptcache: serving {engine.model_id} on http://{args.host}:{args.port} "
-              f"(cache: {'off' if args.no_cache else 'RAM' + (' + SSD ' + str(ssd_cfg.path) if ssd_cfg else '') + (' + Redis' if redis_cfg else '')})",
+              f"(cache: {'off' if args.no_cache else 'RAM' + (' + SSD ' + str(ssd_cfg.path) if ssd_cfg else '') + (' + Redis' if redis_cfg else '')}; "
+              f"{engine_cfg.max_active_requests} active / {engine_cfg.max_queued_requests} queued, "
+              f"active KV <= {engine_cfg.active_kv_budget_bytes} bytes)",
               file=sys.stderr, flush=True)
         with _terminate_raises():
             uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,

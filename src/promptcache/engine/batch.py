@@ -129,10 +129,17 @@ class DecodeBatch:
         toks: list[mx.array] = []
         lps: list[LogprobArrays | None] = []
         for i, r in enumerate(rows):
-            row = r.process(logits[i], inputs[i : i + 1]) if r.processors else logits[i]
-            tok = greedy[i] if r.sampler.greedy and not r.processors else r.sampler.sample(row)
+            # a row whose pending token is its last (max_tokens) needs no real sample
+            last = not self._reported[i] and len(r.output) + 1 >= r.req.sampling.max_tokens
+            if last or (r.sampler.greedy and not r.processors):
+                tok = greedy[i]
+                row = logits[i]
+            else:
+                row = r.process(logits[i], inputs[i : i + 1]) if r.processors else logits[i]
+                tok = r.sampler.sample(row)
             toks.append(tok)
-            lps.append(r.sampler.logprob_arrays(row, tok) if r.sampler.wants_logprobs else None)
+            lps.append(r.sampler.logprob_arrays(row, tok)
+                       if r.sampler.wants_logprobs and not last else None)
         sampled = mx.stack(toks).astype(mx.uint32)
         mx.async_eval(sampled, *[a for lp in lps if lp is not None for a in lp])  # type: ignore[no-untyped-call]
         hook = rows[0].ctx.logits_hook is not None

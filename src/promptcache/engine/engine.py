@@ -298,10 +298,14 @@ class Engine:
         )
         return self.submit(req).result()
 
+    def engine_stats(self) -> dict[str, Any]:
+        """Counters, admission (active, queued, waits, KV reserved / budget), the batch.
+        Cheap and lock-free apart from the admission lock (safe from any thread)."""
+        return {**self.counters.to_dict(), **self.admission.snapshot(),
+                "alive": self.alive, "batch_size": len(self.scheduler.batch)}
+
     def stats(self) -> dict[str, Any]:
-        engine: dict[str, Any] = {**self.counters.to_dict(), **self.admission.snapshot(),
-                                  "alive": self.alive, "batch_size": len(self.scheduler.batch)}
-        out: dict[str, Any] = {"engine": engine}
+        out: dict[str, Any] = {"engine": self.engine_stats()}
         if self.cache is not None:
             try:
                 out["cache"] = self.cache.stats().to_dict()

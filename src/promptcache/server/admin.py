@@ -14,7 +14,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from ..meta import validate_tenant
@@ -35,12 +35,26 @@ def cache_stats_dict(engine: Any) -> dict[str, Any] | None:
     return dict(data)
 
 
-@router.get("/health")
-async def health(request: Request) -> dict[str, Any]:
+def engine_stats_dict(engine: Any) -> dict[str, Any] | None:
+    """The engine's own numbers (active KV bytes, queue, waits, batch), if it has them."""
+    get = getattr(engine, "engine_stats", None)
+    return dict(get()) if callable(get) else None
+
+
+@router.get("/health", response_model=None)
+async def health(request: Request) -> dict[str, Any] | JSONResponse:
+    """Liveness: 200 while the engine thread runs, 503 once it has died (every
+    request then fails). Reads two attributes: no lock, no engine call."""
     st = state_of(request)
-    return {"status": "ok", "model": st.model_id,
-            "cache_enabled": getattr(st.engine, "cache", None) is not None,
-            "uptime_s": round(time.time() - st.started_at, 3)}
+    body: dict[str, Any] = {
+        "status": "ok", "model": st.model_id,
+        "cache_enabled": getattr(st.engine, "cache", None) is not None,
+        "uptime_s": round(time.time() - st.started_at, 3)}
+    if not getattr(st.engine, "alive", True):
+        body["status"] = "engine_dead"
+        body["error"] = getattr(st.engine, "failure", None)
+        return JSONResponse(body, status_code=503)
+    return body
 
 
 @router.get("/metrics")
@@ -63,6 +77,7 @@ async def cache_stats(request: Request) -> dict[str, Any]:
         "model": st.model_id,
         "cache_enabled": getattr(st.engine, "cache", None) is not None,
         "cache": stats,
+        "engine": engine_stats_dict(st.engine),
         "rolling": st.monitor.snapshot(),
         "alert": {"active": st.monitor.alerting, "threshold": st.monitor.threshold},
     }

@@ -79,7 +79,8 @@ def create_app(engine: Any, server_config: ServerConfig | None = None, *,
         engine_config=engine_config or _engine_config_of(engine),
         auth=auth,
         monitor=HitRateMonitor(config.hit_rate_window, config.hit_rate_alert_threshold),
-        metrics=ServerMetrics(lambda: admin.cache_stats_dict(engine)),
+        metrics=ServerMetrics(lambda: admin.cache_stats_dict(engine),
+                              lambda: admin.engine_stats_dict(engine)),
         aliases=frozenset(BASE_ALIASES) | frozenset(a for a in model_aliases if a),
     )
     preparer = Preparer(engine)

@@ -17,7 +17,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..errors import ContextLengthError
+from ..errors import ContextLengthError, EngineDeadError, OverloadedError
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +31,8 @@ _ANTHROPIC_TYPES = {
     413: "request_too_large",
     415: "invalid_request_error",
     429: "rate_limit_error",
-    503: "overloaded_error",
+    503: "api_error",
+    529: "overloaded_error",
 }
 # HTTP status -> OpenAI error type
 _OPENAI_TYPES = {
@@ -46,13 +47,15 @@ class APIError(Exception):
     """An error with an HTTP status, rendered in the dialect of the endpoint."""
 
     def __init__(
-        self, status: int, message: str, *, code: str | None = None, param: str | None = None
+        self, status: int, message: str, *, code: str | None = None, param: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.code = code
         self.param = param
+        self.headers = headers
 
 
 def is_anthropic_path(path: str) -> bool:
@@ -69,12 +72,23 @@ def error_body(path: str, status: int, message: str, code: str | None = None,
 
 
 def error_response(request: Request, status: int, message: str, code: str | None = None,
-                   param: str | None = None) -> JSONResponse:
-    headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+                   param: str | None = None, headers: dict[str, str] | None = None
+                   ) -> JSONResponse:
+    if status == 401:
+        headers = {**(headers or {}), "WWW-Authenticate": "Bearer"}
     return JSONResponse(
         error_body(request.url.path, status, message, code, param), status_code=status,
         headers=headers,
     )
+
+
+def overloaded_response(request: Request, exc: OverloadedError) -> JSONResponse:
+    """At capacity: OpenAI 429 ``rate_limit_error``, Anthropic 529 ``overloaded_error``,
+    both with ``Retry-After`` (whole seconds)."""
+    status = 529 if is_anthropic_path(request.url.path) else 429
+    retry = str(max(1, int(round(exc.retry_after_s))))
+    return error_response(request, status, str(exc), "overloaded", None,
+                          {"Retry-After": retry})
 
 
 def _describe_validation(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -99,7 +113,17 @@ def _is_json_content_type(request: Request) -> bool:
 def install_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-        return error_response(request, exc.status, exc.message, exc.code, exc.param)
+        return error_response(request, exc.status, exc.message, exc.code, exc.param,
+                              exc.headers)
+
+    @app.exception_handler(OverloadedError)
+    async def _overloaded(request: Request, exc: OverloadedError) -> JSONResponse:
+        return overloaded_response(request, exc)
+
+    @app.exception_handler(EngineDeadError)
+    async def _engine_dead(request: Request, exc: EngineDeadError) -> JSONResponse:
+        log.error("request refused: %s", exc)
+        return error_response(request, 503, f"the engine is not running: {exc}", "engine_dead")
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:

@@ -24,6 +24,7 @@ log = logging.getLogger(__name__)
 TIER_NAMES = frozenset({"ram", "ssd", "redis", "disk", "none", "miss"})
 _BAD = re.compile(r"[^a-zA-Z0-9_]")
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_WAIT_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
 
 
 def _name(*parts: str) -> str:
@@ -108,8 +109,32 @@ class CacheStatsCollector(Collector):
         yield from families.values()
 
 
+class EngineStatsCollector(Collector):
+    """``engine.engine_stats()`` at scrape time: ``promptcache_engine_<name>`` gauges
+    (active_kv_bytes, peak_active_kv_bytes, active, queued, kv_reserved_bytes,
+    kv_budget_bytes, batch_size, rejected, wait_s_max, ...; ``alive`` as 0/1)."""
+
+    def __init__(self, get_stats: Callable[[], Mapping[str, Any] | None]) -> None:
+        self._get_stats = get_stats
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        try:
+            stats = self._get_stats()
+        except Exception:
+            log.warning("engine stats unavailable for /metrics", exc_info=True)
+            return
+        for key, value in (stats or {}).items():
+            if isinstance(value, bool) or _is_number(value):
+                name = _name("promptcache_engine", str(key))
+                fam = GaugeMetricFamily(name, f"engine stat {key}")
+                fam.add_metric([], float(value))
+                yield fam
+
+
 class ServerMetrics:
-    def __init__(self, get_cache_stats: Callable[[], Mapping[str, Any] | None]) -> None:
+    def __init__(self, get_cache_stats: Callable[[], Mapping[str, Any] | None],
+                 get_engine_stats: Callable[[], Mapping[str, Any] | None] | None = None
+                 ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter("promptcache_requests", "HTTP generation requests",
@@ -127,7 +152,12 @@ class ServerMetrics:
                                       "token hit rate over the alert window", registry=r)
         self.alert = Gauge("promptcache_hit_rate_alert",
                            "1 while the rolling hit rate is below the threshold", registry=r)
+        self.queue_wait = Histogram("promptcache_queue_wait_seconds",
+                                    "time a request waited for admission", buckets=_WAIT_BUCKETS,
+                                    registry=r)
         r.register(CacheStatsCollector(get_cache_stats))
+        if get_engine_stats is not None:
+            r.register(EngineStatsCollector(get_engine_stats))
 
     def observe_result(self, api: str, prompt_tokens: int, cached_by_tier: Mapping[str, int],
                        completion_tokens: int, ttft_s: float | None) -> None:

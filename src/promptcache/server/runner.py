@@ -25,6 +25,7 @@ from fastapi import Request
 
 from ..config import EngineConfig, ServerConfig
 from ..engine.api import GenerationRequest, GenerationResult, SamplingParams, TokenEvent
+from ..errors import OverloadedError
 from .alerts import HitRateMonitor
 from .auth import Authenticator, Scope
 from .errors import APIError
@@ -78,14 +79,21 @@ class ServerState:
     def start(self, api: str, http_request: Request, scope: Scope, prompt: Sequence[int],
               sampling: SamplingParams, message_starts: Sequence[int] = ()) -> Generation:
         req = GenerationRequest(
-            prompt_tokens=tuple(int(t) for t in prompt),
+            # a C-speed copy; the engine validates the ids (its fast path) in submit
+            prompt_tokens=tuple(prompt),
             sampling=sampling,
             tenant=scope.tenant,
             session_id=scope.session_id,
             message_starts=tuple(message_starts),
             request_id=uuid.uuid4().hex[:16],
         )
-        handle = self.engine.submit(req)  # ValueError -> 400 via the app's handlers
+        try:
+            # ValueError -> 400, OverloadedError -> 429 / 529 + Retry-After,
+            # EngineDeadError -> 503 (the app's exception handlers)
+            handle = self.engine.submit(req)
+        except OverloadedError:
+            self.metrics.observe_failure(api, "overloaded")
+            raise
         return Generation(self, api, http_request, req, handle, scope)
 
 
@@ -156,6 +164,7 @@ class Generation:
     def _finish(self, result: GenerationResult) -> None:
         s = self.state
         s.metrics.in_flight.dec()
+        s.metrics.queue_wait.observe(result.queue_s)
         u = result.usage
         if result.finish_reason == "error":
             s.metrics.observe_failure(self.api, "error")
