@@ -274,7 +274,7 @@ def test_a_constraint_processor_shapes_every_row(tiny_llama_path, engine_factory
         constraint=Constraint("regex", "[a-z]+"))) for p in prompts]
     results = [h.result(timeout=60) for h in handles]
     eng.recorder.by_request.clear()
-    for p, r in zip(prompts, results, strict=True):
+    for r in results:
         assert r.finish_reason == "length" and not (set(r.tokens) & banned)
     # the processor saw prompt + every token generated so far, at every step
     assert sorted(seen) == sorted(len(p) + k for p in prompts for k in range(4))
