@@ -57,6 +57,7 @@ class AdmissionStats:
     cancelled_waiting: int = 0
     wait_s_total: float = 0.0
     wait_s_max: float = 0.0
+    peak_active: int = 0
     recent_service_s: float = 0.0  # EWMA of admitted-to-release times
 
     def to_dict(self) -> dict[str, float]:
@@ -103,6 +104,7 @@ class Admission:
         self._ready.append(t)
         s = self.stats
         s.admitted += 1
+        s.peak_active = max(s.peak_active, len(self._active))
         wait = now - t.t_submit
         s.wait_s_total += wait
         s.wait_s_max = max(s.wait_s_max, wait)
@@ -174,7 +176,7 @@ class Admission:
     def take(self) -> list[Ticket]:
         """Admitted tickets the engine has not started yet (in admission order)."""
         with self._lock:
-            out = list(self._ready)
+            out = [t for t in self._ready if t.state == ADMITTED]  # not released meanwhile
             self._ready.clear()
             for t in out:
                 t.state = TAKEN
@@ -197,7 +199,7 @@ class Admission:
         """Every ticket not yet taken (waiting or admitted): the engine is going away."""
         with self._lock:
             out = [t for q in self._waiting for t in q if t.state == WAITING]
-            out += [t for t in self._ready]
+            out += [t for t in self._ready if t.state == ADMITTED]
             for q in self._waiting:
                 q.clear()
             self._ready.clear()

@@ -57,10 +57,14 @@ class _Pending:
     t_submit: float
 
 
+KV_GROWTH_STEP = 256  # mlx-lm's KV caches grow in steps of this many tokens
+
+
 def kv_row_bytes(model: Any) -> Callable[[int], int]:
-    """Bytes of one request's cache state after ``n`` tokens, from a 1-token probe:
-    full-attention KV grows per token, sliding windows stop at their size, array
-    states (SSM) are constant."""
+    """An upper bound of one request's cache bytes at ``n`` tokens, from a 1-token
+    probe: full-attention KV grows per token (plus up to one growth step of unused
+    room: mlx-lm's caches grow 256 tokens at a time), sliding windows stop at their
+    size, array states (SSM) are constant."""
     caches = make_prompt_cache(model)
     mx.eval(model(mx.array([[0]]), cache=caches))
     per_token = 0
@@ -84,7 +88,8 @@ def kv_row_bytes(model: Any) -> Callable[[int], int]:
                 per_token += per
 
     def row_bytes(n: int) -> int:
-        return per_token * n + sum(p * min(n, w) for p, w in windows) + fixed
+        room = n + KV_GROWTH_STEP
+        return per_token * room + sum(p * min(room, w) for p, w in windows) + fixed
 
     return row_bytes
 
