@@ -101,3 +101,42 @@ def test_generation_result_reports_the_stop_sequence(llama):
     # a stop token id is not a stop sequence
     res = llama.generate(prompt, max_tokens=8, stop_token_ids=[ref.tokens[3]], use_cache=False)
     assert res.finish_reason == "stop" and res.stop_sequence is None
+
+
+def test_stop_strings_scan_only_the_new_tail():
+    """32K deltas: each feed looks at (longest stop - 1) + len(delta) characters."""
+    scanned: list[int] = []
+
+    class Counting(StopStrings):
+        def _scan(self, window):
+            scanned.append(len(window))
+            return super()._scan(window)
+
+    s = Counting(["<|end|>", "STOP"])
+    out = [s.feed(f"w{i % 10} ") for i in range(32_000)]
+    assert max(scanned) <= 6 + 4 and len(s._tail) == 6
+    assert "".join(out) + s.flush() == s.text == "".join(f"w{i % 10} " for i in range(32_000))
+    assert s.feed("ab<|en") == "ab" and s.feed("d|> tail") == "" and s.matched == "<|end|>"
+    assert s.text.endswith("w9 ab")
+
+
+def test_top_k_and_logprob_arrays():
+    logits = mx.log(mx.array([0.1, 0.6, 0.3]))
+    s = Sampler(SamplingParams(temperature=1.0, top_k=2, seed=3, logprobs=2))
+    assert {s(logits) for _ in range(100)} == {1, 2}
+    tok = mx.array(1)
+    chosen, ids, vals = s.logprob_arrays(logits, tok)
+    assert float(chosen.item()) == pytest.approx(float(mx.log(mx.array(0.6)).item()), abs=1e-6)
+    assert ids.tolist() == [1, 2]
+    assert vals.tolist() == pytest.approx([float(mx.log(mx.array(0.6)).item()),
+                                           float(mx.log(mx.array(0.3)).item())], abs=1e-6)
+
+
+def test_detokenizer_uses_mlx_lms_streaming_detokenizer(llama):
+    from mlx_lm.tokenizer_utils import StreamingDetokenizer
+
+    d = Detokenizer(llama.tokenizer)
+    assert isinstance(d._stream, StreamingDetokenizer)
+    ids = llama.tokenizer.encode("hello world, é and €!", add_special_tokens=False)
+    text = "".join(d.add(t) for t in ids) + d.flush()
+    assert text == d.text == "hello world, é and €!"

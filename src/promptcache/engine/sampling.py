@@ -188,7 +188,7 @@ class StopStrings:
         self._len += len(delta)
         keep = self._longest - 1
         self._tail = window[-keep:] if keep > 0 else ""
-        found = [(i, k) for k, i in enumerate(window.find(s) for s in self.stops) if i >= 0]
+        found = self._scan(window)
         if found:
             at, which = min(found)
             self.stopped = True
@@ -209,6 +209,10 @@ class StopStrings:
         out = window[self.emitted - base : safe - base]
         self.emitted = safe
         return out
+
+    def _scan(self, window: str) -> list[tuple[int, int]]:
+        """``(position, stop index)`` of each stop string found in ``window``."""
+        return [(i, k) for k, i in enumerate(window.find(s) for s in self.stops) if i >= 0]
 
     def flush(self) -> str:
         """Release the held-back text (generation ended without a match)."""
