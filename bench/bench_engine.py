@@ -25,6 +25,7 @@ from pathlib import Path
 import mlx.core as mx
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
+from promptcache.cli.wiring import build_cache
 from promptcache.config import CacheConfig, EngineConfig
 from promptcache.engine.api import GenerationRequest, SamplingParams
 from promptcache.engine.engine import Engine
@@ -104,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         model_path = str(ensure_default_model(root))
     ec = EngineConfig()
     cc = CacheConfig(ram_budget_bytes=2 * 1024**3)
-    eng = Engine.load(model_path, ec, cc)
+    eng = Engine.load(model_path, ec, cc, cache=build_cache(cc))
     rng = random.Random(0)
     messages = [{"role": "system", "content": "You are a helpful assistant. Keep answers short."}]
     rows = []

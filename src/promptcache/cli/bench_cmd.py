@@ -19,16 +19,18 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..bench import report, scenarios, systems
+from ..bench import concurrency, report, scenarios, systems
 from ..bench.runner import run_scenario
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("bench", help="benchmark S1..S5 against mlx_lm.server / vllm-mlx",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--scenarios", default=",".join(scenarios.SCENARIO_NAMES),
-                   help="comma-separated, from S1,S2,S3,S4,S5 (default: all) and S6 (two "
-                        "servers sharing one Redis; needs redis-server; only when named)")
+    p.add_argument("--scenarios",
+                   default=",".join(scenarios.SCENARIO_NAMES + concurrency.CONCURRENT_NAMES),
+                   help="comma-separated, from S1,S2,S3,S4,S5 (sequential), C1 (1/4/8/16 "
+                        "concurrent streams), C2 (main + 3 subagents) (default: all) and S6 "
+                        "(two servers sharing one Redis; needs redis-server; only when named)")
     p.add_argument("--systems", default=",".join(systems.SYSTEM_NAMES),
                    help="comma-separated, from ours,mlx_lm,vllm_mlx,nocache (default: all)")
     p.add_argument("--model", default=None,
@@ -81,10 +83,11 @@ def _terminate(signum: int, _frame: object) -> None:
 def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _terminate)
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    parts = [p.strip() for p in args.scenarios.split(",") if p.strip()]
-    want_s6 = any(p.upper() == "S6" for p in parts)
-    rest = [p for p in parts if p.upper() != "S6"]
-    names = scenarios.parse_names(",".join(rest)) if rest or not want_s6 else []
+    parts = [p.strip().upper() for p in args.scenarios.split(",") if p.strip()]
+    want_s6 = "S6" in parts
+    concurrent = [p for p in dict.fromkeys(parts) if p in concurrency.CONCURRENT_NAMES]
+    rest = [p for p in parts if p != "S6" and p not in concurrency.CONCURRENT_NAMES]
+    names = scenarios.parse_names(",".join(rest)) if rest or not (want_s6 or concurrent) else []
     wanted = systems.parse_systems(args.systems)
     if args.max_tokens <= 0 or args.max_tokens > 4096:
         raise ValueError(f"--max-tokens must be in 1..4096, got {args.max_tokens}")
@@ -96,8 +99,9 @@ def run(args: argparse.Namespace) -> int:
     results: dict[str, Any] = {
         "meta": report.environment(model),
         "config": {"quick": args.quick, "max_tokens": args.max_tokens, "seed": args.seed,
-                   "systems": wanted, "scenarios": names},
+                   "systems": wanted, "scenarios": names + concurrent},
         "scenarios": {},
+        "concurrent": {},
     }
     meta = results["meta"]
     _say(f"model {model}; LD_PRELOAD={meta['LD_PRELOAD'] or '(none)'} "
@@ -109,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
             "num_requests": len(s.turns), "num_conversations": s.num_conversations,
             "floor": [], "runs": {}, "skipped": {},
         }
-    if not args.no_floor:
+    if not args.no_floor and scns:
         from ..bench.floor import FloorMeter
 
         _say("floor: loading the model in-process")
@@ -147,6 +151,7 @@ def run(args: argparse.Namespace) -> int:
             sum_ttft = summ["sum_ttft_s"]
             _say(f"{s.name}/{name}: Σ TTFT {_num(sum_ttft, ' s')}, ÷ floor "
                  f"{_num(summ['vs_floor'], '×')}, ÷ best peer {_num(summ['vs_best_peer'], '×')}")
+    md_concurrent = _run_concurrent(args, concurrent, wanted, model, out, results, results_path)
     report.write_json(results, results_path)
     s6_md = ""
     if want_s6:
@@ -156,12 +161,36 @@ def run(args: argparse.Namespace) -> int:
                                       seed=args.seed, max_tokens=args.max_tokens, progress=_say)
         report.write_json(results, results_path)
         s6_md = "\n" + shared.markdown(results["s6"])
-    md = report.markdown(results, _command(args, model)) + s6_md
+    md = report.markdown(results, _command(args, model)) + s6_md + md_concurrent
     (out / "report.md").write_text(md)
     charts = report.write_charts(results, out / "charts")
     _say(f"wrote {results_path}, {out / 'report.md'}, {len(charts)} charts in {out / 'charts'}")
     print(md)
     return 0
+
+
+def _run_concurrent(args: argparse.Namespace, names: list[str], wanted: list[str], model: str,
+                    out: Path, results: dict[str, Any], results_path: Path) -> str:
+    """C1 / C2: one fresh server per (scenario, system); returns their Markdown."""
+    md = ""
+    for name in names:
+        plan = concurrency.build(name, quick=args.quick, seed=args.seed)
+        max_tokens = concurrency.output_tokens(args.quick) if name == "C1" else args.max_tokens
+        entry: dict[str, Any] = {"title": plan.title, "api": plan.api, "max_tokens": max_tokens,
+                                 "runs": {}, "skipped": {}}
+        results["concurrent"][name] = entry
+        for system in wanted:
+            why = systems.unavailable_reason(system)
+            if why:
+                entry["skipped"][system] = why
+                continue
+            _say(f"{name}/{system}: {plan.title}")
+            entry["runs"][system] = concurrency.run_plan(
+                system, plan, model, out / "work", out / "logs", max_tokens=max_tokens,
+                progress=_say)
+            report.write_json(results, results_path)
+        md += "\n" + concurrency.markdown(name, plan.title, entry["runs"])
+    return md
 
 
 def _num(v: float | None, unit: str) -> str:
