@@ -123,3 +123,25 @@ def test_a_dead_engine_turns_health_503_and_pending_requests_500(tiny_llama_path
         assert r.status_code == 503
     finally:
         eng.close()
+
+
+def test_serve_admission_options(tmp_path):
+    import psutil
+
+    from promptcache.cli import build_parser
+    from promptcache.cli.serve_cmd import MIN_KV_BUDGET, build_configs
+
+    def configs(*argv):
+        return build_configs(build_parser().parse_args(["serve", "--no-ssd", *argv]))
+
+    eng, _, _, _ = configs("--max-active", "4", "--max-queue", "0", "--kv-budget", "2GB")
+    assert (eng.max_active_requests, eng.max_queued_requests) == (4, 0)
+    assert eng.active_kv_budget_bytes == 2 * 1024**3
+    eng, _, _, _ = configs()  # defaults: 16 active, 64 queued, 10% of available RAM
+    assert (eng.max_active_requests, eng.max_queued_requests) == (16, 64)
+    assert eng.active_kv_budget_bytes == pytest.approx(
+        max(MIN_KV_BUDGET, psutil.virtual_memory().available * 0.1), rel=0.05)
+    assert configs("--kv-budget", "1MB")[0].active_kv_budget_bytes == MIN_KV_BUDGET
+    for bad in (("--max-active", "0"), ("--max-queue", "-1"), ("--kv-budget", "lots")):
+        with pytest.raises(ValueError):
+            configs(*bad)
