@@ -61,8 +61,9 @@ class Timed:
     def end(self) -> float | None:
         return None if self.result.total_s is None else self.start + self.result.total_s
 
-    def to_dict(self) -> dict[str, Any]:
-        d = {"stream": self.stream, "index": self.index, **self.result.to_dict()}
+    def to_dict(self, t0: float = 0.0) -> dict[str, Any]:
+        d = {"stream": self.stream, "index": self.index, "start_s": self.start - t0,
+             **self.result.to_dict()}
         d.pop("text", None)
         return d
 
@@ -176,8 +177,9 @@ def _pct(values: Sequence[float], q: float) -> float | None:
 
 
 def summarize_round(rows: Sequence[Timed]) -> dict[str, Any]:
-    """Aggregate decode tok/s = Σ (completion - 1) / (last end - first first-token);
-    per stream: (completion - 1) / (end - first token); TTFT p50 / p95; hit rate."""
+    """Throughput = Σ completion tokens / (last end - first send); aggregate decode
+    tok/s = Σ (completion - 1) / (last end - first first-token); per stream:
+    (completion - 1) / (end - first token), median; TTFT p50 / p95; hit rate."""
     ok = [r for r in rows if r.result.ok and r.first is not None and r.end is not None]
     ttfts = [r.result.ttft_s for r in ok if r.result.ttft_s is not None]
     decoded = [max(0, (r.result.completion_tokens or 0) - 1) for r in ok]
@@ -185,11 +187,14 @@ def summarize_round(rows: Sequence[Timed]) -> dict[str, Any]:
                   if r.end is not None and r.first is not None and r.end > r.first and d > 0]
     span = (max(r.end for r in ok if r.end is not None)
             - min(r.first for r in ok if r.first is not None)) if ok else 0.0
+    wall = (max(r.end for r in ok if r.end is not None) - min(r.start for r in ok)) if ok else 0.0
     prompt = sum(r.result.prompt_tokens or 0 for r in ok)
     cached = [r.result.cached_tokens for r in ok]
     return {
         "requests": len(rows), "ok": len(ok),
         "completion_tokens": sum(r.result.completion_tokens or 0 for r in ok),
+        "throughput_tps": (sum(r.result.completion_tokens or 0 for r in ok) / wall)
+        if wall > 0 else None,
         "aggregate_decode_tps": (sum(decoded) / span) if span > 0 else None,
         "per_stream_decode_tps": statistics.median(per_stream) if per_stream else None,
         "ttft_p50_s": _pct(ttfts, 0.5), "ttft_p95_s": _pct(ttfts, 0.95),
@@ -222,7 +227,9 @@ def run_plan(system: str, plan: ConcurrentPlan, model: str, work_dir: Path, log_
         for label, streams in zip(plan.labels, plan.rounds, strict=True):
             rows = run_round(srv.base_url, api, srv.model_id, streams, max_tokens)
             summary = summarize_round(rows)
-            out["rounds"][label] = {"summary": summary, "requests": [r.to_dict() for r in rows]}
+            t0 = min((r.start for r in rows), default=0.0)
+            out["rounds"][label] = {"summary": summary,
+                                    "requests": [r.to_dict(t0) for r in rows]}
             agg = summary["aggregate_decode_tps"]
             say(f"  {plan.name}/{system} [{label}]: {summary['ok']}/{summary['requests']} ok, "
                 f"aggregate {agg or 0:.1f} tok/s, TTFT p95 {(summary['ttft_p95_s'] or 0):.2f} s")
@@ -239,9 +246,9 @@ def markdown(name: str, plan_title: str, runs: dict[str, dict[str, Any]]) -> str
     """A table per concurrent scenario: one row per (round, system)."""
     lines = [f"### {name}: {plan_title}", ""]
     if name == "C1":
-        lines += ["| streams | system | aggregate decode tok/s | per-stream tok/s | "
-                  "TTFT p50 | TTFT p95 | ok | ratio agg. vs mlx_lm |",
-                  "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+        lines += ["| streams | system | throughput tok/s | aggregate decode tok/s | "
+                  "per-stream tok/s | TTFT p50 | TTFT p95 | ok | agg. decode vs mlx_lm |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     else:
         lines += ["| round | system | Σ TTFT | TTFT p50 | TTFT p95 | token hit rate | ok |",
                   "| --- | --- | --- | --- | --- | --- | --- |"]
@@ -266,7 +273,8 @@ def markdown(name: str, plan_title: str, runs: dict[str, dict[str, Any]]) -> str
                 if base.get("aggregate_decode_tps") and s["aggregate_decode_tps"]:
                     ratio = s["aggregate_decode_tps"] / base["aggregate_decode_tps"]
                 lines.append(
-                    f"| {label} | {system} | {f(s['aggregate_decode_tps'], '', 1)} | "
+                    f"| {label} | {system} | {f(s.get('throughput_tps'), '', 1)} | "
+                    f"{f(s['aggregate_decode_tps'], '', 1)} | "
                     f"{f(s['per_stream_decode_tps'], '', 1)} | {f(s['ttft_p50_s'], ' s')} | "
                     f"{f(s['ttft_p95_s'], ' s')} | {s['ok']}/{s['requests']} | {f(ratio, '×')} |")
             else:
