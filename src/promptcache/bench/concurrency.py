@@ -84,7 +84,7 @@ def _sizes(quick: bool) -> dict[str, int]:
     if quick:
         return {"prompt": 60, "output": 8, "system": 200, "tools": 2, "steps": 2, "result": 40,
                 "counts": 2}
-    return {"prompt": 300, "output": 64, "system": 2500, "tools": 8, "steps": 4, "result": 250,
+    return {"prompt": 200, "output": 64, "system": 2500, "tools": 8, "steps": 4, "result": 250,
             "counts": len(STREAM_COUNTS)}
 
 
