@@ -8,12 +8,15 @@
   (Anthropic Messages where the system speaks it): Σ TTFT and token hit rate.
 
 Every system gets one fresh server per scenario, started and warmed up as in
-``runner``. Requests of one round are released together (a barrier), one thread
-and one HTTP connection per stream.
+``runner``; all of them stay up and take turns round by round, in a rotating order
+(``run_plans``), so that load changes on a shared machine hit every system alike.
+Requests of one round are released together (a barrier), one thread and one HTTP
+connection per stream.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 import statistics
 import threading
@@ -205,40 +208,56 @@ def summarize_round(rows: Sequence[Timed]) -> dict[str, Any]:
     }
 
 
-def run_plan(system: str, plan: ConcurrentPlan, model: str, work_dir: Path, log_dir: Path, *,
-             max_tokens: int, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """One fresh server for the whole plan; a summary per round."""
-    spec = SPECS[system]
-    api = plan.api if (plan.api == "openai" or spec.anthropic) else "openai"
+def run_plans(systems: Sequence[str], plan: ConcurrentPlan, model: str, work_dir: Path,
+              log_dir: Path, *, max_tokens: int, progress: Callable[[str], None] | None = None
+              ) -> dict[str, dict[str, Any]]:
+    """Every system's server is up for the whole plan and the systems take turns round
+    by round (the order rotates), so load drift on a shared machine hits them alike.
+    Idle servers use ~no CPU (vllm-mlx: ~5% of a core). Returns a run dict per system."""
     say = progress or (lambda _m: None)
-    cache_dir = work_dir / f"{plan.name}-{system}"
-    shutil.rmtree(cache_dir, ignore_errors=True)
-    cache_dir.mkdir(parents=True)
-    srv = ServerProcess(system, model, log_dir / f"{plan.name}-{system}.log",
-                        cache_dir=cache_dir if system != "nocache" else None)
-    out: dict[str, Any] = {"system": system, "api": api, "rounds": {}, "error": None}
+    servers: dict[str, ServerProcess] = {}
+    out: dict[str, dict[str, Any]] = {}
     try:
-        srv.start()
-        with httpx.Client() as client:
-            warm = send_turn(client, srv.base_url, api, srv.model_id, WARMUP_MESSAGES,
-                             max_tokens=2)
-        if not warm.ok:
-            raise RuntimeError(f"warm-up request failed: {warm.error}")
-        for label, streams in zip(plan.labels, plan.rounds, strict=True):
-            rows = run_round(srv.base_url, api, srv.model_id, streams, max_tokens)
-            summary = summarize_round(rows)
-            t0 = min((r.start for r in rows), default=0.0)
-            out["rounds"][label] = {"summary": summary,
-                                    "requests": [r.to_dict(t0) for r in rows]}
-            agg = summary["aggregate_decode_tps"]
-            say(f"  {plan.name}/{system} [{label}]: {summary['ok']}/{summary['requests']} ok, "
-                f"aggregate {agg or 0:.1f} tok/s, TTFT p95 {(summary['ttft_p95_s'] or 0):.2f} s")
-        out["peak_rss"] = srv.peak_rss
-    except Exception as e:  # noqa: BLE001 - one system failing must not stop the bench
-        out["error"] = f"{type(e).__name__}: {e}"
+        for system in systems:
+            api = plan.api if (plan.api == "openai" or SPECS[system].anthropic) else "openai"
+            out[system] = {"system": system, "api": api, "rounds": {}, "error": None}
+            cache_dir = work_dir / f"{plan.name}-{system}"
+            shutil.rmtree(cache_dir, ignore_errors=True)
+            cache_dir.mkdir(parents=True)
+            srv = ServerProcess(system, model, log_dir / f"{plan.name}-{system}.log",
+                                cache_dir=cache_dir if system != "nocache" else None)
+            try:
+                srv.start()
+                with httpx.Client() as client:
+                    warm = send_turn(client, srv.base_url, api, srv.model_id, WARMUP_MESSAGES,
+                                     max_tokens=2)
+                if not warm.ok:
+                    raise RuntimeError(f"warm-up request failed: {warm.error}")
+                servers[system] = srv
+            except Exception as e:  # noqa: BLE001 - one system failing must not stop the bench
+                out[system]["error"] = f"{type(e).__name__}: {e}"
+                srv.stop()
+        for k, (label, streams) in enumerate(zip(plan.labels, plan.rounds, strict=True)):
+            names = list(servers)
+            names = names[k % len(names):] + names[: k % len(names)] if names else names
+            for system in names:
+                srv = servers[system]
+                t = time.time()
+                rows = run_round(srv.base_url, out[system]["api"], srv.model_id, streams,
+                                 max_tokens)
+                summary = summarize_round(rows)
+                t0 = min((r.start for r in rows), default=0.0)
+                out[system]["rounds"][label] = {
+                    "summary": summary, "started_at": t, "load_avg": os.getloadavg()[0],
+                    "requests": [r.to_dict(t0) for r in rows]}
+                say(f"  {plan.name}/{system} [{label}]: {summary['ok']}/{summary['requests']} ok, "
+                    f"throughput {summary['throughput_tps'] or 0:.1f} tok/s, aggregate decode "
+                    f"{summary['aggregate_decode_tps'] or 0:.1f} tok/s, TTFT p95 "
+                    f"{(summary['ttft_p95_s'] or 0):.2f} s (load {os.getloadavg()[0]:.1f})")
     finally:
-        srv.stop()
-        out["peak_rss"] = srv.peak_rss
+        for system, srv in servers.items():
+            srv.stop()
+            out[system]["peak_rss"] = srv.peak_rss
     return out
 
 

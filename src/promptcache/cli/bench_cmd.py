@@ -171,7 +171,8 @@ def run(args: argparse.Namespace) -> int:
 
 def _run_concurrent(args: argparse.Namespace, names: list[str], wanted: list[str], model: str,
                     out: Path, results: dict[str, Any], results_path: Path) -> str:
-    """C1 / C2: one fresh server per (scenario, system); returns their Markdown."""
+    """C1 / C2: every system's server up at once, the systems take turns round by round
+    (``concurrency.run_plans``); returns their Markdown."""
     md = ""
     for name in names:
         plan = concurrency.build(name, quick=args.quick, seed=args.seed)
@@ -179,16 +180,17 @@ def _run_concurrent(args: argparse.Namespace, names: list[str], wanted: list[str
         entry: dict[str, Any] = {"title": plan.title, "api": plan.api, "max_tokens": max_tokens,
                                  "runs": {}, "skipped": {}}
         results["concurrent"][name] = entry
+        ready = []
         for system in wanted:
             why = systems.unavailable_reason(system)
             if why:
                 entry["skipped"][system] = why
-                continue
-            _say(f"{name}/{system}: {plan.title}")
-            entry["runs"][system] = concurrency.run_plan(
-                system, plan, model, out / "work", out / "logs", max_tokens=max_tokens,
-                progress=_say)
-            report.write_json(results, results_path)
+            else:
+                ready.append(system)
+        _say(f"{name} ({', '.join(ready)} interleaved): {plan.title}")
+        entry["runs"] = concurrency.run_plans(ready, plan, model, out / "work", out / "logs",
+                                              max_tokens=max_tokens, progress=_say)
+        report.write_json(results, results_path)
         md += "\n" + concurrency.markdown(name, plan.title, entry["runs"])
     return md
 
