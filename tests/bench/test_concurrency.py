@@ -17,10 +17,10 @@ def test_plans_are_deterministic_and_shaped_as_described():
     assert concurrency.build("c1") == c1
     c2 = concurrency.build("C2")
     (convs,) = c2.rounds
-    assert len(convs) == 4 and all(len(turns) == 4 for turns in convs)
+    assert len(convs) == 4 and all(len(turns) == 3 for turns in convs)
     systems = {turns[0].messages[0]["content"] for turns in convs}
     assert len(systems) == 1 and all(turns[0].tools == convs[0][0].tools for turns in convs)
-    assert len(convs[0][0].tools) == 8
+    assert len(convs[0][0].tools) == 6
     # each turn extends the previous one of its conversation
     for turns in convs:
         for a, b in zip(turns, turns[1:], strict=False):

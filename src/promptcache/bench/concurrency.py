@@ -35,6 +35,7 @@ from .systems import SPECS, ServerProcess
 
 CONCURRENT_NAMES = ("C1", "C2")
 STREAM_COUNTS = (1, 4, 8, 16)
+REQUEST_TIMEOUT_S = 3600.0  # a 16-stream round on a loaded 2-core machine is slow
 
 Messages = tuple[dict[str, Any], ...]
 
@@ -87,7 +88,7 @@ def _sizes(quick: bool) -> dict[str, int]:
     if quick:
         return {"prompt": 60, "output": 8, "system": 200, "tools": 2, "steps": 2, "result": 40,
                 "counts": 2}
-    return {"prompt": 200, "output": 64, "system": 2500, "tools": 8, "steps": 4, "result": 250,
+    return {"prompt": 200, "output": 64, "system": 1500, "tools": 6, "steps": 3, "result": 200,
             "counts": len(STREAM_COUNTS)}
 
 
@@ -158,7 +159,7 @@ def run_round(base_url: str, api: str, model_id: str, streams: Sequence[Sequence
             for job in jobs:
                 t = time.perf_counter()
                 res = send_turn(client, base_url, api, model_id, job.messages, job.tools,
-                                max_tokens=max_tokens)
+                                max_tokens=max_tokens, timeout_s=REQUEST_TIMEOUT_S)
                 with lock:
                     out.append(Timed(job.stream, job.index, t, res))
 
