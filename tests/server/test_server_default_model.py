@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from promptcache.config import CacheConfig, EngineConfig, ServerConfig
 from promptcache.cli.wiring import build_cache
+from promptcache.config import CacheConfig, EngineConfig, ServerConfig
 from promptcache.engine.engine import Engine
 from promptcache.server import create_app
 from promptcache.server.prompt import tools_text

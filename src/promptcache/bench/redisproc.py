@@ -67,6 +67,8 @@ class RedisServer:
         return self.proc is not None and self.proc.poll() is None
 
     def start(self) -> RedisServer:
+        if REDIS_SERVER is None:
+            raise RuntimeError("redis-server (or valkey-server) is not installed")
         cmd = [REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1",
                "--save", "", "--appendonly", "no", "--dir", str(self.workdir),
                "--daemonize", "no", "--protected-mode", "no", "--loglevel", "warning",
