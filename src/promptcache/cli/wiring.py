@@ -7,10 +7,9 @@ caching is off. Add a tier here (and only here) to make ``promptcache serve`` us
 
 from __future__ import annotations
 
-from typing import Any
-
 from ..cache import PromptCache
 from ..config import CacheConfig, RedisConfig, SSDConfig
+from ..tiers.base import Tier
 
 
 def build_cache(cache_config: CacheConfig, ssd_config: SSDConfig | None = None,
@@ -21,7 +20,7 @@ def build_cache(cache_config: CacheConfig, ssd_config: SSDConfig | None = None,
         return None
     from ..engine.payload import MLXPayloadAdapter
 
-    lower: list[Any] = []
+    lower: list[Tier] = []
     if ssd_config is not None:
         from ..tiers.ssd import SSDTier
 
