@@ -6,6 +6,7 @@ pending requests with 500; the engine's numbers are in /metrics and /v1/cache/st
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import httpx
 import pytest
@@ -52,11 +53,37 @@ async def _fire(app, n):
         return await asyncio.gather(*(one(i) for i in range(n)))
 
 
+def _hold_engine_until_submitted(eng, n):
+    """The engine thread starts no step until ``n`` submits have returned (admitted,
+    queued or refused), so how many are refused does not depend on how fast the
+    engine runs compared with the event loop: exactly ``max_queued`` wait."""
+    gate, lock, done = threading.Event(), threading.Lock(), [0]
+    real_submit, real_step = eng.submit, eng.scheduler.step
+
+    def submit(req):
+        try:
+            return real_submit(req)
+        finally:
+            with lock:
+                done[0] += 1
+                if done[0] == n:
+                    gate.set()
+
+    def step():
+        gate.wait(timeout=120)  # a deadlock guard only: the assertions tell what went wrong
+        return real_step()
+
+    eng.submit, eng.scheduler.step = submit, step
+    return gate
+
+
 def test_64_concurrent_requests_against_a_limit_of_8(tiny_llama_path):
     eng = _engine(tiny_llama_path, kv_rows=6)
     try:
         app = create_app(eng, ServerConfig())
+        gate = _hold_engine_until_submitted(eng, 64)
         results = asyncio.run(_fire(app, 64))
+        assert gate.is_set()
         statuses = [s for _, s, _, _ in results]
         assert all(s in (200, 429, 529) for s in statuses), statuses
         for path, status, retry, text in results:
@@ -66,9 +93,12 @@ def test_64_concurrent_requests_against_a_limit_of_8(tiny_llama_path):
                 assert "overloaded_error" in text if status == 529 else "rate_limit_error" in text
             else:
                 assert "error" not in text.split("data:")[-1] or "[DONE]" in text
-        assert statuses.count(200) >= 8 and statuses.count(200) < 64
         stats = eng.stats()
         e = stats["engine"]
+        # at the gate: at most 8 admitted (fewer if the KV budget says so), exactly 8
+        # queued, every other one refused; the queued ones ran as slots freed
+        assert e["queued_total"] == 8 and e["admitted"] == statuses.count(200)
+        assert 8 < statuses.count(200) <= 16
         assert e["peak_active"] <= 8 and e["rejected"] == 64 - statuses.count(200)
         # memory within the budgets, from the server's own accounting
         assert 0 < e["peak_active_kv_bytes"] <= e["kv_budget_bytes"]

@@ -173,6 +173,9 @@ class Request:
         self._t_first: float | None = None
         self._timings = {"lookup_s": 0.0, "restore_s": 0.0, "prefill_s": 0.0}
         self.miss: CacheMiss | None = None
+        # called once, just before the final result is emitted (the scheduler releases
+        # the admission ticket there, so a client holding its answer is never counted)
+        self.on_finish: Callable[[], None] | None = None
         self._last_snapshot = 0
         self.use_cache = bool(request.use_cache and ctx.cache is not None and ctx.namespace_for)
         self.ns: Namespace | None = (
@@ -435,6 +438,11 @@ class Request:
             queue_s=self.queue_s,
         )
         self.caches = []
+        if self.on_finish is not None:
+            try:
+                self.on_finish()
+            except Exception:
+                logger.exception("the request's finish hook failed")
         self.emit(self.result)
 
     def fail(self, error: str) -> None:

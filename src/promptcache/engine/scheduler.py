@@ -24,7 +24,8 @@ Each ``step()``:
 6. moves requests whose prefill ended into the batch (up to ``max_batch_size``
    rows; more wait for a free row) or, if their caches cannot batch, to the
    per-request path.
-A request releases its admission ticket when it finishes.
+A request releases its admission ticket when it finishes, before its result is
+delivered (so a client that has its answer is no longer counted as active).
 """
 
 from __future__ import annotations
@@ -121,6 +122,9 @@ class Scheduler:
             if req is None:
                 self.admission.release(t)
                 continue
+            # the slot is freed before the result reaches the client (and again, as a
+            # no-op, by _release_finished)
+            req.on_finish = lambda t=t: self.admission.release(t)
             self._live.append((req, t))
             self.prefilling.append(req)
 
