@@ -60,3 +60,31 @@ def test_bfloat16_blocks_come_back_from_ssd_as_bfloat16(tmp_path):
             assert mx.array_equal(payload[name], want[name]).item()
     cache.release(hit)
     cache.close()
+
+
+def test_engine_close_persists_every_ram_block_under_write_back(tiny_llama_path, tmp_path):
+    """Engine.close() stops the engine thread, then the cache persists every RAM block
+    the SSD lacks (durability: a clean close keeps the whole cache), through a writer
+    queue of 2 (back-pressure, nothing dropped); a restarted engine hits all of it."""
+    ssd = SSDConfig(path=tmp_path / "blocks", policy="write_back", fsync=False, queue_size=2)
+    ec = EngineConfig(prefill_chunk_tokens=16)
+    cc = CacheConfig(block_size=4, ram_budget_bytes=64 * 1024**2)
+    prompt = [int(t) for t in np.random.default_rng(11).integers(3, 1000, size=400)]
+    first = Engine.load(tiny_llama_path, ec, cc, cache=build_cache(cc, ssd))
+    cache = first.cache
+    assert cache is not None
+    r1 = first.generate(prompt, max_tokens=4)
+    st = cache.stats().to_dict()
+    # prompt + output[:-1] = 403 tokens: 100 full blocks + a partial one; write_back: none
+    # written before the close
+    assert (st["ram_blocks"], st["tiers"]["ssd"]["blocks_on_disk"]) == (101, 0)
+    first.close()
+    report = cache.last_persist
+    assert report is not None
+    assert (report.blocks, report.written, report.failed, report.timed_out) == (101, 101, 0, False)
+    with Engine.load(tiny_llama_path, ec, cc, cache=build_cache(cc, ssd)) as second:
+        assert second.cache is not None
+        assert second.cache.stats().to_dict()["tiers"]["ssd"]["blocks_on_disk"] == 101
+        r2 = second.generate(prompt, max_tokens=4)
+    assert r2.usage.cached_by_tier == {"ssd": 399}
+    assert r2.tokens == r1.tokens
