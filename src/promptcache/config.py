@@ -211,6 +211,8 @@ class ServerConfig:
     log_requests_dir: Path | None = None
     # responses kept for previous_response_id / GET /v1/responses/{id} (bounded, in RAM)
     responses_store_size: int = 256
+    # canonical-prompt rules switched off (server/canon.py; "all" = every rule)
+    canonicalize_off: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.context_window is not None and self.context_window < 2:

@@ -59,9 +59,9 @@ def test_claude_code_request_is_accepted(engine: FakeEngine, client: TestClient)
     r = client.post("/v1/messages?beta=true", json=CLAUDE_BODY, headers=CLAUDE_HEADERS)
     assert r.status_code == 200, r.text
     messages, tools = engine.rendered[-1]
+    # the billing header block is dropped (canonical prompts, server/canon.py)
     assert messages == [
-        {"role": "system", "content": "x-anthropic-billing-header: cc_version=2.1.197;"
-                                      "You are Claude Code."},
+        {"role": "system", "content": "You are Claude Code."},
         {"role": "user", "content": "say hi"},
         {"role": "system", "content": "Available agent types: general-purpose"}]
     # the server tool is left out; the client tool offered

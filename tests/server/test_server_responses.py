@@ -163,8 +163,9 @@ def test_namespace_and_server_side_tools(client: TestClient, engine: FakeEngine)
              {"type": "file_search", "vector_store_ids": ["v"]}]
     engine.reply = '<tool_call>{"name": "agents__spawn", "arguments": {"task": "x"}}</tool_call>'
     body = _post(client, input="go", tools=tools).json()
+    # offered sorted by name (canonical prompts, server/canon.py)
     assert [t["function"]["name"] for t in engine.rendered[-1][1]] == \
-        ["get_weather", "agents__spawn"]
+        ["agents__spawn", "get_weather"]
     [call] = body["output"]
     assert (call["name"], call["namespace"]) == ("spawn", "agents")
     # sent back, the call is shown to the model under its qualified name again

@@ -86,6 +86,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--max-tokens-overflow", choices=("clamp", "error"), default="clamp",
                    help="prompt + max_tokens past the window: clamp max_tokens to the room "
                         "left (default), or answer with the APIs' context-limit error")
+    p.add_argument("--no-canonicalize", action="append", default=[], metavar="RULE",
+                   help="switch a canonical-prompt rule off (repeatable): billing_header, "
+                        "tool_keys, tool_order, or all")
     p.add_argument("--log-requests", type=Path, default=None, metavar="DIR",
                    help="debug: write every /v1 request (secrets left out) as JSON into DIR")
     p.add_argument("--max-active", type=int, default=EngineConfig.max_active_requests,
@@ -105,6 +108,8 @@ def build_configs(args: argparse.Namespace) -> tuple[
         EngineConfig, CacheConfig, SSDConfig | None, ServerConfig]:
     """Validate the options into configs (ValueError on bad values)."""
     import psutil  # type: ignore[import-untyped]
+
+    from ..server.canon import parse_rules_off
 
     if not 1 <= args.port <= 65535:
         raise ValueError(f"--port must be in 1..65535, got {args.port}")
@@ -150,7 +155,9 @@ def build_configs(args: argparse.Namespace) -> tuple[
                               hit_rate_alert_threshold=args.hit_rate_threshold,
                               context_window=args.context_window,
                               max_tokens_overflow=args.max_tokens_overflow,
-                              log_requests_dir=args.log_requests)
+                              log_requests_dir=args.log_requests,
+                              canonicalize_off=tuple(sorted(
+                                  parse_rules_off(args.no_canonicalize))))
     return engine_cfg, cache_cfg, ssd_cfg, server_cfg
 
 

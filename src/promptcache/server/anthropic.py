@@ -38,6 +38,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from ..engine.api import GenerationResult
+from .canon import Canon
 from .common import (
     KEEPALIVE,
     SSE_HEADERS,
@@ -45,6 +46,8 @@ from .common import (
     Finished,
     Prepared,
     Sleep,
+    TurnContext,
+    caching,
     collect_reply,
     plan_max_tokens,
     preparer_of,
@@ -52,8 +55,10 @@ from .common import (
     reply_parser,
     sleep_of,
     sse_event,
+    start,
     state_of,
 )
+from .diagnostics import cache_cause_of, wants_diagnostics
 from .errors import APIError
 from .prompt import anthropic_messages, anthropic_tools
 from .reasoning import Piece, ReplyParser
@@ -124,8 +129,11 @@ def _thinking_switch(thinking: dict[str, Any] | None) -> bool | None:
     return THINKING_TYPES[kind]
 
 
-def _chat_prompt(body: MessagesRequest | CountTokensRequest) -> ChatPrompt:
-    msgs = anthropic_messages(body.messages, body.system)
+def chat_prompt(body: MessagesRequest | CountTokensRequest, canon: Canon) -> ChatPrompt:
+    """The request as a ``ChatPrompt`` (also what ``/v1/cache/probe`` renders)."""
+    system = canon.system_blocks(body.system) if isinstance(body.system, list) \
+        else body.system
+    msgs = anthropic_messages(body.messages, system)
     tools = anthropic_tools(body.tools)
     choice = getattr(body, "tool_choice", None)
     if choice is not None:
@@ -135,7 +143,19 @@ def _chat_prompt(body: MessagesRequest | CountTokensRequest) -> ChatPrompt:
                                 f"got {kind!r}", param="tool_choice")
         if kind == "none":
             tools = None
-    return ChatPrompt(msgs, tools, _thinking_switch(body.thinking))
+    return ChatPrompt(msgs, tools, _thinking_switch(body.thinking), source=body)
+
+
+def _diagnostics_field(body: MessagesRequest) -> tuple[str | None, bool]:
+    """``diagnostics.previous_message_id`` and whether the request named one (null too)."""
+    diag = body.diagnostics
+    if diag is None:
+        return None, False
+    prev = diag.get("previous_message_id")
+    if prev is not None and not isinstance(prev, str):
+        raise APIError(400, "diagnostics.previous_message_id must be a string or null",
+                       param="diagnostics.previous_message_id")
+    return prev, "previous_message_id" in diag
 
 
 class _Blocks:
@@ -198,19 +218,24 @@ class _Blocks:
 
 
 async def _stream(gen: Generation, st: ServerState, parser: ReplyParser, msg_id: str,
-                  model: str, prepared: Prepared, caching: bool, sleep: Sleep
-                  ) -> AsyncIterator[str]:
+                  model: str, prepared: Prepared, cache_on: bool, sleep: Sleep,
+                  diagnose: bool) -> AsyncIterator[str]:
     """The event sequence. A plain reply (no tools offered, no reasoning markers) opens
     its text block at once; otherwise blocks open as their first piece arrives, and
-    tool_use blocks follow at the end."""
+    tool_use blocks follow at the end. ``diagnostics`` (when asked) rides on
+    ``message_start``, from the same cache lookup as its usage."""
     prompt_len, predicted = len(prepared.tokens), prepared.predicted_cached
-    created = (prompt_len - predicted) if caching else 0
+    created = (prompt_len - predicted) if cache_on else 0
     start_usage = {"input_tokens": prompt_len - predicted - created,
                    "cache_creation_input_tokens": created,
                    "cache_read_input_tokens": predicted, "output_tokens": 0}
-    yield sse_event("message_start", {"type": "message_start", "message": {
+    message: dict[str, Any] = {
         "id": msg_id, "type": "message", "role": "assistant", "model": model, "content": [],
-        "stop_reason": None, "stop_sequence": None, "usage": start_usage}})
+        "stop_reason": None, "stop_sequence": None, "usage": start_usage}
+    if diagnose:
+        found = prepared.divergence.diagnose(predicted, prepared.predicted_cause, cache_on)
+        message["diagnostics"] = found.to_wire() if found else None
+    yield sse_event("message_start", {"type": "message_start", "message": message})
     blocks = _Blocks()
     plain = not prepared.tool_names and not prepared.chat_format.has_thinking
     if plain:
@@ -251,36 +276,46 @@ async def messages(body: MessagesRequest, request: Request) -> Any:
         raise APIError(400, f"temperature must be in [0, 1], got {body.temperature}",
                        param="temperature")
     scope = request.state.pc_scope
-    chat = _chat_prompt(body)
-    prepared = await preparer_of(request).prepare(
-        chat, predict_tenant=scope.tenant if body.stream else None)
+    preparer = preparer_of(request)
+    chat = chat_prompt(body, preparer.canon)
+    previous, named = _diagnostics_field(body)
+    diagnose = wants_diagnostics(request.headers.get("anthropic-beta"), body.diagnostics)
+    turn = TurnContext.of(scope, previous, named)
+    prepared = await preparer.prepare(
+        chat, predict_tenant=scope.tenant if body.stream else None, turn=turn)
     max_tokens = plan_max_tokens(st, "anthropic", len(prepared.tokens), body.max_tokens)
     sampling = st.sampling(max_tokens=max_tokens, temperature=body.temperature,
                            top_p=body.top_p, seed=None, stop=body.stop_sequences,
                            top_k=body.top_k)
-    gen = st.start("anthropic", request, scope, prepared.tokens, sampling,
-                   prepared.message_starts)
-    parser = reply_parser(prepared)
     msg_id = f"msg_{uuid.uuid4().hex[:24]}"
+    gen = start(st, "anthropic", request, scope, prepared, sampling, turn, message_id=msg_id)
+    parser = reply_parser(prepared)
+    cache_on = caching(st)
     if body.stream:
-        caching = getattr(st.engine, "cache", None) is not None
-        return StreamingResponse(_stream(gen, st, parser, msg_id, model, prepared, caching,
-                                         sleep_of(request)),
+        return StreamingResponse(_stream(gen, st, parser, msg_id, model, prepared, cache_on,
+                                         sleep_of(request), diagnose),
                                  media_type="text/event-stream", headers=SSE_HEADERS)
     finished, _ = await collect_reply(gen, parser)
     if finished.failed:
         raise APIError(500, f"generation failed: {finished.result.error or 'engine error'}")
-    return JSONResponse({
+    out: dict[str, Any] = {
         "id": msg_id, "type": "message", "role": "assistant", "model": model,
         "content": content_blocks(finished.reasoning, finished.text, finished.tool_calls),
         **_stop(finished.result, finished.tool_calls),
         "usage": anthropic_usage(finished.result),
-    })
+    }
+    if diagnose:
+        result = finished.result
+        found = prepared.divergence.diagnose(result.usage.cached_tokens,
+                                             cache_cause_of(result.miss_reason), cache_on)
+        out["diagnostics"] = found.to_wire() if found else None
+    return JSONResponse(out)
 
 
 @router.post("/v1/messages/count_tokens")
 async def count_tokens(body: CountTokensRequest, request: Request) -> dict[str, int]:
     st = state_of(request)
     st.check_model(body.model)
-    n = await preparer_of(request).count(_chat_prompt(body))
+    preparer = preparer_of(request)
+    n = await preparer.count(chat_prompt(body, preparer.canon))
     return {"input_tokens": n}

@@ -23,6 +23,7 @@ from ..config import EngineConfig, ServerConfig
 from . import admin, anthropic, openai, responses
 from .alerts import HitRateMonitor
 from .auth import Authenticator, load_api_keys
+from .canon import Canon, parse_rules_off
 from .common import Preparer
 from .errors import APIError, error_response, install_handlers
 from .metrics import ServerMetrics
@@ -83,7 +84,7 @@ def create_app(engine: Any, server_config: ServerConfig | None = None, *,
                               lambda: admin.engine_stats_dict(engine)),
         aliases=frozenset(BASE_ALIASES) | frozenset(a for a in model_aliases if a),
     )
-    preparer = Preparer(engine)
+    preparer = Preparer(engine, canon=Canon(parse_rules_off(config.canonicalize_off)))
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

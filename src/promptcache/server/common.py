@@ -23,15 +23,29 @@ import contextlib
 import json
 import logging
 import threading
+from array import array
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from fastapi import Request
 
-from ..engine.api import GenerationResult, TokenEvent
+from ..engine.api import GenerationResult, SamplingParams, TokenEvent
 from ..engine.chat_format import ChatFormat
+from .auth import Scope
+from .canon import Canon
+from .diagnostics import (
+    NO_PREVIOUS,
+    PREVIOUS_NOT_FOUND,
+    Divergence,
+    Fingerprint,
+    Turn,
+    TurnKey,
+    TurnStore,
+    cache_cause_of,
+    compare,
+)
 from .errors import APIError
 from .prompt import place_system_messages, tools_into_system
 from .reasoning import Piece, ReplyParser
@@ -135,6 +149,27 @@ class ChatPrompt:
     # the request's reasoning switch (Anthropic ``thinking``, Responses ``reasoning``):
     # None = the template's default
     thinking: bool | None = None
+    # the request body as sent (miss explanations name the part of it a divergence
+    # falls in); never rendered
+    source: Any = field(default=None, compare=False, repr=False)
+
+
+@dataclass(frozen=True)
+class TurnContext:
+    """Who asks, for the comparison with the previous turn (``diagnostics.py``)."""
+
+    key: TurnKey | None = None
+    # Anthropic ``diagnostics.previous_message_id`` (``named_previous``: the field was
+    # sent, possibly null)
+    previous_message_id: str | None = None
+    named_previous: bool = False
+
+    @classmethod
+    def of(cls, scope: Scope, previous_message_id: str | None = None,
+           named_previous: bool = False) -> TurnContext:
+        key = TurnKey(scope.tenant, scope.session_id, scope.agent_id) \
+            if scope.session_id else None
+        return cls(key, previous_message_id, named_previous)
 
 
 @dataclass(frozen=True)
@@ -151,6 +186,15 @@ class Prepared:
     # cache lookup for a streamed usage prediction (0 when not asked or no cache)
     predicted_cached: int
     chat_format: ChatFormat
+    # the template messages as rendered (after system placement and the tools fallback)
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    # the canonical tools as rendered (None when none or in the system turn)
+    tools: list[dict[str, Any]] | None = None
+    fingerprint: Fingerprint | None = None
+    # this request against the previous turn of its session (diagnostics.py)
+    divergence: Divergence = NO_PREVIOUS
+    # the cache's cause of a short predicted match (with ``predicted_cached``)
+    predicted_cause: str | None = None
 
 
 @dataclass(frozen=True)
@@ -173,8 +217,11 @@ def _chat_format(engine: Any) -> ChatFormat:
 class Preparer:
     """Renders prompts for one app in one worker thread (see the module docstring)."""
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: Any, canon: Canon | None = None,
+                 turns: TurnStore | None = None) -> None:
         self.engine = engine
+        self.canon = canon if canon is not None else Canon()
+        self.turns = turns if turns is not None else TurnStore()
         self._pool: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
         self._abilities: TemplateAbilities | None = None
@@ -198,9 +245,32 @@ class Preparer:
         """Run ``fn(*args)`` in the worker thread."""
         return await asyncio.get_running_loop().run_in_executor(self._executor(), fn, *args)
 
-    async def prepare(self, chat: ChatPrompt, *, predict_tenant: str | None = None
-                      ) -> Prepared:
-        return await self.run(self._prepare, chat, predict_tenant)
+    def submit(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Queue ``fn(*args)`` on the worker thread without waiting (in order with the
+        preparations queued after it)."""
+        future = self._executor().submit(fn, *args)
+        future.add_done_callback(_log_failure)
+
+    async def prepare(self, chat: ChatPrompt, *, predict_tenant: str | None = None,
+                      turn: TurnContext | None = None) -> Prepared:
+        return await self.run(self._prepare, chat, predict_tenant, turn)
+
+    def record_turn(self, prepared: Prepared, turn: TurnContext, message_id: str | None,
+                    result: GenerationResult) -> None:
+        """Remember a finished turn (prompt + output) for the next turn's comparison;
+        queued on the worker thread, before any later preparation."""
+        if prepared.fingerprint is None or result.finish_reason in ("error", "cancelled"):
+            return
+        if turn.key is None and message_id is None:
+            return
+        self.submit(self._record, prepared.fingerprint, prepared.tokens, result.tokens,
+                    turn.key, message_id)
+
+    def _record(self, fp: Fingerprint, prompt: list[int], output: list[int],
+                key: TurnKey | None, message_id: str | None) -> None:
+        tokens = array("I", prompt)
+        tokens.extend(output)
+        self.turns.add(Turn(key, fp, tokens), message_id)
 
     async def count(self, chat: ChatPrompt) -> int:
         prepared = await self.prepare(chat)
@@ -244,12 +314,17 @@ class Preparer:
                      "rendered" if tools_ok else "dropped (fallback: in the system turn)")
         return self._abilities
 
-    def _prepare(self, chat: ChatPrompt, predict_tenant: str | None) -> Prepared:
+    def _prepare(self, chat: ChatPrompt, predict_tenant: str | None,
+                 turn: TurnContext | None = None) -> Prepared:
         if not chat.messages:
             raise APIError(400, "messages must not be empty", param="messages")
         ab = self.abilities()
-        messages = place_system_messages(chat.messages, ab.mid_system)
-        tools = chat.tools or None
+        canonical = self.canon.messages(chat.messages)
+        if not canonical:
+            raise APIError(400, "messages must not be empty", param="messages")
+        tools = self.canon.tools(chat.tools or None)
+        fingerprint = Fingerprint.of(canonical, tools)
+        messages = place_system_messages(canonical, ab.mid_system)
         names = offered_tool_names(tools)
         in_system = False
         if tools and not ab.tools:
@@ -264,11 +339,35 @@ class Preparer:
         except Exception as e:  # jinja TemplateError & co: caused by the request's messages
             raise APIError(400, f"cannot render the chat template for these messages: {e}",
                            code="invalid_messages", param="messages") from e
+        predicted, cause = self._predict(tokens, predict_tenant)
         return Prepared(tokens=tokens, message_starts=starts, tool_names=names,
                         tools_in_system=in_system, continues=cont,
                         in_reasoning=self._ends_in_reasoning(tokens),
-                        predicted_cached=self._predict(tokens, predict_tenant),
-                        chat_format=self.chat_format)
+                        predicted_cached=predicted, chat_format=self.chat_format,
+                        messages=messages, tools=tools, fingerprint=fingerprint,
+                        divergence=self._divergence(turn, fingerprint, tokens, starts,
+                                                    messages, chat.source),
+                        predicted_cause=cause)
+
+    def _divergence(self, turn: TurnContext | None, fp: Fingerprint, tokens: list[int],
+                    starts: list[int], messages: list[dict[str, Any]], body: Any
+                    ) -> Divergence:
+        if turn is None:
+            return NO_PREVIOUS
+        if turn.previous_message_id is not None:
+            prev = self.turns.by_id(turn.previous_message_id)
+            if prev is None:
+                return PREVIOUS_NOT_FOUND
+        elif turn.named_previous or turn.key is None:
+            return NO_PREVIOUS  # an explicit null: the first turn
+        else:
+            prev = self.turns.last(turn.key)
+        try:
+            return compare(prev, fp, tokens, starts, [str(m.get("role")) for m in messages],
+                           self.engine.tokenizer.decode, body)
+        except Exception:  # a diagnosis only; never fails the request
+            log.warning("comparing with the previous turn failed", exc_info=True)
+            return NO_PREVIOUS
 
     def _ends_in_reasoning(self, tokens: list[int]) -> bool:
         cf = self.chat_format
@@ -280,16 +379,52 @@ class Preparer:
             return False
         return tail.rfind(cf.think_start or "") > tail.rfind(cf.think_end or "")
 
-    def _predict(self, tokens: list[int], tenant: str | None) -> int:
+    def _predict(self, tokens: list[int], tenant: str | None) -> tuple[int, str | None]:
         cache = getattr(self.engine, "cache", None)
         if tenant is None or cache is None:
-            return 0
+            return 0, None
         try:
             match = cache.lookup(tokens, self.engine.namespace(tenant))
-            return max(0, min(int(match.num_tokens), len(tokens) - 1))
+            miss = getattr(match, "miss", None)
+            return (max(0, min(int(match.num_tokens), len(tokens) - 1)),
+                    getattr(miss, "cause", None))
         except Exception:  # a prediction only; never fails the request
             log.debug("cache lookup for the usage prediction failed", exc_info=True)
-            return 0
+            return 0, None
+
+
+def _log_failure(future: Any) -> None:
+    if not future.cancelled() and future.exception() is not None:
+        log.warning("a background task of the preparation worker failed",
+                    exc_info=future.exception())
+
+
+# --- starting a turn ----------------------------------------------------------------------
+
+
+def caching(st: ServerState) -> bool:
+    return getattr(st.engine, "cache", None) is not None
+
+
+def start(st: ServerState, api: str, request: Request, scope: Scope, prepared: Prepared,
+          sampling: SamplingParams, turn: TurnContext, *, message_id: str | None = None
+          ) -> Generation:
+    """Submit a prepared turn. When it ends, the turn is remembered for the next one's
+    comparison and the request log line names a miss with its facts."""
+    gen = st.start(api, request, scope, prepared.tokens, sampling, prepared.message_starts)
+    prep = preparer_of(request)
+    cache_on = caching(st)
+
+    def on_result(result: GenerationResult) -> str | None:
+        cause = cache_cause_of(result.miss_reason)
+        diagnosis = prepared.divergence.diagnose(result.usage.cached_tokens, cause, cache_on)
+        prep.record_turn(prepared, turn, message_id, result)
+        if diagnosis is None:
+            return result.miss_reason
+        return prepared.divergence.log_text(diagnosis, result.miss_reason)
+
+    gen.on_result = on_result
+    return gen
 
 
 # --- the context-window policy ----------------------------------------------------------

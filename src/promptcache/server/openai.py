@@ -27,6 +27,7 @@ from .common import (
     Finished,
     LogprobDecoder,
     Sleep,
+    TurnContext,
     collect_reply,
     context_window,
     max_output_tokens,
@@ -36,6 +37,7 @@ from .common import (
     reply_parser,
     sleep_of,
     sse_data,
+    start,
     state_of,
 )
 from .errors import APIError, error_body
@@ -145,6 +147,13 @@ async def _chat_stream(gen: Generation, parser: ReplyParser, st: ServerState,
     yield "data: [DONE]\n\n"
 
 
+def chat_prompt(body: ChatCompletionRequest) -> ChatPrompt:
+    """The request as a ``ChatPrompt`` (also what ``/v1/cache/probe`` renders)."""
+    messages = openai_messages(body.messages)
+    tools = openai_tools(body.tools) if body.tool_choice != "none" else None
+    return ChatPrompt(messages, tools, _thinking_switch(body.reasoning_effort), source=body)
+
+
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
     st = state_of(request)
@@ -152,19 +161,16 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     if body.n not in (None, 1):
         raise APIError(400, "only n=1 is supported", param="n")
     k = _logprobs_k(body.logprobs, body.top_logprobs)
-    messages = openai_messages(body.messages)
-    tools = openai_tools(body.tools) if body.tool_choice != "none" else None
     scope = request.state.pc_scope.with_session(body.prompt_cache_key, "prompt_cache_key")
-    prepared = await preparer_of(request).prepare(
-        ChatPrompt(messages, tools, _thinking_switch(body.reasoning_effort)))
+    turn = TurnContext.of(scope)
+    prepared = await preparer_of(request).prepare(chat_prompt(body), turn=turn)
     requested = body.max_completion_tokens if body.max_completion_tokens is not None \
         else body.max_tokens
     param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     max_tokens = plan_max_tokens(st, "openai", len(prepared.tokens), requested, param)
     sampling = st.sampling(max_tokens=max_tokens, temperature=body.temperature,
                            top_p=body.top_p, seed=body.seed, stop=body.stop, logprobs=k)
-    gen = st.start("openai", request, scope, prepared.tokens, sampling,
-                   prepared.message_starts)
+    gen = start(st, "openai", request, scope, prepared, sampling, turn)
     parser = reply_parser(prepared)
     decoder = LogprobDecoder(st.engine.tokenizer) if k is not None else None
     cid = f"chatcmpl-{uuid.uuid4().hex[:24]}"

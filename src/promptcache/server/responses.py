@@ -41,12 +41,14 @@ from .common import (
     Finished,
     LogprobDecoder,
     Sleep,
+    TurnContext,
     plan_max_tokens,
     preparer_of,
     reply_events,
     reply_parser,
     sleep_of,
     sse_event,
+    start,
     state_of,
 )
 from .errors import APIError
@@ -322,15 +324,10 @@ async def _events(call: _Call, gen: Generation, reply: _Reply, parser: ReplyPars
             return
 
 
-@router.post("/v1/responses")
-async def create_response(body: ResponsesRequest, request: Request) -> Any:
-    st = state_of(request)
-    model = st.check_model(body.model)
-    store = store_of(request)
-    _check_text_format(body.text)
-    if body.top_logprobs is not None and not 0 <= body.top_logprobs <= 20:
-        raise APIError(400, f"top_logprobs must be in [0, 20], got {body.top_logprobs}",
-                       param="top_logprobs")
+def chat_prompt(body: ResponsesRequest, store: ResponseStore
+                ) -> tuple[Conversation, OfferedTools, ChatPrompt]:
+    """The request's conversation (``previous_response_id`` + ``input``), the offered
+    tools and the ``ChatPrompt`` (also what ``/v1/cache/probe`` renders)."""
     if body.input is None and body.previous_response_id is None:
         raise APIError(400, "input is required", param="input")
     conv = Conversation()
@@ -345,16 +342,29 @@ async def create_response(body: ResponsesRequest, request: Request) -> Any:
     messages = conv.messages
     if body.instructions:
         messages = [{"role": "system", "content": body.instructions}] + messages
+    return conv, offered, ChatPrompt(messages, tools, _thinking_switch(body.reasoning),
+                                     source=body)
+
+
+@router.post("/v1/responses")
+async def create_response(body: ResponsesRequest, request: Request) -> Any:
+    st = state_of(request)
+    model = st.check_model(body.model)
+    store = store_of(request)
+    _check_text_format(body.text)
+    if body.top_logprobs is not None and not 0 <= body.top_logprobs <= 20:
+        raise APIError(400, f"top_logprobs must be in [0, 20], got {body.top_logprobs}",
+                       param="top_logprobs")
+    conv, offered, chat = chat_prompt(body, store)
     scope = request.state.pc_scope.with_session(body.prompt_cache_key, "prompt_cache_key")
-    prepared = await preparer_of(request).prepare(
-        ChatPrompt(messages, tools, _thinking_switch(body.reasoning)))
+    turn = TurnContext.of(scope)
+    prepared = await preparer_of(request).prepare(chat, turn=turn)
     max_tokens = plan_max_tokens(st, "openai", len(prepared.tokens), body.max_output_tokens,
                                  "max_output_tokens")
     k = body.top_logprobs
     sampling = st.sampling(max_tokens=max_tokens, temperature=body.temperature,
                            top_p=body.top_p, seed=None, stop=None, logprobs=k)
-    gen = st.start("responses", request, scope, prepared.tokens, sampling,
-                   prepared.message_starts)
+    gen = start(st, "responses", request, scope, prepared, sampling, turn)
     decoder = LogprobDecoder(st.engine.tokenizer) if k is not None else None
     call = _Call(st, body, model, conv, offered, store, decoder)
     reply = _Reply(offered, decoder)

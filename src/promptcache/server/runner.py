@@ -17,7 +17,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -112,6 +112,9 @@ class Generation:
         self.first_token_s: float | None = None
         self.result: GenerationResult | None = None
         self.disconnected = False
+        # called once with the final result (common.start: remember the turn); returns
+        # the miss note of the log line (None: the engine's miss_reason)
+        self.on_result: Callable[[GenerationResult], str | None] | None = None
         state.metrics.in_flight.inc()
 
     async def _watch(self) -> None:
@@ -173,6 +176,13 @@ class Generation:
             return
         if result.finish_reason == "cancelled":
             s.metrics.observe_failure(self.api, "cancelled")
+        note = result.miss_reason
+        if self.on_result is not None:
+            try:
+                note = self.on_result(result)
+            except Exception:  # a hook must never break the response
+                log.warning("request %s: result hook failed", self.request.request_id,
+                            exc_info=True)
         ttft = result.ttft_s if result.ttft_s > 0 else self.first_token_s
         if result.finish_reason != "cancelled":
             s.metrics.observe_result(self.api, u.prompt_tokens, u.cached_by_tier,
@@ -188,7 +198,7 @@ class Generation:
             "ttft=%.3fs decode=%.1f tok/s finish=%s%s", self.request.request_id, self.api,
             self.request.tenant, self.scope.describe(), u.prompt_tokens, u.cached_tokens,
             tiers, u.completion_tokens, ttft or 0.0, result.decode_tps, result.finish_reason,
-            f" miss={result.miss_reason}" if result.miss_reason else "")
+            f" miss={note}" if note else "")
 
 
 def unstreamed_tail(streamed: str, result: GenerationResult) -> str:

@@ -111,6 +111,8 @@ class MessagesRequest(_Lenient):
     context_management: dict[str, Any] | None = None
     output_config: dict[str, Any] | None = None
     service_tier: str | None = None
+    # {"previous_message_id": "msg_..." | null} (beta cache-diagnosis-2026-04-07)
+    diagnostics: dict[str, Any] | None = None
 
 
 class CountTokensRequest(_Lenient):

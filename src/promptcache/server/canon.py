@@ -1,0 +1,148 @@
+"""Canonical prompts: named rules that remove what carries no meaning before rendering.
+
+A prompt cache hits only on identical token prefixes; agentic clients change bytes that
+mean nothing to the model on every request. Each rule below is on by default and can be
+switched off with ``promptcache serve --no-canonicalize RULE`` (repeatable; ``all``
+switches every rule off). Nothing else is rewritten: a rule must never change what the
+model is told.
+
+- ``billing_header``: Claude Code's first system block,
+  ``x-anthropic-billing-header: cc_version=...; cc_entrypoint=...; [cch=...;]``, is
+  dropped. It is request metadata for Anthropic's billing (its value changes between
+  conversations and, in newer versions, per request), not an instruction; left in, it
+  makes every cached prefix miss at token ~1. A system block that is exactly such a
+  header is dropped (Anthropic ``system`` blocks), and so is a first line of that form
+  in a system message's text (clients that join the blocks with newlines).
+- ``tool_keys``: every tool definition is rendered with its JSON object keys sorted
+  (recursively; lists keep their order). Clients re-serialise schemas with another key
+  order from turn to turn; the key order of a JSON object carries no meaning.
+- ``tool_order``: tools are offered sorted by name (stable), so a client that reorders
+  its tools still hits.
+
+The rules run where the request becomes a prompt: ``billing_header`` on the Anthropic
+system blocks as they are parsed (a list filter), the rest in the preparation worker
+thread (``common.Preparer``), never on the event loop.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+BILLING_HEADER = "billing_header"
+TOOL_KEYS = "tool_keys"
+TOOL_ORDER = "tool_order"
+
+RULES: dict[str, str] = {
+    BILLING_HEADER: "drop Claude Code's x-anthropic-billing-header system block "
+                    "(per-request metadata)",
+    TOOL_KEYS: "render every tool schema with its JSON keys sorted",
+    TOOL_ORDER: "offer the tools sorted by name",
+}
+ALL = "all"
+
+# "x-anthropic-billing-header: cc_version=2.1.197.3bb; cc_entrypoint=sdk-cli; cch=ab12;"
+# (only ``key=value;`` pairs: a line that goes on with prose is not a header)
+_PAIR = r"\s*[\w.-]+=[^;\n]*"
+_HEADER_RE = re.compile(rf"^x-anthropic-billing-header:(?:{_PAIR};)*(?:{_PAIR})?\s*$")
+
+
+def parse_rules_off(names: Iterable[str]) -> frozenset[str]:
+    """The rules named by ``--no-canonicalize`` (``all`` = every rule); ValueError on
+    an unknown name."""
+    off: set[str] = set()
+    for name in names:
+        key = name.strip().lower().replace("-", "_")
+        if key == ALL:
+            off.update(RULES)
+        elif key in RULES:
+            off.add(key)
+        else:
+            raise ValueError(f"unknown canonicalization rule {name!r}; expected one of "
+                             f"{', '.join(sorted(RULES))} or {ALL}")
+    return frozenset(off)
+
+
+def is_billing_header(text: str) -> bool:
+    """``text`` is exactly one billing-header line (surrounding whitespace aside)."""
+    return bool(_HEADER_RE.match(text.strip()))
+
+
+def sorted_keys(value: Any) -> Any:
+    """``value`` with every JSON object's keys in sorted order (lists keep theirs)."""
+    if isinstance(value, Mapping):
+        return {k: sorted_keys(value[k]) for k in sorted(value, key=str)}
+    if isinstance(value, list):
+        return [sorted_keys(v) for v in value]
+    return value
+
+
+def _tool_name(tool: Mapping[str, Any]) -> str:
+    fn = tool.get("function")
+    name = fn.get("name") if isinstance(fn, Mapping) else tool.get("name")
+    return name if isinstance(name, str) else ""
+
+
+@dataclass(frozen=True)
+class Canon:
+    """The active rules (all of them unless some are switched off)."""
+
+    off: frozenset[str] = frozenset()
+
+    def on(self, rule: str) -> bool:
+        return rule not in self.off
+
+    @property
+    def active(self) -> tuple[str, ...]:
+        return tuple(r for r in RULES if r not in self.off)
+
+    # ---- billing_header
+
+    def system_blocks(self, blocks: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Anthropic ``system`` blocks without the billing-header block."""
+        if not self.on(BILLING_HEADER):
+            return list(blocks)
+        return [b for b in blocks
+                if not (b.get("type") == "text" and isinstance(b.get("text"), str)
+                        and is_billing_header(b["text"]))]
+
+    def system_text(self, text: str) -> str:
+        """A system message's text without a leading billing-header line (when that
+        line is followed by a newline or is the whole text)."""
+        if not self.on(BILLING_HEADER) or not text.startswith("x-anthropic-billing-header:"):
+            return text
+        first, nl, rest = text.partition("\n")
+        if not is_billing_header(first):
+            return text
+        return rest.lstrip("\n") if nl else ""
+
+    def messages(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Template messages with the billing-header line dropped from the leading
+        system message(s); a system message left empty is dropped."""
+        if not self.on(BILLING_HEADER):
+            return messages
+        out: list[dict[str, Any]] = []
+        for i, m in enumerate(messages):
+            content = m.get("content")
+            if m.get("role") == "system" and isinstance(content, str) \
+                    and all(p.get("role") == "system" for p in messages[:i]):
+                text = self.system_text(content)
+                if text != content:
+                    if text:
+                        out.append({**m, "content": text})
+                    continue
+            out.append(m)
+        return out
+
+    # ---- tool_keys, tool_order
+
+    def tools(self, tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+        """Tools (OpenAI function format) in canonical form."""
+        if not tools:
+            return tools
+        out = [sorted_keys(t) for t in tools] if self.on(TOOL_KEYS) else list(tools)
+        if self.on(TOOL_ORDER):
+            out.sort(key=_tool_name)
+        return out

@@ -1,0 +1,342 @@
+"""Miss diagnosis against the previous turn: Anthropic ``diagnostics`` and the log line.
+
+A turn of a conversation should find the previous turn's prompt + output in the cache.
+When it does not, this module says why, in the terms of Anthropic's cache diagnostics
+(beta ``cache-diagnosis-2026-04-07``) plus the cache's own causes:
+
+- ``tools_changed`` / ``system_changed`` / ``messages_changed``: the request diverges
+  from the previous turn's tokens before their end, and the first difference in the
+  request's structure is in the tools, the leading system prompt, or the messages
+  (a changed message, or the history rendered differently from what was generated:
+  reasoning stripped, a tool call re-rendered, text that re-tokenizes differently);
+- ``evicted`` / ``expired`` / ``not_restorable`` / ``cold``: the request repeats the
+  previous turn, but the cache did not deliver it (blocks evicted, past their TTL, a
+  state that cannot be restored at that position, or never stored);
+- ``previous_message_not_found`` (the ``diagnostics.previous_message_id`` is unknown)
+  and ``unavailable`` (the server runs without a cache).
+
+``cache_missed_input_tokens`` is the previous turn's reusable length (its prompt +
+output but the last token, capped at this prompt's length - 1) minus the tokens this
+request read from the cache. No miss (or no previous turn to compare with) is
+``None`` (Anthropic's ``"diagnostics": null``).
+
+The previous turn is the one named by ``previous_message_id``, else the last turn of
+the same tenant, session and agent (Claude Code subagents have agent ids of their own).
+``TurnStore`` keeps the turns (tokens and a structural fingerprint) in a bounded LRU.
+Everything that reads tokens (the comparison, the text around the divergence) runs in
+the preparation worker thread (``common.Preparer``); ``Divergence.diagnose`` is O(1)
+arithmetic, so it can run when the result arrives.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import json
+import logging
+import threading
+from array import array
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+BETA = "cache-diagnosis-2026-04-07"
+
+TOOLS_CHANGED = "tools_changed"
+SYSTEM_CHANGED = "system_changed"
+MESSAGES_CHANGED = "messages_changed"
+CHANGED = (TOOLS_CHANGED, SYSTEM_CHANGED, MESSAGES_CHANGED)
+NOT_FOUND = "previous_message_not_found"
+UNAVAILABLE = "unavailable"
+# the cache's causes (blocks.matcher) -> the diagnosis for a repeated prefix
+_CACHE_CAUSES = {"evicted": "evicted", "expired": "expired", "cold": "cold",
+                 "not_restorable": "not_restorable", "promotion_failed": "evicted",
+                 "diverged": MESSAGES_CHANGED, "cache_error": "not_restorable",
+                 "restore_error": "not_restorable"}
+CONTEXT_TOKENS = 16  # tokens of text shown on each side of a divergence
+
+
+def wants_diagnostics(beta_header: str | None, body_field: Any) -> bool:
+    """The request asked for diagnostics: the beta header or a ``diagnostics`` field."""
+    betas = {b.strip() for b in (beta_header or "").split(",")}
+    return BETA in betas or body_field is not None
+
+
+def cache_cause_of(miss_reason: str | None) -> str | None:
+    """The cause word of an engine ``miss_reason`` line (``"evicted: first ..."``)."""
+    if not miss_reason:
+        return None
+    return miss_reason.split(":", 1)[0].strip() or None
+
+
+def _digest(value: Any) -> bytes:
+    data = json.dumps(value, sort_keys=True, ensure_ascii=False, default=str)
+    return hashlib.blake2b(data.encode("utf-8"), digest_size=16).digest()
+
+
+@dataclass(frozen=True)
+class Fingerprint:
+    """The structure of a request, as digests: tools, leading system text, messages."""
+
+    tools: bytes
+    system: bytes
+    messages: tuple[bytes, ...]
+
+    @classmethod
+    def of(cls, messages: Sequence[Mapping[str, Any]], tools: Any) -> Fingerprint:
+        i = 0
+        system: list[Any] = []
+        while i < len(messages) and messages[i].get("role") == "system":
+            system.append(messages[i].get("content"))
+            i += 1
+        return cls(_digest(tools or []), _digest(system),
+                   tuple(_digest(m) for m in messages[i:]))
+
+    def first_change(self, prev: Fingerprint) -> str:
+        """Which part of the request changed first relative to ``prev``."""
+        if self.tools != prev.tools:
+            return TOOLS_CHANGED
+        if self.system != prev.system:
+            return SYSTEM_CHANGED
+        return MESSAGES_CHANGED
+
+
+@dataclass(frozen=True)
+class TurnKey:
+    tenant: str
+    session_id: str
+    agent_id: str | None = None
+
+
+@dataclass
+class Turn:
+    """One finished turn: what the next turn should start with."""
+
+    key: TurnKey | None
+    fingerprint: Fingerprint
+    tokens: array[int]  # prompt + output
+
+
+@dataclass(frozen=True)
+class Diagnosis:
+    type: str
+    missed: int | None = None  # cache_missed_input_tokens (None for not_found / unavailable)
+
+    def to_wire(self) -> dict[str, Any]:
+        reason: dict[str, Any] = {"type": self.type}
+        if self.missed is not None:
+            reason["cache_missed_input_tokens"] = self.missed
+        return {"cache_miss_reason": reason}
+
+
+@dataclass(frozen=True)
+class Divergence:
+    """This request against the previous turn (computed before the request runs)."""
+
+    previous: bool  # a previous turn was found
+    not_found: bool = False  # previous_message_id named a turn we do not know
+    reachable: int = 0  # previous turn's reusable length within this prompt
+    position: int = 0  # first token where the request differs from the previous turn
+    changed: str | None = None  # a CHANGED type when position < reachable
+    message_index: int | None = None  # rendered chat message of ``position``
+    role: str | None = None
+    block: str | None = None  # request-body path of the text at ``position``
+    common_text: str = ""  # text before the divergence (shared)
+    cached_text: str = ""  # the previous turn's text after it
+    request_text: str = ""  # this request's text after it
+
+    def diagnose(self, restored: int, cache_cause: str | None, caching: bool = True
+                 ) -> Diagnosis | None:
+        """The diagnosis once the number of restored tokens (and the cache's cause of
+        a short match) is known; None when nothing was missed."""
+        if self.not_found:
+            return Diagnosis(NOT_FOUND)
+        if not self.previous:
+            return None
+        if not caching:
+            return Diagnosis(UNAVAILABLE)
+        if restored >= self.reachable:
+            return None
+        missed = self.reachable - restored
+        if self.changed is not None:
+            return Diagnosis(self.changed, missed)
+        return Diagnosis(_CACHE_CAUSES.get(cache_cause or "cold", "cold"), missed)
+
+    def log_text(self, diagnosis: Diagnosis, cache_reason: str | None) -> str:
+        """The facts of a miss in one line (for the request log line)."""
+        parts = [diagnosis.type]
+        if diagnosis.missed is not None:
+            parts.append(f"{diagnosis.missed} tokens of the previous turn not reused")
+        if self.previous and self.position < self.reachable:
+            where = f"diverges at token {self.position}"
+            if self.message_index is not None:
+                where += f" (message {self.message_index}, {self.role})"
+            if self.block:
+                where += f" in {self.block}"
+            parts.append(where)
+            parts.append(f"previous {_quote(self.common_text, self.cached_text)} vs "
+                         f"request {_quote(self.common_text, self.request_text)}")
+        if cache_reason:
+            parts.append(f"cache: {cache_reason}")
+        return "; ".join(parts)
+
+
+def _quote(before: str, after: str) -> str:
+    return json.dumps(before[-24:] + "|" + after[:24], ensure_ascii=False)
+
+
+NO_PREVIOUS = Divergence(previous=False)
+PREVIOUS_NOT_FOUND = Divergence(previous=False, not_found=True)
+
+
+def common_prefix(a: Sequence[int] | array[int], b: Sequence[int] | array[int]) -> int:
+    """Length of the common prefix of two token sequences (numpy, C speed)."""
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    x = np.asarray(a[:n], dtype=np.int64) if not isinstance(a, array) \
+        else np.frombuffer(a, dtype=np.uint32, count=n).astype(np.int64)
+    y = np.asarray(b[:n], dtype=np.int64) if not isinstance(b, array) \
+        else np.frombuffer(b, dtype=np.uint32, count=n).astype(np.int64)
+    diff = np.flatnonzero(x != y)
+    return int(diff[0]) if diff.size else n
+
+
+def message_at(position: int, starts: Sequence[int]) -> int | None:
+    if not starts:
+        return None
+    i = bisect.bisect_right(list(starts), position) - 1
+    return i if i >= 0 else None
+
+
+# --- where in the request body a text falls ---------------------------------------------
+
+
+def body_texts(body: Any, path: str = "") -> list[tuple[str, str]]:
+    """Every string in a request body (a dict, or a pydantic model) with its path
+    (``messages[2].content[0].text``), in document order."""
+    dump = getattr(body, "model_dump", None)
+    if callable(dump):
+        body = dump(exclude_none=True)
+    out: list[tuple[str, str]] = []
+    if isinstance(body, str):
+        out.append((path, body))
+    elif isinstance(body, Mapping):
+        for k, v in body.items():
+            out.extend(body_texts(v, f"{path}.{k}" if path else str(k)))
+    elif isinstance(body, list):
+        for i, v in enumerate(body):
+            out.extend(body_texts(v, f"{path}[{i}]"))
+    return out
+
+
+def locate(before: str, after: str, texts: Sequence[tuple[str, str]]) -> str | None:
+    """The path of the body string that holds the text at a divergence: the longest
+    window around the divergence point (``before`` + | + ``after``) found in one string
+    (at least 4 characters, at least one of them after the point)."""
+    best: tuple[int, str] | None = None
+    b, a = before[-24:], after[:24]
+    # every window of >= 4 characters with >= 1 after the point holds one of these
+    probes = [w for w in (b[len(b) - k:] + a[:4 - k] for k in range(4)) if len(w) == 4]
+    for path, text in texts:
+        if len(text) < 4 or not any(p in text for p in probes):
+            continue
+        for total in range(len(b) + len(a), 3, -1):
+            if best is not None and total <= best[0]:
+                break
+            found = False
+            for left in range(min(len(b), total - 1), max(-1, total - len(a) - 1), -1):
+                right = total - left
+                if right < 1 or right > len(a):
+                    continue
+                if b[len(b) - left:] + a[:right] in text:
+                    found = True
+                    break
+            if found:
+                best = (total, path)
+                break
+    return best[1] if best else None
+
+
+# --- the turn store ---------------------------------------------------------------------
+
+
+class TurnStore:
+    """Bounded memory of finished turns: by message id (Anthropic ``previous_message_id``)
+    and by (tenant, session, agent). LRU past ``max_turns`` or ``max_tokens``."""
+
+    def __init__(self, max_turns: int = 512, max_tokens: int = 4_000_000) -> None:
+        self.max_turns = max_turns
+        self.max_tokens = max_tokens
+        self._turns: OrderedDict[str, Turn] = OrderedDict()
+        self._by_key: dict[TurnKey, str] = {}
+        self._tokens = 0
+        self._seq = 0
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._turns)
+
+    def add(self, turn: Turn, message_id: str | None = None) -> None:
+        with self._lock:
+            if message_id is None:
+                self._seq += 1
+                message_id = f"turn-{self._seq}"
+            old = self._turns.pop(message_id, None)
+            if old is not None:
+                self._tokens -= len(old.tokens)
+            self._turns[message_id] = turn
+            self._tokens += len(turn.tokens)
+            if turn.key is not None:
+                self._by_key[turn.key] = message_id
+            while self._turns and (len(self._turns) > self.max_turns
+                                   or self._tokens > self.max_tokens):
+                mid, gone = self._turns.popitem(last=False)
+                self._tokens -= len(gone.tokens)
+                if gone.key is not None and self._by_key.get(gone.key) == mid:
+                    del self._by_key[gone.key]
+
+    def by_id(self, message_id: str) -> Turn | None:
+        with self._lock:
+            turn = self._turns.get(message_id)
+            if turn is not None:
+                self._turns.move_to_end(message_id)
+            return turn
+
+    def last(self, key: TurnKey) -> Turn | None:
+        with self._lock:
+            mid = self._by_key.get(key)
+            return self._turns.get(mid) if mid is not None else None
+
+
+def compare(prev: Turn | None, fingerprint: Fingerprint, tokens: Sequence[int],
+            message_starts: Sequence[int], roles: Sequence[str], decode: Any,
+            body: Any = None) -> Divergence:
+    """This request against ``prev`` (worker thread: reads tokens and decodes text)."""
+    if prev is None:
+        return NO_PREVIOUS
+    n = len(tokens)
+    reachable = max(0, min(len(prev.tokens) - 1, n - 1))
+    position = common_prefix(prev.tokens, tokens)
+    if position >= reachable:
+        return Divergence(previous=True, reachable=reachable, position=position)
+    idx = message_at(position, message_starts)
+    lo = max(0, position - CONTEXT_TOKENS)
+    try:
+        common = str(decode(list(tokens[lo:position])))
+        cached = str(decode(list(prev.tokens[position:position + CONTEXT_TOKENS])))
+        request = str(decode(list(tokens[position:position + CONTEXT_TOKENS])))
+    except Exception:  # text is a courtesy of the log line; never fails a request
+        log.debug("cannot decode the text around a divergence", exc_info=True)
+        common = cached = request = ""
+    block = locate(common, request, body_texts(body)) if body is not None else None
+    return Divergence(
+        previous=True, reachable=reachable, position=position,
+        changed=fingerprint.first_change(prev.fingerprint),
+        message_index=idx, role=roles[idx] if idx is not None and idx < len(roles) else None,
+        block=block, common_text=common, cached_text=cached, request_text=request)
