@@ -210,6 +210,18 @@ class PromptCache:
             raw = self._matcher.match(req, ns, spans)
             return Match(raw.entries, raw.num_tokens, raw.matched_tokens, raw.miss)
 
+    def stored_after(self, tokens: Any, ns: Namespace, position: int, limit: int = 32,
+                     extra_keys: Sequence[ExtraKeySpan] = ()) -> list[int]:
+        """The stored token ids that follow ``tokens[:position]`` in the stored block
+        closest to ``tokens`` there (a pure query, for miss explanations: the cached
+        side of a divergence); at most ``limit``, empty when nothing is stored."""
+        req = to_request_tokens(tokens)
+        check_ns(ns, self.config.block_size)
+        spans = check_spans(extra_keys)
+        with self._lock:
+            self._now = self._clock()
+            return self._matcher.stored_after(req, ns, spans, position, limit)
+
     def acquire(self, tokens: Any, ns: Namespace, extra_keys: Sequence[ExtraKeySpan] = (),
                 session_id: str | None = None) -> Hit:
         """Lookup + promote lower-tier blocks into RAM + reference the blocks."""

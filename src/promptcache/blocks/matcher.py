@@ -377,6 +377,41 @@ class Matcher:
             miss = self._explain(best, matched, n, next_hash, parent, diverged)
         return RawMatch(entries, best, matched, miss)
 
+    def stored_after(self, req: RequestTokens, ns: Namespace, spans: Sequence[ExtraKeySpan],
+                     position: int, limit: int) -> list[int]:
+        """Up to ``limit`` stored token ids that follow ``req[:position]`` in the stored
+        block (RAM or a lower tier) that shares the longest prefix with the request
+        there, continued into that block's first stored child (the other side of a
+        divergence, for miss explanations). Empty when nothing is stored there."""
+        bs = ns.block_size
+        if not 0 <= position <= req.n or limit <= 0:
+            return []
+        start = (position // bs) * bs
+        parent = ns.root
+        for pos in range(0, start, bs):
+            extra = extra_keys_for(spans, pos, pos + bs) if spans else ()
+            parent = block_hash(parent, req.arr[pos:pos + bs], extra)
+        rest = req.buf[start * 4:]
+        best: tuple[int, Entry, bytes] | None = None
+        for cand, c_tokens, *_ in self._children(parent, start, ns, ns.key):
+            lcp = _lcp(c_tokens, rest)
+            if best is None or lcp > best[0]:
+                best = (lcp, cand, c_tokens)
+        if best is None:
+            return []
+        _, entry, c_tokens = best
+        out = list(np.frombuffer(c_tokens, dtype="<u4")[position - start:].tolist())
+        h = entry_meta(entry).block_hash
+        while len(out) < limit and len(c_tokens) >> 2 == bs:
+            start += bs
+            kids = self._children(h, start, ns, ns.key)
+            if not kids:
+                break
+            entry, c_tokens = kids[0][0], kids[0][1]
+            out.extend(np.frombuffer(c_tokens, dtype="<u4").tolist())
+            h = entry_meta(entry).block_hash
+        return [int(t) for t in out[:limit]]
+
     def _children(self, parent: BlockHash, pos: int, ns: Namespace, ns_key: str
                   ) -> list[tuple[Entry, bytes, tuple[bytes, ...], bool, bool]]:
         out: list[tuple[Entry, bytes, tuple[bytes, ...], bool, bool]] = []

@@ -190,6 +190,10 @@ class Prepared:
     messages: list[dict[str, Any]] = field(default_factory=list)
     # the canonical tools as rendered (None when none or in the system turn)
     tools: list[dict[str, Any]] | None = None
+    # the messages before the tools fallback, and the template variables (to render
+    # the same prompt without its tools: ``Preparer.tools_span``)
+    plain_messages: list[dict[str, Any]] = field(default_factory=list)
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
     fingerprint: Fingerprint | None = None
     # this request against the previous turn of its session (diagnostics.py)
     divergence: Divergence = NO_PREVIOUS
@@ -326,6 +330,7 @@ class Preparer:
         fingerprint = Fingerprint.of(canonical, tools)
         messages = place_system_messages(canonical, ab.mid_system)
         names = offered_tool_names(tools)
+        plain = messages
         in_system = False
         if tools and not ab.tools:
             messages, tools, in_system = tools_into_system(messages, tools), None, True
@@ -344,10 +349,31 @@ class Preparer:
                         tools_in_system=in_system, continues=cont,
                         in_reasoning=self._ends_in_reasoning(tokens),
                         predicted_cached=predicted, chat_format=self.chat_format,
-                        messages=messages, tools=tools, fingerprint=fingerprint,
+                        messages=messages, tools=tools, plain_messages=plain,
+                        template_kwargs=kwargs, fingerprint=fingerprint,
                         divergence=self._divergence(turn, fingerprint, tokens, starts,
                                                     messages, chat.source),
                         predicted_cause=cause)
+
+    def tools_span(self, prepared: Prepared) -> tuple[int, int] | None:
+        """``[start, end)`` of the tokens the tools add to ``prepared`` (worker thread):
+        the prompt rendered without tools shares a prefix and a suffix with it; what
+        lies between is theirs. None without tools."""
+        if not prepared.tool_names:
+            return None
+        without, _ = self._render(prepared.plain_messages, None, cont=prepared.continues,
+                                  kwargs=prepared.template_kwargs)
+        tokens = prepared.tokens
+        head = 0
+        for a, b in zip(tokens, without, strict=False):
+            if a != b:
+                break
+            head += 1
+        tail = 0
+        limit = min(len(tokens), len(without)) - head
+        while tail < limit and tokens[-1 - tail] == without[-1 - tail]:
+            tail += 1
+        return head, len(tokens) - tail
 
     def _divergence(self, turn: TurnContext | None, fp: Fingerprint, tokens: list[int],
                     starts: list[int], messages: list[dict[str, Any]], body: Any

@@ -156,10 +156,10 @@ class Divergence:
         a short match) is known; None when nothing was missed."""
         if self.not_found:
             return Diagnosis(NOT_FOUND)
-        if not self.previous:
-            return None
         if not caching:
             return Diagnosis(UNAVAILABLE)
+        if not self.previous:
+            return None
         if restored >= self.reachable:
             return None
         missed = self.reachable - restored
