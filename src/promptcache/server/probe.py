@@ -25,7 +25,8 @@ promoted, stored or counted). The answer:
   ``system_changed`` / ``messages_changed`` for a divergence in the tools, the leading
   system prompt or the messages; else the cache's cause);
 - ``previous_turn``: this request against the previous turn of its session (the
-  comparison behind Anthropic ``diagnostics``; null without one).
+  comparison behind Anthropic ``diagnostics``; null without one);
+- with ``?tokens=true``: the rendered ``tokens`` and ``message_starts``.
 """
 
 from __future__ import annotations
@@ -152,7 +153,8 @@ def analyse(prep: Preparer, prepared: Prepared, tenant: str, source: Any) -> dic
 
 
 @router.post("/v1/cache/probe")
-async def probe(request: Request, api: str | None = None) -> dict[str, Any]:
+async def probe(request: Request, api: str | None = None, tokens: bool = False
+                ) -> dict[str, Any]:
     st = state_of(request)
     try:
         raw = await request.json()
@@ -187,6 +189,10 @@ async def probe(request: Request, api: str | None = None) -> dict[str, Any]:
     log.info("cache probe (%s, tenant=%s %s): %d of %d tokens cached, cause %s", kind,
              scope.tenant, scope.describe(), out["cached_tokens"], out["prompt_tokens"],
              out["cache_miss_reason"] or "-")
-    return {"api": kind, "model": st.model_id, "tenant": scope.tenant,
-            "session_id": scope.session_id, **out,
-            "canonicalization": list(preparer.canon.active)}
+    answer = {"api": kind, "model": st.model_id, "tenant": scope.tenant,
+              "session_id": scope.session_id, **out,
+              "canonicalization": list(preparer.canon.active)}
+    if tokens:
+        answer["tokens"] = prepared.tokens
+        answer["message_starts"] = prepared.message_starts
+    return answer
