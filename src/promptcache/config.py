@@ -213,6 +213,11 @@ class ServerConfig:
     responses_store_size: int = 256
     # canonical-prompt rules switched off (server/canon.py; "all" = every rule)
     canonicalize_off: tuple[str, ...] = ()
+    # next-turn pre-render (server/prerender.py): on, at most this many at once, and
+    # only suffixes up to this many tokens
+    prerender: bool = True
+    prerender_max_pending: int = 4
+    prerender_max_suffix_tokens: int = 32768
 
     def __post_init__(self) -> None:
         if self.context_window is not None and self.context_window < 2:
@@ -222,5 +227,10 @@ class ServerConfig:
                              f"got {self.max_tokens_overflow!r}")
         if not self.keepalive_s > 0:
             raise ValueError(f"keepalive_s must be > 0, got {self.keepalive_s}")
+        if self.prerender_max_pending < 1:
+            raise ValueError(f"prerender_max_pending must be >= 1, got {self.prerender_max_pending}")
+        if self.prerender_max_suffix_tokens < 1:
+            raise ValueError("prerender_max_suffix_tokens must be >= 1, got "
+                             f"{self.prerender_max_suffix_tokens}")
         if self.responses_store_size < 0:
             raise ValueError(f"responses_store_size must be >= 0, got {self.responses_store_size}")

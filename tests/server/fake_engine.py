@@ -15,7 +15,9 @@ Knobs for the protocol tests: ``renders_tools=False`` makes the "template" drop 
 and an ``enable_thinking`` switch (True opens ``<think>`` in the generation prompt);
 with ``SamplingParams.logprobs`` each token's logprob is ``-(id % 7) / 10`` and the
 alternatives are the next ids; ``before_first_token`` (an async callable) runs before
-the first token is sent (a slow prefill).
+the first token is sent (a slow prefill). Background requests (the next-turn pre-render,
+``prefill_only``) go to ``engine.background``, not ``engine.submitted``; they store their
+prompt and finish with "prefilled".
 """
 
 from __future__ import annotations
@@ -128,6 +130,12 @@ class FakeHandle:
         eng = self.engine
         prompt = self.request.prompt_tokens
         cached = eng.cache.match(prompt, self.request.tenant) if eng.cache else 0
+        if self.request.prefill_only:
+            if eng.cache is not None:
+                eng.cache.store(prompt, self.request.tenant, self.request.session_id)
+            yield GenerationResult(tokens=[], text="", finish_reason="prefilled",
+                                   usage=Usage(prompt_tokens=len(prompt), cached_tokens=cached))
+            return
         sampling = self.request.sampling
         reply = eng.reply
         full = list(reply.encode("utf-8"))
@@ -197,6 +205,8 @@ class FakeEngine:
         self.cache = FakeCache() if use_cache else None
         self.config = EngineConfig(max_tokens_limit=1000, default_max_tokens=64)
         self.submitted: list[GenerationRequest] = []
+        self.background: list[GenerationRequest] = []
+        self._render_lock = threading.RLock()
         self.cancelled: list[str] = []
         self.rendered: list[tuple[list[dict[str, Any]], Any]] = []
 
@@ -210,6 +220,14 @@ class FakeEngine:
                                  ) -> tuple[list[int], list[int]]:
         self.rendered.append((messages, tools))
         self.template_kwargs.append(template_kwargs)
+        return self._render(messages, tools, add_generation_prompt,
+                            continue_final_message=continue_final_message,
+                            template_kwargs=template_kwargs)
+
+    def _render(self, messages: list[dict[str, Any]], tools: Any = None,
+                add_generation_prompt: bool = True, *, continue_final_message: bool = False,
+                template_kwargs: dict[str, Any] | None = None,
+                ) -> tuple[list[int], list[int]]:
         text, starts = "", []
         if tools and self.renders_tools:
             text += "<|tools|>" + json.dumps(tools, sort_keys=True) + "\n"
@@ -230,11 +248,22 @@ class FakeEngine:
 
     def render_chat(self, messages: list[dict[str, Any]], tools: Any = None,
                     add_generation_prompt: bool = True, **kwargs: Any) -> list[int]:
-        return self.render_chat_with_offsets(messages, tools, add_generation_prompt,
-                                             **kwargs)[0]
+        """Tokens only, not recorded in ``rendered`` (the server's side renders: template
+        probes, the next-turn pre-render); a subclass's ``render_chat_with_offsets``
+        still decides what renders."""
+        with self._render_lock:
+            n = len(self.rendered)
+            out = self.render_chat_with_offsets(messages, tools, add_generation_prompt,
+                                                **kwargs)[0]
+            del self.rendered[n:]
+            del self.template_kwargs[n:]
+        return out
 
     def submit(self, request: GenerationRequest) -> FakeHandle:
         if any(t > 255 for t in request.prompt_tokens):
             raise ValueError("token id out of range for the fake vocabulary")
-        self.submitted.append(request)
+        if request.priority == "background":
+            self.background.append(request)  # next-turn pre-renders
+        else:
+            self.submitted.append(request)
         return FakeHandle(self, request)

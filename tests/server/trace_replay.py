@@ -156,7 +156,7 @@ def _list_key(api: str) -> str:
     return "input" if api == "responses" else "messages"
 
 
-PLACEHOLDERS = ("§ first placeholder", "¶ second placeholder")
+PLACEHOLDERS = ("Alpha (the next message)", "Zulu (the next message)")
 
 
 def _cut_after_last_reply(body: dict[str, Any], api: str, placeholder: str

@@ -89,6 +89,10 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--no-canonicalize", action="append", default=[], metavar="RULE",
                    help="switch a canonical-prompt rule off (repeatable): billing_header, "
                         "tool_keys, tool_order, or all")
+    p.add_argument("--no-prerender", action="store_true",
+                   help="do not pre-render the next turn's prefix in idle time")
+    p.add_argument("--prerender-max-pending", type=int, default=4,
+                   help="next-turn pre-renders queued or running at once (default 4)")
     p.add_argument("--log-requests", type=Path, default=None, metavar="DIR",
                    help="debug: write every /v1 request (secrets left out) as JSON into DIR")
     p.add_argument("--max-active", type=int, default=EngineConfig.max_active_requests,
@@ -156,6 +160,8 @@ def build_configs(args: argparse.Namespace) -> tuple[
                               context_window=args.context_window,
                               max_tokens_overflow=args.max_tokens_overflow,
                               log_requests_dir=args.log_requests,
+                              prerender=not args.no_prerender,
+                              prerender_max_pending=args.prerender_max_pending,
                               canonicalize_off=tuple(sorted(
                                   parse_rules_off(args.no_canonicalize))))
     return engine_cfg, cache_cfg, ssd_cfg, server_cfg

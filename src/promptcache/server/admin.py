@@ -41,6 +41,11 @@ def engine_stats_dict(engine: Any) -> dict[str, Any] | None:
     return dict(get()) if callable(get) else None
 
 
+def _prerender_stats(request: Request) -> dict[str, Any] | None:
+    pre = getattr(request.app.state, "pc_prerender", None)
+    return pre.snapshot() if pre is not None else None
+
+
 @router.get("/health", response_model=None)
 async def health(request: Request) -> dict[str, Any] | JSONResponse:
     """Liveness: 200 while the engine thread runs, 503 once it has died (every
@@ -79,6 +84,7 @@ async def cache_stats(request: Request) -> dict[str, Any]:
         "cache": stats,
         "engine": engine_stats_dict(st.engine),
         "rolling": st.monitor.snapshot(),
+        "prerender": _prerender_stats(request),
         "alert": {"active": st.monitor.alerting, "threshold": st.monitor.threshold},
     }
     if error:

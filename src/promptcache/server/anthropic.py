@@ -31,7 +31,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -47,6 +47,7 @@ from .common import (
     Prepared,
     Sleep,
     TurnContext,
+    after_reply,
     caching,
     collect_reply,
     plan_max_tokens,
@@ -63,7 +64,7 @@ from .errors import APIError
 from .prompt import anthropic_messages, anthropic_tools
 from .reasoning import Piece, ReplyParser
 from .runner import Generation, ServerState, cache_creation_tokens
-from .schemas import CountTokensRequest, MessagesRequest
+from .schemas import AnthropicMessage, CountTokensRequest, MessagesRequest
 from .toolcalls import ToolCall
 
 log = logging.getLogger(__name__)
@@ -165,6 +166,7 @@ class _Blocks:
         self.index = -1
         self.kind: str | None = None  # the open block: "thinking" | "text" | None
         self.thinking = ""
+        self.uses: list[dict[str, Any]] = []  # the tool_use blocks sent (ids and input)
 
     def open(self, kind: str) -> list[str]:
         out = self.close()
@@ -207,6 +209,7 @@ class _Blocks:
         out = self.close()
         self.index += 1
         block = _tool_use(call)
+        self.uses.append(dict(block))
         block["input"] = {}
         return out + [
             sse_event("content_block_start", {"type": "content_block_start",
@@ -217,9 +220,17 @@ class _Blocks:
         ]
 
 
+def echo_messages(text: str, uses: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A reply as the next request will carry it: the client's echo of the content blocks
+    (thinking is not replayed), read by this API's own parser."""
+    blocks: list[dict[str, Any]] = [{"type": "text", "text": text}, *uses]
+    return anthropic_messages([AnthropicMessage(role="assistant", content=blocks)], None)
+
+
 async def _stream(gen: Generation, st: ServerState, parser: ReplyParser, msg_id: str,
                   model: str, prepared: Prepared, cache_on: bool, sleep: Sleep,
-                  diagnose: bool) -> AsyncIterator[str]:
+                  diagnose: bool, on_reply: Callable[[list[dict[str, Any]]], None]
+                  ) -> AsyncIterator[str]:
     """The event sequence. A plain reply (no tools offered, no reasoning markers) opens
     its text block at once; otherwise blocks open as their first piece arrives, and
     tool_use blocks follow at the end. ``diagnostics`` (when asked) rides on
@@ -261,6 +272,7 @@ async def _stream(gen: Generation, st: ServerState, parser: ReplyParser, msg_id:
             for call in ev.tool_calls:
                 for event in blocks.tool_use(call):
                     yield event
+            on_reply(echo_messages(ev.text, blocks.uses))
             yield sse_event("message_delta", {"type": "message_delta",
                                               "delta": _stop(ev.result, ev.tool_calls),
                                               "usage": anthropic_usage(ev.result)})
@@ -291,16 +303,22 @@ async def messages(body: MessagesRequest, request: Request) -> Any:
     gen = start(st, "anthropic", request, scope, prepared, sampling, turn, message_id=msg_id)
     parser = reply_parser(prepared)
     cache_on = caching(st)
+
+    def on_reply(reply: list[dict[str, Any]]) -> None:
+        after_reply(request, gen, turn, prepared, chat, reply)
+
     if body.stream:
         return StreamingResponse(_stream(gen, st, parser, msg_id, model, prepared, cache_on,
-                                         sleep_of(request), diagnose),
+                                         sleep_of(request), diagnose, on_reply),
                                  media_type="text/event-stream", headers=SSE_HEADERS)
     finished, _ = await collect_reply(gen, parser)
     if finished.failed:
         raise APIError(500, f"generation failed: {finished.result.error or 'engine error'}")
+    content = content_blocks(finished.reasoning, finished.text, finished.tool_calls)
+    on_reply(echo_messages(finished.text, [b for b in content if b["type"] == "tool_use"]))
     out: dict[str, Any] = {
         "id": msg_id, "type": "message", "role": "assistant", "model": model,
-        "content": content_blocks(finished.reasoning, finished.text, finished.tool_calls),
+        "content": content,
         **_stop(finished.result, finished.tool_calls),
         "usage": anthropic_usage(finished.result),
     }

@@ -27,6 +27,7 @@ from .canon import Canon, parse_rules_off
 from .common import Preparer
 from .errors import APIError, error_response, install_handlers
 from .metrics import ServerMetrics
+from .prerender import PreRenderer
 from .request_log import RequestLog, first_sequence_number
 from .responses_items import ResponseStore
 from .runner import BASE_ALIASES, ServerState
@@ -95,6 +96,9 @@ def create_app(engine: Any, server_config: ServerConfig | None = None, *,
                   description="OpenAI/Anthropic-compatible server with a multi-tier prompt cache")
     app.state.pc = state
     app.state.pc_prepare = preparer
+    app.state.pc_prerender = PreRenderer(
+        engine, preparer, enabled=config.prerender, max_pending=config.prerender_max_pending,
+        max_suffix_tokens=config.prerender_max_suffix_tokens)
     app.state.pc_responses = ResponseStore(config.responses_store_size)
     install_handlers(app)
 

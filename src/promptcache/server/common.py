@@ -319,7 +319,9 @@ class Preparer:
         return self._abilities
 
     def _prepare(self, chat: ChatPrompt, predict_tenant: str | None,
-                 turn: TurnContext | None = None) -> Prepared:
+                 turn: TurnContext | None = None, *, light: bool = False) -> Prepared:
+        """``light``: tokens only (no message offsets, no lookup, no comparison): what
+        the next-turn pre-render needs."""
         if not chat.messages:
             raise APIError(400, "messages must not be empty", param="messages")
         ab = self.abilities()
@@ -338,16 +340,18 @@ class Preparer:
         kwargs = self.chat_format.thinking_kwargs(chat.thinking)
         try:
             tokens, starts = self._render(messages, tools, cont=cont, kwargs=kwargs,
-                                          offsets=True)
+                                          offsets=not light)
         except (ValueError, APIError):
             raise
         except Exception as e:  # jinja TemplateError & co: caused by the request's messages
             raise APIError(400, f"cannot render the chat template for these messages: {e}",
                            code="invalid_messages", param="messages") from e
         predicted, cause = self._predict(tokens, predict_tenant)
+        if light:
+            turn = None
         return Prepared(tokens=tokens, message_starts=starts, tool_names=names,
                         tools_in_system=in_system, continues=cont,
-                        in_reasoning=self._ends_in_reasoning(tokens),
+                        in_reasoning=False if light else self._ends_in_reasoning(tokens),
                         predicted_cached=predicted, chat_format=self.chat_format,
                         messages=messages, tools=tools, plain_messages=plain,
                         template_kwargs=kwargs, fingerprint=fingerprint,
@@ -432,11 +436,19 @@ def caching(st: ServerState) -> bool:
     return getattr(st.engine, "cache", None) is not None
 
 
+def prerenderer_of(request: Request) -> Any:
+    return getattr(request.app.state, "pc_prerender", None)
+
+
 def start(st: ServerState, api: str, request: Request, scope: Scope, prepared: Prepared,
           sampling: SamplingParams, turn: TurnContext, *, message_id: str | None = None
           ) -> Generation:
     """Submit a prepared turn. When it ends, the turn is remembered for the next one's
-    comparison and the request log line names a miss with its facts."""
+    comparison and the request log line names a miss with its facts. A pending
+    pre-render of the same session is cancelled (this request supersedes it)."""
+    pre = prerenderer_of(request)
+    if pre is not None:
+        pre.cancel(turn.key)
     gen = st.start(api, request, scope, prepared.tokens, sampling, prepared.message_starts)
     prep = preparer_of(request)
     cache_on = caching(st)
@@ -622,3 +634,18 @@ class LogprobDecoder:
             entry["top_logprobs"] = [self._entry(t, lp) for t, lp in ev.top_logprobs]
             out.append(entry)
         return out
+
+
+def after_reply(request: Request, gen: Generation, turn: TurnContext, prepared: Prepared,
+                chat: ChatPrompt, reply: list[dict[str, Any]]) -> None:
+    """A reply was sent: ``reply`` is it as template messages, exactly as this API's
+    parser reads the client's echo. Schedules the next-turn pre-render (prerender.py)."""
+    pre = prerenderer_of(request)
+    result = gen.result
+    if pre is None or result is None:
+        return
+    try:
+        pre.after_reply(turn.key, gen.scope.tenant, gen.scope.session_id, chat, reply,
+                        prepared, result)
+    except Exception:  # an optimisation: never fails the response
+        log.warning("scheduling the next-turn pre-render failed", exc_info=True)

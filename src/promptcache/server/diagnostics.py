@@ -301,6 +301,18 @@ class TurnStore:
                 if gone.key is not None and self._by_key.get(gone.key) == mid:
                     del self._by_key[gone.key]
 
+    def replace_tokens(self, key: TurnKey, tokens: Sequence[int]) -> None:
+        """The next turn of ``key`` is expected to start with ``tokens`` (the pre-render
+        found what the client will send back): its reference from now on."""
+        with self._lock:
+            mid = self._by_key.get(key)
+            turn = self._turns.get(mid) if mid is not None else None
+            if turn is None:
+                return
+            self._tokens -= len(turn.tokens)
+            turn.tokens = array("I", tokens)
+            self._tokens += len(turn.tokens)
+
     def by_id(self, message_id: str) -> Turn | None:
         with self._lock:
             turn = self._turns.get(message_id)

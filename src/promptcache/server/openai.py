@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -28,6 +28,7 @@ from .common import (
     LogprobDecoder,
     Sleep,
     TurnContext,
+    after_reply,
     collect_reply,
     context_window,
     max_output_tokens,
@@ -44,7 +45,7 @@ from .errors import APIError, error_body
 from .prompt import openai_messages, openai_tools
 from .reasoning import Piece, ReplyParser
 from .runner import Generation, ServerState
-from .schemas import ChatCompletionRequest, CompletionRequest
+from .schemas import ChatCompletionRequest, CompletionRequest, OAIMessage, OAIToolCall
 from .toolcalls import ToolCall
 
 router = APIRouter()
@@ -70,17 +71,22 @@ def _call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-def tool_call_dicts(calls: tuple[ToolCall, ...]) -> list[dict[str, Any]]:
+def tool_call_dicts(calls: tuple[ToolCall, ...], ids: list[str] | None = None
+                    ) -> list[dict[str, Any]]:
     """``message.tool_calls`` of a chat completion (arguments as a JSON string)."""
-    return [{"id": _call_id(), "type": "function",
-             "function": {"name": c.name, "arguments": c.arguments_json}} for c in calls]
+    ids = ids or [_call_id() for _ in calls]
+    return [{"id": cid, "type": "function",
+             "function": {"name": c.name, "arguments": c.arguments_json}}
+            for cid, c in zip(ids, calls, strict=True)]
 
 
-def tool_call_deltas(calls: tuple[ToolCall, ...]) -> list[dict[str, Any]]:
+def tool_call_deltas(calls: tuple[ToolCall, ...], ids: list[str] | None = None
+                     ) -> list[dict[str, Any]]:
     """Streaming deltas: per call, one with id/type/name (arguments ""), then the arguments."""
+    ids = ids or [_call_id() for _ in calls]
     deltas: list[dict[str, Any]] = []
     for i, c in enumerate(calls):
-        deltas.append({"tool_calls": [{"index": i, "id": _call_id(), "type": "function",
+        deltas.append({"tool_calls": [{"index": i, "id": ids[i], "type": "function",
                                        "function": {"name": c.name, "arguments": ""}}]})
         deltas.append({"tool_calls": [{"index": i,
                                        "function": {"arguments": c.arguments_json}}]})
@@ -109,9 +115,22 @@ def _logprobs_k(logprobs: bool | None, top: int | None) -> int | None:
     return top or 0
 
 
+def echo_messages(text: str, calls: tuple[ToolCall, ...], ids: list[str]
+                  ) -> list[dict[str, Any]]:
+    """A reply as the next request will carry it: the client's assistant message
+    (content and tool_calls; reasoning_content is not replayed), read by this API's
+    parser."""
+    msg = OAIMessage(role="assistant", content=text or None,
+                     tool_calls=[OAIToolCall.model_validate(t)
+                                 for t in tool_call_dicts(calls, ids)] or None)
+    return openai_messages([msg])
+
+
 async def _chat_stream(gen: Generation, parser: ReplyParser, st: ServerState,
                        make_chunk: Any, include_usage: bool, path: str,
-                       decoder: LogprobDecoder | None, sleep: Sleep) -> AsyncIterator[str]:
+                       decoder: LogprobDecoder | None, sleep: Sleep,
+                       on_reply: Callable[[list[dict[str, Any]]], None]
+                       ) -> AsyncIterator[str]:
     yield sse_data(make_chunk({"role": "assistant", "content": ""}))
     pending: list[TokenEvent] = []  # logprobs travel with the next chunk
 
@@ -135,8 +154,10 @@ async def _chat_stream(gen: Generation, parser: ReplyParser, st: ServerState,
                 yield sse_data(error_body(path, 500, f"generation failed: {ev.result.error}",
                                           "engine_error"))
                 break
-            for delta in tool_call_deltas(ev.tool_calls):
+            ids = [_call_id() for _ in ev.tool_calls]
+            for delta in tool_call_deltas(ev.tool_calls, ids):
                 yield await chunk(delta)
+            on_reply(echo_messages(ev.text, ev.tool_calls, ids))
             yield await chunk({}, _finish_reason(ev.result, ev.tool_calls))
             if include_usage:
                 last = make_chunk(None)
@@ -163,7 +184,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     k = _logprobs_k(body.logprobs, body.top_logprobs)
     scope = request.state.pc_scope.with_session(body.prompt_cache_key, "prompt_cache_key")
     turn = TurnContext.of(scope)
-    prepared = await preparer_of(request).prepare(chat_prompt(body), turn=turn)
+    chat = chat_prompt(body)
+    prepared = await preparer_of(request).prepare(chat, turn=turn)
     requested = body.max_completion_tokens if body.max_completion_tokens is not None \
         else body.max_tokens
     param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
@@ -171,6 +193,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     sampling = st.sampling(max_tokens=max_tokens, temperature=body.temperature,
                            top_p=body.top_p, seed=body.seed, stop=body.stop, logprobs=k)
     gen = start(st, "openai", request, scope, prepared, sampling, turn)
+
+    def on_reply(reply: list[dict[str, Any]]) -> None:
+        after_reply(request, gen, turn, prepared, chat, reply)
     parser = reply_parser(prepared)
     decoder = LogprobDecoder(st.engine.tokenizer) if k is not None else None
     cid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
@@ -193,7 +218,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
 
         return StreamingResponse(
             _chat_stream(gen, parser, st, make_chunk, include_usage, request.url.path,
-                         decoder, sleep_of(request)),
+                         decoder, sleep_of(request), on_reply),
             media_type="text/event-stream", headers=SSE_HEADERS)
 
     finished, token_events = await collect_reply(gen, parser)
@@ -202,9 +227,11 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     message: dict[str, Any] = {"role": "assistant", "content": finished.text}
     if finished.reasoning:
         message["reasoning_content"] = finished.reasoning
+    ids = [_call_id() for _ in finished.tool_calls]
+    on_reply(echo_messages(finished.text, finished.tool_calls, ids))
     if finished.tool_calls:
         message["content"] = finished.text or None
-        message["tool_calls"] = tool_call_dicts(finished.tool_calls)
+        message["tool_calls"] = tool_call_dicts(finished.tool_calls, ids)
     logprobs = None
     if decoder is not None:
         logprobs = {"content": await decoder.entries(token_events), "refusal": None}

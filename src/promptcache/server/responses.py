@@ -26,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -42,6 +42,7 @@ from .common import (
     LogprobDecoder,
     Sleep,
     TurnContext,
+    after_reply,
     plan_max_tokens,
     preparer_of,
     reply_events,
@@ -272,6 +273,8 @@ class _Call:
         self.keep = body.store is not False
         self.response: dict[str, Any] | None = None
         self.failure: str | None = None
+        # called with the reply as the next request will carry it (pre-render)
+        self.on_reply: Callable[[list[dict[str, Any]]], None] | None = None
 
     def base(self, status: str, output: list[dict[str, Any]],
              usage: dict[str, Any] | None = None, **kw: Any) -> dict[str, Any]:
@@ -283,10 +286,14 @@ class _Call:
         response = self.base("incomplete" if incomplete else "completed", output,
                              responses_usage(fin.result, fin.reasoning_tokens),
                              incomplete=incomplete)
+        conv = self.conv.copy()
+        conv.add_output(output)
         if self.keep:
-            conv = self.conv.copy()
-            conv.add_output(output)
             self.store.put(self.rid, StoredResponse(response, conv))
+        if self.on_reply is not None:
+            # the client sends the output items back (or names this response): either way
+            # the conversation grows by exactly these messages
+            self.on_reply(conv.messages[len(self.conv.messages):])
         return response
 
 
@@ -367,6 +374,11 @@ async def create_response(body: ResponsesRequest, request: Request) -> Any:
     gen = start(st, "responses", request, scope, prepared, sampling, turn)
     decoder = LogprobDecoder(st.engine.tokenizer) if k is not None else None
     call = _Call(st, body, model, conv, offered, store, decoder)
+
+    def on_reply(reply: list[dict[str, Any]]) -> None:
+        after_reply(request, gen, turn, prepared, chat, reply)
+
+    call.on_reply = on_reply
     reply = _Reply(offered, decoder)
     parser = reply_parser(prepared)
     if body.stream:

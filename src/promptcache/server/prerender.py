@@ -1,0 +1,208 @@
+"""Next-turn pre-render: prefill, in idle time, the history as the client will send it back.
+
+The cache stores each turn's prompt + generated tokens. The next request does not repeat
+those tokens: it carries the reply as its client sends it back, rendered by the chat
+template: reasoning dropped (Anthropic thinking blocks and OpenAI ``reasoning_content``
+are not replayed; templates such as Qwen3's strip ``<think>`` from earlier turns), tool
+calls as the template renders them (not as the model wrote them), text re-tokenized. From
+the first such difference on, every token of the next turn would be prefilled again.
+
+When a reply ends, the API module hands over the reply as template messages, exactly as
+its own parser will read the client's echo (``after_reply``). In the preparation worker
+thread the pre-renderer renders the conversation + that reply + a placeholder next user
+message with the same preparation as a real turn (canonical prompt, system placement,
+tools fallback, template), and cuts it where the placeholder message starts: the prefix
+the next request will begin with, found by the chat template itself (no per-model
+rules). It compares that prefix with what was stored (prompt + output); where they
+differ, it submits the prefix as a ``priority="background"``, ``prefill_only`` engine
+request: the engine restores the common part and prefills only the re-rendered suffix,
+in idle time (any interactive request preempts it at the next chunk boundary), and
+stores its blocks. A submitted prefix also becomes the previous-turn reference of the
+session's miss diagnosis (``diagnostics.py``).
+
+Bounds: one pre-render per session (a newer one, or the session's next request, cancels
+the older; blocks it already saved stay); at most ``max_pending`` in the whole server
+(more are skipped and counted); a suffix longer than ``max_suffix_tokens`` is skipped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import threading
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from ..engine.api import GenerationRequest, GenerationResult, SamplingParams
+from .diagnostics import TurnKey, common_prefix
+
+log = logging.getLogger(__name__)
+
+# two placeholder next messages that differ from their first character (ASCII, so no
+# shared byte): where their renderings part is where the next message's content starts
+PLACEHOLDERS = ("Alpha (the next message)", "Zulu (the next message)")
+
+
+@dataclass
+class PreRenderStats:
+    scheduled: int = 0  # replies handed over
+    not_needed: int = 0  # the stored tokens already are the next turn's prefix
+    submitted: int = 0  # background prefills submitted
+    done: int = 0  # ... that finished and stored their blocks
+    cancelled: int = 0  # ... cancelled (a newer turn of the session came first)
+    failed: int = 0  # renders or prefills that failed (logged)
+    skipped_busy: int = 0  # max_pending reached
+    skipped_long: int = 0  # suffix longer than max_suffix_tokens
+    suffix_tokens: int = 0  # tokens prefilled in the background (submitted suffixes)
+
+
+class PreRenderer:
+    """One per app (see the module docstring); ``preparer`` is the app's ``Preparer``."""
+
+    def __init__(self, engine: Any, preparer: Any, *, enabled: bool = True,
+                 max_pending: int = 4, max_suffix_tokens: int = 32768) -> None:
+        if max_pending < 1:
+            raise ValueError(f"max_pending must be >= 1, got {max_pending}")
+        self.engine = engine
+        self.preparer = preparer
+        self.enabled = enabled and getattr(engine, "cache", None) is not None
+        self.max_pending = max_pending
+        self.max_suffix_tokens = max_suffix_tokens
+        self.stats = PreRenderStats()
+        self._lock = threading.Condition()
+        self._queued = 0  # handed to the worker, not yet submitted or dropped
+        self._pending: dict[Any, Any] = {}  # session key -> engine handle
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._ids = itertools.count(1)
+
+    # ---- the event loop side
+
+    def after_reply(self, key: TurnKey | None, tenant: str, session_id: str | None,
+                    chat: Any, reply: list[dict[str, Any]], prepared: Any,
+                    result: GenerationResult) -> None:
+        """A reply ended: schedule its pre-render (returns at once)."""
+        if not self.enabled or result.finish_reason not in ("stop", "length"):
+            return
+        slot = key if key is not None else object()  # no session: a slot of its own
+        with self._lock:
+            if slot not in self._pending and len(self._pending) + self._queued >= self.max_pending:
+                self.stats.skipped_busy += 1
+                return
+            self.stats.scheduled += 1
+            self._queued += 1
+        loop = asyncio.get_running_loop()
+        stored = list(prepared.tokens) + list(result.tokens)
+        self.preparer.submit(self._render_and_submit, loop, slot, key, tenant, session_id,
+                             chat, reply, stored)
+
+    def cancel(self, key: TurnKey | None) -> None:
+        """The session sent its next request: its pending pre-render is moot."""
+        if key is None:
+            return
+        with self._lock:
+            handle = self._pending.pop(key, None)
+            if handle is not None:
+                self.stats.cancelled += 1
+                self._lock.notify_all()
+        if handle is not None:
+            handle.cancel()
+
+    def snapshot(self) -> dict[str, Any]:
+        with self._lock:
+            return {"enabled": self.enabled, "pending": len(self._pending),
+                    "queued": self._queued, **asdict(self.stats)}
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Block until nothing is queued or running (tests, benchmarks)."""
+        with self._lock:
+            return self._lock.wait_for(lambda: not self._queued and not self._pending,
+                                       timeout)
+
+    # ---- the worker thread
+
+    def next_prefix(self, chat: Any, reply: list[dict[str, Any]]) -> list[int]:
+        """The tokens the next request will start with: the conversation + ``reply``,
+        cut where a placeholder next user message starts (worker thread)."""
+        renders: list[list[int]] = []
+        for text in PLACEHOLDERS:
+            nxt = type(chat)(list(chat.messages) + list(reply) + [{"role": "user",
+                                                                   "content": text}],
+                             chat.tools, chat.thinking)
+            renders.append(self.preparer._prepare(nxt, None, None, light=True).tokens)
+        return renders[0][:common_prefix(renders[0], renders[1])]
+
+    def _render_and_submit(self, loop: asyncio.AbstractEventLoop, slot: Any,
+                           key: TurnKey | None, tenant: str, session_id: str | None,
+                           chat: Any, reply: list[dict[str, Any]], stored: list[int]) -> None:
+        handle = None
+        try:
+            target = self.next_prefix(chat, reply)
+            kept = len(stored) - 1  # the last generated token's state is not stored
+            same = common_prefix(stored[:kept], target)
+            if same >= kept or same >= len(target) - 1:
+                with self._lock:
+                    self.stats.not_needed += 1
+                return
+            if len(target) - same > self.max_suffix_tokens:
+                with self._lock:
+                    self.stats.skipped_long += 1
+                return
+            req = GenerationRequest(
+                prompt_tokens=tuple(target), sampling=SamplingParams(max_tokens=1),
+                tenant=tenant, session_id=session_id, priority="background",
+                prefill_only=True, request_id=f"prerender-{next(self._ids)}")
+            handle = self.engine.submit(req)
+            if key is not None:  # the cache will hold the next turn's prefix
+                self.preparer.turns.replace_tokens(key, target)
+            with self._lock:
+                old = self._pending.pop(slot, None)
+                self._pending[slot] = handle
+                self.stats.submitted += 1
+                self.stats.suffix_tokens += len(target) - same
+                if old is not None:
+                    self.stats.cancelled += 1
+            if old is not None:
+                old.cancel()
+            log.debug("pre-render %s: %d of %d tokens stored, prefilling %d in the "
+                      "background", req.request_id, same, len(target), len(target) - same)
+            try:
+                loop.call_soon_threadsafe(self._watch, slot, handle)
+            except RuntimeError:  # the app's event loop is gone (shutdown): drop it
+                handle.cancel()
+                with self._lock:
+                    if self._pending.get(slot) is handle:
+                        del self._pending[slot]
+        except Exception:  # a pre-render is an optimisation: it never fails a request
+            log.warning("next-turn pre-render failed", exc_info=True)
+            with self._lock:
+                self.stats.failed += 1
+        finally:
+            with self._lock:
+                self._queued -= 1
+                self._lock.notify_all()
+
+    # ---- back on the loop
+
+    def _watch(self, slot: Any, handle: Any) -> None:
+        task = asyncio.ensure_future(self._await(slot, handle))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _await(self, slot: Any, handle: Any) -> None:
+        result: GenerationResult | None = None
+        try:
+            async for ev in handle.aevents():
+                if isinstance(ev, GenerationResult):
+                    result = ev
+        finally:
+            with self._lock:
+                if self._pending.get(slot) is handle:
+                    del self._pending[slot]
+                if result is not None and result.finish_reason == "prefilled":
+                    self.stats.done += 1
+                elif result is not None and result.finish_reason == "error":
+                    self.stats.failed += 1
+                    log.warning("pre-render %s failed: %s", handle.request.request_id,
+                                result.error)
+                self._lock.notify_all()
