@@ -8,8 +8,8 @@ tokens of their own (the vocabulary grows by a few rows, zero-initialised) and s
 different reply:
 
 - ``thinking``: ``<think>`` and ``</think>`` become tokens (mlx-lm recognises them as
-  reasoning markers), the reply is ``<think>Let me see</think>Hello from the tiny
-  model.``, and the chat template is Qwen3-like: it drops the reasoning of assistant
+  reasoning markers), the reply is ``<think>Let me see</think>`` and a 48-token
+  answer, and the chat template is Qwen3-like: it drops the reasoning of assistant
   turns before the last user message (``content.split('</think>')[-1]``);
 - ``toolcall``: ``<tool_call>``, ``</tool_call>`` and the whole call JSON
   ``{"name":"Read","arguments":{"file_path":"README.md"}}`` become tokens, so the model
@@ -17,7 +17,7 @@ different reply:
   back as ``<tool_call>\\n{"name": "Read", "arguments": {...}}\\n</tool_call>``: other
   tokens than the model generated, as with real models.
 
-Both are built once into the test models folder (``.models/trace-<kind>-v1``).
+Both are built once into the test models folder (``.models/trace-<kind>-v2``).
 """
 
 from __future__ import annotations
@@ -28,8 +28,11 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-TRACE_MODELS_VERSION = 1
-THINK_REPLY = ("<think>", "Let me see", "</think>", "Hello from the tiny model.")
+TRACE_MODELS_VERSION = 2
+ANSWER = ("Paris is the capital of France while Berlin Rome Madrid are other large old cities "
+          "near a river under mountains read drink water write code test data and answer "
+          "every question today.")  # 48 distinct tokens
+THINK_REPLY = ("<think>", "Let me see", "</think>", ANSWER)
 CALL_JSON = '{"name":"Read","arguments":{"file_path":"README.md"}}'
 TOOLCALL_REPLY = ("<tool_call>", CALL_JSON, "</tool_call>")
 ADDED = {"thinking": ("<think>", "</think>"),
@@ -117,8 +120,11 @@ def _build(kind: str, scripted: Path, out: Path) -> None:
     head = np.array(weights["lm_head.weight"])
     pad = np.zeros((len(added), emb.shape[1]), dtype=emb.dtype)
     emb, head = np.concatenate([emb, pad]), np.concatenate([head, pad])
-    emb[:, :16] = 0.0  # the scripted model's own chain lives in the first dimensions
-    head[:, :16] = 0.0
+    k = max(16, len(chain))  # the scripted model's own chain lives in the first dimensions
+    if k > emb.shape[1]:
+        raise RuntimeError(f"a reply of {len(chain)} tokens does not fit {emb.shape[1]} dims")
+    emb[:, :k] = 0.0
+    head[:, :k] = 0.0
     for dim, (cur, nxt) in enumerate(zip(chain, chain[1:] + [eos], strict=True)):
         emb[cur, dim] = 50.0
         head[nxt, dim] = 8.0
@@ -128,7 +134,7 @@ def _build(kind: str, scripted: Path, out: Path) -> None:
 
 
 def ensure_trace_model(kind: str, scripted: Path, root: Path) -> Path:
-    """``root/trace-<kind>-v1``, built from the scripted model folder if missing."""
+    """``root/trace-<kind>-v<N>``, built from the scripted model folder if missing."""
     if kind not in ADDED:
         raise ValueError(f"unknown trace model {kind!r}")
     final = root / trace_model_dirname(kind)
