@@ -5,12 +5,15 @@ A block exists in the pool only while it holds cached state. Its life:
 * ``allocate`` creates it with ``ref_cnt == 1`` (held by the caller) after
   ``make_room`` evicted least recently used unreferenced blocks for its bytes;
 * ``ref`` / ``unref`` count its users (a live ``Hit``, a ``store`` in progress);
-  a block with ``ref_cnt == 0`` sits in the free queue (LRU order) and is the
-  only kind that can be evicted; ``release_chain`` unrefs a sequence tail-first
-  so a chain's tail is evicted before its head;
+  a block with ``ref_cnt == 0`` sits in the free queue of its eviction level (LRU
+  order) and is the only kind that can be evicted; ``release_chain`` unrefs a
+  sequence tail-first so a chain's tail is evicted before its head;
 * ``evict`` / ``make_room`` drop the LRU unreferenced block through the
-  ``on_evict`` hook (demotion to the lower tiers); ``remove`` deletes it without
-  the hook (session / tenant deletion, TTL).
+  ``on_evict`` hook (demotion to the lower tiers): an ``IDLE`` block first, an
+  ``ACTIVE`` one (the latest chain of an active session) only when no idle block is
+  left, a ``PROTECTED`` one (a cache breakpoint within its ttl) never; the cache
+  policy sets the levels (``set_level``); ``remove`` deletes a block without the hook
+  (session / tenant deletion, TTL).
 
 Index layout (kept small: about 280 B per block besides its token ids, see
 BENCHMARKS.md): one hash map ``block_hash -> Block`` (the identity of a block: a
@@ -48,6 +51,14 @@ TRUNCATABLE = 1
 SNAPSHOT = 2
 PERSISTED = 4  # a copy is known to be in the lower tiers: no demotion needed
 
+# Eviction levels of an unreferenced block: idle blocks go first, then blocks on the
+# latest chain of an active session; protected blocks (a client's cache breakpoint
+# within its ttl) are not evicted at all. The cache policy sets them (``set_level``).
+IDLE = 0
+ACTIVE = 1
+PROTECTED = 2
+LEVELS = (IDLE, ACTIVE, PROTECTED)
+
 EMPTY_SESSIONS: tuple[str, ...] = ()
 MAX_INTERNED = 1 << 16  # distinct start offsets / byte sizes shared between blocks
 
@@ -80,6 +91,7 @@ class Block(FreeNode):
         "sessions",
         "hits",
         "kids",
+        "level",
     )
 
     def __init__(
@@ -112,6 +124,7 @@ class Block(FreeNode):
         self.hits = 0  # times a lookup reused it (SSD admission rule)
         # children index (pool-managed): None, the one child, or a list of children
         self.kids: Block | list[Block] | None = None
+        self.level = IDLE  # eviction level (pool-managed through set_level)
 
     @property
     def num_tokens(self) -> int:
@@ -168,7 +181,8 @@ class Block(FreeNode):
 
 
 class BlockPool:
-    """Blocks in RAM under a byte budget; LRU eviction of unreferenced blocks only."""
+    """Blocks in RAM under a byte budget; LRU eviction of unreferenced blocks only, idle
+    ones before active ones; protected ones never (one free queue per level)."""
 
     def __init__(
         self, budget_bytes: int, on_evict: Callable[[Block], None] | None = None
@@ -181,9 +195,10 @@ class BlockPool:
         # children whose parent is not a block in the map: parent hash -> child(ren)
         self._detached: dict[BlockHash, Block | list[Block]] = {}
         self._ints: dict[int, int] = {}
-        self._free: FreeQueue[Block] = FreeQueue()
+        # unreferenced blocks, one LRU queue per eviction level
+        self._queues: tuple[FreeQueue[Block], ...] = tuple(FreeQueue() for _ in LEVELS)
+        self._level_bytes = [0 for _ in LEVELS]
         self.used_bytes = 0
-        self._free_bytes = 0  # bytes of unreferenced (evictable) blocks
         self.num_blocks = 0
         self.num_used_blocks = 0
         self.num_evictions = 0
@@ -191,11 +206,22 @@ class BlockPool:
     # ---- queries -------------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        """Unreferenced blocks (protected ones included)."""
+        return sum(len(q) for q in self._queues)
+
+    @property
+    def _free_bytes(self) -> int:
+        # bytes that eviction can reclaim: unreferenced idle and active blocks
+        return self._level_bytes[IDLE] + self._level_bytes[ACTIVE]
 
     @property
     def evictable_bytes(self) -> int:
         return self._free_bytes
+
+    @property
+    def protected_bytes(self) -> int:
+        """Bytes of unreferenced protected blocks (referenced ones count as used)."""
+        return self._level_bytes[PROTECTED]
 
     def __len__(self) -> int:
         return len(self._map)
@@ -235,8 +261,31 @@ class BlockPool:
         return list(self._map.values())
 
     def lru_order(self) -> list[Block]:
-        """Unreferenced blocks, next to be evicted first."""
-        return list(self._free)
+        """Evictable blocks, next to be evicted first (idle, then active)."""
+        return [*self._queues[IDLE], *self._queues[ACTIVE]]
+
+    def level_order(self, level: int) -> list[Block]:
+        """The unreferenced blocks of one level, least recently used first."""
+        return list(self._queues[level])
+
+    def set_level(self, block: Block, level: int) -> None:
+        """Set a block's eviction level. An unreferenced block moves queues: raised, it
+        enters the new queue as most recently used; lowered, as least recently used
+        (it stopped being wanted: it goes before the blocks already there)."""
+        if level not in LEVELS:
+            raise ValueError(f"level must be one of {LEVELS}, got {level!r}")
+        old = block.level
+        if old == level:
+            return
+        if block.ref_cnt == 0 and block.in_free_queue:
+            self._queues[old].remove(block)
+            self._level_bytes[old] -= block.nbytes
+            if level > old:
+                self._queues[level].append(block)
+            else:
+                self._queues[level].appendleft(block)
+            self._level_bytes[level] += block.nbytes
+        block.level = level
 
     # ---- allocation ----------------------------------------------------------
     def can_allocate(self, nbytes: int) -> bool:
@@ -304,8 +353,8 @@ class BlockPool:
     def ref(self, block: Block, now: float | None = None) -> None:
         """Take a reference (a hit or a store uses the block): it leaves the free queue."""
         if block.ref_cnt == 0:
-            self._free.remove(block)
-            self._free_bytes -= block.nbytes
+            self._queues[block.level].remove(block)
+            self._level_bytes[block.level] -= block.nbytes
             self.num_used_blocks += 1
         block.ref_cnt += 1
         if now is not None:
@@ -323,8 +372,8 @@ class BlockPool:
         if block.block_hash is None:
             self._discard(block)
         else:
-            self._free.append(block)
-            self._free_bytes += block.nbytes
+            self._queues[block.level].append(block)
+            self._level_bytes[block.level] += block.nbytes
 
     def release_chain(self, blocks: list[Block]) -> None:
         """Unref the blocks of one sequence tail-first: the tail enters the LRU
@@ -334,8 +383,9 @@ class BlockPool:
 
     # ---- eviction and removal --------------------------------------------------
     def evict(self) -> Block | None:
-        """Evict the least recently used unreferenced block through ``on_evict``."""
-        block = self._free.peekleft()
+        """Evict the least recently used unreferenced idle block (else active block)
+        through ``on_evict``; protected blocks are never evicted."""
+        block = self._queues[IDLE].peekleft() or self._queues[ACTIVE].peekleft()
         if block is None:
             return None
         self._drop(block)
@@ -359,8 +409,8 @@ class BlockPool:
     def _drop(self, block: Block) -> None:
         # an unreferenced, hashed block: out of the queue, the map and the budget.
         # It keeps its hash (the eviction hook needs it); nothing refers to it any more.
-        self._free.remove(block)
-        self._free_bytes -= block.nbytes
+        self._queues[block.level].remove(block)
+        self._level_bytes[block.level] -= block.nbytes
         if block.block_hash is not None:
             self._unindex(block)
         self._discard(block)
@@ -396,6 +446,7 @@ class BlockPool:
         extra = nbytes - block.nbytes
         if extra > 0 and not self.make_room(extra):
             return False
+        # (referenced: not in a queue, so no level bytes to move)
         block.payload = payload
         block.nbytes = self._intern(nbytes)
         block.flags = flags
@@ -465,22 +516,27 @@ class BlockPool:
     # ---- invariants (tests) ----------------------------------------------------
     def check(self) -> None:
         """Verify every invariant; raise InvariantError on the first broken one."""
-        self._free.check()
+        for q in self._queues:
+            q.check()
         if self.num_free_blocks + self.num_used_blocks != self.num_blocks:
             raise InvariantError(
                 f"free {self.num_free_blocks} + used {self.num_used_blocks} != total {self.num_blocks}"
             )
         if self.used_bytes > self.budget_bytes:
             raise InvariantError(f"used bytes {self.used_bytes} > budget {self.budget_bytes}")
-        free_bytes = 0
-        for block in self._free:
-            if block.ref_cnt != 0:
-                raise InvariantError(f"referenced block in the free queue: {block!r}")
-            if block.block_hash is None or self._map.get(block.block_hash) is not block:
-                raise InvariantError(f"free block not in the map: {block!r}")
-            free_bytes += block.nbytes
-        if free_bytes != self._free_bytes:
-            raise InvariantError(f"free bytes {self._free_bytes} != {free_bytes}")
+        for level, queue in enumerate(self._queues):
+            level_bytes = 0
+            for block in queue:
+                if block.ref_cnt != 0:
+                    raise InvariantError(f"referenced block in the free queue: {block!r}")
+                if block.block_hash is None or self._map.get(block.block_hash) is not block:
+                    raise InvariantError(f"free block not in the map: {block!r}")
+                if block.level != level:
+                    raise InvariantError(f"level {block.level} block in queue {level}: {block!r}")
+                level_bytes += block.nbytes
+            if level_bytes != self._level_bytes[level]:
+                raise InvariantError(f"level {level} bytes {self._level_bytes[level]} != "
+                                     f"{level_bytes}")
         hashed_bytes = 0
         num_children = 0
         for h, block in self._map.items():
