@@ -24,7 +24,8 @@ def test_messages_non_streaming(client: TestClient, engine: FakeEngine) -> None:
     assert body["stop_reason"] == "end_turn" and body["stop_sequence"] is None
     # "<|system|>be nice\n<|user|>hi\n<|assistant|>" = 18 + 11 + 13 bytes
     assert body["usage"] == {"input_tokens": 0, "cache_creation_input_tokens": 42,
-                             "cache_read_input_tokens": 0, "output_tokens": 12}
+                             "cache_read_input_tokens": 0, "output_tokens": 12,
+                             "cache_creation": {"ephemeral_5m_input_tokens": 42, "ephemeral_1h_input_tokens": 0}}
     assert engine.rendered[-1][0][0] == {"role": "system", "content": "be nice"}
 
 
@@ -60,14 +61,16 @@ def test_messages_streaming_event_sequence(client: TestClient) -> None:
     assert start["content"] == [] and start["stop_reason"] is None
     # predicted from a pure lookup: 24-token prompt, 23 cached (the last token is recomputed)
     assert start["usage"] == {"input_tokens": 0, "cache_creation_input_tokens": 1,
-                              "cache_read_input_tokens": 23, "output_tokens": 0}
+                              "cache_read_input_tokens": 23, "output_tokens": 0,
+                              "cache_creation": {"ephemeral_5m_input_tokens": 1, "ephemeral_1h_input_tokens": 0}}
     assert events[1][1]["content_block"] == {"type": "text", "text": ""}
     text = "".join(d["delta"]["text"] for n, d in events if n == "content_block_delta")
     assert text == "Hello"
     delta = events[-2][1]
     assert delta["delta"] == {"stop_reason": "max_tokens", "stop_sequence": None}
     assert delta["usage"] == {"input_tokens": 0, "cache_creation_input_tokens": 1,
-                              "cache_read_input_tokens": 23, "output_tokens": 5}
+                              "cache_read_input_tokens": 23, "output_tokens": 5,
+                              "cache_creation": {"ephemeral_5m_input_tokens": 1, "ephemeral_1h_input_tokens": 0}}
 
 
 def test_tool_use_and_tool_result_blocks(client: TestClient, engine: FakeEngine) -> None:

@@ -42,6 +42,7 @@ from .canon import Canon
 from .common import (
     KEEPALIVE,
     SSE_HEADERS,
+    Breakpoint,
     ChatPrompt,
     Finished,
     Prepared,
@@ -74,13 +75,38 @@ TOOL_CHOICES = ("auto", "any", "tool", "none")
 THINKING_TYPES = {"enabled": True, "adaptive": True, "disabled": False}
 
 
-def anthropic_usage(result: GenerationResult) -> dict[str, int]:
+TTLS = {"5m": 300.0, "1h": 3600.0}
+_TTL_KEYS = {300.0: "ephemeral_5m_input_tokens", 3600.0: "ephemeral_1h_input_tokens"}
+
+
+def creation(prompt_len: int, cached: int, breakpoints: tuple[tuple[int, float], ...]
+             ) -> tuple[int, dict[str, int]]:
+    """``cache_creation_input_tokens`` and its ``cache_creation`` split by ttl: the
+    prompt tokens after the cached ones up to the last breakpoint (without breakpoints,
+    up to the end: the cache keeps every prefix), each counted under the ttl of the
+    first breakpoint at or after it."""
+    split = {"ephemeral_5m_input_tokens": 0, "ephemeral_1h_input_tokens": 0}
+    marks = breakpoints or ((prompt_len, TTLS["5m"]),)
+    start = cached
+    for pos, ttl in marks:
+        end = min(pos, prompt_len)
+        if end > start:
+            split[_TTL_KEYS.get(ttl, "ephemeral_5m_input_tokens")] += end - start
+            start = end
+    return sum(split.values()), split
+
+
+def anthropic_usage(result: GenerationResult,
+                    breakpoints: tuple[tuple[int, float], ...] = ()) -> dict[str, Any]:
     u = result.usage
-    created = cache_creation_tokens(result)
+    created, split = 0, {"ephemeral_5m_input_tokens": 0, "ephemeral_1h_input_tokens": 0}
+    if cache_creation_tokens(result):  # the request stored prompt blocks
+        created, split = creation(u.prompt_tokens, u.cached_tokens, breakpoints)
     return {
         "input_tokens": u.prompt_tokens - u.cached_tokens - created,
         "cache_creation_input_tokens": created,
         "cache_read_input_tokens": u.cached_tokens,
+        "cache_creation": split,
         "output_tokens": u.completion_tokens,
     }
 
@@ -130,6 +156,52 @@ def _thinking_switch(thinking: dict[str, Any] | None) -> bool | None:
     return THINKING_TYPES[kind]
 
 
+def _ttl(cache_control: Any, where: str) -> float | None:
+    if cache_control is None:
+        return None
+    if not isinstance(cache_control, dict) or cache_control.get("type") != "ephemeral":
+        raise APIError(400, f"{where}.cache_control: expected {{'type': 'ephemeral'}}",
+                       param=f"{where}.cache_control")
+    ttl = cache_control.get("ttl", "5m")
+    if ttl not in TTLS:
+        raise APIError(400, f"{where}.cache_control.ttl: expected '5m' or '1h', got {ttl!r}",
+                       param=f"{where}.cache_control.ttl")
+    return TTLS[ttl]
+
+
+def breakpoints_of(body: MessagesRequest | CountTokensRequest, msgs: list[dict[str, Any]]
+                   ) -> tuple[Breakpoint, ...]:
+    """The request's ``cache_control`` breakpoints, on the template messages ``msgs``:
+    system blocks and tools mark the end of the system prompt; a message's blocks the
+    end of that message; a top-level ``cache_control`` the end of the last one."""
+    out: list[Breakpoint] = []
+    for i, block in enumerate(body.system if isinstance(body.system, list) else ()):
+        ttl = _ttl(block.get("cache_control"), f"system[{i}]")
+        if ttl is not None:
+            out.append(Breakpoint(None, ttl))
+    for i, tool in enumerate(body.tools or ()):
+        ttl = _ttl((tool.model_extra or {}).get("cache_control"), f"tools[{i}]")
+        if ttl is not None:
+            out.append(Breakpoint(None, ttl))
+    top = _ttl((body.model_extra or {}).get("cache_control"), "body")
+    if top is not None:
+        out.append(Breakpoint(len(msgs) - 1, top))
+    lead = 1 if msgs and body.system and msgs[0]["role"] == "system" else 0
+    count = lead
+    last = len(body.messages) - 1
+    for i, m in enumerate(body.messages):
+        ttls = [_ttl(b.get("cache_control"), f"messages[{i}].content[{j}]")
+                for j, b in enumerate(m.content if isinstance(m.content, list) else ())]
+        marks = [t for t in ttls if t is not None]
+        if i == last:
+            count = len(msgs)
+        elif marks:  # how many template messages messages[0..i] made (tool results split)
+            count = lead + len(anthropic_messages(body.messages[:i + 1], None))
+        if marks:
+            out.append(Breakpoint(max(0, count - 1), max(marks)))
+    return tuple(out)
+
+
 def chat_prompt(body: MessagesRequest | CountTokensRequest, canon: Canon) -> ChatPrompt:
     """The request as a ``ChatPrompt`` (also what ``/v1/cache/probe`` renders)."""
     system = canon.system_blocks(body.system) if isinstance(body.system, list) \
@@ -144,7 +216,8 @@ def chat_prompt(body: MessagesRequest | CountTokensRequest, canon: Canon) -> Cha
                                 f"got {kind!r}", param="tool_choice")
         if kind == "none":
             tools = None
-    return ChatPrompt(msgs, tools, _thinking_switch(body.thinking), source=body)
+    return ChatPrompt(msgs, tools, _thinking_switch(body.thinking), source=body,
+                      breakpoints=breakpoints_of(body, msgs))
 
 
 def _diagnostics_field(body: MessagesRequest) -> tuple[str | None, bool]:
@@ -236,10 +309,12 @@ async def _stream(gen: Generation, st: ServerState, parser: ReplyParser, msg_id:
     tool_use blocks follow at the end. ``diagnostics`` (when asked) rides on
     ``message_start``, from the same cache lookup as its usage."""
     prompt_len, predicted = len(prepared.tokens), prepared.predicted_cached
-    created = (prompt_len - predicted) if cache_on else 0
+    created, split = creation(prompt_len, predicted, prepared.breakpoints) if cache_on \
+        else (0, {"ephemeral_5m_input_tokens": 0, "ephemeral_1h_input_tokens": 0})
     start_usage = {"input_tokens": prompt_len - predicted - created,
                    "cache_creation_input_tokens": created,
-                   "cache_read_input_tokens": predicted, "output_tokens": 0}
+                   "cache_read_input_tokens": predicted, "cache_creation": split,
+                   "output_tokens": 0}
     message: dict[str, Any] = {
         "id": msg_id, "type": "message", "role": "assistant", "model": model, "content": [],
         "stop_reason": None, "stop_sequence": None, "usage": start_usage}
@@ -275,7 +350,8 @@ async def _stream(gen: Generation, st: ServerState, parser: ReplyParser, msg_id:
             on_reply(echo_messages(ev.text, blocks.uses))
             yield sse_event("message_delta", {"type": "message_delta",
                                               "delta": _stop(ev.result, ev.tool_calls),
-                                              "usage": anthropic_usage(ev.result)})
+                                              "usage": anthropic_usage(ev.result,
+                                                                       prepared.breakpoints)})
             yield sse_event("message_stop", {"type": "message_stop"})
             return
 
@@ -320,7 +396,7 @@ async def messages(body: MessagesRequest, request: Request) -> Any:
         "id": msg_id, "type": "message", "role": "assistant", "model": model,
         "content": content,
         **_stop(finished.result, finished.tool_calls),
-        "usage": anthropic_usage(finished.result),
+        "usage": anthropic_usage(finished.result, prepared.breakpoints),
     }
     if diagnose:
         result = finished.result

@@ -44,6 +44,7 @@ from .diagnostics import (
     TurnKey,
     TurnStore,
     cache_cause_of,
+    common_prefix,
     compare,
 )
 from .errors import APIError
@@ -152,6 +153,18 @@ class ChatPrompt:
     # the request body as sent (miss explanations name the part of it a divergence
     # falls in); never rendered
     source: Any = field(default=None, compare=False, repr=False)
+    # the client's cache breakpoints (Anthropic cache_control)
+    breakpoints: tuple[Breakpoint, ...] = ()
+
+
+@dataclass(frozen=True)
+class Breakpoint:
+    """A client's cache breakpoint: keep the prefix up to the end of the leading system
+    prompt (``message=None``: ``cache_control`` on a system block or a tool) or of
+    template message ``message``, for ``ttl_s`` seconds."""
+
+    message: int | None
+    ttl_s: float
 
 
 @dataclass(frozen=True)
@@ -199,6 +212,8 @@ class Prepared:
     divergence: Divergence = NO_PREVIOUS
     # the cache's cause of a short predicted match (with ``predicted_cached``)
     predicted_cause: str | None = None
+    # the breakpoints as token positions: ((end, ttl seconds), ...) by position
+    breakpoints: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -349,6 +364,9 @@ class Preparer:
         predicted, cause = self._predict(tokens, predict_tenant)
         if light:
             turn = None
+        dropped = len(chat.messages) - len(canonical)  # a leading billing-header message
+        bps = () if light else self._positions(chat, canonical, dropped, tokens, starts,
+                                               messages)
         return Prepared(tokens=tokens, message_starts=starts, tool_names=names,
                         tools_in_system=in_system, continues=cont,
                         in_reasoning=False if light else self._ends_in_reasoning(tokens),
@@ -357,7 +375,41 @@ class Preparer:
                         template_kwargs=kwargs, fingerprint=fingerprint,
                         divergence=self._divergence(turn, fingerprint, tokens, starts,
                                                     messages, chat.source),
-                        predicted_cause=cause)
+                        predicted_cause=cause, breakpoints=bps)
+
+    def _positions(self, chat: ChatPrompt, canonical: list[dict[str, Any]], dropped: int,
+                   tokens: list[int], starts: list[int], rendered: list[dict[str, Any]]
+                   ) -> tuple[tuple[int, float], ...]:
+        """Token positions of the breakpoints (worker thread). The end of the system
+        prompt is where rendered message 1 starts; the end of the last message is the
+        prompt's end; another message's end is where the prompt leaves a rendering of
+        the messages up to it + a placeholder message."""
+        out: dict[int, float] = {}
+        last = len(canonical) - 1
+        for bp in chat.breakpoints:
+            index = None if bp.message is None else bp.message - dropped
+            if index is not None and index < 0:
+                continue
+            if index is None or (index == 0 and canonical[0].get("role") == "system"
+                                 and last > 0):
+                if not rendered or rendered[0].get("role") != "system" or len(starts) < 2:
+                    continue
+                pos = starts[1]
+            elif index >= last:
+                pos = len(tokens)
+            else:
+                pos = self._message_end(chat, canonical[:index + 1], tokens)
+            out[pos] = max(out.get(pos, 0.0), bp.ttl_s)
+        return tuple(sorted(out.items()))
+
+    def _message_end(self, chat: ChatPrompt, head: list[dict[str, Any]],
+                     tokens: list[int]) -> int:
+        """Where the prompt leaves the rendering of ``head`` + a placeholder message:
+        the end of ``head``'s last message as this template renders it (one light
+        render)."""
+        nxt = ChatPrompt([*head, {"role": "user", "content": "Alpha (the next message)"}],
+                         chat.tools, chat.thinking)
+        return common_prefix(self._prepare(nxt, None, None, light=True).tokens, tokens)
 
     def tools_span(self, prepared: Prepared) -> tuple[int, int] | None:
         """``[start, end)`` of the tokens the tools add to ``prepared`` (worker thread):
