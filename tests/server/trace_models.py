@@ -11,6 +11,10 @@ different reply:
   reasoning markers), the reply is ``<think>Let me see</think>`` and a 48-token
   answer, and the chat template is Qwen3-like: it drops the reasoning of assistant
   turns before the last user message (``content.split('</think>')[-1]``);
+- ``agent``: the scripted reply (``Hello from the tiny model.``) with the Qwen3-like
+  template below, which renders the system prompt first and the tools after it (the
+  tiny models' ChatML template puts the tools first: a changing system prompt would
+  then cost only what follows the tools);
 - ``toolcall``: ``<tool_call>``, ``</tool_call>`` and the whole call JSON
   ``{"name":"Read","arguments":{"file_path":"README.md"}}`` become tokens, so the model
   emits a compact Hermes call; the template (the same Qwen3-like one) renders calls
@@ -35,9 +39,10 @@ ANSWER = ("Paris is the capital of France while Berlin Rome Madrid are other lar
 THINK_REPLY = ("<think>", "Let me see", "</think>", ANSWER)
 CALL_JSON = '{"name":"Read","arguments":{"file_path":"README.md"}}'
 TOOLCALL_REPLY = ("<tool_call>", CALL_JSON, "</tool_call>")
-ADDED = {"thinking": ("<think>", "</think>"),
-         "toolcall": ("<tool_call>", "</tool_call>", CALL_JSON)}
-REPLIES = {"thinking": THINK_REPLY, "toolcall": TOOLCALL_REPLY}
+ADDED: dict[str, tuple[str, ...]] = {"agent": (), "thinking": ("<think>", "</think>"),
+                                     "toolcall": ("<tool_call>", "</tool_call>", CALL_JSON)}
+REPLIES = {"agent": ("Hello from the tiny model.",), "thinking": THINK_REPLY,
+           "toolcall": TOOLCALL_REPLY}
 
 # Qwen3-like ChatML: system (+ tools), reasoning dropped from assistant turns before the
 # last user message, Hermes tool calls and tool responses.
