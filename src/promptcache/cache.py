@@ -45,6 +45,7 @@ from .cache_lower import (
     in_tiers,
     mark_in_tier,
 )
+from .cache_levels import Levels
 from .cache_types import (
     ChainCursor,
     DecodeFn,
@@ -119,6 +120,8 @@ class PromptCache:
             self.lower, self._source, self._is_live, self._lock, self._c, self._on_tier_error,
             write_through=wt_tiers, demote_timeout_s=demote_timeout_s,
         )
+        self.levels = Levels(self.pool, share=config.protect_share,
+                             active_s=config.active_session_s, persist=self._persist_first)
         self._matcher = Matcher(
             self.pool, self.lower, self.gone,
             is_expired=self._is_expired, on_tier_error=self._on_tier_error,
@@ -230,6 +233,7 @@ class PromptCache:
         spans = check_spans(extra_keys)
         with self._lock:
             self._now = self._clock()
+            self.levels.tick(self._now)
             self._expire_lru()
             raw = self._matcher.match(req, ns, spans)
             sources = [entry_tier(e) for e in raw.entries]
@@ -386,6 +390,7 @@ class PromptCache:
             nbytes=nbytes, now=self._now,
         )
         block.hits = 1
+        self.levels.on_new_block(block)
         mark_in_tier(block, self.lower.index(source), len(self.lower))
         for sid in sessions:
             block.add_session(str(sid))
@@ -453,6 +458,7 @@ class PromptCache:
             raise ValueError("payload_for must be callable")
         with self._lock:
             self._now = self._clock()
+            self.levels.tick(self._now)
             created = self._store(ns, req, num_tokens - offset, payload_for, spans,
                                   session_id, truncatable, snapshot_at_end, include_partial,
                                   offset, cursor)
@@ -517,6 +523,7 @@ class PromptCache:
                     )
                     if session_id is not None:
                         block.add_session(session_id)
+                    self.levels.on_new_block(block)
                     if truncatable:
                         self._drop_superseded(block)
                     self.gone.forget(h)
@@ -588,6 +595,98 @@ class PromptCache:
             self._c.drops += 1
         return False
 
+    # ---- levels: protection (cache breakpoints, prompt_cache_key), active sessions --
+    def protect(self, tokens: Any, ns: Namespace, num_tokens: int, ttl_s: float, *,
+                key: str | None = None, persist: bool = True,
+                extra_keys: Sequence[ExtraKeySpan] = ()) -> int:
+        """Keep the RAM blocks holding ``tokens[:num_tokens]`` from eviction for
+        ``ttl_s`` seconds (``cache_levels``): a cache breakpoint (``key`` None: renewed
+        when the same prefix is protected again) or the latest chain of ``key`` (it
+        replaces the key's previous chain). With ``persist`` the blocks are put into
+        the lower tiers at once. Protected blocks take at most ``protect_share`` of
+        the RAM budget (oldest protections give way). Returns the blocks protected."""
+        req = to_request_tokens(tokens)
+        check_ns(ns, self.config.block_size)
+        spans = check_spans(extra_keys)
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
+            raise ValueError(f"num_tokens must be a non-negative integer, got {num_tokens!r}")
+        if isinstance(ttl_s, bool) or not isinstance(ttl_s, (int, float)) or not ttl_s > 0:
+            raise ValueError(f"ttl_s must be a positive number, got {ttl_s!r}")
+        if key is not None and (not isinstance(key, str) or not key):
+            raise ValueError(f"key must be a non-empty string or None, got {key!r}")
+        with self._lock:
+            self._now = self._clock()
+            self.levels.tick(self._now)
+            chain = self._ram_chain(req, ns, spans, min(num_tokens, req.n))
+            if not chain:
+                return 0
+            claim = ("key", ns.tenant, ns.key, key) if key is not None else (
+                "breakpoint", ns.tenant, ns.key, chain[-1])
+            return self.levels.protect(claim, chain, float(ttl_s), self._now, persist=persist)
+
+    def mark_active(self, tokens: Any, ns: Namespace, session: str, *,
+                    extra_keys: Sequence[ExtraKeySpan] = ()) -> int:
+        """The RAM chain holding ``tokens`` is the latest chain of ``session`` (any
+        key the caller chooses: the server uses tenant, session and agent): evicted
+        only after idle blocks until the session is quiet for ``active_session_s``.
+        Returns the number of blocks in the chain."""
+        req = to_request_tokens(tokens)
+        check_ns(ns, self.config.block_size)
+        spans = check_spans(extra_keys)
+        if not isinstance(session, str) or not session:
+            raise ValueError(f"session must be a non-empty string, got {session!r}")
+        with self._lock:
+            self._now = self._clock()
+            self.levels.tick(self._now)
+            chain = self._ram_chain(req, ns, spans, req.n)
+            return self.levels.mark_active(("session", ns.tenant, ns.key, session), chain,
+                                           self._now)
+
+    def levels_snapshot(self) -> dict[str, Any]:
+        """Protection and session-level gauges and counters (``cache_levels``)."""
+        with self._lock:
+            self._now = self._clock()
+            self.levels.tick(self._now)
+            return self.levels.snapshot()
+
+    def _ram_chain(self, req: RequestTokens, ns: Namespace, spans: tuple[ExtraKeySpan, ...],
+                   end: int) -> list[BlockHash]:
+        """The hashes of the RAM blocks that hold ``req`` up to ``end`` (blocks starting
+        before ``end``), head first; stops at the first position RAM does not hold.
+        Where no whole block matches, the stored child holding the most of the
+        request's tokens there (a partial tail, or a longer truncatable block)."""
+        bs, parent, out = ns.block_size, ns.root, []
+        for start in range(0, end, bs):
+            stop = min(start + bs, req.n)
+            extra = extra_keys_for(spans, start, stop) if spans else ()
+            if stop - start == bs:
+                h = _matcher.block_hash(parent, req.arr[start:stop], extra)
+                block = self.pool.get(h)
+                if block is not None and block.ns == ns and block.start == start \
+                        and block.tokens == req.slice_bytes(start, stop):
+                    out.append(h)
+                    parent = h
+                    continue
+            want = req.slice_bytes(start, min(stop, end))
+            best: Block | None = None
+            for sib in self.pool.children(parent):
+                if sib.ns != ns or sib.start != start or sib.block_hash is None:
+                    continue
+                if not (sib.tokens.startswith(want)
+                        or req.slice_bytes(start, start + sib.num_tokens) == sib.tokens):
+                    continue
+                if best is None or sib.num_tokens > best.num_tokens:
+                    best = sib
+            if best is not None and best.block_hash is not None:
+                out.append(best.block_hash)
+            break
+        return out
+
+    def _persist_first(self, block: Block) -> None:
+        """A protected block goes to every lower tier at once, ahead of the write-through
+        backlog (``LowerWriter.offer_first``), not when it is evicted."""
+        self._writer.offer_first(block)
+
     # ---- eviction, deletion ----------------------------------------------------
     def evict(self, num_blocks: int | None = None) -> int:
         """Evict (demote) up to ``num_blocks`` LRU unreferenced blocks (None: all)."""
@@ -595,6 +694,7 @@ class PromptCache:
             raise ValueError(f"num_blocks must be a non-negative integer or None, got {num_blocks!r}")
         with self._lock:
             self._now = self._clock()
+            self.levels.tick(self._now)
             done = 0
             while num_blocks is None or done < num_blocks:
                 if self.pool.evict() is None:
@@ -633,6 +733,7 @@ class PromptCache:
             for block in self.pool.blocks():
                 if (tenant is None or block.ns.tenant == tenant) and self.pool.remove(block):
                     count += 1
+            self.levels.drop(lambda key: tenant is None or key[1] == tenant)
             for tier in self.lower:
                 try:
                     count += int(tier.delete_tenant(tenant))

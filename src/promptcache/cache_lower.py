@@ -198,6 +198,25 @@ class LowerWriter:
             self._c.write_through_deferred += 1
             self._wake()
 
+    def offer_first(self, block: Block) -> None:
+        """A protected block (a client's cache breakpoint, ``cache_levels``): put into
+        every lower tier that lacks it now, whatever the write policy; a tier without
+        room gets it first, ahead of the write-through blocks already waiting. Never
+        waits. Lock held."""
+        if block.block_hash is None or not self.tiers:
+            return
+        left = self._lacking(block, self._all())
+        if not left:
+            return
+        _, full, refused = self._put(block, left, 0.0)
+        if refused:
+            self._c.demotion_failures += len(refused)
+        if full:
+            self._unwritten.pop(block.block_hash, None)
+            self._unwritten = {block.block_hash: _Unwritten(block, full), **self._unwritten}
+            self._c.write_through_deferred += 1
+            self._wake()
+
     def _advance(self, entry: _Unwritten, timeout: float | None) -> None:
         _, full, refused = self._put(entry.block, self._lacking(entry.block, entry.left), timeout)
         entry.left = full

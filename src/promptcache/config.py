@@ -61,6 +61,12 @@ class CacheConfig:
     enabled: bool = True
     # a clean shutdown writes every RAM block the lower tiers lack within this time
     persist_timeout_s: float | None = 120.0
+    # share of the RAM budget that protected blocks (cache_control breakpoints,
+    # prompt_cache_key chains) may take; the oldest protections give way beyond it
+    protect_share: float = 0.25
+    # a session's latest chain is evicted only after idle chains while the session
+    # sent a request in the last this many seconds (None: no session levels)
+    active_session_s: float | None = 600.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.block_size, int) or not 1 <= self.block_size <= 4096:
@@ -71,6 +77,10 @@ class CacheConfig:
             raise ValueError(f"ttl_seconds must be > 0, got {self.ttl_seconds}")
         if self.persist_timeout_s is not None and self.persist_timeout_s < 0:
             raise ValueError(f"persist_timeout_s must be >= 0, got {self.persist_timeout_s}")
+        if not 0.0 <= self.protect_share <= 1.0:
+            raise ValueError(f"protect_share must be in [0, 1], got {self.protect_share!r}")
+        if self.active_session_s is not None and self.active_session_s <= 0:
+            raise ValueError(f"active_session_s must be > 0 or None, got {self.active_session_s!r}")
 
     def resolved_ram_budget(self) -> int:
         if self.ram_budget_bytes is not None:

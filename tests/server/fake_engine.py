@@ -60,6 +60,8 @@ class FakeCache:
         self.seqs: dict[str, list[tuple[tuple[int, ...], str | None]]] = {}
         self.lock = threading.Lock()
         self.deleted: list[Any] = []
+        self.protected: list[tuple[Any, int, float, str | None, bool]] = []
+        self.active: list[tuple[Any, int, str]] = []
 
     def match(self, tokens: tuple[int, ...], tenant: str) -> int:
         best = 0
@@ -76,6 +78,19 @@ class FakeCache:
     def store(self, tokens: tuple[int, ...], tenant: str, session: str | None) -> None:
         with self.lock:
             self.seqs.setdefault(tenant, []).append((tokens, session))
+
+    def protect(self, tokens: Any, ns: Any, num_tokens: int, ttl_s: float, *,
+                key: str | None = None, persist: bool = True) -> int:
+        """Records the protection a client asked for (PromptCache.protect)."""
+        with self.lock:
+            self.protected.append((ns, num_tokens, ttl_s, key, persist))
+        return 0
+
+    def mark_active(self, tokens: Any, ns: Any, session: str) -> int:
+        """Records a session's latest chain (PromptCache.mark_active)."""
+        with self.lock:
+            self.active.append((ns, len(tokens), session))
+        return 0
 
     def lookup(self, tokens: Any, ns: Any) -> FakeMatch:
         return FakeMatch(self.match(tuple(tokens), ns))

@@ -125,3 +125,79 @@ def test_creation_split() -> None:
         50, {"ephemeral_5m_input_tokens": 40, "ephemeral_1h_input_tokens": 10})
     assert creation(100, 99, ((60, 300.0),)) == (0, {"ephemeral_5m_input_tokens": 0,
                                                      "ephemeral_1h_input_tokens": 0})
+
+
+def sync(client: TestClient) -> None:
+    """The preparation worker runs in order: a later preparation done, so is the
+    protection queued before it."""
+    client.post("/v1/messages/count_tokens", json={"model": "default", "messages": [
+        {"role": "user", "content": "sync"}]})
+
+
+def test_breakpoints_are_protected_for_their_ttl(client: TestClient, engine: FakeEngine
+                                                 ) -> None:
+    body = {"system": [{"type": "text", "text": "Agent.", "cache_control": CC}],
+            "messages": [{"role": "user", "content": [
+                {"type": "text", "text": "hi", "cache_control": CC_1H}]}]}
+    post(client, body)
+    sync(client)
+    prompt = len(engine.submitted[-1].prompt_tokens)
+    assert engine.cache is not None
+    assert engine.cache.protected == [("default", len("<|system|>Agent.\n"), 300.0, None, True),
+                                      ("default", prompt, 3600.0, None, True)]
+    assert engine.cache.active == []  # no session header: no session level
+
+
+def test_a_session_marks_its_latest_chain_per_agent(client: TestClient, engine: FakeEngine
+                                                    ) -> None:
+    body = {"messages": [{"role": "user", "content": "hi"}]}
+    r = client.post("/v1/messages", json={"model": "default", "max_tokens": 5, **body},
+                    headers={"X-Claude-Code-Session-Id": "s1"})
+    assert r.status_code == 200
+    r = client.post("/v1/messages", json={"model": "default", "max_tokens": 5, **body},
+                    headers={"X-Claude-Code-Session-Id": "s1", "X-Claude-Code-Agent-Id": "a1",
+                             "X-Claude-Code-Parent-Agent-Id": "main"})
+    assert r.status_code == 200
+    sync(client)
+    n = len(engine.submitted[-1].prompt_tokens) + 5
+    assert engine.cache is not None
+    assert engine.cache.active == [("default", n, "s1"), ("default", n, "s1\x1fa1")]
+    assert engine.cache.protected == []
+
+
+@pytest.mark.parametrize("retention, persist", [(None, False), ("in_memory", False),
+                                                ("24h", True)])
+def test_prompt_cache_key_protects_the_turns_chain(client: TestClient, engine: FakeEngine,
+                                                   retention: str | None, persist: bool
+                                                   ) -> None:
+    body: dict[str, Any] = {"model": "default", "max_tokens": 5, "prompt_cache_key": "k1",
+                            "messages": [{"role": "user", "content": "hi"}]}
+    if retention:
+        body["prompt_cache_retention"] = retention
+    r = client.post("/v1/chat/completions", json=body, headers={"X-Tenant-Id": "t1"})
+    assert r.status_code == 200
+    sync(client)
+    n = len(engine.submitted[-1].prompt_tokens) + 5
+    assert engine.submitted[-1].session_id == "k1"
+    assert engine.cache is not None
+    assert engine.cache.protected == [("t1", n, 600.0, "k1", persist)]
+    assert engine.cache.active == [("t1", n, "k1")]
+    # the Responses API reads the same fields
+    r = client.post("/v1/responses", json={"model": "default", "input": "hi",
+                                           "max_output_tokens": 5, "prompt_cache_key": "k2",
+                                           "prompt_cache_retention": retention or "in_memory"})
+    assert r.status_code == 200
+    sync(client)
+    assert engine.cache.protected[-1][2:] == (600.0, "k2", persist)
+
+
+def test_without_a_key_nothing_is_protected_and_bad_retention_is_a_400(
+        client: TestClient, engine: FakeEngine) -> None:
+    body = {"model": "default", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]}
+    assert client.post("/v1/chat/completions", json=body).status_code == 200
+    sync(client)
+    assert engine.cache is not None and engine.cache.protected == []
+    r = client.post("/v1/chat/completions", json={**body, "prompt_cache_key": "k",
+                                                  "prompt_cache_retention": "forever"})
+    assert r.status_code == 400
+    assert "prompt_cache_retention must be one of in_memory, 24h" in r.json()["error"]["message"]

@@ -72,6 +72,16 @@ def test_reasoning_dropped_from_history_is_prefilled_in_the_background(
     assert stats["suffix_tokens"] == len(bg.prompt_tokens) - text.index("Hi there.")
     # the whole pre-rendered prefix came from the cache
     assert r2.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == len(bg.prompt_tokens)
+    # ... and was the session's latest chain until this turn (the first turn's before it)
+    assert think.cache is not None
+    assert think.cache.active[:2] == [("default", len(msgs_tokens(think)), "pre-1"),
+                                      ("default", len(bg.prompt_tokens), "pre-1")]
+
+
+def msgs_tokens(engine: FakeEngine) -> list[int]:
+    """The first turn's prompt + output tokens."""
+    first = engine.submitted[0]
+    return list(first.prompt_tokens) + engine.tokenizer.encode(THINK_REPLY)
 
 
 def test_nothing_to_do_when_the_stored_tokens_are_the_next_prefix() -> None:

@@ -48,13 +48,21 @@ def test_serve_percent_budget_and_switches(tmp_path: Path) -> None:
     assert ssd is not None and ssd.policy == "write_back"
     eng, _, _, _ = _configs("--block-size", "48", "--no-ssd")
     assert eng.prefill_chunk_tokens == 240  # a multiple of the block size
+    _, cache, _, _ = _configs("--no-ssd")
+    assert (cache.protect_share, cache.active_session_s) == (0.25, 600.0)
+    _, cache, _, _ = _configs("--no-ssd", "--protect-share", "0.5",
+                              "--session-active-minutes", "2.5")
+    assert (cache.protect_share, cache.active_session_s) == (0.5, 150.0)
+    _, cache, _, _ = _configs("--no-ssd", "--session-active-minutes", "0")
+    assert cache.active_session_s is None
 
 
 @pytest.mark.parametrize("argv", [
     ("--ram-budget", "lots"), ("--ssd-budget=-1GB",), ("--block-size", "0"),
     ("--port", "70000"), ("--api-keys-file", "/nonexistent/keys.json"),
     ("--ram-budget", "150%"), ("--hit-rate-window", "0"), ("--hit-rate-threshold", "2"),
-    ("--default-max-tokens", "0"), ("--context-window", "1"),
+    ("--default-max-tokens", "0"), ("--context-window", "1"), ("--protect-share", "1.5"),
+    ("--session-active-minutes", "-1"),
 ])
 def test_serve_bad_options(argv: tuple[str, ...], tmp_path: Path) -> None:
     with pytest.raises(ValueError):

@@ -93,6 +93,12 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                    help="do not pre-render the next turn's prefix in idle time")
     p.add_argument("--prerender-max-pending", type=int, default=4,
                    help="next-turn pre-renders queued or running at once (default 4)")
+    p.add_argument("--protect-share", type=float, default=CacheConfig.protect_share,
+                   help="share of the RAM budget that cache_control breakpoints and "
+                        "prompt_cache_key chains may keep from eviction (default 0.25)")
+    p.add_argument("--session-active-minutes", type=float, default=10.0,
+                   help="a session's latest chain is evicted only after idle chains while "
+                        "it sent a request in the last N minutes (default 10; 0: off)")
     p.add_argument("--log-requests", type=Path, default=None, metavar="DIR",
                    help="debug: write every /v1 request (secrets left out) as JSON into DIR")
     p.add_argument("--max-active", type=int, default=EngineConfig.max_active_requests,
@@ -126,9 +132,13 @@ def build_configs(args: argparse.Namespace) -> tuple[
         ram = parse_size(args.ram_budget, total=psutil.virtual_memory().available)
     if args.shutdown_persist_timeout < 0:
         raise ValueError(f"--shutdown-persist-timeout must be >= 0, got {args.shutdown_persist_timeout}")
+    if args.session_active_minutes < 0:
+        raise ValueError(f"--session-active-minutes must be >= 0, got {args.session_active_minutes}")
     cache_cfg = CacheConfig(block_size=args.block_size, ram_budget_bytes=ram,
                             enabled=not args.no_cache,
-                            persist_timeout_s=args.shutdown_persist_timeout)
+                            persist_timeout_s=args.shutdown_persist_timeout,
+                            protect_share=args.protect_share,
+                            active_session_s=args.session_active_minutes * 60.0 or None)
     ssd_cfg = None
     if not args.no_cache and not args.no_ssd:
         path = args.cache_dir if args.cache_dir is not None else SSDConfig().path

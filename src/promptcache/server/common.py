@@ -155,6 +155,9 @@ class ChatPrompt:
     source: Any = field(default=None, compare=False, repr=False)
     # the client's cache breakpoints (Anthropic cache_control)
     breakpoints: tuple[Breakpoint, ...] = ()
+    # OpenAI prompt_cache_key was sent: keep the turn's chain, ``in_memory`` (RAM) or
+    # ``24h`` (RAM + written to the lower tiers at once); None: no such request
+    retention: str | None = None
 
 
 @dataclass(frozen=True)
@@ -694,10 +697,64 @@ def after_reply(request: Request, gen: Generation, turn: TurnContext, prepared: 
     parser reads the client's echo. Schedules the next-turn pre-render (prerender.py)."""
     pre = prerenderer_of(request)
     result = gen.result
-    if pre is None or result is None:
+    if result is None:
+        return
+    claim_chain(request, gen.scope.tenant, turn.key, prepared, chat, result)
+    if pre is None:
         return
     try:
         pre.after_reply(turn.key, gen.scope.tenant, gen.scope.session_id, chat, reply,
                         prepared, result)
     except Exception:  # an optimisation: never fails the response
         log.warning("scheduling the next-turn pre-render failed", exc_info=True)
+
+
+# seconds a prompt_cache_key chain stays protected in RAM after its last turn (OpenAI:
+# in-memory retention lasts 5-10 minutes of inactivity)
+KEY_PROTECT_S = 600.0
+RETENTIONS = ("in_memory", "24h")
+
+
+def claim_chain(request: Request, tenant: str, key: TurnKey | None, prepared: Prepared,
+                chat: ChatPrompt, result: GenerationResult) -> None:
+    """Tell the cache what this turn wants kept (in the preparation worker, in order
+    with the next preparations; never on the event loop): each Anthropic breakpoint is
+    protected for its ttl (``PromptCache.protect``, persisted at once); with a
+    prompt_cache_key the turn's whole chain (prompt + output) replaces the key's
+    previous chain for ``KEY_PROTECT_S``, written to the lower tiers at once only with
+    ``prompt_cache_retention: 24h``; a turn with a session marks its chain as the
+    session's latest (``PromptCache.mark_active``)."""
+    if result.finish_reason in ("error", "cancelled"):
+        return
+    engine = request.app.state.pc.engine
+    cache = getattr(engine, "cache", None)
+    if cache is None or not hasattr(cache, "protect"):
+        return
+    breakpoints = list(prepared.breakpoints)
+    if not breakpoints and key is None:
+        return
+    tokens = list(prepared.tokens) + list(result.tokens)
+
+    def apply() -> None:
+        ns = engine.namespace(tenant)
+        for pos, ttl in breakpoints:
+            cache.protect(tokens, ns, min(pos, len(tokens)), ttl)
+        if chat.retention is not None and key is not None:
+            cache.protect(tokens, ns, len(tokens), KEY_PROTECT_S, key=key.activity,
+                          persist=chat.retention == "24h")
+        if key is not None:
+            cache.mark_active(tokens, ns, key.activity)
+
+    preparer_of(request).submit(apply)
+
+
+def retention_of(body: Any) -> str | None:
+    """``in_memory`` / ``24h`` for a request with a prompt_cache_key (the default:
+    ``in_memory``); None without one. A bad value is a 400."""
+    value = (getattr(body, "model_extra", None) or {}).get("prompt_cache_retention")
+    if value is not None and value not in RETENTIONS:
+        raise APIError(400, f"prompt_cache_retention must be one of {', '.join(RETENTIONS)}, "
+                            f"got {value!r}", param="prompt_cache_retention")
+    if getattr(body, "prompt_cache_key", None) is None:
+        return None
+    return str(value or "in_memory")

@@ -112,6 +112,13 @@ class TurnKey:
     session_id: str
     agent_id: str | None = None
 
+    @property
+    def activity(self) -> str:
+        """The cache's session key of this turn (``PromptCache.mark_active``): the
+        session and, for a subagent, its agent id, so parallel subagents keep their
+        own tails."""
+        return self.session_id if self.agent_id is None else f"{self.session_id}\x1f{self.agent_id}"
+
 
 @dataclass
 class Turn:

@@ -36,6 +36,7 @@ from .common import (
     preparer_of,
     reply_events,
     reply_parser,
+    retention_of,
     sleep_of,
     sse_data,
     start,
@@ -172,7 +173,8 @@ def chat_prompt(body: ChatCompletionRequest) -> ChatPrompt:
     """The request as a ``ChatPrompt`` (also what ``/v1/cache/probe`` renders)."""
     messages = openai_messages(body.messages)
     tools = openai_tools(body.tools) if body.tool_choice != "none" else None
-    return ChatPrompt(messages, tools, _thinking_switch(body.reasoning_effort), source=body)
+    return ChatPrompt(messages, tools, _thinking_switch(body.reasoning_effort), source=body,
+                      retention=retention_of(body))
 
 
 @router.post("/v1/chat/completions")

@@ -182,6 +182,12 @@ class PreRenderer:
                 self._queued -= 1
                 self._lock.notify_all()
 
+    def _mark_active(self, key: TurnKey, req: GenerationRequest) -> None:
+        cache = getattr(self.engine, "cache", None)
+        if cache is not None and hasattr(cache, "mark_active"):
+            cache.mark_active(list(req.prompt_tokens), self.engine.namespace(req.tenant),
+                              key.activity)
+
     # ---- back on the loop
 
     def _watch(self, slot: Any, handle: Any) -> None:
@@ -201,6 +207,8 @@ class PreRenderer:
                     del self._pending[slot]
                 if result is not None and result.finish_reason == "prefilled":
                     self.stats.done += 1
+                    if isinstance(slot, TurnKey):  # the next turn's prefix is the latest chain
+                        self.preparer.submit(self._mark_active, slot, handle.request)
                 elif result is not None and result.finish_reason == "error":
                     self.stats.failed += 1
                     log.warning("pre-render %s failed: %s", handle.request.request_id,

@@ -47,6 +47,7 @@ from .common import (
     preparer_of,
     reply_events,
     reply_parser,
+    retention_of,
     sleep_of,
     sse_event,
     start,
@@ -350,7 +351,7 @@ def chat_prompt(body: ResponsesRequest, store: ResponseStore
     if body.instructions:
         messages = [{"role": "system", "content": body.instructions}] + messages
     return conv, offered, ChatPrompt(messages, tools, _thinking_switch(body.reasoning),
-                                     source=body)
+                                     source=body, retention=retention_of(body))
 
 
 @router.post("/v1/responses")

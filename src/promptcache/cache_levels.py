@@ -1,0 +1,267 @@
+"""Which RAM blocks a client asked to keep: the eviction level of every block.
+
+``PromptCache`` owns one ``Levels``; every method runs under the cache lock. The pool
+evicts ``IDLE`` blocks first, ``ACTIVE`` ones only when no idle block is left, and
+never a ``PROTECTED`` one (``blocks.pool``). Levels come from two kinds of claims on
+chains of block hashes:
+
+* **Protections** (``protect``): an Anthropic ``cache_control`` breakpoint (the
+  chain up to the breakpoint, for its ``ttl``) or the latest chain of an OpenAI
+  ``prompt_cache_key``. A protection has a key: the same key again replaces the
+  chain and renews the ttl (a breakpoint's key is its namespace and the hash of its
+  last block, so a client that reuses a breakpoint keeps it). Protected blocks take
+  at most ``share`` of the RAM budget: when a new protection does not fit, the
+  oldest protections (by their last renewal) give way, and if the new one alone is
+  too large only its head is protected. A protection ends ``ttl`` seconds after its
+  last renewal (on the cache's clock). Protected blocks are put into the lower
+  tiers at once (``persist``), before any eviction could need them there.
+* **Active sessions** (``mark_active``): the latest chain of each session (the
+  server's key: tenant, session, agent) that sent a request in the last
+  ``active_s`` seconds. When a session moves on, the blocks of its previous chain
+  that the new one does not share become idle; so do all its blocks once it has been
+  quiet for ``active_s`` seconds. Parallel subagents are separate keys: each keeps
+  its own tail above the shared prefix.
+
+A block's level is ``PROTECTED`` while any protection covers its hash, else
+``ACTIVE`` while any active chain does, else ``IDLE``. Claims are counted per hash,
+so a block that is not in RAM (evicted before the claim, promoted later) gets its
+level when it is allocated (``on_new_block``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from .blocks.pool import ACTIVE, IDLE, PROTECTED, Block, BlockPool
+from .hashing import BlockHash
+
+# a claim's key: ("breakpoint" | "key" | "session", tenant, namespace key, ...)
+ClaimKey = tuple[Hashable, ...]
+DEFAULT_PROTECT_SHARE = 0.25
+DEFAULT_ACTIVE_S = 600.0
+
+
+@dataclass
+class _Claim:
+    hashes: tuple[BlockHash, ...]
+    until: float  # protection: expiry; session: last request + active_s
+
+
+class Levels:
+    """The claims (see the module docstring) and the levels they give the pool's blocks."""
+
+    def __init__(self, pool: BlockPool, *, share: float = DEFAULT_PROTECT_SHARE,
+                 active_s: float | None = DEFAULT_ACTIVE_S,
+                 persist: Callable[[Block], None] | None = None) -> None:
+        if not 0.0 <= share <= 1.0:
+            raise ValueError(f"protect share must be in [0, 1], got {share!r}")
+        if active_s is not None and active_s <= 0:
+            raise ValueError(f"active_s must be > 0 or None, got {active_s!r}")
+        self.pool = pool
+        self.share = share
+        self.active_s = active_s
+        self._persist = persist
+        # oldest (least recently renewed) first
+        self._prot: OrderedDict[ClaimKey, _Claim] = OrderedDict()
+        self._sessions: OrderedDict[ClaimKey, _Claim] = OrderedDict()
+        self._pcount: dict[BlockHash, int] = {}
+        self._acount: dict[BlockHash, int] = {}
+        self._next = math.inf  # the earliest ``until`` of any claim
+        self.given_way = 0  # protections dropped for a newer one (the share bound)
+        self.trimmed = 0  # protections cut to the head that fits the share
+        self.expired = 0  # protections that reached their ttl
+        self.sessions_idle = 0  # sessions quiet for active_s
+
+    # ---- queries -------------------------------------------------------------
+    @property
+    def limit_bytes(self) -> int:
+        return int(self.pool.budget_bytes * self.share)
+
+    def level_of(self, h: BlockHash) -> int:
+        if self._pcount.get(h):
+            return PROTECTED
+        if self._acount.get(h):
+            return ACTIVE
+        return IDLE
+
+    def protected_bytes(self) -> int:
+        """Bytes of the protected blocks in RAM (referenced or not)."""
+        total = 0
+        for h in self._pcount:
+            block = self.pool.get(h)
+            if block is not None:
+                total += block.nbytes
+        return total
+
+    def protections(self) -> dict[ClaimKey, tuple[tuple[BlockHash, ...], float]]:
+        """key -> (hashes, expiry), oldest first."""
+        return {k: (c.hashes, c.until) for k, c in self._prot.items()}
+
+    def active_sessions(self) -> dict[ClaimKey, tuple[tuple[BlockHash, ...], float]]:
+        """key -> (hashes, idle from), least recently active first."""
+        return {k: (c.hashes, c.until) for k, c in self._sessions.items()}
+
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            "protections": len(self._prot), "protected_blocks": len(self._pcount),
+            "protected_bytes": self.protected_bytes(), "protect_limit_bytes": self.limit_bytes,
+            "protections_given_way": self.given_way, "protections_trimmed": self.trimmed,
+            "protections_expired": self.expired, "active_sessions": len(self._sessions),
+            "active_blocks": len(self._acount), "sessions_idle": self.sessions_idle,
+        }
+
+    # ---- claims ----------------------------------------------------------------
+    def protect(self, key: ClaimKey, hashes: Iterable[BlockHash], ttl_s: float, now: float,
+                *, persist: bool = True) -> int:
+        """Protect the chain ``hashes`` under ``key`` until ``now + ttl_s`` (replacing
+        the key's previous chain); returns the number of blocks protected (the head
+        that fits the share)."""
+        if not ttl_s > 0:
+            raise ValueError(f"ttl_s must be > 0, got {ttl_s!r}")
+        chain = tuple(hashes)
+        touched: list[BlockHash] = list(chain)
+        old = self._prot.pop(key, None)
+        if old is not None:
+            touched.extend(old.hashes)
+            self._dec(self._pcount, old.hashes)
+        limit = self.limit_bytes
+        # bytes this chain adds: its blocks in RAM not protected already
+        new = [h for h in chain if not self._pcount.get(h)]
+        have = self.protected_bytes()
+        add = sum(self._nbytes(h) for h in new)
+        while have + add > limit and self._prot:
+            _, oldest = self._prot.popitem(last=False)
+            self.given_way += 1
+            touched.extend(oldest.hashes)
+            self._dec(self._pcount, oldest.hashes)
+            have = self.protected_bytes()
+            add = sum(self._nbytes(h) for h in chain if not self._pcount.get(h))
+        if have + add > limit:  # alone too large: protect the head that fits
+            kept: list[BlockHash] = []
+            total = have
+            for h in chain:
+                n = 0 if self._pcount.get(h) else self._nbytes(h)
+                if total + n > limit:
+                    break
+                total += n
+                kept.append(h)
+            chain = tuple(kept)
+            self.trimmed += 1
+        if chain:
+            self._prot[key] = _Claim(chain, now + ttl_s)
+            self._inc(self._pcount, chain)
+            self._next = min(self._next, now + ttl_s)
+        self._apply(touched)
+        if persist and self._persist is not None:
+            for h in chain:
+                block = self.pool.get(h)
+                if block is not None and not block.persisted:
+                    self._persist(block)
+        return len(chain)
+
+    def unprotect(self, key: ClaimKey) -> bool:
+        old = self._prot.pop(key, None)
+        if old is None:
+            return False
+        self._dec(self._pcount, old.hashes)
+        self._apply(old.hashes)
+        return True
+
+    def mark_active(self, key: ClaimKey, hashes: Iterable[BlockHash], now: float) -> int:
+        """``hashes`` is the latest chain of session ``key`` (a request just now)."""
+        if self.active_s is None:
+            return 0
+        chain = tuple(hashes)
+        touched: list[BlockHash] = list(chain)
+        old = self._sessions.pop(key, None)
+        if old is not None:
+            touched.extend(old.hashes)
+            self._dec(self._acount, old.hashes)
+        self._sessions[key] = _Claim(chain, now + self.active_s)
+        self._inc(self._acount, chain)
+        self._next = min(self._next, now + self.active_s)
+        self._apply(touched)
+        return len(chain)
+
+    def tick(self, now: float) -> None:
+        """End the protections past their ttl and the sessions quiet for ``active_s``."""
+        if now < self._next:
+            return
+        touched: list[BlockHash] = []
+        for claims, counts, is_prot in ((self._prot, self._pcount, True),
+                                        (self._sessions, self._acount, False)):
+            for key in [k for k, c in claims.items() if c.until <= now]:
+                claim = claims.pop(key)
+                self._dec(counts, claim.hashes)
+                touched.extend(claim.hashes)
+                if is_prot:
+                    self.expired += 1
+                else:
+                    self.sessions_idle += 1
+        self._next = min((c.until for c in (*self._prot.values(), *self._sessions.values())),
+                         default=math.inf)
+        self._apply(touched)
+
+    def on_new_block(self, block: Block) -> None:
+        """A block entered RAM (stored or promoted): give it the level its hash has."""
+        h = block.block_hash
+        if h is not None and (h in self._pcount or h in self._acount):
+            self.pool.set_level(block, self.level_of(h))
+
+    def drop(self, which: Callable[[ClaimKey], bool]) -> int:
+        """End every claim whose key ``which`` selects (a tenant's data was deleted);
+        returns how many."""
+        touched: list[BlockHash] = []
+        n = 0
+        for claims, counts in ((self._prot, self._pcount), (self._sessions, self._acount)):
+            for key in [k for k in claims if which(k)]:
+                claim = claims.pop(key)
+                self._dec(counts, claim.hashes)
+                touched.extend(claim.hashes)
+                n += 1
+        self._apply(touched)
+        return n
+
+    # ---- helpers -----------------------------------------------------------------
+    def _nbytes(self, h: BlockHash) -> int:
+        block = self.pool.get(h)
+        return block.nbytes if block is not None else 0
+
+    @staticmethod
+    def _inc(counts: dict[BlockHash, int], hashes: Iterable[BlockHash]) -> None:
+        for h in hashes:
+            counts[h] = counts.get(h, 0) + 1
+
+    @staticmethod
+    def _dec(counts: dict[BlockHash, int], hashes: Iterable[BlockHash]) -> None:
+        for h in hashes:
+            n = counts.get(h, 0) - 1
+            if n > 0:
+                counts[h] = n
+            else:
+                counts.pop(h, None)
+
+    def _apply(self, hashes: Iterable[BlockHash]) -> None:
+        """Set the levels of the blocks of ``hashes`` (chains, head first). Lowered
+        blocks enter their queue at the evict-first end, so they go head first (the
+        tail ends up evicted first); raised ones at the evict-last end, so they go
+        tail first (the head ends up kept longest): a chain loses its tail first."""
+        lowered: list[Block] = []
+        raised: list[Block] = []
+        for h in dict.fromkeys(hashes):
+            block = self.pool.get(h)
+            if block is None:
+                continue
+            level = self.level_of(h)
+            if level < block.level:
+                lowered.append(block)
+            elif level > block.level:
+                raised.append(block)
+        for block in lowered:
+            self.pool.set_level(block, self.level_of(block.block_hash))  # type: ignore[arg-type]
+        for block in reversed(raised):
+            self.pool.set_level(block, self.level_of(block.block_hash))  # type: ignore[arg-type]
