@@ -561,6 +561,8 @@ class PromptCache:
                     and block.tokens.startswith(sib.tokens)):
                 for sid in sib.sessions:
                     block.add_session(sid)
+                if sib.block_hash is not None:
+                    self.levels.supersede(sib.block_hash, block)
                 where, h = in_tiers(sib, len(self.lower)), sib.block_hash
                 if self.pool.remove(sib):
                     self._c.superseded += 1
@@ -591,6 +593,7 @@ class PromptCache:
             flags = (block.flags | SNAPSHOT) & ~(PERSISTED | ALL_TIERS)
             if self.pool.replace_payload(block, payload, nbytes, flags):
                 self._c.upgrades += 1
+                self.levels.resized(block)
                 return True
             self._c.drops += 1
         return False

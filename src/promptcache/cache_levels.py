@@ -128,40 +128,73 @@ class Levels:
         if old is not None:
             touched.extend(old.hashes)
             self._dec(self._pcount, old.hashes)
+        if chain:
+            self._prot[key] = _Claim(chain, now + ttl_s)
+            self._inc(self._pcount, chain)
+            self._next = min(self._next, now + ttl_s)
+        touched.extend(self._enforce())
+        self._apply(touched)
+        claim = self._prot.get(key)
+        if claim is None:
+            return 0
+        if persist and self._persist is not None:
+            for h in claim.hashes:
+                block = self.pool.get(h)
+                if block is not None and not block.persisted:
+                    self._persist(block)
+        return len(claim.hashes)
+
+    def _enforce(self) -> list[BlockHash]:
+        """Keep the protected bytes within the share: the oldest protections give way;
+        the last one left, if still too large, keeps the head of its chain that fits.
+        Returns the hashes that lost a protection."""
+        touched: list[BlockHash] = []
+        if not self._prot:
+            return touched
         limit = self.limit_bytes
-        # bytes this chain adds: its blocks in RAM not protected already
-        new = [h for h in chain if not self._pcount.get(h)]
         have = self.protected_bytes()
-        add = sum(self._nbytes(h) for h in new)
-        while have + add > limit and self._prot:
+        while have > limit and len(self._prot) > 1:
             _, oldest = self._prot.popitem(last=False)
             self.given_way += 1
             touched.extend(oldest.hashes)
             self._dec(self._pcount, oldest.hashes)
             have = self.protected_bytes()
-            add = sum(self._nbytes(h) for h in chain if not self._pcount.get(h))
-        if have + add > limit:  # alone too large: protect the head that fits
-            kept: list[BlockHash] = []
-            total = have
-            for h in chain:
-                n = 0 if self._pcount.get(h) else self._nbytes(h)
-                if total + n > limit:
+        if have > limit:  # one protection left: every protected hash is its
+            key, claim = next(iter(self._prot.items()))
+            kept, total = 0, 0
+            for h in claim.hashes:
+                total += self._nbytes(h)
+                if total > limit:
                     break
-                total += n
-                kept.append(h)
-            chain = tuple(kept)
+                kept += 1
+            dropped = claim.hashes[kept:]
+            self._dec(self._pcount, dropped)
+            touched.extend(dropped)
             self.trimmed += 1
-        if chain:
-            self._prot[key] = _Claim(chain, now + ttl_s)
-            self._inc(self._pcount, chain)
-            self._next = min(self._next, now + ttl_s)
-        self._apply(touched)
-        if persist and self._persist is not None:
-            for h in chain:
-                block = self.pool.get(h)
-                if block is not None and not block.persisted:
-                    self._persist(block)
-        return len(chain)
+            if kept:
+                claim.hashes = claim.hashes[:kept]
+            else:
+                del self._prot[key]
+        return touched
+
+    def supersede(self, old: BlockHash, new: Block) -> None:
+        """A partial block gave way to a longer sibling (``PromptCache._drop_superseded``):
+        the claims on the old block's hash move to the new block."""
+        h = new.block_hash
+        if h is None or (old not in self._pcount and old not in self._acount):
+            return
+        for claims, counts in ((self._prot, self._pcount), (self._sessions, self._acount)):
+            for claim in claims.values():
+                if old in claim.hashes and h not in claim.hashes:
+                    claim.hashes = tuple(h if x == old else x for x in claim.hashes)
+                    self._dec(counts, (old,))
+                    self._inc(counts, (h,))
+        self._apply([h, *self._enforce()])
+
+    def resized(self, block: Block) -> None:
+        """A protected block's payload changed size (a snapshot upgrade)."""
+        if block.block_hash is not None and self._pcount.get(block.block_hash):
+            self._apply(self._enforce())
 
     def unprotect(self, key: ClaimKey) -> bool:
         old = self._prot.pop(key, None)

@@ -7,6 +7,9 @@ from typing import Any
 
 import pytest
 from core_helpers import FakeTier, make_cache, ns_of, payload_for
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from promptcache.blocks import matcher
 from promptcache.blocks.pool import ACTIVE, IDLE, PROTECTED
@@ -157,6 +160,26 @@ def test_a_shared_prefix_is_counted_once_and_kept_while_any_breakpoint_holds_it(
     assert held(cache) == set()
 
 
+def test_a_protected_partial_tail_superseded_by_a_longer_block_passes_its_protection_on(
+        ) -> None:
+    clock = Clock()
+    cache = make(clock, protect_share=0.5)
+    short, longer = seq(1, 6), seq(1, 8)
+    store(cache, short)  # blocks [0, 4) and the partial [4, 6)
+    assert cache.protect(short, NS, 6, 300.0) == 2
+    partial = list(cache.levels.protections().values())[0][0][1]
+    store(cache, longer)  # [4, 8) supersedes the partial [4, 6)
+    assert cache.pool.get(partial) is None
+    assert list(cache.levels.protections().values()) == [(tuple(chain(longer)), 1300.0)]
+    assert [cache.pool.get(h).level for h in chain(longer)] == [PROTECTED] * 2  # type: ignore[union-attr]
+    store(cache, longer + [9, 9])
+    assert cache.mark_active(longer + [9, 9], NS, "s") == 3  # 2 blocks + a partial
+    store(cache, longer + [9, 9, 9, 9])  # supersedes that partial too
+    [(hashes, _)] = cache.levels.active_sessions().values()
+    assert hashes == tuple(chain(longer + [9, 9, 9, 9]))
+    assert cache.pool.get(hashes[2]).level == ACTIVE  # type: ignore[union-attr]
+
+
 def test_protected_blocks_are_persisted_at_once_unless_asked_not_to() -> None:
     clock = Clock()
     tier = FakeTier()
@@ -253,3 +276,78 @@ def test_no_session_levels_when_switched_off() -> None:
     store(cache, seq(1))
     assert cache.mark_active(seq(1), NS, "s") == 0
     assert [cache.pool.get(h).level for h in chain(seq(1))] == [IDLE, IDLE]  # type: ignore[union-attr]
+
+
+def tok(a: int, b: int, n: int) -> list[int]:
+    """Sequences on a small tree: a shared first block per ``a``, a tail per ``b``."""
+    return ([1000 + a] * BS + [2000 + 10 * a + b] * (3 * BS))[:n]
+
+
+LENGTHS = st.one_of(st.sampled_from([2 * BS, 3 * BS + 1, 4 * BS]), st.integers(2, 4 * BS))
+
+
+class LevelsMachine(RuleBasedStateMachine):
+    """Stores, protections, sessions, time and evictions in any order: a protected
+    block is never evicted, an active one only when no idle block is left, every
+    block's level is the one its claims give, the protected bytes stay in the share."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.clock = Clock()
+        self.violations: list[str] = []
+        self.cache = make(self.clock, blocks=12, protect_share=0.25, active_session_s=500.0,
+                          on_evict=self._evicted)
+
+    def _evicted(self, meta: Any, payload: Any) -> None:
+        level = self.cache.levels.level_of(meta.block_hash)
+        if level == PROTECTED:
+            self.violations.append(f"protected block evicted: {meta.start}")
+        if level == ACTIVE and self.cache.pool.level_order(IDLE):
+            self.violations.append(f"active block evicted before idle ones: {meta.start}")
+
+    @rule(a=st.integers(0, 1), b=st.integers(0, 1), n=LENGTHS,
+          snap=st.booleans())
+    def store(self, a: int, b: int, n: int, snap: bool) -> None:
+        self.cache.store(NS, tok(a, b, n), n, payload_for, snapshot_at_end=snap)
+
+    @rule(a=st.integers(0, 1), b=st.integers(0, 1), n=LENGTHS,
+          pos=LENGTHS, ttl=st.sampled_from([50.0, 300.0]),
+          key=st.sampled_from([None, "k1", "k2"]))
+    def protect(self, a: int, b: int, n: int, pos: int, ttl: float, key: str | None) -> None:
+        got = self.cache.protect(tok(a, b, n), NS, min(pos, n), ttl, key=key)
+        assert got <= (min(pos, n) + BS - 1) // BS
+
+    @rule(a=st.integers(0, 1), b=st.integers(0, 1), n=LENGTHS,
+          s=st.sampled_from(["s1", "s2", "s3"]))
+    def active(self, a: int, b: int, n: int, s: str) -> None:
+        self.cache.mark_active(tok(a, b, n), NS, s)
+
+    @rule(dt=st.sampled_from([1.0, 60.0, 250.0, 600.0]))
+    def advance(self, dt: float) -> None:
+        self.clock.t += dt
+
+    @rule(k=st.integers(1, 6))
+    def evict(self, k: int) -> None:
+        self.cache.evict(k)
+
+    @rule(a=st.integers(0, 1), b=st.integers(0, 1), n=LENGTHS)
+    def hit(self, a: int, b: int, n: int) -> None:
+        self.cache.release(self.cache.acquire(tok(a, b, n), NS))
+
+    @invariant()
+    def consistent(self) -> None:
+        cache = self.cache
+        cache.levels_snapshot()  # ticks the clock
+        cache.check()
+        assert self.violations == []
+        for block in cache.pool.blocks():
+            assert block.block_hash is not None
+            assert block.level == cache.levels.level_of(block.block_hash)
+        assert cache.levels.protected_bytes() <= cache.levels.limit_bytes
+        now = self.clock.t
+        for _, until in cache.levels.protections().values():
+            assert until > now
+
+
+TestLevelsMachine = LevelsMachine.TestCase
+TestLevelsMachine.settings = settings(max_examples=80, stateful_step_count=40, deadline=None)
