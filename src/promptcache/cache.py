@@ -604,7 +604,9 @@ class PromptCache:
                 extra_keys: Sequence[ExtraKeySpan] = ()) -> int:
         """Keep the RAM blocks holding ``tokens[:num_tokens]`` from eviction for
         ``ttl_s`` seconds (``cache_levels``): a cache breakpoint (``key`` None: renewed
-        when the same prefix is protected again) or the latest chain of ``key`` (it
+        when the same prefix is protected again, whatever follows it; the block that
+        holds the breakpoint is protected too, as a truncatable state restores inside
+        it) or the latest chain of ``key`` (it
         replaces the key's previous chain). With ``persist`` the blocks are put into
         the lower tiers at once. Protected blocks take at most ``protect_share`` of
         the RAM budget (oldest protections give way). Returns the blocks protected."""
@@ -620,11 +622,17 @@ class PromptCache:
         with self._lock:
             self._now = self._clock()
             self.levels.tick(self._now)
-            chain = self._ram_chain(req, ns, spans, min(num_tokens, req.n))
+            end = min(num_tokens, req.n)
+            chain = self._ram_chain(req, ns, spans, end)
             if not chain:
                 return 0
-            claim = ("key", ns.tenant, ns.key, key) if key is not None else (
-                "breakpoint", ns.tenant, ns.key, chain[-1])
+            if key is not None:
+                claim: tuple[Any, ...] = ("key", ns.tenant, ns.key, key)
+            else:  # the prefix itself: its last whole block and the tokens after it
+                whole = min(end // ns.block_size, len(chain))
+                anchor = chain[whole - 1] if whole else ns.root
+                claim = ("breakpoint", ns.tenant, ns.key, anchor,
+                         req.slice_bytes(whole * ns.block_size, end))
             return self.levels.protect(claim, chain, float(ttl_s), self._now, persist=persist)
 
     def mark_active(self, tokens: Any, ns: Namespace, session: str, *,

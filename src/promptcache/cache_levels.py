@@ -8,8 +8,9 @@ chains of block hashes:
 * **Protections** (``protect``): an Anthropic ``cache_control`` breakpoint (the
   chain up to the breakpoint, for its ``ttl``) or the latest chain of an OpenAI
   ``prompt_cache_key``. A protection has a key: the same key again replaces the
-  chain and renews the ttl (a breakpoint's key is its namespace and the hash of its
-  last block, so a client that reuses a breakpoint keeps it). Protected blocks take
+  chain and renews the ttl (a breakpoint's key is its namespace and its prefix: the
+  hash of the last whole block before it and the tokens after that, so a client that
+  reuses a breakpoint with another continuation renews it). Protected blocks take
   at most ``share`` of the RAM budget: when a new protection does not fit, the
   oldest protections (by their last renewal) give way, and if the new one alone is
   too large only its head is protected. A protection ends ``ttl`` seconds after its

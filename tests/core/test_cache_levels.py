@@ -112,6 +112,21 @@ def test_renewed_breakpoint_lasts_ttl_from_its_last_use() -> None:
     assert cache.pool.get(bp[0]) is None and cache.pool.get(bp[1]) is None
 
 
+def test_a_breakpoint_inside_a_block_is_renewed_by_another_continuation() -> None:
+    clock = Clock()
+    cache = make(clock, protect_share=0.5)
+    one, two = seq(1, 6) + [7, 7], seq(1, 6) + [8, 8]  # the breakpoint after token 6
+    store(cache, one)
+    assert cache.protect(one, NS, 6, 300.0) == 2  # the block holding it is kept too
+    clock.t += 10.0
+    store(cache, two)
+    assert cache.protect(two, NS, 6, 300.0) == 2
+    [(hashes, until)] = cache.levels.protections().values()  # the same breakpoint
+    assert (hashes, until) == (tuple(chain(two)), 1310.0)
+    assert [cache.pool.get(h).level for h in chain(one)] == [PROTECTED, IDLE]  # type: ignore[union-attr]
+    assert cache.lookup(seq(1, 6) + [9, 9], NS).num_tokens == 6
+
+
 def test_protected_share_is_bounded_and_the_oldest_give_way() -> None:
     clock = Clock()
     cache = make(clock, protect_share=0.2)  # 4 of 20 blocks

@@ -32,8 +32,10 @@ class Clock:
 
 def make_cache(block_size: int = 8, budget: int = 64 * 1024**2, *,
                ttl_seconds: float | None = None, clock: Clock | None = None,
+               protect_share: float = 0.25, active_session_s: float | None = 600.0,
                **kw: Any) -> PromptCache:
-    cfg = CacheConfig(block_size=block_size, ram_budget_bytes=budget, ttl_seconds=ttl_seconds)
+    cfg = CacheConfig(block_size=block_size, ram_budget_bytes=budget, ttl_seconds=ttl_seconds,
+                      protect_share=protect_share, active_session_s=active_session_s)
     return PromptCache(cfg, adapter=MLXPayloadAdapter(), clock=clock or Clock(), **kw)
 
 

@@ -31,8 +31,11 @@ def cache_stats_dict(engine: Any) -> dict[str, Any] | None:
     if cache is None:
         return None
     stats = cache.stats()
-    data = stats.to_dict() if hasattr(stats, "to_dict") else dict(stats)
-    return dict(data)
+    data = dict(stats.to_dict() if hasattr(stats, "to_dict") else dict(stats))
+    levels = getattr(cache, "levels_snapshot", None)
+    if levels is not None:  # protections and active sessions (cache_levels.py)
+        data["levels"] = levels()
+    return data
 
 
 def engine_stats_dict(engine: Any) -> dict[str, Any] | None:
