@@ -619,11 +619,12 @@ class PromptCache:
             raise ValueError(f"ttl_s must be a positive number, got {ttl_s!r}")
         if key is not None and (not isinstance(key, str) or not key):
             raise ValueError(f"key must be a non-empty string or None, got {key!r}")
+        end = min(num_tokens, req.n)
+        full = self._full_hashes(req, ns, spans, end)
         with self._lock:
             self._now = self._clock()
             self.levels.tick(self._now)
-            end = min(num_tokens, req.n)
-            chain = self._ram_chain(req, ns, spans, end)
+            chain = self._ram_chain(req, ns, spans, end, full)
             if not chain:
                 return 0
             if key is not None:
@@ -646,10 +647,11 @@ class PromptCache:
         spans = check_spans(extra_keys)
         if not isinstance(session, str) or not session:
             raise ValueError(f"session must be a non-empty string, got {session!r}")
+        full = self._full_hashes(req, ns, spans, req.n)
         with self._lock:
             self._now = self._clock()
             self.levels.tick(self._now)
-            chain = self._ram_chain(req, ns, spans, req.n)
+            chain = self._ram_chain(req, ns, spans, req.n, full)
             return self.levels.mark_active(("session", ns.tenant, ns.key, session), chain,
                                            self._now)
 
@@ -660,18 +662,30 @@ class PromptCache:
             self.levels.tick(self._now)
             return self.levels.snapshot()
 
+    @staticmethod
+    def _full_hashes(req: RequestTokens, ns: Namespace, spans: tuple[ExtraKeySpan, ...],
+                     end: int) -> list[BlockHash]:
+        """The chained hashes of the whole blocks of ``req`` that start before ``end``
+        (no lock needed: pure hashing, done before the cache lock is taken)."""
+        bs, parent, out = ns.block_size, ns.root, []
+        for start in range(0, min(end, req.n - req.n % bs), bs):
+            extra = extra_keys_for(spans, start, start + bs) if spans else ()
+            parent = _matcher.block_hash(parent, req.arr[start:start + bs], extra)
+            out.append(parent)
+        return out
+
     def _ram_chain(self, req: RequestTokens, ns: Namespace, spans: tuple[ExtraKeySpan, ...],
-                   end: int) -> list[BlockHash]:
+                   end: int, full: list[BlockHash]) -> list[BlockHash]:
         """The hashes of the RAM blocks that hold ``req`` up to ``end`` (blocks starting
         before ``end``), head first; stops at the first position RAM does not hold.
-        Where no whole block matches, the stored child holding the most of the
-        request's tokens there (a partial tail, or a longer truncatable block)."""
+        ``full``: ``_full_hashes``. Where no whole block matches, the stored child
+        holding the most of the request's tokens there (a partial tail, or a longer
+        truncatable block)."""
         bs, parent, out = ns.block_size, ns.root, []
-        for start in range(0, end, bs):
+        for i, start in enumerate(range(0, end, bs)):
             stop = min(start + bs, req.n)
-            extra = extra_keys_for(spans, start, stop) if spans else ()
-            if stop - start == bs:
-                h = _matcher.block_hash(parent, req.arr[start:stop], extra)
+            if i < len(full):
+                h = full[i]
                 block = self.pool.get(h)
                 if block is not None and block.ns == ns and block.start == start \
                         and block.tokens == req.slice_bytes(start, stop):
