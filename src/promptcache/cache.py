@@ -36,6 +36,7 @@ from .blocks.matcher import (
 )
 from .blocks.pool import PERSISTED, SNAPSHOT, TRUNCATABLE, Block, BlockPool
 from .blocks.tokens import RequestTokens, to_request_tokens
+from .cache_levels import Levels
 from .cache_lower import (
     ALL_TIERS,
     DEMOTE_TIMEOUT_S,
@@ -45,7 +46,6 @@ from .cache_lower import (
     in_tiers,
     mark_in_tier,
 )
-from .cache_levels import Levels
 from .cache_types import (
     ChainCursor,
     DecodeFn,
@@ -707,10 +707,10 @@ class PromptCache:
             break
         return out
 
-    def _persist_first(self, block: Block) -> None:
-        """A protected block goes to every lower tier at once, ahead of the write-through
-        backlog (``LowerWriter.offer_first``), not when it is evicted."""
-        self._writer.offer_first(block)
+    def _persist_first(self, blocks: list[Block]) -> None:
+        """Protected blocks go to every lower tier at once, ahead of the write-through
+        backlog (``LowerWriter.offer_first``), not when they are evicted."""
+        self._writer.offer_first(blocks)
 
     # ---- eviction, deletion ----------------------------------------------------
     def evict(self, num_blocks: int | None = None) -> int:

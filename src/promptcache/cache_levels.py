@@ -57,7 +57,7 @@ class Levels:
 
     def __init__(self, pool: BlockPool, *, share: float = DEFAULT_PROTECT_SHARE,
                  active_s: float | None = DEFAULT_ACTIVE_S,
-                 persist: Callable[[Block], None] | None = None) -> None:
+                 persist: Callable[[list[Block]], None] | None = None) -> None:
         if not 0.0 <= share <= 1.0:
             raise ValueError(f"protect share must be in [0, 1], got {share!r}")
         if active_s is not None and active_s <= 0:
@@ -139,10 +139,10 @@ class Levels:
         if claim is None:
             return 0
         if persist and self._persist is not None:
-            for h in claim.hashes:
-                block = self.pool.get(h)
-                if block is not None and not block.persisted:
-                    self._persist(block)
+            blocks = [b for b in map(self.pool.get, claim.hashes)
+                      if b is not None and not b.persisted]
+            if blocks:
+                self._persist(blocks)
         return len(claim.hashes)
 
     def _enforce(self) -> list[BlockHash]:

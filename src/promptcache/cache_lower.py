@@ -198,23 +198,34 @@ class LowerWriter:
             self._c.write_through_deferred += 1
             self._wake()
 
-    def offer_first(self, block: Block) -> None:
-        """A protected block (a client's cache breakpoint, ``cache_levels``): put into
-        every lower tier that lacks it now, whatever the write policy; a tier without
-        room gets it first, ahead of the write-through blocks already waiting. Never
-        waits. Lock held."""
-        if block.block_hash is None or not self.tiers:
+    def offer_first(self, blocks: Sequence[Block]) -> None:
+        """Protected blocks (a client's cache breakpoint, ``cache_levels``), head first:
+        each is put into every lower tier that lacks it now, whatever the write policy;
+        for a tier without room they wait first, in their order, ahead of the
+        write-through blocks already waiting. Never waits. Lock held."""
+        if not self.tiers:
             return
-        left = self._lacking(block, self._all())
-        if not left:
-            return
-        _, full, refused = self._put(block, left, 0.0)
-        if refused:
-            self._c.demotion_failures += len(refused)
-        if full:
-            self._unwritten.pop(block.block_hash, None)
-            self._unwritten = {block.block_hash: _Unwritten(block, full), **self._unwritten}
-            self._c.write_through_deferred += 1
+        waiting: dict[BlockHash, _Unwritten] = {}
+        for block in blocks:
+            if block.block_hash is None:
+                continue
+            left = self._lacking(block, self._all())
+            if not left:
+                continue
+            if waiting:  # behind the protected blocks before it: the order is kept
+                self._unwritten.pop(block.block_hash, None)
+                waiting[block.block_hash] = _Unwritten(block, left)
+                self._c.write_through_deferred += 1
+                continue
+            _, full, refused = self._put(block, left, 0.0)
+            if refused:
+                self._c.demotion_failures += len(refused)
+            if full:
+                self._unwritten.pop(block.block_hash, None)
+                waiting[block.block_hash] = _Unwritten(block, full)
+                self._c.write_through_deferred += 1
+        if waiting:
+            self._unwritten = {**waiting, **self._unwritten}
             self._wake()
 
     def _advance(self, entry: _Unwritten, timeout: float | None) -> None:

@@ -215,3 +215,35 @@ def test_per_tier_policy_with_a_full_write_through_queue():
     assert len(back.blocks) == 7 and len(through.put_timeouts) == 7
     assert cache.stats().persist_failures == 0
     cache.close()
+
+
+def test_protected_blocks_are_written_first_ahead_of_the_write_through_backlog():
+    tier = QueueTier(capacity=2)
+    cache = make_cache(lower=[tier], write_through=True)
+    cache.store(NS, seq(3), 12, payload_for)  # 2 accepted, 1 waits
+    cache.store(NS, seq(3, first=100), 12, payload_for)  # 3 wait behind it
+    cache.store(NS, seq(3, first=200), 12, payload_for)  # 3 more
+    assert cache.stats().unwritten_blocks == 7
+    assert cache.protect(seq(3, first=200), NS, 8, 300.0) == 2  # a breakpoint: 2 blocks
+    assert cache.stats().unwritten_blocks == 7
+    tier.gate.set()
+    assert cache.flush() is True
+    # the two queued first, then the breakpoint's blocks, then the backlog in its order
+    written = [(m.start, m.token_ids[0]) for m, _, _ in tier.blocks.values()]  # in order
+    assert written == [(0, 1), (4, 5), (0, 200), (4, 204),
+                       (8, 9), (0, 100), (4, 104), (8, 108), (8, 208)]
+    cache.close()
+
+
+def test_protected_blocks_go_to_write_back_tiers_at_once():
+    tier = QueueTier(capacity=8)
+    cache = make_cache(lower=[tier])  # write-back: nothing is written at store
+    cache.store(NS, seq(3), 12, payload_for)
+    assert cache.stats().unwritten_blocks == 0 and tier.queue == []
+    cache.protect(seq(3), NS, 12, 300.0, persist=False)
+    assert tier.queue == []
+    cache.protect(seq(3), NS, 12, 300.0)
+    assert [m.start for m, _, _ in tier.queue] == [0, 4, 8]
+    tier.gate.set()
+    assert cache.flush() is True
+    cache.close()
