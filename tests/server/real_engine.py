@@ -9,12 +9,8 @@ from typing import Any
 from promptcache.cache import PromptCache
 from promptcache.config import CacheConfig, EngineConfig
 from promptcache.engine.engine import Engine
+from promptcache.engine.models.loader import load_model
 from promptcache.engine.payload import MLXPayloadAdapter
-
-try:  # the model loader moved into engine/models/ with the batched engine
-    from promptcache.engine.models.loader import load_model  # type: ignore[import-not-found]
-except ImportError:  # pragma: no cover - before that move
-    from promptcache.engine.loader import load_model
 
 
 class Clock:
