@@ -34,12 +34,14 @@ from ..errors import EngineDeadError, RequestError
 from ..meta import DEFAULT_TENANT, Namespace, validate_tenant
 from . import adapters, constrained
 from .admission import Admission, Ticket
-from .api import GenerationRequest, GenerationResult, SamplingParams, Usage
+from .api import GenerationRequest, GenerationResult, SamplingParams, Usage, VisionInfo
 from .chat_format import ChatFormat, chat_format_of
 from .handles import RequestHandle
 from .request import EngineContext, EngineCounters, LogitsHook, Processor, Request, validate_request
 from .scheduler import Scheduler
 from .templates import ChatTemplate
+from .vision import VisionEncoder
+from .vision_cache import VisionCache
 
 logger = logging.getLogger(__name__)
 
@@ -110,8 +112,11 @@ class Engine:
         cache_config: CacheConfig | None = None,
         cache: Any | None = None,
         logits_hook: LogitsHook | None = None,
+        vision: VisionEncoder | None = None,
     ) -> None:
         self.model = model
+        # a vision-language model's image encoder (None: a text-only model)
+        self.vision_encoder = vision
         self.tokenizer = tokenizer
         self.model_id = model_id
         self.fingerprint = fingerprint
@@ -142,7 +147,7 @@ class Engine:
             model=model, tokenizer=tokenizer, config=cfg, context_length=context_length,
             vocab_size=vocab_size, eos_token_ids=frozenset(int(t) for t in eos), cache=cache,
             namespace_for=self.namespace if cache is not None else None, block_size=bs,
-            counters=self.counters, logits_hook=logits_hook,
+            counters=self.counters, logits_hook=logits_hook, vision=vision,
         )
         self.row_bytes = kv_row_bytes(model)
         self.admission = Admission(cfg.max_active_requests, cfg.max_queued_requests,
@@ -169,19 +174,23 @@ class Engine:
         *,
         cache: Any | None = None,
         logits_hook: LogitsHook | None = None,
+        vision_cache: VisionCache | None = None,
     ) -> Engine:
         """Load a model folder or Hugging Face repo id. ``cache``: a PromptCache built
-        by the caller (with ``engine.payload.MLXPayloadAdapter``), or None."""
-        from .models.loader import load_model
+        by the caller (with ``engine.payload.MLXPayloadAdapter``), or None. A
+        vision-language model folder (config with ``vision_config``) is loaded through
+        mlx-vlm (``models/vlm.py``); ``vision_cache`` then caches its image features."""
+        from .models.loader import load_model_or_vlm
 
-        model, tokenizer, info = load_model(model_path)
+        model, tokenizer, info, tower = load_model_or_vlm(model_path)
+        vision = VisionEncoder(tower, vision_cache) if tower is not None else None
         cfg = info.config
         vocab = cfg.get("vocab_size") or (cfg.get("text_config") or {}).get("vocab_size")
         return cls(
             model, tokenizer, model_id=info.model_id, fingerprint=info.fingerprint,
             context_length=info.context_length, vocab_size=int(vocab or 2**32),
             engine_config=engine_config, cache_config=cache_config, cache=cache,
-            logits_hook=logits_hook,
+            logits_hook=logits_hook, vision=vision,
         )
 
     def namespace(self, tenant: str = DEFAULT_TENANT) -> Namespace:
@@ -193,6 +202,12 @@ class Engine:
         return ns
 
     # ------------------------------------------------------------------ chat templates
+
+    @property
+    def vision(self) -> VisionInfo | None:
+        """Image token, placeholder tokens per image and preprocessing settings of a
+        vision-language model; None for a text-only model (images are a 400)."""
+        return self.vision_encoder.info if self.vision_encoder is not None else None
 
     @property
     def chat_format(self) -> ChatFormat:
@@ -311,6 +326,8 @@ class Engine:
 
     def stats(self) -> dict[str, Any]:
         out: dict[str, Any] = {"engine": self.engine_stats()}
+        if self.vision_encoder is not None:
+            out["vision"] = self.vision_encoder.stats()
         if self.cache is not None:
             try:
                 out["cache"] = self.cache.stats().to_dict()
