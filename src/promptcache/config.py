@@ -192,6 +192,24 @@ class EngineConfig:
 
 
 @dataclass(frozen=True)
+class ImageLimits:
+    """Image inputs of vision-language models (``server/images.py``)."""
+
+    max_bytes: int = 20 * 1024 * 1024  # encoded size of one image
+    max_pixels: int = 40_000_000  # width x height, checked from the header before decoding
+    max_images: int = 16  # per request (the whole conversation's images)
+    allow_local_files: bool = False  # absolute paths / file:// URLs
+    allow_urls: bool = False  # fetch http(s) URLs
+    fetch_timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.max_bytes <= 0 or self.max_pixels <= 0 or self.max_images < 0:
+            raise ValueError("image limits must be positive")
+        if not self.fetch_timeout_s > 0:
+            raise ValueError(f"fetch_timeout_s must be > 0, got {self.fetch_timeout_s}")
+
+
+@dataclass(frozen=True)
 class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8080
@@ -211,6 +229,7 @@ class ServerConfig:
     log_requests_dir: Path | None = None
     # responses kept for previous_response_id / GET /v1/responses/{id} (bounded, in RAM)
     responses_store_size: int = 256
+    images: ImageLimits = field(default_factory=ImageLimits)
 
     def __post_init__(self) -> None:
         if self.context_window is not None and self.context_window < 2:

@@ -55,6 +55,7 @@ from .common import (
     state_of,
 )
 from .errors import APIError
+from .images import ImageCollector
 from .prompt import anthropic_messages, anthropic_tools
 from .reasoning import Piece, ReplyParser
 from .runner import Generation, ServerState, cache_creation_tokens
@@ -124,8 +125,9 @@ def _thinking_switch(thinking: dict[str, Any] | None) -> bool | None:
     return THINKING_TYPES[kind]
 
 
-def _chat_prompt(body: MessagesRequest | CountTokensRequest) -> ChatPrompt:
-    msgs = anthropic_messages(body.messages, body.system)
+def _chat_prompt(body: MessagesRequest | CountTokensRequest,
+                 images: ImageCollector | None = None) -> ChatPrompt:
+    msgs = anthropic_messages(body.messages, body.system, images)
     tools = anthropic_tools(body.tools)
     choice = getattr(body, "tool_choice", None)
     if choice is not None:
@@ -135,7 +137,7 @@ def _chat_prompt(body: MessagesRequest | CountTokensRequest) -> ChatPrompt:
                                 f"got {kind!r}", param="tool_choice")
         if kind == "none":
             tools = None
-    return ChatPrompt(msgs, tools, _thinking_switch(body.thinking))
+    return ChatPrompt(msgs, tools, _thinking_switch(body.thinking), images)
 
 
 class _Blocks:
@@ -251,7 +253,7 @@ async def messages(body: MessagesRequest, request: Request) -> Any:
         raise APIError(400, f"temperature must be in [0, 1], got {body.temperature}",
                        param="temperature")
     scope = request.state.pc_scope
-    chat = _chat_prompt(body)
+    chat = _chat_prompt(body, st.image_collector())
     prepared = await preparer_of(request).prepare(
         chat, predict_tenant=scope.tenant if body.stream else None)
     max_tokens = plan_max_tokens(st, "anthropic", len(prepared.tokens), body.max_tokens)
@@ -259,7 +261,7 @@ async def messages(body: MessagesRequest, request: Request) -> Any:
                            top_p=body.top_p, seed=None, stop=body.stop_sequences,
                            top_k=body.top_k)
     gen = st.start("anthropic", request, scope, prepared.tokens, sampling,
-                   prepared.message_starts)
+                   prepared.message_starts, prepared.images)
     parser = reply_parser(prepared)
     msg_id = f"msg_{uuid.uuid4().hex[:24]}"
     if body.stream:
@@ -282,5 +284,5 @@ async def messages(body: MessagesRequest, request: Request) -> Any:
 async def count_tokens(body: CountTokensRequest, request: Request) -> dict[str, int]:
     st = state_of(request)
     st.check_model(body.model)
-    n = await preparer_of(request).count(_chat_prompt(body))
+    n = await preparer_of(request).count(_chat_prompt(body, st.image_collector()))
     return {"input_tokens": n}

@@ -25,14 +25,21 @@ import logging
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from fastapi import Request
 
-from ..engine.api import GenerationResult, TokenEvent
+from ..engine.api import (
+    GenerationResult,
+    ImageInput,
+    TokenEvent,
+    expand_placeholders,
+    image_extra_keys,
+)
 from ..engine.chat_format import ChatFormat
 from .errors import APIError
+from .images import ImageCollector
 from .prompt import place_system_messages, tools_into_system
 from .reasoning import Piece, ReplyParser
 from .runner import Generation, ServerState, unstreamed_tail
@@ -135,6 +142,8 @@ class ChatPrompt:
     # the request's reasoning switch (Anthropic ``thinking``, Responses ``reasoning``):
     # None = the template's default
     thinking: bool | None = None
+    # the images of a vision-language prompt (decoded in the worker thread), else None
+    images: ImageCollector | None = None
 
 
 @dataclass(frozen=True)
@@ -151,6 +160,8 @@ class Prepared:
     # cache lookup for a streamed usage prediction (0 when not asked or no cache)
     predicted_cached: int
     chat_format: ChatFormat
+    # decoded images with their placeholder spans (``tokens`` holds the placeholders)
+    images: tuple[ImageInput, ...] = field(default=())
 
 
 @dataclass(frozen=True)
@@ -264,11 +275,20 @@ class Preparer:
         except Exception as e:  # jinja TemplateError & co: caused by the request's messages
             raise APIError(400, f"cannot render the chat template for these messages: {e}",
                            code="invalid_messages", param="messages") from e
+        images: tuple[ImageInput, ...] = ()
+        if chat.images is not None and chat.images.sources:
+            decoded = chat.images.decode()  # APIError 400 for a bad image
+            try:
+                tokens, new_starts, images = expand_placeholders(
+                    tokens, starts, chat.images.info, decoded)
+            except ValueError as e:
+                raise APIError(400, str(e), code="invalid_image", param="messages") from None
+            starts = list(new_starts)
         return Prepared(tokens=tokens, message_starts=starts, tool_names=names,
                         tools_in_system=in_system, continues=cont,
                         in_reasoning=self._ends_in_reasoning(tokens),
-                        predicted_cached=self._predict(tokens, predict_tenant),
-                        chat_format=self.chat_format)
+                        predicted_cached=self._predict(tokens, predict_tenant, images),
+                        chat_format=self.chat_format, images=images)
 
     def _ends_in_reasoning(self, tokens: list[int]) -> bool:
         cf = self.chat_format
@@ -280,12 +300,15 @@ class Preparer:
             return False
         return tail.rfind(cf.think_start or "") > tail.rfind(cf.think_end or "")
 
-    def _predict(self, tokens: list[int], tenant: str | None) -> int:
+    def _predict(self, tokens: list[int], tenant: str | None,
+                 images: tuple[ImageInput, ...] = ()) -> int:
         cache = getattr(self.engine, "cache", None)
         if tenant is None or cache is None:
             return 0
         try:
-            match = cache.lookup(tokens, self.engine.namespace(tenant))
+            ns = self.engine.namespace(tenant)
+            match = (cache.lookup(tokens, ns, image_extra_keys(images)) if images
+                     else cache.lookup(tokens, ns))
             return max(0, min(int(match.num_tokens), len(tokens) - 1))
         except Exception:  # a prediction only; never fails the request
             log.debug("cache lookup for the usage prediction failed", exc_info=True)

@@ -152,11 +152,12 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     if body.n not in (None, 1):
         raise APIError(400, "only n=1 is supported", param="n")
     k = _logprobs_k(body.logprobs, body.top_logprobs)
-    messages = openai_messages(body.messages)
+    images = st.image_collector()
+    messages = openai_messages(body.messages, images)
     tools = openai_tools(body.tools) if body.tool_choice != "none" else None
     scope = request.state.pc_scope.with_session(body.prompt_cache_key, "prompt_cache_key")
     prepared = await preparer_of(request).prepare(
-        ChatPrompt(messages, tools, _thinking_switch(body.reasoning_effort)))
+        ChatPrompt(messages, tools, _thinking_switch(body.reasoning_effort), images))
     requested = body.max_completion_tokens if body.max_completion_tokens is not None \
         else body.max_tokens
     param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
@@ -164,7 +165,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     sampling = st.sampling(max_tokens=max_tokens, temperature=body.temperature,
                            top_p=body.top_p, seed=body.seed, stop=body.stop, logprobs=k)
     gen = st.start("openai", request, scope, prepared.tokens, sampling,
-                   prepared.message_starts)
+                   prepared.message_starts, prepared.images)
     parser = reply_parser(prepared)
     decoder = LogprobDecoder(st.engine.tokenizer) if k is not None else None
     cid = f"chatcmpl-{uuid.uuid4().hex[:24]}"

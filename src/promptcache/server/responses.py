@@ -339,6 +339,8 @@ async def create_response(body: ResponsesRequest, request: Request) -> Any:
         if prev is None:
             raise _not_found(body.previous_response_id, "previous_response_id")
         conv = prev.conversation.copy()
+    if conv.images is None:
+        conv.images = st.image_collector()
     conv.add_input(body.input, store)
     offered = responses_tools(body.tools)
     tools = offered.tools if body.tool_choice != "none" else None
@@ -347,14 +349,14 @@ async def create_response(body: ResponsesRequest, request: Request) -> Any:
         messages = [{"role": "system", "content": body.instructions}] + messages
     scope = request.state.pc_scope.with_session(body.prompt_cache_key, "prompt_cache_key")
     prepared = await preparer_of(request).prepare(
-        ChatPrompt(messages, tools, _thinking_switch(body.reasoning)))
+        ChatPrompt(messages, tools, _thinking_switch(body.reasoning), conv.images))
     max_tokens = plan_max_tokens(st, "openai", len(prepared.tokens), body.max_output_tokens,
                                  "max_output_tokens")
     k = body.top_logprobs
     sampling = st.sampling(max_tokens=max_tokens, temperature=body.temperature,
                            top_p=body.top_p, seed=None, stop=None, logprobs=k)
     gen = st.start("responses", request, scope, prepared.tokens, sampling,
-                   prepared.message_starts)
+                   prepared.message_starts, prepared.images)
     decoder = LogprobDecoder(st.engine.tokenizer) if k is not None else None
     call = _Call(st, body, model, conv, offered, store, decoder)
     reply = _Reply(offered, decoder)
