@@ -81,6 +81,9 @@ async def cache_stats(request: Request) -> dict[str, Any]:
         "rolling": st.monitor.snapshot(),
         "alert": {"active": st.monitor.alerting, "threshold": st.monitor.threshold},
     }
+    vision = getattr(st.engine, "vision_encoder", None)
+    if vision is not None:  # a vision-language model: the vision-embedding cache's line
+        out["vision"] = vision.stats()
     if error:
         out["error"] = error
     return out
