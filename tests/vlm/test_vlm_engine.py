@@ -236,3 +236,19 @@ def test_digest_depends_on_pixels_and_settings_not_encoding():
     b[0, 0, 0] ^= 1
     assert image_digest(a, "s") != image_digest(b, "s")
     assert image_digest(a, "s") != image_digest(a.reshape(48, 40, 3), "s")
+
+
+def test_image_requests_batched_together_equal_alone(tiny_vlm_path, reference):
+    """Three image prompts in flight at once (prefill interleaved, decode batched)."""
+    eng = make(tiny_vlm_path)
+    try:
+        prompts = [(TURN1, [A]), ([{"role": "user", "content": "Two: <image> <image>"}], [B, C]),
+                   ([{"role": "user", "content": "Just text, no picture."}], [])]
+        handles = [eng.submit(request(eng, m, ims, max_tokens=8)) for m, ims in prompts]
+        results = [h.result() for h in handles]
+        assert eng.engine_stats()["max_batch"] >= 2
+        for (m, ims), got in zip(prompts, results, strict=True):
+            assert got.error is None
+            assert got.tokens == run(reference, m, ims, max_tokens=8).tokens
+    finally:
+        eng.close()

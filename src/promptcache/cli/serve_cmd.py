@@ -23,8 +23,20 @@ import signal
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from ..config import CacheConfig, EngineConfig, RedisConfig, ServerConfig, SSDConfig, parse_size
+from ..config import (
+    CacheConfig,
+    EngineConfig,
+    ImageLimits,
+    RedisConfig,
+    ServerConfig,
+    SSDConfig,
+    parse_size,
+)
+
+if TYPE_CHECKING:
+    from ..engine.vision_cache import VisionCache
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +108,21 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                    help="bytes of KV the active requests may hold (batch padding included): "
                         "2GB or a %% of available RAM (default 10%%; the RAM tier budget is "
                         "separate, so KV memory stays under ram-budget + kv-budget)")
+    g = p.add_argument_group("images (vision-language models, promptcache[vlm])")
+    g.add_argument("--allow-local-images", action="store_true",
+                   help="read image parts that name a local file (absolute path / file://)")
+    g.add_argument("--allow-image-urls", action="store_true",
+                   help="fetch http(s) image URLs (within --max-image-bytes, 10 s timeout)")
+    g.add_argument("--max-images", type=int, default=ImageLimits.max_images,
+                   help="images per request")
+    g.add_argument("--max-image-bytes", default="20MB", help="encoded size of one image")
+    g.add_argument("--max-image-pixels", type=int, default=ImageLimits.max_pixels,
+                   help="width x height of one image (checked before decoding)")
+    g.add_argument("--vision-cache-budget", default="256MB",
+                   help="RAM for cached vision features (digest -> features); 0 disables")
+    g.add_argument("--vision-cache-dir", type=Path, default=None,
+                   help="folder for persisted vision features (default: <cache-dir>-vision "
+                        "when the SSD tier is on)")
     p.add_argument("--log-level", default="info",
                    choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=run)
@@ -150,8 +177,29 @@ def build_configs(args: argparse.Namespace) -> tuple[
                               hit_rate_alert_threshold=args.hit_rate_threshold,
                               context_window=args.context_window,
                               max_tokens_overflow=args.max_tokens_overflow,
-                              log_requests_dir=args.log_requests)
+                              log_requests_dir=args.log_requests,
+                              images=ImageLimits(
+                                  max_bytes=parse_size(args.max_image_bytes),
+                                  max_pixels=args.max_image_pixels,
+                                  max_images=args.max_images,
+                                  allow_local_files=args.allow_local_images,
+                                  allow_urls=args.allow_image_urls))
     return engine_cfg, cache_cfg, ssd_cfg, server_cfg
+
+
+def build_vision_cache(args: argparse.Namespace, ssd_cfg: SSDConfig | None
+                       ) -> VisionCache | None:
+    """The vision-embedding cache (used only if the model is a VLM): RAM budget, and a
+    folder beside the SSD tier's (or ``--vision-cache-dir``)."""
+    budget = parse_size(args.vision_cache_budget)
+    if args.no_cache or budget <= 0:
+        return None
+    from ..engine.vision_cache import VisionCache
+
+    folder = args.vision_cache_dir
+    if folder is None and ssd_cfg is not None:
+        folder = Path(str(ssd_cfg.path) + "-vision")
+    return VisionCache(budget, folder)
 
 
 def build_redis_config(args: argparse.Namespace) -> RedisConfig | None:
@@ -188,7 +236,8 @@ def run(args: argparse.Namespace) -> int:
         model = str(ensure_default_model())
     print(f"promptcache: loading {model}", file=sys.stderr)
     engine = Engine.load(model, engine_cfg, cache_cfg,
-                         cache=build_cache(cache_cfg, ssd_cfg, redis_cfg))
+                         cache=build_cache(cache_cfg, ssd_cfg, redis_cfg),
+                         vision_cache=build_vision_cache(args, ssd_cfg))
     if server_cfg.context_window and server_cfg.context_window > engine.context_length:
         log.warning("--context-window %d is larger than the model's window (%d); using %d",
                     server_cfg.context_window, engine.context_length, engine.context_length)

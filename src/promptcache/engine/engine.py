@@ -183,7 +183,11 @@ class Engine:
         from .models.loader import load_model_or_vlm
 
         model, tokenizer, info, tower = load_model_or_vlm(model_path)
-        vision = VisionEncoder(tower, vision_cache) if tower is not None else None
+        vision = None
+        if tower is not None:
+            if vision_cache is not None:
+                vision_cache.bind_model(info.fingerprint)
+            vision = VisionEncoder(tower, vision_cache)
         cfg = info.config
         vocab = cfg.get("vocab_size") or (cfg.get("text_config") or {}).get("vocab_size")
         return cls(

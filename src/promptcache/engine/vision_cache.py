@@ -6,8 +6,8 @@ x dtype); with a folder, features are also persisted as one safetensors file per
 digest (``<folder>/<digest hex>.safetensors``, a sha256 of the data in its header,
 written to a temporary file and renamed), so a restarted server does not re-encode.
 A file that fails to read or verify is removed and counted as a miss: the cache only
-ever costs a vision tower call, never a request. Keys are per model: the caller puts
-the model fingerprint into the folder name. Used on the engine thread only.
+ever costs a vision tower call, never a request. Keys are per model: the engine puts
+the model fingerprint into the folder name (``bind_model``). Engine thread only.
 """
 
 from __future__ import annotations
@@ -56,12 +56,18 @@ class VisionCache:
         if budget_bytes < 0:
             raise ValueError(f"vision cache budget must be >= 0, got {budget_bytes}")
         self.budget_bytes = int(budget_bytes)
-        self.folder = Path(folder) if folder is not None else None
-        if self.folder is not None:
-            self.folder.mkdir(parents=True, exist_ok=True)
+        self.base = Path(folder) if folder is not None else None
+        self.folder: Path | None = None  # base/<model fingerprint>, set by bind_model
         self._ram: OrderedDict[bytes, mx.array] = OrderedDict()
         self._bytes = 0
         self.counters = VisionCacheStats(budget_bytes=self.budget_bytes)
+
+    def bind_model(self, fingerprint: str) -> None:
+        """Features are per model: the folder becomes ``<base>/<fingerprint[:32]>``
+        (the engine calls this when it loads the model)."""
+        if self.base is not None:
+            self.folder = self.base / fingerprint[:32]
+            self.folder.mkdir(parents=True, exist_ok=True)
 
     def __len__(self) -> int:
         return len(self._ram)
