@@ -252,3 +252,10 @@ def test_image_requests_batched_together_equal_alone(tiny_vlm_path, reference):
             assert got.tokens == run(reference, m, ims, max_tokens=8).tokens
     finally:
         eng.close()
+
+
+def test_other_vlm_types_are_refused_at_load(tmp_path):
+    from promptcache.engine.models.vlm import load_vlm
+
+    with pytest.raises(ValueError, match="'qwen2_vl' is not supported yet"):
+        load_vlm(tmp_path, {"model_type": "qwen2_vl", "vision_config": {"depth": 2}})

@@ -81,7 +81,9 @@ def _tokenizer_with_image() -> tuple[str, int]:
     return json.dumps(tok), image_id
 
 
-def vlm_config(image_id: int, special_ids: dict[str, int]) -> dict[str, Any]:
+def vlm_config(image_id: int, special_ids: dict[str, int], *, image_size: int = IMAGE_SIZE,
+               patch_size: int = PATCH_SIZE, vision_layers: int = 2, vision_hidden: int = 32,
+               text_layers: int = 2, text_hidden: int = 64) -> dict[str, Any]:
     return {
         "model_type": "llava",
         "architectures": ["LlavaForConditionalGeneration"],
@@ -91,21 +93,24 @@ def vlm_config(image_id: int, special_ids: dict[str, int]) -> dict[str, Any]:
         "vocab_size": TEXT_VOCAB,
         "eos_token_id": special_ids[EOS_TOKEN],
         "text_config": {
-            "model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2,
-            "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "model_type": "llama", "hidden_size": text_hidden, "num_hidden_layers": text_layers,
+            "intermediate_size": 2 * text_hidden, "num_attention_heads": 4,
+            "num_key_value_heads": 2,
             "vocab_size": TEXT_VOCAB, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
             "max_position_embeddings": CONTEXT_LENGTH, "tie_word_embeddings": True,
         },
         "vision_config": {
-            "model_type": "clip_vision_model", "num_hidden_layers": 2, "hidden_size": 32,
-            "intermediate_size": 64, "num_attention_heads": 2, "image_size": IMAGE_SIZE,
-            "patch_size": PATCH_SIZE, "projection_dim": 32, "layer_norm_eps": 1e-5,
+            "model_type": "clip_vision_model", "num_hidden_layers": vision_layers,
+            "hidden_size": vision_hidden, "intermediate_size": 2 * vision_hidden,
+            "num_attention_heads": 2, "image_size": image_size, "patch_size": patch_size,
+            "projection_dim": vision_hidden, "layer_norm_eps": 1e-5,
         },
     }
 
 
-def build_tiny_vlm(out_dir: str | os.PathLike[str], seed: int = 2001) -> Path:
-    """Write the tiny llava model into ``out_dir`` (created; must be empty)."""
+def build_tiny_vlm(out_dir: str | os.PathLike[str], seed: int = 2001, **sizes: int) -> Path:
+    """Write the tiny llava model into ``out_dir`` (created; must be empty). ``sizes``
+    (``vlm_config``'s keywords) make a larger random model, e.g. for benchmarks."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
     from mlx_vlm.utils import get_model_and_args, update_module_configs
@@ -117,7 +122,8 @@ def build_tiny_vlm(out_dir: str | os.PathLike[str], seed: int = 2001) -> Path:
     tok_text, image_id = _tokenizer_with_image()
     tok = json.loads(tok_text)
     special = {t["content"]: int(t["id"]) for t in tok["added_tokens"]}
-    config = vlm_config(image_id, special)
+    config = vlm_config(image_id, special, **sizes)
+    size = int(config["vision_config"]["image_size"])
     arch, _ = get_model_and_args(config)
     model_config = update_module_configs(arch.ModelConfig.from_dict(config), arch, config,
                                          ["text", "vision"])
@@ -133,9 +139,12 @@ def build_tiny_vlm(out_dir: str | os.PathLike[str], seed: int = 2001) -> Path:
     (out / "tokenizer_config.json").write_text(json.dumps(tcfg, indent=2) + "\n")
     (out / "special_tokens_map.json").write_text(
         json.dumps({"eos_token": EOS_TOKEN, "pad_token": PAD_TOKEN}, indent=2) + "\n")
-    (out / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR, indent=2) + "\n")
+    pre = {**PREPROCESSOR, "size": {"shortest_edge": size},
+           "crop_size": {"height": size, "width": size}}
+    (out / "preprocessor_config.json").write_text(json.dumps(pre, indent=2) + "\n")
     (out / "processor_config.json").write_text(json.dumps({
-        "processor_class": "LlavaProcessor", "patch_size": PATCH_SIZE,
+        "processor_class": "LlavaProcessor",
+        "patch_size": int(config["vision_config"]["patch_size"]),
         "vision_feature_select_strategy": "default", "image_token": IMAGE_TOKEN,
         "num_additional_image_tokens": 1}, indent=2) + "\n")
     return out
