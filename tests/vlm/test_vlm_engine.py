@@ -19,10 +19,11 @@ A, B, C = image(1), image(2, 64, 30), image(3)
 TURN1 = [{"role": "user", "content": "Look at this picture <image> and tell me what you see."}]
 
 
-def make(path, *, cache=True, vision=True, ssd=None, vision_dir=None, budget=64 << 20):
+def make(path, *, cache=True, vision=True, ssd=None, vision_dir=None, budget=64 << 20,
+         chunk=CHUNK):
     cc = CacheConfig(block_size=BLOCK, ram_budget_bytes=budget)
     rec = LogitsRecorder()
-    eng = Engine.load(path, EngineConfig(prefill_chunk_tokens=CHUNK), cc,
+    eng = Engine.load(path, EngineConfig(prefill_chunk_tokens=chunk), cc,
                       cache=build_cache(cc, ssd) if cache else None, logits_hook=rec,
                       vision_cache=VisionCache(8 << 20, vision_dir) if vision else None)
     eng.recorder = rec  # type: ignore[attr-defined]
@@ -31,8 +32,9 @@ def make(path, *, cache=True, vision=True, ssd=None, vision_dir=None, budget=64 
 
 @pytest.fixture(scope="module")
 def reference(tiny_vlm_path):
-    """No prompt cache, no vision cache: every request computed in full."""
-    eng = make(tiny_vlm_path, cache=False, vision=False)
+    """No prompt cache, no vision cache, the whole prompt in one prefill chunk (so no
+    chunk starts inside an image): every request computed in full."""
+    eng = make(tiny_vlm_path, cache=False, vision=False, chunk=4096)
     yield eng
     eng.close()
 
@@ -259,3 +261,61 @@ def test_other_vlm_types_are_refused_at_load(tmp_path):
 
     with pytest.raises(ValueError, match="'qwen2_vl' is not supported yet"):
         load_vlm(tmp_path, {"model_type": "qwen2_vl", "vision_config": {"depth": 2}})
+
+
+def test_a_prefix_that_ends_inside_an_image(tiny_vlm_path, reference):
+    """A request stopped after two prefill chunks (32 + 32 tokens: both boundaries
+    inside the image at 12..76) leaves blocks up to 64; the next request restores them
+    and prefills the rest of the image from the features' matching rows."""
+    from promptcache.engine.request import Request, validate_request
+
+    msgs = [{"role": "user", "content": "Look at this picture <image> and tell me."}]
+    eng = make(tiny_vlm_path)
+    try:
+        req = request(eng, msgs, [A])
+        (im,) = req.images
+        assert im.start < 2 * CHUNK < im.end
+        # driven on the test thread while the engine thread is idle
+        first = Request(eng._ctx, req, validate_request(req, eng._ctx), lambda ev: None)
+        first.start()
+        assert not first.prefill_chunk() and not first.prefill_chunk()
+        first.finish("cancelled")
+        assert first.usage.saved_mid_prefill == 2 * CHUNK // BLOCK
+        calls = eng.vision_encoder.tower_calls
+        assert calls == 1
+        got = run(eng, msgs, [A], request_id="mid")
+        assert got.usage.cached_tokens == 2 * CHUNK
+        assert eng.vision_encoder.tower_calls == calls  # features from the vision cache
+        ref = run(reference, msgs, [A], request_id="mid-ref")
+        assert got.tokens == ref.tokens
+        for x, y in zip(eng.recorder.by_request["mid"], reference.recorder.by_request["mid-ref"],
+                        strict=True):
+            np.testing.assert_allclose(x, y, atol=1e-4, rtol=1e-4)
+    finally:
+        eng.close()
+
+
+def test_engine_logits_equal_mlx_vlm_own_forward(tiny_vlm_path):
+    """The first token's logits of an image prompt, chunked prefill (chunks of 32 start
+    inside the image) vs mlx-vlm's own get_input_embeddings + language model over the
+    whole prompt: our placeholder merge is mlx-vlm's."""
+    import mlx.core as mx
+
+    eng = make(tiny_vlm_path, cache=False)
+    try:
+        two = [{"role": "user", "content": "First <image> then <image> compare."}]
+        req = request(eng, two, [A, B], max_tokens=1, request_id="own")
+        assert any(im.start % CHUNK and im.start // CHUNK != (im.end - 1) // CHUNK
+                   for im in req.images)
+        assert eng.submit(req).result().error is None
+        ours = eng.recorder.by_request["own"][0]
+        tower = eng.vision_encoder.tower
+        vlm = tower.vlm
+        ids = mx.array([list(req.prompt_tokens)])
+        feats = mx.concatenate([tower.encode(A), tower.encode(B)])[None]
+        emb = vlm.get_input_embeddings(ids, mx.zeros((1, 3, 32, 32)),
+                                       cached_image_features=feats).inputs_embeds
+        theirs = np.array(vlm.language_model(ids, inputs_embeds=emb).logits[0, -1])
+        np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=1e-4)
+    finally:
+        eng.close()
