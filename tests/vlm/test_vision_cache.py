@@ -33,6 +33,7 @@ def test_ssd_folder_persists_and_verifies(tmp_path):
     vc.bind_model("f" * 64)
     vc.put(D1, feats(1))
     vc.put(D2, feats(2))
+    vc.flush()
     assert vc.stats().ssd_writes == 2
     folder = tmp_path / ("f" * 32)
     assert sorted(p.name for p in folder.iterdir()) == [f"{D1.hex()}.safetensors",
@@ -53,6 +54,29 @@ def test_ssd_folder_persists_and_verifies(tmp_path):
     other = VisionCache(1 << 20, tmp_path)
     other.bind_model("e" * 64)
     assert other.get(D1) is None
+    vc.close()
+
+
+def test_a_full_writer_queue_drops_and_counts(tmp_path, monkeypatch):
+    """The engine thread never waits for the disk: past the queue, writes are dropped."""
+    import threading
+
+    from promptcache.engine import vision_cache
+
+    monkeypatch.setattr(vision_cache, "WRITE_QUEUE", 1)
+    gate, taken = threading.Event(), threading.Event()
+    vc = VisionCache(1 << 20, tmp_path)
+    vc.bind_model("f" * 64)
+    real = vc._write
+    vc._write = lambda d, a: (taken.set(), gate.wait(), real(d, a))  # type: ignore[method-assign]
+    vc.put(D1, feats(1))  # taken by the writer, which blocks on the gate
+    assert taken.wait(30)
+    vc.put(D2, feats(2))  # queued
+    vc.put(D3, feats(3))  # queue full: dropped
+    assert vc.stats().ssd_dropped == 1
+    gate.set()
+    vc.close()
+    assert vc.stats().ssd_writes == 2 and vc.get(D3) is not None  # D3 still in RAM
 
 
 def test_no_folder_without_a_model(tmp_path):

@@ -104,6 +104,7 @@ def test_cached_equals_uncached_from_ssd_after_restart(tiny_vlm_path, reference,
     first = make(tiny_vlm_path, ssd=ssd, vision_dir=vdir)
     try:
         conversation(first, reference, "ssd1")
+        first.vision_encoder.cache.flush()
         assert first.stats()["vision"]["ssd_writes"] == 2
     finally:
         first.close()

@@ -345,6 +345,12 @@ class Engine:
             return
         self._closed = True
         self._finalizer()
+        vcache = self.vision_encoder.cache if self.vision_encoder is not None else None
+        if vcache is not None:
+            try:
+                vcache.close()
+            except Exception:
+                logger.exception("closing the vision cache failed")
         if self.cache is not None and hasattr(self.cache, "close"):
             try:
                 self.cache.close()

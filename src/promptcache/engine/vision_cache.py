@@ -4,7 +4,10 @@ A repeated image (the same pixels under the same preprocessing: ``api.image_dige
 skips the vision tower. RAM holds features up to a byte budget (LRU; sizes from shape
 x dtype); with a folder, features are also persisted as one safetensors file per
 digest (``<folder>/<digest hex>.safetensors``, a sha256 of the data in its header,
-written to a temporary file and renamed), so a restarted server does not re-encode.
+written to a temporary file, fsynced and renamed) by a writer thread behind a bounded
+queue (full: the write is dropped and counted; the engine thread never waits for the
+disk), so a restarted server does not re-encode. ``flush()`` waits for the queue;
+``close()`` flushes and stops the writer.
 A file that fails to read or verify is removed and counted as a miss: the cache only
 ever costs a vision tower call, never a request. Keys are per model: the engine puts
 the model fingerprint into the folder name (``bind_model``). Engine thread only.
@@ -15,7 +18,9 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import queue
 import tempfile
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +32,7 @@ import numpy as np
 logger = logging.getLogger(__name__)
 
 FORMAT = "promptcache-vision-v1"
+WRITE_QUEUE = 64  # feature files waiting for the writer thread
 
 
 @dataclass
@@ -41,7 +47,9 @@ class VisionCacheStats:
     budget_bytes: int = 0
     evictions: int = 0
     ssd_writes: int = 0
-    ssd_errors: int = 0
+    ssd_errors: int = 0  # unreadable / corrupt files (read on the engine thread)
+    ssd_write_errors: int = 0  # failed writes (writer thread)
+    ssd_dropped: int = 0  # writes dropped because the writer queue was full
     dropped_too_large: int = 0
 
     def to_dict(self) -> dict[str, int]:
@@ -59,6 +67,8 @@ class VisionCache:
         self.base = Path(folder) if folder is not None else None
         self.folder: Path | None = None  # base/<model fingerprint>, set by bind_model
         self._ram: OrderedDict[bytes, mx.array] = OrderedDict()
+        self._queue: queue.Queue[tuple[bytes, np.ndarray] | None] = queue.Queue(WRITE_QUEUE)
+        self._writer: threading.Thread | None = None
         self._bytes = 0
         self.counters = VisionCacheStats(budget_bytes=self.budget_bytes)
 
@@ -100,7 +110,7 @@ class VisionCache:
         mx.eval(feats)
         self._keep(digest, feats)
         if self.folder is not None:
-            self._write(digest, feats)
+            self._enqueue(digest, np.array(feats.astype(mx.float32)))
 
     def _keep(self, digest: bytes, feats: mx.array) -> None:
         size = int(feats.nbytes)
@@ -129,11 +139,43 @@ class VisionCache:
             raise RuntimeError("the vision cache has no folder")
         return self.folder / f"{digest.hex()}.safetensors"
 
-    def _write(self, digest: bytes, feats: mx.array) -> None:
+    def _enqueue(self, digest: bytes, arr: np.ndarray) -> None:
+        if self._writer is None:
+            self._writer = threading.Thread(target=self._write_loop, daemon=True,
+                                            name="promptcache-vision-writer")
+            self._writer.start()
+        try:
+            self._queue.put_nowait((digest, arr))
+        except queue.Full:
+            self.counters.ssd_dropped += 1
+
+    def _write_loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            try:
+                if item is None:
+                    return
+                self._write(*item)
+            finally:
+                self._queue.task_done()
+
+    def flush(self) -> None:
+        """Wait until every queued feature file is written."""
+        if self._writer is not None:
+            self._queue.join()
+
+    def close(self) -> None:
+        """Flush and stop the writer thread (the RAM entries stay usable)."""
+        if self._writer is not None:
+            self._queue.join()
+            self._queue.put(None)
+            self._writer.join()
+            self._writer = None
+
+    def _write(self, digest: bytes, arr: np.ndarray) -> None:
         from safetensors.numpy import save
 
         try:
-            arr = np.array(feats.astype(mx.float32))
             data = arr.tobytes()
             meta = {"format": FORMAT, "digest": digest.hex(),
                     "sha256": hashlib.sha256(data).hexdigest()}
@@ -152,7 +194,7 @@ class VisionCache:
             self.counters.ssd_writes += 1
         except Exception:
             logger.warning("writing vision features failed", exc_info=True)
-            self.counters.ssd_errors += 1
+            self.counters.ssd_write_errors += 1
 
     def _read(self, digest: bytes) -> mx.array | None:
         if self.folder is None:
