@@ -30,12 +30,13 @@ from typing import Any, TypeVar
 
 from fastapi import Request
 
-from ..engine.api import GenerationResult, TokenEvent
-from ..engine.chat_format import ChatFormat
+from ..engine.api import Constraint, GenerationResult, TokenEvent
+from ..engine.chat_format import ChatFormat, ToolCallFormat
 from .errors import APIError
 from .prompt import place_system_messages, tools_into_system
 from .reasoning import Piece, ReplyParser
 from .runner import Generation, ServerState, unstreamed_tail
+from .structured import OutputSpec, PromptShape, check_constraint, constraint_for, thinking_for
 from .toolcalls import ToolCall, offered_tool_names
 
 log = logging.getLogger(__name__)
@@ -135,6 +136,8 @@ class ChatPrompt:
     # the request's reasoning switch (Anthropic ``thinking``, Responses ``reasoning``):
     # None = the template's default
     thinking: bool | None = None
+    # what the reply must be (structured.py: a JSON schema, a forced tool call)
+    structure: OutputSpec | None = None
 
 
 @dataclass(frozen=True)
@@ -151,6 +154,11 @@ class Prepared:
     # cache lookup for a streamed usage prediction (0 when not asked or no cache)
     predicted_cached: int
     chat_format: ChatFormat
+    # the tool-call format the model was asked for (its own, or the Hermes fallback)
+    tool_format: ToolCallFormat | None = None
+    tools: list[dict[str, Any]] | None = None
+    # constrained decoding for the request's ``structure`` (compiled, checked)
+    constraint: Constraint | None = None
 
 
 @dataclass(frozen=True)
@@ -255,7 +263,7 @@ class Preparer:
         if tools and not ab.tools:
             messages, tools, in_system = tools_into_system(messages, tools), None, True
         cont = messages[-1]["role"] == "assistant"
-        kwargs = self.chat_format.thinking_kwargs(chat.thinking)
+        kwargs = self.chat_format.thinking_kwargs(thinking_for(chat.structure, chat.thinking))
         try:
             tokens, starts = self._render(messages, tools, cont=cont, kwargs=kwargs,
                                           offsets=True)
@@ -264,11 +272,23 @@ class Preparer:
         except Exception as e:  # jinja TemplateError & co: caused by the request's messages
             raise APIError(400, f"cannot render the chat template for these messages: {e}",
                            code="invalid_messages", param="messages") from e
+        in_reasoning = self._ends_in_reasoning(tokens)
+        fmt = self.chat_format.tools_format(ab.tools)
+        constraint = None
+        if chat.structure is not None:
+            prefill = messages[-1].get("content") if cont else None
+            constraint = constraint_for(chat.structure, PromptShape(
+                self.chat_format, fmt, chat.tools, in_reasoning=in_reasoning,
+                may_reason=chat.thinking is True,
+                prefill=prefill if isinstance(prefill, str) else None))
+            if constraint is not None:
+                check_constraint(constraint, self.engine, chat.structure.param)
         return Prepared(tokens=tokens, message_starts=starts, tool_names=names,
                         tools_in_system=in_system, continues=cont,
-                        in_reasoning=self._ends_in_reasoning(tokens),
+                        in_reasoning=in_reasoning,
                         predicted_cached=self._predict(tokens, predict_tenant),
-                        chat_format=self.chat_format)
+                        chat_format=self.chat_format, tool_format=fmt,
+                        tools=chat.tools or None, constraint=constraint)
 
     def _ends_in_reasoning(self, tokens: list[int]) -> bool:
         cf = self.chat_format
@@ -360,7 +380,9 @@ def plan_max_tokens(st: ServerState, api: str, prompt_len: int, requested: int |
 def reply_parser(prepared: Prepared) -> ReplyParser:
     cf = prepared.chat_format
     return ReplyParser(cf.think_start, cf.think_end, in_reasoning=prepared.in_reasoning,
-                       tool_names=prepared.tool_names)
+                       tool_names=prepared.tool_names,
+                       tool_format=prepared.tool_format or cf.tools_format(False),
+                       tools=prepared.tools)
 
 
 @dataclass(frozen=True)

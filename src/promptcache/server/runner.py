@@ -24,7 +24,13 @@ from typing import Any
 from fastapi import Request
 
 from ..config import EngineConfig, ServerConfig
-from ..engine.api import GenerationRequest, GenerationResult, SamplingParams, TokenEvent
+from ..engine.api import (
+    Constraint,
+    GenerationRequest,
+    GenerationResult,
+    SamplingParams,
+    TokenEvent,
+)
 from ..errors import OverloadedError
 from .alerts import HitRateMonitor
 from .auth import Authenticator, Scope
@@ -77,7 +83,8 @@ class ServerState:
         )
 
     def start(self, api: str, http_request: Request, scope: Scope, prompt: Sequence[int],
-              sampling: SamplingParams, message_starts: Sequence[int] = ()) -> Generation:
+              sampling: SamplingParams, message_starts: Sequence[int] = (),
+              constraint: Constraint | None = None) -> Generation:
         req = GenerationRequest(
             # a C-speed copy; the engine validates the ids (its fast path) in submit
             prompt_tokens=tuple(prompt),
@@ -86,6 +93,7 @@ class ServerState:
             session_id=scope.session_id,
             message_starts=tuple(message_starts),
             request_id=uuid.uuid4().hex[:16],
+            constraint=constraint,
         )
         try:
             # ValueError -> 400, OverloadedError -> 429 / 529 + Retry-After,
