@@ -40,8 +40,7 @@ def generate(model: Any, tok: Any, constraint: Constraint, max_tokens: int = 400
     proc = constrained.logits_processor(constraint, tok, VOCAB if len(tok) <= VOCAB else len(tok))
     ids = mx.array(tok.encode(prompt))
     out: list[int] = []
-    for (t, _), _ in zip(generate_step(ids, model, logits_processors=[proc],
-                                       max_tokens=max_tokens), range(max_tokens)):
+    for t, _ in generate_step(ids, model, logits_processors=[proc], max_tokens=max_tokens):
         if int(t) in tok.eos_token_ids:
             return tok.decode(out), True
         out.append(int(t))
@@ -259,10 +258,27 @@ def test_smollm2_json(default_model_path: Path) -> None:
                                      add_generation_prompt=True, tokenize=False)
     proc = constrained.logits_processor(c, tok, model.args.vocab_size)
     out: list[int] = []
-    for (t, _), _ in zip(generate_step(mx.array(tok.encode(prompt)), model,
-                                       logits_processors=[proc], max_tokens=80), range(80)):
+    for t, _ in generate_step(mx.array(tok.encode(prompt)), model, logits_processors=[proc],
+                              max_tokens=80):
         if int(t) in tok.eos_token_ids:
             break
         out.append(int(t))
     value = json.loads(tok.decode(out))
     assert set(value) == {"name", "capital"}
+
+
+def test_json_whitespace_is_bounded(tiny: tuple[Any, Any]) -> None:
+    """None, one space, or a newline and up to 16 spaces / tabs between JSON tokens."""
+    _, tok = tiny
+    c = Constraint("json_schema", '{"type": "object", "properties": {"a": {"type": "integer"}}}')
+    ll = constrained.ll_tokenizer(tok, VOCAB)
+
+    def accepts(text: str) -> bool:
+        m = constrained._llg().LLMatcher(ll, constrained.grammar_of(c), log_level=0)
+        return bool(m.consume_tokens(tok.encode(text)) and m.is_accepting())
+
+    assert accepts('{"a":1}') and accepts('{"a": 1}') and accepts('{\n  "a": 1\n}')
+    assert accepts('{\n' + " " * 16 + '"a": 1}') and accepts('{\n\t"a": 1}')
+    assert not accepts('{"a":  1}')  # two spaces
+    assert not accepts('{\n' + " " * 17 + '"a": 1}')
+    assert not accepts('{\n\n"a": 1}')  # two newlines

@@ -351,3 +351,31 @@ def test_sdk_parse_reads_the_json_reply(eng: FakeEngine, app: TestClient) -> Non
     assert schema["properties"] == {"city": {"title": "City", "type": "string"},
                                     "days": {"title": "Days", "type": "integer"}}
     assert schema["additionalProperties"] is False and schema["required"] == ["city", "days"]
+
+
+def test_schemas_are_compiled_leniently(eng: FakeEngine, app: TestClient) -> None:
+    for schema in [{"type": "object", "dependentRequired": {"a": ["b"]}},
+                   {"type": "string", "format": "foo-bar"}]:
+        r = app.post("/v1/chat/completions", json={"messages": HI, "response_format": {
+            "type": "json_schema", "json_schema": {"name": "x", "schema": schema}}})
+        assert r.status_code == 200, r.text
+
+
+def test_a_prefill_the_schema_cannot_continue_is_a_400(tiny_llama_path: Any) -> None:
+    """With the engine's tokenizer the constraint is compiled, prefix included, while the
+    prompt is prepared."""
+    from types import SimpleNamespace
+
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    from promptcache.server.errors import APIError
+    from promptcache.server.structured import check_constraint
+
+    engine = SimpleNamespace(tokenizer=load_tokenizer(tiny_llama_path), vocab_size=1024)
+    schema = json.dumps(_opts(PARAMS))
+    check_constraint(Constraint("json_schema", schema, prefix='{"city": "Pa'), engine, "x")
+    with pytest.raises(APIError) as info:
+        check_constraint(Constraint("json_schema", schema, prefix="Sure!"), engine,
+                         "response_format")
+    assert info.value.status == 400 and info.value.param == "response_format"
+    assert "the assistant prefill 'Sure!' does not match the JSON schema" in info.value.message

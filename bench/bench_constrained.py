@@ -1,0 +1,134 @@
+"""What constrained decoding costs per generated token (engine/constrained.py).
+
+Decodes with mlx-lm's ``generate_step`` on the default model (SmolLM2-135M-Instruct),
+without and with a JSON-schema logits processor, alternating the two runs ``--rounds``
+times (paired, so the shared machine's load swings stay out of the ratio), and times the
+processor's own work per call (feeding the sampled token to the matcher, the llguidance
+bitmask, unpacking it and masking the logits). Also the one-off costs: the tokenizer
+bridge (once per tokenizer), compiling the schema (once per schema, cached) and the copy
+each request gets.
+
+    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \\
+        .venv/bin/python bench/bench_constrained.py [--tokens 128] [--rounds 5] [--markdown]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "src"))
+
+import mlx.core as mx  # noqa: E402
+from mlx_lm import load  # noqa: E402
+from mlx_lm.generate import generate_step  # noqa: E402
+
+from promptcache.engine import constrained  # noqa: E402
+from promptcache.engine.api import Constraint  # noqa: E402
+from promptcache.engine.gguf import ensure_default_model  # noqa: E402
+
+# a schema whose answer is long enough to measure: 24 short strings
+SCHEMA = {"type": "object", "properties": {"cities": {
+    "type": "array", "items": {"type": "string", "maxLength": 24},
+    "minItems": 24, "maxItems": 24}}, "required": ["cities"], "additionalProperties": False}
+PROMPT = "List 24 European cities as JSON: {\"cities\": [...]}"
+
+
+class Timed:
+    """Wraps a processor and records the wall time of each call (with an eval, so the
+    lazy masking is inside the measurement)."""
+
+    def __init__(self, proc: Any) -> None:
+        self.proc = proc
+        self.times: list[float] = []
+
+    def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
+        t = time.perf_counter()
+        out = self.proc(tokens, logits)
+        mx.eval(out)
+        self.times.append(time.perf_counter() - t)
+        return out
+
+
+def decode(model: Any, prompt: mx.array, n: int, processors: list[Any] | None
+           ) -> tuple[float, int]:
+    """Seconds per generated token after the first (the prefill is left out)."""
+    t_first = None
+    count = 0
+    for tok, _ in generate_step(prompt, model, max_tokens=n, logits_processors=processors):
+        mx.eval(tok)
+        count += 1
+        if t_first is None:
+            t_first = time.perf_counter()
+    end = time.perf_counter()
+    return (end - (t_first or end)) / max(1, count - 1), count
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--markdown", action="store_true")
+    args = ap.parse_args()
+    path = ensure_default_model(REPO / ".models" / "default")
+    model, tok = load(str(path))
+    vocab = int(model.args.vocab_size)
+    c = Constraint("json_schema", json.dumps(SCHEMA))
+
+    t = time.perf_counter()
+    constrained.ll_tokenizer(tok, vocab)
+    bridge_s = time.perf_counter() - t
+    t = time.perf_counter()
+    constrained.prepare(c, tok, vocab)
+    compile_s = time.perf_counter() - t
+    t = time.perf_counter()
+    constrained.logits_processor(c, tok, vocab)
+    copy_s = time.perf_counter() - t
+
+    text = tok.apply_chat_template([{"role": "user", "content": PROMPT}],
+                                   add_generation_prompt=True, tokenize=False)
+    prompt = mx.array(tok.encode(text))
+    decode(model, prompt, 8, None)  # warm up
+    plain, cons, ratios, calls = [], [], [], []
+    n_cons = 0
+    for _ in range(args.rounds):
+        p, _ = decode(model, prompt, args.tokens, None)
+        timed = Timed(constrained.logits_processor(c, tok, vocab))
+        q, n_cons = decode(model, prompt, args.tokens, [timed])
+        plain.append(p)
+        cons.append(q)
+        ratios.append(q / p)
+        calls += timed.times[1:]
+    load1 = os.getloadavg()[0]
+    rows = [
+        ("decode ms/token, unconstrained (median)", f"{statistics.median(plain) * 1e3:.2f}"),
+        ("decode ms/token, JSON schema (median)", f"{statistics.median(cons) * 1e3:.2f}"),
+        ("constrained / unconstrained (median of paired ratios)",
+         f"{statistics.median(ratios):.3f} (range {min(ratios):.3f}-{max(ratios):.3f})"),
+        ("processor call ms (median / p90)",
+         f"{statistics.median(calls) * 1e3:.3f} / "
+         f"{sorted(calls)[int(len(calls) * 0.9)] * 1e3:.3f}"),
+        ("tokens generated per constrained run", str(n_cons)),
+        ("tokenizer bridge (once per tokenizer) s", f"{bridge_s:.2f}"),
+        ("schema compile (once per schema) ms", f"{compile_s * 1e3:.1f}"),
+        ("per-request matcher copy ms", f"{copy_s * 1e3:.2f}"),
+        ("load average (1 min) at the end", f"{load1:.1f}"),
+    ]
+    if args.markdown:
+        print("| measure | value |\n| --- | --- |")
+        for k, v in rows:
+            print(f"| {k} | {v} |")
+    else:
+        for k, v in rows:
+            print(f"{k:58s} {v}")
+
+
+if __name__ == "__main__":
+    main()
