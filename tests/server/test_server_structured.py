@@ -15,6 +15,7 @@ engine; exact shapes).
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 import openai
@@ -379,3 +380,17 @@ def test_a_prefill_the_schema_cannot_continue_is_a_400(tiny_llama_path: Any) -> 
                          "response_format")
     assert info.value.status == 400 and info.value.param == "response_format"
     assert "the assistant prefill 'Sure!' does not match the JSON schema" in info.value.message
+
+
+def test_masked_alternatives_are_left_out_of_logprobs() -> None:
+    import asyncio
+
+    from fake_engine import FakeTokenizer
+
+    from promptcache.engine.api import TokenEvent
+    from promptcache.server.common import LogprobDecoder
+
+    ev = TokenEvent(65, "A", logprob=-0.25, top_logprobs=((65, -0.25), (66, -math.inf)))
+    [entry] = asyncio.run(LogprobDecoder(FakeTokenizer()).entries([ev]))
+    assert entry == {"token": "A", "logprob": -0.25, "bytes": [65], "top_logprobs": [
+        {"token": "A", "logprob": -0.25, "bytes": [65]}]}

@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -479,7 +480,11 @@ class LogprobDecoder:
             await asyncio.to_thread(self._decode, missing)
         out = []
         for ev in events:
-            entry = self._entry(ev.token_id, ev.logprob if ev.logprob is not None else 0.0)
-            entry["top_logprobs"] = [self._entry(t, lp) for t, lp in ev.top_logprobs]
+            lp = ev.logprob if ev.logprob is not None else 0.0
+            # JSON has no -inf: a token a constraint masked out is left out of the
+            # alternatives (OpenAI writes -9999.0 for a probability of zero)
+            entry = self._entry(ev.token_id, lp if math.isfinite(lp) else -9999.0)
+            entry["top_logprobs"] = [self._entry(t, alt) for t, alt in ev.top_logprobs
+                                     if math.isfinite(alt)]
             out.append(entry)
         return out
