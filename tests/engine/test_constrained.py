@@ -282,3 +282,16 @@ def test_json_whitespace_is_bounded(tiny: tuple[Any, Any]) -> None:
     assert not accepts('{"a":  1}')  # two spaces
     assert not accepts('{\n' + " " * 17 + '"a": 1}')
     assert not accepts('{\n\n"a": 1}')  # two newlines
+
+
+def test_compiled_matchers_are_cached_per_tokenizer(tiny: tuple[Any, Any]) -> None:
+    _, tok = tiny
+    first = Constraint("regex", "cached[0-9]")
+    m = constrained._compiled_matcher(first, tok, VOCAB)
+    assert constrained._compiled_matcher(first, tok, VOCAB) is m
+    # a copy per request: the cached matcher never moves
+    proc = constrained.logits_processor(first, tok, VOCAB)
+    assert isinstance(proc, constrained.GrammarProcessor) and proc.matcher is not m
+    for i in range(constrained._COMPILED_MAX):  # least recently used out
+        constrained.prepare(Constraint("regex", f"other{i}"), tok, VOCAB)
+    assert constrained._compiled_matcher(first, tok, VOCAB) is not m

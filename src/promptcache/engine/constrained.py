@@ -98,9 +98,17 @@ def _what(constraint: Constraint) -> str:
 
 # --- the tokenizer bridge and compiled matchers (shared, thread-safe) ---------------------
 
+class _Bridge:
+    """llguidance's tokenizer for one (tokenizer, vocab size) and its compiled matchers
+    (an LRU; they live and die with the tokenizer)."""
+
+    def __init__(self, ll: Any) -> None:
+        self.ll = ll
+        self.compiled: OrderedDict[tuple[str, str, str], Any] = OrderedDict()
+
+
 _lock = threading.Lock()
-_tokenizers: weakref.WeakKeyDictionary[Any, dict[int, Any]] = weakref.WeakKeyDictionary()
-_compiled: OrderedDict[tuple[int, str, str, str], Any] = OrderedDict()
+_bridges: weakref.WeakKeyDictionary[Any, dict[int, _Bridge]] = weakref.WeakKeyDictionary()
 
 
 def _eos_ids(tokenizer: Any) -> list[int]:
@@ -111,11 +119,9 @@ def _eos_ids(tokenizer: Any) -> list[int]:
     return out
 
 
-def ll_tokenizer(tokenizer: Any, vocab_size: int) -> Any:
-    """llguidance's ``LLTokenizer`` for an mlx-lm ``TokenizerWrapper`` (a fast HF
-    tokenizer underneath), sized to the model's logits; built once, then cached."""
+def _bridge(tokenizer: Any, vocab_size: int) -> _Bridge:
     with _lock:
-        per = _tokenizers.get(tokenizer)
+        per = _bridges.get(tokenizer)
         if per is not None and vocab_size in per:
             return per[vocab_size]
     backend = getattr(tokenizer, "backend_tokenizer", None)
@@ -125,22 +131,28 @@ def ll_tokenizer(tokenizer: Any, vocab_size: int) -> Any:
     if not eos:
         raise RequestError("constrained decoding needs the model's EOS token")
     size = max(int(vocab_size), len(tokenizer)) if hasattr(tokenizer, "__len__") else vocab_size
-    ll = _llg().LLTokenizer(backend.to_str(), n_vocab=size, eos_token=eos)
+    bridge = _Bridge(_llg().LLTokenizer(backend.to_str(), n_vocab=size, eos_token=eos))
     with _lock:
-        _tokenizers.setdefault(tokenizer, {})[vocab_size] = ll
-    return ll
+        return _bridges.setdefault(tokenizer, {}).setdefault(vocab_size, bridge)
+
+
+def ll_tokenizer(tokenizer: Any, vocab_size: int) -> Any:
+    """llguidance's ``LLTokenizer`` for an mlx-lm ``TokenizerWrapper`` (a fast HF
+    tokenizer underneath), sized to the model's logits; built once, then cached."""
+    return _bridge(tokenizer, vocab_size).ll
 
 
 def _compiled_matcher(constraint: Constraint, tokenizer: Any, vocab_size: int) -> Any:
     """The compiled matcher for ``constraint`` with its prefix consumed (cached; copy
     it before use)."""
-    ll = ll_tokenizer(tokenizer, vocab_size)
-    key = (id(ll), constraint.kind, constraint.spec, constraint.prefix)
+    bridge = _bridge(tokenizer, vocab_size)
+    key = (constraint.kind, constraint.spec, constraint.prefix)
     with _lock:
-        hit = _compiled.get(key)
+        hit = bridge.compiled.get(key)
         if hit is not None:
-            _compiled.move_to_end(key)
+            bridge.compiled.move_to_end(key)
             return hit
+    ll = bridge.ll
     grammar = grammar_of(constraint)
     _check(grammar, ll, _what(constraint))
     matcher = _llg().LLMatcher(ll, grammar, log_level=0)
@@ -152,9 +164,9 @@ def _compiled_matcher(constraint: Constraint, tokenizer: Any, vocab_size: int) -
             raise RequestError(f"the assistant prefill {constraint.prefix[:80]!r} does not "
                                f"match the {_what(constraint)}")
     with _lock:
-        _compiled[key] = matcher
-        while len(_compiled) > _COMPILED_MAX:
-            _compiled.popitem(last=False)
+        bridge.compiled[key] = matcher
+        while len(bridge.compiled) > _COMPILED_MAX:
+            bridge.compiled.popitem(last=False)
     return matcher
 
 
@@ -182,12 +194,12 @@ class GrammarProcessor:
             return
         if n <= self._seen:
             return
-        new = tokens.reshape(-1)[self._seen:].tolist()
+        new = np.array(tokens.reshape(-1)[self._seen:]).astype(np.int64).tolist()
         self._seen = n
         if self.failed:
             return
         for tok in new:
-            if not self.matcher.consume_token(int(tok)):
+            if not self.matcher.consume_token(tok):
                 self.failed = True
                 logger.warning("constrained decoding: token %d rejected (%s); ending the "
                                "reply", tok, self.matcher.get_error())
