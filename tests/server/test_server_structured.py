@@ -24,12 +24,15 @@ import pytest
 import sse_checks
 from fake_engine import FakeEngine
 from fastapi.testclient import TestClient
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from promptcache.config import EngineConfig, ServerConfig
 from promptcache.engine.api import Constraint
 from promptcache.engine.chat_format import ChatFormat, tool_call_format
 from promptcache.engine.constrained import JSON_OPTIONS
 from promptcache.server import create_app
+from promptcache.server.toolcalls import ParsedReply, ToolCall, ToolCallStream, parse_tool_calls
 
 HI = [{"role": "user", "content": "weather in Paris?"}]
 PARAMS = {"type": "object", "properties": {"city": {"type": "string"},
@@ -394,3 +397,38 @@ def test_masked_alternatives_are_left_out_of_logprobs() -> None:
     [entry] = asyncio.run(LogprobDecoder(FakeTokenizer()).entries([ev]))
     assert entry == {"token": "A", "logprob": -0.25, "bytes": [65], "top_logprobs": [
         {"token": "A", "logprob": -0.25, "bytes": [65]}]}
+
+
+FORMAT_REPLIES = [(fmt, reply) for fmt, reply in REPLIES.items()] + [
+    ("qwen3_coder", REPLIES["qwen3_coder"] + "\nDone." + REPLIES["qwen3_coder"]),
+    ("pythonic", "<|tool_call_start|>[get_weather(city=1 2)]<|tool_call_end|> x"),
+    ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]list_files[ARGS]{}'),
+    ("mistral", "[TOOL_CALLS]rm_rf[ARGS]{}"),
+    ("json_tools", "plain <tool_cal"),
+]
+
+
+@settings(max_examples=120, deadline=None)
+@given(st.sampled_from(FORMAT_REPLIES), st.lists(st.integers(0, 200), max_size=8))
+def test_streamed_and_whole_parses_agree_in_every_format(case: tuple[str, str],
+                                                         cuts: list[int]) -> None:
+    fmt_name, reply = case
+    fmt = tool_call_format(fmt_name)
+    names = {"get_weather", "list_files"}
+    points = sorted({min(c, len(reply)) for c in cuts} | {0, len(reply)})
+    stream = ToolCallStream(names, fmt, OAI_TOOLS)
+    out = "".join(stream.feed(reply[a:b]) for a, b in zip(points, points[1:], strict=False))
+    tail, calls = stream.finish()
+    assert ParsedReply(out + tail, calls) == parse_tool_calls(reply, names, fmt, OAI_TOOLS)
+
+
+def test_what_each_format_parses_to() -> None:
+    names = {"get_weather", "list_files"}
+    two = parse_tool_calls(FORMAT_REPLIES[6][1], names, tool_call_format("mistral"))
+    assert two == ParsedReply("", (ToolCall("get_weather", {"city": "Paris"}),
+                                   ToolCall("list_files", {})))
+    rm = FORMAT_REPLIES[7][1]
+    assert parse_tool_calls(rm, names, tool_call_format("mistral")) == ParsedReply(rm)
+    again = parse_tool_calls(FORMAT_REPLIES[4][1], names, tool_call_format("qwen3_coder"),
+                             OAI_TOOLS)
+    assert again == ParsedReply("Checking.\n\nDone.Checking.", (ToolCall(*WANT), ToolCall(*WANT)))
