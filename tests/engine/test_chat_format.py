@@ -141,3 +141,13 @@ def test_unknown_parser_name() -> None:
         tool_call_format("nope")
     with pytest.raises(ValueError, match="invalid"):
         tool_call_format("../x")
+
+
+def test_special_reasoning_markers_have_ids(tiny_llama_path: Path, tmp_path: Path) -> None:
+    tok = load_tokenizer(tokenizer_folder(tiny_llama_path, tmp_path / "t",
+                                          special=("<think>", "</think>")))
+    cf = chat_format_of(tok)
+    assert (cf.think_start, cf.think_end) == ("<think>", "</think>")
+    assert (cf.think_start_token, cf.think_end_token) == (1024, 1025)
+    plain = chat_format_of(load_tokenizer(tiny_llama_path))
+    assert (plain.think_start, plain.think_start_token, plain.think_end_token) == (None,) * 3

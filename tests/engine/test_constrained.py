@@ -295,3 +295,15 @@ def test_compiled_matchers_are_cached_per_tokenizer(tiny: tuple[Any, Any]) -> No
     for i in range(constrained._COMPILED_MAX):  # least recently used out
         constrained.prepare(Constraint("regex", f"other{i}"), tok, VOCAB)
     assert constrained._compiled_matcher(first, tok, VOCAB) is not m
+
+
+def test_reasoning_markers_that_are_special_tokens_are_named_by_id() -> None:
+    cf = ChatFormat("<think>", "</think>", "enable_thinking", think_start_token=7,
+                    think_end_token=8)
+    c = constraint_for(JsonOutput({"type": "object"}), PromptShape(cf, HERMES, None,
+                                                                   may_reason=True))
+    assert c is not None
+    lines = c.spec.splitlines()
+    assert lines[0] == "start: (<[7]> think think_gap?)? (answer_json)"
+    assert "think: /(?s:.*)/ <[8]>" in lines
+    constrained.validate(c)

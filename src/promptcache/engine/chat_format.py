@@ -5,8 +5,8 @@ properties only) and the chat template's source:
 
 - ``think_start`` / ``think_end``: the markers around the reasoning the model emits
   (``<think>`` / ``</think>`` and the other pairs mlx-lm recognises); ``None`` when the
-  tokenizer has none. ``think_end_token``: its id when the end marker is one special
-  token (a grammar must name it as a token, not spell it).
+  tokenizer has none. ``think_start_token`` / ``think_end_token``: their ids when a
+  marker is one special token (a grammar must name it as a token, not spell it).
 - ``thinking_kwarg``: the template variable that switches reasoning on or off
   (``enable_thinking``, or ``thinking`` for templates that read that name), when the
   template actually reads it; ``None`` otherwise (passing the switch would change
@@ -133,6 +133,7 @@ class ChatFormat:
     think_start: str | None = None
     think_end: str | None = None
     thinking_kwarg: str | None = None
+    think_start_token: int | None = None
     think_end_token: int | None = None
     tool_format: ToolCallFormat | None = None
 
@@ -210,11 +211,14 @@ def chat_format_of(tokenizer: Any) -> ChatFormat:
         kwarg = "enable_thinking"
     elif _BARE_THINKING.search(source):
         kwarg = "thinking"
+    has_start = isinstance(start, str) and bool(start)
     has_end = isinstance(end, str) and bool(end)
     return ChatFormat(
-        think_start=start if isinstance(start, str) and start else None,
+        think_start=start if has_start else None,
         think_end=end if has_end else None,
         thinking_kwarg=kwarg,
+        think_start_token=_special_id(tokenizer, getattr(tokenizer, "think_start_tokens", None))
+        if has_start else None,
         think_end_token=_special_id(tokenizer, getattr(tokenizer, "think_end_tokens", None))
         if has_end else None,
         tool_format=_tool_format_of(tokenizer, source),

@@ -224,7 +224,7 @@ def _reasoning_rules(cf: ChatFormat, opened: bool) -> tuple[str, list[str]]:
     rules.append('think_gap: "\\n" | "\\n\\n"')
     if opened:
         return "think think_gap?", rules
-    return f"({lit(cf.think_start or '')} think think_gap?)?", rules
+    return f"({marker(cf.think_start or '', cf.think_start_token)} think think_gap?)?", rules
 
 
 @dataclass(frozen=True)
