@@ -12,8 +12,8 @@ The matcher is llguidance's (``LLMatcher``: JSON Schema, regular expressions and
 grammars with inline ``%json{...}`` schemas and special tokens named ``<[id]>``), over
 an ``LLTokenizer`` built once per tokenizer from its ``tokenizer.json`` (about a second
 for a 50k vocabulary). Per step it computes the bitmask of allowed tokens (the EOS tokens
-once the grammar is complete) and masks the rest with ``-inf``; BENCHMARKS.md has the
-overhead per token. ``Constraint.prefix`` (an assistant prefill the model continues) is
+once the grammar is complete) and masks the rest with ``-inf``, while the forward pass
+of that step runs (``mx.async_eval`` first); BENCHMARKS.md has the overhead per token. ``Constraint.prefix`` (an assistant prefill the model continues) is
 fed to the matcher before the first token, so the output continues it.
 
 - ``validate(constraint)``: the grammar alone, without a tokenizer (cheap); raises
@@ -216,6 +216,9 @@ class GrammarProcessor:
         return bits[: self.vocab_size].astype(np.bool_)
 
     def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
+        # start the forward pass now: the mask is computed on the host while it runs
+        # (feeding needs only the previous token, which that pass computes first)
+        mx.async_eval(logits)
         self._feed(tokens)
         mask = mx.array(self.allowed())
         width = int(logits.shape[-1])
