@@ -75,11 +75,38 @@ def decode(model: Any, prompt: mx.array, n: int, processors: list[Any] | None
     return (end - (t_first or end)) / max(1, count - 1), count
 
 
+def processor_alone(c: Constraint, tok: Any, vocab: int, answer: str, repeat: int
+                    ) -> tuple[list[float], list[float]]:
+    """The processor on its own (fixed logits, no model): per call, the whole call and
+    the bitmask alone, feeding the tokens of ``answer`` one by one."""
+    ids = tok.encode(answer, add_special_tokens=False)
+    logits = mx.zeros((1, vocab))
+    mx.eval(logits)
+    whole, masks = [], []
+    for _ in range(repeat):
+        proc = constrained.logits_processor(c, tok, vocab)
+        seq = [1, 2, 3]
+        mx.eval(proc(mx.array(seq), logits))
+        for t in ids:
+            seq.append(t)
+            arr = mx.array(seq)
+            mx.eval(arr)
+            t0 = time.perf_counter()
+            mx.eval(proc(arr, logits))
+            whole.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            proc.allowed()  # type: ignore[attr-defined]
+            masks.append(time.perf_counter() - t0)
+    return whole, masks
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--markdown", action="store_true")
+    ap.add_argument("--alone", action="store_true",
+                    help="only the processor on its own (no decoding runs)")
     args = ap.parse_args()
     path = ensure_default_model(REPO / ".models" / "default")
     model, tok = load(str(path))
@@ -100,9 +127,14 @@ def main() -> None:
                                    add_generation_prompt=True, tokenize=False)
     prompt = mx.array(tok.encode(text))
     decode(model, prompt, 8, None)  # warm up
-    plain, cons, serial, ratios, serial_ratios, calls = [], [], [], [], [], []
+    plain: list[float] = []
+    cons: list[float] = []
+    serial: list[float] = []
+    ratios: list[float] = []
+    serial_ratios: list[float] = []
+    calls: list[float] = []
     n_cons = 0
-    for _ in range(args.rounds):
+    for _ in range(0 if args.alone else args.rounds):
         p, _ = decode(model, prompt, args.tokens, None)
         q, n_cons = decode(model, prompt, args.tokens,
                            [constrained.logits_processor(c, tok, vocab)])
@@ -114,8 +146,10 @@ def main() -> None:
         ratios.append(q / p)
         serial_ratios.append(r / p)
         calls += timed.times[1:]
+    answer = json.dumps({"cities": [f"City number {i}" for i in range(24)]})
+    whole, masks = processor_alone(c, tok, vocab, answer, 5)
     load1 = os.getloadavg()[0]
-    rows = [
+    rows = [] if args.alone else [
         ("decode ms/token, unconstrained (median)", f"{statistics.median(plain) * 1e3:.2f}"),
         ("decode ms/token, JSON schema (median)", f"{statistics.median(cons) * 1e3:.2f}"),
         ("constrained / unconstrained (median of paired ratios)",
@@ -127,6 +161,12 @@ def main() -> None:
          f"{statistics.median(calls) * 1e3:.3f} / "
          f"{sorted(calls)[int(len(calls) * 0.9)] * 1e3:.3f}"),
         ("tokens generated per constrained run", str(n_cons)),
+    ]
+    rows += [
+        ("processor alone, no model: call ms (median / p90)",
+         f"{statistics.median(whole) * 1e3:.3f} / {sorted(whole)[int(len(whole) * 0.9)] * 1e3:.3f}"),
+        ("processor alone: llguidance bitmask + unpack ms (median / p90)",
+         f"{statistics.median(masks) * 1e3:.3f} / {sorted(masks)[int(len(masks) * 0.9)] * 1e3:.3f}"),
         ("tokenizer bridge (once per tokenizer) s", f"{bridge_s:.2f}"),
         ("schema compile (once per schema) ms", f"{compile_s * 1e3:.1f}"),
         ("per-request matcher copy ms", f"{copy_s * 1e3:.2f}"),
