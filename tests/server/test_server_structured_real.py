@@ -30,6 +30,11 @@ import pydantic
 import pytest
 from server_helpers import free_port
 
+# constraints and logprobs are implemented by the batched engine (issue 11); the engine
+# before it refuses them with a 400
+pytest.importorskip("promptcache.engine.scheduler",
+                    reason="constrained decoding needs the batched engine (engine/scheduler.py)")
+
 PROMPTCACHE = str(Path(sys.executable).parent / "promptcache")
 FORMATS = ("hermes", "qwen3_coder", "pythonic", "mistral")
 PARAMS = {"type": "object", "properties": {
