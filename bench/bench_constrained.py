@@ -34,7 +34,7 @@ from mlx_lm.generate import generate_step  # noqa: E402
 
 from promptcache.engine import constrained  # noqa: E402
 from promptcache.engine.api import Constraint  # noqa: E402
-from promptcache.engine.gguf import ensure_default_model  # noqa: E402
+from promptcache.engine.models.gguf import ensure_default_model  # noqa: E402
 
 # a schema whose answer is long enough to measure: 24 short strings
 SCHEMA = {"type": "object", "properties": {"cities": {

@@ -19,7 +19,7 @@ from promptcache.engine.chat_format import (
     chat_format_of,
     tool_call_format,
 )
-from promptcache.engine.tiny_models import CHATML_TEMPLATE
+from promptcache.engine.models.tiny_models import CHATML_TEMPLATE
 
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "parameters": {"type": "object", "properties": {
