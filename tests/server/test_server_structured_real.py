@@ -30,11 +30,6 @@ import pydantic
 import pytest
 from server_helpers import free_port
 
-# constraints and logprobs are implemented by the batched engine (issue 11); the engine
-# before it refuses them with a 400
-pytest.importorskip("promptcache.engine.scheduler",
-                    reason="constrained decoding needs the batched engine (engine/scheduler.py)")
-
 PROMPTCACHE = str(Path(sys.executable).parent / "promptcache")
 FORMATS = ("hermes", "qwen3_coder", "pythonic", "mistral")
 PARAMS = {"type": "object", "properties": {
@@ -250,8 +245,13 @@ def test_logprobs_are_those_of_the_constrained_distribution(server: tuple[str, s
     assert r.choices[0].message.content == '"ok"'
     entries = r.choices[0].logprobs.content  # type: ignore[union-attr]
     assert entries and "".join(e.token for e in entries) == '"ok"'
+    done = ""
     for e in entries:
         assert math.isfinite(e.logprob) and e.top_logprobs
         assert all(math.isfinite(t.logprob) for t in e.top_logprobs)
-        assert all('"ok"'.startswith(t.token) or t.token == "" for t in e.top_logprobs)
+        # every alternative with mass continues the answer from where it stands
+        rest = '"ok"'[len(done):]
+        assert all(t.token and rest.startswith(t.token) for t in e.top_logprobs), (done, e)
+        assert e.token in [t.token for t in e.top_logprobs]
+        done += e.token
         assert sum(math.exp(t.logprob) for t in e.top_logprobs) <= 1.0 + 1e-4

@@ -24,7 +24,7 @@ import json
 import logging
 import math
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -457,11 +457,15 @@ async def collect_reply(gen: Generation, parser: ReplyParser
 
 class LogprobDecoder:
     """OpenAI logprob entries (``{"token", "logprob", "bytes", "top_logprobs"}``) from
-    ``TokenEvent``s; token strings are decoded in a worker thread (memoised)."""
+    ``TokenEvent``s; token strings are decoded in a worker thread (memoised). The token
+    that ended the reply (EOS or a requested stop token id) is not content and has no
+    entry, as in OpenAI's API."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, stop_token_ids: Sequence[int] = ()) -> None:
         self.tokenizer = tokenizer
         self._memo: dict[int, str] = {}
+        eos = getattr(tokenizer, "eos_token_ids", None) or ()
+        self._stop = frozenset(int(t) for t in eos) | frozenset(stop_token_ids)
 
     def _decode(self, ids: list[int]) -> None:
         for t in ids:
@@ -474,6 +478,7 @@ class LogprobDecoder:
                 "bytes": list(text.encode("utf-8"))}
 
     async def entries(self, events: list[TokenEvent]) -> list[dict[str, Any]]:
+        events = [ev for ev in events if ev.token_id not in self._stop]
         ids = [ev.token_id for ev in events] + [t for ev in events for t, _ in ev.top_logprobs]
         missing = [t for t in dict.fromkeys(ids) if t not in self._memo]
         if missing:

@@ -172,7 +172,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     gen = st.start("openai", request, scope, prepared.tokens, sampling,
                    prepared.message_starts, prepared.constraint)
     parser = reply_parser(prepared)
-    decoder = LogprobDecoder(st.engine.tokenizer) if k is not None else None
+    decoder = (LogprobDecoder(st.engine.tokenizer, sampling.stop_token_ids)
+               if k is not None else None)
     cid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
     created = int(time.time())
 

@@ -353,7 +353,8 @@ async def create_response(body: ResponsesRequest, request: Request) -> Any:
                            top_p=body.top_p, seed=None, stop=None, logprobs=k)
     gen = st.start("responses", request, scope, prepared.tokens, sampling,
                    prepared.message_starts, prepared.constraint)
-    decoder = LogprobDecoder(st.engine.tokenizer) if k is not None else None
+    decoder = (LogprobDecoder(st.engine.tokenizer, sampling.stop_token_ids)
+               if k is not None else None)
     call = _Call(st, body, model, conv, offered, store, decoder)
     reply = _Reply(offered, decoder)
     parser = reply_parser(prepared)
