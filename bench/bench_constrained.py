@@ -12,6 +12,11 @@ each request gets.
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \\
         .venv/bin/python bench/bench_constrained.py [--tokens 128] [--rounds 5] [--markdown]
+        [--engine | --alone]
+
+``--engine``: the same schema through the batched engine (engine/scheduler.py): batches
+of 4 requests with 0, 2 or 4 rows constrained (the mask of one row is computed while
+the batch's forward pass runs; other rows are untouched).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import json
 import os
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -115,15 +121,94 @@ def processor_alone(c: Constraint, tok: Any, vocab: int, answer: str, repeat: in
     return whole, masks
 
 
+STORIES = ["Write a long story about a lighthouse keeper.",
+           "Write a long story about a lost dog in a big city.",
+           "Write a long story about a baker who can fly.",
+           "Write a long story about two rival chess players."]
+
+
+def engine_batches(path: Path, tokens: int, rounds: int) -> list[tuple[str, str]]:
+    """Through the batched engine: a batch of 4 requests submitted together, with 0, 2
+    (rows 0 and 2) or 4 of them under the JSON schema; the time per decode step while
+    all 4 rows decode (token arrival times, so the rows' prefills are left out), and its
+    ratio to the all-unconstrained batch of the same round."""
+    from promptcache.config import EngineConfig
+    from promptcache.engine.api import GenerationRequest, SamplingParams, TokenEvent
+    from promptcache.engine.engine import Engine
+
+    eng = Engine.load(path, EngineConfig(), cache=None)
+    try:
+        prompts = [eng.render_chat([{"role": "user", "content": s}]) for s in STORIES]
+        c = Constraint("json_schema", json.dumps(SCHEMA))
+
+        def batch(constrained_rows: set[int]) -> tuple[float, list[int], list[str]]:
+            """Seconds per decode step while all 4 rows decode (the window from the
+            last row's first token to the first row's last token)."""
+            handles = [eng.submit(GenerationRequest(
+                prompt_tokens=tuple(p), sampling=SamplingParams(max_tokens=tokens),
+                use_cache=False, constraint=c if i in constrained_rows else None))
+                for i, p in enumerate(prompts)]
+            stamps: list[list[float]] = [[] for _ in handles]
+
+            def read(i: int) -> None:
+                for ev in handles[i].events():
+                    if isinstance(ev, TokenEvent):
+                        stamps[i].append(time.perf_counter())
+
+            threads = [threading.Thread(target=read, args=(i,)) for i in range(len(handles))]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            res = [h.result(timeout=3600) for h in handles]
+            lo = max(s[0] for s in stamps)
+            hi = min(s[-1] for s in stamps)
+            steps = statistics.median(sum(1 for x in s if lo < x <= hi) for s in stamps)
+            return (hi - lo) / max(1, steps), [len(r.tokens) for r in res], \
+                [r.finish_reason for r in res]
+
+        batch(set())  # warm up
+        configs = {"none": set(), "half": {0, 2}, "all": {0, 1, 2, 3}}
+        ms: dict[str, list[float]] = {k: [] for k in configs}
+        ratio: dict[str, list[float]] = {k: [] for k in configs}
+        counts: dict[str, list[int]] = {}
+        for _ in range(rounds):
+            base = 0.0
+            for name, rows in configs.items():
+                t, n, _ = batch(rows)
+                ms[name].append(t)
+                counts[name] = n
+                if name == "none":
+                    base = t
+                ratio[name].append(t / base)
+    finally:
+        eng.close()
+    out = []
+    for name, label in (("none", "0 of 4"), ("half", "2 of 4"), ("all", "4 of 4")):
+        r = ratio[name]
+        out.append((f"engine, batch of 4, {label} constrained: ms per decode step (median) | "
+                    f"/ 0 of 4 (median of paired ratios)",
+                    f"{statistics.median(ms[name]) * 1e3:.2f} | {statistics.median(r):.3f} "
+                    f"(range {min(r):.3f}-{max(r):.3f}); tokens per row {counts[name]}"))
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--markdown", action="store_true")
+    ap.add_argument("--engine", action="store_true",
+                    help="only the batched engine: batches of 4 with 0 / 2 / 4 rows constrained")
     ap.add_argument("--alone", action="store_true",
                     help="only the processor on its own (no decoding runs)")
     args = ap.parse_args()
     path = ensure_default_model(REPO / ".models" / "default")
+    if args.engine:
+        rows = engine_batches(path, args.tokens, args.rounds)
+        rows.append(("load average (1 min) at the end", f"{os.getloadavg()[0]:.1f}"))
+        _print(rows, args.markdown)
+        return
     model, tok = load(str(path))
     vocab = int(model.args.vocab_size)
     c = Constraint("json_schema", json.dumps(SCHEMA))
@@ -193,7 +278,11 @@ def main() -> None:
         ("per-request matcher copy ms", f"{copy_s * 1e3:.2f}"),
         ("load average (1 min) at the end", f"{load1:.1f}"),
     ]
-    if args.markdown:
+    _print(rows, args.markdown)
+
+
+def _print(rows: list[tuple[str, str]], markdown: bool) -> None:
+    if markdown:
         print("| measure | value |\n| --- | --- |")
         for k, v in rows:
             print(f"| {k} | {v} |")
