@@ -1,9 +1,11 @@
 """What constrained decoding costs per generated token (engine/constrained.py).
 
-Decodes with mlx-lm's ``generate_step`` on the default model (SmolLM2-135M-Instruct),
-without and with a JSON-schema logits processor, alternating the two runs ``--rounds``
-times (paired, so the shared machine's load swings stay out of the ratio), and times the
-processor's own work per call (feeding the sampled token to the matcher, the llguidance
+First ("lockstep"), two greedy decodes of the default model (SmolLM2-135M-Instruct),
+one of them under a JSON-schema logits processor, advanced one token each in turn, so
+both see the same moment's load (the ratio that survives a shared machine). Then
+decodes with mlx-lm's ``generate_step``, without and with the processor, alternating
+whole runs ``--rounds`` times (paired ratios), and times the processor's own work per
+call (feeding the sampled token to the matcher, the llguidance
 bitmask, unpacking it and masking the logits) in a third run where each step's forward
 pass is finished before the processor starts (the processor normally starts the forward
 pass first and computes the mask while it runs). Also the one-off costs: the tokenizer
@@ -94,6 +96,37 @@ def decode(model: Any, prompt: mx.array, n: int, processors: list[Any] | None
             t_first = time.perf_counter()
     end = time.perf_counter()
     return (end - (t_first or end)) / max(1, count - 1), count
+
+
+def lockstep(model: Any, prompt: mx.array, n: int, proc: Any
+             ) -> tuple[list[float], list[float]]:
+    """Two greedy decodes of the same prompt advanced in lockstep, one token each in
+    turn (the order alternating every step), the second under ``proc``: per-step wall
+    times (forward, processor, argmax, evaluated) of each. Both see the machine's load
+    of the same moment, so their ratio survives a shared machine's swings."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    caches = [make_prompt_cache(model), make_prompt_cache(model)]
+    seq = prompt.tolist()
+    ys = []
+    for k, cache in enumerate(caches):
+        logits = model(prompt[None], cache=cache)[:, -1, :]
+        if k == 1:
+            logits = proc(mx.array(seq), logits)
+        ys.append(mx.argmax(logits, axis=-1))
+        mx.eval(ys[-1])
+    times: list[list[float]] = [[], []]
+    for step in range(n):
+        for k in ((0, 1) if step % 2 == 0 else (1, 0)):
+            t = time.perf_counter()
+            logits = model(ys[k][:, None], cache=caches[k])[:, -1, :]
+            if k == 1:
+                seq.append(int(ys[1].item()))
+                logits = proc(mx.array(seq), logits)
+            ys[k] = mx.argmax(logits, axis=-1)
+            mx.eval(ys[k])
+            times[k].append(time.perf_counter() - t)
+    return times[0], times[1]
 
 
 def processor_alone(c: Constraint, tok: Any, vocab: int, answer: str, repeat: int
@@ -235,6 +268,9 @@ def main() -> None:
     sync_ratios: list[float] = []
     calls: list[float] = []
     n_cons = 0
+    plain_ls, cons_ls = ([], []) if args.alone else lockstep(
+        model, prompt, args.tokens, constrained.logits_processor(c, tok, vocab))
+    step_ratios = [b / a for a, b in zip(plain_ls, cons_ls, strict=True)]
     for _ in range(0 if args.alone else args.rounds):
         p, _ = decode(model, prompt, args.tokens, None)
         q, n_cons = decode(model, prompt, args.tokens,
@@ -253,6 +289,13 @@ def main() -> None:
     whole, masks = processor_alone(c, tok, vocab, answer, 5)
     load1 = os.getloadavg()[0]
     rows = [] if args.alone else [
+        ("lockstep: ms/token unconstrained / JSON schema (median)",
+         f"{statistics.median(plain_ls) * 1e3:.2f} / {statistics.median(cons_ls) * 1e3:.2f}"),
+        ("lockstep: constrained / unconstrained, total time of the two decodes",
+         f"{sum(cons_ls) / sum(plain_ls):.3f}"),
+        ("lockstep: constrained / unconstrained per step (median, p10-p90)",
+         f"{statistics.median(step_ratios):.3f} ({sorted(step_ratios)[len(step_ratios) // 10]:.3f}"
+         f"-{sorted(step_ratios)[len(step_ratios) * 9 // 10]:.3f})"),
         ("decode ms/token, unconstrained (median)", f"{statistics.median(plain) * 1e3:.2f}"),
         ("decode ms/token, JSON schema (median)", f"{statistics.median(cons) * 1e3:.2f}"),
         ("constrained / unconstrained (median of paired ratios)",

@@ -81,7 +81,7 @@ def _alone(eng: Any, jobs: list[tuple[list[int], Constraint | None, int]], **sam
     return [_run(eng, [job], **sampling)[0] for job in jobs]
 
 
-def _jobs(seeded: bool = False) -> list[tuple[list[int], Constraint | None, int]]:
+def _jobs() -> list[tuple[list[int], Constraint | None, int]]:
     return [(p, c, _max_tokens(i)) for i, (p, c) in enumerate(zip(_prompts(len(MIX)), MIX,
                                                                  strict=True))]
 

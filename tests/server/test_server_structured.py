@@ -399,6 +399,27 @@ def test_masked_alternatives_are_left_out_of_logprobs() -> None:
         {"token": "A", "logprob": -0.25, "bytes": [65]}]}
 
 
+def test_the_token_that_ended_the_reply_has_no_logprob_entry() -> None:
+    """EOS (the tokenizer's) or a requested stop token id is not content (OpenAI)."""
+    import asyncio
+
+    from fake_engine import FakeTokenizer
+
+    from promptcache.engine.api import TokenEvent
+    from promptcache.server.common import LogprobDecoder
+
+    tok = FakeTokenizer()
+    tok.eos_token_ids = [2]  # type: ignore[attr-defined]
+    evs = [TokenEvent(65, "A", logprob=-0.5, top_logprobs=((65, -0.5),)),
+           TokenEvent(2, "", logprob=-0.1, top_logprobs=((2, -0.1),)),
+           TokenEvent(9, "", logprob=-0.1, top_logprobs=((9, -0.1),))]
+    got = asyncio.run(LogprobDecoder(tok, (9,)).entries(evs))
+    assert [e["token"] for e in got] == ["A"]
+    # without them the same ids are ordinary tokens
+    got = asyncio.run(LogprobDecoder(FakeTokenizer()).entries(evs))
+    assert len(got) == 3
+
+
 FORMAT_REPLIES = [(fmt, reply) for fmt, reply in REPLIES.items()] + [
     ("qwen3_coder", REPLIES["qwen3_coder"] + "\nDone." + REPLIES["qwen3_coder"]),
     ("pythonic", "<|tool_call_start|>[get_weather(city=1 2)]<|tool_call_end|> x"),

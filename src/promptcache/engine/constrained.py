@@ -13,8 +13,10 @@ grammars with inline ``%json{...}`` schemas and special tokens named ``<[id]>``)
 an ``LLTokenizer`` built once per tokenizer from its ``tokenizer.json`` (about a second
 for a 50k vocabulary). Per step it computes the bitmask of allowed tokens (the EOS tokens
 once the grammar is complete) and masks the rest with ``-inf``, while the forward pass
-of that step runs (``mx.async_eval`` first); BENCHMARKS.md has the overhead per token. ``Constraint.prefix`` (an assistant prefill the model continues) is
-fed to the matcher before the first token, so the output continues it.
+of that step runs (``mx.async_eval`` first); BENCHMARKS.md has the overhead per token.
+``Constraint.prefix`` (an assistant prefill the model continues) is fed to the matcher
+before the first token, so the output continues it. In the batched engine each request
+has its own processor, applied to its own row of the batch's logits only.
 
 - ``validate(constraint)``: the grammar alone, without a tokenizer (cheap); raises
   ``RequestError`` (a ValueError: a 400) with llguidance's reason.
@@ -218,7 +220,7 @@ class GrammarProcessor:
     def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
         # start the forward pass now: the mask is computed on the host while it runs
         # (feeding needs only the previous token, which that pass computes first)
-        mx.async_eval(logits)
+        mx.async_eval(logits)  # type: ignore[no-untyped-call]
         self._feed(tokens)
         mask = mx.array(self.allowed())
         width = int(logits.shape[-1])
