@@ -7,14 +7,16 @@ decodes with mlx-lm's ``generate_step``, without and with the processor, alterna
 whole runs ``--rounds`` times (paired ratios), and times the processor's own work per
 call (feeding the sampled token to the matcher, the llguidance
 bitmask, unpacking it and masking the logits) in a third run where each step's forward
-pass is finished before the processor starts (the processor normally starts the forward
-pass first and computes the mask while it runs). Also the one-off costs: the tokenizer
+pass is finished before the processor starts (the processor normally reads the new
+token, launches the forward pass and computes the mask while it runs). Also the one-off costs: the tokenizer
 bridge (once per tokenizer), compiling the schema (once per schema, cached) and the copy
 each request gets.
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \\
         .venv/bin/python bench/bench_constrained.py [--tokens 128] [--rounds 5] [--markdown]
         [--engine | --alone]
+
+``--rounds 0``: the lockstep decodes and the processor alone only.
 
 ``--engine``: the same schema through the batched engine (engine/scheduler.py): batches
 of 4 requests with 0, 2 or 4 rows constrained (the mask of one row is computed while
@@ -219,10 +221,10 @@ def engine_batches(path: Path, tokens: int, rounds: int) -> list[tuple[str, str]
     out = []
     for name, label in (("none", "0 of 4"), ("half", "2 of 4"), ("all", "4 of 4")):
         r = ratio[name]
-        out.append((f"engine, batch of 4, {label} constrained: ms per decode step (median) | "
-                    f"/ 0 of 4 (median of paired ratios)",
-                    f"{statistics.median(ms[name]) * 1e3:.2f} | {statistics.median(r):.3f} "
-                    f"(range {min(r):.3f}-{max(r):.3f}); tokens per row {counts[name]}"))
+        value = (f"{statistics.median(ms[name]) * 1e3:.1f} ms; ratio {statistics.median(r):.3f} "
+                 f"(range {min(r):.3f}-{max(r):.3f}); tokens per row {counts[name]}")
+        out.append((f"engine, batch of 4, {label} constrained: time per decode step (median), "
+                    "ratio to 0 of 4 (median of paired ratios)", value))
     return out
 
 
@@ -296,6 +298,8 @@ def main() -> None:
         ("lockstep: constrained / unconstrained per step (median, p10-p90)",
          f"{statistics.median(step_ratios):.3f} ({sorted(step_ratios)[len(step_ratios) // 10]:.3f}"
          f"-{sorted(step_ratios)[len(step_ratios) * 9 // 10]:.3f})"),
+    ]
+    rows += [] if args.alone or not args.rounds else [
         ("decode ms/token, unconstrained (median)", f"{statistics.median(plain) * 1e3:.2f}"),
         ("decode ms/token, JSON schema (median)", f"{statistics.median(cons) * 1e3:.2f}"),
         ("constrained / unconstrained (median of paired ratios)",

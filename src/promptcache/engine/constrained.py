@@ -13,7 +13,10 @@ grammars with inline ``%json{...}`` schemas and special tokens named ``<[id]>``)
 an ``LLTokenizer`` built once per tokenizer from its ``tokenizer.json`` (about a second
 for a 50k vocabulary). Per step it computes the bitmask of allowed tokens (the EOS tokens
 once the grammar is complete) and masks the rest with ``-inf``, while the forward pass
-of that step runs (``mx.async_eval`` first); BENCHMARKS.md has the overhead per token.
+of that step runs (the new token is read first, then ``mx.async_eval`` of the logits;
+in a batch only the first constrained row's mask overlaps the forward pass: the others
+read their tokens after it is launched, so they wait for it, then mask).
+BENCHMARKS.md has the overhead per token.
 ``Constraint.prefix`` (an assistant prefill the model continues) is fed to the matcher
 before the first token, so the output continues it. In the batched engine each request
 has its own processor, applied to its own row of the batch's logits only.
@@ -218,10 +221,11 @@ class GrammarProcessor:
         return bits[: self.vocab_size].astype(np.bool_)
 
     def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
-        # start the forward pass now: the mask is computed on the host while it runs
-        # (feeding needs only the previous token, which that pass computes first)
-        mx.async_eval(logits)  # type: ignore[no-untyped-call]
+        # feed first: reading ``tokens`` waits only for the previous step's token, while
+        # after a launched forward pass it would wait for that pass (one stream, in
+        # order); then launch this step's forward pass and compute the mask while it runs
         self._feed(tokens)
+        mx.async_eval(logits)  # type: ignore[no-untyped-call]
         mask = mx.array(self.allowed())
         width = int(logits.shape[-1])
         if width > self.vocab_size:  # logits wider than the matcher's vocabulary
