@@ -144,17 +144,21 @@ class Constraint:
     for OpenAI ``json_object``); ``regex``: a regular expression; ``lark``: a Lark
     grammar (llguidance dialect: it may embed ``%json{...}`` schemas), e.g. a forced
     tool call in the model's own tool-call format. The engine turns it into a logits
-    processor (``engine/constrained.py``).
+    processor (``engine/constrained.py``). ``prefix``: text the reply already holds (an
+    assistant prefill the model continues); prefix + output must match.
     """
 
     kind: ConstraintKind
     spec: str
+    prefix: str = ""
 
     def __post_init__(self) -> None:
         if self.kind not in ("json_schema", "regex", "lark"):
             raise ValueError(f"constraint kind must be json_schema, regex or lark, got {self.kind!r}")
         if not isinstance(self.spec, str) or not self.spec:
             raise ValueError("constraint spec must be a non-empty string")
+        if not isinstance(self.prefix, str):
+            raise ValueError("constraint prefix must be a string")
 
 
 Priority = Literal["interactive", "background"]

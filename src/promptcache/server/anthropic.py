@@ -4,9 +4,9 @@ Requests as Claude Code sends them are accepted: ``role: "system"`` messages any
 in ``messages`` (kept where they stand, see ``prompt.place_system_messages``),
 ``thinking`` (``enabled`` / ``adaptive`` turn the template's reasoning switch on,
 ``disabled`` off, where the template has one), ``tool_choice`` ``auto`` / ``any`` /
-``tool`` / ``none`` (``none`` leaves the tools out; ``any`` / ``tool`` are not enforced
-yet), ``cache_control`` on any block, ``context_management``, ``output_config``,
-``metadata``, ``service_tier``, ``?beta=true`` and the ``anthropic-beta`` header
+``tool`` / ``none`` (``none`` leaves the tools out; ``any`` / ``tool`` are enforced by
+constrained decoding, ``structured.py``), ``cache_control`` on any block,
+``context_management``, ``output_config``, ``metadata``, ``service_tier``, ``?beta=true`` and the ``anthropic-beta`` header
 (accepted, ignored on purpose). Tools other than client tools (``web_search_*``,
 ``bash_*`` … server tools the model cannot run) are left out. Reasoning the model marks
 streams back as ``thinking`` blocks.
@@ -60,7 +60,8 @@ from .prompt import anthropic_messages, anthropic_tools
 from .reasoning import Piece, ReplyParser
 from .runner import Generation, ServerState, cache_creation_tokens
 from .schemas import CountTokensRequest, MessagesRequest
-from .toolcalls import ToolCall
+from .structured import anthropic_tool_choice
+from .toolcalls import ToolCall, offered_tool_names
 
 log = logging.getLogger(__name__)
 router = APIRouter()
@@ -137,7 +138,9 @@ def _chat_prompt(body: MessagesRequest | CountTokensRequest,
                                 f"got {kind!r}", param="tool_choice")
         if kind == "none":
             tools = None
-    return ChatPrompt(msgs, tools, _thinking_switch(body.thinking), images)
+    structure = anthropic_tool_choice(choice, offered_tool_names(tools)) if tools else None
+    return ChatPrompt(msgs, tools, _thinking_switch(body.thinking), images=images,
+                      structure=structure)
 
 
 class _Blocks:
@@ -261,7 +264,8 @@ async def messages(body: MessagesRequest, request: Request) -> Any:
                            top_p=body.top_p, seed=None, stop=body.stop_sequences,
                            top_k=body.top_k)
     gen = st.start("anthropic", request, scope, prepared.tokens, sampling,
-                   prepared.message_starts, prepared.images)
+                   prepared.message_starts, images=prepared.images,
+                   constraint=prepared.constraint)
     parser = reply_parser(prepared)
     msg_id = f"msg_{uuid.uuid4().hex[:24]}"
     if body.stream:

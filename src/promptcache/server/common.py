@@ -22,8 +22,9 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -31,18 +32,20 @@ from typing import Any, TypeVar
 from fastapi import Request
 
 from ..engine.api import (
+    Constraint,
     GenerationResult,
     ImageInput,
     TokenEvent,
     expand_placeholders,
     image_extra_keys,
 )
-from ..engine.chat_format import ChatFormat
+from ..engine.chat_format import ChatFormat, ToolCallFormat
 from .errors import APIError
 from .images import ImageCollector
 from .prompt import place_system_messages, tools_into_system
 from .reasoning import Piece, ReplyParser
 from .runner import Generation, ServerState, unstreamed_tail
+from .structured import OutputSpec, PromptShape, check_constraint, constraint_for, thinking_for
 from .toolcalls import ToolCall, offered_tool_names
 
 log = logging.getLogger(__name__)
@@ -144,6 +147,8 @@ class ChatPrompt:
     thinking: bool | None = None
     # the images of a vision-language prompt (decoded in the worker thread), else None
     images: ImageCollector | None = None
+    # what the reply must be (structured.py: a JSON schema, a forced tool call)
+    structure: OutputSpec | None = None
 
 
 @dataclass(frozen=True)
@@ -162,6 +167,11 @@ class Prepared:
     chat_format: ChatFormat
     # decoded images with their placeholder spans (``tokens`` holds the placeholders)
     images: tuple[ImageInput, ...] = field(default=())
+    # the tool-call format the model was asked for (its own, or the Hermes fallback)
+    tool_format: ToolCallFormat | None = None
+    tools: list[dict[str, Any]] | None = None
+    # constrained decoding for the request's ``structure`` (compiled, checked)
+    constraint: Constraint | None = None
 
 
 @dataclass(frozen=True)
@@ -266,7 +276,7 @@ class Preparer:
         if tools and not ab.tools:
             messages, tools, in_system = tools_into_system(messages, tools), None, True
         cont = messages[-1]["role"] == "assistant"
-        kwargs = self.chat_format.thinking_kwargs(chat.thinking)
+        kwargs = self.chat_format.thinking_kwargs(thinking_for(chat.structure, chat.thinking))
         try:
             tokens, starts = self._render(messages, tools, cont=cont, kwargs=kwargs,
                                           offsets=True)
@@ -284,11 +294,23 @@ class Preparer:
             except ValueError as e:
                 raise APIError(400, str(e), code="invalid_image", param="messages") from None
             starts = list(new_starts)
+        in_reasoning = self._ends_in_reasoning(tokens)
+        fmt = self.chat_format.tools_format(ab.tools)
+        constraint = None
+        if chat.structure is not None:
+            prefill = messages[-1].get("content") if cont else None
+            constraint = constraint_for(chat.structure, PromptShape(
+                self.chat_format, fmt, chat.tools, in_reasoning=in_reasoning,
+                may_reason=chat.thinking is True,
+                prefill=prefill if isinstance(prefill, str) else None))
+            if constraint is not None:
+                check_constraint(constraint, self.engine, chat.structure.param)
         return Prepared(tokens=tokens, message_starts=starts, tool_names=names,
                         tools_in_system=in_system, continues=cont,
-                        in_reasoning=self._ends_in_reasoning(tokens),
+                        in_reasoning=in_reasoning,
                         predicted_cached=self._predict(tokens, predict_tenant, images),
-                        chat_format=self.chat_format, images=images)
+                        chat_format=self.chat_format, images=images, tool_format=fmt,
+                        tools=chat.tools or None, constraint=constraint)
 
     def _ends_in_reasoning(self, tokens: list[int]) -> bool:
         cf = self.chat_format
@@ -383,7 +405,9 @@ def plan_max_tokens(st: ServerState, api: str, prompt_len: int, requested: int |
 def reply_parser(prepared: Prepared) -> ReplyParser:
     cf = prepared.chat_format
     return ReplyParser(cf.think_start, cf.think_end, in_reasoning=prepared.in_reasoning,
-                       tool_names=prepared.tool_names)
+                       tool_names=prepared.tool_names,
+                       tool_format=prepared.tool_format or cf.tools_format(False),
+                       tools=prepared.tools)
 
 
 @dataclass(frozen=True)
@@ -457,11 +481,15 @@ async def collect_reply(gen: Generation, parser: ReplyParser
 
 class LogprobDecoder:
     """OpenAI logprob entries (``{"token", "logprob", "bytes", "top_logprobs"}``) from
-    ``TokenEvent``s; token strings are decoded in a worker thread (memoised)."""
+    ``TokenEvent``s; token strings are decoded in a worker thread (memoised). The token
+    that ended the reply (EOS or a requested stop token id) is not content and has no
+    entry, as in OpenAI's API."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, stop_token_ids: Sequence[int] = ()) -> None:
         self.tokenizer = tokenizer
         self._memo: dict[int, str] = {}
+        eos = getattr(tokenizer, "eos_token_ids", None) or ()
+        self._stop = frozenset(int(t) for t in eos) | frozenset(stop_token_ids)
 
     def _decode(self, ids: list[int]) -> None:
         for t in ids:
@@ -474,13 +502,18 @@ class LogprobDecoder:
                 "bytes": list(text.encode("utf-8"))}
 
     async def entries(self, events: list[TokenEvent]) -> list[dict[str, Any]]:
+        events = [ev for ev in events if ev.token_id not in self._stop]
         ids = [ev.token_id for ev in events] + [t for ev in events for t, _ in ev.top_logprobs]
         missing = [t for t in dict.fromkeys(ids) if t not in self._memo]
         if missing:
             await asyncio.to_thread(self._decode, missing)
         out = []
         for ev in events:
-            entry = self._entry(ev.token_id, ev.logprob if ev.logprob is not None else 0.0)
-            entry["top_logprobs"] = [self._entry(t, lp) for t, lp in ev.top_logprobs]
+            lp = ev.logprob if ev.logprob is not None else 0.0
+            # JSON has no -inf: a token a constraint masked out is left out of the
+            # alternatives (OpenAI writes -9999.0 for a probability of zero)
+            entry = self._entry(ev.token_id, lp if math.isfinite(lp) else -9999.0)
+            entry["top_logprobs"] = [self._entry(t, alt) for t, alt in ev.top_logprobs
+                                     if math.isfinite(alt)]
             out.append(entry)
         return out

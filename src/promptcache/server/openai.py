@@ -1,8 +1,10 @@
 """OpenAI-compatible endpoints: /v1/chat/completions, /v1/completions, /v1/models.
 
 Chat replies: reasoning the model marks (``<think>``…) comes back as
-``message.reasoning_content`` (streamed as ``delta.reasoning_content``), tool calls as
-``tool_calls``; with ``logprobs`` (and ``top_logprobs``) every token's log-probability
+``message.reasoning_content`` (streamed as ``delta.reasoning_content``), tool calls (in
+the model's own format, parsed with mlx-lm's parser of it) as ``tool_calls``;
+``response_format`` ``json_object`` / ``json_schema`` and ``tool_choice`` ``required`` /
+a named function are enforced by constrained decoding (``structured.py``); with ``logprobs`` (and ``top_logprobs``) every token's log-probability
 in ``choices[0].logprobs.content``. A final assistant message is continued (prefill).
 Streams send an SSE comment when they have nothing else to send for a while (a long
 prefill), so proxies and clients keep the connection.
@@ -43,7 +45,8 @@ from .prompt import openai_messages, openai_tools
 from .reasoning import Piece, ReplyParser
 from .runner import Generation, ServerState
 from .schemas import ChatCompletionRequest, CompletionRequest
-from .toolcalls import ToolCall
+from .structured import openai_response_format, openai_tool_choice
+from .toolcalls import ToolCall, offered_tool_names
 
 router = APIRouter()
 
@@ -155,9 +158,13 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     images = st.image_collector()
     messages = openai_messages(body.messages, images)
     tools = openai_tools(body.tools) if body.tool_choice != "none" else None
+    structure = openai_tool_choice(body.tool_choice, offered_tool_names(tools),
+                                   body.parallel_tool_calls) \
+        or openai_response_format(body.response_format)
     scope = request.state.pc_scope.with_session(body.prompt_cache_key, "prompt_cache_key")
     prepared = await preparer_of(request).prepare(
-        ChatPrompt(messages, tools, _thinking_switch(body.reasoning_effort), images))
+        ChatPrompt(messages, tools, _thinking_switch(body.reasoning_effort), images=images,
+                   structure=structure))
     requested = body.max_completion_tokens if body.max_completion_tokens is not None \
         else body.max_tokens
     param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
@@ -165,9 +172,11 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     sampling = st.sampling(max_tokens=max_tokens, temperature=body.temperature,
                            top_p=body.top_p, seed=body.seed, stop=body.stop, logprobs=k)
     gen = st.start("openai", request, scope, prepared.tokens, sampling,
-                   prepared.message_starts, prepared.images)
+                   prepared.message_starts, images=prepared.images,
+                   constraint=prepared.constraint)
     parser = reply_parser(prepared)
-    decoder = LogprobDecoder(st.engine.tokenizer) if k is not None else None
+    decoder = (LogprobDecoder(st.engine.tokenizer, sampling.stop_token_ids)
+               if k is not None else None)
     cid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
     created = int(time.time())
 

@@ -7,8 +7,9 @@ a 404 in OpenAI's error shape). ``prompt_cache_key`` names the session when no s
 header does (Codex sends its session id there). ``reasoning.effort`` drives the
 template's thinking switch (``none`` / ``minimal``: off); reasoning the model emits is
 returned as ``reasoning`` items (``content`` of ``reasoning_text`` parts). ``text.format``
-other than plain text, and ``tool_choice`` ``required`` / a named function, are accepted
-but not enforced yet.
+``json_object`` / ``json_schema`` and ``tool_choice`` ``required`` / a named function /
+``allowed_tools`` in mode ``required`` are enforced by constrained decoding
+(``structured.py``).
 
 Output items: [reasoning?, message?, function_call...]; a reply cut by
 ``max_output_tokens`` has ``status: "incomplete"``. Streaming sends the event sequence
@@ -60,7 +61,8 @@ from .responses_items import (
 )
 from .runner import Generation, ServerState
 from .schemas import ResponsesRequest
-from .toolcalls import ToolCall
+from .structured import openai_tool_choice, responses_text_format
+from .toolcalls import ToolCall, offered_tool_names
 
 router = APIRouter()
 
@@ -84,12 +86,6 @@ def _thinking_switch(reasoning: dict[str, Any] | None) -> bool | None:
     if effort is None:
         return None
     return effort not in ("none", "minimal")
-
-
-def _check_text_format(text: dict[str, Any] | None) -> None:
-    fmt = (text or {}).get("format")
-    if fmt is not None and not isinstance(fmt, dict):
-        raise APIError(400, "text.format must be an object", param="text.format")
 
 
 def responses_usage(result: GenerationResult, reasoning_tokens: int) -> dict[str, Any]:
@@ -327,7 +323,7 @@ async def create_response(body: ResponsesRequest, request: Request) -> Any:
     st = state_of(request)
     model = st.check_model(body.model)
     store = store_of(request)
-    _check_text_format(body.text)
+    json_output = responses_text_format(body.text)
     if body.top_logprobs is not None and not 0 <= body.top_logprobs <= 20:
         raise APIError(400, f"top_logprobs must be in [0, 20], got {body.top_logprobs}",
                        param="top_logprobs")
@@ -344,20 +340,25 @@ async def create_response(body: ResponsesRequest, request: Request) -> Any:
     conv.add_input(body.input, store)
     offered = responses_tools(body.tools)
     tools = offered.tools if body.tool_choice != "none" else None
+    structure = openai_tool_choice(body.tool_choice, offered_tool_names(tools),
+                                   body.parallel_tool_calls, responses=True) or json_output
     messages = conv.messages
     if body.instructions:
         messages = [{"role": "system", "content": body.instructions}] + messages
     scope = request.state.pc_scope.with_session(body.prompt_cache_key, "prompt_cache_key")
     prepared = await preparer_of(request).prepare(
-        ChatPrompt(messages, tools, _thinking_switch(body.reasoning), conv.images))
+        ChatPrompt(messages, tools, _thinking_switch(body.reasoning), images=conv.images,
+                   structure=structure))
     max_tokens = plan_max_tokens(st, "openai", len(prepared.tokens), body.max_output_tokens,
                                  "max_output_tokens")
     k = body.top_logprobs
     sampling = st.sampling(max_tokens=max_tokens, temperature=body.temperature,
                            top_p=body.top_p, seed=None, stop=None, logprobs=k)
     gen = st.start("responses", request, scope, prepared.tokens, sampling,
-                   prepared.message_starts, prepared.images)
-    decoder = LogprobDecoder(st.engine.tokenizer) if k is not None else None
+                   prepared.message_starts, images=prepared.images,
+                   constraint=prepared.constraint)
+    decoder = (LogprobDecoder(st.engine.tokenizer, sampling.stop_token_ids)
+               if k is not None else None)
     call = _Call(st, body, model, conv, offered, store, decoder)
     reply = _Reply(offered, decoder)
     parser = reply_parser(prepared)

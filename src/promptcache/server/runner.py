@@ -25,6 +25,7 @@ from fastapi import Request
 
 from ..config import EngineConfig, ServerConfig
 from ..engine.api import (
+    Constraint,
     GenerationRequest,
     GenerationResult,
     ImageInput,
@@ -91,7 +92,8 @@ class ServerState:
 
     def start(self, api: str, http_request: Request, scope: Scope, prompt: Sequence[int],
               sampling: SamplingParams, message_starts: Sequence[int] = (),
-              images: Sequence[ImageInput] = ()) -> Generation:
+              images: Sequence[ImageInput] = (),
+              constraint: Constraint | None = None) -> Generation:
         req = GenerationRequest(
             # a C-speed copy; the engine validates the ids (its fast path) in submit
             prompt_tokens=tuple(prompt),
@@ -101,6 +103,7 @@ class ServerState:
             message_starts=tuple(message_starts),
             request_id=uuid.uuid4().hex[:16],
             images=tuple(images),
+            constraint=constraint,
         )
         try:
             # ValueError -> 400, OverloadedError -> 429 / 529 + Retry-After,
