@@ -37,6 +37,8 @@ from .admission import Admission, Ticket
 from .api import GenerationRequest, GenerationResult, SamplingParams, Usage
 from .chat_format import ChatFormat, chat_format_of
 from .handles import RequestHandle
+from .payload import ram_census
+from .quant import from_config as _kv_quant_of
 from .request import EngineContext, EngineCounters, LogitsHook, Processor, Request, validate_request
 from .scheduler import Scheduler
 from .templates import ChatTemplate
@@ -134,7 +136,9 @@ class Engine:
                 f"block_size ({bs}) must not exceed the model's sliding window ({window}): "
                 "blocks are saved while their tokens are still in the window"
             )
-        self.kv_spec = adapters.kv_spec(model, template)
+        # stored blocks quantized per the cache config; the spec is part of the namespace
+        self.kv_quant = _kv_quant_of(self.cache_config)
+        self.kv_spec = adapters.kv_spec(model, template, quant=self.kv_quant)
         self.templates = ChatTemplate(tokenizer)
         eos = getattr(tokenizer, "eos_token_ids", None) or []
         self.counters = EngineCounters()
@@ -142,7 +146,7 @@ class Engine:
             model=model, tokenizer=tokenizer, config=cfg, context_length=context_length,
             vocab_size=vocab_size, eos_token_ids=frozenset(int(t) for t in eos), cache=cache,
             namespace_for=self.namespace if cache is not None else None, block_size=bs,
-            counters=self.counters, logits_hook=logits_hook,
+            counters=self.counters, logits_hook=logits_hook, kv_quant=self.kv_quant,
         )
         self.row_bytes = kv_row_bytes(model)
         self.admission = Admission(cfg.max_active_requests, cfg.max_queued_requests,
@@ -316,6 +320,7 @@ class Engine:
                 out["cache"] = self.cache.stats().to_dict()
             except Exception:
                 logger.exception("cache stats failed")
+            out["kv"] = ram_census(self.cache, self.kv_quant)
         return out
 
     def close(self) -> None:
