@@ -116,17 +116,27 @@ def test_layout_text_offsets_and_interning():
     lay = parse_layout(text)
     assert lay is parse_layout(text)  # equal layouts are one object
     assert lay.items == tuple(items)
-    assert list(lay.parts)[:3] == ["0.k", "0.v", "1.k"]
+    # grouped by class (KV and packed values, scales, biases, snapshots), item order within
+    assert list(lay.parts) == ["0.k", "0.v", "1.k", "1.v", "2.k", "2.v", "3.k.0", "3.v.0", "5.k",
+                               "5.v", "3.k.1", "3.v.1", "3.k.2", "3.v.2", "4.0.s.1"]
     kv_bytes = 2 * 3 * 64 * 4  # 1536, a multiple of 64
+    offsets = {n: p.offset for n, p in lay.parts.items()}
+    assert offsets == {"0.k": 0, "0.v": 1536, "1.k": 3072, "1.v": 4608, "2.k": 6144, "2.v": 7680,
+                       "3.k.0": 9216, "3.v.0": 9600, "5.k": 9984, "5.v": 11520,
+                       "3.k.1": 13056, "3.v.1": 13120, "3.k.2": 13184, "3.v.2": 13248,
+                       "4.0.s.1": 13312}
     q = lay.parts["3.k.0"]
-    assert (q.offset, q.nbytes, q.shape, q.dtype) == (6 * kv_bytes, 2 * 3 * 16 * 4, (1, 2, 3, 16), mx.uint32)
+    assert (q.nbytes, q.shape, q.dtype, q.strides) == (384, (1, 2, 3, 16), mx.uint32, (96, 48, 16, 1))
     scales = lay.parts["3.k.1"]
-    assert (scales.offset, scales.nbytes, scales.shape, scales.dtype) == (
-        6 * kv_bytes + 384, 12, (1, 2, 3, 1), mx.bfloat16)
-    assert lay.parts["3.k.2"].offset == 6 * kv_bytes + 448  # aligned to 64
+    assert (scales.nbytes, scales.shape, scales.dtype, scales.elem_offset) == (
+        12, (1, 2, 3, 1), mx.bfloat16, 13056 // 2)
     assert all(p.offset % blockbuf.ALIGN == 0 for p in lay.parts.values())
-    assert lay.parts["4.0.s.1"].nbytes == 20
-    assert lay.nbytes == lay.parts["5.v"].offset + kv_bytes and lay.nbytes % 64 == 0
+    assert lay.parts["4.0.s.1"].nbytes == 20 and lay.nbytes == 13376
+    # equal neighbours without a gap are one run (one mx.split on restore)
+    assert [names for _, names in lay.runs] == [
+        ("0.k", "0.v", "1.k", "1.v", "2.k", "2.v"), ("3.k.0", "3.v.0"), ("5.k", "5.v"),
+        ("3.k.1",), ("3.v.1",), ("3.k.2",), ("3.v.2",), ("4.0.s.1",)]
+    assert kv_bytes == 1536
     assert lay.num_tokens == 3 and lay.quantized
     assert sorted(lay.kv_items) == ["0", "1", "2", "3", "5"]
 
@@ -156,6 +166,9 @@ def test_pack_is_one_buffer_with_exact_views():
     assert np.array_equal(np.array(p["0.k"]), np.array(k))
     assert np.array_equal(np.array(p["0.v"]), np.array(v))
     assert np.array(p["1.s.0"]).tolist() == [[0, 1, 2, 3, 4]]
+    views = p.arrays()  # all parts at once: the same views
+    assert sorted(views) == ["0.k", "0.v", "1.s.0"]
+    assert all(np.array_equal(np.array(views[n]), np.array(p[n])) for n in views)
     with pytest.raises(ValueError, match="layout says"):
         pack([(Item("0", "kv", "float32", (1, 2, 3, 64)), [k, v[..., :2, :]])])
     with pytest.raises(ValueError, match="needs 2 arrays"):

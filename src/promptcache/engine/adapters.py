@@ -290,9 +290,18 @@ def _template(model_or_caches: Any) -> list[Any]:
     return list(make_prompt_cache(model_or_caches))
 
 
+class _Used(NamedTuple):
+    """A block restore reads: its span, its payload and the payload's arrays (views)."""
+
+    start: int
+    end: int
+    payload: Mapping[str, mx.array]
+    arrays: Mapping[str, mx.array]
+
+
 def _cut_blocks(
     blocks: Sequence[tuple[Span, Mapping[str, mx.array]]], num_tokens: int
-) -> list[tuple[int, int, Mapping[str, mx.array]]]:
+) -> list[_Used]:
     """Blocks covering [0, num_tokens), checked for contiguity."""
     out = []
     pos = 0
@@ -301,7 +310,8 @@ def _cut_blocks(
             break
         if span.start != pos:
             raise ValueError(f"blocks are not contiguous: expected start {pos}, got {span.start}")
-        out.append((span.start, span.end, payload))
+        arrays = payload.arrays() if isinstance(payload, BlockPayload) else payload
+        out.append(_Used(span.start, span.end, payload, arrays))
         pos = span.end
     if pos < num_tokens:
         raise ValueError(f"blocks cover {pos} tokens, fewer than num_tokens={num_tokens}")
@@ -334,58 +344,82 @@ def _kind_of(payload: Mapping[str, mx.array], name: str, s: int, e: int) -> tupl
     raise ValueError(f"block [{s}, {e}) has no array {name + '.k'!r}")
 
 
-def _segments(
-    blocks: list[tuple[int, int, Mapping[str, mx.array]]], name: str, lo: int, hi: int
-) -> list[_Seg]:
+def _segments(blocks: list[_Used], name: str, lo: int, hi: int) -> list[_Seg]:
     """The slices of layer ``name`` covering tokens [lo, hi) across blocks."""
+    kv_keys = (f"{name}.k", f"{name}.v")
+    q_keys = tuple(f"{name}.{kv}.{i}" for kv in "kv" for i in range(3))
     out = []
-    for s, e, payload in blocks:
+    for s, e, payload, arrays in blocks:
         if e <= lo or s >= hi:
             continue
         kind, bits, group = _kind_of(payload, name, s, e)
-        keys = ((f"{name}.k", f"{name}.v") if kind == "kv"
-                else tuple(f"{name}.{kv}.{i}" for kv in "kv" for i in range(3)))
-        a0, a1 = max(lo, s) - s, min(hi, e) - s
-        arrays = []
+        keys = kv_keys if kind == "kv" else q_keys
+        got = []
         for key in keys:
-            if key not in payload:
+            a = arrays.get(key)
+            if a is None:
                 raise ValueError(f"block [{s}, {e}) has no array {key!r}")
-            a = payload[key]
             if a.shape[2] != e - s:
                 raise ValueError(
                     f"array {key!r} of block [{s}, {e}) holds {a.shape[2]} tokens, expected {e - s}"
                 )
-            arrays.append(a if (a0, a1) == (0, e - s) else a[..., a0:a1, :])
-        out.append(_Seg(kind, tuple(arrays), bits, group))
+            got.append(a)
+        a0, a1 = max(lo, s) - s, min(hi, e) - s
+        if (a0, a1) != (0, e - s):
+            got = [a[..., a0:a1, :] for a in got]
+        out.append(_Seg(kind, tuple(got), bits, group))
     return out
 
 
-def _float_kv(segs: list[_Seg]) -> tuple[list[mx.array], list[mx.array]]:
-    """Full-precision k and v pieces in token order; consecutive quantized blocks are
-    concatenated first and dequantized in one call per layer."""
+def _runs(segs: list[_Seg]) -> list[list[_Seg]]:
+    """Consecutive segments of the same kind and quantization."""
+    runs: list[list[_Seg]] = []
+    for seg in segs:
+        key = (seg.kind, seg.bits, seg.group_size)
+        if runs and (runs[-1][0].kind, runs[-1][0].bits, runs[-1][0].group_size) == key:
+            runs[-1].append(seg)
+        else:
+            runs.append([seg])
+    return runs
+
+
+def _zeros_like_tokens(a: mx.array, n: int) -> mx.array:
+    return mx.zeros((*a.shape[:2], n, a.shape[3]), dtype=a.dtype)
+
+
+def _float_kv(segs: list[_Seg], pad: int = 0) -> tuple[mx.array, mx.array]:
+    """Full-precision k and v in token order, plus ``pad`` zero tokens of room.
+
+    Consecutive quantized blocks are concatenated first and dequantized in one call per
+    layer; when the KV ends with them, the room is padded onto the quantized parts (a
+    zero scale and bias dequantize to 0), so the result is written once.
+    """
     ks: list[mx.array] = []
     vs: list[mx.array] = []
-    i = 0
-    while i < len(segs):
-        seg = segs[i]
-        if seg.kind == "kv":
-            ks.append(seg.arrays[0])
-            vs.append(seg.arrays[1])
-            i += 1
+    runs = _runs(segs)
+    for i, run in enumerate(runs):
+        head = run[0]
+        if head.kind == "kv":
+            ks += [r.arrays[0] for r in run]
+            vs += [r.arrays[1] for r in run]
             continue
-        if seg.kind == "raw_q":
+        if head.kind == "raw_q":
             raise ValueError("quantized KV parts without their bits can be restored only into "
                              "a QuantizedKVCache")
-        j = i + 1
-        while j < len(segs) and (segs[j].kind, segs[j].bits, segs[j].group_size) == (
-                seg.kind, seg.bits, seg.group_size):
-            j += 1
-        run = segs[i:j]
-        parts = [_cat([r.arrays[p] for r in run]) for p in range(6)]
-        ks.append(_quant.dequantize(parts[:3], seg.bits, seg.group_size))
-        vs.append(_quant.dequantize(parts[3:], seg.bits, seg.group_size))
-        i = j
-    return ks, vs
+        room = pad if i == len(runs) - 1 else 0
+        parts = []
+        for p in range(6):
+            pieces = [r.arrays[p] for r in run]
+            if room:
+                pieces.append(_zeros_like_tokens(pieces[0], room))
+            parts.append(_cat(pieces))
+        ks.append(_quant.dequantize(parts[:3], head.bits, head.group_size))
+        vs.append(_quant.dequantize(parts[3:], head.bits, head.group_size))
+        pad -= room
+    if pad:
+        ks.append(_zeros_like_tokens(ks[0], pad))
+        vs.append(_zeros_like_tokens(vs[0], pad))
+    return _cat(ks), _cat(vs)
 
 
 def _quantized_kv(segs: list[_Seg], bits: int, group: int) -> tuple[tuple[mx.array, ...], ...]:
@@ -440,17 +474,14 @@ def restore(
     return out
 
 
-def _restore_one(
-    name: str, c: Any, blocks: list[tuple[int, int, Mapping[str, mx.array]]], n: int,
-    reserve: int = 0,
-) -> Any:
+def _restore_one(name: str, c: Any, blocks: list[_Used], n: int, reserve: int = 0) -> Any:
     if isinstance(c, CacheList):
         return CacheList(
             *(_restore_one(f"{name}.{j}", sub, blocks, n, reserve) for j, sub in enumerate(c.caches))
         )
     _check_supported(c)
     if isinstance(c, ArraysCache):
-        s, e, payload = blocks[-1]
+        s, e, _, payload = blocks[-1]
         if e != n:
             raise ValueError(
                 f"non-truncatable state can be restored only at a snapshot: "
@@ -474,16 +505,14 @@ def _restore_one(
         for lo, hi in ranges:
             if hi > lo:
                 segs += _segments(blocks, name, lo, hi)
-        ks, vs = _float_kv(segs)
-        k, v = _cat(ks), _cat(vs)
+        k, v = _float_kv(segs)
         return RotatingKVCache.from_state((k, v, n, keep, max_size, k.shape[2]))
-    kp, vp = _float_kv(_segments(blocks, name, 0, n))
+    pad = 0
     if reserve > 0:
         step = KVCache.step
         pad = (n + reserve + step - 1) // step * step - n
-        kp.append(mx.zeros((*kp[0].shape[:2], pad, kp[0].shape[3]), dtype=kp[0].dtype))
-        vp.append(mx.zeros((*vp[0].shape[:2], pad, vp[0].shape[3]), dtype=vp[0].dtype))
-    return KVCache.from_state((_cat(kp), _cat(vp), n))
+    k, v = _float_kv(_segments(blocks, name, 0, n), pad)
+    return KVCache.from_state((k, v, n))
 
 
 def state_arrays(caches: Sequence[Any]) -> Iterator[tuple[str, mx.array]]:

@@ -85,9 +85,29 @@ def quantize(x: mx.array, bits: int, group_size: int) -> tuple[mx.array, mx.arra
 
 def dequantize(parts: tuple[mx.array, mx.array, mx.array] | list[mx.array], bits: int,
                group_size: int) -> mx.array:
-    """The inverse of ``quantize`` (in the dtype of the scales: the KV's dtype)."""
+    """The inverse of ``quantize`` (in the dtype of the scales: the KV's dtype).
+
+    On the CPU, widths that pack whole values into bytes (1, 2, 4, 8 bits) are unpacked
+    with elementwise ops: the same values as ``mx.dequantize`` (the tests compare them
+    bit for bit) in about half the time of its CPU kernel. On a GPU ``mx.dequantize``.
+    """
     wq, scales, biases = parts
-    return mx.dequantize(wq, scales, biases, group_size=group_size, bits=bits)
+    if 8 % bits or mx.default_device().type != mx.DeviceType.cpu:
+        return mx.dequantize(wq, scales, biases, group_size=group_size, bits=bits)
+    return _dequantize_bytes(wq, scales, biases, bits, group_size)
+
+
+def _dequantize_bytes(wq: mx.array, scales: mx.array, biases: mx.array, bits: int,
+                      group_size: int) -> mx.array:
+    q = wq.view(mx.uint8)  # little-endian: value 0 in the lowest bits of byte 0
+    if bits < 8:
+        mask = (1 << bits) - 1
+        q = mx.stack([(q >> (bits * i)) & mask for i in range(8 // bits)], axis=-1)
+    *lead, _ = wq.shape
+    dim = scales.shape[-1] * group_size
+    groups = q.reshape(*lead, dim // group_size, group_size).astype(scales.dtype)
+    out = groups * mx.expand_dims(scales, -1) + mx.expand_dims(biases, -1)
+    return out.reshape(*lead, dim)
 
 
 def packed_dim(head_dim: int, bits: int) -> int:
