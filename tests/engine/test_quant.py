@@ -348,3 +348,18 @@ def test_older_payloads_are_read_and_packed_into_one_buffer(hd64):
     assert ad.num_arrays(back) == 1
     r = restore([KVCache()], [(BlockSpan(0, 4), back)], 3)[0]
     assert np.array_equal(np.array(r.keys.astype(mx.float32)), np.array(k[..., :3, :].astype(mx.float32)))
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+@pytest.mark.parametrize("bits,group", [(8, 64), (8, 32), (4, 64), (4, 128), (2, 32), (1, 64)])
+def test_cpu_dequantize_equals_mx_dequantize_bit_for_bit(dtype, bits, group):
+    from promptcache.engine import quant
+
+    mx.random.seed(bits * group)
+    x = (mx.random.normal((1, 3, 10, 128)) * 3 + 1).astype(dtype)
+    parts = mx.quantize(x, group_size=group, bits=bits)
+    want = mx.dequantize(*parts, group_size=group, bits=bits)
+    got = quant.dequantize(parts, bits, group)
+    assert got.dtype == want.dtype == dtype and got.shape == want.shape
+    assert np.array_equal(np.array(got.view(mx.uint16 if dtype != mx.float32 else mx.uint32)),
+                          np.array(want.view(mx.uint16 if dtype != mx.float32 else mx.uint32)))
