@@ -243,9 +243,11 @@ def test_min_tokens_keeps_the_first_blocks_full_precision(hd64):
     assert np.array_equal(k[..., 16:, :], np.array(_roundtrip(caches[1].keys[..., 16:37, :], 8)))
 
 
-def test_head_dim_without_a_group_stays_full_precision(llama):
+def test_head_dim_without_a_group_stays_full_precision(llama, caplog):
     caches = _prefilled(llama, _tokens(8))
-    p = extract_block(caches, 0, 8, False, quant=Q8)  # head_dim 16 < 32
+    with caplog.at_level("WARNING", logger="promptcache.engine.adapters"):
+        p = extract_block(caches, 0, 8, False, quant=KVQuant(8, 32, 0))  # head_dim 16 < 32
+    assert "head_dim 16 cannot be quantized" in caplog.text
     assert p.layout.text == "0-1=kv:float32:1x2x8x16" and not p.layout.quantized
     assert np.array_equal(np.array(p["0.k"]), np.array(caches[0].keys[..., :8, :]))
 

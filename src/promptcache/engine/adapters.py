@@ -25,6 +25,7 @@ into the template's own cache kind, or fills a ``QuantizedKVCache`` directly.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, NamedTuple, Protocol
@@ -214,11 +215,22 @@ def _slice_rotating(c: RotatingKVCache, start: int, end: int) -> tuple[mx.array,
 # ---------------------------------------------------------------- extract
 
 
+@functools.lru_cache(maxsize=64)
+def _warn_unquantizable(head_dim: int, group_size: int) -> None:
+    logger.warning("KV of head_dim %d cannot be quantized in groups of <= %d (mx.quantize "
+                   "supports %s): those layers are stored at full precision",
+                   head_dim, group_size, _quant.GROUP_SIZES)
+
+
 def _kv_entry(name: str, k: mx.array, v: mx.array, quant: KVQuant | None,
               start: int) -> tuple[Item, list[mx.array]]:
     """The block item of one KV layer: quantized if the spec says so for this block."""
     dtype, shape = dtype_name(k.dtype), tuple(k.shape)
-    group = quant.group_for(shape[-1]) if quant is not None and quant.applies_to(start) else None
+    group = None
+    if quant is not None and quant.applies_to(start):
+        group = quant.group_for(shape[-1])
+        if group is None:
+            _warn_unquantizable(shape[-1], quant.group_size)
     if quant is None or group is None:
         return Item(name, "kv", dtype, shape), [k, v]
     bits = quant.bits
