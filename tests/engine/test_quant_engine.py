@@ -10,10 +10,12 @@ from collections import defaultdict
 import numpy as np
 import pytest
 from quant_models import ensure_tiny_llama_hd64
+from stepper import Stepper
 
 from promptcache import codec
 from promptcache.cli import build_parser
 from promptcache.cli.serve_cmd import build_configs
+from promptcache.cli.wiring import build_cache
 from promptcache.config import CacheConfig, EngineConfig, SSDConfig
 from promptcache.engine.api import GenerationRequest, SamplingParams
 from promptcache.engine.blockbuf import BlockPayload
@@ -37,8 +39,8 @@ def _engine(path, kv_bits=None, min_tokens=0, ssd_dir=None):
     def hook(request_id, step, logits):
         rec[request_id].append(logits)
 
-    eng = Engine.load(path, EngineConfig(prefill_chunk_tokens=CHUNK), cc, ssd_config=ssd,
-                      logits_hook=hook)
+    eng = Engine.load(path, EngineConfig(prefill_chunk_tokens=CHUNK), cc,
+                      cache=build_cache(cc, ssd), logits_hook=hook)
     eng.recorded = rec
     return eng
 
@@ -174,3 +176,44 @@ def test_serve_options_for_kv_quantization(tmp_path):
             configs(*bad)
     with pytest.raises(ValueError, match="kv-quant-min-tokens"):
         configs("--kv-quant-min-tokens", "-1")
+
+
+def _stepped(eng, seqs, use_cache, batched=True, max_tokens=6):
+    """Run ``seqs`` through a Stepper: all in one batch, or one at a time."""
+    st = Stepper(eng)
+    runs = []
+    for i, p in enumerate(seqs):
+        runs.append(st.submit(p, max_tokens=max_tokens + i % 3, use_cache=use_cache))
+        if not batched:
+            st.run()
+    st.run()
+    return [(r.result, eng.recorded.pop(r.request.request_id)) for r in runs], st
+
+
+def test_quantized_restores_under_batched_decode(hd64_path):
+    """Quantize on store, dequantize on restore: eight requests whose prefixes come
+    back from 8-bit blocks decode in one batch; each row equals the same restore
+    decoded alone (float tolerance) and a full prefill (greedy, 8-bit tolerance)."""
+    rng = np.random.default_rng(9)
+    prompts = [[900 + i] + _prompt(int(rng.integers(10, 40)), seed=20 + i) for i in range(8)]
+    with _engine(hd64_path, kv_bits=8) as eng:
+        first, _ = _stepped(eng, prompts, True)
+        assert all(b.payload.layout.quantized for b in eng.cache.pool.blocks())
+        turn2 = [p + r.tokens + _prompt(5, seed=40 + i)
+                 for i, (p, (r, _)) in enumerate(zip(prompts, first, strict=True))]
+        cached, st = _stepped(eng, turn2, True, max_tokens=16)  # long enough that all 8 overlap
+        assert st.ctx.counters.max_batch == 8
+        plain, _ = _stepped(eng, turn2, False, max_tokens=16)
+    with _engine(hd64_path, kv_bits=8) as eng2:  # the same first turn, then turn 2 alone
+        again, _ = _stepped(eng2, prompts, True)
+        alone, st = _stepped(eng2, turn2, True, batched=False, max_tokens=16)
+        assert st.ctx.counters.max_batch == 1
+    assert [r.tokens for r, _ in again] == [r.tokens for r, _ in first]
+    for p, (r1, _), (rc, lc), (rp, lp), (ra, la) in zip(prompts, first, cached, plain, alone,
+                                                        strict=True):
+        assert rc.finish_reason == "length", rc.error
+        assert rc.usage.cached_tokens == ra.usage.cached_tokens == len(p) + len(r1.tokens) - 1
+        assert rc.tokens == ra.tokens and _max_delta(lc, la) < 1e-4  # batched == alone
+        assert rc.tokens == rp.tokens and _max_delta(lc, lp) < 0.05  # 8-bit vs full prefill
+    # the restores were quantized: they differ from a full prefill beyond float rounding
+    assert max(_max_delta(lc, lp) for (_, lc), (_, lp) in zip(cached, plain, strict=True)) > 1e-3

@@ -19,6 +19,7 @@ store blocks the same way.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -83,15 +84,14 @@ def quantize(x: mx.array, bits: int, group_size: int) -> tuple[mx.array, mx.arra
     return wq, scales, biases
 
 
-def dequantize(parts: tuple[mx.array, mx.array, mx.array] | list[mx.array], bits: int,
-               group_size: int) -> mx.array:
+def dequantize(parts: Sequence[mx.array], bits: int, group_size: int) -> mx.array:
     """The inverse of ``quantize`` (in the dtype of the scales: the KV's dtype).
 
     On the CPU, widths that pack whole values into bytes (1, 2, 4, 8 bits) are unpacked
     with elementwise ops: the same values as ``mx.dequantize`` (the tests compare them
     bit for bit) in about half the time of its CPU kernel. On a GPU ``mx.dequantize``.
     """
-    wq, scales, biases = parts
+    wq, scales, biases = parts  # packed values, scales, biases
     if 8 % bits or mx.default_device().type != mx.DeviceType.cpu:
         return mx.dequantize(wq, scales, biases, group_size=group_size, bits=bits)
     return _dequantize_bytes(wq, scales, biases, bits, group_size)
