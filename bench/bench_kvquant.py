@@ -183,50 +183,81 @@ def part_bytes(args: argparse.Namespace, smol: Path, tiny: Path | None, tiny64: 
 # ---------------------------------------------------------------- quality
 
 
+def _quality_row(model: Any, p: list[int], steps: int, variants: dict[str, KVQuant | None]
+                 ) -> dict[str, Any]:
+    """One prompt: the full-precision greedy reference, then each variant's restore fed
+    the same tokens (teacher forcing)."""
+    caches, _ = prefill(model, p[:-1])
+    n = len(p) - 1
+    stored = {v: blocks_of(caches, 0, n, q) for v, q in variants.items()}
+    # the full-precision reference: the live cache, greedy, step by step
+    out = model(mx.array([[p[-1]]]), cache=caches)[0, -1]
+    ref0 = np.array(out.astype(mx.float32))
+    toks = [int(mx.argmax(out))]
+    for _ in range(steps - 1):
+        out = model(mx.array([[toks[-1]]]), cache=caches)[0, -1]
+        toks.append(int(mx.argmax(out)))
+    del caches
+    feed = mx.array([[p[-1], *toks[:-1]]])
+    row: dict[str, Any] = {"tokens": len(p), "variants": {}}
+    for v, blocks in stored.items():
+        r = restore(model, blocks, n, reserve=steps)
+        lg = np.array(model(feed, cache=r)[0].astype(mx.float32))
+        agree = lg.argmax(axis=-1) == np.array(toks)
+        row["variants"][v] = {"dlogit0": float(np.max(np.abs(lg[0] - ref0))),
+                              "agree": int(agree.sum()), "steps": int(agree.size)}
+    return row
+
+
 def part_quality(args: argparse.Namespace, smol: Path) -> dict[str, Any]:
+    """Per-prompt rows go to ``--rows`` (JSON lines) as they are measured; rows already
+    there are kept and their prompts skipped, so a run can be resumed or extended."""
     model, tok = load(str(smol))
+    variants = {v: VARIANTS[v] for v in args.quality_variants.split(",")}
     ps = prompts(tok, args.prompts, args.prompt_chars)
     lens = [len(p) for p in ps]
     say(f"quality: {len(ps)} prompts, {min(lens)}-{max(lens)} tokens (median {statistics.median(lens)}), "
-        f"{args.steps} steps; load {load_avg()}")
-    res: dict[str, dict[str, list[float]]] = {v: {"dlogit0": [], "agree": []} for v in VARIANTS}
-    exact_runs: dict[str, int] = {v: 0 for v in VARIANTS}
+        f"{args.steps} steps, variants {list(variants)}; load {load_avg()}")
+    rows: dict[int, dict[str, Any]] = {}
+    if args.rows is not None and args.rows.exists():
+        for line in args.rows.read_text().splitlines():
+            r = json.loads(line)
+            if r["steps"] == args.steps and set(r["variants"]) == set(variants):
+                rows[r["index"]] = r
     t0 = time.perf_counter()
     for i, p in enumerate(ps):
-        caches, _ = prefill(model, p[:-1])
-        n = len(p) - 1
-        stored = {v: blocks_of(caches, 0, n, q) for v, q in VARIANTS.items()}
-        # the full-precision reference: the live cache, greedy, step by step
-        out = model(mx.array([[p[-1]]]), cache=caches)[0, -1]
-        ref_logits = [np.array(out.astype(mx.float32))]
-        toks = [int(mx.argmax(out))]
-        for _ in range(args.steps - 1):
-            out = model(mx.array([[toks[-1]]]), cache=caches)[0, -1]
-            ref_logits.append(np.array(out.astype(mx.float32)))
-            toks.append(int(mx.argmax(out)))
-        del caches
-        feed = mx.array([[p[-1], *toks[:-1]]])
-        for v, blocks in stored.items():
-            r = restore(model, blocks, n, reserve=args.steps)
-            lg = np.array(model(feed, cache=r)[0].astype(mx.float32))
-            res[v]["dlogit0"].append(float(np.max(np.abs(lg[0] - ref_logits[0]))))
-            agree = lg.argmax(axis=-1) == np.array(toks)
-            res[v]["agree"].append(float(agree.mean()))
-            exact_runs[v] += bool(agree.all())
-        if (i + 1) % 10 == 0:
-            el = time.perf_counter() - t0
-            say(f"  {i + 1}/{len(ps)} prompts ({el:.0f} s): " + ", ".join(
-                f"{v} top-1 {100 * statistics.mean(res[v]['agree']):.2f}%" for v in VARIANTS))
+        if i in rows:
+            continue
+        row = _quality_row(model, p, args.steps, variants)
+        row.update(index=i, steps=args.steps)
+        rows[i] = row
+        if args.rows is not None:
+            with args.rows.open("a") as f:
+                f.write(json.dumps(row) + "\n")
+        if len(rows) % 10 == 0:
+            say(f"  {len(rows)}/{len(ps)} prompts ({time.perf_counter() - t0:.0f} s, load {load_avg()}): "
+                + ", ".join(f"{v} top-1 {100 * _agreement(rows.values(), v):.2f}%" for v in variants))
+    return summarize_quality(list(rows.values()), variants, len(ps), time.perf_counter() - t0)
+
+
+def _agreement(rows: Any, v: str) -> float:
+    rows = list(rows)
+    return sum(r["variants"][v]["agree"] for r in rows) / sum(r["variants"][v]["steps"] for r in rows)
+
+
+def summarize_quality(rows: list[dict[str, Any]], variants: Any, total: int, seconds: float
+                      ) -> dict[str, Any]:
+    lens = [r["tokens"] for r in rows]
     out_rows = {}
-    for v in VARIANTS:
-        d = res[v]["dlogit0"]
+    for v in variants:
+        d = [r["variants"][v]["dlogit0"] for r in rows]
         out_rows[v] = {"max_dlogit0_max": max(d), "max_dlogit0_median": statistics.median(d),
-                       "max_dlogit0_mean": statistics.mean(d),
-                       "top1_agreement": statistics.mean(res[v]["agree"]),
-                       "prompts_all_steps_agree": exact_runs[v]}
-    return {"prompts": len(ps), "prompt_tokens": {"min": min(lens), "median": statistics.median(lens),
-                                                  "max": max(lens)},
-            "steps": args.steps, "variants": out_rows, "seconds": time.perf_counter() - t0}
+                       "max_dlogit0_mean": statistics.mean(d), "top1_agreement": _agreement(rows, v),
+                       "prompts_all_steps_agree": sum(r["variants"][v]["agree"] == r["variants"][v]["steps"]
+                                                      for r in rows)}
+    return {"prompts": len(rows), "of": total,
+            "prompt_tokens": {"min": min(lens), "median": statistics.median(lens), "max": max(lens)},
+            "steps": rows[0]["steps"], "variants": out_rows, "seconds": seconds}
 
 
 # ---------------------------------------------------------------- perplexity
@@ -385,6 +416,10 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--dir", type=Path, default=None, help="scratch folder for the SSD part")
     ap.add_argument("--json", type=Path, default=None, help="write the results here")
+    ap.add_argument("--rows", type=Path, default=None,
+                    help="quality: per-prompt rows (JSON lines; resumed from if present)")
+    ap.add_argument("--quality-variants", default="fp,q8,q4,q8 m256",
+                    help=f"quality: variants to compare (of {', '.join(VARIANTS)})")
     args = ap.parse_args()
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]
     smol = args.model
@@ -411,7 +446,8 @@ def main() -> None:
         for v, r in results["quality"]["variants"].items():
             say(f"quality {v}: max|dlogits| first token: max {r['max_dlogit0_max']:.4f} median "
                 f"{r['max_dlogit0_median']:.4f}; top-1 agreement {100 * r['top1_agreement']:.2f}%; "
-                f"{r['prompts_all_steps_agree']} prompts agree on every step")
+                f"{r['prompts_all_steps_agree']} of {results['quality']['prompts']} prompts agree on "
+                f"every step")
     if "ppl" in parts:
         results["ppl"] = part_ppl(args, smol)
         for v, r in results["ppl"]["variants"].items():
