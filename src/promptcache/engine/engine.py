@@ -320,8 +320,13 @@ class Engine:
                 out["cache"] = self.cache.stats().to_dict()
             except Exception:
                 logger.exception("cache stats failed")
-            out["kv"] = ram_census(self.cache, self.kv_quant)
+            out["kv"] = self.kv_stats()
         return out
+
+    def kv_stats(self) -> dict[str, Any] | None:
+        """What the RAM tier holds per cached token: arrays (one per block), bytes, the
+        stored quantization (``payload.ram_census``); None without a cache."""
+        return None if self.cache is None else ram_census(self.cache, self.kv_quant)
 
     def close(self) -> None:
         """Stop the engine thread (active requests are cancelled) and close the cache."""
