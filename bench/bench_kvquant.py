@@ -269,7 +269,8 @@ def part_ppl(args: argparse.Namespace, smol: Path) -> dict[str, Any]:
     ids = [int(t) for t in tok.encode(text)][: args.ppl_tokens]
     say(f"ppl: {len(ids)} tokens in {CHUNK}-token turns; load {load_avg()}")
     out = {}
-    for v, quant in VARIANTS.items():
+    for v in args.ppl_variants.split(","):
+        quant = VARIANTS[v]
         t = time.perf_counter()
         blocks: list[tuple[BlockSpan, Any]] = []
         nll = 0.0
@@ -418,6 +419,8 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=None, help="write the results here")
     ap.add_argument("--rows", type=Path, default=None,
                     help="quality: per-prompt rows (JSON lines; resumed from if present)")
+    ap.add_argument("--ppl-variants", default=",".join(VARIANTS),
+                    help="ppl: variants to read the text with (fp first: the baseline)")
     ap.add_argument("--quality-variants", default="fp,q8,q4,q8 m256",
                     help=f"quality: variants to compare (of {', '.join(VARIANTS)})")
     args = ap.parse_args()
