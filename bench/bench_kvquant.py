@@ -226,17 +226,22 @@ def part_quality(args: argparse.Namespace, smol: Path) -> dict[str, Any]:
                 rows[r["index"]] = r
     t0 = time.perf_counter()
     for i, p in enumerate(ps):
-        if i in rows:
+        if i in rows or i < args.first:
             continue
         row = _quality_row(model, p, args.steps, variants)
         row.update(index=i, steps=args.steps)
         rows[i] = row
         if args.rows is not None:
-            with args.rows.open("a") as f:
+            with args.rows.open("a") as f:  # one line per write: workers may share the file
                 f.write(json.dumps(row) + "\n")
         if len(rows) % 10 == 0:
             say(f"  {len(rows)}/{len(ps)} prompts ({time.perf_counter() - t0:.0f} s, load {load_avg()}): "
                 + ", ".join(f"{v} top-1 {100 * _agreement(rows.values(), v):.2f}%" for v in variants))
+    if args.rows is not None:  # rows other workers wrote meanwhile
+        for line in args.rows.read_text().splitlines():
+            r = json.loads(line)
+            if r["steps"] == args.steps and set(r["variants"]) == set(variants):
+                rows.setdefault(r["index"], r)
     return summarize_quality(list(rows.values()), variants, len(ps), time.perf_counter() - t0)
 
 
@@ -421,6 +426,9 @@ def main() -> None:
                     help="quality: per-prompt rows (JSON lines; resumed from if present)")
     ap.add_argument("--ppl-variants", default=",".join(VARIANTS),
                     help="ppl: variants to read the text with (fp first: the baseline)")
+    ap.add_argument("--first", type=int, default=0,
+                    help="quality: start at this prompt (several workers on one --rows file "
+                         "each write their own rows; the summary reads all of them)")
     ap.add_argument("--quality-variants", default="fp,q8,q4,q8 m256",
                     help=f"quality: variants to compare (of {', '.join(VARIANTS)})")
     args = ap.parse_args()

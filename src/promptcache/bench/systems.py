@@ -1,7 +1,8 @@
 """The systems under test: start, stop, restart and kill -9 each on a free 127.0.0.1 port.
 
 - ``ours``: ``promptcache serve`` (RAM + SSD cache in a per-run cache dir)
-- ``ours_kv8`` / ``ours_kv4``: ``ours`` with ``--kv-bits 8`` / ``4`` (not run by default)
+- ``ours_kv8`` / ``ours_kv4``: ``ours`` with ``--kv-bits 8`` / ``4`` and
+  ``--kv-quant-min-tokens 0`` (every block quantized; not run by default)
 - ``nocache``: ``promptcache serve --no-cache``
 - ``mlx_lm``: ``mlx_lm server`` from the project venv (in-RAM LRUPromptCache)
 - ``vllm_mlx``: ``vllm-mlx serve --continuous-batching`` from the separate peers venv
@@ -64,8 +65,8 @@ class SystemSpec:
 
 SPECS = {
     "ours": SystemSpec("ours", True, True, "promptcache serve (RAM + SSD)"),
-    "ours_kv8": SystemSpec("ours_kv8", True, True, "promptcache serve --kv-bits 8 (RAM + SSD)"),
-    "ours_kv4": SystemSpec("ours_kv4", True, True, "promptcache serve --kv-bits 4 (RAM + SSD)"),
+    "ours_kv8": SystemSpec("ours_kv8", True, True, "promptcache serve --kv-bits 8 --kv-quant-min-tokens 0 (RAM + SSD)"),
+    "ours_kv4": SystemSpec("ours_kv4", True, True, "promptcache serve --kv-bits 4 --kv-quant-min-tokens 0 (RAM + SSD)"),
     "nocache": SystemSpec("nocache", True, True, "promptcache serve --no-cache"),
     "mlx_lm": SystemSpec("mlx_lm", False, True, "mlx_lm server (in-RAM LRUPromptCache)"),
     "vllm_mlx": SystemSpec("vllm_mlx", True, True, "vllm-mlx serve --continuous-batching"),
@@ -107,7 +108,9 @@ def build_command(name: str, model: str, port: int, *, cache_dir: Path | None = 
         if name == "nocache":
             return cmd + ["--no-cache"]
         if name in KV_BITS:
-            cmd += ["--kv-bits", str(KV_BITS[name])]
+            # every block quantized (the server's default keeps the first 256 tokens at
+            # full precision): what a RAM budget holds with quantized blocks
+            cmd += ["--kv-bits", str(KV_BITS[name]), "--kv-quant-min-tokens", "0"]
         if cache_dir is not None:
             cmd += ["--cache-dir", str(cache_dir)]
         if ram_budget_bytes is not None:
