@@ -61,10 +61,23 @@ class CacheConfig:
     enabled: bool = True
     # a clean shutdown writes every RAM block the lower tiers lack within this time
     persist_timeout_s: float | None = 120.0
+    # KV quantization of stored blocks (every tier): None = full precision, or 8 / 4 bits
+    # per value with one scale + bias per ``kv_group_size`` values; blocks starting
+    # before ``kv_quant_min_tokens`` stay at full precision. Part of the namespace.
+    kv_bits: int | None = None
+    kv_group_size: int = 64
+    kv_quant_min_tokens: int = 256
 
     def __post_init__(self) -> None:
         if not isinstance(self.block_size, int) or not 1 <= self.block_size <= 4096:
             raise ValueError(f"block_size must be an integer in [1, 4096], got {self.block_size!r}")
+        if self.kv_bits is not None and (isinstance(self.kv_bits, bool) or self.kv_bits not in (4, 8)):
+            raise ValueError(f"kv_bits must be 4, 8 or None, got {self.kv_bits!r}")
+        if isinstance(self.kv_group_size, bool) or self.kv_group_size not in (32, 64, 128):
+            raise ValueError(f"kv_group_size must be 32, 64 or 128, got {self.kv_group_size!r}")
+        if isinstance(self.kv_quant_min_tokens, bool) or not isinstance(self.kv_quant_min_tokens, int) \
+                or self.kv_quant_min_tokens < 0:
+            raise ValueError(f"kv_quant_min_tokens must be an integer >= 0, got {self.kv_quant_min_tokens!r}")
         if self.ram_budget_bytes is not None and self.ram_budget_bytes < 0:
             raise ValueError(f"ram_budget_bytes must be >= 0, got {self.ram_budget_bytes}")
         if self.ttl_seconds is not None and self.ttl_seconds <= 0:

@@ -69,6 +69,13 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                    default=CacheConfig.persist_timeout_s,
                    help="seconds a clean shutdown may spend writing the RAM blocks the SSD "
                         "lacks (default %(default)s; what is left is logged by name)")
+    p.add_argument("--kv-bits", type=int, choices=(8, 4), default=None,
+                   help="store cached blocks quantized to 8 or 4 bits (every tier; "
+                        "default: full precision); dequantized on restore")
+    p.add_argument("--kv-group-size", type=int, choices=(32, 64, 128), default=64,
+                   help="values per quantization scale/bias (default 64)")
+    p.add_argument("--kv-quant-min-tokens", type=int, default=256,
+                   help="blocks starting before this token stay full precision (default 256)")
     p.add_argument("--no-ssd", action="store_true", help="RAM tier only")
     p.add_argument("--no-cache", action="store_true", help="disable the prompt cache")
     p.add_argument("--redis-url", default=None,
@@ -144,9 +151,13 @@ def build_configs(args: argparse.Namespace) -> tuple[
         ram = parse_size(args.ram_budget, total=psutil.virtual_memory().available)
     if args.shutdown_persist_timeout < 0:
         raise ValueError(f"--shutdown-persist-timeout must be >= 0, got {args.shutdown_persist_timeout}")
+    if args.kv_quant_min_tokens < 0:
+        raise ValueError(f"--kv-quant-min-tokens must be >= 0, got {args.kv_quant_min_tokens}")
     cache_cfg = CacheConfig(block_size=args.block_size, ram_budget_bytes=ram,
                             enabled=not args.no_cache,
-                            persist_timeout_s=args.shutdown_persist_timeout)
+                            persist_timeout_s=args.shutdown_persist_timeout, kv_bits=args.kv_bits,
+                            kv_group_size=args.kv_group_size,
+                            kv_quant_min_tokens=args.kv_quant_min_tokens)
     ssd_cfg = None
     if not args.no_cache and not args.no_ssd:
         path = args.cache_dir if args.cache_dir is not None else SSDConfig().path
@@ -245,7 +256,8 @@ def run(args: argparse.Namespace) -> int:
         app = create_app(engine, server_cfg, engine_config=engine_cfg,
                          model_aliases=args.model_alias)
         print(f"promptcache: serving {engine.model_id} on http://{args.host}:{args.port} "
-              f"(cache: {'off' if args.no_cache else 'RAM' + (' + SSD ' + str(ssd_cfg.path) if ssd_cfg else '') + (' + Redis' if redis_cfg else '')}; "
+              f"(cache: {'off' if args.no_cache else 'RAM' + (' + SSD ' + str(ssd_cfg.path) if ssd_cfg else '') + (' + Redis' if redis_cfg else '')}"
+              f"{f', KV {args.kv_bits}-bit' if args.kv_bits and not args.no_cache else ''}; "
               f"{engine_cfg.max_active_requests} active / {engine_cfg.max_queued_requests} queued, "
               f"active KV <= {engine_cfg.active_kv_budget_bytes} bytes)",
               file=sys.stderr, flush=True)

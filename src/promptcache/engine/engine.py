@@ -37,6 +37,8 @@ from .admission import Admission, Ticket
 from .api import GenerationRequest, GenerationResult, SamplingParams, Usage, VisionInfo
 from .chat_format import ChatFormat, chat_format_of
 from .handles import RequestHandle
+from .payload import ram_census
+from .quant import from_config as _kv_quant_of
 from .request import EngineContext, EngineCounters, LogitsHook, Processor, Request, validate_request
 from .scheduler import Scheduler
 from .templates import ChatTemplate
@@ -139,7 +141,9 @@ class Engine:
                 f"block_size ({bs}) must not exceed the model's sliding window ({window}): "
                 "blocks are saved while their tokens are still in the window"
             )
-        self.kv_spec = adapters.kv_spec(model, template)
+        # stored blocks quantized per the cache config; the spec is part of the namespace
+        self.kv_quant = _kv_quant_of(self.cache_config)
+        self.kv_spec = adapters.kv_spec(model, template, quant=self.kv_quant)
         self.templates = ChatTemplate(tokenizer)
         eos = getattr(tokenizer, "eos_token_ids", None) or []
         self.counters = EngineCounters()
@@ -148,6 +152,7 @@ class Engine:
             vocab_size=vocab_size, eos_token_ids=frozenset(int(t) for t in eos), cache=cache,
             namespace_for=self.namespace if cache is not None else None, block_size=bs,
             counters=self.counters, logits_hook=logits_hook, vision=vision,
+            kv_quant=self.kv_quant,
         )
         self.row_bytes = kv_row_bytes(model)
         self.admission = Admission(cfg.max_active_requests, cfg.max_queued_requests,
@@ -337,7 +342,13 @@ class Engine:
                 out["cache"] = self.cache.stats().to_dict()
             except Exception:
                 logger.exception("cache stats failed")
+            out["kv"] = self.kv_stats()
         return out
+
+    def kv_stats(self) -> dict[str, Any] | None:
+        """What the RAM tier holds per cached token: arrays (one per block), bytes, the
+        stored quantization (``payload.ram_census``); None without a cache."""
+        return None if self.cache is None else ram_census(self.cache, self.kv_quant)
 
     def close(self) -> None:
         """Stop the engine thread (active requests are cancelled) and close the cache."""

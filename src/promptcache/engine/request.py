@@ -39,7 +39,9 @@ from ..errors import ContextLengthError, RequestError
 from ..meta import Namespace
 from . import adapters
 from .api import CacheMiss, GenerationRequest, GenerationResult, SamplingParams, TokenEvent, Usage
+from .blockbuf import BlockPayload
 from .handles import Event
+from .quant import KVQuant
 from .sampling import Detokenizer, Sampler, StopStrings, logprob_values
 from .vision import ImagePrefill, validate_images
 
@@ -88,6 +90,7 @@ class EngineContext:
     counters: EngineCounters = field(default_factory=EngineCounters)
     logits_hook: LogitsHook | None = None
     vision: Any | None = None  # vision.VisionEncoder of a vision-language model
+    kv_quant: KVQuant | None = None  # how stored blocks are quantized (None: full precision)
 
 
 def validate_request(req: GenerationRequest, ctx: EngineContext) -> np.ndarray:
@@ -400,8 +403,10 @@ class Request:
             return
         src = self.caches if caches is None else caches
 
-        def payload_for(start: int, end: int, snapshot: bool) -> dict[str, mx.array]:
-            return adapters.extract_block(src, start, end, snapshot)
+        kv_quant = self.ctx.kv_quant
+
+        def payload_for(start: int, end: int, snapshot: bool) -> BlockPayload:
+            return adapters.extract_block(src, start, end, snapshot, quant=kv_quant)
 
         try:
             created = cache.store(
