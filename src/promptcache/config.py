@@ -67,10 +67,23 @@ class CacheConfig:
     # a session's latest chain is evicted only after idle chains while the session
     # sent a request in the last this many seconds (None: no session levels)
     active_session_s: float | None = 600.0
+    # KV quantization of stored blocks (every tier): None = full precision, or 8 / 4 bits
+    # per value with one scale + bias per ``kv_group_size`` values; blocks starting
+    # before ``kv_quant_min_tokens`` stay at full precision. Part of the namespace.
+    kv_bits: int | None = None
+    kv_group_size: int = 64
+    kv_quant_min_tokens: int = 256
 
     def __post_init__(self) -> None:
         if not isinstance(self.block_size, int) or not 1 <= self.block_size <= 4096:
             raise ValueError(f"block_size must be an integer in [1, 4096], got {self.block_size!r}")
+        if self.kv_bits is not None and (isinstance(self.kv_bits, bool) or self.kv_bits not in (4, 8)):
+            raise ValueError(f"kv_bits must be 4, 8 or None, got {self.kv_bits!r}")
+        if isinstance(self.kv_group_size, bool) or self.kv_group_size not in (32, 64, 128):
+            raise ValueError(f"kv_group_size must be 32, 64 or 128, got {self.kv_group_size!r}")
+        if isinstance(self.kv_quant_min_tokens, bool) or not isinstance(self.kv_quant_min_tokens, int) \
+                or self.kv_quant_min_tokens < 0:
+            raise ValueError(f"kv_quant_min_tokens must be an integer >= 0, got {self.kv_quant_min_tokens!r}")
         if self.ram_budget_bytes is not None and self.ram_budget_bytes < 0:
             raise ValueError(f"ram_budget_bytes must be >= 0, got {self.ram_budget_bytes}")
         if self.ttl_seconds is not None and self.ttl_seconds <= 0:
@@ -202,6 +215,24 @@ class EngineConfig:
 
 
 @dataclass(frozen=True)
+class ImageLimits:
+    """Image inputs of vision-language models (``server/images.py``)."""
+
+    max_bytes: int = 20 * 1024 * 1024  # encoded size of one image
+    max_pixels: int = 40_000_000  # width x height, checked from the header before decoding
+    max_images: int = 16  # per request (the whole conversation's images)
+    allow_local_files: bool = False  # absolute paths / file:// URLs
+    allow_urls: bool = False  # fetch http(s) URLs
+    fetch_timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.max_bytes <= 0 or self.max_pixels <= 0 or self.max_images < 0:
+            raise ValueError("image limits must be positive")
+        if not self.fetch_timeout_s > 0:
+            raise ValueError(f"fetch_timeout_s must be > 0, got {self.fetch_timeout_s}")
+
+
+@dataclass(frozen=True)
 class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8080
@@ -228,6 +259,7 @@ class ServerConfig:
     prerender: bool = True
     prerender_max_pending: int = 4
     prerender_max_suffix_tokens: int = 32768
+    images: ImageLimits = field(default_factory=ImageLimits)
 
     def __post_init__(self) -> None:
         if self.context_window is not None and self.context_window < 2:

@@ -133,18 +133,39 @@ def test_extra_keys_must_agree():
     cache = make_cache()
     cache.store(NS, SEQ[:10], 10, payload_for, extra_keys=img_a)
     assert cache.lookup(SEQ, NS, img_a).num_tokens == 10
-    assert cache.lookup(SEQ, NS, img_b).num_tokens == 4
-    assert cache.lookup(SEQ, NS).num_tokens == 4
+    # another image: reuse stops at its first token (5), inside the block 4..8
+    assert cache.lookup(SEQ, NS, img_b).num_tokens == 5
+    assert cache.lookup(SEQ, NS).num_tokens == 4  # the stored image's place is unknown
     # both images stored: each request finds its own blocks
     cache.store(NS, SEQ[:10], 10, payload_for, extra_keys=img_b)
     assert cache.lookup(SEQ, NS, img_b).num_tokens == 10
     assert cache.lookup(SEQ, NS, img_a).num_tokens == 10
     assert cache.acquire(SEQ, NS, img_b).tiers == ["ram", "ram", "ram"]
-    # the partial tail (8..10) does not overlap the image but the child check uses the span
+    # the partial tail (8..10) was stored without an image: usable up to the image (9)
     img_c = (ExtraKeySpan(9, 10, b"image-c"),)
     cache2 = make_cache()
     cache2.store(NS, SEQ[:10], 10, payload_for)
-    assert cache2.lookup(SEQ[:10] + [1], NS, img_c).num_tokens == 8
+    assert cache2.lookup(SEQ[:10] + [1], NS, img_c).num_tokens == 9
+
+
+def test_extra_keys_in_order_reuse_stops_at_the_first_differing_span():
+    """Two images in one block: swapped -> stop at the first; the second differs ->
+    stop at the second; the stored block has a third image the request lacks ->
+    only up to the end of the last shared one."""
+    a, b, c = b"img-a", b"img-b", b"img-c"
+    seq = list(range(1, 17))
+    cache = make_cache(block_size=8)
+    ns8 = ns_of(8)
+    two = (ExtraKeySpan(9, 11, a), ExtraKeySpan(12, 14, b))
+    cache.store(ns8, seq, 16, payload_for, extra_keys=two)
+    assert cache.lookup(seq, ns8, two).num_tokens == 15
+    swapped = (ExtraKeySpan(9, 11, b), ExtraKeySpan(12, 14, a))
+    assert cache.lookup(seq, ns8, swapped).num_tokens == 9
+    other = (ExtraKeySpan(9, 11, a), ExtraKeySpan(12, 14, c))
+    assert cache.lookup(seq, ns8, other).num_tokens == 12
+    fewer = (ExtraKeySpan(9, 11, a),)
+    assert cache.lookup(seq, ns8, fewer).num_tokens == 11
+    assert cache.lookup(seq, ns8).num_tokens == 8
 
 
 def test_tenant_isolation():

@@ -43,7 +43,7 @@ class Stepper:
             context_length=base.context_length, vocab_size=base.vocab_size,
             eos_token_ids=base.eos_token_ids, cache=base.cache,
             namespace_for=base.namespace_for, block_size=base.block_size,
-            logits_hook=base.logits_hook)
+            logits_hook=base.logits_hook, kv_quant=base.kv_quant)
         self.admission = Admission(cfg.max_active_requests, cfg.max_queued_requests,
                                    cfg.active_kv_budget_bytes, engine.row_bytes)
         self.scheduler = Scheduler(self.ctx, self.admission, self._make)

@@ -80,13 +80,14 @@ class FakeCache:
             self.seqs.setdefault(tenant, []).append((tokens, session))
 
     def protect(self, tokens: Any, ns: Any, num_tokens: int, ttl_s: float, *,
-                key: str | None = None, persist: bool = True) -> int:
+                key: str | None = None, persist: bool = True,
+                extra_keys: Any = ()) -> int:
         """Records the protection a client asked for (PromptCache.protect)."""
         with self.lock:
             self.protected.append((ns, num_tokens, ttl_s, key, persist))
         return 0
 
-    def mark_active(self, tokens: Any, ns: Any, session: str) -> int:
+    def mark_active(self, tokens: Any, ns: Any, session: str, *, extra_keys: Any = ()) -> int:
         """Records a session's latest chain (PromptCache.mark_active)."""
         with self.lock:
             self.active.append((ns, len(tokens), session))

@@ -54,15 +54,20 @@ class Served:
         self.clock = Clock()
         self.cache = make_cache(budget=budget, ttl_seconds=ttl, clock=self.clock)
         self.engine = tiny_engine(path, self.cache)
-        self.client = TestClient(create_app(self.engine, ServerConfig()))
+        # entered: the app's event loop outlives a request (a pre-render is watched there)
+        self.client = TestClient(create_app(self.engine, ServerConfig())).__enter__()
 
     def send(self, b: dict[str, Any], headers: dict[str, str] | None = None) -> dict[str, Any]:
         r = self.client.post("/v1/messages", json=b, headers=headers or HEADERS)
         assert r.status_code == 200, r.text
         data: dict[str, Any] = r.json()
+        # the reply's next-turn pre-render (a background prefill) ends before the next
+        # request: what the cache holds then does not depend on timing
+        assert self.client.app.state.pc_prerender.wait_idle(60)
         return data
 
     def close(self) -> None:
+        self.client.__exit__(None, None, None)
         self.engine.close()
 
 

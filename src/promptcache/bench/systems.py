@@ -1,6 +1,8 @@
 """The systems under test: start, stop, restart and kill -9 each on a free 127.0.0.1 port.
 
 - ``ours``: ``promptcache serve`` (RAM + SSD cache in a per-run cache dir)
+- ``ours_kv8`` / ``ours_kv4``: ``ours`` with ``--kv-bits 8`` / ``4`` and
+  ``--kv-quant-min-tokens 0`` (every block quantized; not run by default)
 - ``nocache``: ``promptcache serve --no-cache``
 - ``mlx_lm``: ``mlx_lm server`` from the project venv (in-RAM LRUPromptCache)
 - ``vllm_mlx``: ``vllm-mlx serve --continuous-batching`` from the separate peers venv
@@ -31,6 +33,8 @@ import psutil  # type: ignore[import-untyped]
 log = logging.getLogger(__name__)
 
 SYSTEM_NAMES = ("ours", "mlx_lm", "vllm_mlx", "nocache")
+# ours with quantized cached blocks (--kv-bits): on request only
+KV_BITS = {"ours_kv8": 8, "ours_kv4": 4}
 PEERS_DIR_ENV = "PROMPTCACHE_PEERS_DIR"
 
 
@@ -61,6 +65,8 @@ class SystemSpec:
 
 SPECS = {
     "ours": SystemSpec("ours", True, True, "promptcache serve (RAM + SSD)"),
+    "ours_kv8": SystemSpec("ours_kv8", True, True, "promptcache serve --kv-bits 8 --kv-quant-min-tokens 0 (RAM + SSD)"),
+    "ours_kv4": SystemSpec("ours_kv4", True, True, "promptcache serve --kv-bits 4 --kv-quant-min-tokens 0 (RAM + SSD)"),
     "nocache": SystemSpec("nocache", True, True, "promptcache serve --no-cache"),
     "mlx_lm": SystemSpec("mlx_lm", False, True, "mlx_lm server (in-RAM LRUPromptCache)"),
     "vllm_mlx": SystemSpec("vllm_mlx", True, True, "vllm-mlx serve --continuous-batching"),
@@ -74,7 +80,8 @@ def parse_systems(spec: str) -> list[str]:
         if not part:
             continue
         if part not in SPECS:
-            raise ValueError(f"unknown system {part!r}; expected some of {','.join(SYSTEM_NAMES)}")
+            raise ValueError(f"unknown system {part!r}; expected some of "
+                             f"{','.join((*SYSTEM_NAMES, *KV_BITS))}")
         if part not in out:
             out.append(part)
     if not out:
@@ -94,12 +101,16 @@ def build_command(name: str, model: str, port: int, *, cache_dir: Path | None = 
                   ) -> list[str]:
     """The argv that starts system ``name`` serving ``model`` on 127.0.0.1:``port``
     (``extra_args``: more options for ours, e.g. ``--redis-url``)."""
-    if name in ("ours", "nocache"):
+    if name in ("ours", "nocache", *KV_BITS):
         cmd = [sys.executable, "-c", "import sys; from promptcache.cli import main; sys.exit(main())",
                "serve", "--model", model, "--host", "127.0.0.1", "--port", str(port),
                *extra_args]
         if name == "nocache":
             return cmd + ["--no-cache"]
+        if name in KV_BITS:
+            # every block quantized (the server's default keeps the first 256 tokens at
+            # full precision): what a RAM budget holds with quantized blocks
+            cmd += ["--kv-bits", str(KV_BITS[name]), "--kv-quant-min-tokens", "0"]
         if cache_dir is not None:
             cmd += ["--cache-dir", str(cache_dir)]
         if ram_budget_bytes is not None:

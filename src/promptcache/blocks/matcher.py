@@ -356,7 +356,11 @@ class Matcher:
                     continue
                 c_end = pos + c_len
                 if c_extra != (extra_keys_for(spans, pos, c_end) if spans else ()):
-                    continue
+                    # other extra keys (another image): usable only before the first
+                    # span whose key the stored block does not share
+                    lcp = min(lcp, _extra_key_limit(spans, pos, c_end, c_extra) - pos)
+                    if lcp <= 0:
+                        continue
                 matched = max(matched, pos + lcp)
                 reach = min(pos + lcp, cap)
                 if reach <= pos:
@@ -456,3 +460,22 @@ class Matcher:
     def _expired_in_ram(self, h: BlockHash) -> bool:
         block = self.pool.get(h)
         return block is not None and self.is_expired(block)
+
+
+def _extra_key_limit(spans: Sequence[ExtraKeySpan], start: int, end: int,
+                     stored: tuple[bytes, ...]) -> int:
+    """Where a stored block over ``[start, end)`` whose extra keys differ from the
+    request's stops being reusable. Keys pair up by rank (both lists are in position
+    order). Reusable: the tokens before the request's first span whose key the stored
+    block does not have at that rank (e.g. the first placeholder token of a different
+    image); when the request's spans all agree but the stored block has more keys
+    (their positions are unknown here), only up to the end of the last shared span."""
+    rank = 0
+    last_end = start
+    for s in spans:
+        if s.start < end and s.end > start:
+            if rank >= len(stored) or stored[rank] != s.key:
+                return max(start, s.start)
+            rank += 1
+            last_end = min(end, s.end)
+    return last_end if rank < len(stored) else end

@@ -32,7 +32,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                         "concurrent streams), C2 (main + 3 subagents) (default: all) and S6 "
                         "(two servers sharing one Redis; needs redis-server; only when named)")
     p.add_argument("--systems", default=",".join(systems.SYSTEM_NAMES),
-                   help="comma-separated, from ours,mlx_lm,vllm_mlx,nocache (default: all)")
+                   help="comma-separated, from ours,mlx_lm,vllm_mlx,nocache (default: all) "
+                        "and ours_kv8,ours_kv4 (ours with --kv-bits 8 / 4)")
     p.add_argument("--model", default=None,
                    help="MLX model folder (default: the embedded default model)")
     p.add_argument("--out", default="bench/out", help="output folder (default: bench/out)")

@@ -23,8 +23,20 @@ import signal
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from ..config import CacheConfig, EngineConfig, RedisConfig, ServerConfig, SSDConfig, parse_size
+from ..config import (
+    CacheConfig,
+    EngineConfig,
+    ImageLimits,
+    RedisConfig,
+    ServerConfig,
+    SSDConfig,
+    parse_size,
+)
+
+if TYPE_CHECKING:
+    from ..engine.vision_cache import VisionCache
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +69,13 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                    default=CacheConfig.persist_timeout_s,
                    help="seconds a clean shutdown may spend writing the RAM blocks the SSD "
                         "lacks (default %(default)s; what is left is logged by name)")
+    p.add_argument("--kv-bits", type=int, choices=(8, 4), default=None,
+                   help="store cached blocks quantized to 8 or 4 bits (every tier; "
+                        "default: full precision); dequantized on restore")
+    p.add_argument("--kv-group-size", type=int, choices=(32, 64, 128), default=64,
+                   help="values per quantization scale/bias (default 64)")
+    p.add_argument("--kv-quant-min-tokens", type=int, default=256,
+                   help="blocks starting before this token stay full precision (default 256)")
     p.add_argument("--no-ssd", action="store_true", help="RAM tier only")
     p.add_argument("--no-cache", action="store_true", help="disable the prompt cache")
     p.add_argument("--redis-url", default=None,
@@ -109,6 +128,21 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                    help="bytes of KV the active requests may hold (batch padding included): "
                         "2GB or a %% of available RAM (default 10%%; the RAM tier budget is "
                         "separate, so KV memory stays under ram-budget + kv-budget)")
+    g = p.add_argument_group("images (vision-language models, promptcache[vlm])")
+    g.add_argument("--allow-local-images", action="store_true",
+                   help="read image parts that name a local file (absolute path / file://)")
+    g.add_argument("--allow-image-urls", action="store_true",
+                   help="fetch http(s) image URLs (within --max-image-bytes, 10 s timeout)")
+    g.add_argument("--max-images", type=int, default=ImageLimits.max_images,
+                   help="images per request")
+    g.add_argument("--max-image-bytes", default="20MB", help="encoded size of one image")
+    g.add_argument("--max-image-pixels", type=int, default=ImageLimits.max_pixels,
+                   help="width x height of one image (checked before decoding)")
+    g.add_argument("--vision-cache-budget", default="256MB",
+                   help="RAM for cached vision features (digest -> features); 0 disables")
+    g.add_argument("--vision-cache-dir", type=Path, default=None,
+                   help="folder for persisted vision features (default: <cache-dir>-vision "
+                        "when the SSD tier is on)")
     p.add_argument("--log-level", default="info",
                    choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=run)
@@ -134,11 +168,15 @@ def build_configs(args: argparse.Namespace) -> tuple[
         raise ValueError(f"--shutdown-persist-timeout must be >= 0, got {args.shutdown_persist_timeout}")
     if args.session_active_minutes < 0:
         raise ValueError(f"--session-active-minutes must be >= 0, got {args.session_active_minutes}")
+    if args.kv_quant_min_tokens < 0:
+        raise ValueError(f"--kv-quant-min-tokens must be >= 0, got {args.kv_quant_min_tokens}")
     cache_cfg = CacheConfig(block_size=args.block_size, ram_budget_bytes=ram,
                             enabled=not args.no_cache,
                             persist_timeout_s=args.shutdown_persist_timeout,
                             protect_share=args.protect_share,
-                            active_session_s=args.session_active_minutes * 60.0 or None)
+                            active_session_s=args.session_active_minutes * 60.0 or None,
+                            kv_bits=args.kv_bits, kv_group_size=args.kv_group_size,
+                            kv_quant_min_tokens=args.kv_quant_min_tokens)
     ssd_cfg = None
     if not args.no_cache and not args.no_ssd:
         path = args.cache_dir if args.cache_dir is not None else SSDConfig().path
@@ -173,8 +211,29 @@ def build_configs(args: argparse.Namespace) -> tuple[
                               prerender=not args.no_prerender,
                               prerender_max_pending=args.prerender_max_pending,
                               canonicalize_off=tuple(sorted(
-                                  parse_rules_off(args.no_canonicalize))))
+                                  parse_rules_off(args.no_canonicalize))),
+                              images=ImageLimits(
+                                  max_bytes=parse_size(args.max_image_bytes),
+                                  max_pixels=args.max_image_pixels,
+                                  max_images=args.max_images,
+                                  allow_local_files=args.allow_local_images,
+                                  allow_urls=args.allow_image_urls))
     return engine_cfg, cache_cfg, ssd_cfg, server_cfg
+
+
+def build_vision_cache(args: argparse.Namespace, ssd_cfg: SSDConfig | None
+                       ) -> VisionCache | None:
+    """The vision-embedding cache (used only if the model is a VLM): RAM budget, and a
+    folder beside the SSD tier's (or ``--vision-cache-dir``)."""
+    budget = parse_size(args.vision_cache_budget)
+    if args.no_cache or budget <= 0:
+        return None
+    from ..engine.vision_cache import VisionCache
+
+    folder = args.vision_cache_dir
+    if folder is None and ssd_cfg is not None:
+        folder = Path(str(ssd_cfg.path) + "-vision")
+    return VisionCache(budget, folder)
 
 
 def build_redis_config(args: argparse.Namespace) -> RedisConfig | None:
@@ -211,7 +270,8 @@ def run(args: argparse.Namespace) -> int:
         model = str(ensure_default_model())
     print(f"promptcache: loading {model}", file=sys.stderr)
     engine = Engine.load(model, engine_cfg, cache_cfg,
-                         cache=build_cache(cache_cfg, ssd_cfg, redis_cfg))
+                         cache=build_cache(cache_cfg, ssd_cfg, redis_cfg),
+                         vision_cache=build_vision_cache(args, ssd_cfg))
     if server_cfg.context_window and server_cfg.context_window > engine.context_length:
         log.warning("--context-window %d is larger than the model's window (%d); using %d",
                     server_cfg.context_window, engine.context_length, engine.context_length)
@@ -219,7 +279,8 @@ def run(args: argparse.Namespace) -> int:
         app = create_app(engine, server_cfg, engine_config=engine_cfg,
                          model_aliases=args.model_alias)
         print(f"promptcache: serving {engine.model_id} on http://{args.host}:{args.port} "
-              f"(cache: {'off' if args.no_cache else 'RAM' + (' + SSD ' + str(ssd_cfg.path) if ssd_cfg else '') + (' + Redis' if redis_cfg else '')}; "
+              f"(cache: {'off' if args.no_cache else 'RAM' + (' + SSD ' + str(ssd_cfg.path) if ssd_cfg else '') + (' + Redis' if redis_cfg else '')}"
+              f"{f', KV {args.kv_bits}-bit' if args.kv_bits and not args.no_cache else ''}; "
               f"{engine_cfg.max_active_requests} active / {engine_cfg.max_queued_requests} queued, "
               f"active KV <= {engine_cfg.active_kv_budget_bytes} bytes)",
               file=sys.stderr, flush=True)

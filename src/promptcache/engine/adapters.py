@@ -13,12 +13,19 @@ blocks. Payload names follow docs/INTERFACES.md:
 - ``"<layer>.s.<i>"``: array ``i`` of a non-KV state (SSM) snapshot at the block's end
 
 A ``CacheList`` at layer ``L`` names its sub-caches ``"L.0"``, ``"L.1"``, ...
-Payload arrays are evaluated, contiguous copies: a lazy slice would pin the
-whole cache buffer in memory.
+
+A payload is one ``BlockPayload`` (``blockbuf``): every array of the block packed
+into one evaluated ``uint8`` buffer (a copy: a lazy slice would pin the whole cache
+buffer in memory), readable by the names above. With a ``KVQuant`` spec
+(``quant``), ``extract_block`` stores the KV of blocks from ``min_tokens`` on
+quantized (packed values, scales, biases per group); ``restore`` dequantizes them
+into the template's own cache kind, or fills a ``QuantizedKVCache`` directly.
+``restore`` also accepts plain ``name -> array`` mappings (older payloads).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, NamedTuple, Protocol
@@ -34,10 +41,13 @@ from mlx_lm.models.cache import (
 )
 
 from ..errors import InvariantError
+from . import quant as _quant
+from .blockbuf import BlockPayload, Item, dtype_name, pack
+from .quant import KVQuant
 
 logger = logging.getLogger(__name__)
 
-Payload = dict[str, mx.array]
+Payload = BlockPayload
 
 
 class Span(Protocol):
@@ -95,20 +105,22 @@ def _model_dtype(model: Any) -> str:
     return "float32"
 
 
-def kv_spec(model: Any, caches: Sequence[Any] | None = None) -> str:
-    """A namespace string for the KV representation: dtype, quantization, layer kinds.
+def kv_spec(model: Any, caches: Sequence[Any] | None = None, quant: KVQuant | None = None) -> str:
+    """A namespace string for the KV representation: dtype, quantization, layer kinds,
+    and how blocks are stored (``quant``: e.g. ``;q8g64m256``; nothing for full precision).
 
     Two processes share blocks only if they agree on this (plus the model
-    fingerprint, block size and tenant in the namespace root).
+    fingerprint, block size and tenant in the namespace root), so a full-precision
+    block is never served where quantized ones are expected, or the reverse.
     """
     if caches is None:
         caches = make_prompt_cache(model)
     kinds = []
-    quant = ""
+    live_quant = ""
     for _, c in _leaves(caches):
         _check_supported(c)
         if isinstance(c, QuantizedKVCache):
-            quant = f"/q{c.bits}g{c.group_size}"
+            live_quant = f"/q{c.bits}g{c.group_size}"
             kinds.append("q")
         elif isinstance(c, RotatingKVCache):
             kinds.append(f"r{c.max_size}k{c.keep}")
@@ -124,12 +136,8 @@ def kv_spec(model: Any, caches: Sequence[Any] | None = None) -> str:
             parts[-1] = f"{head}*{int(n or 1) + 1}"
         else:
             parts.append(k)
-    return f"{_model_dtype(model)}{quant};{','.join(parts)}"
-
-
-def _copy(x: mx.array) -> mx.array:
-    """An evaluated, contiguous copy that does not share the source buffer."""
-    return mx.contiguous(x)
+    stored = f";{quant.spec}" if quant is not None else ""
+    return f"{_model_dtype(model)}{live_quant};{','.join(parts)}{stored}"
 
 
 # ---------------------------------------------------------------- rotating cache
@@ -207,47 +215,82 @@ def _slice_rotating(c: RotatingKVCache, start: int, end: int) -> tuple[mx.array,
 # ---------------------------------------------------------------- extract
 
 
-def extract_block(caches: Sequence[Any], start: int, end: int, snapshot: bool) -> Payload:
-    """The payload of the block ``[start, end)`` from live cache objects.
+@functools.lru_cache(maxsize=64)
+def _warn_unquantizable(head_dim: int, group_size: int) -> None:
+    logger.warning("KV of head_dim %d cannot be quantized in groups of <= %d (mx.quantize "
+                   "supports %s): those layers are stored at full precision",
+                   head_dim, group_size, _quant.GROUP_SIZES)
+
+
+def _kv_entry(name: str, k: mx.array, v: mx.array, quant: KVQuant | None,
+              start: int) -> tuple[Item, list[mx.array]]:
+    """The block item of one KV layer: quantized if the spec says so for this block."""
+    dtype, shape = dtype_name(k.dtype), tuple(k.shape)
+    group = None
+    if quant is not None and quant.applies_to(start):
+        group = quant.group_for(shape[-1])
+        if group is None:
+            _warn_unquantizable(shape[-1], quant.group_size)
+    if quant is None or group is None:
+        return Item(name, "kv", dtype, shape), [k, v]
+    bits = quant.bits
+    return (Item(name, "q", dtype, shape, bits=bits, group_size=group),
+            [*_quant.quantize(k, bits, group), *_quant.quantize(v, bits, group)])
+
+
+def extract_block(caches: Sequence[Any], start: int, end: int, snapshot: bool, *,
+                  quant: KVQuant | None = None) -> BlockPayload:
+    """The payload of the block ``[start, end)`` from live cache objects: one buffer.
 
     KV slices are taken for every attention layer; a non-KV state (ArraysCache)
     is included only when ``snapshot`` is True, and then ``end`` must equal the
     current position of the cache (a state exists only for "now").
+    ``quant``: store the KV quantized (blocks from ``quant.min_tokens`` on; a
+    QuantizedKVCache layer is stored as it is, quantized with its own bits).
     """
     if not 0 <= start < end:
         raise ValueError(f"block range must satisfy 0 <= start < end, got [{start}, {end})")
-    out: Payload = {}
+    entries: list[tuple[Item, list[mx.array]]] = []
     for name, c in _leaves(caches):
         _check_supported(c)
         if isinstance(c, ArraysCache):
             if snapshot:
                 for i, a in enumerate(c.cache):
                     if a is not None:
-                        out[f"{name}.s.{i}"] = _copy(a)
+                        entries.append((Item(name, "s", dtype_name(a.dtype), tuple(a.shape), index=i), [a]))
             continue
         if c.offset < end:
             raise InvariantError(
                 f"layer {name} holds {c.offset} tokens, cannot extract [{start}, {end})"
             )
         if isinstance(c, QuantizedKVCache):
-            for i, part in enumerate(c.keys):
-                out[f"{name}.k.{i}"] = _copy(part[..., start:end, :])
-            for i, part in enumerate(c.values):
-                out[f"{name}.v.{i}"] = _copy(part[..., start:end, :])
+            ks = [part[..., start:end, :] for part in c.keys]
+            vs = [part[..., start:end, :] for part in c.values]
+            dim = ks[0].shape[-1] * 32 // c.bits
+            shape = (*ks[0].shape[:-1], dim)
+            entries.append((Item(name, "q", dtype_name(ks[1].dtype), tuple(shape), bits=c.bits,
+                                 group_size=c.group_size), [*ks, *vs]))
         elif isinstance(c, RotatingKVCache):
             k, v = _slice_rotating(c, start, end)
-            out[f"{name}.k"] = _copy(k)
-            out[f"{name}.v"] = _copy(v)
+            entries.append(_kv_entry(name, k, v, quant, start))
         else:
-            out[f"{name}.k"] = _copy(c.keys[..., start:end, :])
-            out[f"{name}.v"] = _copy(c.values[..., start:end, :])
-    mx.eval(list(out.values()))
-    return out
+            entries.append(_kv_entry(name, c.keys[..., start:end, :], c.values[..., start:end, :],
+                                     quant, start))
+    return pack(entries)
 
 
 def payload_nbytes(payload: Mapping[str, Any]) -> int:
     """Bytes of a payload from shape x dtype metadata (never evaluates)."""
+    if isinstance(payload, BlockPayload):
+        return payload.nbytes
     return sum(int(a.nbytes) for a in payload.values())
+
+
+def payload_arrays(payload: Mapping[str, Any]) -> int:
+    """How many arrays (Metal buffers on Apple GPUs) a payload holds."""
+    if isinstance(payload, BlockPayload):
+        return 1
+    return len(payload)
 
 
 # ---------------------------------------------------------------- restore
@@ -259,9 +302,18 @@ def _template(model_or_caches: Any) -> list[Any]:
     return list(make_prompt_cache(model_or_caches))
 
 
+class _Used(NamedTuple):
+    """A block restore reads: its span, its payload and the payload's arrays (views)."""
+
+    start: int
+    end: int
+    payload: Mapping[str, mx.array]
+    arrays: Mapping[str, mx.array]
+
+
 def _cut_blocks(
     blocks: Sequence[tuple[Span, Mapping[str, mx.array]]], num_tokens: int
-) -> list[tuple[int, int, Mapping[str, mx.array]]]:
+) -> list[_Used]:
     """Blocks covering [0, num_tokens), checked for contiguity."""
     out = []
     pos = 0
@@ -270,38 +322,136 @@ def _cut_blocks(
             break
         if span.start != pos:
             raise ValueError(f"blocks are not contiguous: expected start {pos}, got {span.start}")
-        out.append((span.start, span.end, payload))
+        arrays = payload.arrays() if isinstance(payload, BlockPayload) else payload
+        out.append(_Used(span.start, span.end, payload, arrays))
         pos = span.end
     if pos < num_tokens:
         raise ValueError(f"blocks cover {pos} tokens, fewer than num_tokens={num_tokens}")
     return out
 
 
-def _take(parts: list[mx.array], n: int) -> mx.array:
-    arr = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=2)
-    if arr.shape[2] > n:
-        arr = arr[..., :n, :]
-    return arr
+def _cat(parts: Sequence[mx.array]) -> mx.array:
+    return parts[0] if len(parts) == 1 else mx.concatenate(list(parts), axis=2)
 
 
-def _kv_parts(
-    blocks: list[tuple[int, int, Mapping[str, mx.array]]], key: str, lo: int, hi: int
-) -> list[mx.array]:
-    """The slices of array ``key`` covering tokens [lo, hi) across blocks."""
-    parts = []
-    for s, e, payload in blocks:
+class _Seg(NamedTuple):
+    """One block's slice of one KV layer: "kv" (k, v), "q" (k0-2, v0-2, with bits and
+    group size) or "raw_q" (quantized parts of an older payload: bits unknown)."""
+
+    kind: str
+    arrays: tuple[mx.array, ...]
+    bits: int = 0
+    group_size: int = 0
+
+
+def _kind_of(payload: Mapping[str, mx.array], name: str, s: int, e: int) -> tuple[str, int, int]:
+    if isinstance(payload, BlockPayload):
+        item = payload.layout.kv_items.get(name)
+        if item is not None:
+            return ("q", item.bits, item.group_size) if item.kind == "q" else ("kv", 0, 0)
+    if f"{name}.k" in payload:
+        return "kv", 0, 0
+    if f"{name}.k.0" in payload:
+        return "raw_q", 0, 0
+    raise ValueError(f"block [{s}, {e}) has no array {name + '.k'!r}")
+
+
+def _segments(blocks: list[_Used], name: str, lo: int, hi: int) -> list[_Seg]:
+    """The slices of layer ``name`` covering tokens [lo, hi) across blocks."""
+    kv_keys = (f"{name}.k", f"{name}.v")
+    q_keys = tuple(f"{name}.{kv}.{i}" for kv in "kv" for i in range(3))
+    out = []
+    for s, e, payload, arrays in blocks:
         if e <= lo or s >= hi:
             continue
-        if key not in payload:
-            raise ValueError(f"block [{s}, {e}) has no array {key!r}")
-        a = payload[key]
-        if a.shape[2] != e - s:
-            raise ValueError(
-                f"array {key!r} of block [{s}, {e}) holds {a.shape[2]} tokens, expected {e - s}"
-            )
+        kind, bits, group = _kind_of(payload, name, s, e)
+        keys = kv_keys if kind == "kv" else q_keys
+        got = []
+        for key in keys:
+            a = arrays.get(key)
+            if a is None:
+                raise ValueError(f"block [{s}, {e}) has no array {key!r}")
+            if a.shape[2] != e - s:
+                raise ValueError(
+                    f"array {key!r} of block [{s}, {e}) holds {a.shape[2]} tokens, expected {e - s}"
+                )
+            got.append(a)
         a0, a1 = max(lo, s) - s, min(hi, e) - s
-        parts.append(a if (a0, a1) == (0, e - s) else a[..., a0:a1, :])
-    return parts
+        if (a0, a1) != (0, e - s):
+            got = [a[..., a0:a1, :] for a in got]
+        out.append(_Seg(kind, tuple(got), bits, group))
+    return out
+
+
+def _runs(segs: list[_Seg]) -> list[list[_Seg]]:
+    """Consecutive segments of the same kind and quantization."""
+    runs: list[list[_Seg]] = []
+    for seg in segs:
+        key = (seg.kind, seg.bits, seg.group_size)
+        if runs and (runs[-1][0].kind, runs[-1][0].bits, runs[-1][0].group_size) == key:
+            runs[-1].append(seg)
+        else:
+            runs.append([seg])
+    return runs
+
+
+def _zeros_like_tokens(a: mx.array, n: int) -> mx.array:
+    return mx.zeros((*a.shape[:2], n, a.shape[3]), dtype=a.dtype)
+
+
+def _float_kv(segs: list[_Seg], pad: int = 0) -> tuple[mx.array, mx.array]:
+    """Full-precision k and v in token order, plus ``pad`` zero tokens of room.
+
+    Consecutive quantized blocks are concatenated first and dequantized in one call per
+    layer; when the KV ends with them, the room is padded onto the quantized parts (a
+    zero scale and bias dequantize to 0), so the result is written once.
+    """
+    ks: list[mx.array] = []
+    vs: list[mx.array] = []
+    runs = _runs(segs)
+    for i, run in enumerate(runs):
+        head = run[0]
+        if head.kind == "kv":
+            ks += [r.arrays[0] for r in run]
+            vs += [r.arrays[1] for r in run]
+            continue
+        if head.kind == "raw_q":
+            raise ValueError("quantized KV parts without their bits can be restored only into "
+                             "a QuantizedKVCache")
+        room = pad if i == len(runs) - 1 else 0
+        parts = []
+        for p in range(6):
+            pieces = [r.arrays[p] for r in run]
+            if room:
+                pieces.append(_zeros_like_tokens(pieces[0], room))
+            parts.append(_cat(pieces))
+        ks.append(_quant.dequantize(parts[:3], head.bits, head.group_size))
+        vs.append(_quant.dequantize(parts[3:], head.bits, head.group_size))
+        pad -= room
+    if pad:
+        ks.append(_zeros_like_tokens(ks[0], pad))
+        vs.append(_zeros_like_tokens(vs[0], pad))
+    return _cat(ks), _cat(vs)
+
+
+def _quantized_kv(segs: list[_Seg], bits: int, group: int) -> tuple[tuple[mx.array, ...], ...]:
+    """``(k parts, v parts)`` quantized with ``bits`` / ``group``: stored parts with the
+    same quantization as they are, anything else (re)quantized."""
+    pieces: list[list[mx.array]] = [[] for _ in range(6)]
+    for seg in segs:
+        if seg.kind == "raw_q" or (seg.kind == "q" and (seg.bits, seg.group_size) == (bits, group)):
+            parts = list(seg.arrays)
+        else:
+            if seg.kind == "kv":
+                k, v = seg.arrays
+            else:
+                k = _quant.dequantize(seg.arrays[:3], seg.bits, seg.group_size)
+                v = _quant.dequantize(seg.arrays[3:], seg.bits, seg.group_size)
+            parts = [*_quant.quantize(k, bits, group), *_quant.quantize(v, bits, group)]
+        for p, a in zip(pieces, parts, strict=True):
+            p.append(a)
+    cat = [_cat(p) for p in pieces]
+    return tuple(cat[:3]), tuple(cat[3:])
 
 
 def restore(
@@ -318,7 +468,8 @@ def restore(
     place instead of copying the whole restored KV into a larger buffer.
 
     ``blocks`` are consecutive ``(span, payload)`` pairs from position 0 (a
-    ``BlockMeta`` is a span). KV layers: concatenate and cut at ``num_tokens``.
+    ``BlockMeta`` is a span). KV layers: concatenate and cut at ``num_tokens``
+    (quantized blocks are dequantized, or kept quantized for a QuantizedKVCache).
     Rotating layers: the ``keep`` tokens plus the last window. Non-KV states:
     the snapshot of the block ending exactly at ``num_tokens``.
     The returned arrays are evaluated.
@@ -335,17 +486,14 @@ def restore(
     return out
 
 
-def _restore_one(
-    name: str, c: Any, blocks: list[tuple[int, int, Mapping[str, mx.array]]], n: int,
-    reserve: int = 0,
-) -> Any:
+def _restore_one(name: str, c: Any, blocks: list[_Used], n: int, reserve: int = 0) -> Any:
     if isinstance(c, CacheList):
         return CacheList(
             *(_restore_one(f"{name}.{j}", sub, blocks, n, reserve) for j, sub in enumerate(c.caches))
         )
     _check_supported(c)
     if isinstance(c, ArraysCache):
-        s, e, payload = blocks[-1]
+        s, e, _, payload = blocks[-1]
         if e != n:
             raise ValueError(
                 f"non-truncatable state can be restored only at a snapshot: "
@@ -360,34 +508,22 @@ def _restore_one(
         fresh.cache = arrays
         return fresh
     if isinstance(c, QuantizedKVCache):
-        kq = tuple(
-            _take(_kv_parts(blocks, f"{name}.k.{i}", 0, n), n) for i in range(3)
-        )
-        vq = tuple(
-            _take(_kv_parts(blocks, f"{name}.v.{i}", 0, n), n) for i in range(3)
-        )
+        kq, vq = _quantized_kv(_segments(blocks, name, 0, n), c.bits, c.group_size)
         return QuantizedKVCache.from_state((kq, vq, n, c.group_size, c.bits))
     if isinstance(c, RotatingKVCache):
         keep, max_size = c.keep, c.max_size
         ranges = [(0, n)] if n <= max_size else [(0, keep), (n - (max_size - keep), n)]
-        ks: list[mx.array] = []
-        vs: list[mx.array] = []
+        segs: list[_Seg] = []
         for lo, hi in ranges:
             if hi > lo:
-                ks += _kv_parts(blocks, f"{name}.k", lo, hi)
-                vs += _kv_parts(blocks, f"{name}.v", lo, hi)
-        k = ks[0] if len(ks) == 1 else mx.concatenate(ks, axis=2)
-        v = vs[0] if len(vs) == 1 else mx.concatenate(vs, axis=2)
+                segs += _segments(blocks, name, lo, hi)
+        k, v = _float_kv(segs)
         return RotatingKVCache.from_state((k, v, n, keep, max_size, k.shape[2]))
-    kp = _kv_parts(blocks, f"{name}.k", 0, n)
-    vp = _kv_parts(blocks, f"{name}.v", 0, n)
+    pad = 0
     if reserve > 0:
         step = KVCache.step
         pad = (n + reserve + step - 1) // step * step - n
-        kp.append(mx.zeros((*kp[0].shape[:2], pad, kp[0].shape[3]), dtype=kp[0].dtype))
-        vp.append(mx.zeros((*vp[0].shape[:2], pad, vp[0].shape[3]), dtype=vp[0].dtype))
-    k = _take(kp, n + (kp[-1].shape[2] if reserve > 0 else 0))
-    v = _take(vp, n + (vp[-1].shape[2] if reserve > 0 else 0))
+    k, v = _float_kv(_segments(blocks, name, 0, n), pad)
     return KVCache.from_state((k, v, n))
 
 

@@ -8,11 +8,91 @@ final ``GenerationResult``. See ``engine/engine.py`` for the Engine itself.
 from __future__ import annotations
 
 import bisect
+import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import numpy as np
+
 from ..meta import DEFAULT_TENANT, ExtraKeySpan
+
+IMAGE_DIGEST_VERSION = 1
+
+
+@dataclass(frozen=True)
+class VisionInfo:
+    """What the server needs to know about a vision-language model (``Engine.vision``):
+    the image token the template renders, how many placeholder tokens each image
+    covers, and the preprocessing settings that go into every image digest."""
+
+    model_type: str
+    image_token: str
+    image_token_id: int
+    tokens_per_image: int
+    settings_key: str
+
+
+def image_digest(pixels: np.ndarray, settings_key: str) -> bytes:
+    """The cache key of one image: sha256 over the decoded RGB pixels (shape included)
+    and the model's preprocessing settings -- never over the URL or the base64 text."""
+    if pixels.dtype != np.uint8 or pixels.ndim != 3 or pixels.shape[2] != 3:
+        raise ValueError(f"pixels must be uint8 [H, W, 3], got {pixels.dtype} {pixels.shape}")
+    h = hashlib.sha256(f"promptcache-image-v{IMAGE_DIGEST_VERSION}\0".encode())
+    h.update(settings_key.encode("utf-8") + b"\0")
+    h.update(f"{pixels.shape[0]}x{pixels.shape[1]}\0".encode())
+    h.update(np.ascontiguousarray(pixels).data)
+    return h.digest()
+
+
+@dataclass(frozen=True, eq=False)
+class ImageInput:
+    """One image of a prompt: its digest, its decoded RGB pixels ``[H, W, 3]`` uint8 and
+    the placeholder tokens ``[start, start + length)`` it covers in ``prompt_tokens``."""
+
+    digest: bytes
+    pixels: np.ndarray
+    start: int
+    length: int
+
+    @property
+    def end(self) -> int:
+        return self.start + self.length
+
+
+def expand_placeholders(tokens: Sequence[int], message_starts: Sequence[int],
+                        info: VisionInfo, images: Sequence[tuple[bytes, np.ndarray]]
+                        ) -> tuple[list[int], tuple[int, ...], tuple[ImageInput, ...]]:
+    """A rendered prompt whose every image is one ``info.image_token_id`` -> each
+    expanded to ``info.tokens_per_image`` placeholder tokens, in order; returns
+    ``(tokens, message_starts, images)`` with the offsets shifted. ``images``:
+    ``(digest, pixels)`` in the order the image tokens appear. ValueError when the
+    rendered prompt holds another number of image tokens (the template dropped an
+    image, or the text itself contains the image token)."""
+    tid, n = info.image_token_id, info.tokens_per_image
+    where = [i for i, t in enumerate(tokens) if t == tid]
+    if len(where) != len(images):
+        raise ValueError(
+            f"the rendered prompt has {len(where)} image tokens ({info.image_token!r}) for "
+            f"{len(images)} images: the text may not contain {info.image_token!r}, and "
+            "images go only where the chat template renders them (user messages)")
+    out: list[int] = []
+    placed: list[ImageInput] = []
+    prev = 0
+    for pos, (digest, pixels) in zip(where, images, strict=True):
+        out.extend(tokens[prev:pos])
+        placed.append(ImageInput(digest, pixels, len(out), n))
+        out.extend([tid] * n)
+        prev = pos + 1
+    out.extend(tokens[prev:])
+    starts = tuple(s + (n - 1) * sum(1 for w in where if w < s) for s in message_starts)
+    return out, starts, tuple(placed)
+
+
+def image_extra_keys(images: Sequence[ImageInput]) -> tuple[ExtraKeySpan, ...]:
+    """The extra keys of a prompt's images, in prompt order (order matters: every block
+    overlapping an image's placeholders hashes that image's digest)."""
+    return tuple(ExtraKeySpan(im.start, im.end, b"img:" + im.digest) for im in images)
 
 
 @dataclass(frozen=True)
@@ -64,17 +144,21 @@ class Constraint:
     for OpenAI ``json_object``); ``regex``: a regular expression; ``lark``: a Lark
     grammar (llguidance dialect: it may embed ``%json{...}`` schemas), e.g. a forced
     tool call in the model's own tool-call format. The engine turns it into a logits
-    processor (``engine/constrained.py``).
+    processor (``engine/constrained.py``). ``prefix``: text the reply already holds (an
+    assistant prefill the model continues); prefix + output must match.
     """
 
     kind: ConstraintKind
     spec: str
+    prefix: str = ""
 
     def __post_init__(self) -> None:
         if self.kind not in ("json_schema", "regex", "lark"):
             raise ValueError(f"constraint kind must be json_schema, regex or lark, got {self.kind!r}")
         if not isinstance(self.spec, str) or not self.spec:
             raise ValueError("constraint spec must be a non-empty string")
+        if not isinstance(self.prefix, str):
+            raise ValueError("constraint prefix must be a string")
 
 
 Priority = Literal["interactive", "background"]
@@ -98,6 +182,16 @@ class GenerationRequest:
     # compute and store the prompt's blocks, generate nothing (pre-render): the result
     # has finish_reason "prefilled" and no tokens
     prefill_only: bool = False
+    # the images of a vision-language prompt, in prompt order; their digests are added
+    # to ``extra_keys`` by the engine (``image_extra_keys``)
+    images: tuple[ImageInput, ...] = ()
+
+    def cache_extra_keys(self) -> tuple[ExtraKeySpan, ...]:
+        """``extra_keys`` plus the images' spans, ordered by position."""
+        if not self.images:
+            return self.extra_keys
+        return tuple(sorted((*self.extra_keys, *image_extra_keys(self.images)),
+                            key=lambda s: (s.start, s.end)))
 
 
 @dataclass

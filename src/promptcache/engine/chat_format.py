@@ -1,29 +1,131 @@
-"""What the server needs to know about a model's chat format, as plain data.
+"""What the server needs to know about a model's chat format, as typed data.
 
 ``chat_format_of(tokenizer)`` reads it from mlx-lm's ``TokenizerWrapper`` (public
 properties only) and the chat template's source:
 
 - ``think_start`` / ``think_end``: the markers around the reasoning the model emits
   (``<think>`` / ``</think>`` and the other pairs mlx-lm recognises); ``None`` when the
-  tokenizer has none.
+  tokenizer has none. ``think_start_token`` / ``think_end_token``: their ids when a
+  marker is one special token (a grammar must name it as a token, not spell it).
 - ``thinking_kwarg``: the template variable that switches reasoning on or off
   (``enable_thinking``, or ``thinking`` for templates that read that name), when the
   template actually reads it; ``None`` otherwise (passing the switch would change
   nothing).
+- ``tool_format``: how the model writes tool calls (``ToolCallFormat``), when mlx-lm
+  recognises the template (``TokenizerWrapper.tool_parser`` / ``tool_call_start`` /
+  ``tool_call_end``, inferred by mlx-lm from the template or set by the checkpoint's
+  ``tool_parser_type``); ``None`` otherwise.
 
-The server uses it to drive Anthropic ``thinking`` / Responses ``reasoning`` and to
-split the model's reasoning from its answer.
+``ToolCallFormat`` wraps one of mlx-lm's tool parsers (``mlx_lm.tool_parsers.<name>``):
+the markers around a call and ``parse(body, tools)``, which returns typed ``ToolCall``s
+or raises ``ValueError``. ``HERMES`` is the format for models mlx-lm does not recognise
+(and for the tools fallback, which asks the model for it in the system turn):
+``<tool_call>{"name", "arguments"}</tool_call>`` parsed with mlx-lm's ``json_tools``
+parser, plus a reply that is one bare JSON call (Llama 3.x style).
 """
 
 from __future__ import annotations
 
+import importlib
+import json
 import re
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 _ENABLE_THINKING = re.compile(r"\benable_thinking\b")
 # templates (e.g. DeepSeek V3.1) that read a bare ``thinking`` variable
 _BARE_THINKING = re.compile(r"\bthinking\s+is\s+(?:not\s+)?defined\b|\bif\s+(?:not\s+)?thinking\b")
+
+# mlx-lm's ``parse_tool_call(text, tools)``: a dict or a list of dicts with "name" and
+# "arguments" (an object, or a JSON string of one); raises on text that is not a call
+ToolParser = Callable[[str, Any], Any]
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    name: str
+    arguments: dict[str, Any]
+
+    @property
+    def arguments_json(self) -> str:
+        return json.dumps(self.arguments, ensure_ascii=False)
+
+
+def _as_call(obj: Any) -> ToolCall:
+    if not isinstance(obj, Mapping):
+        raise ValueError(f"a tool call must be an object, got {type(obj).__name__}")
+    name = obj.get("name")
+    if not isinstance(name, str) or not name:
+        raise ValueError("a tool call needs a string 'name'")
+    args = obj.get("arguments", obj.get("parameters", {}))
+    if args is None:
+        args = {}
+    if isinstance(args, str):
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except (json.JSONDecodeError, RecursionError) as e:
+            raise ValueError(f"tool call arguments are not valid JSON: {e}") from None
+    if not isinstance(args, dict):
+        raise ValueError("tool call arguments must be an object")
+    return ToolCall(name=name, arguments=args)
+
+
+@dataclass(frozen=True)
+class ToolCallFormat:
+    """How a model writes tool calls: ``start`` + body + ``end`` (``end == ""``: the
+    call runs to the end of the reply, as in Mistral's ``[TOOL_CALLS]...``)."""
+
+    # the mlx-lm parser module ("json_tools", "qwen3_coder", "pythonic", "mistral", ...)
+    # or "hermes" (the fallback)
+    name: str
+    start: str
+    end: str
+    parser: ToolParser = field(repr=False, compare=False)
+    # a reply that is one JSON call object (or a JSON list of them) counts as calls
+    bare_json: bool = False
+    # the ids of the markers when each is one special token (grammars name them)
+    start_token: int | None = None
+    end_token: int | None = None
+    # format details a grammar needs, read from the template (mistral: "args" when the
+    # template writes ``name[ARGS]{...}``, "json" for ``[{"name", "arguments"}]``)
+    variant: str = ""
+
+    def parse(self, body: str, tools: Sequence[Mapping[str, Any]] | None = None
+              ) -> tuple[ToolCall, ...]:
+        """The calls in ``body`` (the text between the markers). Raises ValueError when
+        it is not a (complete) call in this format."""
+        try:
+            parsed = self.parser(body, list(tools) if tools else None)
+        except Exception as e:  # each mlx-lm parser fails in its own way on non-calls
+            raise ValueError(f"not a {self.name} tool call: {type(e).__name__}: {e}") from None
+        items = parsed if isinstance(parsed, list) else [parsed]
+        if not items:
+            raise ValueError("no tool call in the text")
+        return tuple(_as_call(item) for item in items)
+
+
+def _parser_module(name: str) -> Any:
+    if not re.fullmatch(r"[a-z0-9_]+", name):
+        raise ValueError(f"invalid tool parser name {name!r}")
+    try:
+        return importlib.import_module(f"mlx_lm.tool_parsers.{name}")
+    except ImportError as e:
+        raise ValueError(f"mlx-lm has no tool parser {name!r}") from e
+
+
+def tool_call_format(name: str, *, start_token: int | None = None,
+                     end_token: int | None = None, variant: str = "") -> ToolCallFormat:
+    """The format of mlx-lm's tool parser ``name`` (``mlx_lm.tool_parsers.<name>``)."""
+    mod = _parser_module(name)
+    return ToolCallFormat(name=name, start=str(mod.tool_call_start), end=str(mod.tool_call_end),
+                          parser=mod.parse_tool_call, start_token=start_token,
+                          end_token=end_token, variant=variant)
+
+
+HERMES = ToolCallFormat(
+    name="hermes", start="<tool_call>", end="</tool_call>",
+    parser=_parser_module("json_tools").parse_tool_call, bare_json=True)
 
 
 @dataclass(frozen=True)
@@ -31,6 +133,9 @@ class ChatFormat:
     think_start: str | None = None
     think_end: str | None = None
     thinking_kwarg: str | None = None
+    think_start_token: int | None = None
+    think_end_token: int | None = None
+    tool_format: ToolCallFormat | None = None
 
     @property
     def has_thinking(self) -> bool:
@@ -44,6 +149,14 @@ class ChatFormat:
             return {}
         return {self.thinking_kwarg: bool(enabled)}
 
+    def tools_format(self, template_renders_tools: bool) -> ToolCallFormat:
+        """The format the model is asked to call tools in: its own when the template
+        renders the tools and mlx-lm knows the format, else ``HERMES`` (the tools
+        fallback in the system turn asks for that one)."""
+        if template_renders_tools and self.tool_format is not None:
+            return self.tool_format
+        return HERMES
+
 
 def _template_source(tokenizer: Any) -> str:
     template = getattr(tokenizer, "chat_template", None)
@@ -52,6 +165,39 @@ def _template_source(tokenizer: Any) -> str:
     if isinstance(template, dict):  # named templates: {"default": ..., "tool_use": ...}
         return "\n".join(str(v) for v in template.values())
     return ""
+
+
+def _special_id(tokenizer: Any, ids: Any) -> int | None:
+    """The id when ``ids`` is one token that the tokenizer marks special."""
+    if not isinstance(ids, (tuple, list)) or len(ids) != 1:
+        return None
+    decoder = getattr(tokenizer, "added_tokens_decoder", None)
+    if not isinstance(decoder, Mapping):
+        return None
+    added = decoder.get(int(ids[0]))
+    return int(ids[0]) if added is not None and bool(getattr(added, "special", False)) else None
+
+
+def _tool_format_of(tokenizer: Any, source: str) -> ToolCallFormat | None:
+    parser = getattr(tokenizer, "tool_parser", None)
+    start = getattr(tokenizer, "tool_call_start", None)
+    end = getattr(tokenizer, "tool_call_end", None)
+    if not callable(parser) or not isinstance(start, str) or not start \
+            or not isinstance(end, str):
+        return None
+    init = getattr(tokenizer, "init_kwargs", None)
+    name = init.get("tool_parser_type") if isinstance(init, Mapping) else None
+    if not isinstance(name, str) or not name:
+        name = str(getattr(parser, "__module__", "")).rsplit(".", 1)[-1] or "unknown"
+    variant = ""
+    if name == "mistral":
+        variant = "args" if "[ARGS]" in source else "json"
+    return ToolCallFormat(
+        name=name, start=start, end=end, parser=parser,
+        start_token=_special_id(tokenizer, getattr(tokenizer, "tool_call_start_tokens", None)),
+        end_token=_special_id(tokenizer, getattr(tokenizer, "tool_call_end_tokens", None))
+        if end else None,
+        variant=variant)
 
 
 def chat_format_of(tokenizer: Any) -> ChatFormat:
@@ -65,8 +211,15 @@ def chat_format_of(tokenizer: Any) -> ChatFormat:
         kwarg = "enable_thinking"
     elif _BARE_THINKING.search(source):
         kwarg = "thinking"
+    has_start = isinstance(start, str) and bool(start)
+    has_end = isinstance(end, str) and bool(end)
     return ChatFormat(
-        think_start=start if isinstance(start, str) and start else None,
-        think_end=end if isinstance(end, str) and end else None,
+        think_start=start if has_start else None,
+        think_end=end if has_end else None,
         thinking_kwarg=kwarg,
+        think_start_token=_special_id(tokenizer, getattr(tokenizer, "think_start_tokens", None))
+        if has_start else None,
+        think_end_token=_special_id(tokenizer, getattr(tokenizer, "think_end_tokens", None))
+        if has_end else None,
+        tool_format=_tool_format_of(tokenizer, source),
     )

@@ -4,26 +4,239 @@ A logits processor has mlx-lm's signature ``processor(tokens, logits) -> logits`
 ``tokens`` is the mx.array of token ids so far (prompt + output), ``logits`` the
 ``[1, vocab]`` scores of the next token; it returns them with the tokens the
 constraint forbids masked to ``-inf``. The scheduler asks for one processor per
-request (``logits_processor``) and applies it before sampling and log-probabilities.
+request (``logits_processor``) and applies it before sampling and log-probabilities,
+once per generated token, the first call before the first token (``tokens`` = the
+prompt); every later call finds the tokens sampled since and feeds them to the matcher.
 
-Interface placeholder: the implementation (a grammar / JSON-schema matcher from a
-well-kept library) lands with the real-client work; until then a request with a
-constraint is refused with a clear 400.
+The matcher is llguidance's (``LLMatcher``: JSON Schema, regular expressions and Lark
+grammars with inline ``%json{...}`` schemas and special tokens named ``<[id]>``), over
+an ``LLTokenizer`` built once per tokenizer from its ``tokenizer.json`` (about a second
+for a 50k vocabulary). Per step it computes the bitmask of allowed tokens (the EOS tokens
+once the grammar is complete) and masks the rest with ``-inf``, while the forward pass
+of that step runs (the new token is read first, then ``mx.async_eval`` of the logits;
+in a batch only the first constrained row's mask overlaps the forward pass: the others
+read their tokens after it is launched, so they wait for it, then mask).
+BENCHMARKS.md has the overhead per token.
+``Constraint.prefix`` (an assistant prefill the model continues) is fed to the matcher
+before the first token, so the output continues it. In the batched engine each request
+has its own processor, applied to its own row of the batch's logits only.
+
+- ``validate(constraint)``: the grammar alone, without a tokenizer (cheap); raises
+  ``RequestError`` (a ValueError: a 400) with llguidance's reason.
+- ``prepare(constraint, tokenizer, vocab_size)``: build the tokenizer bridge and the
+  compiled matcher (the prefix consumed) and keep them in a small LRU, raising
+  ``RequestError`` for an invalid grammar or a prefix it rejects. The server calls it
+  in its preparation thread, so ``logits_processor`` at submit only copies a matcher.
+- ``logits_processor(constraint, tokenizer, vocab_size)``: a fresh processor with its
+  own matcher state.
+
+JSON (a ``json_schema`` constraint, unless its ``x-guidance`` says otherwise) is
+compact-or-pretty with bounded whitespace (``JSON_OPTIONS``): a model cannot loop on
+newlines inside a JSON value.
 """
 
 from __future__ import annotations
 
+import json
+import logging
+import threading
+import weakref
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 
 from ..errors import RequestError
 from .api import Constraint
 
+logger = logging.getLogger(__name__)
+
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
+
+# whitespace between JSON tokens: none, a space, or a newline + indentation (bounded)
+JSON_OPTIONS: dict[str, Any] = {"whitespace_pattern": r"(?: |\n[ \t]{0,16})?"}
+_COMPILED_MAX = 64
+
+
+def _llg() -> Any:
+    import llguidance
+
+    return llguidance
+
+
+def grammar_of(constraint: Constraint) -> str:
+    """The llguidance grammar of ``constraint``; RequestError when it cannot be read."""
+    matcher = _llg().LLMatcher
+    if constraint.kind == "json_schema":
+        try:
+            schema = json.loads(constraint.spec)
+        except json.JSONDecodeError as e:
+            raise RequestError(f"the JSON schema is not valid JSON: {e}") from None
+        if not isinstance(schema, dict):
+            raise RequestError("the JSON schema must be an object")
+        try:
+            return str(matcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS))
+        except ValueError as e:
+            raise RequestError(f"invalid JSON schema: {e}") from None
+    if constraint.kind == "regex":
+        return str(matcher.grammar_from_regex(constraint.spec))
+    return str(matcher.grammar_from_lark(constraint.spec))
+
+
+def _check(grammar: str, tokenizer: Any, what: str) -> None:
+    error = _llg().LLMatcher.validate_grammar(grammar, tokenizer)
+    if error:
+        raise RequestError(f"invalid {what}: {error}")
+
+
+def validate(constraint: Constraint) -> None:
+    """Check the grammar without a tokenizer; RequestError with the reason."""
+    _check(grammar_of(constraint), None, _what(constraint))
+
+
+def _what(constraint: Constraint) -> str:
+    return {"json_schema": "JSON schema", "regex": "regular expression",
+            "lark": "grammar"}[constraint.kind]
+
+
+# --- the tokenizer bridge and compiled matchers (shared, thread-safe) ---------------------
+
+class _Bridge:
+    """llguidance's tokenizer for one (tokenizer, vocab size) and its compiled matchers
+    (an LRU; they live and die with the tokenizer)."""
+
+    def __init__(self, ll: Any) -> None:
+        self.ll = ll
+        self.compiled: OrderedDict[tuple[str, str, str], Any] = OrderedDict()
+
+
+_lock = threading.Lock()
+_bridges: weakref.WeakKeyDictionary[Any, dict[int, _Bridge]] = weakref.WeakKeyDictionary()
+
+
+def _eos_ids(tokenizer: Any) -> list[int]:
+    ids = getattr(tokenizer, "eos_token_ids", None) or ()
+    out = sorted(int(t) for t in ids)
+    if not out and getattr(tokenizer, "eos_token_id", None) is not None:
+        out = [int(tokenizer.eos_token_id)]
+    return out
+
+
+def _bridge(tokenizer: Any, vocab_size: int) -> _Bridge:
+    with _lock:
+        per = _bridges.get(tokenizer)
+        if per is not None and vocab_size in per:
+            return per[vocab_size]
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        raise RequestError("constrained decoding needs a fast (tokenizer.json) tokenizer")
+    eos = _eos_ids(tokenizer)
+    if not eos:
+        raise RequestError("constrained decoding needs the model's EOS token")
+    size = max(int(vocab_size), len(tokenizer)) if hasattr(tokenizer, "__len__") else vocab_size
+    bridge = _Bridge(_llg().LLTokenizer(backend.to_str(), n_vocab=size, eos_token=eos))
+    with _lock:
+        return _bridges.setdefault(tokenizer, {}).setdefault(vocab_size, bridge)
+
+
+def ll_tokenizer(tokenizer: Any, vocab_size: int) -> Any:
+    """llguidance's ``LLTokenizer`` for an mlx-lm ``TokenizerWrapper`` (a fast HF
+    tokenizer underneath), sized to the model's logits; built once, then cached."""
+    return _bridge(tokenizer, vocab_size).ll
+
+
+def _compiled_matcher(constraint: Constraint, tokenizer: Any, vocab_size: int) -> Any:
+    """The compiled matcher for ``constraint`` with its prefix consumed (cached; copy
+    it before use)."""
+    bridge = _bridge(tokenizer, vocab_size)
+    key = (constraint.kind, constraint.spec, constraint.prefix)
+    with _lock:
+        hit = bridge.compiled.get(key)
+        if hit is not None:
+            bridge.compiled.move_to_end(key)
+            return hit
+    ll = bridge.ll
+    grammar = grammar_of(constraint)
+    _check(grammar, ll, _what(constraint))
+    matcher = _llg().LLMatcher(ll, grammar, log_level=0)
+    if matcher.is_error():
+        raise RequestError(f"invalid {_what(constraint)}: {matcher.get_error()}")
+    if constraint.prefix:
+        tokens = ll.tokenize_str(constraint.prefix)
+        if not matcher.consume_tokens(tokens):
+            raise RequestError(f"the assistant prefill {constraint.prefix[:80]!r} does not "
+                               f"match the {_what(constraint)}")
+    with _lock:
+        bridge.compiled[key] = matcher
+        while len(bridge.compiled) > _COMPILED_MAX:
+            bridge.compiled.popitem(last=False)
+    return matcher
+
+
+def prepare(constraint: Constraint, tokenizer: Any, vocab_size: int) -> None:
+    """Compile ``constraint`` for this tokenizer ahead of ``logits_processor`` (off the
+    event loop); RequestError when the grammar or the prefix is invalid."""
+    _compiled_matcher(constraint, tokenizer, vocab_size)
+
+
+class GrammarProcessor:
+    """One request's matcher as an mlx-lm logits processor (see the module docstring)."""
+
+    def __init__(self, matcher: Any, vocab_size: int, eos: list[int]) -> None:
+        self.matcher = matcher
+        self.vocab_size = vocab_size
+        self._eos = eos
+        self._seen: int | None = None
+        self._words = np.zeros((vocab_size + 31) // 32, dtype=np.int32)
+        self.failed = False
+
+    def _feed(self, tokens: mx.array) -> None:
+        n = int(tokens.size)
+        if self._seen is None:  # the first call: the prompt (the prefix is fed already)
+            self._seen = n
+            return
+        if n <= self._seen:
+            return
+        new = np.array(tokens.reshape(-1)[self._seen:]).astype(np.int64).tolist()
+        self._seen = n
+        if self.failed:
+            return
+        for tok in new:
+            if not self.matcher.consume_token(tok):
+                self.failed = True
+                logger.warning("constrained decoding: token %d rejected (%s); ending the "
+                               "reply", tok, self.matcher.get_error())
+                return
+
+    def allowed(self) -> np.ndarray:
+        """A bool mask over the vocabulary of the tokens allowed next."""
+        if self.failed:
+            mask = np.zeros(self.vocab_size, dtype=np.bool_)
+            mask[[t for t in self._eos if t < self.vocab_size]] = True
+            return mask
+        self.matcher.unsafe_compute_mask_ptr(self._words.ctypes.data, self._words.nbytes)
+        bits = np.unpackbits(self._words.view(np.uint8), bitorder="little")
+        return bits[: self.vocab_size].astype(np.bool_)
+
+    def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
+        # feed first: reading ``tokens`` waits only for the previous step's token, while
+        # after a launched forward pass it would wait for that pass (one stream, in
+        # order); then launch this step's forward pass and compute the mask while it runs
+        self._feed(tokens)
+        mx.async_eval(logits)  # type: ignore[no-untyped-call]
+        mask = mx.array(self.allowed())
+        width = int(logits.shape[-1])
+        if width > self.vocab_size:  # logits wider than the matcher's vocabulary
+            mask = mx.concatenate([mask, mx.zeros(width - self.vocab_size, dtype=mx.bool_)])
+        elif width < self.vocab_size:
+            mask = mask[:width]
+        return mx.where(mask, logits, mx.array(-float("inf"), dtype=logits.dtype))
 
 
 def logits_processor(constraint: Constraint, tokenizer: Any, vocab_size: int) -> LogitsProcessor:
     """A fresh processor (it keeps per-request matcher state) for ``constraint``."""
-    raise RequestError(f"constrained decoding ({constraint.kind}) is not available yet")
+    matcher = _compiled_matcher(constraint, tokenizer, vocab_size).deep_copy()
+    size = int(ll_tokenizer(tokenizer, vocab_size).vocab_size)
+    return GrammarProcessor(matcher, size, _eos_ids(tokenizer))

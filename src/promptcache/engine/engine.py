@@ -34,12 +34,16 @@ from ..errors import EngineDeadError, RequestError
 from ..meta import DEFAULT_TENANT, Namespace, validate_tenant
 from . import adapters, constrained
 from .admission import Admission, Ticket
-from .api import GenerationRequest, GenerationResult, SamplingParams, Usage
+from .api import GenerationRequest, GenerationResult, SamplingParams, Usage, VisionInfo
 from .chat_format import ChatFormat, chat_format_of
 from .handles import RequestHandle
+from .payload import ram_census
+from .quant import from_config as _kv_quant_of
 from .request import EngineContext, EngineCounters, LogitsHook, Processor, Request, validate_request
 from .scheduler import Scheduler
 from .templates import ChatTemplate
+from .vision import VisionEncoder
+from .vision_cache import VisionCache
 
 logger = logging.getLogger(__name__)
 
@@ -110,8 +114,11 @@ class Engine:
         cache_config: CacheConfig | None = None,
         cache: Any | None = None,
         logits_hook: LogitsHook | None = None,
+        vision: VisionEncoder | None = None,
     ) -> None:
         self.model = model
+        # a vision-language model's image encoder (None: a text-only model)
+        self.vision_encoder = vision
         self.tokenizer = tokenizer
         self.model_id = model_id
         self.fingerprint = fingerprint
@@ -134,7 +141,9 @@ class Engine:
                 f"block_size ({bs}) must not exceed the model's sliding window ({window}): "
                 "blocks are saved while their tokens are still in the window"
             )
-        self.kv_spec = adapters.kv_spec(model, template)
+        # stored blocks quantized per the cache config; the spec is part of the namespace
+        self.kv_quant = _kv_quant_of(self.cache_config)
+        self.kv_spec = adapters.kv_spec(model, template, quant=self.kv_quant)
         self.templates = ChatTemplate(tokenizer)
         eos = getattr(tokenizer, "eos_token_ids", None) or []
         self.counters = EngineCounters()
@@ -142,7 +151,8 @@ class Engine:
             model=model, tokenizer=tokenizer, config=cfg, context_length=context_length,
             vocab_size=vocab_size, eos_token_ids=frozenset(int(t) for t in eos), cache=cache,
             namespace_for=self.namespace if cache is not None else None, block_size=bs,
-            counters=self.counters, logits_hook=logits_hook,
+            counters=self.counters, logits_hook=logits_hook, vision=vision,
+            kv_quant=self.kv_quant,
         )
         self.row_bytes = kv_row_bytes(model)
         self.admission = Admission(cfg.max_active_requests, cfg.max_queued_requests,
@@ -169,19 +179,27 @@ class Engine:
         *,
         cache: Any | None = None,
         logits_hook: LogitsHook | None = None,
+        vision_cache: VisionCache | None = None,
     ) -> Engine:
         """Load a model folder or Hugging Face repo id. ``cache``: a PromptCache built
-        by the caller (with ``engine.payload.MLXPayloadAdapter``), or None."""
-        from .models.loader import load_model
+        by the caller (with ``engine.payload.MLXPayloadAdapter``), or None. A
+        vision-language model folder (config with ``vision_config``) is loaded through
+        mlx-vlm (``models/vlm.py``); ``vision_cache`` then caches its image features."""
+        from .models.loader import load_model_or_vlm
 
-        model, tokenizer, info = load_model(model_path)
+        model, tokenizer, info, tower = load_model_or_vlm(model_path)
+        vision = None
+        if tower is not None:
+            if vision_cache is not None:
+                vision_cache.bind_model(info.fingerprint)
+            vision = VisionEncoder(tower, vision_cache)
         cfg = info.config
         vocab = cfg.get("vocab_size") or (cfg.get("text_config") or {}).get("vocab_size")
         return cls(
             model, tokenizer, model_id=info.model_id, fingerprint=info.fingerprint,
             context_length=info.context_length, vocab_size=int(vocab or 2**32),
             engine_config=engine_config, cache_config=cache_config, cache=cache,
-            logits_hook=logits_hook,
+            logits_hook=logits_hook, vision=vision,
         )
 
     def namespace(self, tenant: str = DEFAULT_TENANT) -> Namespace:
@@ -193,6 +211,12 @@ class Engine:
         return ns
 
     # ------------------------------------------------------------------ chat templates
+
+    @property
+    def vision(self) -> VisionInfo | None:
+        """Image token, placeholder tokens per image and preprocessing settings of a
+        vision-language model; None for a text-only model (images are a 400)."""
+        return self.vision_encoder.info if self.vision_encoder is not None else None
 
     @property
     def chat_format(self) -> ChatFormat:
@@ -311,12 +335,20 @@ class Engine:
 
     def stats(self) -> dict[str, Any]:
         out: dict[str, Any] = {"engine": self.engine_stats()}
+        if self.vision_encoder is not None:
+            out["vision"] = self.vision_encoder.stats()
         if self.cache is not None:
             try:
                 out["cache"] = self.cache.stats().to_dict()
             except Exception:
                 logger.exception("cache stats failed")
+            out["kv"] = self.kv_stats()
         return out
+
+    def kv_stats(self) -> dict[str, Any] | None:
+        """What the RAM tier holds per cached token: arrays (one per block), bytes, the
+        stored quantization (``payload.ram_census``); None without a cache."""
+        return None if self.cache is None else ram_census(self.cache, self.kv_quant)
 
     def close(self) -> None:
         """Stop the engine thread (active requests are cancelled) and close the cache."""
@@ -324,6 +356,12 @@ class Engine:
             return
         self._closed = True
         self._finalizer()
+        vcache = self.vision_encoder.cache if self.vision_encoder is not None else None
+        if vcache is not None:
+            try:
+                vcache.close()
+            except Exception:
+                logger.exception("closing the vision cache failed")
         if self.cache is not None and hasattr(self.cache, "close"):
             try:
                 self.cache.close()

@@ -39,8 +39,11 @@ from ..errors import ContextLengthError, RequestError
 from ..meta import Namespace
 from . import adapters
 from .api import CacheMiss, GenerationRequest, GenerationResult, SamplingParams, TokenEvent, Usage
+from .blockbuf import BlockPayload
 from .handles import Event
+from .quant import KVQuant
 from .sampling import Detokenizer, Sampler, StopStrings, logprob_values
+from .vision import ImagePrefill, validate_images
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +89,8 @@ class EngineContext:
     block_size: int = 64
     counters: EngineCounters = field(default_factory=EngineCounters)
     logits_hook: LogitsHook | None = None
+    vision: Any | None = None  # vision.VisionEncoder of a vision-language model
+    kv_quant: KVQuant | None = None  # how stored blocks are quantized (None: full precision)
 
 
 def validate_request(req: GenerationRequest, ctx: EngineContext) -> np.ndarray:
@@ -116,6 +121,7 @@ def validate_request(req: GenerationRequest, ctx: EngineContext) -> np.ndarray:
         raise RequestError(f"priority must be 'interactive' or 'background', got {req.priority!r}")
     if sp.max_tokens > ctx.config.max_tokens_limit:
         raise RequestError(f"max_tokens {sp.max_tokens} exceeds the limit {ctx.config.max_tokens_limit}")
+    validate_images(req.images, arr, ctx.vision.info if ctx.vision is not None else None)
     n = int(arr.shape[0])
     budget = 0 if req.prefill_only else sp.max_tokens
     if n + budget > ctx.context_length:
@@ -183,6 +189,10 @@ class Request:
         self.cursor: ChainCursor | None = ChainCursor(self.ns) if self.ns is not None else None
         self.truncatable = True
         self.sliding = False
+        # image digests join the extra keys of every block over their placeholders
+        self.extra_keys = request.cache_extra_keys()
+        self.images = (ImagePrefill(ctx.vision, request.images)
+                       if request.images and ctx.vision is not None else None)
 
     # ------------------------------------------------------------------ state
 
@@ -231,7 +241,7 @@ class Request:
         n_prompt = self.n_prompt
         t = time.perf_counter()
         try:
-            hit = cache.acquire(self.seq[:n_prompt], ns, extra_keys=self.req.extra_keys,
+            hit = cache.acquire(self.seq[:n_prompt], ns, extra_keys=self.extra_keys,
                                 session_id=self.req.session_id)
         except Exception:
             logger.exception("cache lookup failed; prefilling the whole prompt")
@@ -283,7 +293,13 @@ class Request:
         n = self.n_prompt
         chunk = self.ctx.config.prefill_chunk_tokens
         end = min(n, (self.pos // chunk + 1) * chunk)
-        logits = self.ctx.model(mx.array(self.seq[self.pos : end])[None], cache=self.caches)
+        inputs = mx.array(self.seq[self.pos : end])[None]
+        emb = (self.images.embeddings(self.ctx.model, inputs, self.pos, end)
+               if self.images is not None else None)
+        if emb is None:
+            logits = self.ctx.model(inputs, cache=self.caches)
+        else:
+            logits = self.ctx.model(inputs, cache=self.caches, input_embeddings=emb)
         last = logits[0, -1]
         mx.eval(last, *[a for _, a in adapters.state_arrays(self.caches)])
         self.pos = end
@@ -387,13 +403,15 @@ class Request:
             return
         src = self.caches if caches is None else caches
 
-        def payload_for(start: int, end: int, snapshot: bool) -> dict[str, mx.array]:
-            return adapters.extract_block(src, start, end, snapshot)
+        kv_quant = self.ctx.kv_quant
+
+        def payload_for(start: int, end: int, snapshot: bool) -> BlockPayload:
+            return adapters.extract_block(src, start, end, snapshot, quant=kv_quant)
 
         try:
             created = cache.store(
                 self.ns, self.seq, num_tokens, payload_for,
-                extra_keys=self.req.extra_keys, session_id=self.req.session_id,
+                extra_keys=self.extra_keys, session_id=self.req.session_id,
                 truncatable=self.truncatable, snapshot_at_end=snapshot_at_end,
                 include_partial=include_partial, save_point=save_point, cursor=self.cursor,
             )

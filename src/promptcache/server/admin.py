@@ -38,6 +38,14 @@ def cache_stats_dict(engine: Any) -> dict[str, Any] | None:
     return data
 
 
+def kv_stats_dict(engine: Any) -> dict[str, Any] | None:
+    """Arrays and bytes per cached token, the stored KV quantization (if the engine
+    reports them)."""
+    get = getattr(engine, "kv_stats", None)
+    got = get() if callable(get) else None
+    return dict(got) if got is not None else None
+
+
 def engine_stats_dict(engine: Any) -> dict[str, Any] | None:
     """The engine's own numbers (active KV bytes, queue, waits, batch), if it has them."""
     get = getattr(engine, "engine_stats", None)
@@ -77,19 +85,24 @@ async def cache_stats(request: Request) -> dict[str, Any]:
     st = state_of(request)
     try:
         stats = await run_in_threadpool(cache_stats_dict, st.engine)
+        kv = await run_in_threadpool(kv_stats_dict, st.engine)
         error = None
     except Exception as e:  # a broken cache must not break the admin view
         log.warning("cache stats failed", exc_info=True)
-        stats, error = None, f"{type(e).__name__}: {e}"
+        stats, kv, error = None, None, f"{type(e).__name__}: {e}"
     out: dict[str, Any] = {
         "model": st.model_id,
         "cache_enabled": getattr(st.engine, "cache", None) is not None,
         "cache": stats,
+        "kv": kv,
         "engine": engine_stats_dict(st.engine),
         "rolling": st.monitor.snapshot(),
         "prerender": _prerender_stats(request),
         "alert": {"active": st.monitor.alerting, "threshold": st.monitor.threshold},
     }
+    vision = getattr(st.engine, "vision_encoder", None)
+    if vision is not None:  # a vision-language model: the vision-embedding cache's line
+        out["vision"] = vision.stats()
     if error:
         out["error"] = error
     return out

@@ -4,9 +4,9 @@ Requests as Claude Code sends them are accepted: ``role: "system"`` messages any
 in ``messages`` (kept where they stand, see ``prompt.place_system_messages``),
 ``thinking`` (``enabled`` / ``adaptive`` turn the template's reasoning switch on,
 ``disabled`` off, where the template has one), ``tool_choice`` ``auto`` / ``any`` /
-``tool`` / ``none`` (``none`` leaves the tools out; ``any`` / ``tool`` are not enforced
-yet), ``cache_control`` on any block, ``context_management``, ``output_config``,
-``metadata``, ``service_tier``, ``?beta=true`` and the ``anthropic-beta`` header
+``tool`` / ``none`` (``none`` leaves the tools out; ``any`` / ``tool`` are enforced by
+constrained decoding, ``structured.py``), ``cache_control`` on any block,
+``context_management``, ``output_config``, ``metadata``, ``service_tier``, ``?beta=true`` and the ``anthropic-beta`` header
 (accepted, ignored on purpose). Tools other than client tools (``web_search_*``,
 ``bash_*`` … server tools the model cannot run) are left out. Reasoning the model marks
 streams back as ``thinking`` blocks.
@@ -62,11 +62,13 @@ from .common import (
 )
 from .diagnostics import cache_cause_of, wants_diagnostics
 from .errors import APIError
+from .images import ImageCollector
 from .prompt import anthropic_messages, anthropic_tools
 from .reasoning import Piece, ReplyParser
 from .runner import Generation, ServerState, cache_creation_tokens
 from .schemas import AnthropicMessage, CountTokensRequest, MessagesRequest
-from .toolcalls import ToolCall
+from .structured import anthropic_tool_choice
+from .toolcalls import ToolCall, offered_tool_names
 
 log = logging.getLogger(__name__)
 router = APIRouter()
@@ -169,8 +171,8 @@ def _ttl(cache_control: Any, where: str) -> float | None:
     return TTLS[ttl]
 
 
-def breakpoints_of(body: MessagesRequest | CountTokensRequest, msgs: list[dict[str, Any]]
-                   ) -> tuple[Breakpoint, ...]:
+def breakpoints_of(body: MessagesRequest | CountTokensRequest, msgs: list[dict[str, Any]],
+                   images: ImageCollector | None = None) -> tuple[Breakpoint, ...]:
     """The request's ``cache_control`` breakpoints, on the template messages ``msgs``:
     system blocks and tools mark the end of the system prompt; a message's blocks the
     end of that message; a top-level ``cache_control`` the end of the last one."""
@@ -196,17 +198,24 @@ def breakpoints_of(body: MessagesRequest | CountTokensRequest, msgs: list[dict[s
         if i == last:
             count = len(msgs)
         elif marks:  # how many template messages messages[0..i] made (tool results split)
-            count = lead + len(anthropic_messages(body.messages[:i + 1], None))
+            count = lead + len(anthropic_messages(body.messages[:i + 1], None,
+                                                  _counting(images)))
         if marks:
             out.append(Breakpoint(max(0, count - 1), max(marks)))
     return tuple(out)
 
 
-def chat_prompt(body: MessagesRequest | CountTokensRequest, canon: Canon) -> ChatPrompt:
+def _counting(images: ImageCollector | None) -> ImageCollector | None:
+    """An empty collector like ``images``: the messages' images counted again, not kept."""
+    return None if images is None else ImageCollector(images.info, images.limits)
+
+
+def chat_prompt(body: MessagesRequest | CountTokensRequest, canon: Canon,
+                images: ImageCollector | None = None) -> ChatPrompt:
     """The request as a ``ChatPrompt`` (also what ``/v1/cache/probe`` renders)."""
     system = canon.system_blocks(body.system) if isinstance(body.system, list) \
         else body.system
-    msgs = anthropic_messages(body.messages, system)
+    msgs = anthropic_messages(body.messages, system, images)
     tools = anthropic_tools(body.tools)
     choice = getattr(body, "tool_choice", None)
     if choice is not None:
@@ -216,8 +225,10 @@ def chat_prompt(body: MessagesRequest | CountTokensRequest, canon: Canon) -> Cha
                                 f"got {kind!r}", param="tool_choice")
         if kind == "none":
             tools = None
-    return ChatPrompt(msgs, tools, _thinking_switch(body.thinking), source=body,
-                      breakpoints=breakpoints_of(body, msgs))
+    structure = anthropic_tool_choice(choice, offered_tool_names(tools)) if tools else None
+    return ChatPrompt(msgs, tools, _thinking_switch(body.thinking), images=images,
+                      structure=structure, source=body,
+                      breakpoints=breakpoints_of(body, msgs, images))
 
 
 def _diagnostics_field(body: MessagesRequest) -> tuple[str | None, bool]:
@@ -365,7 +376,7 @@ async def messages(body: MessagesRequest, request: Request) -> Any:
                        param="temperature")
     scope = request.state.pc_scope
     preparer = preparer_of(request)
-    chat = chat_prompt(body, preparer.canon)
+    chat = chat_prompt(body, preparer.canon, st.image_collector())
     previous, named = _diagnostics_field(body)
     diagnose = wants_diagnostics(request.headers.get("anthropic-beta"), body.diagnostics)
     turn = TurnContext.of(scope, previous, named)
@@ -411,5 +422,5 @@ async def count_tokens(body: CountTokensRequest, request: Request) -> dict[str, 
     st = state_of(request)
     st.check_model(body.model)
     preparer = preparer_of(request)
-    n = await preparer.count(chat_prompt(body, preparer.canon))
+    n = await preparer.count(chat_prompt(body, preparer.canon, st.image_collector()))
     return {"input_tokens": n}

@@ -22,17 +22,26 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import threading
 from array import array
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from fastapi import Request
 
-from ..engine.api import GenerationResult, SamplingParams, TokenEvent
-from ..engine.chat_format import ChatFormat
+from ..engine.api import (
+    Constraint,
+    GenerationResult,
+    ImageInput,
+    SamplingParams,
+    TokenEvent,
+    expand_placeholders,
+    image_extra_keys,
+)
+from ..engine.chat_format import ChatFormat, ToolCallFormat
 from .auth import Scope
 from .canon import Canon
 from .diagnostics import (
@@ -48,9 +57,11 @@ from .diagnostics import (
     compare,
 )
 from .errors import APIError
+from .images import ImageCollector
 from .prompt import place_system_messages, tools_into_system
 from .reasoning import Piece, ReplyParser
 from .runner import Generation, ServerState, unstreamed_tail
+from .structured import OutputSpec, PromptShape, check_constraint, constraint_for, thinking_for
 from .toolcalls import ToolCall, offered_tool_names
 
 log = logging.getLogger(__name__)
@@ -150,6 +161,10 @@ class ChatPrompt:
     # the request's reasoning switch (Anthropic ``thinking``, Responses ``reasoning``):
     # None = the template's default
     thinking: bool | None = None
+    # the images of a vision-language prompt (decoded in the worker thread), else None
+    images: ImageCollector | None = None
+    # what the reply must be (structured.py: a JSON schema, a forced tool call)
+    structure: OutputSpec | None = None
     # the request body as sent (miss explanations name the part of it a divergence
     # falls in); never rendered
     source: Any = field(default=None, compare=False, repr=False)
@@ -202,10 +217,16 @@ class Prepared:
     # cache lookup for a streamed usage prediction (0 when not asked or no cache)
     predicted_cached: int
     chat_format: ChatFormat
+    # decoded images with their placeholder spans (``tokens`` holds the placeholders)
+    images: tuple[ImageInput, ...] = field(default=())
+    # the tool-call format the model was asked for (its own, or the Hermes fallback)
+    tool_format: ToolCallFormat | None = None
+    # the tools the request offers, as sent (the reply parser reads calls with them)
+    tools: list[dict[str, Any]] | None = None
+    # constrained decoding for the request's ``structure`` (compiled, checked)
+    constraint: Constraint | None = None
     # the template messages as rendered (after system placement and the tools fallback)
     messages: list[dict[str, Any]] = field(default_factory=list)
-    # the canonical tools as rendered (None when none or in the system turn)
-    tools: list[dict[str, Any]] | None = None
     # the messages before the tools fallback, and the template variables (to render
     # the same prompt without its tools: ``Preparer.tools_span``)
     plain_messages: list[dict[str, Any]] = field(default_factory=list)
@@ -355,7 +376,7 @@ class Preparer:
         if tools and not ab.tools:
             messages, tools, in_system = tools_into_system(messages, tools), None, True
         cont = messages[-1]["role"] == "assistant"
-        kwargs = self.chat_format.thinking_kwargs(chat.thinking)
+        kwargs = self.chat_format.thinking_kwargs(thinking_for(chat.structure, chat.thinking))
         try:
             tokens, starts = self._render(messages, tools, cont=cont, kwargs=kwargs,
                                           offsets=not light)
@@ -364,17 +385,40 @@ class Preparer:
         except Exception as e:  # jinja TemplateError & co: caused by the request's messages
             raise APIError(400, f"cannot render the chat template for these messages: {e}",
                            code="invalid_messages", param="messages") from e
-        predicted, cause = self._predict(tokens, predict_tenant)
         if light:
             turn = None
         dropped = len(chat.messages) - len(canonical)  # a leading billing-header message
         bps = () if light else self._positions(chat, canonical, dropped, tokens, starts,
                                                messages)
+        images: tuple[ImageInput, ...] = ()
+        if chat.images is not None and chat.images.sources and not light:
+            decoded = chat.images.decode()  # APIError 400 for a bad image
+            try:
+                tokens, new_starts, images = expand_placeholders(
+                    tokens, starts, chat.images.info, decoded)
+            except ValueError as e:
+                raise APIError(400, str(e), code="invalid_image", param="messages") from None
+            starts = list(new_starts)
+            bps = _shift_past_images(bps, images)
+        in_reasoning = False if light else self._ends_in_reasoning(tokens)
+        fmt = self.chat_format.tools_format(ab.tools)
+        constraint = None
+        if chat.structure is not None and not light:
+            prefill = messages[-1].get("content") if cont else None
+            constraint = constraint_for(chat.structure, PromptShape(
+                self.chat_format, fmt, chat.tools, in_reasoning=in_reasoning,
+                may_reason=chat.thinking is True,
+                prefill=prefill if isinstance(prefill, str) else None))
+            if constraint is not None:
+                check_constraint(constraint, self.engine, chat.structure.param)
+        predicted, cause = self._predict(tokens, predict_tenant, images)
         return Prepared(tokens=tokens, message_starts=starts, tool_names=names,
                         tools_in_system=in_system, continues=cont,
-                        in_reasoning=False if light else self._ends_in_reasoning(tokens),
+                        in_reasoning=in_reasoning,
                         predicted_cached=predicted, chat_format=self.chat_format,
-                        messages=messages, tools=tools, plain_messages=plain,
+                        images=images, tool_format=fmt, tools=chat.tools or None,
+                        constraint=constraint,
+                        messages=messages, plain_messages=plain,
                         template_kwargs=kwargs, fingerprint=fingerprint,
                         divergence=self._divergence(turn, fingerprint, tokens, starts,
                                                     messages, chat.source),
@@ -464,18 +508,33 @@ class Preparer:
             return False
         return tail.rfind(cf.think_start or "") > tail.rfind(cf.think_end or "")
 
-    def _predict(self, tokens: list[int], tenant: str | None) -> tuple[int, str | None]:
+    def _predict(self, tokens: list[int], tenant: str | None,
+                 images: tuple[ImageInput, ...] = ()) -> tuple[int, str | None]:
         cache = getattr(self.engine, "cache", None)
         if tenant is None or cache is None:
             return 0, None
         try:
-            match = cache.lookup(tokens, self.engine.namespace(tenant))
+            ns = self.engine.namespace(tenant)
+            match = (cache.lookup(tokens, ns, image_extra_keys(images)) if images
+                     else cache.lookup(tokens, ns))
             miss = getattr(match, "miss", None)
             return (max(0, min(int(match.num_tokens), len(tokens) - 1)),
                     getattr(miss, "cause", None))
         except Exception:  # a prediction only; never fails the request
             log.debug("cache lookup for the usage prediction failed", exc_info=True)
             return 0, None
+
+
+def _shift_past_images(positions: tuple[tuple[int, float], ...],
+                       images: tuple[ImageInput, ...]) -> tuple[tuple[int, float], ...]:
+    """Breakpoint positions found in the rendered prompt (one token per image) ->
+    positions in the expanded prompt (``ImageInput.length`` placeholders per image)."""
+    if not images:
+        return positions
+    # each image's token position in the rendered prompt, and how much it grew
+    where = [(im.start - k * (im.length - 1), im.length - 1) for k, im in enumerate(images)]
+    return tuple((pos + sum(grow for at, grow in where if at < pos), ttl)
+                 for pos, ttl in positions)
 
 
 def _log_failure(future: Any) -> None:
@@ -504,7 +563,8 @@ def start(st: ServerState, api: str, request: Request, scope: Scope, prepared: P
     pre = prerenderer_of(request)
     if pre is not None:
         pre.cancel(turn.key)
-    gen = st.start(api, request, scope, prepared.tokens, sampling, prepared.message_starts)
+    gen = st.start(api, request, scope, prepared.tokens, sampling, prepared.message_starts,
+                   images=prepared.images, constraint=prepared.constraint)
     prep = preparer_of(request)
     cache_on = caching(st)
 
@@ -588,7 +648,9 @@ def plan_max_tokens(st: ServerState, api: str, prompt_len: int, requested: int |
 def reply_parser(prepared: Prepared) -> ReplyParser:
     cf = prepared.chat_format
     return ReplyParser(cf.think_start, cf.think_end, in_reasoning=prepared.in_reasoning,
-                       tool_names=prepared.tool_names)
+                       tool_names=prepared.tool_names,
+                       tool_format=prepared.tool_format or cf.tools_format(False),
+                       tools=prepared.tools)
 
 
 @dataclass(frozen=True)
@@ -662,11 +724,15 @@ async def collect_reply(gen: Generation, parser: ReplyParser
 
 class LogprobDecoder:
     """OpenAI logprob entries (``{"token", "logprob", "bytes", "top_logprobs"}``) from
-    ``TokenEvent``s; token strings are decoded in a worker thread (memoised)."""
+    ``TokenEvent``s; token strings are decoded in a worker thread (memoised). The token
+    that ended the reply (EOS or a requested stop token id) is not content and has no
+    entry, as in OpenAI's API."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, stop_token_ids: Sequence[int] = ()) -> None:
         self.tokenizer = tokenizer
         self._memo: dict[int, str] = {}
+        eos = getattr(tokenizer, "eos_token_ids", None) or ()
+        self._stop = frozenset(int(t) for t in eos) | frozenset(stop_token_ids)
 
     def _decode(self, ids: list[int]) -> None:
         for t in ids:
@@ -679,14 +745,19 @@ class LogprobDecoder:
                 "bytes": list(text.encode("utf-8"))}
 
     async def entries(self, events: list[TokenEvent]) -> list[dict[str, Any]]:
+        events = [ev for ev in events if ev.token_id not in self._stop]
         ids = [ev.token_id for ev in events] + [t for ev in events for t, _ in ev.top_logprobs]
         missing = [t for t in dict.fromkeys(ids) if t not in self._memo]
         if missing:
             await asyncio.to_thread(self._decode, missing)
         out = []
         for ev in events:
-            entry = self._entry(ev.token_id, ev.logprob if ev.logprob is not None else 0.0)
-            entry["top_logprobs"] = [self._entry(t, lp) for t, lp in ev.top_logprobs]
+            lp = ev.logprob if ev.logprob is not None else 0.0
+            # JSON has no -inf: a token a constraint masked out is left out of the
+            # alternatives (OpenAI writes -9999.0 for a probability of zero)
+            entry = self._entry(ev.token_id, lp if math.isfinite(lp) else -9999.0)
+            entry["top_logprobs"] = [self._entry(t, alt) for t, alt in ev.top_logprobs
+                                     if math.isfinite(alt)]
             out.append(entry)
         return out
 
@@ -734,16 +805,17 @@ def claim_chain(request: Request, tenant: str, key: TurnKey | None, prepared: Pr
     if not breakpoints and key is None:
         return
     tokens = list(prepared.tokens) + list(result.tokens)
+    extra = image_extra_keys(prepared.images)  # the images' digests are in the block keys
 
     def apply() -> None:
         ns = engine.namespace(tenant)
         for pos, ttl in breakpoints:
-            cache.protect(tokens, ns, min(pos, len(tokens)), ttl)
+            cache.protect(tokens, ns, min(pos, len(tokens)), ttl, extra_keys=extra)
         if chat.retention is not None and key is not None:
             cache.protect(tokens, ns, len(tokens), KEY_PROTECT_S, key=key.activity,
-                          persist=chat.retention == "24h")
+                          persist=chat.retention == "24h", extra_keys=extra)
         if key is not None:
-            cache.mark_active(tokens, ns, key.activity)
+            cache.mark_active(tokens, ns, key.activity, extra_keys=extra)
 
     preparer_of(request).submit(apply)
 

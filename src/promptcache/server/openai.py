@@ -1,8 +1,10 @@
 """OpenAI-compatible endpoints: /v1/chat/completions, /v1/completions, /v1/models.
 
 Chat replies: reasoning the model marks (``<think>``…) comes back as
-``message.reasoning_content`` (streamed as ``delta.reasoning_content``), tool calls as
-``tool_calls``; with ``logprobs`` (and ``top_logprobs``) every token's log-probability
+``message.reasoning_content`` (streamed as ``delta.reasoning_content``), tool calls (in
+the model's own format, parsed with mlx-lm's parser of it) as ``tool_calls``;
+``response_format`` ``json_object`` / ``json_schema`` and ``tool_choice`` ``required`` /
+a named function are enforced by constrained decoding (``structured.py``); with ``logprobs`` (and ``top_logprobs``) every token's log-probability
 in ``choices[0].logprobs.content``. A final assistant message is continued (prefill).
 Streams send an SSE comment when they have nothing else to send for a while (a long
 prefill), so proxies and clients keep the connection.
@@ -43,11 +45,13 @@ from .common import (
     state_of,
 )
 from .errors import APIError, error_body
+from .images import ImageCollector
 from .prompt import openai_messages, openai_tools
 from .reasoning import Piece, ReplyParser
 from .runner import Generation, ServerState
 from .schemas import ChatCompletionRequest, CompletionRequest, OAIMessage, OAIToolCall
-from .toolcalls import ToolCall
+from .structured import openai_response_format, openai_tool_choice
+from .toolcalls import ToolCall, offered_tool_names
 
 router = APIRouter()
 
@@ -169,12 +173,16 @@ async def _chat_stream(gen: Generation, parser: ReplyParser, st: ServerState,
     yield "data: [DONE]\n\n"
 
 
-def chat_prompt(body: ChatCompletionRequest) -> ChatPrompt:
+def chat_prompt(body: ChatCompletionRequest, images: ImageCollector | None = None
+                ) -> ChatPrompt:
     """The request as a ``ChatPrompt`` (also what ``/v1/cache/probe`` renders)."""
-    messages = openai_messages(body.messages)
+    messages = openai_messages(body.messages, images)
     tools = openai_tools(body.tools) if body.tool_choice != "none" else None
-    return ChatPrompt(messages, tools, _thinking_switch(body.reasoning_effort), source=body,
-                      retention=retention_of(body))
+    structure = openai_tool_choice(body.tool_choice, offered_tool_names(tools),
+                                   body.parallel_tool_calls) \
+        or openai_response_format(body.response_format)
+    return ChatPrompt(messages, tools, _thinking_switch(body.reasoning_effort), images=images,
+                      structure=structure, source=body, retention=retention_of(body))
 
 
 @router.post("/v1/chat/completions")
@@ -186,7 +194,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     k = _logprobs_k(body.logprobs, body.top_logprobs)
     scope = request.state.pc_scope.with_session(body.prompt_cache_key, "prompt_cache_key")
     turn = TurnContext.of(scope)
-    chat = chat_prompt(body)
+    chat = chat_prompt(body, st.image_collector())
     prepared = await preparer_of(request).prepare(chat, turn=turn)
     requested = body.max_completion_tokens if body.max_completion_tokens is not None \
         else body.max_tokens
@@ -199,7 +207,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     def on_reply(reply: list[dict[str, Any]]) -> None:
         after_reply(request, gen, turn, prepared, chat, reply)
     parser = reply_parser(prepared)
-    decoder = LogprobDecoder(st.engine.tokenizer) if k is not None else None
+    decoder = (LogprobDecoder(st.engine.tokenizer, sampling.stop_token_ids)
+               if k is not None else None)
     cid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
     created = int(time.time())
 

@@ -16,8 +16,9 @@ the next request will begin with, found by the chat template itself (no per-mode
 rules). It compares that prefix with what was stored (prompt + output); where they
 differ, it submits the prefix as a ``priority="background"``, ``prefill_only`` engine
 request: the engine restores the common part and prefills only the re-rendered suffix,
-in idle time (any interactive request preempts it at the next chunk boundary), and
-stores its blocks. A submitted prefix also becomes the previous-turn reference of the
+in idle time (any interactive request preempts it at the next chunk boundary, and
+takes its admission slot when it needs one: ``engine/admission.py``), and stores its
+blocks. A submitted prefix also becomes the previous-turn reference of the
 session's miss diagnosis (``diagnostics.py``).
 
 Bounds: one pre-render per session (a newer one, or the session's next request, cancels
@@ -35,6 +36,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from ..engine.api import GenerationRequest, GenerationResult, SamplingParams
+from ..errors import OverloadedError
 from .diagnostics import TurnKey, common_prefix
 
 log = logging.getLogger(__name__)
@@ -51,9 +53,11 @@ class PreRenderStats:
     submitted: int = 0  # background prefills submitted
     done: int = 0  # ... that finished and stored their blocks
     cancelled: int = 0  # ... cancelled (a newer turn of the session came first)
+    preempted: int = 0  # ... cancelled by the engine: an interactive request needed the slot
     failed: int = 0  # renders or prefills that failed (logged)
-    skipped_busy: int = 0  # max_pending reached
+    skipped_busy: int = 0  # max_pending reached, or the engine's background queue full
     skipped_long: int = 0  # suffix longer than max_suffix_tokens
+    skipped_images: int = 0  # conversations with images (not pre-rendered)
     suffix_tokens: int = 0  # tokens prefilled in the background (submitted suffixes)
 
 
@@ -85,6 +89,13 @@ class PreRenderer:
         if not self.enabled or result.finish_reason not in ("stop", "length"):
             return
         slot = key if key is not None else object()  # no session: a slot of its own
+        images = getattr(chat, "images", None)
+        if images is not None and images.sources:
+            # a light render carries no images (their placeholders and digests come
+            # with a real turn's preparation): not pre-rendered
+            with self._lock:
+                self.stats.skipped_images += 1
+            return
         with self._lock:
             if slot not in self._pending and len(self._pending) + self._queued >= self.max_pending:
                 self.stats.skipped_busy += 1
@@ -152,7 +163,12 @@ class PreRenderer:
                 prompt_tokens=tuple(target), sampling=SamplingParams(max_tokens=1),
                 tenant=tenant, session_id=session_id, priority="background",
                 prefill_only=True, request_id=f"prerender-{next(self._ids)}")
-            handle = self.engine.submit(req)
+            try:
+                handle = self.engine.submit(req)
+            except OverloadedError:  # background work waits in a bounded queue of its own
+                with self._lock:
+                    self.stats.skipped_busy += 1
+                return
             if key is not None:  # the cache will hold the next turn's prefix
                 self.preparer.turns.replace_tokens(key, target)
             with self._lock:
@@ -173,6 +189,7 @@ class PreRenderer:
                 with self._lock:
                     if self._pending.get(slot) is handle:
                         del self._pending[slot]
+                        self.stats.cancelled += 1
         except Exception:  # a pre-render is an optimisation: it never fails a request
             log.warning("next-turn pre-render failed", exc_info=True)
             with self._lock:
@@ -203,9 +220,12 @@ class PreRenderer:
                     result = ev
         finally:
             with self._lock:
-                if self._pending.get(slot) is handle:
+                ours = self._pending.get(slot) is handle  # not cancelled by this side
+                if ours:
                     del self._pending[slot]
-                if result is not None and result.finish_reason == "prefilled":
+                if result is not None and result.finish_reason == "cancelled" and ours:
+                    self.stats.preempted += 1
+                elif result is not None and result.finish_reason == "prefilled":
                     self.stats.done += 1
                     if isinstance(slot, TurnKey):  # the next turn's prefix is the latest chain
                         self.preparer.submit(self._mark_active, slot, handle.request)

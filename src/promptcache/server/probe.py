@@ -37,6 +37,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ValidationError
 
+from ..engine.api import image_extra_keys
 from . import anthropic, openai, responses
 from .common import Prepared, Preparer, TurnContext, preparer_of, state_of
 from .diagnostics import (
@@ -116,7 +117,8 @@ def analyse(prep: Preparer, prepared: Prepared, tenant: str, source: Any) -> dic
         out["cause"] = out["cache_miss_reason"] = "unavailable"
         return out
     ns = engine.namespace(tenant)
-    match = cache.lookup(tokens, ns)
+    extra = image_extra_keys(prepared.images)
+    match = cache.lookup(tokens, ns, extra) if extra else cache.lookup(tokens, ns)
     cached = max(0, min(int(match.num_tokens), n - 1))
     by_tier: dict[str, int] = {}
     left = cached
@@ -134,7 +136,7 @@ def analyse(prep: Preparer, prepared: Prepared, tenant: str, source: Any) -> dic
     idx = message_at(position, prepared.message_starts)
     role = str(prepared.messages[idx].get("role")) \
         if idx is not None and idx < len(prepared.messages) else None
-    stored = cache.stored_after(tokens, ns, position, CONTEXT_TOKENS)
+    stored = cache.stored_after(tokens, ns, position, CONTEXT_TOKENS, extra_keys=extra)
     decode = engine.tokenizer.decode
     common = str(decode(tokens[max(0, position - CONTEXT_TOKENS):position]))
     request_text = str(decode(tokens[position:position + CONTEXT_TOKENS]))
@@ -172,17 +174,18 @@ async def probe(request: Request, api: str | None = None, tokens: bool = False
     previous, named = None, False
     if kind == "messages":
         body = _parse(MessagesRequest, {"max_tokens": 1, **raw})
-        chat = anthropic.chat_prompt(body, preparer.canon)
+        chat = anthropic.chat_prompt(body, preparer.canon, st.image_collector())
         diag = body.diagnostics or {}
         previous, named = diag.get("previous_message_id"), "previous_message_id" in diag
     elif kind == "responses":
         body = _parse(ResponsesRequest, raw)
         scope = scope.with_session(body.prompt_cache_key, "prompt_cache_key")
-        chat = responses.chat_prompt(body, responses.store_of(request))[2]
+        chat = responses.chat_prompt(body, responses.store_of(request),
+                                     st.image_collector())[2]
     else:
         body = _parse(ChatCompletionRequest, raw)
         scope = scope.with_session(body.prompt_cache_key, "prompt_cache_key")
-        chat = openai.chat_prompt(body)
+        chat = openai.chat_prompt(body, st.image_collector())
     turn = TurnContext.of(scope, previous if isinstance(previous, str) else None, named)
     prepared = await preparer.prepare(chat, turn=turn)
     out = await preparer.run(analyse, preparer, prepared, scope.tenant, body)

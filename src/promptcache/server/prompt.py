@@ -27,12 +27,48 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from .images import ImageCollector, ImageSource
 from .schemas import AnthropicMessage, AnthropicTool, OAIMessage
 
 OPENAI_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
-def _text_of_parts(parts: list[dict[str, Any]], where: str) -> str:
+IMAGE_PARTS = ("image_url", "image", "input_image")
+
+
+def image_part(part: dict[str, Any], where: str, images: ImageCollector, param: str) -> str:
+    """Collect the image of an OpenAI ``image_url``, Anthropic ``image`` or Responses
+    ``input_image`` part; returns the text that stands for it (the image token)."""
+    ptype = part.get("type")
+    if ptype == "image_url":
+        url = part.get("image_url")
+        if isinstance(url, dict):
+            url = url.get("url")
+        return images.add_url(url, where, param)
+    if ptype == "input_image":
+        if part.get("file_id") is not None and part.get("image_url") is None:
+            raise ValueError(f"{where}: input_image with a file_id is not supported "
+                             "(send image_url)")
+        return images.add_url(part.get("image_url"), where, param)
+    source = part.get("source")
+    if not isinstance(source, dict):
+        raise ValueError(f"{where}.source must be an object")
+    stype = source.get("type")
+    if stype == "base64":
+        data = source.get("data")
+        if not isinstance(data, str):
+            raise ValueError(f"{where}.source.data must be a base64 string")
+        media = source.get("media_type")
+        return images.add(ImageSource("base64", data, where,
+                                      media if isinstance(media, str) else None, param))
+    if stype == "url":
+        return images.add_url(source.get("url"), where, param)
+    raise ValueError(f"{where}.source.type: unsupported image source {stype!r} "
+                     "(base64 or url)")
+
+
+def _text_of_parts(parts: list[dict[str, Any]], where: str,
+                   images: ImageCollector | None = None) -> str:
     texts = []
     for i, part in enumerate(parts):
         ptype = part.get("type")
@@ -41,6 +77,8 @@ def _text_of_parts(parts: list[dict[str, Any]], where: str) -> str:
             if not isinstance(text, str):
                 raise ValueError(f"{where}.content[{i}].text must be a string")
             texts.append(text)
+        elif ptype in IMAGE_PARTS and images is not None:
+            texts.append(image_part(part, f"{where}.content[{i}]", images, "messages"))
         elif ptype in ("image_url", "image", "input_image", "input_audio", "document", "file"):
             raise ValueError(f"{where}.content[{i}]: content type {ptype!r} is not supported "
                              "(text-only model)")
@@ -61,7 +99,10 @@ def function_arguments(value: str | dict[str, Any], where: str) -> dict[str, Any
     return parsed
 
 
-def openai_messages(messages: list[OAIMessage]) -> list[dict[str, Any]]:
+def openai_messages(messages: list[OAIMessage], images: ImageCollector | None = None
+                    ) -> list[dict[str, Any]]:
+    """``images``: the request's image collector (a vision-language model), else None
+    (image parts are a 400)."""
     if not messages:
         raise ValueError("messages must not be empty")
     out: list[dict[str, Any]] = []
@@ -72,7 +113,8 @@ def openai_messages(messages: list[OAIMessage]) -> list[dict[str, Any]]:
                              f"(expected one of {', '.join(OPENAI_ROLES)})")
         role = "system" if m.role == "developer" else m.role
         content = m.content
-        text = _text_of_parts(content, where) if isinstance(content, list) else (content or "")
+        text = (_text_of_parts(content, where, images) if isinstance(content, list)
+                else (content or ""))
         msg: dict[str, Any] = {"role": role, "content": text}
         if m.tool_calls:
             if role != "assistant":
@@ -115,17 +157,19 @@ def _system_text(system: str | list[dict[str, Any]] | None) -> str | None:
     return _text_of_parts(system, "system")
 
 
-def _tool_result_text(block: dict[str, Any], where: str) -> str:
+def _tool_result_text(block: dict[str, Any], where: str,
+                      images: ImageCollector | None = None) -> str:
     content = block.get("content", "")
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        return _text_of_parts(content, where)
+        return _text_of_parts(content, where, images)
     raise ValueError(f"{where}.content must be a string or a list of text blocks")
 
 
 def anthropic_messages(messages: list[AnthropicMessage],
-                       system: str | list[dict[str, Any]] | None) -> list[dict[str, Any]]:
+                       system: str | list[dict[str, Any]] | None,
+                       images: ImageCollector | None = None) -> list[dict[str, Any]]:
     """Anthropic Messages -> template messages. ``role: "system"`` messages may stand
     anywhere in ``messages`` (the ``mid-conversation-system`` beta); they keep their
     place (see ``place_system_messages``)."""
@@ -165,9 +209,11 @@ def anthropic_messages(messages: list[AnthropicMessage],
                                    "function": {"name": name, "arguments": args}})
             elif btype == "tool_result" and m.role == "user":
                 out.append({"role": "tool", "tool_call_id": str(block.get("tool_use_id", "")),
-                            "content": _tool_result_text(block, bw)})
+                            "content": _tool_result_text(block, bw, images)})
             elif btype in ("thinking", "redacted_thinking"):
                 continue  # not replayed into the prompt
+            elif btype == "image" and images is not None and m.role == "user":
+                texts.append(image_part(block, bw, images, "messages"))
             elif btype in ("image", "document"):
                 raise ValueError(f"{bw}: content type {btype!r} is not supported (text-only model)")
             else:

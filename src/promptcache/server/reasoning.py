@@ -9,17 +9,19 @@ already opened a reasoning block (templates that end the generation prompt with
 ``<think>``), the reply starts inside it (``in_reasoning=True``).
 
 ``ReplyParser`` runs the answer part through the tool-call parser
-(``toolcalls.ToolCallStream``). Streaming and non-streaming replies go through the same
-machine (``parse_reply`` for a whole reply), so both agree exactly.
+(``toolcalls.ToolCallStream``, in the model's tool-call format). Streaming and
+non-streaming replies go through the same machine (``parse_reply`` for a whole reply),
+so both agree exactly.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
-from .toolcalls import ToolCall, ToolCallStream
+from ..engine.chat_format import HERMES, ToolCall, ToolCallFormat
+from .toolcalls import ToolCallStream
 
 PieceKind = Literal["reasoning", "text"]
 
@@ -86,9 +88,11 @@ class ReplyParser:
     """Reasoning split + tool-call parsing of one reply."""
 
     def __init__(self, think_start: str | None = None, think_end: str | None = None, *,
-                 in_reasoning: bool = False, tool_names: Collection[str] = ()) -> None:
+                 in_reasoning: bool = False, tool_names: Collection[str] = (),
+                 tool_format: ToolCallFormat = HERMES,
+                 tools: Sequence[Mapping[str, Any]] | None = None) -> None:
         self.splitter = ReasoningSplitter(think_start, think_end, in_reasoning=in_reasoning)
-        self.tools = ToolCallStream(tool_names) if tool_names else None
+        self.tools = ToolCallStream(tool_names, tool_format, tools) if tool_names else None
         self.reasoning = ""  # all reasoning returned so far
         self.text = ""  # all answer text returned so far
 

@@ -7,8 +7,9 @@ a 404 in OpenAI's error shape). ``prompt_cache_key`` names the session when no s
 header does (Codex sends its session id there). ``reasoning.effort`` drives the
 template's thinking switch (``none`` / ``minimal``: off); reasoning the model emits is
 returned as ``reasoning`` items (``content`` of ``reasoning_text`` parts). ``text.format``
-other than plain text, and ``tool_choice`` ``required`` / a named function, are accepted
-but not enforced yet.
+``json_object`` / ``json_schema`` and ``tool_choice`` ``required`` / a named function /
+``allowed_tools`` in mode ``required`` are enforced by constrained decoding
+(``structured.py``).
 
 Output items: [reasoning?, message?, function_call...]; a reply cut by
 ``max_output_tokens`` has ``status: "incomplete"``. Streaming sends the event sequence
@@ -54,6 +55,7 @@ from .common import (
     state_of,
 )
 from .errors import APIError
+from .images import ImageCollector
 from .reasoning import Piece, ReplyParser
 from .responses_items import (
     Conversation,
@@ -64,7 +66,8 @@ from .responses_items import (
 )
 from .runner import Generation, ServerState
 from .schemas import ResponsesRequest
-from .toolcalls import ToolCall
+from .structured import openai_tool_choice, responses_text_format
+from .toolcalls import ToolCall, offered_tool_names
 
 router = APIRouter()
 
@@ -88,12 +91,6 @@ def _thinking_switch(reasoning: dict[str, Any] | None) -> bool | None:
     if effort is None:
         return None
     return effort not in ("none", "minimal")
-
-
-def _check_text_format(text: dict[str, Any] | None) -> None:
-    fmt = (text or {}).get("format")
-    if fmt is not None and not isinstance(fmt, dict):
-        raise APIError(400, "text.format must be an object", param="text.format")
 
 
 def responses_usage(result: GenerationResult, reasoning_tokens: int) -> dict[str, Any]:
@@ -332,10 +329,13 @@ async def _events(call: _Call, gen: Generation, reply: _Reply, parser: ReplyPars
             return
 
 
-def chat_prompt(body: ResponsesRequest, store: ResponseStore
+def chat_prompt(body: ResponsesRequest, store: ResponseStore,
+                images: ImageCollector | None = None
                 ) -> tuple[Conversation, OfferedTools, ChatPrompt]:
     """The request's conversation (``previous_response_id`` + ``input``), the offered
-    tools and the ``ChatPrompt`` (also what ``/v1/cache/probe`` renders)."""
+    tools and the ``ChatPrompt`` (also what ``/v1/cache/probe`` renders). ``images``:
+    the server's collector for a vision-language model (None: text only)."""
+    json_output = responses_text_format(body.text)
     if body.input is None and body.previous_response_id is None:
         raise APIError(400, "input is required", param="input")
     conv = Conversation()
@@ -344,13 +344,18 @@ def chat_prompt(body: ResponsesRequest, store: ResponseStore
         if prev is None:
             raise _not_found(body.previous_response_id, "previous_response_id")
         conv = prev.conversation.copy()
+    if conv.images is None:
+        conv.images = images
     conv.add_input(body.input, store)
     offered = responses_tools(body.tools)
     tools = offered.tools if body.tool_choice != "none" else None
+    structure = openai_tool_choice(body.tool_choice, offered_tool_names(tools),
+                                   body.parallel_tool_calls, responses=True) or json_output
     messages = conv.messages
     if body.instructions:
         messages = [{"role": "system", "content": body.instructions}] + messages
     return conv, offered, ChatPrompt(messages, tools, _thinking_switch(body.reasoning),
+                                     images=conv.images, structure=structure,
                                      source=body, retention=retention_of(body))
 
 
@@ -359,11 +364,10 @@ async def create_response(body: ResponsesRequest, request: Request) -> Any:
     st = state_of(request)
     model = st.check_model(body.model)
     store = store_of(request)
-    _check_text_format(body.text)
     if body.top_logprobs is not None and not 0 <= body.top_logprobs <= 20:
         raise APIError(400, f"top_logprobs must be in [0, 20], got {body.top_logprobs}",
                        param="top_logprobs")
-    conv, offered, chat = chat_prompt(body, store)
+    conv, offered, chat = chat_prompt(body, store, st.image_collector())
     scope = request.state.pc_scope.with_session(body.prompt_cache_key, "prompt_cache_key")
     turn = TurnContext.of(scope)
     prepared = await preparer_of(request).prepare(chat, turn=turn)
@@ -373,7 +377,8 @@ async def create_response(body: ResponsesRequest, request: Request) -> Any:
     sampling = st.sampling(max_tokens=max_tokens, temperature=body.temperature,
                            top_p=body.top_p, seed=None, stop=None, logprobs=k)
     gen = start(st, "responses", request, scope, prepared, sampling, turn)
-    decoder = LogprobDecoder(st.engine.tokenizer) if k is not None else None
+    decoder = (LogprobDecoder(st.engine.tokenizer, sampling.stop_token_ids)
+               if k is not None else None)
     call = _Call(st, body, model, conv, offered, store, decoder)
 
     def on_reply(reply: list[dict[str, Any]]) -> None:

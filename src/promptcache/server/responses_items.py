@@ -35,7 +35,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import APIError
-from .prompt import function_arguments
+from .images import ImageCollector
+from .prompt import function_arguments, image_part
 
 NAMESPACE_SEP = "__"
 _ROLES = {"user": "user", "assistant": "assistant", "system": "system",
@@ -48,7 +49,7 @@ def _bad(message: str, param: str = "input") -> APIError:
     return APIError(400, message, code="invalid_request", param=param)
 
 
-def _parts_text(content: Any, where: str) -> str:
+def _parts_text(content: Any, where: str, images: ImageCollector | None = None) -> str:
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
@@ -63,6 +64,11 @@ def _parts_text(content: Any, where: str) -> str:
             if not isinstance(text, str):
                 raise _bad(f"{where}.content[{i}].text must be a string")
             texts.append(text)
+        elif ptype in ("input_image", "image_url") and images is not None:
+            try:
+                texts.append(image_part(dict(part), f"{where}.content[{i}]", images, "input"))
+            except ValueError as e:
+                raise _bad(str(e)) from None
         elif ptype in _MEDIA_PARTS:
             raise _bad(f"{where}.content[{i}]: content type {ptype!r} is not supported "
                        "(text-only model)")
@@ -77,9 +83,12 @@ class Conversation:
 
     messages: list[dict[str, Any]] = field(default_factory=list)
     call_ids: set[str] = field(default_factory=set)
+    # the images of the conversation so far (a vision-language model), else None
+    images: ImageCollector | None = None
 
     def copy(self) -> Conversation:
-        return Conversation([dict(m) for m in self.messages], set(self.call_ids))
+        return Conversation([dict(m) for m in self.messages], set(self.call_ids),
+                            self.images.copy() if self.images is not None else None)
 
     def _assistant(self) -> dict[str, Any]:
         """The assistant turn a call joins: the last message if it is one."""
@@ -105,7 +114,8 @@ class Conversation:
                 raise _bad(f"{where}.role: unknown role {role!r} "
                            f"(expected one of {', '.join(_ROLES)})")
             self.messages.append({"role": _ROLES[role],
-                                  "content": _parts_text(item.get("content", ""), where)})
+                                  "content": _parts_text(item.get("content", ""), where,
+                                                         self.images)})
         elif itype in ("function_call", "custom_tool_call"):
             call_id, name = item.get("call_id"), item.get("name")
             if not isinstance(call_id, str) or not call_id or not isinstance(name, str):

@@ -24,11 +24,19 @@ from typing import Any
 from fastapi import Request
 
 from ..config import EngineConfig, ServerConfig
-from ..engine.api import GenerationRequest, GenerationResult, SamplingParams, TokenEvent
+from ..engine.api import (
+    Constraint,
+    GenerationRequest,
+    GenerationResult,
+    ImageInput,
+    SamplingParams,
+    TokenEvent,
+)
 from ..errors import OverloadedError
 from .alerts import HitRateMonitor
 from .auth import Authenticator, Scope
 from .errors import APIError
+from .images import ImageCollector
 from .metrics import ServerMetrics
 
 log = logging.getLogger(__name__)
@@ -51,6 +59,12 @@ class ServerState:
     @property
     def model_id(self) -> str:
         return str(self.engine.model_id)
+
+    def image_collector(self) -> ImageCollector | None:
+        """A new request's image collector when the model takes images, else None
+        (a text-only model: image parts stay a 400)."""
+        info = getattr(self.engine, "vision", None)
+        return ImageCollector(info, self.config.images) if info is not None else None
 
     def check_model(self, name: str | None) -> str:
         """The served model id for an accepted name; 404 model_not_found otherwise."""
@@ -77,7 +91,9 @@ class ServerState:
         )
 
     def start(self, api: str, http_request: Request, scope: Scope, prompt: Sequence[int],
-              sampling: SamplingParams, message_starts: Sequence[int] = ()) -> Generation:
+              sampling: SamplingParams, message_starts: Sequence[int] = (),
+              images: Sequence[ImageInput] = (),
+              constraint: Constraint | None = None) -> Generation:
         req = GenerationRequest(
             # a C-speed copy; the engine validates the ids (its fast path) in submit
             prompt_tokens=tuple(prompt),
@@ -86,6 +102,8 @@ class ServerState:
             session_id=scope.session_id,
             message_starts=tuple(message_starts),
             request_id=uuid.uuid4().hex[:16],
+            images=tuple(images),
+            constraint=constraint,
         )
         try:
             # ValueError -> 400, OverloadedError -> 429 / 529 + Retry-After,

@@ -63,6 +63,9 @@ class ChatCompletionRequest(_OAISampling):
     max_completion_tokens: int | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    # {"type": "text" | "json_object" | "json_schema", "json_schema": {"name", "schema"}}
+    response_format: dict[str, Any] | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
     # the session key of OpenAI's prompt caching (used when no session header is sent)

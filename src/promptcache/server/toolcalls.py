@@ -1,50 +1,44 @@
 """Tool calls in the model's output -> structured calls (OpenAI ``tool_calls``,
-Anthropic ``tool_use``).
+Anthropic ``tool_use``, Responses ``function_call``), for every chat format mlx-lm
+has a tool parser for.
 
-Chat templates ask models to call tools in one of two common shapes:
+The format comes from the model (``engine.chat_format.ToolCallFormat``: the markers
+around a call and mlx-lm's parser for the text between them): Hermes / Qwen
+``<tool_call>{...}</tool_call>``, Qwen3-Coder ``<tool_call><function=...>``, pythonic
+``<|tool_call_start|>[f(x=1)]<|tool_call_end|>``, Mistral ``[TOOL_CALLS]f[ARGS]{...}``
+(no end marker: the call runs to the next start marker or the end of the reply), and
+the others mlx-lm ships. Models whose template mlx-lm does not recognise (and the tools
+fallback) use ``HERMES``, which also takes a reply that is one bare JSON call object (or
+a JSON list of them) as calls (Llama 3.x style).
 
-- Hermes / Qwen: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, one or
-  several, possibly with text before, between or after them. A last block whose closing
-  tag never came (generation stopped at it) counts when its JSON is complete.
-- a bare JSON object ``{"name": ..., "arguments"|"parameters": {...}}`` (or a JSON list
-  of them) as the whole reply (Llama 3.x style).
-
-Only names of offered tools count. A block that is not valid JSON, names a tool that was
-not offered, or whose arguments are not an object (or a JSON string of one) stays in the
-text verbatim: a malformed call is the model's text, never a server error. Without
-offered tools nothing is parsed.
+A reply may hold text before, between and after calls. A last block whose end marker
+never came (generation stopped at it) counts when the parser accepts it. Only names of
+offered tools count: a block that does not parse or names a tool that was not offered
+stays in the text verbatim (a malformed call is the model's text, never a server
+error). Without offered tools nothing is parsed.
 
 ``ToolCallStream`` is the incremental parser for streaming: ``feed(delta)`` returns the
-text that is safe to send now (text before ``<tool_call>`` streams as normal; from the
-tag on, or for a reply that starts like a JSON value, the rest is held back), and
-``finish()`` returns the held-back text that turned out not to be a call plus the calls.
-``parse_tool_calls`` runs the same machine over a whole reply, so a streamed reply and a
-non-streamed one agree: the content is exactly the concatenation of the streamed text.
-When calls are found, whitespace around them is dropped and text after them is joined
-with a blank line.
+text that is safe to send now (text before the start marker streams as normal; from the
+marker on, or for a reply that starts like a JSON value in ``bare_json`` formats, the
+rest is held back), and ``finish()`` returns the held-back text that turned out not to
+be a call plus the calls. ``parse_tool_calls`` runs the same machine over a whole reply,
+so a streamed reply and a non-streamed one agree: the content is exactly the
+concatenation of the streamed text. When calls are found, whitespace around them is
+dropped and text after them is joined with a blank line.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-OPEN_TAG = "<tool_call>"
-CLOSE_TAG = "</tool_call>"
+from ..engine.chat_format import HERMES, ToolCall, ToolCallFormat
 
-_INVALID = object()
+__all__ = ["HERMES", "ParsedReply", "ToolCall", "ToolCallStream", "offered_tool_names",
+           "parse_tool_calls"]
 
-
-@dataclass(frozen=True)
-class ToolCall:
-    name: str
-    arguments: dict[str, Any]
-
-    @property
-    def arguments_json(self) -> str:
-        return json.dumps(self.arguments, ensure_ascii=False)
+Tools = Sequence[Mapping[str, Any]]
 
 
 @dataclass(frozen=True)
@@ -53,7 +47,7 @@ class ParsedReply:
     tool_calls: tuple[ToolCall, ...] = ()
 
 
-def offered_tool_names(tools: Sequence[Mapping[str, Any]] | None) -> frozenset[str]:
+def offered_tool_names(tools: Tools | None) -> frozenset[str]:
     """Names of the tools in the OpenAI function format (what both APIs render with)."""
     names: set[str] = set()
     for tool in tools or ():
@@ -63,66 +57,49 @@ def offered_tool_names(tools: Sequence[Mapping[str, Any]] | None) -> frozenset[s
     return frozenset(names)
 
 
-def _loads(text: str) -> Any:
+def _calls(fmt: ToolCallFormat, body: str, names: Collection[str], tools: Tools | None
+           ) -> tuple[ToolCall, ...] | None:
+    """The calls of one block, or None when it is not a call of offered tools."""
     try:
-        return json.loads(text)
-    except (json.JSONDecodeError, RecursionError):
-        return _INVALID
-
-
-def _call_from(obj: Any, names: Collection[str]) -> ToolCall | None:
-    """A call from ``{"name", "arguments"|"parameters"}``; None when it is not one."""
-    if not isinstance(obj, dict):
+        calls = fmt.parse(body, tools)
+    except ValueError:
         return None
-    name = obj.get("name")
-    if not isinstance(name, str) or name not in names:
-        return None
-    args = obj.get("arguments", obj.get("parameters", {}))
-    if isinstance(args, str):
-        args = _loads(args) if args.strip() else {}
-    if not isinstance(args, dict):
-        return None
-    return ToolCall(name=name, arguments=args)
+    return calls if all(c.name in names for c in calls) else None
 
 
-def _bare_calls(text: str, names: Collection[str]) -> tuple[ToolCall, ...]:
-    """Calls from a whole reply that is one JSON call object or a list of them."""
-    obj = _loads(text.strip())
-    items = obj if isinstance(obj, list) else [obj]
-    calls = [_call_from(item, names) for item in items]
-    if not calls or any(c is None for c in calls):
-        return ()
-    return tuple(c for c in calls if c is not None)
-
-
-def _tagged_calls(held: str, names: Collection[str]) -> tuple[tuple[ToolCall, ...], list[str]]:
-    """Parse ``<tool_call>`` blocks: (calls, the text pieces that are not calls)."""
+def _blocks(held: str, fmt: ToolCallFormat, names: Collection[str], tools: Tools | None
+            ) -> tuple[list[ToolCall], list[str]]:
+    """Split ``held`` at the call markers: (calls, the text pieces that are not calls)."""
     calls: list[ToolCall] = []
     pieces: list[str] = []
     pos = 0
     while True:
-        start = held.find(OPEN_TAG, pos)
+        start = held.find(fmt.start, pos)
         if start < 0:
             pieces.append(held[pos:])
             break
         pieces.append(held[pos:start])
-        body_start = start + len(OPEN_TAG)
-        close = held.find(CLOSE_TAG, body_start)
-        body_end = len(held) if close < 0 else close
-        end = len(held) if close < 0 else close + len(CLOSE_TAG)
-        call = _call_from(_loads(held[body_start:body_end].strip()), names)
-        if call is None:
+        body_start = start + len(fmt.start)
+        if fmt.end:
+            close = held.find(fmt.end, body_start)
+            body_end = len(held) if close < 0 else close
+            end = len(held) if close < 0 else close + len(fmt.end)
+        else:  # no end marker: up to the next call or the end of the reply
+            nxt = held.find(fmt.start, body_start)
+            body_end = end = len(held) if nxt < 0 else nxt
+        found = _calls(fmt, held[body_start:body_end], names, tools)
+        if found is None:
             pieces.append(held[start:end])
         else:
-            calls.append(call)
+            calls.extend(found)
         pos = end
-    return tuple(calls), pieces
+    return calls, pieces
 
 
-def _partial_tag_len(text: str) -> int:
-    """Length of the longest suffix of ``text`` that is a proper prefix of the open tag."""
-    for k in range(min(len(OPEN_TAG) - 1, len(text)), 0, -1):
-        if text.endswith(OPEN_TAG[:k]):
+def _partial_marker_len(text: str, marker: str) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of ``marker``."""
+    for k in range(min(len(marker) - 1, len(text)), 0, -1):
+        if text.endswith(marker[:k]):
             return k
     return 0
 
@@ -130,12 +107,15 @@ def _partial_tag_len(text: str) -> int:
 class ToolCallStream:
     """Incremental tool-call parser of one reply; see the module docstring."""
 
-    def __init__(self, names: Collection[str]) -> None:
+    def __init__(self, names: Collection[str], fmt: ToolCallFormat = HERMES,
+                 tools: Tools | None = None) -> None:
         self.names = frozenset(names)
+        self.fmt = fmt
+        self.tools = list(tools) if tools else None
         self.text = ""  # all text returned so far (feed + finish)
         self._pending = ""  # received, not yet returned (text mode)
-        self._held = ""  # the possible call(s): from <tool_call> on, or the whole JSON reply
-        self._gap = ""  # whitespace between the returned text and <tool_call>
+        self._held = ""  # the possible call(s): from the start marker on, or the JSON reply
+        self._gap = ""  # whitespace between the returned text and the start marker
         self._mode = "text"  # "text" | "bare" | "tagged"
         self._finished = False
 
@@ -153,7 +133,7 @@ class ToolCallStream:
             self._held += delta
             return ""
         pending = self._pending + delta
-        if not self.text:
+        if not self.text and self.fmt.bare_json:
             head = pending.lstrip()
             if not head:
                 self._pending = pending
@@ -161,14 +141,14 @@ class ToolCallStream:
             if head[0] in "{[":
                 self._mode, self._held, self._pending = "bare", pending, ""
                 return ""
-        start = pending.find(OPEN_TAG)
+        start = pending.find(self.fmt.start)
         if start >= 0:
             before = pending[:start]
             out = before.rstrip()
             self._gap = before[len(out):]
             self._mode, self._held, self._pending = "tagged", pending[start:], ""
             return self._emit(out)
-        safe = pending[: len(pending) - _partial_tag_len(pending)]
+        safe = pending[: len(pending) - _partial_marker_len(pending, self.fmt.start)]
         out = safe.rstrip()  # trailing whitespace waits: it is dropped before a call
         self._pending = pending[len(out):]
         return self._emit(out)
@@ -182,21 +162,22 @@ class ToolCallStream:
             tail, self._pending = self._pending, ""
             return self._emit(tail), ()
         if self._mode == "bare":
-            calls = _bare_calls(self._held, self.names)
+            calls = _calls(self.fmt, self._held.strip(), self.names, self.tools)
             return ("", calls) if calls else (self._emit(self._held), ())
-        calls, pieces = _tagged_calls(self._held, self.names)
-        if not calls:
+        found, pieces = _blocks(self._held, self.fmt, self.names, self.tools)
+        if not found:
             return self._emit(self._gap + self._held), ()
         rest = "\n\n".join(p.strip() for p in pieces if p.strip())
         if rest and self.text:
             rest = "\n\n" + rest
-        return self._emit(rest), calls
+        return self._emit(rest), tuple(found)
 
 
-def parse_tool_calls(text: str, names: Collection[str]) -> ParsedReply:
+def parse_tool_calls(text: str, names: Collection[str], fmt: ToolCallFormat = HERMES,
+                     tools: Tools | None = None) -> ParsedReply:
     """Tool calls of a whole reply (the same result as streaming it through
     ``ToolCallStream``)."""
-    stream = ToolCallStream(names)
+    stream = ToolCallStream(names, fmt, tools)
     head = stream.feed(text)
     tail, calls = stream.finish()
     return ParsedReply(text=head + tail, tool_calls=calls)

@@ -11,6 +11,8 @@ start with a model reads it whole.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import os
 from dataclasses import dataclass, field
@@ -88,6 +90,46 @@ def context_length_from_config(config: dict[str, Any], default: int = DEFAULT_CO
             if isinstance(value, int) and not isinstance(value, bool) and 0 < value < 10**8:
                 return value
     return default
+
+
+def load_model_or_vlm(path_or_repo: str | os.PathLike[str], *, float32_on_cpu: bool = True
+                      ) -> tuple[Any, Any, ModelInfo, Any | None]:
+    """``(model, tokenizer, info, vision_tower)``: a text model through mlx-lm
+    (``vision_tower`` None), or a vision-language model through mlx-vlm
+    (``models/vlm.py``: the model is its language model with mlx-lm's interface)."""
+    folder, model_id = resolve_model_path(path_or_repo)
+    try:
+        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"{folder}/config.json is unreadable: {e}") from None
+    from . import vlm
+
+    if not vlm.is_vlm_config(config):
+        model, tokenizer, info = load_model(folder, float32_on_cpu=float32_on_cpu)
+        return model, tokenizer, dataclasses.replace(info, model_id=model_id), None
+    fingerprint = model_fingerprint(folder)
+    model, tokenizer, tower = vlm.load_vlm(folder, config, float32_on_cpu=float32_on_cpu)
+    info = ModelInfo(
+        model_id=model_id, path=folder, fingerprint=fingerprint,
+        model_type=str(config.get("model_type", "unknown")),
+        context_length=context_length_from_config(config), dtype=_dtype_of(model),
+        num_layers=len(model.layers), config=config,
+    )
+    logger.info("loaded vision-language model %s (%s, %d layers, fingerprint %s)",
+                info.model_id, info.model_type, info.num_layers, info.fingerprint[:12])
+    return model, tokenizer, info, tower
+
+
+def _dtype_of(model: Any) -> str:
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    float_dtypes = {
+        str(v.dtype).removeprefix("mlx.core.")
+        for _, v in tree_flatten(model.parameters())
+        if mx.issubdtype(v.dtype, mx.floating)
+    }
+    return float_dtypes.pop() if len(float_dtypes) == 1 else ",".join(sorted(float_dtypes))
 
 
 def load_model(

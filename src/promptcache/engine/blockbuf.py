@@ -1,0 +1,365 @@
+"""One buffer per block: a block's arrays packed into one contiguous ``uint8`` array.
+
+On Apple GPUs every ``mx.array`` is a Metal buffer and Metal caps the number of
+buffers a process may hold, independently of their bytes (mlx-vlm caps its block
+pool at 450,000 tensors for that reason). Two arrays per layer per block (six when
+quantized) reach that ceiling with a 48-layer model near 200k cached tokens at
+64-token blocks; one array per block is 96 (288) times further away.
+
+A ``BlockPayload`` is that buffer plus a ``Layout``: the block's items (one per
+layer: full-precision KV, quantized KV, or an array of a state snapshot), each
+part's offset, dtype and shape. It is a read-only ``Mapping`` from the payload
+names of docs/INTERFACES.md (``"<layer>.k"``, ``"<layer>.k.<i>"``, ``"<layer>.s.<i>"``)
+to views sliced from the buffer, so code that indexes payloads keeps working.
+
+The layout travels as one short string (``Layout.text``), e.g.
+``"0-29=kv:bfloat16:1x3x64x64"`` or ``"0-29=q8g64:float32:1x3x64x64"``: items
+``NAMES=KIND:DTYPE:SHAPE`` separated by ``;``, where ``NAMES`` is a layer name or a
+range ``a-b`` of consecutive top-level layers with the same item, and ``KIND`` is
+``kv`` (parts ``.k``, ``.v``), ``q<bits>g<group>`` (parts ``.k.0-2``, ``.v.0-2``:
+packed uint32, scales, biases; DTYPE and SHAPE are those of the unquantized KV),
+``s<i>`` (part ``.s.<i>``) or ``raw`` (one part named NAMES). Each part starts at a
+multiple of ``ALIGN`` bytes; parts are grouped by class, in item order within a
+class: KV, packed quantized values and raw arrays first, then all scales, then all
+biases, then state snapshots. Equal neighbours (same dtype and shape, no gap) form
+runs that restore cuts with one ``mx.split`` instead of one view per array (fewer
+graph nodes: a 30-layer block is 3 nodes, not 60). Layouts are parsed once and shared
+(blocks of one model have a handful of distinct layouts).
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from . import quant
+
+ALIGN = 64  # bytes; every part starts at a multiple (a cache line, any dtype's size)
+
+DTYPES: dict[str, mx.Dtype] = {
+    name: getattr(mx, name)
+    for name in ("bool_", "uint8", "uint16", "uint32", "uint64", "int8", "int16", "int32",
+                 "int64", "float16", "bfloat16", "float32", "float64")
+}
+_DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+_NAME_RE = re.compile(r"^[A-Za-z0-9_]+(\.[A-Za-z0-9_]+)*$")
+_KIND_RE = re.compile(r"^(kv|raw|s(\d+)|q(\d+)g(\d+))$")
+_RANGE_RE = re.compile(r"^(\d+)-(\d+)$")
+# bit widths a quantized item may have: what mx.quantize (affine) packs, so the KV of a
+# model running mlx-lm's QuantizedKVCache with any of them can be stored as it is
+_LAYOUT_BITS = (1, 2, 3, 4, 5, 6, 8)
+
+
+def dtype_name(dtype: mx.Dtype) -> str:
+    try:
+        return _DTYPE_NAMES[dtype]
+    except KeyError:
+        raise ValueError(f"unsupported payload dtype {dtype}") from None
+
+
+@dataclass(frozen=True, slots=True)
+class Item:
+    """One layer's entry: ``kind`` is "kv", "q" (bits, group_size), "s" (index) or "raw"."""
+
+    name: str
+    kind: str
+    dtype: str
+    shape: tuple[int, ...]
+    bits: int = 0
+    group_size: int = 0
+    index: int = 0
+
+    @property
+    def code(self) -> str:
+        if self.kind == "q":
+            return f"q{self.bits}g{self.group_size}"
+        if self.kind == "s":
+            return f"s{self.index}"
+        return self.kind
+
+    def parts(self) -> list[tuple[str, str, tuple[int, ...]]]:
+        """(part name, dtype name, shape) of the arrays this item holds, in buffer order."""
+        n = self.name
+        if self.kind == "kv":
+            return [(f"{n}.k", self.dtype, self.shape), (f"{n}.v", self.dtype, self.shape)]
+        if self.kind == "q":
+            *lead, dim = self.shape
+            packed = (*lead, quant.packed_dim(dim, self.bits))
+            groups = (*lead, dim // self.group_size)
+            out = []
+            for kv in ("k", "v"):
+                out += [(f"{n}.{kv}.0", "uint32", packed), (f"{n}.{kv}.1", self.dtype, groups),
+                        (f"{n}.{kv}.2", self.dtype, groups)]
+            return out
+        if self.kind == "s":
+            return [(f"{n}.s.{self.index}", self.dtype, self.shape)]
+        return [(n, self.dtype, self.shape)]
+
+    def part_classes(self) -> tuple[int, ...]:
+        """The buffer class of each of ``parts()`` (the buffer is ordered by class)."""
+        if self.kind == "q":
+            return (0, 1, 2, 0, 1, 2)
+        if self.kind == "kv":
+            return (0, 0)
+        return (3,) if self.kind == "s" else (0,)
+
+
+@dataclass(frozen=True, slots=True)
+class Part:
+    name: str
+    offset: int  # bytes from the buffer's start (a multiple of ALIGN)
+    nbytes: int
+    dtype: mx.Dtype
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]  # row-major, in elements
+
+    @property
+    def elem_offset(self) -> int:
+        return self.offset // self.dtype.size
+
+
+@dataclass(frozen=True, eq=False)
+class Layout:
+    """Where each array of a block sits in its buffer (shared by equal layouts)."""
+
+    text: str
+    items: tuple[Item, ...]
+    parts: Mapping[str, Part]
+    nbytes: int
+    # KV / quantized-KV items by layer name, snapshot items by layer name
+    kv_items: Mapping[str, Item]
+    num_tokens: int | None  # tokens of the block (the KV's axis 2), None without KV
+    # maximal sequences of adjacent parts with one dtype and shape: (first part, names)
+    runs: tuple[tuple[Part, tuple[str, ...]], ...] = ()
+
+    @property
+    def quantized(self) -> bool:
+        return any(i.kind == "q" for i in self.kv_items.values())
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def _item_code(item: Item) -> str:
+    return f"{item.code}:{item.dtype}:{'x'.join(str(d) for d in item.shape)}"
+
+
+def format_layout(items: Sequence[Item]) -> str:
+    """The layout string of ``items`` (consecutive equal top-level layers as ``a-b``)."""
+    out: list[str] = []
+    run: tuple[int, int, str] | None = None  # (first, last, code) of an integer-name run
+    for item in items:
+        code = _item_code(item)
+        if item.name.isdigit():
+            i = int(item.name)
+            if run is not None and run[2] == code and run[1] + 1 == i:
+                run = (run[0], i, code)
+                continue
+            if run is not None:
+                out.append(_run_text(run))
+            run = (i, i, code)
+            continue
+        if run is not None:
+            out.append(_run_text(run))
+            run = None
+        out.append(f"{item.name}={code}")
+    if run is not None:
+        out.append(_run_text(run))
+    return ";".join(out)
+
+
+def _run_text(run: tuple[int, int, str]) -> str:
+    a, b, code = run
+    return f"{a}={code}" if a == b else f"{a}-{b}={code}"
+
+
+def _parse_item(names: str, code: str) -> list[Item]:
+    try:
+        kind, dtype, shape_text = code.split(":")
+        shape = tuple(int(d) for d in shape_text.split("x")) if shape_text else ()
+    except ValueError:
+        raise ValueError(f"bad layout item {names}={code!r}") from None
+    if dtype not in DTYPES or any(d < 0 for d in shape):
+        raise ValueError(f"bad layout item {names}={code!r}")
+    m = _KIND_RE.match(kind)
+    if m is None:
+        raise ValueError(f"bad layout item kind {kind!r}")
+    r = _RANGE_RE.match(names)
+    if r is not None:
+        first, last = int(r.group(1)), int(r.group(2))
+        if last < first:
+            raise ValueError(f"bad layout range {names!r}")
+        layer_names = [str(i) for i in range(first, last + 1)]
+    elif _NAME_RE.match(names):
+        layer_names = [names]
+    else:
+        raise ValueError(f"bad layout name {names!r}")
+    if m.group(3) is not None:
+        bits, group = int(m.group(3)), int(m.group(4))
+        if bits not in _LAYOUT_BITS or group not in quant.GROUP_SIZES or len(shape) < 1 \
+                or shape[-1] % group or (shape[-1] * bits) % 32:
+            raise ValueError(f"bad quantized layout item {names}={code!r}")
+        return [Item(n, "q", dtype, shape, bits=bits, group_size=group) for n in layer_names]
+    if m.group(2) is not None:
+        return [Item(n, "s", dtype, shape, index=int(m.group(2))) for n in layer_names]
+    return [Item(n, kind, dtype, shape) for n in layer_names]
+
+
+@functools.lru_cache(maxsize=4096)
+def parse_layout(text: str) -> Layout:
+    """The ``Layout`` of a layout string (cached: equal strings share one object).
+    Raises ValueError for a malformed string."""
+    if not isinstance(text, str):
+        raise ValueError("a block layout must be a string")
+    items: list[Item] = []
+    for entry in text.split(";") if text else ():
+        names, sep, code = entry.partition("=")
+        if not sep:
+            raise ValueError(f"bad layout entry {entry!r}")
+        items.extend(_parse_item(names, code))
+    kv_items: dict[str, Item] = {}
+    num_tokens: int | None = None
+    specs: list[tuple[int, int, str, str, tuple[int, ...]]] = []
+    for item in items:
+        if item.kind in ("kv", "q"):
+            if item.name in kv_items or len(item.shape) != 4:
+                raise ValueError(f"bad KV item for layer {item.name!r} in layout")
+            kv_items[item.name] = item
+            n = item.shape[2]
+            if num_tokens is not None and n != num_tokens:
+                raise ValueError(f"layout items disagree on the block's tokens ({n} != {num_tokens})")
+            num_tokens = n
+        for cls, (name, dt, shape) in zip(item.part_classes(), item.parts(), strict=True):
+            specs.append((cls, len(specs), name, dt, shape))
+    specs.sort()
+    parts: dict[str, Part] = {}
+    runs: list[tuple[Part, list[str]]] = []
+    pos = 0
+    for _cls, _seq, name, dt, shape in specs:
+        if name in parts:
+            raise ValueError(f"duplicate array {name!r} in layout")
+        dtype = DTYPES[dt]
+        count = 1
+        for d in shape:
+            count *= d
+        nbytes = count * dtype.size
+        start = _align(pos)
+        strides = []
+        step = 1
+        for d in reversed(shape):
+            strides.append(step)
+            step *= d
+        part = parts[name] = Part(name, start, nbytes, dtype, shape, tuple(reversed(strides)))
+        head = runs[-1][0] if runs else None
+        if (head is not None and start == pos and head.dtype == dtype and head.shape == shape
+                and len(shape) > 0):
+            runs[-1][1].append(name)
+        else:
+            runs.append((part, [name]))
+        pos = start + nbytes
+    return Layout(text, tuple(items), parts, _align(pos), kv_items, num_tokens,
+                  tuple((head, tuple(names)) for head, names in runs))
+
+
+class BlockPayload(Mapping[str, mx.array]):
+    """A block's arrays in one ``uint8`` buffer; ``payload[name]`` is a view into it."""
+
+    __slots__ = ("buffer", "layout")
+
+    def __init__(self, buffer: mx.array, layout: Layout) -> None:
+        if not isinstance(buffer, mx.array) or buffer.dtype != mx.uint8 or buffer.ndim != 1:
+            raise ValueError("a block buffer must be a 1-d uint8 mx.array")
+        if buffer.size != layout.nbytes:
+            raise ValueError(f"block buffer holds {buffer.size} bytes, its layout needs {layout.nbytes}")
+        self.buffer = buffer
+        self.layout = layout
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the buffer (from the layout: never evaluates)."""
+        return self.layout.nbytes
+
+    @property
+    def num_arrays(self) -> int:
+        return 1
+
+    def __getitem__(self, name: str) -> mx.array:
+        p = self.layout.parts[name]
+        return mx.as_strided(self.buffer.view(p.dtype), p.shape, p.strides, p.elem_offset)
+
+    def arrays(self) -> dict[str, mx.array]:
+        """Every part as a view, ``{name: payload[name]}``, built with one typed view
+        per dtype and one ``mx.split`` per run of equal neighbours (restore takes the
+        parts of thousands of blocks: fewer graph nodes)."""
+        typed: dict[mx.Dtype, mx.array] = {}
+        out: dict[str, mx.array] = {}
+        for head, names in self.layout.runs:
+            base = typed.get(head.dtype)
+            if base is None:
+                base = typed[head.dtype] = self.buffer.view(head.dtype)
+            if len(names) == 1:
+                out[names[0]] = mx.as_strided(base, head.shape, head.strides, head.elem_offset)
+                continue
+            m = len(names)
+            lead = head.shape[0]
+            stacked = mx.as_strided(base, (m * lead, *head.shape[1:]), head.strides,
+                                    head.elem_offset)
+            out.update(zip(names, mx.split(stacked, m, axis=0), strict=True))
+        return out
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.layout.parts)
+
+    def __len__(self) -> int:
+        return len(self.layout.parts)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.layout.parts
+
+    def __repr__(self) -> str:
+        return f"BlockPayload({self.layout.nbytes} B, {self.layout.text!r})"
+
+
+def pack(entries: Sequence[tuple[Item, Sequence[mx.array]]]) -> BlockPayload:
+    """One evaluated buffer holding every item's arrays (in ``Item.parts()`` order)."""
+    items = [item for item, _ in entries]
+    layout = parse_layout(format_layout(items))
+    placed: list[tuple[int, mx.array]] = []
+    for item, arrays in entries:
+        specs = item.parts()
+        if len(arrays) != len(specs):
+            raise ValueError(f"item {item.name!r} needs {len(specs)} arrays, got {len(arrays)}")
+        for (name, dt, shape), a in zip(specs, arrays, strict=True):
+            if tuple(a.shape) != shape or a.dtype != DTYPES[dt]:
+                raise ValueError(f"array {name!r} is {a.dtype}{tuple(a.shape)}, its layout says "
+                                 f"{dt}{shape}")
+            placed.append((layout.parts[name].offset, a))
+    placed.sort(key=lambda x: x[0])
+    pieces: list[mx.array] = []
+    pos = 0
+    for offset, a in placed:
+        if offset > pos:
+            pieces.append(mx.zeros((offset - pos,), dtype=mx.uint8))
+        pieces.append(a.reshape(-1).view(mx.uint8))
+        pos = offset + a.nbytes
+    if layout.nbytes > pos or not pieces:
+        pieces.append(mx.zeros((layout.nbytes - pos,), dtype=mx.uint8))
+    buffer = pieces[0] if len(pieces) == 1 else mx.concatenate(pieces)
+    mx.eval(buffer)
+    return BlockPayload(buffer, layout)
+
+
+def pack_named(arrays: Mapping[str, mx.array]) -> BlockPayload:
+    """Pack a legacy ``name -> array`` payload into one buffer (one ``raw`` item per
+    array; restore reads them by name as before)."""
+    entries: list[tuple[Item, Sequence[mx.array]]] = []
+    for name, a in arrays.items():
+        if not isinstance(name, str) or not _NAME_RE.match(name):
+            raise ValueError(f"payload array name {name!r} cannot be packed")
+        entries.append((Item(name, "raw", dtype_name(a.dtype), tuple(a.shape)), [a]))
+    return pack(entries)

@@ -1,0 +1,121 @@
+"""Images in a prompt's prefill: features from the vision-embedding cache or the tower.
+
+``VisionEncoder`` (one per engine; engine thread only) gives an image's features:
+from the ``VisionCache`` when its digest is known, else one vision tower call (then
+cached). ``ImagePrefill`` (one per request with images) builds the input embeddings
+of a prefill chunk: the text model's token embeddings with each image's features
+written over its placeholder tokens; a chunk may start or end inside an image (chunk
+and block boundaries do not care about images), and a restored prefix may end inside
+one. Chunks without image tokens are prefilled from token ids as usual, so a turn
+whose images are all in the cached prefix makes no vision call at all.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from ..errors import RequestError
+from .api import ImageInput, VisionInfo
+from .vision_cache import VisionCache
+
+
+class VisionEncoder:
+    """The vision tower of a VLM behind the vision-embedding cache."""
+
+    def __init__(self, tower: Any, cache: VisionCache | None = None) -> None:
+        self.tower = tower  # models.vlm.VisionTower
+        self.cache = cache
+
+    @property
+    def info(self) -> VisionInfo:
+        info: VisionInfo = self.tower.info
+        return info
+
+    @property
+    def tower_calls(self) -> int:
+        return int(self.tower.calls)
+
+    def features(self, image: ImageInput) -> mx.array:
+        if self.cache is not None:
+            known = self.cache.get(image.digest)
+            if known is not None:
+                return known
+        feats: mx.array = self.tower.encode(image.pixels)
+        if self.cache is not None:
+            self.cache.put(image.digest, feats)
+            self.cache.counters.tower_calls = self.tower_calls
+        return feats
+
+    def stats(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"tower_calls": self.tower_calls,
+                               "tokens_per_image": self.info.tokens_per_image}
+        if self.cache is not None:
+            out.update({k: v for k, v in self.cache.stats().to_dict().items()
+                        if k != "tower_calls"})
+        return out
+
+
+def validate_images(images: Sequence[ImageInput], prompt: np.ndarray,
+                    info: VisionInfo | None) -> None:
+    """Every image covers exactly its placeholder tokens, in order, and every
+    placeholder token belongs to an image; raise ``RequestError`` otherwise."""
+    if not images:
+        if info is not None and bool(np.any(prompt == info.image_token_id)):
+            raise RequestError(f"the prompt contains the image token {info.image_token!r} "
+                               "but no image")
+        return
+    if info is None:
+        raise RequestError("this model is text-only: images are not supported")
+    n = int(prompt.shape[0])
+    prev_end = 0
+    for i, im in enumerate(images):
+        if not isinstance(im, ImageInput):
+            raise RequestError(f"images[{i}] must be an ImageInput")
+        px = im.pixels
+        if not isinstance(px, np.ndarray) or px.dtype != np.uint8 or px.ndim != 3 \
+                or px.shape[2] != 3 or px.shape[0] < 1 or px.shape[1] < 1:
+            raise RequestError(f"images[{i}]: pixels must be uint8 [H, W, 3]")
+        if not isinstance(im.digest, bytes) or len(im.digest) != 32:
+            raise RequestError(f"images[{i}]: digest must be 32 bytes")
+        if im.length != info.tokens_per_image:
+            raise RequestError(f"images[{i}] covers {im.length} tokens; the model uses "
+                               f"{info.tokens_per_image} per image")
+        if im.start < prev_end or im.end > n:
+            raise RequestError(f"images[{i}]: placeholder span [{im.start}, {im.end}) "
+                               "overlaps another image or the prompt's end")
+        if not bool(np.all(prompt[im.start:im.end] == info.image_token_id)):
+            raise RequestError(f"images[{i}]: its span does not hold image tokens")
+        prev_end = im.end
+    total = int(np.count_nonzero(prompt == info.image_token_id))
+    if total != len(images) * info.tokens_per_image:
+        raise RequestError(f"the prompt has {total} image tokens for {len(images)} images")
+
+
+class ImagePrefill:
+    """The input embeddings of one request's prefill chunks."""
+
+    def __init__(self, encoder: VisionEncoder, images: Sequence[ImageInput]) -> None:
+        self.encoder = encoder
+        self.images = list(images)
+        self._feats: dict[int, mx.array] = {}
+
+    def embeddings(self, model: Any, tokens: mx.array, start: int, end: int
+                   ) -> mx.array | None:
+        """``[1, end - start, hidden]`` for the chunk ``tokens`` at ``[start, end)``, or
+        None if no image overlaps it (prefill from token ids)."""
+        hits = [(i, im) for i, im in enumerate(self.images) if im.start < end and im.end > start]
+        if not hits:
+            return None
+        emb: mx.array = model.embed(tokens)
+        for i, im in hits:
+            feats = self._feats.get(i)
+            if feats is None:
+                feats = self.encoder.features(im)
+                self._feats[i] = feats
+            a, b = max(im.start, start), min(im.end, end)
+            emb[0, a - start:b - start] = feats[a - im.start:b - im.start].astype(emb.dtype)
+        return emb

@@ -1,0 +1,179 @@
+"""Grammars (llguidance's Lark dialect) that force a tool call in the model's own format.
+
+``calls_rule(fmt, tools, parallel, json_of)`` returns the rules of ``calls``: one call of
+one of ``tools`` (or several, one after the other, when ``parallel``), written the way
+``fmt`` (``engine.chat_format.ToolCallFormat``) writes it, so that mlx-lm's parser of that
+format reads it back. Markers that are one special token are named by id (``<[id]>``),
+others spelled out. Per format:
+
+- ``hermes`` / ``json_tools``: ``<tool_call>\\n{"name": "N", "arguments": ARGS}\\n</tool_call>``
+  with ARGS the tool's parameters schema (calls separated by a newline);
+- ``qwen3_coder``: ``<tool_call>\\n<function=N>\\n`` then per parameter
+  ``<parameter=P>\\nVALUE\\n</parameter>\\n`` (required ones always, in the schema's
+  order) and ``</function>\\n</tool_call>``; a string VALUE is raw text (one of its
+  ``enum`` values if it has them), other types are JSON of the property's schema;
+- ``pythonic``: ``<|tool_call_start|>[N(P=VALUE, ...)]<|tool_call_end|>`` with JSON values
+  (mlx-lm's parser reads JSON literals);
+- ``mistral``: ``[TOOL_CALLS]N[ARGS]ARGS`` (templates that write ``[ARGS]``) or
+  ``[TOOL_CALLS][{"name": "N", "arguments": ARGS}]``;
+- any other format: the start marker, free text, the end marker: a call is forced, its
+  content is the model's (the name of a ``tool`` choice is not enforced there).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ..engine.chat_format import ToolCallFormat
+
+JsonOf = Callable[[Mapping[str, Any]], str]
+
+
+@dataclass(frozen=True)
+class ToolSpec:
+    name: str
+    parameters: dict[str, Any]
+
+
+def lit(text: str) -> str:
+    """A Lark string literal."""
+    return json.dumps(text, ensure_ascii=False)
+
+
+def marker(text: str, token_id: int | None) -> str:
+    """A marker: the special token by id, or its text."""
+    return f"<[{token_id}]>" if token_id is not None else lit(text)
+
+
+def json_rule(schema: Mapping[str, Any]) -> str:
+    return "%json " + json.dumps(schema, ensure_ascii=False)
+
+
+def _properties(schema: Mapping[str, Any]) -> list[tuple[str, dict[str, Any], bool]]:
+    """(name, schema, required) of an object schema's properties, in order."""
+    props = schema.get("properties")
+    required = schema.get("required")
+    req = {r for r in required if isinstance(r, str)} if isinstance(required, list) else set()
+    out = []
+    if isinstance(props, Mapping):
+        for name, sub in props.items():
+            out.append((str(name), dict(sub) if isinstance(sub, Mapping) else {},
+                        name in req))
+    return out
+
+
+def _start(fmt: ToolCallFormat) -> str:
+    return marker(fmt.start, fmt.start_token)
+
+
+def _end(fmt: ToolCallFormat) -> str:
+    return marker(fmt.end, fmt.end_token) if fmt.end else ""
+
+
+def _json_call(fmt: ToolCallFormat, tool: ToolSpec, i: int, json_of: JsonOf) -> list[str]:
+    head = lit('\n{"name": ' + json.dumps(tool.name, ensure_ascii=False) + ', "arguments": ')
+    return [f"call_{i}: {_start(fmt)} {head} args_{i} {lit('}' + chr(10))} {_end(fmt)}",
+            f"args_{i}: {json_of(tool.parameters)}"]
+
+
+def _is_string(sub: Mapping[str, Any]) -> bool:
+    kind = sub.get("type")
+    return kind == "string" or (isinstance(kind, list) and set(kind) <= {"string"} and bool(kind))
+
+
+def _xml_call(fmt: ToolCallFormat, tool: ToolSpec, i: int, json_of: JsonOf) -> list[str]:
+    close = "\n</parameter>\n"
+    rules: list[str] = []
+    items: list[str] = []
+    for k, (name, sub, required) in enumerate(_properties(tool.parameters)):
+        open_ = lit(f"<parameter={name}>\n")
+        enum = sub.get("enum")
+        if _is_string(sub) and isinstance(enum, list) and enum \
+                and all(isinstance(e, str) and e for e in enum):
+            value = "(" + " | ".join(lit(e) for e in enum) + f") {lit(close)}"
+        elif _is_string(sub) or "type" not in sub:
+            rules.append(f"v_{i}_{k}[suffix={lit(close)}]: /(?s:.*)/")
+            value = f"v_{i}_{k}"
+        else:
+            value = f"{json_of(sub)} {lit(close)}"
+        rules.append(f"p_{i}_{k}: {open_} {value}")
+        items.append(f"p_{i}_{k}" + ("" if required else "?"))
+    head = lit(f"\n<function={tool.name}>\n")
+    tail = lit("</function>\n")
+    return [f"call_{i}: {_start(fmt)} {head} {' '.join(items)} {tail} {_end(fmt)}", *rules]
+
+
+def _pythonic_call(fmt: ToolCallFormat, tool: ToolSpec, i: int, json_of: JsonOf) -> list[str]:
+    props = _properties(tool.parameters)
+    rules = [f"p_{i}_{k}: {lit(name + '=')} {json_of(sub)}"
+             for k, (name, sub, _) in enumerate(props)]
+    n = len(props)
+    # r_k: the parameters from k on, each after ", "; f_k: from k on, the first without
+    for k in range(n - 1, -1, -1):
+        required = props[k][2]
+        rest = f" r_{i}_{k + 1}" if k + 1 < n else ""
+        item = f'", " p_{i}_{k}'
+        if k > 0:
+            rules.append(f"r_{i}_{k}: {item}{rest}" if required else
+                         f"r_{i}_{k}: ({item})?{rest}")
+        first = f"p_{i}_{k}{rest}"
+        if not required and k + 1 < n:
+            first += f" | f_{i}_{k + 1}"
+        rules.append(f"f_{i}_{k}: {first}")
+    args = ""
+    if n:
+        args = f" f_{i}_0" if any(r for _, _, r in props) else f" f_{i}_0?"
+    head = lit(f"[{tool.name}(")
+    return [f"call_{i}: {_start(fmt)} {head}{args} {lit(')]')} {_end(fmt)}", *rules]
+
+
+def _mistral_call(fmt: ToolCallFormat, tool: ToolSpec, i: int, json_of: JsonOf) -> list[str]:
+    if fmt.variant == "args":
+        return [f"call_{i}: {_start(fmt)} {lit(tool.name + '[ARGS]')} args_{i}",
+                f"args_{i}: {json_of(tool.parameters)}"]
+    head = lit('[{"name": ' + json.dumps(tool.name, ensure_ascii=False) + ', "arguments": ')
+    return [f"call_{i}: {_start(fmt)} {head} args_{i} {lit('}]')}",
+            f"args_{i}: {json_of(tool.parameters)}"]
+
+
+def _generic_call(fmt: ToolCallFormat) -> list[str]:
+    if not fmt.end:
+        return [f"call_any: {_start(fmt)} /(?s:.+)/"]
+    if fmt.end_token is not None:
+        return [f"call_any: {_start(fmt)} /(?s:.*)/ {_end(fmt)}"]
+    return [f"call_any: {_start(fmt)} call_body", f"call_body[suffix={lit(fmt.end)}]: /(?s:.*)/"]
+
+
+_BUILDERS: dict[str, Callable[[ToolCallFormat, ToolSpec, int, JsonOf], list[str]]] = {
+    "hermes": _json_call, "json_tools": _json_call, "qwen3_coder": _xml_call,
+    "pythonic": _pythonic_call, "mistral": _mistral_call,
+}
+_SEPARATOR = {"hermes": lit("\n"), "json_tools": lit("\n"), "qwen3_coder": lit("\n")}
+
+
+def enforces_arguments(fmt: ToolCallFormat) -> bool:
+    """Whether the grammar of ``fmt`` enforces the tool's name and arguments (else only
+    that a call is made)."""
+    return fmt.name in _BUILDERS
+
+
+def calls_rule(fmt: ToolCallFormat, tools: list[ToolSpec], parallel: bool,
+               json_of: JsonOf) -> list[str]:
+    """The rules defining ``calls`` (see the module docstring)."""
+    build = _BUILDERS.get(fmt.name)
+    if build is None:
+        rules = _generic_call(fmt)
+        names = ["call_any"]
+    else:
+        rules, names = [], []
+        for i, tool in enumerate(tools):
+            rules += build(fmt, tool, i, json_of)
+            names.append(f"call_{i}")
+    rules.append("call: " + " | ".join(names))
+    sep = _SEPARATOR.get(fmt.name)
+    more = f"({sep} call)*" if sep else "call*"
+    rules.append(f"calls: call {more}" if parallel else "calls: call")
+    return rules

@@ -1,0 +1,15 @@
+"""The tiny random-weight VLM (mlx-vlm llava, built offline) and prompt helpers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def tiny_vlm_path(models_root: Path) -> Path:
+    from promptcache.engine.models.tiny_vlm import ensure_tiny_vlm
+
+    return ensure_tiny_vlm(models_root)
+

@@ -1,0 +1,91 @@
+"""`promptcache serve` on a vision-language model folder: the VLM path is chosen from
+the folder itself; image options; vision features persisted beside the SSD tier."""
+
+from __future__ import annotations
+
+import base64
+import io
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+from PIL import Image
+from vlm_helpers import image
+
+from promptcache.cli import build_parser
+from promptcache.cli.serve_cmd import build_configs, build_vision_cache
+
+PROMPTCACHE = str(Path(sys.executable).parent / "promptcache")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_image_options(tmp_path):
+    args = build_parser().parse_args([
+        "serve", "--cache-dir", str(tmp_path / "blocks"), "--allow-local-images",
+        "--allow-image-urls", "--max-images", "3", "--max-image-bytes", "1MB",
+        "--max-image-pixels", "1000000", "--vision-cache-budget", "64MB"])
+    _, _, ssd, server = build_configs(args)
+    lim = server.images
+    assert (lim.allow_local_files, lim.allow_urls, lim.max_images, lim.max_bytes,
+            lim.max_pixels) == (True, True, 3, 1024**2, 1_000_000)
+    vc = build_vision_cache(args, ssd)
+    assert vc is not None and vc.budget_bytes == 64 * 1024**2
+    assert vc.base == Path(str(tmp_path / "blocks") + "-vision")
+    defaults = build_parser().parse_args(["serve", "--no-ssd"])
+    _, _, ssd, server = build_configs(defaults)
+    assert not server.images.allow_local_files and not server.images.allow_urls
+    vc = build_vision_cache(defaults, ssd)
+    assert vc is not None and vc.base is None
+    off = build_parser().parse_args(["serve", "--no-ssd", "--vision-cache-budget", "0"])
+    assert build_vision_cache(off, None) is None
+
+
+def test_serve_a_vlm_folder(tiny_vlm_path, tmp_path):
+    port = free_port()
+    log = open(tmp_path / "server.log", "w")  # noqa: SIM115 - closed below
+    proc = subprocess.Popen(
+        [PROMPTCACHE, "serve", "--model", str(tiny_vlm_path), "--port", str(port),
+         "--block-size", "16", "--cache-dir", str(tmp_path / "blocks")],
+        stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError((tmp_path / "server.log").read_text())
+            try:
+                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError((tmp_path / "server.log").read_text())
+            time.sleep(0.2)
+        buf = io.BytesIO()
+        Image.fromarray(image(5)).save(buf, format="PNG")
+        url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+        msgs = [{"role": "user", "content": [{"type": "text", "text": "What is it?"},
+                                              {"type": "image_url", "image_url": {"url": url}}]}]
+        r = httpx.post(f"{base}/v1/chat/completions", timeout=60,
+                       json={"messages": msgs, "max_tokens": 3})
+        assert r.status_code == 200, r.text
+        stats = httpx.get(f"{base}/v1/cache/stats", timeout=10).json()
+        assert stats["vision"]["tower_calls"] == 1 and stats["vision"]["misses"] == 1
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+    # written by the writer thread, flushed at shutdown at the latest
+    files = list((tmp_path / "blocks-vision").glob("*/*.safetensors"))
+    assert len(files) == 1
