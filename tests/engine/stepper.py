@@ -44,8 +44,10 @@ class Stepper:
             eos_token_ids=base.eos_token_ids, cache=base.cache,
             namespace_for=base.namespace_for, block_size=base.block_size,
             logits_hook=base.logits_hook, kv_quant=base.kv_quant)
+        # a preempted background request is cancelled, as the engine does
         self.admission = Admission(cfg.max_active_requests, cfg.max_queued_requests,
-                                   cfg.active_kv_budget_bytes, engine.row_bytes)
+                                   cfg.active_kv_budget_bytes, engine.row_bytes,
+                                   on_preempt=lambda t: t.item.cancel())
         self.scheduler = Scheduler(self.ctx, self.admission, self._make)
         self._ids = 0
 

@@ -85,6 +85,86 @@ def test_background_waits_for_interactive_and_leaves_a_slot():
     assert bg2.state == ADMITTED
 
 
+def test_background_never_takes_an_interactive_queue_position():
+    """Background tickets wait in a queue of their own: interactive requests are queued
+    and refused exactly as without them, and the two are counted apart."""
+    a = _adm(max_active=2, max_queued=1)
+    ia = [Ticket(f"ia{i}", 1) for i in range(4)]
+    bg = [Ticket(f"bg{i}", 1, background=True) for i in range(2)]
+    a.submit(ia[0])
+    a.submit(bg[0])  # the last free slot is for an interactive request: waits
+    with pytest.raises(OverloadedError):
+        a.submit(bg[1])  # over the background queue's own bound
+    a.submit(ia[1])  # the free slot, past the waiting background ticket
+    a.submit(ia[2])  # queued: the waiting background ticket holds no queue position
+    with pytest.raises(OverloadedError) as e:
+        a.submit(ia[3])
+    assert "1 waiting" in str(e.value)
+    assert [t.state for t in ia] == [ADMITTED, ADMITTED, WAITING, CANCELLED]
+    assert (bg[0].state, bg[1].state) == (WAITING, CANCELLED)
+    snap = a.snapshot()
+    assert {k: snap[k] for k in ("active", "queued", "admitted", "queued_total", "rejected",
+                                 "background_active", "background_queued",
+                                 "background_admitted", "background_rejected")} == {
+        "active": 2, "queued": 1, "admitted": 2, "queued_total": 1, "rejected": 1,
+        "background_active": 0, "background_queued": 1, "background_admitted": 0,
+        "background_rejected": 1}
+    a.release(ia[0])
+    assert ia[2].state == ADMITTED and bg[0].state == WAITING  # interactive first
+    a.release(ia[1])
+    a.release(ia[2])
+    assert bg[0].state == ADMITTED  # idle: the background ticket runs
+    snap = a.snapshot()
+    assert (snap["admitted"], snap["background_admitted"], snap["background_active"]) == (3, 1, 1)
+
+
+def test_a_waiting_interactive_ticket_preempts_background_ones():
+    """An interactive ticket that finds every slot taken, some by background tickets,
+    gets the newest background slot: on_preempt is told, and the release admits it."""
+    told: list[Ticket] = []
+    clock = Clock()
+    a = Admission(3, 2, None, lambda n: n * 10, clock=clock, on_preempt=told.append)
+    i0 = Ticket("i0", 1)
+    b0, b1 = Ticket("b0", 1, background=True), Ticket("b1", 1, background=True)
+    a.submit(b0)
+    clock.t += 1.0
+    a.submit(b1)  # 2 of 3 slots: not the last one
+    a.submit(i0)  # the last slot
+    assert told == [] and [t.state for t in (b0, b1, i0)] == [ADMITTED] * 3
+    i1 = Ticket("i1", 1)
+    a.submit(i1)
+    assert i1.state == WAITING and told == [b1] and b1.preempted and not b0.preempted
+    i2 = Ticket("i2", 1)
+    a.submit(i2)  # i1 still waits for b1's slot: nothing more is preempted for it yet
+    assert told == [b1]
+    a.release(b1)  # the engine dropped it
+    assert i1.state == ADMITTED and told == [b1, b0]  # now i2 waits: b0 goes too
+    a.release(b0)
+    assert i2.state == ADMITTED
+    assert a.snapshot()["background_preempted"] == 2
+
+
+def test_preemption_for_the_kv_budget():
+    told: list[Ticket] = []
+    a = Admission(8, 2, 1000, lambda n: n * 10, clock=Clock(), on_preempt=told.append)
+    bg, small = Ticket("bg", 40, background=True), Ticket("small", 10)
+    a.submit(bg)  # 400
+    a.submit(small)  # 2 x 400
+    big = Ticket("big", 50)  # 3 x 500 > 1000, but 2 x 500 fits without the background one
+    a.submit(big)
+    assert big.state == WAITING and told == [bg]
+    a.release(bg)
+    assert big.state == ADMITTED
+    a.release(small)
+    a.release(big)
+    told.clear()
+    a.submit(Ticket("held", 10))
+    a.submit(Ticket("bg2", 10, background=True))
+    huge = Ticket("huge", 60)  # 2 x 600 > 1000 even without the background ticket
+    a.submit(huge)
+    assert huge.state == WAITING and told == []  # preempting would not let it in
+
+
 def test_cancel_a_waiting_ticket():
     a = _adm(max_active=1, max_queued=1)
     first, second, third = Ticket(1, 1), Ticket(2, 1), Ticket(3, 1)
@@ -115,7 +195,9 @@ class AdmissionMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.a = Admission(3, 4, 600, lambda n: n * 10, clock=Clock())
+        self.told: list[Ticket] = []  # on_preempt calls
+        self.a = Admission(3, 4, 600, lambda n: n * 10, clock=Clock(),
+                           on_preempt=self.told.append)
         self.tickets: list[Ticket] = []
         self.order: list[Ticket] = []  # admission order
 
@@ -150,16 +232,45 @@ class AdmissionMachine(RuleBasedStateMachine):
     def cancel(self, data: st.DataObject) -> None:
         waiting = [t for t in self.tickets if t.state == WAITING]
         assert self.a.cancel(data.draw(st.sampled_from(waiting)))
+        self._record()
 
     @invariant()
     def limits_hold(self) -> None:
         snap = self.a.snapshot()
         live = [t for t in self.tickets if t.state in (ADMITTED, TAKEN)]
-        assert snap["active"] == len(live) <= 3
-        assert snap["queued"] == sum(t.state == WAITING for t in self.tickets) <= 4
+        assert len(live) <= 3
+        assert snap["active"] == sum(not t.background for t in live)
+        assert snap["background_active"] == sum(t.background for t in live)
+        waiting = [t for t in self.tickets if t.state == WAITING]
+        # tickets that only wait for preempted background ones hold no queue position
+        room = 3 if any(t.preempted for t in live) else 0
+        assert snap["queued"] == sum(not t.background for t in waiting) <= 4 + room
+        assert snap["background_queued"] == sum(t.background for t in waiting) <= 4
         assert snap["kv_reserved_bytes"] <= 600
         if live:
             assert snap["kv_reserved_bytes"] == len(live) * 10 * max(t.length for t in live)
+
+    @staticmethod
+    def _fits(t: Ticket, others: list[Ticket]) -> bool:
+        lengths = [o.length for o in others] + [t.length]
+        return len(others) < 3 and len(lengths) * 10 * max(lengths) <= 600
+
+    @invariant()
+    def background_gives_way(self) -> None:
+        """Preempted only background tickets, each told once; a waiting interactive
+        ticket that would fit without the admitted background ones has had enough of
+        them preempted to fit once they are released."""
+        assert len(self.told) == len(set(map(id, self.told)))
+        assert all(t.background and t.preempted for t in self.told)
+        assert self.a.stats.background_preempted == len(self.told)
+        head = next((t for t in self.tickets if t.state == WAITING and not t.background), None)
+        if head is None:
+            return
+        live = [t for t in self.tickets if t.state in (ADMITTED, TAKEN)]
+        interactive = [t for t in live if not t.background]
+        if self._fits(head, interactive):
+            kept = [t for t in live if not t.preempted]
+            assert self._fits(head, kept)
 
     @invariant()
     def fifo_per_class(self) -> None:

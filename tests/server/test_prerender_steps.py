@@ -107,3 +107,32 @@ def test_a_new_request_starts_within_one_chunk_of_a_running_prerender(engine: An
     st.run()
     assert bg.result is not None and bg.result.finish_reason == "prefilled"
     assert ia.result is not None and ia.result.finish_reason in ("length", "stop")
+
+
+def test_at_the_limit_a_new_request_takes_the_prerenders_slot(engine: Any) -> None:
+    """With every admission slot taken (one by a pre-render), a new interactive request
+    is not refused nor left waiting behind it: the pre-render is preempted and the
+    request's first chunk runs in the very next step (main's Scheduler and Admission)."""
+    st = Stepper(engine, max_active_requests=2, max_queued_requests=0)
+    tok = engine.tokenizer
+    long_prompt = [int(t) for t in tok.encode("the history of the session " * 40)]
+    bg = st.submit(long_prompt, prefill_only=True, background=True, use_cache=False)
+    st.step()
+    assert bg.req is not None and 0 < bg.req.pos < len(long_prompt)
+    first = st.submit([int(t) for t in tok.encode("a first question")], max_tokens=8,
+                      use_cache=False)  # the last slot: interactive requests may take it
+    while first.req is None or first.req.phase != "decode":
+        st.step()
+    assert bg.result is None and not bg.cancelled
+    second = st.submit([int(t) for t in tok.encode("a second question")], max_tokens=2,
+                       use_cache=False)  # max_queued 0: it would be refused if it waited
+    assert bg.cancelled  # preempted at once
+    st.step()
+    assert bg.result is not None and bg.result.finish_reason == "cancelled"
+    assert st.scheduler.last_prefilled is second.req
+    snap = st.admission.snapshot()
+    assert (snap["rejected"], snap["queued_total"], snap["background_preempted"],
+            snap["background_active"]) == (0, 1, 1, 0)
+    st.run()
+    assert second.result is not None and second.result.finish_reason in ("length", "stop")
+    assert first.result is not None and first.result.finish_reason in ("length", "stop")

@@ -12,10 +12,24 @@ with a ``Retry-After`` estimate. Limits:
   longest one, the charge of the whole set is ``n x row_bytes(longest)``
   (``footprint``), which bounds the real batch from above.
 
-Background tickets are admitted only when no interactive ticket waits, and never
-into the last free slot (``max_active > 1``), so an interactive request that arrives
-finds room. A ticket is never admitted past a waiting one of its class (FIFO, no
-starvation of long requests).
+Background work (next-turn pre-render, shadow verification) is the lowest priority
+and never costs an interactive request a slot or a queue position:
+
+- background tickets wait in a queue of their own, bounded by ``max_queued`` apart
+  from the interactive one: a waiting background ticket is never counted against an
+  interactive request (nor in its Retry-After), and the interactive counters
+  (``admitted``, ``rejected``, ``queued_total``, ``active``, ``queued``) count
+  interactive tickets only (``background_*`` count the others);
+- a background ticket is admitted only when no interactive ticket waits, and never into
+  the last free slot (``max_active > 1``);
+- when an interactive ticket waits and would fit without some admitted background
+  tickets, the newest of those are *preempted*: ``on_preempt(ticket)`` is called once
+  for each (the engine cancels the request; the slot and its KV come back when the
+  scheduler drops it, at its next step) and the interactive ticket is admitted on that
+  release. Blocks a preempted pre-render already saved stay in the cache.
+
+A ticket is never admitted past a waiting one of its class (FIFO, no starvation of long
+requests).
 """
 
 from __future__ import annotations
@@ -43,6 +57,8 @@ class Ticket:
     t_submit: float = 0.0
     t_admit: float | None = None
     state: str = WAITING
+    preempted: bool = False  # a background ticket asked to give its slot back
+    admit_seq: int = 0  # admission order (ties of t_admit broken deterministically)
 
     @property
     def queue_s(self) -> float:
@@ -59,6 +75,9 @@ class AdmissionStats:
     wait_s_max: float = 0.0
     peak_active: int = 0
     recent_service_s: float = 0.0  # EWMA of admitted-to-release times
+    background_admitted: int = 0
+    background_rejected: int = 0
+    background_preempted: int = 0
 
     def to_dict(self) -> dict[str, float]:
         return dict(self.__dict__)
@@ -72,13 +91,18 @@ class Admission:
     row_bytes: Callable[[int], int]
     clock: Callable[[], float] = time.monotonic
     stats: AdmissionStats = field(default_factory=AdmissionStats)
+    # called (outside the lock) for each admitted background ticket that must give its
+    # slot back to a waiting interactive one; None: nobody is told (tests)
+    on_preempt: Callable[[Ticket], None] | None = None
 
     def __post_init__(self) -> None:
         self._lock = threading.Lock()
         self._waiting: tuple[deque[Ticket], deque[Ticket]] = (deque(), deque())  # interactive, background
-        self._num_waiting = 0
+        self._num_waiting = 0  # interactive tickets waiting
+        self._bg_waiting = 0  # background tickets waiting
         self._active: set[Ticket] = set()
         self._ready: deque[Ticket] = deque()  # admitted, not yet taken by the engine
+        self._admits = 0
 
     # ---------------------------------------------------------------- accounting
 
@@ -86,25 +110,93 @@ class Admission:
         """KV bytes of a batch of rows with these lengths (every row padded to the longest)."""
         return len(lengths) * self.row_bytes(max(lengths)) if lengths else 0
 
-    def _fits(self, t: Ticket) -> bool:
-        n = len(self._active)
+    def _fits(self, t: Ticket, without: frozenset[Ticket] | set[Ticket] = frozenset()) -> bool:
+        """Whether ``t`` fits next to the admitted tickets (but those in ``without``)."""
+        active = [a for a in self._active if a not in without] if without else self._active
+        n = len(active)
         if n >= self.max_active:
             return False
         if t.background and self.max_active > 1 and n + 1 >= self.max_active:
             return False
         if self.kv_budget is None:
             return True
-        lengths = [a.length for a in self._active] + [t.length]
+        lengths = [a.length for a in active] + [t.length]
         return self.footprint(lengths) <= self.kv_budget
+
+    def _count_waiting(self, t: Ticket, delta: int) -> None:
+        if t.background:
+            self._bg_waiting += delta
+        else:
+            self._num_waiting += delta
+
+    def _preemptions(self) -> list[Ticket]:
+        """Admitted background tickets the first waiting interactive ticket needs gone
+        (newest first, marked ``preempted``); none when it will fit once the ones
+        already preempted are released, or would not fit even without all of them."""
+        head = next((t for t in self._waiting[0] if t.state == WAITING), None)
+        if head is None:
+            return []
+        newest = sorted((a for a in self._active if a.background),
+                        key=lambda a: a.admit_seq, reverse=True)
+        gone = {a for a in newest if a.preempted}
+        if self._fits(head, gone):
+            return []
+        out: list[Ticket] = []
+        for a in newest:
+            if a.preempted:
+                continue
+            gone.add(a)
+            out.append(a)
+            if self._fits(head, gone):
+                for x in out:
+                    x.preempted = True
+                self.stats.background_preempted += len(out)
+                return out
+        return []
+
+    def _covered(self) -> int:
+        """How many waiting interactive tickets (from the head, in order) fit once the
+        preempted background tickets are released."""
+        gone = {a for a in self._active if a.preempted}
+        if not gone:
+            return 0
+        kept = [a for a in self._active if a not in gone]  # order does not matter here
+        n = 0
+        for t in self._waiting[0]:
+            if t.state != WAITING:
+                continue
+            if not self._fits_among(t, kept):
+                break
+            kept.append(t)
+            n += 1
+        return n
+
+    def _fits_among(self, t: Ticket, active: list[Ticket]) -> bool:
+        if len(active) >= self.max_active:
+            return False
+        if self.kv_budget is None:
+            return True
+        return self.footprint([a.length for a in active] + [t.length]) <= self.kv_budget
+
+    def _tell_preempted(self, tickets: list[Ticket]) -> None:
+        if self.on_preempt is None:
+            return
+        for t in tickets:
+            self.on_preempt(t)
 
     def _admit(self, t: Ticket) -> None:
         now = self.clock()
         t.state, t.t_admit = ADMITTED, now
+        self._admits += 1
+        t.admit_seq = self._admits
         self._active.add(t)
         self._ready.append(t)
         s = self.stats
+        s.peak_active = max(s.peak_active, len(self._active))  # slots in use, any class
+        if t.background:
+            s.background_admitted += 1
+            return
         s.admitted += 1
-        s.peak_active = max(s.peak_active, len(self._active))
         wait = now - t.t_submit
         s.wait_s_total += wait
         s.wait_s_max = max(s.wait_s_max, wait)
@@ -122,7 +214,7 @@ class Admission:
                 if not self._fits(head):
                     return
                 q.popleft()
-                self._num_waiting -= 1
+                self._count_waiting(head, -1)
                 self._admit(head)
 
     def retry_after_s(self) -> int:
@@ -146,20 +238,29 @@ class Admission:
             q = self._waiting[1 if t.background else 0]
             t.state = WAITING
             q.append(t)
-            self._num_waiting += 1
+            self._count_waiting(t, +1)
             self._admit_waiting()
             if t.state != WAITING:
                 return
-            if self._num_waiting > self.max_queued:
+            preempt = [] if t.background else self._preemptions()
+            # interactive tickets that only wait for preempted background ones to go
+            # hold no queue position
+            waiting = self._bg_waiting if t.background else self._num_waiting - self._covered()
+            if waiting > self.max_queued:
                 q.pop()  # t is the last of its queue: _admit_waiting pops from the left
-                self._num_waiting -= 1
+                self._count_waiting(t, -1)
                 t.state = CANCELLED
-                self.stats.rejected += 1
                 retry = self.retry_after_s()
+                if t.background:
+                    self.stats.background_rejected += 1
+                else:
+                    self.stats.rejected += 1
                 raise OverloadedError(
                     f"the server is at capacity ({len(self._active)} active requests, "
-                    f"{self._num_waiting} waiting); retry in {retry}s", retry_after_s=retry)
-            self.stats.queued_total += 1
+                    f"{waiting - 1} waiting); retry in {retry}s", retry_after_s=retry)
+            if not t.background:
+                self.stats.queued_total += 1
+        self._tell_preempted(preempt)
 
     def cancel(self, t: Ticket) -> bool:
         """Take a waiting ticket out of the queue (True); False if it was not waiting."""
@@ -167,9 +268,13 @@ class Admission:
             if t.state != WAITING:
                 return False
             t.state = CANCELLED
-            self._num_waiting -= 1
+            self._count_waiting(t, -1)
             self.stats.cancelled_waiting += 1
-            return True
+            # the ticket may have held up the ones behind it (FIFO)
+            self._admit_waiting()
+            preempt = self._preemptions()
+        self._tell_preempted(preempt)
+        return True
 
     # ---------------------------------------------------------------- engine thread
 
@@ -189,11 +294,13 @@ class Admission:
                 return
             self._active.discard(t)
             t.state = RELEASED
-            if t.t_admit is not None:
+            if t.t_admit is not None and not t.background:
                 service = self.clock() - t.t_admit
                 prev = self.stats.recent_service_s
                 self.stats.recent_service_s = service if prev == 0 else 0.8 * prev + 0.2 * service
             self._admit_waiting()
+            preempt = self._preemptions()
+        self._tell_preempted(preempt)
 
     def drain(self) -> list[Ticket]:
         """Every ticket not yet taken (waiting or admitted): the engine is going away."""
@@ -203,7 +310,7 @@ class Admission:
             for q in self._waiting:
                 q.clear()
             self._ready.clear()
-            self._num_waiting = 0
+            self._num_waiting = self._bg_waiting = 0
             for t in out:
                 self._active.discard(t)
                 t.state = CANCELLED
@@ -216,9 +323,12 @@ class Admission:
     def snapshot(self) -> dict[str, Any]:
         with self._lock:
             lengths = [t.length for t in self._active]
+            background = sum(t.background for t in self._active)
             return {
-                "active": len(self._active),
+                "active": len(self._active) - background,
                 "queued": self._num_waiting,
+                "background_active": background,
+                "background_queued": self._bg_waiting,
                 "max_active": self.max_active,
                 "max_queued": self.max_queued,
                 "kv_budget_bytes": self.kv_budget,

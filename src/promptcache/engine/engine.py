@@ -156,7 +156,8 @@ class Engine:
         )
         self.row_bytes = kv_row_bytes(model)
         self.admission = Admission(cfg.max_active_requests, cfg.max_queued_requests,
-                                   cfg.active_kv_budget_bytes, self.row_bytes)
+                                   cfg.active_kv_budget_bytes, self.row_bytes,
+                                   on_preempt=self._preempt)
         self.scheduler = Scheduler(self._ctx, self.admission, self._make_request)
         self._namespaces: dict[str, Namespace] = {}
         self._ids = itertools.count(1)
@@ -285,6 +286,14 @@ class Engine:
             self.counters.cancelled += 1
             handle._emit(_empty_result(handle.request, "cancelled", queue_s=0.0))
         self._control.wake.set()
+
+    def _preempt(self, ticket: Ticket) -> None:
+        """A background request gives its slot back to a waiting interactive one: it is
+        cancelled (its saved blocks stay); the slot frees when the scheduler drops it."""
+        p: _Pending = ticket.item
+        logger.debug("background request %s preempted by a waiting interactive request",
+                     p.request.request_id)
+        p.handle.cancel()
 
     def _make_request(self, ticket: Ticket) -> Request | None:
         p: _Pending = ticket.item

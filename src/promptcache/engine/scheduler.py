@@ -13,7 +13,8 @@ batch with them.
 
 Each ``step()``:
 1. takes newly admitted requests (``Admission.take``) into the prefill queue;
-2. finishes cancelled requests wherever they are;
+2. finishes cancelled requests wherever they are (and takes who was admitted to
+   the slots they freed, e.g. an interactive request that preempted a background one);
 3. launches the batched decode forward (``DecodeBatch.step``: pipelined, the host
    work of the previous step's tokens overlaps it);
 4. runs ONE prefill chunk: of the oldest interactive request; a background request
@@ -86,6 +87,9 @@ class Scheduler:
             return False
         self.steps += 1
         self._drop_cancelled()
+        # a dropped request freed its slot: who was admitted to it starts this step
+        # (a preempted background request gives way within one prefill chunk)
+        self._take_admitted()
         if len(self.batch):
             self._guard(self.batch.rows, self.batch.step, on_error=self.batch.fail_all)
             c = self.ctx.counters
