@@ -49,6 +49,7 @@ SNAPSHOT = 2
 PERSISTED = 4  # a copy is known to be in the lower tiers: no demotion needed
 
 EMPTY_SESSIONS: tuple[str, ...] = ()
+MAX_AGENTS_PER_BLOCK = 16  # the first agents recorded on a block; later ones are not
 MAX_INTERNED = 1 << 16  # distinct start offsets / byte sizes shared between blocks
 
 
@@ -78,6 +79,7 @@ class Block(FreeNode):
         "ref_cnt",
         "last_access",
         "sessions",
+        "agents",
         "hits",
         "kids",
     )
@@ -109,6 +111,8 @@ class Block(FreeNode):
         self.ref_cnt = 0
         self.last_access = last_access
         self.sessions = EMPTY_SESSIONS
+        # the (sub)agents that stored or reused it (RAM only: lower tiers keep sessions)
+        self.agents = EMPTY_SESSIONS
         self.hits = 0  # times a lookup reused it (SSD admission rule)
         # children index (pool-managed): None, the one child, or a list of children
         self.kids: Block | list[Block] | None = None
@@ -141,6 +145,13 @@ class Block(FreeNode):
         if session_id in self.sessions:
             return False
         self.sessions = (*self.sessions, session_id)
+        return True
+
+    def add_agent(self, agent_id: str) -> bool:
+        """Record an agent (at most ``MAX_AGENTS_PER_BLOCK``); True if it was new."""
+        if agent_id in self.agents or len(self.agents) >= MAX_AGENTS_PER_BLOCK:
+            return False
+        self.agents = (*self.agents, agent_id)
         return True
 
     def meta(self) -> BlockMeta:
@@ -420,6 +431,7 @@ class BlockPool:
             ns=block.ns, payload=copy_payload(block.payload), nbytes=block.nbytes, now=now,
         )
         copy.sessions = block.sessions
+        copy.agents = block.agents
         self.unref(block)
         return copy
 

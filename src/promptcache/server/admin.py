@@ -90,6 +90,7 @@ async def cache_stats(request: Request) -> dict[str, Any]:
         "engine": engine_stats_dict(st.engine),
         "rolling": st.monitor.snapshot(),
         "alert": {"active": st.monitor.alerting, "threshold": st.monitor.threshold},
+        "sessions": st.sessions.snapshot(),
     }
     vision = getattr(st.engine, "vision_encoder", None)
     if vision is not None:  # a vision-language model: the vision-embedding cache's line
