@@ -51,6 +51,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm import load
 from mlx_lm.models.cache import KVCache, make_prompt_cache
+from page_cache import drop_cache
 
 from promptcache.cache import PromptCache
 from promptcache.config import CacheConfig, SSDConfig
@@ -299,23 +300,6 @@ def part_ppl(args: argparse.Namespace, smol: Path) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------- SSD restore
-
-
-def drop_cache(paths: list[Path]) -> str:
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return "drop_caches"
-    except OSError:
-        pass
-    for p in paths:
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-    return "posix_fadvise(DONTNEED)"
 
 
 def dir_bytes(path: Path) -> int:

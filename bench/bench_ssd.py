@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from page_cache import drop_cache
 
 from promptcache.codec import decode, encode
 from promptcache.config import SSDConfig
@@ -48,23 +49,6 @@ def block_arrays(rng: np.random.Generator) -> dict[str, np.ndarray]:
         for kind in ("k", "v"):
             out[f"{layer}.{kind}"] = rng.standard_normal((1, KV_HEADS, BLOCK, HEAD_DIM), dtype=np.float32)
     return out
-
-
-def drop_cache(paths: list[Path]) -> str:
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return "drop_caches"
-    except OSError:
-        pass
-    for p in paths:
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-    return "posix_fadvise(DONTNEED)"
 
 
 def block_files(root: Path) -> list[Path]:

@@ -418,6 +418,7 @@ class PromptCache:
         *,
         extra_keys: Sequence[ExtraKeySpan] = (),
         session_id: str | None = None,
+        agent_id: str | None = None,
         truncatable: bool = True,
         snapshot_at_end: bool = True,
         include_partial: bool = True,
@@ -432,7 +433,10 @@ class PromptCache:
         hash it knows) instead of re-hashing the chain from the root, and move it to
         the end of the last full block stored or found; only ``tokens[cursor.start:
         num_tokens]`` is read, so repeated saves of a growing sequence cost only their
-        new blocks."""
+        new blocks.
+
+        ``session_id`` / ``agent_id``: recorded on every block stored or found (the
+        agent, a client's subagent id, in RAM only)."""
         check_ns(ns, self.config.block_size)
         if isinstance(num_tokens, bool) or not isinstance(num_tokens, int):
             raise ValueError(f"num_tokens must be an integer, got {num_tokens!r}")
@@ -454,6 +458,8 @@ class PromptCache:
             raise ValueError(f"save_point must be one of {SAVE_POINTS}, got {save_point!r}")
         if session_id is not None and (not isinstance(session_id, str) or not session_id):
             raise ValueError(f"session_id must be a non-empty string or None, got {session_id!r}")
+        if agent_id is not None and (not isinstance(agent_id, str) or not agent_id):
+            raise ValueError(f"agent_id must be a non-empty string or None, got {agent_id!r}")
         if not callable(payload_for):
             raise ValueError("payload_for must be callable")
         with self._lock:
@@ -461,7 +467,7 @@ class PromptCache:
             self.levels.tick(self._now)
             created = self._store(ns, req, num_tokens - offset, payload_for, spans,
                                   session_id, truncatable, snapshot_at_end, include_partial,
-                                  offset, cursor)
+                                  offset, cursor, agent_id)
             self._c.saves[save_point] += 1
             self._c.blocks_saved[save_point] += created
             return created
@@ -469,8 +475,8 @@ class PromptCache:
     def _store(self, ns: Namespace, req: RequestTokens, num_tokens: int,
                payload_for: Callable[[int, int, bool], Any], spans: tuple[ExtraKeySpan, ...],
                session_id: str | None, truncatable: bool, snapshot_at_end: bool,
-               include_partial: bool, offset: int = 0, cursor: ChainCursor | None = None
-               ) -> int:
+               include_partial: bool, offset: int = 0, cursor: ChainCursor | None = None,
+               agent_id: str | None = None) -> int:
         """``req`` holds the tokens from ``offset`` (a cursor's start) on; ``num_tokens``
         counts from there too; block positions below are absolute."""
         pool, c, bs = self.pool, self._c, ns.block_size
@@ -509,6 +515,8 @@ class PromptCache:
                     c.dedup_blocks += 1
                     if self._touch_existing(existing, session_id, snap, start, end, payload_for):
                         upgraded.append(existing)
+                    if agent_id is not None:
+                        existing.add_agent(agent_id)
                 else:
                     payload = payload_for(start, end, snap)
                     nbytes = self.adapter.nbytes(payload)
@@ -524,6 +532,8 @@ class PromptCache:
                     if session_id is not None:
                         block.add_session(session_id)
                     self.levels.on_new_block(block)
+                    if agent_id is not None:
+                        block.add_agent(agent_id)
                     if truncatable:
                         self._drop_superseded(block)
                     self.gone.forget(h)
@@ -563,6 +573,8 @@ class PromptCache:
                     block.add_session(sid)
                 if sib.block_hash is not None:
                     self.levels.supersede(sib.block_hash, block)
+                for aid in sib.agents:
+                    block.add_agent(aid)
                 where, h = in_tiers(sib, len(self.lower)), sib.block_hash
                 if self.pool.remove(sib):
                     self._c.superseded += 1

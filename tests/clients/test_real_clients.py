@@ -19,15 +19,11 @@ import json
 import os
 import re
 import shutil
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 from clients_helpers import (
     claude_env,
@@ -39,10 +35,10 @@ from clients_helpers import (
     run_cli,
     scrub_record,
 )
+from serve_proc import serve
 
 from promptcache.engine.models.tiny_models import LONG_CONTEXT_LENGTH, SCRIPTED_REPLY
 
-PROMPTCACHE = str(Path(sys.executable).parent / "promptcache")
 REPO = Path(__file__).resolve().parents[2]
 FIXTURES = REPO / "tests" / "fixtures" / "traffic"
 MIN_HIT = 0.9
@@ -74,49 +70,15 @@ def server(models_root: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
 
     model = ensure_tiny_model("scripted", models_root)
     tmp = tmp_path_factory.mktemp("clients")
-    port = _free_port()
     log_path = tmp / "server.log"
     env = dict(os.environ)
     openblas = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0"
     if os.path.exists(openblas) and "LD_PRELOAD" not in env:  # speed only
         env["LD_PRELOAD"] = openblas
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            [PROMPTCACHE, "serve", "--model", str(model), "--port", str(port),
-             "--block-size", "64", "--no-ssd", "--log-requests", str(tmp / "requests"),
-             "--default-max-tokens", "64", "--log-level", "info"],
-            stdout=log, stderr=subprocess.STDOUT, env=env)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError("server exited:\n" + log_path.read_text())
-            try:
-                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("server did not start:\n" + log_path.read_text())
-            time.sleep(0.2)
+    with serve(["--model", str(model), "--block-size", "64", "--no-ssd",
+                "--log-requests", str(tmp / "requests"), "--default-max-tokens", "64",
+                "--log-level", "info"], log_path, timeout=120, env=env, log_tail=4000) as base:
         yield Server(base, tmp / "requests", log_path, tmp)
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
-        print(log_path.read_text()[-4000:])
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _cli(name: str) -> str:

@@ -8,10 +8,10 @@ their tokenizer and differs only in ``head_dim`` (and so in its random weights).
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import tempfile
 from pathlib import Path
+
+from promptcache.engine.models.tiny_models import ensure_built
 
 HEAD_DIM = 64
 NAME = "tiny-llama-hd64-v1"
@@ -19,9 +19,10 @@ NAME = "tiny-llama-hd64-v1"
 
 def ensure_tiny_llama_hd64(base: Path, root: Path) -> Path:
     """``root/tiny-llama-hd64-v1``, built from the tiny llama folder ``base`` if missing."""
-    final = root / NAME
-    if (final / "config.json").is_file():
-        return final
+    return ensure_built(root / NAME, lambda tmp: _build(base, tmp))
+
+
+def _build(base: Path, tmp: Path) -> None:
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
@@ -29,24 +30,12 @@ def ensure_tiny_llama_hd64(base: Path, root: Path) -> Path:
 
     config = json.loads((base / "config.json").read_text())
     config["head_dim"] = HEAD_DIM
-    tmp = Path(tempfile.mkdtemp(prefix=f".{NAME}.", dir=root))
-    try:
-        model_cls, args_cls = model_classes(config["model_type"])
-        mx.random.seed(64)
-        model = model_cls(args_cls.from_dict(config))
-        weights = {k: v.astype(mx.float32) for k, v in tree_flatten(model.parameters())}
-        mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})
-        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-        for f in base.iterdir():
-            if f.name not in ("config.json", "model.safetensors") and f.is_file():
-                shutil.copy(f, tmp / f.name)
-        tmp.chmod(0o755)
-        try:
-            os.rename(tmp, final)
-        except OSError:
-            if not (final / "config.json").is_file():
-                raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return final
+    model_cls, args_cls = model_classes(config["model_type"])
+    mx.random.seed(64)
+    model = model_cls(args_cls.from_dict(config))
+    weights = {k: v.astype(mx.float32) for k, v in tree_flatten(model.parameters())}
+    mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})
+    (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    for f in base.iterdir():
+        if f.name not in ("config.json", "model.safetensors") and f.is_file():
+            shutil.copy(f, tmp / f.name)

@@ -7,7 +7,6 @@ import asyncio
 import json
 import shutil
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,44 +16,18 @@ import anthropic
 import httpx
 import openai
 import pytest
-from server_helpers import free_port
+from serve_proc import serve
 
 BLOCK = 16
-PROMPTCACHE = str(Path(sys.executable).parent / "promptcache")
 
 
 @pytest.fixture(scope="module")
 def server(tiny_llama_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     tmp = tmp_path_factory.mktemp("serve")
-    port = free_port()
-    log = open(tmp / "server.log", "w")  # noqa: SIM115 - closed below
-    proc = subprocess.Popen(
-        [PROMPTCACHE, "serve", "--model", str(tiny_llama_path), "--port", str(port),
-         "--block-size", str(BLOCK), "--cache-dir", str(tmp / "blocks"),
-         "--log-level", "info"], stdout=log, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 90
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError("server exited:\n" + (tmp / "server.log").read_text())
-            try:
-                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("server did not start:\n" + (tmp / "server.log").read_text())
-            time.sleep(0.2)
+    with serve(["--model", str(tiny_llama_path), "--block-size", str(BLOCK),
+                "--cache-dir", str(tmp / "blocks"), "--log-level", "info"],
+               tmp / "server.log", timeout=90, log_tail=3000) as base:
         yield base
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
-        print((tmp / "server.log").read_text()[-3000:])
 
 
 def oai(base: str, tenant: str) -> openai.OpenAI:

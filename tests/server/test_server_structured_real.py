@@ -15,9 +15,6 @@ from __future__ import annotations
 import json
 import math
 import shutil
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from enum import StrEnum
 from pathlib import Path
@@ -28,9 +25,8 @@ import httpx
 import openai
 import pydantic
 import pytest
-from server_helpers import free_port
+from serve_proc import serve
 
-PROMPTCACHE = str(Path(sys.executable).parent / "promptcache")
 FORMATS = ("hermes", "qwen3_coder", "pythonic", "mistral")
 PARAMS = {"type": "object", "properties": {
     "city": {"type": "string", "enum": ["Paris", "Rome"]},
@@ -56,44 +52,14 @@ def _model_folder(src: Path, dst: Path, parser: str | None) -> Path:
     return dst
 
 
-def _serve(model: Path, tmp: Path) -> Iterator[str]:
-    port = free_port()
-    log = open(tmp / "server.log", "w")  # noqa: SIM115 - closed below
-    proc = subprocess.Popen([PROMPTCACHE, "serve", "--model", str(model), "--port", str(port),
-                             "--no-ssd", "--log-level", "info"], stdout=log,
-                            stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 90
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError("server exited:\n" + (tmp / "server.log").read_text())
-            try:
-                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("server did not start:\n" + (tmp / "server.log").read_text())
-            time.sleep(0.2)
-        yield base
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
-        print((tmp / "server.log").read_text()[-2000:])
-
-
 @pytest.fixture(scope="module", params=FORMATS)
 def server(request: pytest.FixtureRequest, tiny_llama_path: Path,
            tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
     fmt = str(request.param)
     tmp = tmp_path_factory.mktemp(f"serve-{fmt}")
     model = _model_folder(tiny_llama_path, tmp / "model", None if fmt == "hermes" else fmt)
-    for base in _serve(model, tmp):
+    with serve(["--model", str(model), "--no-ssd", "--log-level", "info"],
+               tmp / "server.log", timeout=90, log_tail=2000) as base:
         yield fmt, base
 
 

@@ -5,26 +5,15 @@ from __future__ import annotations
 
 import base64
 import io
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import httpx
 from PIL import Image
+from serve_proc import serve
 from vlm_helpers import image
 
 from promptcache.cli import build_parser
 from promptcache.cli.serve_cmd import build_configs, build_vision_cache
-
-PROMPTCACHE = str(Path(sys.executable).parent / "promptcache")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def test_image_options(tmp_path):
@@ -49,26 +38,9 @@ def test_image_options(tmp_path):
 
 
 def test_serve_a_vlm_folder(tiny_vlm_path, tmp_path):
-    port = free_port()
-    log = open(tmp_path / "server.log", "w")  # noqa: SIM115 - closed below
-    proc = subprocess.Popen(
-        [PROMPTCACHE, "serve", "--model", str(tiny_vlm_path), "--port", str(port),
-         "--block-size", "16", "--cache-dir", str(tmp_path / "blocks")],
-        stdout=log, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError((tmp_path / "server.log").read_text())
-            try:
-                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError((tmp_path / "server.log").read_text())
-            time.sleep(0.2)
+    with serve(["--model", str(tiny_vlm_path), "--block-size", "16",
+                "--cache-dir", str(tmp_path / "blocks")], tmp_path / "server.log",
+               timeout=120) as base:
         buf = io.BytesIO()
         Image.fromarray(image(5)).save(buf, format="PNG")
         url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
@@ -79,13 +51,6 @@ def test_serve_a_vlm_folder(tiny_vlm_path, tmp_path):
         assert r.status_code == 200, r.text
         stats = httpx.get(f"{base}/v1/cache/stats", timeout=10).json()
         assert stats["vision"]["tower_calls"] == 1 and stats["vision"]["misses"] == 1
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
     # written by the writer thread, flushed at shutdown at the latest
     files = list((tmp_path / "blocks-vision").glob("*/*.safetensors"))
     assert len(files) == 1

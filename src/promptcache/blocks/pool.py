@@ -60,6 +60,7 @@ PROTECTED = 2
 LEVELS = (IDLE, ACTIVE, PROTECTED)
 
 EMPTY_SESSIONS: tuple[str, ...] = ()
+MAX_AGENTS_PER_BLOCK = 16  # the first agents recorded on a block; later ones are not
 MAX_INTERNED = 1 << 16  # distinct start offsets / byte sizes shared between blocks
 
 
@@ -89,6 +90,7 @@ class Block(FreeNode):
         "ref_cnt",
         "last_access",
         "sessions",
+        "agents",
         "hits",
         "kids",
         "level",
@@ -121,6 +123,8 @@ class Block(FreeNode):
         self.ref_cnt = 0
         self.last_access = last_access
         self.sessions = EMPTY_SESSIONS
+        # the (sub)agents that stored or reused it (RAM only: lower tiers keep sessions)
+        self.agents = EMPTY_SESSIONS
         self.hits = 0  # times a lookup reused it (SSD admission rule)
         # children index (pool-managed): None, the one child, or a list of children
         self.kids: Block | list[Block] | None = None
@@ -154,6 +158,13 @@ class Block(FreeNode):
         if session_id in self.sessions:
             return False
         self.sessions = (*self.sessions, session_id)
+        return True
+
+    def add_agent(self, agent_id: str) -> bool:
+        """Record an agent (at most ``MAX_AGENTS_PER_BLOCK``); True if it was new."""
+        if agent_id in self.agents or len(self.agents) >= MAX_AGENTS_PER_BLOCK:
+            return False
+        self.agents = (*self.agents, agent_id)
         return True
 
     def meta(self) -> BlockMeta:
@@ -471,6 +482,7 @@ class BlockPool:
             ns=block.ns, payload=copy_payload(block.payload), nbytes=block.nbytes, now=now,
         )
         copy.sessions = block.sessions
+        copy.agents = block.agents
         self.unref(block)
         return copy
 

@@ -170,6 +170,9 @@ class GenerationRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     tenant: str = DEFAULT_TENANT
     session_id: str | None = None
+    # the client's (sub)agent (Claude Code's x-claude-code-agent-id), recorded on the
+    # blocks the request stores next to the session
+    agent_id: str | None = None
     extra_keys: tuple[ExtraKeySpan, ...] = ()
     use_cache: bool = True
     # for miss explanations: token offsets where each chat message starts

@@ -412,7 +412,7 @@ class Request:
             created = cache.store(
                 self.ns, self.seq, num_tokens, payload_for,
                 extra_keys=self.extra_keys, session_id=self.req.session_id,
-                truncatable=self.truncatable, snapshot_at_end=snapshot_at_end,
+                agent_id=self.req.agent_id, truncatable=self.truncatable, snapshot_at_end=snapshot_at_end,
                 include_partial=include_partial, save_point=save_point, cursor=self.cursor,
             )
         except Exception:

@@ -99,6 +99,7 @@ async def cache_stats(request: Request) -> dict[str, Any]:
         "rolling": st.monitor.snapshot(),
         "prerender": _prerender_stats(request),
         "alert": {"active": st.monitor.alerting, "threshold": st.monitor.threshold},
+        "sessions": st.sessions.snapshot(),
     }
     vision = getattr(st.engine, "vision_encoder", None)
     if vision is not None:  # a vision-language model: the vision-embedding cache's line

@@ -16,7 +16,10 @@ Rules:
   ``Scope.with_session`` (``prompt_cache_key``: Codex, OpenAI SDKs). A session id is 1-256
   printable ASCII characters: a bad ``X-Session-Id`` is a 400; a bad client header is
   ignored (logged). ``x-claude-code-agent-id`` / ``x-claude-code-parent-agent-id`` name
-  the (sub)agent; which header won and the agent go into the request log line.
+  the (sub)agent (same rules as a client session header): the agent is recorded on the
+  blocks the request stores, next to the session (``GenerationRequest.agent_id``), and
+  counted per session in the stats (``session_stats``); which header won and the agent
+  go into the request log line.
 """
 
 from __future__ import annotations

@@ -161,7 +161,8 @@ class PreRenderer:
                 return
             req = GenerationRequest(
                 prompt_tokens=tuple(target), sampling=SamplingParams(max_tokens=1),
-                tenant=tenant, session_id=session_id, priority="background",
+                tenant=tenant, session_id=session_id,
+                agent_id=key.agent_id if key is not None else None, priority="background",
                 prefill_only=True, request_id=f"prerender-{next(self._ids)}")
             try:
                 handle = self.engine.submit(req)

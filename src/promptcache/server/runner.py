@@ -7,7 +7,8 @@ and returns a ``Generation`` whose ``events()`` async iterator yields the engine
 task polls ``request.is_disconnected()``; a disconnect (or the stream being
 cancelled/closed early) calls ``handle.cancel()``: the engine stops and keeps the
 blocks it already stored. Each finished request updates the metrics and the rolling
-hit rate and logs one line.
+hit rate and the per-session / per-agent counts (``session_stats``), and logs one
+line.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from .auth import Authenticator, Scope
 from .errors import APIError
 from .images import ImageCollector
 from .metrics import ServerMetrics
+from .session_stats import SessionStats
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +57,7 @@ class ServerState:
     metrics: ServerMetrics
     aliases: frozenset[str] = frozenset()
     started_at: float = field(default_factory=time.time)
+    sessions: SessionStats = field(default_factory=SessionStats)
 
     @property
     def model_id(self) -> str:
@@ -100,6 +103,7 @@ class ServerState:
             sampling=sampling,
             tenant=scope.tenant,
             session_id=scope.session_id,
+            agent_id=scope.agent_id,
             message_starts=tuple(message_starts),
             request_id=uuid.uuid4().hex[:16],
             images=tuple(images),
@@ -206,6 +210,7 @@ class Generation:
             s.metrics.observe_result(self.api, u.prompt_tokens, u.cached_by_tier,
                                      u.completion_tokens, ttft)
             s.monitor.record(u.prompt_tokens, u.cached_tokens, result.miss_reason)
+            s.sessions.record(self.scope, u.prompt_tokens, u.cached_tokens)
         rate = s.monitor.hit_rate()
         if rate is not None:
             s.metrics.rolling_hit_rate.set(rate)

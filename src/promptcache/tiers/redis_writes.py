@@ -1,21 +1,23 @@
-"""The Redis tier's write side: the writer thread's batches and the deletions.
+"""The Redis tier's writer thread and what one batch sends.
 
+The writer takes a batch off the queue (``redis_queue``; up to ``MAX_BATCH_ITEMS``
+items or ``batch_bytes``), writes it under the tier's write lock (so an admin
+deletion runs between batches, never inside one) and forgets its pending puts.
 A batch is written in two pipelined round trips on the write client: (1) the session
 fields already on the target blocks (so their session sets' TTLs are refreshed with
 the block's, and session deletion can still find the block), (2) every put, new
 session and discard of the batch, in queue order. Recording sessions on an existing
 block (and only if it exists) is a one-key Lua script, so it is safe on a Cluster.
-Both deletions run under the tier's write lock, after the batch in flight.
 """
 
 from __future__ import annotations
 
 import logging
+import queue
 from typing import TYPE_CHECKING, Any
 
 from ..codec import checksum
 from ..errors import TierError
-from ..meta import validate_tenant
 from .redis_client import Client, Skipped
 from .redis_keys import (
     META_FIELD,
@@ -25,14 +27,22 @@ from .redis_keys import (
     encode_record,
     record_parent,
 )
+from .redis_queue import STOP, Discard, Put, Sessions, forget
 
 if TYPE_CHECKING:
     from .redis import RedisTier
 
 log = logging.getLogger(__name__)
 
-SCAN_COUNT = 1000
-DELETE_BATCH = 500
+MAX_BATCH_ITEMS = 256
+
+# KEYS[1] = block; ARGV = ttl, session fields...: record sessions on an existing block
+_ADD_SESSIONS = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return false end
+for i = 2, #ARGV do redis.call('HSET', KEYS[1], ARGV[i], '1') end
+redis.call('EXPIRE', KEYS[1], ARGV[1])
+return redis.call('HGET', KEYS[1], 'm')
+"""
 
 
 def _session_fields(fields: list[bytes]) -> list[str]:
@@ -40,15 +50,59 @@ def _session_fields(fields: list[bytes]) -> list[str]:
     return [f[n:].decode("utf-8", "replace") for f in fields if f.startswith(SESSION_FIELD_PREFIX)]
 
 
-def write_batch(tier: RedisTier, batch: list[Any]) -> None:
-    from .redis import _ADD_SESSIONS, _Discard, _Put, _Sessions
+def _estimate(payload: Any) -> int:
+    if isinstance(payload, bytes | bytearray | memoryview):
+        return len(payload)
+    n = getattr(payload, "nbytes", 0)  # a PayloadSource's size estimate
+    return int(n) if isinstance(n, int) else 0
 
+
+def run_writer(tier: RedisTier) -> None:
+    """The writer thread: take a batch (up to ``MAX_BATCH_ITEMS`` items or
+    ``batch_bytes``), write it under the write lock, forget its puts; until ``STOP``."""
+    q = tier._queue
+    while True:
+        item = q.get()
+        if item is STOP:
+            q.task_done()
+            return
+        batch = [item]
+        size = _estimate(getattr(item, "payload", b""))
+        stop = False
+        while len(batch) < MAX_BATCH_ITEMS and size < tier.config.batch_bytes:
+            try:
+                nxt = q.get_nowait()
+            except queue.Empty:
+                break
+            if nxt is STOP:
+                stop = True
+                break
+            batch.append(nxt)
+            size += _estimate(getattr(nxt, "payload", b""))
+        try:
+            with tier._write_lock:
+                write_batch(tier, batch)
+        except Exception:  # the writer must survive anything
+            log.exception("redis writer: unexpected error")
+        finally:
+            with tier._lock:
+                for it in batch:
+                    if isinstance(it, Put):
+                        forget(tier, it)
+            for _ in batch:
+                q.task_done()
+        if stop:
+            q.task_done()
+            return
+
+
+def write_batch(tier: RedisTier, batch: list[Any]) -> None:
     keys, ttl, cfg = tier.keys, tier._ttl, tier.config
     work: list[tuple[Any, Any]] = []  # (item, encoded data | None)
     with tier._lock:
-        items = [it for it in batch if not (isinstance(it, _Put) and it.cancelled)]
+        items = [it for it in batch if not (isinstance(it, Put) and it.cancelled)]
     for it in items:
-        if isinstance(it, _Put):
+        if isinstance(it, Put):
             try:
                 data = it.data()
             except Exception as e:  # a payload that cannot be encoded is dropped
@@ -63,14 +117,14 @@ def write_batch(tier: RedisTier, batch: list[Any]) -> None:
             work.append((it, None))
     if not work:
         return
-    puts = [it for it, _ in work if isinstance(it, _Put)]
+    puts = [it for it, _ in work if isinstance(it, Put)]
 
     def block_key(it: Any) -> str:
-        if isinstance(it, _Put):
+        if isinstance(it, Put):
             return keys.block(it.meta.tenant, it.meta.namespace_key, bytes(it.meta.block_hash))
         return keys.block(it.tenant, it.ns_key, it.block_hash)
 
-    targets = [block_key(it) for it, _ in work if not isinstance(it, _Discard)]
+    targets = [block_key(it) for it, _ in work if not isinstance(it, Discard)]
 
     def existing_sessions(c: Client) -> list[Any]:
         pipe = c.pipeline(transaction=False)
@@ -84,7 +138,7 @@ def write_batch(tier: RedisTier, batch: list[Any]) -> None:
         pipe = c.pipeline(transaction=False)
         scripts: list[tuple[str, list[bytes]]] = []
         for it, data in work:
-            if isinstance(it, _Put):
+            if isinstance(it, Put):
                 m = it.meta
                 h, parent = bytes(m.block_hash), bytes(m.parent_hash)
                 record = encode_record(m, len(data), checksum(data))
@@ -104,7 +158,7 @@ def write_batch(tier: RedisTier, batch: list[Any]) -> None:
                     pipe.sadd(keys.session(m.tenant, s), member)
                 for s in sessions | set(existing.get(bkey, ())):
                     pipe.expire(keys.session(m.tenant, s), ttl)
-            elif isinstance(it, _Sessions):
+            elif isinstance(it, Sessions):
                 with tier._lock:
                     fields = [SESSION_FIELD_PREFIX + s.encode("utf-8") for s in sorted(it.sessions)]
                 scripts.append((block_key(it), fields))
@@ -127,7 +181,7 @@ def write_batch(tier: RedisTier, batch: list[Any]) -> None:
         tier._drop("error", len(puts))
         return
     followups: list[tuple[str, str, list[str]]] = []  # (tenant, member, sessions)
-    session_items = [it for it, _ in work if isinstance(it, _Sessions)]
+    session_items = [it for it, _ in work if isinstance(it, Sessions)]
     for it, reply in zip(session_items, replies, strict=True):
         parent = record_parent(reply) if reply else None
         if parent is not None:
@@ -135,8 +189,8 @@ def write_batch(tier: RedisTier, batch: list[Any]) -> None:
                               sorted(it.sessions)))
     with tier._lock:
         tier._counts["writes"] += len(puts)
-        tier._counts["bytes_written"] += sum(len(d) for it, d in work if isinstance(it, _Put))
-        tier._counts["discarded"] += sum(1 for it, _ in work if isinstance(it, _Discard))
+        tier._counts["bytes_written"] += sum(len(d) for it, d in work if isinstance(it, Put))
+        tier._counts["discarded"] += sum(1 for it, _ in work if isinstance(it, Discard))
         tier._counts["sessions_added"] += len(followups)
     if followups:
         def index(c: Client) -> None:
@@ -151,102 +205,3 @@ def write_batch(tier: RedisTier, batch: list[Any]) -> None:
             tier._call("write", index, kind="write")
         except TierError as e:
             log.debug("redis session index update failed: %s", e)
-
-
-def _tenant_of_key(keys: KeySpace, key: str) -> str:
-    """The tenant segment of one of the tier's keys."""
-    return key[len(keys.base) + 1:].split(":", 1)[0]
-
-
-def delete_session(tier: RedisTier, session_id: str, tenant: str | None) -> int:
-    """Remove ``session_id`` from its blocks (of ``tenant``, or of every tenant); a block
-    left without sessions is deleted. Returns the number of blocks deleted."""
-    from .redis import _DROP_SESSION, _Sessions
-
-    if not isinstance(session_id, str) or not session_id:
-        raise ValueError("session_id must be a non-empty string")
-    if tenant is not None:
-        validate_tenant(tenant)
-    keys = tier.keys
-    field = SESSION_FIELD_PREFIX + session_id.encode("utf-8")
-    with tier._write_lock:
-        cancelled = 0
-        with tier._lock:
-            for p in list(tier._pending.values()):
-                if tenant is not None and p.meta.tenant != tenant:
-                    continue
-                p.sessions.discard(session_id)
-                if p.had_session and not p.sessions and not p.cancelled:
-                    p.cancelled = True
-                    tier._forget(p)
-                    cancelled += 1
-            for it in list(tier._queue.queue):
-                if isinstance(it, _Sessions) and (tenant is None or it.tenant == tenant):
-                    it.sessions.discard(session_id)
-
-        def run(c: Client) -> int:
-            if tenant is not None:
-                set_keys = [keys.session(tenant, session_id)]
-            else:
-                set_keys = [k.decode() if isinstance(k, bytes) else k
-                            for k in c.scan_iter(match=keys.session_pattern(session_id),
-                                                 count=SCAN_COUNT)]
-            deleted = 0
-            for skey in set_keys:
-                t = _tenant_of_key(keys, skey)
-                for member in c.smembers(skey):
-                    ns_key, h, parent = KeySpace.parse_member(member)
-                    if c.eval(_DROP_SESSION, 1, keys.block(t, ns_key, h), field) == 2:
-                        deleted += 1
-                        c.hdel(keys.kids(t, ns_key, parent), h.hex())
-                c.delete(skey)
-            return deleted
-
-        deleted = int(tier._call("delete_session", run, kind="write"))
-        with tier._lock:
-            tier._counts["deleted_blocks"] += deleted
-        return deleted + cancelled
-
-
-def delete_tenant(tier: RedisTier, tenant: str | None) -> int:
-    """Delete every key of ``tenant`` (None: every key of the tier). Returns the number
-    of blocks deleted (queued ones included)."""
-    if tenant is not None:
-        validate_tenant(tenant)
-    keys = tier.keys
-    with tier._write_lock:
-        with tier._lock:
-            cancelled = 0
-            for p in list(tier._pending.values()):
-                if not p.cancelled and (tenant is None or p.meta.tenant == tenant):
-                    p.cancelled = True
-                    tier._forget(p)
-                    cancelled += 1
-
-        def run(c: Client) -> int:
-            blocks = 0
-            batch: list[str] = []
-
-            def drop() -> None:
-                pipe = c.pipeline(transaction=False)
-                for k in batch:
-                    pipe.unlink(k)
-                pipe.execute()
-                batch.clear()
-
-            for raw in c.scan_iter(match=keys.tenant_pattern(tenant), count=SCAN_COUNT):
-                k = raw.decode() if isinstance(raw, bytes) else raw
-                parts = k.split(":")
-                if len(parts) == 6 and parts[4] == "b":
-                    blocks += 1
-                batch.append(k)
-                if len(batch) >= DELETE_BATCH:
-                    drop()
-            if batch:
-                drop()
-            return blocks
-
-        deleted = int(tier._call("delete_tenant", run, kind="write"))
-        with tier._lock:
-            tier._counts["deleted_blocks"] += deleted
-        return deleted + cancelled

@@ -31,6 +31,7 @@ import os
 import random
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -324,24 +325,33 @@ def ensure_tiny_model(kind: str, cache_root: str | os.PathLike[str]) -> Path:
     """
     if kind not in KINDS:
         raise ValueError(f"unknown tiny model kind {kind!r}; expected one of {KINDS}")
-    root = Path(cache_root)
-    final = root / tiny_model_dirname(kind)
+    return ensure_built(Path(cache_root) / tiny_model_dirname(kind),
+                        lambda tmp: build_tiny_model(kind, tmp))
+
+
+def ensure_built(final: Path, build: Callable[[Path], object]) -> Path:
+    """``final``, first built by ``build(tmp)`` into a temporary sibling folder and renamed.
+
+    A folder counts as built when it has a ``config.json``. A crash never leaves a
+    half-built model under the final name; concurrent builders are harmless (the loser
+    discards its copy).
+    """
     if (final / "config.json").is_file():
         return final
-    root.mkdir(parents=True, exist_ok=True)
+    final.parent.mkdir(parents=True, exist_ok=True)
     if final.exists():  # not ours to trust: no config.json means it never finished
-        logger.warning("removing incomplete tiny model folder %s", final)
+        logger.warning("removing incomplete model folder %s", final)
         shutil.rmtree(final, ignore_errors=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=root))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
     try:
-        build_tiny_model(kind, tmp)
+        build(tmp)
         tmp.chmod(0o755)
         try:
             os.rename(tmp, final)
         except OSError:
             if not (final / "config.json").is_file():
                 raise
-            logger.debug("tiny model %s was built concurrently; using it", final)
+            logger.debug("model folder %s was built concurrently; using it", final)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)

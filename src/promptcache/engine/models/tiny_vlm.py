@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +27,7 @@ from .tiny_models import (
     EOS_TOKEN,
     PAD_TOKEN,
     _tokenizer_config,
+    ensure_built,
     tokenizer_json,
 )
 
@@ -152,23 +151,4 @@ def build_tiny_vlm(out_dir: str | os.PathLike[str], seed: int = 2001, **sizes: i
 
 def ensure_tiny_vlm(cache_root: str | os.PathLike[str]) -> Path:
     """``cache_root/tiny-llava-v<N>``, built first (into a temporary folder, renamed)."""
-    root = Path(cache_root)
-    final = root / f"tiny-llava-v{TINY_VLM_VERSION}"
-    if (final / "config.json").is_file():
-        return final
-    root.mkdir(parents=True, exist_ok=True)
-    if final.exists():
-        shutil.rmtree(final, ignore_errors=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=root))
-    try:
-        build_tiny_vlm(tmp)
-        tmp.chmod(0o755)
-        try:
-            os.rename(tmp, final)
-        except OSError:
-            if not (final / "config.json").is_file():
-                raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return final
+    return ensure_built(Path(cache_root) / f"tiny-llava-v{TINY_VLM_VERSION}", build_tiny_vlm)
