@@ -1,7 +1,7 @@
 """The FastAPI app factory: ``create_app(engine, server_config)``.
 
 Wiring only: routers (openai, responses, anthropic, admin), exception handlers, the
-authentication/scoping middleware, the request log (every 4xx with its reason;
+authentication/scoping middleware, the dashboard (``dashboard.py``), the request log (every 4xx with its reason;
 ``--log-requests``), ``HEAD /`` / ``GET /`` (Claude Code sends ``HEAD /`` before its
 requests), and per app one ``ServerState`` (its own metrics registry, hit-rate monitor
 and authenticator: no global state), one ``Preparer`` (prompt rendering off the event
@@ -20,7 +20,7 @@ from starlette.requests import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ..config import EngineConfig, ServerConfig
-from . import admin, anthropic, openai, responses
+from . import admin, anthropic, dashboard, openai, responses
 from .alerts import HitRateMonitor
 from .auth import Authenticator, load_api_keys
 from .common import Preparer
@@ -105,6 +105,7 @@ def create_app(engine: Any, server_config: ServerConfig | None = None, *,
     app.include_router(responses.router)
     app.include_router(anthropic.router)
     app.include_router(admin.router)
+    app.include_router(dashboard.router)
     app.add_middleware(ScopeMiddleware, auth=auth)
     log_dir = config.log_requests_dir
     app.add_middleware(RequestLog, directory=log_dir,

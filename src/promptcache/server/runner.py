@@ -17,7 +17,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,9 +32,10 @@ from ..engine.api import (
     TokenEvent,
 )
 from ..errors import OverloadedError
-from .alerts import HitRateMonitor
+from .alerts import HitRateMonitor, miss_cause
 from .auth import Authenticator, Scope
 from .errors import APIError
+from .history import RequestHistory
 from .images import ImageCollector
 from .metrics import ServerMetrics
 
@@ -54,6 +55,10 @@ class ServerState:
     metrics: ServerMetrics
     aliases: frozenset[str] = frozenset()
     started_at: float = field(default_factory=time.time)
+    # the recent finished requests the dashboard draws (server/history.py)
+    history: RequestHistory = field(default_factory=RequestHistory)
+    # extra dashboard panels: tenant scope (None: every tenant) -> {name: data}
+    panels: list[Callable[[str | None], dict[str, Any]]] = field(default_factory=list)
 
     @property
     def model_id(self) -> str:
@@ -194,6 +199,11 @@ class Generation:
                                      u.completion_tokens, ttft)
             s.monitor.record(u.prompt_tokens, u.cached_tokens, result.miss_reason)
         rate = s.monitor.hit_rate()
+        if result.finish_reason != "cancelled":
+            s.history.record(api=self.api, tenant=self.request.tenant,
+                             session=self.scope.session_id, prompt_tokens=u.prompt_tokens,
+                             cached_tokens=u.cached_tokens, ttft_s=ttft,
+                             cause=miss_cause(result.miss_reason), rolling_hit_rate=rate)
         if rate is not None:
             s.metrics.rolling_hit_rate.set(rate)
         s.metrics.alert.set(1 if s.monitor.alerting else 0)
