@@ -628,6 +628,81 @@ class PromptCache:
                     self._on_tier_error(tier, e)
             return count
 
+    # ---- export / import (``packs.py`` builds portable packs on these three) -----
+    def ram_metas(self, ns: Namespace, session_id: str | None = None) -> list[BlockMeta]:
+        """The metadata of the RAM blocks of ``ns`` (of one session's, if given)."""
+        with self._lock:
+            return [b.meta() for b in self.pool.blocks()
+                    if b.block_hash is not None and b.ns == ns
+                    and (session_id is None or session_id in b.sessions)]
+
+    def read_block(self, block_hash: BlockHash, ns: Namespace
+                   ) -> tuple[BlockMeta, bytes, tuple[str, ...]] | None:
+        """A stored block as ``(meta, payload bytes in the codec, sessions)``: from RAM
+        (encoded here) or else the first lower tier that has it (bytes as stored,
+        checksum-verified by the tier). None if no tier has it. The RAM LRU order
+        does not change (a lower tier may count the read as a hit)."""
+        with self._lock:
+            block = self.pool.get(block_hash)
+            ram = None
+            if block is not None and block.ns == ns:
+                ram = (block.meta(), self._source(block), tuple(block.sessions))
+        if ram is not None:  # payloads are immutable: encode without holding the lock
+            return ram[0], ram[1].encode(), ram[2]
+        with self._lock:
+            for tier in self.lower:
+                try:
+                    found = tier.get_meta(block_hash, ns=ns)
+                    data = tier.get(block_hash, ns=ns) if found is not None else None
+                    if found is None or data is None:
+                        continue
+                    return found, data, tuple(tier.sessions_of(block_hash, ns=ns))
+                except Exception as e:
+                    self._on_tier_error(tier, e)
+            return None
+
+    def import_block(self, meta: BlockMeta, data: bytes, sessions: Sequence[str],
+                     ns: Namespace) -> bool:
+        """Add one verified block (``packs.read_pack`` checked its chain hash, digest and
+        namespace): into RAM when it fits (handed to the write-through tiers like a
+        stored block), else straight into every lower tier (with back-pressure). A
+        block already in RAM only gains the sessions. True if the block was added."""
+        with self._lock:
+            self._now = self._clock()
+            existing = self.pool.get(meta.block_hash)
+            if existing is not None:
+                for sid in sessions:
+                    existing.add_session(sid)
+                return False
+            arrays, payload_meta = self._dec(data)
+            if payload_meta.get("block_hash") != meta.block_hash.hex():
+                raise ValueError("the payload belongs to another block")
+            payload = self.adapter.from_numpy(arrays, payload_meta)
+            nbytes = self.adapter.nbytes(payload)
+            if self.pool.can_allocate(nbytes):
+                flags = (TRUNCATABLE if meta.truncatable else 0) | (SNAPSHOT if meta.snapshot else 0)
+                block = self.pool.allocate(
+                    block_hash=meta.block_hash, parent_hash=meta.parent_hash,
+                    tokens=np.asarray(meta.token_ids, dtype="<u4").tobytes(), start=meta.start,
+                    extra_keys=tuple(meta.extra_keys), flags=flags, ns=ns, payload=payload,
+                    nbytes=nbytes, now=self._now)
+                for sid in sessions:
+                    block.add_session(sid)
+                self.gone.forget(meta.block_hash)
+                if self.lower:
+                    self._writer.offer(block)
+                self.pool.release_chain([block])
+                return True
+            stored = False
+            for tier in self.lower:
+                try:
+                    stored = bool(tier.put(meta, data, tuple(sessions), timeout=None)) or stored
+                except Exception as e:
+                    self._on_tier_error(tier, e)
+            if not stored:
+                self._c.drops += 1
+            return stored
+
     # ---- stats -----------------------------------------------------------------
     def stats(self) -> CacheStats:
         with self._lock:

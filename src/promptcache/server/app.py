@@ -20,7 +20,7 @@ from starlette.requests import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ..config import EngineConfig, ServerConfig
-from . import admin, anthropic, dashboard, openai, responses
+from . import admin, anthropic, dashboard, openai, packs_api, responses
 from .alerts import HitRateMonitor
 from .auth import Authenticator, load_api_keys
 from .common import Preparer
@@ -106,6 +106,7 @@ def create_app(engine: Any, server_config: ServerConfig | None = None, *,
     app.include_router(anthropic.router)
     app.include_router(admin.router)
     app.include_router(dashboard.router)
+    app.include_router(packs_api.router)
     app.add_middleware(ScopeMiddleware, auth=auth)
     log_dir = config.log_requests_dir
     app.add_middleware(RequestLog, directory=log_dir,
