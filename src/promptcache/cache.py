@@ -628,6 +628,37 @@ class PromptCache:
                     self._on_tier_error(tier, e)
             return count
 
+    # ---- sessions (listing; ``sessions.py`` reaps idle ones) ---------------------
+    def sessions(self, tenant: str | None = None) -> list[dict[str, Any]]:
+        """Every session with blocks, per tier: ``{"tenant", "session_id", "tiers":
+        {"ram": {"blocks", "bytes"}, "<tier>": {"blocks", "bytes", "last_use"}}}`` (a
+        lower tier that can list its sessions reports the wall-clock time its blocks
+        were last used), sorted by tenant and session."""
+        out: dict[tuple[str, str], dict[str, Any]] = {}
+
+        def row(t: str, sid: str) -> dict[str, Any]:
+            return out.setdefault((t, sid), {"tenant": t, "session_id": sid, "tiers": {}})
+
+        with self._lock:
+            for b in self.pool.blocks():
+                if b.block_hash is None or (tenant is not None and b.ns.tenant != tenant):
+                    continue
+                for sid in b.sessions:
+                    ram = row(b.ns.tenant, sid)["tiers"].setdefault("ram", {"blocks": 0, "bytes": 0})
+                    ram["blocks"] += 1
+                    ram["bytes"] += b.nbytes
+            for tier in self.lower:
+                listing = getattr(tier, "sessions", None)
+                if listing is None:
+                    continue
+                try:
+                    for t, sid, n, nbytes, last in listing(tenant):
+                        row(t, sid)["tiers"][tier.name] = {"blocks": n, "bytes": nbytes,
+                                                           "last_use": last}
+                except Exception as e:
+                    self._on_tier_error(tier, e)
+        return [out[k] for k in sorted(out)]
+
     # ---- export / import (``packs.py`` builds portable packs on these three) -----
     def ram_metas(self, ns: Namespace, session_id: str | None = None) -> list[BlockMeta]:
         """The metadata of the RAM blocks of ``ns`` (of one session's, if given)."""

@@ -230,6 +230,8 @@ class ServerConfig:
     # responses kept for previous_response_id / GET /v1/responses/{id} (bounded, in RAM)
     responses_store_size: int = 256
     images: ImageLimits = field(default_factory=ImageLimits)
+    # sessions unused for this long are deleted from every tier (None: kept)
+    session_ttl_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.context_window is not None and self.context_window < 2:
@@ -239,5 +241,7 @@ class ServerConfig:
                              f"got {self.max_tokens_overflow!r}")
         if not self.keepalive_s > 0:
             raise ValueError(f"keepalive_s must be > 0, got {self.keepalive_s}")
+        if self.session_ttl_s is not None and not self.session_ttl_s > 0:
+            raise ValueError(f"session_ttl_s must be > 0, got {self.session_ttl_s}")
         if self.responses_store_size < 0:
             raise ValueError(f"responses_store_size must be >= 0, got {self.responses_store_size}")

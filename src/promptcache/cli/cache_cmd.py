@@ -1,5 +1,5 @@
 """`promptcache cache stats | ls | check [--fix] | purge [--tenant T] [--older-than D]`
-(and ``export`` / ``import``: ``pack_cmd.py``).
+(and ``export`` / ``import``: ``pack_cmd.py``; ``sessions``: ``sessions_cmd.py``).
 
 ``--cache-dir DIR`` is the SSD tier's folder (``SSDConfig.path``; default
 ``$PROMPTCACHE_HOME/blocks``). ``check`` exits with status 1 when it finds
@@ -51,9 +51,10 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     ls.add_argument("--limit", type=int, default=50, help="at most this many rows (0: all)")
     chk = add("check", "compare the index with the files")
     chk.add_argument("--fix", action="store_true", help="repair what is found")
-    from . import pack_cmd
+    from . import pack_cmd, sessions_cmd
 
     pack_cmd.register(csub, add)
+    sessions_cmd.register(csub, add)
     pg = add("purge", "delete blocks")
     pg.add_argument("--tenant", default=None, help="only this tenant")
     pg.add_argument("--older-than", default=None, help="only blocks unused for D (7d, 12h, 30m)")

@@ -69,6 +69,12 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                    default=CacheConfig.persist_timeout_s,
                    help="seconds a clean shutdown may spend writing the RAM blocks the SSD "
                         "lacks (default %(default)s; what is left is logged by name)")
+    p.add_argument("--ttl", default=None,
+                   help="drop cached blocks unused for this long, in RAM and on the SSD "
+                        "(30m, 12h, 7d; default: kept until evicted)")
+    p.add_argument("--session-ttl", default=None,
+                   help="delete sessions unused for this long from every tier (blocks "
+                        "shared with a live session stay; 1h, 7d; default: kept)")
     p.add_argument("--no-ssd", action="store_true", help="RAM tier only")
     p.add_argument("--no-cache", action="store_true", help="disable the prompt cache")
     p.add_argument("--redis-url", default=None,
@@ -144,8 +150,12 @@ def build_configs(args: argparse.Namespace) -> tuple[
         ram = parse_size(args.ram_budget, total=psutil.virtual_memory().available)
     if args.shutdown_persist_timeout < 0:
         raise ValueError(f"--shutdown-persist-timeout must be >= 0, got {args.shutdown_persist_timeout}")
+    from .cache_cmd import parse_duration
+
+    ttl = parse_duration(args.ttl) if args.ttl is not None else None
+    session_ttl = parse_duration(args.session_ttl) if args.session_ttl is not None else None
     cache_cfg = CacheConfig(block_size=args.block_size, ram_budget_bytes=ram,
-                            enabled=not args.no_cache,
+                            enabled=not args.no_cache, ttl_seconds=ttl,
                             persist_timeout_s=args.shutdown_persist_timeout)
     ssd_cfg = None
     if not args.no_cache and not args.no_ssd:
@@ -153,7 +163,7 @@ def build_configs(args: argparse.Namespace) -> tuple[
         path.mkdir(parents=True, exist_ok=True)
         budget = parse_size(args.ssd_budget, total=shutil.disk_usage(path).free)
         ssd_cfg = SSDConfig(path=path, budget_bytes=budget, policy=args.ssd_policy,
-                            queue_size=args.ssd_queue_size)
+                            queue_size=args.ssd_queue_size, ttl_seconds=ttl)
     chunk = max(args.block_size, (256 // args.block_size) * args.block_size)
     if args.default_max_tokens < 1:
         raise ValueError(f"--default-max-tokens must be >= 1, got {args.default_max_tokens}")
@@ -183,7 +193,8 @@ def build_configs(args: argparse.Namespace) -> tuple[
                                   max_pixels=args.max_image_pixels,
                                   max_images=args.max_images,
                                   allow_local_files=args.allow_local_images,
-                                  allow_urls=args.allow_image_urls))
+                                  allow_urls=args.allow_image_urls),
+                              session_ttl_s=session_ttl)
     return engine_cfg, cache_cfg, ssd_cfg, server_cfg
 
 

@@ -20,7 +20,8 @@ from starlette.requests import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ..config import EngineConfig, ServerConfig
-from . import admin, anthropic, dashboard, openai, packs_api, responses
+from ..sessions import SessionReaper
+from . import admin, anthropic, dashboard, openai, packs_api, responses, sessions_api
 from .alerts import HitRateMonitor
 from .auth import Authenticator, load_api_keys
 from .common import Preparer
@@ -84,10 +85,17 @@ def create_app(engine: Any, server_config: ServerConfig | None = None, *,
         aliases=frozenset(BASE_ALIASES) | frozenset(a for a in model_aliases if a),
     )
     preparer = Preparer(engine)
+    cache = getattr(engine, "cache", None)
+    if config.session_ttl_s is not None and cache is not None:
+        state.sessions = SessionReaper(cache, config.session_ttl_s)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        if state.sessions is not None:
+            state.sessions.start()
         yield
+        if state.sessions is not None:
+            state.sessions.close()
         preparer.close()
 
     app = FastAPI(title="promptcache", version="0.1.0", lifespan=lifespan,
@@ -107,6 +115,7 @@ def create_app(engine: Any, server_config: ServerConfig | None = None, *,
     app.include_router(admin.router)
     app.include_router(dashboard.router)
     app.include_router(packs_api.router)
+    app.include_router(sessions_api.router)
     app.add_middleware(ScopeMiddleware, auth=auth)
     log_dir = config.log_requests_dir
     app.add_middleware(RequestLog, directory=log_dir,

@@ -32,6 +32,7 @@ from ..engine.api import (
     TokenEvent,
 )
 from ..errors import OverloadedError
+from ..sessions import SessionReaper
 from .alerts import HitRateMonitor, miss_cause
 from .auth import Authenticator, Scope
 from .errors import APIError
@@ -59,6 +60,8 @@ class ServerState:
     history: RequestHistory = field(default_factory=RequestHistory)
     # extra dashboard panels: tenant scope (None: every tenant) -> {name: data}
     panels: list[Callable[[str | None], dict[str, Any]]] = field(default_factory=list)
+    # --session-ttl: deletes idle sessions (sessions.py); touched by every request
+    sessions: SessionReaper | None = None
 
     @property
     def model_id(self) -> str:
@@ -114,6 +117,8 @@ class ServerState:
         except OverloadedError:
             self.metrics.observe_failure(api, "overloaded")
             raise
+        if self.sessions is not None:
+            self.sessions.touch(scope.tenant, scope.session_id)
         return Generation(self, api, http_request, req, handle, scope)
 
 
@@ -199,6 +204,8 @@ class Generation:
                                      u.completion_tokens, ttft)
             s.monitor.record(u.prompt_tokens, u.cached_tokens, result.miss_reason)
         rate = s.monitor.hit_rate()
+        if s.sessions is not None:
+            s.sessions.touch(self.scope.tenant, self.scope.session_id)
         if result.finish_reason != "cancelled":
             s.history.record(api=self.api, tenant=self.request.tenant,
                              session=self.scope.session_id, prompt_tokens=u.prompt_tokens,

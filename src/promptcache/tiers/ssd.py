@@ -242,6 +242,13 @@ class SSDTier(SSDWriter):
             return list(self._index.iter_rows(where + " ORDER BY last_access DESC, hash", params))
 
     @tier_errors
+    def sessions(self, tenant: str | None = None) -> list[tuple[str, str, int, int, float]]:
+        """``(tenant, session, blocks, bytes, last use)`` per session (``last use``: the
+        latest access of its blocks, wall-clock seconds), most recently used first."""
+        with self._lock:
+            return self._index.sessions(tenant)
+
+    @tier_errors
     def tenants(self) -> list[tuple[str, int, int]]:
         with self._lock:
             return self._index.tenants()
