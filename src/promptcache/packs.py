@@ -358,21 +358,19 @@ def collect(cache: _Cache, ns: Namespace, *, tokens: Sequence[int] | None = None
         wanted += _lower_hashes(cache, ns, session_id)
     got: dict[BlockHash, PackBlock] = {}
     todo = list(dict.fromkeys(wanted))
-    total = len(todo)
+    queued = set(todo)
     while todo:
         h = todo.pop()
-        if h in got or h == ns.root:
-            continue
         rec = cache.read_block(h, ns)
         if rec is None:
             raise PackError(f"block {h.hex()[:16]} vanished during the export; try again")
         meta, data, sessions = rec
         got[h] = PackBlock(meta, data, sessions)
-        if meta.parent_hash != ns.root and meta.parent_hash not in got:
+        if meta.parent_hash != ns.root and meta.parent_hash not in queued:
             todo.append(meta.parent_hash)
-            total += 1
+            queued.add(meta.parent_hash)
         if progress is not None:
-            progress(len(got), total)
+            progress(len(got), len(queued))
     return order_blocks(got.values())
 
 

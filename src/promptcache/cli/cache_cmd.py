@@ -17,6 +17,7 @@ from pathlib import Path
 
 from ..config import SSDConfig
 from ..tiers.ssd import SSDTier
+from .progress import progress_bar
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*$", re.IGNORECASE)
 _UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
@@ -100,7 +101,8 @@ def run(args: argparse.Namespace) -> int:
                 )
             return 0
         if cmd == "check":
-            report = tier.check(fix=args.fix)
+            with progress_bar("checking the cache folder") as bar:
+                report = tier.check(fix=args.fix, progress=bar)
             print(json.dumps(report.to_dict(), indent=2))
             if report.problems and not args.fix:
                 print(
