@@ -123,6 +123,10 @@ class PromptCache:
             self.pool, self.lower, self.gone,
             is_expired=self._is_expired, on_tier_error=self._on_tier_error,
         )
+        # ops hooks (``advisor.py``): ``evicted(meta)`` for every evicted block,
+        # ``acquired(tokens, ns, spans, hit_tokens, miss)`` after every acquire; called
+        # under the lock, must be cheap, and may not fail a call (errors are logged)
+        self.observers: list[Any] = []
 
     # ---- codec (lazy: the SSD side provides it) ---------------------------------
     def _enc(self, arrays: Mapping[str, np.ndarray], meta: Mapping[str, str]) -> bytes:
@@ -178,10 +182,19 @@ class PromptCache:
     def _is_live(self, block: Block) -> bool:
         return block.block_hash is not None and self.pool.get(block.block_hash) is block
 
+    def _notify(self, event: str, *args: Any) -> None:
+        for obs in self.observers:
+            try:
+                getattr(obs, event)(*args)
+            except Exception:
+                logger.exception("cache observer %r failed on %s", obs, event)
+
     def _on_block_evicted(self, block: Block) -> None:
         """The demotion hook: every evicted block passes here exactly once."""
         self._c.evictions += 1
         h = block.block_hash
+        if self.observers and h is not None:
+            self._notify("evicted", block.meta())
         if h is not None:
             self.gone.record(h, block.parent_hash, EVICTED)
         if self.lower and not block.persisted and h is not None:
@@ -237,6 +250,8 @@ class PromptCache:
             c.hit_tokens_by_tier.update(by_tier)
             if miss is not None:
                 c.misses_by_cause[miss.cause] += 1
+            if self.observers:
+                self._notify("acquired", req, ns, spans, num, miss)
             return Hit(held, num, req.n, dict(by_tier), sources, miss)
 
     def _take(self, entries: list[Entry], num_tokens: int, ns: Namespace, n: int
@@ -627,6 +642,21 @@ class PromptCache:
                 except Exception as e:
                     self._on_tier_error(tier, e)
             return count
+
+    # ---- RAM budget (``autotune.py`` moves it within its bounds) -----------------
+    def resize_ram(self, budget_bytes: int) -> int:
+        """Set the RAM budget; shrinking evicts (demotes) LRU blocks. Blocks in use are
+        never evicted, so the budget set may stay above ``budget_bytes`` by what they
+        hold. Returns the budget in force."""
+        if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes < 0:
+            raise ValueError(f"budget_bytes must be a non-negative integer, got {budget_bytes!r}")
+        with self._lock:
+            self._now = self._clock()
+            pool = self.pool
+            while pool.used_bytes > budget_bytes and pool.evict() is not None:
+                pass
+            pool.budget_bytes = max(budget_bytes, pool.used_bytes)
+            return pool.budget_bytes
 
     # ---- sessions (listing; ``sessions.py`` reaps idle ones) ---------------------
     def sessions(self, tenant: str | None = None) -> list[dict[str, Any]]:

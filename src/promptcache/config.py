@@ -232,6 +232,10 @@ class ServerConfig:
     images: ImageLimits = field(default_factory=ImageLimits)
     # sessions unused for this long are deleted from every tier (None: kept)
     session_ttl_s: float | None = None
+    # --auto-tune: move the RAM budget within [min, max] (autotune.py)
+    auto_tune: bool = False
+    ram_budget_min_bytes: int | None = None
+    ram_budget_max_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if self.context_window is not None and self.context_window < 2:
@@ -243,5 +247,10 @@ class ServerConfig:
             raise ValueError(f"keepalive_s must be > 0, got {self.keepalive_s}")
         if self.session_ttl_s is not None and not self.session_ttl_s > 0:
             raise ValueError(f"session_ttl_s must be > 0, got {self.session_ttl_s}")
+        lo, hi = self.ram_budget_min_bytes, self.ram_budget_max_bytes
+        if (lo is not None and lo < 0) or (hi is not None and hi < 0) or (
+                lo is not None and hi is not None and lo > hi):
+            raise ValueError(f"the auto-tune RAM bounds must satisfy 0 <= min <= max, "
+                             f"got [{lo}, {hi}]")
         if self.responses_store_size < 0:
             raise ValueError(f"responses_store_size must be >= 0, got {self.responses_store_size}")

@@ -75,6 +75,13 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--session-ttl", default=None,
                    help="delete sessions unused for this long from every tier (blocks "
                         "shared with a live session stay; 1h, 7d; default: kept)")
+    p.add_argument("--auto-tune", action="store_true",
+                   help="move the RAM budget within --ram-budget-min/max from memory "
+                        "pressure and the evicted-before-reuse rate (logs every change)")
+    p.add_argument("--ram-budget-min", default=None,
+                   help="auto-tune lower bound (512MB, 5%%; default: 100MB or the budget)")
+    p.add_argument("--ram-budget-max", default=None,
+                   help="auto-tune upper bound (8GB, 40%%; default: twice the budget)")
     p.add_argument("--no-ssd", action="store_true", help="RAM tier only")
     p.add_argument("--no-cache", action="store_true", help="disable the prompt cache")
     p.add_argument("--redis-url", default=None,
@@ -154,6 +161,11 @@ def build_configs(args: argparse.Namespace) -> tuple[
 
     ttl = parse_duration(args.ttl) if args.ttl is not None else None
     session_ttl = parse_duration(args.session_ttl) if args.session_ttl is not None else None
+    avail = psutil.virtual_memory().available
+    bounds = tuple(None if v is None else parse_size(v, total=avail)
+                   for v in (args.ram_budget_min, args.ram_budget_max))
+    if (bounds[0] is not None or bounds[1] is not None) and not args.auto_tune:
+        raise ValueError("--ram-budget-min / --ram-budget-max need --auto-tune")
     cache_cfg = CacheConfig(block_size=args.block_size, ram_budget_bytes=ram,
                             enabled=not args.no_cache, ttl_seconds=ttl,
                             persist_timeout_s=args.shutdown_persist_timeout)
@@ -194,7 +206,8 @@ def build_configs(args: argparse.Namespace) -> tuple[
                                   max_images=args.max_images,
                                   allow_local_files=args.allow_local_images,
                                   allow_urls=args.allow_image_urls),
-                              session_ttl_s=session_ttl)
+                              session_ttl_s=session_ttl, auto_tune=args.auto_tune,
+                              ram_budget_min_bytes=bounds[0], ram_budget_max_bytes=bounds[1])
     return engine_cfg, cache_cfg, ssd_cfg, server_cfg
 
 

@@ -17,6 +17,7 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from ..advisor import diagnose
 from ..meta import validate_tenant
 from .auth import validate_session_id
 from .common import state_of
@@ -84,9 +85,23 @@ def stats_payload(st: Any) -> dict[str, Any]:
     vision = getattr(st.engine, "vision_encoder", None)
     if vision is not None:  # a vision-language model: the vision-embedding cache's line
         out["vision"] = vision.stats()
+    if st.advisor is not None:
+        out["diagnosis"] = diagnosis_of(st, stats)
+    if st.tuner is not None:
+        out["auto_tune"] = st.tuner.snapshot()
     if error:
         out["error"] = error
     return out
+
+
+def diagnosis_of(st: Any, stats: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The automated diagnosis (``advisor.diagnose``) over the advisor's window."""
+    if stats is None:
+        stats = cache_stats_dict(st.engine)
+    adv = st.advisor
+    d = diagnose(adv.window(), stats, recommended_budget=adv.recommended_budget())
+    d["alerting"] = st.monitor.alerting
+    return d
 
 
 @router.get("/v1/cache/stats")

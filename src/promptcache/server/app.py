@@ -19,6 +19,8 @@ from fastapi import FastAPI
 from starlette.requests import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from ..advisor import EvictionAdvisor
+from ..autotune import AutoTuner
 from ..config import EngineConfig, ServerConfig
 from ..sessions import SessionReaper
 from . import admin, anthropic, dashboard, openai, packs_api, responses, sessions_api
@@ -88,14 +90,29 @@ def create_app(engine: Any, server_config: ServerConfig | None = None, *,
     cache = getattr(engine, "cache", None)
     if config.session_ttl_s is not None and cache is not None:
         state.sessions = SessionReaper(cache, config.session_ttl_s)
+    if cache is not None and hasattr(cache, "observers"):
+        advisor = EvictionAdvisor(cache)
+        cache.observers.append(advisor)
+        state.advisor = advisor
+        state.monitor.explain = lambda: admin.diagnosis_of(state).get("summary")
+        if config.auto_tune:
+            budget = int(cache.pool.budget_bytes)
+            state.tuner = AutoTuner(
+                cache, advisor,
+                min_bytes=config.ram_budget_min_bytes if config.ram_budget_min_bytes
+                is not None else min(budget, 100 * 1024**2),
+                max_bytes=config.ram_budget_max_bytes if config.ram_budget_max_bytes
+                is not None else 2 * budget)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        if state.sessions is not None:
-            state.sessions.start()
+        for worker in (state.sessions, state.tuner):
+            if worker is not None:
+                worker.start()
         yield
-        if state.sessions is not None:
-            state.sessions.close()
+        for worker in (state.sessions, state.tuner):
+            if worker is not None:
+                worker.close()
         preparer.close()
 
     app = FastAPI(title="promptcache", version="0.1.0", lifespan=lifespan,

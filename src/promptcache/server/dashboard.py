@@ -58,9 +58,11 @@ def dashboard_data(st: Any, tenant: str | None) -> dict[str, Any]:
         "stats": stats_payload(st),
         "requests": st.history.summary(tenant),
         "engine": engine_load(st),
+        "diagnosis": None,
         "server": {"model": st.model_id, "uptime_s": round(time.time() - st.started_at, 3),
                    "tenant_scope": tenant, "generated_at": time.time()},
     }
+    out["diagnosis"] = out["stats"].get("diagnosis")
     for panel in st.panels:  # more panels (diagnosis, sessions) plug in here
         try:
             out.update(panel(tenant))

@@ -23,6 +23,8 @@ from typing import Any
 
 from fastapi import Request
 
+from ..advisor import EvictionAdvisor
+from ..autotune import AutoTuner
 from ..config import EngineConfig, ServerConfig
 from ..engine.api import (
     GenerationRequest,
@@ -62,6 +64,10 @@ class ServerState:
     panels: list[Callable[[str | None], dict[str, Any]]] = field(default_factory=list)
     # --session-ttl: deletes idle sessions (sessions.py); touched by every request
     sessions: SessionReaper | None = None
+    # the automated diagnosis (advisor.py) and --auto-tune (autotune.py), when the
+    # engine has a cache
+    advisor: EvictionAdvisor | None = None
+    tuner: AutoTuner | None = None
 
     @property
     def model_id(self) -> str:
