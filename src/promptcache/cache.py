@@ -643,6 +643,44 @@ class PromptCache:
                     self._on_tier_error(tier, e)
             return count
 
+    # ---- quarantine (``engine/shadow.py``: a block that failed verification) ------
+    def quarantine_chain(self, block_hash: BlockHash, ns: Namespace) -> int:
+        """Remove the block and every block chained after it (its descendants) from
+        RAM and every lower tier, so nothing restores from it again. Returns the
+        number of distinct blocks removed."""
+        with self._lock:
+            doomed: list[BlockHash] = []
+            seen: set[BlockHash] = set()
+            todo = [block_hash]
+            while todo:
+                h = todo.pop()
+                if h in seen:
+                    continue
+                seen.add(h)
+                doomed.append(h)
+                todo.extend(b.block_hash for b in self.pool.children(h)
+                            if b.block_hash is not None and b.ns == ns)
+                for tier in self.lower:
+                    try:
+                        todo.extend(m.block_hash for m in tier.children(h, ns=ns))
+                    except Exception as e:
+                        self._on_tier_error(tier, e)
+            present: set[BlockHash] = set()
+            for h in doomed:
+                block = self.pool.get(h)
+                if block is not None and self.pool.remove(block):
+                    present.add(h)
+            for tier in self.lower:
+                try:
+                    present.update(m.block_hash for m in tier.get_metas(doomed, ns=ns)
+                                   if m is not None)
+                    tier.discard(doomed, ns=ns)
+                except Exception as e:
+                    self._on_tier_error(tier, e)
+            logger.warning("quarantined the chain from block %s: %d blocks",
+                           block_hash.hex()[:16], len(present))
+            return len(present)
+
     # ---- RAM budget (``autotune.py`` moves it within its bounds) -----------------
     def resize_ram(self, budget_bytes: int) -> int:
         """Set the RAM budget; shrinking evicts (demotes) LRU blocks. Blocks in use are
