@@ -85,6 +85,11 @@ def stats_payload(st: Any) -> dict[str, Any]:
     vision = getattr(st.engine, "vision_encoder", None)
     if vision is not None:  # a vision-language model: the vision-embedding cache's line
         out["vision"] = vision.stats()
+    shadow = getattr(st.engine, "shadow", None)
+    if shadow is not None:  # engine/shadow.py: a mismatch raises the alert too
+        out["shadow"] = shadow.snapshot()
+        out["alert"]["shadow_mismatch"] = bool(shadow.alerting)
+        out["alert"]["active"] = bool(out["alert"]["active"] or shadow.alerting)
     if st.advisor is not None:
         out["diagnosis"] = diagnosis_of(st, stats)
     if st.tuner is not None:

@@ -119,7 +119,13 @@
     const causes = Object.entries((c && c.misses_by_cause) || {}).sort((a, b) => b[1] - a[1]);
     fill("causes", causes.map(([k, v]) => (tr) => { cell(tr, k); cell(tr, int(v), "num"); }));
     const diag = data.diagnosis;
-    $("diagnosis").textContent = diag && diag.summary ? diag.summary : "";
+    const shadow = stats.shadow;
+    let text = diag && diag.summary ? diag.summary : "";
+    if (shadow && shadow.mismatches) {
+      text = "shadow verification: " + shadow.mismatches + " mismatch(es) of " + shadow.checked +
+        " checks, " + shadow.quarantined_blocks + " blocks quarantined. " + text;
+    }
+    $("diagnosis").textContent = text;
     const who = (rows) => (rows || []).map((r) => (tr) => {
       cell(tr, r.id); cell(tr, int(r.requests), "num"); cell(tr, int(r.prompt_tokens), "num"); cell(tr, pct(r.hit_rate), "num");
     });
