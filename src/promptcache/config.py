@@ -174,6 +174,9 @@ class EngineConfig:
     active_kv_budget_bytes: int | None = None
     # decode rows in one batched forward (more wait at the next chunk boundary)
     max_batch_size: int = 32
+    # shadow verification (engine/shadow.py): the fraction of cache hits recomputed in
+    # idle time and compared with the stored blocks (0 = off)
+    shadow_verify_fraction: float = 0.0
 
     def __post_init__(self) -> None:
         if self.prefill_chunk_tokens < 1:
@@ -189,6 +192,9 @@ class EngineConfig:
                 f"active_kv_budget_bytes must be > 0 or None, got {self.active_kv_budget_bytes}")
         if self.max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
+        if not 0.0 <= self.shadow_verify_fraction <= 1.0:
+            raise ValueError("shadow_verify_fraction must be in [0, 1], got "
+                             f"{self.shadow_verify_fraction}")
 
 
 @dataclass(frozen=True)

@@ -40,11 +40,15 @@ def test_quarantine_removes_the_chain_from_a_block_in_every_tier(tmp_path: Path)
     cache.close(persist=False)
 
 
-def _engine(path: Path):  # type: ignore[no-untyped-def]
+def _engine(path: Path, *, fraction: float = 0.0, ssd: Path | None = None):  # type: ignore[no-untyped-def]
+    from promptcache.cli.wiring import build_cache
     from promptcache.engine.engine import Engine
 
-    return Engine.load(path, EngineConfig(prefill_chunk_tokens=16),
-                       CacheConfig(block_size=BS, ram_budget_bytes=64 * 1024**2))
+    cfg = CacheConfig(block_size=BS, ram_budget_bytes=64 * 1024**2)
+    ssd_cfg = SSDConfig(path=ssd, fsync=False, policy="write_through") if ssd else None
+    return Engine.load(path, EngineConfig(prefill_chunk_tokens=16,
+                                          shadow_verify_fraction=fraction),
+                       cfg, cache=build_cache(cfg, ssd_cfg))
 
 
 def _tokens(n: int, seed: int) -> list[int]:
@@ -110,5 +114,63 @@ def test_correct_hits_pass_for_every_cache_kind(tiny_kind_and_path) -> None:  # 
         _drain(shadow)
         assert shadow.counts["checked"] >= 1, (kind, shadow.snapshot())
         assert shadow.counts["mismatches"] == 0 and not shadow.alerting, (kind, shadow.snapshot())
+    finally:
+        eng.close()
+
+
+def test_in_the_engine_a_swapped_ssd_payload_is_caught_in_idle_time_only(
+        tiny_llama_path: Path, tmp_path: Path) -> None:
+    """The engine verifies every hit (fraction 1) between requests: the SSD copy of a
+    block is replaced by another block's payload re-labelled with its hash (the
+    checksum of the bytes written is valid); the next hit restores it, the verifier
+    catches it, quarantines the chain in RAM and on the SSD, counts it, raises the
+    alert; and no verification chunk ever ran while a request was active or waiting."""
+    import time
+
+    from promptcache import codec
+    from promptcache.engine.api import GenerationRequest, SamplingParams
+    from promptcache.engine.payload import MLXPayloadAdapter
+
+    eng = _engine(tiny_llama_path, fraction=1.0, ssd=tmp_path / "ssd")
+    try:
+        cache, shadow = eng.cache, eng.shadow
+        assert shadow is not None and shadow in cache.observers
+        seen: list[bool] = []
+        advance = shadow._advance
+
+        def recording(job):  # type: ignore[no-untyped-def]
+            seen.append(eng.scheduler.idle and not eng.admission.has_ready)
+            return advance(job)
+
+        shadow._advance = recording  # type: ignore[method-assign]
+        ns = eng.namespace("default")
+        a, b = _tokens(40, 1), _tokens(40, 2)
+        eng.generate(a, max_tokens=2)
+        eng.generate(b, max_tokens=2)
+        assert cache.flush(60)
+        victim = cache.lookup(a, ns).blocks[2]
+        donor = cache.pool.get(cache.lookup(b, ns).blocks[2].block_hash)
+        ad = MLXPayloadAdapter()
+        forged = codec.encode(ad.to_numpy(donor.payload),
+                              {**ad.meta(donor.payload), "block_hash": victim.block_hash.hex()})
+        ssd = cache.lower[0]
+        assert ssd.put(victim, forged, timeout=None) and ssd.flush(60)
+        cache.evict()  # every block now comes back from the SSD
+        # the hit that restores the forged block, and more requests right behind it
+        handles = [eng.submit(GenerationRequest(prompt_tokens=tuple(p),
+                                                sampling=SamplingParams(max_tokens=3)))
+                   for p in (a + [4, 5, 6], _tokens(60, 5), _tokens(50, 6), b + [7])]
+        results = [h.result(timeout=300) for h in handles]
+        assert results[0].usage.cached_tokens == 40 and results[0].usage.cached_by_tier.get("ssd")
+        deadline = time.monotonic() + 300
+        while shadow.pending and time.monotonic() < deadline:
+            time.sleep(0.05)  # waits for a condition (the verifier's queue), with a deadline
+        snap = shadow.snapshot()
+        assert snap["mismatches"] == 1 and snap["alerting"], snap
+        assert snap["last_mismatch"]["start"] == 16 and snap["quarantined_blocks"] >= 3
+        assert snap["checked"] >= 2 and snap["matched"] >= 1  # B's hit was fine
+        assert cache.lookup(a + [4, 5, 6], ns).num_tokens == 16
+        assert ssd.get_meta(victim.block_hash, ns=ns) is None  # gone from the SSD too
+        assert seen and all(seen), seen  # never while a request was active or waiting
     finally:
         eng.close()

@@ -113,6 +113,10 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                         "left (default), or answer with the APIs' context-limit error")
     p.add_argument("--log-requests", type=Path, default=None, metavar="DIR",
                    help="debug: write every /v1 request (secrets left out) as JSON into DIR")
+    p.add_argument("--shadow-verify", type=float, default=0.0, metavar="FRACTION",
+                   help="recompute this fraction of cache hits in idle time and compare "
+                        "them with the stored blocks; a mismatch quarantines the chain "
+                        "(default 0: off)")
     p.add_argument("--max-active", type=int, default=EngineConfig.max_active_requests,
                    help="requests admitted at once (prefilling + decoding)")
     p.add_argument("--max-queue", type=int, default=EngineConfig.max_queued_requests,
@@ -190,7 +194,8 @@ def build_configs(args: argparse.Namespace) -> tuple[
                               default_max_tokens=args.default_max_tokens,
                               max_active_requests=args.max_active,
                               max_queued_requests=args.max_queue,
-                              active_kv_budget_bytes=kv_budget)
+                              active_kv_budget_bytes=kv_budget,
+                              shadow_verify_fraction=args.shadow_verify)
     if args.api_keys_file is not None and not args.api_keys_file.is_file():
         raise ValueError(f"--api-keys-file {args.api_keys_file} does not exist")
     server_cfg = ServerConfig(host=args.host, port=args.port, api_key=args.api_key,

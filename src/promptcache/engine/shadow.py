@@ -33,7 +33,7 @@ import logging
 import random
 import threading
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,7 +65,8 @@ class _Job:
 class ShadowVerifier:
     def __init__(self, model: Any, cache: Any, *, fraction: float, chunk_tokens: int = 256,
                  max_pending: int = 8, seed: int | None = None, alert_window: int = 50,
-                 tolerance: dict[str, tuple[float, float]] | None = None) -> None:
+                 tolerance: dict[str, tuple[float, float]] | None = None,
+                 busy: Callable[[], bool] | None = None) -> None:
         if not 0.0 <= fraction <= 1.0:
             raise ValueError(f"shadow verification fraction must be in [0, 1], got {fraction}")
         self.model, self.cache = model, cache
@@ -80,8 +81,11 @@ class ShadowVerifier:
         self.alert_window = alert_window
         self._clean_since_mismatch = alert_window
         self.counts = {"sampled": 0, "checked": 0, "matched": 0, "mismatches": 0,
-                       "quarantined_blocks": 0, "skipped": 0, "dropped": 0, "chunks": 0}
+                       "quarantined_blocks": 0, "skipped": 0, "dropped": 0, "chunks": 0, "deferred": 0}
         self.last_mismatch: dict[str, Any] | None = None
+        # True while the engine has requests (prefilling, decoding or waiting): step()
+        # then does nothing
+        self.busy = busy
 
     # ---- the cache observer (engine thread, under the cache lock)
     def evicted(self, meta: BlockMeta) -> None:
@@ -111,7 +115,11 @@ class ShadowVerifier:
         return self._clean_since_mismatch < self.alert_window
 
     def step(self) -> bool:
-        """Advance the current job by one chunk (or finish it). False: nothing to do."""
+        """Advance the current job by one chunk (or finish it). False: nothing to do,
+        or the engine is busy (``busy()``): verification never runs while requests wait."""
+        if self.busy is not None and self.busy():
+            self.counts["deferred"] += 1
+            return False
         with self._lock:
             if self._job is None:
                 if not self._queue:
