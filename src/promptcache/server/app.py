@@ -19,7 +19,7 @@ from fastapi import FastAPI
 from starlette.requests import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from ..advisor import EvictionAdvisor
+from ..advisor import EvictionAdvisor, diagnose
 from ..autotune import AutoTuner
 from ..config import EngineConfig, ServerConfig
 from ..sessions import SessionReaper
@@ -94,7 +94,11 @@ def create_app(engine: Any, server_config: ServerConfig | None = None, *,
         advisor = EvictionAdvisor(cache)
         cache.observers.append(advisor)
         state.advisor = advisor
-        state.monitor.explain = lambda: admin.diagnosis_of(state).get("summary")
+        # the alert's log line runs on the event loop: no cache lock, no tier stats there,
+        # only the advisor's own window (a few hundred samples) and the budget in force
+        state.monitor.explain = lambda: diagnose(
+            advisor.window(), {"ram_budget_bytes": int(cache.pool.budget_bytes)},
+            recommended_budget=advisor.recommended_budget()).get("summary")
         if config.auto_tune:
             budget = int(cache.pool.budget_bytes)
             state.tuner = AutoTuner(
