@@ -40,7 +40,7 @@ class _Conn:
                                             open_timeout=30).__enter__()
         self._ids = itertools.count(1)
 
-    def call(self, method: str, timeout: float = 60.0, **params: Any) -> dict[str, Any]:
+    def call(self, method: str, timeout: float = 120.0, **params: Any) -> dict[str, Any]:
         msg_id = next(self._ids)
         self.ws.send(json.dumps({"id": msg_id, "method": method, "params": params}))
         deadline = time.monotonic() + timeout
@@ -75,7 +75,7 @@ class Page:
             raise CDPError(f"{expression!r}: {r['exceptionDetails']}")
         return r.get("result", {}).get("value")
 
-    def wait_for(self, expression: str, timeout: float = 60.0) -> Any:
+    def wait_for(self, expression: str, timeout: float = 180.0) -> Any:
         """Evaluate ``expression`` until it is truthy (returns that value); a condition
         wait with a deadline, not a sleep standing in for synchronisation."""
         deadline = time.monotonic() + timeout
@@ -106,7 +106,7 @@ class Browser:
         self._pages: list[_Conn] = []
 
     @classmethod
-    def start(cls, tmp: Path, timeout: float = 60.0) -> Browser:
+    def start(cls, tmp: Path, timeout: float = 180.0) -> Browser:
         exe = find_chromium()
         if exe is None:
             raise FileNotFoundError("chromium is not installed")
