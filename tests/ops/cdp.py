@@ -36,8 +36,10 @@ class CDPError(RuntimeError):
 class _Conn:
     def __init__(self, url: str) -> None:
         # entered as a context manager (websockets >= 17.1 wants that), closed in close()
-        self.ws: ClientConnection = connect(url, max_size=64 * 1024 * 1024,
-                                            open_timeout=30).__enter__()
+        # no keepalive pings: on a loaded machine a ping Chromium answers late would close
+        # the connection (the browser is local; a dead one ends the process anyway)
+        self.ws: ClientConnection = connect(url, max_size=64 * 1024 * 1024, open_timeout=120,
+                                            ping_interval=None).__enter__()
         self._ids = itertools.count(1)
 
     def call(self, method: str, timeout: float = 120.0, **params: Any) -> dict[str, Any]:
