@@ -174,3 +174,18 @@ def test_in_the_engine_a_swapped_ssd_payload_is_caught_in_idle_time_only(
         assert seen and all(seen), seen  # never while a request was active or waiting
     finally:
         eng.close()
+
+
+def test_shadow_verification_with_quantized_blocks_is_refused_at_load(
+        tiny_llama_path: Path) -> None:
+    """A quantized block differs from its recomputation by the quantization error, past
+    the verifier's tolerance: the combination is refused instead of quarantining every hit."""
+    import pytest
+
+    from promptcache.cli.wiring import build_cache
+    from promptcache.engine.engine import Engine
+
+    cfg = CacheConfig(block_size=BS, ram_budget_bytes=64 * 1024**2, kv_bits=8)
+    with pytest.raises(ValueError, match="does not support quantized KV blocks"):
+        Engine.load(tiny_llama_path, EngineConfig(shadow_verify_fraction=0.5), cfg,
+                    cache=build_cache(cfg, None))

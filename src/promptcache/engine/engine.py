@@ -161,6 +161,11 @@ class Engine:
         self.scheduler = Scheduler(self._ctx, self.admission, self._make_request)
         # shadow verification of cache hits in idle time (engine/shadow.py)
         self.shadow: ShadowVerifier | None = None
+        if cfg.shadow_verify_fraction > 0 and self.kv_quant is not None:
+            # a quantized block differs from its recomputation by the quantization error,
+            # far past the verifier's tolerance: every hit would look corrupt
+            raise ValueError("shadow verification does not support quantized KV blocks "
+                             "(--kv-bits) yet: use one or the other")
         if cache is not None and cfg.shadow_verify_fraction > 0 and hasattr(cache, "observers"):
             self.shadow = ShadowVerifier(model, cache, fraction=cfg.shadow_verify_fraction,
                                          chunk_tokens=cfg.prefill_chunk_tokens,

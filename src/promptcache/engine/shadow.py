@@ -33,7 +33,7 @@ import logging
 import random
 import threading
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -168,12 +168,12 @@ class ShadowVerifier:
         job.chain, job.block = chain, chain[-1]
         return True
 
-    def _stored(self, meta: BlockMeta, ns: Namespace) -> dict[str, mx.array] | None:
+    def _stored(self, meta: BlockMeta, ns: Namespace) -> Mapping[str, mx.array] | None:
         rec = self.cache.read_block(meta.block_hash, ns)
         if rec is None:
             return None
         arrays, payload_meta = codec.decode(rec[1])
-        payload: dict[str, mx.array] = self.adapter.from_numpy(arrays, payload_meta)
+        payload: Mapping[str, mx.array] = self.adapter.from_numpy(arrays, payload_meta)
         return payload
 
     def _tol(self, a: mx.array) -> tuple[float, float]:
@@ -186,7 +186,7 @@ class ShadowVerifier:
         scale = float(np.array(mx.max(mx.abs(r))))
         return err <= atol + rtol * scale, err
 
-    def _diff(self, fresh: dict[str, mx.array], stored: dict[str, mx.array],
+    def _diff(self, fresh: Mapping[str, mx.array], stored: Mapping[str, mx.array],
               with_state: bool) -> list[str]:
         problems: list[str] = []
         keys = {k for k in stored if with_state or ".s." not in k}
@@ -209,7 +209,7 @@ class ShadowVerifier:
         last = job.block
         if last is None or job.caches is None:
             return
-        pairs: list[tuple[BlockMeta, dict[str, mx.array]]] = []
+        pairs: list[tuple[BlockMeta, Mapping[str, mx.array]]] = []
         for meta in job.chain:
             p = self._stored(meta, job.ns)
             if p is None:  # evicted meanwhile: nothing to judge
