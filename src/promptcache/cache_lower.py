@@ -244,17 +244,9 @@ class LowerWriter:
     def num_unwritten(self) -> int:
         return sum(1 for e in self._unwritten.values() if self._is_live(e.block))
 
-    def flush(self, timeout: float | None = None) -> bool:
-        """Wait until no block waits for room (lock held: it is released while
-        waiting), then flush the tiers. False if not done within ``timeout``."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while self._unwritten:
-            if self._thread is None or not self._thread.is_alive():
-                break
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
-                return False
-            self._cond.wait(left)
+    def _flush_tiers(self, deadline: float | None) -> bool:
+        """Wait for every tier's own writer until ``deadline`` (monotonic); False when a
+        tier did not drain or failed (counted as a tier error)."""
         ok = True
         for tier in self.tiers:
             fn = getattr(tier, "flush", None)
@@ -266,7 +258,20 @@ class LowerWriter:
             except Exception as e:
                 self._on_tier_error(tier, e)
                 ok = False
-        return ok and not self._unwritten
+        return ok
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until no block waits for room (lock held: it is released while
+        waiting), then flush the tiers. False if not done within ``timeout``."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self._unwritten:
+            if self._thread is None or not self._thread.is_alive():
+                break
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return False
+            self._cond.wait(left)
+        return self._flush_tiers(deadline) and not self._unwritten
 
     # ---- demotion ------------------------------------------------------------------
     def demote(self, block: Block) -> tuple[int, int]:
@@ -314,17 +319,7 @@ class LowerWriter:
                 logger.info("persisting: %d / %d blocks handed over", n + 1, len(blocks))
         self._unwritten.clear()
         # wait for the tiers' writers, then see what really arrived
-        flushed = True
-        for tier in self.tiers:
-            fn = getattr(tier, "flush", None)
-            if fn is None:
-                continue
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            try:
-                flushed = bool(fn(left)) and flushed
-            except Exception as e:
-                self._on_tier_error(tier, e)
-                flushed = False
+        flushed = self._flush_tiers(deadline)
         if not flushed:
             report.timed_out = True
         missing = self._missing(handed)
