@@ -2,9 +2,17 @@
 ``--remote-debugging-port`` websocket (no playwright / selenium: nothing to download).
 
 ``Browser.start(tmp)`` launches ``chromium --headless`` with a throwaway profile on a
-free port chosen by Chromium itself (``--remote-debugging-port=0``; the websocket URL is
-read from its ``DevToolsActivePort`` file), ``browser.new_page()`` opens a tab, and a
-``Page`` navigates, evaluates JavaScript, waits for a condition and takes screenshots.
+free port chosen by Chromium itself (``--remote-debugging-port=0``; the port is read from
+its ``DevToolsActivePort`` file, the browser websocket URL from ``/json/version``),
+``browser.new_page()`` opens a tab, and a ``Page`` navigates, evaluates JavaScript, waits
+for a condition and takes screenshots.
+
+Chromium runs without ``LD_PRELOAD``: the Makefile preloads the pthread OpenBLAS for mlx,
+and inherited by Chromium that library starts its thread pool in every Chromium process
+(zygote, GPU process); a forked child then hangs ("Did not receive ping from zygote
+child"), the GPU process cannot launch ("GPU process isn't usable. Goodbye.") and the
+browser exits under the test, which saw only a DevTools websocket closed without a close
+frame. A browser that dies is reported as ``BrowserDied`` with its exit status and log.
 """
 
 from __future__ import annotations
@@ -12,13 +20,21 @@ from __future__ import annotations
 import base64
 import itertools
 import json
+import os
 import shutil
 import subprocess
 import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import ClientConnection, connect
+
+# chromium's own noise on a box without D-Bus, GPU or cpufreq: left out of failure messages
+_NOISE = ("dbus/", "cpufreq", "unexpected operator")
 
 
 def find_chromium() -> str | None:
@@ -30,26 +46,40 @@ def find_chromium() -> str | None:
 
 
 class CDPError(RuntimeError):
-    pass
+    """A CDP command answered with an error (or not within its deadline)."""
+
+
+class BrowserDied(RuntimeError):
+    """The DevTools connection closed under a command: the message carries Chromium's exit
+    status and the end of its log. Not a ``CDPError``: ``Page.wait_for`` never waits it out."""
 
 
 class _Conn:
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, diagnose: Callable[[], str]) -> None:
         # entered as a context manager (websockets >= 17.1 wants that), closed in close()
         # no keepalive pings: on a loaded machine a ping Chromium answers late would close
-        # the connection (the browser is local; a dead one ends the process anyway)
+        # the connection (the browser is local; a dead one ends the process anyway);
+        # max_size well above a full-page screenshot (the default 1 MiB closes with 1009)
+        self.diagnose = diagnose
         self.ws: ClientConnection = connect(url, max_size=64 * 1024 * 1024, open_timeout=120,
                                             ping_interval=None).__enter__()
         self._ids = itertools.count(1)
 
     def call(self, method: str, timeout: float = 120.0, **params: Any) -> dict[str, Any]:
+        try:
+            return self._call(method, timeout, params)
+        except ConnectionClosed as e:
+            raise BrowserDied(f"{method}: DevTools connection closed ({e}); "
+                              f"{self.diagnose()}") from e
+
+    def _call(self, method: str, timeout: float, params: dict[str, Any]) -> dict[str, Any]:
         msg_id = next(self._ids)
         self.ws.send(json.dumps({"id": msg_id, "method": method, "params": params}))
         deadline = time.monotonic() + timeout
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise CDPError(f"{method}: no answer within {timeout} s")
+                raise CDPError(f"{method}: no answer within {timeout} s; {self.diagnose()}")
             msg = json.loads(self.ws.recv(timeout=left))
             if msg.get("id") == msg_id:
                 if "error" in msg:
@@ -100,12 +130,35 @@ class Page:
         return path
 
 
+def _version(port: int) -> dict[str, Any] | None:
+    """``/json/version`` of a just-started browser, None while it does not answer yet."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/json/version", timeout=10) as r:
+            info: dict[str, Any] = json.load(r)
+            return info
+    except (urllib.error.URLError, ConnectionError, TimeoutError):
+        return None
+
+
 class Browser:
-    def __init__(self, proc: subprocess.Popen[bytes], profile: Path, ws_url: str) -> None:
+    def __init__(self, proc: subprocess.Popen[bytes], profile: Path, log: Path, port: int,
+                 ws_url: str) -> None:
         self.proc = proc
         self.profile = profile
-        self.conn = _Conn(ws_url)
+        self.log = log
+        self.port = port
+        self.conn = _Conn(ws_url, self.diagnose)
         self._pages: list[_Conn] = []
+
+    def diagnose(self) -> str:
+        """Chromium's state for a failure message: running or its exit status, and the
+        last meaningful lines of its log."""
+        try:  # a browser that closed its socket is usually exiting: give it a moment
+            code: int | None = self.proc.wait(5)
+        except subprocess.TimeoutExpired:
+            code = None
+        state = "chromium still running" if code is None else f"chromium exited ({code})"
+        return f"{state}; its log ends:\n{_log_tail(self.log)}"
 
     @classmethod
     def start(cls, tmp: Path, timeout: float = 180.0) -> Browser:
@@ -114,35 +167,49 @@ class Browser:
             raise FileNotFoundError("chromium is not installed")
         profile = tmp / "chromium-profile"
         profile.mkdir(parents=True, exist_ok=True)
-        log = open(tmp / "chromium.log", "ab")  # noqa: SIM115 - owned by the process
+        log_path = tmp / "chromium.log"
+        log = open(log_path, "ab")  # noqa: SIM115 - owned by the process
+        # root (CI containers) needs --no-sandbox; no LD_PRELOAD (see the module docstring)
+        env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
         proc = subprocess.Popen(
             [exe, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
              "--no-first-run", "--no-default-browser-check", "--disable-extensions",
              "--window-size=1280,1000", f"--user-data-dir={profile}",
              "--remote-debugging-address=127.0.0.1", "--remote-debugging-port=0",
              "about:blank"],
-            stdout=log, stderr=subprocess.STDOUT)
+            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
         log.close()
         port_file = profile / "DevToolsActivePort"
         deadline = time.monotonic() + timeout
-        while True:
+        info: dict[str, Any] | None = None
+        port = 0
+        # wait (a condition with a deadline) for the port file, then for /json/version to
+        # answer: only then is the browser ready for a websocket
+        while info is None:
             if proc.poll() is not None:
-                raise RuntimeError(f"chromium exited ({proc.returncode}): "
-                                   f"{(tmp / 'chromium.log').read_text(errors='replace')[-2000:]}")
-            lines = port_file.read_text().split() if port_file.exists() else []
-            if len(lines) >= 2:
-                break
+                raise BrowserDied(f"chromium exited ({proc.returncode}) before DevTools "
+                                  f"answered; its log ends:\n{_log_tail(log_path)}")
             if time.monotonic() > deadline:
                 proc.kill()
                 proc.wait(10)
-                raise RuntimeError("chromium did not open its DevTools port")
-            time.sleep(0.05)
-        return cls(proc, profile, f"ws://127.0.0.1:{lines[0]}{lines[1]}")
+                raise BrowserDied(f"chromium did not answer on its DevTools port within "
+                                  f"{timeout} s; its log ends:\n{_log_tail(log_path)}")
+            lines = port_file.read_text().split() if port_file.exists() else []
+            if len(lines) >= 2 and lines[0].isdigit():
+                port = int(lines[0])
+                info = _version(port)
+            if info is None:
+                time.sleep(0.05)
+        try:
+            return cls(proc, profile, log_path, port, str(info["webSocketDebuggerUrl"]))
+        except BaseException:
+            proc.kill()
+            proc.wait(10)
+            raise
 
     def new_page(self) -> Page:
         target = self.conn.call("Target.createTarget", url="about:blank")["targetId"]
-        port = self.conn.ws.remote_address[1]
-        page = _Conn(f"ws://127.0.0.1:{port}/devtools/page/{target}")
+        page = _Conn(f"ws://127.0.0.1:{self.port}/devtools/page/{target}", self.diagnose)
         self._pages.append(page)
         return Page(page)
 
@@ -168,3 +235,12 @@ class Browser:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _log_tail(path: Path, lines: int = 25) -> str:
+    try:
+        text = path.read_text(errors="replace")
+    except OSError as e:
+        return f"(no log: {e})"
+    kept = [ln for ln in text.splitlines() if ln.strip() and not any(n in ln for n in _NOISE)]
+    return "\n".join(kept[-lines:]) or "(nothing but D-Bus / cpufreq noise)"
