@@ -197,6 +197,9 @@ class EngineConfig:
     active_kv_budget_bytes: int | None = None
     # decode rows in one batched forward (more wait at the next chunk boundary)
     max_batch_size: int = 32
+    # shadow verification (engine/shadow.py): the fraction of cache hits recomputed in
+    # idle time and compared with the stored blocks (0 = off)
+    shadow_verify_fraction: float = 0.0
 
     def __post_init__(self) -> None:
         if self.prefill_chunk_tokens < 1:
@@ -212,6 +215,9 @@ class EngineConfig:
                 f"active_kv_budget_bytes must be > 0 or None, got {self.active_kv_budget_bytes}")
         if self.max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
+        if not 0.0 <= self.shadow_verify_fraction <= 1.0:
+            raise ValueError("shadow_verify_fraction must be in [0, 1], got "
+                             f"{self.shadow_verify_fraction}")
 
 
 @dataclass(frozen=True)
@@ -260,6 +266,12 @@ class ServerConfig:
     prerender_max_pending: int = 4
     prerender_max_suffix_tokens: int = 32768
     images: ImageLimits = field(default_factory=ImageLimits)
+    # sessions unused for this long are deleted from every tier (None: kept)
+    session_ttl_s: float | None = None
+    # --auto-tune: move the RAM budget within [min, max] (autotune.py)
+    auto_tune: bool = False
+    ram_budget_min_bytes: int | None = None
+    ram_budget_max_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if self.context_window is not None and self.context_window < 2:
@@ -274,5 +286,12 @@ class ServerConfig:
         if self.prerender_max_suffix_tokens < 1:
             raise ValueError("prerender_max_suffix_tokens must be >= 1, got "
                              f"{self.prerender_max_suffix_tokens}")
+        if self.session_ttl_s is not None and not self.session_ttl_s > 0:
+            raise ValueError(f"session_ttl_s must be > 0, got {self.session_ttl_s}")
+        lo, hi = self.ram_budget_min_bytes, self.ram_budget_max_bytes
+        if (lo is not None and lo < 0) or (hi is not None and hi < 0) or (
+                lo is not None and hi is not None and lo > hi):
+            raise ValueError(f"the auto-tune RAM bounds must satisfy 0 <= min <= max, "
+                             f"got [{lo}, {hi}]")
         if self.responses_store_size < 0:
             raise ValueError(f"responses_store_size must be >= 0, got {self.responses_store_size}")

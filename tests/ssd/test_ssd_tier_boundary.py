@@ -23,7 +23,7 @@ INDEX_METHODS = [
     "begin", "commit", "rollback", "kv_get", "kv_set", "get", "children", "child_reads",
     "upsert", "delete", "touch", "totals", "recount", "add_written", "written", "iter_rows",
     "files", "lru", "expired", "select_files", "add_sessions", "remove_session",
-    "sessions_of", "tenants",
+    "sessions_of", "sessions", "tenants",
 ]
 FILE_FUNCTIONS = ["ensure_dir", "write_temp", "publish", "fsync_dir", "remove_file",
                   "quarantine", "scan", "read_verified"]
@@ -73,6 +73,7 @@ def exercise(tier, ms) -> list[str]:  # type: ignore[no-untyped-def]
     call("stats", lambda: tier.stats())
     call("rows", lambda: tier.rows())
     call("tenants", lambda: tier.tenants())
+    call("sessions", lambda: tier.sessions())
     call("sweep", lambda: tier.sweep())
     call("discard", lambda: tier.discard([ms[2].block_hash]))
     call("delete_session", lambda: tier.delete_session("s", tenant=NS.tenant))

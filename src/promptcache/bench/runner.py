@@ -85,7 +85,9 @@ def _fetch_stats(srv: ServerProcess) -> dict[str, Any] | None:
 
 def run_scenario(system: str, scenario: Scenario, model: str, work_dir: Path, log_dir: Path, *,
                  max_tokens: int = 16, ram_budget_bytes: int | None = None,
-                 progress: Callable[[str], None] | None = None) -> SystemRun:
+                 progress: Callable[[str], None] | None = None,
+                 turn_progress: Callable[[int, int], None] | None = None) -> SystemRun:
+    """``progress``: log lines; ``turn_progress(done, total)``: after every turn (a bar)."""
     spec = SPECS[system]
     api = scenario.api if (scenario.api == "openai" or spec.anthropic) else "openai"
     run = SystemRun(system=system, scenario=scenario.name, api=api)
@@ -124,6 +126,8 @@ def run_scenario(system: str, scenario: Scenario, model: str, work_dir: Path, lo
                        "before": turn.before, **res.to_dict()}
                 row.pop("text", None)
                 run.turns.append(row)
+                if turn_progress is not None:
+                    turn_progress(i + 1, n)
                 if not res.ok:
                     log.warning("%s/%s turn %d failed: %s", scenario.name, system, i, res.error)
                 if n <= 12 or (i + 1) % 10 == 0 or i + 1 == n:

@@ -21,6 +21,7 @@ from typing import Any
 
 from ..bench import concurrency, report, scenarios, systems
 from ..bench.runner import run_scenario
+from .progress import progress_bar
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -140,8 +141,10 @@ def run(args: argparse.Namespace) -> int:
                 continue
             _say(f"{s.name}/{name}: {len(s.turns)} requests"
                  + (f", RAM budget {budget / 2**20:.1f} MB" if budget else ""))
-            r = run_scenario(name, s, model, out / "work", out / "logs",
-                             max_tokens=args.max_tokens, ram_budget_bytes=budget, progress=_say)
+            with progress_bar(f"{s.name}/{name}") as bar:
+                r = run_scenario(name, s, model, out / "work", out / "logs",
+                                 max_tokens=args.max_tokens, ram_budget_bytes=budget,
+                                 progress=_say, turn_progress=bar)
             scn["runs"][name] = r.to_dict()
             if r.error:
                 _say(f"{s.name}/{name}: ERROR {r.error}")

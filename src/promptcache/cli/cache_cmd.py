@@ -1,4 +1,5 @@
-"""`promptcache cache stats | ls | check [--fix] | purge [--tenant T] [--older-than D]`.
+"""`promptcache cache stats | ls | check [--fix] | purge [--tenant T] [--older-than D]`
+(and ``export`` / ``import``: ``pack_cmd.py``; ``sessions``: ``sessions_cmd.py``).
 
 ``--cache-dir DIR`` is the SSD tier's folder (``SSDConfig.path``; default
 ``$PROMPTCACHE_HOME/blocks``). ``check`` exits with status 1 when it finds
@@ -16,6 +17,7 @@ from pathlib import Path
 
 from ..config import SSDConfig
 from ..tiers.ssd import SSDTier
+from .progress import progress_bar
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*$", re.IGNORECASE)
 _UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
@@ -50,6 +52,10 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     ls.add_argument("--limit", type=int, default=50, help="at most this many rows (0: all)")
     chk = add("check", "compare the index with the files")
     chk.add_argument("--fix", action="store_true", help="repair what is found")
+    from . import pack_cmd, sessions_cmd
+
+    pack_cmd.register(csub, add)
+    sessions_cmd.register(csub, add)
     pg = add("purge", "delete blocks")
     pg.add_argument("--tenant", default=None, help="only this tenant")
     pg.add_argument("--older-than", default=None, help="only blocks unused for D (7d, 12h, 30m)")
@@ -95,7 +101,8 @@ def run(args: argparse.Namespace) -> int:
                 )
             return 0
         if cmd == "check":
-            report = tier.check(fix=args.fix)
+            with progress_bar("checking the cache folder") as bar:
+                report = tier.check(fix=args.fix, progress=bar)
             print(json.dumps(report.to_dict(), indent=2))
             if report.problems and not args.fix:
                 print(

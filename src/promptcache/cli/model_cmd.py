@@ -5,7 +5,11 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+
+from .progress import enabled as progress_enabled
+from .progress import progress_bar
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -33,22 +37,17 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     info.set_defaults(func=run_info)
 
 
-class _LineProgress:
-    """Plain progress lines on stderr, about every 10%."""
+class _Progress:
+    """A rich bar on a terminal; off a terminal only the final line (no bar, no steps)."""
 
-    def __init__(self) -> None:
-        self.last = -1
-        self.start = time.monotonic()
+    def __init__(self, bar: Callable[[int, int], None], on_tty: bool) -> None:
+        self.bar = bar
+        self.on_tty = on_tty
 
     def __call__(self, done: int, total: int, what: str) -> None:
-        step = done * 10 // max(total, 1)
-        if step != self.last or done == total:
-            self.last = step
-            print(
-                f"converting: {done}/{total} tensors ({done * 100 // max(total, 1)}%) {what}",
-                file=sys.stderr,
-                flush=True,
-            )
+        self.bar(done, total)
+        if done == total and not self.on_tty:
+            print(f"converting: {done}/{total} tensors (100%)", file=sys.stderr, flush=True)
 
 
 def run_prepare(args: argparse.Namespace) -> int:
@@ -69,7 +68,9 @@ def run_prepare(args: argparse.Namespace) -> int:
         )
     start = time.monotonic()
     try:
-        folder = ensure_default_model(root, install=not args.no_install, progress=_LineProgress())
+        with progress_bar("converting the default model") as bar:
+            folder = ensure_default_model(root, install=not args.no_install,
+                                          progress=_Progress(bar, progress_enabled()))
     except DefaultModelUnavailable as e:
         print(f"promptcache: error: {e}", file=sys.stderr)
         return 1

@@ -76,6 +76,19 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                    help="values per quantization scale/bias (default 64)")
     p.add_argument("--kv-quant-min-tokens", type=int, default=256,
                    help="blocks starting before this token stay full precision (default 256)")
+    p.add_argument("--ttl", default=None,
+                   help="drop cached blocks unused for this long, in RAM and on the SSD "
+                        "(30m, 12h, 7d; default: kept until evicted)")
+    p.add_argument("--session-ttl", default=None,
+                   help="delete sessions unused for this long from every tier (blocks "
+                        "shared with a live session stay; 1h, 7d; default: kept)")
+    p.add_argument("--auto-tune", action="store_true",
+                   help="move the RAM budget within --ram-budget-min/max from memory "
+                        "pressure and the evicted-before-reuse rate (logs every change)")
+    p.add_argument("--ram-budget-min", default=None,
+                   help="auto-tune lower bound (512MB, 5%%; default: 100MB or the budget)")
+    p.add_argument("--ram-budget-max", default=None,
+                   help="auto-tune upper bound (8GB, 40%%; default: twice the budget)")
     p.add_argument("--no-ssd", action="store_true", help="RAM tier only")
     p.add_argument("--no-cache", action="store_true", help="disable the prompt cache")
     p.add_argument("--redis-url", default=None,
@@ -120,6 +133,10 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                         "it sent a request in the last N minutes (default 10; 0: off)")
     p.add_argument("--log-requests", type=Path, default=None, metavar="DIR",
                    help="debug: write every /v1 request (secrets left out) as JSON into DIR")
+    p.add_argument("--shadow-verify", type=float, default=0.0, metavar="FRACTION",
+                   help="recompute this fraction of cache hits in idle time and compare "
+                        "them with the stored blocks; a mismatch quarantines the chain "
+                        "(default 0: off)")
     p.add_argument("--max-active", type=int, default=EngineConfig.max_active_requests,
                    help="requests admitted at once (prefilling + decoding)")
     p.add_argument("--max-queue", type=int, default=EngineConfig.max_queued_requests,
@@ -168,10 +185,19 @@ def build_configs(args: argparse.Namespace) -> tuple[
         raise ValueError(f"--shutdown-persist-timeout must be >= 0, got {args.shutdown_persist_timeout}")
     if args.session_active_minutes < 0:
         raise ValueError(f"--session-active-minutes must be >= 0, got {args.session_active_minutes}")
+    from .cache_cmd import parse_duration
+
+    ttl = parse_duration(args.ttl) if args.ttl is not None else None
+    session_ttl = parse_duration(args.session_ttl) if args.session_ttl is not None else None
+    avail = psutil.virtual_memory().available
+    bounds = tuple(None if v is None else parse_size(v, total=avail)
+                   for v in (args.ram_budget_min, args.ram_budget_max))
+    if (bounds[0] is not None or bounds[1] is not None) and not args.auto_tune:
+        raise ValueError("--ram-budget-min / --ram-budget-max need --auto-tune")
     if args.kv_quant_min_tokens < 0:
         raise ValueError(f"--kv-quant-min-tokens must be >= 0, got {args.kv_quant_min_tokens}")
     cache_cfg = CacheConfig(block_size=args.block_size, ram_budget_bytes=ram,
-                            enabled=not args.no_cache,
+                            enabled=not args.no_cache, ttl_seconds=ttl,
                             persist_timeout_s=args.shutdown_persist_timeout,
                             protect_share=args.protect_share,
                             active_session_s=args.session_active_minutes * 60.0 or None,
@@ -183,7 +209,7 @@ def build_configs(args: argparse.Namespace) -> tuple[
         path.mkdir(parents=True, exist_ok=True)
         budget = parse_size(args.ssd_budget, total=shutil.disk_usage(path).free)
         ssd_cfg = SSDConfig(path=path, budget_bytes=budget, policy=args.ssd_policy,
-                            queue_size=args.ssd_queue_size)
+                            queue_size=args.ssd_queue_size, ttl_seconds=ttl)
     chunk = max(args.block_size, (256 // args.block_size) * args.block_size)
     if args.default_max_tokens < 1:
         raise ValueError(f"--default-max-tokens must be >= 1, got {args.default_max_tokens}")
@@ -198,7 +224,8 @@ def build_configs(args: argparse.Namespace) -> tuple[
                               default_max_tokens=args.default_max_tokens,
                               max_active_requests=args.max_active,
                               max_queued_requests=args.max_queue,
-                              active_kv_budget_bytes=kv_budget)
+                              active_kv_budget_bytes=kv_budget,
+                              shadow_verify_fraction=args.shadow_verify)
     if args.api_keys_file is not None and not args.api_keys_file.is_file():
         raise ValueError(f"--api-keys-file {args.api_keys_file} does not exist")
     server_cfg = ServerConfig(host=args.host, port=args.port, api_key=args.api_key,
@@ -217,7 +244,9 @@ def build_configs(args: argparse.Namespace) -> tuple[
                                   max_pixels=args.max_image_pixels,
                                   max_images=args.max_images,
                                   allow_local_files=args.allow_local_images,
-                                  allow_urls=args.allow_image_urls))
+                                  allow_urls=args.allow_image_urls),
+                              session_ttl_s=session_ttl, auto_tune=args.auto_tune,
+                              ram_budget_min_bytes=bounds[0], ram_budget_max_bytes=bounds[1])
     return engine_cfg, cache_cfg, ssd_cfg, server_cfg
 
 

@@ -41,6 +41,7 @@ from .payload import ram_census
 from .quant import from_config as _kv_quant_of
 from .request import EngineContext, EngineCounters, LogitsHook, Processor, Request, validate_request
 from .scheduler import Scheduler
+from .shadow import ShadowVerifier
 from .templates import ChatTemplate
 from .vision import VisionEncoder
 from .vision_cache import VisionCache
@@ -159,6 +160,18 @@ class Engine:
                                    cfg.active_kv_budget_bytes, self.row_bytes,
                                    on_preempt=self._preempt)
         self.scheduler = Scheduler(self._ctx, self.admission, self._make_request)
+        # shadow verification of cache hits in idle time (engine/shadow.py)
+        self.shadow: ShadowVerifier | None = None
+        if cfg.shadow_verify_fraction > 0 and self.kv_quant is not None:
+            # a quantized block differs from its recomputation by the quantization error,
+            # far past the verifier's tolerance: every hit would look corrupt
+            raise ValueError("shadow verification does not support quantized KV blocks "
+                             "(--kv-bits) yet: use one or the other")
+        if cache is not None and cfg.shadow_verify_fraction > 0 and hasattr(cache, "observers"):
+            self.shadow = ShadowVerifier(model, cache, fraction=cfg.shadow_verify_fraction,
+                                         chunk_tokens=cfg.prefill_chunk_tokens,
+                                         busy=lambda: not self.scheduler.idle)
+            cache.observers.append(self.shadow)
         self._namespaces: dict[str, Namespace] = {}
         self._ids = itertools.count(1)
         self._closed = False
@@ -410,6 +423,11 @@ class Engine:
                 self._fail_pending(None)
                 return
             if not sched.step():
+                # idle: one chunk of shadow verification, then look for requests again
+                # (a request that arrives waits at most that chunk)
+                shadow = self.shadow
+                if shadow is not None and shadow.pending and shadow.step():
+                    continue
                 self._control.wake.wait()
                 self._control.wake.clear()
 

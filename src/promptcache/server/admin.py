@@ -17,6 +17,7 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from ..advisor import diagnose
 from ..meta import validate_tenant
 from .auth import validate_session_id
 from .common import state_of
@@ -52,8 +53,8 @@ def engine_stats_dict(engine: Any) -> dict[str, Any] | None:
     return dict(get()) if callable(get) else None
 
 
-def _prerender_stats(request: Request) -> dict[str, Any] | None:
-    pre = getattr(request.app.state, "pc_prerender", None)
+def _prerender_stats(st: Any) -> dict[str, Any] | None:
+    pre = getattr(st, "prerender", None)
     return pre.snapshot() if pre is not None else None
 
 
@@ -80,12 +81,12 @@ async def metrics(request: Request) -> Response:
     return Response(body, media_type=CONTENT_TYPE_LATEST)
 
 
-@router.get("/v1/cache/stats")
-async def cache_stats(request: Request) -> dict[str, Any]:
-    st = state_of(request)
+def stats_payload(st: Any) -> dict[str, Any]:
+    """The body of ``GET /v1/cache/stats`` (also what the dashboard shows); runs in a
+    worker thread (the cache's stats take its lock)."""
     try:
-        stats = await run_in_threadpool(cache_stats_dict, st.engine)
-        kv = await run_in_threadpool(kv_stats_dict, st.engine)
+        stats = cache_stats_dict(st.engine)
+        kv = kv_stats_dict(st.engine)
         error = None
     except Exception as e:  # a broken cache must not break the admin view
         log.warning("cache stats failed", exc_info=True)
@@ -97,16 +98,40 @@ async def cache_stats(request: Request) -> dict[str, Any]:
         "kv": kv,
         "engine": engine_stats_dict(st.engine),
         "rolling": st.monitor.snapshot(),
-        "prerender": _prerender_stats(request),
+        "prerender": _prerender_stats(st),
         "alert": {"active": st.monitor.alerting, "threshold": st.monitor.threshold},
-        "sessions": st.sessions.snapshot(),
+        "sessions": st.session_stats.snapshot(),
     }
     vision = getattr(st.engine, "vision_encoder", None)
     if vision is not None:  # a vision-language model: the vision-embedding cache's line
         out["vision"] = vision.stats()
+    shadow = getattr(st.engine, "shadow", None)
+    if shadow is not None:  # engine/shadow.py: a mismatch raises the alert too
+        out["shadow"] = shadow.snapshot()
+        out["alert"]["shadow_mismatch"] = bool(shadow.alerting)
+        out["alert"]["active"] = bool(out["alert"]["active"] or shadow.alerting)
+    if st.advisor is not None:
+        out["diagnosis"] = diagnosis_of(st, stats)
+    if st.tuner is not None:
+        out["auto_tune"] = st.tuner.snapshot()
     if error:
         out["error"] = error
     return out
+
+
+def diagnosis_of(st: Any, stats: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The automated diagnosis (``advisor.diagnose``) over the advisor's window."""
+    if stats is None:
+        stats = cache_stats_dict(st.engine)
+    adv = st.advisor
+    d = diagnose(adv.window(), stats, recommended_budget=adv.recommended_budget())
+    d["alerting"] = st.monitor.alerting
+    return d
+
+
+@router.get("/v1/cache/stats")
+async def cache_stats(request: Request) -> dict[str, Any]:
+    return await run_in_threadpool(stats_payload, state_of(request))
 
 
 @router.delete("/v1/cache")

@@ -17,6 +17,7 @@ import logging
 import re
 import threading
 from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,6 +59,8 @@ class HitRateMonitor:
         self.alerting = False
         self.num_skipped_cold = 0
         self._since_warning = 0
+        # the automated diagnosis added to the warning (the app sets it: advisor.py)
+        self.explain: Callable[[], str | None] | None = None
 
     def record(self, prompt_tokens: int, cached_tokens: int, miss_reason: str | None) -> None:
         cause = miss_cause(miss_reason)
@@ -86,10 +89,16 @@ class HitRateMonitor:
         self._since_warning += 1
         if low and (not self.alerting or self._since_warning >= self.window):
             reasons = ", ".join(f"{r} x{n}" for r, n in self._reasons_locked()) or "none recorded"
+            diagnosis = None
+            if self.explain is not None:
+                try:
+                    diagnosis = self.explain()
+                except Exception:
+                    log.debug("hit-rate diagnosis failed", exc_info=True)
             log.warning(
                 "low prompt-cache hit rate: %.1f%% over the last %d requests (threshold %.0f%%); "
-                "most common miss reasons: %s", rate * 100, len(self._samples),
-                self.threshold * 100, reasons)
+                "most common miss reasons: %s%s", rate * 100, len(self._samples),
+                self.threshold * 100, reasons, f"; diagnosis: {diagnosis}" if diagnosis else "")
             self._since_warning = 0
         elif not low and self.alerting:
             log.info("prompt-cache hit rate recovered: %.1f%%", rate * 100)

@@ -1,7 +1,7 @@
 """The FastAPI app factory: ``create_app(engine, server_config)``.
 
 Wiring only: routers (openai, responses, anthropic, admin), exception handlers, the
-authentication/scoping middleware, the request log (every 4xx with its reason;
+authentication/scoping middleware, the dashboard (``dashboard.py``), the request log (every 4xx with its reason;
 ``--log-requests``), ``HEAD /`` / ``GET /`` (Claude Code sends ``HEAD /`` before its
 requests), and per app one ``ServerState`` (its own metrics registry, hit-rate monitor
 and authenticator: no global state), one ``Preparer`` (prompt rendering off the event
@@ -19,8 +19,11 @@ from fastapi import FastAPI
 from starlette.requests import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from ..advisor import EvictionAdvisor, diagnose
+from ..autotune import AutoTuner
 from ..config import EngineConfig, ServerConfig
-from . import admin, anthropic, openai, probe, responses
+from ..sessions import SessionReaper
+from . import admin, anthropic, dashboard, openai, packs_api, probe, responses, sessions_api
 from .alerts import HitRateMonitor
 from .auth import Authenticator, load_api_keys
 from .canon import Canon, parse_rules_off
@@ -86,17 +89,43 @@ def create_app(engine: Any, server_config: ServerConfig | None = None, *,
         aliases=frozenset(BASE_ALIASES) | frozenset(a for a in model_aliases if a),
     )
     preparer = Preparer(engine, canon=Canon(parse_rules_off(config.canonicalize_off)))
+    cache = getattr(engine, "cache", None)
+    if config.session_ttl_s is not None and cache is not None:
+        state.sessions = SessionReaper(cache, config.session_ttl_s)
+    if cache is not None and hasattr(cache, "observers"):
+        advisor = EvictionAdvisor(cache)
+        cache.observers.append(advisor)
+        state.advisor = advisor
+        # the alert's log line runs on the event loop: no cache lock, no tier stats there,
+        # only the advisor's own window (a few hundred samples) and the budget in force
+        state.monitor.explain = lambda: diagnose(
+            advisor.window(), {"ram_budget_bytes": int(cache.pool.budget_bytes)},
+            recommended_budget=advisor.recommended_budget()).get("summary")
+        if config.auto_tune:
+            budget = int(cache.pool.budget_bytes)
+            state.tuner = AutoTuner(
+                cache, advisor,
+                min_bytes=config.ram_budget_min_bytes if config.ram_budget_min_bytes
+                is not None else min(budget, 100 * 1024**2),
+                max_bytes=config.ram_budget_max_bytes if config.ram_budget_max_bytes
+                is not None else 2 * budget)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        for worker in (state.sessions, state.tuner):
+            if worker is not None:
+                worker.start()
         yield
+        for worker in (state.sessions, state.tuner):
+            if worker is not None:
+                worker.close()
         preparer.close()
 
     app = FastAPI(title="promptcache", version="0.1.0", lifespan=lifespan,
                   description="OpenAI/Anthropic-compatible server with a multi-tier prompt cache")
     app.state.pc = state
     app.state.pc_prepare = preparer
-    app.state.pc_prerender = PreRenderer(
+    app.state.pc_prerender = state.prerender = PreRenderer(
         engine, preparer, enabled=config.prerender, max_pending=config.prerender_max_pending,
         max_suffix_tokens=config.prerender_max_suffix_tokens)
     app.state.pc_responses = ResponseStore(config.responses_store_size)
@@ -111,6 +140,9 @@ def create_app(engine: Any, server_config: ServerConfig | None = None, *,
     app.include_router(anthropic.router)
     app.include_router(admin.router)
     app.include_router(probe.router)
+    app.include_router(dashboard.router)
+    app.include_router(packs_api.router)
+    app.include_router(sessions_api.router)
     app.add_middleware(ScopeMiddleware, auth=auth)
     log_dir = config.log_requests_dir
     app.add_middleware(RequestLog, directory=log_dir,

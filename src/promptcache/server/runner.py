@@ -24,6 +24,8 @@ from typing import Any
 
 from fastapi import Request
 
+from ..advisor import EvictionAdvisor
+from ..autotune import AutoTuner
 from ..config import EngineConfig, ServerConfig
 from ..engine.api import (
     Constraint,
@@ -34,9 +36,11 @@ from ..engine.api import (
     TokenEvent,
 )
 from ..errors import OverloadedError
-from .alerts import HitRateMonitor
+from ..sessions import SessionReaper
+from .alerts import HitRateMonitor, miss_cause
 from .auth import Authenticator, Scope
 from .errors import APIError
+from .history import RequestHistory
 from .images import ImageCollector
 from .metrics import ServerMetrics
 from .session_stats import SessionStats
@@ -57,7 +61,21 @@ class ServerState:
     metrics: ServerMetrics
     aliases: frozenset[str] = frozenset()
     started_at: float = field(default_factory=time.time)
-    sessions: SessionStats = field(default_factory=SessionStats)
+    # per-session and per-agent request counts for /v1/cache/stats (server/session_stats.py)
+    session_stats: SessionStats = field(default_factory=SessionStats)
+    # the recent finished requests the dashboard draws (server/history.py)
+    history: RequestHistory = field(default_factory=RequestHistory)
+    # extra dashboard panels: tenant scope (None: every tenant) -> {name: data}
+    panels: list[Callable[[str | None], dict[str, Any]]] = field(default_factory=list)
+    # --session-ttl: deletes idle sessions (sessions.py); touched by every request
+    sessions: SessionReaper | None = None
+    # the automated diagnosis (advisor.py) and --auto-tune (autotune.py), when the
+    # engine has a cache
+    advisor: EvictionAdvisor | None = None
+    tuner: AutoTuner | None = None
+    # the next-turn pre-renderer (prerender.py; also app.state.pc_prerender): its
+    # snapshot() is the ``prerender`` line of /v1/cache/stats
+    prerender: Any = None
 
     @property
     def model_id(self) -> str:
@@ -116,6 +134,8 @@ class ServerState:
         except OverloadedError:
             self.metrics.observe_failure(api, "overloaded")
             raise
+        if self.sessions is not None:
+            self.sessions.touch(scope.tenant, scope.session_id)
         return Generation(self, api, http_request, req, handle, scope)
 
 
@@ -210,8 +230,15 @@ class Generation:
             s.metrics.observe_result(self.api, u.prompt_tokens, u.cached_by_tier,
                                      u.completion_tokens, ttft)
             s.monitor.record(u.prompt_tokens, u.cached_tokens, result.miss_reason)
-            s.sessions.record(self.scope, u.prompt_tokens, u.cached_tokens)
+            s.session_stats.record(self.scope, u.prompt_tokens, u.cached_tokens)
         rate = s.monitor.hit_rate()
+        if s.sessions is not None:
+            s.sessions.touch(self.scope.tenant, self.scope.session_id)
+        if result.finish_reason != "cancelled":
+            s.history.record(api=self.api, tenant=self.request.tenant,
+                             session=self.scope.session_id, prompt_tokens=u.prompt_tokens,
+                             cached_tokens=u.cached_tokens, ttft_s=ttft,
+                             cause=miss_cause(result.miss_reason), rolling_hit_rate=rate)
         if rate is not None:
             s.metrics.rolling_hit_rate.set(rate)
         s.metrics.alert.set(1 if s.monitor.alerting else 0)

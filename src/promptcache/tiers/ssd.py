@@ -242,6 +242,13 @@ class SSDTier(SSDWriter):
             return list(self._index.iter_rows(where + " ORDER BY last_access DESC, hash", params))
 
     @tier_errors
+    def sessions(self, tenant: str | None = None) -> list[tuple[str, str, int, int, float]]:
+        """``(tenant, session, blocks, bytes, last use)`` per session (``last use``: the
+        latest access of its blocks, wall-clock seconds), most recently used first."""
+        with self._lock:
+            return self._index.sessions(tenant)
+
+    @tier_errors
     def tenants(self) -> list[tuple[str, int, int]]:
         with self._lock:
             return self._index.tenants()
@@ -409,13 +416,15 @@ class SSDTier(SSDWriter):
     # -- maintenance, stats, lifecycle ----------------------------------------------------
 
     @tier_errors
-    def check(self, fix: bool = False) -> CheckReport:
-        """Compare index and files (see ``ssd_check``). Waits for queued writes first."""
+    def check(self, fix: bool = False,
+              progress: Callable[[int, int], None] | None = None) -> CheckReport:
+        """Compare index and files (see ``ssd_check``). Waits for queued writes first.
+        ``progress(done, total)`` follows the index rows checked."""
         if not self._closed and hasattr(self, "_thread"):
             self.flush()
         with self._write_lock, self._dirlock.exclusive(), self._lock:
             try:
-                report = reconcile(self.root, self._index, fix=fix)
+                report = reconcile(self.root, self._index, fix=fix, progress=progress)
                 self._refresh_totals()
             except sqlite3.Error as e:
                 self._index_error(e)

@@ -18,6 +18,7 @@ index step: a file without a row really is an orphan.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -54,7 +55,9 @@ class CheckReport:
         return d
 
 
-def reconcile(root: Path, index: SSDIndex, *, fix: bool) -> CheckReport:
+def reconcile(root: Path, index: SSDIndex, *, fix: bool,
+              progress: Callable[[int, int], None] | None = None) -> CheckReport:
+    """``progress(done, total)``: called every 1024 index rows checked (and at the end)."""
     report = CheckReport(fixed=fix)
     on_disk: dict[str, int] = {}
     for rel, size, kind in scan(root):
@@ -73,7 +76,10 @@ def reconcile(root: Path, index: SSDIndex, *, fix: bool) -> CheckReport:
 
     referenced: set[str] = set()
     drop: list[bytes] = []
-    for block_hash, rel, nbytes in index.files():
+    rows = list(index.files())
+    for i, (block_hash, rel, nbytes) in enumerate(rows):
+        if progress is not None and i % 1024 == 0:
+            progress(i, len(rows))
         found = on_disk.get(rel)
         if found is None:
             report.missing_files += 1
@@ -101,6 +107,8 @@ def reconcile(root: Path, index: SSDIndex, *, fix: bool) -> CheckReport:
             index.rollback()
             raise
 
+    if progress is not None:
+        progress(len(rows), len(rows))
     for rel in on_disk:
         if rel not in referenced:
             report.orphan_files += 1

@@ -431,6 +431,17 @@ class SSDIndex:
         ).fetchall()
         return [str(r[0]) for r in rows]
 
+    def sessions(self, tenant: str | None = None) -> list[tuple[str, str, int, int, float]]:
+        """(tenant, session, blocks, file bytes, last use) per session, most recently
+        used first; last use is the latest ``last_access`` of its blocks."""
+        where, params = ("WHERE b.tenant=?", (tenant,)) if tenant is not None else ("", ())
+        rows = self._db.execute(
+            "SELECT b.tenant, s.session, COUNT(*), SUM(b.file_bytes), MAX(b.last_access) "
+            f"FROM sessions s JOIN blocks b ON b.hash = s.hash {where} "
+            "GROUP BY b.tenant, s.session ORDER BY MAX(b.last_access) DESC, s.session",
+            params).fetchall()
+        return [(str(t), str(sid), int(n), int(nb), float(la)) for t, sid, n, nb, la in rows]
+
     def tenants(self) -> list[tuple[str, int, int]]:
         rows = self._db.execute(
             "SELECT tenant, COUNT(*), SUM(file_bytes) FROM blocks GROUP BY tenant ORDER BY tenant"

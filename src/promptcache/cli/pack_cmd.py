@@ -1,0 +1,112 @@
+"""`promptcache cache export | import`: cache packs (``packs.py``) of an SSD folder.
+
+    promptcache cache export (--session S | --tenant T | --conversation FILE) -o PACK
+                             --model M [--block-size 64] [--cache-dir DIR]
+    promptcache cache import PACK --model M [--block-size 64] [--cache-dir DIR]
+
+``--model`` names the model the blocks belong to (its fingerprint and KV layout make
+the namespace; the model is opened lazily, its weights are hashed once and remembered).
+``--conversation FILE`` is JSON: ``{"messages": [...], "tools": [...]}`` (rendered with
+the model's chat template) or ``{"tokens": [...]}``. Import verifies the whole pack
+first and imports nothing when anything is wrong (exit status 2 with the reason). The
+folder may be in use by running servers (writes take the folder's shared lock); a
+running server's RAM is reached through ``POST /v1/cache/export`` / ``import``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from .. import packs
+from ..config import CacheConfig, SSDConfig
+from ..meta import DEFAULT_TENANT, Namespace
+from .progress import progress_bar
+
+
+def register(csub: Any, add: Callable[[str, str], argparse.ArgumentParser]) -> None:
+    ex = add("export", "write a portable pack of cached blocks")
+    what = ex.add_mutually_exclusive_group(required=True)
+    what.add_argument("--session", help="the blocks of this session")
+    what.add_argument("--tenant", help="every block of this tenant")
+    what.add_argument("--conversation", type=Path,
+                      help='JSON file: {"messages": [...]} or {"tokens": [...]}')
+    ex.add_argument("--session-tenant", default=DEFAULT_TENANT,
+                    help="the tenant of --session / --conversation (default: default)")
+    ex.add_argument("-o", "--output", type=Path, required=True, help="the pack file to write")
+    imp = add("import", "verify a pack and add its blocks to the cache")
+    imp.add_argument("pack", type=Path)
+    for p in (ex, imp):
+        p.add_argument("--model", required=True, help="model folder (or repo id) of the blocks")
+        p.add_argument("--block-size", type=int, default=64)
+        p.set_defaults(func=run)
+
+
+def _model_namespace(model: str, block_size: int, tenant: str) -> tuple[Namespace, Any]:
+    from ..engine.engine import Engine
+
+    engine = Engine.load(model, None, CacheConfig(block_size=block_size, enabled=False))
+    return engine.namespace(tenant), engine
+
+
+def _conversation_tokens(path: Path, engine: Any) -> list[int]:
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot read the conversation {path}: {e}") from e
+    if isinstance(doc, dict) and isinstance(doc.get("tokens"), list):
+        return [int(t) for t in doc["tokens"]]
+    if isinstance(doc, dict) and isinstance(doc.get("messages"), list):
+        msgs = doc["messages"]
+        gen = not (msgs and msgs[-1].get("role") == "assistant")
+        return list(engine.render_chat(msgs, tools=doc.get("tools"), add_generation_prompt=gen))
+    raise ValueError(f'{path}: expected {{"messages": [...]}} or {{"tokens": [...]}}')
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..cache import PromptCache
+    from ..tiers.ssd import SSDTier
+
+    cache_dir: Path = args.cache_dir
+    if args.cache_command == "import":
+        with progress_bar("verifying the pack") as bar:
+            pack = packs.read_pack(args.pack, progress=bar)
+    if not cache_dir.is_dir():
+        raise ValueError(f"cache folder {cache_dir} does not exist")
+    tenant = pack.namespace.tenant if args.cache_command == "import" else (
+        args.tenant or args.session_tenant)
+    ns, engine = _model_namespace(args.model, args.block_size, tenant)
+    try:
+        tier = SSDTier(SSDConfig(path=cache_dir))
+        if args.cache_command == "import":
+            try:
+                with progress_bar("importing") as bar:
+                    report = packs.import_into_tier(tier, pack, ns, progress=bar)
+            finally:
+                tier.close()
+            print(json.dumps({**report.to_dict(), "tenant": tenant}))
+            return 0
+        tokens = _conversation_tokens(args.conversation, engine) if args.conversation else None
+        cache = PromptCache(CacheConfig(block_size=args.block_size, ram_budget_bytes=0),
+                            lower=[tier])
+        try:
+            with progress_bar("collecting blocks") as bar:
+                blocks = packs.collect(cache, ns, tokens=tokens, session_id=args.session,
+                                       progress=bar)
+            selection: dict[str, Any] = (
+                {"conversation_tokens": len(tokens)} if tokens is not None else
+                {"session_id": args.session} if args.session else {"tenant": tenant})
+            with progress_bar("writing the pack") as bar:
+                summary = packs.write_pack(args.output, ns, blocks, selection, progress=bar)
+        finally:
+            cache.close(persist=False)
+        print(json.dumps({**summary, "tenant": tenant, "pack": str(args.output)}))
+        if not blocks:
+            print("promptcache: nothing matched: the pack is empty", file=sys.stderr)
+        return 0
+    finally:
+        engine.close()

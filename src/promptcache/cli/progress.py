@@ -1,0 +1,58 @@
+"""Progress bars for long command-line operations (rich), quiet when not on a terminal.
+
+``with progress_bar("importing") as bar: work(progress=bar)``: ``bar(done, total)`` is
+the callback the library functions take (``packs``, ``SSDTier.check``, the model
+preparation, the bench). On a terminal (stderr is a TTY) it draws a rich progress bar
+on stderr; otherwise (pipes, CI, log files) it does nothing, so machine-readable stdout
+and logs stay clean. ``PROMPTCACHE_PROGRESS=0`` / ``1`` forces it off / on.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import IO
+
+Callback = Callable[[int, int], None]
+
+
+def enabled(stream: IO[str] | None = None) -> bool:
+    forced = os.environ.get("PROMPTCACHE_PROGRESS")
+    if forced in ("0", "1"):
+        return forced == "1"
+    s = stream if stream is not None else sys.stderr
+    return bool(getattr(s, "isatty", lambda: False)())
+
+
+def _noop(done: int, total: int) -> None:
+    return None
+
+
+@contextmanager
+def progress_bar(description: str, stream: IO[str] | None = None) -> Iterator[Callback]:
+    """A ``(done, total)`` callback drawing one bar (or a no-op off a terminal)."""
+    if not enabled(stream):
+        yield _noop
+        return
+    from rich.console import Console
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+
+    console = Console(file=stream if stream is not None else sys.stderr)
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), TimeRemainingColumn(), console=console,
+                  transient=False) as prog:
+        task = prog.add_task(description, total=None)
+
+        def update(done: int, total: int) -> None:
+            prog.update(task, completed=done, total=max(total, done))
+
+        yield update

@@ -1,0 +1,94 @@
+"""``GET /dashboard``: one live page of the cache's health, served by the app.
+
+The page and its two assets (``static/dashboard.{html,js,css}``, package data: no CDN,
+no build step) hold no data. Every figure comes from ``GET /v1/dashboard/data``, which
+sits behind the same authentication as the rest of ``/v1`` (the page sends the key as
+``Authorization: Bearer``; open ``/dashboard#key=KEY``: a URL fragment never leaves the
+browser, or type the key into the page's form). The page polls every second
+(``?interval=MS`` changes it).
+
+``/v1/dashboard/data`` is ``{"stats": <the body of GET /v1/cache/stats>, "requests":
+RequestHistory.summary(), "engine": {active, queued}, "server": {...}, "diagnosis": ...}``.
+A key bound to a tenant sees only its own tenant's requests and sessions.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from importlib import resources
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import HTMLResponse, Response
+
+from .admin import stats_payload
+from .common import state_of
+from .errors import APIError
+
+log = logging.getLogger(__name__)
+router = APIRouter()
+
+_ASSETS = {"dashboard.js": "text/javascript", "dashboard.css": "text/css"}
+
+
+def _asset(name: str) -> bytes:
+    return resources.files("promptcache.server").joinpath("static", name).read_bytes()
+
+
+def engine_load(st: Any) -> dict[str, Any]:
+    """Active and queued requests: from the engine's admission control when it has one
+    (``engine_stats()``), else the requests in flight (queued unknown: None)."""
+    get = getattr(st.engine, "engine_stats", None)
+    if callable(get):
+        try:
+            es = get()
+            return {"active": int(es.get("active", 0)), "queued": int(es.get("queued", 0)),
+                    "source": "engine"}
+        except Exception:
+            log.debug("engine_stats failed", exc_info=True)
+    in_flight = st.metrics.registry.get_sample_value("promptcache_requests_in_flight")
+    return {"active": int(in_flight or 0), "queued": None, "source": "server"}
+
+
+def dashboard_data(st: Any, tenant: str | None) -> dict[str, Any]:
+    """Everything the page shows (runs in a worker thread: the cache's stats lock)."""
+    out: dict[str, Any] = {
+        "stats": stats_payload(st),
+        "requests": st.history.summary(tenant),
+        "engine": engine_load(st),
+        "diagnosis": None,
+        "server": {"model": st.model_id, "uptime_s": round(time.time() - st.started_at, 3),
+                   "tenant_scope": tenant, "generated_at": time.time()},
+    }
+    out["diagnosis"] = out["stats"].get("diagnosis")
+    for panel in st.panels:  # more panels (diagnosis, sessions) plug in here
+        try:
+            out.update(panel(tenant))
+        except Exception:
+            log.warning("dashboard panel %r failed", panel, exc_info=True)
+    return out
+
+
+@router.get("/dashboard", include_in_schema=False)
+async def dashboard_page() -> HTMLResponse:
+    body = await run_in_threadpool(_asset, "dashboard.html")
+    return HTMLResponse(body, headers={"Cache-Control": "no-store"})
+
+
+@router.get("/dashboard/static/{name}", include_in_schema=False)
+async def dashboard_asset(name: str) -> Response:
+    media = _ASSETS.get(name)
+    if media is None:
+        raise APIError(404, f"no dashboard asset {name!r}", code="not_found")
+    body = await run_in_threadpool(_asset, name)
+    return Response(body, media_type=media, headers={"Cache-Control": "no-store"})
+
+
+@router.get("/v1/dashboard/data")
+async def data(request: Request) -> dict[str, Any]:
+    st = state_of(request)
+    tenant = st.auth.key_tenant(request)  # None: a global key, or no keys configured
+    result: dict[str, Any] = await run_in_threadpool(dashboard_data, st, tenant)
+    return result

@@ -1,0 +1,131 @@
+"""Admin endpoints for cache packs (``packs.py``): export and import over HTTP.
+
+- ``POST /v1/cache/export`` with a JSON body naming what to export: ``{"messages":
+  [...], "tools": [...]}`` (a conversation, rendered exactly as a chat request would
+  be), ``{"tokens": [...]}``, ``{"session_id": "S"}`` or ``{"all": true}`` (the whole
+  tenant). Answers the pack (``application/x-tar``).
+- ``POST /v1/cache/import`` with a pack as the body: verified completely, then imported
+  (``{"blocks", "added", "tokens", "tenant"}``); a bad pack is a 400 naming the problem
+  and imports nothing.
+
+The tenant is the caller's scope: a tenant-bound key's own (a pack of another tenant is
+a 403), else ``X-Tenant-Id`` (default ``default``). Packing and verification run in a
+worker thread, never on the event loop.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import Response
+
+from .. import packs
+from .common import ChatPrompt, preparer_of, state_of
+from .errors import APIError
+
+log = logging.getLogger(__name__)
+router = APIRouter()
+
+MAX_PACK_BYTES = 16 * 1024**3
+
+
+def _cache(request: Request) -> Any:
+    cache = getattr(state_of(request).engine, "cache", None)
+    if cache is None:
+        raise APIError(409, "the prompt cache is disabled on this server", code="cache_disabled")
+    return cache
+
+
+@router.post("/v1/cache/export")
+async def export_pack(request: Request) -> Response:
+    st = state_of(request)
+    cache = _cache(request)
+    try:
+        body = await request.json()
+    except ValueError as e:
+        raise APIError(400, f"the body must be JSON: {e}") from e
+    if not isinstance(body, dict):
+        raise APIError(400, "the body must be a JSON object")
+    tenant = request.state.pc_scope.tenant
+    ns = st.engine.namespace(tenant)
+    tokens: list[int] | None = None
+    session = body.get("session_id")
+    selection: dict[str, Any]
+    if "messages" in body:
+        msgs, tools = body["messages"], body.get("tools")
+        if not isinstance(msgs, list) or not msgs:
+            raise APIError(400, "messages must be a non-empty list", param="messages")
+        prepared = await preparer_of(request).prepare(ChatPrompt(msgs, tools))
+        tokens = list(prepared.tokens)
+        selection = {"conversation_tokens": len(tokens), "messages": len(msgs)}
+    elif "tokens" in body:
+        raw = body["tokens"]
+        if not isinstance(raw, list) or not raw or not all(
+                isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in raw):
+            raise APIError(400, "tokens must be a non-empty list of token ids", param="tokens")
+        tokens = raw
+        selection = {"conversation_tokens": len(tokens)}
+    elif isinstance(session, str) and session:
+        selection = {"session_id": session}
+    elif body.get("all") is True:
+        selection = {"tenant": tenant}
+    else:
+        raise APIError(400, "name what to export: messages, tokens, session_id or all=true")
+
+    def build() -> tuple[bytes, dict[str, Any]]:
+        blocks = packs.collect(cache, ns, tokens=tokens,
+                               session_id=session if tokens is None else None)
+        buf = io.BytesIO()
+        summary = packs.write_pack(buf, ns, blocks, selection)
+        return buf.getvalue(), summary
+
+    try:
+        data, summary = await run_in_threadpool(build)
+    except packs.PackError as e:
+        raise APIError(409, str(e), code="export_failed") from e
+    log.info("exported a pack of %d blocks (%d tokens, %d bytes) for tenant %s: %s",
+             summary["blocks"], summary["tokens"], len(data), tenant, selection)
+    return Response(data, media_type="application/x-tar", headers={
+        "Content-Disposition": 'attachment; filename="promptcache.pcpack"',
+        "X-Promptcache-Blocks": str(summary["blocks"]),
+        "X-Promptcache-Tokens": str(summary["tokens"])})
+
+
+@router.post("/v1/cache/import")
+async def import_pack(request: Request) -> dict[str, Any]:
+    st = state_of(request)
+    cache = _cache(request)
+    data = await request.body()
+    if len(data) > MAX_PACK_BYTES:
+        raise APIError(413, "pack too large")
+    fixed = st.auth.key_tenant(request)
+    scope_tenant = request.state.pc_scope.tenant
+
+    def verify() -> packs.Pack:
+        return packs.read_pack(data)
+
+    try:
+        pack = await run_in_threadpool(verify)
+    except packs.PackError as e:
+        log.warning("pack import refused: %s", e)
+        raise APIError(400, str(e), code="invalid_pack") from e
+    tenant = pack.namespace.tenant
+    if fixed is not None and tenant != fixed:
+        raise APIError(403, f"this API key may only import packs of its own tenant; the pack "
+                            f"belongs to {tenant!r}", code="tenant_mismatch")
+    if fixed is None and request.headers.get("x-tenant-id") and tenant != scope_tenant:
+        raise APIError(400, f"the pack belongs to tenant {tenant!r}, not {scope_tenant!r}",
+                       code="tenant_mismatch")
+    target = st.engine.namespace(tenant)
+    try:
+        report = await run_in_threadpool(packs.import_into, cache, pack, target)
+    except packs.PackError as e:
+        log.warning("pack import refused: %s", e)
+        raise APIError(400, str(e), code="invalid_pack") from e
+    log.info("imported a pack: %d blocks (%d new, %d tokens) into tenant %s",
+             report.blocks, report.added, report.tokens, tenant)
+    return {**report.to_dict(), "tenant": tenant}

@@ -1,0 +1,61 @@
+"""``GET /v1/cache/sessions[?tenant=T]``: the sessions that have cached blocks.
+
+Each row: ``tenant``, ``session_id``, per tier ``{"blocks", "bytes"}`` (and the lower
+tier's ``last_use``), and ``last_use`` overall (wall-clock seconds: the latest of this
+server's own record, kept when ``--session-ttl`` is on, and the tiers'; None if unknown),
+plus ``expires_at`` under ``--session-ttl``. A tenant-bound key lists its own tenant
+only (naming another is a 403); a global caller lists ``?tenant=`` or every tenant.
+Deletion is ``DELETE /v1/cache/sessions/{id}`` (``admin.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.concurrency import run_in_threadpool
+
+from ..meta import validate_tenant
+from .common import state_of
+from .errors import APIError
+
+router = APIRouter()
+
+
+def session_rows(st: Any, tenant: str | None) -> list[dict[str, Any]]:
+    cache = getattr(st.engine, "cache", None)
+    if cache is None or not hasattr(cache, "sessions"):
+        return []
+    rows: list[dict[str, Any]] = cache.sessions(tenant)
+    reaper = st.sessions
+    for r in rows:
+        seen = reaper.last_use(r["tenant"], r["session_id"]) if reaper is not None else None
+        known = [t["last_use"] for t in r["tiers"].values() if "last_use" in t]
+        if seen is not None:
+            known.append(seen)
+        r["last_use"] = max(known) if known else None
+        r["blocks"] = max((t["blocks"] for t in r["tiers"].values()), default=0)
+        if reaper is not None:
+            r["expires_at"] = None if r["last_use"] is None else r["last_use"] + reaper.ttl_s
+    return rows
+
+
+@router.get("/v1/cache/sessions")
+async def list_sessions(request: Request, tenant: str | None = None) -> dict[str, Any]:
+    st = state_of(request)
+    if tenant is not None:
+        try:
+            validate_tenant(tenant)
+        except ValueError as e:
+            raise APIError(400, f"invalid tenant: {e}", param="tenant") from e
+    fixed = st.auth.key_tenant(request)
+    if fixed is not None:
+        if tenant is not None and tenant != fixed:
+            raise APIError(403, "this API key may only list its own tenant's sessions",
+                           code="tenant_mismatch")
+        tenant = fixed
+    rows = await run_in_threadpool(session_rows, st, tenant)
+    out: dict[str, Any] = {"sessions": rows, "tenant": tenant}
+    if st.sessions is not None:
+        out["session_ttl"] = st.sessions.snapshot()
+    return out

@@ -1,0 +1,97 @@
+"""Cache packs end to end with real servers (tiny llama, SSD): export a conversation,
+wipe, import, and the next turn hits all of it: through the admin endpoints and
+through ``promptcache cache export / import``; damaged or foreign packs are refused
+with a clear message and import nothing."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import httpx
+from ops_server import KeyedServer
+from server_proc import PROMPTCACHE, token_prompt
+
+P = token_prompt(300, seed=11)
+Q = token_prompt(40, seed=12)
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([PROMPTCACHE, "cache", *args], capture_output=True, text=True,
+                          timeout=600)
+
+
+def _cached(r: dict) -> int:  # type: ignore[type-arg]
+    return int(r["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+
+def test_pack_round_trip_through_the_server_and_the_cli(tiny_llama_path: Path,
+                                                         tiny_gemma_path: Path,
+                                                         tmp_path: Path) -> None:
+    folder = tmp_path / "blocks"
+    with KeyedServer(tiny_llama_path, folder, tmp_path / "a.log", key="k") as srv:
+        assert _cached(srv.complete(P, session="conv-1")) == 0
+        r = httpx.post(f"{srv.base}/v1/cache/export", headers=srv.headers,
+                       json={"tokens": P}, timeout=120)
+        assert r.status_code == 200, r.text
+        pack = r.content
+        assert r.headers["X-Promptcache-Tokens"] == "303"  # the prompt + 3 of 4 generated tokens
+        wiped = httpx.delete(f"{srv.base}/v1/cache", headers=srv.headers, timeout=60).json()
+        assert wiped["deleted_blocks"] > 0
+        s = srv.wait_written()
+        assert (s["ram_blocks"], s["tiers"]["ssd"]["blocks_on_disk"]) == (0, 0)
+        # one flipped byte in a block file: refused, nothing imported
+        bad = bytearray(pack)
+        bad[len(pack) // 2] ^= 0x20
+        r = httpx.post(f"{srv.base}/v1/cache/import", headers=srv.headers,
+                       content=bytes(bad), timeout=120)
+        assert r.status_code == 400 and "refusing the pack" in r.json()["error"]["message"]
+        s = srv.wait_written()
+        assert (s["ram_blocks"], s["tiers"]["ssd"]["blocks_on_disk"]) == (0, 0)
+        # another tenant's scope may not take it
+        r = httpx.post(f"{srv.base}/v1/cache/import", content=pack, timeout=120,
+                       headers={**srv.headers, "X-Tenant-Id": "other"})
+        assert r.status_code == 400 and "belongs to tenant 'default'" in r.text
+        r = httpx.post(f"{srv.base}/v1/cache/import", headers=srv.headers, content=pack,
+                       timeout=120)
+        assert r.status_code == 200, r.text
+        assert r.json() == {"blocks": 5, "added": 5, "tokens": 303, "tenant": "default"}
+        turn2 = srv.complete(P + Q, session="conv-1")
+        assert _cached(turn2) == len(P)  # all of the exported conversation
+        assert srv.stop() == 0  # a clean shutdown persists every block to the SSD
+
+    conv = tmp_path / "conv.json"
+    conv.write_text(json.dumps({"tokens": P + Q}))
+    out = tmp_path / "conv.pcpack"
+    done = _cli("export", "--conversation", str(conv), "-o", str(out), "--model",
+                str(tiny_llama_path), "--cache-dir", str(folder))
+    assert done.returncode == 0, done.stderr
+    summary = json.loads(done.stdout)
+    assert summary["tokens"] >= len(P + Q) and summary["tenant"] == "default"
+    assert done.stderr.count("\r") == 0  # no progress bars off a terminal
+
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    # damaged, or another model's namespace: refused, nothing imported
+    raw = out.read_bytes()
+    (tmp_path / "bad.pcpack").write_bytes(raw[:1000] + bytes([raw[1000] ^ 1]) + raw[1001:])
+    done = _cli("import", str(tmp_path / "bad.pcpack"), "--model", str(tiny_llama_path),
+                "--cache-dir", str(fresh))
+    assert done.returncode == 2 and "refusing the pack" in done.stderr
+    done = _cli("import", str(out), "--model", str(tiny_gemma_path), "--cache-dir", str(fresh),
+                "--block-size", "16")
+    assert done.returncode == 2 and "refusing the pack" in done.stderr
+    done = _cli("import", str(out), "--model", str(tiny_gemma_path), "--cache-dir", str(fresh))
+    assert done.returncode == 2 and "another model" in done.stderr
+    stats = json.loads(_cli("stats", "--cache-dir", str(fresh)).stdout)
+    assert stats["blocks"] == 0
+    done = _cli("import", str(out), "--model", str(tiny_llama_path), "--cache-dir", str(fresh))
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert report["blocks"] == report["added"] == summary["blocks"]
+
+    with KeyedServer(tiny_llama_path, fresh, tmp_path / "b.log") as srv:
+        turn3 = srv.complete(P + Q + token_prompt(20, seed=13), session="conv-1")
+        assert _cached(turn3) == len(P + Q)  # every exported token, from the SSD
+        assert srv.stats()["cache"]["hit_tokens_by_tier"] == {"ssd": len(P + Q)}
