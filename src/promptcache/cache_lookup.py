@@ -1,0 +1,248 @@
+"""Lookup and promotion: what a request restores, and from which tier.
+
+``lookup`` / ``stored_after`` are pure queries; ``acquire`` references the RAM
+blocks of the longest restorable prefix and promotes the lower-tier ones into RAM (a
+remote tier's run of blocks read in one ``get_many`` after reserving RAM for all of
+them), cutting the hit at the last restorable position before a failed promotion;
+``release`` gives the references back.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from .blocks.matcher import Entry, LowerEntry, MissInfo, entry_tier
+from .blocks.pool import SNAPSHOT, TRUNCATABLE, Block
+from .blocks.tokens import to_request_tokens
+from .cache_base import CacheBase
+from .cache_lower import mark_in_tier
+from .cache_types import Hit, Match, check_ns, check_spans
+from .errors import TierError
+from .hashing import BlockHash
+from .meta import ExtraKeySpan, Namespace
+from .tiers.base import Tier
+
+# A chain's blocks in one remote tier are read in batches of at most this many bytes
+# (RAM is reserved for a whole batch before it is read).
+PROMOTE_BATCH_BYTES = 64 * 1024 * 1024
+_UNFETCHED = object()
+_FAILED = object()
+
+
+class CacheLookup(CacheBase):
+    """Lookup, acquire (with promotion from the lower tiers) and release."""
+
+    # ---- lookup / acquire / release ------------------------------------------
+    def lookup(self, tokens: Any, ns: Namespace, extra_keys: Sequence[ExtraKeySpan] = (),
+               explain: bool = False) -> Match:
+        """The longest restorable cached prefix of ``tokens`` (a pure query: no LRU
+        change, no stats). ``explain`` is accepted for symmetry: ``miss`` is always set
+        on a short match."""
+        req = to_request_tokens(tokens)
+        check_ns(ns, self.config.block_size)
+        spans = check_spans(extra_keys)
+        with self._lock:
+            self._now = self._clock()
+            raw = self._matcher.match(req, ns, spans)
+            return Match(raw.entries, raw.num_tokens, raw.matched_tokens, raw.miss)
+
+    def stored_after(self, tokens: Any, ns: Namespace, position: int, limit: int = 32,
+                     extra_keys: Sequence[ExtraKeySpan] = ()) -> list[int]:
+        """The stored token ids that follow ``tokens[:position]`` in the stored block
+        closest to ``tokens`` there (a pure query, for miss explanations: the cached
+        side of a divergence); at most ``limit``, empty when nothing is stored."""
+        req = to_request_tokens(tokens)
+        check_ns(ns, self.config.block_size)
+        spans = check_spans(extra_keys)
+        with self._lock:
+            self._now = self._clock()
+            return self._matcher.stored_after(req, ns, spans, position, limit)
+
+    def acquire(self, tokens: Any, ns: Namespace, extra_keys: Sequence[ExtraKeySpan] = (),
+                session_id: str | None = None) -> Hit:
+        """Lookup + promote lower-tier blocks into RAM + reference the blocks."""
+        req = to_request_tokens(tokens)
+        check_ns(ns, self.config.block_size)
+        spans = check_spans(extra_keys)
+        with self._lock:
+            self._now = self._clock()
+            self.levels.tick(self._now)
+            self._expire_lru()
+            raw = self._matcher.match(req, ns, spans)
+            sources = [entry_tier(e) for e in raw.entries]
+            held, num = self._take(raw.entries, raw.num_tokens, ns, req.n)
+            sources = sources[: len(held)]
+            miss = raw.miss
+            if num < raw.num_tokens:
+                miss = MissInfo(position=raw.matched_tokens, restorable=num, num_tokens=req.n,
+                                cause="promotion_failed")
+            by_tier: Counter[str] = Counter()
+            for b, tier in zip(held, sources, strict=True):
+                by_tier[tier] += min(b.end, num) - b.start
+            c = self._c
+            c.lookups += 1
+            c.hit_tokens += num
+            c.miss_tokens += req.n - num
+            c.hit_tokens_by_tier.update(by_tier)
+            if miss is not None:
+                c.misses_by_cause[miss.cause] += 1
+            if self.observers:
+                self._notify("acquired", req, ns, spans, num, miss)
+            return Hit(held, num, req.n, dict(by_tier), sources, miss)
+
+    def _take(self, entries: list[Entry], num_tokens: int, ns: Namespace, n: int
+              ) -> tuple[list[Block], int]:
+        """Reference RAM entries, then promote lower ones in order; on a failed
+        promotion cut the hit at the last restorable position before it. On any
+        exception every reference taken here is given back before it propagates
+        (nothing stays pinned)."""
+        now = self._now
+        taken: list[Block] = []  # every reference this call holds, in order
+        try:
+            for e in entries:
+                if isinstance(e, Block):
+                    self.pool.ref(e, now)
+                    taken.append(e)
+                    e.hits += 1
+            held: list[Block] = []
+            cut = len(entries)
+            fetched: dict[int, Any] = {}
+            for i, e in enumerate(entries):
+                if isinstance(e, Block):
+                    held.append(e)
+                    continue
+                if i not in fetched and getattr(e.source, "get_many", None) is not None:
+                    fetched = self._fetch_run(entries, i, ns)
+                block = self._promote(e, ns, fetched.pop(i, _UNFETCHED))
+                if block is None:
+                    cut = i
+                    break
+                taken.append(block)
+                held.append(block)
+        except BaseException:
+            for b in reversed(taken):
+                self.pool.unref(b)
+            raise
+        if cut == len(entries):
+            return held, num_tokens
+        for e in entries[cut + 1 :]:
+            if isinstance(e, Block):
+                self.pool.unref(e)
+        # the last restorable position inside what we hold
+        num = 0
+        for b in reversed(held):
+            if b.end <= n - 1 and b.restorable_at_end():
+                num = b.end
+                break
+        keep = [b for b in held if b.start < num]
+        self.pool.release_chain(held[len(keep) :])
+        return keep, num
+
+    def _fetch_run(self, entries: list[Entry], i: int, ns: Namespace) -> dict[int, Any]:
+        """Read the run of entries from ``i`` on that live in the same remote tier with
+        one ``get_many`` (one round trip), after reserving RAM for all of them; the run
+        ends at another tier, at ``PROMOTE_BATCH_BYTES`` or where RAM cannot hold more.
+        Returns ``{index: (payload, sessions) | None | _FAILED}``."""
+        src = entries[i].source  # type: ignore[union-attr]
+        get_many = getattr(src, "get_many", None)
+        run: list[int] = []
+        hashes: list[BlockHash] = []
+        total = 0
+        for j in range(i, len(entries)):
+            e = entries[j]
+            if not isinstance(e, LowerEntry) or e.source is not src:
+                break
+            if run and total + e.meta.nbytes > PROMOTE_BATCH_BYTES:
+                break
+            if self.pool.get(e.meta.block_hash) is not None or not self.pool.can_allocate(
+                    total + e.meta.nbytes):
+                break
+            run.append(j)
+            hashes.append(e.meta.block_hash)
+            total += e.meta.nbytes
+        if get_many is None or not run or not self.pool.make_room(total):  # RAM first
+            return {}
+        try:
+            got = get_many(hashes, ns=ns)
+        except Exception as e:  # a tier breaking its contract is a tier failure too
+            self._on_tier_error(src, e)
+            return dict.fromkeys(run, _FAILED)
+        if not isinstance(got, list) or len(got) != len(run):
+            self._on_tier_error(src, TierError("get_many returned a wrong number of blocks"))
+            return dict.fromkeys(run, _FAILED)
+        return dict(zip(run, got, strict=True))
+
+    def _promote(self, entry: LowerEntry, ns: Namespace, fetched: Any = None) -> Block | None:
+        """Promote one lower-tier block into RAM. ``fetched``: what ``_fetch_run`` read
+        for it (``(payload, sessions)``, None: absent, ``_FAILED``), or ``_UNFETCHED``."""
+        meta = entry.meta
+        c = self._c
+        if fetched is _FAILED:
+            return None
+        existing = self.pool.get(meta.block_hash)
+        if existing is not None:
+            if existing.ref_cnt:
+                c.promotion_failures += 1
+                return None
+            self._remove_expired(existing)
+        if not self.pool.make_room(meta.nbytes):  # reserve RAM before reading
+            c.promotion_failures += 1
+            return None
+        source: Tier = entry.source  # type: ignore[assignment]
+        # the sessions that wrote it, so delete_session also reaches this copy: a block
+        # whose sessions cannot be read is not promoted (it would escape them)
+        try:
+            if fetched is _UNFETCHED:
+                data = source.get(meta.block_hash, ns=ns)
+                sessions = source.sessions_of(meta.block_hash, ns=ns) if data is not None else []
+            elif fetched is None:
+                data, sessions = None, []
+            else:
+                data, sessions = fetched
+        except Exception as e:
+            self._on_tier_error(source, e)
+            return None
+        if data is None:
+            c.promotion_failures += 1
+            return None
+        try:
+            arrays, payload_meta = self._dec(data)
+            if payload_meta.get("block_hash", meta.block_hash.hex()) != meta.block_hash.hex():
+                raise TierError("the stored payload belongs to another block")
+            payload = self.adapter.from_numpy(arrays, payload_meta)
+            nbytes = self.adapter.nbytes(payload)
+        except Exception as e:  # corrupt or foreign bytes: a counted miss
+            self._on_tier_error(entry.source, e)
+            return None
+        if not self.pool.can_allocate(nbytes):
+            c.promotion_failures += 1
+            return None
+        flags = (TRUNCATABLE if meta.truncatable else 0) | (SNAPSHOT if meta.snapshot else 0)
+        block = self.pool.allocate(
+            block_hash=meta.block_hash, parent_hash=meta.parent_hash,
+            tokens=np.asarray(meta.token_ids, dtype="<u4").tobytes(), start=meta.start,
+            extra_keys=tuple(meta.extra_keys), flags=flags, ns=ns, payload=payload,
+            nbytes=nbytes, now=self._now,
+        )
+        block.hits = 1
+        self.levels.on_new_block(block)
+        mark_in_tier(block, self.lower.index(source), len(self.lower))
+        for sid in sessions:
+            block.add_session(str(sid))
+        self.gone.forget(meta.block_hash)
+        c.promotions += 1
+        return block
+
+    def release(self, hit: Hit) -> None:
+        """Unreference a hit's blocks (tail-first); they become evictable. Idempotent."""
+        if not isinstance(hit, Hit):
+            raise ValueError(f"release expects a Hit, got {type(hit).__name__}")
+        with self._lock:
+            if hit.released:
+                return
+            hit.released = True
+            self.pool.release_chain(hit._held)

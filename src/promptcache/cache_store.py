@@ -1,0 +1,231 @@
+"""Storing blocks: the save points' ``store`` and the chain walk behind it.
+
+``store`` creates the blocks of a token sequence that are not stored yet (resuming
+at a ``ChainCursor``), deduplicates against stored ones (recording the session,
+upgrading a block with a snapshot payload), drops partial tails a longer block
+supersedes, and hands new blocks to the write-through tiers.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from .blocks import matcher as _matcher
+from .blocks.pool import PERSISTED, SNAPSHOT, TRUNCATABLE, Block
+from .blocks.tokens import RequestTokens, to_request_tokens
+from .cache_base import CacheBase
+from .cache_lower import ALL_TIERS, in_tiers
+from .cache_types import ChainCursor, check_ns, check_spans
+from .hashing import BlockHash
+from .meta import ExtraKeySpan, Namespace, extra_keys_for
+from .stats import SAVE_POINTS
+
+logger = logging.getLogger(__name__)
+
+
+class CacheStore(CacheBase):
+    """Storing a token sequence's blocks (every save point calls ``store``)."""
+
+    # ---- store ---------------------------------------------------------------
+    def store(
+        self,
+        ns: Namespace,
+        tokens: Any,
+        num_tokens: int,
+        payload_for: Callable[[int, int, bool], Any],
+        *,
+        extra_keys: Sequence[ExtraKeySpan] = (),
+        session_id: str | None = None,
+        agent_id: str | None = None,
+        truncatable: bool = True,
+        snapshot_at_end: bool = True,
+        include_partial: bool = True,
+        save_point: str = "mid_prefill",
+        cursor: ChainCursor | None = None,
+    ) -> int:
+        """Store the blocks of ``tokens[:num_tokens]`` that are not stored yet; returns
+        the number of blocks created. ``payload_for(start, end, snapshot)`` is called
+        only for blocks that must be created (or upgraded with a snapshot).
+
+        ``cursor``: resume the walk at ``cursor.start`` (a block boundary whose parent
+        hash it knows) instead of re-hashing the chain from the root, and move it to
+        the end of the last full block stored or found; only ``tokens[cursor.start:
+        num_tokens]`` is read, so repeated saves of a growing sequence cost only their
+        new blocks.
+
+        ``session_id`` / ``agent_id``: recorded on every block stored or found (the
+        agent, a client's subagent id, in RAM only)."""
+        check_ns(ns, self.config.block_size)
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int):
+            raise ValueError(f"num_tokens must be an integer, got {num_tokens!r}")
+        offset = 0
+        if cursor is not None:
+            if not isinstance(cursor, ChainCursor) or cursor.ns != ns:
+                raise ValueError("cursor must be a ChainCursor of the same namespace")
+            if cursor.start > num_tokens:
+                raise ValueError(f"cursor start {cursor.start} is past num_tokens {num_tokens}")
+            offset = cursor.start
+            # only the tokens from the cursor on are read (and validated)
+            tokens = (RequestTokens(tokens.arr[offset:num_tokens])
+                      if isinstance(tokens, RequestTokens) else tokens[offset:num_tokens])
+        req = to_request_tokens(tokens, allow_empty=cursor is not None)
+        spans = check_spans(extra_keys)
+        if not 0 <= num_tokens - offset <= req.n:
+            raise ValueError(f"num_tokens must be in [0, {offset + req.n}], got {num_tokens}")
+        if save_point not in SAVE_POINTS:
+            raise ValueError(f"save_point must be one of {SAVE_POINTS}, got {save_point!r}")
+        if session_id is not None and (not isinstance(session_id, str) or not session_id):
+            raise ValueError(f"session_id must be a non-empty string or None, got {session_id!r}")
+        if agent_id is not None and (not isinstance(agent_id, str) or not agent_id):
+            raise ValueError(f"agent_id must be a non-empty string or None, got {agent_id!r}")
+        if not callable(payload_for):
+            raise ValueError("payload_for must be callable")
+        with self._lock:
+            self._now = self._clock()
+            self.levels.tick(self._now)
+            created = self._store(ns, req, num_tokens - offset, payload_for, spans,
+                                  session_id, truncatable, snapshot_at_end, include_partial,
+                                  offset, cursor, agent_id)
+            self._c.saves[save_point] += 1
+            self._c.blocks_saved[save_point] += created
+            return created
+
+    def _store(self, ns: Namespace, req: RequestTokens, num_tokens: int,
+               payload_for: Callable[[int, int, bool], Any], spans: tuple[ExtraKeySpan, ...],
+               session_id: str | None, truncatable: bool, snapshot_at_end: bool,
+               include_partial: bool, offset: int = 0, cursor: ChainCursor | None = None,
+               agent_id: str | None = None) -> int:
+        """``req`` holds the tokens from ``offset`` (a cursor's start) on; ``num_tokens``
+        counts from there too; block positions below are absolute."""
+        pool, c, bs = self.pool, self._c, ns.block_size
+        held: list[Block] = []
+        created: list[Block] = []
+        upgraded: list[Block] = []
+        parent = ns.root if cursor is None or cursor.parent is None else cursor.parent
+        total = offset + num_tokens
+        try:
+            for start in range(offset, total, bs):
+                end = min(start + bs, total)
+                if end - start < bs and not include_partial:
+                    break
+                extra = extra_keys_for(spans, start, end) if spans else ()
+                h = _matcher.block_hash(parent, req.arr[start - offset:end - offset], extra)
+                want = req.slice_bytes(start - offset, end - offset)
+                snap = snapshot_at_end and end == total
+                flags = (TRUNCATABLE if truncatable else 0) | (SNAPSHOT if snap else 0)
+                existing = pool.get(h)
+                if existing is not None and not (
+                    existing.parent_hash == parent and existing.start == start
+                    and existing.tokens == want and existing.ns == ns
+                ):
+                    c.collisions += 1
+                    logger.warning("hash collision at token %d: block not stored", start)
+                    break
+                if existing is not None and existing.ref_cnt == 0 and self._is_expired(existing):
+                    self._remove_expired(existing)
+                    existing = None
+                if existing is None and truncatable and end - start < bs:
+                    # a partial tail already covered by a longer stored sibling adds nothing
+                    existing = self._covering_sibling(parent, want, extra, ns)
+                if existing is not None:
+                    pool.ref(existing, self._now)
+                    held.append(existing)
+                    c.dedup_blocks += 1
+                    if self._touch_existing(existing, session_id, snap, start, end, payload_for):
+                        upgraded.append(existing)
+                    if agent_id is not None:
+                        existing.add_agent(agent_id)
+                else:
+                    payload = payload_for(start, end, snap)
+                    nbytes = self.adapter.nbytes(payload)
+                    if not pool.can_allocate(nbytes):
+                        c.drops += 1
+                        logger.debug("no room for a %d-byte block at token %d: dropped", nbytes, start)
+                        break
+                    block = pool.allocate(
+                        block_hash=h, parent_hash=parent, tokens=want, start=start,
+                        extra_keys=extra, flags=flags, ns=ns, payload=payload, nbytes=nbytes,
+                        now=self._now,
+                    )
+                    if session_id is not None:
+                        block.add_session(session_id)
+                    self.levels.on_new_block(block)
+                    if agent_id is not None:
+                        block.add_agent(agent_id)
+                    if truncatable:
+                        self._drop_superseded(block)
+                    self.gone.forget(h)
+                    held.append(block)
+                    created.append(block)
+                parent = h
+                if cursor is not None and end - start == bs:
+                    cursor.start, cursor.parent = end, h
+            if self.lower:
+                for block in created + upgraded:
+                    self._writer.offer(block)  # to the write-through tiers, if any
+        finally:
+            pool.release_chain(held)
+        return len(created)
+
+    def _covering_sibling(self, parent: BlockHash, want: bytes, extra: tuple[bytes, ...],
+                          ns: Namespace) -> Block | None:
+        """A stored truncatable sibling whose tokens extend ``want`` (same extra keys)."""
+        for sib in self.pool.children(parent):
+            if (sib.truncatable and sib.ns == ns and sib.extra_keys == extra
+                    and len(sib.tokens) > len(want) and sib.tokens.startswith(want)
+                    and not self._is_expired(sib)):
+                return sib
+        return None
+
+    def _drop_superseded(self, block: Block) -> None:
+        """Remove unreferenced partial siblings whose tokens are a prefix of ``block``'s
+        (e.g. the end-of-prefill tail once the end-of-generation block exists): the
+        longer block restores every position they could. Their sessions move over."""
+        bs = block.ns.block_size
+        for sib in self.pool.children(block.parent_hash):
+            if (sib is not block and sib.ref_cnt == 0 and sib.truncatable
+                    and sib.num_tokens < bs and sib.num_tokens < block.num_tokens
+                    and sib.extra_keys == block.extra_keys
+                    and block.tokens.startswith(sib.tokens)):
+                for sid in sib.sessions:
+                    block.add_session(sid)
+                if sib.block_hash is not None:
+                    self.levels.supersede(sib.block_hash, block)
+                for aid in sib.agents:
+                    block.add_agent(aid)
+                where, h = in_tiers(sib, len(self.lower)), sib.block_hash
+                if self.pool.remove(sib):
+                    self._c.superseded += 1
+                    if where and h is not None:
+                        self._discard_lower(h, sib.ns, where)
+
+    def _discard_lower(self, block_hash: BlockHash, ns: Namespace, where: list[int]) -> None:
+        for tier in (self.lower[i] for i in where):
+            try:
+                tier.discard((block_hash,), ns=ns)
+            except Exception as e:
+                self._on_tier_error(tier, e)
+
+    def _touch_existing(self, block: Block, session_id: str | None, snap: bool, start: int,
+                        end: int, payload_for: Callable[[int, int, bool], Any]) -> bool:
+        """A store found ``block`` already there: record the session (in RAM and in the
+        lower tiers that hold it); upgrade it with a snapshot payload if one is wanted.
+        True if the payload was upgraded."""
+        if session_id is not None and block.add_session(session_id):
+            for tier in (self.lower[i] for i in in_tiers(block, len(self.lower))):
+                try:
+                    tier.add_sessions(block.meta().block_hash, (session_id,), ns=block.ns)
+                except Exception as e:
+                    self._on_tier_error(tier, e)
+        if snap and not block.restorable_at_end():
+            payload = payload_for(start, end, True)
+            nbytes = self.adapter.nbytes(payload)
+            flags = (block.flags | SNAPSHOT) & ~(PERSISTED | ALL_TIERS)
+            if self.pool.replace_payload(block, payload, nbytes, flags):
+                self._c.upgrades += 1
+                self.levels.resized(block)
+                return True
+            self._c.drops += 1
+        return False
