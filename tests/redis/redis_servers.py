@@ -126,8 +126,16 @@ class ServeProcess:
         out: dict[str, Any] = self.stats()["tiers"]["redis"]
         return out
 
+    def prerender_idle(self) -> bool:
+        """No next-turn pre-render queued or running (``/v1/cache/stats`` ``prerender``)."""
+        pre = httpx.get(f"{self.base}/v1/cache/stats", timeout=10).json().get("prerender") or {}
+        return not pre.get("queued") and not pre.get("pending")
+
     def wait_redis_written(self) -> None:
-        """Until every block this server queued for Redis is written (or dropped)."""
+        """Until the reply's next-turn pre-render (a background prefill: its blocks go to
+        Redis too) has ended and every block this server queued for Redis is written (or
+        dropped); what a turn leaves in Redis does not then depend on timing."""
+        wait_until(self.prerender_idle, what=f"the pre-render of {self.port}")
         wait_until(lambda: self.redis_stats()["pending_writes"] == 0,
                    what=f"redis writes of {self.port}")
 

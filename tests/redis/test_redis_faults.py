@@ -156,9 +156,11 @@ def test_replies_delayed_past_the_timeout(make_tier: Make, redis_url: str,
     proxy = DelayProxy(redis_server.port).start()
     try:
         clock = FakeClock()
-        tier = make_tier(proxy.url, timeout_s=0.05, clock=clock, start_prober=False)
+        # 0.5 s: ten times what a loaded machine needs for a loopback round trip through
+        # the proxy (the undelayed reads must not time out); the delay is 4x that
+        tier = make_tier(proxy.url, timeout_s=0.5, clock=clock, start_prober=False)
         assert tier.get_metas(hs, ns=space) == metas  # through the proxy, no delay
-        proxy.delay_s = 1.0
+        proxy.delay_s = 2.0
         for _ in range(3):
             with pytest.raises(TierError):
                 tier.get_metas(hs, ns=space)
