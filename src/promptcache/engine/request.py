@@ -301,17 +301,17 @@ class Request:
         t = time.perf_counter()
         n = self.n_prompt
         end = self.chunk_end()
-        inputs = mx.array(self.seq[self.pos : end])[None]
-        emb = (self.images.embeddings(self.ctx.model, inputs, self.pos, end)
-               if self.images is not None else None)
-        if emb is None:
-            logits = self.ctx.model(inputs, cache=self.caches)
-        else:
-            logits = self.ctx.model(inputs, cache=self.caches, input_embeddings=emb)
-        last = logits[0, -1]
+        split = end >= n and end - self.pos > 1 and self.images is None
+        # the prompt's last chunk runs as chunk[:-1] + its last token, so that the lm
+        # head runs for one position instead of every position of the chunk
+        logits = self._forward(self.pos, end - 1 if split else end)
         states = [a for _, a in adapters.state_arrays(self.caches)]
-        # a mid-prompt chunk needs only the cache state: its logits (the lm head over
-        # every position of the chunk) are never evaluated
+        if split:
+            mx.eval(*states)
+            logits = self._forward(end - 1, end)
+            states = [a for _, a in adapters.state_arrays(self.caches)]
+        last = logits[0, -1]
+        # a mid-prompt chunk needs only the cache state: its logits are never evaluated
         if end >= n:
             mx.eval(last, *states)
         else:
@@ -321,6 +321,15 @@ class Request:
             return False
         self.end_prefill(self.first_token(last))
         return True
+
+    def _forward(self, start: int, end: int) -> mx.array:
+        """Tokens ``[start, end)`` through the model on the private caches (lazy)."""
+        inputs = mx.array(self.seq[start:end])[None]
+        emb = (self.images.embeddings(self.ctx.model, inputs, start, end)
+               if self.images is not None else None)
+        if emb is None:
+            return cast(mx.array, self.ctx.model(inputs, cache=self.caches))
+        return cast(mx.array, self.ctx.model(inputs, cache=self.caches, input_embeddings=emb))
 
     @property
     def prefill_s(self) -> float:
