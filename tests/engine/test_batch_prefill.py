@@ -255,3 +255,58 @@ def test_a_quantized_kv_request_beside_a_prefill_batch(hd64_path, engine_factory
     for r, (ra, la) in zip(runs, p_alone, strict=True):
         lb = eng.recorder.by_request.pop(r.request.request_id)
         assert r.result.tokens == ra.tokens and _max_delta(lb, la) <= TOL
+
+
+# ---------------------------------------------------------------- burst gathering
+
+
+class _Wake:
+    """A wake-up event that answers from a script (True: a request arrived)."""
+
+    def __init__(self, clock, answers):
+        self.clock, self.answers, self.timeouts = clock, list(answers), []
+
+    def wait(self, timeout):
+        self.timeouts.append(round(timeout, 6))
+        arrived = self.answers.pop(0) if self.answers else False
+        self.clock.now += W / 2 if arrived else timeout  # an arrival after half a window
+        return arrived
+
+    def clear(self):
+        pass
+
+
+W = 2.0**-7  # a window (a power of two: the fake clock's sums are exact)
+
+
+class _Clock:
+    now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+@pytest.mark.parametrize("answers, waits", [
+    ([], 1),  # nobody else: one window
+    ([True, True, False], 3),  # two more arrive, each within a window of the last
+    ([True] * 50, 10),  # a steady stream: capped at 5 windows in all (half a window each)
+])
+def test_an_idle_engine_gathers_a_burst(monkeypatch, answers, waits):
+    from types import SimpleNamespace
+
+    from promptcache.config import EngineConfig
+    from promptcache.engine import engine as engine_mod
+
+    clock = _Clock()
+    monkeypatch.setattr(engine_mod.time, "monotonic", clock)
+    wake = _Wake(clock, answers)
+    fake = SimpleNamespace(engine_config=EngineConfig(batch_window_s=W),
+                           _control=SimpleNamespace(stopping=False, wake=wake))
+    engine_mod.Engine._gather_burst(fake)
+    assert len(wake.timeouts) == waits
+    assert all(0 < t <= W for t in wake.timeouts)
+    assert clock.now <= 5 * W
+    off = SimpleNamespace(engine_config=EngineConfig(batch_window_s=0.0),
+                          _control=SimpleNamespace(stopping=False, wake=_Wake(clock, [True])))
+    engine_mod.Engine._gather_burst(off)
+    assert off._control.wake.timeouts == []
