@@ -1,7 +1,7 @@
 """Micro-benchmarks behind the batching engine's design decisions (no HTTP).
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \\
-        .venv/bin/python bench/bench_batching.py {save,scheduler,render} [--model PATH]
+        .venv/bin/python bench/bench_batching.py {save,scheduler,render,profile} [--model PATH]
 
 - ``save``: storing a long prompt chunk by chunk (the mid-prefill save point) through
   PromptCache.store + adapters.extract_block, as the engine does: before (the token
@@ -11,6 +11,10 @@
   throughput at batch sizes 1/4/8, and the cost of reading a request's state at every
   chunk boundary (BatchGenerator.extract_cache copies the whole KV so far; we read
   only the new blocks out of the request's own caches).
+- ``profile``: where a step's time goes at one batch size (C1's shape: ~225-token
+  prompts arriving together): the bare batched decode forward of the model (the floor),
+  our scheduler's decode steps and BatchGenerator's, the prefill of the burst in both,
+  and a cProfile of our decode steps (host work vs waiting for the forward).
 - ``render``: the chat template for a long chat: one render + one tokenization with
   offsets (now) vs one render per message (before).
 """
@@ -236,6 +240,138 @@ def bench_scheduler(model_path: str, batches: list[int], max_tokens: int, long_p
         sys.stdout.flush()
 
 
+# ---------------------------------------------------------------- profile
+
+
+def _ours_steps(model, tok, prompts, max_tokens, profiler=None):
+    """Our scheduler on a burst: (s until every stream had its first token, per decode
+    step s after that); ``profiler`` (cProfile) runs during those decode steps."""
+    from promptcache.config import EngineConfig
+    from promptcache.engine.admission import Admission, Ticket
+    from promptcache.engine.api import GenerationRequest, SamplingParams
+    from promptcache.engine.request import EngineContext, Request, validate_request
+    from promptcache.engine.scheduler import Scheduler
+
+    ctx = EngineContext(model=model, tokenizer=tok, config=EngineConfig(prefill_chunk_tokens=CHUNK),
+                        context_length=1 << 20, vocab_size=1 << 20, eos_token_ids=frozenset())
+    adm = Admission(64, 64, None, lambda n: n)
+
+    def make(t: Ticket) -> Request:
+        req: GenerationRequest = t.item
+        return Request(ctx, req, validate_request(req, ctx), lambda ev: None)
+
+    sched = Scheduler(ctx, adm, make)
+    for p in prompts:
+        adm.submit(Ticket(GenerationRequest(prompt_tokens=tuple(p), use_cache=False,
+                                            sampling=SamplingParams(max_tokens=max_tokens)),
+                          len(p) + max_tokens))
+    t0 = time.perf_counter()
+    while len(sched.batch) < len(prompts):
+        sched.step()
+    prefill = time.perf_counter() - t0
+    steps = []
+    if profiler is not None:
+        profiler.enable()
+    while True:
+        t = time.perf_counter()
+        if not sched.step() or len(sched.batch) < len(prompts):
+            break
+        steps.append(time.perf_counter() - t)
+    if profiler is not None:
+        profiler.disable()
+    while sched.step():
+        pass
+    return prefill, steps
+
+
+def _theirs_steps(model, prompts, max_tokens):
+    from mlx_lm.generate import BatchGenerator
+
+    gen = BatchGenerator(model, max_tokens=max_tokens, stop_tokens=[],
+                         completion_batch_size=len(prompts), prefill_batch_size=len(prompts),
+                         prefill_step_size=2048)  # mlx_lm.server's defaults for the burst
+    gen.insert(prompts, max_tokens=[max_tokens] * len(prompts))
+    t0 = time.perf_counter()
+    prefill = None
+    steps = []
+    done = 0
+    while done < len(prompts):
+        t = time.perf_counter()
+        _, responses = gen.next()
+        if prefill is None:
+            if len(responses) == len(prompts):
+                prefill = time.perf_counter() - t0
+            continue
+        steps.append(time.perf_counter() - t)
+        done += sum(1 for r in responses if r.finish_reason is not None)
+    gen.close()
+    return prefill or 0.0, steps
+
+
+def _forward_floor(model, prompts, n_steps):
+    """The bare batched decode forward + argmax over the burst's caches, per step."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    caches = []
+    for p in prompts:
+        c = make_prompt_cache(model)
+        model(mx.array(p)[None], cache=c)
+        mx.eval([x.state for x in c])
+        caches.append(c)
+    batch = [type(layer[0]).merge(list(layer)) for layer in zip(*caches, strict=True)]
+    toks = mx.array([p[-1] for p in prompts], dtype=mx.uint32)
+    steps = []
+    for _ in range(n_steps):
+        t = time.perf_counter()
+        toks = mx.argmax(model(toks[:, None], cache=batch)[:, -1, :], axis=-1).astype(mx.uint32)
+        mx.eval(toks)
+        steps.append(time.perf_counter() - t)
+    return steps
+
+
+def bench_profile(model_path: str, batch: int, prompt_len: int, max_tokens: int, repeats: int) -> None:
+    import cProfile
+    import io
+    import pstats
+
+    from promptcache.engine.models.loader import load_model
+
+    model, tok, _ = load_model(model_path)
+    _header(f"Where a step goes at {batch} streams",
+            f"profile --model {model_path} --batches {batch} --prompt-len {prompt_len} "
+            f"--max-tokens {max_tokens}")
+    prompts = _prompts(batch, prompt_len, 5)
+    _ours_steps(model, tok, _prompts(2, 32, 0), 4)  # warm up
+    _theirs_steps(model, _prompts(2, 32, 0), 4)
+    rows: dict[str, list[tuple[float, float]]] = {"ours": [], "BatchGenerator": [], "floor": []}
+    for _ in range(repeats):  # interleaved, so load changes hit each alike
+        pre, st = _ours_steps(model, tok, prompts, max_tokens)
+        rows["ours"].append((pre, statistics.median(st)))
+        pre, st = _theirs_steps(model, prompts, max_tokens)
+        rows["BatchGenerator"].append((pre, statistics.median(st)))
+        rows["floor"].append((0.0, statistics.median(_forward_floor(model, prompts, max_tokens))))
+    print(f"{batch} prompts of {prompt_len} tokens arriving together, {max_tokens} tokens each, "
+          f"greedy, no cache; medians over the decode steps, best of {repeats} interleaved runs.\n")
+    print("| | burst prefill (until every stream has its first token) | decode step | "
+          "decode tok/s | vs BatchGenerator (decode) |")
+    print("|---|---:|---:|---:|---:|")
+    bg = min(r[1] for r in rows["BatchGenerator"])
+    for name, label in (("floor", "bare forward + argmax (floor)"), ("ours", "our scheduler"),
+                        ("BatchGenerator", "mlx-lm BatchGenerator")):
+        pre = min(r[0] for r in rows[name])
+        step = min(r[1] for r in rows[name])
+        print(f"| {label} | {'—' if name == 'floor' else f'{pre:.2f} s'} | {step * 1e3:.1f} ms | "
+              f"{batch / step:.1f} | {bg / step:.2f}x |")
+    prof = cProfile.Profile()
+    _ours_steps(model, tok, prompts, max_tokens, profiler=prof)
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(12)
+    print("\ncProfile of our decode steps (top 12 by own time):\n\n```")
+    print("\n".join(line for line in out.getvalue().splitlines() if line.strip())[-2600:])
+    print("```")
+    sys.stdout.flush()
+
+
 # ---------------------------------------------------------------- render
 
 
@@ -269,13 +405,15 @@ def bench_render(model_path: str, n_messages: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=("save", "scheduler", "render"))
+    ap.add_argument("what", choices=("save", "scheduler", "render", "profile"))
     ap.add_argument("--model", default=None, help="model folder (default: the embedded SmolLM2)")
     ap.add_argument("--sizes", default="16384,32768,65536,131072")
     ap.add_argument("--batches", default="1,4,8")
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--long-prompt", type=int, default=16384)
     ap.add_argument("--messages", type=int, default=122)
+    ap.add_argument("--prompt-len", type=int, default=225)
+    ap.add_argument("--repeats", type=int, default=2)
     args = ap.parse_args(argv)
     if args.what == "save":
         bench_save([int(s) for s in args.sizes.split(",")])
@@ -285,7 +423,10 @@ def main(argv: list[str] | None = None) -> int:
         from promptcache.engine.models.gguf import ensure_default_model
 
         model = str(ensure_default_model(Path(__file__).resolve().parent.parent / ".models" / "default"))
-    if args.what == "scheduler":
+    if args.what == "profile":
+        bench_profile(model, int(args.batches.split(",")[0]), args.prompt_len, args.max_tokens,
+                      args.repeats)
+    elif args.what == "scheduler":
         bench_scheduler(model, [int(b) for b in args.batches.split(",")], args.max_tokens,
                         args.long_prompt)
     else:

@@ -200,6 +200,14 @@ class EngineConfig:
     # shadow verification (engine/shadow.py): the fraction of cache hits recomputed in
     # idle time and compared with the stored blocks (0 = off)
     shadow_verify_fraction: float = 0.0
+    # batched prefill: requests prefilling at the same step share one forward per
+    # chunk; at most this many rows and this many tokens per step (each row feeds at
+    # most one chunk per step)
+    prefill_batch_size: int = 8
+    prefill_batch_tokens: int = 2048
+    # an idle engine woken by a request waits while more arrive within this many
+    # seconds of each other (at most 5x in all), so a burst prefills as one batch
+    batch_window_s: float = 0.01
 
     def __post_init__(self) -> None:
         if self.prefill_chunk_tokens < 1:
@@ -218,6 +226,13 @@ class EngineConfig:
         if not 0.0 <= self.shadow_verify_fraction <= 1.0:
             raise ValueError("shadow_verify_fraction must be in [0, 1], got "
                              f"{self.shadow_verify_fraction}")
+        if self.prefill_batch_size < 1:
+            raise ValueError(f"prefill_batch_size must be >= 1, got {self.prefill_batch_size}")
+        if not 0 <= self.batch_window_s <= 1:
+            raise ValueError(f"batch_window_s must be in [0, 1], got {self.batch_window_s}")
+        if self.prefill_batch_tokens < 1:
+            raise ValueError(
+                f"prefill_batch_tokens must be >= 1, got {self.prefill_batch_tokens}")
 
 
 @dataclass(frozen=True)

@@ -92,13 +92,17 @@ def _sizes(quick: bool) -> dict[str, int]:
             "counts": len(STREAM_COUNTS)}
 
 
-def build(name: str, *, quick: bool = False, seed: int = 0) -> ConcurrentPlan:
+def build(name: str, *, quick: bool = False, seed: int = 0,
+          streams: Sequence[int] | None = None) -> ConcurrentPlan:
+    """``streams``: C1's stream counts, one round each (default 1/4/8/16; --quick 1/4)."""
     key = name.strip().upper()
     sz = _sizes(quick)
     g = TextGen(seed * 1000 + 100 + CONCURRENT_NAMES.index(key)) if key in CONCURRENT_NAMES \
         else None
     if key == "C1" and g is not None:
         counts = STREAM_COUNTS[: sz["counts"]] if not quick else (1, 4)
+        if streams:
+            counts = tuple(streams)
         rounds = []
         for n in counts:
             jobs = []
@@ -109,7 +113,7 @@ def build(name: str, *, quick: bool = False, seed: int = 0) -> ConcurrentPlan:
                 jobs.append((Job(s, 0, msgs),))
             rounds.append(tuple(jobs))
         return ConcurrentPlan(
-            "C1", f"1/4/8/16 concurrent streams (~{sz['prompt']}-token prompts, "
+            "C1", f"{'/'.join(str(n) for n in counts)} concurrent streams (~{sz['prompt']}-token prompts, "
                   f"{sz['output']} output tokens each)", "openai", tuple(rounds),
             labels=tuple(str(n) for n in counts))
     if key == "C2" and g is not None:

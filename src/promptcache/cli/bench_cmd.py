@@ -41,9 +41,23 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--quick", action="store_true", help="small scenarios for a smoke run")
     p.add_argument("--max-tokens", type=int, default=16, help="tokens generated per turn")
     p.add_argument("--seed", type=int, default=0, help="scenario text seed")
+    p.add_argument("--streams", default=None,
+                   help="C1's stream counts, comma-separated (default: 1,4,8,16)")
     p.add_argument("--floor-repeats", type=int, default=2, help="best of N floor timings")
     p.add_argument("--no-floor", action="store_true", help="skip the in-process floor")
     p.set_defaults(func=run)
+
+
+def _streams(arg: str | None) -> list[int] | None:
+    if not arg:
+        return None
+    try:
+        counts = [int(x) for x in arg.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--streams {arg!r}: comma-separated positive integers") from None
+    if not counts or min(counts) < 1:
+        raise ValueError(f"--streams {arg!r}: comma-separated positive integers")
+    return counts
 
 
 def _say(msg: str) -> None:
@@ -75,6 +89,8 @@ def _command(args: argparse.Namespace, model: str) -> str:
         parts.append("--quick")
     if args.max_tokens != 16:
         parts += ["--max-tokens", str(args.max_tokens)]
+    if getattr(args, "streams", None):
+        parts += ["--streams", args.streams]
     return " ".join(p if p.startswith("LD_PRELOAD=") else shlex.quote(p) for p in parts)
 
 
@@ -179,7 +195,8 @@ def _run_concurrent(args: argparse.Namespace, names: list[str], wanted: list[str
     (``concurrency.run_plans``); returns their Markdown."""
     md = ""
     for name in names:
-        plan = concurrency.build(name, quick=args.quick, seed=args.seed)
+        plan = concurrency.build(name, quick=args.quick, seed=args.seed,
+                                 streams=_streams(args.streams))
         max_tokens = concurrency.output_tokens(args.quick) if name == "C1" else args.max_tokens
         entry: dict[str, Any] = {"title": plan.title, "api": plan.api, "max_tokens": max_tokens,
                                  "runs": {}, "skipped": {}}

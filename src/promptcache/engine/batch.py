@@ -80,6 +80,27 @@ class DecodeBatch:
         self._logits.append(None)
         self.non_truncatable = self.non_truncatable or not req.truncatable
 
+    def join_batch(self, reqs: Sequence[Request], tokens: Sequence[int], cache: list[Any]
+                   ) -> None:
+        """Add several requests at once: ``cache`` holds exactly their rows (a batch
+        cache per layer, row ``i`` = ``reqs[i]``, prompt done, first token reported)."""
+        if not reqs:
+            return
+        if not self.rows:
+            self.cache = cache
+        else:
+            for mine, theirs in zip(self.cache, cache, strict=True):
+                mlx_compat.extend(mine, theirs)
+        tok = mx.array(list(tokens), dtype=mx.uint32)
+        self._inputs = tok if self._inputs is None else mx.concatenate([self._inputs, tok])
+        for r in reqs:
+            r.caches = []
+            self.rows.append(r)
+            self._reported.append(True)
+            self._lps.append(None)
+            self._logits.append(None)
+            self.non_truncatable = self.non_truncatable or not r.truncatable
+
     def _remove(self, drop: set[int]) -> None:
         keep = [i for i in range(len(self.rows)) if i not in drop]
         if not keep:

@@ -430,6 +430,22 @@ class Engine:
                     continue
                 self._control.wake.wait()
                 self._control.wake.clear()
+                self._gather_burst()
+
+    def _gather_burst(self) -> None:
+        """Woken from idle by an arrival: wait while more arrive, each within
+        ``batch_window_s`` of the last (at most 5 windows in all), so that requests sent
+        together (prepared one after the other by the server) prefill as one batch
+        instead of the first one alone and the rest after it."""
+        window = self.engine_config.batch_window_s
+        if window <= 0:
+            return
+        deadline = time.monotonic() + 5 * window
+        while not self._control.stopping:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self._control.wake.wait(min(window, left)):
+                return
+            self._control.wake.clear()
 
     def _fail_pending(self, error: str | None) -> None:
         """Answer every ticket that was never started (error, or cancelled on close)."""

@@ -7,16 +7,21 @@ What is used:
   one tokenization with character offsets;
 - the batch caches of ``mlx_lm.models.cache`` (``BatchKVCache``,
   ``BatchRotatingKVCache``, ``ArraysCache``, ``CacheList``): their public ``merge`` /
-  ``extend`` / ``filter`` / ``extract``, plus the private fields ``left_padding`` /
-  ``_idx`` / ``offset`` of ``BatchKVCache`` to read one row's KV without copying the
-  whole row (``row_caches``).
+  ``extend`` / ``filter`` / ``extract`` / ``prepare`` / ``finalize``, plus the private
+  fields ``left_padding`` / ``_idx`` / ``offset`` / ``keys`` / ``values`` of
+  ``BatchKVCache`` to read one row's KV without copying the whole row
+  (``row_caches``) and to drop the padding every row of a prefill batch has in common
+  (``trim_common_padding``).
+- batched prefill of right-padded chunks (``prepare(right_padding=...)`` before the
+  forward, ``finalize()`` after it: the pad tokens' KV is rolled to the left and
+  counted as left padding), as mlx-lm's own ``PromptProcessingBatch.prompt`` does.
 """
 
 from __future__ import annotations
 
 import importlib
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 from mlx_lm.models.cache import (
@@ -83,6 +88,62 @@ def can_batch(caches: Sequence[Any]) -> bool:
             continue
         return False
     return True
+
+
+def can_batch_prefill(caches: Sequence[Any]) -> bool:
+    """True if these per-request caches can be prefilled in a batch with others: plain
+    KV only (``BatchKVCache`` handles right-padded chunks exactly; sliding windows,
+    array states and quantized KV prefill on the per-request path)."""
+    return bool(caches) and all(type(c) is KVCache for c in caches)
+
+
+def merge_requests(caches: Sequence[Sequence[Any]]) -> list[Any]:
+    """Per-layer batch caches of several requests' per-layer caches (copies: rows
+    are left-padded to the longest)."""
+    return [merge([c[layer] for c in caches]) for layer in range(len(caches[0]))]
+
+
+def prepare_right_padded(batch: Sequence[Any], lengths: Sequence[int]) -> None:
+    """Before a forward of right-padded inputs: row ``i`` has ``lengths[i]`` real tokens
+    of ``max(lengths)``."""
+    width = max(lengths)
+    right = [width - n for n in lengths]
+    for c in batch:
+        c.prepare(lengths=list(lengths), right_padding=right)
+
+
+def finalize_right_padded(batch: Sequence[Any]) -> None:
+    """After that forward: the pad tokens' KV moves to the left (left padding)."""
+    for c in batch:
+        c.finalize()
+
+
+def trim_common_padding(batch: Sequence[Any]) -> None:
+    """Drop the left padding all rows share (views: nothing is copied). Prefilling rows
+    gain left padding whenever a chunk is shorter than the longest of its step."""
+    kv = [c for c in batch if isinstance(c, BatchKVCache) and c.keys is not None]
+    if not kv:
+        return
+    m = int(cast(int, mx.min(kv[0].left_padding).item()))  # the same in every layer
+    if m <= 0:
+        return
+    for c in kv:
+        c.keys = c.keys[..., m:, :]
+        c.values = c.values[..., m:, :]
+        c._idx -= m
+        c.left_padding = c.left_padding - m
+
+
+def copy_row(batch: Sequence[Any], idx: int) -> list[Any]:
+    """Private per-layer caches of row ``idx`` with their own buffers (a request that
+    leaves a prefill batch and waits for a decode row)."""
+    out: list[Any] = []
+    for c in row_caches(batch, idx):
+        if isinstance(c, KVCache) and c.keys is not None:
+            c.keys = copy_array(c.keys)
+            c.values = copy_array(c.values)
+        out.append(c)
+    return out
 
 
 def merge(caches: Sequence[Any]) -> Any:

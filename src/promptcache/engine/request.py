@@ -63,6 +63,8 @@ class EngineCounters:
     errors: int = 0
     prefilled: int = 0
     prefill_chunks: int = 0
+    prefill_batches: int = 0  # batched prefill forwards (engine/prefill.py)
+    max_prefill_batch: int = 0  # most rows in one of them
     decode_steps: int = 0
     decode_rows: int = 0  # sum of batch sizes over decode steps
     solo_steps: int = 0  # decode steps of requests mlx-lm cannot batch
@@ -286,48 +288,96 @@ class Request:
 
     # ------------------------------------------------------------------ prefill
 
+    def chunk_end(self) -> int:
+        """Where this request's next chunk ends: the next absolute multiple of the
+        chunk size (so every mid-prefill save lands on a block boundary), or the
+        prompt's end."""
+        chunk = self.ctx.config.prefill_chunk_tokens
+        return min(self.n_prompt, (self.pos // chunk + 1) * chunk)
+
     def prefill_chunk(self) -> bool:
         """Run one chunk on the private caches; True once the prompt is done (then the
         first token was emitted, or the request finished)."""
         t = time.perf_counter()
         n = self.n_prompt
-        chunk = self.ctx.config.prefill_chunk_tokens
-        end = min(n, (self.pos // chunk + 1) * chunk)
-        inputs = mx.array(self.seq[self.pos : end])[None]
-        emb = (self.images.embeddings(self.ctx.model, inputs, self.pos, end)
-               if self.images is not None else None)
-        if emb is None:
-            logits = self.ctx.model(inputs, cache=self.caches)
-        else:
-            logits = self.ctx.model(inputs, cache=self.caches, input_embeddings=emb)
+        end = self.chunk_end()
+        split = end >= n and end - self.pos > 1 and self.images is None
+        # the prompt's last chunk runs as chunk[:-1] + its last token, so that the lm
+        # head runs for one position instead of every position of the chunk
+        logits = self._forward(self.pos, end - 1 if split else end)
+        states = [a for _, a in adapters.state_arrays(self.caches)]
+        if split:
+            mx.eval(*states)
+            logits = self._forward(end - 1, end)
+            states = [a for _, a in adapters.state_arrays(self.caches)]
         last = logits[0, -1]
-        mx.eval(last, *[a for _, a in adapters.state_arrays(self.caches)])
-        self.pos = end
-        self.ctx.counters.prefill_chunks += 1
-        self._timings["prefill_s"] += time.perf_counter() - t
-        if end < n:
-            self._save_mid_prefill()
+        # a mid-prompt chunk needs only the cache state: its logits are never evaluated
+        if end >= n:
+            mx.eval(last, *states)
+        else:
+            mx.eval(*states)
+        self.prefill_s += time.perf_counter() - t
+        if not self.chunk_done(end):
             return False
-        if self.req.prefill_only:
-            self._store(n, "end_prefill", include_partial=True, snapshot_at_end=True)
-            self.ctx.counters.prefilled += 1
-            self.finish("prefilled")
-            return True
-        self.phase = "decode"
-        # the first token goes out before the end-of-prefill save: saving is not in TTFT
-        tok, lp = self.sample_now(last)
-        reason = self.accept(tok, lp, last)
-        self._store(n, "end_prefill", include_partial=True, snapshot_at_end=True)
-        if reason is not None:
-            self.finish(reason, self.caches)
+        self.end_prefill(self.first_token(last))
         return True
 
-    def _save_mid_prefill(self) -> None:
+    def _forward(self, start: int, end: int) -> mx.array:
+        """Tokens ``[start, end)`` through the model on the private caches (lazy)."""
+        inputs = mx.array(self.seq[start:end])[None]
+        emb = (self.images.embeddings(self.ctx.model, inputs, start, end)
+               if self.images is not None else None)
+        if emb is None:
+            return cast(mx.array, self.ctx.model(inputs, cache=self.caches))
+        return cast(mx.array, self.ctx.model(inputs, cache=self.caches, input_embeddings=emb))
+
+    @property
+    def prefill_s(self) -> float:
+        return self._timings["prefill_s"]
+
+    @prefill_s.setter
+    def prefill_s(self, v: float) -> None:
+        self._timings["prefill_s"] = v
+
+    def chunk_done(self, end: int, caches: Sequence[Any] | None = None) -> bool:
+        """A chunk's forward ran: the caches (``caches``, default the private ones) hold
+        ``end`` tokens. Before the prompt's end: the mid-prefill save; returns True at
+        the prompt's end."""
+        self.pos = end
+        self.ctx.counters.prefill_chunks += 1
+        if end < self.n_prompt:
+            self._save_mid_prefill(caches)
+            return False
+        return True
+
+    def first_token(self, last: mx.array) -> str | None:
+        """The prompt is in the caches: sample and emit the first token from ``last``
+        (``[vocab]`` logits of the prompt's last position); the finish reason if the
+        request ends here ("prefilled" for a prefill-only request)."""
+        if self.req.prefill_only:
+            return "prefilled"
+        self.phase = "decode"
+        tok, lp = self.sample_now(last)
+        return self.accept(tok, lp, last)
+
+    def end_prefill(self, reason: str | None, caches: Sequence[Any] | None = None) -> None:
+        """The end-of-prefill save (after the first token went out: saving is not in
+        TTFT), from ``caches`` (default the private ones); finish if ``reason``."""
+        n = self.n_prompt
+        self._store(n, "end_prefill", include_partial=True, snapshot_at_end=True, caches=caches)
+        if reason == "prefilled":
+            self.ctx.counters.prefilled += 1
+            self.finish("prefilled")
+        elif reason is not None:
+            self.finish(reason, self.caches if caches is None else caches)
+
+    def _save_mid_prefill(self, caches: Sequence[Any] | None = None) -> None:
         snap = True
         if not self.truncatable:
             every = self.ctx.config.snapshot_every_blocks * self.ctx.block_size
             snap = self.pos // every > self._last_snapshot // every
-        self._store(self.pos, "mid_prefill", include_partial=False, snapshot_at_end=snap)
+        self._store(self.pos, "mid_prefill", include_partial=False, snapshot_at_end=snap,
+                    caches=caches)
         if snap:
             self._last_snapshot = self.pos
 

@@ -1,15 +1,27 @@
-"""The scheduler: one step = one batched decode forward + at most one prefill chunk.
+"""The scheduler: one step = one batched decode forward + batched prefill chunks.
 
 Why our own scheduler over mlx-lm's batch caches rather than mlx-lm's
 ``BatchGenerator`` (measured, see BENCHMARKS.md "Batched decode"): both decode
 through the same batch caches, so a decode step costs the same; but
 ``BatchGenerator`` reaches a running request's state only through
 ``extract_cache`` -- a copy of the request's whole KV -- which makes the mid-prefill
-save point quadratic in the prompt length, it prefills a batch of prompts together
-(a burst of arrivals delays every stream by several chunks), and it has no notion
-of priority. Here a request prefills alone in its own mlx-lm caches (the save
-points read blocks straight out of them, as for a single request), then joins the
-batch with them.
+save point quadratic in the prompt length, and it has no notion of priority. Here
+the save points read only the new blocks, from a request's private caches or from
+lazy views of its row in a batch cache.
+
+Prefill has two paths:
+- batched (``engine/prefill.py``): interactive requests with plain-KV caches and no
+  images that prefill at the same step share one forward per chunk (``PrefillBatch``;
+  at most ``prefill_batch_size`` rows and ``prefill_batch_tokens`` tokens per step,
+  each row one chunk per step). A request joins it at a step boundary with its
+  restored caches (every row's own prefix; only its suffix is prefilled);
+- per request (``Request.prefill_chunk`` on its private caches): a lone interactive
+  request (nothing else prefilling interactively: no copy into a batch cache), caches
+  that cannot batch (quantized KV, sliding windows, array states), image prompts, and
+  background requests (next-turn pre-render, shadow verification). One chunk per
+  step: of the oldest interactive one; a background one only when no interactive
+  request is prefilling, so a new interactive request waits at most the background
+  chunk in flight.
 
 Each ``step()``:
 1. takes newly admitted requests (``Admission.take``) into the prefill queue;
@@ -17,16 +29,19 @@ Each ``step()``:
    the slots they freed, e.g. an interactive request that preempted a background one);
 3. launches the batched decode forward (``DecodeBatch.step``: pipelined, the host
    work of the previous step's tokens overlaps it);
-4. runs ONE prefill chunk: of the oldest interactive request; a background request
-   (next-turn pre-render, shadow verification) only when no interactive request is
-   prefilling, so a new interactive request waits at most the background chunk in
-   flight. A request's first chunk also does its cache lookup and restore;
-5. advances the requests mlx-lm cannot batch (one forward each);
-6. moves requests whose prefill ended into the batch (up to ``max_batch_size``
+4. moves waiting interactive requests into the prefill batch (their first step
+   there also does their cache lookup and restore) and runs its forward: one chunk
+   per row; rows whose prompt ended emit their first token and go to the decode batch
+   together;
+5. runs ONE per-request prefill chunk (see above);
+6. advances the requests mlx-lm cannot batch (one forward each);
+7. moves requests whose prefill ended into the batch (up to ``max_batch_size``
    rows; more wait for a free row) or, if their caches cannot batch, to the
    per-request path.
-A request releases its admission ticket when it finishes, before its result is
-delivered (so a client that has its answer is no longer counted as active).
+So a step delays the running streams by at most one chunk of each prefilling
+request in it (bounded by ``prefill_batch_tokens`` + one chunk). A request releases
+its admission ticket when it finishes, before its result is delivered (so a client
+that has its answer is no longer counted as active).
 """
 
 from __future__ import annotations
@@ -38,6 +53,7 @@ from typing import Any
 from . import adapters, mlx_compat
 from .admission import Admission, Ticket
 from .batch import DecodeBatch, cancel_alone, decode_alone
+from .prefill import PrefillBatch, Prefilled
 from .request import EngineContext, Request
 
 logger = logging.getLogger(__name__)
@@ -54,7 +70,9 @@ class Scheduler:
         self.ctx = ctx
         self.admission = admission
         self.make_request = make_request
-        self.prefilling: list[Request] = []  # admission order
+        self.prefilling: list[Request] = []  # admission order, not in the prefill batch
+        self.group = PrefillBatch(ctx.model)  # prefilling together
+        self._solo: set[Request] = set()  # interactive, on the per-request prefill path
         self.ready: list[Request] = []  # prefill done, waiting for a batch row
         self.alone: list[Request] = []  # decoding outside the batch
         self.batch = DecodeBatch(ctx.model, ctx.block_size)
@@ -66,14 +84,15 @@ class Scheduler:
 
     @property
     def idle(self) -> bool:
-        return not (self.prefilling or self.ready or self.alone or len(self.batch)
-                    or self.admission.has_ready)
+        return not (self.prefilling or len(self.group) or self.ready or self.alone
+                    or len(self.batch) or self.admission.has_ready)
 
     def requests(self) -> list[Request]:
-        return [*self.prefilling, *self.ready, *self.alone, *self.batch.rows]
+        return [*self.prefilling, *self.group.rows, *self.ready, *self.alone,
+                *self.batch.rows]
 
     def active_kv_bytes(self) -> int:
-        total = self.batch.nbytes()
+        total = self.batch.nbytes() + self.group.nbytes()
         for r in (*self.prefilling, *self.ready, *self.alone):
             total += sum(int(a.nbytes) for _, a in adapters.state_arrays(r.caches))
         return total
@@ -97,7 +116,10 @@ class Scheduler:
             c.decode_rows += len(self.batch.rows)
             c.max_batch = max(c.max_batch, len(self.batch.rows))
         self.last_prefilled = None
-        req = self._next_prefill()
+        self._fill_group()
+        if len(self.group):
+            self._guard(self.group.rows, self._group_step, on_error=self.group.fail_all)
+        req = self._next_alone()
         if req is not None:
             self.last_prefilled = req
             self._guard([req], lambda: self._prefill(req), on_error=req.fail)
@@ -136,21 +158,83 @@ class Scheduler:
         for r in [r for r in self.prefilling if r.cancelled]:
             r.finish("cancelled", r.caches if r.phase == "decode" else None)
         self.prefilling = [r for r in self.prefilling if not r.done]
+        self._solo = {r for r in self._solo if not r.done}
+        self.group.drop_cancelled()
         self.ready = cancel_alone(self.ready)
         self.alone = cancel_alone(self.alone)
         self.batch.drop_cancelled()
 
-    def _next_prefill(self) -> Request | None:
-        for r in self.prefilling:
+    def _fill_group(self) -> None:
+        """Move waiting interactive requests into the prefill batch, oldest first,
+        while it has rows and tokens left for this step."""
+        cfg = self.ctx.config
+        pending = [r for r in self.prefilling if not r.background and r not in self._solo]
+        if not pending:
+            return
+        solo_busy = any(not r.background for r in self._solo)
+        if not len(self.group) and len(pending) == 1 and not solo_busy:
+            self._solo.add(pending[0])  # alone: its own caches, no copy into a batch
+            return
+        budget = cfg.prefill_batch_tokens - self.group.step_tokens()
+        joining: list[Request] = []
+        for r in pending:
+            if len(self.group) + len(joining) >= cfg.prefill_batch_size:
+                break
+            if r.phase == "new":
+                self._guard([r], r.start, on_error=r.fail)
+                if r.done:
+                    continue
+            if (r.images is not None or not mlx_compat.can_batch_prefill(r.caches)
+                    or not mlx_compat.can_batch(r.caches)):
+                self._solo.add(r)
+                continue
+            n = r.chunk_end() - r.pos
+            if (len(self.group) or joining) and n > budget:
+                break
+            budget -= n
+            joining.append(r)
+        self.prefilling = [r for r in self.prefilling if not r.done and r not in joining]
+        if joining:
+            def fail(error: str) -> None:
+                for r in joining:
+                    r.fail(error)
+                self.group.fail_all(error)
+            self._guard(joining, lambda: self.group.join(joining), on_error=fail)
+
+    def _group_step(self) -> None:
+        done = self.group.step()
+        if done is not None:
+            def fail(error: str) -> None:
+                for r in done.reqs:
+                    r.fail(error)
+            self._guard(done.reqs, lambda: self._place_prefilled(done), on_error=fail)
+
+    def _place_prefilled(self, done: Prefilled) -> None:
+        """Rows whose prompt ended in the prefill batch: into the decode batch at once
+        (their batch cache is extended into it) or, with no room, to wait with copies."""
+        if not self.ready and len(self.batch) + len(done.reqs) <= self.ctx.config.max_batch_size:
+            self.batch.join_batch(done.reqs, [r.output[-1] for r in done.reqs], done.cache)
+            return
+        for i, r in enumerate(done.reqs):
+            r.caches = mlx_compat.copy_row(done.cache, i)
+            self.ready.append(r)
+
+    def _next_alone(self) -> Request | None:
+        """The request that gets this step's per-request prefill chunk."""
+        solo = [r for r in self.prefilling if r.background or r in self._solo]
+        for r in solo:
             if not r.background:
                 return r
-        return self.prefilling[0] if self.prefilling else None
+        if len(self.group) or any(not r.background for r in self.prefilling):
+            return None  # an interactive request is prefilling
+        return solo[0] if solo else None
 
     def _prefill(self, req: Request) -> None:
         if req.phase == "new":
             req.start()
         if req.prefill_chunk():
             self.prefilling.remove(req)
+            self._solo.discard(req)
             if not req.done:
                 self.ready.append(req)
 
@@ -190,6 +274,8 @@ class Scheduler:
                 else:
                     r.fail(error)
         self.prefilling, self.ready, self.alone = [], [], []
+        self._solo = set()
+        self.group = PrefillBatch(self.ctx.model)
         self.batch = DecodeBatch(self.ctx.model, self.ctx.block_size)
         for _, t in self._live:
             self.admission.release(t)
