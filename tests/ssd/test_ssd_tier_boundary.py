@@ -23,7 +23,7 @@ INDEX_METHODS = [
     "begin", "commit", "rollback", "kv_get", "kv_set", "get", "children", "child_reads",
     "upsert", "delete", "touch", "totals", "recount", "add_written", "written", "iter_rows",
     "files", "lru", "expired", "select_files", "add_sessions", "remove_session",
-    "sessions_of", "sessions", "tenants",
+    "sessions_of", "sessions", "tenants", "pin", "pinned",
 ]
 FILE_FUNCTIONS = ["ensure_dir", "write_temp", "publish", "fsync_dir", "remove_file",
                   "quarantine", "scan", "read_verified"]
@@ -75,6 +75,7 @@ def exercise(tier, ms) -> list[str]:  # type: ignore[no-untyped-def]
     call("tenants", lambda: tier.tenants())
     call("sessions", lambda: tier.sessions())
     call("sweep", lambda: tier.sweep())
+    call("pin", lambda: tier.pin([ms[0].block_hash, fresh[1].block_hash], 86400.0))
     call("discard", lambda: tier.discard([ms[2].block_hash]))
     call("delete_session", lambda: tier.delete_session("s", tenant=NS.tenant))
     call("purge", lambda: tier.purge(older_than_s=10**9))

@@ -89,6 +89,8 @@ class SSDTier(SSDWriter):
         self._pending: dict[bytes, _Pending] = {}
         self._pending_bytes = 0
         self._touches: dict[bytes, tuple[float, int]] = {}
+        self._pins: dict[bytes, float] = {}
+        self._pinned_victims = 0
         self._counts: Counter[str] = Counter()
         self._drops: Counter[str] = Counter({r: 0 for r in DROP_REASONS})
         self._latency = [0] * (len(LATENCY_BUCKETS_MS) + 1)

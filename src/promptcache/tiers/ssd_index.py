@@ -24,7 +24,8 @@ from ..meta import BlockMeta
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = "2"  # 2: totals kept by triggers (shared by every process)
+SCHEMA_VERSION = "3"  # 2: totals kept by triggers (shared by every process); 3: pinned_until
+KNOWN_VERSIONS = (None, "1", "2", SCHEMA_VERSION)
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS blocks (
@@ -46,7 +47,8 @@ CREATE TABLE IF NOT EXISTS blocks (
     last_access REAL NOT NULL,
     expiry REAL,
     hits INTEGER NOT NULL DEFAULT 0,
-    had_session INTEGER NOT NULL DEFAULT 0
+    had_session INTEGER NOT NULL DEFAULT 0,
+    pinned_until REAL
 ) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS blocks_parent ON blocks(parent);
 CREATE INDEX IF NOT EXISTS blocks_last_access ON blocks(last_access);
@@ -102,6 +104,10 @@ def _statements(script: str) -> list[str]:
     return out
 
 
+# ``pinned_until`` (``prompt_cache_retention: 24h``) is read with every row but never
+# written by ``upsert``: a re-write of a block keeps its pin; only ``pin`` sets it.
+_SELECT = _COLUMNS + ", pinned_until"
+
 _UPDATES = ", ".join(f"{c}=excluded.{c}" for c in _COLUMNS.split(", ") if c != "hash")
 
 
@@ -120,6 +126,7 @@ class IndexRow:
     expiry: float | None
     hits: int = 0
     had_session: bool = False
+    pinned_until: float | None = None  # wall-clock end of a 24 h retention pin
 
 
 def pack_tokens(token_ids: Iterable[int]) -> bytes:
@@ -167,6 +174,7 @@ def _row_to_index_row(r: tuple) -> IndexRow:  # type: ignore[type-arg]
         expiry=None if r[16] is None else float(r[16]),
         hits=int(r[17]),
         had_session=bool(r[18]),
+        pinned_until=None if len(r) < 20 or r[19] is None else float(r[19]),
     )
 
 
@@ -198,8 +206,13 @@ class SSDIndex:
             for stmt in _statements(_SCHEMA):
                 self._db.execute(stmt)
             version = self.kv_get("schema_version")
-            if version not in (None, "1", SCHEMA_VERSION):
+            if version not in KNOWN_VERSIONS:
                 raise IndexCorruptError(f"unknown index schema version {version!r}")
+            cols = {str(r[1]) for r in self._db.execute("PRAGMA table_info(blocks)")}
+            if "pinned_until" not in cols:  # version 1-2: add the column, rows kept as they are
+                self._db.execute("ALTER TABLE blocks ADD COLUMN pinned_until REAL")
+            self._db.execute("CREATE INDEX IF NOT EXISTS blocks_pinned ON blocks(pinned_until) "
+                             "WHERE pinned_until IS NOT NULL")
             if version != SCHEMA_VERSION:
                 for stmt in _statements(_TOTALS):
                     self._db.execute(stmt)
@@ -251,13 +264,13 @@ class SSDIndex:
 
     def get(self, block_hash: bytes) -> IndexRow | None:
         r = self._db.execute(
-            f"SELECT {_COLUMNS} FROM blocks WHERE hash=?", (bytes(block_hash),)
+            f"SELECT {_SELECT} FROM blocks WHERE hash=?", (bytes(block_hash),)
         ).fetchone()
         return None if r is None else _row_to_index_row(r)
 
     def children(self, parent_hash: bytes) -> list[IndexRow]:
         rows = self._db.execute(
-            f"SELECT {_COLUMNS} FROM blocks WHERE parent=? ORDER BY hash", (bytes(parent_hash),)
+            f"SELECT {_SELECT} FROM blocks WHERE parent=? ORDER BY hash", (bytes(parent_hash),)
         ).fetchall()
         return [_row_to_index_row(r) for r in rows]
 
@@ -319,9 +332,31 @@ class SSDIndex:
         for h, when, hits, ttl in updates:
             self._db.execute(
                 "UPDATE blocks SET last_access=max(last_access, ?), hits=hits+?, "
-                "expiry=CASE WHEN ? IS NULL THEN expiry ELSE ? + ? END WHERE hash=?",
+                "expiry=CASE WHEN ? IS NULL THEN expiry "
+                "ELSE max(? + ?, COALESCE(pinned_until, 0)) END WHERE hash=?",
                 (when, hits, ttl, when, ttl, bytes(h)),
             )
+
+    def pin(self, hashes: Iterable[bytes], until: float) -> set[bytes]:
+        """Pin these blocks until ``until`` (wall clock): ``pinned_until`` only grows,
+        and a TTL ``expiry`` is moved to the pin's end if it is earlier (the TTL never
+        removes a pinned block). Returns the hashes that have a row."""
+        found: set[bytes] = set()
+        for h in hashes:
+            cur = self._db.execute(
+                "UPDATE blocks SET pinned_until=max(COALESCE(pinned_until, 0), ?), "
+                "expiry=CASE WHEN expiry IS NULL THEN NULL ELSE max(expiry, ?) END "
+                "WHERE hash=?", (until, until, bytes(h)))
+            if cur.rowcount:
+                found.add(bytes(h))
+        return found
+
+    def pinned(self, now: float) -> tuple[int, int]:
+        """(blocks, file bytes) pinned beyond ``now``."""
+        r = self._db.execute(
+            "SELECT COUNT(*), COALESCE(SUM(file_bytes), 0) FROM blocks "
+            "WHERE pinned_until IS NOT NULL AND pinned_until > ?", (now,)).fetchone()
+        return int(r[0]), int(r[1])
 
     def totals(self) -> tuple[int, int]:
         """(blocks, bytes) of every process's blocks (kept by triggers: one row read)."""
@@ -354,7 +389,7 @@ class SSDIndex:
         return total, today
 
     def iter_rows(self, where: str = "", params: tuple = ()) -> Iterator[IndexRow]:  # type: ignore[type-arg]
-        sql = f"SELECT {_COLUMNS} FROM blocks {where}"
+        sql = f"SELECT {_SELECT} FROM blocks {where}"
         for r in self._db.execute(sql, params).fetchall():
             yield _row_to_index_row(r)
 
@@ -363,13 +398,24 @@ class SSDIndex:
         rows = self._db.execute("SELECT hash, file_name, file_bytes FROM blocks").fetchall()
         return [(bytes(h), str(f), int(n)) for h, f, n in rows]
 
-    def lru(self, limit: int) -> list[tuple[bytes, str, int]]:
-        """The ``limit`` least recently used blocks (oldest first; ties by hash)."""
+    def lru(self, limit: int, now: float = 0.0) -> list[tuple[bytes, str, int, bool]]:
+        """Eviction order, up to ``limit`` blocks as (hash, file, bytes, pinned): the
+        blocks not pinned beyond ``now``, least recently used first (ties by hash);
+        then, only when fewer are left, the pinned ones, the pin that ends first
+        first, a chain's tail before its head (``start`` descending), ties by hash."""
         rows = self._db.execute(
-            "SELECT hash, file_name, file_bytes FROM blocks ORDER BY last_access, hash LIMIT ?",
-            (limit,),
+            "SELECT hash, file_name, file_bytes FROM blocks "
+            "WHERE pinned_until IS NULL OR pinned_until <= ? "
+            "ORDER BY last_access, hash LIMIT ?", (now, limit),
         ).fetchall()
-        return [(bytes(h), str(f), int(n)) for h, f, n in rows]
+        out = [(bytes(h), str(f), int(n), False) for h, f, n in rows]
+        if len(out) < limit:
+            rows = self._db.execute(
+                "SELECT hash, file_name, file_bytes FROM blocks WHERE pinned_until > ? "
+                "ORDER BY pinned_until, start DESC, hash LIMIT ?", (now, limit - len(out)),
+            ).fetchall()
+            out.extend((bytes(h), str(f), int(n), True) for h, f, n in rows)
+        return out
 
     def expired(self, now: float) -> list[tuple[bytes, str, int]]:
         rows = self._db.execute(

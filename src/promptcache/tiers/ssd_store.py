@@ -33,6 +33,7 @@ from .ssd_queue import WriteQueue
 log = logging.getLogger(__name__)
 
 LATENCY_BUCKETS_MS = (0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 250.0, 500.0, 1000.0)
+MAX_EARLY_PINS = 1 << 16  # pins kept for blocks that have no row yet
 DROP_REASONS = ("queue_full", "budget", "admission", "degraded", "write_budget", "closed")
 
 
@@ -98,6 +99,8 @@ class SSDStore:
     _pending: dict[bytes, _Pending]
     _pending_bytes: int
     _touches: dict[bytes, tuple[float, int]]
+    _pins: dict[bytes, float]  # pins of blocks not in the index yet (applied at commit)
+    _pinned_victims: int  # pinned blocks in the last capacity victim batch
     _counts: Counter[str]
     _ahead: files.ReadAhead
     _drops: Counter[str]
@@ -180,10 +183,14 @@ class SSDStore:
         self._blocks, self._bytes = self._index.totals()
 
     def _enforce_capacity(self, keep: bytes | None = None) -> int:
-        """Delete least recently used blocks (of every process) until the folder's
-        bytes fit the budget. Never raises (an index error degrades the tier)."""
+        """Delete blocks (of every process) until the folder's bytes fit the budget:
+        least recently used unpinned blocks first; pinned blocks (``pin``) only when
+        no unpinned block is left, the pin that ends first first (a pin never makes
+        a write fail; counted ``evictions_pinned``). Never raises (an index error
+        degrades the tier)."""
         evicted = 0
         budget = self.config.budget_bytes
+        now = self._clock()
 
         def victims() -> list[tuple[bytes, str, int]]:
             _, total = self._index.totals()
@@ -191,21 +198,26 @@ class SSDStore:
             excess = total - budget
             if excess <= 0:
                 return out
-            for v in self._index.lru(64):
+            pinned = 0
+            for h, rel, size, is_pinned in self._index.lru(64, now):
                 if excess <= 0:
                     break
-                if v[0] != keep:
-                    out.append(v)
-                    excess -= v[2]
+                if h != keep:
+                    out.append((h, rel, size))
+                    excess -= size
+                    pinned += is_pinned
+            self._pinned_victims = pinned
             return out
 
         with self._write_lock, self._dirlock.shared(), self._lock:
             try:
                 while True:
+                    self._pinned_victims = 0
                     gone = self._delete_where(victims)
                     if not gone:
                         break
                     evicted += len(gone)
+                    self._counts["evictions_pinned"] += self._pinned_victims
             except sqlite3.Error as e:
                 self._index_error(e)
             self._counts["evictions_capacity"] += evicted
@@ -240,11 +252,48 @@ class SSDStore:
             self._index.rollback()
             self._index_error(e)
 
+    @tier_errors
+    def pin(self, block_hashes: Iterable[BlockHash], seconds: float) -> int:
+        """Retain these blocks for ``seconds`` from now (``prompt_cache_retention:
+        24h``): ``pinned_until`` in the index (shared by every process, kept across
+        restarts) only grows; until then the TTL does not remove them and the byte
+        limit evicts them only after every unpinned block. A block not stored yet
+        (queued, or still on its way from RAM) gets the pin when its row is
+        committed. Deletion (session, tenant, purge, discard) still deletes pinned
+        blocks. Returns the number of stored blocks pinned now."""
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds > 0:
+            raise ValueError(f"seconds must be a positive number, got {seconds!r}")
+        hs = list(dict.fromkeys(bytes(h) for h in block_hashes))
+        if not hs:
+            return 0
+        with self._lock:
+            until = self._clock() + float(seconds)
+            try:
+                self._index.begin()
+                found = self._index.pin(hs, until)
+                self._index.commit()
+            except sqlite3.Error as e:
+                self._index.rollback()
+                self._index_error(e)
+                raise TierError(f"ssd pin failed: {e}") from e
+            for h in hs:
+                if h not in found:
+                    self._pins[h] = max(self._pins.get(h, 0.0), until)
+            if len(self._pins) > MAX_EARLY_PINS:  # blocks that never came: oldest go
+                now = self._clock()
+                for h, t in sorted(self._pins.items(), key=lambda kv: kv[1]):
+                    if len(self._pins) <= MAX_EARLY_PINS // 2 and t > now:
+                        break
+                    del self._pins[h]
+            self._counts["pins"] += len(hs)
+            return len(found)
+
     def _cancel_pending(self, match: Callable[[_Pending], bool]) -> set[bytes]:
         out = set()
         for h, p in list(self._pending.items()):
             if not p.cancelled and match(p):
                 p.cancelled = True
+                self._pins.pop(h, None)
                 out.add(h)
                 if not p.taken:
                     self._forget(p)
@@ -331,6 +380,12 @@ class SSDStore:
                     self._refresh_totals()  # every process's blocks, not only ours
                 except sqlite3.Error as e:
                     self._index_error(e)
+            pinned = (0, 0)
+            if not getattr(self, "_closed", False):
+                try:
+                    pinned = self._index.pinned(self._clock())
+                except sqlite3.Error as e:
+                    self._index_error(e)
             c = self._counts
             return {
                 "name": self.name,
@@ -352,6 +407,9 @@ class SSDStore:
                 "io_errors": c["io_errors"],
                 "evictions_capacity": c["evictions_capacity"],
                 "evictions_ttl": c["evictions_ttl"],
+                "evictions_pinned": c["evictions_pinned"],
+                "pinned_blocks": pinned[0],
+                "pinned_bytes": pinned[1],
                 "blocks_on_disk": self._blocks,
                 "bytes_on_disk": self._bytes,
                 "budget_bytes": self.config.budget_bytes,

@@ -255,6 +255,10 @@ class SSDWriter(SSDStore):
                     had_session=p.had_session or (cur is not None and cur.had_session),
                 )
                 self._index.upsert(row)
+                pin = max(self._pins.get(h, 0.0),
+                          cur.pinned_until if cur is not None and cur.pinned_until else 0.0)
+                if pin > now:  # a pin asked before the row existed, or the row's own
+                    self._index.pin([h], pin)
                 self._index.add_sessions(h, p.sessions)
                 if not dedup:
                     self._bytes_written, self._day_bytes = self._index.add_written(
@@ -269,6 +273,7 @@ class SSDWriter(SSDStore):
                     files.remove_file(self.root / rel)
                 return True
             self._forget(p)
+            self._pins.pop(h, None)
             self._blocks, self._bytes = self._index.totals()
             self._counts["dedup" if dedup else "spills"] += 1
             if self._degraded_reason is not None and self._retry_at != float("inf"):
