@@ -26,7 +26,7 @@ class CacheProtect(CacheBase):
 
     # ---- levels: protection (cache breakpoints, prompt_cache_key), active sessions --
     def protect(self, tokens: Any, ns: Namespace, num_tokens: int, ttl_s: float, *,
-                key: str | None = None, persist: bool = True,
+                key: str | None = None, persist: bool = True, pin_s: float | None = None,
                 extra_keys: Sequence[ExtraKeySpan] = ()) -> int:
         """Keep the RAM blocks holding ``tokens[:num_tokens]`` from eviction for
         ``ttl_s`` seconds (``cache_levels``): a cache breakpoint (``key`` None: renewed
@@ -35,7 +35,11 @@ class CacheProtect(CacheBase):
         it) or the latest chain of ``key`` (it
         replaces the key's previous chain). With ``persist`` the blocks are put into
         the lower tiers at once. Protected blocks take at most ``protect_share`` of
-        the RAM budget (oldest protections give way). Returns the blocks protected."""
+        the RAM budget (oldest protections give way). With ``pin_s`` (OpenAI
+        ``prompt_cache_retention: 24h``) the whole chain is also pinned in every lower
+        tier that can pin (``pin(hashes, seconds)``: the SSD tier) for ``pin_s``
+        seconds, outside the cache lock; a pin only ever grows. Returns the blocks
+        protected."""
         req = to_request_tokens(tokens)
         check_ns(ns, self.config.block_size)
         spans = check_spans(extra_keys)
@@ -45,6 +49,9 @@ class CacheProtect(CacheBase):
             raise ValueError(f"ttl_s must be a positive number, got {ttl_s!r}")
         if key is not None and (not isinstance(key, str) or not key):
             raise ValueError(f"key must be a non-empty string or None, got {key!r}")
+        if pin_s is not None and (isinstance(pin_s, bool) or not isinstance(pin_s, (int, float))
+                                  or not pin_s > 0):
+            raise ValueError(f"pin_s must be a positive number or None, got {pin_s!r}")
         end = min(num_tokens, req.n)
         full = self._full_hashes(req, ns, spans, end)
         with self._lock:
@@ -60,7 +67,23 @@ class CacheProtect(CacheBase):
                 anchor = chain[whole - 1] if whole else ns.root
                 claim = ("breakpoint", ns.tenant, ns.key, anchor,
                          req.slice_bytes(whole * ns.block_size, end))
-            return self.levels.protect(claim, chain, float(ttl_s), self._now, persist=persist)
+            n = self.levels.protect(claim, chain, float(ttl_s), self._now, persist=persist)
+        if pin_s is not None:
+            self._pin_lower(chain, float(pin_s))
+        return n
+
+    def _pin_lower(self, chain: list[BlockHash], pin_s: float) -> None:
+        """Pin ``chain`` in the lower tiers that can pin (no cache lock held: the SSD
+        tier commits to its index). A failing tier is counted, never raised."""
+        for tier in self.lower:
+            pin = getattr(tier, "pin", None)
+            if pin is None:
+                continue
+            try:
+                pin(chain, pin_s)
+            except Exception as e:
+                with self._lock:
+                    self._on_tier_error(tier, e)
 
     def mark_active(self, tokens: Any, ns: Namespace, session: str, *,
                     extra_keys: Sequence[ExtraKeySpan] = ()) -> int:

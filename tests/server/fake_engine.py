@@ -62,6 +62,7 @@ class FakeCache:
         self.deleted: list[Any] = []
         self.protected: list[tuple[Any, int, float, str | None, bool]] = []
         self.active: list[tuple[Any, int, str]] = []
+        self.pinned: list[tuple[str | None, float | None]] = []  # (key, pin_s) per protect
 
     def match(self, tokens: tuple[int, ...], tenant: str) -> int:
         best = 0
@@ -80,11 +81,12 @@ class FakeCache:
             self.seqs.setdefault(tenant, []).append((tokens, session))
 
     def protect(self, tokens: Any, ns: Any, num_tokens: int, ttl_s: float, *,
-                key: str | None = None, persist: bool = True,
+                key: str | None = None, persist: bool = True, pin_s: float | None = None,
                 extra_keys: Any = ()) -> int:
         """Records the protection a client asked for (PromptCache.protect)."""
         with self.lock:
             self.protected.append((ns, num_tokens, ttl_s, key, persist))
+            self.pinned.append((key, pin_s))
         return 0
 
     def mark_active(self, tokens: Any, ns: Any, session: str, *, extra_keys: Any = ()) -> int:

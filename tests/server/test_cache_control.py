@@ -181,6 +181,8 @@ def test_prompt_cache_key_protects_the_turns_chain(client: TestClient, engine: F
     assert engine.submitted[-1].session_id == "k1"
     assert engine.cache is not None
     assert engine.cache.protected == [("t1", n, 600.0, "k1", persist)]
+    # 24h also pins the chain on the SSD for a day; in_memory pins nothing
+    assert engine.cache.pinned == [("k1", 86400.0 if persist else None)]
     assert engine.cache.active == [("t1", n, "k1")]
     # the Responses API reads the same fields
     r = client.post("/v1/responses", json={"model": "default", "input": "hi",
@@ -189,6 +191,7 @@ def test_prompt_cache_key_protects_the_turns_chain(client: TestClient, engine: F
     assert r.status_code == 200
     sync(client)
     assert engine.cache.protected[-1][2:] == (600.0, "k2", persist)
+    assert engine.cache.pinned[-1] == ("k2", 86400.0 if persist else None)
 
 
 def test_without_a_key_nothing_is_protected_and_bad_retention_is_a_400(

@@ -813,7 +813,8 @@ def claim_chain(request: Request, tenant: str, key: TurnKey | None, prepared: Pr
             cache.protect(tokens, ns, min(pos, len(tokens)), ttl, extra_keys=extra)
         if chat.retention is not None and key is not None:
             cache.protect(tokens, ns, len(tokens), KEY_PROTECT_S, key=key.activity,
-                          persist=chat.retention == "24h", extra_keys=extra)
+                          persist=chat.retention == "24h", extra_keys=extra,
+                          pin_s=86400.0 if chat.retention == "24h" else None)
         if key is not None:
             cache.mark_active(tokens, ns, key.activity, extra_keys=extra)
 
