@@ -168,7 +168,7 @@ def test_pins_never_fail_a_write_the_pin_ending_first_goes_first_tail_first(
     tier.close()
 
 
-def test_session_and_tenant_deletion_delete_pinned_blocks(tmp_path: Path) -> None:
+def test_session_tenant_purge_and_discard_delete_pinned_blocks(tmp_path: Path) -> None:
     clock = FakeClock()
     tier = make_tier(tmp_path, clock=clock)
     alice = chain(NS, 2)
@@ -180,6 +180,13 @@ def test_session_and_tenant_deletion_delete_pinned_blocks(tmp_path: Path) -> Non
     assert live(tier, alice) == []
     assert tier.delete_tenant("bob") == 2
     assert live(tier, bob) == [] and tier.stats()["pinned_blocks"] == 0
+    more = chain(NS, 3, first_token=500)
+    put_all(tier, more, clock)
+    tier.pin([m.block_hash for m in more], DAY)
+    assert tier.discard([more[2].block_hash]) == 1  # a superseded partial tail
+    clock.advance(10)
+    assert tier.purge(older_than_s=5) == 2  # an operator's purge
+    assert live(tier, more) == [] and tier.stats()["pinned_blocks"] == 0
     tier.close()
 
 
