@@ -21,7 +21,7 @@ model is told.
 
 The rules run where the request becomes a prompt: ``billing_header`` on the Anthropic
 system blocks as they are parsed (a list filter), the rest in the preparation worker
-thread (``common.Preparer``), never on the event loop.
+thread (``preparer.Preparer``), never on the event loop.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ The previous turn is the one named by ``previous_message_id``, else the last tur
 the same tenant, session and agent (Claude Code subagents have agent ids of their own).
 ``TurnStore`` keeps the turns (tokens and a structural fingerprint) in a bounded LRU.
 Everything that reads tokens (the comparison, the text around the divergence) runs in
-the preparation worker thread (``common.Preparer``); ``Divergence.diagnose`` is O(1)
+the preparation worker thread (``preparer.Preparer``); ``Divergence.diagnose`` is O(1)
 arithmetic, so it can run when the result arrives.
 """
 

@@ -6,7 +6,7 @@ assistant ``tool_calls`` as ``[{"id", "type": "function", "function": {"name",
 passed in the OpenAI function format (``{"type": "function", "function": {...}}``),
 which is what chat templates expect. Every mistake raises ``ValueError``.
 
-Two rewrites adapt a conversation to what the model's template can show (``common.py``
+Two rewrites adapt a conversation to what the model's template can show (``preparer.py``
 finds out once per model by rendering probes, and applies them):
 
 - ``place_system_messages``: a system message in the middle of a conversation (Claude

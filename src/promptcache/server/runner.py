@@ -154,7 +154,7 @@ class Generation:
         self.first_token_s: float | None = None
         self.result: GenerationResult | None = None
         self.disconnected = False
-        # called once with the final result (common.start: remember the turn); returns
+        # called once with the final result (turns.start: remember the turn); returns
         # the miss note of the log line (None: the engine's miss_reason)
         self.on_result: Callable[[GenerationResult], str | None] | None = None
         state.metrics.in_flight.inc()

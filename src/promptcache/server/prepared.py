@@ -1,0 +1,109 @@
+"""What a request is before and after preparation (``preparer.py`` does the work).
+
+- ``ChatPrompt``: a parsed chat request, before the template (template messages, tools,
+  thinking switch, images, output structure, cache breakpoints, retention).
+- ``Breakpoint``: a client's cache breakpoint (Anthropic ``cache_control``).
+- ``TurnContext``: who asks, for the comparison with the previous turn.
+- ``Prepared``: the prompt as the engine gets it (tokens, message offsets, images,
+  constraint) and what the reply parser and the diagnostics need to know about it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..engine.api import Constraint, ImageInput
+from ..engine.chat_format import ChatFormat, ToolCallFormat
+from .auth import Scope
+from .diagnostics import NO_PREVIOUS, Divergence, Fingerprint, TurnKey
+from .images import ImageCollector
+from .structured import OutputSpec
+
+
+@dataclass(frozen=True)
+class ChatPrompt:
+    """A parsed chat request, before the template: what every API turns its body into."""
+
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None = None
+    # the request's reasoning switch (Anthropic ``thinking``, Responses ``reasoning``):
+    # None = the template's default
+    thinking: bool | None = None
+    # the images of a vision-language prompt (decoded in the worker thread), else None
+    images: ImageCollector | None = None
+    # what the reply must be (structured.py: a JSON schema, a forced tool call)
+    structure: OutputSpec | None = None
+    # the request body as sent (miss explanations name the part of it a divergence
+    # falls in); never rendered
+    source: Any = field(default=None, compare=False, repr=False)
+    # the client's cache breakpoints (Anthropic cache_control)
+    breakpoints: tuple[Breakpoint, ...] = ()
+    # OpenAI prompt_cache_key was sent: keep the turn's chain, ``in_memory`` (RAM) or
+    # ``24h`` (RAM + written to the lower tiers at once); None: no such request
+    retention: str | None = None
+
+
+@dataclass(frozen=True)
+class Breakpoint:
+    """A client's cache breakpoint: keep the prefix up to the end of the leading system
+    prompt (``message=None``: ``cache_control`` on a system block or a tool) or of
+    template message ``message``, for ``ttl_s`` seconds."""
+
+    message: int | None
+    ttl_s: float
+
+
+@dataclass(frozen=True)
+class TurnContext:
+    """Who asks, for the comparison with the previous turn (``diagnostics.py``)."""
+
+    key: TurnKey | None = None
+    # Anthropic ``diagnostics.previous_message_id`` (``named_previous``: the field was
+    # sent, possibly null)
+    previous_message_id: str | None = None
+    named_previous: bool = False
+
+    @classmethod
+    def of(cls, scope: Scope, previous_message_id: str | None = None,
+           named_previous: bool = False) -> TurnContext:
+        key = TurnKey(scope.tenant, scope.session_id, scope.agent_id) \
+            if scope.session_id else None
+        return cls(key, previous_message_id, named_previous)
+
+
+@dataclass(frozen=True)
+class Prepared:
+    tokens: list[int]
+    message_starts: list[int]
+    tool_names: frozenset[str]
+    # the tools went into the system turn (the template drops ``tools``)
+    tools_in_system: bool
+    # the final assistant message is continued (a prefill), not answered
+    continues: bool
+    # the prompt ends inside a reasoning block: the reply starts with reasoning
+    in_reasoning: bool
+    # cache lookup for a streamed usage prediction (0 when not asked or no cache)
+    predicted_cached: int
+    chat_format: ChatFormat
+    # decoded images with their placeholder spans (``tokens`` holds the placeholders)
+    images: tuple[ImageInput, ...] = field(default=())
+    # the tool-call format the model was asked for (its own, or the Hermes fallback)
+    tool_format: ToolCallFormat | None = None
+    # the tools the request offers, as sent (the reply parser reads calls with them)
+    tools: list[dict[str, Any]] | None = None
+    # constrained decoding for the request's ``structure`` (compiled, checked)
+    constraint: Constraint | None = None
+    # the template messages as rendered (after system placement and the tools fallback)
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    # the messages before the tools fallback, and the template variables (to render
+    # the same prompt without its tools: ``Preparer.tools_span``)
+    plain_messages: list[dict[str, Any]] = field(default_factory=list)
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
+    fingerprint: Fingerprint | None = None
+    # this request against the previous turn of its session (diagnostics.py)
+    divergence: Divergence = NO_PREVIOUS
+    # the cache's cause of a short predicted match (with ``predicted_cached``)
+    predicted_cause: str | None = None
+    # the breakpoints as token positions: ((end, ttl seconds), ...) by position
+    breakpoints: tuple[tuple[int, float], ...] = ()
