@@ -32,6 +32,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
+from bench_decode_step import floor_steps
 from mlx_lm.models.cache import KVCache
 
 from promptcache.cache import ChainCursor, PromptCache
@@ -308,27 +309,6 @@ def _theirs_steps(model, prompts, max_tokens):
     return prefill or 0.0, steps
 
 
-def _forward_floor(model, prompts, n_steps):
-    """The bare batched decode forward + argmax over the burst's caches, per step."""
-    from mlx_lm.models.cache import make_prompt_cache
-
-    caches = []
-    for p in prompts:
-        c = make_prompt_cache(model)
-        model(mx.array(p)[None], cache=c)
-        mx.eval([x.state for x in c])
-        caches.append(c)
-    batch = [type(layer[0]).merge(list(layer)) for layer in zip(*caches, strict=True)]
-    toks = mx.array([p[-1] for p in prompts], dtype=mx.uint32)
-    steps = []
-    for _ in range(n_steps):
-        t = time.perf_counter()
-        toks = mx.argmax(model(toks[:, None], cache=batch)[:, -1, :], axis=-1).astype(mx.uint32)
-        mx.eval(toks)
-        steps.append(time.perf_counter() - t)
-    return steps
-
-
 def bench_profile(model_path: str, batch: int, prompt_len: int, max_tokens: int, repeats: int) -> None:
     import cProfile
     import io
@@ -349,7 +329,7 @@ def bench_profile(model_path: str, batch: int, prompt_len: int, max_tokens: int,
         rows["ours"].append((pre, statistics.median(st)))
         pre, st = _theirs_steps(model, prompts, max_tokens)
         rows["BatchGenerator"].append((pre, statistics.median(st)))
-        rows["floor"].append((0.0, statistics.median(_forward_floor(model, prompts, max_tokens))))
+        rows["floor"].append((0.0, statistics.median(floor_steps(model, prompts, max_tokens))))
     print(f"{batch} prompts of {prompt_len} tokens arriving together, {max_tokens} tokens each, "
           f"greedy, no cache; medians over the decode steps, best of {repeats} interleaved runs.\n")
     print("| | burst prefill (until every stream has its first token) | decode step | "
