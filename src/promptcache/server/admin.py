@@ -18,7 +18,6 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from ..advisor import diagnose
-from ..meta import validate_tenant
 from .auth import validate_session_id
 from .common import state_of
 from .errors import APIError
@@ -137,16 +136,7 @@ async def cache_stats(request: Request) -> dict[str, Any]:
 @router.delete("/v1/cache")
 async def delete_cache(request: Request, tenant: str | None = None) -> dict[str, Any]:
     st = state_of(request)
-    if tenant is not None:
-        try:
-            validate_tenant(tenant)
-        except ValueError as e:
-            raise APIError(400, f"invalid tenant: {e}", param="tenant") from e
-    fixed = st.auth.key_tenant(request)
-    if fixed is not None:
-        if tenant is not None and tenant != fixed:
-            raise APIError(403, "this API key may only delete its own tenant's cache")
-        tenant = fixed
+    tenant = st.auth.query_tenant(request, tenant, "delete its own tenant's cache")
     cache = getattr(st.engine, "cache", None)
     if cache is None:
         return {"deleted_blocks": 0, "tenant": tenant, "cache_enabled": False}

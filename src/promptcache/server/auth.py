@@ -143,6 +143,22 @@ class Authenticator:
                 return tenant
         raise APIError(401, "invalid API key", code="invalid_api_key")
 
+    def query_tenant(self, request: Request, tenant: str | None, action: str) -> str | None:
+        """The tenant an admin request acts on (None: every tenant): ``tenant`` (a
+        ``?tenant=``; 400 when invalid), or the tenant fixed by the key — which may not
+        name another (403: "this API key may only <action>")."""
+        if tenant is not None:
+            try:
+                validate_tenant(tenant)
+            except ValueError as e:
+                raise APIError(400, f"invalid tenant: {e}", param="tenant") from e
+        fixed = self.key_tenant(request)
+        if fixed is None:
+            return tenant
+        if tenant is not None and tenant != fixed:
+            raise APIError(403, f"this API key may only {action}", code="tenant_mismatch")
+        return fixed
+
     def deletion_tenant(self, request: Request, tenant: str | None) -> str | None:
         """The tenant a deletion by session acts in (None: every tenant). A key bound
         to a tenant deletes only there (naming another: 403); otherwise ``tenant``

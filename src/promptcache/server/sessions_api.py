@@ -15,9 +15,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
 
-from ..meta import validate_tenant
 from .common import state_of
-from .errors import APIError
 
 router = APIRouter()
 
@@ -43,17 +41,7 @@ def session_rows(st: Any, tenant: str | None) -> list[dict[str, Any]]:
 @router.get("/v1/cache/sessions")
 async def list_sessions(request: Request, tenant: str | None = None) -> dict[str, Any]:
     st = state_of(request)
-    if tenant is not None:
-        try:
-            validate_tenant(tenant)
-        except ValueError as e:
-            raise APIError(400, f"invalid tenant: {e}", param="tenant") from e
-    fixed = st.auth.key_tenant(request)
-    if fixed is not None:
-        if tenant is not None and tenant != fixed:
-            raise APIError(403, "this API key may only list its own tenant's sessions",
-                           code="tenant_mismatch")
-        tenant = fixed
+    tenant = st.auth.query_tenant(request, tenant, "list its own tenant's sessions")
     rows = await run_in_threadpool(session_rows, st, tenant)
     out: dict[str, Any] = {"sessions": rows, "tenant": tenant}
     if st.sessions is not None:
