@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 from fake_engine import FakeEngine
 from fastapi.testclient import TestClient
+from fixtures.traces.make_traces import shuffled
 
 from promptcache.cli import serve_cmd
 from promptcache.config import ServerConfig
@@ -107,16 +108,6 @@ def test_tool_keys_and_order() -> None:
     assert sorted_keys({"b": [{"d": 1, "c": 2}], "a": None}) == {"a": None, "b": [{"c": 2, "d": 1}]}
 
 
-def _shuffled(value: Any, rng: random.Random) -> Any:
-    if isinstance(value, dict):
-        items = list(value.items())
-        rng.shuffle(items)
-        return {k: _shuffled(v, rng) for k, v in items}
-    if isinstance(value, list):
-        return [_shuffled(v, rng) for v in value]
-    return value
-
-
 CLAUDE_TOOLS = [
     {"name": "Read", "description": "read a file",
      "input_schema": {"type": "object", "properties": {
@@ -137,7 +128,7 @@ def _claude_body(turn: int, rng: random.Random, shuffle: bool) -> dict[str, Any]
     tools = [dict(t) for t in CLAUDE_TOOLS]
     if shuffle:
         rng.shuffle(tools)
-        tools = [_shuffled(t, rng) for t in tools]
+        tools = [shuffled(t, rng) for t in tools]
     return {"model": "default", "max_tokens": 16,
             "system": [{"type": "text", "text": "x-anthropic-billing-header: "
                         f"cc_version=2.1.197.{turn:03x}; cc_entrypoint=sdk-cli; cch={turn * 7919:05x};"},
@@ -181,7 +172,7 @@ def test_openai_tools_are_canonical_and_count_tokens_agrees() -> None:
           for t in CLAUDE_TOOLS]
     counts = set()
     for _ in range(3):
-        tools = _shuffled(fn, rng)
+        tools = shuffled(fn, rng)
         rng.shuffle(tools)
         body = {"model": "default", "max_tokens": 8, "tools": tools,
                 "messages": [{"role": "user", "content": "hi"}]}
