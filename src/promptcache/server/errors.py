@@ -58,6 +58,17 @@ class APIError(Exception):
         self.headers = headers
 
 
+async def json_object(request: Request) -> dict[str, Any]:
+    """The request body as a JSON object, or a 400 saying what it is instead."""
+    try:
+        body = await request.json()
+    except ValueError as e:
+        raise APIError(400, f"the body must be a JSON object: {e}") from e
+    if not isinstance(body, dict):
+        raise APIError(400, "the body must be a JSON object")
+    return body
+
+
 def is_anthropic_path(path: str) -> bool:
     return path.startswith("/v1/messages")
 

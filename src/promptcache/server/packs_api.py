@@ -25,7 +25,7 @@ from fastapi.responses import Response
 
 from .. import packs
 from .common import ChatPrompt, preparer_of, state_of
-from .errors import APIError
+from .errors import APIError, json_object
 
 log = logging.getLogger(__name__)
 router = APIRouter()
@@ -44,12 +44,7 @@ def _cache(request: Request) -> Any:
 async def export_pack(request: Request) -> Response:
     st = state_of(request)
     cache = _cache(request)
-    try:
-        body = await request.json()
-    except ValueError as e:
-        raise APIError(400, f"the body must be JSON: {e}") from e
-    if not isinstance(body, dict):
-        raise APIError(400, "the body must be a JSON object")
+    body = await json_object(request)
     tenant = request.state.pc_scope.tenant
     ns = st.engine.namespace(tenant)
     tokens: list[int] | None = None

@@ -50,7 +50,7 @@ from .diagnostics import (
     locate,
     message_at,
 )
-from .errors import APIError
+from .errors import APIError, json_object
 from .schemas import ChatCompletionRequest, MessagesRequest, ResponsesRequest
 
 log = logging.getLogger(__name__)
@@ -158,12 +158,7 @@ def analyse(prep: Preparer, prepared: Prepared, tenant: str, source: Any) -> dic
 async def probe(request: Request, api: str | None = None, tokens: bool = False
                 ) -> dict[str, Any]:
     st = state_of(request)
-    try:
-        raw = await request.json()
-    except ValueError as e:
-        raise APIError(400, f"the body must be a JSON object: {e}") from e
-    if not isinstance(raw, dict):
-        raise APIError(400, "the body must be a JSON object")
+    raw = await json_object(request)
     kind = api or detect_api(raw, request.headers)
     if kind not in APIS:
         raise APIError(400, f"api must be one of {', '.join(APIS)}, got {kind!r}", param="api")
