@@ -208,6 +208,9 @@ class EngineConfig:
     # an idle engine woken by a request waits while more arrive within this many
     # seconds of each other (at most 5x in all), so a burst prefills as one batch
     batch_window_s: float = 0.01
+    # ... and while requests the server announced are still being prepared (one
+    # preparation at a time), up to this many seconds from the wake-up (arrivals.py)
+    burst_gather_max_s: float = 1.0
 
     def __post_init__(self) -> None:
         if self.prefill_chunk_tokens < 1:
@@ -230,6 +233,9 @@ class EngineConfig:
             raise ValueError(f"prefill_batch_size must be >= 1, got {self.prefill_batch_size}")
         if not 0 <= self.batch_window_s <= 1:
             raise ValueError(f"batch_window_s must be in [0, 1], got {self.batch_window_s}")
+        if not 0 <= self.burst_gather_max_s <= 10:
+            raise ValueError(
+                f"burst_gather_max_s must be in [0, 10], got {self.burst_gather_max_s}")
         if self.prefill_batch_tokens < 1:
             raise ValueError(
                 f"prefill_batch_tokens must be >= 1, got {self.prefill_batch_tokens}")

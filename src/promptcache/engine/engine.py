@@ -35,6 +35,7 @@ from ..meta import DEFAULT_TENANT, Namespace, validate_tenant
 from . import adapters, constrained
 from .admission import Admission, Ticket
 from .api import GenerationRequest, GenerationResult, SamplingParams, Usage, VisionInfo
+from .arrivals import Arrivals
 from .chat_format import ChatFormat, chat_format_of
 from .handles import RequestHandle
 from .payload import ram_census
@@ -176,7 +177,7 @@ class Engine:
         self._ids = itertools.count(1)
         self._closed = False
         self._dead: str | None = None
-        self._control = _Control()
+        self._control = Arrivals()
         self._thread = threading.Thread(target=self._run, name="promptcache-engine", daemon=True)
         self._thread.start()
         # stop the engine thread at interpreter exit even if close() was never called
@@ -292,6 +293,13 @@ class Engine:
             self._fail_pending(f"the engine thread died: {self._dead}")
         self._control.wake.set()
         return handle
+
+    def announce(self) -> Callable[[], None]:
+        """The caller is preparing a request it will ``submit`` (the server announces
+        every generation request before rendering its prompt): an idle engine gathering
+        a burst waits for it (``arrivals.py``). Returns the release (idempotent), to
+        call when the preparation ends, submitted or not. Thread-safe."""
+        return self._control.announce()
 
     def _on_cancel(self, handle: RequestHandle) -> None:
         ticket: Ticket | None = getattr(handle, "_ticket", None)
@@ -433,19 +441,13 @@ class Engine:
                 self._gather_burst()
 
     def _gather_burst(self) -> None:
-        """Woken from idle by an arrival: wait while more arrive, each within
-        ``batch_window_s`` of the last (at most 5 windows in all), so that requests sent
-        together (prepared one after the other by the server) prefill as one batch
-        instead of the first one alone and the rest after it."""
-        window = self.engine_config.batch_window_s
-        if window <= 0:
-            return
-        deadline = time.monotonic() + 5 * window
-        while not self._control.stopping:
-            left = deadline - time.monotonic()
-            if left <= 0 or not self._control.wake.wait(min(window, left)):
-                return
-            self._control.wake.clear()
+        """Woken from idle by an arrival: wait for the rest of a burst (``arrivals.py``:
+        arrivals within ``batch_window_s`` of each other, and requests the server has
+        announced and is still preparing, at most ``burst_gather_max_s``), so that
+        requests sent together prefill as one batch instead of the first one alone and
+        the rest after it."""
+        cfg = self.engine_config
+        self._control.gather(cfg.batch_window_s, cfg.burst_gather_max_s)
 
     def _fail_pending(self, error: str | None) -> None:
         """Answer every ticket that was never started (error, or cancelled on close)."""
@@ -462,15 +464,7 @@ def _empty_result(req: GenerationRequest, reason: str, queue_s: float,
                             queue_s=queue_s)
 
 
-class _Control:
-    """The engine thread's stop flag and wake-up event (shared with the finalizer)."""
-
-    def __init__(self) -> None:
-        self.stopping = False
-        self.wake = threading.Event()
-
-
-def _stop_thread(control: _Control, thread: threading.Thread) -> None:
+def _stop_thread(control: Arrivals, thread: threading.Thread) -> None:
     control.stopping = True
     control.wake.set()
     if thread.is_alive() and thread is not threading.current_thread():

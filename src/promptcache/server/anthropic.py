@@ -381,7 +381,7 @@ async def messages(body: MessagesRequest, request: Request) -> Any:
     diagnose = wants_diagnostics(request.headers.get("anthropic-beta"), body.diagnostics)
     turn = TurnContext.of(scope, previous, named)
     prepared = await preparer.prepare(
-        chat, predict_tenant=scope.tenant if body.stream else None, turn=turn)
+        chat, predict_tenant=scope.tenant if body.stream else None, turn=turn, generate=True)
     max_tokens = plan_max_tokens(st, "anthropic", len(prepared.tokens), body.max_tokens)
     sampling = st.sampling(max_tokens=max_tokens, temperature=body.temperature,
                            top_p=body.top_p, seed=None, stop=body.stop_sequences,

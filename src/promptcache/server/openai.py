@@ -195,7 +195,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     scope = request.state.pc_scope.with_session(body.prompt_cache_key, "prompt_cache_key")
     turn = TurnContext.of(scope)
     chat = chat_prompt(body, st.image_collector())
-    prepared = await preparer_of(request).prepare(chat, turn=turn)
+    prepared = await preparer_of(request).prepare(chat, turn=turn, generate=True)
     requested = body.max_completion_tokens if body.max_completion_tokens is not None \
         else body.max_tokens
     param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"

@@ -111,8 +111,18 @@ class Preparer:
         future.add_done_callback(_log_failure)
 
     async def prepare(self, chat: ChatPrompt, *, predict_tenant: str | None = None,
-                      turn: TurnContext | None = None) -> Prepared:
-        return await self.run(self._prepare, chat, predict_tenant, turn)
+                      turn: TurnContext | None = None, generate: bool = False) -> Prepared:
+        """``generate``: the caller submits the prompt to the engine as soon as this
+        returns; the engine is told (``Engine.announce``) while it is being prepared,
+        so that a burst of requests prepared one after the other prefills as one batch
+        (``engine/arrivals.py``)."""
+        announce = getattr(self.engine, "announce", None) if generate else None
+        release = announce() if announce is not None else None
+        try:
+            return await self.run(self._prepare, chat, predict_tenant, turn)
+        finally:
+            if release is not None:
+                release()
 
     def record_turn(self, prepared: Prepared, turn: TurnContext, message_id: str | None,
                     result: GenerationResult) -> None:

@@ -370,7 +370,7 @@ async def create_response(body: ResponsesRequest, request: Request) -> Any:
     conv, offered, chat = chat_prompt(body, store, st.image_collector())
     scope = request.state.pc_scope.with_session(body.prompt_cache_key, "prompt_cache_key")
     turn = TurnContext.of(scope)
-    prepared = await preparer_of(request).prepare(chat, turn=turn)
+    prepared = await preparer_of(request).prepare(chat, turn=turn, generate=True)
     max_tokens = plan_max_tokens(st, "openai", len(prepared.tokens), body.max_output_tokens,
                                  "max_output_tokens")
     k = body.top_logprobs
