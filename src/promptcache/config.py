@@ -211,6 +211,11 @@ class EngineConfig:
     # ... and while requests the server announced are still being prepared (one
     # preparation at a time), up to this many seconds from the wake-up (arrivals.py)
     burst_gather_max_s: float = 1.0
+    # a new request whose prompt shares at least this many tokens (whole blocks) not yet
+    # computed with a request being prefilled waits until that one has stored them,
+    # then restores them from the cache (0 = never wait: requests sent together each
+    # compute their shared prefix, e.g. parallel subagents' system prompt + tools)
+    share_prefix_min_tokens: int = 256
 
     def __post_init__(self) -> None:
         if self.prefill_chunk_tokens < 1:
@@ -236,6 +241,9 @@ class EngineConfig:
         if not 0 <= self.burst_gather_max_s <= 10:
             raise ValueError(
                 f"burst_gather_max_s must be in [0, 10], got {self.burst_gather_max_s}")
+        if self.share_prefix_min_tokens < 0:
+            raise ValueError(
+                f"share_prefix_min_tokens must be >= 0, got {self.share_prefix_min_tokens}")
         if self.prefill_batch_tokens < 1:
             raise ValueError(
                 f"prefill_batch_tokens must be >= 1, got {self.prefill_batch_tokens}")

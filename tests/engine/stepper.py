@@ -60,11 +60,12 @@ class Stepper:
         return req
 
     def submit(self, tokens, max_tokens: int = 6, *, background: bool = False,
-               prefill_only: bool = False, use_cache: bool = True, **sampling) -> Run:
+               prefill_only: bool = False, use_cache: bool = True, tenant: str = "default",
+               **sampling) -> Run:
         self._ids += 1
         req = GenerationRequest(
             prompt_tokens=tuple(tokens), sampling=SamplingParams(max_tokens=max_tokens, **sampling),
-            use_cache=use_cache, request_id=f"step-{self._ids}",
+            use_cache=use_cache, request_id=f"step-{self._ids}", tenant=tenant,
             priority="background" if background else "interactive", prefill_only=prefill_only)
         run = Run(req)
         length = len(tokens) + (0 if prefill_only else max_tokens)

@@ -65,6 +65,9 @@ class EngineCounters:
     prefill_chunks: int = 0
     prefill_batches: int = 0  # batched prefill forwards (engine/prefill.py)
     max_prefill_batch: int = 0  # most rows in one of them
+    # requests that waited for another's prefill of the prompt prefix they share
+    # (scheduler: they reuse its stored blocks instead of computing them again)
+    shared_prefix_waits: int = 0
     decode_steps: int = 0
     decode_rows: int = 0  # sum of batch sizes over decode steps
     solo_steps: int = 0  # decode steps of requests mlx-lm cannot batch
@@ -185,6 +188,7 @@ class Request:
         # the admission ticket there, so a client holding its answer is never counted)
         self.on_finish: Callable[[], None] | None = None
         self._last_snapshot = 0
+        self.waited_for_prefix = False  # counted once (scheduler: shared prefixes)
         self.use_cache = bool(request.use_cache and ctx.cache is not None and ctx.namespace_for)
         self.ns: Namespace | None = (
             ctx.namespace_for(request.tenant) if self.use_cache and ctx.namespace_for else None)

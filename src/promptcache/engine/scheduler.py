@@ -32,7 +32,10 @@ Each ``step()``:
 4. moves waiting interactive requests into the prefill batch (their first step
    there also does their cache lookup and restore) and runs its forward: one chunk
    per row; rows whose prompt ended emit their first token and go to the decode batch
-   together;
+   together. A new request that shares at least ``share_prefix_min_tokens`` whole
+   blocks not yet computed with one being prefilled is not started yet: it waits
+   until that one has stored them, then restores them (requests sent together that
+   share a system prompt + tools compute it once);
 5. runs ONE per-request prefill chunk (see above);
 6. advances the requests mlx-lm cannot batch (one forward each);
 7. moves requests whose prefill ended into the batch (up to ``max_batch_size``
@@ -50,6 +53,8 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 from . import adapters, mlx_compat
 from .admission import Admission, Ticket
 from .batch import DecodeBatch, cancel_alone, decode_alone
@@ -57,6 +62,13 @@ from .prefill import PrefillBatch, Prefilled
 from .request import EngineContext, Request
 
 logger = logging.getLogger(__name__)
+
+
+def shared_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    """The number of leading tokens two prompts share."""
+    n = min(int(a.shape[0]), int(b.shape[0]))
+    diff = np.flatnonzero(a[:n] != b[:n])
+    return int(diff[0]) if diff.size else n
 
 # builds the Request of an admitted ticket (None: it could not start and was answered)
 MakeRequest = Callable[[Ticket], Request | None]
@@ -169,6 +181,7 @@ class Scheduler:
         while it has rows and tokens left for this step."""
         cfg = self.ctx.config
         pending = [r for r in self.prefilling if not r.background and r not in self._solo]
+        pending = self._not_waiting_for_a_prefix(pending)
         if not pending:
             return
         solo_busy = any(not r.background for r in self._solo)
@@ -200,6 +213,47 @@ class Scheduler:
                     r.fail(error)
                 self.group.fail_all(error)
             self._guard(joining, lambda: self.group.join(joining), on_error=fail)
+
+    def _not_waiting_for_a_prefix(self, pending: list[Request]) -> list[Request]:
+        """The pending requests that start now. A new request whose prompt shares at
+        least ``share_prefix_min_tokens`` whole blocks not yet computed with an
+        interactive request being prefilled (in the prefill batch, on the per-request
+        path, or starting ahead of it this step) waits: that one stores the blocks as
+        its prefill passes them (save point 1), and the waiting request's lookup, once
+        it starts, restores them. Requests sent together that share a long prefix
+        (parallel subagents: one system prompt + tools) compute it once, not once each.
+        A waiting request is looked at again every step; it starts as soon as no
+        leader has that much of their shared prefix left to compute (a leader that
+        finishes, fails or is cancelled leaves)."""
+        need = self.ctx.config.share_prefix_min_tokens
+        if need <= 0 or self.ctx.cache is None or not pending:
+            return pending
+        leaders = [r for r in (*self.group.rows, *self._solo)
+                   if not r.done and not r.background and not r.prefill_done]
+        starting: list[Request] = []
+        for r in pending:
+            if r.phase == "new" and self._waits_for_prefix(r, leaders, need):
+                if not r.waited_for_prefix:
+                    r.waited_for_prefix = True
+                    self.ctx.counters.shared_prefix_waits += 1
+                continue
+            starting.append(r)
+            leaders.append(r)
+        return starting
+
+    def _waits_for_prefix(self, r: Request, leaders: list[Request], need: int) -> bool:
+        if not r.use_cache or r.images is not None or r.extra_keys:
+            return False
+        bs = self.ctx.block_size
+        mine = r.sequence(r.n_prompt)
+        for lead in leaders:
+            if (lead.ns != r.ns or not lead.use_cache or lead.images is not None
+                    or lead.extra_keys):
+                continue
+            shared = shared_prefix(mine, lead.sequence(lead.n_prompt)) // bs * bs
+            if shared - lead.pos >= need:
+                return True
+        return False
 
     def _group_step(self) -> None:
         done = self.group.step()
