@@ -156,3 +156,88 @@ def test_share_prefix_min_tokens_is_validated(bad):
 
     with pytest.raises(ValueError, match="share_prefix_min_tokens"):
         EngineConfig(share_prefix_min_tokens=bad)
+
+
+# ---------------------------------------------------------------- random bursts
+
+_HEADS = {0: 40, 1: 24, 2: 56}  # three shared prefixes (tokens)
+
+
+def _head(i):
+    rng = np.random.default_rng(50 + i)
+    return [int(t) for t in rng.integers(3, 1000, size=_HEADS[i])]
+
+
+def test_random_bursts_always_finish_and_equal_each_request_alone(tiny_llama_path,
+                                                                  engine_factory):
+    """Random arrivals (shared prefixes, tenants, lengths, arrival steps) and
+    cancellations, stepped until idle: every request ends within a bounded number of
+    steps (nobody waits for a prefix forever), the ones not cancelled yield the greedy
+    tokens they yield alone without a cache, and a request never restores more than
+    the tokens its prompt shares with what was sent before it."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as hs
+
+    eng = engine_factory(tiny_llama_path)
+    ref = engine_factory(tiny_llama_path, use_cache=False)
+    alone: dict[tuple[int, ...], list[int]] = {}
+
+    def reference(tokens, max_tokens):
+        key = (*tokens, -max_tokens)
+        if key not in alone:
+            s = Stepper(ref)
+            run = s.submit(tokens, max_tokens=max_tokens, use_cache=False)
+            s.run()
+            alone[key] = run.tokens
+        return alone[key]
+
+    one = hs.tuples(hs.sampled_from([0, 1, 2, None]),  # which shared head (None: none)
+                    hs.integers(1, 12),  # own suffix length
+                    hs.integers(1, 4),  # max_tokens
+                    hs.sampled_from(["acme", "globex"]),
+                    hs.integers(0, 6),  # arrival step
+                    hs.one_of(hs.none(), hs.integers(0, 12)))  # cancel at step
+
+    @settings(max_examples=12, deadline=None,
+              suppress_health_check=[HealthCheck.function_scoped_fixture])
+    @given(hs.lists(one, min_size=1, max_size=7), hs.integers(0, 10**6))
+    def check(specs, salt):
+        eng.cache.delete()
+        stp = Stepper(eng, share_prefix_min_tokens=CHUNK)
+        rng = np.random.default_rng(salt)
+        planned = []
+        for i, (head, n, mx_t, tenant, at, cancel_at) in enumerate(specs):
+            prompt = ((_head(head) if head is not None else [])
+                      + [1000 + i] + [int(t) for t in rng.integers(3, 1000, size=n)])
+            planned.append((at, cancel_at, prompt, mx_t, tenant))
+        runs = {}
+        step = 0
+        while True:
+            for i, (at, _, prompt, mx_t, tenant) in enumerate(planned):
+                if at == step:
+                    runs[i] = stp.submit(prompt, max_tokens=mx_t, tenant=tenant)
+            for i, (_, cancel_at, *_rest) in enumerate(planned):
+                if cancel_at == step and i in runs:
+                    runs[i].cancel()
+            busy = stp.step()
+            step += 1
+            if not busy and step > 7:
+                break
+            assert step < 2000, "the scheduler did not become idle"
+        for i, (_, _cancel, prompt, mx_t, tenant) in enumerate(planned):
+            res = runs[i].result
+            assert res is not None
+            if res.finish_reason == "cancelled":
+                continue
+            assert runs[i].tokens == reference(prompt, mx_t)
+            # what was sent (and generated) before it in its tenant
+            before = [p + runs[j].tokens for j, (at_j, _, p, _, t_j) in enumerate(planned)
+                      if t_j == tenant and (at_j, j) < (planned[i][0], i)]
+            longest = 0
+            for p in before:
+                n = min(len(p), len(prompt))
+                same = next((k for k in range(n) if p[k] != prompt[k]), n)
+                longest = max(longest, same)
+            assert res.usage.cached_tokens <= longest
+
+    check()
