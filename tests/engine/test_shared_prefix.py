@@ -241,3 +241,42 @@ def test_random_bursts_always_finish_and_equal_each_request_alone(tiny_llama_pat
             assert res.usage.cached_tokens <= longest
 
     check()
+
+
+def test_no_wait_when_the_cache_already_holds_the_shared_prefix_for_it(tiny_llama_path,
+                                                                       engine_factory):
+    """Two agents' second turns arrive together: each one's first turn is cached (the
+    shared head included), so neither waits for the other, even though the other has
+    not started yet when it is looked at; they prefill their new tokens as one batch."""
+    eng = engine_factory(tiny_llama_path)
+    st = Stepper(eng, share_prefix_min_tokens=CHUNK)
+    first = _prompts(n=2)
+    for p in first:
+        st.submit(p, max_tokens=3)
+        st.run()
+    assert st.ctx.counters.shared_prefix_waits == 0
+    batches = st.ctx.counters.prefill_batches
+    rng = np.random.default_rng(3)
+    second = [p + [int(t) for t in rng.integers(3, 1000, size=20)] for p in first]
+    runs = [st.submit(p, max_tokens=3) for p in second]
+    st.run()
+    assert st.ctx.counters.shared_prefix_waits == 0
+    assert [r.result.usage.cached_tokens >= len(p) // BLOCK * BLOCK - BLOCK
+            for r, p in zip(runs, first, strict=True)] == [True, True]
+    assert st.ctx.counters.prefill_batches > batches
+    assert st.ctx.counters.max_prefill_batch == 2
+
+
+def test_a_failing_lookup_never_makes_a_request_wait(tiny_llama_path, engine_factory,
+                                                     monkeypatch):
+    prompts = _prompts(n=2)
+    eng = engine_factory(tiny_llama_path)
+    st = Stepper(eng, share_prefix_min_tokens=CHUNK)
+
+    def broken(*a, **k):
+        raise OSError("tier down")
+
+    monkeypatch.setattr(eng.cache, "lookup", broken)
+    runs, _, _ = _together(st, eng, prompts)
+    assert st.ctx.counters.shared_prefix_waits == 0
+    assert [r.result.finish_reason for r in runs] == ["length", "length"]

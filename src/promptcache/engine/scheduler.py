@@ -242,18 +242,38 @@ class Scheduler:
         return starting
 
     def _waits_for_prefix(self, r: Request, leaders: list[Request], need: int) -> bool:
+        """Whether ``r`` waits for a leader: they share >= ``need`` whole-block tokens
+        that neither the leader has computed yet nor the cache holds for ``r`` already
+        (its own earlier turn, say: a pure lookup, made only when a leader qualifies)."""
         if not r.use_cache or r.images is not None or r.extra_keys:
             return False
         bs = self.ctx.block_size
         mine = r.sequence(r.n_prompt)
+        own: int | None = None
         for lead in leaders:
             if (lead.ns != r.ns or not lead.use_cache or lead.images is not None
                     or lead.extra_keys):
                 continue
             shared = shared_prefix(mine, lead.sequence(lead.n_prompt)) // bs * bs
-            if shared - lead.pos >= need:
+            if shared - lead.pos < need:
+                continue
+            if own is None:
+                own = self._cached_tokens(r)
+            if shared - max(lead.pos, own) >= need:
                 return True
         return False
+
+    def _cached_tokens(self, r: Request) -> int:
+        """How much of ``r``'s prompt the cache could restore now (a failing lookup
+        counts as all of it: never wait on a broken cache)."""
+        cache = self.ctx.cache
+        if cache is None or r.ns is None:
+            return r.n_prompt
+        try:
+            return int(cache.lookup(r.sequence(r.n_prompt), r.ns).num_tokens)
+        except Exception:
+            logger.debug("lookup for the shared-prefix wait failed", exc_info=True)
+            return r.n_prompt
 
     def _group_step(self) -> None:
         done = self.group.step()
