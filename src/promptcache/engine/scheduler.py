@@ -33,7 +33,8 @@ Each ``step()``:
    there also does their cache lookup and restore) and runs its forward: one chunk
    per row; rows whose prompt ended emit their first token and go to the decode batch
    together. A new request that shares at least ``share_prefix_min_tokens`` whole
-   blocks not yet computed with one being prefilled is not started yet: it waits
+   blocks with one being prefilled, which neither that one has computed yet nor the
+   cache holds for it, is not started yet: it waits
    until that one has stored them, then restores them (requests sent together that
    share a system prompt + tools compute it once);
 5. runs ONE per-request prefill chunk (see above);
@@ -216,8 +217,8 @@ class Scheduler:
 
     def _not_waiting_for_a_prefix(self, pending: list[Request]) -> list[Request]:
         """The pending requests that start now. A new request whose prompt shares at
-        least ``share_prefix_min_tokens`` whole blocks not yet computed with an
-        interactive request being prefilled (in the prefill batch, on the per-request
+        least ``share_prefix_min_tokens`` whole blocks (neither computed yet nor cached
+        for it) with an interactive request being prefilled (in the prefill batch, on the per-request
         path, or starting ahead of it this step) waits: that one stores the blocks as
         its prefill passes them (save point 1), and the waiting request's lookup, once
         it starts, restores them. Requests sent together that share a long prefix
