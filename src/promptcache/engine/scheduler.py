@@ -34,9 +34,9 @@ Each ``step()``:
    per row; rows whose prompt ended emit their first token and go to the decode batch
    together. A new request that shares at least ``share_prefix_min_tokens`` whole
    blocks with one being prefilled, which neither that one has computed yet nor the
-   cache holds for it, is not started yet: it waits
-   until that one has stored them, then restores them (requests sent together that
-   share a system prompt + tools compute it once);
+   cache holds for it, is not started yet: it waits until that one has stored them,
+   then restores them (requests sent together that share a system prompt + tools
+   compute it once);
 5. runs ONE per-request prefill chunk (see above);
 6. advances the requests mlx-lm cannot batch (one forward each);
 7. moves requests whose prefill ended into the batch (up to ``max_batch_size``
@@ -70,6 +70,7 @@ def shared_prefix(a: np.ndarray, b: np.ndarray) -> int:
     n = min(int(a.shape[0]), int(b.shape[0]))
     diff = np.flatnonzero(a[:n] != b[:n])
     return int(diff[0]) if diff.size else n
+
 
 # builds the Request of an admitted ticket (None: it could not start and was answered)
 MakeRequest = Callable[[Ticket], Request | None]
@@ -218,10 +219,10 @@ class Scheduler:
     def _not_waiting_for_a_prefix(self, pending: list[Request]) -> list[Request]:
         """The pending requests that start now. A new request whose prompt shares at
         least ``share_prefix_min_tokens`` whole blocks (neither computed yet nor cached
-        for it) with an interactive request being prefilled (in the prefill batch, on the per-request
-        path, or starting ahead of it this step) waits: that one stores the blocks as
-        its prefill passes them (save point 1), and the waiting request's lookup, once
-        it starts, restores them. Requests sent together that share a long prefix
+        for it) with an interactive request being prefilled (in the prefill batch, on
+        the per-request path, or starting ahead of it this step) waits: that one
+        stores the blocks as its prefill passes them (save point 1), and the waiting
+        request's lookup, once it starts, restores them. Requests sent together that share a long prefix
         (parallel subagents: one system prompt + tools) compute it once, not once each.
         A waiting request is looked at again every step; it starts as soon as no
         leader has that much of their shared prefix left to compute (a leader that
