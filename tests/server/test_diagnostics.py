@@ -17,6 +17,7 @@ from fastapi.testclient import TestClient
 from real_engine import Clock, make_cache, tiny_engine
 from server_helpers import sse_events
 
+from promptcache.blocks.tokens import common_prefix
 from promptcache.config import ServerConfig
 from promptcache.server import create_app
 from promptcache.server.diagnostics import (
@@ -26,7 +27,6 @@ from promptcache.server.diagnostics import (
     Turn,
     TurnKey,
     TurnStore,
-    common_prefix,
     locate,
     wants_diagnostics,
 )

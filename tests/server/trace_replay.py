@@ -31,6 +31,8 @@ from typing import Any
 
 import sse_checks
 
+from promptcache.blocks.tokens import common_prefix
+
 TRACES = Path(__file__).resolve().parents[1] / "fixtures" / "traces"
 PATHS = {"messages": "/v1/messages", "chat": "/v1/chat/completions",
          "responses": "/v1/responses"}
@@ -172,15 +174,6 @@ def _cut_after_last_reply(body: dict[str, Any], api: str, placeholder: str
         return None
     return {**body, key: items[:last + 1] + [{"role": "user", "content": placeholder}],
             "stream": False}
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def trim(value: Any, limit: int) -> Any:

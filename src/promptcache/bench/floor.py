@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from ..blocks.tokens import common_prefix
 from .scenarios import Scenario, Turn
 
 log = logging.getLogger(__name__)
@@ -62,14 +63,6 @@ def kv_bytes_per_token(model_dir: str | Path) -> int:
         raise ValueError(f"{path}: missing attention sizes ({e})") from e
     dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32")
     return layers * kv_heads * head_dim * 2 * _DTYPE_BYTES.get(dtype, 4)
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 def ideal_cached(prompts: Sequence[Sequence[int]]) -> list[int]:

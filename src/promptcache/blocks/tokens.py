@@ -74,3 +74,21 @@ def _from_sequence(tokens: list[Any] | tuple[Any, ...]) -> np.ndarray | None:
         if isinstance(tokens[i], bool):
             return None
     return arr
+
+
+def common_prefix(a: Any, b: Any) -> int:
+    """The number of leading token ids two sequences share (numpy, C speed): lists,
+    tuples, ``array`` or numpy arrays, in any mix."""
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    diff = np.flatnonzero(_ids(a, n) != _ids(b, n))
+    return int(diff[0]) if diff.size else n
+
+
+def _ids(x: Any, n: int) -> np.ndarray:
+    if isinstance(x, np.ndarray):
+        return x[:n]
+    if isinstance(x, array):
+        return np.frombuffer(x, dtype=np.dtype(x.typecode), count=n)
+    return np.asarray(x[:n], dtype=np.int64)

@@ -54,8 +54,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
-
+from ..blocks.tokens import common_prefix
 from . import adapters, mlx_compat
 from .admission import Admission, Ticket
 from .batch import DecodeBatch, cancel_alone, decode_alone
@@ -64,12 +63,6 @@ from .request import EngineContext, Request
 
 logger = logging.getLogger(__name__)
 
-
-def shared_prefix(a: np.ndarray, b: np.ndarray) -> int:
-    """The number of leading tokens two prompts share."""
-    n = min(int(a.shape[0]), int(b.shape[0]))
-    diff = np.flatnonzero(a[:n] != b[:n])
-    return int(diff[0]) if diff.size else n
 
 
 # builds the Request of an admitted ticket (None: it could not start and was answered)
@@ -256,7 +249,7 @@ class Scheduler:
             if (lead.ns != r.ns or not lead.use_cache or lead.images is not None
                     or lead.extra_keys):
                 continue
-            shared = shared_prefix(mine, lead.sequence(lead.n_prompt)) // bs * bs
+            shared = common_prefix(mine, lead.sequence(lead.n_prompt)) // bs * bs
             if shared - lead.pos < need:
                 continue
             if own is None:

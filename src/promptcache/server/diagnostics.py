@@ -41,7 +41,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
+from ..blocks.tokens import common_prefix
 
 log = logging.getLogger(__name__)
 
@@ -199,19 +199,6 @@ def _quote(before: str, after: str) -> str:
 
 NO_PREVIOUS = Divergence(previous=False)
 PREVIOUS_NOT_FOUND = Divergence(previous=False, not_found=True)
-
-
-def common_prefix(a: Sequence[int] | array[int], b: Sequence[int] | array[int]) -> int:
-    """Length of the common prefix of two token sequences (numpy, C speed)."""
-    n = min(len(a), len(b))
-    if n == 0:
-        return 0
-    x = np.asarray(a[:n], dtype=np.int64) if not isinstance(a, array) \
-        else np.frombuffer(a, dtype=np.uint32, count=n).astype(np.int64)
-    y = np.asarray(b[:n], dtype=np.int64) if not isinstance(b, array) \
-        else np.frombuffer(b, dtype=np.uint32, count=n).astype(np.int64)
-    diff = np.flatnonzero(x != y)
-    return int(diff[0]) if diff.size else n
 
 
 def message_at(position: int, starts: Sequence[int]) -> int | None:

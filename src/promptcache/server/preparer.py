@@ -26,6 +26,7 @@ from typing import Any, TypeVar
 
 from fastapi import Request
 
+from ..blocks.tokens import common_prefix
 from ..engine.api import GenerationResult, ImageInput, expand_placeholders, image_extra_keys
 from ..engine.chat_format import ChatFormat
 from .canon import Canon
@@ -37,7 +38,6 @@ from .diagnostics import (
     Turn,
     TurnKey,
     TurnStore,
-    common_prefix,
     compare,
 )
 from .errors import APIError

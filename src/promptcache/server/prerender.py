@@ -35,9 +35,10 @@ import threading
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from ..blocks.tokens import common_prefix
 from ..engine.api import GenerationRequest, GenerationResult, SamplingParams
 from ..errors import OverloadedError
-from .diagnostics import TurnKey, common_prefix
+from .diagnostics import TurnKey
 
 log = logging.getLogger(__name__)
 
