@@ -301,8 +301,12 @@ class ServerConfig:
     auto_tune: bool = False
     ram_budget_min_bytes: int | None = None
     ram_budget_max_bytes: int | None = None
+    # bodies of /v1/* requests larger than this are refused with 413 before any work
+    max_body_bytes: int = 32 * 1024 * 1024
 
     def __post_init__(self) -> None:
+        if self.max_body_bytes < 1:
+            raise ValueError(f"max_body_bytes must be >= 1, got {self.max_body_bytes}")
         if self.context_window is not None and self.context_window < 2:
             raise ValueError(f"context_window must be >= 2, got {self.context_window}")
         if self.max_tokens_overflow not in ("clamp", "error"):

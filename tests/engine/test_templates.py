@@ -115,3 +115,40 @@ def test_renders_from_many_threads_agree(tok):
         th.join()
     assert not errors
     assert all(got[k] == expected[k % 8] for k in range(16))
+
+
+class CountingTokenizer:
+    """The real tokenizer, recording how many characters each ``encode`` was given."""
+
+    def __init__(self, tok):
+        self.tok = tok
+        self.encoded: list[int] = []
+
+    def __getattr__(self, name):
+        return getattr(self.tok, name)
+
+    def encode(self, text, **kw):
+        self.encoded.append(len(text))
+        return self.tok.encode(text, **kw)
+
+
+def test_a_prompt_far_past_the_context_is_refused_after_a_bounded_tokenization(tok):
+    from promptcache.errors import ContextLengthError
+
+    counting = CountingTokenizer(tok)
+    t = ChatTemplate(counting, token_limit=256)
+    longest = t._longest_token_chars()
+    huge = "word " * 2_000_000  # 10 MB of text
+    with pytest.raises(ContextLengthError, match="context length \\(256\\)"):
+        t.render([{"role": "user", "content": huge}])
+    with pytest.raises(ContextLengthError):
+        t.render_with_offsets([{"role": "user", "content": huge}])
+    with pytest.raises(ContextLengthError):
+        t.encode(huge)
+    # each call tokenized (limit + 1) * longest characters, never the 10 MB
+    assert counting.encoded == [257 * longest] * 3
+    # a prompt that fits is tokenized whole and exactly as without a limit
+    msgs = _chat(3)
+    assert t.render(msgs) == ChatTemplate(tok).render(msgs)
+    assert t.encode("hello world") == list(tok.encode("hello world"))
+

@@ -231,6 +231,9 @@ class FakeEngine:
     def namespace(self, tenant: str) -> str:
         return tenant
 
+    def encode_prompt(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text))
+
     def render_chat_with_offsets(self, messages: list[dict[str, Any]], tools: Any = None,
                                  add_generation_prompt: bool = True, *,
                                  continue_final_message: bool = False,

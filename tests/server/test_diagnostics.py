@@ -315,7 +315,7 @@ def test_turn_store_bounds() -> None:
     store.add(Turn(key, fp, array("I", [2] * 4)), "m2")
     assert store.last(key).tokens[0] == 2  # type: ignore[union-attr]
     store.add(Turn(TurnKey("t", "other"), fp, array("I", [3] * 4)), "m3")  # over max_turns
-    assert store.by_id("m1") is None and len(store) == 2
+    assert store.by_id("m1", None) is None and len(store) == 2
     store.add(Turn(None, fp, array("I", [4] * 9)), "m4")  # over max_tokens
-    assert store.by_id("m2") is None and store.last(key) is None
-    assert store.by_id("m4") is not None
+    assert store.by_id("m2", None) is None and store.last(key) is None
+    assert store.by_id("m4", None) is not None

@@ -137,6 +137,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                    help="recompute this fraction of cache hits in idle time and compare "
                         "them with the stored blocks; a mismatch quarantines the chain "
                         "(default 0: off)")
+    p.add_argument("--max-body-bytes", default="32MB",
+                   help="largest /v1 request body; a larger one gets 413 before it is "
+                        "read (default 32MB, as the hosted APIs)")
     p.add_argument("--max-active", type=int, default=EngineConfig.max_active_requests,
                    help="requests admitted at once (prefilling + decoding)")
     p.add_argument("--max-queue", type=int, default=EngineConfig.max_queued_requests,
@@ -235,6 +238,7 @@ def build_configs(args: argparse.Namespace) -> tuple[
                               context_window=args.context_window,
                               max_tokens_overflow=args.max_tokens_overflow,
                               log_requests_dir=args.log_requests,
+                              max_body_bytes=parse_size(args.max_body_bytes),
                               prerender=not args.no_prerender,
                               prerender_max_pending=args.prerender_max_pending,
                               canonicalize_off=tuple(sorted(

@@ -146,7 +146,7 @@ class Engine:
         # stored blocks quantized per the cache config; the spec is part of the namespace
         self.kv_quant = _kv_quant_of(self.cache_config)
         self.kv_spec = adapters.kv_spec(model, template, quant=self.kv_quant)
-        self.templates = ChatTemplate(tokenizer)
+        self.templates = ChatTemplate(tokenizer, token_limit=context_length)
         eos = getattr(tokenizer, "eos_token_ids", None) or []
         self.counters = EngineCounters()
         self._ctx = EngineContext(
@@ -248,6 +248,11 @@ class Engine:
                                      continue_final_message=continue_final_message,
                                      template_kwargs=template_kwargs)
 
+    def encode_prompt(self, text: str) -> list[int]:
+        """Token ids of a plain-text prompt (``/v1/completions``); a text that surely
+        exceeds the context is refused after a bounded tokenization; thread-safe."""
+        return self.templates.encode(text)
+
     def render_chat_with_offsets(
         self, messages: Sequence[Mapping[str, Any]], tools: Any = None,
         add_generation_prompt: bool = True, *, continue_final_message: bool = False,
@@ -322,9 +327,17 @@ class Engine:
             p.handle._emit(_empty_result(p.request, "cancelled", ticket.queue_s))
             self.counters.cancelled += 1
             return None
-        return Request(self._ctx, p.request, p.tokens, p.handle._emit,
-                       cancelled=lambda: p.handle.cancel_requested, processors=p.processors,
-                       queue_s=ticket.queue_s, t_submit=p.t_submit)
+        try:
+            return Request(self._ctx, p.request, p.tokens, p.handle._emit,
+                           cancelled=lambda: p.handle.cancel_requested,
+                           processors=p.processors, queue_s=ticket.queue_s,
+                           t_submit=p.t_submit)
+        except Exception as e:  # one request that cannot start fails alone
+            logger.exception("request %s could not start", p.request.request_id)
+            self.counters.errors += 1
+            p.handle._emit(_empty_result(p.request, "error", ticket.queue_s,
+                                         f"{type(e).__name__}: {e}"))
+            return None
 
     def generate(
         self,

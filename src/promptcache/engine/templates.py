@@ -11,6 +11,13 @@ Thread-safe: the server calls it from worker threads while the engine thread may
 use the tokenizer; Hugging Face fast tokenizers are not safe to share between
 threads (their padding / truncation state is mutated per call), so every render
 holds one lock.
+
+Bounded work: with a ``token_limit`` (the model's context length), a rendered text
+longer than ``(limit + 1) * longest token`` characters is first tokenized only up to
+that length; if that prefix alone has more than ``limit`` tokens (plus a margin for
+the word cut at its end) the prompt cannot fit, and ``ContextLengthError`` is raised
+without tokenizing the rest (a 50 MB body costs one bounded tokenization, not 26M
+tokens).
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ..errors import RequestError
+from ..errors import ContextLengthError, RequestError
 from . import mlx_compat
 
 
@@ -93,9 +100,42 @@ def message_starts(text: str, offsets: Sequence[tuple[int, int]],
 class ChatTemplate:
     """The tokenizer's chat template, rendered under one lock."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, token_limit: int | None = None) -> None:
         self.tokenizer = tokenizer
+        self.token_limit = token_limit
         self._lock = threading.Lock()
+        self._max_token_chars: int | None = None
+
+    def _longest_token_chars(self) -> int:
+        """Characters of the longest vocabulary entry (an upper bound on the text one
+        token covers; byte-level and byte-fallback spellings only overestimate)."""
+        if self._max_token_chars is None:
+            vocab: Any = None
+            get_vocab = getattr(self.tokenizer, "get_vocab", None)
+            if callable(get_vocab):
+                try:
+                    vocab = get_vocab()
+                except Exception:  # a tokenizer without a vocabulary: no bound
+                    vocab = None
+            longest = max((len(t) for t in vocab), default=0) if isinstance(vocab, dict) else 0
+            self._max_token_chars = max(1, longest)
+        return self._max_token_chars
+
+    def _check_length(self, text: str) -> None:
+        """Raise ``ContextLengthError`` if ``text`` surely has more than ``token_limit``
+        tokens, tokenizing a bounded prefix only (caller holds the lock)."""
+        limit = self.token_limit
+        if limit is None:
+            return
+        cut = (limit + 1) * self._longest_token_chars()
+        if len(text) <= cut:
+            return
+        n = len(self.tokenizer.encode(text[:cut], add_special_tokens=False))
+        margin = max(64, limit // 100)  # the word cut at the end may split differently
+        if n > limit + margin:
+            raise ContextLengthError(
+                f"the prompt has more than {limit + margin} tokens ({len(text)} characters), "
+                f"more than the model's context length ({limit})")
 
     def _render_text(self, messages: Sequence[Mapping[str, Any]], tools: Any, gen: bool,
                      continue_final_message: bool, template_kwargs: Mapping[str, Any] | None
@@ -123,7 +163,16 @@ class ChatTemplate:
         with self._lock:
             text = self._render_text(messages, tools, add_generation_prompt,
                                      continue_final_message, template_kwargs)
+            self._check_length(text)
             return [int(t) for t in self.tokenizer.encode(text, add_special_tokens=False)]
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of a plain prompt (the tokenizer's own special tokens, e.g. BOS,
+        added as ``tokenizer.encode`` does), with the same bounded length check as a
+        rendered chat."""
+        with self._lock:
+            self._check_length(text)
+            return [int(t) for t in self.tokenizer.encode(text)]
 
     def render_with_offsets(
         self, messages: Sequence[Mapping[str, Any]], tools: Any = None,
@@ -135,6 +184,7 @@ class ChatTemplate:
         with self._lock:
             text = self._render_text(messages, tools, add_generation_prompt,
                                      continue_final_message, template_kwargs)
+            self._check_length(text)
             encoded = mlx_compat.encode_with_offsets(self.tokenizer, text)
             if encoded is None:  # a slow tokenizer: no character offsets
                 ids = self.tokenizer.encode(text, add_special_tokens=False)

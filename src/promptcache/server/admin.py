@@ -80,9 +80,10 @@ async def metrics(request: Request) -> Response:
     return Response(body, media_type=CONTENT_TYPE_LATEST)
 
 
-def stats_payload(st: Any) -> dict[str, Any]:
+def stats_payload(st: Any, tenant: str | None = None) -> dict[str, Any]:
     """The body of ``GET /v1/cache/stats`` (also what the dashboard shows); runs in a
-    worker thread (the cache's stats take its lock)."""
+    worker thread (the cache's stats take its lock). ``tenant``: the tenant of a
+    tenant-bound key, whose view lists only its own sessions."""
     try:
         stats = cache_stats_dict(st.engine)
         kv = kv_stats_dict(st.engine)
@@ -99,7 +100,7 @@ def stats_payload(st: Any) -> dict[str, Any]:
         "rolling": st.monitor.snapshot(),
         "prerender": _prerender_stats(st),
         "alert": {"active": st.monitor.alerting, "threshold": st.monitor.threshold},
-        "sessions": st.session_stats.snapshot(),
+        "sessions": st.session_stats.snapshot(tenant),
     }
     vision = getattr(st.engine, "vision_encoder", None)
     if vision is not None:  # a vision-language model: the vision-embedding cache's line
@@ -130,7 +131,9 @@ def diagnosis_of(st: Any, stats: dict[str, Any] | None = None) -> dict[str, Any]
 
 @router.get("/v1/cache/stats")
 async def cache_stats(request: Request) -> dict[str, Any]:
-    return await run_in_threadpool(stats_payload, state_of(request))
+    st = state_of(request)
+    tenant = st.auth.key_tenant(request)  # None: a global key, or no keys configured
+    return await run_in_threadpool(stats_payload, st, tenant)
 
 
 @router.delete("/v1/cache")

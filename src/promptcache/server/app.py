@@ -29,6 +29,7 @@ from .auth import Authenticator, load_api_keys
 from .canon import Canon, parse_rules_off
 from .common import Preparer
 from .errors import APIError, error_response, install_handlers
+from .limits import BodyLimit
 from .metrics import ServerMetrics
 from .prerender import PreRenderer
 from .request_log import RequestLog, first_sequence_number
@@ -147,6 +148,9 @@ def create_app(engine: Any, server_config: ServerConfig | None = None, *,
     log_dir = config.log_requests_dir
     app.add_middleware(RequestLog, directory=log_dir,
                        first_seq=first_sequence_number(log_dir) if log_dir else 1)
+    # outermost: an oversized body is refused before anything (the request log
+    # included) reads it
+    app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
     log.info("promptcache app ready: model=%s auth=%s", state.model_id,
              "on" if auth.enabled else "off")
     return app

@@ -55,7 +55,7 @@ def engine_load(st: Any) -> dict[str, Any]:
 def dashboard_data(st: Any, tenant: str | None) -> dict[str, Any]:
     """Everything the page shows (runs in a worker thread: the cache's stats lock)."""
     out: dict[str, Any] = {
-        "stats": stats_payload(st),
+        "stats": stats_payload(st, tenant),
         "requests": st.history.summary(tenant),
         "engine": engine_load(st),
         "diagnosis": None,

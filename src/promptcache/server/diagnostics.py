@@ -127,6 +127,7 @@ class Turn:
     key: TurnKey | None
     fingerprint: Fingerprint
     tokens: array[int]  # prompt + output
+    tenant: str | None = None  # whose turn (a message id is looked up within it)
 
 
 @dataclass(frozen=True)
@@ -307,11 +308,14 @@ class TurnStore:
             turn.tokens = array("I", tokens)
             self._tokens += len(turn.tokens)
 
-    def by_id(self, message_id: str) -> Turn | None:
+    def by_id(self, message_id: str, tenant: str | None) -> Turn | None:
+        """The turn of that message id, if it is ``tenant``'s (another tenant's id is
+        unknown here: never a prefix oracle across tenants)."""
         with self._lock:
             turn = self._turns.get(message_id)
-            if turn is not None:
-                self._turns.move_to_end(message_id)
+            if turn is None or turn.tenant != tenant:
+                return None
+            self._turns.move_to_end(message_id)
             return turn
 
     def last(self, key: TurnKey) -> Turn | None:

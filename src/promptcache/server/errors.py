@@ -58,10 +58,25 @@ class APIError(Exception):
         self.headers = headers
 
 
+class BodyTooLarge(StarletteHTTPException):
+    """The body passed ``--max-body-bytes`` while it was being received (raised by
+    ``limits.BodyLimit``; an HTTPException so that a route's body parsing passes it
+    through unchanged)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(413, message)
+
+
 async def json_object(request: Request) -> dict[str, Any]:
     """The request body as a JSON object, or a 400 saying what it is instead."""
+    if not _is_json_content_type(request):
+        # a cross-site "simple" request (text/plain, form) never reaches a handler
+        raise APIError(415, "Content-Type must be application/json",
+                       code="unsupported_media_type")
     try:
         body = await request.json()
+    except RecursionError as e:
+        raise APIError(400, "the body is nested too deeply") from e
     except ValueError as e:
         raise APIError(400, f"the body must be a JSON object: {e}") from e
     if not isinstance(body, dict):
@@ -155,6 +170,8 @@ def install_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         message = exc.detail if isinstance(exc.detail, str) else "request failed"
+        if isinstance(exc, BodyTooLarge):
+            return error_response(request, 413, message, "request_too_large")
         if exc.status_code == 404 and message == "Not Found":
             message = f"unknown endpoint: {request.method} {request.url.path}"
         return error_response(request, exc.status_code, message)

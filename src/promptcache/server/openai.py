@@ -257,13 +257,13 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
 def _completion_tokens(st: ServerState, prompt: str | list[str] | list[int]) -> list[int]:
     """Worker-thread part of /v1/completions: tokenize (or check) the prompt."""
     if isinstance(prompt, str):
-        return list(st.engine.tokenizer.encode(prompt))
+        return list(st.engine.encode_prompt(prompt))
     if not prompt:
         raise APIError(400, "prompt must not be empty", param="prompt")
     if all(isinstance(p, str) for p in prompt):
         if len(prompt) != 1:
             raise APIError(400, "only one prompt per request is supported", param="prompt")
-        return list(st.engine.tokenizer.encode(prompt[0]))
+        return list(st.engine.encode_prompt(prompt[0]))
     tokens = [int(t) for t in prompt]
     vocab = getattr(st.engine, "vocab_size", None)
     for t in tokens:

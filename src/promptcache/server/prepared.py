@@ -63,13 +63,15 @@ class TurnContext:
     # sent, possibly null)
     previous_message_id: str | None = None
     named_previous: bool = False
+    # the requester's tenant: a message id names a turn of this tenant only
+    tenant: str | None = None
 
     @classmethod
     def of(cls, scope: Scope, previous_message_id: str | None = None,
            named_previous: bool = False) -> TurnContext:
         key = TurnKey(scope.tenant, scope.session_id, scope.agent_id) \
             if scope.session_id else None
-        return cls(key, previous_message_id, named_previous)
+        return cls(key, previous_message_id, named_previous, scope.tenant)
 
 
 @dataclass(frozen=True)

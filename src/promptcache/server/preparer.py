@@ -133,13 +133,13 @@ class Preparer:
         if turn.key is None and message_id is None:
             return
         self.submit(self._record, prepared.fingerprint, prepared.tokens, result.tokens,
-                    turn.key, message_id)
+                    turn.key, message_id, turn.tenant)
 
     def _record(self, fp: Fingerprint, prompt: list[int], output: list[int],
-                key: TurnKey | None, message_id: str | None) -> None:
+                key: TurnKey | None, message_id: str | None, tenant: str | None) -> None:
         tokens = array("I", prompt)
         tokens.extend(output)
-        self.turns.add(Turn(key, fp, tokens), message_id)
+        self.turns.add(Turn(key, fp, tokens, tenant), message_id)
 
     async def count(self, chat: ChatPrompt) -> int:
         prepared = await self.prepare(chat)
@@ -310,7 +310,7 @@ class Preparer:
         if turn is None:
             return NO_PREVIOUS
         if turn.previous_message_id is not None:
-            prev = self.turns.by_id(turn.previous_message_id)
+            prev = self.turns.by_id(turn.previous_message_id, turn.tenant)
             if prev is None:
                 return PREVIOUS_NOT_FOUND
         elif turn.named_previous or turn.key is None:

@@ -62,6 +62,7 @@ from .responses_items import (
     OfferedTools,
     ResponseStore,
     StoredResponse,
+    TenantResponses,
     responses_tools,
 )
 from .runner import Generation, ServerState
@@ -72,9 +73,10 @@ from .toolcalls import ToolCall, offered_tool_names
 router = APIRouter()
 
 
-def store_of(request: Request) -> ResponseStore:
+def store_of(request: Request) -> TenantResponses:
+    """The stored responses of the request's tenant (no other tenant's are reachable)."""
     store: ResponseStore = request.app.state.pc_responses
-    return store
+    return store.scoped(request.state.pc_scope.tenant)
 
 
 def _id(prefix: str) -> str:
@@ -262,7 +264,7 @@ class _Call:
     """What one POST /v1/responses needs after preparation."""
 
     def __init__(self, st: ServerState, body: ResponsesRequest, model: str,
-                 conv: Conversation, offered: OfferedTools, store: ResponseStore,
+                 conv: Conversation, offered: OfferedTools, store: TenantResponses,
                  decoder: LogprobDecoder | None) -> None:
         self.st, self.body, self.model = st, body, model
         self.conv, self.offered, self.store, self.decoder = conv, offered, store, decoder
@@ -329,7 +331,7 @@ async def _events(call: _Call, gen: Generation, reply: _Reply, parser: ReplyPars
             return
 
 
-def chat_prompt(body: ResponsesRequest, store: ResponseStore,
+def chat_prompt(body: ResponsesRequest, store: TenantResponses,
                 images: ImageCollector | None = None
                 ) -> tuple[Conversation, OfferedTools, ChatPrompt]:
     """The request's conversation (``previous_response_id`` + ``input``), the offered

@@ -21,7 +21,8 @@ is returned with ``name`` and ``namespace`` apart); other tool types (``web_sear
 accepted and left out.
 
 ``ResponseStore``: responses kept for ``previous_response_id`` and ``GET
-/v1/responses/{id}``, bounded (least recently used out), in memory; ``store: false``
+/v1/responses/{id}``, bounded (least recently used out), in memory, per tenant (one tenant never
+sees, continues or deletes another's); ``store: false``
 responses are not kept.
 """
 
@@ -106,7 +107,7 @@ class Conversation:
         self.call_ids.add(call_id)
 
     def add_item(self, item: Mapping[str, Any], where: str,
-                 store: ResponseStore | None = None) -> None:
+                 store: TenantResponses | None = None) -> None:
         itype = item.get("type", "message" if "role" in item else None)
         if itype == "message":
             role = item.get("role")
@@ -153,7 +154,7 @@ class Conversation:
             raise _bad(f"{where}.type: unknown item type {itype!r}")
 
     def add_input(self, items: str | list[dict[str, Any]] | None,
-                  store: ResponseStore | None) -> None:
+                  store: TenantResponses | None) -> None:
         if items is None:
             return
         if isinstance(items, str):
@@ -230,37 +231,44 @@ class StoredResponse:
 
 
 class ResponseStore:
-    """Bounded LRU of stored responses (thread-safe)."""
+    """Bounded LRU of stored responses of every tenant (thread-safe). Reached only
+    through ``scoped(tenant)``: a response is visible, usable and deletable by the
+    tenant that created it and nobody else."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        self._items: OrderedDict[str, StoredResponse] = OrderedDict()
+        self._items: OrderedDict[tuple[str, str], StoredResponse] = OrderedDict()
         self._lock = threading.Lock()
 
-    def put(self, rid: str, stored: StoredResponse) -> None:
+    def scoped(self, tenant: str) -> TenantResponses:
+        return TenantResponses(self, tenant)
+
+    def put(self, tenant: str, rid: str, stored: StoredResponse) -> None:
         if self.capacity <= 0:
             return
         with self._lock:
-            self._items[rid] = stored
-            self._items.move_to_end(rid)
+            self._items[(tenant, rid)] = stored
+            self._items.move_to_end((tenant, rid))
             while len(self._items) > self.capacity:
                 self._items.popitem(last=False)
 
-    def get(self, rid: str) -> StoredResponse | None:
+    def get(self, tenant: str, rid: str) -> StoredResponse | None:
         with self._lock:
-            stored = self._items.get(rid)
+            stored = self._items.get((tenant, rid))
             if stored is not None:
-                self._items.move_to_end(rid)
+                self._items.move_to_end((tenant, rid))
             return stored
 
-    def delete(self, rid: str) -> bool:
+    def delete(self, tenant: str, rid: str) -> bool:
         with self._lock:
-            return self._items.pop(rid, None) is not None
+            return self._items.pop((tenant, rid), None) is not None
 
-    def item(self, item_id: str) -> dict[str, Any] | None:
-        """An output item of a stored response, by its id."""
+    def item(self, tenant: str, item_id: str) -> dict[str, Any] | None:
+        """An output item of one of the tenant's stored responses, by its id."""
         with self._lock:
-            for stored in reversed(self._items.values()):
+            for (owner, _), stored in reversed(self._items.items()):
+                if owner != tenant:
+                    continue
                 for item in stored.response.get("output", []):
                     if item.get("id") == item_id:
                         return dict(item)
@@ -269,3 +277,23 @@ class ResponseStore:
     def __len__(self) -> int:
         with self._lock:
             return len(self._items)
+
+
+class TenantResponses:
+    """One tenant's view of the ``ResponseStore`` (what a request may reach)."""
+
+    def __init__(self, store: ResponseStore, tenant: str) -> None:
+        self.store = store
+        self.tenant = tenant
+
+    def put(self, rid: str, stored: StoredResponse) -> None:
+        self.store.put(self.tenant, rid, stored)
+
+    def get(self, rid: str) -> StoredResponse | None:
+        return self.store.get(self.tenant, rid)
+
+    def delete(self, rid: str) -> bool:
+        return self.store.delete(self.tenant, rid)
+
+    def item(self, item_id: str) -> dict[str, Any] | None:
+        return self.store.item(self.tenant, item_id)

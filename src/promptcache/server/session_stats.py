@@ -89,16 +89,20 @@ class SessionStats:
                 a.parent_agent_id = scope.parent_agent_id
             a.add(prompt_tokens, cached_tokens)
 
-    def snapshot(self) -> dict[str, Any]:
+    def snapshot(self, tenant_scope: str | None = None) -> dict[str, Any]:
         """``{"tracked", "max_sessions", "max_agents", "evicted_sessions", "by_session":
-        [...]}``, the most recently active session first."""
+        [...]}``, the most recently active session first; ``tenant_scope``: only that
+        tenant's sessions (what a tenant-bound API key may see)."""
         with self._lock:
             rows = []
             for (tenant, sid), s in reversed(self._sessions.items()):
+                if tenant_scope is not None and tenant != tenant_scope:
+                    continue
                 agents = [{"agent_id": aid, "parent_agent_id": a.parent_agent_id, **a.to_dict()}
                           for aid, a in s.agents.items()]
                 rows.append({"tenant": tenant, "session_id": sid, **s.to_dict(),
                              "agents": agents, "other_agents": s.other_agents.to_dict()})
-            return {"tracked": len(self._sessions), "max_sessions": self.max_sessions,
+            return {"tracked": len(self._sessions) if tenant_scope is None else len(rows),
+                    "max_sessions": self.max_sessions,
                     "max_agents": self.max_agents, "evicted_sessions": self._evicted,
                     "by_session": rows}
