@@ -52,6 +52,34 @@ def test_admit_queue_then_refuse_with_retry_after():
     assert a.retry_after_s() == 4  # (1 waiting + 1) / 2 slots x 4 s
 
 
+def test_retry_after_follows_the_measured_queue():
+    """Before any request finished: the age of the oldest active one; then at least
+    what queued requests recently waited; bounded by MAX_RETRY_AFTER_S."""
+    from promptcache.engine.admission import MAX_RETRY_AFTER_S
+
+    clock = Clock()
+    a = _adm(max_active=1, max_queued=1, clock=clock)
+    t = [Ticket(i, 10) for i in range(4)]
+    a.submit(t[0])
+    a.submit(t[1])  # waits
+    clock.t += 37.0  # the active request has run 37 s, none has finished
+    with pytest.raises(OverloadedError) as e:
+        a.submit(t[2])
+    assert e.value.retry_after_s == 74  # 37 s x (1 waiting + 1) / 1 slot
+    clock.t += 200.0
+    a.take()
+    a.release(t[0])  # t[1] waited 237 s; t[0] served in 237 s
+    assert a.stats.recent_wait_s == pytest.approx(237.0)
+    assert a.retry_after_s() == 237
+    clock.t += 1000.0
+    a.take()
+    a.release(t[1])  # service EWMA 0.8 x 237 + 0.2 x 1000 = 389.6
+    a.submit(t[3])
+    assert a.retry_after_s() == 390
+    a.stats.recent_service_s = 10_000.0
+    assert a.retry_after_s() == MAX_RETRY_AFTER_S == 600
+
+
 def test_kv_budget_charges_the_padded_batch():
     a = _adm(max_active=8, max_queued=4, budget=1000)
     big, mid, small = Ticket("big", 50), Ticket("mid", 40), Ticket("small", 10)

@@ -201,3 +201,69 @@ def test_stats_and_dashboard_list_only_the_callers_sessions(tenants: TestClient)
         seen_a = pick(tenants.get(path, headers=A).json())
         assert [(s["tenant"], s["session_id"]) for s in seen_a["by_session"]] == [
             ("alice", "session-alice-7")]
+
+
+BAD_SCHEMAS = ["not a schema", {"type": "string"}, {"type": "object", "properties": 5},
+               {"type": "object", "properties": {"x": 3}},
+               {"type": "object", "required": "x"}]
+
+
+@pytest.mark.parametrize("schema", BAD_SCHEMAS)
+@pytest.mark.parametrize("choice", ["auto", "required"])
+def test_an_invalid_tool_schema_is_a_400_in_every_api(client: TestClient, schema: Any,
+                                                      choice: str) -> None:
+    chat_tool = {"type": "function", "function": {"name": "f", "parameters": schema}}
+    r = client.post("/v1/chat/completions",
+                    json={**CHAT, "tools": [chat_tool], "tool_choice": choice})
+    assert "parameters" in openai_error(r, 400)["message"]
+    r = client.post("/v1/responses", json={**RESP, "tools": [
+        {"type": "function", "name": "f", "parameters": schema}], "tool_choice": choice})
+    assert "parameters" in openai_error(r, 400)["message"]
+    a_choice = {"type": "auto"} if choice == "auto" else {"type": "any"}
+    r = client.post("/v1/messages", json={**MSG, "tools": [
+        {"name": "f", "input_schema": schema}], "tool_choice": a_choice})
+    anthropic_error(r, 400)
+    served(client)
+
+
+def test_a_valid_tool_schema_is_served_in_every_api(client: TestClient) -> None:
+    schema = {"type": "object", "properties": {"path": {"type": "string"}},
+              "required": ["path"]}
+    r = client.post("/v1/chat/completions", json={**CHAT, "tools": [
+        {"type": "function", "function": {"name": "f", "parameters": schema}}]})
+    assert r.status_code == 200
+    r = client.post("/v1/responses", json={**RESP, "tools": [
+        {"type": "function", "name": "f", "parameters": schema}]})
+    assert r.status_code == 200
+    r = client.post("/v1/messages", json={**MSG, "tools": [{"name": "f", "input_schema": schema}]})
+    assert r.status_code == 200
+
+
+def test_a_10mb_prompt_is_refused_after_a_bounded_tokenization(tiny_llama_path: Path) -> None:
+    """A real tokenizer: a 10 MB chat (far past the tiny model's context) is a 400
+    context_length_exceeded after tokenizing (context + 1) x longest-token characters,
+    and a small chat is served right after it."""
+    from real_engine import make_cache, tiny_engine
+
+    eng = tiny_engine(tiny_llama_path, make_cache())
+    try:
+        c = TestClient(create_app(eng, ServerConfig(max_body_bytes=16 * 1024**2)))
+        seen: list[int] = []
+        real = eng.templates.tokenizer.encode
+
+        def counting(text: str, **kw: Any) -> Any:
+            seen.append(len(text))
+            return real(text, **kw)
+
+        eng.templates.tokenizer = type("Counting", (), {
+            "encode": staticmethod(counting),
+            "__getattr__": lambda self, name: getattr(eng.tokenizer, name)})()
+        huge = {**CHAT, "messages": [{"role": "user", "content": "word " * 2_000_000}]}
+        err = openai_error(c.post("/v1/chat/completions", json=huge), 400)
+        assert err["code"] == "context_length_exceeded"
+        bound = (eng.context_length + 1) * eng.templates._longest_token_chars()
+        # the template probes render a few short texts; the 10 MB one is cut at the bound
+        assert max(seen) == seen[-1] == bound and bound < 1_000_000
+        served(c)
+    finally:
+        eng.close()

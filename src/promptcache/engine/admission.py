@@ -44,6 +44,9 @@ from typing import Any
 
 from ..errors import OverloadedError, RequestError
 
+# the longest Retry-After we send (a client should come back within ten minutes)
+MAX_RETRY_AFTER_S = 600
+
 WAITING, ADMITTED, TAKEN, RELEASED, CANCELLED = "waiting", "admitted", "taken", "released", "cancelled"
 
 
@@ -75,6 +78,7 @@ class AdmissionStats:
     wait_s_max: float = 0.0
     peak_active: int = 0
     recent_service_s: float = 0.0  # EWMA of admitted-to-release times
+    recent_wait_s: float = 0.0  # EWMA of submit-to-admission times (queued requests)
     background_admitted: int = 0
     background_rejected: int = 0
     background_preempted: int = 0
@@ -200,6 +204,7 @@ class Admission:
         wait = now - t.t_submit
         s.wait_s_total += wait
         s.wait_s_max = max(s.wait_s_max, wait)
+        s.recent_wait_s = wait if s.recent_wait_s == 0 else 0.8 * s.recent_wait_s + 0.2 * wait
 
     def _admit_waiting(self) -> None:
         interactive, background = self._waiting
@@ -218,11 +223,19 @@ class Admission:
                 self._admit(head)
 
     def retry_after_s(self) -> int:
-        """Seconds a refused client should wait: about one service time per full round
-        of the active slots ahead of it (at least 1, at most 60)."""
-        service = self.stats.recent_service_s or 1.0
+        """Seconds a refused client should wait, from the measured queue: one service
+        time (EWMA of admitted-to-release; before any finished, the age of the oldest
+        active request) per full round of the active slots ahead of it, and at least
+        what queued requests recently waited (EWMA). At least 1, at most
+        ``MAX_RETRY_AFTER_S``. Caller holds the lock."""
+        now = self.clock()
+        service = self.stats.recent_service_s
+        if service == 0:
+            ages = [now - t.t_admit for t in self._active if t.t_admit is not None]
+            service = max(ages, default=0.0) or 1.0
         rounds = (self._num_waiting + 1) / max(1, self.max_active)
-        return int(min(60, max(1, math.ceil(service * rounds))))
+        estimate = max(service * rounds, self.stats.recent_wait_s)
+        return int(min(MAX_RETRY_AFTER_S, max(1, math.ceil(estimate))))
 
     # ---------------------------------------------------------------- callers
 

@@ -137,15 +137,42 @@ def openai_messages(messages: list[OAIMessage], images: ImageCollector | None = 
     return out
 
 
+def check_tool_parameters(params: Any, where: str) -> None:
+    """The JSON Schema of a tool's arguments, checked the same way in all three APIs
+    (chat ``function.parameters``, Responses ``parameters``, Messages
+    ``input_schema``): an object schema whose ``properties`` are schemas and whose
+    ``required`` names strings. Raises ValueError (a 400) naming the field."""
+    if not isinstance(params, dict):
+        raise ValueError(f"{where} must be a JSON Schema object, got {type(params).__name__}")
+    kind = params.get("type")
+    if kind is not None and kind != "object":
+        raise ValueError(f"{where}.type must be 'object' (a tool's arguments are an object), "
+                         f"got {kind!r}")
+    props = params.get("properties")
+    if props is not None:
+        if not isinstance(props, dict):
+            raise ValueError(f"{where}.properties must be an object")
+        for name, schema in props.items():
+            if not isinstance(schema, (dict, bool)):
+                raise ValueError(f"{where}.properties.{name} must be a schema (an object)")
+    required = params.get("required")
+    if required is not None and (not isinstance(required, list)
+                                 or not all(isinstance(r, str) for r in required)):
+        raise ValueError(f"{where}.required must be a list of property names")
+
+
 def openai_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
     if not tools:
         return None
     for i, t in enumerate(tools):
-        fn = t.get("function")
-        if t.get("type", "function") != "function" or not isinstance(fn, dict) \
-                or not isinstance(fn.get("name"), str):
+        fn = t.get("function") if isinstance(t, dict) else None
+        if not isinstance(t, dict) or t.get("type", "function") != "function" \
+                or not isinstance(fn, dict) or not isinstance(fn.get("name"), str) \
+                or not fn["name"]:
             raise ValueError(f"tools[{i}] must be {{'type': 'function', 'function': "
                              "{'name': ..., 'parameters': ...}}")
+        if fn.get("parameters") is not None:
+            check_tool_parameters(fn["parameters"], f"tools[{i}].function.parameters")
     return tools
 
 
@@ -230,10 +257,16 @@ def anthropic_messages(messages: list[AnthropicMessage],
 def anthropic_tools(tools: list[AnthropicTool] | None) -> list[dict[str, Any]] | None:
     """Client tools in the OpenAI function format; Anthropic server / built-in tools
     (any other ``type``: ``web_search_*``, ``bash_*``, ...) are left out."""
-    out = [{"type": "function",
-            "function": {"name": t.name, "description": t.description or "",
-                         "parameters": t.input_schema or {"type": "object", "properties": {}}}}
-           for t in tools or () if t.type in (None, "custom")]
+    out = []
+    for i, t in enumerate(tools or ()):
+        if t.type not in (None, "custom"):
+            continue
+        if t.input_schema:
+            check_tool_parameters(t.input_schema, f"tools[{i}].input_schema")
+        out.append({"type": "function",
+                    "function": {"name": t.name, "description": t.description or "",
+                                 "parameters": t.input_schema
+                                 or {"type": "object", "properties": {}}}})
     return out or None
 
 

@@ -37,7 +37,7 @@ from typing import Any
 
 from .errors import APIError
 from .images import ImageCollector
-from .prompt import function_arguments, image_part
+from .prompt import check_tool_parameters, function_arguments, image_part
 
 NAMESPACE_SEP = "__"
 _ROLES = {"user": "user", "assistant": "assistant", "system": "system",
@@ -192,6 +192,10 @@ def _function(tool: Mapping[str, Any], where: str, name: str | None = None) -> d
     params = tool.get("parameters") or {"type": "object", "properties": {}}
     if not isinstance(params, Mapping):
         raise _bad(f"{where}.parameters must be an object", "tools")
+    try:
+        check_tool_parameters(dict(params), f"{where}.parameters")
+    except ValueError as e:
+        raise _bad(str(e), "tools") from e
     return {"type": "function", "function": {"name": name or fname,
                                              "description": tool.get("description") or "",
                                              "parameters": dict(params)}}
