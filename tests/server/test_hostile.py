@@ -267,3 +267,17 @@ def test_a_10mb_prompt_is_refused_after_a_bounded_tokenization(tiny_llama_path: 
         served(c)
     finally:
         eng.close()
+
+
+def test_a_message_id_of_another_tenant_is_unknown_to_diagnostics(tenants: TestClient) -> None:
+    """``diagnostics.previous_message_id`` names a turn of the caller's tenant only:
+    another tenant's id is ``previous_message_not_found`` (never a prefix oracle)."""
+    beta = {"anthropic-beta": "cache-diagnosis-2026-04-07"}
+    first = tenants.post("/v1/messages", json=MSG, headers={**A, **beta}).json()
+    ask = {**MSG, "diagnostics": {"previous_message_id": first["id"]}}
+    theirs = tenants.post("/v1/messages", json=ask, headers={**B, **beta}).json()
+    assert theirs["diagnostics"] == {
+        "cache_miss_reason": {"type": "previous_message_not_found"}}
+    mine = tenants.post("/v1/messages", json=ask, headers={**A, **beta}).json()
+    assert mine["diagnostics"] != {
+        "cache_miss_reason": {"type": "previous_message_not_found"}}
