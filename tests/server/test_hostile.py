@@ -265,6 +265,12 @@ def test_a_10mb_prompt_is_refused_after_a_bounded_tokenization(tiny_llama_path: 
         # the template probes render a few short texts; the 10 MB one is cut at the bound
         assert max(seen) == seen[-1] == bound and bound < 1_000_000
         served(c)
+        # 10,000 messages: past the window too, refused the same way
+        many = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"turn {i} of many"}
+                for i in range(10_001)]
+        err = openai_error(c.post("/v1/chat/completions", json={**CHAT, "messages": many}), 400)
+        assert err["code"] == "context_length_exceeded"
+        served(c)
     finally:
         eng.close()
 
