@@ -33,6 +33,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .tool_formats import parse_qwen3_coder
+
 _ENABLE_THINKING = re.compile(r"\benable_thinking\b")
 # templates (e.g. DeepSeek V3.1) that read a bare ``thinking`` variable
 _BARE_THINKING = re.compile(r"\bthinking\s+is\s+(?:not\s+)?defined\b|\bif\s+(?:not\s+)?thinking\b")
@@ -105,6 +107,10 @@ class ToolCallFormat:
         return tuple(_as_call(item) for item in items)
 
 
+# formats whose mlx-lm parser loses calls: ours instead (``tool_formats.py``)
+OUR_PARSERS: dict[str, ToolParser] = {"qwen3_coder": parse_qwen3_coder}
+
+
 def _parser_module(name: str) -> Any:
     if not re.fullmatch(r"[a-z0-9_]+", name):
         raise ValueError(f"invalid tool parser name {name!r}")
@@ -119,7 +125,8 @@ def tool_call_format(name: str, *, start_token: int | None = None,
     """The format of mlx-lm's tool parser ``name`` (``mlx_lm.tool_parsers.<name>``)."""
     mod = _parser_module(name)
     return ToolCallFormat(name=name, start=str(mod.tool_call_start), end=str(mod.tool_call_end),
-                          parser=mod.parse_tool_call, start_token=start_token,
+                          parser=OUR_PARSERS.get(name, mod.parse_tool_call),
+                          start_token=start_token,
                           end_token=end_token, variant=variant)
 
 
@@ -193,7 +200,7 @@ def _tool_format_of(tokenizer: Any, source: str) -> ToolCallFormat | None:
     if name == "mistral":
         variant = "args" if "[ARGS]" in source else "json"
     return ToolCallFormat(
-        name=name, start=start, end=end, parser=parser,
+        name=name, start=start, end=end, parser=OUR_PARSERS.get(name, parser),
         start_token=_special_id(tokenizer, getattr(tokenizer, "tool_call_start_tokens", None)),
         end_token=_special_id(tokenizer, getattr(tokenizer, "tool_call_end_tokens", None))
         if end else None,

@@ -1,0 +1,191 @@
+"""Tool-call parsers of our own, where mlx-lm's loses calls.
+
+``parse_qwen3_coder(body, tools)``: the Qwen3-Coder XML format
+(``<function=NAME>`` then ``<parameter=P>value</parameter>`` per argument, then
+``</function>``), the format of the leading local coding models. mlx-lm 0.32's parser
+(``mlx_lm.tool_parsers.qwen3_coder``) drops or corrupts exactly the calls agents make
+most, long file writes:
+- a value that contains ``</parameter>`` (code that writes this very format, a test
+  file) is cut at the first one; here a parameter ends at the ``</parameter>`` that is
+  followed by the next ``<parameter=`` or by ``</function>``;
+- a string parameter whose value is ``null`` became ``None``; a string stays a string;
+- a schema type that is a list (``["string", "null"]``) or missing sends code through
+  ``ast.literal_eval`` (``{[]: 1}`` raised TypeError and dropped the call); here
+  values are converted by JSON only, by the schema's type(s), and a value that does not
+  convert stays the model's text;
+- an integer that is not one raised and dropped the call; here it stays text.
+Several ``<function=`` blocks in one call body give several calls. A body without a
+complete ``<function=...>...</function>`` raises ValueError (not a call).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+_FUNCTION = re.compile(r"<function=([^\s<>]+)>")
+_PARAMETER = re.compile(r"<parameter=([^\s<>]+)>")
+_PARAM_END = "</parameter>"
+_FUNCTION_END = "</function>"
+# after a parameter's end: the next parameter or the function's end
+_NEXT = re.compile(r"\s*(?:<parameter=|</function>)")
+
+
+def _schema_of(name: str, tools: Sequence[Mapping[str, Any]] | None) -> dict[str, Any]:
+    for tool in tools or ():
+        fn = tool.get("function")
+        if isinstance(fn, Mapping) and fn.get("name") == name:
+            params = fn.get("parameters")
+            props = params.get("properties") if isinstance(params, Mapping) else None
+            return dict(props) if isinstance(props, Mapping) else {}
+    return {}
+
+
+def _types(schema: Any) -> list[str]:
+    """The JSON types a property allows (``type``, a list of types, ``anyOf`` /
+    ``oneOf`` members); empty: unknown."""
+    if not isinstance(schema, Mapping):
+        return []
+    kind = schema.get("type")
+    out: list[str] = []
+    if isinstance(kind, str):
+        out.append(kind.lower())
+    elif isinstance(kind, list):
+        out += [str(k).lower() for k in kind]
+    for key in ("anyOf", "oneOf"):
+        for member in schema.get(key) or ():
+            out += _types(member)
+    if not out and "enum" in schema:
+        out.append("string")
+    return out
+
+
+def _as_type(text: str, kind: str) -> tuple[bool, Any]:
+    """``text`` as a JSON value of type ``kind``: (True, value) or (False, None)."""
+    if kind in ("boolean", "bool"):
+        low = text.lower()
+        return (True, low == "true") if low in ("true", "false") else (False, None)
+    if kind in ("integer", "int", "number", "float"):
+        try:
+            number = json.loads(text)
+        except ValueError:
+            return False, None
+        if isinstance(number, bool) or not isinstance(number, (int, float)):
+            return False, None
+        if kind in ("integer", "int"):
+            return (True, number) if isinstance(number, int) else (False, None)
+        return True, number
+    if kind in ("object", "dict", "array", "list"):
+        try:
+            parsed = json.loads(text, strict=False)
+        except (ValueError, RecursionError):
+            return False, None
+        want = dict if kind in ("object", "dict") else list
+        return (True, parsed) if isinstance(parsed, want) else (False, None)
+    return False, None
+
+
+def _convert(value: str, schema: Any) -> Any:
+    """A parameter's text as the value its schema asks for; the text itself when the
+    schema allows a string and the text is not exactly a value of another allowed
+    type, or when it converts to none of them."""
+    types = _types(schema)
+    text = value.strip()
+    if not types:  # no schema: a JSON object / array if it is one, else text
+        for kind in ("object", "array"):
+            ok, parsed = _as_type(text, kind)
+            if ok:
+                return parsed
+        return value
+    stringy = "string" in types
+    if "null" in types and text == "null" and (not stringy or value == "null"):
+        return None
+    if stringy and text != value:
+        return value  # whitespace around it: text
+    for kind in types:
+        if kind in ("string", "null"):
+            continue
+        ok, converted = _as_type(text, kind)
+        if ok:
+            return converted
+    return value
+
+
+def _parameters(body: str, schema: Mapping[str, Any]) -> dict[str, Any]:
+    args: dict[str, Any] = {}
+    pos = 0
+    while True:
+        m = _PARAMETER.search(body, pos)
+        if m is None:
+            return args
+        name = m.group(1)
+        start = m.end()
+        # the end is the first </parameter> followed by the next parameter or </function>
+        end = -1
+        search = start
+        while True:
+            at = body.find(_PARAM_END, search)
+            if at < 0:
+                break
+            after = at + len(_PARAM_END)
+            if _NEXT.match(body, after) or not body[after:].strip():
+                end = at
+                break
+            search = after
+        if end < 0:
+            raise ValueError(f"parameter {name!r} has no end")
+        value = body[start:end]
+        if value.startswith("\n"):
+            value = value[1:]
+        if value.endswith("\n"):
+            value = value[:-1]
+        args[name] = _convert(value, schema.get(name))
+        pos = end + len(_PARAM_END)
+
+
+def _function_end(body: str, start: int) -> int:
+    """Where the function that starts at ``start`` ends: the first ``</function>`` not
+    inside a parameter value."""
+    pos = start
+    while True:
+        p = _PARAMETER.search(body, pos)
+        f = body.find(_FUNCTION_END, pos)
+        if f < 0:
+            return -1
+        if p is None or f < p.start():
+            return f
+        # skip the parameter's value (its end as ``_parameters`` finds it)
+        search = p.end()
+        while True:
+            at = body.find(_PARAM_END, search)
+            if at < 0:
+                return -1
+            after = at + len(_PARAM_END)
+            if _NEXT.match(body, after) or not body[after:].strip():
+                pos = after
+                break
+            search = after
+
+
+def parse_qwen3_coder(body: str, tools: Sequence[Mapping[str, Any]] | None = None
+                      ) -> list[dict[str, Any]]:
+    """The calls in the text between ``<tool_call>`` and ``</tool_call>``."""
+    calls: list[dict[str, Any]] = []
+    pos = 0
+    while True:
+        m = _FUNCTION.search(body, pos)
+        if m is None:
+            break
+        end = _function_end(body, m.end())
+        if end < 0:
+            raise ValueError(f"function {m.group(1)!r} has no </function>")
+        name = m.group(1)
+        calls.append({"name": name,
+                      "arguments": _parameters(body[m.end():end] + _FUNCTION_END,
+                                               _schema_of(name, tools))})
+        pos = end + len(_FUNCTION_END)
+    if not calls:
+        raise ValueError("no <function=...> in the tool call")
+    return calls
