@@ -143,6 +143,9 @@ class ChatFormat:
     think_start_token: int | None = None
     think_end_token: int | None = None
     tool_format: ToolCallFormat | None = None
+    # gpt-oss's harmony format (channels ``analysis`` / ``commentary`` / ``final``,
+    # calls as ``to=functions.NAME``): the reply is parsed by ``server/harmony.py``
+    harmony: bool = False
 
     @property
     def has_thinking(self) -> bool:
@@ -229,4 +232,5 @@ def chat_format_of(tokenizer: Any) -> ChatFormat:
         think_end_token=_special_id(tokenizer, getattr(tokenizer, "think_end_tokens", None))
         if has_end else None,
         tool_format=_tool_format_of(tokenizer, source),
+        harmony="<|channel|>" in source and "<|message|>" in source,
     )

@@ -96,6 +96,11 @@ class ReplyParser:
         self.reasoning = ""  # all reasoning returned so far
         self.text = ""  # all answer text returned so far
 
+    @property
+    def in_reasoning(self) -> bool:
+        """The reply is inside its reasoning now (its tokens count as reasoning)."""
+        return self.splitter.in_reasoning
+
     def _route(self, pieces: list[Piece]) -> list[Piece]:
         out: list[Piece] = []
         for p in pieces:

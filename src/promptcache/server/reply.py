@@ -25,6 +25,7 @@ from typing import Any, TypeVar
 from fastapi import Request
 
 from ..engine.api import GenerationResult, TokenEvent
+from .harmony import HarmonyParser
 from .prepared import Prepared
 from .reasoning import Piece, ReplyParser
 from .runner import Generation, unstreamed_tail
@@ -106,6 +107,8 @@ async def with_keepalive(events: AsyncIterator[T], interval: float,
 
 def reply_parser(prepared: Prepared) -> ReplyParser:
     cf = prepared.chat_format
+    if cf.harmony:
+        return HarmonyParser(tool_names=prepared.tool_names, tools=prepared.tools)
     return ReplyParser(cf.think_start, cf.think_end, in_reasoning=prepared.in_reasoning,
                        tool_names=prepared.tool_names,
                        tool_format=prepared.tool_format or cf.tools_format(False),
@@ -161,7 +164,7 @@ async def reply_events(gen: Generation, parser: ReplyParser, *,
             return
         if ev.logprob is not None:
             yield ev
-        if parser.splitter.in_reasoning:
+        if parser.in_reasoning:
             thinking += 1
         if ev.text:
             streamed.append(ev.text)

@@ -243,6 +243,12 @@ class PromptShape:
 
 def constraint_for(spec: OutputSpec, shape: PromptShape) -> Constraint | None:
     """The constraint of ``spec`` for this prompt (None: nothing to enforce)."""
+    if shape.chat_format.harmony:
+        # no grammar of the harmony channels yet: a forced call or a JSON answer is
+        # asked of the model, not enforced (a grammar in another format would break it)
+        log.info("harmony format: %s is not enforced by a grammar",
+                 "the forced tool call" if isinstance(spec, ForcedCall) else "the JSON answer")
+        return None
     specs = _tool_specs(shape.tools)
     reason = not shape.prefill and (shape.in_reasoning or shape.may_reason) \
         and shape.chat_format.has_thinking
