@@ -37,7 +37,7 @@ from ..cache_types import ChainCursor
 from ..config import EngineConfig
 from ..errors import ContextLengthError, RequestError
 from ..meta import Namespace
-from . import adapters
+from . import adapters, mlx_compat
 from .api import CacheMiss, GenerationRequest, GenerationResult, SamplingParams, TokenEvent, Usage
 from .blockbuf import BlockPayload
 from .handles import Event
@@ -308,11 +308,15 @@ class Request:
         split = end >= n and end - self.pos > 1 and self.images is None
         # the prompt's last chunk runs as chunk[:-1] + its last token, so that the lm
         # head runs for one position instead of every position of the chunk
-        logits = self._forward(self.pos, end - 1 if split else end)
+        first = end - 1 if split else end
+        self.save_before_slide(self.pos, first - self.pos)
+        logits = self._forward(self.pos, first)
         states = [a for _, a in adapters.state_arrays(self.caches)]
         if split:
             mx.eval(*states)
-            logits = self._forward(end - 1, end)
+            # one token slides a window: the blocks it would push out are stored first
+            self.save_before_slide(first, 1)
+            logits = self._forward(first, end)
             states = [a for _, a in adapters.state_arrays(self.caches)]
         last = logits[0, -1]
         # a mid-prompt chunk needs only the cache state: its logits are never evaluated
@@ -374,6 +378,22 @@ class Request:
             self.finish("prefilled")
         elif reason is not None:
             self.finish(reason, self.caches if caches is None else caches)
+
+    def save_before_slide(self, held: int, n_new: int, caches: Sequence[Any] | None = None,
+                          save_point: str = "mid_prefill") -> None:
+        """Sliding windows: the caches (``caches``, default the private ones) hold
+        ``held`` tokens; before a forward of ``n_new`` more, store the whole blocks not
+        stored yet whose tokens that forward would push out of a window (a block is
+        saved while its tokens are still in the window)."""
+        if not self.sliding or not self.use_cache or self.cursor is None:
+            return
+        start = self.cursor.start
+        if held - start < self.ctx.block_size:
+            return  # no whole block to store (a partial one stays: block <= window)
+        src = self.caches if caches is None else caches
+        if mlx_compat.window_floor_after(src, n_new) > start:
+            self._store(held, save_point, include_partial=False, snapshot_at_end=False,
+                        caches=src)
 
     def _save_mid_prefill(self, caches: Sequence[Any] | None = None) -> None:
         snap = True
