@@ -82,6 +82,7 @@ def test_window_floor_after_is_what_the_window_holds(keep):
         want = list(range(c.offset)) if floor == 0 else [
             *range(min(keep, c.offset)), *range(floor, c.offset)]
         assert _held_positions(c) == want, (n, c.offset)
+        assert mlx_compat.window_floor([c]) == floor
     total = c.offset
     while saved < total:  # the end: the rest, tail included, is still in the window
         end = min(saved + bs, total)
@@ -324,3 +325,24 @@ def test_block_larger_than_the_sliding_part_is_refused(tiny_model_path):
                context_length=4096, vocab_size=1024,
                engine_config=EngineConfig(prefill_chunk_tokens=16),
                cache_config=CacheConfig(block_size=16), cache=make_cache(block_size=16))
+
+
+def test_a_block_that_could_not_be_stored_ends_the_saves_quietly(engines, tiny_model_path,
+                                                                 caplog):
+    """No room for any block (a RAM budget below one block): every block is dropped, the
+    first one leaves the window unsaved, and each later save stops there -- counted as
+    a window gap, not a store error, nothing logged as an error; generation goes on."""
+    path = tiny_model_path("gemma3_text")
+    eng = Engine.load(path, EngineConfig(prefill_chunk_tokens=32), CacheConfig(block_size=8),
+                      cache=make_cache(budget=1024, block_size=8))
+    try:
+        prompt = [778] + _toks(60, 7)
+        with caplog.at_level("ERROR"):
+            res = eng.generate(prompt, max_tokens=20)
+        assert res.finish_reason in ("length", "stop")
+        assert res.usage.saved_mid_prefill == res.usage.saved_end_prefill == 0
+        assert eng.counters.store_errors == 0 and eng.counters.window_gaps > 0
+        assert not [r for r in caplog.records if r.levelname == "ERROR"]
+        assert res.tokens == eng.generate(prompt, max_tokens=20, use_cache=False).tokens
+    finally:
+        eng.close()

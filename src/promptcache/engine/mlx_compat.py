@@ -247,6 +247,19 @@ def _window_held(c: RotatingKVCache) -> int:
     return length if idx == length or idx < offset else int(idx)
 
 
+def window_floor(caches: Sequence[Any]) -> int:
+    """The first token (past the ``keep`` tokens) that every sliding window of these
+    per-request caches holds now: tokens from ``keep`` up to it are gone. 0 when no
+    window dropped a token yet."""
+    return max((_floor_now(c) for c in _leaves(caches) if isinstance(c, RotatingKVCache)),
+               default=0)
+
+
+def _floor_now(c: RotatingKVCache) -> int:
+    held, offset = _window_held(c), int(c.offset)
+    return offset - held + int(c.keep) if held < offset else 0
+
+
 def window_floor_after(caches: Sequence[Any], n_new: int) -> int:
     """The first token (past the ``keep`` tokens) that every sliding window of these
     per-request caches still holds after ONE forward of ``n_new`` more tokens: tokens
@@ -267,9 +280,8 @@ def window_floor_after(caches: Sequence[Any], n_new: int) -> int:
         if n_new == 1:
             lo = offset + 1 - (size - keep) if offset + 1 > size else 0
         else:
-            held = _window_held(c)
-            lo = offset - held + keep if held < offset else 0
-            if held >= size:  # the concatenation trims the window first
+            lo = _floor_now(c)
+            if _window_held(c) >= size:  # the concatenation trims the window first
                 lo = max(lo, offset - (size - 1 - keep))
         if lo > keep:
             floor = max(floor, lo)

@@ -68,6 +68,9 @@ class EngineCounters:
     # requests that waited for another's prefill of the prompt prefix they share
     # (scheduler: they reuse its stored blocks instead of computing them again)
     shared_prefix_waits: int = 0
+    # saves given up: a request's next unsaved block had already left its sliding window
+    # (a block before it could not be stored, e.g. no room), so nothing after it can be
+    window_gaps: int = 0
     decode_steps: int = 0
     decode_rows: int = 0  # sum of batch sizes over decode steps
     solo_steps: int = 0  # decode steps of requests mlx-lm cannot batch
@@ -490,11 +493,31 @@ class Request:
                 include_partial=include_partial, save_point=save_point, cursor=self.cursor,
             )
         except Exception:
+            if self._window_gap(src):
+                logger.debug("request %s: block %d left the sliding window unsaved; the "
+                             "%s save stops there", self.request_id, self._cursor_start(),
+                             save_point)
+                self.ctx.counters.window_gaps += 1
+                return
             logger.exception("storing blocks (%s) failed; continuing without saving", save_point)
             self.ctx.counters.store_errors += 1
             return
         attr = f"saved_{save_point}"
         setattr(self.usage, attr, getattr(self.usage, attr) + int(created))
+
+    def _cursor_start(self) -> int:
+        return self.cursor.start if self.cursor is not None else 0
+
+    def _window_gap(self, caches: Sequence[Any]) -> bool:
+        """The next block to store has left a sliding window (it can no longer be read;
+        the chain cannot go past it). Never the case while every block is stored in
+        time; it follows a block that was not stored (dropped: no room)."""
+        if not self.sliding or self.cursor is None:
+            return False
+        try:
+            return mlx_compat.window_floor(caches) > self.cursor.start
+        except Exception:
+            return False
 
     # ------------------------------------------------------------------ finish
 
