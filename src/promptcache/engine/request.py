@@ -6,7 +6,10 @@ and its three cache save points.
        multiple of the block size), so every save lands on a block boundary
        -> after each completed chunk: store (save point 1, "mid_prefill")
     -> end of prompt: first token, then store incl. the partial tail (save point 2,
-       "end_prefill"); a prefill-only request ends here ("prefilled")
+       "end_prefill"); a prefill-only request ends here ("prefilled"). Sliding windows:
+       before a forward that would push whole unsaved blocks out of a window (the
+       prompt's last token runs alone and slides it), those blocks are stored first
+       (``save_before_slide``), so every block is saved while its tokens are in it
     -> decode (in the scheduler's batch or alone): ``accept`` each token (stop ids,
        stop strings, max_tokens), streaming TokenEvents; sliding-window models store
        output blocks as they complete
