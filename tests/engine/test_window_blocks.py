@@ -224,9 +224,11 @@ def test_turns_repeats_and_branches_reuse_every_block(name, engines, gpt_oss_pat
     again = eng.generate(last_prompt, max_tokens=len(last.tokens))
     assert again.usage.cached_tokens == len(last_prompt) - 1
     assert again.tokens == last.tokens
-    # a branch off turn 2's prompt, mid-way through its new tokens: the shared prefix
+    # a branch off turn 2's prompt, mid-way through what it added (reply + new tokens):
+    # the shared prefix
     prompt2, _ = turns[2]
-    split = len(turns[1][0]) + 2 * window + 3
+    split = (len(turns[1][0]) + len(prompt2)) // 2
+    assert len(prompt2) - split > window and split % CASES[name][1]  # mid-block
     branch = prompt2[:split] + _toks(window + 9, 99)
     res = eng.generate(branch, max_tokens=window)
     assert res.usage.cached_tokens == split
