@@ -558,5 +558,12 @@ def min_window(caches: Sequence[Any]) -> int | None:
     return min(sizes) if sizes else None
 
 
+def min_sliding_tokens(caches: Sequence[Any]) -> int | None:
+    """The fewest tokens a sliding window holds past its kept ones (``max_size - keep``,
+    the most a block may have to be stored whole while in the window), or None."""
+    sizes = [c.max_size - c.keep for _, c in _leaves(caches) if isinstance(c, RotatingKVCache)]
+    return min(sizes) if sizes else None
+
+
 def has_sliding_window(caches: Sequence[Any]) -> bool:
     return min_window(caches) is not None

@@ -137,11 +137,12 @@ class Engine:
                 f"multiple of the block size ({bs})"
             )
         template = make_prompt_cache(model)
-        window = adapters.min_window(template)
+        window = adapters.min_sliding_tokens(template)
         if cache is not None and window is not None and bs > window:
             raise ValueError(
-                f"block_size ({bs}) must not exceed the model's sliding window ({window}): "
-                "blocks are saved while their tokens are still in the window"
+                f"block_size ({bs}) must not exceed the model's sliding window ({window} "
+                "tokens past the kept ones): blocks are saved while their tokens are still "
+                "in the window"
             )
         # stored blocks quantized per the cache config; the spec is part of the namespace
         self.kv_quant = _kv_quant_of(self.cache_config)

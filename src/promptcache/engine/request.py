@@ -6,7 +6,10 @@ and its three cache save points.
        multiple of the block size), so every save lands on a block boundary
        -> after each completed chunk: store (save point 1, "mid_prefill")
     -> end of prompt: first token, then store incl. the partial tail (save point 2,
-       "end_prefill"); a prefill-only request ends here ("prefilled")
+       "end_prefill"); a prefill-only request ends here ("prefilled"). Sliding windows:
+       before a forward that would push whole unsaved blocks out of a window (the
+       prompt's last token runs alone and slides it), those blocks are stored first
+       (``save_before_slide``), so every block is saved while its tokens are in it
     -> decode (in the scheduler's batch or alone): ``accept`` each token (stop ids,
        stop strings, max_tokens), streaming TokenEvents; sliding-window models store
        output blocks as they complete
@@ -37,7 +40,7 @@ from ..cache_types import ChainCursor
 from ..config import EngineConfig
 from ..errors import ContextLengthError, RequestError
 from ..meta import Namespace
-from . import adapters
+from . import adapters, mlx_compat
 from .api import CacheMiss, GenerationRequest, GenerationResult, SamplingParams, TokenEvent, Usage
 from .blockbuf import BlockPayload
 from .handles import Event
@@ -68,6 +71,9 @@ class EngineCounters:
     # requests that waited for another's prefill of the prompt prefix they share
     # (scheduler: they reuse its stored blocks instead of computing them again)
     shared_prefix_waits: int = 0
+    # saves given up: a request's next unsaved block had already left its sliding window
+    # (a block before it could not be stored, e.g. no room), so nothing after it can be
+    window_gaps: int = 0
     decode_steps: int = 0
     decode_rows: int = 0  # sum of batch sizes over decode steps
     solo_steps: int = 0  # decode steps of requests mlx-lm cannot batch
@@ -308,11 +314,15 @@ class Request:
         split = end >= n and end - self.pos > 1 and self.images is None
         # the prompt's last chunk runs as chunk[:-1] + its last token, so that the lm
         # head runs for one position instead of every position of the chunk
-        logits = self._forward(self.pos, end - 1 if split else end)
+        first = end - 1 if split else end
+        self.save_before_slide(self.pos, first - self.pos)
+        logits = self._forward(self.pos, first)
         states = [a for _, a in adapters.state_arrays(self.caches)]
         if split:
             mx.eval(*states)
-            logits = self._forward(end - 1, end)
+            # one token slides a window: the blocks it would push out are stored first
+            self.save_before_slide(first, 1)
+            logits = self._forward(first, end)
             states = [a for _, a in adapters.state_arrays(self.caches)]
         last = logits[0, -1]
         # a mid-prompt chunk needs only the cache state: its logits are never evaluated
@@ -374,6 +384,22 @@ class Request:
             self.finish("prefilled")
         elif reason is not None:
             self.finish(reason, self.caches if caches is None else caches)
+
+    def save_before_slide(self, held: int, n_new: int, caches: Sequence[Any] | None = None,
+                          save_point: str = "mid_prefill") -> None:
+        """Sliding windows: the caches (``caches``, default the private ones) hold
+        ``held`` tokens; before a forward of ``n_new`` more, store the whole blocks not
+        stored yet whose tokens that forward would push out of a window (a block is
+        saved while its tokens are still in the window)."""
+        if not self.sliding or not self.use_cache or self.cursor is None:
+            return
+        start = self.cursor.start
+        if held - start < self.ctx.block_size:
+            return  # no whole block to store (a partial one stays: block <= window)
+        src = self.caches if caches is None else caches
+        if mlx_compat.window_floor_after(src, n_new) > start:
+            self._store(held, save_point, include_partial=False, snapshot_at_end=False,
+                        caches=src)
 
     def _save_mid_prefill(self, caches: Sequence[Any] | None = None) -> None:
         snap = True
@@ -470,11 +496,31 @@ class Request:
                 include_partial=include_partial, save_point=save_point, cursor=self.cursor,
             )
         except Exception:
+            if self._window_gap(src):
+                logger.debug("request %s: block %d left the sliding window unsaved; the "
+                             "%s save stops there", self.request_id, self._cursor_start(),
+                             save_point)
+                self.ctx.counters.window_gaps += 1
+                return
             logger.exception("storing blocks (%s) failed; continuing without saving", save_point)
             self.ctx.counters.store_errors += 1
             return
         attr = f"saved_{save_point}"
         setattr(self.usage, attr, getattr(self.usage, attr) + int(created))
+
+    def _cursor_start(self) -> int:
+        return self.cursor.start if self.cursor is not None else 0
+
+    def _window_gap(self, caches: Sequence[Any]) -> bool:
+        """The next block to store has left a sliding window (it can no longer be read;
+        the chain cannot go past it). Never the case while every block is stored in
+        time; it follows a block that was not stored (dropped: no room)."""
+        if not self.sliding or self.cursor is None:
+            return False
+        try:
+            return mlx_compat.window_floor(caches) > self.cursor.start
+        except Exception:
+            return False
 
     # ------------------------------------------------------------------ finish
 
