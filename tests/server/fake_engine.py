@@ -23,6 +23,7 @@ prompt and finish with "prefilled".
 from __future__ import annotations
 
 import asyncio
+import codecs
 import json
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -169,12 +170,14 @@ class FakeHandle:
         finish = "length" if len(out) < len(full) else "stop"
         emitted: list[int] = []
         k = sampling.logprobs
+        # like a real detokenizer: a multi-byte character is emitted once it is complete
+        utf8 = codecs.getincrementaldecoder("utf-8")("replace")
         for t in out:
             if self.cancelled.is_set():
                 finish, stop_seq = "cancelled", None
                 break
             emitted.append(t)
-            text = bytes([t]).decode("utf-8", errors="ignore") if len(emitted) <= text_len else ""
+            text = utf8.decode(bytes([t])) if len(emitted) <= text_len else ""
             if k is None:
                 yield TokenEvent(t, text)
             else:

@@ -33,7 +33,12 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .tool_formats import parse_qwen3_coder
+from .tool_formats import (
+    DEEPSEEK_CALLS_BEGIN,
+    DEEPSEEK_CALLS_END,
+    parse_deepseek,
+    parse_qwen3_coder,
+)
 
 _ENABLE_THINKING = re.compile(r"\benable_thinking\b")
 # templates (e.g. DeepSeek V3.1) that read a bare ``thinking`` variable
@@ -122,7 +127,11 @@ def _parser_module(name: str) -> Any:
 
 def tool_call_format(name: str, *, start_token: int | None = None,
                      end_token: int | None = None, variant: str = "") -> ToolCallFormat:
-    """The format of mlx-lm's tool parser ``name`` (``mlx_lm.tool_parsers.<name>``)."""
+    """The format of mlx-lm's tool parser ``name`` (``mlx_lm.tool_parsers.<name>``), or
+    one of ours (``deepseek``)."""
+    own = OWN_FORMATS.get(name)
+    if own is not None:
+        return own
     mod = _parser_module(name)
     return ToolCallFormat(name=name, start=str(mod.tool_call_start), end=str(mod.tool_call_end),
                           parser=OUR_PARSERS.get(name, mod.parse_tool_call),
@@ -188,7 +197,15 @@ def _special_id(tokenizer: Any, ids: Any) -> int | None:
     return int(ids[0]) if added is not None and bool(getattr(added, "special", False)) else None
 
 
+# formats mlx-lm does not know, recognised from the template: ours
+DEEPSEEK = ToolCallFormat(name="deepseek", start=DEEPSEEK_CALLS_BEGIN, end=DEEPSEEK_CALLS_END,
+                          parser=parse_deepseek)
+OWN_FORMATS = {"deepseek": DEEPSEEK}
+
+
 def _tool_format_of(tokenizer: Any, source: str) -> ToolCallFormat | None:
+    if DEEPSEEK_CALLS_BEGIN in source:  # DeepSeek V3 / V3.1 (mlx-lm has no parser)
+        return DEEPSEEK
     parser = getattr(tokenizer, "tool_parser", None)
     start = getattr(tokenizer, "tool_call_start", None)
     end = getattr(tokenizer, "tool_call_end", None)

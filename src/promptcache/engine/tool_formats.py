@@ -189,3 +189,50 @@ def parse_qwen3_coder(body: str, tools: Sequence[Mapping[str, Any]] | None = Non
     if not calls:
         raise ValueError("no <function=...> in the tool call")
     return calls
+
+
+# --- DeepSeek V3 / V3.1 -------------------------------------------------------------------
+
+DEEPSEEK_CALLS_BEGIN = "<｜tool▁calls▁begin｜>"
+DEEPSEEK_CALLS_END = "<｜tool▁calls▁end｜>"
+DEEPSEEK_CALL_BEGIN = "<｜tool▁call▁begin｜>"
+DEEPSEEK_CALL_END = "<｜tool▁call▁end｜>"
+DEEPSEEK_SEP = "<｜tool▁sep｜>"
+_FENCE = re.compile(r"^\s*```(?:json)?\s*\n?(.*?)\n?```\s*$", re.DOTALL)
+
+
+def parse_deepseek(body: str, tools: Sequence[Mapping[str, Any]] | None = None
+                   ) -> list[dict[str, Any]]:
+    """The calls between ``<｜tool▁calls▁begin｜>`` and ``<｜tool▁calls▁end｜>`` (mlx-lm
+    has no parser for DeepSeek): each ``<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>ARGS
+    <｜tool▁call▁end｜>`` (V3.1: ARGS is JSON) or ``...begin｜>function<｜tool▁sep｜>NAME
+    \\n```json\\nARGS\\n```<｜tool▁call▁end｜>`` (V3). Raises ValueError on anything else."""
+    calls: list[dict[str, Any]] = []
+    pos = 0
+    while True:
+        start = body.find(DEEPSEEK_CALL_BEGIN, pos)
+        if start < 0:
+            break
+        end = body.find(DEEPSEEK_CALL_END, start)
+        if end < 0:
+            raise ValueError("a DeepSeek tool call without its end marker")
+        inner = body[start + len(DEEPSEEK_CALL_BEGIN):end]
+        head, sep, rest = inner.partition(DEEPSEEK_SEP)
+        if not sep:
+            raise ValueError("a DeepSeek tool call without <｜tool▁sep｜>")
+        name, args_text = head.strip(), rest
+        if name == "function":  # V3: the name on the first line, the arguments fenced
+            first, _, fenced = rest.partition("\n")
+            name = first.strip()
+            m = _FENCE.match(fenced)
+            args_text = m.group(1) if m else fenced
+        if not name:
+            raise ValueError("a DeepSeek tool call without a name")
+        args = json.loads(args_text) if args_text.strip() else {}
+        if not isinstance(args, dict):
+            raise ValueError("DeepSeek tool call arguments must be an object")
+        calls.append({"name": name, "arguments": args})
+        pos = end + len(DEEPSEEK_CALL_END)
+    if not calls:
+        raise ValueError("no <｜tool▁call▁begin｜> in the tool calls")
+    return calls

@@ -16,6 +16,8 @@ others spelled out. Per format:
   (mlx-lm's parser reads JSON literals);
 - ``mistral``: ``[TOOL_CALLS]N[ARGS]ARGS`` (templates that write ``[ARGS]``) or
   ``[TOOL_CALLS][{"name": "N", "arguments": ARGS}]``;
+- ``deepseek``: ``<｜tool▁calls▁begin｜>`` then per call ``<｜tool▁call▁begin｜>N<｜tool▁sep｜>ARGS
+  <｜tool▁call▁end｜>`` (V3.1), then ``<｜tool▁calls▁end｜>``;
 - any other format: the start marker, free text, the end marker: a call is forced, its
   content is the model's (the name of a ``tool`` choice is not enforced there).
 """
@@ -147,9 +149,20 @@ def _generic_call(fmt: ToolCallFormat) -> list[str]:
     return [f"call_any: {_start(fmt)} call_body", f"call_body[suffix={lit(fmt.end)}]: /(?s:.*)/"]
 
 
+def _deepseek_call(fmt: ToolCallFormat, tool: ToolSpec, i: int, json_of: JsonOf) -> list[str]:
+    head = lit("<｜tool▁call▁begin｜>" + tool.name + "<｜tool▁sep｜>")
+    return [f"call_{i}: {head} args_{i} {lit('<｜tool▁call▁end｜>')}",
+            f"args_{i}: {json_of(tool.parameters)}"]
+
+
+def _deepseek_calls(fmt: ToolCallFormat, names: list[str], parallel: bool) -> list[str]:
+    more = " call*" if parallel else ""
+    return [f"call: {' | '.join(names)}", f"calls: {_start(fmt)} call{more} {_end(fmt)}"]
+
+
 _BUILDERS: dict[str, Callable[[ToolCallFormat, ToolSpec, int, JsonOf], list[str]]] = {
     "hermes": _json_call, "json_tools": _json_call, "qwen3_coder": _xml_call,
-    "pythonic": _pythonic_call, "mistral": _mistral_call,
+    "pythonic": _pythonic_call, "mistral": _mistral_call, "deepseek": _deepseek_call,
 }
 _SEPARATOR = {"hermes": lit("\n"), "json_tools": lit("\n"), "qwen3_coder": lit("\n")}
 
@@ -172,6 +185,8 @@ def calls_rule(fmt: ToolCallFormat, tools: list[ToolSpec], parallel: bool,
         for i, tool in enumerate(tools):
             rules += build(fmt, tool, i, json_of)
             names.append(f"call_{i}")
+    if fmt.name == "deepseek":  # one <｜tool▁calls▁begin｜> ... end around every call
+        return rules + _deepseek_calls(fmt, names, parallel)
     rules.append("call: " + " | ".join(names))
     sep = _SEPARATOR.get(fmt.name)
     more = f"({sep} call)*" if sep else "call*"

@@ -1,0 +1,104 @@
+"""DeepSeek V3 / V3.1 tool calls (our parser: mlx-lm has none), recognised from the
+chat template; streamed and whole through chat, Messages and Responses; a forced call
+is a grammar in the same format that the parser reads back."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+import sse_checks
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_server_structured import ANT_TOOLS, HI, OAI_TOOLS, RESP_TOOLS, WANT, _app
+
+from promptcache.engine.chat_format import DEEPSEEK, ChatFormat, ToolCall, chat_format_of
+from promptcache.engine.tool_formats import parse_deepseek
+from promptcache.server.toolcalls import ParsedReply, ToolCallStream, parse_tool_calls
+
+B, E = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+CB, CE, SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
+V31 = f'Checking.{B}{CB}get_weather{SEP}{{"city": "Paris", "days": 3}}{CE}{E}'
+V3 = (f"Checking.{B}{CB}function{SEP}get_weather\n```json\n"
+      f'{{"city": "Paris", "days": 3}}\n```{CE}{E}')
+TWO = f'{B}{CB}get_weather{SEP}{{"city": "Paris", "days": 3}}{CE}{CB}list_files{SEP}{{}}{CE}{E}'
+
+
+def test_both_versions_parse() -> None:
+    for body in (V31, V3):
+        inner = body[body.index(B) + len(B):body.index(E)]
+        assert parse_deepseek(inner) == [{"name": "get_weather",
+                                          "arguments": {"city": "Paris", "days": 3}}]
+    assert [c["name"] for c in parse_deepseek(TWO[len(B):-len(E)])] == ["get_weather",
+                                                                        "list_files"]
+    for bad in ("", "text", f"{CB}get_weather{SEP}{{", f"{CB}get_weather{CE}",
+                f"{CB}get_weather{SEP}[1]{CE}"):
+        with pytest.raises(ValueError):
+            parse_deepseek(bad)
+
+
+def test_recognised_from_the_template() -> None:
+    class Tok:
+        chat_template = "{% if tools %}" + B + "{% endif %}"
+
+    assert chat_format_of(Tok()).tool_format is DEEPSEEK
+
+
+def engine(reply: str) -> Any:
+    from fake_engine import FakeEngine
+
+    eng = FakeEngine(reply=reply)
+    eng.chat_format = ChatFormat(tool_format=DEEPSEEK)
+    return eng
+
+
+@pytest.mark.parametrize("reply", [V31, V3])
+@pytest.mark.parametrize("stream", [False, True])
+def test_every_api(reply: str, stream: bool) -> None:
+    client = _app(engine(reply))
+    r = client.post("/v1/chat/completions", json={"messages": HI, "tools": OAI_TOOLS,
+                                                  "max_tokens": 400, "stream": stream})
+    if stream:
+        got = sse_checks.chat_stream(r.text)
+        [call] = got["tool_calls"]
+        assert (call["name"], json.loads(call["arguments"])) == WANT
+        assert got["content"] == "Checking."
+    else:
+        msg = r.json()["choices"][0]["message"]
+        [tc] = msg["tool_calls"]
+        assert (tc["function"]["name"], json.loads(tc["function"]["arguments"])) == WANT
+        assert msg["content"] == "Checking."
+    r = client.post("/v1/messages", json={"messages": HI, "tools": ANT_TOOLS,
+                                          "max_tokens": 400, "stream": stream})
+    blocks = (sse_checks.anthropic_stream(r.text) if stream else r.json())["content"]
+    assert blocks[0] == {"type": "text", "text": "Checking."}
+    assert [(b["name"], b["input"]) for b in blocks[1:]] == [WANT]
+    r = client.post("/v1/responses", json={"input": "weather?", "tools": RESP_TOOLS,
+                                           "max_output_tokens": 400, "stream": stream})
+    final = sse_checks.responses_stream(r.text) if stream else r.json()
+    message, call = final["output"]
+    assert (call["name"], json.loads(call["arguments"])) == WANT
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.sampled_from([V31, V3, TWO, f"{B}{CB}rm_rf{SEP}{{}}{CE}{E}", "plain " + B[:5]]),
+       st.lists(st.integers(0, 200), max_size=8))
+def test_streamed_and_whole_agree(reply: str, cuts: list[int]) -> None:
+    names = {"get_weather", "list_files"}
+    points = sorted({min(c, len(reply)) for c in cuts} | {0, len(reply)})
+    stream = ToolCallStream(names, DEEPSEEK, OAI_TOOLS)
+    out = "".join(stream.feed(reply[a:b]) for a, b in zip(points, points[1:], strict=False))
+    tail, calls = stream.finish()
+    assert ParsedReply(out + tail, calls) == parse_tool_calls(reply, names, DEEPSEEK, OAI_TOOLS)
+
+
+def test_a_forced_call_is_a_grammar_in_the_same_format() -> None:
+    eng = engine(V31)
+    client = _app(eng)
+    client.post("/v1/chat/completions", json={"messages": HI, "tools": OAI_TOOLS,
+                                              "tool_choice": "required"})
+    spec = eng.submitted[-1].constraint.spec
+    assert B in spec and f"{CB}get_weather{SEP}" in spec and E in spec
+    two = parse_tool_calls(TWO, {"get_weather", "list_files"}, DEEPSEEK, OAI_TOOLS)
+    assert two.tool_calls == (ToolCall(*WANT), ToolCall("list_files", {}))
