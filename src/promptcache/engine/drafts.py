@@ -1,0 +1,209 @@
+"""Draft tokens from history, for speculative decoding (prompt lookup / suffix matching).
+
+What an agent writes is largely already in its context: the file a tool just read,
+rewritten with a change; paths, identifiers and tool-call JSON from earlier turns. A
+draft is the continuation of the longest recent n-gram match of the sequence's tail:
+
+- ``SequenceDrafts``: one request's own tokens (prompt + output, appended as they are
+  generated). An index from each n-gram (``min_n`` .. ``max_n`` tokens) to the position
+  after its latest occurrence, updated in O(max_n) per appended token, so a proposal is
+  ``max_n`` dict lookups: the longest n whose last n tokens occurred before proposes
+  the tokens that followed that occurrence (up to ``k``).
+- ``TenantDrafts``: a bounded pool of recent sequences (prompts and outputs of every
+  session) of ONE tenant, the same n-gram index over all of them (the latest
+  occurrence wins), least recently added sequences out past ``max_tokens``. A request
+  asks its own sequence first and the pool of its own tenant second: a draft never
+  comes from another tenant's text (``DraftPools.pool(tenant)`` keeps them apart).
+
+Pure Python over token ids: no MLX, no I/O. The verifier decides what is accepted;
+a draft only costs a wider forward, never correctness.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class DraftConfig:
+    min_n: int = 2  # shortest tail that may propose
+    max_n: int = 8  # longest tail looked up
+    max_k: int = 16  # most tokens proposed at once
+    pool_tokens: int = 1_000_000  # tokens a tenant's pool keeps
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_n <= self.max_n:
+            raise ValueError(f"need 1 <= min_n <= max_n, got {self.min_n}, {self.max_n}")
+        if self.max_k < 1:
+            raise ValueError(f"max_k must be >= 1, got {self.max_k}")
+        if self.pool_tokens < 0:
+            raise ValueError(f"pool_tokens must be >= 0, got {self.pool_tokens}")
+
+
+@dataclass(frozen=True)
+class Draft:
+    tokens: tuple[int, ...]
+    matched: int  # length of the n-gram that proposed it (0: no draft)
+    source: str  # "self" | "pool" | ""
+
+
+NO_DRAFT = Draft((), 0, "")
+
+
+class SequenceDrafts:
+    """One growing sequence and its n-gram index (see the module docstring)."""
+
+    def __init__(self, tokens: Iterable[int] = (), config: DraftConfig | None = None) -> None:
+        self.config = config or DraftConfig()
+        self.tokens: list[int] = []
+        # n-gram -> the position right after its latest occurrence
+        self._after: dict[tuple[int, ...], int] = {}
+        self.extend(tokens)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def append(self, token: int) -> None:
+        """Add one token; the n-grams ending before it are indexed now (an n-gram is
+        indexed once a token follows it, so a lookup never proposes nothing)."""
+        toks = self.tokens
+        end = len(toks)
+        cfg = self.config
+        for n in range(cfg.min_n, cfg.max_n + 1):
+            if n > end:
+                break
+            self._after[tuple(toks[end - n:end])] = end
+        toks.append(int(token))
+
+    def extend(self, tokens: Iterable[int]) -> None:
+        for t in tokens:
+            self.append(t)
+
+    def propose(self, k: int) -> Draft:
+        """Up to ``k`` tokens that followed the latest earlier occurrence of the longest
+        tail n-gram (``NO_DRAFT`` when no tail of ``min_n`` or more occurred before)."""
+        return lookup(self._after, self.tokens, self.tokens, min(k, self.config.max_k),
+                      self.config, "self")
+
+
+def lookup(index: dict[tuple[int, ...], int], source: Sequence[int], tail_of: Sequence[int],
+           k: int, config: DraftConfig, name: str) -> Draft:
+    """The draft for the tail of ``tail_of`` from ``index`` over ``source``."""
+    if k <= 0:
+        return NO_DRAFT
+    end = len(tail_of)
+    for n in range(min(config.max_n, end), config.min_n - 1, -1):
+        at = index.get(tuple(tail_of[end - n:end]))
+        if at is None:
+            continue
+        out = tuple(source[at:at + k])
+        if out:
+            return Draft(out, n, name)
+    return NO_DRAFT
+
+
+class TenantDrafts:
+    """A bounded pool of one tenant's recent sequences (thread-safe)."""
+
+    def __init__(self, config: DraftConfig | None = None) -> None:
+        self.config = config or DraftConfig()
+        self._tokens: list[int] = []  # every kept sequence, one after the other
+        # absolute (start, end) of each kept sequence, oldest first
+        self._starts: list[int] = []
+        self._ends: list[int] = []
+        self._after: dict[tuple[int, ...], int] = {}
+        self._offset = 0  # absolute position of self._tokens[0]
+        self._lock = threading.Lock()
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self._tokens)
+
+    def add(self, tokens: Sequence[int]) -> None:
+        """Remember a sequence (a finished prompt + output); the oldest go past the
+        budget. n-grams never span two sequences."""
+        cfg = self.config
+        if not tokens or cfg.pool_tokens == 0:
+            return
+        toks = [int(t) for t in tokens[-cfg.pool_tokens:]]
+        with self._lock:
+            start = self._offset + len(self._tokens)
+            self._tokens.extend(toks)
+            for i in range(len(toks)):
+                for n in range(cfg.min_n, cfg.max_n + 1):
+                    if n > i:
+                        break
+                    self._after[tuple(toks[i - n:i])] = start + i
+            self._starts.append(start)
+            self._ends.append(start + len(toks))
+            self._evict()
+
+    def _evict(self) -> None:
+        cfg = self.config
+        drop = 0
+        while len(self._tokens) - (self._ends[drop - 1] - self._offset if drop else 0) \
+                > cfg.pool_tokens and drop < len(self._starts):
+            drop += 1
+        if drop:
+            end = self._ends[drop - 1]
+            del self._tokens[:end - self._offset]
+            del self._starts[:drop], self._ends[:drop]
+            self._offset = end
+            # index entries into the dropped sequences are stale: skipped on lookup (the
+            # latest occurrence of an n-gram is never older than a dropped one)
+        if len(self._after) > 4 * max(1, len(self._tokens)) * (cfg.max_n - cfg.min_n + 1):
+            self._after = {g: p for g, p in self._after.items() if p >= self._offset}
+
+    def propose(self, tail: Sequence[int], k: int) -> Draft:
+        cfg = self.config
+        k = min(k, cfg.max_k)
+        if k <= 0:
+            return NO_DRAFT
+        with self._lock:
+            end = len(tail)
+            for n in range(min(cfg.max_n, end), cfg.min_n - 1, -1):
+                at = self._after.get(tuple(tail[end - n:end]))
+                if at is None or at < self._offset:
+                    continue
+                span_end = self._span_end(at)
+                rel = at - self._offset
+                out = tuple(self._tokens[rel:min(rel + k, span_end - self._offset)])
+                if out:
+                    return Draft(out, n, "pool")
+        return NO_DRAFT
+
+    def _span_end(self, at: int) -> int:
+        """The end of the kept sequence holding absolute position ``at``."""
+        i = bisect.bisect_right(self._starts, at) - 1
+        return self._ends[i] if i >= 0 and at < self._ends[i] else at
+
+
+class DraftPools:
+    """One ``TenantDrafts`` per tenant: a request only ever reads its own tenant's."""
+
+    def __init__(self, config: DraftConfig | None = None) -> None:
+        self.config = config or DraftConfig()
+        self._pools: dict[str, TenantDrafts] = {}
+        self._lock = threading.Lock()
+
+    def pool(self, tenant: str) -> TenantDrafts:
+        with self._lock:
+            p = self._pools.get(tenant)
+            if p is None:
+                p = self._pools[tenant] = TenantDrafts(self.config)
+            return p
+
+    def num_tokens(self) -> int:
+        with self._lock:
+            return sum(p.num_tokens for p in self._pools.values())
+
+
+def propose(own: SequenceDrafts, pool: TenantDrafts | None, k: int) -> Draft:
+    """The request's own history first, then its tenant's pool."""
+    draft = own.propose(k)
+    if draft.tokens or pool is None:
+        return draft
+    return pool.propose(own.tokens, k)

@@ -1,0 +1,110 @@
+"""Draft sources for speculative decoding (engine/drafts.py) against brute-force
+references (Hypothesis), the pool's token budget, and tenant isolation."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from promptcache.engine.drafts import (
+    NO_DRAFT,
+    DraftConfig,
+    DraftPools,
+    SequenceDrafts,
+    TenantDrafts,
+    propose,
+)
+
+CFG = DraftConfig(min_n=2, max_n=4, max_k=5, pool_tokens=60)
+tokens = st.lists(st.integers(0, 5), max_size=80)  # a small alphabet: many repeats
+
+
+def reference(seqs: list[list[int]], tail: list[int], k: int, cfg: DraftConfig,
+              own: bool) -> tuple[tuple[int, ...], int]:
+    """Longest n first; the latest occurrence (sequences in order, positions in order)
+    that something follows; never across two sequences; for ``own`` the tail itself
+    (the sequence's end) is not an occurrence."""
+    end = len(tail)
+    for n in range(min(cfg.max_n, end), cfg.min_n - 1, -1):
+        gram = tail[end - n:]
+        best: tuple[int, ...] | None = None
+        for seq in seqs:
+            for j in range(len(seq) - n):
+                if seq[j:j + n] == gram:
+                    best = tuple(seq[j + n:j + n + k])
+        if best:
+            return best, n
+    return (), 0
+
+
+@settings(max_examples=150, deadline=None)
+@given(tokens, st.integers(1, 8))
+def test_own_sequence_matches_the_reference(seq: list[int], k: int) -> None:
+    d = SequenceDrafts(seq, CFG)
+    got = d.propose(k)
+    want, n = reference([seq], seq, min(k, CFG.max_k), CFG, own=True)
+    assert (got.tokens, got.matched) == (want, n)
+    assert got.source == ("self" if want else "")
+
+
+@settings(max_examples=200, deadline=None)
+@given(tokens, st.lists(st.integers(0, 5), max_size=10))
+def test_appending_equals_building_at_once(seq: list[int], more: list[int]) -> None:
+    a = SequenceDrafts(seq, CFG)
+    a.extend(more)
+    b = SequenceDrafts(seq + more, CFG)
+    assert a.propose(5) == b.propose(5)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 5), min_size=1, max_size=30), max_size=6),
+       st.lists(st.integers(0, 5), max_size=8), st.integers(1, 8))
+def test_pool_matches_the_reference_over_kept_sequences(seqs: list[list[int]],
+                                                        tail: list[int], k: int) -> None:
+    pool = TenantDrafts(CFG)
+    for s in seqs:
+        pool.add(s)
+    # kept: the newest sequences whose total fits the budget (each cut to the budget)
+    kept: list[list[int]] = []
+    total = 0
+    for s in reversed([s[-CFG.pool_tokens:] for s in seqs]):
+        if total + len(s) > CFG.pool_tokens:
+            break
+        kept.insert(0, s)
+        total += len(s)
+    assert pool.num_tokens == total
+    got = pool.propose(tail, k)
+    want, n = reference(kept, tail, min(k, CFG.max_k), CFG, own=False)
+    assert (got.tokens, got.matched) == (want, n)
+
+
+def test_pool_budget_evicts_oldest_sequences_whole() -> None:
+    pool = TenantDrafts(DraftConfig(min_n=2, max_n=3, max_k=4, pool_tokens=10))
+    pool.add([1, 2, 3, 4, 5, 6])
+    pool.add([7, 8, 9])
+    assert pool.num_tokens == 9
+    assert pool.propose([1, 2], 4).tokens == (3, 4, 5, 6)
+    pool.add([10, 11, 12])  # 12 > 10: the first sequence goes
+    assert pool.num_tokens == 6
+    assert pool.propose([1, 2], 4) == NO_DRAFT
+    assert pool.propose([7, 8], 4).tokens == (9,)  # never into the next sequence
+
+
+def test_own_history_first_then_the_tenants_pool_never_another_tenants() -> None:
+    pools = DraftPools(CFG)
+    pools.pool("alice").add([1, 2, 3, 4, 5])
+    mine = SequenceDrafts([9, 9, 1, 2], CFG)
+    assert propose(mine, pools.pool("alice"), 3).tokens == (3, 4, 5)
+    assert propose(mine, pools.pool("bob"), 3) == NO_DRAFT  # bob never sees alice's text
+    own = SequenceDrafts([1, 2, 7, 7, 1, 2], CFG)
+    d = propose(own, pools.pool("alice"), 3)
+    assert (d.tokens, d.source) == ((7, 7, 1), "self")
+    assert pools.num_tokens() == 5
+
+
+@pytest.mark.parametrize("kw", [{"min_n": 0}, {"min_n": 3, "max_n": 2}, {"max_k": 0},
+                                {"pool_tokens": -1}])
+def test_bad_configs_are_refused(kw: dict[str, int]) -> None:
+    with pytest.raises(ValueError):
+        DraftConfig(**kw)
