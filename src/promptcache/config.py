@@ -216,8 +216,20 @@ class EngineConfig:
     # then restores them from the cache (0 = never wait: requests sent together each
     # compute their shared prefix, e.g. parallel subagents' system prompt + tools)
     share_prefix_min_tokens: int = 256
+    # speculative decoding drafted from the request's own history (engine/drafts.py,
+    # engine/speculate.py): "suffix" or "off"; at most this many draft tokens per verify
+    # forward, from a tail match of at least spec_min_match tokens
+    speculation: str = "off"
+    spec_max_draft: int = 8
+    spec_min_match: int = 3
 
     def __post_init__(self) -> None:
+        if self.speculation not in ("suffix", "off"):
+            raise ValueError(f"speculation must be 'suffix' or 'off', got {self.speculation!r}")
+        if not 1 <= self.spec_max_draft <= 64:
+            raise ValueError(f"spec_max_draft must be in [1, 64], got {self.spec_max_draft}")
+        if not 1 <= self.spec_min_match <= 16:
+            raise ValueError(f"spec_min_match must be in [1, 16], got {self.spec_min_match}")
         if self.prefill_chunk_tokens < 1:
             raise ValueError("prefill_chunk_tokens must be >= 1")
         if self.snapshot_every_blocks < 1:

@@ -25,13 +25,16 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import mlx.core as mx
 
 from . import mlx_compat
 from .request import Request
 from .sampling import logprob_values
+
+if TYPE_CHECKING:
+    from .speculate import Speculator
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +105,10 @@ class DecodeBatch:
             self.non_truncatable = self.non_truncatable or not r.truncatable
 
     def _remove(self, drop: set[int]) -> None:
+        for i in drop:
+            spec = self.rows[i].ctx.speculator
+            if spec is not None:
+                spec.forget(self.rows[i])
         keep = [i for i in range(len(self.rows)) if i not in drop]
         if not keep:
             self.rows, self.cache, self._inputs = [], [], None
@@ -139,8 +146,13 @@ class DecodeBatch:
 
     def step(self) -> None:
         """One batched forward (launched asynchronously), then the host work of the
-        previous step's tokens."""
+        previous step's tokens; or, for a row the speculator takes, one verify forward
+        of its draft (``_speculative_step``)."""
         if not self.rows or self._inputs is None:
+            return
+        spec = self.rows[0].ctx.speculator
+        if spec is not None and spec.eligible(self.rows, self.cache) \
+                and self._speculative_step(spec):
             return
         rows = self.rows
         inputs = self._inputs
@@ -182,6 +194,54 @@ class DecodeBatch:
         self._lps = lps
         self._logits = [logits[i] for i in range(len(rows))] if hook else [None] * len(rows)
         self._after_step(finished, before)
+
+    def _speculative_step(self, spec: Speculator) -> bool:
+        """The one row's pending token and its draft in one forward (speculate.py).
+        Synchronous (no pipelining). False: no draft, the caller decodes as usual (the
+        pending token has been reported then)."""
+        r = self.rows[0]
+        assert self._inputs is not None
+        pending = int(cast(int, self._inputs[0].item()))
+        if not self._reported[0]:
+            # the pending token is reported before it is fed: a stop here saves the
+            # state as it is (prompt + output[:-1])
+            self._reported[0] = True
+            lp = self._lps[0]
+            reason = r.accept(pending, logprob_values(lp) if lp is not None else None,
+                              self._logits[0])
+            if reason is not None:
+                r.finish(reason, mlx_compat.row_caches(self.cache, 0), state_pos=r.pos)
+                self._remove({0})
+                return True
+        draft = spec.propose(r)
+        if not draft:
+            return False
+        m = len(draft)
+        x = mx.array([[pending, *draft]], dtype=mx.uint32)
+        logits = self.model(x, cache=self.cache)[0]
+        greedy = cast(list[int], mx.argmax(logits, axis=-1).tolist())
+        accepted = 0
+        while accepted < m and greedy[accepted] == draft[accepted]:
+            accepted += 1
+        mlx_compat.trim_batch(self.cache, m - accepted)
+        r.pos += 1 + accepted
+        spec.feedback(r, m, accepted)
+        c = r.ctx.counters
+        c.decode_steps += 1
+        c.decode_rows += 1
+        for tok in draft[:accepted]:
+            reason = r.accept(int(tok), None, None)
+            if reason is not None:
+                r.finish(reason, mlx_compat.row_caches(self.cache, 0),
+                         state_pos=r.n_prompt + len(r.output) - 1)
+                self._remove({0})
+                return True
+        # the model's own token after the accepted draft: fed and reported next step
+        self._inputs = mx.array([greedy[accepted]], dtype=mx.uint32)
+        self._reported = [False]
+        self._lps = [None]
+        self._logits = [None]
+        return True
 
     def _after_step(self, finished: list[tuple[int, str]], before: list[list[Any]] | None
                     ) -> None:

@@ -43,6 +43,7 @@ from .quant import from_config as _kv_quant_of
 from .request import EngineContext, EngineCounters, LogitsHook, Processor, Request, validate_request
 from .scheduler import Scheduler
 from .shadow import ShadowVerifier
+from .speculate import Speculator
 from .templates import ChatTemplate
 from .vision import VisionEncoder
 from .vision_cache import VisionCache
@@ -156,6 +157,7 @@ class Engine:
             namespace_for=self.namespace if cache is not None else None, block_size=bs,
             counters=self.counters, logits_hook=logits_hook, vision=vision,
             kv_quant=self.kv_quant,
+            speculator=Speculator(cfg, self.counters) if cfg.speculation == "suffix" else None,
         )
         self.row_bytes = kv_row_bytes(model)
         self.admission = Admission(cfg.max_active_requests, cfg.max_queued_requests,

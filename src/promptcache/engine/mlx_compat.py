@@ -158,6 +158,18 @@ def extend(batch: Any, other: Any) -> None:
     batch.extend(other)
 
 
+def plain_batch_kv(batch: Sequence[Any]) -> bool:
+    """Every layer is a plain ``BatchKVCache`` (trimmable per step: speculation)."""
+    return bool(batch) and all(type(c) is BatchKVCache for c in batch)
+
+
+def trim_batch(batch: Sequence[Any], n: int) -> None:
+    """Drop the last ``n`` positions of every row (rejected draft tokens)."""
+    if n > 0:
+        for c in batch:
+            c.trim(n)
+
+
 def filter_rows(batch: Any, keep: Sequence[int]) -> None:
     batch.filter(list(keep))
 

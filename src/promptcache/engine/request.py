@@ -29,7 +29,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import mlx.core as mx
 import numpy as np
@@ -47,6 +47,9 @@ from .handles import Event
 from .quant import KVQuant
 from .sampling import Detokenizer, Sampler, StopStrings, logprob_values
 from .vision import ImagePrefill, validate_images
+
+if TYPE_CHECKING:
+    from .speculate import Speculator
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +77,11 @@ class EngineCounters:
     # saves given up: a request's next unsaved block had already left its sliding window
     # (a block before it could not be stored, e.g. no room), so nothing after it can be
     window_gaps: int = 0
+    # speculative decoding (engine/speculate.py): verify forwards, draft tokens fed,
+    # draft tokens accepted
+    spec_verifies: int = 0
+    spec_drafted: int = 0
+    spec_accepted: int = 0
     decode_steps: int = 0
     decode_rows: int = 0  # sum of batch sizes over decode steps
     solo_steps: int = 0  # decode steps of requests mlx-lm cannot batch
@@ -102,6 +110,7 @@ class EngineContext:
     logits_hook: LogitsHook | None = None
     vision: Any | None = None  # vision.VisionEncoder of a vision-language model
     kv_quant: KVQuant | None = None  # how stored blocks are quantized (None: full precision)
+    speculator: Speculator | None = None  # --speculation suffix (engine/speculate.py)
 
 
 def validate_request(req: GenerationRequest, ctx: EngineContext) -> np.ndarray:

@@ -1,0 +1,154 @@
+"""Speculative decoding (engine/speculate.py): greedy output with speculation equals
+decoding one token at a time, whatever the drafts are (right, wrong, half right, the
+request's own history), stop strings and max_tokens inside an accepted draft stop
+exactly where they would, and what is saved restores the same next turn."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+from conftest import make_engine
+
+from promptcache.engine.api import GenerationRequest, SamplingParams
+from promptcache.engine.speculate import Speculator
+
+N_PROMPTS = 3
+
+
+def prompt(seed: int, n: int = 40) -> tuple[int, ...]:
+    rng = np.random.default_rng(seed)
+    body = [int(t) for t in rng.integers(3, 1000, size=n)]
+    return tuple(body + body[:12])  # a repeat: the own-history index finds matches
+
+
+def run(eng: Any, toks: tuple[int, ...], max_tokens: int = 40, **sp: Any) -> Any:
+    return eng.submit(GenerationRequest(prompt_tokens=toks, sampling=SamplingParams(
+        max_tokens=max_tokens, **sp))).result(timeout=300)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama_path: Any) -> dict[tuple[int, ...], list[int]]:
+    eng = make_engine(tiny_llama_path, use_cache=False)
+    try:
+        return {prompt(s): run(eng, prompt(s)).tokens for s in range(N_PROMPTS)}
+    finally:
+        eng.close()
+
+
+def source_of(kind: str, ref: dict[tuple[int, ...], list[int]]) -> Any:
+    rng = np.random.default_rng(7)
+
+    def source(r: Any, k: int) -> list[int]:
+        truth = ref[tuple(r.req.prompt_tokens)][len(r.output):len(r.output) + k]
+        wrong = [(t + 1 + int(rng.integers(0, 5))) % 1000 for t in truth]
+        if kind == "right":
+            return truth
+        if kind == "wrong":
+            return wrong
+        half = len(truth) // 2
+        return truth[:half] + wrong[half:]
+
+    return source
+
+
+@pytest.mark.parametrize("kind", ["right", "wrong", "half", "history"])
+def test_greedy_output_equals_decoding_one_token_at_a_time(tiny_llama_path: Any,
+                                                           reference: Any, kind: str) -> None:
+    eng = make_engine(tiny_llama_path, use_cache=False, speculation="suffix",
+                      spec_max_draft=8, spec_min_match=2)
+    try:
+        eng.recorder = None
+        eng._ctx.logits_hook = None
+        spec = eng._ctx.speculator
+        assert isinstance(spec, Speculator)
+        if kind != "history":
+            spec.source = source_of(kind, reference)
+        for toks, want in reference.items():
+            got = run(eng, toks)
+            assert got.tokens == want, kind
+        c = eng.counters
+        assert c.spec_verifies > 0
+        if kind == "right":
+            # every verify forward accepted its whole draft: ~k+1 tokens per forward
+            assert c.spec_accepted == c.spec_drafted > 0
+            assert c.decode_steps < N_PROMPTS * 40 // 2
+        if kind == "wrong":
+            assert c.spec_accepted == 0
+        if kind == "half":
+            assert 0 < c.spec_accepted < c.spec_drafted
+    finally:
+        eng.close()
+
+
+def test_stops_inside_an_accepted_draft(tiny_llama_path: Any, reference: Any) -> None:
+    plain = make_engine(tiny_llama_path, use_cache=False)
+    spec_eng = make_engine(tiny_llama_path, use_cache=False, speculation="suffix")
+    try:
+        spec_eng._ctx.logits_hook = None
+        spec_eng._ctx.speculator.source = source_of("right", reference)
+        toks = prompt(0)
+        full = run(plain, toks)
+        stop = full.text[len(full.text) // 2:len(full.text) // 2 + 3]
+        for sp in ({"max_tokens": 13}, {"max_tokens": 40, "stop": (stop,)} if stop.strip()
+                   else {"max_tokens": 21}):
+            want = run(plain, toks, **sp)
+            got = run(spec_eng, toks, **sp)
+            assert (got.tokens, got.text, got.finish_reason) == \
+                (want.tokens, want.text, want.finish_reason)
+        assert spec_eng.counters.spec_accepted > 0
+    finally:
+        plain.close()
+        spec_eng.close()
+
+
+def test_what_speculation_saves_restores_the_same_next_turn(tiny_llama_path: Any,
+                                                            reference: Any) -> None:
+    plain = make_engine(tiny_llama_path)
+    spec_eng = make_engine(tiny_llama_path, speculation="suffix")
+    try:
+        for e in (plain, spec_eng):
+            e._ctx.logits_hook = None
+        spec_eng._ctx.speculator.source = source_of("right", reference)
+        toks = prompt(1)
+        first = [run(e, toks) for e in (plain, spec_eng)]
+        assert first[0].tokens == first[1].tokens
+        nxt = toks + tuple(first[0].tokens) + tuple(range(5, 25))
+        spec_eng._ctx.speculator.source = None  # own history from here
+        second = [run(e, nxt, max_tokens=12) for e in (plain, spec_eng)]
+        assert second[0].tokens == second[1].tokens
+        assert second[0].usage.cached_tokens == second[1].usage.cached_tokens > len(toks)
+        assert spec_eng.counters.store_errors == 0
+    finally:
+        plain.close()
+        spec_eng.close()
+
+
+def test_only_single_greedy_plain_kv_rows_speculate(tiny_llama_path: Any,
+                                                    tiny_gemma_path: Any) -> None:
+    eng = make_engine(tiny_gemma_path, use_cache=False, speculation="suffix")
+    try:
+        eng._ctx.logits_hook = None
+        eng._ctx.speculator.source = lambda r, k: [1] * k
+        run(eng, prompt(2))  # sliding windows: not eligible
+        assert eng.counters.spec_verifies == 0
+    finally:
+        eng.close()
+    eng = make_engine(tiny_llama_path, use_cache=False, speculation="suffix")
+    try:
+        eng._ctx.logits_hook = None
+        eng._ctx.speculator.source = lambda r, k: [1] * k
+        run(eng, prompt(2), temperature=0.7, seed=3)  # sampled: not eligible (yet)
+        run(eng, prompt(2), logprobs=2)
+        assert eng.counters.spec_verifies == 0
+    finally:
+        eng.close()
+
+
+def test_config_is_checked() -> None:
+    from promptcache.config import EngineConfig
+
+    for kw in ({"speculation": "ngram"}, {"spec_max_draft": 0}, {"spec_min_match": 0}):
+        with pytest.raises(ValueError):
+            EngineConfig(**kw)
