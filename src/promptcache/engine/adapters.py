@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, NamedTuple, Protocol
 
@@ -80,7 +81,9 @@ def _leaves(caches: Sequence[Any], prefix: str = "") -> Iterator[tuple[str, Any]
 
 def _check_supported(c: Any) -> None:
     if not isinstance(c, (*_KV_TYPES, ArraysCache)):
-        raise ValueError(f"unsupported cache type for block storage: {type(c).__name__}")
+        raise ValueError(f"unsupported cache type for block storage: {type(c).__name__} "
+                         "(blocks hold KVCache, RotatingKVCache, QuantizedKVCache, "
+                         "ArraysCache and CacheList of those)")
 
 
 def is_truncatable(caches: Sequence[Any]) -> bool:
@@ -224,17 +227,25 @@ def _warn_unquantizable(head_dim: int, group_size: int) -> None:
 
 def _kv_entry(name: str, k: mx.array, v: mx.array, quant: KVQuant | None,
               start: int) -> tuple[Item, list[mx.array]]:
-    """The block item of one KV layer: quantized if the spec says so for this block."""
-    dtype, shape = dtype_name(k.dtype), tuple(k.shape)
+    """The block item of one KV layer: quantized if the spec says so for this block.
+
+    Keys and values may differ in width (MLA: the latent and the rope key); a quantized
+    item uses one group size that divides both."""
+    if v.dtype != k.dtype:
+        raise ValueError(f"layer {name}: keys are {k.dtype}, values {v.dtype}; a block "
+                         "stores KV of one dtype")
+    dtype, shape, vshape = dtype_name(k.dtype), tuple(k.shape), tuple(v.shape)
     group = None
     if quant is not None and quant.applies_to(start):
         group = quant.group_for(shape[-1])
+        if group is not None and vshape[-1] % group:
+            group = quant.group_for(math.gcd(shape[-1], vshape[-1]))
         if group is None:
-            _warn_unquantizable(shape[-1], quant.group_size)
+            _warn_unquantizable(math.gcd(shape[-1], vshape[-1]), quant.group_size)
     if quant is None or group is None:
-        return Item(name, "kv", dtype, shape), [k, v]
+        return Item(name, "kv", dtype, shape, vshape=vshape), [k, v]
     bits = quant.bits
-    return (Item(name, "q", dtype, shape, bits=bits, group_size=group),
+    return (Item(name, "q", dtype, shape, bits=bits, group_size=group, vshape=vshape),
             [*_quant.quantize(k, bits, group), *_quant.quantize(v, bits, group)])
 
 
@@ -266,10 +277,10 @@ def extract_block(caches: Sequence[Any], start: int, end: int, snapshot: bool, *
         if isinstance(c, QuantizedKVCache):
             ks = [part[..., start:end, :] for part in c.keys]
             vs = [part[..., start:end, :] for part in c.values]
-            dim = ks[0].shape[-1] * 32 // c.bits
-            shape = (*ks[0].shape[:-1], dim)
+            shape = (*ks[0].shape[:-1], ks[0].shape[-1] * 32 // c.bits)
+            vshape = (*vs[0].shape[:-1], vs[0].shape[-1] * 32 // c.bits)
             entries.append((Item(name, "q", dtype_name(ks[1].dtype), tuple(shape), bits=c.bits,
-                                 group_size=c.group_size), [*ks, *vs]))
+                                 group_size=c.group_size, vshape=tuple(vshape)), [*ks, *vs]))
         elif isinstance(c, RotatingKVCache):
             k, v = _slice_rotating(c, start, end)
             entries.append(_kv_entry(name, k, v, quant, start))
