@@ -571,3 +571,59 @@ def min_window(caches: Sequence[Any]) -> int | None:
 
 def has_sliding_window(caches: Sequence[Any]) -> bool:
     return min_window(caches) is not None
+
+
+def _state_list(c: Any, num_tokens: int) -> list[mx.array | None]:
+    """A leaf cache's arrays from its public ``state``; KV arrays cut to their first
+    ``num_tokens`` tokens (a live KV buffer has room for more)."""
+    if isinstance(c, ArraysCache):
+        return list(c.cache)
+    out: list[mx.array | None] = []
+    for s in c.state:
+        for a in s if isinstance(s, (list, tuple)) else (s,):
+            if isinstance(a, mx.array) and a.ndim == 4:
+                out.append(a[..., :num_tokens, :])
+    return out
+
+
+def check_storable(model_or_caches: Any, probed: Sequence[Any], num_tokens: int, *,
+                   quant: KVQuant | None = None) -> None:
+    """Raise ValueError, naming the layer and the reason, if the state of ``probed``
+    (fresh cache objects after a forward of ``num_tokens`` tokens) does not survive a
+    round trip through one block: stored with ``extract_block``, restored with
+    ``restore`` into the same cache types, offsets and arrays (bit for bit at full
+    precision; shapes and dtypes where ``quant`` stores the block quantized).
+
+    Run when a model is loaded, so a model whose cache cannot be stored is refused
+    there with this message instead of failing every save of every request."""
+    try:
+        payload = extract_block(probed, 0, num_tokens, True, quant=quant)
+        restored = restore(model_or_caches, [(BlockSpan(0, num_tokens), payload)], num_tokens)
+    except (ValueError, InvariantError) as e:
+        raise ValueError(f"this model's cache cannot be stored in blocks: {e}") from e
+    live = dict(_leaves(probed))
+    back = dict(_leaves(restored))
+    if list(live) != list(back):
+        raise ValueError(f"this model's cache cannot be stored in blocks: its layers "
+                         f"{list(live)} restore as {list(back)}")
+    exact = quant is None or not quant.applies_to(0)
+    for name, c in live.items():
+        r = back[name]
+        what = f"this model's cache cannot be stored in blocks: layer {name} ({type(c).__name__})"
+        if type(r) is not type(c):
+            raise ValueError(f"{what} restores as {type(r).__name__}")
+        if not isinstance(c, ArraysCache) and int(r.offset) != int(c.offset):
+            raise ValueError(f"{what} restores at token {r.offset}, not {c.offset}")
+        a, b = _state_list(c, num_tokens), _state_list(r, num_tokens)
+        if len(a) != len(b):
+            raise ValueError(f"{what} restores {len(b)} arrays, not {len(a)}")
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            if x is None or y is None:
+                if x is not y:
+                    raise ValueError(f"{what}: state array {i} does not restore")
+                continue
+            if x.shape != y.shape or x.dtype != y.dtype:
+                raise ValueError(f"{what}: state array {i} is {x.dtype}{tuple(x.shape)}, "
+                                 f"restores as {y.dtype}{tuple(y.shape)}")
+            if exact and not mx.array_equal(x, y).item():
+                raise ValueError(f"{what}: state array {i} restores with other values")
