@@ -27,6 +27,7 @@ from promptcache.engine import adapters
 from promptcache.engine.blockbuf import BlockPayload, Item, format_layout, pack, parse_layout
 from promptcache.engine.engine import Engine
 from promptcache.engine.payload import MLXPayloadAdapter
+from promptcache.engine.quant import KVQuant
 from promptcache.hashing import CACHE_FORMAT_VERSION
 from promptcache.meta import Namespace
 from promptcache.tiers.ssd import SSDTier
@@ -127,8 +128,6 @@ def test_pack_and_restore_keys_and_values_of_different_widths():
 
 
 def test_quantized_blocks_of_different_widths():
-    from promptcache.engine.quant import KVQuant
-
     mx.random.seed(4)
     c = KVCache()
     c.update_and_fetch(mx.random.normal((1, 1, 8, 64)), mx.random.normal((1, 1, 8, 32)))
@@ -331,3 +330,24 @@ def test_blocks_of_the_previous_format_version_are_never_looked_up(tmp_path):
     cache.release(hit)
     assert cache.stats().to_dict()["tiers"]["ssd"]["blocks_on_disk"] == 2
     cache.close()
+
+
+def test_kv_bits_on_an_mla_model_checks_both_block_kinds(tiny_llama_path, models_root):
+    """``kv_bits``: the load check runs both block kinds; the tiny MLA's rope key (16
+    wide) takes no group of mx.quantize, so its blocks stay full precision (exact)."""
+    path = ensure_tiny_mla("deepseek_v3", tiny_llama_path, models_root)
+    cc = CacheConfig(block_size=BLOCK, ram_budget_bytes=64 * 1024**2, kv_bits=8,
+                     kv_quant_min_tokens=0)
+    prompt = _prompt("deepseek_v3", seed=6)
+    with Engine.load(path, EngineConfig(prefill_chunk_tokens=16), cc,
+                     cache=PromptCache(cc, adapter=MLXPayloadAdapter())) as eng:
+        r1 = eng.generate(prompt, max_tokens=MAX_TOKENS)
+        r2 = eng.generate(prompt, max_tokens=MAX_TOKENS)
+        assert eng.cache is not None
+        layouts = {b.payload.layout.text for b in eng.cache.pool.blocks()}
+        assert eng.stats()["engine"]["store_errors"] == 0
+    assert layouts == {"0-2=" + MLA_ITEM.format(n=8), "0-2=" + MLA_ITEM.format(n=1)}
+    assert r2.usage.cached_tokens == PROMPT_LEN - 1 and r2.tokens == r1.tokens
+    live = KVCache()
+    live.update_and_fetch(mx.ones((1, 1, 1, 64)), mx.ones((1, 1, 1, 32)))
+    adapters.check_storable([KVCache()], [live], 1, quant=KVQuant(8))

@@ -25,6 +25,7 @@ into the template's own cache kind, or fills a ``QuantizedKVCache`` directly.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import math
@@ -595,7 +596,17 @@ def check_storable(model_or_caches: Any, probed: Sequence[Any], num_tokens: int,
     precision; shapes and dtypes where ``quant`` stores the block quantized).
 
     Run when a model is loaded, so a model whose cache cannot be stored is refused
-    there with this message instead of failing every save of every request."""
+    there with this message instead of failing every save of every request. With a
+    ``quant`` spec both kinds of blocks are checked: full precision (blocks before its
+    ``min_tokens``) and quantized."""
+    _check_round_trip(model_or_caches, probed, num_tokens, None)
+    if quant is not None:
+        _check_round_trip(model_or_caches, probed, num_tokens,
+                          dataclasses.replace(quant, min_tokens=0))
+
+
+def _check_round_trip(model_or_caches: Any, probed: Sequence[Any], num_tokens: int,
+                      quant: KVQuant | None) -> None:
     try:
         payload = extract_block(probed, 0, num_tokens, True, quant=quant)
         restored = restore(model_or_caches, [(BlockSpan(0, num_tokens), payload)], num_tokens)
@@ -606,7 +617,7 @@ def check_storable(model_or_caches: Any, probed: Sequence[Any], num_tokens: int,
     if list(live) != list(back):
         raise ValueError(f"this model's cache cannot be stored in blocks: its layers "
                          f"{list(live)} restore as {list(back)}")
-    exact = quant is None or not quant.applies_to(0)
+    exact = quant is None
     for name, c in live.items():
         r = back[name]
         what = f"this model's cache cannot be stored in blocks: layer {name} ({type(c).__name__})"
