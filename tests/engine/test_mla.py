@@ -174,9 +174,38 @@ class _ChunkedModel:
 
 def test_engine_refuses_at_load_a_cache_it_cannot_store(tiny_llama_path):
     model, tok = load(str(tiny_llama_path))
-    with pytest.raises(ValueError, match="unsupported cache type for block storage: ChunkedKVCache"):
+    with pytest.raises(ValueError, match="^model m: unsupported cache type for block storage: "
+                       "ChunkedKVCache"):
         Engine(_ChunkedModel(model), tok, model_id="m", fingerprint="f", context_length=4096,
                vocab_size=1024, cache=make_cache())
+
+
+class _MixedDtypeModel:
+    """A one-layer model whose KV cache gets float32 keys and float16 values."""
+
+    layers = [None]
+
+    def make_cache(self) -> list[object]:
+        return [KVCache()]
+
+    def __call__(self, inputs: mx.array, cache: list[KVCache] | None = None) -> mx.array:
+        n = inputs.shape[1]
+        if cache is not None:
+            cache[0].update_and_fetch(mx.zeros((1, 1, n, 64)),
+                                      mx.zeros((1, 1, n, 16), dtype=mx.float16))
+        return mx.zeros((1, n, 1024))
+
+    def parameters(self) -> dict[str, mx.array]:
+        return {}
+
+
+def test_engine_refuses_at_load_a_state_that_does_not_round_trip(tiny_llama_path):
+    _, tok = load(str(tiny_llama_path))
+    kw = {"model_id": "mixed", "fingerprint": "f", "context_length": 4096, "vocab_size": 1024}
+    with pytest.raises(ValueError, match=r"^model mixed: this model's cache cannot be stored in "
+                       r"blocks: layer 0: keys are mlx.core.float32, values mlx.core.float16"):
+        Engine(_MixedDtypeModel(), tok, cache=make_cache(), **kw)
+    Engine(_MixedDtypeModel(), tok, cache=None, **kw).close()  # nothing to store: loads
 
 
 # ---------------------------------------------------------------- the models

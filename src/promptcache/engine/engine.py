@@ -151,7 +151,10 @@ class Engine:
             )
         # stored blocks quantized per the cache config; the spec is part of the namespace
         self.kv_quant = _kv_quant_of(self.cache_config)
-        self.kv_spec = adapters.kv_spec(model, template, quant=self.kv_quant)
+        try:
+            self.kv_spec = adapters.kv_spec(model, template, quant=self.kv_quant)
+        except ValueError as e:
+            raise ValueError(f"model {model_id}: {e}") from e
         self.templates = ChatTemplate(tokenizer)
         eos = getattr(tokenizer, "eos_token_ids", None) or []
         self.counters = EngineCounters()
@@ -165,7 +168,10 @@ class Engine:
         probed = probe_caches(model)
         if cache is not None:
             # a model whose cache cannot be stored is refused here, not at every save
-            adapters.check_storable(model, probed, 1, quant=self.kv_quant)
+            try:
+                adapters.check_storable(model, probed, 1, quant=self.kv_quant)
+            except ValueError as e:
+                raise ValueError(f"model {model_id}: {e}") from e
         self.row_bytes = kv_row_bytes(model, probed)
         self.admission = Admission(cfg.max_active_requests, cfg.max_queued_requests,
                                    cfg.active_kv_budget_bytes, self.row_bytes,
