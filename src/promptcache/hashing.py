@@ -18,7 +18,10 @@ import numpy as np
 BlockHash = NewType("BlockHash", bytes)
 """A 32-byte sha256 digest identifying a block and (through the chain) its whole prefix."""
 
-CACHE_FORMAT_VERSION = 1
+# Part of every namespace root (and of the Redis key prefix): blocks of another version
+# are never looked up, so a new process ignores old data instead of misreading it.
+# 2: KV items with values shaped unlike their keys (MLA: ``KSHAPE,VSHAPE`` layouts).
+CACHE_FORMAT_VERSION = 2
 MAX_TOKEN_ID = 2**32 - 1
 
 _ROOT_TAG = b"promptcache/root/v1\x00"

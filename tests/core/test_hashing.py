@@ -1,18 +1,30 @@
 import numpy as np
 import pytest
 
-from promptcache.hashing import chain_hashes, hash_block, namespace_root, validate_tokens
+from promptcache.hashing import (
+    CACHE_FORMAT_VERSION,
+    chain_hashes,
+    hash_block,
+    namespace_root,
+    validate_tokens,
+)
 from promptcache.meta import ExtraKeySpan, Namespace, extra_keys_for
 
 
 def test_root_is_pinned_across_processes_and_machines():
     root = namespace_root(model_fingerprint="m1", block_size=64, kv_spec="float32", tenant="default")
+    assert CACHE_FORMAT_VERSION == 2
     assert root.hex() == GOLDEN_ROOT
     assert hash_block(root, [1, 2, 3]).hex() == GOLDEN_BLOCK
+    # the roots of format version 1 are unchanged: only the version part differs
+    v1 = namespace_root(model_fingerprint="m1", block_size=64, kv_spec="float32", tenant="default",
+                        format_version=1)
+    assert v1.hex() == GOLDEN_ROOT_V1
 
 
-GOLDEN_ROOT = "6588eeea87087c89b8cfb966e1463d53587ae31d4273b0d9c204cabad3c927cb"
-GOLDEN_BLOCK = "8b5b4a1bebe1eebb7f4215a9dc80a045be1e404aa949408822a71f9546ec6f5d"
+GOLDEN_ROOT = "0509cd997b38543a03e3b8f74f4a29feae5dd7fb7816ff19462079828e1b65d3"
+GOLDEN_BLOCK = "456d1986acc09aca0c260eda3613a8d0505129505a51126732d73e3c63e5fa8b"
+GOLDEN_ROOT_V1 = "6588eeea87087c89b8cfb966e1463d53587ae31d4273b0d9c204cabad3c927cb"
 
 
 def test_chain_changes_with_every_input():

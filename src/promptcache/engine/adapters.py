@@ -25,8 +25,10 @@ into the template's own cache kind, or fills a ``QuantizedKVCache`` directly.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
+import math
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, NamedTuple, Protocol
 
@@ -80,7 +82,9 @@ def _leaves(caches: Sequence[Any], prefix: str = "") -> Iterator[tuple[str, Any]
 
 def _check_supported(c: Any) -> None:
     if not isinstance(c, (*_KV_TYPES, ArraysCache)):
-        raise ValueError(f"unsupported cache type for block storage: {type(c).__name__}")
+        raise ValueError(f"unsupported cache type for block storage: {type(c).__name__} "
+                         "(blocks hold KVCache, RotatingKVCache, QuantizedKVCache, "
+                         "ArraysCache and CacheList of those)")
 
 
 def is_truncatable(caches: Sequence[Any]) -> bool:
@@ -224,17 +228,25 @@ def _warn_unquantizable(head_dim: int, group_size: int) -> None:
 
 def _kv_entry(name: str, k: mx.array, v: mx.array, quant: KVQuant | None,
               start: int) -> tuple[Item, list[mx.array]]:
-    """The block item of one KV layer: quantized if the spec says so for this block."""
-    dtype, shape = dtype_name(k.dtype), tuple(k.shape)
+    """The block item of one KV layer: quantized if the spec says so for this block.
+
+    Keys and values may differ in width (MLA: the latent and the rope key); a quantized
+    item uses one group size that divides both."""
+    if v.dtype != k.dtype:
+        raise ValueError(f"layer {name}: keys are {k.dtype}, values {v.dtype}; a block "
+                         "stores KV of one dtype")
+    dtype, shape, vshape = dtype_name(k.dtype), tuple(k.shape), tuple(v.shape)
     group = None
     if quant is not None and quant.applies_to(start):
         group = quant.group_for(shape[-1])
+        if group is not None and vshape[-1] % group:
+            group = quant.group_for(math.gcd(shape[-1], vshape[-1]))
         if group is None:
-            _warn_unquantizable(shape[-1], quant.group_size)
+            _warn_unquantizable(math.gcd(shape[-1], vshape[-1]), quant.group_size)
     if quant is None or group is None:
-        return Item(name, "kv", dtype, shape), [k, v]
+        return Item(name, "kv", dtype, shape, vshape=vshape), [k, v]
     bits = quant.bits
-    return (Item(name, "q", dtype, shape, bits=bits, group_size=group),
+    return (Item(name, "q", dtype, shape, bits=bits, group_size=group, vshape=vshape),
             [*_quant.quantize(k, bits, group), *_quant.quantize(v, bits, group)])
 
 
@@ -266,10 +278,10 @@ def extract_block(caches: Sequence[Any], start: int, end: int, snapshot: bool, *
         if isinstance(c, QuantizedKVCache):
             ks = [part[..., start:end, :] for part in c.keys]
             vs = [part[..., start:end, :] for part in c.values]
-            dim = ks[0].shape[-1] * 32 // c.bits
-            shape = (*ks[0].shape[:-1], dim)
+            shape = (*ks[0].shape[:-1], ks[0].shape[-1] * 32 // c.bits)
+            vshape = (*vs[0].shape[:-1], vs[0].shape[-1] * 32 // c.bits)
             entries.append((Item(name, "q", dtype_name(ks[1].dtype), tuple(shape), bits=c.bits,
-                                 group_size=c.group_size), [*ks, *vs]))
+                                 group_size=c.group_size, vshape=tuple(vshape)), [*ks, *vs]))
         elif isinstance(c, RotatingKVCache):
             k, v = _slice_rotating(c, start, end)
             entries.append(_kv_entry(name, k, v, quant, start))
@@ -567,3 +579,69 @@ def min_sliding_tokens(caches: Sequence[Any]) -> int | None:
 
 def has_sliding_window(caches: Sequence[Any]) -> bool:
     return min_window(caches) is not None
+
+
+def _state_list(c: Any, num_tokens: int) -> list[mx.array | None]:
+    """A leaf cache's arrays from its public ``state``; KV arrays cut to their first
+    ``num_tokens`` tokens (a live KV buffer has room for more)."""
+    if isinstance(c, ArraysCache):
+        return list(c.cache)
+    out: list[mx.array | None] = []
+    for s in c.state:
+        for a in s if isinstance(s, (list, tuple)) else (s,):
+            if isinstance(a, mx.array) and a.ndim == 4:
+                out.append(a[..., :num_tokens, :])
+    return out
+
+
+def check_storable(model_or_caches: Any, probed: Sequence[Any], num_tokens: int, *,
+                   quant: KVQuant | None = None) -> None:
+    """Raise ValueError, naming the layer and the reason, if the state of ``probed``
+    (fresh cache objects after a forward of ``num_tokens`` tokens) does not survive a
+    round trip through one block: stored with ``extract_block``, restored with
+    ``restore`` into the same cache types, offsets and arrays (bit for bit at full
+    precision; shapes and dtypes where ``quant`` stores the block quantized).
+
+    Run when a model is loaded, so a model whose cache cannot be stored is refused
+    there with this message instead of failing every save of every request. With a
+    ``quant`` spec both kinds of blocks are checked: full precision (blocks before its
+    ``min_tokens``) and quantized."""
+    _check_round_trip(model_or_caches, probed, num_tokens, None)
+    if quant is not None:
+        _check_round_trip(model_or_caches, probed, num_tokens,
+                          dataclasses.replace(quant, min_tokens=0))
+
+
+def _check_round_trip(model_or_caches: Any, probed: Sequence[Any], num_tokens: int,
+                      quant: KVQuant | None) -> None:
+    try:
+        payload = extract_block(probed, 0, num_tokens, True, quant=quant)
+        restored = restore(model_or_caches, [(BlockSpan(0, num_tokens), payload)], num_tokens)
+    except (ValueError, InvariantError) as e:
+        raise ValueError(f"this model's cache cannot be stored in blocks: {e}") from e
+    live = dict(_leaves(probed))
+    back = dict(_leaves(restored))
+    if list(live) != list(back):
+        raise ValueError(f"this model's cache cannot be stored in blocks: its layers "
+                         f"{list(live)} restore as {list(back)}")
+    exact = quant is None
+    for name, c in live.items():
+        r = back[name]
+        what = f"this model's cache cannot be stored in blocks: layer {name} ({type(c).__name__})"
+        if type(r) is not type(c):
+            raise ValueError(f"{what} restores as {type(r).__name__}")
+        if not isinstance(c, ArraysCache) and int(r.offset) != int(c.offset):
+            raise ValueError(f"{what} restores at token {r.offset}, not {c.offset}")
+        a, b = _state_list(c, num_tokens), _state_list(r, num_tokens)
+        if len(a) != len(b):
+            raise ValueError(f"{what} restores {len(b)} arrays, not {len(a)}")
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            if x is None or y is None:
+                if x is not y:
+                    raise ValueError(f"{what}: state array {i} does not restore")
+                continue
+            if x.shape != y.shape or x.dtype != y.dtype:
+                raise ValueError(f"{what}: state array {i} is {x.dtype}{tuple(x.shape)}, "
+                                 f"restores as {y.dtype}{tuple(y.shape)}")
+            if exact and not mx.array_equal(x, y).item():
+                raise ValueError(f"{what}: state array {i} restores with other values")

@@ -18,7 +18,11 @@ The layout travels as one short string (``Layout.text``), e.g.
 range ``a-b`` of consecutive top-level layers with the same item, and ``KIND`` is
 ``kv`` (parts ``.k``, ``.v``), ``q<bits>g<group>`` (parts ``.k.0-2``, ``.v.0-2``:
 packed uint32, scales, biases; DTYPE and SHAPE are those of the unquantized KV),
-``s<i>`` (part ``.s.<i>``) or ``raw`` (one part named NAMES). Each part starts at a
+``s<i>`` (part ``.s.<i>``) or ``raw`` (one part named NAMES). A KV item whose values
+are shaped differently from its keys writes ``KSHAPE,VSHAPE``: MLA (multi-head latent
+attention: DeepSeek-V2/V3, GLM-4 MoE Lite, Kimi Linear) caches the compressed latent
+as the keys and the rope key as the values, e.g. ``"0-60=kv:bfloat16:1x1x64x512,1x1x64x64"``
+(the batch and token axes always agree). Each part starts at a
 multiple of ``ALIGN`` bytes; parts are grouped by class, in item order within a
 class: KV, packed quantized values and raw arrays first, then all scales, then all
 biases, then state snapshots. Equal neighbours (same dtype and shape, no gap) form
@@ -63,7 +67,10 @@ def dtype_name(dtype: mx.Dtype) -> str:
 
 @dataclass(frozen=True, slots=True)
 class Item:
-    """One layer's entry: ``kind`` is "kv", "q" (bits, group_size), "s" (index) or "raw"."""
+    """One layer's entry: ``kind`` is "kv", "q" (bits, group_size), "s" (index) or "raw".
+
+    ``shape`` is the keys' shape; ``vshape`` the values' where it differs (MLA), else
+    None (a ``vshape`` equal to ``shape`` is stored as None: one item, one text)."""
 
     name: str
     kind: str
@@ -72,6 +79,17 @@ class Item:
     bits: int = 0
     group_size: int = 0
     index: int = 0
+    vshape: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.vshape is not None and tuple(self.vshape) == tuple(self.shape):
+            object.__setattr__(self, "vshape", None)
+        if self.vshape is not None and self.kind not in ("kv", "q"):
+            raise ValueError(f"only KV items have a separate value shape ({self.name!r})")
+
+    @property
+    def value_shape(self) -> tuple[int, ...]:
+        return self.shape if self.vshape is None else self.vshape
 
     @property
     def code(self) -> str:
@@ -85,13 +103,13 @@ class Item:
         """(part name, dtype name, shape) of the arrays this item holds, in buffer order."""
         n = self.name
         if self.kind == "kv":
-            return [(f"{n}.k", self.dtype, self.shape), (f"{n}.v", self.dtype, self.shape)]
+            return [(f"{n}.k", self.dtype, self.shape), (f"{n}.v", self.dtype, self.value_shape)]
         if self.kind == "q":
-            *lead, dim = self.shape
-            packed = (*lead, quant.packed_dim(dim, self.bits))
-            groups = (*lead, dim // self.group_size)
             out = []
-            for kv in ("k", "v"):
+            for kv, shape in (("k", self.shape), ("v", self.value_shape)):
+                *lead, dim = shape
+                packed = (*lead, quant.packed_dim(dim, self.bits))
+                groups = (*lead, dim // self.group_size)
                 out += [(f"{n}.{kv}.0", "uint32", packed), (f"{n}.{kv}.1", self.dtype, groups),
                         (f"{n}.{kv}.2", self.dtype, groups)]
             return out
@@ -145,8 +163,19 @@ def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
+def _shape_text(shape: tuple[int, ...]) -> str:
+    return "x".join(str(d) for d in shape)
+
+
 def _item_code(item: Item) -> str:
-    return f"{item.code}:{item.dtype}:{'x'.join(str(d) for d in item.shape)}"
+    shape = _shape_text(item.shape)
+    if item.vshape is not None:
+        shape += "," + _shape_text(item.vshape)
+    return f"{item.code}:{item.dtype}:{shape}"
+
+
+def _parse_shape(text: str) -> tuple[int, ...]:
+    return tuple(int(d) for d in text.split("x")) if text else ()
 
 
 def format_layout(items: Sequence[Item]) -> str:
@@ -181,14 +210,22 @@ def _run_text(run: tuple[int, int, str]) -> str:
 def _parse_item(names: str, code: str) -> list[Item]:
     try:
         kind, dtype, shape_text = code.split(":")
-        shape = tuple(int(d) for d in shape_text.split("x")) if shape_text else ()
+        k_text, sep, v_text = shape_text.partition(",")
+        shape = _parse_shape(k_text)
+        vshape = _parse_shape(v_text) if sep else None
     except ValueError:
         raise ValueError(f"bad layout item {names}={code!r}") from None
-    if dtype not in DTYPES or any(d < 0 for d in shape):
+    if dtype not in DTYPES or any(d < 0 for d in (*shape, *(vshape or ()))):
         raise ValueError(f"bad layout item {names}={code!r}")
     m = _KIND_RE.match(kind)
     if m is None:
         raise ValueError(f"bad layout item kind {kind!r}")
+    if vshape is not None:
+        if m.group(3) is None and kind != "kv":
+            raise ValueError(f"only KV layout items have a value shape: {names}={code!r}")
+        if vshape == shape or len(vshape) != 4 or len(shape) != 4 \
+                or (vshape[0], vshape[2]) != (shape[0], shape[2]):
+            raise ValueError(f"bad value shape in layout item {names}={code!r}")
     r = _RANGE_RE.match(names)
     if r is not None:
         first, last = int(r.group(1)), int(r.group(2))
@@ -201,13 +238,15 @@ def _parse_item(names: str, code: str) -> list[Item]:
         raise ValueError(f"bad layout name {names!r}")
     if m.group(3) is not None:
         bits, group = int(m.group(3)), int(m.group(4))
+        dims = [shape[-1] if shape else 0, *(vshape[-1:] if vshape else ())]
         if bits not in _LAYOUT_BITS or group not in quant.GROUP_SIZES or len(shape) < 1 \
-                or shape[-1] % group or (shape[-1] * bits) % 32:
+                or any(d % group or (d * bits) % 32 for d in dims):
             raise ValueError(f"bad quantized layout item {names}={code!r}")
-        return [Item(n, "q", dtype, shape, bits=bits, group_size=group) for n in layer_names]
+        return [Item(n, "q", dtype, shape, bits=bits, group_size=group, vshape=vshape)
+                for n in layer_names]
     if m.group(2) is not None:
         return [Item(n, "s", dtype, shape, index=int(m.group(2))) for n in layer_names]
-    return [Item(n, kind, dtype, shape) for n in layer_names]
+    return [Item(n, kind, dtype, shape, vshape=vshape) for n in layer_names]
 
 
 @functools.lru_cache(maxsize=4096)

@@ -67,13 +67,19 @@ class _Pending:
 KV_GROWTH_STEP = 256  # mlx-lm's KV caches grow in steps of this many tokens
 
 
-def kv_row_bytes(model: Any) -> Callable[[int], int]:
-    """An upper bound of one request's cache bytes at ``n`` tokens, from a 1-token
-    probe: full-attention KV grows per token (plus up to one growth step of unused
-    room: mlx-lm's caches grow 256 tokens at a time), sliding windows stop at their
-    size, array states (SSM) are constant."""
-    caches = make_prompt_cache(model)
+def probe_caches(model: Any) -> list[Any]:
+    """Fresh cache objects after a forward of one token (token id 0)."""
+    caches = list(make_prompt_cache(model))
     mx.eval(model(mx.array([[0]]), cache=caches))
+    return caches
+
+
+def kv_row_bytes(model: Any, probed: Sequence[Any] | None = None) -> Callable[[int], int]:
+    """An upper bound of one request's cache bytes at ``n`` tokens, from a 1-token
+    probe (``probed``: ``probe_caches(model)`` if given): full-attention KV grows per
+    token (plus up to one growth step of unused room: mlx-lm's caches grow 256 tokens
+    at a time), sliding windows stop at their size, array states (SSM) are constant."""
+    caches = list(probed) if probed is not None else probe_caches(model)
     per_token = 0
     windows: list[tuple[int, int]] = []  # (bytes per token, window)
     fixed = 0
@@ -147,7 +153,10 @@ class Engine:
             )
         # stored blocks quantized per the cache config; the spec is part of the namespace
         self.kv_quant = _kv_quant_of(self.cache_config)
-        self.kv_spec = adapters.kv_spec(model, template, quant=self.kv_quant)
+        try:
+            self.kv_spec = adapters.kv_spec(model, template, quant=self.kv_quant)
+        except ValueError as e:
+            raise ValueError(f"model {model_id}: {e}") from e
         self.templates = ChatTemplate(tokenizer, token_limit=context_length)
         eos = getattr(tokenizer, "eos_token_ids", None) or []
         self.counters = EngineCounters()
@@ -159,7 +168,14 @@ class Engine:
             kv_quant=self.kv_quant,
             speculator=Speculator(cfg, self.counters) if cfg.speculation == "suffix" else None,
         )
-        self.row_bytes = kv_row_bytes(model)
+        probed = probe_caches(model)
+        if cache is not None:
+            # a model whose cache cannot be stored is refused here, not at every save
+            try:
+                adapters.check_storable(model, probed, 1, quant=self.kv_quant)
+            except ValueError as e:
+                raise ValueError(f"model {model_id}: {e}") from e
+        self.row_bytes = kv_row_bytes(model, probed)
         self.admission = Admission(cfg.max_active_requests, cfg.max_queued_requests,
                                    cfg.active_kv_budget_bytes, self.row_bytes,
                                    on_preempt=self._preempt)

@@ -96,7 +96,12 @@ def load_model_or_vlm(path_or_repo: str | os.PathLike[str], *, float32_on_cpu: b
                       ) -> tuple[Any, Any, ModelInfo, Any | None]:
     """``(model, tokenizer, info, vision_tower)``: a text model through mlx-lm
     (``vision_tower`` None), or a vision-language model through mlx-vlm
-    (``models/vlm.py``: the model is its language model with mlx-lm's interface)."""
+    (``models/vlm.py``: the model is its language model with mlx-lm's interface).
+
+    A checkpoint with a ``vision_config`` whose family the vision path does not support
+    (``vlm.SUPPORTED_TYPES``) but mlx-lm does (e.g. ``qwen3_5``: mlx-lm loads its
+    ``text_config`` and drops the vision weights) is loaded text-only; a log line says
+    which path was taken. A family neither supports is refused by ``vlm.load_vlm``."""
     folder, model_id = resolve_model_path(path_or_repo)
     try:
         config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
@@ -104,7 +109,19 @@ def load_model_or_vlm(path_or_repo: str | os.PathLike[str], *, float32_on_cpu: b
         raise ValueError(f"{folder}/config.json is unreadable: {e}") from None
     from . import vlm
 
-    if not vlm.is_vlm_config(config):
+    text_only = not vlm.is_vlm_config(config)
+    if not text_only:
+        model_type = str(config.get("model_type"))
+        text_only = model_type not in vlm.SUPPORTED_TYPES and _mlx_lm_has(model_type)
+        if text_only:
+            logger.info("%s ships a vision_config, but the vision path (mlx-vlm) does not "
+                        "support %r yet (supported: %s): loading it text-only through mlx-lm "
+                        "(image inputs are refused)", model_id, model_type,
+                        ", ".join(vlm.SUPPORTED_TYPES))
+        else:
+            logger.info("%s: loading it as a vision-language model through mlx-vlm (%r)",
+                        model_id, model_type)
+    if text_only:
         model, tokenizer, info = load_model(folder, float32_on_cpu=float32_on_cpu)
         return model, tokenizer, dataclasses.replace(info, model_id=model_id), None
     fingerprint = model_fingerprint(folder)
@@ -118,6 +135,18 @@ def load_model_or_vlm(path_or_repo: str | os.PathLike[str], *, float32_on_cpu: b
     logger.info("loaded vision-language model %s (%s, %d layers, fingerprint %s)",
                 info.model_id, info.model_type, info.num_layers, info.fingerprint[:12])
     return model, tokenizer, info, tower
+
+
+def _mlx_lm_has(model_type: str) -> bool:
+    """Whether mlx-lm has a model class for ``model_type`` (it then loads the text part
+    of a vision-language checkpoint, e.g. Qwen3.5, whose config nests ``text_config``)."""
+    from ..mlx_compat import model_classes
+
+    try:
+        model_classes(model_type)
+    except ValueError:
+        return False
+    return True
 
 
 def _dtype_of(model: Any) -> str:
