@@ -139,8 +139,7 @@ def test_only_single_greedy_plain_kv_rows_speculate(tiny_llama_path: Any,
     try:
         eng._ctx.logits_hook = None
         eng._ctx.speculator.source = lambda r, k: [1] * k
-        run(eng, prompt(2), temperature=0.7, seed=3)  # sampled: not eligible (yet)
-        run(eng, prompt(2), logprobs=2)
+        run(eng, prompt(2), logprobs=2)  # logprobs: not eligible (yet)
         assert eng.counters.spec_verifies == 0
     finally:
         eng.close()
@@ -152,3 +151,32 @@ def test_config_is_checked() -> None:
     for kw in ({"speculation": "ngram"}, {"spec_max_draft": 0}, {"spec_min_match": 0}):
         with pytest.raises(ValueError):
             EngineConfig(**kw)
+
+
+@pytest.mark.parametrize("kind", ["right", "wrong", "half"])
+def test_sampled_output_equals_decoding_one_token_at_a_time(tiny_llama_path: Any,
+                                                            kind: str) -> None:
+    """temperature > 0 with a seed: each position is sampled in order with the request's
+    key; the same seed gives the same tokens with or without speculation."""
+    sp = {"temperature": 0.9, "top_p": 0.95, "seed": 1234}
+    plain = make_engine(tiny_llama_path, use_cache=False)
+    try:
+        ref = {prompt(s): run(plain, prompt(s), **sp).tokens for s in range(N_PROMPTS)}
+    finally:
+        plain.close()
+    eng = make_engine(tiny_llama_path, use_cache=False, speculation="suffix")
+    try:
+        eng._ctx.logits_hook = None
+        eng._ctx.speculator.source = source_of(kind, ref)
+        for toks, want in ref.items():
+            assert run(eng, toks, **sp).tokens == want, kind
+        c = eng.counters
+        assert c.spec_verifies > 0
+        if kind == "right":
+            assert c.spec_accepted == c.spec_drafted
+        elif kind == "wrong":
+            assert c.spec_accepted == 0
+        else:
+            assert 0 < c.spec_accepted < c.spec_drafted
+    finally:
+        eng.close()

@@ -219,10 +219,21 @@ class DecodeBatch:
         m = len(draft)
         x = mx.array([[pending, *draft]], dtype=mx.uint32)
         logits = self.model(x, cache=self.cache)[0]
-        greedy = cast(list[int], mx.argmax(logits, axis=-1).tolist())
         accepted = 0
-        while accepted < m and greedy[accepted] == draft[accepted]:
-            accepted += 1
+        if r.sampler.greedy:
+            greedy = cast(list[int], mx.argmax(logits, axis=-1).tolist())
+            while accepted < m and greedy[accepted] == draft[accepted]:
+                accepted += 1
+            bonus = greedy[accepted]
+        else:
+            # each position sampled in order with the request's own key, as decoding one
+            # token at a time would: a draft token counts only if it IS that sample
+            while True:
+                bonus = int(cast(int, r.sampler.sample(logits[accepted]).item()))
+                if accepted < m and bonus == draft[accepted]:
+                    accepted += 1
+                    continue
+                break
         mlx_compat.trim_batch(self.cache, m - accepted)
         r.pos += 1 + accepted
         spec.feedback(r, m, accepted)
@@ -237,7 +248,7 @@ class DecodeBatch:
                 self._remove({0})
                 return True
         # the model's own token after the accepted draft: fed and reported next step
-        self._inputs = mx.array([greedy[accepted]], dtype=mx.uint32)
+        self._inputs = mx.array([bonus], dtype=mx.uint32)
         self._reported = [False]
         self._lps = [None]
         self._logits = [None]

@@ -7,8 +7,13 @@ would have produced (``argmax`` at each position equals the next draft token), p
 model's own token after it: 1 + accepted tokens per forward, exactly the tokens
 decoding one at a time gives. The cache's rejected positions are trimmed.
 
+With sampling (temperature > 0) each position is sampled in order with the request's own
+key (split once per sample, as when decoding one token at a time) and a draft token is
+accepted only if it equals that sample: the same tokens for the same seed, the
+distribution unchanged.
+
 Where it runs (``Speculator.eligible``), today: a batch of ONE row (one stream: the
-agentic client's common case), greedy, no logits processors (constraints), no
+agentic client's common case), greedy or sampled, no logits processors (constraints), no
 log-probabilities, plain KV caches (every layer trimmable: no sliding window, no array /
 SSM state, no quantized KV), no logits hook. Everything else decodes as before. The
 number of draft tokens adapts per request (doubles after a fully accepted draft, falls
@@ -56,7 +61,7 @@ class Speculator:
         if len(rows) != 1:
             return False
         r = rows[0]
-        return (r.sampler.greedy and not r.processors and not r.sampler.wants_logprobs
+        return (not r.processors and not r.sampler.wants_logprobs
                 and r.ctx.logits_hook is None and r.truncatable and not r.sliding
                 and mlx_compat.plain_batch_kv(cache))
 
