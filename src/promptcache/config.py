@@ -222,12 +222,16 @@ class EngineConfig:
     speculation: str = "off"
     spec_max_draft: int = 8
     spec_min_match: int = 3
+    # speculate while at most this many rows decode together (1: one stream only)
+    spec_max_rows: int = 8
 
     def __post_init__(self) -> None:
         if self.speculation not in ("suffix", "off"):
             raise ValueError(f"speculation must be 'suffix' or 'off', got {self.speculation!r}")
         if not 1 <= self.spec_max_draft <= 64:
             raise ValueError(f"spec_max_draft must be in [1, 64], got {self.spec_max_draft}")
+        if self.spec_max_rows < 1:
+            raise ValueError(f"spec_max_rows must be >= 1, got {self.spec_max_rows}")
         if not 1 <= self.spec_min_match <= 16:
             raise ValueError(f"spec_min_match must be in [1, 16], got {self.spec_min_match}")
         if self.prefill_chunk_tokens < 1:

@@ -180,3 +180,58 @@ def test_sampled_output_equals_decoding_one_token_at_a_time(tiny_llama_path: Any
             assert 0 < c.spec_accepted < c.spec_drafted
     finally:
         eng.close()
+
+
+def run_many(eng: Any, prompts: list[tuple[int, ...]], max_tokens: int = 40,
+             **sp: Any) -> list[Any]:
+    handles = [eng.submit(GenerationRequest(prompt_tokens=p, sampling=SamplingParams(
+        max_tokens=max_tokens, **sp))) for p in prompts]
+    return [h.result(timeout=300) for h in handles]
+
+
+@pytest.mark.parametrize("rows", [2, 4, 8])
+def test_batched_rows_with_mixed_drafts_equal_decoding_alone(tiny_llama_path: Any,
+                                                             rows: int) -> None:
+    """Rows of one verify forward each get right, wrong or half-right drafts of
+    different lengths (padding, per-row rejected tails); every row's tokens equal
+    decoding it alone without speculation."""
+    prompts = [prompt(100 + i, n=30 + 3 * i) for i in range(rows)]
+    plain = make_engine(tiny_llama_path, use_cache=False)
+    try:
+        ref = {p: run(plain, p, max_tokens=24).tokens for p in prompts}
+    finally:
+        plain.close()
+    kinds = ["right", "wrong", "half"]
+    sources = {p: source_of(kinds[i % 3], ref) for i, p in enumerate(prompts)}
+    eng = make_engine(tiny_llama_path, use_cache=False, speculation="suffix",
+                      spec_max_draft=6)
+    try:
+        eng._ctx.logits_hook = None
+        eng._ctx.speculator.source = lambda r, k: sources[tuple(r.req.prompt_tokens)](r, k)
+        got = run_many(eng, prompts, max_tokens=24)
+        assert [g.tokens for g in got] == [ref[p] for p in prompts]
+        c = eng.counters
+        assert c.spec_verifies > 0 and c.max_batch >= 2
+        assert c.decode_rows > c.decode_steps  # verify forwards ran over several rows
+        assert 0 < c.spec_accepted < c.spec_drafted
+    finally:
+        eng.close()
+
+
+def test_a_batch_with_an_ineligible_row_decodes_as_before(tiny_llama_path: Any) -> None:
+    prompts = [prompt(200 + i) for i in range(3)]
+    plain = make_engine(tiny_llama_path, use_cache=False)
+    try:
+        ref = [run(plain, p, max_tokens=16, logprobs=1 if i == 0 else None).tokens
+               for i, p in enumerate(prompts)]
+    finally:
+        plain.close()
+    eng = make_engine(tiny_llama_path, use_cache=False, speculation="suffix")
+    try:
+        eng._ctx.logits_hook = None
+        eng._ctx.speculator.source = lambda r, k: [5] * k
+        handles = [eng.submit(GenerationRequest(prompt_tokens=p, sampling=SamplingParams(
+            max_tokens=16, logprobs=1 if i == 0 else None))) for i, p in enumerate(prompts)]
+        assert [h.result(timeout=300).tokens for h in handles] == ref
+    finally:
+        eng.close()

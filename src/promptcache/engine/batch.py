@@ -196,62 +196,86 @@ class DecodeBatch:
         self._after_step(finished, before)
 
     def _speculative_step(self, spec: Speculator) -> bool:
-        """The one row's pending token and its draft in one forward (speculate.py).
-        Synchronous (no pipelining). False: no draft, the caller decodes as usual (the
-        pending token has been reported then)."""
-        r = self.rows[0]
+        """Every row's pending token and its draft (``speculate.py``) in one forward of
+        ``[rows, 1 + longest draft]`` (shorter drafts padded at the right). Synchronous
+        (no pipelining). Per row, the longest draft prefix that decoding one token at a
+        time would produce is kept plus the model's token after it; the other positions
+        (rejected drafts, padding) leave the cache (``mlx_compat.drop_row_tails``).
+        False: no row has a draft, the caller decodes as usual (the pending tokens
+        have been reported then)."""
         assert self._inputs is not None
-        pending = int(cast(int, self._inputs[0].item()))
-        if not self._reported[0]:
-            # the pending token is reported before it is fed: a stop here saves the
-            # state as it is (prompt + output[:-1])
-            self._reported[0] = True
-            lp = self._lps[0]
-            reason = r.accept(pending, logprob_values(lp) if lp is not None else None,
-                              self._logits[0])
+        pending = cast(list[int], self._inputs.tolist())
+        # the pending tokens are reported before they are fed: a stop here saves the
+        # state as it is (prompt + output[:-1])
+        done: set[int] = set()
+        for i, r in enumerate(self.rows):
+            if self._reported[i]:
+                continue
+            self._reported[i] = True
+            lp = self._lps[i]
+            reason = r.accept(pending[i], logprob_values(lp) if lp is not None else None,
+                              self._logits[i])
             if reason is not None:
-                r.finish(reason, mlx_compat.row_caches(self.cache, 0), state_pos=r.pos)
-                self._remove({0})
+                r.finish(reason, mlx_compat.row_caches(self.cache, i), state_pos=r.pos)
+                done.add(i)
+        if done:
+            pending = [p for i, p in enumerate(pending) if i not in done]
+            self._remove(done)
+            if not self.rows:
                 return True
-        draft = spec.propose(r)
-        if not draft:
+        rows = self.rows
+        drafts = [spec.propose(r) for r in rows]
+        if not spec.worth_it(drafts):
             return False
-        m = len(draft)
-        x = mx.array([[pending, *draft]], dtype=mx.uint32)
-        logits = self.model(x, cache=self.cache)[0]
-        accepted = 0
-        if r.sampler.greedy:
-            greedy = cast(list[int], mx.argmax(logits, axis=-1).tolist())
-            while accepted < m and greedy[accepted] == draft[accepted]:
-                accepted += 1
-            bonus = greedy[accepted]
-        else:
-            # each position sampled in order with the request's own key, as decoding one
-            # token at a time would: a draft token counts only if it IS that sample
-            while True:
-                bonus = int(cast(int, r.sampler.sample(logits[accepted]).item()))
-                if accepted < m and bonus == draft[accepted]:
-                    accepted += 1
-                    continue
-                break
-        mlx_compat.trim_batch(self.cache, m - accepted)
-        r.pos += 1 + accepted
-        spec.feedback(r, m, accepted)
-        c = r.ctx.counters
+        width = max(len(d) for d in drafts)
+        x = mx.array([[pending[i], *d, *([pending[i]] * (width - len(d)))]
+                      for i, d in enumerate(drafts)], dtype=mx.uint32)
+        logits = self.model(x, cache=self.cache)
+        greedy: list[list[int]] = []
+        if any(r.sampler.greedy for r in rows):
+            greedy = cast(list[list[int]], mx.argmax(logits, axis=-1).tolist())
+        accepted: list[int] = []
+        bonus: list[int] = []
+        for i, r in enumerate(rows):
+            d, a = drafts[i], 0
+            if r.sampler.greedy:
+                while a < len(d) and greedy[i][a] == d[a]:
+                    a += 1
+                tok = greedy[i][a]
+            else:
+                # each position sampled in order with the request's own key, as decoding
+                # one token at a time would: a draft token counts only if it IS that sample
+                while True:
+                    tok = int(cast(int, r.sampler.sample(logits[i, a]).item()))
+                    if a < len(d) and tok == d[a]:
+                        a += 1
+                        continue
+                    break
+            accepted.append(a)
+            bonus.append(tok)
+            if d:
+                spec.feedback(r, len(d), a)
+        mlx_compat.drop_row_tails(self.cache, [width - a for a in accepted])
+        c = rows[0].ctx.counters
         c.decode_steps += 1
-        c.decode_rows += 1
-        for tok in draft[:accepted]:
-            reason = r.accept(int(tok), None, None)
-            if reason is not None:
-                r.finish(reason, mlx_compat.row_caches(self.cache, 0),
-                         state_pos=r.n_prompt + len(r.output) - 1)
-                self._remove({0})
-                return True
-        # the model's own token after the accepted draft: fed and reported next step
-        self._inputs = mx.array([bonus], dtype=mx.uint32)
-        self._reported = [False]
-        self._lps = [None]
-        self._logits = [None]
+        c.decode_rows += len(rows)
+        finished: set[int] = set()
+        for i, r in enumerate(rows):
+            r.pos += 1 + accepted[i]
+            for tok in drafts[i][:accepted[i]]:
+                reason = r.accept(int(tok), None, None)
+                if reason is not None:
+                    r.finish(reason, mlx_compat.row_caches(self.cache, i),
+                             state_pos=r.n_prompt + len(r.output) - 1)
+                    finished.add(i)
+                    break
+        # the model's own token after each accepted draft: fed and reported next step
+        self._inputs = mx.array(bonus, dtype=mx.uint32)
+        self._reported = [False] * len(rows)
+        self._lps = [None] * len(rows)
+        self._logits = [None] * len(rows)
+        if finished:
+            self._remove(finished)
         return True
 
     def _after_step(self, finished: list[tuple[int, str]], before: list[list[Any]] | None

@@ -163,11 +163,20 @@ def plain_batch_kv(batch: Sequence[Any]) -> bool:
     return bool(batch) and all(type(c) is BatchKVCache for c in batch)
 
 
-def trim_batch(batch: Sequence[Any], n: int) -> None:
-    """Drop the last ``n`` positions of every row (rejected draft tokens)."""
-    if n > 0:
+def drop_row_tails(batch: Sequence[Any], counts: Sequence[int]) -> None:
+    """Drop the last ``counts[i]`` positions of row ``i`` (rejected draft tokens and
+    right padding): what all rows drop is trimmed; the rest of a row's tail becomes its
+    left padding (mlx-lm's right-padding path: ``prepare(right_padding=...)`` then
+    ``finalize()`` rolls it to the left, where the mask excludes it)."""
+    common = min(counts)
+    if common > 0:
         for c in batch:
-            c.trim(n)
+            c.trim(common)
+    rest = [n - common for n in counts]
+    if any(rest):
+        for c in batch:
+            c.prepare(right_padding=rest)
+            c.finalize()
 
 
 def filter_rows(batch: Any, keep: Sequence[int]) -> None:

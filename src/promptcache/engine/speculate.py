@@ -12,13 +12,15 @@ key (split once per sample, as when decoding one token at a time) and a draft to
 accepted only if it equals that sample: the same tokens for the same seed, the
 distribution unchanged.
 
-Where it runs (``Speculator.eligible``), today: a batch of ONE row (one stream: the
-agentic client's common case), greedy or sampled, no logits processors (constraints), no
+Where it runs (``Speculator.eligible``), today: batches of at most ``spec_max_rows``
+rows, all of them greedy or sampled, no logits processors (constraints), no
 log-probabilities, plain KV caches (every layer trimmable: no sliding window, no array /
 SSM state, no quantized KV), no logits hook. Everything else decodes as before. The
 number of draft tokens adapts per request (doubles after a fully accepted draft, falls
-to accepted + 1 after a rejection, at least ``MIN_K``), so a request whose drafts keep
-failing costs at most a few positions more per forward.
+to accepted + 1 after a rejection, at least ``MIN_K``); after a fully rejected draft the
+request drafts nothing for 1, 2, 4 ... ``MAX_COOL`` steps, so a request whose drafts keep
+failing decodes almost as without speculation. Several rows verify in one forward of
+``[rows, 1 + longest draft]`` when at least half of them have a draft.
 
 ``Speculator.source`` replaces the draft source (tests: drafts that are right, wrong or
 half right must all give the same tokens).
@@ -40,6 +42,8 @@ if TYPE_CHECKING:
 DraftSource = Callable[["Request", int], Sequence[int]]
 
 MIN_K = 2
+# the longest pause in drafting after fully rejected drafts, in decode steps
+MAX_COOL = 16
 # history indexed per request: the last this many tokens of prompt + output
 HISTORY_TOKENS = 32768
 
@@ -48,6 +52,7 @@ class Speculator:
     def __init__(self, config: EngineConfig, counters: EngineCounters,
                  source: DraftSource | None = None) -> None:
         self.max_k = config.spec_max_draft
+        self.max_rows = config.spec_max_rows
         self.drafts_config = DraftConfig(min_n=config.spec_min_match,
                                          max_n=max(config.spec_min_match, 8),
                                          max_k=config.spec_max_draft)
@@ -56,17 +61,23 @@ class Speculator:
         # request id -> (where its indexed history starts, the index)
         self._index: dict[str, tuple[int, SequenceDrafts]] = {}
         self._k: dict[str, int] = {}
+        # request id -> (steps left without drafts, the last cool-down length)
+        self._cool: dict[str, tuple[int, int]] = {}
 
     def eligible(self, rows: Sequence[Request], cache: Sequence[Any]) -> bool:
-        if len(rows) != 1:
+        if not rows or len(rows) > self.max_rows or not mlx_compat.plain_batch_kv(cache):
             return False
-        r = rows[0]
-        return (not r.processors and not r.sampler.wants_logprobs
-                and r.ctx.logits_hook is None and r.truncatable and not r.sliding
-                and mlx_compat.plain_batch_kv(cache))
+        return all(not r.processors and not r.sampler.wants_logprobs
+                   and r.ctx.logits_hook is None and r.truncatable and not r.sliding
+                   for r in rows)
 
     def propose(self, r: Request) -> tuple[int, ...]:
-        """Draft tokens after ``r``'s sequence (prompt + output so far)."""
+        """Draft tokens after ``r``'s sequence (prompt + output so far); none while the
+        request cools down after a fully rejected draft."""
+        rest = self._cool.get(r.request_id, (0, 0))
+        if rest[0] > 0:
+            self._cool[r.request_id] = (rest[0] - 1, rest[1])
+            return ()
         k = self._k.setdefault(r.request_id, max(MIN_K, self.max_k // 2))
         if self.source is not None:
             return tuple(int(t) for t in self.source(r, k))[:k]
@@ -90,7 +101,22 @@ class Speculator:
         k = self._k.get(r.request_id, self.max_k)
         self._k[r.request_id] = min(self.max_k, 2 * k) if accepted == drafted \
             else max(MIN_K, accepted + 1)
+        # a fully rejected draft: no drafts for 1, 2, 4, ... MAX_COOL steps in a row
+        _, last = self._cool.get(r.request_id, (0, 0))
+        if accepted == 0:
+            wait = min(MAX_COOL, 2 * last if last else 1)
+            self._cool[r.request_id] = (wait, wait)
+        else:
+            self._cool[r.request_id] = (0, 0)
+
+    def worth_it(self, drafts: Sequence[Sequence[int]]) -> bool:
+        """A verify forward over several rows pads every row to the longest draft and
+        moves each row's rejected tail out of the way (a copy of the batch cache): only
+        when at least half of the rows have a draft."""
+        with_draft = sum(1 for d in drafts if d)
+        return with_draft > 0 and (len(drafts) == 1 or 2 * with_draft >= len(drafts))
 
     def forget(self, r: Request) -> None:
         self._index.pop(r.request_id, None)
         self._k.pop(r.request_id, None)
+        self._cool.pop(r.request_id, None)
