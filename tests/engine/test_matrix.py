@@ -333,3 +333,25 @@ def test_readme_table_is_generated() -> None:
     ``PYTHONPATH=src python tests/engine/matrix_table.py``)."""
     readme = Path(__file__).resolve().parents[2] / "README.md"
     assert readme_table(readme.read_text()) == matrix_table(KNOWN_FAILURES, POINTS)
+
+
+def test_family_builds_are_deterministic(tmp_path: Path) -> None:
+    """The on-disk cache is keyed by a version only: two builds give the same bytes."""
+    from promptcache.engine.models.tiny_families import build_family_model
+
+    a = build_family_model("kimi_linear", tmp_path / "a")
+    b = build_family_model("kimi_linear", tmp_path / "b")
+    for name in ("model.safetensors", "config.json", "tokenizer.json"):
+        assert (a / name).read_bytes() == (b / name).read_bytes(), name
+
+
+def test_quantized_family_loads_with_4bit_weights(models_root: Path) -> None:
+    import mlx.nn as nn
+    from mlx_lm import load
+
+    model, _ = load(str(ensure_family_model("qwen3_4bit", models_root)))
+    quantized = [m for _, m in model.named_modules()
+                 if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))]
+    # q, k, v, o, gate, up, down x 2 layers + the embedding + the lm head
+    assert len(quantized) == 7 * 2 + 2
+    assert {(m.bits, m.group_size) for m in quantized} == {(4, 32)}
