@@ -10,19 +10,23 @@ an engine over RAM + an SSD tier (write-back: the close persists every RAM block
 - an exact repeat of a prompt;
 - a restart: a fresh engine over the same SSD folder runs the sequential chat's 4th turn.
 
-Every reply is compared with a full prefill (``use_cache=False``) of the same prompt.
+Every reply is compared with a full prefill (``use_cache=False``) of the same prompt:
+greedy tokens identical, logits within float32 noise (``TOL``, relative) at every step.
 The tests below read the recorded run, one point each, so a known failure is marked
 ``xfail(strict=True)`` on exactly the point that fails (``KNOWN_FAILURES``).
 """
 
 from __future__ import annotations
 
+import itertools
 import random
+from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from matrix_table import matrix_table, readme_table
 
@@ -39,6 +43,7 @@ from promptcache.engine.models.tiny_families import (
 BLOCK = 8
 CHUNK = 16
 REPLY = 6  # max_tokens of every reply
+TOL = 1e-4  # relative |logits of a restored prefill - of a full one|: float32 noise
 SYSTEM = "You are a tiny model."
 
 MLA_SAVE_BUG = ("MLA: every save fails, the block layout says one K/V width "
@@ -81,6 +86,9 @@ class Turn:
     ref: list[int]  # greedy tokens of a full prefill
     cached: int
     by_tier: dict[str, int]
+    logits: list[np.ndarray] = field(default_factory=list)  # one per sampling step
+    # the largest |logits - the full prefill's logits| / max(1, |the full prefill's|)
+    max_delta: float = 0.0
 
 
 @dataclass
@@ -102,31 +110,49 @@ def _words(rng: random.Random, n: int, vocab: list[str]) -> str:
     return " ".join(rng.choice(vocab) for _ in range(n))
 
 
-def _generate_many(eng: Engine, convs: list[list[dict[str, str]]],
+class _Logits:
+    """The engine's logits hook: the last-position logits of every step, per request."""
+
+    def __init__(self) -> None:
+        self.by_request: dict[str, list[np.ndarray]] = defaultdict(list)
+        self.ids = itertools.count()
+
+    def __call__(self, request_id: str, step: int, logits: np.ndarray) -> None:
+        self.by_request[request_id].append(np.asarray(logits, dtype=np.float32).reshape(-1))
+
+
+def _generate_many(eng: Engine, rec: _Logits, convs: list[list[dict[str, str]]],
                    use_cache: bool = True) -> list[Turn]:
     """Submit every conversation's prompt at once (they run concurrently), then wait."""
     handles, prompts = [], []
     for msgs in convs:
         tokens, starts = eng.render_chat_with_offsets(msgs, None)
-        prompts.append((list(tokens), starts))
+        rid = f"matrix-{next(rec.ids)}"
+        prompts.append((list(tokens), starts, rid))
         req = GenerationRequest(prompt_tokens=tuple(tokens),
                                 sampling=SamplingParams(max_tokens=REPLY),
-                                use_cache=use_cache, message_starts=starts)
+                                use_cache=use_cache, message_starts=starts, request_id=rid)
         handles.append(eng.submit(req))
     out = []
-    for (prompt, starts), h in zip(prompts, handles, strict=True):
+    for (prompt, starts, rid), h in zip(prompts, handles, strict=True):
         r = h.result()
         assert r.finish_reason == "length", r
         out.append(Turn(prompt, starts, list(r.tokens), [], r.usage.cached_tokens,
-                        dict(r.usage.cached_by_tier)))
+                        dict(r.usage.cached_by_tier), rec.by_request.pop(rid)))
     return out
 
 
 def _turns(eng: Engine, convs: list[list[dict[str, str]]]) -> list[Turn]:
     """Cached turns, then each prompt's full prefill for reference."""
-    turns = _generate_many(eng, convs)
-    for t, ref in zip(turns, _generate_many(eng, convs, use_cache=False), strict=True):
+    rec = eng.matrix_logits  # type: ignore[attr-defined]
+    turns = _generate_many(eng, rec, convs)
+    for t, ref in zip(turns, _generate_many(eng, rec, convs, use_cache=False), strict=True):
         t.ref = ref.tokens
+        assert len(t.logits) == len(ref.logits) == REPLY
+        # relative to the logits' size: float32 noise grows with them
+        t.max_delta = max(float(np.max(np.abs(a - b)) / max(1.0, float(np.max(np.abs(b)))))
+                          for a, b in zip(t.logits, ref.logits, strict=True))
+        t.logits = []
     return turns
 
 
@@ -145,8 +171,11 @@ def _reply(run: Run, eng: Engine, msgs: list[dict[str, str]], turn: Turn, user: 
 def _engine(path: Path, ssd: Path) -> Engine:
     cc = CacheConfig(block_size=BLOCK, ram_budget_bytes=64 * 1024**2)
     sc = SSDConfig(path=ssd, policy="write_back", fsync=False)
-    return Engine.load(path, EngineConfig(prefill_chunk_tokens=CHUNK, snapshot_every_blocks=1),
-                       cc, cache=build_cache(cc, sc))
+    rec = _Logits()
+    eng = Engine.load(path, EngineConfig(prefill_chunk_tokens=CHUNK, snapshot_every_blocks=1),
+                      cc, cache=build_cache(cc, sc), logits_hook=rec)
+    eng.matrix_logits = rec  # type: ignore[attr-defined]
+    return eng
 
 
 def _run_family(family: str, path: Path, ssd: Path) -> Run:
@@ -259,6 +288,7 @@ def test_greedy_equals_full_prefill(matrix: Callable[[str], Run], family: str) -
     for turn in turns:
         assert len(turn.tokens) == REPLY
         assert turn.tokens == turn.ref
+    assert max(t.max_delta for t in turns) <= TOL
 
 
 @pytest.mark.parametrize("family", families_for("sequential"))
