@@ -46,25 +46,19 @@ REPLY = 6  # max_tokens of every reply
 TOL = 1e-4  # relative |logits of a restored prefill - of a full one|: float32 noise
 SYSTEM = "You are a tiny model."
 
-MLA_SAVE_BUG = ("MLA: every save fails, the block layout says one K/V width "
-                "(kv_lora_rank != qk_rope_head_dim); fix in progress")
 HYBRID_RESTORE_BUG = ("hybrid: state restores only at chunk snapshots, none at message "
                       "boundaries (a branch at an edited message falls back to the last "
                       "chunk end); fix in progress")
 
 POINTS = ("retokenize", "equal", "sequential", "concurrent", "branch", "repeat",
           "store_errors", "ssd_restart")
-_MLA_FAMILIES = ("deepseek_v3", "glm4_moe_lite", "kimi_linear")
 _HYBRID_FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next", "nemotron_h", "falcon_h1")
 
 # (family, point) -> the known bug; each is xfail(strict=True) on that point only: a
 # point that starts passing turns the test red, and its entry goes
 KNOWN_FAILURES: dict[tuple[str, str], str] = {
-    **{(f, p): MLA_SAVE_BUG for f in _MLA_FAMILIES
-       for p in ("sequential", "concurrent", "branch", "repeat", "store_errors",
-                 "ssd_restart")},
     **{(f, "branch"): HYBRID_RESTORE_BUG for f in _HYBRID_FAMILIES},
-    ("kimi_linear", "branch"): f"{MLA_SAVE_BUG}; then {HYBRID_RESTORE_BUG}",
+    ("kimi_linear", "branch"): HYBRID_RESTORE_BUG,
 }
 
 
