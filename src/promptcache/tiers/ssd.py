@@ -20,6 +20,14 @@ has passed; ``get`` raises only ``TierError`` / ``CorruptBlockError``. ``hits`` 
 the block's hit count as the policy knows it, used by the ``admission_min_hits``
 rule (None counts as 0).
 
+Repairs only under the folder's exclusive lock: a folder whose ``lock`` cannot be
+opened is served read-only (``mode`` ``read_only``: reads, no write, no deletion, no
+reconcile); a folder that cannot be written, or whose index cannot be opened (or is
+corrupt while the lock is missing), is ``off`` (an empty index in memory; the files
+are left as they are). A corrupt index is rebuilt only under the exclusive lock, and
+the block files it described are set aside in quarantine, never deleted.
+``read_only=True`` (the CLI's inspections) opens the folder without changing it.
+
 Thread safety: every public method may be called from any thread. Lock order:
 ``_write_lock`` (serializes file writes, deletions, sweeps and checks), then the
 folder's ``DirLock`` (shared for changes, exclusive for repair and purge, across
@@ -38,6 +46,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 from ..codec import checksum
 from ..config import SSDConfig
@@ -46,7 +55,7 @@ from ..hashing import BlockHash
 from ..meta import BlockMeta, Namespace
 from . import ssd_files as files
 from .ssd_check import CheckReport, reconcile
-from .ssd_index import IndexCorruptError, IndexRow, SSDIndex
+from .ssd_index import IndexCorruptError, IndexOpenError, IndexRow, SSDIndex
 from .ssd_queue import WriteQueue
 from .ssd_store import DROP_REASONS, LATENCY_BUCKETS_MS, _Pending, tier_errors
 from .ssd_write import STOP, SSDWriter
@@ -75,6 +84,7 @@ class SSDTier(SSDWriter):
         degraded_backoff_s: float = 5.0,
         reconcile_on_open: bool = True,
         read_ahead_blocks: int = READ_AHEAD_BLOCKS,
+        read_only: bool = False,
     ) -> None:
         if read_ahead_blocks < 0:
             raise ValueError(f"read_ahead_blocks must be >= 0, got {read_ahead_blocks}")
@@ -105,8 +115,12 @@ class SSDTier(SSDWriter):
         self._kids_memo: dict[bytes, tuple[float, list[tuple[bytes, str, int, str, float | None]]]] = {}
         self._hinted: dict[bytes, float] = {}
         self._index_rebuilt = False
+        self._index_corrupt = False
+        self._set_aside = 0
+        self._mode = "read_write"
+        self._mode_reason: str | None = None
         self._dirlock = files.DirLock(None)
-        self._index = self._open_index()
+        self._index = self._open_index(read_only)
         self._blocks = self._bytes = self._bytes_written = self._day_bytes = 0
         self._day = ""
         try:
@@ -114,8 +128,11 @@ class SSDTier(SSDWriter):
         except sqlite3.Error as e:
             self._index_error(e)
         self.startup_report: CheckReport | None = None
-        if reconcile_on_open:
-            self.startup_report = self.check(fix=True)
+        if reconcile_on_open and self._mode == "read_write":
+            try:
+                self.startup_report = self.check(fix=True)
+            except TierError as e:  # counted and degraded by check; serving goes on
+                log.error("ssd startup check failed: %s", e)
         self._queue = WriteQueue(config.queue_size)
         self._last_sweep = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="promptcache-ssd-writer", daemon=True)
@@ -123,24 +140,76 @@ class SSDTier(SSDWriter):
 
     # -- opening ----------------------------------------------------------------
 
-    def _open_index(self) -> SSDIndex:
-        durable = self.config.fsync
+    def _open_index(self, read_only: bool) -> SSDIndex:
+        """Open the folder: its lock, then its index. Repairs (rebuilding a corrupt
+        index, reconcile) need the folder's exclusive lock: without a lock the tier
+        serves what the index holds, read-only; without a usable index (or folder) it
+        is off (an empty index in memory, never reconciled against the files).
+        ``read_only`` (``cache check`` without ``--fix``, ``ls``, ``stats``): create,
+        move or repair nothing."""
         path = self.root / files.INDEX_NAME
+        if read_only:
+            return self._open_read_only(path)
+        durable = self.config.fsync
         try:
             files.ensure_dir(self.root, fsync=durable)
-            self._dirlock = files.DirLock(self.root / files.LOCK_NAME)
-            return SSDIndex(path, durable=durable)
-        except IndexCorruptError as e:
-            log.error("ssd index %s is unusable (%s): moving it aside, starting empty", path, e)
         except OSError as e:
-            return self._memory_index(f"cannot create {self.root}: {e}")
-        with self._dirlock.exclusive():  # no other process is in the middle of a change
-            return self._rebuild_index(path, durable)
+            return self._off(f"cannot create {self.root}: {e}")
+        try:
+            files.probe_writable(self.root)
+        except OSError as e:
+            return self._off(f"cache folder {self.root} is not writable: {e}")
+        lock_error: OSError | None = None
+        try:
+            self._dirlock = files.DirLock(self.root / files.LOCK_NAME)
+        except OSError as e:
+            lock_error = e
+        try:
+            if path.exists() and not path.is_file():
+                raise IndexCorruptError(f"{path} is not a file")
+            index = SSDIndex(path, durable=durable)
+        except IndexOpenError as e:
+            return self._off(f"cannot open the index {path}: {e}")
+        except IndexCorruptError as e:
+            if lock_error is not None:
+                return self._off(f"the index {path} is unusable ({e}) and the folder lock "
+                                 f"cannot be opened ({lock_error}): not repairing it")
+            log.error("ssd index %s is unusable (%s): rebuilding it under the folder lock",
+                      path, e)
+            with self._dirlock.exclusive():  # no other process is in the middle of a change
+                return self._rebuild_index(path, durable)
+        if lock_error is not None:
+            self._set_mode("read_only", f"cannot open the folder lock "
+                           f"{self.root / files.LOCK_NAME}: {lock_error}")
+        return index
+
+    def _open_read_only(self, path: Path) -> SSDIndex:
+        if not self.root.is_dir():
+            return self._off(f"{self.root} is not a folder")
+        try:
+            self._dirlock = files.DirLock(self.root / files.LOCK_NAME, create=False)
+        except OSError as e:
+            log.info("ssd: no folder lock to share (%s)", e)
+        try:
+            if path.exists() and not path.is_file():
+                raise IndexCorruptError(f"{path} is not a file")
+            index = SSDIndex(path, durable=False, read_only=True)
+        except IndexCorruptError as e:
+            self._index_corrupt = True
+            return self._off(f"the index {path} is unusable: {e}")
+        except IndexOpenError as e:
+            return self._off(f"cannot open the index {path}: {e}")
+        self._set_mode("read_only", "opened read-only", degraded=False)
+        return index
 
     def _rebuild_index(self, path: Path, durable: bool) -> SSDIndex:
+        """Caller holds the exclusive folder lock. The old index goes to quarantine;
+        the block files it described are set aside (``quarantine/unindexed.<time>/``),
+        never deleted: nothing proves them orphans."""
         try:  # another process may have rebuilt it while we waited for the lock
-            return SSDIndex(path, durable=durable)
-        except IndexCorruptError:
+            if path.is_file():
+                return SSDIndex(path, durable=durable)
+        except (IndexCorruptError, IndexOpenError):
             pass
         self._index_rebuilt = True
         stamp = int(time.time() * 1000)
@@ -151,15 +220,41 @@ class SSDTier(SSDWriter):
                 p = self.root / (files.INDEX_NAME + suffix)
                 if p.exists():
                     p.replace(qdir / f"{files.INDEX_NAME}{suffix}.{stamp}")
-            return SSDIndex(path, durable=durable)
-        except (OSError, IndexCorruptError) as e:
-            return self._memory_index(f"cannot rebuild index: {e}")
+            index = SSDIndex(path, durable=durable)
+            kept = [rel for rel, _size, kind in files.scan(self.root) if kind != "temp"]
+            self._set_aside = files.set_aside(self.root, kept, stamp)
+            if self._set_aside:
+                log.warning("ssd: %d block file(s) the lost index described were moved to "
+                            "%s/unindexed.%d/ (kept, not deleted)", self._set_aside,
+                            files.QUARANTINE_DIR, stamp)
+            return index
+        except (OSError, IndexCorruptError, IndexOpenError) as e:
+            return self._off(f"cannot rebuild the index: {e}")
 
-    def _memory_index(self, reason: str) -> SSDIndex:
-        log.error("ssd tier degraded: %s (index kept in memory)", reason)
-        self._degraded_reason = reason
-        self._retry_at = float("inf")
+    def _set_mode(self, mode: str, reason: str, *, degraded: bool = True) -> None:
+        """``read_only``: reads only (no write, no deletion, no repair); ``off``: an
+        empty index in memory, every read a miss. Never changes back while open.
+        ``degraded=False``: asked for (the CLI's inspection), not a failure."""
+        self._mode, self._mode_reason = mode, reason
+        if degraded:
+            log.error("ssd tier %s: %s", "is off" if mode == "off" else "serves read-only",
+                      reason)
+            self._degraded_reason = reason
+            self._retry_at = float("inf")
+
+    def _off(self, reason: str) -> SSDIndex:
+        self._set_mode("off", reason)
         return SSDIndex(Path(":memory:"), durable=False)
+
+    @property
+    def mode(self) -> str:
+        """``read_write``, ``read_only`` or ``off`` (see ``_set_mode``)."""
+        return self._mode
+
+    def health(self) -> dict[str, Any]:
+        """Cheap (no lock, no I/O): the mode and why the tier is not fully working."""
+        return {"mode": self._mode, "degraded": self._degraded_reason is not None,
+                "reason": self._mode_reason or self._degraded_reason}
 
     # -- metadata queries (index only) -------------------------------------------
 
@@ -384,6 +479,13 @@ class SSDTier(SSDWriter):
 
     def _drop_bad(self, row: IndexRow, *, reason: str | None) -> None:
         h = bytes(row.meta.block_hash)
+        if not self._writable():  # nothing may change the folder: a miss, counted
+            with self._lock:
+                self._counts["corrupt"] += 1
+                self._counts["misses"] += 1
+            log.warning("ssd block %s unreadable (%s); %s tier: left as it is", h.hex()[:16],
+                        reason or "missing file", self._mode)
+            return
 
         def still_this_row() -> list[tuple[bytes, str, int]]:
             cur = self._index.get(h)  # (in the deleting transaction: no other writer now)
@@ -424,14 +526,24 @@ class SSDTier(SSDWriter):
         ``progress(done, total)`` follows the index rows checked."""
         if not self._closed and hasattr(self, "_thread"):
             self.flush()
+        refused = None
+        if fix and self._mode != "read_write":
+            refused = f"no repair: the tier is {self._mode.replace('_', '-')} ({self._mode_reason})"
+            log.error("ssd check: %s", refused)
+            fix = False
         with self._write_lock, self._dirlock.exclusive(), self._lock:
             try:
-                report = reconcile(self.root, self._index, fix=fix, progress=progress)
-                self._refresh_totals()
+                report = reconcile(self.root, self._index, fix=fix, progress=progress,
+                                   trust_index=self._mode != "off")
+                if self._mode != "off":
+                    self._refresh_totals()
             except sqlite3.Error as e:
                 self._index_error(e)
                 raise TierError(f"ssd check failed: {e}") from e
             report.index_rebuilt, self._index_rebuilt = self._index_rebuilt, False
+            report.set_aside_files, self._set_aside = self._set_aside, 0
+            report.index_corrupt = self._index_corrupt
+            report.refused = refused
         return report
 
     @tier_errors

@@ -34,7 +34,8 @@ log = logging.getLogger(__name__)
 
 LATENCY_BUCKETS_MS = (0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 250.0, 500.0, 1000.0)
 MAX_EARLY_PINS = 1 << 16  # pins kept for blocks that have no row yet
-DROP_REASONS = ("queue_full", "budget", "admission", "degraded", "write_budget", "closed")
+DROP_REASONS = ("queue_full", "budget", "admission", "degraded", "write_budget", "closed",
+                "read_only", "off")
 
 
 @dataclass(eq=False)
@@ -108,6 +109,8 @@ class SSDStore:
     _latency_sum_ms: float
     _degraded_reason: str | None
     _retry_at: float
+    _mode: str  # read_write | read_only | off (ssd.py: SSDTier._set_mode)
+    _mode_reason: str | None
     _backoff: float
     _blocks: int  # the last totals read from the index (every process's blocks)
     _bytes: int
@@ -149,6 +152,15 @@ class SSDStore:
             if self._retry_at != float("inf"):
                 self._retry_at = self._clock() + self._backoff
 
+    def _writable(self) -> bool:
+        """False in the read-only and off modes: nothing may change the folder."""
+        return self._mode == "read_write"
+
+    def _refuse_change(self, what: str) -> None:
+        if self._mode != "read_write":
+            raise TierError(f"ssd {what}: the tier is {self._mode.replace('_', '-')} "
+                            f"({self._mode_reason})")
+
     def _index_error(self, e: sqlite3.Error) -> None:
         self._counts["index_errors"] += 1
         self._degrade(f"index error: {e}")
@@ -189,6 +201,8 @@ class SSDStore:
         a write fail; counted ``evictions_pinned``). Never raises (an index error
         degrades the tier)."""
         evicted = 0
+        if not self._writable():
+            return 0
         budget = self.config.budget_bytes
         now = self._clock()
 
@@ -227,6 +241,10 @@ class SSDStore:
     def sweep(self) -> int:
         """Apply batched accesses, delete expired blocks, enforce the byte limit."""
         self._last_sweep = time.monotonic()
+        if not self._writable():
+            with self._lock:
+                self._touches.clear()
+            return 0
         try:
             with self._write_lock, self._dirlock.shared(), self._lock:
                 self._apply_touches()
@@ -241,6 +259,9 @@ class SSDStore:
 
     def _apply_touches(self) -> None:
         if not self._touches:
+            return
+        if not self._writable():
+            self._touches.clear()
             return
         batch = [(h, when, n, self.config.ttl_seconds) for h, (when, n) in self._touches.items()]
         self._touches.clear()
@@ -264,7 +285,7 @@ class SSDStore:
         if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds > 0:
             raise ValueError(f"seconds must be a positive number, got {seconds!r}")
         hs = list(dict.fromkeys(bytes(h) for h in block_hashes))
-        if not hs:
+        if not hs or not self._writable():
             return 0
         with self._lock:
             until = self._clock() + float(seconds)
@@ -307,6 +328,7 @@ class SSDStore:
             raise ValueError("session_id must be a non-empty string")
         if tenant is not None and (not isinstance(tenant, str) or not tenant):
             raise ValueError("tenant must be a non-empty string or None")
+        self._refuse_change("delete_session")
         with self._write_lock, self._dirlock.shared(), self._lock:
             for p in self._pending.values():
                 if tenant is None or p.meta.tenant == tenant:
@@ -329,6 +351,7 @@ class SSDStore:
         hs = {bytes(h) for h in block_hashes}
         if not hs:
             return 0
+        self._refuse_change("discard")
         marks = ",".join("?" * len(hs))
         with self._write_lock, self._dirlock.shared(), self._lock:
             cancelled = self._cancel_pending(lambda p: bytes(p.meta.block_hash) in hs)
@@ -360,6 +383,7 @@ class SSDStore:
             conds.append("last_access < ?")
             params.append(self._clock() - older_than_s)
         where = ("WHERE " + " AND ".join(conds)) if conds else ""
+        self._refuse_change("purge")
         with self._write_lock, self._dirlock.exclusive(), self._lock:
             self._apply_touches()
             cancelled: set[bytes] = set()
@@ -419,6 +443,8 @@ class SSDStore:
                 "read_ahead": dict(self._ahead.counts),
                 "degraded": self._degraded_reason is not None,
                 "degraded_reason": self._degraded_reason,
+                "mode": self._mode,
+                "mode_reason": self._mode_reason,
                 "reload_latency_ms": {
                     "buckets": list(LATENCY_BUCKETS_MS),
                     "counts": list(self._latency),

@@ -64,6 +64,8 @@ class SSDWriter(SSDStore):
             reason = None
             if self._closed:
                 reason = "closed"
+            elif self._mode != "read_write":
+                reason = self._mode
             elif meta.end < cfg.admission_min_tokens or (hits or 0) < cfg.admission_min_hits:
                 reason = "admission"
             elif nbytes > cfg.budget_bytes:
@@ -124,7 +126,7 @@ class SSDWriter(SSDStore):
         if isinstance(sessions, str):
             raise ValueError("sessions must be an iterable of session ids, not a string")
         sess = {str(s) for s in sessions}
-        if not sess:
+        if not sess or not self._writable():
             return
         h = bytes(block_hash)
         with self._lock:
