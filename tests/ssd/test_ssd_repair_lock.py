@@ -1,4 +1,4 @@
-"""Repairs happen only under the folder's exclusive lock (issue 23, item 5).
+"""Repairs happen only under the folder's exclusive lock (issue 23).
 
 No lock -> no repair: the tier serves read-only (or is off without a usable index)
 and never deletes a file it cannot prove orphaned. ``cache check`` without ``--fix``

@@ -1,5 +1,5 @@
 """A read-only or not-ours cache folder: ``serve`` starts without the SSD tier
-(issue 23, item 6): the tier is ``off``, says why in ``/v1/cache/stats`` and in
+(issue 23): the tier is ``off``, says why in ``/v1/cache/stats`` and in
 ``/health``, and no file of the folder is touched.
 
 The read-only file system is injected at the tier's seam (``ssd_files.probe_writable``

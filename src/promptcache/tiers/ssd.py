@@ -40,6 +40,7 @@ from __future__ import annotations
 import bisect
 import logging
 import os
+import shutil
 import sqlite3
 import threading
 import time
@@ -57,7 +58,7 @@ from . import ssd_files as files
 from .ssd_check import CheckReport, reconcile
 from .ssd_index import IndexCorruptError, IndexOpenError, IndexRow, SSDIndex
 from .ssd_queue import WriteQueue
-from .ssd_store import DROP_REASONS, LATENCY_BUCKETS_MS, _Pending, tier_errors
+from .ssd_store import DROP_REASONS, LATENCY_BUCKETS_MS, DiskUsage, _Pending, tier_errors
 from .ssd_write import STOP, SSDWriter
 
 log = logging.getLogger(__name__)
@@ -85,6 +86,7 @@ class SSDTier(SSDWriter):
         reconcile_on_open: bool = True,
         read_ahead_blocks: int = READ_AHEAD_BLOCKS,
         read_only: bool = False,
+        disk_usage: Callable[[Path], DiskUsage] = shutil.disk_usage,
     ) -> None:
         if read_ahead_blocks < 0:
             raise ValueError(f"read_ahead_blocks must be >= 0, got {read_ahead_blocks}")
@@ -114,6 +116,10 @@ class SSDTier(SSDWriter):
         )
         self._kids_memo: dict[bytes, tuple[float, list[tuple[bytes, str, int, str, float | None]]]] = {}
         self._hinted: dict[bytes, float] = {}
+        self._disk_usage = disk_usage
+        self._disk_cap: int | None = None
+        self._disk_free: int | None = None
+        self._disk_reserve = 0
         self._index_rebuilt = False
         self._index_corrupt = False
         self._set_aside = 0
@@ -127,12 +133,15 @@ class SSDTier(SSDWriter):
             self._refresh_totals()
         except sqlite3.Error as e:
             self._index_error(e)
+        if self._mode != "off":
+            self._refresh_disk_cap()
         self.startup_report: CheckReport | None = None
         if reconcile_on_open and self._mode == "read_write":
             try:
                 self.startup_report = self.check(fix=True)
             except TierError as e:  # counted and degraded by check; serving goes on
                 log.error("ssd startup check failed: %s", e)
+            self._enforce_capacity()  # a smaller budget, or a fuller disk, than last time
         self._queue = WriteQueue(config.queue_size)
         self._last_sweep = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="promptcache-ssd-writer", daemon=True)

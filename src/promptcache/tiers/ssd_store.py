@@ -1,5 +1,11 @@
 """The SSD tier's shared state and maintenance: counters, deletion, capacity (LRU),
-TTL sweeps, sessions, tenants and stats. ``SSDTier`` (``ssd.py``) adds the read
+TTL sweeps, sessions, tenants and stats.
+
+The budget in use (``budget()``) is the configured ``budget_bytes`` capped by the
+disk: the bytes stored + the disk's free bytes - ``disk_reserve_bytes`` (asked at
+open, at each sweep and after a write found the disk full), so a disk filled from
+outside makes the tier evict its least recently used blocks (``evictions_disk``)
+instead of failing its writes. ``SSDTier`` (``ssd.py``) adds the read
 and write paths and the lifecycle on top. Locking rules: see ``ssd.py``.
 
 Several processes may share one folder: block and byte totals live in the index
@@ -34,6 +40,10 @@ log = logging.getLogger(__name__)
 
 LATENCY_BUCKETS_MS = (0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 250.0, 500.0, 1000.0)
 MAX_EARLY_PINS = 1 << 16  # pins kept for blocks that have no row yet
+MAX_DISK_RESERVE = 1 << 30  # the default reserve: 5% of the disk, at most this
+
+# ``shutil.disk_usage``'s (total, used, free) bytes of the file system holding a path
+DiskUsage = tuple[int, int, int]
 DROP_REASONS = ("queue_full", "budget", "admission", "degraded", "write_budget", "closed",
                 "read_only", "off")
 
@@ -118,6 +128,10 @@ class SSDStore:
     _day: str
     _day_bytes: int
     _last_sweep: float
+    _disk_usage: Callable[[Path], DiskUsage]
+    _disk_cap: int | None  # None: not known (the disk could not be asked)
+    _disk_free: int | None
+    _disk_reserve: int
 
     def _today(self) -> str:
         return time.strftime("%Y-%m-%d", time.gmtime(self._clock()))
@@ -136,6 +150,31 @@ class SSDStore:
         day = self._today()
         self._bytes_written, self._day_bytes = self._index.written(day)
         self._day = day
+
+    def budget(self) -> int:
+        """The byte budget in use: ``config.budget_bytes`` capped by the disk."""
+        cap = self._disk_cap
+        return self.config.budget_bytes if cap is None else min(self.config.budget_bytes, cap)
+
+    def _refresh_disk_cap(self) -> None:
+        """Ask the disk (``statvfs``): cap = bytes stored + free - reserve. Caller holds
+        ``_lock`` (the stored bytes are the last totals read). Never raises."""
+        try:
+            total, _used, free = self._disk_usage(self.root)
+        except OSError as e:
+            log.debug("ssd: cannot read the disk usage of %s: %s", self.root, e)
+            return
+        reserve = self.config.disk_reserve_bytes
+        if reserve is None:
+            reserve = min(MAX_DISK_RESERVE, int(total) // 20)
+        self._disk_reserve = reserve
+        self._disk_free = int(free)
+        cap = max(0, self._bytes + int(free) - reserve)
+        if cap < self.config.budget_bytes and (self._disk_cap is None
+                                               or self._disk_cap >= self.config.budget_bytes):
+            log.warning("ssd budget capped by the disk: %d bytes (configured %d; %d free, "
+                        "%d kept free)", cap, self.config.budget_bytes, free, reserve)
+        self._disk_cap = cap
 
     def _forget(self, p: _Pending) -> None:
         h = bytes(p.meta.block_hash)
@@ -194,16 +233,20 @@ class SSDStore:
                     log.warning("cannot remove %s: %s", rel, e)
         self._blocks, self._bytes = self._index.totals()
 
-    def _enforce_capacity(self, keep: bytes | None = None) -> int:
-        """Delete blocks (of every process) until the folder's bytes fit the budget:
-        least recently used unpinned blocks first; pinned blocks (``pin``) only when
-        no unpinned block is left, the pin that ends first first (a pin never makes
-        a write fail; counted ``evictions_pinned``). Never raises (an index error
-        degrades the tier)."""
+    def _enforce_capacity(self, keep: bytes | None = None, budget: int | None = None) -> int:
+        """Delete blocks (of every process) until the folder's bytes fit ``budget``
+        (default ``budget()``): least recently used unpinned blocks first; pinned
+        blocks (``pin``) only when no unpinned block is left, the pin that ends first
+        first (a pin never makes a write fail; counted ``evictions_pinned``). Counted
+        ``evictions_disk`` when the disk, not ``budget_bytes``, set the budget. Never
+        raises (an index error degrades the tier)."""
         evicted = 0
         if not self._writable():
             return 0
-        budget = self.config.budget_bytes
+        if budget is None:
+            budget = self.budget()
+        counter = ("evictions_capacity" if budget >= self.config.budget_bytes
+                   else "evictions_disk")
         now = self._clock()
 
         def victims() -> list[tuple[bytes, str, int]]:
@@ -234,7 +277,7 @@ class SSDStore:
                     self._counts["evictions_pinned"] += self._pinned_victims
             except sqlite3.Error as e:
                 self._index_error(e)
-            self._counts["evictions_capacity"] += evicted
+            self._counts[counter] += evicted
         return evicted
 
     @tier_errors
@@ -251,6 +294,7 @@ class SSDStore:
                 expired = self._delete_where(lambda: self._index.expired(self._clock()))
                 self._counts["evictions_ttl"] += len(expired)
                 self._refresh_totals()
+                self._refresh_disk_cap()
             return len(expired) + self._enforce_capacity()
         except sqlite3.Error as e:
             with self._lock:
@@ -430,13 +474,18 @@ class SSDStore:
                 "index_errors": c["index_errors"],
                 "io_errors": c["io_errors"],
                 "evictions_capacity": c["evictions_capacity"],
+                "evictions_disk": c["evictions_disk"],
+                "disk_full": c["disk_full"],
                 "evictions_ttl": c["evictions_ttl"],
                 "evictions_pinned": c["evictions_pinned"],
                 "pinned_blocks": pinned[0],
                 "pinned_bytes": pinned[1],
                 "blocks_on_disk": self._blocks,
                 "bytes_on_disk": self._bytes,
-                "budget_bytes": self.config.budget_bytes,
+                "budget_bytes": self.budget(),
+                "config_budget_bytes": self.config.budget_bytes,
+                "disk_free_bytes": self._disk_free,
+                "disk_reserve_bytes": self._disk_reserve,
                 "bytes_written": self._bytes_written,
                 "bytes_written_today": self._today_bytes(),
                 "queue_depth": len(self._pending),
