@@ -74,7 +74,8 @@ def test_without_the_lock_the_tier_serves_read_only_and_repairs_nothing(tmp_path
     s = tier.stats()
     assert (s["mode"], s["degraded"], s["blocks_on_disk"]) == ("read_only", True, N_ALICE + N_BOB)
     assert "folder lock" in s["mode_reason"] and "Permission denied" in s["mode_reason"]
-    assert tier.health() == {"mode": "read_only", "degraded": True, "reason": s["mode_reason"]}
+    assert tier.health() == {"mode": "read_only", "degraded": True, "reason": s["mode_reason"],
+                             "index_errors": 0}
     assert tier.get(ms[1].block_hash) == payload_for(1)  # reads are served
     fresh = chain(NS, N_ALICE + 1)[-1]
     assert tier.put(fresh, payload_for(7)) is False

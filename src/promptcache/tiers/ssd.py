@@ -70,6 +70,8 @@ READ_WORKERS = 4
 # Blocks after those whose files the kernel is asked to start reading (WILLNEED).
 HINT_BLOCKS = 8
 _FADV_WILLNEED: int | None = getattr(os, "POSIX_FADV_WILLNEED", None)
+# How often the writer thread verifies the whole index file (``verify_index``).
+INDEX_CHECK_INTERVAL_S = 300.0
 
 
 class SSDTier(SSDWriter):
@@ -87,6 +89,7 @@ class SSDTier(SSDWriter):
         read_ahead_blocks: int = READ_AHEAD_BLOCKS,
         read_only: bool = False,
         disk_usage: Callable[[Path], DiskUsage] = shutil.disk_usage,
+        index_check_interval_s: float = INDEX_CHECK_INTERVAL_S,
     ) -> None:
         if read_ahead_blocks < 0:
             raise ValueError(f"read_ahead_blocks must be >= 0, got {read_ahead_blocks}")
@@ -117,6 +120,8 @@ class SSDTier(SSDWriter):
         self._kids_memo: dict[bytes, tuple[float, list[tuple[bytes, str, int, str, float | None]]]] = {}
         self._hinted: dict[bytes, float] = {}
         self._disk_usage = disk_usage
+        self._index_check_interval = index_check_interval_s
+        self._last_index_check = time.monotonic()
         self._disk_cap: int | None = None
         self._disk_free: int | None = None
         self._disk_reserve = 0
@@ -240,17 +245,6 @@ class SSDTier(SSDWriter):
         except (OSError, IndexCorruptError, IndexOpenError) as e:
             return self._off(f"cannot rebuild the index: {e}")
 
-    def _set_mode(self, mode: str, reason: str, *, degraded: bool = True) -> None:
-        """``read_only``: reads only (no write, no deletion, no repair); ``off``: an
-        empty index in memory, every read a miss. Never changes back while open.
-        ``degraded=False``: asked for (the CLI's inspection), not a failure."""
-        self._mode, self._mode_reason = mode, reason
-        if degraded:
-            log.error("ssd tier %s: %s", "is off" if mode == "off" else "serves read-only",
-                      reason)
-            self._degraded_reason = reason
-            self._retry_at = float("inf")
-
     def _off(self, reason: str) -> SSDIndex:
         self._set_mode("off", reason)
         return SSDIndex(Path(":memory:"), durable=False)
@@ -263,7 +257,8 @@ class SSDTier(SSDWriter):
     def health(self) -> dict[str, Any]:
         """Cheap (no lock, no I/O): the mode and why the tier is not fully working."""
         return {"mode": self._mode, "degraded": self._degraded_reason is not None,
-                "reason": self._mode_reason or self._degraded_reason}
+                "reason": self._mode_reason or self._degraded_reason,
+                "index_errors": self._counts["index_errors"]}
 
     # -- metadata queries (index only) -------------------------------------------
 
@@ -445,8 +440,10 @@ class SSDTier(SSDWriter):
                 else:
                     self._willneed(kh, rel)
                 cur = kh
-        except (OSError, sqlite3.Error):  # a hint only
+        except OSError:  # a hint only
             pass
+        except sqlite3.Error as e:  # a hint only, but never a silent index error
+            self._index_error(e)
 
     def _live_kids(self, h: bytes, now: float) -> list[tuple[bytes, str, int, str, float | None]]:
         """``child_reads`` of ``h`` (unexpired), remembered for a second: consecutive

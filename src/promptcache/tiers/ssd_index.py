@@ -184,11 +184,21 @@ def _row_to_index_row(r: tuple) -> IndexRow:  # type: ignore[type-arg]
     )
 
 
-def is_corruption(e: sqlite3.Error) -> bool:
-    """True if ``e`` says the database file itself is damaged (``file is not a
-    database``, ``database disk image is malformed``); False for errors of access
-    (``OperationalError``: unable to open, read-only, locked, disk I/O)."""
-    return isinstance(e, sqlite3.DatabaseError) and not isinstance(e, sqlite3.OperationalError)
+_SQLITE_CORRUPT, _SQLITE_NOTADB = 11, 26
+
+
+def is_corruption(e: BaseException) -> bool:
+    """True if ``e`` says the database file itself is damaged (``SQLITE_CORRUPT``:
+    ``database disk image is malformed``; ``SQLITE_NOTADB``: ``file is not a
+    database``); False for errors of access (unable to open, read-only, locked, disk
+    I/O) and for errors of use (constraints, a closed handle)."""
+    if not isinstance(e, sqlite3.DatabaseError):
+        return False
+    code = getattr(e, "sqlite_errorcode", None)
+    if isinstance(code, int):
+        return code & 0xFF in (_SQLITE_CORRUPT, _SQLITE_NOTADB)
+    text = str(e)
+    return type(e) is sqlite3.DatabaseError or "malformed" in text or "not a database" in text
 
 
 class SSDIndex:

@@ -33,7 +33,7 @@ from ..hashing import BlockHash
 from ..meta import BlockMeta, Namespace
 from . import ssd_files as files
 from .base import PayloadSource
-from .ssd_index import SSDIndex
+from .ssd_index import IndexCorruptError, IndexOpenError, SSDIndex, is_corruption
 from .ssd_queue import WriteQueue
 
 log = logging.getLogger(__name__)
@@ -132,6 +132,8 @@ class SSDStore:
     _disk_cap: int | None  # None: not known (the disk could not be asked)
     _disk_free: int | None
     _disk_reserve: int
+    _last_index_check: float  # time.monotonic() of the last verify_index
+    _index_check_interval: float
 
     def _today(self) -> str:
         return time.strftime("%Y-%m-%d", time.gmtime(self._clock()))
@@ -201,8 +203,62 @@ class SSDStore:
                             f"({self._mode_reason})")
 
     def _index_error(self, e: sqlite3.Error) -> None:
-        self._counts["index_errors"] += 1
-        self._degrade(f"index error: {e}")
+        """Every SQLite error is counted (``index_errors``) and degrades the tier; one
+        that says the index file is damaged turns the tier read-only for good (a
+        restart, or ``promptcache cache check --fix``, rebuilds the index under the
+        folder lock)."""
+        with self._lock:
+            self._counts["index_errors"] += 1
+        if is_corruption(e):
+            self._index_corrupted(str(e))
+        else:
+            self._degrade(f"index error: {e}")
+
+    def _index_corrupted(self, detail: str) -> None:
+        with self._lock:
+            self._counts["index_corrupt"] += 1
+            if self._mode != "read_write":
+                return
+            self._set_mode("read_only", f"the index is corrupt ({detail}): no writes, no "
+                           "repairs until a restart or `promptcache cache check --fix` "
+                           "rebuilds it")
+
+    def _set_mode(self, mode: str, reason: str, *, degraded: bool = True) -> None:
+        """``read_only``: reads only (no write, no deletion, no repair); ``off``: an
+        empty index in memory, every read a miss. Never changes back while open.
+        ``degraded=False``: asked for (the CLI's inspection), not a failure."""
+        self._mode, self._mode_reason = mode, reason
+        if degraded:
+            log.error("ssd tier %s: %s", "is off" if mode == "off" else "serves read-only",
+                      reason)
+            self._degraded_reason = reason
+            self._retry_at = float("inf")
+
+    def verify_index(self) -> bool:
+        """``PRAGMA quick_check`` of the index file on a connection of its own (so no
+        lock of the request path is held while it reads the whole file): a running
+        server notices an index damaged under it. False (and the tier read-only,
+        ``index_errors`` counted) if it is damaged. Never raises."""
+        self._last_index_check = time.monotonic()
+        if self._mode == "off" or self._closed_now():
+            return True
+        path = self.root / files.INDEX_NAME
+        try:
+            SSDIndex(path, durable=False, read_only=True).close()
+        except IndexCorruptError as e:
+            with self._lock:
+                self._counts["index_errors"] += 1
+            self._index_corrupted(str(e))
+            return False
+        except IndexOpenError as e:
+            with self._lock:
+                self._counts["index_errors"] += 1
+            self._degrade(f"index check failed: {e}")
+            return False
+        return True
+
+    def _closed_now(self) -> bool:
+        return bool(getattr(self, "_closed", False))
 
     # -- deletion, capacity, TTL --------------------------------------------------------
 
@@ -282,8 +338,11 @@ class SSDStore:
 
     @tier_errors
     def sweep(self) -> int:
-        """Apply batched accesses, delete expired blocks, enforce the byte limit."""
+        """Apply batched accesses, delete expired blocks, enforce the byte limit; every
+        ``index_check_interval_s``, verify the index file (``verify_index``)."""
         self._last_sweep = time.monotonic()
+        if self._last_sweep - self._last_index_check >= self._index_check_interval:
+            self.verify_index()
         if not self._writable():
             with self._lock:
                 self._touches.clear()
@@ -472,6 +531,7 @@ class SSDStore:
                 "encode_errors": c["encode_errors"],
                 "unexpected_errors": c["unexpected_errors"],
                 "index_errors": c["index_errors"],
+                "index_corrupt": c["index_corrupt"],
                 "io_errors": c["io_errors"],
                 "evictions_capacity": c["evictions_capacity"],
                 "evictions_disk": c["evictions_disk"],
