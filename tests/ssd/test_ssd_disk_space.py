@@ -146,3 +146,23 @@ def test_enospc_with_nothing_to_evict_degrades(tmp_path, monkeypatch):
     assert s["degraded"] is True and "No space left" in s["degraded_reason"]
     assert s["blocks_on_disk"] == 0
     tier.close()
+
+
+def test_full_disk_at_startup_keeps_the_tier_on_and_evicts(tmp_path, monkeypatch):
+    clock = FakeClock()
+    disk = FakeDisk(total=1000 * SIZE, free=100 * SIZE)
+    tier = make_tier(tmp_path, clock=clock, disk_usage=disk, disk_reserve_bytes=SIZE)
+    fill(tier, clock, 3)
+    tier.close()
+
+    def full(root: Path) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device", str(root))
+
+    monkeypatch.setattr(ssd_files, "probe_writable", full)
+    disk.free = 0  # filled from outside while the server was down
+    tier = make_tier(tmp_path, clock=clock, disk_usage=disk, disk_reserve_bytes=SIZE)
+    s = tier.stats()
+    # on, and at startup already down to stored 3 + free 0 - reserve 1 = 2 blocks
+    assert (s["mode"], s["degraded"], s["blocks_on_disk"], s["evictions_disk"]) == (
+        "read_write", False, 2, 1)
+    tier.close()

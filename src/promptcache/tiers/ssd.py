@@ -38,6 +38,7 @@ counters).
 from __future__ import annotations
 
 import bisect
+import errno
 import logging
 import os
 import shutil
@@ -172,7 +173,11 @@ class SSDTier(SSDWriter):
         try:
             files.probe_writable(self.root)
         except OSError as e:
-            return self._off(f"cache folder {self.root} is not writable: {e}")
+            if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+                return self._off(f"cache folder {self.root} is not writable: {e}")
+            # a full disk is writable once blocks are evicted (the budget in use is
+            # capped by the free space): the tier stays on
+            log.warning("ssd: the disk of %s is full (%s)", self.root, e)
         lock_error: OSError | None = None
         try:
             self._dirlock = files.DirLock(self.root / files.LOCK_NAME)
