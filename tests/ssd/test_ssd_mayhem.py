@@ -93,6 +93,7 @@ def test_reconcile_on_restart_finds_every_kind_of_damage(tmp_path):
         "temp_files": 1, "missing_files": 1, "wrong_size": 1, "orphan_files": 1,
         "index_rebuilt": False, "blocks": 4, "bytes": 4 * SIZE, "fixed": False, "problems": 4,
         "index_corrupt": False, "unindexed_files": 0, "set_aside_files": 0, "refused": None,
+        "recovered_blocks": 0,
     }
     assert tmp_file.exists() and orphan.exists()  # check without fix changes nothing
     tier.close()
@@ -108,15 +109,18 @@ def test_reconcile_on_restart_finds_every_kind_of_damage(tmp_path):
     tier.close()
 
 
-def test_deleted_index_starts_empty_and_removes_orphans(tmp_path):
+def test_deleted_index_starts_empty_and_keeps_the_files_aside(tmp_path):
+    """A lost index proves nothing orphaned: files that do not describe themselves
+    (these tier-level payloads are block format 1) are set aside, not deleted."""
     tier, ms = stored(tmp_path)
     tier.close()
     for suffix in ("", "-wal", "-shm"):
         Path(str(tmp_path / "index.sqlite") + suffix).unlink(missing_ok=True)
     tier = make_tier(tmp_path)
-    assert tier.startup_report.orphan_files == 3
+    rep = tier.startup_report
+    assert (rep.orphan_files, rep.set_aside_files, rep.recovered_blocks) == (0, 3, 0)
     assert tier.get_meta(ms[0].block_hash) is None
-    assert list(tmp_path.rglob("*.safetensors")) == []
+    assert len(list((tmp_path / "quarantine").rglob("*.safetensors"))) == 3
     assert tier.put(ms[0], payload_for(0)) is True
     tier.flush()
     assert tier.get(ms[0].block_hash) == payload_for(0)

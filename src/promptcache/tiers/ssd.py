@@ -59,6 +59,7 @@ from . import ssd_files as files
 from .ssd_check import CheckReport, reconcile
 from .ssd_index import IndexCorruptError, IndexOpenError, IndexRow, SSDIndex
 from .ssd_queue import WriteQueue
+from .ssd_recover import recover_from_files
 from .ssd_store import DROP_REASONS, LATENCY_BUCKETS_MS, DiskUsage, _Pending, tier_errors
 from .ssd_write import STOP, SSDWriter
 
@@ -129,6 +130,7 @@ class SSDTier(SSDWriter):
         self._index_rebuilt = False
         self._index_corrupt = False
         self._set_aside = 0
+        self._recovered = 0
         self._mode = "read_write"
         self._mode_reason: str | None = None
         self._dirlock = files.DirLock(None)
@@ -183,8 +185,9 @@ class SSDTier(SSDWriter):
             self._dirlock = files.DirLock(self.root / files.LOCK_NAME)
         except OSError as e:
             lock_error = e
+        existed = path.exists()
         try:
-            if path.exists() and not path.is_file():
+            if existed and not path.is_file():
                 raise IndexCorruptError(f"{path} is not a file")
             index = SSDIndex(path, durable=durable)
         except IndexOpenError as e:
@@ -200,7 +203,24 @@ class SSDTier(SSDWriter):
         if lock_error is not None:
             self._set_mode("read_only", f"cannot open the folder lock "
                            f"{self.root / files.LOCK_NAME}: {lock_error}")
+        elif not existed:  # a lost index: the block files (if any) say what they are
+            with self._dirlock.exclusive():
+                try:
+                    self._recover(index)
+                except (sqlite3.Error, OSError) as e:
+                    index.close()
+                    return self._off(f"cannot rebuild the lost index from the files: {e}")
         return index
+
+    def _recover(self, index: SSDIndex) -> None:
+        """Rows back for the self-describing block files without one; the others set
+        aside (``ssd_recover``). Caller holds the exclusive folder lock."""
+        got = recover_from_files(self.root, index, now=self._clock(),
+                                 ttl=self.config.ttl_seconds, stamp=int(time.time() * 1000))
+        self._recovered += got.recovered
+        self._set_aside += got.set_aside
+        if got.recovered or got.set_aside:
+            self._index_rebuilt = True
 
     def _open_read_only(self, path: Path) -> SSDIndex:
         if not self.root.is_dir():
@@ -223,8 +243,9 @@ class SSDTier(SSDWriter):
 
     def _rebuild_index(self, path: Path, durable: bool) -> SSDIndex:
         """Caller holds the exclusive folder lock. The old index goes to quarantine;
-        the block files it described are set aside (``quarantine/unindexed.<time>/``),
-        never deleted: nothing proves them orphans."""
+        the new one gets the rows of the self-describing block files back, the other
+        files are set aside (``quarantine/unindexed.<time>/``), never deleted: nothing
+        proves them orphans."""
         try:  # another process may have rebuilt it while we waited for the lock
             if path.is_file():
                 return SSDIndex(path, durable=durable)
@@ -240,14 +261,9 @@ class SSDTier(SSDWriter):
                 if p.exists():
                     p.replace(qdir / f"{files.INDEX_NAME}{suffix}.{stamp}")
             index = SSDIndex(path, durable=durable)
-            kept = [rel for rel, _size, kind in files.scan(self.root) if kind != "temp"]
-            self._set_aside = files.set_aside(self.root, kept, stamp)
-            if self._set_aside:
-                log.warning("ssd: %d block file(s) the lost index described were moved to "
-                            "%s/unindexed.%d/ (kept, not deleted)", self._set_aside,
-                            files.QUARANTINE_DIR, stamp)
+            self._recover(index)
             return index
-        except (OSError, IndexCorruptError, IndexOpenError) as e:
+        except (OSError, sqlite3.Error, IndexCorruptError, IndexOpenError) as e:
             return self._off(f"cannot rebuild the index: {e}")
 
     def _off(self, reason: str) -> SSDIndex:
@@ -553,6 +569,7 @@ class SSDTier(SSDWriter):
                 raise TierError(f"ssd check failed: {e}") from e
             report.index_rebuilt, self._index_rebuilt = self._index_rebuilt, False
             report.set_aside_files, self._set_aside = self._set_aside, 0
+            report.recovered_blocks, self._recovered = self._recovered, 0
             report.index_corrupt = self._index_corrupt
             report.refused = refused
         return report

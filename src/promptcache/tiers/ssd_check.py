@@ -45,6 +45,7 @@ class CheckReport:
     index_corrupt: bool = False  # the index cannot be used (nothing rebuilt: no ``fix``)
     unindexed_files: int = 0  # block files no usable index describes (kept)
     set_aside_files: int = 0  # ... moved to quarantine/unindexed.<time>/ by a rebuild
+    recovered_blocks: int = 0  # rows a rebuild took back from self-describing files
     refused: str | None = None  # why a repair was not done (no folder lock, ...)
 
     @property
