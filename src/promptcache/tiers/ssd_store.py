@@ -119,7 +119,7 @@ class SSDStore:
     _latency_sum_ms: float
     _degraded_reason: str | None
     _retry_at: float
-    _mode: str  # read_write | read_only | off (ssd.py: SSDTier._set_mode)
+    _mode: str  # read_write | read_only | off (see _set_mode)
     _mode_reason: str | None
     _backoff: float
     _blocks: int  # the last totals read from the index (every process's blocks)
