@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from .blockdesc import describe
 from .blocks.matcher import EVICTED, EXPIRED, GoneMemory, Matcher
 from .blocks.pool import Block, BlockPool
 from .cache_levels import Levels
@@ -129,12 +130,19 @@ class CacheBase:
     def _source(self, block: Block) -> LazyPayload:
         """The block's payload as a ``PayloadSource``: encoded (arrays -> numpy ->
         safetensors) by the first tier writer that needs the bytes, off the request
-        path, once for every tier."""
-        adapter, payload, hx = self.adapter, block.payload, block.meta().block_hash.hex()
+        path, once for every tier. Self-describing (``blockdesc``, block format 2):
+        the metadata carries what an index row holds, so a lost index can be rebuilt
+        from the files; the sessions are those the block has now (taken here, under
+        the cache's lock)."""
+        adapter, payload, bm = self.adapter, block.payload, block.meta()
+        hx, sessions = bm.block_hash.hex(), tuple(sorted(block.sessions))
 
         def make() -> bytes:
-            extra = {k: v for k, v in adapter.meta(payload).items() if k != "block_hash"}
-            return self._enc(adapter.to_numpy(payload), {**extra, "block_hash": hx})
+            extra = {k: v for k, v in adapter.meta(payload).items()
+                     if k != "block_hash" and not k.startswith("pc.")}
+            arrays = adapter.to_numpy(payload)
+            return self._enc(arrays, {**extra, **describe(bm, sessions, arrays),
+                                      "block_hash": hx})
 
         return LazyPayload(make, block.nbytes)
 

@@ -116,6 +116,9 @@ class SSDConfig:
     admission_min_hits: int = 0  # persist only blocks hit at least this often
     admission_min_tokens: int = 0  # persist only sequences of at least this many tokens
     fsync: bool = True
+    # free space the tier leaves on its disk: the budget in use is capped by the bytes
+    # stored + the disk's free bytes - this reserve (None: 5% of the disk, at most 1 GB)
+    disk_reserve_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if self.policy not in ("write_back", "write_through"):
@@ -126,6 +129,8 @@ class SSDConfig:
             raise ValueError(f"budget_bytes must be >= 0, got {self.budget_bytes}")
         if self.ttl_seconds is not None and self.ttl_seconds <= 0:
             raise ValueError(f"ttl_seconds must be > 0, got {self.ttl_seconds}")
+        if self.disk_reserve_bytes is not None and self.disk_reserve_bytes < 0:
+            raise ValueError(f"disk_reserve_bytes must be >= 0, got {self.disk_reserve_bytes}")
 
 
 _REDIS_SCHEMES = ("redis://", "rediss://", "unix://", "redis+cluster://", "rediss+cluster://")

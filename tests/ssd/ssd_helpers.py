@@ -41,7 +41,7 @@ def chain(ns: Namespace, n_blocks: int, first_token: int = 0) -> list[BlockMeta]
 
 
 def make_tier(path: Path, **kw: object) -> SSDTier:
-    tier_kw = {k: kw.pop(k) for k in list(kw) if k in ("clock", "sweep_interval_s", "degraded_backoff_s", "reconcile_on_open", "read_ahead_blocks")}
+    tier_kw = {k: kw.pop(k) for k in list(kw) if k in ("clock", "sweep_interval_s", "degraded_backoff_s", "reconcile_on_open", "read_ahead_blocks", "read_only", "disk_usage", "index_check_interval_s")}
     cfg = SSDConfig(path=path, fsync=bool(kw.pop("fsync", False)), **kw)  # type: ignore[arg-type]
     return SSDTier(cfg, **tier_kw)  # type: ignore[arg-type]
 

@@ -92,6 +92,8 @@ def test_reconcile_on_restart_finds_every_kind_of_damage(tmp_path):
     assert report.to_dict() == {
         "temp_files": 1, "missing_files": 1, "wrong_size": 1, "orphan_files": 1,
         "index_rebuilt": False, "blocks": 4, "bytes": 4 * SIZE, "fixed": False, "problems": 4,
+        "index_corrupt": False, "unindexed_files": 0, "set_aside_files": 0, "refused": None,
+        "recovered_blocks": 0,
     }
     assert tmp_file.exists() and orphan.exists()  # check without fix changes nothing
     tier.close()
@@ -107,15 +109,18 @@ def test_reconcile_on_restart_finds_every_kind_of_damage(tmp_path):
     tier.close()
 
 
-def test_deleted_index_starts_empty_and_removes_orphans(tmp_path):
+def test_deleted_index_starts_empty_and_keeps_the_files_aside(tmp_path):
+    """A lost index proves nothing orphaned: files that do not describe themselves
+    (these tier-level payloads are block format 1) are set aside, not deleted."""
     tier, ms = stored(tmp_path)
     tier.close()
     for suffix in ("", "-wal", "-shm"):
         Path(str(tmp_path / "index.sqlite") + suffix).unlink(missing_ok=True)
     tier = make_tier(tmp_path)
-    assert tier.startup_report.orphan_files == 3
+    rep = tier.startup_report
+    assert (rep.orphan_files, rep.set_aside_files, rep.recovered_blocks) == (0, 3, 0)
     assert tier.get_meta(ms[0].block_hash) is None
-    assert list(tmp_path.rglob("*.safetensors")) == []
+    assert len(list((tmp_path / "quarantine").rglob("*.safetensors"))) == 3
     assert tier.put(ms[0], payload_for(0)) is True
     tier.flush()
     assert tier.get(ms[0].block_hash) == payload_for(0)
@@ -137,8 +142,11 @@ def test_corrupted_index_is_moved_aside_and_rebuilt(tmp_path, garbage):
         idx.write_bytes(bytes(data))
     tier = make_tier(tmp_path)
     rep = tier.startup_report
-    assert rep.index_rebuilt is True and rep.orphan_files == 3 and rep.blocks == 0
+    # the files the lost index described are not proven orphans: set aside, not deleted
+    assert (rep.index_rebuilt, rep.orphan_files, rep.set_aside_files, rep.blocks) == (True, 0, 3, 0)
     assert any(n.startswith("index.sqlite") for n in quarantined(tmp_path))
+    kept = sorted(p.name for p in (tmp_path / "quarantine").rglob("*.safetensors"))
+    assert kept == sorted(bytes(m.block_hash).hex() + ".safetensors" for m in ms)
     assert tier.get(ms[0].block_hash) is None
     assert tier.stats()["degraded"] is False
     assert tier.put(ms[0], payload_for(0)) is True
@@ -172,5 +180,6 @@ def test_unusable_root_degrades_to_an_in_memory_index(tmp_path):
     assert tier.get_meta(m.block_hash) is None
     assert tier.get(m.block_hash) is None
     assert tier.put(m, payload_for(0)) is False
-    assert tier.stats()["dropped_spills"]["degraded"] == 1
+    assert tier.stats()["dropped_spills"]["off"] == 1
+    assert tier.stats()["mode"] == "off"
     tier.close()

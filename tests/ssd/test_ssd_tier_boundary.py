@@ -23,7 +23,7 @@ INDEX_METHODS = [
     "begin", "commit", "rollback", "kv_get", "kv_set", "get", "children", "child_reads",
     "upsert", "delete", "touch", "totals", "recount", "add_written", "written", "iter_rows",
     "files", "lru", "expired", "select_files", "add_sessions", "remove_session",
-    "sessions_of", "sessions", "tenants", "pin", "pinned",
+    "sessions_of", "sessions", "tenants", "pin", "pinned", "count", "quick_check",
 ]
 FILE_FUNCTIONS = ["ensure_dir", "write_temp", "publish", "fsync_dir", "remove_file",
                   "quarantine", "scan", "read_verified"]

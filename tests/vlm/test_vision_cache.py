@@ -83,3 +83,14 @@ def test_no_folder_without_a_model(tmp_path):
     vc = VisionCache(1 << 20, tmp_path)
     vc.put(D1, feats(1))  # not bound yet: RAM only
     assert vc.stats().ssd_writes == 0 and list(tmp_path.iterdir()) == []
+
+
+def test_unusable_folder_leaves_the_cache_in_ram(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_bytes(b"x")  # a folder cannot be made under a file (works as root too)
+    vc = VisionCache(1 << 20, blocker / "vision")
+    vc.bind_model("f" * 64)  # no exception: the model still loads
+    assert vc.folder is None and vc.stats().ssd_errors == 1
+    vc.put(D1, feats(1))
+    vc.flush()
+    assert vc.get(D1) is not None and vc.stats().ssd_writes == 0

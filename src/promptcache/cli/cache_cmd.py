@@ -3,7 +3,11 @@
 
 ``--cache-dir DIR`` is the SSD tier's folder (``SSDConfig.path``; default
 ``$PROMPTCACHE_HOME/blocks``). ``check`` exits with status 1 when it finds
-problems and ``--fix`` is not given.
+problems and ``--fix`` is not given, 2 when ``--fix`` could not repair (no folder
+lock, a folder it cannot write). ``stats``, ``ls`` and ``check`` without ``--fix``
+open the folder read-only: they change nothing on disk (a corrupt index is reported,
+not moved); ``check --fix`` and ``purge`` repair and delete only under the folder's
+exclusive lock.
 """
 
 from __future__ import annotations
@@ -61,11 +65,11 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     pg.add_argument("--older-than", default=None, help="only blocks unused for D (7d, 12h, 30m)")
 
 
-def _open(args: argparse.Namespace, *, reconcile: bool) -> SSDTier:
+def _open(args: argparse.Namespace, *, read_only: bool) -> SSDTier:
     cache_dir: Path = args.cache_dir
     if not cache_dir.is_dir():
         raise ValueError(f"cache folder {cache_dir} does not exist")
-    return SSDTier(SSDConfig(path=cache_dir), reconcile_on_open=reconcile)
+    return SSDTier(SSDConfig(path=cache_dir), reconcile_on_open=False, read_only=read_only)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -74,7 +78,8 @@ def run(args: argparse.Namespace) -> int:
         older = parse_duration(args.older_than) if args.older_than is not None else None
     if cmd == "ls" and args.limit < 0:
         raise ValueError(f"--limit must be >= 0, got {args.limit}")
-    tier = _open(args, reconcile=False)
+    changes = cmd == "purge" or (cmd == "check" and args.fix)
+    tier = _open(args, read_only=not changes)
     try:
         if cmd == "stats":
             s = tier.stats()
@@ -84,6 +89,7 @@ def run(args: argparse.Namespace) -> int:
                 "bytes": s["bytes_on_disk"],
                 "bytes_written": s["bytes_written"],
                 "degraded": s["degraded"],
+                "mode": s["mode"],
                 "tenants": {t: {"blocks": n, "bytes": b} for t, n, b in tier.tenants()},
             }
             print(json.dumps(out, indent=2))
@@ -104,6 +110,9 @@ def run(args: argparse.Namespace) -> int:
             with progress_bar("checking the cache folder") as bar:
                 report = tier.check(fix=args.fix, progress=bar)
             print(json.dumps(report.to_dict(), indent=2))
+            if report.refused is not None:
+                print(f"promptcache cache check: {report.refused}", file=sys.stderr)
+                return 2
             if report.problems and not args.fix:
                 print(
                     f"promptcache cache check: {report.problems} problem(s); run with --fix",

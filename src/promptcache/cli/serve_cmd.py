@@ -214,8 +214,11 @@ def build_configs(args: argparse.Namespace) -> tuple[
     ssd_cfg = None
     if not args.no_cache and not args.no_ssd:
         path = args.cache_dir if args.cache_dir is not None else SSDConfig().path
-        path.mkdir(parents=True, exist_ok=True)
-        budget = parse_size(args.ssd_budget, total=shutil.disk_usage(path).free)
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError as e:  # the tier will be off (SSDTier says why); serving goes on
+            log.error("cannot create the SSD cache folder %s: %s", path, e)
+        budget = parse_size(args.ssd_budget, total=free_bytes(path))
         ssd_cfg = SSDConfig(path=path, budget_bytes=budget, policy=args.ssd_policy,
                             queue_size=args.ssd_queue_size, ttl_seconds=ttl)
     chunk = max(args.block_size, (256 // args.block_size) * args.block_size)
@@ -259,6 +262,17 @@ def build_configs(args: argparse.Namespace) -> tuple[
                               session_ttl_s=session_ttl, auto_tune=args.auto_tune,
                               ram_budget_min_bytes=bounds[0], ram_budget_max_bytes=bounds[1])
     return engine_cfg, cache_cfg, ssd_cfg, server_cfg
+
+
+def free_bytes(path: Path) -> int:
+    """Free bytes of the file system holding ``path`` (or its nearest existing parent);
+    0 if none can be asked."""
+    for p in (path, *path.parents):
+        try:
+            return shutil.disk_usage(p).free
+        except OSError:
+            continue
+    return 0
 
 
 def build_vision_cache(args: argparse.Namespace, ssd_cfg: SSDConfig | None
@@ -309,8 +323,9 @@ def run(args: argparse.Namespace) -> int:
         print("promptcache: preparing the embedded default model ...", file=sys.stderr)
         model = str(ensure_default_model())
     print(f"promptcache: loading {model}", file=sys.stderr)
-    engine = Engine.load(model, engine_cfg, cache_cfg,
-                         cache=build_cache(cache_cfg, ssd_cfg, redis_cfg),
+    cache = build_cache(cache_cfg, ssd_cfg, redis_cfg)
+    ssd_mode = {t.name: getattr(t, "mode", "") for t in cache.lower}.get("ssd") if cache else None
+    engine = Engine.load(model, engine_cfg, cache_cfg, cache=cache,
                          vision_cache=build_vision_cache(args, ssd_cfg))
     if server_cfg.context_window and server_cfg.context_window > engine.context_length:
         log.warning("--context-window %d is larger than the model's window (%d); using %d",
@@ -319,7 +334,7 @@ def run(args: argparse.Namespace) -> int:
         app = create_app(engine, server_cfg, engine_config=engine_cfg,
                          model_aliases=args.model_alias)
         print(f"promptcache: serving {engine.model_id} on http://{args.host}:{args.port} "
-              f"(cache: {'off' if args.no_cache else 'RAM' + (' + SSD ' + str(ssd_cfg.path) if ssd_cfg else '') + (' + Redis' if redis_cfg else '')}"
+              f"(cache: {'off' if args.no_cache else 'RAM' + (' + SSD ' + str(ssd_cfg.path) + (f' ({ssd_mode})' if ssd_mode != 'read_write' else '') if ssd_cfg else '') + (' + Redis' if redis_cfg else '')}"
               f"{f', KV {args.kv_bits}-bit' if args.kv_bits and not args.no_cache else ''}; "
               f"{engine_cfg.max_active_requests} active / {engine_cfg.max_queued_requests} queued, "
               f"active KV <= {engine_cfg.active_kv_budget_bytes} bytes)",

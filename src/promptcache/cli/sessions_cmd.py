@@ -64,7 +64,8 @@ def _folder(args: argparse.Namespace) -> dict[str, Any]:
 
     if not args.cache_dir.is_dir():
         raise ValueError(f"cache folder {args.cache_dir} does not exist")
-    tier = SSDTier(SSDConfig(path=args.cache_dir), reconcile_on_open=False)
+    tier = SSDTier(SSDConfig(path=args.cache_dir), reconcile_on_open=False,
+                   read_only=not args.delete)
     try:
         if args.delete:
             n = tier.delete_session(args.delete, args.tenant)

@@ -3,13 +3,22 @@
 ``build_cache`` returns the PromptCache over RAM plus the lower tiers the configs ask
 for (SSD, the shared Redis tier), with the engine's MLX payload adapter, or None when
 caching is off. Add a tier here (and only here) to make ``promptcache serve`` use it.
+
+A tier that cannot work never stops the server: an SSD folder that is read-only, not
+ours to write or unusable gives a tier that is ``off`` (every read a miss, every write
+refused and counted ``off``) or ``read_only``; it stays in the list so that
+``/v1/cache/stats`` (``tiers.ssd.mode``) and ``/health`` (``tiers``) say so.
 """
 
 from __future__ import annotations
 
+import logging
+
 from ..cache import PromptCache
 from ..config import CacheConfig, RedisConfig, SSDConfig
 from ..tiers.base import Tier
+
+log = logging.getLogger(__name__)
 
 
 def build_cache(cache_config: CacheConfig, ssd_config: SSDConfig | None = None,
@@ -24,7 +33,11 @@ def build_cache(cache_config: CacheConfig, ssd_config: SSDConfig | None = None,
     if ssd_config is not None:
         from ..tiers.ssd import SSDTier
 
-        lower.append(SSDTier(ssd_config))
+        ssd = SSDTier(ssd_config)
+        if ssd.mode != "read_write":
+            log.error("serving without the SSD tier's writes: it is %s (%s)", ssd.mode,
+                      ssd.health()["reason"])
+        lower.append(ssd)
     if redis_config is not None:
         from ..tiers.redis import RedisTier
 

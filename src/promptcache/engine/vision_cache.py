@@ -74,10 +74,19 @@ class VisionCache:
 
     def bind_model(self, fingerprint: str) -> None:
         """Features are per model: the folder becomes ``<base>/<fingerprint[:32]>``
-        (the engine calls this when it loads the model)."""
+        (the engine calls this when it loads the model). A folder that cannot be
+        created (a read-only or not-ours cache folder) leaves the cache in RAM only,
+        counted ``ssd_errors`` and logged: it never stops the model from loading."""
         if self.base is not None:
-            self.folder = self.base / fingerprint[:32]
-            self.folder.mkdir(parents=True, exist_ok=True)
+            folder = self.base / fingerprint[:32]
+            try:
+                folder.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                logger.error("vision cache folder %s unusable (%s): RAM only", folder, e)
+                self.counters.ssd_errors += 1
+                self.folder = None
+                return
+            self.folder = folder
 
     def __len__(self) -> int:
         return len(self._ram)

@@ -57,6 +57,21 @@ def _prerender_stats(st: Any) -> dict[str, Any] | None:
     return pre.snapshot() if pre is not None else None
 
 
+def tier_health(cache: Any) -> dict[str, Any]:
+    """``{tier name: tier.health()}`` for the lower tiers that report it (the SSD
+    tier: ``mode`` read_write / read_only / off, ``degraded``, ``reason``): attribute
+    reads only, no lock and no I/O, so /health stays cheap."""
+    out: dict[str, Any] = {}
+    for tier in getattr(cache, "lower", None) or ():
+        health = getattr(tier, "health", None)
+        if callable(health):
+            try:
+                out[str(getattr(tier, "name", type(tier).__name__))] = dict(health())
+            except Exception as e:  # a broken tier must not break /health
+                out[str(getattr(tier, "name", type(tier).__name__))] = {"error": str(e)}
+    return out
+
+
 @router.get("/health", response_model=None)
 async def health(request: Request) -> dict[str, Any] | JSONResponse:
     """Liveness: 200 while the engine thread runs, 503 once it has died (every
@@ -66,6 +81,9 @@ async def health(request: Request) -> dict[str, Any] | JSONResponse:
         "status": "ok", "model": st.model_id,
         "cache_enabled": getattr(st.engine, "cache", None) is not None,
         "uptime_s": round(time.time() - st.started_at, 3)}
+    tiers = tier_health(getattr(st.engine, "cache", None))
+    if tiers:
+        body["tiers"] = tiers
     if not getattr(st.engine, "alive", True):
         body["status"] = "engine_dead"
         body["error"] = getattr(st.engine, "failure", None)

@@ -20,6 +20,14 @@ has passed; ``get`` raises only ``TierError`` / ``CorruptBlockError``. ``hits`` 
 the block's hit count as the policy knows it, used by the ``admission_min_hits``
 rule (None counts as 0).
 
+Repairs only under the folder's exclusive lock: a folder whose ``lock`` cannot be
+opened is served read-only (``mode`` ``read_only``: reads, no write, no deletion, no
+reconcile); a folder that cannot be written, or whose index cannot be opened (or is
+corrupt while the lock is missing), is ``off`` (an empty index in memory; the files
+are left as they are). A corrupt index is rebuilt only under the exclusive lock, and
+the block files it described are set aside in quarantine, never deleted.
+``read_only=True`` (the CLI's inspections) opens the folder without changing it.
+
 Thread safety: every public method may be called from any thread. Lock order:
 ``_write_lock`` (serializes file writes, deletions, sweeps and checks), then the
 folder's ``DirLock`` (shared for changes, exclusive for repair and purge, across
@@ -32,6 +40,7 @@ from __future__ import annotations
 import bisect
 import logging
 import os
+import shutil
 import sqlite3
 import threading
 import time
@@ -46,9 +55,10 @@ from ..hashing import BlockHash
 from ..meta import BlockMeta, Namespace
 from . import ssd_files as files
 from .ssd_check import CheckReport, reconcile
-from .ssd_index import IndexCorruptError, IndexRow, SSDIndex
+from .ssd_index import IndexRow
+from .ssd_open import SSDOpener
 from .ssd_queue import WriteQueue
-from .ssd_store import DROP_REASONS, LATENCY_BUCKETS_MS, _Pending, tier_errors
+from .ssd_store import DROP_REASONS, LATENCY_BUCKETS_MS, DiskUsage, _Pending, tier_errors
 from .ssd_write import STOP, SSDWriter
 
 log = logging.getLogger(__name__)
@@ -60,9 +70,11 @@ READ_WORKERS = 4
 # Blocks after those whose files the kernel is asked to start reading (WILLNEED).
 HINT_BLOCKS = 8
 _FADV_WILLNEED: int | None = getattr(os, "POSIX_FADV_WILLNEED", None)
+# How often the writer thread verifies the whole index file (``verify_index``).
+INDEX_CHECK_INTERVAL_S = 300.0
 
 
-class SSDTier(SSDWriter):
+class SSDTier(SSDWriter, SSDOpener):
     """See the module docstring. ``clock`` returns wall-clock seconds (tests fake it)."""
 
 
@@ -75,6 +87,9 @@ class SSDTier(SSDWriter):
         degraded_backoff_s: float = 5.0,
         reconcile_on_open: bool = True,
         read_ahead_blocks: int = READ_AHEAD_BLOCKS,
+        read_only: bool = False,
+        disk_usage: Callable[[Path], DiskUsage] = shutil.disk_usage,
+        index_check_interval_s: float = INDEX_CHECK_INTERVAL_S,
     ) -> None:
         if read_ahead_blocks < 0:
             raise ValueError(f"read_ahead_blocks must be >= 0, got {read_ahead_blocks}")
@@ -104,62 +119,39 @@ class SSDTier(SSDWriter):
         )
         self._kids_memo: dict[bytes, tuple[float, list[tuple[bytes, str, int, str, float | None]]]] = {}
         self._hinted: dict[bytes, float] = {}
+        self._disk_usage = disk_usage
+        self._index_check_interval = index_check_interval_s
+        self._last_index_check = time.monotonic()
+        self._disk_cap: int | None = None
+        self._disk_free: int | None = None
+        self._disk_reserve = 0
         self._index_rebuilt = False
+        self._index_corrupt = False
+        self._set_aside = 0
+        self._recovered = 0
+        self._mode = "read_write"
+        self._mode_reason: str | None = None
         self._dirlock = files.DirLock(None)
-        self._index = self._open_index()
+        self._index = self._open_index(read_only)
         self._blocks = self._bytes = self._bytes_written = self._day_bytes = 0
         self._day = ""
         try:
             self._refresh_totals()
         except sqlite3.Error as e:
             self._index_error(e)
+        if self._mode != "off":
+            self._refresh_disk_cap()
         self.startup_report: CheckReport | None = None
-        if reconcile_on_open:
-            self.startup_report = self.check(fix=True)
+        if reconcile_on_open and self._mode == "read_write":
+            try:
+                self.startup_report = self.check(fix=True)
+            except TierError as e:  # counted and degraded by check; serving goes on
+                log.error("ssd startup check failed: %s", e)
+            self._enforce_capacity()  # a smaller budget, or a fuller disk, than last time
         self._queue = WriteQueue(config.queue_size)
         self._last_sweep = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="promptcache-ssd-writer", daemon=True)
         self._thread.start()
-
-    # -- opening ----------------------------------------------------------------
-
-    def _open_index(self) -> SSDIndex:
-        durable = self.config.fsync
-        path = self.root / files.INDEX_NAME
-        try:
-            files.ensure_dir(self.root, fsync=durable)
-            self._dirlock = files.DirLock(self.root / files.LOCK_NAME)
-            return SSDIndex(path, durable=durable)
-        except IndexCorruptError as e:
-            log.error("ssd index %s is unusable (%s): moving it aside, starting empty", path, e)
-        except OSError as e:
-            return self._memory_index(f"cannot create {self.root}: {e}")
-        with self._dirlock.exclusive():  # no other process is in the middle of a change
-            return self._rebuild_index(path, durable)
-
-    def _rebuild_index(self, path: Path, durable: bool) -> SSDIndex:
-        try:  # another process may have rebuilt it while we waited for the lock
-            return SSDIndex(path, durable=durable)
-        except IndexCorruptError:
-            pass
-        self._index_rebuilt = True
-        stamp = int(time.time() * 1000)
-        try:
-            qdir = self.root / files.QUARANTINE_DIR
-            qdir.mkdir(parents=True, exist_ok=True)
-            for suffix in ("", "-wal", "-shm"):
-                p = self.root / (files.INDEX_NAME + suffix)
-                if p.exists():
-                    p.replace(qdir / f"{files.INDEX_NAME}{suffix}.{stamp}")
-            return SSDIndex(path, durable=durable)
-        except (OSError, IndexCorruptError) as e:
-            return self._memory_index(f"cannot rebuild index: {e}")
-
-    def _memory_index(self, reason: str) -> SSDIndex:
-        log.error("ssd tier degraded: %s (index kept in memory)", reason)
-        self._degraded_reason = reason
-        self._retry_at = float("inf")
-        return SSDIndex(Path(":memory:"), durable=False)
 
     # -- metadata queries (index only) -------------------------------------------
 
@@ -341,8 +333,10 @@ class SSDTier(SSDWriter):
                 else:
                     self._willneed(kh, rel)
                 cur = kh
-        except (OSError, sqlite3.Error):  # a hint only
+        except OSError:  # a hint only
             pass
+        except sqlite3.Error as e:  # a hint only, but never a silent index error
+            self._index_error(e)
 
     def _live_kids(self, h: bytes, now: float) -> list[tuple[bytes, str, int, str, float | None]]:
         """``child_reads`` of ``h`` (unexpired), remembered for a second: consecutive
@@ -384,6 +378,13 @@ class SSDTier(SSDWriter):
 
     def _drop_bad(self, row: IndexRow, *, reason: str | None) -> None:
         h = bytes(row.meta.block_hash)
+        if not self._writable():  # nothing may change the folder: a miss, counted
+            with self._lock:
+                self._counts["corrupt"] += 1
+                self._counts["misses"] += 1
+            log.warning("ssd block %s unreadable (%s); %s tier: left as it is", h.hex()[:16],
+                        reason or "missing file", self._mode)
+            return
 
         def still_this_row() -> list[tuple[bytes, str, int]]:
             cur = self._index.get(h)  # (in the deleting transaction: no other writer now)
@@ -424,14 +425,25 @@ class SSDTier(SSDWriter):
         ``progress(done, total)`` follows the index rows checked."""
         if not self._closed and hasattr(self, "_thread"):
             self.flush()
+        refused = None
+        if fix and self._mode != "read_write":
+            refused = f"no repair: the tier is {self._mode.replace('_', '-')} ({self._mode_reason})"
+            log.error("ssd check: %s", refused)
+            fix = False
         with self._write_lock, self._dirlock.exclusive(), self._lock:
             try:
-                report = reconcile(self.root, self._index, fix=fix, progress=progress)
-                self._refresh_totals()
+                report = reconcile(self.root, self._index, fix=fix, progress=progress,
+                                   trust_index=self._mode != "off")
+                if self._mode != "off":
+                    self._refresh_totals()
             except sqlite3.Error as e:
                 self._index_error(e)
                 raise TierError(f"ssd check failed: {e}") from e
             report.index_rebuilt, self._index_rebuilt = self._index_rebuilt, False
+            report.set_aside_files, self._set_aside = self._set_aside, 0
+            report.recovered_blocks, self._recovered = self._recovered, 0
+            report.index_corrupt = self._index_corrupt
+            report.refused = refused
         return report
 
     @tier_errors

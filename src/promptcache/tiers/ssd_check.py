@@ -12,7 +12,11 @@ Rules (a row is committed only after its file is complete, so these are safe):
 
 The caller holds the tier's write lock and the folder's exclusive ``DirLock``, so
 no write or deletion of this or any other process is between its file step and its
-index step: a file without a row really is an orphan.
+index step: a file without a row really is an orphan. Only then: a repair needs
+that lock (``SSDTier.check`` refuses ``fix`` without it, ``refused`` says why), and
+with ``trust_index=False`` (the index is not the folder's: in memory, unreadable,
+corrupt) files without a row are only counted (``unindexed_files``), never removed.
+Without ``fix`` nothing on disk changes (the index is only read).
 """
 
 from __future__ import annotations
@@ -38,6 +42,11 @@ class CheckReport:
     blocks: int = 0
     bytes: int = 0
     fixed: bool = False
+    index_corrupt: bool = False  # the index cannot be used (nothing rebuilt: no ``fix``)
+    unindexed_files: int = 0  # block files no usable index describes (kept)
+    set_aside_files: int = 0  # ... moved to quarantine/unindexed.<time>/ by a rebuild
+    recovered_blocks: int = 0  # rows a rebuild took back from self-describing files
+    refused: str | None = None  # why a repair was not done (no folder lock, ...)
 
     @property
     def problems(self) -> int:
@@ -47,15 +56,17 @@ class CheckReport:
             + self.wrong_size
             + self.orphan_files
             + int(self.index_rebuilt)
+            + int(self.index_corrupt)
+            + self.unindexed_files
         )
 
-    def to_dict(self) -> dict[str, int | bool]:
-        d: dict[str, int | bool] = dict(asdict(self))
+    def to_dict(self) -> dict[str, int | bool | str | None]:
+        d: dict[str, int | bool | str | None] = dict(asdict(self))
         d["problems"] = self.problems
         return d
 
 
-def reconcile(root: Path, index: SSDIndex, *, fix: bool,
+def reconcile(root: Path, index: SSDIndex, *, fix: bool, trust_index: bool = True,
               progress: Callable[[int, int], None] | None = None) -> CheckReport:
     """``progress(done, total)``: called every 1024 index rows checked (and at the end)."""
     report = CheckReport(fixed=fix)
@@ -69,6 +80,8 @@ def reconcile(root: Path, index: SSDIndex, *, fix: bool,
                 remove_file(root / rel)
         elif kind == "block":
             on_disk[rel] = size
+        elif not trust_index:
+            report.unindexed_files += 1
         else:
             report.orphan_files += 1
             if fix:
@@ -110,18 +123,25 @@ def reconcile(root: Path, index: SSDIndex, *, fix: bool,
     if progress is not None:
         progress(len(rows), len(rows))
     for rel in on_disk:
-        if rel not in referenced:
-            report.orphan_files += 1
-            if fix:
-                remove_file(root / rel)
+        if rel in referenced:
+            continue
+        if not trust_index:
+            report.unindexed_files += 1
+            continue
+        report.orphan_files += 1
+        if fix:
+            remove_file(root / rel)
 
-    index.begin()
-    try:
-        report.blocks, report.bytes = index.recount()  # (and repairs the kept totals)
-        index.commit()
-    except BaseException:
-        index.rollback()
-        raise
+    if not fix:
+        report.blocks, report.bytes = index.count()
+    else:
+        index.begin()
+        try:
+            report.blocks, report.bytes = index.recount()  # (and repairs the kept totals)
+            index.commit()
+        except BaseException:
+            index.rollback()
+            raise
     if report.problems:
         log.info("ssd check (fix=%s): %s", fix, report.to_dict())
     return report

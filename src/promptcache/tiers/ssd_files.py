@@ -222,11 +222,11 @@ class DirLock:
     never see another live process's half-done change. One descriptor per tier:
     the tier uses it only under its write lock. ``path=None``: a no-op lock."""
 
-    def __init__(self, path: Path | None) -> None:
+    def __init__(self, path: Path | None, *, create: bool = True) -> None:
         self.path = path
         self._fd: int | None = None
         if path is not None:
-            self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            self._fd = open_lock_fd(path, create=create)
 
     @contextlib.contextmanager
     def shared(self) -> Iterator[None]:
@@ -254,6 +254,46 @@ class DirLock:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
+
+
+def open_lock_fd(path: Path, *, create: bool) -> int:
+    """A descriptor of the folder's lock file to ``flock``: read-write (created if
+    ``create``), else read-only (``flock`` works on either: a lock file another user
+    owns still locks). Raises OSError when neither opens."""
+    if create:
+        try:
+            return os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            if e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+                raise
+    return os.open(path, os.O_RDONLY)
+
+
+def probe_writable(root: Path) -> None:
+    """Create and remove a small file in ``root``: raises OSError (``EROFS``,
+    ``EACCES``, ``ENOSPC``...) if the folder cannot take a new file."""
+    probe = root / f".probe-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    os.close(fd)
+    os.unlink(probe)
+
+
+def set_aside(root: Path, rels: list[str], stamp: int) -> int:
+    """Move these files (relative to ``root``) under ``quarantine/unindexed.<stamp>/``,
+    keeping their relative paths: files an index no longer describes are not proven
+    orphans, so they are kept (an operator, or a later rebuild, decides). Returns the
+    number moved."""
+    dest_root = root / QUARANTINE_DIR / f"unindexed.{stamp}"
+    moved = 0
+    for rel in rels:
+        dest = dest_root / rel
+        try:
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(root / rel, dest)
+            moved += 1
+        except FileNotFoundError:
+            continue
+    return moved
 
 
 def remove_file(path: Path) -> bool:

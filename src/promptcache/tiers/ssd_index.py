@@ -112,7 +112,13 @@ _UPDATES = ", ".join(f"{c}=excluded.{c}" for c in _COLUMNS.split(", ") if c != "
 
 
 class IndexCorruptError(Exception):
-    """index.sqlite cannot be opened or fails its integrity check."""
+    """index.sqlite is not a database or fails its integrity check (its rows are lost)."""
+
+
+class IndexOpenError(Exception):
+    """index.sqlite cannot be opened or written (permissions, a read-only file system,
+    a missing file in read-only mode, a lock held too long): nothing says its rows are
+    lost, so nothing may be repaired because of it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,25 +184,64 @@ def _row_to_index_row(r: tuple) -> IndexRow:  # type: ignore[type-arg]
     )
 
 
+_SQLITE_CORRUPT, _SQLITE_NOTADB = 11, 26
+
+
+def is_corruption(e: BaseException) -> bool:
+    """True if ``e`` says the database file itself is damaged (``SQLITE_CORRUPT``:
+    ``database disk image is malformed``; ``SQLITE_NOTADB``: ``file is not a
+    database``); False for errors of access (unable to open, read-only, locked, disk
+    I/O) and for errors of use (constraints, a closed handle)."""
+    if not isinstance(e, sqlite3.DatabaseError):
+        return False
+    code = getattr(e, "sqlite_errorcode", None)
+    if isinstance(code, int):
+        return code & 0xFF in (_SQLITE_CORRUPT, _SQLITE_NOTADB)
+    text = str(e)
+    return type(e) is sqlite3.DatabaseError or "malformed" in text or "not a database" in text
+
+
 class SSDIndex:
-    def __init__(self, path: Path, *, durable: bool = True) -> None:
+    """``read_only``: opened with ``mode=ro`` (no schema change, no write; SQLite may
+    still create its ``-wal`` / ``-shm`` files beside it); a missing file raises
+    ``IndexOpenError`` instead of being created."""
+
+    def __init__(self, path: Path, *, durable: bool = True, read_only: bool = False) -> None:
         self.path = path
+        self.read_only = read_only
         try:
-            self._db = sqlite3.connect(
-                str(path), check_same_thread=False, isolation_level=None, timeout=30.0
-            )
-            self._db.execute("PRAGMA journal_mode=WAL")
-            self._db.execute(f"PRAGMA synchronous={'FULL' if durable else 'NORMAL'}")
+            if read_only:
+                self._db = sqlite3.connect(f"file:{path}?mode=ro", uri=True,
+                                           check_same_thread=False, isolation_level=None,
+                                           timeout=30.0)
+            else:
+                self._db = sqlite3.connect(
+                    str(path), check_same_thread=False, isolation_level=None, timeout=30.0
+                )
+                self._db.execute("PRAGMA journal_mode=WAL")
+                self._db.execute(f"PRAGMA synchronous={'FULL' if durable else 'NORMAL'}")
             ok = self._db.execute("PRAGMA quick_check").fetchone()
             if not ok or ok[0] != "ok":
                 raise IndexCorruptError(f"quick_check failed: {ok!r}")
-            self._migrate()
-        except sqlite3.DatabaseError as e:
+            if read_only:
+                version = self.kv_get("schema_version")
+                if version not in KNOWN_VERSIONS:
+                    raise IndexCorruptError(f"unknown index schema version {version!r}")
+            else:
+                self._migrate()
+        except sqlite3.Error as e:
             self.close()
-            raise IndexCorruptError(str(e)) from e
+            if is_corruption(e):
+                raise IndexCorruptError(str(e)) from e
+            raise IndexOpenError(str(e)) from e
         except IndexCorruptError:
             self.close()
             raise
+
+    def quick_check(self) -> str | None:
+        """None if ``PRAGMA quick_check`` passes, else what it found. Raises sqlite3.Error."""
+        got = self._db.execute("PRAGMA quick_check").fetchone()
+        return None if got and got[0] == "ok" else repr(got)
 
     def _migrate(self) -> None:
         """Create or upgrade the schema, in one write transaction (another process may
@@ -363,10 +408,14 @@ class SSDIndex:
         r = self._db.execute("SELECT blocks, bytes FROM totals WHERE id = 0").fetchone()
         return (int(r[0]), int(r[1])) if r is not None else (0, 0)
 
+    def count(self) -> tuple[int, int]:
+        """Totals counted from the rows (reads only)."""
+        r = self._db.execute("SELECT COUNT(*), COALESCE(SUM(file_bytes), 0) FROM blocks").fetchone()
+        return int(r[0]), int(r[1])
+
     def recount(self) -> tuple[int, int]:
         """Totals counted from the rows (the oracle for ``totals``; repairs them)."""
-        r = self._db.execute("SELECT COUNT(*), COALESCE(SUM(file_bytes), 0) FROM blocks").fetchone()
-        n, b = int(r[0]), int(r[1])
+        n, b = self.count()
         if (n, b) != self.totals():
             self._db.execute("UPDATE totals SET blocks = ?, bytes = ? WHERE id = 0", (n, b))
         return n, b

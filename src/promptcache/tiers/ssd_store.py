@@ -1,5 +1,11 @@
 """The SSD tier's shared state and maintenance: counters, deletion, capacity (LRU),
-TTL sweeps, sessions, tenants and stats. ``SSDTier`` (``ssd.py``) adds the read
+TTL sweeps, sessions, tenants and stats.
+
+The budget in use (``budget()``) is the configured ``budget_bytes`` capped by the
+disk: the bytes stored + the disk's free bytes - ``disk_reserve_bytes`` (asked at
+open, at each sweep and after a write found the disk full), so a disk filled from
+outside makes the tier evict its least recently used blocks (``evictions_disk``)
+instead of failing its writes. ``SSDTier`` (``ssd.py``) adds the read
 and write paths and the lifecycle on top. Locking rules: see ``ssd.py``.
 
 Several processes may share one folder: block and byte totals live in the index
@@ -27,14 +33,19 @@ from ..hashing import BlockHash
 from ..meta import BlockMeta, Namespace
 from . import ssd_files as files
 from .base import PayloadSource
-from .ssd_index import SSDIndex
+from .ssd_index import IndexCorruptError, IndexOpenError, SSDIndex, is_corruption
 from .ssd_queue import WriteQueue
 
 log = logging.getLogger(__name__)
 
 LATENCY_BUCKETS_MS = (0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 250.0, 500.0, 1000.0)
 MAX_EARLY_PINS = 1 << 16  # pins kept for blocks that have no row yet
-DROP_REASONS = ("queue_full", "budget", "admission", "degraded", "write_budget", "closed")
+MAX_DISK_RESERVE = 1 << 30  # the default reserve: 5% of the disk, at most this
+
+# ``shutil.disk_usage``'s (total, used, free) bytes of the file system holding a path
+DiskUsage = tuple[int, int, int]
+DROP_REASONS = ("queue_full", "budget", "admission", "degraded", "write_budget", "closed",
+                "read_only", "off")
 
 
 @dataclass(eq=False)
@@ -108,6 +119,8 @@ class SSDStore:
     _latency_sum_ms: float
     _degraded_reason: str | None
     _retry_at: float
+    _mode: str  # read_write | read_only | off (see _set_mode)
+    _mode_reason: str | None
     _backoff: float
     _blocks: int  # the last totals read from the index (every process's blocks)
     _bytes: int
@@ -115,6 +128,12 @@ class SSDStore:
     _day: str
     _day_bytes: int
     _last_sweep: float
+    _disk_usage: Callable[[Path], DiskUsage]
+    _disk_cap: int | None  # None: not known (the disk could not be asked)
+    _disk_free: int | None
+    _disk_reserve: int
+    _last_index_check: float  # time.monotonic() of the last verify_index
+    _index_check_interval: float
 
     def _today(self) -> str:
         return time.strftime("%Y-%m-%d", time.gmtime(self._clock()))
@@ -134,6 +153,31 @@ class SSDStore:
         self._bytes_written, self._day_bytes = self._index.written(day)
         self._day = day
 
+    def budget(self) -> int:
+        """The byte budget in use: ``config.budget_bytes`` capped by the disk."""
+        cap = self._disk_cap
+        return self.config.budget_bytes if cap is None else min(self.config.budget_bytes, cap)
+
+    def _refresh_disk_cap(self) -> None:
+        """Ask the disk (``statvfs``): cap = bytes stored + free - reserve. Caller holds
+        ``_lock`` (the stored bytes are the last totals read). Never raises."""
+        try:
+            total, _used, free = self._disk_usage(self.root)
+        except OSError as e:
+            log.debug("ssd: cannot read the disk usage of %s: %s", self.root, e)
+            return
+        reserve = self.config.disk_reserve_bytes
+        if reserve is None:
+            reserve = min(MAX_DISK_RESERVE, int(total) // 20)
+        self._disk_reserve = reserve
+        self._disk_free = int(free)
+        cap = max(0, self._bytes + int(free) - reserve)
+        if cap < self.config.budget_bytes and (self._disk_cap is None
+                                               or self._disk_cap >= self.config.budget_bytes):
+            log.warning("ssd budget capped by the disk: %d bytes (configured %d; %d free, "
+                        "%d kept free)", cap, self.config.budget_bytes, free, reserve)
+        self._disk_cap = cap
+
     def _forget(self, p: _Pending) -> None:
         h = bytes(p.meta.block_hash)
         if self._pending.get(h) is p:
@@ -149,9 +193,72 @@ class SSDStore:
             if self._retry_at != float("inf"):
                 self._retry_at = self._clock() + self._backoff
 
+    def _writable(self) -> bool:
+        """False in the read-only and off modes: nothing may change the folder."""
+        return self._mode == "read_write"
+
+    def _refuse_change(self, what: str) -> None:
+        if self._mode != "read_write":
+            raise TierError(f"ssd {what}: the tier is {self._mode.replace('_', '-')} "
+                            f"({self._mode_reason})")
+
     def _index_error(self, e: sqlite3.Error) -> None:
-        self._counts["index_errors"] += 1
-        self._degrade(f"index error: {e}")
+        """Every SQLite error is counted (``index_errors``) and degrades the tier; one
+        that says the index file is damaged turns the tier read-only for good (a
+        restart, or ``promptcache cache check --fix``, rebuilds the index under the
+        folder lock)."""
+        with self._lock:
+            self._counts["index_errors"] += 1
+        if is_corruption(e):
+            self._index_corrupted(str(e))
+        else:
+            self._degrade(f"index error: {e}")
+
+    def _index_corrupted(self, detail: str) -> None:
+        with self._lock:
+            self._counts["index_corrupt"] += 1
+            if self._mode != "read_write":
+                return
+            self._set_mode("read_only", f"the index is corrupt ({detail}): no writes, no "
+                           "repairs until a restart or `promptcache cache check --fix` "
+                           "rebuilds it")
+
+    def _set_mode(self, mode: str, reason: str, *, degraded: bool = True) -> None:
+        """``read_only``: reads only (no write, no deletion, no repair); ``off``: an
+        empty index in memory, every read a miss. Never changes back while open.
+        ``degraded=False``: asked for (the CLI's inspection), not a failure."""
+        self._mode, self._mode_reason = mode, reason
+        if degraded:
+            log.error("ssd tier %s: %s", "is off" if mode == "off" else "serves read-only",
+                      reason)
+            self._degraded_reason = reason
+            self._retry_at = float("inf")
+
+    def verify_index(self) -> bool:
+        """``PRAGMA quick_check`` of the index file on a connection of its own (so no
+        lock of the request path is held while it reads the whole file): a running
+        server notices an index damaged under it. False (and the tier read-only,
+        ``index_errors`` counted) if it is damaged. Never raises."""
+        self._last_index_check = time.monotonic()
+        if self._mode == "off" or self._closed_now():
+            return True
+        path = self.root / files.INDEX_NAME
+        try:
+            SSDIndex(path, durable=False, read_only=True).close()
+        except IndexCorruptError as e:
+            with self._lock:
+                self._counts["index_errors"] += 1
+            self._index_corrupted(str(e))
+            return False
+        except IndexOpenError as e:
+            with self._lock:
+                self._counts["index_errors"] += 1
+            self._degrade(f"index check failed: {e}")
+            return False
+        return True
+
+    def _closed_now(self) -> bool:
+        return bool(getattr(self, "_closed", False))
 
     # -- deletion, capacity, TTL --------------------------------------------------------
 
@@ -182,14 +289,20 @@ class SSDStore:
                     log.warning("cannot remove %s: %s", rel, e)
         self._blocks, self._bytes = self._index.totals()
 
-    def _enforce_capacity(self, keep: bytes | None = None) -> int:
-        """Delete blocks (of every process) until the folder's bytes fit the budget:
-        least recently used unpinned blocks first; pinned blocks (``pin``) only when
-        no unpinned block is left, the pin that ends first first (a pin never makes
-        a write fail; counted ``evictions_pinned``). Never raises (an index error
-        degrades the tier)."""
+    def _enforce_capacity(self, keep: bytes | None = None, budget: int | None = None) -> int:
+        """Delete blocks (of every process) until the folder's bytes fit ``budget``
+        (default ``budget()``): least recently used unpinned blocks first; pinned
+        blocks (``pin``) only when no unpinned block is left, the pin that ends first
+        first (a pin never makes a write fail; counted ``evictions_pinned``). Counted
+        ``evictions_disk`` when the disk, not ``budget_bytes``, set the budget. Never
+        raises (an index error degrades the tier)."""
         evicted = 0
-        budget = self.config.budget_bytes
+        if not self._writable():
+            return 0
+        if budget is None:
+            budget = self.budget()
+        counter = ("evictions_capacity" if budget >= self.config.budget_bytes
+                   else "evictions_disk")
         now = self._clock()
 
         def victims() -> list[tuple[bytes, str, int]]:
@@ -220,19 +333,27 @@ class SSDStore:
                     self._counts["evictions_pinned"] += self._pinned_victims
             except sqlite3.Error as e:
                 self._index_error(e)
-            self._counts["evictions_capacity"] += evicted
+            self._counts[counter] += evicted
         return evicted
 
     @tier_errors
     def sweep(self) -> int:
-        """Apply batched accesses, delete expired blocks, enforce the byte limit."""
+        """Apply batched accesses, delete expired blocks, enforce the byte limit; every
+        ``index_check_interval_s``, verify the index file (``verify_index``)."""
         self._last_sweep = time.monotonic()
+        if self._last_sweep - self._last_index_check >= self._index_check_interval:
+            self.verify_index()
+        if not self._writable():
+            with self._lock:
+                self._touches.clear()
+            return 0
         try:
             with self._write_lock, self._dirlock.shared(), self._lock:
                 self._apply_touches()
                 expired = self._delete_where(lambda: self._index.expired(self._clock()))
                 self._counts["evictions_ttl"] += len(expired)
                 self._refresh_totals()
+                self._refresh_disk_cap()
             return len(expired) + self._enforce_capacity()
         except sqlite3.Error as e:
             with self._lock:
@@ -241,6 +362,9 @@ class SSDStore:
 
     def _apply_touches(self) -> None:
         if not self._touches:
+            return
+        if not self._writable():
+            self._touches.clear()
             return
         batch = [(h, when, n, self.config.ttl_seconds) for h, (when, n) in self._touches.items()]
         self._touches.clear()
@@ -264,7 +388,7 @@ class SSDStore:
         if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds > 0:
             raise ValueError(f"seconds must be a positive number, got {seconds!r}")
         hs = list(dict.fromkeys(bytes(h) for h in block_hashes))
-        if not hs:
+        if not hs or not self._writable():
             return 0
         with self._lock:
             until = self._clock() + float(seconds)
@@ -307,6 +431,7 @@ class SSDStore:
             raise ValueError("session_id must be a non-empty string")
         if tenant is not None and (not isinstance(tenant, str) or not tenant):
             raise ValueError("tenant must be a non-empty string or None")
+        self._refuse_change("delete_session")
         with self._write_lock, self._dirlock.shared(), self._lock:
             for p in self._pending.values():
                 if tenant is None or p.meta.tenant == tenant:
@@ -329,6 +454,7 @@ class SSDStore:
         hs = {bytes(h) for h in block_hashes}
         if not hs:
             return 0
+        self._refuse_change("discard")
         marks = ",".join("?" * len(hs))
         with self._write_lock, self._dirlock.shared(), self._lock:
             cancelled = self._cancel_pending(lambda p: bytes(p.meta.block_hash) in hs)
@@ -360,6 +486,7 @@ class SSDStore:
             conds.append("last_access < ?")
             params.append(self._clock() - older_than_s)
         where = ("WHERE " + " AND ".join(conds)) if conds else ""
+        self._refuse_change("purge")
         with self._write_lock, self._dirlock.exclusive(), self._lock:
             self._apply_touches()
             cancelled: set[bytes] = set()
@@ -404,21 +531,29 @@ class SSDStore:
                 "encode_errors": c["encode_errors"],
                 "unexpected_errors": c["unexpected_errors"],
                 "index_errors": c["index_errors"],
+                "index_corrupt": c["index_corrupt"],
                 "io_errors": c["io_errors"],
                 "evictions_capacity": c["evictions_capacity"],
+                "evictions_disk": c["evictions_disk"],
+                "disk_full": c["disk_full"],
                 "evictions_ttl": c["evictions_ttl"],
                 "evictions_pinned": c["evictions_pinned"],
                 "pinned_blocks": pinned[0],
                 "pinned_bytes": pinned[1],
                 "blocks_on_disk": self._blocks,
                 "bytes_on_disk": self._bytes,
-                "budget_bytes": self.config.budget_bytes,
+                "budget_bytes": self.budget(),
+                "config_budget_bytes": self.config.budget_bytes,
+                "disk_free_bytes": self._disk_free,
+                "disk_reserve_bytes": self._disk_reserve,
                 "bytes_written": self._bytes_written,
                 "bytes_written_today": self._today_bytes(),
                 "queue_depth": len(self._pending),
                 "read_ahead": dict(self._ahead.counts),
                 "degraded": self._degraded_reason is not None,
                 "degraded_reason": self._degraded_reason,
+                "mode": self._mode,
+                "mode_reason": self._mode_reason,
                 "reload_latency_ms": {
                     "buckets": list(LATENCY_BUCKETS_MS),
                     "counts": list(self._latency),

@@ -13,6 +13,7 @@ every row names a complete file; reconcile removes what a crash left behind.
 
 from __future__ import annotations
 
+import errno
 import logging
 import sqlite3
 import time
@@ -30,6 +31,7 @@ from .ssd_store import SSDStore, _Pending, tier_errors
 log = logging.getLogger(__name__)
 
 STOP = object()
+_DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
 class SSDWriter(SSDStore):
@@ -64,9 +66,11 @@ class SSDWriter(SSDStore):
             reason = None
             if self._closed:
                 reason = "closed"
+            elif self._mode != "read_write":
+                reason = self._mode
             elif meta.end < cfg.admission_min_tokens or (hits or 0) < cfg.admission_min_hits:
                 reason = "admission"
-            elif nbytes > cfg.budget_bytes:
+            elif nbytes > self.budget():
                 reason = "budget"
             elif self._degraded_reason is not None and self._clock() < self._retry_at:
                 reason = "degraded"
@@ -124,7 +128,7 @@ class SSDWriter(SSDStore):
         if isinstance(sessions, str):
             raise ValueError("sessions must be an iterable of session ids, not a string")
         sess = {str(s) for s in sessions}
-        if not sess:
+        if not sess or not self._writable():
             return
         h = bytes(block_hash)
         with self._lock:
@@ -191,35 +195,63 @@ class SSDWriter(SSDStore):
                 log.warning("ssd block %s: cannot encode the payload: %s", h.hex()[:16], e)
                 self._drop(p, counter="encode_errors")
                 return
-            if len(data) > self.config.budget_bytes:
+            if len(data) > self.budget():
                 self._drop(p, reason="budget")
                 return
             digest = checksum(data)
-            try:
-                with self._lock:
-                    existing = self._index.get(h)
-                if existing is not None and existing.checksum == digest:
-                    with self._dirlock.shared():  # the same bytes are stored: sessions only
-                        if self._commit(p, len(data), existing.file_name, digest, dedup=True):
-                            return
-                primary = files.block_rel_path(p.meta.namespace_key, p.meta.tenant, h.hex())
-                folder = self.root / primary.rsplit("/", 1)[0]
-                tmp = files.write_temp(folder, h.hex() + files.SUFFIX, data,
-                                       fsync=self.config.fsync)
-                with self._dirlock.shared():
-                    name = files.publish(tmp, files.block_names(h.hex()), fsync=self.config.fsync)
-                    rel = primary.rsplit("/", 1)[0] + "/" + name
-                    self._commit(p, len(data), rel, digest, dedup=False)
-            except sqlite3.Error as e:
-                with self._lock:
-                    self._index_error(e)
-                    self._forget(p)
-                return
-            except OSError as e:
-                self._drop(p, reason="degraded", counter="write_errors")
-                self._degrade(f"write failed: {e}")
-                return
+            for attempt in (0, 1):
+                try:
+                    with self._lock:
+                        existing = self._index.get(h)
+                    if existing is not None and existing.checksum == digest:
+                        with self._dirlock.shared():  # the same bytes are stored: sessions only
+                            if self._commit(p, len(data), existing.file_name, digest, dedup=True):
+                                return
+                    primary = files.block_rel_path(p.meta.namespace_key, p.meta.tenant, h.hex())
+                    folder = self.root / primary.rsplit("/", 1)[0]
+                    tmp = files.write_temp(folder, h.hex() + files.SUFFIX, data,
+                                           fsync=self.config.fsync)
+                    with self._dirlock.shared():
+                        name = files.publish(tmp, files.block_names(h.hex()),
+                                             fsync=self.config.fsync)
+                        rel = primary.rsplit("/", 1)[0] + "/" + name
+                        self._commit(p, len(data), rel, digest, dedup=False)
+                except sqlite3.Error as e:
+                    with self._lock:
+                        self._index_error(e)
+                        self._forget(p)
+                    return
+                except OSError as e:
+                    if attempt == 0 and e.errno in _DISK_FULL and self._make_room(h, len(data)):
+                        continue  # the disk filled up (from outside): room made, once more
+                    self._drop(p, reason="degraded", counter="write_errors")
+                    self._degrade(f"write failed: {e}")
+                    return
+                break
             self._enforce_capacity(keep=h)
+
+    def _make_room(self, keep: bytes, need: int) -> bool:
+        """A write found the disk full (ENOSPC / EDQUOT, counted ``disk_full``): re-read
+        the disk's free space (the budget in use shrinks to what the disk holds) and,
+        if the disk really lacks the bytes, evict least recently used blocks until this
+        block's ``need`` bytes fit (``evictions_disk``). True if something was evicted
+        (worth one more try); False leaves the tier to degrade as for any write error."""
+        with self._lock:
+            self._counts["disk_full"] += 1
+            try:
+                self._blocks, self._bytes = self._index.totals()
+            except sqlite3.Error as e:
+                self._index_error(e)
+                return False
+            self._refresh_disk_cap()
+            free = self._disk_free
+            if free is None or free >= need + self._disk_reserve:
+                return False  # the disk has the bytes (inodes, quota?): evicting won't help
+            target = max(0, min(self.budget(), self._bytes - need))
+        evicted = self._enforce_capacity(keep=keep, budget=target)
+        log.warning("ssd disk full: %d block(s) evicted to make room for %d bytes",
+                    evicted, need)
+        return evicted > 0
 
     def _commit(self, p: _Pending, size: int, rel: str, digest: str, *, dedup: bool) -> bool:
         """Commit the row of a published file ``rel`` (or, ``dedup``, of the file the

@@ -1,0 +1,109 @@
+"""Rebuilding the SSD tier's index from its block files (a lost or corrupt index).
+
+Block files written by the cache describe themselves (``blockdesc``, block format
+2): each block file without a row is read, decoded and verified (the chained block
+hash re-derived from its parent, tokens and extra keys; the data digest; the file
+sits where its namespace, tenant and hash say), and its row is committed again with
+the sessions it recorded. Anything else (format 1 files that carry only
+``block_hash`` + ``layout``, damaged or misplaced files, a second file of a hash
+already recovered) is set aside in ``quarantine/unindexed.<time>/``: never deleted,
+since nothing proves it an orphan.
+
+The caller holds the folder's exclusive lock (no other process is between a file
+step and an index step) and the tier's write lock.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..blockdesc import read_description, verify
+from ..codec import checksum, decode
+from ..errors import CorruptBlockError
+from . import ssd_files as files
+from .ssd_index import IndexRow, SSDIndex
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Recovery:
+    recovered: int = 0  # rows rebuilt from self-describing files
+    set_aside: int = 0  # files kept in quarantine/unindexed.<stamp>/
+
+
+def _describe(root: Path, rel: str, now: float, ttl: float | None
+              ) -> tuple[IndexRow, tuple[str, ...]] | None:
+    """The row (and sessions) a block file describes, if it proves them; else None."""
+    path = root / rel
+    try:
+        data = path.read_bytes()
+        mtime = os.stat(path).st_mtime
+    except OSError as e:
+        log.warning("ssd recover: cannot read %s: %s", rel, e)
+        return None
+    try:
+        arrays, payload_meta = decode(data)
+        desc = read_description(payload_meta)
+    except (CorruptBlockError, ValueError) as e:
+        log.warning("ssd recover: %s is not a readable block (%s)", rel, e)
+        return None
+    if desc is None:
+        return None  # format 1: it does not say what it is
+    m = desc.meta
+    hx = bytes(m.block_hash).hex()
+    try:
+        where = files.block_rel_path(m.namespace_key, m.tenant, hx).rsplit("/", 1)[0]
+    except ValueError:
+        return None
+    folder, _, name = rel.rpartition("/")
+    if payload_meta.get("block_hash") != hx or folder != where or not name.startswith(hx):
+        log.warning("ssd recover: %s is not where its description puts it", rel)
+        return None
+    if not verify(desc, arrays):
+        log.warning("ssd recover: %s fails its hash or data digest", rel)
+        return None
+    row = IndexRow(meta=m, file_name=rel, file_bytes=len(data), checksum=checksum(data),
+                   created=mtime, last_access=mtime,
+                   expiry=None if ttl is None else now + ttl, hits=0,
+                   had_session=bool(desc.sessions))
+    return row, desc.sessions
+
+
+def recover_from_files(root: Path, index: SSDIndex, *, now: float, ttl: float | None,
+                       stamp: int) -> Recovery:
+    """Give every block file without a row its row back, or set it aside. Raises
+    sqlite3.Error (the transaction rolled back, nothing set aside)."""
+    have = {rel for _h, rel, _n in index.files()}
+    seen: set[bytes] = set()
+    rows: list[tuple[IndexRow, tuple[str, ...]]] = []
+    aside: list[str] = []
+    for rel, _size, kind in files.scan(root):
+        if kind == "temp" or rel in have:
+            continue
+        got = _describe(root, rel, now, ttl) if kind == "block" else None
+        if got is None or bytes(got[0].meta.block_hash) in seen or index.get(
+                bytes(got[0].meta.block_hash)) is not None:
+            aside.append(rel)
+            continue
+        seen.add(bytes(got[0].meta.block_hash))
+        rows.append(got)
+    if rows:
+        index.begin()
+        try:
+            for row, sessions in rows:
+                index.upsert(row)
+                index.add_sessions(bytes(row.meta.block_hash), set(sessions))
+            index.commit()
+        except BaseException:
+            index.rollback()
+            raise
+    out = Recovery(recovered=len(rows), set_aside=files.set_aside(root, aside, stamp))
+    if out.recovered or out.set_aside:
+        log.warning("ssd: index rebuilt from the block files: %d block(s) recovered, %d "
+                    "file(s) set aside in %s/unindexed.%d/", out.recovered, out.set_aside,
+                    files.QUARANTINE_DIR, stamp)
+    return out
