@@ -48,6 +48,14 @@ EVICTED = "evicted"
 EXPIRED = "expired"
 DIVERGED = "diverged"
 NOT_RESTORABLE = "not_restorable"
+# a save of these blocks failed (``not_stored: <cause>``, the engine's cause name:
+# layout | tier | budget | invariant | other), recorded by ``PromptCache.note_not_stored``
+NOT_STORED = "not_stored"
+
+
+def not_stored(cause: str) -> str:
+    """The miss cause of blocks whose save failed with ``cause``."""
+    return f"{NOT_STORED}: {cause}"
 
 
 def block_hash(parent: BlockHash, token_ids: Any, extra_keys: tuple[bytes, ...]) -> BlockHash:
@@ -114,7 +122,8 @@ class MissInfo:
 
     ``position``: the first request token not found in any stored block;
     ``restorable``: the position the state can actually be restored at;
-    ``cause``: cold | evicted | expired | diverged | not_restorable.
+    ``cause``: cold | evicted | expired | diverged | not_restorable |
+    ``not_stored: <cause>`` (a save of the next blocks failed).
     """
 
     position: int
@@ -143,18 +152,23 @@ class RawMatch:
 
 
 class GoneMemory:
-    """A bounded memory of blocks that left RAM (evicted or expired), keyed by the
-    block hash and by its parent hash, used to explain misses."""
+    """A bounded memory of blocks that left RAM (evicted or expired) or were never
+    stored (a failed save), keyed by the block hash and by its parent hash, used to
+    explain misses."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = max(0, capacity)
         self._by_hash: OrderedDict[BlockHash, str] = OrderedDict()
         self._by_parent: OrderedDict[BlockHash, str] = OrderedDict()
 
-    def record(self, block_hash: BlockHash, parent: BlockHash, cause: str) -> None:
+    def record(self, block_hash: BlockHash | None, parent: BlockHash | None, cause: str) -> None:
+        """Remember ``cause`` for the block ``block_hash`` and for the children of
+        ``parent`` (either may be None: not recorded under that key)."""
         if not self.capacity:
             return
         for mem, key in ((self._by_hash, block_hash), (self._by_parent, parent)):
+            if key is None:
+                continue
             mem[key] = cause
             mem.move_to_end(key)
             while len(mem) > self.capacity:

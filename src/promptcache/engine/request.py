@@ -38,7 +38,7 @@ from mlx_lm.models.cache import TokenBuffer, make_prompt_cache
 from ..blocks.tokens import to_request_tokens
 from ..cache_types import ChainCursor
 from ..config import EngineConfig
-from ..errors import ContextLengthError, RequestError
+from ..errors import ContextLengthError, InvariantError, RequestError, TierError
 from ..meta import Namespace
 from . import adapters, mlx_compat
 from .api import CacheMiss, GenerationRequest, GenerationResult, SamplingParams, TokenEvent, Usage
@@ -62,6 +62,10 @@ class EngineCounters:
     cache_errors: int = 0
     restore_errors: int = 0
     store_errors: int = 0
+    # failed saves by cause (``store_error_cause``): layout | tier | budget | invariant |
+    # other; the next request that would have hit those blocks misses as
+    # ``not_stored: <cause>``
+    store_errors_by_cause: dict[str, int] = field(default_factory=dict)
     cancelled: int = 0
     errors: int = 0
     prefilled: int = 0
@@ -81,8 +85,8 @@ class EngineCounters:
     active_kv_bytes: int = 0
     peak_active_kv_bytes: int = 0
 
-    def to_dict(self) -> dict[str, int]:
-        return dict(self.__dict__)
+    def to_dict(self) -> dict[str, Any]:
+        return {k: dict(v) if isinstance(v, dict) else v for k, v in self.__dict__.items()}
 
 
 @dataclass
@@ -141,6 +145,22 @@ def validate_request(req: GenerationRequest, ctx: EngineContext) -> np.ndarray:
             f"model's context length ({ctx.context_length})"
         )
     return arr
+
+
+def store_error_cause(exc: BaseException) -> str:
+    """The short name of why a save failed: ``tier`` (a cache tier failed),
+    ``invariant`` (a broken invariant: a bug), ``budget`` (out of memory), ``layout``
+    (the caches' state did not fit the block format: an unsupported or inconsistent
+    cache layout, a payload the cache refused), ``other``."""
+    if isinstance(exc, TierError):
+        return "tier"
+    if isinstance(exc, InvariantError):
+        return "invariant"
+    if isinstance(exc, MemoryError):
+        return "budget"
+    if isinstance(exc, (ValueError, TypeError, KeyError, IndexError)):
+        return "layout"
+    return "other"
 
 
 def _cut_by_tier(by_tier: Any, n: int) -> dict[str, int]:
@@ -495,18 +515,35 @@ class Request:
                 agent_id=self.req.agent_id, truncatable=self.truncatable, snapshot_at_end=snapshot_at_end,
                 include_partial=include_partial, save_point=save_point, cursor=self.cursor,
             )
-        except Exception:
+        except Exception as e:
             if self._window_gap(src):
                 logger.debug("request %s: block %d left the sliding window unsaved; the "
                              "%s save stops there", self.request_id, self._cursor_start(),
                              save_point)
                 self.ctx.counters.window_gaps += 1
                 return
-            logger.exception("storing blocks (%s) failed; continuing without saving", save_point)
-            self.ctx.counters.store_errors += 1
+            cause = store_error_cause(e)
+            logger.exception("storing blocks (%s) failed (%s); continuing without saving",
+                             save_point, cause)
+            c = self.ctx.counters
+            c.store_errors += 1
+            c.store_errors_by_cause[cause] = c.store_errors_by_cause.get(cause, 0) + 1
+            self._note_not_stored(num_tokens, cause)
             return
         attr = f"saved_{save_point}"
         setattr(self.usage, attr, getattr(self.usage, attr) + int(created))
+
+    def _note_not_stored(self, num_tokens: int, cause: str) -> None:
+        """Tell the cache which blocks a failed save left out (the next lookup stopping
+        there says ``not_stored: <cause>``, not ``cold``); never fails the request."""
+        note = getattr(self.ctx.cache, "note_not_stored", None)
+        if note is None or self.ns is None:
+            return
+        try:
+            note(self.ns, self.seq, num_tokens, self.cursor, cause, extra_keys=self.extra_keys)
+        except Exception:
+            logger.exception("recording a failed save failed")
+            self.ctx.counters.cache_errors += 1
 
     def _cursor_start(self) -> int:
         return self.cursor.start if self.cursor is not None else 0
