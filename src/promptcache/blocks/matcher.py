@@ -354,6 +354,7 @@ class Matcher:
             parent = h  # type: ignore[assignment]
             pos = end
         matched = pos
+        walked = len(entries)
         # children of the last matched block: the longest common prefix with the rest
         rest = buf[pos * 4 :]
         diverged = False
@@ -389,11 +390,53 @@ class Matcher:
             best = child_best[0]
             entries.append(child_best[1])
             best_len = len(entries)
+        if best < min(matched, cap) and walked:
+            # a state that cannot be truncated: a snapshot may end inside a walked block
+            # (a partial block stored at a message start, where conversations branch)
+            inner = self._inner_snapshot(entries[:walked], best, cap, req, ns, spans)
+            if inner is not None:
+                best = inner[0]
+                del entries[inner[1]:]
+                entries.append(inner[2])
+                best_len = len(entries)
         del entries[best_len:]
         miss = None
         if best < cap:
             miss = self._explain(best, matched, n, next_hash, parent, diverged)
         return RawMatch(entries, best, matched, miss)
+
+    def _inner_snapshot(self, walked: list[Entry], best: int, cap: int, req: RequestTokens,
+                        ns: Namespace, spans: Sequence[ExtraKeySpan]
+                        ) -> tuple[int, int, Entry] | None:
+        """The furthest restorable position past ``best`` (and at most ``cap``) inside
+        the walked full blocks: a shorter sibling of walked block ``k`` (a child of the
+        same parent, RAM or a lower tier) whose tokens the request starts with there and
+        whose state is restorable at its end. Returns ``(position, k, sibling)``; the
+        scan goes back from the last walked block and stops where no sibling could beat
+        ``best`` (a few blocks: the regular snapshots are ``snapshot_every_blocks``
+        apart)."""
+        buf = req.buf
+        for k in range(len(walked) - 1, -1, -1):
+            start = walked[k].start
+            if start + ns.block_size - 1 <= best:
+                return None
+            parent = entry_meta(walked[k]).parent_hash
+            top: tuple[int, Entry] | None = None
+            for cand, c_tokens, c_extra, c_trunc, c_at_end in self._children(parent, start, ns,
+                                                                             ns.key):
+                c_len = len(c_tokens) >> 2
+                reach = start + c_len
+                if (c_len >= ns.block_size or not (c_trunc or c_at_end) or reach > cap
+                        or reach <= best or (top is not None and reach <= top[0])):
+                    continue
+                if buf[start * 4:reach * 4] != c_tokens:
+                    continue
+                if c_extra != (extra_keys_for(spans, start, reach) if spans else ()):
+                    continue
+                top = (reach, cand)
+            if top is not None:
+                return top[0], k, top[1]
+        return None
 
     def stored_after(self, req: RequestTokens, ns: Namespace, spans: Sequence[ExtraKeySpan],
                      position: int, limit: int) -> list[int]:

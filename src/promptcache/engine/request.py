@@ -25,6 +25,7 @@ save): it never fails the request.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -78,6 +79,13 @@ class EngineCounters:
     # saves given up: a request's next unsaved block had already left its sliding window
     # (a block before it could not be stored, e.g. no room), so nothing after it can be
     window_gaps: int = 0
+    # non-truncatable states (SSM / hybrid): state snapshots stored (in block payloads),
+    # those taken at message starts (where a conversation branches), their bytes, and the
+    # bytes of the last one (a snapshot's size is fixed by the model: memory per snapshot)
+    snapshots: int = 0
+    message_snapshots: int = 0
+    snapshot_bytes: int = 0
+    bytes_per_snapshot: int = 0
     decode_steps: int = 0
     decode_rows: int = 0  # sum of batch sizes over decode steps
     solo_steps: int = 0  # decode steps of requests mlx-lm cannot batch
@@ -214,6 +222,9 @@ class Request:
         # the admission ticket there, so a client holding its answer is never counted)
         self.on_finish: Callable[[], None] | None = None
         self._last_snapshot = 0
+        # non-truncatable states: the message starts inside the prompt, where prefill
+        # stops for a state snapshot (set at start)
+        self._snap_at: tuple[int, ...] = ()
         self.waited_for_prefix = False  # counted once (scheduler: shared prefixes)
         self.use_cache = bool(request.use_cache and ctx.cache is not None and ctx.namespace_for)
         self.ns: Namespace | None = (
@@ -263,6 +274,9 @@ class Request:
         self.caches = list(template)
         if self.use_cache:
             self._lookup_and_restore()
+            if not self.truncatable:
+                self._snap_at = tuple(sorted({int(m) for m in self.req.message_starts
+                                              if self.pos < m < self.n_prompt}))
         self._last_snapshot = self.pos
         self.phase = "prefill"
 
@@ -321,9 +335,16 @@ class Request:
     def chunk_end(self) -> int:
         """Where this request's next chunk ends: the next absolute multiple of the
         chunk size (so every mid-prefill save lands on a block boundary), or the
-        prompt's end."""
+        prompt's end; for a non-truncatable state, the next message start before
+        that (a state snapshot is stored there: a conversation that branches at that
+        message restores up to it)."""
         chunk = self.ctx.config.prefill_chunk_tokens
-        return min(self.n_prompt, (self.pos // chunk + 1) * chunk)
+        end = min(self.n_prompt, (self.pos // chunk + 1) * chunk)
+        if self._snap_at:
+            i = bisect.bisect_right(self._snap_at, self.pos)
+            if i < len(self._snap_at) and self._snap_at[i] < end:
+                end = self._snap_at[i]
+        return end
 
     def prefill_chunk(self) -> bool:
         """Run one chunk on the private caches; True once the prompt is done (then the
@@ -422,13 +443,24 @@ class Request:
                         caches=src)
 
     def _save_mid_prefill(self, caches: Sequence[Any] | None = None) -> None:
-        snap = True
-        if not self.truncatable:
-            every = self.ctx.config.snapshot_every_blocks * self.ctx.block_size
-            snap = self.pos // every > self._last_snapshot // every
-        self._store(self.pos, "mid_prefill", include_partial=False, snapshot_at_end=snap,
-                    caches=caches)
-        if snap:
+        """Save point 1. A non-truncatable state is snapshotted once a chunk reaches a
+        multiple of ``snapshot_every_blocks`` blocks, and at every message start (a
+        partial block ending there carries it when the start is inside a block)."""
+        if self.truncatable:
+            self._store(self.pos, "mid_prefill", include_partial=False, snapshot_at_end=True,
+                        caches=caches)
+            return
+        every = self.ctx.config.snapshot_every_blocks * self.ctx.block_size
+        regular = self.pos // every > self._last_snapshot // every
+        i = bisect.bisect_left(self._snap_at, self.pos)
+        at_message = i < len(self._snap_at) and self._snap_at[i] == self.pos
+        before = self.ctx.counters.snapshots
+        self._store(self.pos, "mid_prefill", include_partial=at_message and
+                    self.pos % self.ctx.block_size != 0,
+                    snapshot_at_end=regular or at_message, caches=caches)
+        if at_message:
+            self.ctx.counters.message_snapshots += self.ctx.counters.snapshots - before
+        if regular:
             self._last_snapshot = self.pos
 
     # ------------------------------------------------------------------ sampling
@@ -504,9 +536,16 @@ class Request:
         src = self.caches if caches is None else caches
 
         kv_quant = self.ctx.kv_quant
+        counters, stateful = self.ctx.counters, not self.truncatable
 
         def payload_for(start: int, end: int, snapshot: bool) -> BlockPayload:
-            return adapters.extract_block(src, start, end, snapshot, quant=kv_quant)
+            payload = adapters.extract_block(src, start, end, snapshot, quant=kv_quant)
+            if snapshot and stateful:
+                nbytes = adapters.snapshot_nbytes(src)
+                counters.snapshots += 1
+                counters.snapshot_bytes += nbytes
+                counters.bytes_per_snapshot = nbytes
+            return payload
 
         try:
             created = cache.store(
