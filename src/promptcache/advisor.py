@@ -150,7 +150,8 @@ _TEXT = {
     "promotion_failed": "could not be promoted from a lower tier into RAM: the RAM budget "
                         "({budget}) is too small for the restored chains; raise --ram-budget",
     "not_restorable": "stopped where no state snapshot was stored (SSM / hybrid models): "
-                      "store snapshots more often (EngineConfig.snapshot_every_blocks)",
+                      "store snapshots more often (EngineConfig.snapshot_every_blocks) "
+                      "and at more message starts (EngineConfig.message_snapshots)",
     "other_namespace": "belong to another model, block size or tenant: nothing to reuse",
 }
 

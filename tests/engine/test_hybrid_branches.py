@@ -136,3 +136,22 @@ def test_truncatable_models_take_no_message_snapshots(tiny_llama_path, engine_fa
     assert (c["snapshots"], c["message_snapshots"], c["snapshot_bytes"]) == (0, 0, 0)
     assert first.usage.saved_mid_prefill == 112 // 8  # chunks of 16: full blocks only
     assert _run(eng, conv[:103] + _toks(12, 9)).usage.cached_tokens == 103
+
+
+def test_message_snapshots_bounded_to_the_last_starts(tiny_hybrid_path, engine_factory):
+    """``message_snapshots=1``: only the last message start gets a snapshot; a branch at
+    an earlier one falls back to the regular snapshot (64 tokens)."""
+    eng = engine_factory(tiny_hybrid_path, snapshot_every_blocks=EVERY, message_snapshots=1)
+    conv = [999] + _toks(N - 1, 10)
+    _run(eng, conv)
+    c = eng.counters.to_dict()
+    assert (c["message_snapshots"], c["snapshots"]) == (1, 4)  # 100; 64, 120, 123
+    assert _run(eng, conv[:103] + _toks(12, 11)).usage.cached_tokens == 100
+    assert _run(eng, conv[:70] + _toks(12, 12), starts=STARTS[:3]).usage.cached_tokens == 64
+
+
+def test_message_snapshots_must_not_be_negative():
+    from promptcache.config import EngineConfig
+
+    with pytest.raises(ValueError, match="message_snapshots"):
+        EngineConfig(message_snapshots=-1)

@@ -79,7 +79,7 @@ class EngineCounters:
     # saves given up: a request's next unsaved block had already left its sliding window
     # (a block before it could not be stored, e.g. no room), so nothing after it can be
     window_gaps: int = 0
-    # non-truncatable states (SSM / hybrid): state snapshots stored (in block payloads),
+    # non-truncatable states (SSM / hybrid): state snapshots taken for block payloads,
     # those taken at message starts (where a conversation branches), their bytes, and the
     # bytes of the last one (a snapshot's size is fixed by the model: memory per snapshot)
     snapshots: int = 0
@@ -274,9 +274,11 @@ class Request:
         self.caches = list(template)
         if self.use_cache:
             self._lookup_and_restore()
-            if not self.truncatable:
-                self._snap_at = tuple(sorted({int(m) for m in self.req.message_starts
-                                              if self.pos < m < self.n_prompt}))
+            keep = self.ctx.config.message_snapshots
+            if not self.truncatable and keep:
+                starts = sorted({int(m) for m in self.req.message_starts
+                                 if self.pos < m < self.n_prompt})
+                self._snap_at = tuple(starts[-keep:])
         self._last_snapshot = self.pos
         self.phase = "prefill"
 
