@@ -170,6 +170,9 @@ class CacheStore(CacheBase):
                     if not pool.can_allocate(nbytes):
                         c.drops += 1
                         logger.debug("no room for a %d-byte block at token %d: dropped", nbytes, start)
+                        # the next lookup stopping here says why: not_stored: budget
+                        self.gone.record(h, None if start == 0 else parent,
+                                         _matcher.not_stored("budget"))
                         break
                     block = pool.allocate(
                         block_hash=h, parent_hash=parent, tokens=want, start=start,

@@ -41,6 +41,9 @@ RAM = "ram"
 # Where RAM ends, the lower tiers are asked for this many blocks at once, then (if all
 # of them were found) for the rest of the chain: at most two calls per tier per lookup.
 LOWER_WINDOW = 256
+# Snapshots inside walked blocks (``Matcher._inner_snapshot``): the lower tiers are asked
+# for the siblings of at most this many walked blocks (one call each), RAM for all.
+INNER_LOWER_BLOCKS = 16
 
 # Causes of a short match (MissInfo.cause)
 COLD = "cold"
@@ -414,7 +417,7 @@ class Matcher:
         whose state is restorable at its end. Returns ``(position, k, sibling)``; the
         scan goes back from the last walked block and stops where no sibling could beat
         ``best`` (a few blocks: the regular snapshots are ``snapshot_every_blocks``
-        apart)."""
+        apart). The lower tiers are asked for the last ``INNER_LOWER_BLOCKS`` only."""
         buf = req.buf
         for k in range(len(walked) - 1, -1, -1):
             start = walked[k].start
@@ -422,8 +425,9 @@ class Matcher:
                 return None
             parent = entry_meta(walked[k]).parent_hash
             top: tuple[int, Entry] | None = None
-            for cand, c_tokens, c_extra, c_trunc, c_at_end in self._children(parent, start, ns,
-                                                                             ns.key):
+            lower = len(walked) - k <= INNER_LOWER_BLOCKS
+            for cand, c_tokens, c_extra, c_trunc, c_at_end in self._children(
+                    parent, start, ns, ns.key, lower=lower):
                 c_len = len(c_tokens) >> 2
                 reach = start + c_len
                 if (c_len >= ns.block_size or not (c_trunc or c_at_end) or reach > cap
@@ -473,7 +477,8 @@ class Matcher:
             h = entry_meta(entry).block_hash
         return [int(t) for t in out[:limit]]
 
-    def _children(self, parent: BlockHash, pos: int, ns: Namespace, ns_key: str
+    def _children(self, parent: BlockHash, pos: int, ns: Namespace, ns_key: str, *,
+                  lower: bool = True
                   ) -> list[tuple[Entry, bytes, tuple[bytes, ...], bool, bool]]:
         out: list[tuple[Entry, bytes, tuple[bytes, ...], bool, bool]] = []
         seen: set[bytes] = set()
@@ -484,7 +489,7 @@ class Matcher:
                 seen.add(block.block_hash)
             out.append((block, block.tokens, block.extra_keys, block.truncatable,
                          block.restorable_at_end()))
-        for src in self.lower:
+        for src in self.lower if lower else ():
             try:
                 metas = src.children(parent, ns=ns)
             except Exception as e:  # a tier breaking its contract is a tier failure too
