@@ -197,9 +197,14 @@ def diagnose(samples: Sequence[LookupSample], stats: Mapping[str, Any] | None = 
         elif cause.startswith("not_stored"):
             why = cause.partition(":")[2].strip() or "unknown"
             out["remedy"] = {"store_error_cause": why}
-            out["summary"] = (f"{pct} were never stored: saving their blocks failed "
-                              f"(cause: {why}); see the engine's store_errors_by_cause "
-                              "and the server log")
+            if why == "budget":
+                out["summary"] = (f"{pct} were never stored: the RAM budget ({_size(budget)}) "
+                                  "had no room for them (blocks in use filled it): raise "
+                                  "--ram-budget")
+            else:
+                out["summary"] = (f"{pct} were never stored: saving their blocks failed "
+                                  f"(cause: {why}); see the engine's store_errors_by_cause "
+                                  "and the server log")
         else:
             ttl = stats.get("ttl_seconds")
             text = _TEXT.get(cause, "were misses of this kind").format(

@@ -165,3 +165,16 @@ def test_partial_save_failure_names_the_first_unsaved_block(
     (ValueError("x"), "layout"), (KeyError("x"), "layout"), (RuntimeError("x"), "other")])
 def test_store_error_cause(exc: Exception, cause: str) -> None:
     assert store_error_cause(exc) == cause
+
+
+def test_diagnosis_of_blocks_dropped_for_want_of_budget() -> None:
+    from promptcache.advisor import LookupSample, diagnose
+
+    samples = [LookupSample(100, 20, "not_stored: budget", 20, None, 0),
+               LookupSample(50, 0, "cold", 0, None, 0)]
+    d = diagnose(samples, {"ram_budget_bytes": 2 * 1024**2})
+    assert (d["dominant_cause"], d["share"]) == ("not_stored: budget", 1.0)
+    assert d["missed_tokens_by_cause"] == {"not_stored: budget": 80}
+    assert d["remedy"] == {"store_error_cause": "budget"}
+    assert d["summary"] == ("100% of missed tokens were never stored: the RAM budget (2 MB) "
+                            "had no room for them (blocks in use filled it): raise --ram-budget")
