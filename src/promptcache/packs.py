@@ -214,8 +214,9 @@ def read_pack(source: Path | bytes, *, progress: Progress | None = None) -> Pack
     """Read and verify a pack completely (``PackError`` on any problem)."""
     try:
         raw = source if isinstance(source, bytes) else Path(source).read_bytes()
-    except OSError as e:
-        raise PackError(f"cannot read the pack {source}: {e}") from e
+    except OSError as err:
+        where = "from bytes" if isinstance(source, bytes) else str(source)
+        raise PackError(f"cannot read the pack {where}: {err}") from err
     members = _read_members(raw)
     manifest_bytes = members.get(MANIFEST)
     if manifest_bytes is None or MANIFEST_DIGEST not in members:
@@ -225,8 +226,8 @@ def read_pack(source: Path | bytes, *, progress: Progress | None = None) -> Pack
         raise _fail("the manifest does not match its sha256 (damaged)")
     try:
         man = json.loads(manifest_bytes)
-    except ValueError as e:
-        raise _fail(f"the manifest is not JSON ({e})") from e
+    except ValueError as err:
+        raise _fail(f"the manifest is not JSON ({err})") from err
     if not isinstance(man, dict) or man.get("format") != PACK_FORMAT:
         raise _fail("not a promptcache pack")
     if man.get("version") != PACK_VERSION:
@@ -237,8 +238,8 @@ def read_pack(source: Path | bytes, *, progress: Progress | None = None) -> Pack
         ns = Namespace(_field(nsd, "model_fingerprint", str), _field(nsd, "block_size", int),
                        _field(nsd, "kv_spec", str), validate_tenant(_field(nsd, "tenant", str)),
                        _field(nsd, "format_version", int))
-    except ValueError as e:
-        raise _fail(f"bad namespace in the manifest ({e})") from e
+    except ValueError as err:
+        raise _fail(f"bad namespace in the manifest ({err})") from err
     entries = _field(man, "blocks", list)
     expected_files = {MANIFEST, MANIFEST_DIGEST}
     ends: dict[BlockHash, int] = {ns.root: 0}
