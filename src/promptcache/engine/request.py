@@ -4,7 +4,12 @@ and its three cache save points.
     start: cache.acquire -> restore -> release (a miss is kept as data: CacheMiss)
     -> chunked prefill; chunks end at absolute multiples of the chunk size (a
        multiple of the block size), so every save lands on a block boundary
-       -> after each completed chunk: store (save point 1, "mid_prefill")
+       -> after each completed chunk: store (save point 1, "mid_prefill"). A state
+          that cannot be truncated (SSM / hybrid) is snapshotted every
+          ``snapshot_every_blocks`` blocks; its chunks also end at the prompt's last
+          ``message_snapshots`` message starts, for a snapshot there (in a partial
+          block when the start is inside one): a conversation branching at a message
+          restores up to its start
     -> end of prompt: first token, then store incl. the partial tail (save point 2,
        "end_prefill"); a prefill-only request ends here ("prefilled"). Sliding windows:
        before a forward that would push whole unsaved blocks out of a window (the
@@ -20,7 +25,9 @@ Every save goes through one ``ChainCursor``: a save hashes and reads only the bl
 after the last one this request stored. The token sequence lives in one
 preallocated uint32 buffer (prompt + output), so no save copies the prompt. Any
 exception from the cache is logged and counted and turns into a miss (or a skipped
-save): it never fails the request.
+save): it never fails the request. A failed save is counted by cause
+(``store_error_cause``) and the cache is told which blocks it left out, so the next
+request that would have hit them misses as ``not_stored: <cause>``, not ``cold``.
 """
 
 from __future__ import annotations
