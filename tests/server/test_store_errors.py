@@ -100,7 +100,7 @@ def test_failed_saves_counted_by_cause_and_next_miss_says_not_stored(
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     stats = served.client.get("/v1/cache/stats").json()
     assert stats["rolling"]["skipped_cold_starts"] == 1  # the first request only
-    assert stats["rolling"]["top_miss_reasons"] == {"not_stored": 1}
+    assert stats["rolling"]["top_miss_reasons"] == {"not_stored: layout": 1}
     diagnosis = stats["diagnosis"]
     assert diagnosis["dominant_cause"] == "not_stored: layout"
     assert diagnosis["remedy"] == {"store_error_cause": "layout"}
@@ -158,6 +158,15 @@ def test_partial_save_failure_names_the_first_unsaved_block(
     assert r2.miss is not None and r2.miss.cause == "not_stored: invariant"
     assert (r2.miss.position, r2.miss.restorable) == (3 * BS, 3 * BS)
     assert served.engine.engine_stats()["store_errors_by_cause"] == {"invariant": 2}
+
+
+def test_alert_miss_cause_keeps_the_failed_save_cause() -> None:
+    from promptcache.server.alerts import miss_cause
+
+    assert miss_cause("not_stored: tier: first uncached token at position 0") == "not_stored: tier"
+    assert miss_cause("MissInfo(position=0, restorable=0, num_tokens=9, "
+                      "cause='not_stored: budget')") == "not_stored: budget"
+    assert miss_cause("evicted: first uncached token at position 8") == "evicted"
 
 
 @pytest.mark.parametrize("exc, cause", [
