@@ -18,7 +18,8 @@ measured from the cache's own events (``PromptCache.observers``).
 starts excluded: a cache cannot be expected to hit a prompt it never saw) and its
 remedy: for ``evicted`` the RAM budget that would have kept every evicted-before-reuse
 run of the window (rounded up a little), for ``diverged`` where prompts diverged, for
-``expired`` the TTL, plus findings from the tiers (SSD writes over the daily write
+``expired`` the TTL, for ``not_stored: <cause>`` the failed save's cause (the
+engine's ``store_errors_by_cause``), plus findings from the tiers (SSD writes over the daily write
 budget, a degraded SSD, an unhealthy shared tier). The server puts the result into the
 low-hit-rate log line, ``/v1/cache/stats`` (``diagnosis``) and the dashboard.
 """
@@ -149,7 +150,8 @@ _TEXT = {
     "promotion_failed": "could not be promoted from a lower tier into RAM: the RAM budget "
                         "({budget}) is too small for the restored chains; raise --ram-budget",
     "not_restorable": "stopped where no state snapshot was stored (SSM / hybrid models): "
-                      "store snapshots more often (EngineConfig.snapshot_every_blocks)",
+                      "store snapshots more often (EngineConfig.snapshot_every_blocks) "
+                      "and at more message starts (EngineConfig.message_snapshots)",
     "other_namespace": "belong to another model, block size or tenant: nothing to reuse",
 }
 
@@ -192,6 +194,17 @@ def diagnose(samples: Sequence[LookupSample], stats: Mapping[str, Any] | None = 
                               "before its end (a volatile system block, reordered tools, "
                               "template or thinking drift); enable the canonical-prompt rules "
                               "and see each request's miss explanation")
+        elif cause.startswith("not_stored"):
+            why = cause.partition(":")[2].strip() or "unknown"
+            out["remedy"] = {"store_error_cause": why}
+            if why == "budget":
+                out["summary"] = (f"{pct} were never stored: the RAM budget ({_size(budget)}) "
+                                  "had no room for them (blocks in use filled it): raise "
+                                  "--ram-budget")
+            else:
+                out["summary"] = (f"{pct} were never stored: saving their blocks failed "
+                                  f"(cause: {why}); see the engine's store_errors_by_cause "
+                                  "and the server log")
         else:
             ttl = stats.get("ttl_seconds")
             text = _TEXT.get(cause, "were misses of this kind").format(

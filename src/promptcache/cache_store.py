@@ -92,6 +92,33 @@ class CacheStore(CacheBase):
             self._c.blocks_saved[save_point] += created
             return created
 
+    def note_not_stored(self, ns: Namespace, tokens: Any, num_tokens: int,
+                        cursor: ChainCursor | None, cause: str, *,
+                        extra_keys: Sequence[ExtraKeySpan] = ()) -> None:
+        """A save of ``tokens[:num_tokens]`` failed (``cause``: the caller's short name
+        for why: layout | tier | budget | invariant | other) after storing the blocks
+        before ``cursor.start`` (default 0). The next lookup that stops there explains
+        its miss as ``not_stored: <cause>`` instead of ``cold``: remembered for the
+        first block not stored (when it is a full block) and for the children of the
+        cursor's block (never the namespace root: every prompt starts there)."""
+        check_ns(ns, self.config.block_size)
+        if not isinstance(cause, str) or not cause:
+            raise ValueError(f"cause must be a non-empty string, got {cause!r}")
+        start = 0 if cursor is None else cursor.start
+        parent = None if cursor is None else cursor.parent
+        if start >= num_tokens:
+            return  # nothing after the cursor was left unsaved
+        bs = ns.block_size
+        spans = check_spans(extra_keys)
+        first: BlockHash | None = None
+        if start + bs <= num_tokens:
+            part = tokens.arr if isinstance(tokens, RequestTokens) else tokens
+            arr = to_request_tokens(part[start:start + bs]).arr
+            extra = extra_keys_for(spans, start, start + bs) if spans else ()
+            first = _matcher.block_hash(ns.root if parent is None else parent, arr, extra)
+        with self._lock:
+            self.gone.record(first, parent, _matcher.not_stored(cause))
+
     def _store(self, ns: Namespace, req: RequestTokens, num_tokens: int,
                payload_for: Callable[[int, int, bool], Any], spans: tuple[ExtraKeySpan, ...],
                session_id: str | None, truncatable: bool, snapshot_at_end: bool,
@@ -143,6 +170,9 @@ class CacheStore(CacheBase):
                     if not pool.can_allocate(nbytes):
                         c.drops += 1
                         logger.debug("no room for a %d-byte block at token %d: dropped", nbytes, start)
+                        # the next lookup stopping here says why: not_stored: budget
+                        self.gone.record(h, None if start == 0 else parent,
+                                         _matcher.not_stored("budget"))
                         break
                     block = pool.allocate(
                         block_hash=h, parent_hash=parent, tokens=want, start=start,

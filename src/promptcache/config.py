@@ -190,6 +190,10 @@ class EngineConfig:
     prefill_chunk_tokens: int = 256
     # non-truncatable states (SSM/hybrid): snapshot every k blocks during prefill
     snapshot_every_blocks: int = 4
+    # ... and at message starts (where conversations branch: a retry or an edit of the
+    # last user message, a subagent): at most this many per prompt, the last ones
+    # (each costs a prefill stop and one state's bytes; 0 = none)
+    message_snapshots: int = 16
     max_tokens_limit: int = 32768
     default_max_tokens: int = 512
     # admission control: requests admitted at once (prefilling + decoding), requests
@@ -243,6 +247,8 @@ class EngineConfig:
             raise ValueError("prefill_chunk_tokens must be >= 1")
         if self.snapshot_every_blocks < 1:
             raise ValueError("snapshot_every_blocks must be >= 1")
+        if self.message_snapshots < 0:
+            raise ValueError(f"message_snapshots must be >= 0, got {self.message_snapshots}")
         if self.max_active_requests < 1:
             raise ValueError(f"max_active_requests must be >= 1, got {self.max_active_requests}")
         if self.max_queued_requests < 0:

@@ -54,7 +54,10 @@ def test_block_larger_than_the_budget_is_dropped():
     assert cache.store(NS, SEQ, 12, big_second) == 1
     s = cache.stats()
     assert (s.drops, s.ram_blocks, s.ram_bytes) == (1, 1, BLOCK_BYTES)
-    assert cache.lookup(SEQ, NS).num_tokens == 4
+    m = cache.lookup(SEQ, NS)
+    assert m.num_tokens == 4
+    # the miss says why the chain stops there: the block did not fit the RAM budget
+    assert (m.miss.cause, m.miss.position) == ("not_stored: budget", 4)
 
 
 def test_blocks_of_a_live_hit_are_never_evicted():

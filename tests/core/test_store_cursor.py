@@ -114,3 +114,26 @@ def test_cursor_bad_input():
         cache.store(NS, list(range(1, 9)), 4, PayloadRecorder(), cursor=cur)
     # nothing new: a no-op that still counts the save
     assert cache.store(NS, list(range(1, 9)), 8, PayloadRecorder(), cursor=cur) == 0
+
+
+def test_note_not_stored_explains_the_next_miss():
+    """A failed save's cause (``note_not_stored``) is the next lookup's miss cause where
+    the stored chain stops: the first unsaved full block, or a partial tail behind a
+    stored block; never the namespace root for a partial prompt (a cold start stays cold)."""
+    cache = make_cache()
+    seq = list(range(200, 214))  # 3 full blocks of 4 + a partial of 2
+    cache.note_not_stored(NS, np.array(seq, np.uint32), 14, ChainCursor(NS), "layout")
+    assert cache.lookup(seq, NS).miss.cause == "not_stored: layout"
+    assert cache.lookup(list(range(300, 314)), NS).miss.cause == "cold"
+    cur = ChainCursor(NS)
+    cache.store(NS, seq, 12, PayloadRecorder(), include_partial=False, cursor=cur)
+    assert cur.start == 12
+    cache.note_not_stored(NS, seq, 14, cur, "tier")  # the partial tail [12, 14) failed
+    miss = cache.lookup(seq + [9], NS).miss
+    assert (miss.cause, miss.position, miss.restorable) == ("not_stored: tier", 12, 12)
+    short = list(range(400, 403))  # shorter than a block: nothing to key it by but the root
+    fresh = make_cache()
+    fresh.note_not_stored(NS, short, 3, ChainCursor(NS), "other")
+    assert fresh.lookup(short + [1], NS).miss.cause == "cold"
+    with pytest.raises(ValueError):
+        cache.note_not_stored(NS, seq, 14, None, "")

@@ -1,6 +1,6 @@
 """Anthropic ``diagnostics`` (beta cache-diagnosis-2026-04-07) on a real tiny engine: one
 test per miss reason (system / tools / messages changed, evicted, expired, cold, not
-restorable, previous message not found, unavailable), the wire shape streamed and not,
+stored, not restorable, previous message not found, unavailable), the wire shape streamed and not,
 the request log line, and the comparison's parts as units."""
 
 from __future__ import annotations
@@ -150,11 +150,23 @@ def test_expired(served: Served) -> None:
 
 
 def test_cold(tiny_llama_path: Path) -> None:
+    s = Served(tiny_llama_path)
+    try:
+        first = s.send(body())
+        assert s.cache.delete() > 0  # gone without a trace: the cache never saw it
+        second = s.send(body())
+        assert reason(second) == {"type": "cold",
+                                  "cache_missed_input_tokens": prompt_len(first) - 1}
+    finally:
+        s.close()
+
+
+def test_not_stored_for_want_of_budget(tiny_llama_path: Path) -> None:
     s = Served(tiny_llama_path, budget=1)  # nothing fits: every block is dropped
     try:
         first = s.send(body())
         second = s.send(body())
-        assert reason(second) == {"type": "cold",
+        assert reason(second) == {"type": "not_stored",
                                   "cache_missed_input_tokens": prompt_len(first) - 1}
     finally:
         s.close()

@@ -41,6 +41,9 @@ RAM = "ram"
 # Where RAM ends, the lower tiers are asked for this many blocks at once, then (if all
 # of them were found) for the rest of the chain: at most two calls per tier per lookup.
 LOWER_WINDOW = 256
+# Snapshots inside walked blocks (``Matcher._inner_snapshot``): the lower tiers are asked
+# for the siblings of at most this many walked blocks (one call each), RAM for all.
+INNER_LOWER_BLOCKS = 16
 
 # Causes of a short match (MissInfo.cause)
 COLD = "cold"
@@ -48,6 +51,14 @@ EVICTED = "evicted"
 EXPIRED = "expired"
 DIVERGED = "diverged"
 NOT_RESTORABLE = "not_restorable"
+# a save of these blocks failed (``not_stored: <cause>``, the engine's cause name:
+# layout | tier | budget | invariant | other), recorded by ``PromptCache.note_not_stored``
+NOT_STORED = "not_stored"
+
+
+def not_stored(cause: str) -> str:
+    """The miss cause of blocks whose save failed with ``cause``."""
+    return f"{NOT_STORED}: {cause}"
 
 
 def block_hash(parent: BlockHash, token_ids: Any, extra_keys: tuple[bytes, ...]) -> BlockHash:
@@ -114,7 +125,8 @@ class MissInfo:
 
     ``position``: the first request token not found in any stored block;
     ``restorable``: the position the state can actually be restored at;
-    ``cause``: cold | evicted | expired | diverged | not_restorable.
+    ``cause``: cold | evicted | expired | diverged | not_restorable |
+    ``not_stored: <cause>`` (a save of the next blocks failed).
     """
 
     position: int
@@ -143,18 +155,23 @@ class RawMatch:
 
 
 class GoneMemory:
-    """A bounded memory of blocks that left RAM (evicted or expired), keyed by the
-    block hash and by its parent hash, used to explain misses."""
+    """A bounded memory of blocks that left RAM (evicted or expired) or were never
+    stored (a failed save), keyed by the block hash and by its parent hash, used to
+    explain misses."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = max(0, capacity)
         self._by_hash: OrderedDict[BlockHash, str] = OrderedDict()
         self._by_parent: OrderedDict[BlockHash, str] = OrderedDict()
 
-    def record(self, block_hash: BlockHash, parent: BlockHash, cause: str) -> None:
+    def record(self, block_hash: BlockHash | None, parent: BlockHash | None, cause: str) -> None:
+        """Remember ``cause`` for the block ``block_hash`` and for the children of
+        ``parent`` (either may be None: not recorded under that key)."""
         if not self.capacity:
             return
         for mem, key in ((self._by_hash, block_hash), (self._by_parent, parent)):
+            if key is None:
+                continue
             mem[key] = cause
             mem.move_to_end(key)
             while len(mem) > self.capacity:
@@ -340,6 +357,7 @@ class Matcher:
             parent = h  # type: ignore[assignment]
             pos = end
         matched = pos
+        walked = len(entries)
         # children of the last matched block: the longest common prefix with the rest
         rest = buf[pos * 4 :]
         diverged = False
@@ -375,11 +393,54 @@ class Matcher:
             best = child_best[0]
             entries.append(child_best[1])
             best_len = len(entries)
+        if best < min(matched, cap) and walked:
+            # a state that cannot be truncated: a snapshot may end inside a walked block
+            # (a partial block stored at a message start, where conversations branch)
+            inner = self._inner_snapshot(entries[:walked], best, cap, req, ns, spans)
+            if inner is not None:
+                best = inner[0]
+                del entries[inner[1]:]
+                entries.append(inner[2])
+                best_len = len(entries)
         del entries[best_len:]
         miss = None
         if best < cap:
             miss = self._explain(best, matched, n, next_hash, parent, diverged)
         return RawMatch(entries, best, matched, miss)
+
+    def _inner_snapshot(self, walked: list[Entry], best: int, cap: int, req: RequestTokens,
+                        ns: Namespace, spans: Sequence[ExtraKeySpan]
+                        ) -> tuple[int, int, Entry] | None:
+        """The furthest restorable position past ``best`` (and at most ``cap``) inside
+        the walked full blocks: a shorter sibling of walked block ``k`` (a child of the
+        same parent, RAM or a lower tier) whose tokens the request starts with there and
+        whose state is restorable at its end. Returns ``(position, k, sibling)``; the
+        scan goes back from the last walked block and stops where no sibling could beat
+        ``best`` (a few blocks: the regular snapshots are ``snapshot_every_blocks``
+        apart). The lower tiers are asked for the last ``INNER_LOWER_BLOCKS`` only."""
+        buf = req.buf
+        for k in range(len(walked) - 1, -1, -1):
+            start = walked[k].start
+            if start + ns.block_size - 1 <= best:
+                return None
+            parent = entry_meta(walked[k]).parent_hash
+            top: tuple[int, Entry] | None = None
+            lower = len(walked) - k <= INNER_LOWER_BLOCKS
+            for cand, c_tokens, c_extra, c_trunc, c_at_end in self._children(
+                    parent, start, ns, ns.key, lower=lower):
+                c_len = len(c_tokens) >> 2
+                reach = start + c_len
+                if (c_len >= ns.block_size or not (c_trunc or c_at_end) or reach > cap
+                        or reach <= best or (top is not None and reach <= top[0])):
+                    continue
+                if buf[start * 4:reach * 4] != c_tokens:
+                    continue
+                if c_extra != (extra_keys_for(spans, start, reach) if spans else ()):
+                    continue
+                top = (reach, cand)
+            if top is not None:
+                return top[0], k, top[1]
+        return None
 
     def stored_after(self, req: RequestTokens, ns: Namespace, spans: Sequence[ExtraKeySpan],
                      position: int, limit: int) -> list[int]:
@@ -416,7 +477,8 @@ class Matcher:
             h = entry_meta(entry).block_hash
         return [int(t) for t in out[:limit]]
 
-    def _children(self, parent: BlockHash, pos: int, ns: Namespace, ns_key: str
+    def _children(self, parent: BlockHash, pos: int, ns: Namespace, ns_key: str, *,
+                  lower: bool = True
                   ) -> list[tuple[Entry, bytes, tuple[bytes, ...], bool, bool]]:
         out: list[tuple[Entry, bytes, tuple[bytes, ...], bool, bool]] = []
         seen: set[bytes] = set()
@@ -427,7 +489,7 @@ class Matcher:
                 seen.add(block.block_hash)
             out.append((block, block.tokens, block.extra_keys, block.truncatable,
                          block.restorable_at_end()))
-        for src in self.lower:
+        for src in self.lower if lower else ():
             try:
                 metas = src.children(parent, ns=ns)
             except Exception as e:  # a tier breaking its contract is a tier failure too

@@ -556,6 +556,13 @@ def state_arrays(caches: Sequence[Any]) -> Iterator[tuple[str, mx.array]]:
             yield f"{name}.v", c.values
 
 
+def snapshot_nbytes(caches: Sequence[Any]) -> int:
+    """Bytes of a state snapshot of ``caches`` (every non-KV state array, what
+    ``extract_block(..., snapshot=True)`` adds to a block), from shape x dtype."""
+    return sum(int(a.nbytes) for _, c in _leaves(caches) if isinstance(c, ArraysCache)
+               for a in c.cache if a is not None)
+
+
 def cache_offset(caches: Sequence[Any]) -> int | None:
     """The token position of a KV cache list (None if it has no KV layer)."""
     for _, c in _leaves(caches):

@@ -244,7 +244,8 @@ class CacheMiss:
     """Why a request's prompt was not (fully) served from the cache, as data.
 
     ``cause``: the cache's verdict (cold | evicted | expired | diverged |
-    not_restorable | promotion_failed) or the engine's (``cache_error``: the lookup
+    not_restorable | promotion_failed | ``not_stored: <cause>``, a save of these blocks
+    failed: layout | tier | budget | invariant | other) or the engine's (``cache_error``: the lookup
     failed; ``restore_error``: restoring the blocks failed; both prefill everything).
     ``position``: the first prompt token not found in any stored block;
     ``restorable``: where the state was restored; ``message_index``: the chat

@@ -4,7 +4,12 @@ and its three cache save points.
     start: cache.acquire -> restore -> release (a miss is kept as data: CacheMiss)
     -> chunked prefill; chunks end at absolute multiples of the chunk size (a
        multiple of the block size), so every save lands on a block boundary
-       -> after each completed chunk: store (save point 1, "mid_prefill")
+       -> after each completed chunk: store (save point 1, "mid_prefill"). A state
+          that cannot be truncated (SSM / hybrid) is snapshotted every
+          ``snapshot_every_blocks`` blocks; its chunks also end at the prompt's last
+          ``message_snapshots`` message starts, for a snapshot there (in a partial
+          block when the start is inside one): a conversation branching at a message
+          restores up to its start
     -> end of prompt: first token, then store incl. the partial tail (save point 2,
        "end_prefill"); a prefill-only request ends here ("prefilled"). Sliding windows:
        before a forward that would push whole unsaved blocks out of a window (the
@@ -20,11 +25,14 @@ Every save goes through one ``ChainCursor``: a save hashes and reads only the bl
 after the last one this request stored. The token sequence lives in one
 preallocated uint32 buffer (prompt + output), so no save copies the prompt. Any
 exception from the cache is logged and counted and turns into a miss (or a skipped
-save): it never fails the request.
+save): it never fails the request. A failed save is counted by cause
+(``store_error_cause``) and the cache is told which blocks it left out, so the next
+request that would have hit them misses as ``not_stored: <cause>``, not ``cold``.
 """
 
 from __future__ import annotations
 
+import bisect
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -38,7 +46,7 @@ from mlx_lm.models.cache import TokenBuffer, make_prompt_cache
 from ..blocks.tokens import to_request_tokens
 from ..cache_types import ChainCursor
 from ..config import EngineConfig
-from ..errors import ContextLengthError, RequestError
+from ..errors import ContextLengthError, InvariantError, RequestError, TierError
 from ..meta import Namespace
 from . import adapters, mlx_compat
 from .api import CacheMiss, GenerationRequest, GenerationResult, SamplingParams, TokenEvent, Usage
@@ -65,6 +73,10 @@ class EngineCounters:
     cache_errors: int = 0
     restore_errors: int = 0
     store_errors: int = 0
+    # failed saves by cause (``store_error_cause``): layout | tier | budget | invariant |
+    # other; the next request that would have hit those blocks misses as
+    # ``not_stored: <cause>``
+    store_errors_by_cause: dict[str, int] = field(default_factory=dict)
     cancelled: int = 0
     errors: int = 0
     prefilled: int = 0
@@ -82,6 +94,13 @@ class EngineCounters:
     spec_verifies: int = 0
     spec_drafted: int = 0
     spec_accepted: int = 0
+    # non-truncatable states (SSM / hybrid): state snapshots taken for block payloads,
+    # those taken at message starts (where a conversation branches), their bytes, and the
+    # bytes of the last one (a snapshot's size is fixed by the model: memory per snapshot)
+    snapshots: int = 0
+    message_snapshots: int = 0
+    snapshot_bytes: int = 0
+    bytes_per_snapshot: int = 0
     decode_steps: int = 0
     decode_rows: int = 0  # sum of batch sizes over decode steps
     solo_steps: int = 0  # decode steps of requests mlx-lm cannot batch
@@ -89,8 +108,8 @@ class EngineCounters:
     active_kv_bytes: int = 0
     peak_active_kv_bytes: int = 0
 
-    def to_dict(self) -> dict[str, int]:
-        return dict(self.__dict__)
+    def to_dict(self) -> dict[str, Any]:
+        return {k: dict(v) if isinstance(v, dict) else v for k, v in self.__dict__.items()}
 
 
 @dataclass
@@ -152,6 +171,22 @@ def validate_request(req: GenerationRequest, ctx: EngineContext) -> np.ndarray:
     return arr
 
 
+def store_error_cause(exc: BaseException) -> str:
+    """The short name of why a save failed: ``tier`` (a cache tier failed),
+    ``invariant`` (a broken invariant: a bug), ``budget`` (out of memory), ``layout``
+    (the caches' state did not fit the block format: an unsupported or inconsistent
+    cache layout, a payload the cache refused), ``other``."""
+    if isinstance(exc, TierError):
+        return "tier"
+    if isinstance(exc, InvariantError):
+        return "invariant"
+    if isinstance(exc, MemoryError):
+        return "budget"
+    if isinstance(exc, (ValueError, TypeError, KeyError, IndexError)):
+        return "layout"
+    return "other"
+
+
 def _cut_by_tier(by_tier: Any, n: int) -> dict[str, int]:
     """Per-tier cached token counts, trimmed to the ``n`` tokens actually restored."""
     out: dict[str, int] = {}
@@ -203,6 +238,9 @@ class Request:
         # the admission ticket there, so a client holding its answer is never counted)
         self.on_finish: Callable[[], None] | None = None
         self._last_snapshot = 0
+        # non-truncatable states: the message starts inside the prompt, where prefill
+        # stops for a state snapshot (set at start)
+        self._snap_at: tuple[int, ...] = ()
         self.waited_for_prefix = False  # counted once (scheduler: shared prefixes)
         self.use_cache = bool(request.use_cache and ctx.cache is not None and ctx.namespace_for)
         self.ns: Namespace | None = (
@@ -252,6 +290,11 @@ class Request:
         self.caches = list(template)
         if self.use_cache:
             self._lookup_and_restore()
+            keep = self.ctx.config.message_snapshots
+            if not self.truncatable and keep:
+                starts = sorted({int(m) for m in self.req.message_starts
+                                 if self.pos < m < self.n_prompt})
+                self._snap_at = tuple(starts[-keep:])
         self._last_snapshot = self.pos
         self.phase = "prefill"
 
@@ -310,9 +353,16 @@ class Request:
     def chunk_end(self) -> int:
         """Where this request's next chunk ends: the next absolute multiple of the
         chunk size (so every mid-prefill save lands on a block boundary), or the
-        prompt's end."""
+        prompt's end; for a non-truncatable state, the next message start before
+        that (a state snapshot is stored there: a conversation that branches at that
+        message restores up to it)."""
         chunk = self.ctx.config.prefill_chunk_tokens
-        return min(self.n_prompt, (self.pos // chunk + 1) * chunk)
+        end = min(self.n_prompt, (self.pos // chunk + 1) * chunk)
+        if self._snap_at:
+            i = bisect.bisect_right(self._snap_at, self.pos)
+            if i < len(self._snap_at) and self._snap_at[i] < end:
+                end = self._snap_at[i]
+        return end
 
     def prefill_chunk(self) -> bool:
         """Run one chunk on the private caches; True once the prompt is done (then the
@@ -411,13 +461,24 @@ class Request:
                         caches=src)
 
     def _save_mid_prefill(self, caches: Sequence[Any] | None = None) -> None:
-        snap = True
-        if not self.truncatable:
-            every = self.ctx.config.snapshot_every_blocks * self.ctx.block_size
-            snap = self.pos // every > self._last_snapshot // every
-        self._store(self.pos, "mid_prefill", include_partial=False, snapshot_at_end=snap,
-                    caches=caches)
-        if snap:
+        """Save point 1. A non-truncatable state is snapshotted once a chunk reaches a
+        multiple of ``snapshot_every_blocks`` blocks, and at every message start (a
+        partial block ending there carries it when the start is inside a block)."""
+        if self.truncatable:
+            self._store(self.pos, "mid_prefill", include_partial=False, snapshot_at_end=True,
+                        caches=caches)
+            return
+        every = self.ctx.config.snapshot_every_blocks * self.ctx.block_size
+        regular = self.pos // every > self._last_snapshot // every
+        i = bisect.bisect_left(self._snap_at, self.pos)
+        at_message = i < len(self._snap_at) and self._snap_at[i] == self.pos
+        before = self.ctx.counters.snapshots
+        self._store(self.pos, "mid_prefill", include_partial=at_message and
+                    self.pos % self.ctx.block_size != 0,
+                    snapshot_at_end=regular or at_message, caches=caches)
+        if at_message:
+            self.ctx.counters.message_snapshots += self.ctx.counters.snapshots - before
+        if regular:
             self._last_snapshot = self.pos
 
     # ------------------------------------------------------------------ sampling
@@ -493,9 +554,16 @@ class Request:
         src = self.caches if caches is None else caches
 
         kv_quant = self.ctx.kv_quant
+        counters, stateful = self.ctx.counters, not self.truncatable
 
         def payload_for(start: int, end: int, snapshot: bool) -> BlockPayload:
-            return adapters.extract_block(src, start, end, snapshot, quant=kv_quant)
+            payload = adapters.extract_block(src, start, end, snapshot, quant=kv_quant)
+            if snapshot and stateful:
+                nbytes = adapters.snapshot_nbytes(src)
+                counters.snapshots += 1
+                counters.snapshot_bytes += nbytes
+                counters.bytes_per_snapshot = nbytes
+            return payload
 
         try:
             created = cache.store(
@@ -504,18 +572,35 @@ class Request:
                 agent_id=self.req.agent_id, truncatable=self.truncatable, snapshot_at_end=snapshot_at_end,
                 include_partial=include_partial, save_point=save_point, cursor=self.cursor,
             )
-        except Exception:
+        except Exception as e:
             if self._window_gap(src):
                 logger.debug("request %s: block %d left the sliding window unsaved; the "
                              "%s save stops there", self.request_id, self._cursor_start(),
                              save_point)
                 self.ctx.counters.window_gaps += 1
                 return
-            logger.exception("storing blocks (%s) failed; continuing without saving", save_point)
-            self.ctx.counters.store_errors += 1
+            cause = store_error_cause(e)
+            logger.exception("storing blocks (%s) failed (%s); continuing without saving",
+                             save_point, cause)
+            c = self.ctx.counters
+            c.store_errors += 1
+            c.store_errors_by_cause[cause] = c.store_errors_by_cause.get(cause, 0) + 1
+            self._note_not_stored(num_tokens, cause)
             return
         attr = f"saved_{save_point}"
         setattr(self.usage, attr, getattr(self.usage, attr) + int(created))
+
+    def _note_not_stored(self, num_tokens: int, cause: str) -> None:
+        """Tell the cache which blocks a failed save left out (the next lookup stopping
+        there says ``not_stored: <cause>``, not ``cold``); never fails the request."""
+        note = getattr(self.ctx.cache, "note_not_stored", None)
+        if note is None or self.ns is None:
+            return
+        try:
+            note(self.ns, self.seq, num_tokens, self.cursor, cause, extra_keys=self.extra_keys)
+        except Exception:
+            logger.exception("recording a failed save failed")
+            self.ctx.counters.cache_errors += 1
 
     def _cursor_start(self) -> int:
         return self.cursor.start if self.cursor is not None else 0

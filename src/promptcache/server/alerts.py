@@ -25,14 +25,19 @@ log = logging.getLogger(__name__)
 
 _CAUSE_FIELD_RE = re.compile(r"cause['\"]?\s*[=:]\s*['\"]?([A-Za-z_]+)")
 _WORD_RE = re.compile(r"[A-Za-z_]+")
+_NOT_STORED_RE = re.compile(r"not_stored: [A-Za-z_]+")
 
 
 def miss_cause(reason: str | None) -> str | None:
     """The cause of an engine miss reason: a ``cause=...`` field when present
     (``"MissInfo(position=0, ..., cause='cold')"``), else the leading word
-    (``"evicted at token 12 (message 3)"`` -> ``evicted``)."""
+    (``"evicted at token 12 (message 3)"`` -> ``evicted``); a failed save keeps its
+    cause (``"not_stored: layout: first ..."`` -> ``not_stored: layout``)."""
     if not reason:
         return None
+    ns = _NOT_STORED_RE.search(reason)
+    if ns is not None:
+        return ns.group(0)
     m = _CAUSE_FIELD_RE.search(reason) or _WORD_RE.search(reason)
     return m.group(1 if m.re is _CAUSE_FIELD_RE else 0).lower() if m else None
 

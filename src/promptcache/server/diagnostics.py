@@ -9,9 +9,10 @@ When it does not, this module says why, in the terms of Anthropic's cache diagno
   request's structure is in the tools, the leading system prompt, or the messages
   (a changed message, or the history rendered differently from what was generated:
   reasoning stripped, a tool call re-rendered, text that re-tokenizes differently);
-- ``evicted`` / ``expired`` / ``not_restorable`` / ``cold``: the request repeats the
-  previous turn, but the cache did not deliver it (blocks evicted, past their TTL, a
-  state that cannot be restored at that position, or never stored);
+- ``evicted`` / ``expired`` / ``not_restorable`` / ``not_stored`` / ``cold``: the
+  request repeats the previous turn, but the cache did not deliver it (blocks evicted,
+  past their TTL, a state that cannot be restored at that position, a save that
+  failed, or never stored);
 - ``previous_message_not_found`` (the ``diagnostics.previous_message_id`` is unknown)
   and ``unavailable`` (the server runs without a cache).
 
@@ -57,7 +58,7 @@ UNAVAILABLE = "unavailable"
 _CACHE_CAUSES = {"evicted": "evicted", "expired": "expired", "cold": "cold",
                  "not_restorable": "not_restorable", "promotion_failed": "evicted",
                  "diverged": MESSAGES_CHANGED, "cache_error": "not_restorable",
-                 "restore_error": "not_restorable"}
+                 "restore_error": "not_restorable", "not_stored": "not_stored"}
 CONTEXT_TOKENS = 16  # tokens of text shown on each side of a divergence
 
 

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 log = logging.getLogger(__name__)
@@ -112,23 +112,39 @@ class CacheStatsCollector(Collector):
 class EngineStatsCollector(Collector):
     """``engine.engine_stats()`` at scrape time: ``promptcache_engine_<name>`` gauges
     (active_kv_bytes, peak_active_kv_bytes, active, queued, kv_reserved_bytes,
-    kv_budget_bytes, batch_size, rejected, wait_s_max, ...; ``alive`` as 0/1)."""
+    kv_budget_bytes, batch_size, rejected, wait_s_max, ...; ``alive`` as 0/1). A
+    mapping of numbers keyed ``x_by_<label>`` becomes one family with that label: a
+    counter for the monotonic ones (``store_errors_by_cause`` ->
+    ``promptcache_engine_store_errors_by_cause_total{cause="layout"}``), else a gauge."""
+
+    COUNTERS = frozenset({"store_errors_by_cause"})
 
     def __init__(self, get_stats: Callable[[], Mapping[str, Any] | None]) -> None:
         self._get_stats = get_stats
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         try:
             stats = self._get_stats()
         except Exception:
             log.warning("engine stats unavailable for /metrics", exc_info=True)
             return
         for key, value in (stats or {}).items():
+            key = str(key)
+            name = _name("promptcache_engine", key)
             if isinstance(value, bool) or _is_number(value):
-                name = _name("promptcache_engine", str(key))
                 fam = GaugeMetricFamily(name, f"engine stat {key}")
                 fam.add_metric([], float(value))
                 yield fam
+            elif (isinstance(value, Mapping) and "_by_" in key
+                  and all(_is_number(v) for v in value.values())):
+                label = _label_name(key)
+                labelled: GaugeMetricFamily | CounterMetricFamily = (
+                    CounterMetricFamily(name, f"engine counter {key}", labels=[label])
+                    if key in self.COUNTERS
+                    else GaugeMetricFamily(name, f"engine stat {key}", labels=[label]))
+                for k, v in value.items():
+                    labelled.add_metric([str(k)], float(v))
+                yield labelled
 
 
 class ServerMetrics:
