@@ -46,20 +46,12 @@ REPLY = 6  # max_tokens of every reply
 TOL = 1e-4  # relative |logits of a restored prefill - of a full one|: float32 noise
 SYSTEM = "You are a tiny model."
 
-HYBRID_RESTORE_BUG = ("hybrid: state restores only at chunk snapshots, none at message "
-                      "boundaries (a branch at an edited message falls back to the last "
-                      "chunk end); fix in progress")
-
 POINTS = ("retokenize", "equal", "sequential", "concurrent", "branch", "repeat",
           "store_errors", "ssd_restart")
-_HYBRID_FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next", "nemotron_h", "falcon_h1")
 
 # (family, point) -> the known bug; each is xfail(strict=True) on that point only: a
 # point that starts passing turns the test red, and its entry goes
-KNOWN_FAILURES: dict[tuple[str, str], str] = {
-    **{(f, "branch"): HYBRID_RESTORE_BUG for f in _HYBRID_FAMILIES},
-    ("kimi_linear", "branch"): HYBRID_RESTORE_BUG,
-}
+KNOWN_FAILURES: dict[tuple[str, str], str] = {}
 
 
 def families_for(point: str) -> list[Any]:
@@ -318,8 +310,8 @@ def test_branch_reuses_the_shared_prefix(matrix: Callable[[str], Run], family: s
     assert 2 <= boundary % CHUNK <= 8  # not a chunk end
     if run.truncatable:
         assert branch.cached == lcp
-    else:  # a state snapshot at the message boundary (or past it, within the prefix)
-        assert boundary <= branch.cached <= lcp
+    else:  # the state snapshot at the edited message's start
+        assert branch.cached == boundary
 
 
 @pytest.mark.parametrize("family", families_for("repeat"))
