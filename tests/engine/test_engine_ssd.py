@@ -88,3 +88,36 @@ def test_engine_close_persists_every_ram_block_under_write_back(tiny_llama_path,
         r2 = second.generate(prompt, max_tokens=4)
     assert r2.usage.cached_by_tier == {"ssd": 399}
     assert r2.tokens == r1.tokens
+
+
+def test_a_corrupt_index_rebuilt_by_check_fix_restores_output_equal_to_a_full_prefill(
+        tiny_llama_path, tmp_path, capsys):
+    """Index corruption + ``cache check --fix``: every block file is kept and indexed
+    again from its own header, and a restarted engine restores the turn from them with
+    output equal to a full prefill."""
+    import json
+
+    from promptcache.cli import main
+
+    folder = tmp_path / "blocks"
+    ssd = SSDConfig(path=folder, policy="write_through", fsync=False)
+    ec = EngineConfig(prefill_chunk_tokens=16)
+    cc = CacheConfig(block_size=8, ram_budget_bytes=64 * 1024**2)
+    prompt = [int(t) for t in np.random.default_rng(11).integers(3, 1000, size=30)]
+    with Engine.load(tiny_llama_path, ec, cc, cache=build_cache(cc, ssd)) as first:
+        first.generate(prompt, max_tokens=4)
+    files = sorted(p.name for p in folder.rglob("*.safetensors"))
+    assert files
+    index = folder / "index.sqlite"
+    for suffix in ("-wal", "-shm"):
+        (folder / f"index.sqlite{suffix}").unlink(missing_ok=True)
+    index.write_bytes(b"this is not a database" * 100)
+    assert main(["cache", "check", "--fix", "--cache-dir", str(folder)]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["index_rebuilt"] and report["recovered_blocks"] == len(files)
+    assert sorted(p.name for p in folder.rglob("*.safetensors")) == files
+    with Engine.load(tiny_llama_path, ec, cc, cache=build_cache(cc, ssd)) as second:
+        again = second.generate(prompt, max_tokens=4)
+        ref = second.generate(prompt, max_tokens=4, use_cache=False)
+    assert again.usage.cached_tokens == 29 and again.usage.cached_by_tier == {"ssd": 29}
+    assert again.tokens == ref.tokens
