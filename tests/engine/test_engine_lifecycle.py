@@ -78,3 +78,16 @@ def test_overload_and_close(tiny_llama_path):
     finally:
         eng.close()
     assert first.result(timeout=5).finish_reason == "cancelled"
+
+
+def test_engine_stats_report_mlx_memory(tiny_llama_path):
+    eng = make_engine(tiny_llama_path)
+    try:
+        eng.submit(_req(seed=9)).result(timeout=60)
+        stats = eng.engine_stats()
+        # the weights and the RAM tier's blocks are alive; the peak is at least that
+        assert stats["mlx_active_bytes"] > 0
+        assert stats["mlx_peak_bytes"] >= stats["mlx_active_bytes"]
+        assert stats["mlx_cache_bytes"] >= 0
+    finally:
+        eng.close()

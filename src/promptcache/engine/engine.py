@@ -393,7 +393,12 @@ class Engine:
         """Counters, admission (active, queued, waits, KV reserved / budget), the batch.
         Cheap and lock-free apart from the admission lock (safe from any thread)."""
         return {**self.counters.to_dict(), **self.admission.snapshot(),
-                "alive": self.alive, "batch_size": len(self.scheduler.batch)}
+                "alive": self.alive, "batch_size": len(self.scheduler.batch),
+                # mlx's own accounting: arrays alive (KV, RAM-tier blocks, weights), its
+                # buffer cache (freed buffers it keeps for reuse) and the peak
+                "mlx_active_bytes": int(mx.get_active_memory()),
+                "mlx_cache_bytes": int(mx.get_cache_memory()),
+                "mlx_peak_bytes": int(mx.get_peak_memory())}
 
     def stats(self) -> dict[str, Any]:
         out: dict[str, Any] = {"engine": self.engine_stats()}
