@@ -53,3 +53,16 @@ def uvicorn_thread(app: Any) -> Iterator[str]:
     finally:
         server.should_exit = True
         thread.join(timeout=10)
+
+
+def assert_streamed_equals_whole(reply: str, cuts: list[int], names: Any, fmt: Any,
+                                 tools: Any) -> None:
+    """``reply`` fed to a ``ToolCallStream`` in the pieces ``cuts`` makes gives the text
+    and calls of parsing it whole."""
+    from promptcache.server.toolcalls import ParsedReply, ToolCallStream, parse_tool_calls
+
+    points = sorted({min(c, len(reply)) for c in cuts} | {0, len(reply)})
+    stream = ToolCallStream(names, fmt, tools)
+    out = "".join(stream.feed(reply[a:b]) for a, b in zip(points, points[1:], strict=False))
+    tail, calls = stream.finish()
+    assert ParsedReply(out + tail, calls) == parse_tool_calls(reply, names, fmt, tools)

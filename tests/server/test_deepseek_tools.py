@@ -11,11 +11,12 @@ import pytest
 import sse_checks
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from server_helpers import assert_streamed_equals_whole
 from test_server_structured import ANT_TOOLS, HI, OAI_TOOLS, RESP_TOOLS, WANT, _app
 
 from promptcache.engine.chat_format import DEEPSEEK, ChatFormat, ToolCall, chat_format_of
 from promptcache.engine.tool_formats import parse_deepseek
-from promptcache.server.toolcalls import ParsedReply, ToolCallStream, parse_tool_calls
+from promptcache.server.toolcalls import parse_tool_calls
 
 B, E = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
 CB, CE, SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
@@ -85,12 +86,8 @@ def test_every_api(reply: str, stream: bool) -> None:
 @given(st.sampled_from([V31, V3, TWO, f"{B}{CB}rm_rf{SEP}{{}}{CE}{E}", "plain " + B[:5]]),
        st.lists(st.integers(0, 200), max_size=8))
 def test_streamed_and_whole_agree(reply: str, cuts: list[int]) -> None:
-    names = {"get_weather", "list_files"}
-    points = sorted({min(c, len(reply)) for c in cuts} | {0, len(reply)})
-    stream = ToolCallStream(names, DEEPSEEK, OAI_TOOLS)
-    out = "".join(stream.feed(reply[a:b]) for a, b in zip(points, points[1:], strict=False))
-    tail, calls = stream.finish()
-    assert ParsedReply(out + tail, calls) == parse_tool_calls(reply, names, DEEPSEEK, OAI_TOOLS)
+    assert_streamed_equals_whole(reply, cuts, {"get_weather", "list_files"}, DEEPSEEK,
+                                 OAI_TOOLS)
 
 
 def test_a_forced_call_is_a_grammar_in_the_same_format() -> None:

@@ -26,13 +26,14 @@ from fake_engine import FakeEngine
 from fastapi.testclient import TestClient
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from server_helpers import assert_streamed_equals_whole
 
 from promptcache.config import EngineConfig, ServerConfig
 from promptcache.engine.api import Constraint
 from promptcache.engine.chat_format import ChatFormat, tool_call_format
 from promptcache.engine.constrained import JSON_OPTIONS
 from promptcache.server import create_app
-from promptcache.server.toolcalls import ParsedReply, ToolCall, ToolCallStream, parse_tool_calls
+from promptcache.server.toolcalls import ParsedReply, ToolCall, parse_tool_calls
 
 HI = [{"role": "user", "content": "weather in Paris?"}]
 PARAMS = {"type": "object", "properties": {"city": {"type": "string"},
@@ -434,13 +435,8 @@ FORMAT_REPLIES = [(fmt, reply) for fmt, reply in REPLIES.items()] + [
 def test_streamed_and_whole_parses_agree_in_every_format(case: tuple[str, str],
                                                          cuts: list[int]) -> None:
     fmt_name, reply = case
-    fmt = tool_call_format(fmt_name)
-    names = {"get_weather", "list_files"}
-    points = sorted({min(c, len(reply)) for c in cuts} | {0, len(reply)})
-    stream = ToolCallStream(names, fmt, OAI_TOOLS)
-    out = "".join(stream.feed(reply[a:b]) for a, b in zip(points, points[1:], strict=False))
-    tail, calls = stream.finish()
-    assert ParsedReply(out + tail, calls) == parse_tool_calls(reply, names, fmt, OAI_TOOLS)
+    assert_streamed_equals_whole(reply, cuts, {"get_weather", "list_files"},
+                                 tool_call_format(fmt_name), OAI_TOOLS)
 
 
 def test_what_each_format_parses_to() -> None:

@@ -39,6 +39,7 @@ from .tiny_models import (
     VOCAB_SIZE,
     _tokenizer_config,
     ensure_built,
+    new_model_folder,
     tokenizer_json,
 )
 
@@ -294,13 +295,7 @@ def build_family_model(family: str, out_dir: str | os.PathLike[str]) -> Path:
 
     from ..mlx_compat import model_classes
 
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    if any(out.iterdir()):
-        raise ValueError(f"output folder {out} is not empty")
-    tok_text = tokenizer_json()
-    tok = json.loads(tok_text)
-    special_ids = {t["content"]: int(t["id"]) for t in tok["added_tokens"]}
+    out, tok_text, special_ids = new_model_folder(out_dir)
     config = family_config(family, special_ids)
 
     model_cls, args_cls = model_classes(config["model_type"])
@@ -318,7 +313,7 @@ def build_family_model(family: str, out_dir: str | os.PathLike[str]) -> Path:
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     (out / "tokenizer.json").write_text(tok_text)
     (out / "tokenizer_config.json").write_text(
-        json.dumps(_tokenizer_config(tok, CONTEXT_LENGTH), indent=2) + "\n")
+        json.dumps(_tokenizer_config(json.loads(tok_text), CONTEXT_LENGTH), indent=2) + "\n")
     (out / "special_tokens_map.json").write_text(
         json.dumps({"eos_token": EOS_TOKEN, "pad_token": PAD_TOKEN}, indent=2) + "\n")
     logger.info("built tiny %s model in %s (%d tensors)", family, out, len(weights))

@@ -246,6 +246,18 @@ def _seed_for(kind: str) -> int:
     return 1000 + KINDS.index(kind)
 
 
+def new_model_folder(out_dir: str | os.PathLike[str]) -> tuple[Path, str, dict[str, int]]:
+    """An empty model folder (created; ValueError if it holds anything), the shared
+    tokenizer's JSON and its special tokens' ids."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if any(out.iterdir()):
+        raise ValueError(f"output folder {out} is not empty")
+    tok_text = tokenizer_json()
+    tok = json.loads(tok_text)
+    return out, tok_text, {t["content"]: int(t["id"]) for t in tok["added_tokens"]}
+
+
 def build_tiny_model(kind: str, out_dir: str | os.PathLike[str]) -> Path:
     """Write a tiny random-weight model of ``kind`` into ``out_dir`` (created; must be empty)."""
     if kind not in KINDS:
@@ -255,14 +267,7 @@ def build_tiny_model(kind: str, out_dir: str | os.PathLike[str]) -> Path:
 
     from ..mlx_compat import model_classes
 
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    if any(out.iterdir()):
-        raise ValueError(f"output folder {out} is not empty")
-
-    tok_text = tokenizer_json()
-    tok = json.loads(tok_text)
-    special_ids = {t["content"]: int(t["id"]) for t in tok["added_tokens"]}
+    out, tok_text, special_ids = new_model_folder(out_dir)
     config = model_config(kind, special_ids)
 
     model_cls, args_cls = model_classes(config["model_type"])
@@ -277,7 +282,8 @@ def build_tiny_model(kind: str, out_dir: str | os.PathLike[str]) -> Path:
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     (out / "tokenizer.json").write_text(tok_text)
     (out / "tokenizer_config.json").write_text(
-        json.dumps(_tokenizer_config(tok, int(config["max_position_embeddings"])), indent=2)
+        json.dumps(_tokenizer_config(json.loads(tok_text), int(config["max_position_embeddings"])),
+                   indent=2)
         + "\n"
     )
     (out / "special_tokens_map.json").write_text(
