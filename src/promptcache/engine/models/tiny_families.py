@@ -286,8 +286,12 @@ def _randomize_zero_params(weights: dict[str, Any], seed: int) -> dict[str, Any]
     return out
 
 
-def build_family_model(family: str, out_dir: str | os.PathLike[str]) -> Path:
-    """Write the tiny model of ``family`` into ``out_dir`` (created; must be empty)."""
+def build_family_model(family: str, out_dir: str | os.PathLike[str],
+                       overrides: dict[str, Any] | None = None) -> Path:
+    """Write the tiny model of ``family`` into ``out_dir`` (created; must be empty).
+
+    ``overrides``: config.json entries that replace the family's (e.g. ``head_dim`` 64,
+    which mx.quantize's groups divide, for the KV quantization tests)."""
     _check(family)
     import mlx.core as mx
     from mlx.nn.layers.quantized import quantize
@@ -296,7 +300,7 @@ def build_family_model(family: str, out_dir: str | os.PathLike[str]) -> Path:
     from ..mlx_compat import model_classes
 
     out, tok_text, special_ids = new_model_folder(out_dir)
-    config = family_config(family, special_ids)
+    config = {**family_config(family, special_ids), **(overrides or {})}
 
     model_cls, args_cls = model_classes(config["model_type"])
     seed = 2000 + FAMILIES.index(family)
