@@ -235,3 +235,53 @@ def test_a_batch_with_an_ineligible_row_decodes_as_before(tiny_llama_path: Any) 
         assert [h.result(timeout=300).tokens for h in handles] == ref
     finally:
         eng.close()
+
+
+def test_the_tenant_pool_drafts_for_its_own_tenant_only(tiny_llama_path: Any) -> None:
+    """A's finished reply is the perfect draft for an identical prompt: A's second request
+    gets pool drafts (accepted) and the same tokens; tenant B never drafts from A's."""
+    toks = tuple(int(t) for t in np.random.default_rng(300).integers(3, 1000, size=40))
+    plain = make_engine(tiny_llama_path, use_cache=False)
+    try:
+        want = run(plain, toks).tokens
+    finally:
+        plain.close()
+    eng = make_engine(tiny_llama_path, use_cache=False, speculation="suffix",
+                      spec_pool_prompt_tokens=16)
+    try:
+        eng._ctx.logits_hook = None
+        c = eng.counters
+
+        def go(tenant: str) -> Any:
+            return eng.submit(GenerationRequest(prompt_tokens=toks, tenant=tenant,
+                                                sampling=SamplingParams(max_tokens=40))
+                              ).result(timeout=300)
+
+        assert go("a").tokens == want
+        assert c.spec_pool_drafted == 0
+        assert eng.engine_stats()["spec_pool_tokens"] == 16 + len(want)
+        b = go("b")
+        assert b.tokens == want
+        assert c.spec_pool_drafted == c.spec_pool_accepted == 0  # nothing from A's pool
+        assert eng.engine_stats()["spec_pool_tokens"] == 2 * (16 + len(want))
+        a2 = go("a")
+        assert a2.tokens == want
+        assert c.spec_pool_accepted > 0
+        assert a2.usage.spec_accepted >= c.spec_pool_accepted
+    finally:
+        eng.close()
+
+
+def test_the_pools_are_bounded_by_spec_pool_tokens(tiny_llama_path: Any) -> None:
+    eng = make_engine(tiny_llama_path, use_cache=False, speculation="suffix",
+                      spec_pool_tokens=50, spec_pool_prompt_tokens=8)
+    try:
+        eng._ctx.logits_hook = None
+        for i, tenant in enumerate(("a", "b", "c")):
+            got = eng.submit(GenerationRequest(prompt_tokens=prompt(400 + i), tenant=tenant,
+                                               sampling=SamplingParams(max_tokens=30))
+                             ).result(timeout=300)
+            n = min(50, 8 + len(got.tokens))  # only the latest tenant's pool is left
+            assert eng.engine_stats()["spec_pool_tokens"] == n
+    finally:
+        eng.close()
