@@ -285,3 +285,51 @@ def test_the_pools_are_bounded_by_spec_pool_tokens(tiny_llama_path: Any) -> None
             assert eng.engine_stats()["spec_pool_tokens"] == n
     finally:
         eng.close()
+
+
+@pytest.mark.parametrize("kind", ["right", "first"])
+def test_per_request_and_engine_counts_are_exact(tiny_llama_path: Any, reference: Any,
+                                                 kind: str) -> None:
+    """A deterministic draft source, k from 2 (spec_max_draft=4), 11 tokens: the first
+    token comes from the prefill; "right" drafts 2, 4, 4 tokens (all accepted; the last
+    verify's draft runs past max_tokens), "first" drafts 2 tokens five times with only
+    the first one right (k stays 2)."""
+    toks = prompt(0)
+    want = reference[toks][:11]
+    eng = make_engine(tiny_llama_path, use_cache=False, speculation="suffix",
+                      spec_max_draft=4)
+    try:
+        eng._ctx.logits_hook = None
+
+        def source(r: Any, k: int) -> list[int]:
+            truth: list[int] = reference[toks][len(r.output):len(r.output) + k]
+            return truth if kind == "right" else truth[:1] + [(t + 1) % 1000 for t in truth[1:]]
+
+        eng._ctx.speculator.source = source
+        got = run(eng, toks, max_tokens=11)
+        assert got.tokens == want
+        verifies, drafted, accepted = (3, 10, 10) if kind == "right" else (5, 10, 5)
+        assert (got.usage.spec_drafted, got.usage.spec_accepted) == (drafted, accepted)
+        assert got.usage.to_dict()["spec_drafted"] == drafted
+        st = eng.engine_stats()
+        assert (st["spec_verifies"], st["spec_drafted"], st["spec_accepted"]) == \
+            (verifies, drafted, accepted)
+        assert st["spec_pool_drafted"] == 0  # injected drafts are not the pool's
+        assert st["spec_acceptance_rate"] == round(accepted / drafted, 4)
+        assert st["spec_mean_accepted"] == round(accepted / verifies, 4)
+        assert st["spec_tokens_per_forward"] == round(1 + accepted / verifies, 4)
+        assert st["spec_pool_tokens"] == len(toks) + 11  # the whole prompt (< 256) + output
+    finally:
+        eng.close()
+
+
+def test_no_speculation_reports_no_rates(tiny_llama_path: Any) -> None:
+    eng = make_engine(tiny_llama_path, use_cache=False)
+    try:
+        got = run(eng, prompt(0), max_tokens=4)
+        assert (got.usage.spec_drafted, got.usage.spec_accepted) == (0, 0)
+        st = eng.engine_stats()
+        assert st["spec_pool_tokens"] == 0
+        assert st["spec_acceptance_rate"] is None and st["spec_tokens_per_forward"] is None
+    finally:
+        eng.close()
