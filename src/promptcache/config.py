@@ -235,8 +235,9 @@ class EngineConfig:
     spec_max_rows: int = 8
     # the per-tenant draft pool: a finished request's output (and the last
     # spec_pool_prompt_tokens of its prompt) drafts for later requests of its tenant;
-    # at most spec_pool_tokens tokens over all tenants (0: no pool)
-    spec_pool_tokens: int = 1_000_000
+    # at most spec_pool_tokens tokens over all tenants (0: no pool). About 1 KB of Python
+    # objects per pooled token (the n-gram index): the default holds ~64 MB
+    spec_pool_tokens: int = 65_536
     spec_pool_prompt_tokens: int = 256
 
     def __post_init__(self) -> None:

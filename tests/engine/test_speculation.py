@@ -148,7 +148,8 @@ def test_only_single_greedy_plain_kv_rows_speculate(tiny_llama_path: Any,
 def test_config_is_checked() -> None:
     from promptcache.config import EngineConfig
 
-    for kw in ({"speculation": "ngram"}, {"spec_max_draft": 0}, {"spec_min_match": 0}):
+    for kw in ({"speculation": "ngram"}, {"spec_max_draft": 0}, {"spec_min_match": 0},
+               {"spec_pool_tokens": -1}, {"spec_pool_prompt_tokens": -1}):
         with pytest.raises(ValueError):
             EngineConfig(**kw)
 
