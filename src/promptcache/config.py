@@ -233,6 +233,12 @@ class EngineConfig:
     spec_min_match: int = 3
     # speculate while at most this many rows decode together (1: one stream only)
     spec_max_rows: int = 8
+    # the per-tenant draft pool: a finished request's output (and the last
+    # spec_pool_prompt_tokens of its prompt) drafts for later requests of its tenant;
+    # at most spec_pool_tokens tokens over all tenants (0: no pool). About 1 KB of Python
+    # objects per pooled token (the n-gram index): the default holds ~64 MB
+    spec_pool_tokens: int = 65_536
+    spec_pool_prompt_tokens: int = 256
 
     def __post_init__(self) -> None:
         if self.speculation not in ("suffix", "off"):
@@ -243,6 +249,11 @@ class EngineConfig:
             raise ValueError(f"spec_max_rows must be >= 1, got {self.spec_max_rows}")
         if not 1 <= self.spec_min_match <= 16:
             raise ValueError(f"spec_min_match must be in [1, 16], got {self.spec_min_match}")
+        if self.spec_pool_tokens < 0:
+            raise ValueError(f"spec_pool_tokens must be >= 0, got {self.spec_pool_tokens}")
+        if self.spec_pool_prompt_tokens < 0:
+            raise ValueError("spec_pool_prompt_tokens must be >= 0, got "
+                             f"{self.spec_pool_prompt_tokens}")
         if self.prefill_chunk_tokens < 1:
             raise ValueError("prefill_chunk_tokens must be >= 1")
         if self.snapshot_every_blocks < 1:

@@ -36,3 +36,16 @@ def test_bench_quick_s1_against_mlx_lm(tiny_llama_path: Path, tmp_path: Path,
     assert "### S1: 3-turn chat" in capsys.readouterr().out
     assert main(["bench", "--model", str(tmp_path), "--out", str(out)]) == 2
     assert "no config.json there" in capsys.readouterr().err
+
+
+def test_max_tokens_the_flag_then_the_scenarios_own_then_the_default() -> None:
+    import argparse
+
+    from promptcache.bench import scenarios
+    from promptcache.cli.bench_cmd import DEFAULT_MAX_TOKENS, max_tokens_for
+
+    e1, s1 = scenarios.build("E1", quick=True), scenarios.build("S1", quick=True)
+    given, not_given = argparse.Namespace(max_tokens=7), argparse.Namespace(max_tokens=None)
+    assert [max_tokens_for(given, e1), max_tokens_for(given, s1), max_tokens_for(given)] == [7] * 3
+    assert [max_tokens_for(not_given, e1), max_tokens_for(not_given, s1),
+            max_tokens_for(not_given)] == [160, DEFAULT_MAX_TOKENS, DEFAULT_MAX_TOKENS]

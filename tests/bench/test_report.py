@@ -117,3 +117,17 @@ def test_json_and_charts_are_written(tmp_path: Path) -> None:
     data = paths[0].read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n"
     assert 5_000 < len(data) < 150_000
+
+
+def test_decode_rate_and_its_table_for_a_scenario_that_measures_decode() -> None:
+    turns = [{"ok": True, "completion_tokens": 11, "ttft_s": 0.5, "total_s": 1.5},
+             {"ok": True, "completion_tokens": 21, "ttft_s": 0.25, "total_s": 2.25},
+             {"ok": False, "completion_tokens": None, "ttft_s": None, "total_s": None}]
+    assert report.decode_rate(turns) == (32, 3.0, 10.0)  # (10 + 20) tokens after the first
+    assert report.decode_rate(turns[2:]) == (0, None, None)
+    results = {"meta": {}, "config": {"max_tokens": 16}, "scenarios": {"E1": {
+        "title": "edit", "measure_decode": True, "floor": [], "max_tokens": 160,
+        "runs": {"ours_spec": {"system": "ours_spec", "turns": turns[:1], "error": None}}}}}
+    md = report.markdown(results)
+    assert "| ours_spec | 11 | 1.00 | 10.0 |" in md
+    assert "max_tokens 160 in this scenario." in md

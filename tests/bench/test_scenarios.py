@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import json
+import re
 
 import pytest
 
@@ -23,6 +25,7 @@ GOLDEN_QUICK = {
     "S3": "3a1ca577d716ca76",
     "S4": "be4fb4aa474244dc",
     "S5": "3f938b6ebfc60752",
+    "E1": "4fe6557c6974a861",
 }
 
 
@@ -111,6 +114,38 @@ def test_quick_is_smaller_than_full() -> None:
         q, f = scenarios.build(name, quick=True), scenarios.build(name)
         size = lambda s: sum(len(json.dumps(t.messages)) for t in s.turns)  # noqa: E731
         assert size(q) < size(f) / 4, name
+
+
+def test_e1_asks_for_a_file_back_with_one_identifier_renamed() -> None:
+    s = scenarios.build("E1", quick=True)
+    assert (s.api, s.max_tokens, s.measure_decode, s.num_conversations) == \
+        ("openai", 160, True, 1)
+    (turn,) = s.turns
+    assert [m["role"] for m in turn.messages] == ["system", "user"]
+    user = turn.messages[1]["content"]
+    old, new = re.findall(r"`(\w+)`", user.split("\n", 1)[0])
+    assert old.endswith("_state") and new.endswith("_record")
+    code = user.split("```python\n", 1)[1].rsplit("```", 1)[0]
+    tree = ast.parse(code)  # a real Python file
+    functions = [n for n in tree.body if isinstance(n, ast.FunctionDef)]
+    assert len(functions) == 6 and len({f.name for f in functions}) == 6
+    assert all(f.args.args[0].arg == old for f in functions)
+    assert new not in code and code.count(old) >= 2 * 6
+    assert len(scenarios.build("E1").turns) == 1
+    assert len([n for n in ast.parse(scenarios.build("E1").turns[0].messages[1]["content"]
+                                     .split("```python\n", 1)[1].rsplit("```", 1)[0]).body
+                if isinstance(n, ast.FunctionDef)]) == 32
+
+
+def test_e1_requests_are_byte_identical_for_the_same_seed() -> None:
+    def body(seed: int) -> bytes:
+        (turn,) = scenarios.build("E1", quick=True, seed=seed).turns
+        return json.dumps(list(turn.messages), sort_keys=True).encode()
+
+    assert body(5) == body(5)
+    assert body(5) != body(6)
+    # E1 has its own seed stream: adding it changed no other scenario (golden digests)
+    assert scenarios.parse_names("e1,S1") == ["E1", "S1"]
 
 
 def test_names_are_validated() -> None:

@@ -23,6 +23,10 @@ def test_build_command_per_system(tmp_path: Path) -> None:
     assert kv8[3:] == ["serve", "--model", "/m", "--host", "127.0.0.1", "--port", "4000",
                        "--kv-bits", "8", "--kv-quant-min-tokens", "0", "--cache-dir", str(tmp_path)]
     assert systems.parse_systems("ours,ours-kv4") == ["ours", "ours_kv4"]
+    spec = systems.build_command("ours_spec", "/m", 4000, cache_dir=tmp_path)
+    assert spec[3:] == ["serve", "--model", "/m", "--host", "127.0.0.1", "--port", "4000",
+                        "--speculation", "suffix", "--cache-dir", str(tmp_path)]
+    assert systems.parse_systems("ours-spec") == ["ours_spec"]
     mlx = systems.build_command("mlx_lm", "/m", 5, ram_budget_bytes=1234)
     assert mlx[1:4] == ["-m", "mlx_lm", "server"]
     assert mlx[-2:] == ["--prompt-cache-bytes", "1234"]

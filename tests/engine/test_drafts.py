@@ -108,3 +108,18 @@ def test_own_history_first_then_the_tenants_pool_never_another_tenants() -> None
 def test_bad_configs_are_refused(kw: dict[str, int]) -> None:
     with pytest.raises(ValueError):
         DraftConfig(**kw)
+
+
+def test_pools_together_stay_within_the_budget_least_recently_added_out() -> None:
+    pools = DraftPools(CFG)  # pool_tokens=60 over all tenants
+    pools.add("a", list(range(30)))
+    pools.add("b", list(range(100, 130)))
+    assert pools.num_tokens() == 60
+    pools.add("a", list(range(200, 210)))  # "a" is now the latest: "b" leaves
+    assert pools.num_tokens() == 40
+    assert pools.get("b") is None
+    a = pools.get("a")
+    assert a is not None and a.propose([3, 4], 3).tokens == (5, 6, 7)
+    pools.add("c", [])  # nothing to add: nothing created
+    assert pools.get("c") is None
+    assert DraftPools(DraftConfig(pool_tokens=0)).num_tokens() == 0

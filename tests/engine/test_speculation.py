@@ -148,7 +148,8 @@ def test_only_single_greedy_plain_kv_rows_speculate(tiny_llama_path: Any,
 def test_config_is_checked() -> None:
     from promptcache.config import EngineConfig
 
-    for kw in ({"speculation": "ngram"}, {"spec_max_draft": 0}, {"spec_min_match": 0}):
+    for kw in ({"speculation": "ngram"}, {"spec_max_draft": 0}, {"spec_min_match": 0},
+               {"spec_pool_tokens": -1}, {"spec_pool_prompt_tokens": -1}):
         with pytest.raises(ValueError):
             EngineConfig(**kw)
 
@@ -233,5 +234,103 @@ def test_a_batch_with_an_ineligible_row_decodes_as_before(tiny_llama_path: Any) 
         handles = [eng.submit(GenerationRequest(prompt_tokens=p, sampling=SamplingParams(
             max_tokens=16, logprobs=1 if i == 0 else None))) for i, p in enumerate(prompts)]
         assert [h.result(timeout=300).tokens for h in handles] == ref
+    finally:
+        eng.close()
+
+
+def test_the_tenant_pool_drafts_for_its_own_tenant_only(tiny_llama_path: Any) -> None:
+    """A's finished reply is the perfect draft for an identical prompt: A's second request
+    gets pool drafts (accepted) and the same tokens; tenant B never drafts from A's."""
+    toks = tuple(int(t) for t in np.random.default_rng(300).integers(3, 1000, size=40))
+    plain = make_engine(tiny_llama_path, use_cache=False)
+    try:
+        want = run(plain, toks).tokens
+    finally:
+        plain.close()
+    eng = make_engine(tiny_llama_path, use_cache=False, speculation="suffix",
+                      spec_pool_prompt_tokens=16)
+    try:
+        eng._ctx.logits_hook = None
+        c = eng.counters
+
+        def go(tenant: str) -> Any:
+            return eng.submit(GenerationRequest(prompt_tokens=toks, tenant=tenant,
+                                                sampling=SamplingParams(max_tokens=40))
+                              ).result(timeout=300)
+
+        assert go("a").tokens == want
+        assert c.spec_pool_drafted == 0
+        assert eng.engine_stats()["spec_pool_tokens"] == 16 + len(want)
+        b = go("b")
+        assert b.tokens == want
+        assert c.spec_pool_drafted == c.spec_pool_accepted == 0  # nothing from A's pool
+        assert eng.engine_stats()["spec_pool_tokens"] == 2 * (16 + len(want))
+        a2 = go("a")
+        assert a2.tokens == want
+        assert c.spec_pool_accepted > 0
+        assert a2.usage.spec_accepted >= c.spec_pool_accepted
+    finally:
+        eng.close()
+
+
+def test_the_pools_are_bounded_by_spec_pool_tokens(tiny_llama_path: Any) -> None:
+    eng = make_engine(tiny_llama_path, use_cache=False, speculation="suffix",
+                      spec_pool_tokens=50, spec_pool_prompt_tokens=8)
+    try:
+        eng._ctx.logits_hook = None
+        for i, tenant in enumerate(("a", "b", "c")):
+            got = eng.submit(GenerationRequest(prompt_tokens=prompt(400 + i), tenant=tenant,
+                                               sampling=SamplingParams(max_tokens=30))
+                             ).result(timeout=300)
+            n = min(50, 8 + len(got.tokens))  # only the latest tenant's pool is left
+            assert eng.engine_stats()["spec_pool_tokens"] == n
+    finally:
+        eng.close()
+
+
+@pytest.mark.parametrize("kind", ["right", "first"])
+def test_per_request_and_engine_counts_are_exact(tiny_llama_path: Any, reference: Any,
+                                                 kind: str) -> None:
+    """A deterministic draft source, k from 2 (spec_max_draft=4), 11 tokens: the first
+    token comes from the prefill; "right" drafts 2, 4, 4 tokens (all accepted; the last
+    verify's draft runs past max_tokens), "first" drafts 2 tokens five times with only
+    the first one right (k stays 2)."""
+    toks = prompt(0)
+    want = reference[toks][:11]
+    eng = make_engine(tiny_llama_path, use_cache=False, speculation="suffix",
+                      spec_max_draft=4)
+    try:
+        eng._ctx.logits_hook = None
+
+        def source(r: Any, k: int) -> list[int]:
+            truth: list[int] = reference[toks][len(r.output):len(r.output) + k]
+            return truth if kind == "right" else truth[:1] + [(t + 1) % 1000 for t in truth[1:]]
+
+        eng._ctx.speculator.source = source
+        got = run(eng, toks, max_tokens=11)
+        assert got.tokens == want
+        verifies, drafted, accepted = (3, 10, 10) if kind == "right" else (5, 10, 5)
+        assert (got.usage.spec_drafted, got.usage.spec_accepted) == (drafted, accepted)
+        assert got.usage.to_dict()["spec_drafted"] == drafted
+        st = eng.engine_stats()
+        assert (st["spec_verifies"], st["spec_drafted"], st["spec_accepted"]) == \
+            (verifies, drafted, accepted)
+        assert st["spec_pool_drafted"] == 0  # injected drafts are not the pool's
+        assert st["spec_acceptance_rate"] == round(accepted / drafted, 4)
+        assert st["spec_mean_accepted"] == round(accepted / verifies, 4)
+        assert st["spec_tokens_per_forward"] == round(1 + accepted / verifies, 4)
+        assert st["spec_pool_tokens"] == len(toks) + 11  # the whole prompt (< 256) + output
+    finally:
+        eng.close()
+
+
+def test_no_speculation_reports_no_rates(tiny_llama_path: Any) -> None:
+    eng = make_engine(tiny_llama_path, use_cache=False)
+    try:
+        got = run(eng, prompt(0), max_tokens=4)
+        assert (got.usage.spec_drafted, got.usage.spec_accepted) == (0, 0)
+        st = eng.engine_stats()
+        assert st["spec_pool_tokens"] == 0
+        assert st["spec_acceptance_rate"] is None and st["spec_tokens_per_forward"] is None
     finally:
         eng.close()

@@ -36,7 +36,7 @@ def make_cache(block_size: int = 8, budget: int = 64 * 1024**2, *,
 
 
 def tiny_engine(path: Path, cache: PromptCache | None, *, block_size: int = 8,
-                chunk: int = 16, snapshot_every_blocks: int = 1) -> Engine:
+                chunk: int = 16, snapshot_every_blocks: int = 1, **engine_cfg: Any) -> Engine:
     model, tokenizer, info = load_model(path)
     cfg = info.config
     vocab = cfg.get("vocab_size") or (cfg.get("text_config") or {}).get("vocab_size")
@@ -44,6 +44,7 @@ def tiny_engine(path: Path, cache: PromptCache | None, *, block_size: int = 8,
                   context_length=info.context_length, vocab_size=int(vocab or 2**32),
                   engine_config=EngineConfig(prefill_chunk_tokens=chunk,
                                              snapshot_every_blocks=snapshot_every_blocks,
-                                             max_tokens_limit=4096, default_max_tokens=8),
+                                             max_tokens_limit=4096, default_max_tokens=8,
+                                             **engine_cfg),
                   cache_config=CacheConfig(block_size=block_size),
                   cache=cache)

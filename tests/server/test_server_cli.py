@@ -67,3 +67,13 @@ def test_serve_percent_budget_and_switches(tmp_path: Path) -> None:
 def test_serve_bad_options(argv: tuple[str, ...], tmp_path: Path) -> None:
     with pytest.raises(ValueError):
         _configs(*argv, "--cache-dir", str(tmp_path))
+
+
+def test_serve_speculation_options() -> None:
+    eng, *_ = _configs("--speculation", "suffix", "--spec-max-draft", "6",
+                       "--spec-pool-tokens", "1000")
+    assert (eng.speculation, eng.spec_max_draft, eng.spec_pool_tokens) == ("suffix", 6, 1000)
+    eng, *_ = _configs()
+    assert (eng.speculation, eng.spec_pool_tokens) == ("off", 65_536)
+    with pytest.raises(ValueError, match="spec_pool_tokens"):
+        _configs("--spec-pool-tokens", "-1")

@@ -159,6 +159,9 @@ def markdown(results: Mapping[str, Any], command: str = "") -> str:
         summary = scn.get("summary") or summarize(scn)
         floor = scn.get("floor") or []
         lines += [f"### {name}: {scn.get('title', '')}", ""]
+        own = scn.get("max_tokens")
+        if own is not None and own != results.get("config", {}).get("max_tokens"):
+            lines += [f"max_tokens {own} in this scenario.", ""]
         if command:
             lines += ["```", f"{command} --scenarios {name}", "```", ""]
         lines += [
@@ -184,6 +187,13 @@ def markdown(results: Mapping[str, Any], command: str = "") -> str:
                     lines.append(f"| {sys_name} | {_fmt(s['bytes_held'], 'mb')} "
                                  f"| {_fmt(s['unique_kv_bytes'], 'mb')} "
                                  f"| {_fmt(s['held_vs_unique'], 'x')} | {s['bytes_held_source']} |")
+        if scn.get("measure_decode"):
+            lines += ["", "| system | completion tokens | decode s (after the first token) "
+                          "| tok/s |", "|---|---|---|---|"]
+            for sys_name, run in (scn.get("runs") or {}).items():
+                tokens, secs, rate = decode_rate(run.get("turns") or [])
+                lines.append(f"| {sys_name} | {tokens} | {_fmt(secs, 's')} "
+                             f"| {'—' if rate is None else f'{rate:.1f}'} |")
         ours = summary.get("ours")
         if ours and ours.get("target_vs_peer_met") is not None:
             lines += ["", f"Targets: Σ TTFT ≤ {TARGET_VS_PEER} × best peer: "
@@ -194,6 +204,21 @@ def markdown(results: Mapping[str, Any], command: str = "") -> str:
             lines.append(f"\n{skipped}: not run ({why}).")
         lines.append("")
     return "\n".join(lines)
+
+
+def decode_rate(turns: Sequence[Mapping[str, Any]]) -> tuple[int, float | None, float | None]:
+    """(completion tokens, seconds after each turn's first token, tokens per second after
+    the first) over the successful turns of one run."""
+    tokens, secs = 0, 0.0
+    for t in turns:
+        if t.get("ok") and t.get("completion_tokens") and t.get("total_s") is not None \
+                and t.get("ttft_s") is not None:
+            tokens += int(t["completion_tokens"])
+            secs += float(t["total_s"]) - float(t["ttft_s"])
+    after_first = tokens - sum(1 for t in turns if t.get("ok") and t.get("completion_tokens"))
+    if not tokens:
+        return 0, None, None
+    return tokens, secs, (after_first / secs if secs > 0 else None)
 
 
 def _floor_hit_rate(floor: Sequence[Mapping[str, Any]]) -> float | None:

@@ -20,7 +20,7 @@ import httpx
 
 from .client import TurnResult, send_turn
 from .scenarios import Scenario
-from .systems import SPECS, ServerProcess
+from .systems import OURS, SPECS, ServerProcess
 
 log = logging.getLogger(__name__)
 
@@ -134,7 +134,7 @@ def run_scenario(system: str, scenario: Scenario, model: str, work_dir: Path, lo
                     ttft = f"{res.ttft_s * 1000:.0f} ms" if res.ttft_s is not None else "failed"
                     say(f"  {scenario.name}/{system}: turn {i + 1}/{n} ttft {ttft} "
                         f"cached {res.cached_tokens}/{res.prompt_tokens}")
-            if system in ("ours", "ours_kv8", "ours_kv4"):
+            if system in OURS:
                 run.cache_stats = _fetch_stats(srv)
             run.rss_at_end = srv.current_rss()
             time.sleep(0.3)  # one more RSS sample after the last turn

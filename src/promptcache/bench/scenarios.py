@@ -1,4 +1,4 @@
-"""Deterministic benchmark scenarios S1..S5.
+"""Deterministic benchmark scenarios S1..S5 and E1.
 
 Every scenario is plain data: an ordered list of ``Turn`` requests, each carrying the
 full message history in OpenAI chat format (the neutral form; ``client`` converts it to
@@ -8,6 +8,10 @@ word generator, so the same (name, quick, seed) always yields byte-identical req
 Assistant replies in the history are scripted, not the model's output: every system
 under test then sees byte-identical prompts, and the floor is the same for all of them.
 Generated text is measured (TTFT, total time) and discarded.
+
+E1 ("edit") asks for a given code file back with one identifier renamed: the reply is
+mostly a copy of the prompt, what speculative decoding drafted from history
+(``--speculation suffix``) is for; it carries its own output length (``max_tokens``).
 
 Lengths are given in approximate tokens (``TOKENS_PER_WORD`` words -> tokens for a
 BPE tokenizer on plain English); the real prompt sizes come back in ``usage``.
@@ -19,7 +23,8 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
-SCENARIO_NAMES = ("S1", "S2", "S3", "S4", "S5")
+# new names go at the end: a scenario's seed stream is its index here
+SCENARIO_NAMES = ("S1", "S2", "S3", "S4", "S5", "E1")
 TOKENS_PER_WORD = 1.12  # measured with the SmolLM2 tokenizer on this vocabulary
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 
@@ -59,6 +64,10 @@ class Scenario:
     ram_budget_fraction: float | None = None
     # S5: report bytes held by the cache / unique KV bytes
     measure_bytes: bool = False
+    # tokens generated per turn when ``--max-tokens`` is not given (None: the bench's default)
+    max_tokens: int | None = None
+    # E1: report decode speed (completion tokens / time after the first token)
+    measure_decode: bool = False
     notes: tuple[str, ...] = field(default_factory=tuple)
 
     @property
@@ -87,6 +96,10 @@ class TextGen:
             i += k
         return " ".join(out)
 
+    def pick(self, n: int) -> int:
+        """A number in [0, n)."""
+        return self._rng.randrange(n)
+
     def ident(self, prefix: str) -> str:
         return f"{prefix}_{self._rng.randrange(16**8):08x}"
 
@@ -99,6 +112,7 @@ def _sizes(quick: bool) -> dict[str, int]:
             "s3_convs": 4, "s3_turns": 2, "s3_user": 80,
             "s4_turns": 4, "s4_user": 60,
             "s5_convs": 8, "s5_system": 300, "s5_user": 30,
+            "e1_functions": 6, "e1_max_tokens": 160,
         }  # fmt: skip
     return {
         "s1_turns": 10, "s1_user": 270, "reply": 80,
@@ -106,13 +120,14 @@ def _sizes(quick: bool) -> dict[str, int]:
         "s3_convs": 20, "s3_turns": 3, "s3_user": 250,
         "s4_turns": 6, "s4_user": 270,
         "s5_convs": 100, "s5_system": 2000, "s5_user": 40,
+        "e1_functions": 32, "e1_max_tokens": 160,
     }  # fmt: skip
 
 
 def build(name: str, *, quick: bool = False, seed: int = 0) -> Scenario:
-    """The scenario ``name`` (S1..S5); ValueError for an unknown name."""
+    """The scenario ``name`` (S1..S5, E1); ValueError for an unknown name."""
     key = name.strip().upper()
-    builders = {"S1": _s1, "S2": _s2, "S3": _s3, "S4": _s4, "S5": _s5}
+    builders = {"S1": _s1, "S2": _s2, "S3": _s3, "S4": _s4, "S5": _s5, "E1": _e1}
     if key not in builders:
         raise ValueError(f"unknown scenario {name!r}; expected one of {', '.join(SCENARIO_NAMES)}")
     # each scenario has its own seed stream, so S1 does not change when S2 does
@@ -252,3 +267,61 @@ def _s5(sz: dict[str, int], g: TextGen) -> Scenario:
     ]
     return Scenario("S5", f"{sz['s5_convs']} conversations sharing a ~{sz['s5_system']}-token "
                           "system prompt", "openai", tuple(turns), measure_bytes=True)
+
+
+_E1_BODIES = (  # (return type, body lines); {t}: the identifier to rename
+    ("list[int]", ("out: list[int] = []",
+                   "for item in {t}.items[:limit]:",
+                   "    if item.value > limit:",
+                   "        out.append(item.value)",
+                   "return out")),
+    ("int", ("total = 0",
+             "for key, value in {t}.values.items():",
+             "    total += len(key) * value",
+             "return total % (limit + 1)")),
+    ("int", ("if {t} is None:",
+             "    raise ValueError(\"no {t} given\")",
+             "{t}.count = min({t}.count + 1, limit)",
+             "return {t}.count")),
+    ("int", ("seen = set()",
+             "for name in sorted({t}.names):",
+             "    if name not in seen and len(seen) < limit:",
+             "        seen.add(name)",
+             "return len(seen)")),
+)
+
+
+def _code_file(g: TextGen, n_functions: int, target: str) -> str:
+    """A Python module whose every function takes and uses ``target``."""
+    lines = ['"""' + g.text(16) + '"""', "", "from __future__ import annotations", "",
+             "from typing import Any", ""]
+    used: set[str] = set()
+    for i in range(n_functions):
+        name = "_".join(g.words(2))
+        if name in used:
+            name += f"_{i}"
+        used.add(name)
+        returns, body = _E1_BODIES[g.pick(len(_E1_BODIES))]
+        lines += ["", f"def {name}({target}: Any, limit: int) -> {returns}:",
+                  '    """' + g.text(10) + '"""']
+        lines += ["    " + b.format(t=target) for b in body]
+        lines.append("")
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def _e1(sz: dict[str, int], g: TextGen) -> Scenario:
+    """One turn: return a code file with one identifier renamed (greedy)."""
+    old = "_".join(g.words(2)) + "_state"
+    new = "_".join(g.words(2)) + "_record"
+    code = _code_file(g, sz["e1_functions"], old)
+    user = (f"Return the following file with the identifier `{old}` renamed to `{new}` "
+            "everywhere. Change nothing else; reply with the whole file in one Python "
+            f"code block and no other text.\n\n```python\n{code}```")
+    turn = Turn(conversation=0, index=0, messages=(
+        {"role": "system", "content": "You are a careful coding assistant."},
+        {"role": "user", "content": user},
+    ))
+    return Scenario("E1", f"edit: a {sz['e1_functions']}-function file returned with one "
+                          f"identifier renamed ({sz['e1_max_tokens']} tokens, greedy)",
+                    "openai", (turn,), max_tokens=sz["e1_max_tokens"], measure_decode=True,
+                    notes=("the reply copies the prompt: speculative decoding's case",))

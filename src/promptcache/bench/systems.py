@@ -3,6 +3,8 @@
 - ``ours``: ``promptcache serve`` (RAM + SSD cache in a per-run cache dir)
 - ``ours_kv8`` / ``ours_kv4``: ``ours`` with ``--kv-bits 8`` / ``4`` and
   ``--kv-quant-min-tokens 0`` (every block quantized; not run by default)
+- ``ours_spec``: ``ours`` with ``--speculation suffix`` (drafts from history; not run by
+  default: E1 is its case)
 - ``nocache``: ``promptcache serve --no-cache``
 - ``mlx_lm``: ``mlx_lm server`` from the project venv (in-RAM LRUPromptCache)
 - ``vllm_mlx``: ``vllm-mlx serve --continuous-batching`` from the separate peers venv
@@ -35,6 +37,9 @@ log = logging.getLogger(__name__)
 SYSTEM_NAMES = ("ours", "mlx_lm", "vllm_mlx", "nocache")
 # ours with quantized cached blocks (--kv-bits): on request only
 KV_BITS = {"ours_kv8": 8, "ours_kv4": 4}
+# ours with other options: on request only
+VARIANTS = {"ours_spec": ("--speculation", "suffix")}
+OURS = ("ours", *KV_BITS, *VARIANTS)  # the systems that are promptcache serve with a cache
 PEERS_DIR_ENV = "PROMPTCACHE_PEERS_DIR"
 
 
@@ -67,6 +72,7 @@ SPECS = {
     "ours": SystemSpec("ours", True, True, "promptcache serve (RAM + SSD)"),
     "ours_kv8": SystemSpec("ours_kv8", True, True, "promptcache serve --kv-bits 8 --kv-quant-min-tokens 0 (RAM + SSD)"),
     "ours_kv4": SystemSpec("ours_kv4", True, True, "promptcache serve --kv-bits 4 --kv-quant-min-tokens 0 (RAM + SSD)"),
+    "ours_spec": SystemSpec("ours_spec", True, True, "promptcache serve --speculation suffix (RAM + SSD)"),
     "nocache": SystemSpec("nocache", True, True, "promptcache serve --no-cache"),
     "mlx_lm": SystemSpec("mlx_lm", False, True, "mlx_lm server (in-RAM LRUPromptCache)"),
     "vllm_mlx": SystemSpec("vllm_mlx", True, True, "vllm-mlx serve --continuous-batching"),
@@ -81,7 +87,7 @@ def parse_systems(spec: str) -> list[str]:
             continue
         if part not in SPECS:
             raise ValueError(f"unknown system {part!r}; expected some of "
-                             f"{','.join((*SYSTEM_NAMES, *KV_BITS))}")
+                             f"{','.join((*SYSTEM_NAMES, *KV_BITS, *VARIANTS))}")
         if part not in out:
             out.append(part)
     if not out:
@@ -101,7 +107,7 @@ def build_command(name: str, model: str, port: int, *, cache_dir: Path | None = 
                   ) -> list[str]:
     """The argv that starts system ``name`` serving ``model`` on 127.0.0.1:``port``
     (``extra_args``: more options for ours, e.g. ``--redis-url``)."""
-    if name in ("ours", "nocache", *KV_BITS):
+    if name in ("nocache", *OURS):
         cmd = [sys.executable, "-c", "import sys; from promptcache.cli import main; sys.exit(main())",
                "serve", "--model", model, "--host", "127.0.0.1", "--port", str(port),
                *extra_args]
@@ -111,6 +117,7 @@ def build_command(name: str, model: str, port: int, *, cache_dir: Path | None = 
             # every block quantized (the server's default keeps the first 256 tokens at
             # full precision): what a RAM budget holds with quantized blocks
             cmd += ["--kv-bits", str(KV_BITS[name]), "--kv-quant-min-tokens", "0"]
+        cmd += VARIANTS.get(name, ())
         if cache_dir is not None:
             cmd += ["--cache-dir", str(cache_dir)]
         if ram_budget_bytes is not None:

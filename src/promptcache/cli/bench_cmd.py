@@ -1,4 +1,5 @@
-"""`promptcache bench`: replay S1..S5 against ours and the peers, with the floor.
+"""`promptcache bench`: replay S1..S5 (and E1, the edit) against ours and the peers, with
+the floor.
 
 Writes <out>/results.json, <out>/report.md and <out>/charts/*.png, printing progress as
 it goes. Run it with the BLAS preload the numbers should be taken with, e.g.
@@ -23,23 +24,38 @@ from ..bench import concurrency, report, scenarios, systems
 from ..bench.runner import run_scenario
 from .progress import progress_bar
 
+DEFAULT_MAX_TOKENS = 16
+
+
+def max_tokens_for(args: argparse.Namespace, s: scenarios.Scenario | None = None) -> int:
+    """``--max-tokens`` when given, else the scenario's own length, else the default."""
+    if args.max_tokens is not None:
+        return int(args.max_tokens)
+    if s is not None and s.max_tokens is not None:
+        return s.max_tokens
+    return DEFAULT_MAX_TOKENS
+
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    p = sub.add_parser("bench", help="benchmark S1..S5 against mlx_lm.server / vllm-mlx",
+    p = sub.add_parser("bench", help="benchmark S1..S5, E1 against mlx_lm.server / vllm-mlx",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--scenarios",
                    default=",".join(scenarios.SCENARIO_NAMES + concurrency.CONCURRENT_NAMES),
-                   help="comma-separated, from S1,S2,S3,S4,S5 (sequential), C1 (1/4/8/16 "
+                   help="comma-separated, from S1,S2,S3,S4,S5 (sequential), E1 (edit: a "
+                        "file returned with one identifier renamed), C1 (1/4/8/16 "
                         "concurrent streams), C2 (main + 3 subagents) (default: all) and S6 "
                         "(two servers sharing one Redis; needs redis-server; only when named)")
     p.add_argument("--systems", default=",".join(systems.SYSTEM_NAMES),
                    help="comma-separated, from ours,mlx_lm,vllm_mlx,nocache (default: all) "
-                        "and ours_kv8,ours_kv4 (ours with --kv-bits 8 / 4)")
+                        "and ours_kv8,ours_kv4 (ours with --kv-bits 8 / 4), ours_spec (ours "
+                        "with --speculation suffix)")
     p.add_argument("--model", default=None,
                    help="MLX model folder (default: the embedded default model)")
     p.add_argument("--out", default="bench/out", help="output folder (default: bench/out)")
     p.add_argument("--quick", action="store_true", help="small scenarios for a smoke run")
-    p.add_argument("--max-tokens", type=int, default=16, help="tokens generated per turn")
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help=f"tokens generated per turn (default: {DEFAULT_MAX_TOKENS}; E1: its "
+                        "own, 160)")
     p.add_argument("--seed", type=int, default=0, help="scenario text seed")
     p.add_argument("--streams", default=None,
                    help="C1's stream counts, comma-separated (default: 1,4,8,16)")
@@ -87,7 +103,7 @@ def _command(args: argparse.Namespace, model: str) -> str:
         parts.insert(0, f"LD_PRELOAD={preload}")
     if args.quick:
         parts.append("--quick")
-    if args.max_tokens != 16:
+    if args.max_tokens is not None:
         parts += ["--max-tokens", str(args.max_tokens)]
     if getattr(args, "streams", None):
         parts += ["--streams", args.streams]
@@ -107,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
     rest = [p for p in parts if p != "S6" and p not in concurrency.CONCURRENT_NAMES]
     names = scenarios.parse_names(",".join(rest)) if rest or not (want_s6 or concurrent) else []
     wanted = systems.parse_systems(args.systems)
-    if args.max_tokens <= 0 or args.max_tokens > 4096:
+    if args.max_tokens is not None and not 0 < args.max_tokens <= 4096:
         raise ValueError(f"--max-tokens must be in 1..4096, got {args.max_tokens}")
     model = _resolve_model(args.model)
     out = Path(args.out)
@@ -116,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
     scns = [scenarios.build(n, quick=args.quick, seed=args.seed) for n in names]
     results: dict[str, Any] = {
         "meta": report.environment(model),
-        "config": {"quick": args.quick, "max_tokens": args.max_tokens, "seed": args.seed,
+        "config": {"quick": args.quick, "max_tokens": max_tokens_for(args), "seed": args.seed,
                    "systems": wanted, "scenarios": names + concurrent},
         "scenarios": {},
         "concurrent": {},
@@ -127,8 +143,10 @@ def run(args: argparse.Namespace) -> int:
     for s in scns:
         results["scenarios"][s.name] = {
             "title": s.title, "api": s.api, "notes": list(s.notes),
-            "measure_bytes": s.measure_bytes, "kv_bytes_per_token": kv_per_token,
+            "measure_bytes": s.measure_bytes, "measure_decode": s.measure_decode,
+            "kv_bytes_per_token": kv_per_token,
             "num_requests": len(s.turns), "num_conversations": s.num_conversations,
+            "max_tokens": max_tokens_for(args, s),
             "floor": [], "runs": {}, "skipped": {},
         }
     if not args.no_floor and scns:
@@ -159,7 +177,7 @@ def run(args: argparse.Namespace) -> int:
                  + (f", RAM budget {budget / 2**20:.1f} MB" if budget else ""))
             with progress_bar(f"{s.name}/{name}") as bar:
                 r = run_scenario(name, s, model, out / "work", out / "logs",
-                                 max_tokens=args.max_tokens, ram_budget_bytes=budget,
+                                 max_tokens=max_tokens_for(args, s), ram_budget_bytes=budget,
                                  progress=_say, turn_progress=bar)
             scn["runs"][name] = r.to_dict()
             if r.error:
@@ -178,7 +196,8 @@ def run(args: argparse.Namespace) -> int:
         from ..bench import shared
 
         results["s6"] = shared.run_s6(model, out / "work", out / "logs", wanted, quick=args.quick,
-                                      seed=args.seed, max_tokens=args.max_tokens, progress=_say)
+                                      seed=args.seed, max_tokens=max_tokens_for(args),
+                                      progress=_say)
         report.write_json(results, results_path)
         s6_md = "\n" + shared.markdown(results["s6"])
     md = report.markdown(results, _command(args, model)) + s6_md + md_concurrent
@@ -197,7 +216,8 @@ def _run_concurrent(args: argparse.Namespace, names: list[str], wanted: list[str
     for name in names:
         plan = concurrency.build(name, quick=args.quick, seed=args.seed,
                                  streams=_streams(args.streams))
-        max_tokens = concurrency.output_tokens(args.quick) if name == "C1" else args.max_tokens
+        max_tokens = (concurrency.output_tokens(args.quick) if name == "C1"
+                      else max_tokens_for(args))
         entry: dict[str, Any] = {"title": plan.title, "api": plan.api, "max_tokens": max_tokens,
                                  "runs": {}, "skipped": {}}
         results["concurrent"][name] = entry

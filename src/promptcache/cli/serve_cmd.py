@@ -138,10 +138,14 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                         "them with the stored blocks; a mismatch quarantines the chain "
                         "(default 0: off)")
     p.add_argument("--speculation", choices=["suffix", "off"], default="off",
-                   help="speculative decoding drafted from the request's own history "
-                        "(one greedy stream on plain-KV models; default off)")
+                   help="speculative decoding drafted from the request's own history, "
+                        "then its tenant's recent replies (plain-KV models; default off)")
     p.add_argument("--spec-max-draft", type=int, default=EngineConfig.spec_max_draft,
                    help="most draft tokens verified per forward (default 8)")
+    p.add_argument("--spec-pool-tokens", type=int, default=EngineConfig.spec_pool_tokens,
+                   help="tokens of finished requests kept as drafts, over all tenants' "
+                        "pools (about 1 KB each; 0: no pool; default "
+                        f"{EngineConfig.spec_pool_tokens})")
     p.add_argument("--max-body-bytes", default="32MB",
                    help="largest /v1 request body; a larger one gets 413 before it is "
                         "read (default 32MB, as the hosted APIs)")
@@ -238,7 +242,8 @@ def build_configs(args: argparse.Namespace) -> tuple[
                               active_kv_budget_bytes=kv_budget,
                               shadow_verify_fraction=args.shadow_verify,
                               speculation=args.speculation,
-                              spec_max_draft=args.spec_max_draft)
+                              spec_max_draft=args.spec_max_draft,
+                              spec_pool_tokens=args.spec_pool_tokens)
     if args.api_keys_file is not None and not args.api_keys_file.is_file():
         raise ValueError(f"--api-keys-file {args.api_keys_file} does not exist")
     server_cfg = ServerConfig(host=args.host, port=args.port, api_key=args.api_key,

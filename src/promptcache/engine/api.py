@@ -212,6 +212,9 @@ class Usage:
     saved_mid_prefill: int = 0
     saved_end_prefill: int = 0
     saved_end_generation: int = 0
+    # speculative decoding: draft tokens verified, and accepted, for this request
+    spec_drafted: int = 0
+    spec_accepted: int = 0
 
     @property
     def prefilled_tokens(self) -> int:
@@ -226,6 +229,8 @@ class Usage:
             "saved_mid_prefill": self.saved_mid_prefill,
             "saved_end_prefill": self.saved_end_prefill,
             "saved_end_generation": self.saved_end_generation,
+            "spec_drafted": self.spec_drafted,
+            "spec_accepted": self.spec_accepted,
         }
 
 

@@ -182,12 +182,34 @@ class TenantDrafts:
 
 
 class DraftPools:
-    """One ``TenantDrafts`` per tenant: a request only ever reads its own tenant's."""
+    """One ``TenantDrafts`` per tenant: a request only ever reads its own tenant's.
+    ``config.pool_tokens`` bounds each pool and, through ``add``, all of them together
+    (the pools added to least recently are dropped first)."""
 
     def __init__(self, config: DraftConfig | None = None) -> None:
         self.config = config or DraftConfig()
-        self._pools: dict[str, TenantDrafts] = {}
+        self._pools: dict[str, TenantDrafts] = {}  # least recently added to first
         self._lock = threading.Lock()
+
+    def add(self, tenant: str, tokens: Sequence[int]) -> None:
+        """Remember ``tokens`` in ``tenant``'s pool; other tenants' pools, least recently
+        added to first, are dropped while all pools hold more than ``pool_tokens``."""
+        if not tokens or self.config.pool_tokens == 0:
+            return
+        pool = self.pool(tenant)
+        pool.add(tokens)
+        with self._lock:
+            self._pools[tenant] = self._pools.pop(tenant, pool)
+            total = sum(p.num_tokens for p in self._pools.values())
+            for name in list(self._pools):
+                if total <= self.config.pool_tokens or name == tenant:
+                    break
+                total -= self._pools.pop(name).num_tokens
+
+    def get(self, tenant: str) -> TenantDrafts | None:
+        """``tenant``'s pool, None when it has none (nothing is created)."""
+        with self._lock:
+            return self._pools.get(tenant)
 
     def pool(self, tenant: str) -> TenantDrafts:
         with self._lock:

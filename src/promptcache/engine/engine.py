@@ -394,11 +394,24 @@ class Engine:
         Cheap and lock-free apart from the admission lock (safe from any thread)."""
         return {**self.counters.to_dict(), **self.admission.snapshot(),
                 "alive": self.alive, "batch_size": len(self.scheduler.batch),
+                **self._spec_stats(),
                 # mlx's own accounting: arrays alive (KV, RAM-tier blocks, weights), its
                 # buffer cache (freed buffers it keeps for reuse) and the peak
                 "mlx_active_bytes": int(mx.get_active_memory()),
                 "mlx_cache_bytes": int(mx.get_cache_memory()),
                 "mlx_peak_bytes": int(mx.get_peak_memory())}
+
+    def _spec_stats(self) -> dict[str, Any]:
+        """The draft pool's size and what the speculation counters mean: acceptance rate
+        (accepted / drafted), mean accepted length (accepted / verify forwards) and tokens
+        per verify forward (1 + that: the model's own token after each draft)."""
+        spec = self._ctx.speculator
+        c = self.counters
+        v, d, a = c.spec_verifies, c.spec_drafted, c.spec_accepted
+        return {"spec_pool_tokens": spec.pool_tokens() if spec is not None else 0,
+                "spec_acceptance_rate": round(a / d, 4) if d else None,
+                "spec_mean_accepted": round(a / v, 4) if v else None,
+                "spec_tokens_per_forward": round(1 + a / v, 4) if v else None}
 
     def stats(self) -> dict[str, Any]:
         out: dict[str, Any] = {"engine": self.engine_stats()}

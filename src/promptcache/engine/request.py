@@ -94,6 +94,9 @@ class EngineCounters:
     spec_verifies: int = 0
     spec_drafted: int = 0
     spec_accepted: int = 0
+    # of those, the drafts from the tenant's pool (other requests' outputs)
+    spec_pool_drafted: int = 0
+    spec_pool_accepted: int = 0
     # non-truncatable states (SSM / hybrid): state snapshots taken for block payloads,
     # those taken at message starts (where a conversation branches), their bytes, and the
     # bytes of the last one (a snapshot's size is fixed by the model: memory per snapshot)
@@ -632,6 +635,12 @@ class Request:
             self._store(pos, "end_generation", include_partial=True, snapshot_at_end=True,
                         caches=caches)
         self.usage.completion_tokens = len(self.output)
+        spec = self.ctx.speculator
+        if spec is not None and reason != "error":
+            try:  # the output drafts for the tenant's next requests
+                spec.remember(self)
+            except Exception:
+                logger.exception("the draft pool failed to take a finished request")
         self.phase = "done"
         self.result = GenerationResult(
             tokens=list(self.output),

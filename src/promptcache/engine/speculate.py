@@ -22,6 +22,13 @@ request drafts nothing for 1, 2, 4 ... ``MAX_COOL`` steps, so a request whose dr
 failing decodes almost as without speculation. Several rows verify in one forward of
 ``[rows, 1 + longest draft]`` when at least half of them have a draft.
 
+Drafts come from the request's own history first and its tenant's pool second
+(``drafts.DraftPools``: when a request finishes, ``remember`` adds its output and the
+last ``spec_pool_prompt_tokens`` of its prompt to the pool of ITS tenant, at most
+``spec_pool_tokens`` tokens over all pools): a draft never comes from another tenant's
+text. Counted per engine (``spec_*``; ``spec_pool_*`` for pool drafts) and per request
+(``Usage.spec_drafted`` / ``spec_accepted``).
+
 ``Speculator.source`` replaces the draft source (tests: drafts that are right, wrong or
 half right must all give the same tokens).
 """
@@ -33,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..config import EngineConfig
 from . import mlx_compat
-from .drafts import DraftConfig, SequenceDrafts
+from .drafts import DraftConfig, DraftPools, SequenceDrafts, propose
 
 if TYPE_CHECKING:
     from .request import EngineCounters, Request
@@ -55,7 +62,10 @@ class Speculator:
         self.max_rows = config.spec_max_rows
         self.drafts_config = DraftConfig(min_n=config.spec_min_match,
                                          max_n=max(config.spec_min_match, 8),
-                                         max_k=config.spec_max_draft)
+                                         max_k=config.spec_max_draft,
+                                         pool_tokens=config.spec_pool_tokens)
+        self.pools = DraftPools(self.drafts_config)
+        self.pool_prompt_tokens = config.spec_pool_prompt_tokens
         self.counters = counters
         self.source = source
         # request id -> (where its indexed history starts, the index)
@@ -63,6 +73,8 @@ class Speculator:
         self._k: dict[str, int] = {}
         # request id -> (steps left without drafts, the last cool-down length)
         self._cool: dict[str, tuple[int, int]] = {}
+        # request id -> where its last draft came from ("self" | "pool" | "source")
+        self._source: dict[str, str] = {}
 
     def eligible(self, rows: Sequence[Request], cache: Sequence[Any]) -> bool:
         if not rows or len(rows) > self.max_rows or not mlx_compat.plain_batch_kv(cache):
@@ -80,6 +92,7 @@ class Speculator:
             return ()
         k = self._k.setdefault(r.request_id, max(MIN_K, self.max_k // 2))
         if self.source is not None:
+            self._source[r.request_id] = "source"
             return tuple(int(t) for t in self.source(r, k))[:k]
         n = r.n_prompt + len(r.output)
         entry = self._index.get(r.request_id)
@@ -91,13 +104,20 @@ class Speculator:
         have = base + len(index)
         if have < n:
             index.extend(int(t) for t in r.seq[have:n].tolist())
-        return index.propose(k).tokens
+        draft = propose(index, self.pools.get(r.req.tenant), k)
+        self._source[r.request_id] = draft.source
+        return draft.tokens
 
     def feedback(self, r: Request, drafted: int, accepted: int) -> None:
         c = self.counters
         c.spec_verifies += 1
         c.spec_drafted += drafted
         c.spec_accepted += accepted
+        if self._source.get(r.request_id) == "pool":
+            c.spec_pool_drafted += drafted
+            c.spec_pool_accepted += accepted
+        r.usage.spec_drafted += drafted
+        r.usage.spec_accepted += accepted
         k = self._k.get(r.request_id, self.max_k)
         self._k[r.request_id] = min(self.max_k, 2 * k) if accepted == drafted \
             else max(MIN_K, accepted + 1)
@@ -116,7 +136,20 @@ class Speculator:
         with_draft = sum(1 for d in drafts if d)
         return with_draft > 0 and (len(drafts) == 1 or 2 * with_draft >= len(drafts))
 
+    def remember(self, r: Request) -> None:
+        """A finished request's output and the last ``pool_prompt_tokens`` of its prompt
+        join its tenant's pool (engine thread)."""
+        if not r.output or self.drafts_config.pool_tokens == 0:
+            return
+        start = max(0, r.n_prompt - self.pool_prompt_tokens)
+        self.pools.add(r.req.tenant,
+                       [int(t) for t in r.seq[start:r.n_prompt + len(r.output)].tolist()])
+
+    def pool_tokens(self) -> int:
+        return self.pools.num_tokens()
+
     def forget(self, r: Request) -> None:
         self._index.pop(r.request_id, None)
         self._k.pop(r.request_id, None)
         self._cool.pop(r.request_id, None)
+        self._source.pop(r.request_id, None)

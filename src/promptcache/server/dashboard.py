@@ -8,7 +8,8 @@ browser, or type the key into the page's form). The page polls every second
 (``?interval=MS`` changes it).
 
 ``/v1/dashboard/data`` is ``{"stats": <the body of GET /v1/cache/stats>, "requests":
-RequestHistory.summary(), "engine": {active, queued}, "server": {...}, "diagnosis": ...}``.
+RequestHistory.summary(), "engine": {active, queued}, "speculation": {...} (or None),
+"server": {...}, "diagnosis": ...}``.
 A key bound to a tenant sees only its own tenant's requests and sessions.
 """
 
@@ -52,6 +53,19 @@ def engine_load(st: Any) -> dict[str, Any]:
     return {"active": int(in_flight or 0), "queued": None, "source": "server"}
 
 
+SPEC_KEYS = ("spec_verifies", "spec_drafted", "spec_accepted", "spec_pool_drafted",
+             "spec_pool_accepted", "spec_pool_tokens", "spec_acceptance_rate",
+             "spec_mean_accepted", "spec_tokens_per_forward")
+
+
+def speculation_panel(engine: Any) -> dict[str, Any] | None:
+    """The speculation card: the engine's ``spec_*`` numbers without the prefix (None: an
+    engine without them)."""
+    if not isinstance(engine, dict) or "spec_verifies" not in engine:
+        return None
+    return {k.removeprefix("spec_"): engine.get(k) for k in SPEC_KEYS}
+
+
 def dashboard_data(st: Any, tenant: str | None) -> dict[str, Any]:
     """Everything the page shows (runs in a worker thread: the cache's stats lock)."""
     out: dict[str, Any] = {
@@ -63,6 +77,7 @@ def dashboard_data(st: Any, tenant: str | None) -> dict[str, Any]:
                    "tenant_scope": tenant, "generated_at": time.time()},
     }
     out["diagnosis"] = out["stats"].get("diagnosis")
+    out["speculation"] = speculation_panel(out["stats"].get("engine"))
     for panel in st.panels:  # more panels (diagnosis, sessions) plug in here
         try:
             out.update(panel(tenant))

@@ -243,12 +243,14 @@ class Generation:
             s.metrics.rolling_hit_rate.set(rate)
         s.metrics.alert.set(1 if s.monitor.alerting else 0)
         tiers = " ".join(f"{k}={v}" for k, v in sorted(u.cached_by_tier.items())) or "-"
+        # speculative decoding: draft tokens accepted / verified (only when it drafted)
+        spec = f" spec={u.spec_accepted}/{u.spec_drafted}" if u.spec_drafted else ""
         log.info(
             "request %s api=%s tenant=%s %s prompt=%d cached=%d (%s) completion=%d "
-            "ttft=%.3fs decode=%.1f tok/s finish=%s%s", self.request.request_id, self.api,
+            "ttft=%.3fs decode=%.1f tok/s finish=%s%s%s", self.request.request_id, self.api,
             self.request.tenant, self.scope.describe(), u.prompt_tokens, u.cached_tokens,
             tiers, u.completion_tokens, ttft or 0.0, result.decode_tps, result.finish_reason,
-            f" miss={note}" if note else "")
+            spec, f" miss={note}" if note else "")
 
 
 def unstreamed_tail(streamed: str, result: GenerationResult) -> str:

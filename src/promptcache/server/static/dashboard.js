@@ -106,6 +106,10 @@
     set("active", int(eng.active), eng.active);
     set("queued", eng.queued === null ? "n/a" : int(eng.queued), eng.queued);
     set("requests", int(req.requests), req.requests);
+    const spec = data.speculation || {};
+    set("spec-acceptance", pct(spec.acceptance_rate), spec.acceptance_rate);
+    set("spec-tokens-per-forward", spec.tokens_per_forward === null || spec.tokens_per_forward === undefined ? "-" : spec.tokens_per_forward.toFixed(2), spec.tokens_per_forward);
+    set("spec-pool-tokens", int(spec.pool_tokens), spec.pool_tokens);
     chart(req.series || []);
     fill("tiers", tierRows(stats).map((t) => (tr) => {
       tr.id = "tier-" + t.name;
