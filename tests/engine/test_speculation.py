@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from conftest import make_engine
 
-from promptcache.engine.api import GenerationRequest, SamplingParams
+from promptcache.engine.api import Constraint, GenerationRequest, SamplingParams
 from promptcache.engine.speculate import Speculator
 
 N_PROMPTS = 3
@@ -125,8 +125,11 @@ def test_what_speculation_saves_restores_the_same_next_turn(tiny_llama_path: Any
         spec_eng.close()
 
 
-def test_only_single_greedy_plain_kv_rows_speculate(tiny_llama_path: Any,
-                                                    tiny_gemma_path: Any) -> None:
+DIGITS = Constraint("regex", "[0-9]{1,200}")
+
+
+def test_sliding_windows_and_constrained_rows_do_not_speculate(tiny_llama_path: Any,
+                                                               tiny_gemma_path: Any) -> None:
     eng = make_engine(tiny_gemma_path, use_cache=False, speculation="suffix")
     try:
         eng._ctx.logits_hook = None
@@ -139,10 +142,41 @@ def test_only_single_greedy_plain_kv_rows_speculate(tiny_llama_path: Any,
     try:
         eng._ctx.logits_hook = None
         eng._ctx.speculator.source = lambda r, k: [1] * k
-        run(eng, prompt(2), logprobs=2)  # logprobs: not eligible (yet)
+        eng.submit(GenerationRequest(prompt_tokens=prompt(2), sampling=SamplingParams(
+            max_tokens=8), constraint=DIGITS)).result(timeout=300)  # a constraint
         assert eng.counters.spec_verifies == 0
     finally:
         eng.close()
+
+
+@pytest.mark.parametrize("kind", ["right", "half"])
+def test_logprobs_equal_decoding_one_token_at_a_time(tiny_llama_path: Any, reference: Any,
+                                                     kind: str) -> None:
+    """Each emitted token's log-probability and top alternatives come from the verify
+    forward's logits at its position: the same ids, values within float tolerance."""
+    def events(eng: Any, toks: tuple[int, ...]) -> list[Any]:
+        h = eng.submit(GenerationRequest(prompt_tokens=toks, sampling=SamplingParams(
+            max_tokens=40, logprobs=3)))
+        return [ev for ev in h.events() if hasattr(ev, "logprob")]
+
+    plain = make_engine(tiny_llama_path, use_cache=False)
+    spec_eng = make_engine(tiny_llama_path, use_cache=False, speculation="suffix")
+    try:
+        spec_eng._ctx.logits_hook = None
+        spec_eng._ctx.speculator.source = source_of(kind, reference)
+        for toks in reference:
+            want, got = events(plain, toks), events(spec_eng, toks)
+            assert [e.token_id for e in got] == [e.token_id for e in want]
+            assert len(got) == 40
+            for g, w in zip(got, want, strict=True):
+                assert g.logprob == pytest.approx(w.logprob, abs=1e-4)
+                assert [t for t, _ in g.top_logprobs] == [t for t, _ in w.top_logprobs]
+                assert [v for _, v in g.top_logprobs] == pytest.approx(
+                    [v for _, v in w.top_logprobs], abs=1e-4)
+        assert spec_eng.counters.spec_accepted > 0
+    finally:
+        plain.close()
+        spec_eng.close()
 
 
 def test_config_is_checked() -> None:
@@ -223,8 +257,9 @@ def test_a_batch_with_an_ineligible_row_decodes_as_before(tiny_llama_path: Any) 
     prompts = [prompt(200 + i) for i in range(3)]
     plain = make_engine(tiny_llama_path, use_cache=False)
     try:
-        ref = [run(plain, p, max_tokens=16, logprobs=1 if i == 0 else None).tokens
-               for i, p in enumerate(prompts)]
+        ref = [plain.submit(GenerationRequest(prompt_tokens=p, sampling=SamplingParams(
+            max_tokens=16), constraint=DIGITS if i == 0 else None)).result(timeout=300).tokens
+            for i, p in enumerate(prompts)]
     finally:
         plain.close()
     eng = make_engine(tiny_llama_path, use_cache=False, speculation="suffix")
@@ -232,7 +267,8 @@ def test_a_batch_with_an_ineligible_row_decodes_as_before(tiny_llama_path: Any) 
         eng._ctx.logits_hook = None
         eng._ctx.speculator.source = lambda r, k: [5] * k
         handles = [eng.submit(GenerationRequest(prompt_tokens=p, sampling=SamplingParams(
-            max_tokens=16, logprobs=1 if i == 0 else None))) for i, p in enumerate(prompts)]
+            max_tokens=16), constraint=DIGITS if i == 0 else None))
+            for i, p in enumerate(prompts)]
         assert [h.result(timeout=300).tokens for h in handles] == ref
     finally:
         eng.close()

@@ -262,8 +262,11 @@ class DecodeBatch:
         finished: set[int] = set()
         for i, r in enumerate(rows):
             r.pos += 1 + accepted[i]
-            for tok in drafts[i][:accepted[i]]:
-                reason = r.accept(int(tok), None, None)
+            wants = r.sampler.wants_logprobs
+            for j, tok in enumerate(drafts[i][:accepted[i]]):
+                values = logprob_values(r.sampler.logprob_arrays(
+                    logits[i, j], mx.array(int(tok)))) if wants else None
+                reason = r.accept(int(tok), values, None)
                 if reason is not None:
                     r.finish(reason, mlx_compat.row_caches(self.cache, i),
                              state_pos=r.n_prompt + len(r.output) - 1)
@@ -272,7 +275,8 @@ class DecodeBatch:
         # the model's own token after each accepted draft: fed and reported next step
         self._inputs = mx.array(bonus, dtype=mx.uint32)
         self._reported = [False] * len(rows)
-        self._lps = [None] * len(rows)
+        self._lps = [r.sampler.logprob_arrays(logits[i, accepted[i]], mx.array(bonus[i]))
+                     if r.sampler.wants_logprobs else None for i, r in enumerate(rows)]
         self._logits = [None] * len(rows)
         if finished:
             self._remove(finished)

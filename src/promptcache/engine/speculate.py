@@ -13,8 +13,9 @@ accepted only if it equals that sample: the same tokens for the same seed, the
 distribution unchanged.
 
 Where it runs (``Speculator.eligible``), today: batches of at most ``spec_max_rows``
-rows, all of them greedy or sampled, no logits processors (constraints), no
-log-probabilities, plain KV caches (every layer trimmable: no sliding window, no array /
+rows, all of them greedy or sampled (log-probabilities of every emitted token from the
+verify forward's logits at its position), no logits processors (constraints), plain KV
+caches (every layer trimmable: no sliding window, no array /
 SSM state, no quantized KV), no logits hook. Everything else decodes as before. The
 number of draft tokens adapts per request (doubles after a fully accepted draft, falls
 to accepted + 1 after a rejection, at least ``MIN_K``); after a fully rejected draft the
@@ -79,7 +80,7 @@ class Speculator:
     def eligible(self, rows: Sequence[Request], cache: Sequence[Any]) -> bool:
         if not rows or len(rows) > self.max_rows or not mlx_compat.plain_batch_kv(cache):
             return False
-        return all(not r.processors and not r.sampler.wants_logprobs
+        return all(not r.processors
                    and r.ctx.logits_hook is None and r.truncatable and not r.sliding
                    for r in rows)
 
