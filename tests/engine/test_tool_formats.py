@@ -90,3 +90,35 @@ def test_the_qwen3_coder_format_uses_it() -> None:
     content = big_file()
     (call,) = fmt.parse(xml("write_file", path="x.py", content=content), TOOLS)
     assert call == ToolCall("write_file", {"path": "x.py", "content": content})
+
+
+def glm(name: str, **params: str) -> str:
+    return name + "".join(f"<arg_key>{k}</arg_key>\n<arg_value>{v}</arg_value>\n"
+                          for k, v in params.items())
+
+
+def test_glm_values_keep_their_text_and_convert_by_schema() -> None:
+    from promptcache.engine.tool_formats import parse_glm47
+
+    content = big_file() + "\n  </arg_value> inside a string\n"
+    calls = parse_glm47(glm("write_file", path="a.py", content=content, lines="12",
+                            options='{"a": [1, true]}', mode="null"), TOOLS)
+    assert calls == [{"name": "write_file", "arguments": {
+        "path": "a.py", "content": content, "lines": 12, "options": {"a": [1, True]},
+        "mode": None}}]
+    # the backslash-n some templates write between a key and its value
+    literal = "write_file<arg_key>path</arg_key>\\n<arg_value>b.py</arg_value>"
+    assert parse_glm47(literal, TOOLS)[0]["arguments"] == {"path": "b.py"}
+    assert parse_glm47("write_file", TOOLS) == [{"name": "write_file", "arguments": {}}]
+
+
+@pytest.mark.parametrize("body", [
+    "", "<arg_key>path</arg_key><arg_value>a</arg_value>",
+    "write_file<arg_key>path</arg_key>", "write_file<arg_key>path</arg_key><arg_value>a",
+    "write_file<arg_key>path</arg_key><arg_value>a</arg_value> trailing text",
+])
+def test_a_broken_glm_call_is_not_a_call(body: str) -> None:
+    from promptcache.engine.tool_formats import parse_glm47
+
+    with pytest.raises(ValueError):
+        parse_glm47(body, TOOLS)

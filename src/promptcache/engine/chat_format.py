@@ -37,6 +37,7 @@ from .tool_formats import (
     DEEPSEEK_CALLS_BEGIN,
     DEEPSEEK_CALLS_END,
     parse_deepseek,
+    parse_glm47,
     parse_qwen3_coder,
 )
 
@@ -113,7 +114,8 @@ class ToolCallFormat:
 
 
 # formats whose mlx-lm parser loses calls: ours instead (``tool_formats.py``)
-OUR_PARSERS: dict[str, ToolParser] = {"qwen3_coder": parse_qwen3_coder}
+OUR_PARSERS: dict[str, ToolParser] = {"qwen3_coder": parse_qwen3_coder,
+                                      "glm47": parse_glm47}
 
 
 def _parser_module(name: str) -> Any:

@@ -1,4 +1,5 @@
-"""Tool-call parsers of our own, where mlx-lm's loses calls.
+"""Tool-call parsers of our own, where mlx-lm's loses calls or has none (Qwen3-Coder, GLM,
+DeepSeek).
 
 ``parse_qwen3_coder(body, tools)``: the Qwen3-Coder XML format
 (``<function=NAME>`` then ``<parameter=P>value</parameter>`` per argument, then
@@ -236,3 +237,60 @@ def parse_deepseek(body: str, tools: Sequence[Mapping[str, Any]] | None = None
     if not calls:
         raise ValueError("no <｜tool▁call▁begin｜> in the tool calls")
     return calls
+
+
+# --- GLM-4.5 / 4.6 / 4.7 ------------------------------------------------------------------
+
+_ARG_KEY, _ARG_KEY_END = "<arg_key>", "</arg_key>"
+_ARG_VALUE, _ARG_VALUE_END = "<arg_value>", "</arg_value>"
+# between a key and its value: whitespace, or the two characters backslash-n some
+# templates write
+_GAP = re.compile(r"(?:\s|\\n)*")
+# after a value's end: the next key or the end of the call
+_NEXT_ARG = re.compile(r"(?:\s|\\n)*(?:<arg_key>|$)")
+
+
+def parse_glm47(body: str, tools: Sequence[Mapping[str, Any]] | None = None
+                ) -> list[dict[str, Any]]:
+    """The call between ``<tool_call>`` and ``</tool_call>`` in GLM's format:
+    ``NAME<arg_key>K</arg_key><arg_value>V</arg_value>...``. Ours rather than mlx-lm's,
+    which strips every value (a file argument loses its final newline) and reads values
+    through ``ast.literal_eval``: a string parameter keeps its text exactly; other
+    values are converted by JSON per the schema's type(s), else kept as text. A value
+    ends at the ``</arg_value>`` followed by the next ``<arg_key>`` or the end."""
+    at = body.find(_ARG_KEY)
+    name = (body if at < 0 else body[:at]).strip()
+    if not name or any(c in name for c in "<>\n{}"):
+        raise ValueError("no function name before the arguments")
+    schema = _schema_of(name, tools)
+    args: dict[str, Any] = {}
+    pos = len(body) if at < 0 else at
+    while pos < len(body):
+        if not body.startswith(_ARG_KEY, pos):
+            if body[pos:].strip():
+                raise ValueError("text after the arguments")
+            break
+        key_end = body.find(_ARG_KEY_END, pos)
+        if key_end < 0:
+            raise ValueError("an argument key without its end")
+        key = body[pos + len(_ARG_KEY):key_end].strip()
+        gap = _GAP.match(body, key_end + len(_ARG_KEY_END))
+        start = gap.end() if gap else key_end + len(_ARG_KEY_END)
+        if not body.startswith(_ARG_VALUE, start):
+            raise ValueError(f"argument {key!r} has no value")
+        start += len(_ARG_VALUE)
+        search, end = start, -1
+        while True:
+            found = body.find(_ARG_VALUE_END, search)
+            if found < 0:
+                break
+            if _NEXT_ARG.match(body, found + len(_ARG_VALUE_END)):
+                end = found
+                break
+            search = found + len(_ARG_VALUE_END)
+        if end < 0:
+            raise ValueError(f"argument {key!r} has no end")
+        args[key] = _convert(body[start:end], schema.get(key))
+        nxt = _GAP.match(body, end + len(_ARG_VALUE_END))
+        pos = nxt.end() if nxt else end + len(_ARG_VALUE_END)
+    return [{"name": name, "arguments": args}]

@@ -73,7 +73,7 @@ TOOL_FORMATS: dict[str, str] = {
     "nemotron_h": "not checked (detected from the template)",
     "falcon_h1": "not checked (detected from the template)",
     "deepseek_v3": "deepseek (ours, `<｜tool▁calls▁begin｜>`)",
-    "glm4_moe_lite": "glm47 (`<arg_key>`)",
+    "glm4_moe_lite": "glm47 (ours, `<arg_key>`)",
     "kimi_linear": "kimi_k2",
     "qwen3_4bit": "json_tools (`<tool_call>` JSON)",
 }
