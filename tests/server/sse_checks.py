@@ -140,3 +140,36 @@ def chat_stream(text: str) -> dict[str, Any]:
     return {"content": content, "reasoning": reasoning,
             "tool_calls": [calls[i] for i in sorted(calls)], "finish_reason": finish,
             "usage": usage, "logprobs": logprobs, "comments": comments}
+
+
+def assert_one_call_in_every_api(client: Any, tools: dict[str, Any], want: tuple[str, Any],
+                                 text: str, stream: bool, max_tokens: int = 400) -> None:
+    """One chat, Messages and Responses request each (``tools``: the tools in each API's
+    shape, keys "chat", "messages", "responses"); every reply is ``text`` then exactly
+    the call ``want`` = (name, arguments), streamed or whole."""
+    hi = [{"role": "user", "content": "Hi"}]
+    r = client.post("/v1/chat/completions", json={"messages": hi, "tools": tools["chat"],
+                                                  "max_tokens": max_tokens, "stream": stream})
+    assert r.status_code == 200, r.text
+    if stream:
+        got = chat_stream(r.text)
+        [call] = got["tool_calls"]
+        assert (call["name"], json.loads(call["arguments"])) == want
+        assert got["content"] == text and got["finish_reason"] == "tool_calls"
+    else:
+        msg = r.json()["choices"][0]["message"]
+        [tc] = msg["tool_calls"]
+        assert (tc["function"]["name"], json.loads(tc["function"]["arguments"])) == want
+        assert msg["content"] == text
+    r = client.post("/v1/messages", json={"messages": hi, "tools": tools["messages"],
+                                          "max_tokens": max_tokens, "stream": stream})
+    blocks = (anthropic_stream(r.text) if stream else r.json())["content"]
+    assert blocks[0] == {"type": "text", "text": text}
+    assert [(b["name"], b["input"]) for b in blocks[1:]] == [want]
+    r = client.post("/v1/responses", json={"input": "go", "tools": tools["responses"],
+                                           "max_output_tokens": max_tokens, "stream": stream})
+    final = responses_stream(r.text) if stream else r.json()
+    message, call = final["output"]
+    assert message["content"][0]["text"] == text
+    assert (call["type"], call["name"], json.loads(call["arguments"])) == ("function_call",
+                                                                           *want)

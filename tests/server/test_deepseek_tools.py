@@ -4,7 +4,6 @@ is a grammar in the same format that the parser reads back."""
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import pytest
@@ -57,29 +56,9 @@ def engine(reply: str) -> Any:
 @pytest.mark.parametrize("reply", [V31, V3])
 @pytest.mark.parametrize("stream", [False, True])
 def test_every_api(reply: str, stream: bool) -> None:
-    client = _app(engine(reply))
-    r = client.post("/v1/chat/completions", json={"messages": HI, "tools": OAI_TOOLS,
-                                                  "max_tokens": 400, "stream": stream})
-    if stream:
-        got = sse_checks.chat_stream(r.text)
-        [call] = got["tool_calls"]
-        assert (call["name"], json.loads(call["arguments"])) == WANT
-        assert got["content"] == "Checking."
-    else:
-        msg = r.json()["choices"][0]["message"]
-        [tc] = msg["tool_calls"]
-        assert (tc["function"]["name"], json.loads(tc["function"]["arguments"])) == WANT
-        assert msg["content"] == "Checking."
-    r = client.post("/v1/messages", json={"messages": HI, "tools": ANT_TOOLS,
-                                          "max_tokens": 400, "stream": stream})
-    blocks = (sse_checks.anthropic_stream(r.text) if stream else r.json())["content"]
-    assert blocks[0] == {"type": "text", "text": "Checking."}
-    assert [(b["name"], b["input"]) for b in blocks[1:]] == [WANT]
-    r = client.post("/v1/responses", json={"input": "weather?", "tools": RESP_TOOLS,
-                                           "max_output_tokens": 400, "stream": stream})
-    final = sse_checks.responses_stream(r.text) if stream else r.json()
-    message, call = final["output"]
-    assert (call["name"], json.loads(call["arguments"])) == WANT
+    sse_checks.assert_one_call_in_every_api(
+        _app(engine(reply)), {"chat": OAI_TOOLS, "messages": ANT_TOOLS,
+                              "responses": RESP_TOOLS}, WANT, "Checking.", stream)
 
 
 @settings(max_examples=60, deadline=None)

@@ -12,7 +12,7 @@ import sse_checks
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from server_helpers import assert_streamed_equals_whole
-from test_server_structured import HI, _app
+from test_server_structured import _app
 
 from promptcache.engine.chat_format import ChatFormat, tool_call_format
 
@@ -49,32 +49,10 @@ def engine(fmt: str) -> Any:
 @pytest.mark.parametrize("fmt", sorted(REPLIES))
 @pytest.mark.parametrize("stream", [False, True])
 def test_every_api(fmt: str, stream: bool) -> None:
-    client = _app(engine(fmt))
-    want = WANT[fmt]
-    r = client.post("/v1/chat/completions", json={"messages": HI, "tools": OAI_TOOLS,
-                                                  "max_tokens": 4000, "stream": stream})
-    assert r.status_code == 200, r.text
-    if stream:
-        got = sse_checks.chat_stream(r.text)
-        [call] = got["tool_calls"]
-        assert (call["name"], json.loads(call["arguments"])) == want
-        assert got["content"] == "Writing it."
-    else:
-        msg = r.json()["choices"][0]["message"]
-        [tc] = msg["tool_calls"]
-        assert (tc["function"]["name"], json.loads(tc["function"]["arguments"])) == want
-        assert msg["content"] == "Writing it."
-    r = client.post("/v1/messages", json={"messages": HI, "tools": ANT_TOOLS,
-                                          "max_tokens": 4000, "stream": stream})
-    blocks = (sse_checks.anthropic_stream(r.text) if stream else r.json())["content"]
-    assert blocks[0] == {"type": "text", "text": "Writing it."}
-    assert [(b["name"], b["input"]) for b in blocks[1:]] == [want]
-    r = client.post("/v1/responses", json={"input": "write it", "tools": RESP_TOOLS,
-                                           "max_output_tokens": 4000, "stream": stream})
-    final = sse_checks.responses_stream(r.text) if stream else r.json()
-    message, call = final["output"]
-    assert message["content"][0]["text"] == "Writing it."
-    assert (call["name"], json.loads(call["arguments"])) == want
+    sse_checks.assert_one_call_in_every_api(
+        _app(engine(fmt)), {"chat": OAI_TOOLS, "messages": ANT_TOOLS,
+                            "responses": RESP_TOOLS}, WANT[fmt], "Writing it.", stream,
+        max_tokens=4000)
 
 
 @settings(max_examples=40, deadline=None)

@@ -93,23 +93,10 @@ def _chat_call(client: TestClient, stream: bool, **extra: Any) -> tuple[str, Any
 @pytest.mark.parametrize("fmt", sorted(REPLIES))
 @pytest.mark.parametrize("stream", [False, True])
 def test_each_format_through_every_api(fmt: str, stream: bool) -> None:
-    eng = _engine(fmt, reply=REPLIES[fmt])
-    client = _app(eng)
-    name, args, content = _chat_call(client, stream)
-    assert (name, args) == WANT and content == "Checking."
-    r = client.post("/v1/messages", json={"messages": HI, "tools": ANT_TOOLS,
-                                          "max_tokens": 400, "stream": stream})
-    body = sse_checks.anthropic_stream(r.text) if stream else r.json()
-    blocks = body["content"]
-    assert blocks[0] == {"type": "text", "text": "Checking."}
-    assert [(b["name"], b["input"]) for b in blocks[1:]] == [WANT]
-    r = client.post("/v1/responses", json={"input": "weather?", "tools": RESP_TOOLS,
-                                           "max_output_tokens": 400, "stream": stream})
-    final = sse_checks.responses_stream(r.text) if stream else r.json()
-    message, call = final["output"]
-    assert message["content"][0]["text"] == "Checking."
-    assert (call["type"], call["name"], json.loads(call["arguments"])) == \
-        ("function_call", *WANT)
+    sse_checks.assert_one_call_in_every_api(
+        _app(_engine(fmt, reply=REPLIES[fmt])),
+        {"chat": OAI_TOOLS, "messages": ANT_TOOLS, "responses": RESP_TOOLS}, WANT,
+        "Checking.", stream)
 
 
 def test_the_tools_fallback_asks_for_and_parses_hermes() -> None:
