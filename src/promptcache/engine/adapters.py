@@ -21,6 +21,9 @@ buffer in memory), readable by the names above. With a ``KVQuant`` spec
 quantized (packed values, scales, biases per group); ``restore`` dequantizes them
 into the template's own cache kind, or fills a ``QuantizedKVCache`` directly.
 ``restore`` also accepts plain ``name -> array`` mappings (older payloads).
+
+The supported kinds and the walk over a layer list live in ``cache_kinds``, ``restore``
+in ``block_restore``; both are re-exported here.
 """
 
 from __future__ import annotations
@@ -29,122 +32,57 @@ import dataclasses
 import functools
 import logging
 import math
-from collections.abc import Iterator, Mapping, Sequence
-from typing import Any, NamedTuple, Protocol
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import mlx.core as mx
 from mlx_lm.models.cache import (
     ArraysCache,
-    CacheList,
-    KVCache,
     QuantizedKVCache,
     RotatingKVCache,
-    make_prompt_cache,
 )
 
 from ..errors import InvariantError
 from . import quant as _quant
+from .block_restore import restore
 from .blockbuf import BlockPayload, Item, dtype_name, pack
+from .cache_kinds import (
+    BlockSpan,
+    Span,
+    _check_supported,
+    _leaves,
+    cache_offset,
+    has_sliding_window,
+    is_truncatable,
+    kv_spec,
+    min_sliding_tokens,
+    min_window,
+    snapshot_nbytes,
+    state_arrays,
+)
 from .quant import KVQuant
 
 logger = logging.getLogger(__name__)
-
 Payload = BlockPayload
 
-
-class Span(Protocol):
-    @property
-    def start(self) -> int: ...
-
-    @property
-    def end(self) -> int: ...
-
-
-class BlockSpan(NamedTuple):
-    """Token range of a block; ``meta.BlockMeta`` has the same two properties."""
-
-    start: int
-    end: int
-
-
-_KV_TYPES = (KVCache, RotatingKVCache, QuantizedKVCache)
-
-
-def _leaves(caches: Sequence[Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
-    """(name, cache) for every leaf cache object; CacheList children are ``L.i``."""
-    for i, c in enumerate(caches):
-        name = f"{prefix}{i}"
-        if isinstance(c, CacheList):
-            yield from _leaves(list(c.caches), prefix=name + ".")
-        else:
-            yield name, c
-
-
-def _check_supported(c: Any) -> None:
-    if not isinstance(c, (*_KV_TYPES, ArraysCache)):
-        raise ValueError(f"unsupported cache type for block storage: {type(c).__name__} "
-                         "(blocks hold KVCache, RotatingKVCache, QuantizedKVCache, "
-                         "ArraysCache and CacheList of those)")
-
-
-def is_truncatable(caches: Sequence[Any]) -> bool:
-    """True if the state can be restored at any token position (KV caches only).
-
-    An ArraysCache (SSM / linear attention state) anywhere makes the model
-    non-truncatable: it can be restored only where a snapshot was stored.
-    """
-    for _, c in _leaves(caches):
-        _check_supported(c)
-        if isinstance(c, ArraysCache):
-            return False
-    return True
-
-
-def _model_dtype(model: Any) -> str:
-    from mlx.utils import tree_flatten
-
-    for _, p in tree_flatten(model.parameters()):
-        if isinstance(p, mx.array) and mx.issubdtype(p.dtype, mx.floating):
-            return str(p.dtype).replace("mlx.core.", "")
-    return "float32"
-
-
-def kv_spec(model: Any, caches: Sequence[Any] | None = None, quant: KVQuant | None = None) -> str:
-    """A namespace string for the KV representation: dtype, quantization, layer kinds,
-    and how blocks are stored (``quant``: e.g. ``;q8g64m256``; nothing for full precision).
-
-    Two processes share blocks only if they agree on this (plus the model
-    fingerprint, block size and tenant in the namespace root), so a full-precision
-    block is never served where quantized ones are expected, or the reverse.
-    """
-    if caches is None:
-        caches = make_prompt_cache(model)
-    kinds = []
-    live_quant = ""
-    for _, c in _leaves(caches):
-        _check_supported(c)
-        if isinstance(c, QuantizedKVCache):
-            live_quant = f"/q{c.bits}g{c.group_size}"
-            kinds.append("q")
-        elif isinstance(c, RotatingKVCache):
-            kinds.append(f"r{c.max_size}k{c.keep}")
-        elif isinstance(c, KVCache):
-            kinds.append("kv")
-        else:
-            kinds.append(f"s{len(c.cache)}")
-    # run-length compress the layer kinds to keep the spec short
-    parts: list[str] = []
-    for k in kinds:
-        if parts and parts[-1].rsplit("*", 1)[0] == k:
-            head, _, n = parts[-1].partition("*")
-            parts[-1] = f"{head}*{int(n or 1) + 1}"
-        else:
-            parts.append(k)
-    stored = f";{quant.spec}" if quant is not None else ""
-    return f"{_model_dtype(model)}{live_quant};{','.join(parts)}{stored}"
-
-
-# ---------------------------------------------------------------- rotating cache
+__all__ = [
+    "BlockSpan",
+    "Payload",
+    "Span",
+    "cache_offset",
+    "check_storable",
+    "extract_block",
+    "has_sliding_window",
+    "is_truncatable",
+    "kv_spec",
+    "min_sliding_tokens",
+    "min_window",
+    "payload_arrays",
+    "payload_nbytes",
+    "restore",
+    "snapshot_nbytes",
+    "state_arrays",
+]
 
 
 def _rotating_segments(c: RotatingKVCache, start: int, end: int) -> list[tuple[int, int]]:
@@ -303,289 +241,6 @@ def payload_arrays(payload: Mapping[str, Any]) -> int:
     if isinstance(payload, BlockPayload):
         return 1
     return len(payload)
-
-
-# ---------------------------------------------------------------- restore
-
-
-def _template(model_or_caches: Any) -> list[Any]:
-    if isinstance(model_or_caches, (list, tuple)):
-        return list(model_or_caches)
-    return list(make_prompt_cache(model_or_caches))
-
-
-class _Used(NamedTuple):
-    """A block restore reads: its span, its payload and the payload's arrays (views)."""
-
-    start: int
-    end: int
-    payload: Mapping[str, mx.array]
-    arrays: Mapping[str, mx.array]
-
-
-def _cut_blocks(
-    blocks: Sequence[tuple[Span, Mapping[str, mx.array]]], num_tokens: int
-) -> list[_Used]:
-    """Blocks covering [0, num_tokens), checked for contiguity."""
-    out = []
-    pos = 0
-    for span, payload in blocks:
-        if pos >= num_tokens:
-            break
-        if span.start != pos:
-            raise ValueError(f"blocks are not contiguous: expected start {pos}, got {span.start}")
-        arrays = payload.arrays() if isinstance(payload, BlockPayload) else payload
-        out.append(_Used(span.start, span.end, payload, arrays))
-        pos = span.end
-    if pos < num_tokens:
-        raise ValueError(f"blocks cover {pos} tokens, fewer than num_tokens={num_tokens}")
-    return out
-
-
-def _cat(parts: Sequence[mx.array]) -> mx.array:
-    return parts[0] if len(parts) == 1 else mx.concatenate(list(parts), axis=2)
-
-
-class _Seg(NamedTuple):
-    """One block's slice of one KV layer: "kv" (k, v), "q" (k0-2, v0-2, with bits and
-    group size) or "raw_q" (quantized parts of an older payload: bits unknown)."""
-
-    kind: str
-    arrays: tuple[mx.array, ...]
-    bits: int = 0
-    group_size: int = 0
-
-
-def _kind_of(payload: Mapping[str, mx.array], name: str, s: int, e: int) -> tuple[str, int, int]:
-    if isinstance(payload, BlockPayload):
-        item = payload.layout.kv_items.get(name)
-        if item is not None:
-            return ("q", item.bits, item.group_size) if item.kind == "q" else ("kv", 0, 0)
-    if f"{name}.k" in payload:
-        return "kv", 0, 0
-    if f"{name}.k.0" in payload:
-        return "raw_q", 0, 0
-    raise ValueError(f"block [{s}, {e}) has no array {name + '.k'!r}")
-
-
-def _segments(blocks: list[_Used], name: str, lo: int, hi: int) -> list[_Seg]:
-    """The slices of layer ``name`` covering tokens [lo, hi) across blocks."""
-    kv_keys = (f"{name}.k", f"{name}.v")
-    q_keys = tuple(f"{name}.{kv}.{i}" for kv in "kv" for i in range(3))
-    out = []
-    for s, e, payload, arrays in blocks:
-        if e <= lo or s >= hi:
-            continue
-        kind, bits, group = _kind_of(payload, name, s, e)
-        keys = kv_keys if kind == "kv" else q_keys
-        got = []
-        for key in keys:
-            a = arrays.get(key)
-            if a is None:
-                raise ValueError(f"block [{s}, {e}) has no array {key!r}")
-            if a.shape[2] != e - s:
-                raise ValueError(
-                    f"array {key!r} of block [{s}, {e}) holds {a.shape[2]} tokens, expected {e - s}"
-                )
-            got.append(a)
-        a0, a1 = max(lo, s) - s, min(hi, e) - s
-        if (a0, a1) != (0, e - s):
-            got = [a[..., a0:a1, :] for a in got]
-        out.append(_Seg(kind, tuple(got), bits, group))
-    return out
-
-
-def _runs(segs: list[_Seg]) -> list[list[_Seg]]:
-    """Consecutive segments of the same kind and quantization."""
-    runs: list[list[_Seg]] = []
-    for seg in segs:
-        key = (seg.kind, seg.bits, seg.group_size)
-        if runs and (runs[-1][0].kind, runs[-1][0].bits, runs[-1][0].group_size) == key:
-            runs[-1].append(seg)
-        else:
-            runs.append([seg])
-    return runs
-
-
-def _zeros_like_tokens(a: mx.array, n: int) -> mx.array:
-    return mx.zeros((*a.shape[:2], n, a.shape[3]), dtype=a.dtype)
-
-
-def _float_kv(segs: list[_Seg], pad: int = 0) -> tuple[mx.array, mx.array]:
-    """Full-precision k and v in token order, plus ``pad`` zero tokens of room.
-
-    Consecutive quantized blocks are concatenated first and dequantized in one call per
-    layer; when the KV ends with them, the room is padded onto the quantized parts (a
-    zero scale and bias dequantize to 0), so the result is written once.
-    """
-    ks: list[mx.array] = []
-    vs: list[mx.array] = []
-    runs = _runs(segs)
-    for i, run in enumerate(runs):
-        head = run[0]
-        if head.kind == "kv":
-            ks += [r.arrays[0] for r in run]
-            vs += [r.arrays[1] for r in run]
-            continue
-        if head.kind == "raw_q":
-            raise ValueError("quantized KV parts without their bits can be restored only into "
-                             "a QuantizedKVCache")
-        room = pad if i == len(runs) - 1 else 0
-        parts = []
-        for p in range(6):
-            pieces = [r.arrays[p] for r in run]
-            if room:
-                pieces.append(_zeros_like_tokens(pieces[0], room))
-            parts.append(_cat(pieces))
-        ks.append(_quant.dequantize(parts[:3], head.bits, head.group_size))
-        vs.append(_quant.dequantize(parts[3:], head.bits, head.group_size))
-        pad -= room
-    if pad:
-        ks.append(_zeros_like_tokens(ks[0], pad))
-        vs.append(_zeros_like_tokens(vs[0], pad))
-    return _cat(ks), _cat(vs)
-
-
-def _quantized_kv(segs: list[_Seg], bits: int, group: int) -> tuple[tuple[mx.array, ...], ...]:
-    """``(k parts, v parts)`` quantized with ``bits`` / ``group``: stored parts with the
-    same quantization as they are, anything else (re)quantized."""
-    pieces: list[list[mx.array]] = [[] for _ in range(6)]
-    for seg in segs:
-        if seg.kind == "raw_q" or (seg.kind == "q" and (seg.bits, seg.group_size) == (bits, group)):
-            parts = list(seg.arrays)
-        else:
-            if seg.kind == "kv":
-                k, v = seg.arrays
-            else:
-                k = _quant.dequantize(seg.arrays[:3], seg.bits, seg.group_size)
-                v = _quant.dequantize(seg.arrays[3:], seg.bits, seg.group_size)
-            parts = [*_quant.quantize(k, bits, group), *_quant.quantize(v, bits, group)]
-        for p, a in zip(pieces, parts, strict=True):
-            p.append(a)
-    cat = [_cat(p) for p in pieces]
-    return tuple(cat[:3]), tuple(cat[3:])
-
-
-def restore(
-    model_or_caches: Any,
-    blocks: Sequence[tuple[Span, Mapping[str, mx.array]]],
-    num_tokens: int,
-    *,
-    reserve: int = 0,
-) -> list[Any]:
-    """Fresh cache objects holding the state after ``num_tokens`` tokens.
-
-    ``reserve``: room for that many more tokens is allocated in plain KV layers
-    (rounded up to mlx-lm's growth step), so the prefill that follows writes in
-    place instead of copying the whole restored KV into a larger buffer.
-
-    ``blocks`` are consecutive ``(span, payload)`` pairs from position 0 (a
-    ``BlockMeta`` is a span). KV layers: concatenate and cut at ``num_tokens``
-    (quantized blocks are dequantized, or kept quantized for a QuantizedKVCache).
-    Rotating layers: the ``keep`` tokens plus the last window. Non-KV states:
-    the snapshot of the block ending exactly at ``num_tokens``.
-    The returned arrays are evaluated.
-    """
-    template = _template(model_or_caches)
-    if num_tokens <= 0:
-        return template
-    used = _cut_blocks(blocks, num_tokens)
-    if reserve < 0:
-        raise ValueError(f"reserve must be >= 0, got {reserve}")
-    out = [_restore_one(str(i), c, used, num_tokens, reserve) for i, c in enumerate(template)]
-    arrays = [a for _, a in state_arrays(out)]
-    mx.eval(arrays)
-    return out
-
-
-def _restore_one(name: str, c: Any, blocks: list[_Used], n: int, reserve: int = 0) -> Any:
-    if isinstance(c, CacheList):
-        return CacheList(
-            *(_restore_one(f"{name}.{j}", sub, blocks, n, reserve) for j, sub in enumerate(c.caches))
-        )
-    _check_supported(c)
-    if isinstance(c, ArraysCache):
-        s, e, _, payload = blocks[-1]
-        if e != n:
-            raise ValueError(
-                f"non-truncatable state can be restored only at a snapshot: "
-                f"last block ends at {e}, num_tokens={n}"
-            )
-        prefix = f"{name}.s."
-        size = len(c.cache)
-        arrays: list[mx.array | None] = [payload.get(f"{prefix}{i}") for i in range(size)]
-        if all(a is None for a in arrays):
-            raise ValueError(f"block [{s}, {e}) has no state snapshot for layer {name}")
-        fresh = ArraysCache(size)
-        fresh.cache = arrays
-        return fresh
-    if isinstance(c, QuantizedKVCache):
-        kq, vq = _quantized_kv(_segments(blocks, name, 0, n), c.bits, c.group_size)
-        return QuantizedKVCache.from_state((kq, vq, n, c.group_size, c.bits))
-    if isinstance(c, RotatingKVCache):
-        keep, max_size = c.keep, c.max_size
-        ranges = [(0, n)] if n <= max_size else [(0, keep), (n - (max_size - keep), n)]
-        segs: list[_Seg] = []
-        for lo, hi in ranges:
-            if hi > lo:
-                segs += _segments(blocks, name, lo, hi)
-        k, v = _float_kv(segs)
-        return RotatingKVCache.from_state((k, v, n, keep, max_size, k.shape[2]))
-    pad = 0
-    if reserve > 0:
-        step = KVCache.step
-        pad = (n + reserve + step - 1) // step * step - n
-    k, v = _float_kv(_segments(blocks, name, 0, n), pad)
-    return KVCache.from_state((k, v, n))
-
-
-def state_arrays(caches: Sequence[Any]) -> Iterator[tuple[str, mx.array]]:
-    for name, c in _leaves(caches):
-        if isinstance(c, ArraysCache):
-            for i, a in enumerate(c.cache):
-                if a is not None:
-                    yield f"{name}.s.{i}", a
-        elif isinstance(c, QuantizedKVCache):
-            if c.keys is not None:
-                for i, a in enumerate(c.keys):
-                    yield f"{name}.k.{i}", a
-                for i, a in enumerate(c.values):
-                    yield f"{name}.v.{i}", a
-        elif c.keys is not None:
-            yield f"{name}.k", c.keys
-            yield f"{name}.v", c.values
-
-
-def snapshot_nbytes(caches: Sequence[Any]) -> int:
-    """Bytes of a state snapshot of ``caches`` (every non-KV state array, what
-    ``extract_block(..., snapshot=True)`` adds to a block), from shape x dtype."""
-    return sum(int(a.nbytes) for _, c in _leaves(caches) if isinstance(c, ArraysCache)
-               for a in c.cache if a is not None)
-
-
-def cache_offset(caches: Sequence[Any]) -> int | None:
-    """The token position of a KV cache list (None if it has no KV layer)."""
-    for _, c in _leaves(caches):
-        if isinstance(c, _KV_TYPES):
-            return int(c.offset)
-    return None
-
-
-def min_window(caches: Sequence[Any]) -> int | None:
-    """The smallest sliding window (RotatingKVCache.max_size), or None."""
-    sizes = [c.max_size for _, c in _leaves(caches) if isinstance(c, RotatingKVCache)]
-    return min(sizes) if sizes else None
-
-
-def min_sliding_tokens(caches: Sequence[Any]) -> int | None:
-    """The fewest tokens a sliding window holds past its kept ones (``max_size - keep``,
-    the most a block may have to be stored whole while in the window), or None."""
-    sizes = [c.max_size - c.keep for _, c in _leaves(caches) if isinstance(c, RotatingKVCache)]
-    return min(sizes) if sizes else None
-
-
-def has_sliding_window(caches: Sequence[Any]) -> bool:
-    return min_window(caches) is not None
 
 
 def _state_list(c: Any, num_tokens: int) -> list[mx.array | None]:

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import mlx.core as mx
 
+from ..errors import InvariantError
 from . import mlx_compat
 from .request import Request
 from .sampling import logprob_values
@@ -203,7 +204,8 @@ class DecodeBatch:
         (rejected drafts, padding) leave the cache (``mlx_compat.drop_row_tails``).
         False: no row has a draft, the caller decodes as usual (the pending tokens
         have been reported then)."""
-        assert self._inputs is not None
+        if self._inputs is None:  # step() checks it; a row without a pending token is a bug
+            raise InvariantError("a speculative step over rows without pending tokens")
         pending = cast(list[int], self._inputs.tolist())
         # the pending tokens are reported before they are fed: a stop here saves the
         # state as it is (prompt + output[:-1])

@@ -37,10 +37,11 @@ from .admission import Admission, Ticket
 from .api import GenerationRequest, GenerationResult, SamplingParams, Usage, VisionInfo
 from .arrivals import Arrivals
 from .chat_format import ChatFormat, chat_format_of
+from .context import EngineContext, EngineCounters, LogitsHook, Processor, validate_request
 from .handles import RequestHandle
 from .payload import ram_census
 from .quant import from_config as _kv_quant_of
-from .request import EngineContext, EngineCounters, LogitsHook, Processor, Request, validate_request
+from .request import Request
 from .scheduler import Scheduler
 from .shadow import ShadowVerifier
 from .speculate import Speculator

@@ -58,8 +58,9 @@ from ..blocks.tokens import common_prefix
 from . import adapters, mlx_compat
 from .admission import Admission, Ticket
 from .batch import DecodeBatch, cancel_alone, decode_alone
+from .context import EngineContext
 from .prefill import PrefillBatch, Prefilled
-from .request import EngineContext, Request
+from .request import Request
 
 logger = logging.getLogger(__name__)
 

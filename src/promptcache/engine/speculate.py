@@ -44,7 +44,8 @@ from . import mlx_compat
 from .drafts import DraftConfig, DraftPools, SequenceDrafts, propose
 
 if TYPE_CHECKING:
-    from .request import EngineCounters, Request
+    from .context import EngineCounters
+    from .request import Request
 
 # (request, k) -> up to k draft tokens following the request's sequence
 DraftSource = Callable[["Request", int], Sequence[int]]

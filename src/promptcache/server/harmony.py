@@ -30,7 +30,7 @@ from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 from ..engine.chat_format import ToolCall
-from .reasoning import Piece, ReplyParser
+from .reasoning import Piece, ReplyParser, _partial_suffix
 
 START, CHANNEL, MESSAGE = "<|start|>", "<|channel|>", "<|message|>"
 END, CALL, RETURN = "<|end|>", "<|call|>", "<|return|>"
@@ -49,13 +49,7 @@ def is_harmony_template(source: str) -> bool:
 
 def _partial(text: str, markers: Sequence[str]) -> int:
     """Length of the longest suffix of ``text`` that is a proper prefix of a marker."""
-    best = 0
-    for marker in markers:
-        for k in range(min(len(marker) - 1, len(text)), best, -1):
-            if text.endswith(marker[:k]):
-                best = k
-                break
-    return best
+    return max(_partial_suffix(text, m) for m in markers)
 
 
 class HarmonyParser(ReplyParser):
