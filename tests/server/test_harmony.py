@@ -150,3 +150,16 @@ def test_a_final_answer_never_carries_the_reasoning() -> None:
     assert msg["reasoning_content"] == "The user wants the file written. I will call it."
     blocks = c.post("/v1/messages", json=MSG).json()["content"]
     assert [(b["type"], b.get("text")) for b in blocks][1] == ("text", "Done: it is written.")
+
+
+def test_harmony_is_recognised_from_the_template() -> None:
+    from promptcache.engine.chat_format import chat_format_of
+
+    class Tok:
+        chat_template = ("{{- '<|start|>assistant<|channel|>final<|message|>' }}"
+                         "{{- message.content }}{{- '<|end|>' }}")
+
+    class Plain:
+        chat_template = "{{ message.content }}<|im_end|>"
+
+    assert chat_format_of(Tok()).harmony and not chat_format_of(Plain()).harmony
