@@ -255,3 +255,44 @@ def test_a_quantized_kv_request_beside_a_prefill_batch(hd64_path, engine_factory
     for r, (ra, la) in zip(runs, p_alone, strict=True):
         lb = eng.recorder.by_request.pop(r.request.request_id)
         assert r.result.tokens == ra.tokens and _max_delta(lb, la) <= TOL
+
+
+def test_the_prefill_workspace_stays_within_the_kv_budget(tiny_llama_path, engine_factory):
+    """The attention workspace of a batched chunk (rows x heads x chunk x context fp32
+    tensors) must fit in what the admitted requests' KV reservations leave of the KV
+    budget: with room for exactly two rows' workspace, four prompts prefill two by two
+    (each waiting one counted), and each still gets what it gets alone."""
+    from promptcache.engine.prefill import attention_heads, workspace_bytes
+
+    eng = engine_factory(tiny_llama_path)
+    assert attention_heads(eng._ctx.model) == 4
+    prompts = [_prompt(40, 500 + i, 730 + i) for i in range(4)]
+    st = Stepper(eng)
+    alone = [_run_alone(st, eng, p, max_tokens=5, use_cache=False) for p in prompts]
+    reserved = 4 * eng.row_bytes(45)  # four admitted requests of 40 + 5 tokens
+    two = workspace_bytes(2, CHUNK, 40, 4)
+    assert two == 3 * 4 * 2 * 4 * CHUNK * 40
+    # (rows, tokens) of every prefill step: 40 tokens = chunks of 16, 16 and 8 - 1 (the
+    # last token is held back for the first-token forward)
+    pairs = [(2, 32), (2, 32), (2, 16)] * 2
+    for budget, expect, waits in [(reserved + two, pairs, 3),
+                                  # one byte less: one row at a time, until the first
+                                  # two have finished and released their reservations
+                                  (reserved + two - 1, [(1, 16), (1, 16), (1, 8)] * 2
+                                   + [(1, 16), (2, 32), (2, 24), (1, 8)], 7),
+                                  (None, [(4, 64), (4, 64), (4, 32)], 0)]:
+        st = Stepper(eng, active_kv_budget_bytes=budget)
+        group = st.scheduler.group
+        seen: list[tuple[int, int]] = []
+        step = group.step
+
+        def spy(step=step, group=group, seen=seen):
+            seen.append((len(group), group.step_tokens()))
+            return step()
+
+        group.step = spy
+        got = _run_together(st, eng, prompts, max_tokens=5, use_cache=False)
+        assert seen == expect
+        assert st.ctx.counters.prefill_workspace_waits == waits
+        for (rb, lb), (ra, la) in zip(got, alone, strict=True):
+            assert rb.tokens == ra.tokens and _max_delta(lb, la) <= TOL

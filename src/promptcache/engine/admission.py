@@ -114,6 +114,15 @@ class Admission:
         """KV bytes of a batch of rows with these lengths (every row padded to the longest)."""
         return len(lengths) * self.row_bytes(max(lengths)) if lengths else 0
 
+    def room(self) -> int | None:
+        """KV bytes the admitted requests' reservations leave free in the budget (None:
+        no budget). The batched prefill's attention workspace must fit in it
+        (``Scheduler._fill_group``), so reserved KV + workspace stays within the budget."""
+        if self.kv_budget is None:
+            return None
+        with self._lock:
+            return self.kv_budget - self.footprint([a.length for a in self._active])
+
     def _fits(self, t: Ticket, without: frozenset[Ticket] | set[Ticket] = frozenset()) -> bool:
         """Whether ``t`` fits next to the admitted tickets (but those in ``without``)."""
         active = [a for a in self._active if a not in without] if without else self._active

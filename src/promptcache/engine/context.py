@@ -46,6 +46,9 @@ class EngineCounters:
     prefill_chunks: int = 0
     prefill_batches: int = 0  # batched prefill forwards (engine/prefill.py)
     max_prefill_batch: int = 0  # most rows in one of them
+    # a request that waited a step because the prefill batch's attention workspace
+    # would not fit in the KV budget next to the admitted requests' reservations
+    prefill_workspace_waits: int = 0
     # requests that waited for another's prefill of the prompt prefix they share
     # (scheduler: they reuse its stored blocks instead of computing them again)
     shared_prefix_waits: int = 0

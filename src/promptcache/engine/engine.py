@@ -75,6 +75,10 @@ def probe_caches(model: Any) -> list[Any]:
     return caches
 
 
+# mlx's buffer cache is limited to 1 / CACHE_LIMIT_SHARE of the KV budget
+CACHE_LIMIT_SHARE = 8
+
+
 def kv_row_bytes(model: Any, probed: Sequence[Any] | None = None) -> Callable[[int], int]:
     """An upper bound of one request's cache bytes at ``n`` tokens, from a 1-token
     probe (``probed``: ``probe_caches(model)`` if given): full-attention KV grows per
@@ -181,6 +185,13 @@ class Engine:
                                    cfg.active_kv_budget_bytes, self.row_bytes,
                                    on_preempt=self._preempt)
         self.scheduler = Scheduler(self._ctx, self.admission, self._make_request)
+        if cfg.active_kv_budget_bytes is not None:
+            # mlx keeps freed buffers for reuse (its buffer cache; unbounded by default
+            # on Metal): at most an eighth of the KV budget (the smallest over engines)
+            limit = cfg.active_kv_budget_bytes // CACHE_LIMIT_SHARE
+            previous = mx.set_cache_limit(limit)
+            if previous < limit:
+                mx.set_cache_limit(previous)
         # shadow verification of cache hits in idle time (engine/shadow.py)
         self.shadow: ShadowVerifier | None = None
         if cfg.shadow_verify_fraction > 0 and self.kv_quant is not None:

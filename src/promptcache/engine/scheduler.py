@@ -59,7 +59,7 @@ from . import adapters, mlx_compat
 from .admission import Admission, Ticket
 from .batch import DecodeBatch, cancel_alone, decode_alone
 from .context import EngineContext
-from .prefill import PrefillBatch, Prefilled
+from .prefill import PrefillBatch, Prefilled, attention_heads, workspace_bytes
 from .request import Request
 
 logger = logging.getLogger(__name__)
@@ -80,6 +80,7 @@ class Scheduler:
         self.make_request = make_request
         self.prefilling: list[Request] = []  # admission order, not in the prefill batch
         self.group = PrefillBatch(ctx.model)  # prefilling together
+        self._heads = attention_heads(ctx.model)
         self._solo: set[Request] = set()  # interactive, on the per-request prefill path
         self.ready: list[Request] = []  # prefill done, waiting for a batch row
         self.alone: list[Request] = []  # decoding outside the batch
@@ -200,6 +201,9 @@ class Scheduler:
             n = r.chunk_end() - r.pos
             if (len(self.group) or joining) and n > budget:
                 break
+            if (len(self.group) or joining) and not self._workspace_fits([*joining, r]):
+                self.ctx.counters.prefill_workspace_waits += 1
+                break
             budget -= n
             joining.append(r)
         self.prefilling = [r for r in self.prefilling if not r.done and r not in joining]
@@ -209,6 +213,19 @@ class Scheduler:
                     r.fail(error)
                 self.group.fail_all(error)
             self._guard(joining, lambda: self.group.join(joining), on_error=fail)
+
+    def _workspace_fits(self, joining: list[Request]) -> bool:
+        """Whether the prefill batch with ``joining`` added keeps its attention workspace
+        within what the admitted requests' KV reservations leave of the KV budget, up
+        to the end of every row's prompt (the context only grows): reserved KV +
+        workspace <= ``--kv-budget``. A lone row always prefills (on its own path)."""
+        room = self.admission.room()
+        if room is None:
+            return True
+        rows = [*self.group.rows, *joining]
+        chunk = self.ctx.config.prefill_chunk_tokens
+        need = workspace_bytes(len(rows), chunk, max(r.n_prompt for r in rows), self._heads)
+        return need <= room
 
     def _not_waiting_for_a_prefix(self, pending: list[Request]) -> list[Request]:
         """The pending requests that start now. A new request whose prompt shares at
