@@ -32,7 +32,8 @@ def client(tiny_llama_path: Path, tmp_path_factory: pytest.TempPathFactory) -> A
     keys = tmp_path_factory.mktemp("keys") / "keys.json"
     keys.write_text(json.dumps({"key-a": "alice", "key-b": "bob"}))
     eng = tiny_engine(tiny_llama_path, make_cache())
-    with TestClient(create_app(eng, ServerConfig(api_keys_file=keys, prerender=False))) as c:
+    cfg = ServerConfig(api_keys_file=keys, api_key="key-admin", prerender=False)
+    with TestClient(create_app(eng, cfg)) as c:
         yield c
     eng.close()
 
@@ -72,7 +73,10 @@ def test_nothing_of_tenant_a_reaches_tenant_b(client: TestClient) -> None:
     assert client.get("/v1/cache/sessions?tenant=alice", headers=B).status_code == 403
     for path in ("/v1/cache/stats", "/v1/dashboard/data"):
         body = json.dumps(client.get(path, headers=B).json())
-        assert "sess-alice-7" not in body and "4477" not in body
+        assert "sess-alice-7" not in body and "4477" not in body and rid not in body
+        assert "alice" not in body
+    metrics = client.get("/metrics", headers=B).text  # aggregates only: no tenant labels
+    assert "alice" not in metrics and "sess-alice-7" not in metrics
     assert client.delete("/v1/cache?tenant=alice", headers=B).status_code == 403
     assert client.delete("/v1/cache/sessions/sess-alice-7?tenant=alice",
                          headers=B).status_code == 403
@@ -91,3 +95,9 @@ def test_nothing_of_tenant_a_reaches_tenant_b(client: TestClient) -> None:
     assert client.get(f"/v1/responses/{rid}", headers=A).json()["id"] == rid
     assert cached(client.post("/v1/chat/completions", json=CHAT, headers=A)) >= a_hit
     assert "sess-alice-7" in json.dumps(client.get("/v1/cache/sessions", headers=A).json())
+    # --- the global admin key sees everyone's: it names the tenant
+    admin = {"Authorization": "Bearer key-admin", "X-Tenant-Id": "alice"}
+    assert client.get(f"/v1/responses/{rid}", headers=admin).json()["id"] == rid
+    assert "sess-alice-7" in json.dumps(client.get("/v1/cache/sessions?tenant=alice",
+                                                   headers={"Authorization": "Bearer key-admin"}
+                                                   ).json())
