@@ -71,14 +71,14 @@ def test_pack_round_trip_through_the_server_and_the_cli(tiny_llama_path: Path,
     assert summary["tokens"] >= len(P + Q) and summary["tenant"] == "default"
     assert done.stderr.count("\r") == 0  # no progress bars off a terminal
 
-    fresh = tmp_path / "fresh"
-    fresh.mkdir()
+    fresh = tmp_path / "fresh"  # does not exist yet: import creates it, as serve does
     # damaged, or another model's namespace: refused, nothing imported
     raw = out.read_bytes()
     (tmp_path / "bad.pcpack").write_bytes(raw[:1000] + bytes([raw[1000] ^ 1]) + raw[1001:])
     done = _cli("import", str(tmp_path / "bad.pcpack"), "--model", str(tiny_llama_path),
                 "--cache-dir", str(fresh))
     assert done.returncode == 2 and "refusing the pack" in done.stderr
+    assert not fresh.exists()  # a damaged pack is refused before anything is touched
     done = _cli("import", str(out), "--model", str(tiny_gemma_path), "--cache-dir", str(fresh),
                 "--block-size", "16")
     assert done.returncode == 2 and "refusing the pack" in done.stderr

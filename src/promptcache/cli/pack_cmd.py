@@ -75,7 +75,12 @@ def run(args: argparse.Namespace) -> int:
     if args.cache_command == "import":
         with progress_bar("verifying the pack") as bar:
             pack = packs.read_pack(args.pack, progress=bar)
-    if not cache_dir.is_dir():
+    if args.cache_command == "import":
+        try:  # as serve does: an import is what fills a new folder
+            cache_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ValueError(f"cannot create the cache folder {cache_dir}: {e}") from e
+    elif not cache_dir.is_dir():
         raise ValueError(f"cache folder {cache_dir} does not exist")
     tenant = pack.namespace.tenant if args.cache_command == "import" else (
         args.tenant or args.session_tenant)

@@ -117,7 +117,9 @@ def stats_payload(st: Any, tenant: str | None = None) -> dict[str, Any]:
         "engine": engine_stats_dict(st.engine),
         "rolling": st.monitor.snapshot(),
         "prerender": _prerender_stats(st),
-        "alert": {"active": st.monitor.alerting, "threshold": st.monitor.threshold},
+        "alert": {"active": st.monitor.alerting, "threshold": st.monitor.threshold,
+                  # no alert is raised before the window holds this many requests
+                  "min_requests": st.monitor.min_samples},
         "sessions": st.session_stats.snapshot(tenant),
     }
     vision = getattr(st.engine, "vision_encoder", None)

@@ -94,7 +94,11 @@
     $("threshold").textContent = pct(rolling.threshold);
     const alert = !!(stats.alert && stats.alert.active);
     const badge = $("alert"); badge.className = "badge " + (alert ? "alert" : "ok");
-    badge.textContent = alert ? "hit rate alert" : "hit rate ok"; badge.dataset.value = String(alert);
+    const seen = rolling.requests_in_window || 0; const need = (stats.alert && stats.alert.min_requests) || 0;
+    badge.textContent = alert ? "hit rate alert"
+      : seen < need ? "hit rate: too few requests yet (" + seen + " of " + need + ")" : "hit rate ok";
+    if (!alert && seen < need) badge.className = "badge wait";
+    badge.dataset.value = String(alert);
     set("tokens-saved", int(req.tokens_saved), req.tokens_saved);
     set("seconds-saved", req.seconds_saved_estimate === null ? "-" : secs(req.seconds_saved_estimate),
         req.seconds_saved_estimate);
@@ -114,7 +118,7 @@
     fill("tiers", tierRows(stats).map((t) => (tr) => {
       tr.id = "tier-" + t.name;
       cell(tr, t.name);
-      const bc = cell(tr, bytes(t.bytes), "num bytes", human(t.bytes)); bc.dataset.value = t.bytes === undefined ? "" : String(t.bytes);
+      const bc = cell(tr, t.bytes === undefined || t.bytes === null ? "-" : human(t.bytes), "num bytes", bytes(t.bytes)); bc.dataset.value = t.bytes === undefined ? "" : String(t.bytes);
       const kc = cell(tr, int(t.blocks), "num blocks"); kc.dataset.value = t.blocks === undefined ? "" : String(t.blocks);
       cell(tr, t.budget === undefined ? "-" : human(t.budget), "num");
       cell(tr, int(t.hit), "num");
