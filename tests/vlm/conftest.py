@@ -13,3 +13,17 @@ def tiny_vlm_path(models_root: Path) -> Path:
 
     return ensure_tiny_vlm(models_root)
 
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma3_vlm_path(models_root: Path) -> Path:
+    from promptcache.engine.models.tiny_vlm_families import ensure_tiny_gemma3_vlm
+
+    return ensure_tiny_gemma3_vlm(models_root)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_vl_path(models_root: Path) -> Path:
+    from promptcache.engine.models.tiny_vlm_families import ensure_tiny_qwen3_vl
+
+    return ensure_tiny_qwen3_vl(models_root)

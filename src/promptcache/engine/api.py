@@ -24,13 +24,34 @@ IMAGE_DIGEST_VERSION = 1
 class VisionInfo:
     """What the server needs to know about a vision-language model (``Engine.vision``):
     the image token the template renders, how many placeholder tokens each image
-    covers, and the preprocessing settings that go into every image digest."""
+    covers, and the preprocessing settings that go into every image digest.
+
+    ``image_text`` is what stands for one image in a message's text (default: the
+    image token; Qwen's ``<|vision_start|><|image_pad|><|vision_end|>``). Each rendered
+    ``image_token_id`` becomes ``before + [placeholder] * tokens_per_image + after``
+    (``placeholder_token_id`` defaults to the image token; Gemma 3 renders
+    ``<start_of_image>`` and expands it to ``\\n\\n<start_of_image>``, 256
+    ``<image_soft_token>``, ``<end_of_image>\\n\\n``)."""
 
     model_type: str
     image_token: str
     image_token_id: int
     tokens_per_image: int
     settings_key: str
+    image_text: str = ""
+    placeholder_token_id: int = -1
+    before: tuple[int, ...] = ()
+    after: tuple[int, ...] = ()
+
+    @property
+    def text(self) -> str:
+        """The text that stands for one image in a message."""
+        return self.image_text or self.image_token
+
+    @property
+    def placeholder_id(self) -> int:
+        """The token id of the placeholders the image's features replace."""
+        return self.placeholder_token_id if self.placeholder_token_id >= 0 else self.image_token_id
 
 
 def image_digest(pixels: np.ndarray, settings_key: str) -> bytes:
@@ -64,28 +85,35 @@ def expand_placeholders(tokens: Sequence[int], message_starts: Sequence[int],
                         info: VisionInfo, images: Sequence[tuple[bytes, np.ndarray]]
                         ) -> tuple[list[int], tuple[int, ...], tuple[ImageInput, ...]]:
     """A rendered prompt whose every image is one ``info.image_token_id`` -> each
-    expanded to ``info.tokens_per_image`` placeholder tokens, in order; returns
+    expanded to ``info.tokens_per_image`` placeholder tokens (between ``info.before`` and
+    ``info.after``), in order; returns
     ``(tokens, message_starts, images)`` with the offsets shifted. ``images``:
     ``(digest, pixels)`` in the order the image tokens appear. ValueError when the
     rendered prompt holds another number of image tokens (the template dropped an
     image, or the text itself contains the image token)."""
     tid, n = info.image_token_id, info.tokens_per_image
+    pid, before, after = info.placeholder_id, list(info.before), list(info.after)
     where = [i for i, t in enumerate(tokens) if t == tid]
     if len(where) != len(images):
         raise ValueError(
             f"the rendered prompt has {len(where)} image tokens ({info.image_token!r}) for "
             f"{len(images)} images: the text may not contain {info.image_token!r}, and "
             "images go only where the chat template renders them (user messages)")
+    if pid != tid and any(t == pid for t in tokens):
+        raise ValueError(f"the rendered prompt contains the image placeholder token {pid}")
     out: list[int] = []
     placed: list[ImageInput] = []
     prev = 0
     for pos, (digest, pixels) in zip(where, images, strict=True):
         out.extend(tokens[prev:pos])
+        out.extend(before)
         placed.append(ImageInput(digest, pixels, len(out), n))
-        out.extend([tid] * n)
+        out.extend([pid] * n)
+        out.extend(after)
         prev = pos + 1
     out.extend(tokens[prev:])
-    starts = tuple(s + (n - 1) * sum(1 for w in where if w < s) for s in message_starts)
+    grow = len(before) + n + len(after) - 1
+    starts = tuple(s + grow * sum(1 for w in where if w < s) for s in message_starts)
     return out, starts, tuple(placed)
 
 

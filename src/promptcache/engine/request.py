@@ -279,11 +279,9 @@ class Request:
     def _forward(self, start: int, end: int) -> mx.array:
         """Tokens ``[start, end)`` through the model on the private caches (lazy)."""
         inputs = mx.array(self.seq[start:end])[None]
-        emb = (self.images.embeddings(self.ctx.model, inputs, start, end)
-               if self.images is not None else None)
-        if emb is None:
-            return cast(mx.array, self.ctx.model(inputs, cache=self.caches))
-        return cast(mx.array, self.ctx.model(inputs, cache=self.caches, input_embeddings=emb))
+        if self.images is not None:
+            return self.images.forward(self.ctx.model, inputs, self.caches, start, end)
+        return cast(mx.array, self.ctx.model(inputs, cache=self.caches))
 
     @property
     def prefill_s(self) -> float:

@@ -64,7 +64,7 @@ def validate_images(images: Sequence[ImageInput], prompt: np.ndarray,
     """Every image covers exactly its placeholder tokens, in order, and every
     placeholder token belongs to an image; raise ``RequestError`` otherwise."""
     if not images:
-        if info is not None and bool(np.any(prompt == info.image_token_id)):
+        if info is not None and bool(np.any(prompt == info.placeholder_id)):
             raise RequestError(f"the prompt contains the image token {info.image_token!r} "
                                "but no image")
         return
@@ -87,35 +87,79 @@ def validate_images(images: Sequence[ImageInput], prompt: np.ndarray,
         if im.start < prev_end or im.end > n:
             raise RequestError(f"images[{i}]: placeholder span [{im.start}, {im.end}) "
                                "overlaps another image or the prompt's end")
-        if not bool(np.all(prompt[im.start:im.end] == info.image_token_id)):
+        if not bool(np.all(prompt[im.start:im.end] == info.placeholder_id)):
             raise RequestError(f"images[{i}]: its span does not hold image tokens")
         prev_end = im.end
-    total = int(np.count_nonzero(prompt == info.image_token_id))
+    total = int(np.count_nonzero(prompt == info.placeholder_id))
     if total != len(images) * info.tokens_per_image:
         raise RequestError(f"the prompt has {total} image tokens for {len(images)} images")
 
 
 class ImagePrefill:
-    """The input embeddings of one request's prefill chunks."""
+    """The input embeddings (and, for M-RoPE models, positions) of one request's
+    prefill chunks."""
 
     def __init__(self, encoder: VisionEncoder, images: Sequence[ImageInput]) -> None:
         self.encoder = encoder
         self.images = list(images)
         self._feats: dict[int, mx.array] = {}
 
+    def _features(self, i: int) -> mx.array:
+        feats = self._feats.get(i)
+        if feats is None:
+            feats = self.encoder.features(self.images[i])
+            self._feats[i] = feats
+        return feats
+
     def embeddings(self, model: Any, tokens: mx.array, start: int, end: int
                    ) -> mx.array | None:
         """``[1, end - start, hidden]`` for the chunk ``tokens`` at ``[start, end)``, or
         None if no image overlaps it (prefill from token ids)."""
+        emb, _ = self._merge(model, tokens, start, end)
+        return emb
+
+    def _merge(self, model: Any, tokens: mx.array, start: int, end: int
+               ) -> tuple[mx.array | None, list[mx.array] | None]:
+        """The chunk's embeddings and, for a model with deepstack layers, each such
+        layer's features of the chunk's image rows (in order)."""
         hits = [(i, im) for i, im in enumerate(self.images) if im.start < end and im.end > start]
         if not hits:
-            return None
+            return None, None
         emb: mx.array = model.embed(tokens)
+        hidden = int(emb.shape[-1])
+        extra: list[mx.array] = []
         for i, im in hits:
-            feats = self._feats.get(i)
-            if feats is None:
-                feats = self.encoder.features(im)
-                self._feats[i] = feats
+            feats = self._features(i)
             a, b = max(im.start, start), min(im.end, end)
-            emb[0, a - start:b - start] = feats[a - im.start:b - im.start].astype(emb.dtype)
-        return emb
+            rows = feats[a - im.start:b - im.start]
+            emb[0, a - start:b - start] = rows[:, :hidden].astype(emb.dtype)
+            extra.append(rows[:, hidden:].astype(emb.dtype))
+        layers = int(getattr(model, "deepstack_layers", 0))
+        if not layers:
+            return emb, None
+        deep = mx.concatenate(extra, axis=0)
+        return emb, [deep[:, k * hidden:(k + 1) * hidden] for k in range(layers)]
+
+    def forward(self, model: Any, tokens: mx.array, caches: list[Any], start: int, end: int
+                ) -> mx.array:
+        """The chunk ``tokens`` at ``[start, end)`` through ``model`` on ``caches`` (lazy
+        logits): image rows from the features; for an M-RoPE model (``model.mrope``)
+        every chunk gets its positions from the image spans, and a deepstack model the
+        image rows' extra features."""
+        emb, deep = self._merge(model, tokens, start, end)
+        if bool(getattr(model, "mrope", False)):
+            pos, delta = model.positions(self.images, start, end)
+            mask = None
+            if deep is not None:
+                ids = np.zeros(end - start, dtype=bool)
+                for im in self.images:
+                    ids[max(im.start, start) - start:max(min(im.end, end) - start, 0)] = True
+                mask = mx.array(ids)[None]
+            out: mx.array = model(tokens, cache=caches, input_embeddings=emb, positions=pos,
+                                  delta=delta, visual_mask=mask, deepstack=deep)
+            return out
+        if emb is None:
+            res: mx.array = model(tokens, cache=caches)
+            return res
+        res = model(tokens, cache=caches, input_embeddings=emb)
+        return res

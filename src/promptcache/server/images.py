@@ -70,7 +70,7 @@ class ImageCollector:
             raise _bad(f"{source.where}: too many images (at most {self.limits.max_images} "
                        "per request)", source.param)
         self.sources.append(source)
-        return self.info.image_token
+        return self.info.text
 
     def add_url(self, url: object, where: str, param: str = "messages") -> str:
         """An OpenAI-style image URL: ``data:image/...;base64,...``, http(s), file."""

@@ -119,8 +119,8 @@ def load_model_or_vlm(path_or_repo: str | os.PathLike[str], *, float32_on_cpu: b
                         "(image inputs are refused)", model_id, model_type,
                         ", ".join(vlm.SUPPORTED_TYPES))
         else:
-            logger.info("%s: loading it as a vision-language model through mlx-vlm (%r)",
-                        model_id, model_type)
+            logger.info("%s ships a vision_config of family %r: loading it with images "
+                        "through mlx-vlm", model_id, model_type)
     if text_only:
         model, tokenizer, info = load_model(folder, float32_on_cpu=float32_on_cpu)
         return model, tokenizer, dataclasses.replace(info, model_id=model_id), None

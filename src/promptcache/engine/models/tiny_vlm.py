@@ -69,15 +69,25 @@ PREPROCESSOR = {
 }
 
 
-def _tokenizer_with_image() -> tuple[str, int]:
+def tokenizer_with(extra: tuple[str, ...]) -> str:
+    """The tiny models' tokenizer.json with ``extra`` special tokens appended (ids after
+    the last one, in order; they fit in ``TEXT_VOCAB``)."""
     tok = json.loads(tokenizer_json())
-    image_id = max(int(t["id"]) for t in tok["added_tokens"])
-    image_id = max(image_id, max(tok["model"]["vocab"].values())) + 1
-    tok["added_tokens"].append({
-        "id": image_id, "content": IMAGE_TOKEN, "single_word": False, "lstrip": False,
-        "rstrip": False, "normalized": False, "special": True,
-    })
-    return json.dumps(tok), image_id
+    next_id = max(max(int(t["id"]) for t in tok["added_tokens"]),
+                  max(tok["model"]["vocab"].values())) + 1
+    for i, content in enumerate(extra):
+        tok["added_tokens"].append({
+            "id": next_id + i, "content": content, "single_word": False, "lstrip": False,
+            "rstrip": False, "normalized": False, "special": True,
+        })
+    if next_id + len(extra) > TEXT_VOCAB:
+        raise ValueError(f"{len(extra)} extra tokens do not fit in {TEXT_VOCAB}")
+    return json.dumps(tok)
+
+
+def _tokenizer_with_image() -> tuple[str, int]:
+    text = tokenizer_with((IMAGE_TOKEN,))
+    return text, int(json.loads(text)["added_tokens"][-1]["id"])
 
 
 def vlm_config(image_id: int, special_ids: dict[str, int], *, image_size: int = IMAGE_SIZE,

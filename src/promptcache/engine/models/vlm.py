@@ -4,57 +4,101 @@
 a text model; ``load_vlm(folder)`` loads it with ``mlx_vlm.utils.load_model`` and
 returns what the engine needs:
 
-- ``VLMTextModel``: the language model of the VLM with mlx-lm's calling convention
-  (``model(tokens, cache=..., input_embeddings=...) -> logits``, ``.layers``), so the
-  scheduler, the batched decode, the cache adapters and the save points treat it like
-  any mlx-lm model (mlx-lm's KV caches: mlx-vlm's attention uses the same
-  ``update_and_fetch`` / ``make_mask`` protocol);
+- a text model: the language model of the VLM with mlx-lm's calling convention
+  (``model(tokens, cache=..., input_embeddings=...) -> logits``, ``.layers``,
+  ``make_cache()`` with mlx-lm's cache classes), so the scheduler, the batched decode,
+  the cache adapters and the save points treat it like any mlx-lm model (mlx-vlm's
+  attention uses the same ``update_and_fetch`` / ``make_mask`` protocol);
 - ``VisionTower``: image preprocessing (the model's Hugging Face image processor,
   Pillow backend) and the vision tower + projector (``encode``: one image's features,
   one row per placeholder token), plus the ``VisionInfo`` the server needs.
 
-Supported model types: those whose image features replace the image placeholder
-tokens one for one in the input embeddings and whose text model uses ordinary
-positions (``SUPPORTED_TYPES``). Others (M-RoPE positions, tiling, learned
-separators) raise a clear ValueError at load.
+Supported families (``SUPPORTED_TYPES``), each with a fixed number of placeholder
+tokens per image (``VisionInfo.tokens_per_image``):
+
+- ``llava``: CLIP tower, a fixed crop; ``<image>`` expanded to its patches.
+- ``gemma3``: SigLIP tower, resize to ``image_size``, the patches average-pooled to
+  ``mm_tokens_per_image``; the template's ``<start_of_image>`` expanded as Gemma 3's
+  processor does (``\\n\\n<start_of_image>`` + soft tokens + ``<end_of_image>\\n\\n``).
+  Sliding-window layers as mlx-lm's gemma3 (``RotatingKVCache``). Attention over the
+  image is causal, as in mlx-vlm's own generate (it never passes the bidirectional
+  image mask to the language model).
+- ``qwen3_vl``: dynamic-resolution tower, here at ONE resolution: every image is
+  resized to ``side x side`` (``side = sqrt(num_position_embeddings) * patch_size``,
+  the tower's native grid: 768 px for Qwen3-VL), so an image is always
+  ``(side / patch / merge)^2`` tokens. Deepstack features (added to the first
+  decoder layers' hidden states at the image rows) travel with the features. M-RoPE:
+  see ``MRopeTextModel``.
+
+Others (tiling, learned separators, variable token counts) raise a clear ValueError
+at load; ``loader.py`` loads a family mlx-lm knows text-only instead.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
+from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 
-from ..api import VisionInfo
+from ..api import ImageInput, VisionInfo
 
 logger = logging.getLogger(__name__)
 
 MLX_VLM_TESTED = "0.7.10"
-# features replace placeholder tokens 1:1, sequential positions, a fixed crop
-SUPPORTED_TYPES = ("llava",)
+SUPPORTED_TYPES = ("llava", "gemma3", "qwen3_vl")
 
 
 def is_vlm_config(config: dict[str, Any]) -> bool:
     return isinstance(config.get("vision_config"), dict) and bool(config["vision_config"])
 
 
+def _mlx_lm_caches(language_model: Any) -> list[Any]:
+    """mlx-lm cache objects of the kinds the language model asks for (mlx-vlm's own
+    ``make_cache`` returns mlx-vlm's classes; the engine stores and batches mlx-lm's)."""
+    if not hasattr(language_model, "make_cache"):
+        return [KVCache() for _ in language_model.layers]
+    out: list[Any] = []
+    for c in language_model.make_cache():
+        kind = type(c).__name__
+        if kind == "KVCache":
+            out.append(KVCache())
+        elif kind == "RotatingKVCache":
+            out.append(RotatingKVCache(max_size=int(c.max_size), keep=int(c.keep)))
+        else:
+            raise ValueError(f"the language model asks for a {kind} cache; the vision path "
+                             "supports KVCache and RotatingKVCache")
+    return out
+
+
 class VLMTextModel:
     """The VLM's language model with mlx-lm's interface (what the scheduler, the
-    batch and ``make_prompt_cache`` use: call, ``layers``, ``parameters``)."""
+    batch and ``make_prompt_cache`` use: call, ``layers``, ``parameters``,
+    ``make_cache``). Positions are the caches' offsets, as in mlx-lm."""
+
+    mrope = False
+    deepstack_layers = 0
 
     def __init__(self, vlm: Any) -> None:
         self.language_model = vlm.language_model
+        self.hidden_size = int(self.language_model.model.embed_tokens.weight.shape[1])
+        self._caches = _mlx_lm_caches(self.language_model)  # checked at load
 
     def __call__(self, inputs: mx.array, cache: Any = None,
                  input_embeddings: mx.array | None = None) -> mx.array:
         out = self.language_model(inputs, inputs_embeds=input_embeddings, cache=cache)
         logits: mx.array = out.logits if hasattr(out, "logits") else out
         return logits
+
+    def make_cache(self) -> list[Any]:
+        return _mlx_lm_caches(self.language_model)
 
     def parameters(self) -> Any:
         return self.language_model.parameters()
@@ -69,38 +113,184 @@ class VLMTextModel:
         return emb
 
 
+def mrope_positions(images: Sequence[ImageInput], grid: tuple[int, int, int], start: int,
+                    end: int) -> tuple[np.ndarray, int]:
+    """Qwen's 3-D rotary positions ``[3, end - start]`` of tokens ``[start, end)`` and the
+    position delta after ``end`` (what a text token at ``end`` adds to its index).
+
+    A function of the image spans and the (fixed) LLM grid ``(t, h, w)`` only, so a
+    restored prefix continues exactly: text tokens sit at ``index + delta`` on all three
+    axes; an image starting at text position ``p`` puts its token ``(ti, hi, wi)`` at
+    ``(p + ti, p + hi, p + wi)``, and the text after it resumes at ``p + max(t, h, w)``
+    (Qwen2/2.5/3-VL's ``get_rope_index``), so each image adds
+    ``max(t, h, w) - t * h * w`` to the delta."""
+    t, h, w = grid
+    n, adv = t * h * w, max(t, h, w) - t * h * w
+    idx = np.arange(start, end, dtype=np.int64)
+    pos = np.broadcast_to(idx, (3, end - start)).copy()
+    delta = 0  # of the images before the current one
+    for im in images:
+        if im.length != n:
+            raise ValueError(f"an image of {im.length} tokens on a grid of {n}")
+        if im.start >= end:
+            break
+        inside = (idx >= im.start) & (idx < im.end)
+        if inside.any():
+            k = idx[inside] - im.start
+            p = im.start + delta
+            pos[0, inside] = p + k // (h * w)
+            pos[1, inside] = p + (k // w) % h
+            pos[2, inside] = p + k % w
+        pos[:, idx >= im.end] += adv
+        if im.end > end:
+            break
+        delta += adv
+    return pos, delta
+
+
+class MRopeTextModel(VLMTextModel):
+    """A language model with Qwen's multimodal rotary positions (``qwen3_vl``).
+
+    Its caches are the layers' KV caches plus one ``ArraysCache`` (the last entry) that
+    holds each row's position delta (int32 ``[B, 1]``): a token at cache offset ``o``
+    sits at position ``o + delta`` unless the caller passes explicit positions (the
+    prefill chunks of a prompt with images, ``ImagePrefill``: from ``mrope_positions``,
+    which then stores the delta after the chunk). The delta travels with a request's
+    state everywhere the engine moves it (merged into the decode batch, sliced out at
+    the save points, stored in block snapshots and restored with them), so decode,
+    batching and a restored prefix continue at the positions a full prefill would.
+    The price: an ``ArraysCache`` makes the model non-truncatable, so a prefix is
+    restored at snapshot positions (block boundaries, message starts, the ends of
+    prompt and generation), not at any token."""
+
+    mrope = True
+
+    def __init__(self, vlm: Any, grid: tuple[int, int, int], deepstack_layers: int) -> None:
+        super().__init__(vlm)
+        self.grid = grid
+        self.deepstack_layers = deepstack_layers
+
+    def make_cache(self) -> list[Any]:
+        return [*super().make_cache(), ArraysCache(1)]
+
+    def positions(self, images: Sequence[ImageInput], start: int, end: int
+                  ) -> tuple[np.ndarray, int]:
+        return mrope_positions(images, self.grid, start, end)
+
+    def __call__(self, inputs: mx.array, cache: Any = None,
+                 input_embeddings: mx.array | None = None, *,
+                 positions: np.ndarray | None = None, delta: int = 0,
+                 visual_mask: mx.array | None = None,
+                 deepstack: list[mx.array] | None = None) -> mx.array:
+        """``positions`` ``[3, L]`` (batch 1) with ``delta`` the delta after them; else
+        each row's cache offset + its stored delta."""
+        b, n = inputs.shape[0], inputs.shape[1]
+        if cache is None:
+            cache = self.make_cache()
+        kv, state = list(cache[:-1]), cache[-1]
+        if positions is not None:
+            if b != 1 or positions.shape != (3, n):
+                raise ValueError(f"positions {positions.shape} for inputs {inputs.shape}")
+            pos = mx.array(positions.astype(np.int32))[:, None, :]
+            state[0] = mx.array([[delta]], dtype=mx.int32)
+        else:
+            off = kv[0].offset
+            base = (mx.array([[int(off)]], dtype=mx.int32) if isinstance(off, int)
+                    else off.astype(mx.int32).reshape(-1, 1))
+            d = state[0] if state[0] is not None else mx.zeros((b, 1), dtype=mx.int32)
+            state[0] = d
+            row = base + d + mx.arange(n, dtype=mx.int32)[None]
+            pos = mx.broadcast_to(row[None], (3, b, n))
+        kwargs: dict[str, Any] = {}
+        if deepstack is not None:
+            kwargs = {"visual_pos_masks": visual_mask, "deepstack_visual_embeds": deepstack}
+        out = self.language_model(inputs, inputs_embeds=input_embeddings, cache=kv,
+                                  position_ids=pos, **kwargs)
+        logits: mx.array = out.logits if hasattr(out, "logits") else out
+        return logits
+
+
 @dataclass
 class VisionTower:
-    """Preprocessing and the vision encoder of one VLM (engine thread only)."""
+    """Preprocessing and the vision encoder of one VLM (engine thread only).
+
+    ``encode`` gives one image's features ``[tokens_per_image, hidden]`` (for
+    ``qwen3_vl`` with deepstack: ``[tokens, hidden * (1 + deepstack layers)]``, the main
+    features first), exactly the rows mlx-vlm's ``get_input_embeddings`` writes over the
+    placeholder tokens."""
 
     vlm: Any
     image_processor: Any
     info: VisionInfo
     calls: int = 0  # vision tower forwards (each encodes one image)
+    side: int = 0  # > 0: every image is resized to side x side first (qwen3_vl)
 
-    def preprocess(self, pixels: np.ndarray) -> mx.array:
-        """RGB uint8 ``[H, W, 3]`` -> the model's ``pixel_values`` ``[1, C, h, w]``."""
+    def preprocess(self, pixels: np.ndarray) -> dict[str, np.ndarray]:
+        """RGB uint8 ``[H, W, 3]`` -> the model's processor outputs (``pixel_values``...)."""
         from PIL import Image
 
-        out = self.image_processor(Image.fromarray(pixels, mode="RGB"), return_tensors="np")
-        return mx.array(np.asarray(out["pixel_values"], dtype=np.float32))
+        im = Image.fromarray(pixels, mode="RGB")
+        if self.side:
+            im = im.resize((self.side, self.side), Image.Resampling.BICUBIC)
+            area = self.side * self.side
+            out = self.image_processor(im, return_tensors="np",
+                                       size={"shortest_edge": area, "longest_edge": area})
+        else:
+            out = self.image_processor(im, return_tensors="np")
+        return {k: np.asarray(v) for k, v in out.items()}
 
     def encode(self, pixels: np.ndarray) -> mx.array:
-        """One image's features ``[tokens_per_image, hidden]`` (one vision tower call)."""
+        """One image's features (one vision tower call)."""
         n = self.info.tokens_per_image
-        ids = mx.full((1, n), self.info.image_token_id, dtype=mx.int32)
+        proc = self.preprocess(pixels)
+        pv = mx.array(proc["pixel_values"].astype(np.float32))
         self.calls += 1
-        emb = self.vlm.get_input_embeddings(ids, self.preprocess(pixels)).inputs_embeds
-        if emb.shape[1] != n:
-            raise RuntimeError(f"the vision tower returned {emb.shape[1]} features for "
+        if self.info.model_type == "qwen3_vl":
+            tower = self.vlm.vision_tower
+            grid = mx.array(proc["image_grid_thw"].astype(np.int32))
+            feats, deep = tower(pv.astype(tower.patch_embed.proj.weight.dtype), grid)
+            emb: mx.array = mx.concatenate([feats, *(deep or [])], axis=-1)
+        else:
+            ids = mx.full((1, n), self.info.placeholder_id, dtype=mx.int32)
+            kw = {"mask": mx.ones((1, n), dtype=mx.int32)} if self.info.model_type == "gemma3" \
+                else {}
+            emb = self.vlm.get_input_embeddings(ids, pv, **kw).inputs_embeds[0]
+        if emb.shape[0] != n:
+            raise RuntimeError(f"the vision tower returned {emb.shape[0]} features for "
                                f"{n} placeholder tokens")
-        feats: mx.array = emb[0]
-        return feats
+        return emb
 
 
-def _tokens_per_image(config: dict[str, Any], proc: dict[str, Any], image_processor: Any
-                      ) -> int:
+def _settings_key(model_type: str, image_processor: Any, tokens: int, side: int) -> str:
+    settings = image_processor.to_dict() if hasattr(image_processor, "to_dict") else {}
+    text = json.dumps(settings, sort_keys=True, default=str, separators=(",", ":"))
+    resize = f"|side={side}" if side else ""
+    return f"{model_type}|tokens={tokens}{resize}|{text}"
+
+
+@dataclass(frozen=True)
+class _Family:
+    """What differs between the families at load."""
+
+    info: VisionInfo
+    side: int = 0
+    grid: tuple[int, int, int] = (0, 0, 0)
+    deepstack: int = 0
+
+
+def _token_id(hf: Any, token: str) -> int:
+    tid = hf.convert_tokens_to_ids(token)
+    return int(tid) if isinstance(tid, int) else -1
+
+
+def _llava(folder: Path, config: dict[str, Any], proc: dict[str, Any], hf: Any,
+           image_processor: Any) -> _Family:
     vc = config["vision_config"]
+    image_token = str(proc.get("image_token") or "<image>")
+    image_id = int(config.get("image_token_index", config.get("image_token_id", -1)))
+    if image_id < 0 or _token_id(hf, image_token) != image_id:
+        raise ValueError(f"{folder}: the tokenizer's {image_token!r} is not the model's "
+                         f"image token {image_id}")
     patch = int(proc.get("patch_size") or vc.get("patch_size") or 14)
     crop = getattr(image_processor, "crop_size", None) or {}
     h = int(crop.get("height") or vc.get("image_size") or 336)
@@ -108,13 +298,58 @@ def _tokens_per_image(config: dict[str, Any], proc: dict[str, Any], image_proces
     n = (h // patch) * (w // patch)
     if config.get("vision_feature_select_strategy", "default") != "default":
         n += 1  # "full" keeps the CLS feature
-    return n
+    return _Family(VisionInfo("llava", image_token, image_id, n,
+                              _settings_key("llava", image_processor, n, 0)))
 
 
-def _settings_key(model_type: str, image_processor: Any, tokens: int) -> str:
-    settings = image_processor.to_dict() if hasattr(image_processor, "to_dict") else {}
-    text = json.dumps(settings, sort_keys=True, default=str, separators=(",", ":"))
-    return f"{model_type}|tokens={tokens}|{text}"
+def _gemma3(folder: Path, config: dict[str, Any], proc: dict[str, Any], hf: Any,
+            image_processor: Any) -> _Family:
+    soft_id = int(config.get("image_token_index", -1))
+    boi_id = int(config.get("boi_token_index", -1))
+    eoi_id = int(config.get("eoi_token_index", -1))
+    if min(soft_id, boi_id, eoi_id) < 0:
+        raise ValueError(f"{folder}: a gemma3 config needs image_token_index, "
+                         "boi_token_index and eoi_token_index")
+    boi = str(hf.convert_ids_to_tokens(boi_id))
+    n = int(config["text_config"].get("mm_tokens_per_image", 256))
+    if int(proc.get("image_seq_length", n)) != n:
+        raise ValueError(f"{folder}: processor image_seq_length {proc['image_seq_length']} "
+                         f"!= mm_tokens_per_image {n}")
+    nl = [int(t) for t in hf.encode("\n\n", add_special_tokens=False)]
+    info = VisionInfo("gemma3", boi, boi_id, n, _settings_key("gemma3", image_processor, n, 0),
+                      placeholder_token_id=soft_id, before=(*nl, boi_id), after=(eoi_id, *nl))
+    return _Family(info)
+
+
+def _qwen3_vl(folder: Path, config: dict[str, Any], proc: dict[str, Any], hf: Any,
+              image_processor: Any) -> _Family:
+    vc = config["vision_config"]
+    image_id = int(config.get("image_token_id", -1))
+    start_id = int(config.get("vision_start_token_id", -1))
+    end_id = int(config.get("vision_end_token_id", -1))
+    if min(image_id, start_id, end_id) < 0:
+        raise ValueError(f"{folder}: a qwen3_vl config needs image_token_id, "
+                         "vision_start_token_id and vision_end_token_id")
+    patch = int(vc.get("patch_size", 16))
+    merge = int(vc.get("spatial_merge_size", 2))
+    grid_side = math.isqrt(int(vc.get("num_position_embeddings", 2304)))
+    side = grid_side * patch
+    if grid_side % merge:
+        raise ValueError(f"{folder}: a {grid_side}-patch grid does not merge by {merge}")
+    if int(getattr(image_processor, "patch_size", patch)) != patch \
+            or int(getattr(image_processor, "merge_size", merge)) != merge:
+        raise ValueError(f"{folder}: the image processor's patch / merge sizes differ from "
+                         "the vision config's")
+    m = grid_side // merge
+    tokens = [str(hf.convert_ids_to_tokens(i)) for i in (start_id, image_id, end_id)]
+    info = VisionInfo("qwen3_vl", tokens[1], image_id, m * m,
+                      _settings_key("qwen3_vl", image_processor, m * m, side),
+                      image_text="".join(tokens))
+    deep = len(vc.get("deepstack_visual_indexes") or [])
+    return _Family(info, side=side, grid=(1, m, m), deepstack=deep)
+
+
+_FAMILIES = {"llava": _llava, "gemma3": _gemma3, "qwen3_vl": _qwen3_vl}
 
 
 def load_vlm(folder: Path, config: dict[str, Any], *, float32_on_cpu: bool = True
@@ -140,15 +375,11 @@ def load_vlm(folder: Path, config: dict[str, Any], *, float32_on_cpu: bool = Tru
     image_processor = AutoImageProcessor.from_pretrained(str(folder), backend="pil")
     proc_file = folder / "processor_config.json"
     proc = json.loads(proc_file.read_text()) if proc_file.is_file() else {}
-    image_token = str(proc.get("image_token") or "<image>")
-    image_id = int(config.get("image_token_index", config.get("image_token_id", -1)))
     hf = getattr(tokenizer, "_tokenizer", tokenizer)
-    if image_id < 0 or hf.convert_tokens_to_ids(image_token) != image_id:
-        raise ValueError(f"{folder}: the tokenizer's {image_token!r} is not the model's "
-                         f"image token {image_id}")
-    tokens = _tokens_per_image(config, proc, image_processor)
-    info = VisionInfo(model_type=model_type, image_token=image_token, image_token_id=image_id,
-                      tokens_per_image=tokens,
-                      settings_key=_settings_key(model_type, image_processor, tokens))
-    logger.info("vision-language model %s: %d placeholder tokens per image", model_type, tokens)
-    return VLMTextModel(vlm), tokenizer, VisionTower(vlm, image_processor, info)
+    fam = _FAMILIES[model_type](folder, config, proc, hf, image_processor)
+    text: VLMTextModel = (MRopeTextModel(vlm, fam.grid, fam.deepstack) if fam.side
+                          else VLMTextModel(vlm))
+    logger.info("vision-language model %s: %d placeholder tokens per image%s", model_type,
+                fam.info.tokens_per_image,
+                f" (images resized to {fam.side}x{fam.side})" if fam.side else "")
+    return text, tokenizer, VisionTower(vlm, image_processor, fam.info, side=fam.side)

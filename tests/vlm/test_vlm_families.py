@@ -1,0 +1,354 @@
+"""Gemma 3 and Qwen3-VL (tiny random-weight models of mlx-vlm's classes) through the
+engine: images through mlx-vlm, the prompt cache exact (restored == full prefill:
+greedy tokens identical, logits within 1e-4), a turn that keeps its image reuses the
+cached prefix and makes no tower call, text-only requests, batched decode; Qwen's
+M-RoPE positions equal mlx-vlm's ``get_rope_index`` and travel with the cached state."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
+from vlm_helpers import LogitsRecorder, image, request, run
+
+from promptcache.cli.wiring import build_cache
+from promptcache.config import CacheConfig, EngineConfig
+from promptcache.engine.engine import Engine
+from promptcache.engine.models.loader import load_model_or_vlm
+from promptcache.engine.models.vlm import mrope_positions
+from promptcache.engine.vision_cache import VisionCache
+
+BLOCK, CHUNK = 16, 32
+A, B, C = image(1), image(2, 64, 30), image(3)
+FAMILIES = ("gemma3", "qwen3_vl")
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family(request: pytest.FixtureRequest, tiny_gemma3_vlm_path: Path,
+           tiny_qwen3_vl_path: Path) -> tuple[str, Path]:
+    name = str(request.param)
+    return name, tiny_gemma3_vlm_path if name == "gemma3" else tiny_qwen3_vl_path
+
+
+def turn1(name: str) -> list[dict[str, Any]]:
+    return [{"role": "user", "content": f"Look at this picture {text(name)} and tell me "
+                                        "what you see."}]
+
+
+def text(name: str) -> str:
+    return ("<start_of_image>" if name == "gemma3"
+            else "<|vision_start|><|image_pad|><|vision_end|>")
+
+
+def make(path: Path, *, cache: bool = True, vision: bool = True, chunk: int = CHUNK) -> Engine:
+    cc = CacheConfig(block_size=BLOCK, ram_budget_bytes=64 << 20)
+    rec = LogitsRecorder()
+    eng = Engine.load(path, EngineConfig(prefill_chunk_tokens=chunk, snapshot_every_blocks=1),
+                      cc, cache=build_cache(cc) if cache else None, logits_hook=rec,
+                      vision_cache=VisionCache(8 << 20) if vision else None)
+    eng.recorder = rec  # type: ignore[attr-defined]
+    return eng
+
+
+@pytest.fixture(scope="module")
+def reference(family: tuple[str, Path]) -> Any:
+    """No prompt cache, no vision cache, each prompt in one prefill chunk."""
+    eng = make(family[1], cache=False, vision=False, chunk=4096)
+    yield eng
+    eng.close()
+
+
+def same(engine: Engine, reference: Engine, got: Any, ref: Any, rid: str) -> None:
+    assert got.error is None and ref.error is None
+    assert got.tokens == ref.tokens
+    mine = engine.recorder.by_request[rid]  # type: ignore[attr-defined]
+    theirs = reference.recorder.by_request[rid + "-ref"]  # type: ignore[attr-defined]
+    assert len(mine) == len(theirs) == len(got.tokens)
+    for x, y in zip(mine, theirs, strict=True):
+        np.testing.assert_allclose(x, y, atol=1e-4, rtol=1e-4)
+
+
+def both(engine: Engine, reference: Engine, messages: list[dict[str, Any]],
+         images: list[np.ndarray], rid: str, **kw: Any) -> Any:
+    got = run(engine, messages, images, request_id=rid, **kw)
+    ref = run(reference, messages, images, request_id=rid + "-ref", **kw)
+    same(engine, reference, got, ref, rid)
+    return got
+
+
+# ---------------------------------------------------------------- loading
+
+
+def test_loads_images_through_mlx_vlm_and_says_so(family, caplog):
+    name, path = family
+    with caplog.at_level(logging.INFO, logger="promptcache.engine.models.loader"):
+        model, _tok, info, tower = load_model_or_vlm(path)
+    assert tower is not None and info.model_type == name
+    assert any(f"family '{name}'" in r.getMessage()
+               and "images through mlx-vlm" in r.getMessage() for r in caplog.records)
+    assert type(tower.vlm).__module__ == f"mlx_vlm.models.{name}.{name}"
+    vi = tower.info
+    assert vi.tokens_per_image == 36
+    caches = make_prompt_cache(model)
+    if name == "gemma3":
+        assert (vi.image_token, vi.text) == ("<start_of_image>", "<start_of_image>")
+        assert vi.placeholder_id == vi.image_token_id + 1  # <image_soft_token>
+        assert vi.before == (201, 201, vi.image_token_id)  # "\n\n" + <start_of_image>
+        assert vi.after == (vi.image_token_id + 2, 201, 201)  # <end_of_image> + "\n\n"
+        assert [type(c) for c in caches] == [RotatingKVCache, KVCache]
+        assert caches[0].max_size == 512 and tower.side == 0
+        assert tower.encode(A).shape == (36, 64)
+    else:
+        assert vi.image_token == "<|image_pad|>" and vi.placeholder_id == vi.image_token_id
+        assert vi.text == "<|vision_start|><|image_pad|><|vision_end|>"
+        assert (vi.before, vi.after) == ((), ())
+        assert [type(c) for c in caches] == [KVCache, KVCache, ArraysCache]
+        assert tower.side == 48 and model.grid == (1, 6, 6) and model.deepstack_layers == 2
+        assert tower.encode(A).shape == (36, 64 * 3)  # features + 2 deepstack layers
+
+
+def test_image_changes_the_output(family):
+    name, path = family
+    eng = make(path, cache=False)
+    try:
+        ra = run(eng, turn1(name), [A], request_id="a")
+        rc = run(eng, turn1(name), [C], request_id="c")
+        assert ra.error is None and rc.error is None
+        la, lc = eng.recorder.by_request["a"][0], eng.recorder.by_request["c"][0]
+        assert float(np.abs(la - lc).max()) > 1e-3
+    finally:
+        eng.close()
+
+
+# ---------------------------------------------------------------- exactness
+
+
+def test_engine_logits_equal_mlx_vlm_own_forward(family):
+    """Chunked prefill (chunks start inside the images) vs mlx-vlm's own
+    ``get_input_embeddings`` + language model over the whole prompt (for Qwen with
+    mlx-vlm's own M-RoPE positions and deepstack merge): the first token's logits."""
+    name, path = family
+    eng = make(path, cache=False)
+    try:
+        two = [{"role": "user", "content": f"First {text(name)} then {text(name)} compare."}]
+        req = request(eng, two, [A, B], max_tokens=1, request_id="own")
+        assert all(im.start // CHUNK != (im.end - 1) // CHUNK for im in req.images)
+        assert eng.submit(req).result().error is None
+        ours = eng.recorder.by_request["own"][0]
+        tower = eng.vision_encoder.tower
+        vlm = tower.vlm
+        ids = mx.array([list(req.prompt_tokens)])
+        procs = [tower.preprocess(px) for px in (A, B)]
+        pv = mx.array(np.concatenate([p["pixel_values"] for p in procs]).astype(np.float32))
+        if name == "gemma3":
+            feats = vlm.get_input_embeddings(ids, pv, mask=mx.ones_like(ids))
+            out = vlm.language_model(ids, inputs_embeds=feats.inputs_embeds)
+        else:
+            grid = mx.array(np.concatenate([p["image_grid_thw"] for p in procs]))
+            feats = vlm.get_input_embeddings(ids, pv, image_grid_thw=grid)
+            out = vlm.language_model(
+                ids, inputs_embeds=feats.inputs_embeds, position_ids=feats.position_ids,
+                visual_pos_masks=feats.visual_pos_masks,
+                deepstack_visual_embeds=feats.deepstack_visual_embeds)
+        theirs = np.array(out.logits[0, -1])
+        np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=1e-4)
+    finally:
+        eng.close()
+
+
+def test_mrope_positions_equal_mlx_vlm_get_rope_index(tiny_qwen3_vl_path):
+    eng = make(tiny_qwen3_vl_path, cache=False)
+    try:
+        t = text("qwen3_vl")
+        eng_req = request(eng, [{"role": "user", "content": f"First {t} then {t} compare."}],
+                          [A, B])
+        tower = eng.vision_encoder.tower
+    finally:
+        eng.close()
+    ids = list(eng_req.prompt_tokens)
+    n = len(ids)
+    grid = mx.array([[1, 12, 12], [1, 12, 12]])
+    theirs, deltas = tower.vlm.language_model.get_rope_index(mx.array([ids]), grid)
+    theirs = np.array(theirs)[:, 0, :]
+    ours, delta = mrope_positions(eng_req.images, (1, 6, 6), 0, n)
+    np.testing.assert_array_equal(ours, theirs)
+    assert delta == int(np.array(deltas)[0, 0]) == 2 * (6 - 36)
+    # any chunking gives the same positions, and the delta after a chunk is what the
+    # text after it would add
+    a, b = eng_req.images
+    for cut in (a.start, a.start + 7, a.end, b.start + 35, b.end, n - 1):
+        left, d_left = mrope_positions(eng_req.images, (1, 6, 6), 0, cut)
+        right, _ = mrope_positions(eng_req.images, (1, 6, 6), cut, n)
+        np.testing.assert_array_equal(np.concatenate([left, right], axis=1), theirs)
+        assert d_left == {a.start: 0, a.start + 7: 0, a.end: -30, b.start + 35: -30,
+                          b.end: -60, n - 1: -60}[cut]
+
+
+# ---------------------------------------------------------------- the cache
+
+
+def test_conversation_cached_equals_full_prefill(family, reference):
+    """Three turns (one image; then a second one; then text only): every turn equal to
+    a full prefill; turns 2 and 3 restore the previous turn (image included) and the
+    tower runs once per new image only."""
+    name, path = family
+    eng = make(path)
+    try:
+        msgs = turn1(name)
+        r1 = both(eng, reference, msgs, [A], "t1")
+        assert r1.usage.cached_tokens == 0 and eng.vision_encoder.tower_calls == 1
+        msgs2 = [*msgs, {"role": "assistant", "content": r1.text},
+                 {"role": "user", "content": f"Now compare with {text(name)} ok"}]
+        r2 = both(eng, reference, msgs2, [A, B], "t2")
+        # Gemma 3: turn 1's prompt (its reply re-tokenizes otherwise); Qwen: prompt +
+        # reply[:-1], its end-of-generation snapshot
+        assert (r1.usage.prompt_tokens, r2.usage.cached_tokens) == {
+            "gemma3": (66, 66), "qwen3_vl": (62, 67)}[name]
+        assert eng.vision_encoder.tower_calls == 2  # B only
+        msgs3 = [*msgs2, {"role": "assistant", "content": r2.text},
+                 {"role": "user", "content": "Which came first?"}]
+        r3 = both(eng, reference, msgs3, [A, B], "t3")
+        assert (r2.usage.prompt_tokens, r3.usage.cached_tokens) == {
+            "gemma3": (135, 140), "qwen3_vl": (126, 131)}[name]
+        assert eng.vision_encoder.tower_calls == 2  # nothing new
+        assert set(r3.usage.cached_by_tier) == {"ram"}
+        stats = eng.stats()["engine"]
+        assert (stats["store_errors"], stats["restore_errors"]) == (0, 0)
+    finally:
+        eng.close()
+
+
+def test_turn2_keeping_the_image_makes_no_tower_call(family, reference):
+    """No vision cache: turn 2's image lies in the restored prefix, so its features are
+    never needed."""
+    name, path = family
+    eng = make(path, vision=False)
+    try:
+        r1 = both(eng, reference, turn1(name), [A], "k1")
+        msgs = [*turn1(name), {"role": "assistant", "content": r1.text},
+                {"role": "user", "content": "And the colours?"}]
+        r2 = both(eng, reference, msgs, [A], "k2")
+        assert r2.usage.cached_tokens == {"gemma3": 66, "qwen3_vl": 67}[name]
+        assert eng.vision_encoder.tower_calls == 1
+    finally:
+        eng.close()
+
+
+def test_a_prefix_that_ends_inside_an_image(family, reference):
+    """A request stopped after its first prefill chunk (its end inside the image) leaves
+    blocks up to 32; the next one restores them and prefills the rest of the image."""
+    from promptcache.engine.request import Request, validate_request
+
+    name, path = family
+    msgs = [{"role": "user", "content": f"A picture {text(name)} here."}]
+    eng = make(path)
+    try:
+        req = request(eng, msgs, [A])
+        (im,) = req.images
+        assert im.start < CHUNK < im.end
+        first = Request(eng._ctx, req, validate_request(req, eng._ctx), lambda ev: None)
+        first.start()
+        assert not first.prefill_chunk()
+        first.finish("cancelled")
+        assert first.usage.saved_mid_prefill == CHUNK // BLOCK
+        got = run(eng, msgs, [A], request_id="mid")
+        assert got.usage.cached_tokens == CHUNK
+        assert eng.vision_encoder.tower_calls == 1  # features from the vision cache
+        ref = run(reference, msgs, [A], request_id="mid-ref")
+        same(eng, reference, got, ref, "mid")
+    finally:
+        eng.close()
+
+
+def test_a_different_image_stops_reuse_before_it(family, reference):
+    name, path = family
+    eng = make(path)
+    try:
+        run(eng, turn1(name), [A])
+        req = request(eng, turn1(name), [C], request_id="c")
+        (im,) = req.images
+        got = eng.submit(req).result()
+        # Gemma 3: exactly the image's first placeholder; Qwen (non-truncatable: the
+        # position state is an array cache) the last snapshot (block boundary) before it
+        assert got.usage.cached_tokens == (im.start if name == "gemma3"
+                                           else im.start // BLOCK * BLOCK)
+        ref = run(reference, turn1(name), [C], request_id="c-ref")
+        same(eng, reference, got, ref, "c")
+    finally:
+        eng.close()
+
+
+def test_image_and_text_requests_batched_equal_alone(family, reference):
+    """Image prompts and a text-only one in flight together (decode batched: for Qwen
+    each row with its own M-RoPE delta: -30, -60 and 0)."""
+    name, path = family
+    eng = make(path)
+    try:
+        t = text(name)
+        prompts = [(turn1(name), [A]), ([{"role": "user", "content": f"Two: {t} {t}"}], [B, C]),
+                   ([{"role": "user", "content": "Just text, no picture."}], [])]
+        reqs = [request(eng, m, ims, max_tokens=8, request_id=f"b{i}")
+                for i, (m, ims) in enumerate(prompts)]
+        results = [h.result() for h in [eng.submit(r) for r in reqs]]
+        assert eng.engine_stats()["max_batch"] == 3
+        for i, ((m, ims), got) in enumerate(zip(prompts, results, strict=True)):
+            ref = run(reference, m, ims, max_tokens=8, request_id=f"b{i}-ref")
+            same(eng, reference, got, ref, f"b{i}")
+    finally:
+        eng.close()
+
+
+def test_text_only_requests_cache_and_equal_a_full_prefill(family, reference):
+    name, path = family
+    eng = make(path)
+    try:
+        msgs = [{"role": "user", "content": "No images here, only words and more words "
+                                            "to fill a few blocks of the prompt cache."}]
+        r1 = both(eng, reference, msgs, [], "x1")
+        r2 = both(eng, reference, msgs, [], "x2")
+        n = r1.usage.prompt_tokens
+        # an exact repeat re-runs the last token: Gemma 3 restores n - 1 tokens, Qwen
+        # (non-truncatable) the last block-boundary snapshot before it
+        assert n == 41
+        assert r2.usage.cached_tokens == (40 if name == "gemma3" else 32)
+        assert eng.vision_encoder.tower_calls == 0
+    finally:
+        eng.close()
+
+
+def test_turn2_after_a_restart_restores_from_ssd(family, reference, tmp_path):
+    """The restored state (for Qwen: KV and the position delta snapshot) comes back from
+    the SSD tier after a restart and continues exactly."""
+    from promptcache.config import SSDConfig
+
+    name, path = family
+    ssd = SSDConfig(path=tmp_path / "blocks", policy="write_through", fsync=False)
+    cc = CacheConfig(block_size=BLOCK, ram_budget_bytes=64 << 20)
+
+    def load() -> Engine:
+        rec = LogitsRecorder()
+        eng = Engine.load(path, EngineConfig(prefill_chunk_tokens=CHUNK,
+                                             snapshot_every_blocks=1),
+                          cc, cache=build_cache(cc, ssd), logits_hook=rec)
+        eng.recorder = rec  # type: ignore[attr-defined]
+        return eng
+
+    first = load()
+    try:
+        r1 = both(first, reference, turn1(name), [A], "s1")
+    finally:
+        first.close()
+    second = load()
+    try:
+        msgs = [*turn1(name), {"role": "assistant", "content": r1.text},
+                {"role": "user", "content": "And the colours?"}]
+        r2 = both(second, reference, msgs, [A], "s2")
+        assert r2.usage.cached_by_tier == {"ssd": {"gemma3": 66, "qwen3_vl": 67}[name]}
+        assert second.vision_encoder.tower_calls == 0
+    finally:
+        second.close()
