@@ -65,11 +65,20 @@ class CacheMachine(RuleBasedStateMachine):
 
     @rule(k=st.integers(0, 3))
     def evict(self, k):
-        assert self.cache.evict(k) <= k
+        # exactly the k least recently used unreferenced blocks go (all if fewer)
+        lru = [b.block_hash for b in self.cache.pool.lru_order()]
+        assert self.cache.evict(k) == min(k, len(lru))
+        left = {b.block_hash for b in self.cache.pool.blocks()}
+        assert not left & set(lru[:k]) and set(lru[k:]) <= left
 
     @rule(session=st.sampled_from(["a", "b"]))
     def delete_session(self, session):
-        assert self.cache.delete_session(session) >= 0
+        # exactly the blocks of that session alone go, in RAM and in the lower tier
+        ram = sum(b.sessions == (session,) for b in self.cache.pool.blocks())
+        lower = sum(s == {session} for _, _, s in self.tier.blocks.values())
+        assert self.cache.delete_session(session) == ram + lower
+        assert all(session not in b.sessions for b in self.cache.pool.blocks())
+        assert all(session not in s for _, _, s in self.tier.blocks.values())
 
     @invariant()
     def pool_invariants(self):
