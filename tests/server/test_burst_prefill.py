@@ -3,16 +3,17 @@ batch: every generation request is announced to the engine while it is being pre
 (``Preparer.prepare(generate=True)`` -> ``Engine.announce``), and an idle engine woken
 by the first submit waits for the announced ones (engine/arrivals.py).
 
-The preparations are held until all eight requests are announced, then each takes
-longer than the engine's gathering window (so arrivals alone would split the burst):
-the engine still runs ONE batched prefill forward with all eight rows. Probes
-(``POST /v1/cache/probe``) are not announced."""
+Driven by steps, not by timing: every preparation is held until all eight requests are
+announced; then the test lets them finish ONE at a time, the next only after the
+previous one was submitted to the engine and more than the engine's gathering window
+has passed (so arrivals alone would split the burst): the engine still runs ONE
+batched prefill forward with all eight rows. Probes (``POST /v1/cache/probe``) are
+not announced."""
 
 from __future__ import annotations
 
 import asyncio
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,6 @@ from promptcache.server import create_app
 
 N = 8
 WINDOW = 0.01
-PREP_S = 0.05  # each preparation takes five windows
 
 
 def _body(i: int) -> tuple[str, dict[str, Any]]:
@@ -39,35 +39,45 @@ def _body(i: int) -> tuple[str, dict[str, Any]]:
 
 
 def test_a_burst_prepared_one_by_one_prefills_as_one_batch(tiny_llama_path: Path) -> None:
+    # the hard end of the gathering (the most allowed) is far past the ~0.3 s of the steps
     cfg = EngineConfig(prefill_chunk_tokens=64, batch_window_s=WINDOW, burst_gather_max_s=10.0)
     with Engine.load(tiny_llama_path, cfg) as eng:
         app = create_app(eng, ServerConfig())
-        gate = threading.Event()
+        gates = [threading.Event() for _ in range(N)]
+        calls = iter(range(N))
         render = eng.render_chat_with_offsets
 
-        def slow_render(*args: Any, **kwargs: Any) -> Any:
-            assert gate.wait(60), "the requests were never all announced"
-            time.sleep(PREP_S)
+        def held_render(*args: Any, **kwargs: Any) -> Any:
+            i = next(calls)  # the preparations run in turn, in the order they start
+            assert gates[i].wait(120), f"preparation {i} was never released"
             return render(*args, **kwargs)
 
-        eng.render_chat_with_offsets = slow_render  # type: ignore[method-assign]
+        eng.render_chat_with_offsets = held_render  # type: ignore[method-assign]
+
+        def admitted() -> int:
+            return int(eng.admission.snapshot()["admitted"])
+
+        async def release_one_by_one() -> int:
+            while eng._control.incoming < N:
+                await asyncio.sleep(0.005)
+            for i in range(N):
+                gates[i].set()
+                while admitted() < i + 1:  # request i was submitted
+                    await asyncio.sleep(0.005)
+                await asyncio.sleep(3 * WINDOW)  # longer than a gathering window
+            return 200
 
         async def run() -> list[int]:
             transport = httpx.ASGITransport(app=app)
             async with httpx.AsyncClient(transport=transport, base_url="http://t",
-                                         timeout=120) as c:
+                                         timeout=300) as c:
                 async def one(i: int) -> int:
                     path, body = _body(i)
                     r = await c.post(path, json=body)
                     return r.status_code
 
-                async def open_gate() -> int:
-                    while eng._control.incoming < N:
-                        await asyncio.sleep(0.005)
-                    gate.set()
-                    return 200
-
-                return await asyncio.gather(*(one(i) for i in range(N)), open_gate())
+                return await asyncio.gather(*(one(i) for i in range(N)),
+                                            release_one_by_one())
 
         codes = asyncio.run(run())
         assert codes == [200] * (N + 1)
