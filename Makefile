@@ -25,6 +25,7 @@ serve: setup
 
 lint: setup
 	$(BIN)/ruff check src tests bench
+	$(BIN)/lint-imports
 
 typecheck: setup
 	$(BIN)/mypy
