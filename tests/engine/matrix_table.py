@@ -1,7 +1,7 @@
-"""The README's architecture matrix table, generated from the tiny models.
+"""The architecture matrix table of docs/cache.md, generated from the tiny models.
 
 Run ``PYTHONPATH=src python tests/engine/matrix_table.py`` to print it; the test
-``test_matrix.test_readme_table_is_generated`` checks README.md holds it between
+``test_matrix.test_readme_table_is_generated`` checks docs/cache.md holds it between
 ``<!-- matrix:start -->`` and ``<!-- matrix:end -->``. The cache columns come from the
 model classes themselves (``make_prompt_cache`` after a one-token forward), the
 batching and restore columns from the engine's own rules (``mlx_compat.can_batch*``,
@@ -89,7 +89,7 @@ def matrix_table(known: Mapping[tuple[str, str], str], points: Sequence[str]) ->
 
 
 def readme_table(readme_text: str) -> str:
-    """What README.md holds between the markers."""
+    """What docs/cache.md holds between the markers."""
     start = readme_text.index(START) + len(START)
     return readme_text[start:readme_text.index(END, start)].strip("\n") + "\n"
 

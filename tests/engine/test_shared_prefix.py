@@ -156,7 +156,7 @@ def test_share_prefix_min_tokens_is_validated(bad):
 
     with pytest.raises(ValueError, match="share_prefix_min_tokens"):
         EngineConfig(share_prefix_min_tokens=bad)
-    assert EngineConfig().share_prefix_min_tokens == 256  # the README's figure
+    assert EngineConfig().share_prefix_min_tokens == 256  # docs/cli.md's figure
 
 
 # ---------------------------------------------------------------- random bursts

@@ -1,4 +1,4 @@
-"""The README's nginx config (deploy/nginx/promptcache.conf), run for real in front of
+"""docs/deploy.md's nginx config (deploy/nginx/promptcache.conf), run for real in front of
 two servers sharing one Redis: a session sticks to one server; sessions spread over
 both; streaming passes through; when a session's server goes down the session moves
 and its next turn is a Redis hit on the other server."""

@@ -110,7 +110,7 @@ class MessagesRequest(_Lenient):
     metadata: dict[str, Any] | None = None
     # {"type": "enabled" | "adaptive" | "disabled", "budget_tokens"?}: the template's switch
     thinking: dict[str, Any] | None = None
-    # accepted and ignored on purpose (see the README's Claude Code table)
+    # accepted and ignored on purpose (see docs/api.md's Claude Code table)
     context_management: dict[str, Any] | None = None
     output_config: dict[str, Any] | None = None
     service_tier: str | None = None

@@ -78,7 +78,7 @@ TOOL_FORMATS: dict[str, str] = {
     "qwen3_4bit": "json_tools (`<tool_call>` JSON)",
 }
 
-# The structure each tiny model keeps (README's matrix table).
+# The structure each tiny model keeps (docs/cache.md's matrix table).
 STRUCTURES: dict[str, str] = {
     "llama": "dense, GQA",
     "qwen3": "dense, QK norm",
