@@ -10,7 +10,6 @@ batching and restore columns from the engine's own rules (``mlx_compat.can_batch
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -51,9 +50,7 @@ def family_row(family: str) -> dict[str, str]:
     from promptcache.engine import adapters, mlx_compat
     from promptcache.engine.models import tiny_families as tf
 
-    tok = json.loads(tf.tokenizer_json())
-    special = {t["content"]: int(t["id"]) for t in tok["added_tokens"]}
-    config = tf.family_config(family, special)
+    config = tf.family_config(family)
     model_cls, args_cls = mlx_compat.model_classes(config["model_type"])
     model = model_cls(args_cls.from_dict(config))
     caches = make_prompt_cache(model)
@@ -73,7 +70,7 @@ def matrix_table(known: Mapping[tuple[str, str], str], points: Sequence[str]) ->
 
     lines = [
         "| Family | Tiny model keeps | Cache per layer | Batched prefill | Batched decode "
-        "| Restore at | Tool calls (real checkpoints) | Matrix today |",
+        "| Restore at | Tool calls (its template) | Matrix today |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for family in tf.FAMILIES:

@@ -4,11 +4,16 @@ For each tiny model of ``tiny_families`` one scenario runs once (``_run_family``
 an engine over RAM + an SSD tier (write-back: the close persists every RAM block):
 
 - a sequential 3-turn chat whose turns each add 1-3 chunks of tokens, replies sent
-  back as assistant messages (re-tokenized by the chat template);
+  back as assistant messages (re-tokenized by the family's chat template);
 - 4 concurrent 2-turn conversations;
 - a branch that shares a long prefix with an earlier prompt;
 - an exact repeat of a prompt;
 - a restart: a fresh engine over the same SSD folder runs the sequential chat's 4th turn.
+
+Each prompt ends where the family's template writes the text of the reply that follows
+(``_prompt``): the tiny models write only words, while a real model writes what its
+template puts before the answer itself (harmony's ``<|channel|>final<|message|>``), or
+reasoning that the template drops from earlier replies (an open ``<think>``).
 
 Every reply is compared with a full prefill (``use_cache=False``) of the same prompt:
 greedy tokens identical, logits within float32 noise (``TOL``, relative) at every step.
@@ -32,6 +37,7 @@ from matrix_table import matrix_table, readme_table
 
 from promptcache.cli.wiring import build_cache
 from promptcache.config import CacheConfig, EngineConfig, SSDConfig
+from promptcache.engine import mlx_compat
 from promptcache.engine.api import GenerationRequest, SamplingParams
 from promptcache.engine.engine import Engine
 from promptcache.engine.models.tiny_families import (
@@ -39,6 +45,7 @@ from promptcache.engine.models.tiny_families import (
     ensure_family_model,
     word_token_ids,
 )
+from promptcache.engine.templates import message_starts
 
 BLOCK = 8
 CHUNK = 16
@@ -107,12 +114,31 @@ class _Logits:
         self.by_request[request_id].append(np.asarray(logits, dtype=np.float32).reshape(-1))
 
 
+ANSWER = "ANSWERHERE"  # where the template writes a reply's text
+
+
+def _prompt(eng: Engine, msgs: list[dict[str, str]]) -> tuple[list[int], tuple[int, ...]]:
+    """(tokens, message starts) of the prompt of the reply to ``msgs``: the messages and a
+    reply, followed by a user turn, rendered by the family's template and cut where the
+    reply's text starts (see the module docstring). Call it while no request runs (the
+    tokenizer is not shared between threads)."""
+    text = eng.tokenizer.apply_chat_template(
+        [*msgs, {"role": "assistant", "content": ANSWER}, {"role": "user", "content": "next"}],
+        tokenize=False, add_generation_prompt=False)
+    assert isinstance(text, str) and text.count(ANSWER) == 1
+    cut = text[:text.index(ANSWER)]
+    encoded = mlx_compat.encode_with_offsets(eng.tokenizer, cut)
+    assert encoded is not None
+    ids, offsets = encoded
+    return [int(t) for t in ids], message_starts(cut, offsets, msgs)
+
+
 def _generate_many(eng: Engine, rec: _Logits, convs: list[list[dict[str, str]]],
                    use_cache: bool = True) -> list[Turn]:
     """Submit every conversation's prompt at once (they run concurrently), then wait."""
     handles, prompts = [], []
-    for msgs in convs:
-        tokens, starts = eng.render_chat_with_offsets(msgs, None)
+    rendered = [_prompt(eng, msgs) for msgs in convs]
+    for tokens, starts in rendered:
         rid = f"matrix-{next(rec.ids)}"
         prompts.append((list(tokens), starts, rid))
         req = GenerationRequest(prompt_tokens=tuple(tokens),
@@ -149,7 +175,7 @@ def _reply(run: Run, eng: Engine, msgs: list[dict[str, str]], turn: Turn, user: 
     nxt = [*msgs, {"role": "assistant", "content": eng.tokenizer.decode(turn.tokens)},
            {"role": "user", "content": user}]
     n = len(turn.prompt) + len(turn.tokens)
-    rendered = eng.render_chat_with_offsets(nxt, None)[0]
+    rendered = _prompt(eng, nxt)[0]
     run.retokenized.append((list(rendered[:n]), turn.prompt + turn.tokens))
     return nxt
 
@@ -200,7 +226,7 @@ def _run_family(family: str, path: Path, ssd: Path) -> Run:
             base = [{"role": "system", "content": SYSTEM},
                     {"role": "user", "content": " ".join(long_words[:n])},
                     {"role": "user", "content": last}]
-            if 2 <= eng.render_chat_with_offsets(base, None)[1][2] % CHUNK <= 8:
+            if 2 <= _prompt(eng, base)[1][2] % CHUNK <= 8:
                 break
         run.branch_base = _turns(eng, [base])[0]
         other = [*base[:2], {"role": "user", "content": "branch " + _words(rng, 6, vocab)}]

@@ -42,6 +42,7 @@ from promptcache.engine import adapters
 from promptcache.engine.blockbuf import BlockPayload
 from promptcache.engine.engine import Engine
 from promptcache.engine.models.tiny_families import (
+    TINY_FAMILIES_VERSION,
     build_family_model,
     ensure_family_model,
     word_token_ids,
@@ -146,7 +147,7 @@ def quant_model(models_root: Path) -> Callable[[str], Path]:
     def get(family: str) -> Path:
         if family == "deepseek_v3":
             return ensure_family_model(family, models_root)
-        return ensure_built(models_root / f"tiny-matrix-{family}-hd64-v1",
+        return ensure_built(models_root / f"tiny-matrix-{family}-hd64-v{TINY_FAMILIES_VERSION}",
                             lambda tmp: build_family_model(family, tmp, HD64))
 
     return get

@@ -6,7 +6,7 @@ properties only) and the chat template's source:
 - ``think_start`` / ``think_end``: the markers around the reasoning the model emits
   (``<think>`` / ``</think>`` and the other pairs mlx-lm recognises); ``None`` when the
   tokenizer has none. ``think_start_token`` / ``think_end_token``: their ids when a
-  marker is one special token (a grammar must name it as a token, not spell it).
+  marker is one added token (a grammar must name it as a token, not spell it).
 - ``thinking_kwarg``: the template variable that switches reasoning on or off
   (``enable_thinking``, or ``thinking`` for templates that read that name), when the
   template actually reads it; ``None`` otherwise (passing the switch would change
@@ -26,6 +26,7 @@ parser, plus a reply that is one bare JSON call (Llama 3.x style).
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
 import re
@@ -34,8 +35,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .tool_formats import (
+    DEEPSEEK_CALL_BEGIN,
+    DEEPSEEK_CALL_END,
     DEEPSEEK_CALLS_BEGIN,
     DEEPSEEK_CALLS_END,
+    DEEPSEEK_SEP,
     parse_deepseek,
     parse_glm47,
     parse_qwen3_coder,
@@ -92,12 +96,23 @@ class ToolCallFormat:
     parser: ToolParser = field(repr=False, compare=False)
     # a reply that is one JSON call object (or a JSON list of them) counts as calls
     bare_json: bool = False
-    # the ids of the markers when each is one special token (grammars name them)
+    # the ids of the markers when each is one added token (grammars name them)
     start_token: int | None = None
     end_token: int | None = None
     # format details a grammar needs, read from the template (mistral: "args" when the
     # template writes ``name[ARGS]{...}``, "json" for ``[{"name", "arguments"}]``)
     variant: str = ""
+    # the format's inner markers (``INNER_MARKERS``) that are one added token: (text, id)
+    markers: tuple[tuple[str, int], ...] = ()
+
+    def token_of(self, text: str) -> int | None:
+        """The id of marker ``text`` when it is one added token of the model (a grammar
+        names it by id), else None (a grammar spells it out)."""
+        if text == self.start and self.start_token is not None:
+            return self.start_token
+        if text == self.end and self.end_token is not None:
+            return self.end_token
+        return dict(self.markers).get(text)
 
     def parse(self, body: str, tools: Sequence[Mapping[str, Any]] | None = None
               ) -> tuple[ToolCall, ...]:
@@ -146,6 +161,17 @@ HERMES = ToolCallFormat(
     parser=_parser_module("json_tools").parse_tool_call, bare_json=True)
 
 
+# markers inside a call, per format, that the model's vocabulary may hold as added tokens
+INNER_MARKERS: dict[str, tuple[str, ...]] = {
+    "glm47": ("<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"),
+    "kimi_k2": ("<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"),
+    "deepseek": (DEEPSEEK_CALL_BEGIN, DEEPSEEK_SEP, DEEPSEEK_CALL_END),
+}
+# gpt-oss's harmony markers
+HARMONY_MARKERS = ("<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>",
+                   "<|return|>", "<|call|>")
+
+
 @dataclass(frozen=True)
 class ChatFormat:
     think_start: str | None = None
@@ -157,6 +183,11 @@ class ChatFormat:
     # gpt-oss's harmony format (channels ``analysis`` / ``commentary`` / ``final``,
     # calls as ``to=functions.NAME``): the reply is parsed by ``server/harmony.py``
     harmony: bool = False
+    # harmony markers that are one added token of the model: (text, id)
+    harmony_tokens: tuple[tuple[str, int], ...] = ()
+
+    def harmony_token(self, text: str) -> int | None:
+        return dict(self.harmony_tokens).get(text)
 
     @property
     def has_thinking(self) -> bool:
@@ -189,14 +220,16 @@ def _template_source(tokenizer: Any) -> str:
 
 
 def _special_id(tokenizer: Any, ids: Any) -> int | None:
-    """The id when ``ids`` is one token that the tokenizer marks special."""
+    """The id when ``ids`` is one token that the tokenizer adds (``added_tokens_decoder``),
+    special or not: llguidance's matcher treats every added token as special (it never
+    matches text), so a grammar must name such a marker by id (Qwen's ``<tool_call>`` and
+    ``<think>`` are added tokens that are not marked special)."""
     if not isinstance(ids, (tuple, list)) or len(ids) != 1:
         return None
     decoder = getattr(tokenizer, "added_tokens_decoder", None)
     if not isinstance(decoder, Mapping):
         return None
-    added = decoder.get(int(ids[0]))
-    return int(ids[0]) if added is not None and bool(getattr(added, "special", False)) else None
+    return int(ids[0]) if decoder.get(int(ids[0])) is not None else None
 
 
 # formats mlx-lm does not know, recognised from the template: ours
@@ -205,7 +238,43 @@ DEEPSEEK = ToolCallFormat(name="deepseek", start=DEEPSEEK_CALLS_BEGIN, end=DEEPS
 OWN_FORMATS = {"deepseek": DEEPSEEK}
 
 
+def _marker_ids(tokenizer: Any, texts: Sequence[str]) -> tuple[tuple[str, int], ...]:
+    """(text, id) of each of ``texts`` that is one added token of ``tokenizer``."""
+    encode = getattr(tokenizer, "encode", None)
+    if not callable(encode):
+        return ()
+    out = []
+    for text in texts:
+        try:
+            ids = encode(text, add_special_tokens=False)
+        except Exception:  # a tokenizer that cannot encode: markers are spelled out
+            return ()
+        token = _special_id(tokenizer, list(ids) if ids is not None else None)
+        if token is not None:
+            out.append((text, token))
+    return tuple(out)
+
+
+def _with_markers(fmt: ToolCallFormat, tokenizer: Any) -> ToolCallFormat:
+    """``fmt`` with the ids of its markers that are added tokens of ``tokenizer``."""
+    inner = INNER_MARKERS.get(fmt.name, ())
+    found = dict(_marker_ids(tokenizer, (fmt.start, *((fmt.end,) if fmt.end else ()), *inner)))
+    if not found:
+        return fmt
+    start = fmt.start_token if fmt.start_token is not None else found.get(fmt.start)
+    end = fmt.end_token
+    if end is None and fmt.end:
+        end = found.get(fmt.end)
+    return dataclasses.replace(fmt, start_token=start, end_token=end,
+                               markers=tuple((m, found[m]) for m in inner if m in found))
+
+
 def _tool_format_of(tokenizer: Any, source: str) -> ToolCallFormat | None:
+    fmt = _detected_format(tokenizer, source)
+    return _with_markers(fmt, tokenizer) if fmt is not None else None
+
+
+def _detected_format(tokenizer: Any, source: str) -> ToolCallFormat | None:
     if DEEPSEEK_CALLS_BEGIN in source:  # DeepSeek V3 / V3.1 (mlx-lm has no parser)
         return DEEPSEEK
     parser = getattr(tokenizer, "tool_parser", None)
@@ -242,6 +311,7 @@ def chat_format_of(tokenizer: Any) -> ChatFormat:
         kwarg = "thinking"
     has_start = isinstance(start, str) and bool(start)
     has_end = isinstance(end, str) and bool(end)
+    harmony = "<|channel|>" in source and "<|message|>" in source
     return ChatFormat(
         think_start=start if has_start else None,
         think_end=end if has_end else None,
@@ -251,5 +321,6 @@ def chat_format_of(tokenizer: Any) -> ChatFormat:
         think_end_token=_special_id(tokenizer, getattr(tokenizer, "think_end_tokens", None))
         if has_end else None,
         tool_format=_tool_format_of(tokenizer, source),
-        harmony="<|channel|>" in source and "<|message|>" in source,
+        harmony=harmony,
+        harmony_tokens=_marker_ids(tokenizer, HARMONY_MARKERS) if harmony else (),
     )

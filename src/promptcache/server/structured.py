@@ -43,7 +43,16 @@ from ..engine.chat_format import ChatFormat, ToolCallFormat
 from ..engine.constrained import JSON_OPTIONS
 from ..errors import RequestError
 from .errors import APIError
-from .tool_grammar import ToolSpec, calls_rule, enforces_arguments, json_rule, lit, marker
+from .tool_grammar import (
+    ToolSpec,
+    calls_rule,
+    enforces_arguments,
+    harmony_calls_rule,
+    harmony_final_rule,
+    json_rule,
+    lit,
+    marker,
+)
 
 log = logging.getLogger(__name__)
 
@@ -244,11 +253,7 @@ class PromptShape:
 def constraint_for(spec: OutputSpec, shape: PromptShape) -> Constraint | None:
     """The constraint of ``spec`` for this prompt (None: nothing to enforce)."""
     if shape.chat_format.harmony:
-        # no grammar of the harmony channels yet: a forced call or a JSON answer is
-        # asked of the model, not enforced (a grammar in another format would break it)
-        log.info("harmony format: %s is not enforced by a grammar",
-                 "the forced tool call" if isinstance(spec, ForcedCall) else "the JSON answer")
-        return None
+        return _harmony_constraint(spec, shape)
     specs = _tool_specs(shape.tools)
     reason = not shape.prefill and (shape.in_reasoning or shape.may_reason) \
         and shape.chat_format.has_thinking
@@ -281,6 +286,32 @@ def constraint_for(spec: OutputSpec, shape: PromptShape) -> Constraint | None:
         start = f"start: {head} ({answer})"
         rules += think
     return Constraint("lark", "\n".join([start, *rules]), prefix=prefix)
+
+
+def _harmony_constraint(spec: OutputSpec, shape: PromptShape) -> Constraint | None:
+    """gpt-oss (the prompt ends with ``<|start|>assistant``): a forced call is one
+    commentary message to ``functions.N`` ending with ``<|call|>``; a JSON answer is the
+    final channel's message (or, with tools offered, a call). No analysis message first:
+    the reply starts with the call or the answer."""
+    cf = shape.chat_format
+    if shape.prefill:
+        log.info("harmony format: a reply that continues a prefill is not enforced")
+        return None
+    specs = _tool_specs(shape.tools)
+    if isinstance(spec, ForcedCall):
+        allowed = [t for t in specs if not spec.names or t.name in spec.names]
+        if not allowed:
+            return None
+        rules = ["start: calls", *harmony_calls_rule(allowed, cf.harmony_token, _json_of)]
+    else:
+        rules = [harmony_final_rule("answer_json", cf.harmony_token),
+                 f"answer_json: {json_rule(_with_options(spec.schema))}"]
+        if specs:
+            rules = ["start: calls | final", *rules,
+                     *harmony_calls_rule(specs, cf.harmony_token, _json_of)]
+        else:
+            rules = ["start: final", *rules]
+    return Constraint("lark", "\n".join(rules))
 
 
 def _json_of(schema: Mapping[str, Any]) -> str:

@@ -3,8 +3,8 @@
 ``calls_rule(fmt, tools, parallel, json_of)`` returns the rules of ``calls``: one call of
 one of ``tools`` (or several, one after the other, when ``parallel``), written the way
 ``fmt`` (``engine.chat_format.ToolCallFormat``) writes it, so that mlx-lm's parser of that
-format reads it back. Markers that are one special token are named by id (``<[id]>``),
-others spelled out. Per format:
+format reads it back. Markers that are one added token are named by id (``<[id]>``),
+others spelled out (``ToolCallFormat.token_of``). Per format:
 
 - ``hermes`` / ``json_tools``: ``<tool_call>\\n{"name": "N", "arguments": ARGS}\\n</tool_call>``
   with ARGS the tool's parameters schema (calls separated by a newline);
@@ -18,6 +18,14 @@ others spelled out. Per format:
   ``[TOOL_CALLS][{"name": "N", "arguments": ARGS}]``;
 - ``deepseek``: ``<｜tool▁calls▁begin｜>`` then per call ``<｜tool▁call▁begin｜>N<｜tool▁sep｜>ARGS
   <｜tool▁call▁end｜>`` (V3.1), then ``<｜tool▁calls▁end｜>``;
+- ``glm47``: ``<tool_call>N`` then per parameter ``<arg_key>P</arg_key><arg_value>VALUE
+  </arg_value>`` (required ones always, in the schema's order; VALUE as for
+  ``qwen3_coder``) and ``</tool_call>`` (GLM-4.7's layout, no newlines);
+- ``kimi_k2``: ``<|tool_calls_section_begin|>`` then per call ``<|tool_call_begin|>
+  functions.N:I<|tool_call_argument_begin|>ARGS<|tool_call_end|>`` (I: the call's index,
+  digits), then ``<|tool_calls_section_end|>``;
+- harmony (gpt-oss, ``harmony_rules``): ``<|channel|>commentary to=functions.N
+  <|constrain|>json<|message|>ARGS<|call|>``, one call (``<|call|>`` ends the turn);
 - any other format: the start marker, free text, the end marker: a call is forced, its
   content is the model's (the name of a ``tool`` choice is not enforced there).
 """
@@ -46,7 +54,7 @@ def lit(text: str) -> str:
 
 
 def marker(text: str, token_id: int | None) -> str:
-    """A marker: the special token by id, or its text."""
+    """A marker: the (added) token by id, or its text."""
     return f"<[{token_id}]>" if token_id is not None else lit(text)
 
 
@@ -87,21 +95,13 @@ def _is_string(sub: Mapping[str, Any]) -> bool:
 
 
 def _xml_call(fmt: ToolCallFormat, tool: ToolSpec, i: int, json_of: JsonOf) -> list[str]:
-    close = "\n</parameter>\n"
+    close = lit("\n</parameter>\n")
     rules: list[str] = []
     items: list[str] = []
     for k, (name, sub, required) in enumerate(_properties(tool.parameters)):
-        open_ = lit(f"<parameter={name}>\n")
-        enum = sub.get("enum")
-        if _is_string(sub) and isinstance(enum, list) and enum \
-                and all(isinstance(e, str) and e for e in enum):
-            value = "(" + " | ".join(lit(e) for e in enum) + f") {lit(close)}"
-        elif _is_string(sub) or "type" not in sub:
-            rules.append(f"v_{i}_{k}[suffix={lit(close)}]: /(?s:.*)/")
-            value = f"v_{i}_{k}"
-        else:
-            value = f"{json_of(sub)} {lit(close)}"
-        rules.append(f"p_{i}_{k}: {open_} {value}")
+        value, extra = _value(sub, f"v_{i}_{k}", close, json_of)
+        rules += extra
+        rules.append(f"p_{i}_{k}: {lit(f'<parameter={name}>' + chr(10))} {value}")
         items.append(f"p_{i}_{k}" + ("" if required else "?"))
     head = lit(f"\n<function={tool.name}>\n")
     tail = lit("</function>\n")
@@ -149,21 +149,63 @@ def _generic_call(fmt: ToolCallFormat) -> list[str]:
     return [f"call_any: {_start(fmt)} call_body", f"call_body[suffix={lit(fmt.end)}]: /(?s:.*)/"]
 
 
+def _m(fmt: ToolCallFormat, text: str) -> str:
+    """One of ``fmt``'s markers: by id when it is an added token, else spelled out."""
+    return marker(text, fmt.token_of(text))
+
+
 def _deepseek_call(fmt: ToolCallFormat, tool: ToolSpec, i: int, json_of: JsonOf) -> list[str]:
-    head = lit("<｜tool▁call▁begin｜>" + tool.name + "<｜tool▁sep｜>")
-    return [f"call_{i}: {head} args_{i} {lit('<｜tool▁call▁end｜>')}",
+    return [f"call_{i}: {_m(fmt, '<｜tool▁call▁begin｜>')} {lit(tool.name)} "
+            f"{_m(fmt, '<｜tool▁sep｜>')} args_{i} {_m(fmt, '<｜tool▁call▁end｜>')}",
             f"args_{i}: {json_of(tool.parameters)}"]
 
 
-def _deepseek_calls(fmt: ToolCallFormat, names: list[str], parallel: bool) -> list[str]:
+def _sectioned_calls(fmt: ToolCallFormat, names: list[str], parallel: bool) -> list[str]:
+    """Calls inside one start ... end section (DeepSeek, Kimi-K2)."""
     more = " call*" if parallel else ""
     return [f"call: {' | '.join(names)}", f"calls: {_start(fmt)} call{more} {_end(fmt)}"]
+
+
+def _value(sub: Mapping[str, Any], name: str, close: str, json_of: JsonOf
+           ) -> tuple[str, list[str]]:
+    """(the value's expression, extra rules) of one XML-style parameter that ends with
+    ``close`` (a Lark expression): raw text for strings (one of their ``enum`` values if
+    they have them), else JSON of the property's schema."""
+    enum = sub.get("enum")
+    if _is_string(sub) and isinstance(enum, list) and enum \
+            and all(isinstance(e, str) and e for e in enum):
+        return "(" + " | ".join(lit(e) for e in enum) + f") {close}", []
+    if _is_string(sub) or "type" not in sub:
+        return name, [f"{name}[suffix={close}]: /(?s:.*)/"]
+    return f"{json_of(sub)} {close}", []
+
+
+def _glm_call(fmt: ToolCallFormat, tool: ToolSpec, i: int, json_of: JsonOf) -> list[str]:
+    rules: list[str] = []
+    items: list[str] = []
+    close = _m(fmt, "</arg_value>")
+    for k, (name, sub, required) in enumerate(_properties(tool.parameters)):
+        value, extra = _value(sub, f"v_{i}_{k}", close, json_of)
+        rules += extra
+        rules.append(f"p_{i}_{k}: {_m(fmt, '<arg_key>')} {lit(name)} {_m(fmt, '</arg_key>')} "
+                     f"{_m(fmt, '<arg_value>')} {value}")
+        items.append(f"p_{i}_{k}" + ("" if required else "?"))
+    return [f"call_{i}: {_start(fmt)} {lit(tool.name)} {' '.join(items)} {_end(fmt)}", *rules]
+
+
+def _kimi_call(fmt: ToolCallFormat, tool: ToolSpec, i: int, json_of: JsonOf) -> list[str]:
+    return [f"call_{i}: {_m(fmt, '<|tool_call_begin|>')} {lit('functions.' + tool.name + ':')} "
+            f"/[0-9]{{1,3}}/ {_m(fmt, '<|tool_call_argument_begin|>')} args_{i} "
+            f"{_m(fmt, '<|tool_call_end|>')}",
+            f"args_{i}: {json_of(tool.parameters)}"]
 
 
 _BUILDERS: dict[str, Callable[[ToolCallFormat, ToolSpec, int, JsonOf], list[str]]] = {
     "hermes": _json_call, "json_tools": _json_call, "qwen3_coder": _xml_call,
     "pythonic": _pythonic_call, "mistral": _mistral_call, "deepseek": _deepseek_call,
+    "glm47": _glm_call, "kimi_k2": _kimi_call,
 }
+_SECTIONED = ("deepseek", "kimi_k2")
 _SEPARATOR = {"hermes": lit("\n"), "json_tools": lit("\n"), "qwen3_coder": lit("\n")}
 
 
@@ -185,10 +227,39 @@ def calls_rule(fmt: ToolCallFormat, tools: list[ToolSpec], parallel: bool,
         for i, tool in enumerate(tools):
             rules += build(fmt, tool, i, json_of)
             names.append(f"call_{i}")
-    if fmt.name == "deepseek":  # one <｜tool▁calls▁begin｜> ... end around every call
-        return rules + _deepseek_calls(fmt, names, parallel)
+    if fmt.name in _SECTIONED:  # one section start ... end around every call
+        return rules + _sectioned_calls(fmt, names, parallel)
     rules.append("call: " + " | ".join(names))
     sep = _SEPARATOR.get(fmt.name)
     more = f"({sep} call)*" if sep else "call*"
     rules.append(f"calls: call {more}" if parallel else "calls: call")
     return rules
+
+
+# --- harmony (gpt-oss) ---------------------------------------------------------------------
+
+HarmonyToken = Callable[[str], int | None]
+
+
+def harmony_calls_rule(tools: list[ToolSpec], token: HarmonyToken, json_of: JsonOf
+                       ) -> list[str]:
+    """The rules defining ``calls`` in harmony: one message on the commentary channel to
+    ``functions.N``, its JSON arguments, ``<|call|>`` (the turn ends there, so one call).
+    ``token(marker)``: the marker's id when it is an added token."""
+    def m(text: str) -> str:
+        return marker(text, token(text))
+
+    rules, names = [], []
+    for i, tool in enumerate(tools):
+        rules += [f"call_{i}: {m('<|channel|>')} {lit('commentary to=functions.' + tool.name + ' ')}"
+                  f" {m('<|constrain|>')} {lit('json')} {m('<|message|>')} args_{i} "
+                  f"{m('<|call|>')}",
+                  f"args_{i}: {json_of(tool.parameters)}"]
+        names.append(f"call_{i}")
+    return [*rules, "calls: " + " | ".join(names)]
+
+
+def harmony_final_rule(answer: str, token: HarmonyToken) -> str:
+    """``final``: ``answer`` (a rule name) as the message on the final channel."""
+    return (f"final: {marker('<|channel|>', token('<|channel|>'))} {lit('final')} "
+            f"{marker('<|message|>', token('<|message|>'))} {answer}")

@@ -16,6 +16,10 @@ other token, so greedy decoding only ever picks whole words. Byte-level BPE spli
 text into pre-tokens at each space, so a reply made of ``" word"`` tokens encodes to
 the same ids when a client sends it back as the assistant's turn.
 
+Each family's tokenizer is the shared one plus the special tokens of its published
+chat format, and its ``tokenizer_config.json`` carries a chat template written from that
+format (``family_templates``): rendering, tool calls and their parsing are the family's.
+
 ``"qwen3_4bit"`` is the qwen3 family with its weights quantized to 4 bits by mlx's
 ``nn.quantize`` (``config.json`` carries ``quantization`` as mlx-lm writes it).
 """
@@ -30,14 +34,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from .family_templates import BY_FAMILY, FamilyChat
 from .tiny_models import (
     _WORDS,
     CONTEXT_LENGTH,
-    EOS_TOKEN,
     PAD_TOKEN,
     SLIDING_WINDOW,
     VOCAB_SIZE,
-    _tokenizer_config,
     ensure_built,
     new_model_folder,
     tokenizer_json,
@@ -46,7 +49,10 @@ from .tiny_models import (
 logger = logging.getLogger(__name__)
 
 # Bump when a family's config, the weights' construction or the tokenizer changes.
-TINY_FAMILIES_VERSION = 1
+TINY_FAMILIES_VERSION = 2
+# rows of the embedding and the lm head: the shared vocabulary + room for the tokens a
+# family's chat format adds
+FAMILY_VOCAB_SIZE = VOCAB_SIZE + 64
 WORD_GAIN = 4.0  # output rows of whole-word tokens are scaled by this
 OTHER_GAIN = 1e-3  # ... and every other token's by this
 QUANT_BITS = 4
@@ -58,20 +64,20 @@ FAMILIES = (
     "qwen3_4bit",
 )
 
-# How the family's real checkpoints write tool calls (their chat templates as mlx-lm
-# 0.32.2 detects them, and the parser promptcache uses); the tiny models themselves all
-# carry the shared ChatML template.
+# How the family writes tool calls: the format its tiny model's chat template
+# (``family_templates``) asks for, as promptcache detects and parses it
+# (``tests/engine/test_family_templates.py`` checks each against the loaded model).
 TOOL_FORMATS: dict[str, str] = {
     "llama": "hermes / bare JSON (fallback)",
     "qwen3": "json_tools (`<tool_call>` JSON)",
-    "qwen3_moe": "json_tools (`<tool_call>` JSON)",
+    "qwen3_moe": "qwen3_coder XML (ours; Qwen3-Coder)",
     "gpt_oss": "harmony (`to=functions.NAME`)",
-    "gemma3_text": "hermes (fallback)",
+    "gemma3_text": "hermes (fallback: no tools in the template)",
     "qwen3_5": "qwen3_coder XML (ours)",
     "qwen3_5_moe": "qwen3_coder XML (ours)",
-    "qwen3_next": "json_tools (Instruct); qwen3_coder XML (Coder-Next)",
-    "nemotron_h": "not checked (detected from the template)",
-    "falcon_h1": "not checked (detected from the template)",
+    "qwen3_next": "qwen3_coder XML (ours; Qwen3-Coder-Next)",
+    "nemotron_h": "qwen3_coder XML (ours; Nemotron 3)",
+    "falcon_h1": "json_tools (`<tool_call>` JSON)",
     "deepseek_v3": "deepseek (ours, `<｜tool▁calls▁begin｜>`)",
     "glm4_moe_lite": "glm47 (ours, `<arg_key>`)",
     "kimi_linear": "kimi_k2",
@@ -217,15 +223,76 @@ def _check(family: str) -> None:
         raise ValueError(f"unknown model family {family!r}; expected one of {FAMILIES}")
 
 
-def family_config(family: str, special_ids: dict[str, int]) -> dict[str, Any]:
-    """The config.json of the tiny model of ``family``."""
+def family_chat(family: str) -> FamilyChat:
+    """The chat format (template, added tokens) of ``family``'s tiny model."""
     _check(family)
+    return BY_FAMILY[family]
+
+
+@functools.cache
+def family_tokenizer_json(family: str) -> str:
+    """The shared tokenizer plus the tokens of ``family``'s chat format (ids from
+    ``VOCAB_SIZE`` on, in the order ``FamilyChat`` lists them)."""
+    from tokenizers import AddedToken, Tokenizer
+
+    chat = family_chat(family)
+    tok = Tokenizer.from_str(tokenizer_json())
+    have = set(tok.get_vocab(with_added_tokens=True))
+    for content in (*chat.added, *chat.plain):
+        if content in have:
+            continue
+        token = AddedToken(content, special=content in chat.added, normalized=False)
+        if content in chat.added:
+            tok.add_special_tokens([token])
+        else:
+            tok.add_tokens([token])
+        have.add(content)
+    if tok.get_vocab_size(with_added_tokens=True) > FAMILY_VOCAB_SIZE:
+        raise RuntimeError(f"{family}: {tok.get_vocab_size()} tokens exceed {FAMILY_VOCAB_SIZE}")
+    return str(tok.to_str())
+
+
+def family_special_ids(family: str) -> dict[str, int]:
+    """Every added token of ``family``'s tokenizer -> its id."""
+    tok = json.loads(family_tokenizer_json(family))
+    return {t["content"]: int(t["id"]) for t in tok["added_tokens"]}
+
+
+def family_tokenizer_config(family: str) -> dict[str, Any]:
+    """``tokenizer_config.json``: the added tokens (special as the format marks them), the
+    family's BOS / EOS and its chat template."""
+    chat = family_chat(family)
+    tok = json.loads(family_tokenizer_json(family))
+    added = {
+        str(t["id"]): {"content": t["content"], "lstrip": False, "normalized": False,
+                       "rstrip": False, "single_word": False, "special": bool(t["special"])}
+        for t in tok["added_tokens"]
+    }
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "added_tokens_decoder": added,
+        "bos_token": chat.bos,
+        "eos_token": chat.eos[0],
+        "pad_token": PAD_TOKEN,
+        "unk_token": None,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": CONTEXT_LENGTH,
+        "chat_template": chat.template,
+    }
+
+
+def family_config(family: str, special_ids: dict[str, int] | None = None) -> dict[str, Any]:
+    """The config.json of the tiny model of ``family`` (``special_ids``: its tokenizer's,
+    read from it when not given)."""
+    _check(family)
+    ids = special_ids if special_ids is not None else family_special_ids(family)
+    eos = [ids[t] for t in family_chat(family).eos]
     common: dict[str, Any] = {
-        "vocab_size": VOCAB_SIZE, "hidden_size": 64, "intermediate_size": 128,
+        "vocab_size": FAMILY_VOCAB_SIZE, "hidden_size": 64, "intermediate_size": 128,
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
         "max_position_embeddings": CONTEXT_LENGTH, "rms_norm_eps": 1e-5,
-        "tie_word_embeddings": False, "eos_token_id": special_ids[EOS_TOKEN],
-        "pad_token_id": special_ids[PAD_TOKEN], "torch_dtype": "float32",
+        "tie_word_embeddings": False, "eos_token_id": eos[0] if len(eos) == 1 else eos,
+        "pad_token_id": ids[PAD_TOKEN], "torch_dtype": "float32",
     }
     config = {**common, **_CONFIGS[family](common)}
     if family == "qwen3_4bit":
@@ -299,8 +366,9 @@ def build_family_model(family: str, out_dir: str | os.PathLike[str],
 
     from ..mlx_compat import model_classes
 
-    out, tok_text, special_ids = new_model_folder(out_dir)
-    config = {**family_config(family, special_ids), **(overrides or {})}
+    out, _, _ = new_model_folder(out_dir)
+    tok_text = family_tokenizer_json(family)
+    config = {**family_config(family), **(overrides or {})}
 
     model_cls, args_cls = model_classes(config["model_type"])
     seed = 2000 + FAMILIES.index(family)
@@ -317,9 +385,13 @@ def build_family_model(family: str, out_dir: str | os.PathLike[str],
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     (out / "tokenizer.json").write_text(tok_text)
     (out / "tokenizer_config.json").write_text(
-        json.dumps(_tokenizer_config(json.loads(tok_text), CONTEXT_LENGTH), indent=2) + "\n")
+        json.dumps(family_tokenizer_config(family), indent=2, ensure_ascii=False) + "\n")
+    chat = family_chat(family)
+    special = {"eos_token": chat.eos[0], "pad_token": PAD_TOKEN}
+    if chat.bos:
+        special["bos_token"] = chat.bos
     (out / "special_tokens_map.json").write_text(
-        json.dumps({"eos_token": EOS_TOKEN, "pad_token": PAD_TOKEN}, indent=2) + "\n")
+        json.dumps(special, indent=2, ensure_ascii=False) + "\n")
     logger.info("built tiny %s model in %s (%d tensors)", family, out, len(weights))
     return out
 
