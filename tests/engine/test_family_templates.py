@@ -1,7 +1,7 @@
 """Each tiny family's chat template (``engine/models/family_templates.py``), rendered by the
 real tokenizer as mlx-lm loads it: a conversation with a tool call and its result comes
 out in the family's published format (exact texts), every added token is one token, the
-format promptcache detects from the template is the one the README's matrix table names,
+format promptcache detects from the template is the one docs/cache.md's matrix table names,
 and the text the template writes for a call is a call for the family's own parser."""
 
 from __future__ import annotations
@@ -150,7 +150,7 @@ def test_the_detected_format_is_the_tables(tokenizer: Callable[[str], Any], fami
     name, harmony, switch = DETECTED[family]
     assert (cf.tool_format.name if cf.tool_format else None, cf.harmony,
             cf.thinking_kwarg) == (name, harmony, switch)
-    # the README's matrix column names it (the Hermes fallback when none is detected)
+    # docs/cache.md's matrix column names it (the Hermes fallback when none is detected)
     assert tf.TOOL_FORMATS[family].startswith(name or ("harmony" if harmony else "hermes"))
 
 
