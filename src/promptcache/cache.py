@@ -30,7 +30,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from .blocks.matcher import RAM, MissInfo
+from .blocks.matcher import RAM, CacheMiss
 from .cache_lookup import CacheLookup
 from .cache_lower import PersistReport
 from .cache_ops import CacheOps
@@ -42,7 +42,7 @@ from .stats import CacheStats, snapshot
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "RAM", "CacheStats", "ChainCursor", "Hit", "Match", "MissInfo", "NumpyAdapter",
+    "RAM", "CacheStats", "ChainCursor", "Hit", "Match", "CacheMiss", "NumpyAdapter",
     "PayloadAdapter", "PromptCache",
 ]
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from .blocks.matcher import Entry, LowerEntry, MissInfo, entry_tier
+from .blocks.matcher import PROMOTION_FAILED, CacheMiss, Entry, LowerEntry, entry_tier
 from .blocks.pool import SNAPSHOT, TRUNCATABLE, Block
 from .blocks.tokens import to_request_tokens
 from .cache_base import CacheBase
@@ -78,8 +78,8 @@ class CacheLookup(CacheBase):
             sources = sources[: len(held)]
             miss = raw.miss
             if num < raw.num_tokens:
-                miss = MissInfo(position=raw.matched_tokens, restorable=num, num_tokens=req.n,
-                                cause="promotion_failed")
+                miss = CacheMiss(PROMOTION_FAILED, position=raw.matched_tokens,
+                                 restorable=num, num_tokens=req.n)
             by_tier: Counter[str] = Counter()
             for b, tier in zip(held, sources, strict=True):
                 by_tier[tier] += min(b.end, num) - b.start

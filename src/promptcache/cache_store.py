@@ -117,7 +117,7 @@ class CacheStore(CacheBase):
             extra = extra_keys_for(spans, start, start + bs) if spans else ()
             first = _matcher.block_hash(ns.root if parent is None else parent, arr, extra)
         with self._lock:
-            self.gone.record(first, parent, _matcher.not_stored(cause))
+            self.gone.record(first, parent, _matcher.NOT_STORED, cause)
 
     def _store(self, ns: Namespace, req: RequestTokens, num_tokens: int,
                payload_for: Callable[[int, int, bool], Any], spans: tuple[ExtraKeySpan, ...],
@@ -172,7 +172,7 @@ class CacheStore(CacheBase):
                         logger.debug("no room for a %d-byte block at token %d: dropped", nbytes, start)
                         # the next lookup stopping here says why: not_stored: budget
                         self.gone.record(h, None if start == 0 else parent,
-                                         _matcher.not_stored("budget"))
+                                         _matcher.NOT_STORED, "budget")
                         break
                     block = pool.allocate(
                         block_hash=h, parent_hash=parent, tokens=want, start=start,

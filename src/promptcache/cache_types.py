@@ -10,7 +10,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from .blocks.matcher import Entry, MissInfo, entry_meta, entry_tier
+from .blocks.matcher import CacheMiss, Entry, entry_meta, entry_tier
 from .blocks.pool import Block
 from .hashing import BlockHash
 from .meta import BlockMeta, ExtraKeySpan, Namespace
@@ -76,7 +76,7 @@ class Match:
     are computed on first access (a 2,000-block match stays cheap to return)."""
 
     def __init__(self, entries: list[Entry], num_tokens: int, matched_tokens: int,
-                 miss: MissInfo | None) -> None:
+                 miss: CacheMiss | None) -> None:
         self._entries = entries
         self.num_tokens = num_tokens
         self.matched_tokens = matched_tokens  # token LCP found, restorable or not
@@ -104,7 +104,7 @@ class Hit:
     ``num_tokens`` and must be truncated by the engine."""
 
     def __init__(self, held: list[Block], num_tokens: int, num_prompt_tokens: int,
-                 tokens_by_tier: dict[str, int], tiers: list[str], miss: MissInfo | None) -> None:
+                 tokens_by_tier: dict[str, int], tiers: list[str], miss: CacheMiss | None) -> None:
         self._held = held
         self.num_tokens = num_tokens
         self.num_prompt_tokens = num_prompt_tokens

@@ -31,7 +31,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from promptcache.config import EngineConfig
-from promptcache.engine.api import GenerationRequest, GenerationResult, TokenEvent, Usage
+from promptcache.engine.api import (
+    CacheMiss,
+    GenerationRequest,
+    GenerationResult,
+    TokenEvent,
+    Usage,
+)
 from promptcache.engine.chat_format import ChatFormat
 
 
@@ -190,11 +196,11 @@ class FakeHandle:
                       cached_by_tier={"ram": cached} if cached else {},
                       completion_tokens=len(emitted),
                       saved_end_prefill=1 if eng.cache is not None else 0)
-        miss = None if cached else "cold: prefix never seen"
+        miss = None if cached else CacheMiss("cold", 0, 0, len(prompt))
         yield GenerationResult(tokens=emitted,
                                text=bytes(emitted[:text_len]).decode("utf-8", "replace"),
                                finish_reason=finish, usage=usage, ttft_s=0.001,
-                               decode_s=0.01, miss_reason=miss, stop_sequence=stop_seq)
+                               decode_s=0.01, miss=miss, stop_sequence=stop_seq)
 
     def events(self) -> Iterator[TokenEvent | GenerationResult]:
         return self._run()

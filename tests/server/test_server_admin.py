@@ -16,8 +16,9 @@ from fastapi.testclient import TestClient
 from server_helpers import sse_events, uvicorn_thread
 
 from promptcache.config import ServerConfig
+from promptcache.engine.api import CacheMiss
 from promptcache.server import create_app
-from promptcache.server.alerts import HitRateMonitor, miss_cause
+from promptcache.server.alerts import HitRateMonitor
 
 HI = {"messages": [{"role": "user", "content": "hi"}]}
 AHI = {"max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]}
@@ -100,7 +101,7 @@ def test_cache_admin_endpoints(client: TestClient, engine: FakeEngine) -> None:
     assert stats["cache_enabled"] is True
     assert stats["rolling"]["requests_in_window"] == 1  # two cold starts skipped
     assert stats["rolling"]["skipped_cold_starts"] == 2
-    assert stats["alert"] == {"active": False, "threshold": 0.8}
+    assert stats["alert"] == {"active": False, "threshold": 0.8, "min_requests": 10}
     assert client.delete("/v1/cache/sessions/s2").json() == {
         "deleted_blocks": 1, "session_id": "s2", "cache_enabled": True}
     assert client.delete("/v1/cache?tenant=t1").json()["deleted_blocks"] == 1
@@ -149,18 +150,15 @@ def test_metrics(client: TestClient) -> None:
 
 
 def test_monitor_rules(caplog: pytest.LogCaptureFixture) -> None:
-    assert miss_cause("evicted at token 12 (message 3)") == "evicted"
-    assert miss_cause(None) is None
-    assert miss_cause("MissInfo(position=0, restorable=0, num_tokens=9, cause='cold')") == "cold"
     m = HitRateMonitor(window=4, threshold=0.8, min_samples=2)
-    m.record(100, 0, "cold: never seen")  # skipped
+    m.record(100, 0, CacheMiss("cold", 0, 0, 100))  # skipped
     assert m.hit_rate() is None and m.num_skipped_cold == 1
     m.record(100, 90, None)
     assert not m.alerting  # below min_samples
     with caplog.at_level(logging.WARNING, logger="promptcache.server.alerts"):
-        m.record(100, 10, "evicted at 10")
-        m.record(100, 20, "evicted at 20")
-        m.record(100, 30, "diverged at 30")
+        m.record(100, 10, CacheMiss("evicted", 10, 10, 100))
+        m.record(100, 20, CacheMiss("evicted", 20, 20, 100))
+        m.record(100, 30, CacheMiss("diverged", 30, 30, 100))
     assert m.alerting
     assert m.hit_rate() == pytest.approx(150 / 400)
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]

@@ -160,13 +160,21 @@ def test_partial_save_failure_names_the_first_unsaved_block(
     assert served.engine.engine_stats()["store_errors_by_cause"] == {"invariant": 2}
 
 
-def test_alert_miss_cause_keeps_the_failed_save_cause() -> None:
-    from promptcache.server.alerts import miss_cause
+def test_the_miss_keeps_the_failed_save_cause() -> None:
+    """One miss type: the alert and the stats count a failed save by its cause, the
+    diagnostics read its kind, the log line says both; nothing is parsed from text."""
+    from promptcache.engine.api import CacheMiss
+    from promptcache.server.alerts import HitRateMonitor
+    from promptcache.server.diagnostics import cache_cause_of
 
-    assert miss_cause("not_stored: tier: first uncached token at position 0") == "not_stored: tier"
-    assert miss_cause("MissInfo(position=0, restorable=0, num_tokens=9, "
-                      "cause='not_stored: budget')") == "not_stored: budget"
-    assert miss_cause("evicted: first uncached token at position 8") == "evicted"
+    miss = CacheMiss("not_stored", 0, 0, 9, store_error="tier").at_message((0, 5))
+    assert (miss.kind, miss.cause, miss.message_index) == ("not_stored", "not_stored: tier", 0)
+    assert miss.describe() == "not_stored: tier: first uncached token at position 0 (chat message 0)"
+    assert cache_cause_of(miss) == "not_stored" and cache_cause_of(None) is None
+    m = HitRateMonitor(window=4, min_samples=1)
+    m.record(9, 0, miss)
+    m.record(9, 8, CacheMiss("evicted", 8, 8, 9))
+    assert m.snapshot()["top_miss_reasons"] == {"not_stored: tier": 1, "evicted": 1}
 
 
 @pytest.mark.parametrize("exc, cause", [

@@ -22,10 +22,11 @@ This module never changes the pool (a lookup is a pure query).
 
 from __future__ import annotations
 
+import bisect
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import numpy as np
@@ -45,20 +46,76 @@ LOWER_WINDOW = 256
 # for the siblings of at most this many walked blocks (one call each), RAM for all.
 INNER_LOWER_BLOCKS = 16
 
-# Causes of a short match (MissInfo.cause)
+# Causes of a short match (CacheMiss.cause)
 COLD = "cold"
 EVICTED = "evicted"
 EXPIRED = "expired"
 DIVERGED = "diverged"
 NOT_RESTORABLE = "not_restorable"
-# a save of these blocks failed (``not_stored: <cause>``, the engine's cause name:
+PROMOTION_FAILED = "promotion_failed"
+# a save of these blocks failed (``CacheMiss.store_error``: the engine's cause name,
 # layout | tier | budget | invariant | other), recorded by ``PromptCache.note_not_stored``
 NOT_STORED = "not_stored"
+# the engine's: the lookup failed / restoring the blocks failed (both prefill everything)
+CACHE_ERROR = "cache_error"
+RESTORE_ERROR = "restore_error"
+
+# what the gone-memory remembers of a block: (cause, store_error)
+Reason = tuple[str, str | None]
 
 
-def not_stored(cause: str) -> str:
-    """The miss cause of blocks whose save failed with ``cause``."""
-    return f"{NOT_STORED}: {cause}"
+@dataclass(frozen=True, slots=True)
+class CacheMiss:
+    """Why a request's prompt was not (fully) served from the cache, as data: made by
+    the matcher (or the engine), read as it is by the stats, the alert, the advisor,
+    the diagnostics, the probe and the request log (never parsed back from text).
+
+    ``kind``: cold | evicted | expired | diverged | not_restorable | promotion_failed
+    | not_stored (``store_error`` says why that save failed: layout | tier | budget |
+    invariant | other) | cache_error | restore_error; ``cause`` is how the stats count
+    it (``not_stored: layout``, else the kind). ``position``: the first prompt token
+    not found in any stored block; ``restorable``: where the state can be restored;
+    ``message_index``: the chat message ``position`` falls in (``at_message``).
+    """
+
+    kind: str
+    position: int
+    restorable: int
+    num_tokens: int
+    store_error: str | None = None
+    message_index: int | None = None
+
+    @property
+    def cause(self) -> str:
+        """The cause as the stats count it: ``not_stored: layout``, else the kind."""
+        return self.kind if self.store_error is None else f"{self.kind}: {self.store_error}"
+
+    @classmethod
+    def of(cls, kind: str, position: int, restorable: int, num_tokens: int,
+           message_starts: Sequence[int] = ()) -> CacheMiss:
+        """A miss at ``position`` with the chat message it falls in."""
+        return cls(kind, position, restorable, num_tokens).at_message(message_starts)
+
+    def at_message(self, message_starts: Sequence[int]) -> CacheMiss:
+        """This miss with the chat message its position falls in."""
+        if not message_starts:
+            return self
+        found = bisect.bisect_right(message_starts, self.position) - 1
+        return replace(self, message_index=found if found >= 0 else None)
+
+    def describe(self) -> str:
+        """The log line: cause, first divergent token, chat message, restorable point."""
+        text = f"{self.cause}: first uncached token at position {self.position}"
+        if self.message_index is not None:
+            text += f" (chat message {self.message_index})"
+        if self.restorable != self.position:
+            text += f"; state restorable at {self.restorable}"
+        return text
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"cause": self.cause, "position": self.position,
+                "restorable": self.restorable, "num_tokens": self.num_tokens,
+                "message_index": self.message_index}
 
 
 def block_hash(parent: BlockHash, token_ids: Any, extra_keys: tuple[bytes, ...]) -> BlockHash:
@@ -119,30 +176,6 @@ def entry_meta(entry: Entry) -> BlockMeta:
     return entry.meta() if isinstance(entry, Block) else entry.meta
 
 
-@dataclass(frozen=True, slots=True)
-class MissInfo:
-    """Why a lookup stopped short of ``len(tokens) - 1``.
-
-    ``position``: the first request token not found in any stored block;
-    ``restorable``: the position the state can actually be restored at;
-    ``cause``: cold | evicted | expired | diverged | not_restorable |
-    ``not_stored: <cause>`` (a save of the next blocks failed).
-    """
-
-    position: int
-    restorable: int
-    num_tokens: int
-    cause: str
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "position": self.position,
-            "restorable": self.restorable,
-            "num_tokens": self.num_tokens,
-            "cause": self.cause,
-        }
-
-
 @dataclass(slots=True)
 class RawMatch:
     """The matcher's result: ``entries`` cover ``[0, num_tokens)`` (the last one may
@@ -151,7 +184,7 @@ class RawMatch:
     entries: list[Entry]
     num_tokens: int
     matched_tokens: int
-    miss: MissInfo | None
+    miss: CacheMiss | None
 
 
 class GoneMemory:
@@ -161,18 +194,20 @@ class GoneMemory:
 
     def __init__(self, capacity: int) -> None:
         self.capacity = max(0, capacity)
-        self._by_hash: OrderedDict[BlockHash, str] = OrderedDict()
-        self._by_parent: OrderedDict[BlockHash, str] = OrderedDict()
+        self._by_hash: OrderedDict[BlockHash, Reason] = OrderedDict()
+        self._by_parent: OrderedDict[BlockHash, Reason] = OrderedDict()
 
-    def record(self, block_hash: BlockHash | None, parent: BlockHash | None, cause: str) -> None:
-        """Remember ``cause`` for the block ``block_hash`` and for the children of
-        ``parent`` (either may be None: not recorded under that key)."""
+    def record(self, block_hash: BlockHash | None, parent: BlockHash | None, cause: str,
+               store_error: str | None = None) -> None:
+        """Remember ``cause`` (and a failed save's ``store_error``) for the block
+        ``block_hash`` and for the children of ``parent`` (either may be None: not
+        recorded under that key)."""
         if not self.capacity:
             return
         for mem, key in ((self._by_hash, block_hash), (self._by_parent, parent)):
             if key is None:
                 continue
-            mem[key] = cause
+            mem[key] = (cause, store_error)
             mem.move_to_end(key)
             while len(mem) > self.capacity:
                 mem.popitem(last=False)
@@ -180,10 +215,10 @@ class GoneMemory:
     def forget(self, block_hash: BlockHash) -> None:
         self._by_hash.pop(block_hash, None)
 
-    def by_hash(self, block_hash: BlockHash) -> str | None:
+    def by_hash(self, block_hash: BlockHash) -> Reason | None:
         return self._by_hash.get(block_hash)
 
-    def by_parent(self, parent: BlockHash) -> str | None:
+    def by_parent(self, parent: BlockHash) -> Reason | None:
         return self._by_parent.get(parent)
 
 
@@ -504,20 +539,21 @@ class Matcher:
         return out
 
     def _explain(self, best: int, matched: int, n: int, next_hash: BlockHash | None,
-                 parent: BlockHash, diverged: bool) -> MissInfo:
-        cause = COLD
+                 parent: BlockHash, diverged: bool) -> CacheMiss:
+        reason: Reason = (COLD, None)
         gone_next = self.gone.by_hash(next_hash) if next_hash is not None else None
         if min(matched, n - 1) > best:
-            cause = NOT_RESTORABLE
+            reason = (NOT_RESTORABLE, None)
         elif gone_next is not None:
-            cause = gone_next
+            reason = gone_next
         elif next_hash is not None and self._expired_in_ram(next_hash):
-            cause = EXPIRED
+            reason = (EXPIRED, None)
         elif diverged:
-            cause = DIVERGED
+            reason = (DIVERGED, None)
         else:
-            cause = self.gone.by_parent(parent) or COLD
-        return MissInfo(position=matched, restorable=best, num_tokens=n, cause=cause)
+            reason = self.gone.by_parent(parent) or (COLD, None)
+        return CacheMiss(reason[0], position=matched, restorable=best, num_tokens=n,
+                         store_error=reason[1])
 
     def _expired_in_ram(self, h: BlockHash) -> bool:
         block = self.pool.get(h)

@@ -7,7 +7,6 @@ final ``GenerationResult``. See ``engine/engine.py`` for the Engine itself.
 
 from __future__ import annotations
 
-import bisect
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -15,6 +14,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from ..blocks.matcher import CacheMiss as CacheMiss  # the engine's miss type (re-exported)
 from ..meta import DEFAULT_TENANT, ExtraKeySpan
 
 IMAGE_DIGEST_VERSION = 1
@@ -272,49 +272,6 @@ class TokenEvent:
     top_logprobs: tuple[tuple[int, float], ...] = ()
 
 
-@dataclass(frozen=True)
-class CacheMiss:
-    """Why a request's prompt was not (fully) served from the cache, as data.
-
-    ``cause``: the cache's verdict (cold | evicted | expired | diverged |
-    not_restorable | promotion_failed | ``not_stored: <cause>``, a save of these blocks
-    failed: layout | tier | budget | invariant | other) or the engine's (``cache_error``: the lookup
-    failed; ``restore_error``: restoring the blocks failed; both prefill everything).
-    ``position``: the first prompt token not found in any stored block;
-    ``restorable``: where the state was restored; ``message_index``: the chat
-    message ``position`` falls in (from ``GenerationRequest.message_starts``).
-    """
-
-    cause: str
-    position: int
-    restorable: int
-    num_tokens: int
-    message_index: int | None = None
-
-    @classmethod
-    def of(cls, cause: str, position: int, restorable: int, num_tokens: int,
-           message_starts: Sequence[int] = ()) -> CacheMiss:
-        idx: int | None = None
-        if message_starts:
-            found = bisect.bisect_right(message_starts, position) - 1
-            idx = found if found >= 0 else None
-        return cls(cause, position, restorable, num_tokens, idx)
-
-    def describe(self) -> str:
-        """The log line: cause, first divergent token, chat message, restorable point."""
-        text = f"{self.cause}: first uncached token at position {self.position}"
-        if self.message_index is not None:
-            text += f" (chat message {self.message_index})"
-        if self.restorable != self.position:
-            text += f"; state restorable at {self.restorable}"
-        return text
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"cause": self.cause, "position": self.position,
-                "restorable": self.restorable, "num_tokens": self.num_tokens,
-                "message_index": self.message_index}
-
-
 @dataclass
 class GenerationResult:
     tokens: list[int]
@@ -326,16 +283,20 @@ class GenerationResult:
     decode_s: float = 0.0
     lookup_s: float = 0.0
     restore_s: float = 0.0
-    miss_reason: str | None = None
     error: str | None = None
     # the stop string that ended generation (finish_reason "stop"); None for EOS,
     # a stop token id, a length cut or a cancellation
     stop_sequence: str | None = None
-    # the structured miss (``miss_reason`` is its log line); None on a full hit or
+    # why the prompt was not (fully) served from the cache; None on a full hit or
     # when the request did not use the cache
     miss: CacheMiss | None = None
     # seconds the request waited for admission (active-request / KV-byte limits)
     queue_s: float = 0.0
+
+    @property
+    def miss_reason(self) -> str | None:
+        """The miss's log line (``CacheMiss.describe``)."""
+        return self.miss.describe() if self.miss is not None else None
 
     @property
     def decode_tps(self) -> float:

@@ -42,10 +42,11 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import TokenBuffer, make_prompt_cache
 
+from ..blocks.matcher import CACHE_ERROR, RESTORE_ERROR, CacheMiss
 from ..cache_types import ChainCursor
 from ..meta import Namespace
 from . import adapters, mlx_compat
-from .api import CacheMiss, GenerationRequest, GenerationResult, TokenEvent, Usage
+from .api import GenerationRequest, GenerationResult, TokenEvent, Usage
 from .blockbuf import BlockPayload
 from .context import (
     EngineContext,
@@ -191,17 +192,15 @@ class Request:
         except Exception:
             logger.exception("cache lookup failed; prefilling the whole prompt")
             self.ctx.counters.cache_errors += 1
-            self.miss = CacheMiss.of("cache_error", 0, 0, n_prompt, self.req.message_starts)
+            self.miss = CacheMiss(CACHE_ERROR, 0, 0, n_prompt).at_message(self.req.message_starts)
             self._timings["lookup_s"] = time.perf_counter() - t
             return
         self._timings["lookup_s"] = time.perf_counter() - t
         t = time.perf_counter()
         try:
-            miss = getattr(hit, "miss", None)
+            miss: CacheMiss | None = hit.miss
             if miss is not None:
-                self.miss = CacheMiss.of(str(miss.cause), int(miss.position),
-                                         int(miss.restorable), int(miss.num_tokens),
-                                         self.req.message_starts)
+                self.miss = miss.at_message(self.req.message_starts)
             n = min(int(hit.num_tokens), n_prompt - 1)  # an exact hit re-runs the last token
             if n > 0:
                 blocks = hit.blocks
@@ -219,7 +218,8 @@ class Request:
             self.pos = 0
             self.usage.cached_tokens = 0
             self.usage.cached_by_tier = {}
-            self.miss = CacheMiss.of("restore_error", 0, 0, n_prompt, self.req.message_starts)
+            self.miss = CacheMiss(RESTORE_ERROR, 0, 0, n_prompt).at_message(
+                self.req.message_starts)
             self.cursor = ChainCursor(self.ns) if self.ns is not None else None
         finally:
             try:
@@ -528,7 +528,6 @@ class Request:
             decode_s=(end - self._t_first) if self._t_first is not None else 0.0,
             lookup_s=self._timings["lookup_s"],
             restore_s=self._timings["restore_s"],
-            miss_reason=self.miss.describe() if self.miss is not None else None,
             error=error,
             stop_sequence=self.stops.matched if reason == "stop" else None,
             miss=self.miss,

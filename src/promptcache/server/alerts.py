@@ -14,33 +14,15 @@ once per ``window`` requests; leaving it logs an info line.
 from __future__ import annotations
 
 import logging
-import re
 import threading
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ..engine.api import CacheMiss
+
 log = logging.getLogger(__name__)
-
-_CAUSE_FIELD_RE = re.compile(r"cause['\"]?\s*[=:]\s*['\"]?([A-Za-z_]+)")
-_WORD_RE = re.compile(r"[A-Za-z_]+")
-_NOT_STORED_RE = re.compile(r"not_stored: [A-Za-z_]+")
-
-
-def miss_cause(reason: str | None) -> str | None:
-    """The cause of an engine miss reason: a ``cause=...`` field when present
-    (``"MissInfo(position=0, ..., cause='cold')"``), else the leading word
-    (``"evicted at token 12 (message 3)"`` -> ``evicted``); a failed save keeps its
-    cause (``"not_stored: layout: first ..."`` -> ``not_stored: layout``)."""
-    if not reason:
-        return None
-    ns = _NOT_STORED_RE.search(reason)
-    if ns is not None:
-        return ns.group(0)
-    m = _CAUSE_FIELD_RE.search(reason) or _WORD_RE.search(reason)
-    return m.group(1 if m.re is _CAUSE_FIELD_RE else 0).lower() if m else None
-
 
 @dataclass
 class _Sample:
@@ -67,8 +49,8 @@ class HitRateMonitor:
         # the automated diagnosis added to the warning (the app sets it: advisor.py)
         self.explain: Callable[[], str | None] | None = None
 
-    def record(self, prompt_tokens: int, cached_tokens: int, miss_reason: str | None) -> None:
-        cause = miss_cause(miss_reason)
+    def record(self, prompt_tokens: int, cached_tokens: int, miss: CacheMiss | None) -> None:
+        cause = miss.cause if miss is not None else None
         with self._lock:
             if cached_tokens == 0 and cause == "cold":
                 self.num_skipped_cold += 1

@@ -412,7 +412,7 @@ async def messages(body: MessagesRequest, request: Request) -> Any:
     if diagnose:
         result = finished.result
         found = prepared.divergence.diagnose(result.usage.cached_tokens,
-                                             cache_cause_of(result.miss_reason), cache_on)
+                                             cache_cause_of(result.miss), cache_on)
         out["diagnostics"] = found.to_wire() if found else None
     return JSONResponse(out)
 

@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..blocks.tokens import common_prefix
+from ..engine.api import CacheMiss
 
 log = logging.getLogger(__name__)
 
@@ -68,11 +69,9 @@ def wants_diagnostics(beta_header: str | None, body_field: Any) -> bool:
     return BETA in betas or body_field is not None
 
 
-def cache_cause_of(miss_reason: str | None) -> str | None:
-    """The cause word of an engine ``miss_reason`` line (``"evicted: first ..."``)."""
-    if not miss_reason:
-        return None
-    return miss_reason.split(":", 1)[0].strip() or None
+def cache_cause_of(miss: CacheMiss | None) -> str | None:
+    """The cause of an engine miss (``not_stored`` without the failed save's cause)."""
+    return miss.kind if miss is not None else None
 
 
 def _digest(value: Any) -> bytes:

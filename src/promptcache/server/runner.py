@@ -37,7 +37,7 @@ from ..engine.api import (
 )
 from ..errors import OverloadedError
 from ..sessions import SessionReaper
-from .alerts import HitRateMonitor, miss_cause
+from .alerts import HitRateMonitor
 from .auth import Authenticator, Scope
 from .errors import APIError
 from .history import RequestHistory
@@ -229,7 +229,7 @@ class Generation:
         if result.finish_reason != "cancelled":
             s.metrics.observe_result(self.api, u.prompt_tokens, u.cached_by_tier,
                                      u.completion_tokens, ttft)
-            s.monitor.record(u.prompt_tokens, u.cached_tokens, result.miss_reason)
+            s.monitor.record(u.prompt_tokens, u.cached_tokens, result.miss)
             s.session_stats.record(self.scope, u.prompt_tokens, u.cached_tokens)
         rate = s.monitor.hit_rate()
         if s.sessions is not None:
@@ -238,7 +238,8 @@ class Generation:
             s.history.record(api=self.api, tenant=self.request.tenant,
                              session=self.scope.session_id, prompt_tokens=u.prompt_tokens,
                              cached_tokens=u.cached_tokens, ttft_s=ttft,
-                             cause=miss_cause(result.miss_reason), rolling_hit_rate=rate)
+                             cause=result.miss.cause if result.miss is not None else None,
+                             rolling_hit_rate=rate)
         if rate is not None:
             s.metrics.rolling_hit_rate.set(rate)
         s.metrics.alert.set(1 if s.monitor.alerting else 0)

@@ -54,7 +54,7 @@ def start(st: ServerState, api: str, request: Request, scope: Scope, prepared: P
     cache_on = caching(st)
 
     def on_result(result: GenerationResult) -> str | None:
-        cause = cache_cause_of(result.miss_reason)
+        cause = cache_cause_of(result.miss)
         diagnosis = prepared.divergence.diagnose(result.usage.cached_tokens, cause, cache_on)
         prep.record_turn(prepared, turn, message_id, result)
         if diagnosis is None:
