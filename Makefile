@@ -10,7 +10,7 @@ PRELOAD := $(if $(wildcard $(OPENBLAS)),LD_PRELOAD=$(OPENBLAS),)
 HOST ?= 127.0.0.1
 PORT ?= 8080
 
-.PHONY: setup serve test lint typecheck pytest bench peers clean
+.PHONY: setup serve test test-fast lint typecheck pytest bench peers clean
 
 setup: $(STAMP)
 
@@ -33,7 +33,16 @@ typecheck: setup
 	$(BIN)/mypy
 
 pytest: setup
-	$(PRELOAD) $(BIN)/pytest -q $(PYTEST_ARGS)
+	$(PRELOAD) $(BIN)/pytest -q --durations=25 $(PYTEST_ARGS)
+
+# a loop for developers (about a minute on a quiet 2-core machine): the cache core and
+# the server against its fake engine; the real-model, fuzzing, trace and subprocess
+# tests, and the other folders, run in `make test`
+FAST_IGNORE := $(addprefix --ignore=tests/server/,test_hostile_memory.py \
+	test_server_default_model.py test_server_structured_real.py test_server_real.py \
+	test_traces.py test_server_fuzz.py test_valid_fuzz.py test_family_tool_calls.py)
+test-fast: setup
+	$(PRELOAD) $(BIN)/pytest -q -x -m "not slow" tests/core tests/server $(FAST_IGNORE) $(PYTEST_ARGS)
 
 test: lint typecheck pytest
 
