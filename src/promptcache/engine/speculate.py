@@ -12,11 +12,15 @@ key (split once per sample, as when decoding one token at a time) and a draft to
 accepted only if it equals that sample: the same tokens for the same seed, the
 distribution unchanged.
 
-Where it runs (``Speculator.eligible``), today: batches of at most ``spec_max_rows``
-rows, all of them greedy or sampled (log-probabilities of every emitted token from the
-verify forward's logits at its position), no logits processors (constraints), plain KV
-caches (every layer trimmable: no sliding window, no array /
-SSM state, no quantized KV), no logits hook. Everything else decodes as before. The
+Where it runs (``Speculator.eligible``): batches of at most ``spec_max_rows`` rows, all
+of them greedy or sampled (log-probabilities of every emitted token from the verify
+forward's logits at its position), no logits processors (constraints), no logits hook,
+and caches that can take a verify's rejected positions back
+(``mlx_compat.speculation_kind``): plain KV and MLA (trimmed), sliding windows (the
+window keeps exactly what decoding one token at a time would hold), and array / SSM
+states next to KV (hybrids: the states are put back as they were before the verify and
+the accepted tokens are fed again, ``DecodeBatch._repair``). Everything else decodes as
+before. The
 number of draft tokens adapts per request (doubles after a fully accepted draft, falls
 to accepted + 1 after a rejection, at least ``MIN_K``); after a fully rejected draft the
 request drafts nothing for 1, 2, 4 ... ``MAX_COOL`` steps, so a request whose drafts keep
@@ -78,12 +82,21 @@ class Speculator:
         # request id -> where its last draft came from ("self" | "pool" | "source")
         self._source: dict[str, str] = {}
 
-    def eligible(self, rows: Sequence[Request], cache: Sequence[Any]) -> bool:
-        if not rows or len(rows) > self.max_rows or not mlx_compat.plain_batch_kv(cache):
+    def eligible(self, rows: Sequence[Request], cache: Sequence[Any], model: Any) -> bool:
+        """A verify forward can serve these rows: at most ``max_rows``, caches whose
+        rejected positions can be taken back (``mlx_compat.speculation_kind``), no logits
+        processors or hook; several rows over array states that cannot take right padding
+        (``mlx_compat.states_take_lengths``) keep as many positions as the shortest, so
+        they must all be greedy (a sampled row's key would have advanced past them)."""
+        if not rows or len(rows) > self.max_rows:
             return False
-        return all(not r.processors
-                   and r.ctx.logits_hook is None and r.truncatable and not r.sliding
-                   for r in rows)
+        kind = mlx_compat.speculation_kind(cache)
+        if kind is None:
+            return False
+        if kind == "state" and len(rows) > 1 and not mlx_compat.states_take_lengths(model) \
+                and not all(r.sampler.greedy for r in rows):
+            return False
+        return all(not r.processors and r.ctx.logits_hook is None for r in rows)
 
     def propose(self, r: Request) -> tuple[int, ...]:
         """Draft tokens after ``r``'s sequence (prompt + output so far); none while the
@@ -131,7 +144,7 @@ class Speculator:
         else:
             self._cool[r.request_id] = (0, 0)
 
-    def worth_it(self, drafts: Sequence[Sequence[int]]) -> bool:
+    def worth_it(self, drafts: Sequence[Sequence[int]], cache: Sequence[Any]) -> bool:
         """A verify forward over several rows pads every row to the longest draft and
         moves each row's rejected tail out of the way (a copy of the batch cache): only
         when at least half of the rows have a draft."""
