@@ -60,6 +60,9 @@ class EngineCounters:
     # of those, the drafts from the tenant's pool (other requests' outputs)
     spec_pool_drafted: int = 0
     spec_pool_accepted: int = 0
+    # tokens the pools took from the cache's stored token ids (a tenant's first request
+    # in this process: its history in RAM / SSD / Redis)
+    spec_pool_seeded: int = 0
     # forwards that fed accepted tokens again after a verify (array / SSM states cannot
     # drop rejected positions: they go back to before the verify and take the kept ones)
     spec_recomputes: int = 0

@@ -167,7 +167,9 @@ class Engine:
             namespace_for=self.namespace if cache is not None else None, block_size=bs,
             counters=self.counters, logits_hook=logits_hook, vision=vision,
             kv_quant=self.kv_quant,
-            speculator=Speculator(cfg, self.counters) if cfg.speculation == "suffix" else None,
+            speculator=Speculator(cfg, self.counters, history=self._token_history
+                                  if cache is not None else None)
+            if cfg.speculation == "suffix" else None,
         )
         probed = probe_caches(model)
         if cache is not None:
@@ -402,6 +404,15 @@ class Engine:
                 "mlx_cache_bytes": int(mx.get_cache_memory()),
                 "mlx_peak_bytes": int(mx.get_peak_memory())}
 
+    def _token_history(self, tenant: str) -> list[tuple[int, ...]]:
+        """The token ids the cache stores for ``tenant`` under this model (the draft
+        pool's seed; engine thread)."""
+        if self.cache is None:
+            return []
+        seqs: list[tuple[int, ...]] = self.cache.token_history(
+            self.namespace(tenant), self.engine_config.spec_pool_tokens)
+        return seqs
+
     def _spec_stats(self) -> dict[str, Any]:
         """The draft pool's size and what the speculation counters mean: acceptance rate
         (accepted / drafted), mean accepted length (accepted / verify forwards) and tokens
@@ -410,6 +421,7 @@ class Engine:
         c = self.counters
         v, d, a = c.spec_verifies, c.spec_drafted, c.spec_accepted
         return {"spec_pool_tokens": spec.pool_tokens() if spec is not None else 0,
+                "spec_pool_ngrams": spec.pools.num_ngrams() if spec is not None else 0,
                 "spec_acceptance_rate": round(a / d, 4) if d else None,
                 "spec_mean_accepted": round(a / v, 4) if v else None,
                 "spec_tokens_per_forward": round(1 + a / v, 4) if v else None}

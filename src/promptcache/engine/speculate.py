@@ -40,12 +40,13 @@ half right must all give the same tokens).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..config import EngineConfig
 from . import mlx_compat
-from .drafts import DraftConfig, DraftPools, SequenceDrafts, propose
+from .drafts import DraftConfig, DraftPools, SequenceDrafts, TenantDrafts, propose
 
 if TYPE_CHECKING:
     from .context import EngineCounters
@@ -53,6 +54,10 @@ if TYPE_CHECKING:
 
 # (request, k) -> up to k draft tokens following the request's sequence
 DraftSource = Callable[["Request", int], Sequence[int]]
+# tenant -> the token sequences the cache stores for it (``PromptCache.token_history``)
+History = Callable[[str], Sequence[Sequence[int]]]
+
+logger = logging.getLogger(__name__)
 
 MIN_K = 2
 # the longest pause in drafting after fully rejected drafts, in decode steps
@@ -63,7 +68,7 @@ HISTORY_TOKENS = 32768
 
 class Speculator:
     def __init__(self, config: EngineConfig, counters: EngineCounters,
-                 source: DraftSource | None = None) -> None:
+                 source: DraftSource | None = None, history: History | None = None) -> None:
         self.max_k = config.spec_max_draft
         self.max_rows = config.spec_max_rows
         self.drafts_config = DraftConfig(min_n=config.spec_min_match,
@@ -74,6 +79,8 @@ class Speculator:
         self.pool_prompt_tokens = config.spec_pool_prompt_tokens
         self.counters = counters
         self.source = source
+        self.history = history
+        self._seeded: set[str] = set()  # tenants whose pool took the cache's history
         # request id -> (where its indexed history starts, the index)
         self._index: dict[str, tuple[int, SequenceDrafts]] = {}
         self._k: dict[str, int] = {}
@@ -119,9 +126,25 @@ class Speculator:
         have = base + len(index)
         if have < n:
             index.extend(int(t) for t in r.seq[have:n].tolist())
-        draft = propose(index, self.pools.get(r.req.tenant), k)
+        draft = propose(index, self._pool(r.req.tenant), k)
         self._source[r.request_id] = draft.source
         return draft.tokens
+
+    def _pool(self, tenant: str) -> TenantDrafts | None:
+        """``tenant``'s pool; the first time a tenant asks in this process, it is
+        seeded with the token ids the cache stores for it (RAM, SSD, Redis: drafts
+        survive a restart and are shared between servers), at most the pool's budget."""
+        if self.history is not None and tenant not in self._seeded:
+            self._seeded.add(tenant)
+            try:
+                seqs = self.history(tenant)
+            except Exception:
+                logger.exception("reading the cache's token history for the draft pool failed")
+                seqs = []
+            for seq in seqs:
+                self.pools.add(tenant, seq)
+            self.counters.spec_pool_seeded += sum(len(s) for s in seqs)
+        return self.pools.get(tenant)
 
     def feedback(self, r: Request, drafted: int, accepted: int) -> None:
         c = self.counters
