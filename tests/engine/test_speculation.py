@@ -381,7 +381,8 @@ def test_a_restarted_engine_drafts_from_the_token_ids_the_ssd_stores(tiny_llama_
         plain.close()
     ssd = SSDConfig(path=tmp_path / "blocks", policy="write_through", fsync=False)
     cc = CacheConfig(block_size=8, ram_budget_bytes=64 * 1024**2)
-    ec = EngineConfig(prefill_chunk_tokens=16, speculation="suffix")
+    ec = EngineConfig(prefill_chunk_tokens=16, speculation="suffix",
+                      spec_verify_cost=(1.0, 0.0))
 
     def go(eng: Engine, tenant: str) -> Any:
         return eng.submit(GenerationRequest(prompt_tokens=toks, tenant=tenant,

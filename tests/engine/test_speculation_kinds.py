@@ -236,7 +236,7 @@ def quant_engine(models_root: Path) -> Iterator[Engine]:
     cc = CacheConfig(block_size=8, ram_budget_bytes=64 * 1024**2, kv_bits=8,
                      kv_quant_min_tokens=0)
     eng = Engine.load(path, EngineConfig(prefill_chunk_tokens=16, speculation="suffix",
-                                         spec_max_draft=6),
+                                         spec_max_draft=6, spec_verify_cost=(1.0, 0.0)),
                       cc, cache=PromptCache(cc, adapter=MLXPayloadAdapter()))
     try:
         yield eng

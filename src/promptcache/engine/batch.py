@@ -228,8 +228,10 @@ class DecodeBatch:
                 return True
         rows = self.rows
         drafts = [spec.propose(r) for r in rows]
-        if not spec.worth_it(drafts, self.cache):
+        cut = spec.plan(rows, drafts, self.cache, self.model)
+        if cut == 0:
             return False
+        drafts = [d[:cut] for d in drafts]
         width = 1 + max(len(d) for d in drafts)
         x = mx.array([[pending[i], *d, *([pending[i]] * (width - 1 - len(d)))]
                       for i, d in enumerate(drafts)], dtype=mx.uint32)

@@ -67,6 +67,9 @@ class EngineCounters:
     # drop rejected positions: they go back to before the verify and take the kept ones)
     spec_recomputes: int = 0
     spec_multirow: int = 0  # verify forwards over several rows
+    # steps with drafts where the gate (engine/spec_cost.py) decoded as usual: the
+    # verify forward was not expected to pay for itself
+    spec_gated: int = 0
     # rows of several whose array states cannot take right-padded tokens (all rows keep
     # as many positions as the shortest) that stopped inside a draft before the others'
     # end: their state holds more than their output, so their reply was not stored

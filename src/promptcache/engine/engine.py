@@ -44,6 +44,7 @@ from .quant import from_config as _kv_quant_of
 from .request import Request
 from .scheduler import Scheduler
 from .shadow import ShadowVerifier
+from .spec_cost import VerifyCost, measure_verify_cost
 from .speculate import Speculator
 from .templates import ChatTemplate
 from .vision import VisionEncoder
@@ -168,7 +169,8 @@ class Engine:
             counters=self.counters, logits_hook=logits_hook, vision=vision,
             kv_quant=self.kv_quant,
             speculator=Speculator(cfg, self.counters, history=self._token_history
-                                  if cache is not None else None)
+                                  if cache is not None else None,
+                                  cost=_verify_cost(cfg, model, vocab_size))
             if cfg.speculation == "suffix" else None,
         )
         probed = probe_caches(model)
@@ -420,7 +422,11 @@ class Engine:
         spec = self._ctx.speculator
         c = self.counters
         v, d, a = c.spec_verifies, c.spec_drafted, c.spec_accepted
+        relative = ({f"k{k}": round(spec.cost.relative(1, k + 1), 3) for k in (1, 2, 4, 8, 16)}
+                    if spec is not None else {})
         return {"spec_pool_tokens": spec.pool_tokens() if spec is not None else 0,
+                # one stream's verify forward of k drafts, in decode steps
+                "spec_verify_cost": relative,
                 "spec_pool_ngrams": spec.pools.num_ngrams() if spec is not None else 0,
                 "spec_acceptance_rate": round(a / d, 4) if d else None,
                 "spec_mean_accepted": round(a / v, 4) if v else None,
@@ -532,3 +538,13 @@ def _stop_thread(control: Arrivals, thread: threading.Thread) -> None:
     control.wake.set()
     if thread.is_alive() and thread is not threading.current_thread():
         thread.join(timeout=60)
+
+
+def _verify_cost(cfg: EngineConfig, model: Any, vocab_size: int) -> VerifyCost:
+    """The verify forward's cost for speculation's gate: from the config, or measured."""
+    if cfg.spec_verify_cost is not None:
+        return VerifyCost(*cfg.spec_verify_cost)
+    cost = measure_verify_cost(model, vocab_size)
+    logger.info("speculation: a verify forward of k drafts costs %s decode steps (k=1, 4, "
+                "16), measured", [round(cost.relative(1, k + 1), 2) for k in (1, 4, 16)])
+    return cost

@@ -45,8 +45,9 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..config import EngineConfig
-from . import mlx_compat
+from . import mlx_compat, spec_cost
 from .drafts import DraftConfig, DraftPools, SequenceDrafts, TenantDrafts, propose
+from .spec_cost import FREE, Acceptance, VerifyCost
 
 if TYPE_CHECKING:
     from .context import EngineCounters
@@ -68,7 +69,8 @@ HISTORY_TOKENS = 32768
 
 class Speculator:
     def __init__(self, config: EngineConfig, counters: EngineCounters,
-                 source: DraftSource | None = None, history: History | None = None) -> None:
+                 source: DraftSource | None = None, history: History | None = None,
+                 cost: VerifyCost | None = None) -> None:
         self.max_k = config.spec_max_draft
         self.max_rows = config.spec_max_rows
         self.drafts_config = DraftConfig(min_n=config.spec_min_match,
@@ -80,6 +82,10 @@ class Speculator:
         self.counters = counters
         self.source = source
         self.history = history
+        # what a verify forward costs (measured at startup, or from the config; default:
+        # what a decode step costs)
+        self.cost = cost if cost is not None else FREE
+        self._acc: dict[str, Acceptance] = {}  # request id -> its acceptance counts
         self._seeded: set[str] = set()  # tenants whose pool took the cache's history
         # request id -> (where its indexed history starts, the index)
         self._index: dict[str, tuple[int, SequenceDrafts]] = {}
@@ -156,6 +162,7 @@ class Speculator:
             c.spec_pool_accepted += accepted
         r.usage.spec_drafted += drafted
         r.usage.spec_accepted += accepted
+        self._acceptance(r).update(drafted, accepted)
         k = self._k.get(r.request_id, self.max_k)
         self._k[r.request_id] = min(self.max_k, 2 * k) if accepted == drafted \
             else max(MIN_K, accepted + 1)
@@ -167,12 +174,27 @@ class Speculator:
         else:
             self._cool[r.request_id] = (0, 0)
 
-    def worth_it(self, drafts: Sequence[Sequence[int]], cache: Sequence[Any]) -> bool:
-        """A verify forward over several rows pads every row to the longest draft and
-        moves each row's rejected tail out of the way (a copy of the batch cache): only
-        when at least half of the rows have a draft."""
-        with_draft = sum(1 for d in drafts if d)
-        return with_draft > 0 and (len(drafts) == 1 or 2 * with_draft >= len(drafts))
+    def plan(self, rows: Sequence[Request], drafts: Sequence[Sequence[int]],
+             cache: Sequence[Any], model: Any) -> int:
+        """How many tokens of its draft each row feeds in a verify forward, 0: decode as
+        usual (``spec_cost.plan``: each row's acceptance rate, the measured cost of the
+        verify forward, the forward that feeds array states again)."""
+        if not any(drafts):
+            return 0
+        state = mlx_compat.speculation_kind(cache) == "state"
+        uniform = state and len(rows) > 1 and not mlx_compat.states_take_lengths(model)
+        rates = [self._acceptance(r).rate for r in rows]
+        cut = spec_cost.plan(rates, [len(d) for d in drafts], self.cost, state=state,
+                             uniform=uniform)
+        if cut == 0:
+            self.counters.spec_gated += 1
+        return cut
+
+    def _acceptance(self, r: Request) -> Acceptance:
+        acc = self._acc.get(r.request_id)
+        if acc is None:
+            acc = self._acc[r.request_id] = Acceptance()
+        return acc
 
     def remember(self, r: Request) -> None:
         """A finished request's output and the last ``pool_prompt_tokens`` of its prompt
@@ -191,3 +213,4 @@ class Speculator:
         self._k.pop(r.request_id, None)
         self._cool.pop(r.request_id, None)
         self._source.pop(r.request_id, None)
+        self._acc.pop(r.request_id, None)
