@@ -38,18 +38,18 @@ def test_relative_cost() -> None:
 
 def test_acceptance_rate_from_decayed_counts() -> None:
     a = Acceptance()
-    assert a.rate == 0.5  # the prior
+    assert a.rate == pytest.approx(2 / 3)  # the prior: 2 accepted, 1 rejected
     a.update(4, 4)
-    assert a.rate == pytest.approx(5 / 6)
+    assert (a.accepted, a.rejected) == (pytest.approx(5.8), pytest.approx(0.9))
     a.update(4, 0)
-    # 0.9 * 4 accepted, 1 rejection
-    assert (a.accepted, a.rejected) == (pytest.approx(3.6), 1.0)
-    assert a.rate == pytest.approx(4.6 / 6.6)
+    assert (a.accepted, a.rejected) == (pytest.approx(5.22), pytest.approx(1.81))
+    assert a.rate == pytest.approx(5.22 / 7.03)
     b = Acceptance()
     for _ in range(7):
         b.update(2, 0)
     # 2-token drafts that always fail: verified 7 times on a CPU-like cost, then not
-    assert b.rate == pytest.approx(1 / (2 + sum(0.9 ** i for i in range(7))))
+    assert b.rate == pytest.approx(2 * 0.9 ** 7 / (2 * 0.9 ** 7 + 0.9 ** 7 + sum(
+        0.9 ** i for i in range(7))))
     assert plan([b.rate], [2], CPU) == 0
     assert expected_tokens(0.5, 3) == 1.875
     assert expected_tokens(1.0, 4) == 5.0

@@ -8,7 +8,7 @@ model itself at startup (a few forwards on an empty cache, the fastest of three 
 A normal decode step is the same forward at width 1 and gives every row one token.
 
 A row's drafts are accepted token by token with probability ``q`` (``Acceptance``:
-decayed counts of accepted tokens and of rejections, a prior of one of each), so a
+decayed counts of accepted tokens and of rejections, a prior of 2 and 1), so a
 draft truncated to ``L`` tokens is worth ``1 + q + q^2 + ... + q^L`` tokens. For each
 ``L`` from 1 to the longest draft the gate compares the tokens a verify of width
 ``1 + L`` is expected to give with its cost (plus, for array states, the forward that
@@ -32,6 +32,8 @@ MARGIN = 0.05
 # how much of a row's acceptance history each new verify keeps
 DECAY = 0.9
 MEASURE_WIDTH = 16
+PRIOR_ACCEPTED = 2.0
+PRIOR_REJECTED = 1.0
 
 
 @dataclass(frozen=True)
@@ -79,8 +81,9 @@ class Acceptance:
     __slots__ = ("accepted", "rejected")
 
     def __init__(self) -> None:
-        self.accepted = 0.0
-        self.rejected = 0.0
+        # the prior decays with the counts: what a request's drafts do wins
+        self.accepted = PRIOR_ACCEPTED
+        self.rejected = PRIOR_REJECTED
 
     def update(self, drafted: int, accepted: int) -> None:
         self.accepted = DECAY * self.accepted + accepted
@@ -88,8 +91,10 @@ class Acceptance:
 
     @property
     def rate(self) -> float:
-        """The chance that the next draft token is accepted (prior: 1/2)."""
-        return (self.accepted + 1.0) / (self.accepted + self.rejected + 2.0)
+        """The chance that the next draft token is accepted. Prior: 2 accepted, 1
+        rejected (2/3): a draft exists only where the sequence's last tokens occurred
+        before, which is evidence for the tokens that followed."""
+        return self.accepted / (self.accepted + self.rejected)
 
 
 def expected_tokens(rate: float, n: int) -> float:
