@@ -7,7 +7,13 @@ both alike. Reports decode tok/s, the forwards per reply (decode steps: the quan
 speculation reduces, independent of the machine's load), drafted / accepted tokens, and
 whether the tokens equal those of the run without speculation.
 
+``--verify-cost``: instead, the cost of one verify forward of k = 1..16 draft tokens
+(a forward of k + 1 positions, one stream, over the edit prompt's KV) in decode steps
+(a forward of 1 position): the fastest of ``--repeats`` each, the cache trimmed back
+after each; and the engine's fitted model (engine/spec_cost.py) beside it.
+
 Usage: .venv/bin/python bench/bench_speculation.py [--max-tokens 160] [--model PATH]
+       [--verify-cost [--repeats 5]]
 (with OpenBLAS: LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0)
 """
 
@@ -39,8 +45,13 @@ def main() -> None:
     ap.add_argument("--model", default=None)
     ap.add_argument("--max-draft", type=int, default=8)
     ap.add_argument("--min-match", type=int, default=3)
+    ap.add_argument("--verify-cost", action="store_true")
+    ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args()
     path = args.model or ensure_default_model()
+    if args.verify_cost:
+        verify_cost(path, args.repeats)
+        return
     reference: dict[str, list[int]] = {}
     for mode in ("off", "suffix", "off", "suffix"):
         cfg = EngineConfig(speculation=mode, spec_max_draft=args.max_draft,
@@ -62,6 +73,44 @@ def main() -> None:
                       f"accepted {d['spec_accepted']:3d}  identical {same}", flush=True)
         finally:
             eng.close()
+
+
+def verify_cost(path: Any, repeats: int) -> None:
+    import time
+
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from promptcache.engine.spec_cost import measure_verify_cost
+
+    eng = Engine.load(path, EngineConfig(), CacheConfig(), cache=None)
+    try:
+        model = eng._ctx.model
+        tokens = eng.render_chat(scenarios()["edit"])
+        cache = make_prompt_cache(model)
+        mx.eval(model(mx.array([tokens], dtype=mx.uint32), cache=cache))
+        x = mx.array([tokens[:17]], dtype=mx.uint32)
+
+        def once(width: int) -> float:
+            t0 = time.perf_counter()
+            mx.eval(model(x[:, :width], cache=cache))
+            dt = time.perf_counter() - t0
+            for c in cache:
+                c.trim(width)
+            return dt
+
+        once(1)
+        base = min(once(1) for _ in range(repeats))
+        fitted = measure_verify_cost(model, eng._ctx.vocab_size)
+        print(f"prompt {len(tokens)} tokens; one position: {base * 1000:.1f} ms")
+        print("| k | forward ms | in decode steps | fitted (spec_cost) |")
+        print("| --- | --- | --- | --- |")
+        for k in range(1, 17):
+            t = min(once(k + 1) for _ in range(repeats))
+            print(f"| {k} | {t * 1000:.1f} | {t / base:.2f} | {fitted.relative(1, k + 1):.2f} |",
+                  flush=True)
+    finally:
+        eng.close()
 
 
 if __name__ == "__main__":

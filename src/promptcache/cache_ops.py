@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from .blocks.block import unpack_tokens
 from .blocks.pool import SNAPSHOT, TRUNCATABLE
 from .cache_base import CacheBase
 from .hashing import BlockHash
@@ -78,6 +79,55 @@ class CacheOps(CacheBase):
                 except Exception as e:
                     self._on_tier_error(tier, e)
             return count
+
+    # ---- token history (speculative decoding's draft pool, ``engine/speculate.py``) --
+    def token_history(self, ns: Namespace, max_tokens: int, overlap: int = 16
+                      ) -> list[tuple[int, ...]]:
+        """The token ids stored under ``ns`` (one model, format and tenant) in RAM and
+        the lower tiers, as sequences: the chains from the namespace root, depth first;
+        a block's first child continues its sequence, every other child starts a new
+        one with the last ``overlap`` tokens before it (so n-grams reach across the
+        branch point). Each block's tokens once, at most about ``max_tokens`` tokens in
+        all (the walk stops there). Metadata only: no payload is read."""
+        if max_tokens <= 0:
+            return []
+        seqs: list[list[int]] = []
+        total = 0
+        seen: set[BlockHash] = set()
+        with self._lock:
+            # (block, the last `overlap` tokens up to it, the sequence its first child
+            # continues; -1 for none)
+            stack: list[tuple[BlockHash, tuple[int, ...], int]] = [(ns.root, (), -1)]
+            while stack and total < max_tokens:
+                parent, tail, cont = stack.pop()
+                kids: dict[BlockHash, tuple[int, ...]] = {}
+                for b in self.pool.children(parent):
+                    if b.block_hash is not None and b.ns == ns:
+                        kids[b.block_hash] = unpack_tokens(b.tokens)
+                for tier in self.lower:
+                    try:
+                        for m in tier.children(parent, ns=ns):
+                            if m.namespace_key in ("", ns.key):
+                                kids.setdefault(m.block_hash, m.token_ids)
+                    except Exception as e:
+                        self._on_tier_error(tier, e)
+                first = True
+                for h in sorted(kids):
+                    if h in seen:
+                        continue
+                    seen.add(h)
+                    toks = kids[h]
+                    if first and cont >= 0:
+                        at = cont
+                    else:
+                        seqs.append(list(tail))
+                        total += len(tail)
+                        at = len(seqs) - 1
+                    first = False
+                    seqs[at].extend(toks)
+                    total += len(toks)
+                    stack.append((h, (tail + toks)[-overlap:], at))
+        return [tuple(s) for s in seqs if s]
 
     # ---- quarantine (``engine/shadow.py``: a block that failed verification) ------
     def quarantine_chain(self, block_hash: BlockHash, ns: Namespace) -> int:

@@ -239,6 +239,10 @@ class EngineConfig:
     # objects per pooled token (the n-gram index): the default holds ~64 MB
     spec_pool_tokens: int = 65_536
     spec_pool_prompt_tokens: int = 256
+    # what a forward of `rows` rows x `width` positions costs: (overhead, per token), as in
+    # overhead + per_token * rows * width (engine/spec_cost.py); None: measured on the
+    # model at startup
+    spec_verify_cost: tuple[float, float] | None = None
 
     def __post_init__(self) -> None:
         if self.speculation not in ("suffix", "off"):
@@ -251,6 +255,12 @@ class EngineConfig:
             raise ValueError(f"spec_min_match must be in [1, 16], got {self.spec_min_match}")
         if self.spec_pool_tokens < 0:
             raise ValueError(f"spec_pool_tokens must be >= 0, got {self.spec_pool_tokens}")
+        if self.spec_verify_cost is not None:
+            vc = self.spec_verify_cost
+            if len(vc) != 2 or any(isinstance(v, bool) or not isinstance(v, int | float)
+                                   or v < 0 for v in vc) or vc[0] + vc[1] <= 0:
+                raise ValueError("spec_verify_cost must be (overhead, per_token), both >= 0 "
+                                 f"and not both 0, got {vc!r}")
         if self.spec_pool_prompt_tokens < 0:
             raise ValueError("spec_pool_prompt_tokens must be >= 0, got "
                              f"{self.spec_pool_prompt_tokens}")

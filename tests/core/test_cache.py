@@ -248,3 +248,23 @@ def test_bad_arguments_raise_value_error():
     with pytest.raises(ValueError):
         cache.evict(-1)
     assert isinstance(cache.acquire(SEQ, NS), Hit)
+
+
+def test_token_history_walks_the_stored_chains_of_one_namespace():
+    """Sequences root to leaf, depth first by block hash; a branch starts a new sequence
+    with the last ``overlap`` tokens before it; each block once; another tenant's
+    blocks never; the walk stops past ``max_tokens``."""
+    cache = make_cache()
+    a = list(range(1, 11))  # blocks [1..4] [5..8] + partial [9, 10]
+    b = list(range(1, 9)) + [50, 51, 52, 53, 54]  # shares two blocks, then its own
+    cache.store(NS, a, len(a), payload_for)
+    cache.store(NS, b, len(b), payload_for)
+    other = ns_of(4, tenant="other")
+    cache.store(other, [7, 7, 7, 7], 4, payload_for)
+    # the branch after [5..8]: [9, 10] sorts first (hashes), [50..53] + [54] start anew
+    assert cache.token_history(NS, 1000, overlap=3) == [
+        (1, 2, 3, 4, 5, 6, 7, 8, 9, 10), (6, 7, 8, 50, 51, 52, 53, 54)]
+    assert cache.token_history(other, 1000) == [(7, 7, 7, 7)]
+    assert cache.token_history(NS, 0) == []
+    # the walk stops once max_tokens are collected (blocks of 4: it stops after 4)
+    assert sum(len(s) for s in cache.token_history(NS, 4)) == 4

@@ -128,16 +128,7 @@ def test_what_speculation_saves_restores_the_same_next_turn(tiny_llama_path: Any
 DIGITS = Constraint("regex", "[0-9]{1,200}")
 
 
-def test_sliding_windows_and_constrained_rows_do_not_speculate(tiny_llama_path: Any,
-                                                               tiny_gemma_path: Any) -> None:
-    eng = make_engine(tiny_gemma_path, use_cache=False, speculation="suffix")
-    try:
-        eng._ctx.logits_hook = None
-        eng._ctx.speculator.source = lambda r, k: [1] * k
-        run(eng, prompt(2))  # sliding windows: not eligible
-        assert eng.counters.spec_verifies == 0
-    finally:
-        eng.close()
+def test_constrained_rows_do_not_speculate(tiny_llama_path: Any) -> None:
     eng = make_engine(tiny_llama_path, use_cache=False, speculation="suffix")
     try:
         eng._ctx.logits_hook = None
@@ -370,3 +361,49 @@ def test_no_speculation_reports_no_rates(tiny_llama_path: Any) -> None:
         assert st["spec_acceptance_rate"] is None and st["spec_tokens_per_forward"] is None
     finally:
         eng.close()
+
+
+def test_a_restarted_engine_drafts_from_the_token_ids_the_ssd_stores(tiny_llama_path: Any,
+                                                                     tmp_path: Any) -> None:
+    """The draft pool is seeded from the cache's stored token ids: a fresh engine on
+    the same SSD folder, with no request before in its process, gets pool drafts
+    (accepted) from the previous process's reply, the same tokens as without
+    speculation; another tenant's first request gets none of them."""
+    from promptcache.cli.wiring import build_cache
+    from promptcache.config import CacheConfig, EngineConfig, SSDConfig
+    from promptcache.engine.engine import Engine
+
+    toks = tuple(int(t) for t in np.random.default_rng(301).integers(3, 1000, size=40))
+    plain = make_engine(tiny_llama_path, use_cache=False)
+    try:
+        want = run(plain, toks).tokens
+    finally:
+        plain.close()
+    ssd = SSDConfig(path=tmp_path / "blocks", policy="write_through", fsync=False)
+    cc = CacheConfig(block_size=8, ram_budget_bytes=64 * 1024**2)
+    ec = EngineConfig(prefill_chunk_tokens=16, speculation="suffix",
+                      spec_verify_cost=(1.0, 0.0))
+
+    def go(eng: Engine, tenant: str) -> Any:
+        return eng.submit(GenerationRequest(prompt_tokens=toks, tenant=tenant,
+                                            sampling=SamplingParams(max_tokens=40))
+                          ).result(timeout=300)
+
+    with Engine.load(tiny_llama_path, ec, cc, cache=build_cache(cc, ssd)) as first:
+        assert go(first, "a").tokens == want
+    with Engine.load(tiny_llama_path, ec, cc, cache=build_cache(cc, ssd)) as second:
+        c = second.counters
+        got = go(second, "a")
+        assert got.tokens == want
+        # the prompt and the reply but its last token (end-of-generation save point)
+        assert c.spec_pool_seeded == len(toks) + len(want) - 1
+        assert c.spec_pool_accepted > 0
+        seeded, pooled = c.spec_pool_seeded, c.spec_pool_drafted
+        assert go(second, "b").tokens == want
+        # b's history is b's own prompt, stored when its prefill ended: nothing of a's
+        assert (c.spec_pool_seeded, c.spec_pool_drafted) == (seeded + len(toks), pooled)
+        st = second.engine_stats()
+        assert st["spec_pool_seeded"] == seeded + len(toks)
+        # + a's and b's finished requests (prompt and reply each)
+        assert st["spec_pool_tokens"] == seeded + len(toks) + 2 * (len(toks) + len(want))
+        assert st["spec_pool_ngrams"] > 0

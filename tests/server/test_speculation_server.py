@@ -21,7 +21,8 @@ MESSAGES = [{"role": "user", "content": "Count from one to twenty, in words."}]
 
 def test_spec_counts_in_the_log_line_stats_and_dashboard(
         tiny_llama_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    engine = tiny_engine(tiny_llama_path, None, speculation="suffix", spec_max_draft=4)
+    engine = tiny_engine(tiny_llama_path, None, speculation="suffix", spec_max_draft=4,
+                         spec_verify_cost=(1.0, 0.0))
     try:
         client = TestClient(create_app(engine, ServerConfig(prerender=False)))
         spec = engine._ctx.speculator

@@ -152,7 +152,7 @@ class DecodeBatch:
         if not self.rows or self._inputs is None:
             return
         spec = self.rows[0].ctx.speculator
-        if spec is not None and spec.eligible(self.rows, self.cache) \
+        if spec is not None and spec.eligible(self.rows, self.cache, self.model) \
                 and self._speculative_step(spec):
             return
         rows = self.rows
@@ -200,10 +200,11 @@ class DecodeBatch:
         """Every row's pending token and its draft (``speculate.py``) in one forward of
         ``[rows, 1 + longest draft]`` (shorter drafts padded at the right). Synchronous
         (no pipelining). Per row, the longest draft prefix that decoding one token at a
-        time would produce is kept plus the model's token after it; the other positions
-        (rejected drafts, padding) leave the cache (``mlx_compat.drop_row_tails``).
-        False: no row has a draft, the caller decodes as usual (the pending tokens
-        have been reported then)."""
+        time would produce is kept plus the model's token after it; the caches are then
+        repaired to hold exactly the positions each row keeps (``_repair``). A stop
+        string or max_tokens inside an accepted draft ends the row there, its caches
+        holding prompt + output[:-1], as without speculation. False: no verify is worth
+        it, the caller decodes as usual (the pending tokens have been reported then)."""
         if self._inputs is None:  # step() checks it; a row without a pending token is a bug
             raise InvariantError("a speculative step over rows without pending tokens")
         pending = cast(list[int], self._inputs.tolist())
@@ -227,11 +228,14 @@ class DecodeBatch:
                 return True
         rows = self.rows
         drafts = [spec.propose(r) for r in rows]
-        if not spec.worth_it(drafts):
+        cut = spec.plan(rows, drafts, self.cache, self.model)
+        if cut == 0:
             return False
-        width = max(len(d) for d in drafts)
-        x = mx.array([[pending[i], *d, *([pending[i]] * (width - len(d)))]
+        drafts = [d[:cut] for d in drafts]
+        width = 1 + max(len(d) for d in drafts)
+        x = mx.array([[pending[i], *d, *([pending[i]] * (width - 1 - len(d)))]
                       for i, d in enumerate(drafts)], dtype=mx.uint32)
+        states = mlx_compat.before_verify(self.cache)
         logits = self.model(x, cache=self.cache)
         greedy: list[list[int]] = []
         if any(r.sampler.greedy for r in rows):
@@ -255,34 +259,86 @@ class DecodeBatch:
                     break
             accepted.append(a)
             bonus.append(tok)
-            if d:
-                spec.feedback(r, len(d), a)
-        mlx_compat.drop_row_tails(self.cache, [width - a for a in accepted])
+        # array states that cannot take right-padded tokens (mlx_compat.states_take_lengths):
+        # every row keeps as many positions as the shortest (greedy rows only: eligible)
+        uniform = states is not None and len(rows) > 1 \
+            and not mlx_compat.states_take_lengths(self.model)
+        if uniform:
+            cap = min(accepted)
+            accepted = [min(a, cap) for a in accepted]
+            bonus = [greedy[i][a] for i, a in enumerate(accepted)]
+        for i, r in enumerate(rows):
+            if drafts[i]:
+                spec.feedback(r, len(drafts[i]), accepted[i])
         c = rows[0].ctx.counters
         c.decode_steps += 1
         c.decode_rows += len(rows)
-        finished: set[int] = set()
+        c.spec_multirow += len(rows) > 1
+        # report the accepted draft tokens; a row that stops inside its draft keeps the
+        # positions fed before its last token (prompt + output[:-1])
+        kept: list[int] = []
+        stopped: dict[int, str] = {}
         for i, r in enumerate(rows):
-            r.pos += 1 + accepted[i]
+            n = 1 + accepted[i]
             wants = r.sampler.wants_logprobs
             for j, tok in enumerate(drafts[i][:accepted[i]]):
                 values = logprob_values(r.sampler.logprob_arrays(
                     logits[i, j], mx.array(int(tok)))) if wants else None
                 reason = r.accept(int(tok), values, None)
                 if reason is not None:
-                    r.finish(reason, mlx_compat.row_caches(self.cache, i),
-                             state_pos=r.n_prompt + len(r.output) - 1)
-                    finished.add(i)
+                    stopped[i] = reason
+                    n = j + 1
                     break
+            kept.append(n)
+        lps = [r.sampler.logprob_arrays(logits[i, accepted[i]], mx.array(bonus[i]))
+               if r.sampler.wants_logprobs and i not in stopped else None
+               for i, r in enumerate(rows)]
+        # uniform: rows that stopped before the others' end hold more than their output
+        # (an array state cannot give it back): they finish without the end save
+        held = [1 + accepted[i] for i in range(len(rows))] if uniform else kept
+        self._repair(x, states, held)
+        bs = self.block_size
+        for i, r in enumerate(rows):
+            before = r.pos
+            r.pos += kept[i]
+            if i in stopped:
+                exact = held[i] == kept[i]
+                if not exact:
+                    c.spec_unsaved += 1
+                r.finish(stopped[i], mlx_compat.row_caches(self.cache, i) if exact else None,
+                         state_pos=r.pos)
+            elif r.sliding and r.pos // bs > before // bs:
+                # a sliding window drops old tokens: store output blocks while in it
+                r.store_decoded_block(mlx_compat.row_caches(self.cache, i))
         # the model's own token after each accepted draft: fed and reported next step
         self._inputs = mx.array(bonus, dtype=mx.uint32)
         self._reported = [False] * len(rows)
-        self._lps = [r.sampler.logprob_arrays(logits[i, accepted[i]], mx.array(bonus[i]))
-                     if r.sampler.wants_logprobs else None for i, r in enumerate(rows)]
+        self._lps = lps
         self._logits = [None] * len(rows)
-        if finished:
-            self._remove(finished)
+        if stopped:
+            self._remove(set(stopped))
         return True
+
+    def _repair(self, x: mx.array, states: list[list[Any]] | None, kept: Sequence[int]
+                ) -> None:
+        """After a verify forward of ``x``: row ``i`` keeps its first ``kept[i]``
+        positions. KV and sliding windows drop the rest (``mlx_compat.drop_row_tails``).
+        Array states (SSM, linear attention) absorbed every position fed: unless every
+        row keeps all of them, the states go back to before the verify
+        (``states``), the KV leaves drop the whole verify, and the kept positions are
+        fed again, right-padded (``lengths``: padding never reaches a state), so each
+        state holds exactly its row's kept tokens."""
+        width = int(x.shape[1])
+        if states is None:
+            mlx_compat.drop_row_tails(self.cache, [width - n for n in kept])
+            return
+        if all(n == width for n in kept):
+            return
+        mlx_compat.restore_before_verify(self.cache, states, width)
+        mlx_compat.prepare_right_padded(self.cache, kept)
+        self.model(x[:, :max(kept)], cache=self.cache)
+        mlx_compat.finalize_right_padded(self.cache)
+        self.rows[0].ctx.counters.spec_recomputes += 1
 
     def _after_step(self, finished: list[tuple[int, str]], before: list[list[Any]] | None
                     ) -> None:

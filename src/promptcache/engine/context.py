@@ -63,6 +63,20 @@ class EngineCounters:
     # of those, the drafts from the tenant's pool (other requests' outputs)
     spec_pool_drafted: int = 0
     spec_pool_accepted: int = 0
+    # tokens the pools took from the cache's stored token ids (a tenant's first request
+    # in this process: its history in RAM / SSD / Redis)
+    spec_pool_seeded: int = 0
+    # forwards that fed accepted tokens again after a verify (array / SSM states cannot
+    # drop rejected positions: they go back to before the verify and take the kept ones)
+    spec_recomputes: int = 0
+    spec_multirow: int = 0  # verify forwards over several rows
+    # steps with drafts where the gate (engine/spec_cost.py) decoded as usual: the
+    # verify forward was not expected to pay for itself
+    spec_gated: int = 0
+    # rows of several whose array states cannot take right-padded tokens (all rows keep
+    # as many positions as the shortest) that stopped inside a draft before the others'
+    # end: their state holds more than their output, so their reply was not stored
+    spec_unsaved: int = 0
     # non-truncatable states (SSM / hybrid): state snapshots taken for block payloads,
     # those taken at message starts (where a conversation branches), their bytes, and the
     # bytes of the last one (a snapshot's size is fixed by the model: memory per snapshot)

@@ -122,6 +122,11 @@ class TenantDrafts:
     def num_tokens(self) -> int:
         return len(self._tokens)
 
+    @property
+    def num_ngrams(self) -> int:
+        """Entries of the n-gram index (with the tokens, what the pool's memory is)."""
+        return len(self._after)
+
     def add(self, tokens: Sequence[int]) -> None:
         """Remember a sequence (a finished prompt + output); the oldest go past the
         budget. n-grams never span two sequences."""
@@ -221,6 +226,10 @@ class DraftPools:
     def num_tokens(self) -> int:
         with self._lock:
             return sum(p.num_tokens for p in self._pools.values())
+
+    def num_ngrams(self) -> int:
+        with self._lock:
+            return sum(p.num_ngrams for p in self._pools.values())
 
 
 def propose(own: SequenceDrafts, pool: TenantDrafts | None, k: int) -> Draft:

@@ -44,6 +44,7 @@ from .quant import from_config as _kv_quant_of
 from .request import Request
 from .scheduler import Scheduler
 from .shadow import ShadowVerifier
+from .spec_cost import VerifyCost, measure_verify_cost
 from .speculate import Speculator
 from .templates import ChatTemplate
 from .vision import VisionEncoder
@@ -171,7 +172,10 @@ class Engine:
             namespace_for=self.namespace if cache is not None else None, block_size=bs,
             counters=self.counters, logits_hook=logits_hook, vision=vision,
             kv_quant=self.kv_quant,
-            speculator=Speculator(cfg, self.counters) if cfg.speculation == "suffix" else None,
+            speculator=Speculator(cfg, self.counters, history=self._token_history
+                                  if cache is not None else None,
+                                  cost=_verify_cost(cfg, model, vocab_size))
+            if cfg.speculation == "suffix" else None,
         )
         probed = probe_caches(model)
         if cache is not None:
@@ -413,6 +417,15 @@ class Engine:
                 "mlx_cache_bytes": int(mx.get_cache_memory()),
                 "mlx_peak_bytes": int(mx.get_peak_memory())}
 
+    def _token_history(self, tenant: str) -> list[tuple[int, ...]]:
+        """The token ids the cache stores for ``tenant`` under this model (the draft
+        pool's seed; engine thread)."""
+        if self.cache is None:
+            return []
+        seqs: list[tuple[int, ...]] = self.cache.token_history(
+            self.namespace(tenant), self.engine_config.spec_pool_tokens)
+        return seqs
+
     def _spec_stats(self) -> dict[str, Any]:
         """The draft pool's size and what the speculation counters mean: acceptance rate
         (accepted / drafted), mean accepted length (accepted / verify forwards) and tokens
@@ -420,7 +433,12 @@ class Engine:
         spec = self._ctx.speculator
         c = self.counters
         v, d, a = c.spec_verifies, c.spec_drafted, c.spec_accepted
+        relative = ({f"k{k}": round(spec.cost.relative(1, k + 1), 3) for k in (1, 2, 4, 8, 16)}
+                    if spec is not None else {})
         return {"spec_pool_tokens": spec.pool_tokens() if spec is not None else 0,
+                # one stream's verify forward of k drafts, in decode steps
+                "spec_verify_cost": relative,
+                "spec_pool_ngrams": spec.pools.num_ngrams() if spec is not None else 0,
                 "spec_acceptance_rate": round(a / d, 4) if d else None,
                 "spec_mean_accepted": round(a / v, 4) if v else None,
                 "spec_tokens_per_forward": round(1 + a / v, 4) if v else None}
@@ -531,3 +549,13 @@ def _stop_thread(control: Arrivals, thread: threading.Thread) -> None:
     control.wake.set()
     if thread.is_alive() and thread is not threading.current_thread():
         thread.join(timeout=60)
+
+
+def _verify_cost(cfg: EngineConfig, model: Any, vocab_size: int) -> VerifyCost:
+    """The verify forward's cost for speculation's gate: from the config, or measured."""
+    if cfg.spec_verify_cost is not None:
+        return VerifyCost(*cfg.spec_verify_cost)
+    cost = measure_verify_cost(model, vocab_size)
+    logger.info("speculation: a verify forward of k drafts costs %s decode steps (k=1, 4, "
+                "16), measured", [round(cost.relative(1, k + 1), 2) for k in (1, 4, 16)])
+    return cost

@@ -12,11 +12,15 @@ key (split once per sample, as when decoding one token at a time) and a draft to
 accepted only if it equals that sample: the same tokens for the same seed, the
 distribution unchanged.
 
-Where it runs (``Speculator.eligible``), today: batches of at most ``spec_max_rows``
-rows, all of them greedy or sampled (log-probabilities of every emitted token from the
-verify forward's logits at its position), no logits processors (constraints), plain KV
-caches (every layer trimmable: no sliding window, no array /
-SSM state, no quantized KV), no logits hook. Everything else decodes as before. The
+Where it runs (``Speculator.eligible``): batches of at most ``spec_max_rows`` rows, all
+of them greedy or sampled (log-probabilities of every emitted token from the verify
+forward's logits at its position), no logits processors (constraints), no logits hook,
+and caches that can take a verify's rejected positions back
+(``mlx_compat.speculation_kind``): plain KV and MLA (trimmed), sliding windows (the
+window keeps exactly what decoding one token at a time would hold), and array / SSM
+states next to KV (hybrids: the states are put back as they were before the verify and
+the accepted tokens are fed again, ``DecodeBatch._repair``). Everything else decodes as
+before. The
 number of draft tokens adapts per request (doubles after a fully accepted draft, falls
 to accepted + 1 after a rejection, at least ``MIN_K``); after a fully rejected draft the
 request drafts nothing for 1, 2, 4 ... ``MAX_COOL`` steps, so a request whose drafts keep
@@ -36,12 +40,14 @@ half right must all give the same tokens).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..config import EngineConfig
-from . import mlx_compat
-from .drafts import DraftConfig, DraftPools, SequenceDrafts, propose
+from . import mlx_compat, spec_cost
+from .drafts import DraftConfig, DraftPools, SequenceDrafts, TenantDrafts, propose
+from .spec_cost import FREE, Acceptance, VerifyCost
 
 if TYPE_CHECKING:
     from .context import EngineCounters
@@ -49,6 +55,10 @@ if TYPE_CHECKING:
 
 # (request, k) -> up to k draft tokens following the request's sequence
 DraftSource = Callable[["Request", int], Sequence[int]]
+# tenant -> the token sequences the cache stores for it (``PromptCache.token_history``)
+History = Callable[[str], Sequence[Sequence[int]]]
+
+logger = logging.getLogger(__name__)
 
 MIN_K = 2
 # the longest pause in drafting after fully rejected drafts, in decode steps
@@ -59,7 +69,8 @@ HISTORY_TOKENS = 32768
 
 class Speculator:
     def __init__(self, config: EngineConfig, counters: EngineCounters,
-                 source: DraftSource | None = None) -> None:
+                 source: DraftSource | None = None, history: History | None = None,
+                 cost: VerifyCost | None = None) -> None:
         self.max_k = config.spec_max_draft
         self.max_rows = config.spec_max_rows
         self.drafts_config = DraftConfig(min_n=config.spec_min_match,
@@ -70,6 +81,12 @@ class Speculator:
         self.pool_prompt_tokens = config.spec_pool_prompt_tokens
         self.counters = counters
         self.source = source
+        self.history = history
+        # what a verify forward costs (measured at startup, or from the config; default:
+        # what a decode step costs)
+        self.cost = cost if cost is not None else FREE
+        self._acc: dict[str, Acceptance] = {}  # request id -> its acceptance counts
+        self._seeded: set[str] = set()  # tenants whose pool took the cache's history
         # request id -> (where its indexed history starts, the index)
         self._index: dict[str, tuple[int, SequenceDrafts]] = {}
         self._k: dict[str, int] = {}
@@ -78,12 +95,21 @@ class Speculator:
         # request id -> where its last draft came from ("self" | "pool" | "source")
         self._source: dict[str, str] = {}
 
-    def eligible(self, rows: Sequence[Request], cache: Sequence[Any]) -> bool:
-        if not rows or len(rows) > self.max_rows or not mlx_compat.plain_batch_kv(cache):
+    def eligible(self, rows: Sequence[Request], cache: Sequence[Any], model: Any) -> bool:
+        """A verify forward can serve these rows: at most ``max_rows``, caches whose
+        rejected positions can be taken back (``mlx_compat.speculation_kind``), no logits
+        processors or hook; several rows over array states that cannot take right padding
+        (``mlx_compat.states_take_lengths``) keep as many positions as the shortest, so
+        they must all be greedy (a sampled row's key would have advanced past them)."""
+        if not rows or len(rows) > self.max_rows:
             return False
-        return all(not r.processors
-                   and r.ctx.logits_hook is None and r.truncatable and not r.sliding
-                   for r in rows)
+        kind = mlx_compat.speculation_kind(cache)
+        if kind is None:
+            return False
+        if kind == "state" and len(rows) > 1 and not mlx_compat.states_take_lengths(model) \
+                and not all(r.sampler.greedy for r in rows):
+            return False
+        return all(not r.processors and r.ctx.logits_hook is None for r in rows)
 
     def propose(self, r: Request) -> tuple[int, ...]:
         """Draft tokens after ``r``'s sequence (prompt + output so far); none while the
@@ -106,9 +132,25 @@ class Speculator:
         have = base + len(index)
         if have < n:
             index.extend(int(t) for t in r.seq[have:n].tolist())
-        draft = propose(index, self.pools.get(r.req.tenant), k)
+        draft = propose(index, self._pool(r.req.tenant), k)
         self._source[r.request_id] = draft.source
         return draft.tokens
+
+    def _pool(self, tenant: str) -> TenantDrafts | None:
+        """``tenant``'s pool; the first time a tenant asks in this process, it is
+        seeded with the token ids the cache stores for it (RAM, SSD, Redis: drafts
+        survive a restart and are shared between servers), at most the pool's budget."""
+        if self.history is not None and tenant not in self._seeded:
+            self._seeded.add(tenant)
+            try:
+                seqs = self.history(tenant)
+            except Exception:
+                logger.exception("reading the cache's token history for the draft pool failed")
+                seqs = []
+            for seq in seqs:
+                self.pools.add(tenant, seq)
+            self.counters.spec_pool_seeded += sum(len(s) for s in seqs)
+        return self.pools.get(tenant)
 
     def feedback(self, r: Request, drafted: int, accepted: int) -> None:
         c = self.counters
@@ -120,6 +162,7 @@ class Speculator:
             c.spec_pool_accepted += accepted
         r.usage.spec_drafted += drafted
         r.usage.spec_accepted += accepted
+        self._acceptance(r).update(drafted, accepted)
         k = self._k.get(r.request_id, self.max_k)
         self._k[r.request_id] = min(self.max_k, 2 * k) if accepted == drafted \
             else max(MIN_K, accepted + 1)
@@ -131,12 +174,27 @@ class Speculator:
         else:
             self._cool[r.request_id] = (0, 0)
 
-    def worth_it(self, drafts: Sequence[Sequence[int]]) -> bool:
-        """A verify forward over several rows pads every row to the longest draft and
-        moves each row's rejected tail out of the way (a copy of the batch cache): only
-        when at least half of the rows have a draft."""
-        with_draft = sum(1 for d in drafts if d)
-        return with_draft > 0 and (len(drafts) == 1 or 2 * with_draft >= len(drafts))
+    def plan(self, rows: Sequence[Request], drafts: Sequence[Sequence[int]],
+             cache: Sequence[Any], model: Any) -> int:
+        """How many tokens of its draft each row feeds in a verify forward, 0: decode as
+        usual (``spec_cost.plan``: each row's acceptance rate, the measured cost of the
+        verify forward, the forward that feeds array states again)."""
+        if not any(drafts):
+            return 0
+        state = mlx_compat.speculation_kind(cache) == "state"
+        uniform = state and len(rows) > 1 and not mlx_compat.states_take_lengths(model)
+        rates = [self._acceptance(r).rate for r in rows]
+        cut = spec_cost.plan(rates, [len(d) for d in drafts], self.cost, state=state,
+                             uniform=uniform)
+        if cut == 0:
+            self.counters.spec_gated += 1
+        return cut
+
+    def _acceptance(self, r: Request) -> Acceptance:
+        acc = self._acc.get(r.request_id)
+        if acc is None:
+            acc = self._acc[r.request_id] = Acceptance()
+        return acc
 
     def remember(self, r: Request) -> None:
         """A finished request's output and the last ``pool_prompt_tokens`` of its prompt
@@ -155,3 +213,4 @@ class Speculator:
         self._k.pop(r.request_id, None)
         self._cool.pop(r.request_id, None)
         self._source.pop(r.request_id, None)
+        self._acc.pop(r.request_id, None)
