@@ -125,6 +125,10 @@ def test_loads_images_through_mlx_vlm_and_says_so(family, caplog):
         assert [type(c) for c in caches] == [ArraysCache] * 3 + [KVCache, ArraysCache]
         assert type(model.text).__module__ == "mlx_lm.models.qwen3_5"
         assert [type(x).__module__ for x in model.layers] == ["mlx_lm.models.qwen3_5"] * 4
+        # the attention layer that runs is mlx-vlm's (it takes M-RoPE position ids)
+        vlm_module = f"mlx_vlm.models.{name}.language"
+        assert type(model.vlm_layers[3]).__module__ == vlm_module
+        assert not model.layers[3].is_linear and model.offset_layer == 3
         assert tower.encode(A).shape == (36, 64)  # no deepstack
         # the weights are the VLM's arrays, shared, not copied
         ours = dict(tree_flatten(model.text.parameters()))

@@ -29,6 +29,9 @@ tokens per image (``VisionInfo.tokens_per_image``):
   ``(side / patch / merge)^2`` tokens. Deepstack features (added to the first
   decoder layers' hidden states at the image rows) travel with the features. M-RoPE:
   see ``MRopeTextModel``.
+- ``qwen3_5`` / ``qwen3_5_moe``: Qwen3.5 as it ships, the Qwen3-VL tower (no deepstack)
+  at the same single resolution and M-RoPE, over a hybrid language model (gated delta
+  net + full attention): see ``HybridMRopeTextModel``.
 
 Others (tiling, learned separators, variable token counts) raise a clear ValueError
 at load; ``loader.py`` loads a family mlx-lm knows text-only instead.
@@ -240,7 +243,7 @@ class HybridMRopeTextModel(MRopeTextModel):
         self.text = text  # mlx-lm's qwen3_5 TextModel (the VLM's weights)
         super().__init__(vlm, grid, 0)
         self.offset_layer = int(text.model.fa_idx)
-        self._vlm_layers = list(vlm.language_model.model.layers)
+        self.vlm_layers = list(vlm.language_model.model.layers)
 
     def make_cache(self) -> list[Any]:
         return [*self.text.make_cache(), ArraysCache(1)]
@@ -260,9 +263,9 @@ class HybridMRopeTextModel(MRopeTextModel):
         ssm_mask = create_ssm_mask(h, kv[inner.ssm_idx])
         # cos / sin once for all attention layers, as mlx-vlm's forward does (None: its
         # fused rotary kernel applies them in the attention)
-        rotary = self._vlm_layers[inner.fa_idx].self_attn.rotary_emb
+        rotary = self.vlm_layers[inner.fa_idx].self_attn.rotary_emb
         cos_sin = None if rotary.fused_apply else rotary(h, pos)
-        for layer, vlm_layer, c in zip(inner.layers, self._vlm_layers, kv, strict=True):
+        for layer, vlm_layer, c in zip(inner.layers, self.vlm_layers, kv, strict=True):
             if layer.is_linear:
                 h = layer(h, mask=ssm_mask, cache=c)
             else:
