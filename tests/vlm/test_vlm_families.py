@@ -364,6 +364,31 @@ def test_a_prefix_that_ends_inside_an_image(family, reference):
         eng.close()
 
 
+def test_a_branch_restores_to_the_last_shared_message(family, reference):
+    """Two follow-ups to the same image turn: the second restores the first one's state
+    up to the start of the user message where they part (Qwen: the message-start
+    snapshot; Gemma 3, truncatable: the first differing token)."""
+    name, path = family
+    eng = make(path)
+    try:
+        r1 = run(eng, turn1(name), [A], request_id="b0")
+        base = [*turn1(name), {"role": "assistant", "content": r1.text}]
+        both(eng, reference, [*base, {"role": "user", "content": "And the colours?"}], [A],
+             "ba")
+        req = request(eng, [*base, {"role": "user", "content": "Any shapes?"}], [A],
+                      request_id="bb")
+        got = eng.submit(req).result()
+        ref = run(reference, [*base, {"role": "user", "content": "Any shapes?"}], [A],
+                  request_id="bb-ref")
+        same(eng, reference, got, ref, "bb")
+        start = req.message_starts[-1]  # the last user message
+        assert start == {"gemma3": 73, "qwen3_vl": 68, "qwen3_5": 71, "qwen3_5_moe": 70}[name]
+        # Gemma 3 also reuses the shared tokens after the message start
+        assert got.usage.cached_tokens == (78 if name == "gemma3" else start)
+    finally:
+        eng.close()
+
+
 def test_a_different_image_stops_reuse_before_it(family, reference):
     name, path = family
     eng = make(path)
