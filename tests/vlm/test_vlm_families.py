@@ -124,6 +124,7 @@ def test_loads_images_through_mlx_vlm_and_says_so(family, caplog):
         assert isinstance(model, HybridMRopeTextModel) and model.deepstack_layers == 0
         assert [type(c) for c in caches] == [ArraysCache] * 3 + [KVCache, ArraysCache]
         assert type(model.text).__module__ == "mlx_lm.models.qwen3_5"
+        assert not model.text.training  # eval mode, as mlx-lm loads it
         assert [type(x).__module__ for x in model.layers] == ["mlx_lm.models.qwen3_5"] * 4
         # the attention layer that runs is mlx-vlm's (it takes M-RoPE position ids)
         vlm_module = f"mlx_vlm.models.{name}.language"

@@ -452,6 +452,7 @@ def _mlx_lm_text_model(folder: Path, config: dict[str, Any], vlm: Any) -> Any:
     except ValueError as e:
         raise ValueError(f"{folder}: mlx-lm's {config['model_type']} text model does not "
                          f"take the VLM's language weights: {e}") from e
+    model.eval()  # as mlx-lm's load leaves it (its gated delta net's kernel is eval-only)
     return model.language_model
 
 
