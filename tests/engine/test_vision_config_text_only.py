@@ -1,7 +1,9 @@
-"""A checkpoint that ships a ``vision_config`` of a family the vision path does not
-support (Qwen3.5 as it ships: ``text_config`` + ``vision_config``, language weights
-under ``model.language_model``, vision weights under ``model.visual``) loads text-only
-through mlx-lm, says so in the log, and caches like any text model."""
+"""A checkpoint that ships a ``vision_config`` but no image processor (Qwen3.5 laid out
+as it ships: ``text_config`` + ``vision_config``, language weights under
+``model.language_model``, vision weights under ``model.visual``, but no
+``preprocessor_config.json``) loads text-only through mlx-lm, says so and why in the
+log, and caches like any text model. (With its image processor, Qwen3.5 takes images
+through mlx-vlm: tests/vlm/test_vlm_families.py.)"""
 
 from __future__ import annotations
 
@@ -80,6 +82,7 @@ def test_loads_text_only_through_mlx_lm_and_says_so(qwen3_5_path, caplog):
     assert tower is None and info.model_type == "qwen3_5" and info.num_layers == 4
     assert info.context_length == 4096
     assert any("ships a vision_config" in r.getMessage() and "'qwen3_5'" in r.getMessage()
+               and "no image processor (preprocessor_config.json)" in r.getMessage()
                and "text-only through mlx-lm" in r.getMessage() for r in caplog.records)
     caches = make_prompt_cache(model)
     assert [type(c) for c in caches] == [ArraysCache, KVCache, ArraysCache, KVCache]

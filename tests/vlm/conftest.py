@@ -27,3 +27,17 @@ def tiny_qwen3_vl_path(models_root: Path) -> Path:
     from promptcache.engine.models.tiny_vlm_families import ensure_tiny_qwen3_vl
 
     return ensure_tiny_qwen3_vl(models_root)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_5_vlm_path(models_root: Path) -> Path:
+    from promptcache.engine.models.tiny_vlm_families import ensure_tiny_qwen3_5_vlm
+
+    return ensure_tiny_qwen3_5_vlm(models_root)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_5_moe_vlm_path(models_root: Path) -> Path:
+    from promptcache.engine.models.tiny_vlm_families import ensure_tiny_qwen3_5_moe_vlm
+
+    return ensure_tiny_qwen3_5_moe_vlm(models_root)

@@ -1,8 +1,10 @@
-"""Gemma 3 and Qwen3-VL (tiny random-weight models of mlx-vlm's classes) through the
-engine: images through mlx-vlm, the prompt cache exact (restored == full prefill:
-greedy tokens identical, logits within 1e-4), a turn that keeps its image reuses the
-cached prefix and makes no tower call, text-only requests, batched decode; Qwen's
-M-RoPE positions equal mlx-vlm's ``get_rope_index`` and travel with the cached state."""
+"""Gemma 3, Qwen3-VL and Qwen3.5 dense and MoE (tiny random-weight models of mlx-vlm's
+classes) through the engine: images through mlx-vlm, the prompt cache exact (restored
+== full prefill: greedy tokens identical, logits within 1e-4), logits equal mlx-vlm's
+own forward, a turn that keeps its image reuses the cached prefix and makes no tower
+call, text-only requests, batched decode; Qwen's M-RoPE positions equal mlx-vlm's
+``get_rope_index`` and travel with the cached state. Qwen3.5 is a hybrid (gated delta
+net + attention): mlx-lm's linear-attention layers, mlx-vlm's attention layers."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 import pytest
+from mlx.utils import tree_flatten
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
 from vlm_helpers import LogitsRecorder, image, request, run
 
@@ -20,19 +23,22 @@ from promptcache.cli.wiring import build_cache
 from promptcache.config import CacheConfig, EngineConfig
 from promptcache.engine.engine import Engine
 from promptcache.engine.models.loader import load_model_or_vlm
-from promptcache.engine.models.vlm import mrope_positions
+from promptcache.engine.models.vlm import HybridMRopeTextModel, mrope_positions
 from promptcache.engine.vision_cache import VisionCache
 
 BLOCK, CHUNK = 16, 32
 A, B, C = image(1), image(2, 64, 30), image(3)
-FAMILIES = ("gemma3", "qwen3_vl")
+FAMILIES = ("gemma3", "qwen3_vl", "qwen3_5", "qwen3_5_moe")
+QWEN = ("qwen3_vl", "qwen3_5", "qwen3_5_moe")
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
-def family(request: pytest.FixtureRequest, tiny_gemma3_vlm_path: Path,
-           tiny_qwen3_vl_path: Path) -> tuple[str, Path]:
+def family(request: pytest.FixtureRequest) -> tuple[str, Path]:
     name = str(request.param)
-    return name, tiny_gemma3_vlm_path if name == "gemma3" else tiny_qwen3_vl_path
+    fixture = {"gemma3": "tiny_gemma3_vlm_path", "qwen3_vl": "tiny_qwen3_vl_path",
+               "qwen3_5": "tiny_qwen3_5_vlm_path",
+               "qwen3_5_moe": "tiny_qwen3_5_moe_vlm_path"}[name]
+    return name, Path(request.getfixturevalue(fixture))
 
 
 def turn1(name: str) -> list[dict[str, Any]]:
@@ -107,9 +113,29 @@ def test_loads_images_through_mlx_vlm_and_says_so(family, caplog):
         assert vi.image_token == "<|image_pad|>" and vi.placeholder_id == vi.image_token_id
         assert vi.text == "<|vision_start|><|image_pad|><|vision_end|>"
         assert (vi.before, vi.after) == ((), ())
+        assert tower.side == 48 and model.grid == (1, 6, 6)
+    if name == "qwen3_vl":
         assert [type(c) for c in caches] == [KVCache, KVCache, ArraysCache]
-        assert tower.side == 48 and model.grid == (1, 6, 6) and model.deepstack_layers == 2
+        assert model.deepstack_layers == 2
         assert tower.encode(A).shape == (36, 64 * 3)  # features + 2 deepstack layers
+    elif name != "gemma3":
+        # 3 gated delta nets (mlx-lm's layers and ArraysCache) + 1 attention layer
+        # (mlx-vlm's, M-RoPE), then the position delta
+        assert isinstance(model, HybridMRopeTextModel) and model.deepstack_layers == 0
+        assert [type(c) for c in caches] == [ArraysCache] * 3 + [KVCache, ArraysCache]
+        assert type(model.text).__module__ == "mlx_lm.models.qwen3_5"
+        assert not model.text.training  # eval mode, as mlx-lm loads it
+        assert [type(x).__module__ for x in model.layers] == ["mlx_lm.models.qwen3_5"] * 4
+        # the attention layer that runs is mlx-vlm's (it takes M-RoPE position ids)
+        vlm_module = f"mlx_vlm.models.{name}.language"
+        assert type(model.vlm_layers[3]).__module__ == vlm_module
+        assert not model.layers[3].is_linear and model.offset_layer == 3
+        assert tower.encode(A).shape == (36, 64)  # no deepstack
+        # the weights are the VLM's arrays, shared, not copied
+        ours = dict(tree_flatten(model.text.parameters()))
+        theirs = dict(tree_flatten(tower.vlm.language_model.parameters()))
+        assert ours.keys() == theirs.keys()
+        assert all(ours[k] is theirs[k] for k in ours)
 
 
 def test_image_changes_the_output(family):
@@ -129,20 +155,24 @@ def test_image_changes_the_output(family):
 
 
 def test_engine_logits_equal_mlx_vlm_own_forward(family):
-    """Chunked prefill (chunks start inside the images) vs mlx-vlm's own
-    ``get_input_embeddings`` + language model over the whole prompt (for Qwen with
-    mlx-vlm's own M-RoPE positions and deepstack merge): the first token's logits."""
+    """Chunked prefill (chunks start inside the images), then batched decode, vs
+    mlx-vlm's own ``get_input_embeddings`` + language model over the whole sequence
+    (for Qwen with mlx-vlm's own M-RoPE positions, and Qwen3-VL's deepstack merge): the
+    logits of the first token and of the three decode steps after it (positions
+    continue from the image's delta)."""
     name, path = family
     eng = make(path, cache=False)
     try:
         two = [{"role": "user", "content": f"First {text(name)} then {text(name)} compare."}]
-        req = request(eng, two, [A, B], max_tokens=1, request_id="own")
+        req = request(eng, two, [A, B], max_tokens=4, request_id="own")
         assert all(im.start // CHUNK != (im.end - 1) // CHUNK for im in req.images)
-        assert eng.submit(req).result().error is None
-        ours = eng.recorder.by_request["own"][0]
+        got = eng.submit(req).result()
+        assert got.error is None and len(got.tokens) == 4
+        ours = np.stack(eng.recorder.by_request["own"])
         tower = eng.vision_encoder.tower
         vlm = tower.vlm
-        ids = mx.array([list(req.prompt_tokens)])
+        seq = [*req.prompt_tokens, *got.tokens[:-1]]
+        ids = mx.array([seq])
         procs = [tower.preprocess(px) for px in (A, B)]
         pv = mx.array(np.concatenate([p["pixel_values"] for p in procs]).astype(np.float32))
         if name == "gemma3":
@@ -151,20 +181,32 @@ def test_engine_logits_equal_mlx_vlm_own_forward(family):
         else:
             grid = mx.array(np.concatenate([p["image_grid_thw"] for p in procs]))
             feats = vlm.get_input_embeddings(ids, pv, image_grid_thw=grid)
-            out = vlm.language_model(
-                ids, inputs_embeds=feats.inputs_embeds, position_ids=feats.position_ids,
-                visual_pos_masks=feats.visual_pos_masks,
-                deepstack_visual_embeds=feats.deepstack_visual_embeds)
-        theirs = np.array(out.logits[0, -1])
+            extra = ({} if name != "qwen3_vl" else
+                     {"visual_pos_masks": feats.visual_pos_masks,
+                      "deepstack_visual_embeds": feats.deepstack_visual_embeds})
+            out = vlm.language_model(ids, inputs_embeds=feats.inputs_embeds,
+                                     position_ids=feats.position_ids, **extra)
+        theirs = np.array(out.logits[0, len(req.prompt_tokens) - 1:])
+        assert theirs.shape == ours.shape
         np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=1e-4)
     finally:
         eng.close()
 
 
-def test_mrope_positions_equal_mlx_vlm_get_rope_index(tiny_qwen3_vl_path):
-    eng = make(tiny_qwen3_vl_path, cache=False)
+@pytest.fixture(params=QWEN[:2])
+def qwen(request: pytest.FixtureRequest) -> tuple[str, Path]:
+    name = str(request.param)
+    fixture = "tiny_qwen3_vl_path" if name == "qwen3_vl" else "tiny_qwen3_5_vlm_path"
+    return name, Path(request.getfixturevalue(fixture))
+
+
+def test_mrope_positions_equal_mlx_vlm_get_rope_index(qwen):
+    """Ours against mlx-vlm's ``get_rope_index`` of Qwen3-VL and of Qwen3.5 (each
+    family's own copy)."""
+    name, path = qwen
+    eng = make(path, cache=False)
     try:
-        t = text("qwen3_vl")
+        t = text(name)
         eng_req = request(eng, [{"role": "user", "content": f"First {t} then {t} compare."}],
                           [A, B])
         tower = eng.vision_encoder.tower
@@ -189,6 +231,60 @@ def test_mrope_positions_equal_mlx_vlm_get_rope_index(tiny_qwen3_vl_path):
                           b.end: -60, n - 1: -60}[cut]
 
 
+@pytest.fixture(params=QWEN[1:])
+def hybrid(request: pytest.FixtureRequest) -> tuple[str, Path]:
+    name = str(request.param)
+    fixture = "tiny_qwen3_5_vlm_path" if name == "qwen3_5" else "tiny_qwen3_5_moe_vlm_path"
+    return name, Path(request.getfixturevalue(fixture))
+
+
+def test_qwen3_5_text_equals_mlx_lm_text_only(hybrid):
+    """Text through the vision model's language model (chunked, on its caches) equals
+    mlx-lm's own Qwen3.5 loaded text-only from the same folder (what promptcache served
+    before images), within 1e-4; its gated-delta-net layers are mlx-lm's."""
+    from promptcache.engine.models.loader import load_model
+
+    _name, path = hybrid
+    model, _tok, _info, _tower = load_model_or_vlm(path)
+    lm, _tok2, info = load_model(path)
+    assert type(lm).__module__.startswith("mlx_lm.models.qwen3_5")
+    ids = mx.array([list(range(40, 80))])
+    caches = make_prompt_cache(model)
+    ours = mx.concatenate([model(ids[:, :13], cache=caches), model(ids[:, 13:30], cache=caches),
+                           *[model(ids[:, i:i + 1], cache=caches) for i in range(30, 40)]],
+                          axis=1)
+    theirs = lm(ids)
+    np.testing.assert_allclose(np.array(ours), np.array(theirs), atol=1e-4, rtol=1e-4)
+
+
+def test_qwen3_5_with_4_bit_weights(tiny_qwen3_5_vlm_path, tmp_path):
+    """A 4-bit Qwen3.5 (language model quantized, as mlx-vlm writes it): mlx-lm's layers
+    are quantized as mlx-vlm's are before the weights are shared, and the logits equal
+    mlx-vlm's own forward."""
+    import json
+    import shutil
+
+    from mlx.nn.layers.quantized import QuantizedLinear, quantize
+    from mlx_vlm.utils import load_model
+
+    folder = tmp_path / "q4"
+    shutil.copytree(tiny_qwen3_5_vlm_path, folder)
+    vlm = load_model(folder)
+    quantize(vlm.language_model, 32, 4)
+    mx.save_safetensors(str(folder / "model.safetensors"), dict(tree_flatten(vlm.parameters())),
+                        metadata={"format": "mlx"})
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization"] = {"group_size": 32, "bits": 4}
+    (folder / "config.json").write_text(json.dumps(config))
+    model, _tok, _info, tower = load_model_or_vlm(folder)
+    assert isinstance(model.text.model.layers[0].linear_attn.in_proj_qkv, QuantizedLinear)
+    assert isinstance(model.text.lm_head, QuantizedLinear)
+    ids = mx.array([list(range(40, 80))])
+    ours = model(ids, cache=make_prompt_cache(model))
+    theirs = tower.vlm.language_model(ids).logits
+    np.testing.assert_allclose(np.array(ours), np.array(theirs), atol=1e-4, rtol=1e-4)
+
+
 # ---------------------------------------------------------------- the cache
 
 
@@ -205,16 +301,19 @@ def test_conversation_cached_equals_full_prefill(family, reference):
         msgs2 = [*msgs, {"role": "assistant", "content": r1.text},
                  {"role": "user", "content": f"Now compare with {text(name)} ok"}]
         r2 = both(eng, reference, msgs2, [A, B], "t2")
-        # Gemma 3: turn 1's prompt (its reply re-tokenizes otherwise); Qwen: prompt +
-        # reply[:-1], its end-of-generation snapshot
+        # Gemma 3 and Qwen3.5: turn 1's prompt (their random replies re-tokenize to
+        # other tokens from the first one on; Qwen3.5, a hybrid: its end-of-prefill
+        # snapshot); Qwen3-VL: prompt + reply[:-1], its end-of-generation snapshot
         assert (r1.usage.prompt_tokens, r2.usage.cached_tokens) == {
-            "gemma3": (66, 66), "qwen3_vl": (62, 67)}[name]
+            "gemma3": (66, 66), "qwen3_vl": (62, 67), "qwen3_5": (62, 62),
+            "qwen3_5_moe": (62, 62)}[name]
         assert eng.vision_encoder.tower_calls == 2  # B only
         msgs3 = [*msgs2, {"role": "assistant", "content": r2.text},
                  {"role": "user", "content": "Which came first?"}]
         r3 = both(eng, reference, msgs3, [A, B], "t3")
         assert (r2.usage.prompt_tokens, r3.usage.cached_tokens) == {
-            "gemma3": (135, 140), "qwen3_vl": (126, 131)}[name]
+            "gemma3": (135, 140), "qwen3_vl": (126, 131), "qwen3_5": (129, 129),
+            "qwen3_5_moe": (128, 128)}[name]
         assert eng.vision_encoder.tower_calls == 2  # nothing new
         assert set(r3.usage.cached_by_tier) == {"ram"}
         stats = eng.stats()["engine"]
@@ -233,7 +332,8 @@ def test_turn2_keeping_the_image_makes_no_tower_call(family, reference):
         msgs = [*turn1(name), {"role": "assistant", "content": r1.text},
                 {"role": "user", "content": "And the colours?"}]
         r2 = both(eng, reference, msgs, [A], "k2")
-        assert r2.usage.cached_tokens == {"gemma3": 66, "qwen3_vl": 67}[name]
+        assert r2.usage.cached_tokens == {"gemma3": 66, "qwen3_vl": 67, "qwen3_5": 62,
+                                          "qwen3_5_moe": 62}[name]
         assert eng.vision_encoder.tower_calls == 1
     finally:
         eng.close()
@@ -261,6 +361,31 @@ def test_a_prefix_that_ends_inside_an_image(family, reference):
         assert eng.vision_encoder.tower_calls == 1  # features from the vision cache
         ref = run(reference, msgs, [A], request_id="mid-ref")
         same(eng, reference, got, ref, "mid")
+    finally:
+        eng.close()
+
+
+def test_a_branch_restores_to_the_last_shared_message(family, reference):
+    """Two follow-ups to the same image turn: the second restores the first one's state
+    up to the start of the user message where they part (Qwen: the message-start
+    snapshot; Gemma 3, truncatable: the first differing token)."""
+    name, path = family
+    eng = make(path)
+    try:
+        r1 = run(eng, turn1(name), [A], request_id="b0")
+        base = [*turn1(name), {"role": "assistant", "content": r1.text}]
+        both(eng, reference, [*base, {"role": "user", "content": "And the colours?"}], [A],
+             "ba")
+        req = request(eng, [*base, {"role": "user", "content": "Any shapes?"}], [A],
+                      request_id="bb")
+        got = eng.submit(req).result()
+        ref = run(reference, [*base, {"role": "user", "content": "Any shapes?"}], [A],
+                  request_id="bb-ref")
+        same(eng, reference, got, ref, "bb")
+        start = req.message_starts[-1]  # the last user message
+        assert start == {"gemma3": 73, "qwen3_vl": 68, "qwen3_5": 71, "qwen3_5_moe": 70}[name]
+        # Gemma 3 also reuses the shared tokens after the message start
+        assert got.usage.cached_tokens == (78 if name == "gemma3" else start)
     finally:
         eng.close()
 
@@ -348,7 +473,8 @@ def test_turn2_after_a_restart_restores_from_ssd(family, reference, tmp_path):
         msgs = [*turn1(name), {"role": "assistant", "content": r1.text},
                 {"role": "user", "content": "And the colours?"}]
         r2 = both(second, reference, msgs, [A], "s2")
-        assert r2.usage.cached_by_tier == {"ssd": {"gemma3": 66, "qwen3_vl": 67}[name]}
+        assert r2.usage.cached_by_tier == {"ssd": {"gemma3": 66, "qwen3_vl": 67, "qwen3_5": 62,
+                                                   "qwen3_5_moe": 62}[name]}
         assert second.vision_encoder.tower_calls == 0
     finally:
         second.close()

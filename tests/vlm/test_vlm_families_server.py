@@ -1,4 +1,4 @@
-"""Gemma 3 and Qwen3-VL end to end through the server: an image in an OpenAI chat
+"""Gemma 3, Qwen3-VL and Qwen3.5 end to end through the server: an image in an OpenAI chat
 request (the collector writes the family's image text, the template renders it, the
 engine expands it), turn 2 restores the prefix with the image and makes no tower call,
 the reply equals the engine's uncached one, and text-only requests work."""
@@ -20,11 +20,13 @@ from promptcache.engine.vision_cache import VisionCache
 from promptcache.server.app import create_app
 
 
-@pytest.fixture(scope="module", params=("gemma3", "qwen3_vl"))
-def served(request: pytest.FixtureRequest, tiny_gemma3_vlm_path: Path,
-           tiny_qwen3_vl_path: Path) -> Iterator[tuple[str, Engine, TestClient, Path]]:
+@pytest.fixture(scope="module", params=("gemma3", "qwen3_vl", "qwen3_5", "qwen3_5_moe"))
+def served(request: pytest.FixtureRequest) -> Iterator[tuple[str, Engine, TestClient, Path]]:
     name = str(request.param)
-    path = tiny_gemma3_vlm_path if name == "gemma3" else tiny_qwen3_vl_path
+    path = Path(request.getfixturevalue({"gemma3": "tiny_gemma3_vlm_path",
+                                         "qwen3_vl": "tiny_qwen3_vl_path",
+                                         "qwen3_5": "tiny_qwen3_5_vlm_path",
+                                         "qwen3_5_moe": "tiny_qwen3_5_moe_vlm_path"}[name]))
     cc = CacheConfig(block_size=16, ram_budget_bytes=64 << 20)
     eng = Engine.load(path, EngineConfig(prefill_chunk_tokens=32), cc, cache=build_cache(cc),
                       vision_cache=VisionCache(8 << 20))
@@ -50,15 +52,21 @@ def test_image_turn2_is_cached_skips_the_tower_and_equals_uncached(served):
     u1 = r1["usage"]
     # the prompt holds the image's 36 placeholder tokens (Gemma: between "\n\n" +
     # <start_of_image> and <end_of_image> + "\n\n"; Qwen: between vision start / end)
-    assert u1["prompt_tokens"] == {"gemma3": 60, "qwen3_vl": 56}[name]
+    assert u1["prompt_tokens"] == {"gemma3": 60, "qwen3_vl": 56, "qwen3_5": 56,
+                                  "qwen3_5_moe": 56}[name]
     assert eng.vision_encoder is not None and eng.vision_encoder.tower_calls == 1
     reply = r1["choices"][0]["message"]["content"]
     turn2 = [*turn1, {"role": "assistant", "content": reply},
              {"role": "user", "content": "And its colours?"}]
     r2 = chat(client, turn2)
-    assert r2["usage"]["prompt_tokens"] == u1["prompt_tokens"] + 25
-    # turn 1's prompt and image from the cache (Qwen: its end-of-generation snapshot)
-    assert r2["usage"]["prompt_tokens_details"]["cached_tokens"] == 60
+    # + the reply re-tokenized (5 tokens; the tiny Qwen3.5 MoE's random reply: 10) + the
+    # new user message
+    assert r2["usage"]["prompt_tokens"] == u1["prompt_tokens"] + (
+        30 if name == "qwen3_5_moe" else 25)
+    # turn 1's prompt and image from the cache (Qwen3-VL: its end-of-generation snapshot;
+    # Qwen3.5: its end-of-prefill snapshot, its random reply re-tokenizes otherwise)
+    assert r2["usage"]["prompt_tokens_details"]["cached_tokens"] == {
+        "gemma3": 60, "qwen3_vl": 60, "qwen3_5": 56, "qwen3_5_moe": 56}[name]
     assert eng.vision_encoder.tower_calls == 1  # turn 2: no tower call
     # the same turn without the prompt cache (the image's features are recomputed)
     fresh = Engine.load(path, EngineConfig(prefill_chunk_tokens=4096), cache=None)

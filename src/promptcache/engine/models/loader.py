@@ -99,9 +99,11 @@ def load_model_or_vlm(path_or_repo: str | os.PathLike[str], *, float32_on_cpu: b
     (``models/vlm.py``: the model is its language model with mlx-lm's interface).
 
     A checkpoint with a ``vision_config`` whose family the vision path does not support
-    (``vlm.SUPPORTED_TYPES``) but mlx-lm does (e.g. ``qwen3_5``: mlx-lm loads its
+    (``vlm.SUPPORTED_TYPES``), or that has no image processor
+    (``preprocessor_config.json``), but whose family mlx-lm has (mlx-lm loads its
     ``text_config`` and drops the vision weights) is loaded text-only; a log line says
-    which path was taken. A family neither supports is refused by ``vlm.load_vlm``."""
+    which path was taken and why. A family neither supports is refused by
+    ``vlm.load_vlm``."""
     folder, model_id = resolve_model_path(path_or_repo)
     try:
         config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
@@ -112,12 +114,16 @@ def load_model_or_vlm(path_or_repo: str | os.PathLike[str], *, float32_on_cpu: b
     text_only = not vlm.is_vlm_config(config)
     if not text_only:
         model_type = str(config.get("model_type"))
-        text_only = model_type not in vlm.SUPPORTED_TYPES and _mlx_lm_has(model_type)
+        why = ""
+        if model_type not in vlm.SUPPORTED_TYPES:
+            why = (f"the vision path (mlx-vlm) does not support {model_type!r} yet "
+                   f"(supported: {', '.join(vlm.SUPPORTED_TYPES)})")
+        elif not (folder / "preprocessor_config.json").is_file():
+            why = f"this {model_type!r} folder has no image processor (preprocessor_config.json)"
+        text_only = bool(why) and _mlx_lm_has(model_type)
         if text_only:
-            logger.info("%s ships a vision_config, but the vision path (mlx-vlm) does not "
-                        "support %r yet (supported: %s): loading it text-only through mlx-lm "
-                        "(image inputs are refused)", model_id, model_type,
-                        ", ".join(vlm.SUPPORTED_TYPES))
+            logger.info("%s ships a vision_config, but %s: loading it text-only through "
+                        "mlx-lm (image inputs are refused)", model_id, why)
         else:
             logger.info("%s ships a vision_config of family %r: loading it with images "
                         "through mlx-vlm", model_id, model_type)

@@ -29,6 +29,9 @@ tokens per image (``VisionInfo.tokens_per_image``):
   ``(side / patch / merge)^2`` tokens. Deepstack features (added to the first
   decoder layers' hidden states at the image rows) travel with the features. M-RoPE:
   see ``MRopeTextModel``.
+- ``qwen3_5`` / ``qwen3_5_moe``: Qwen3.5 as it ships, the Qwen3-VL tower (no deepstack)
+  at the same single resolution and M-RoPE, over a hybrid language model (gated delta
+  net + full attention): see ``HybridMRopeTextModel``.
 
 Others (tiling, learned separators, variable token counts) raise a clear ValueError
 at load; ``loader.py`` loads a family mlx-lm knows text-only instead.
@@ -53,7 +56,9 @@ from ..api import ImageInput, VisionInfo
 logger = logging.getLogger(__name__)
 
 MLX_VLM_TESTED = "0.7.10"
-SUPPORTED_TYPES = ("llava", "gemma3", "qwen3_vl")
+SUPPORTED_TYPES = ("llava", "gemma3", "qwen3_vl", "qwen3_5", "qwen3_5_moe")
+QWEN_TYPES = ("qwen3_vl", "qwen3_5", "qwen3_5_moe")  # the dynamic-resolution tower
+HYBRID_TYPES = ("qwen3_5", "qwen3_5_moe")  # gated delta net + attention (mlx-lm's layers)
 
 
 def is_vlm_config(config: dict[str, Any]) -> bool:
@@ -89,7 +94,7 @@ class VLMTextModel:
     def __init__(self, vlm: Any) -> None:
         self.language_model = vlm.language_model
         self.hidden_size = int(self.language_model.model.embed_tokens.weight.shape[1])
-        self._caches = _mlx_lm_caches(self.language_model)  # checked at load
+        self._caches = self.make_cache()  # checked at load
 
     def __call__(self, inputs: mx.array, cache: Any = None,
                  input_embeddings: mx.array | None = None) -> mx.array:
@@ -165,6 +170,8 @@ class MRopeTextModel(VLMTextModel):
 
     mrope = True
 
+    offset_layer = 0  # the index of a KV cache (its offset is the row's token count)
+
     def __init__(self, vlm: Any, grid: tuple[int, int, int], deepstack_layers: int) -> None:
         super().__init__(vlm)
         self.grid = grid
@@ -194,19 +201,79 @@ class MRopeTextModel(VLMTextModel):
             pos = mx.array(positions.astype(np.int32))[:, None, :]
             state[0] = mx.array([[delta]], dtype=mx.int32)
         else:
-            off = kv[0].offset
+            off = kv[self.offset_layer].offset
             base = (mx.array([[int(off)]], dtype=mx.int32) if isinstance(off, int)
                     else off.astype(mx.int32).reshape(-1, 1))
             d = state[0] if state[0] is not None else mx.zeros((b, 1), dtype=mx.int32)
             state[0] = d
             row = base + d + mx.arange(n, dtype=mx.int32)[None]
             pos = mx.broadcast_to(row[None], (3, b, n))
+        return self._forward(inputs, kv, input_embeddings, pos, visual_mask, deepstack)
+
+    def _forward(self, inputs: mx.array, kv: list[Any], input_embeddings: mx.array | None,
+                 pos: mx.array, visual_mask: mx.array | None,
+                 deepstack: list[mx.array] | None) -> mx.array:
+        """The language model at positions ``pos`` ``[3, B, L]`` on the layers' caches."""
         kwargs: dict[str, Any] = {}
         if deepstack is not None:
             kwargs = {"visual_pos_masks": visual_mask, "deepstack_visual_embeds": deepstack}
         out = self.language_model(inputs, inputs_embeds=input_embeddings, cache=kv,
                                   position_ids=pos, **kwargs)
         logits: mx.array = out.logits if hasattr(out, "logits") else out
+        return logits
+
+
+class HybridMRopeTextModel(MRopeTextModel):
+    """Qwen3.5 (``qwen3_5``, ``qwen3_5_moe``): gated-delta-net layers and full-attention
+    layers with Qwen's multimodal rotary positions.
+
+    mlx-vlm's Qwen3.5 language model keeps its own batch bookkeeping on the cache
+    objects (it splits batches into rows, writes private attributes onto the caches and
+    its gated delta net needs mlx-vlm's own ``ArraysCache``), so it is not called as a
+    whole. Instead each layer runs as the library that owns its cache kind runs it:
+    the linear-attention layers are mlx-lm's Qwen3.5 layers (mlx-lm's model class,
+    sharing the VLM's weight arrays: no copy), on mlx-lm's ``ArraysCache`` exactly as
+    mlx-lm serves the model text-only; the full-attention layers are mlx-vlm's decoder
+    layers, called with M-RoPE ``position_ids`` on mlx-lm's ``KVCache`` (their
+    attention uses the ``update_and_fetch`` protocol, as for ``qwen3_vl``). Masks are
+    mlx-lm's (``create_attention_mask`` / ``create_ssm_mask``), the rotary cos / sin as
+    mlx-vlm's own forward computes them. No deepstack (Qwen3.5's tower has none)."""
+
+    def __init__(self, vlm: Any, grid: tuple[int, int, int], text: Any) -> None:
+        self.text = text  # mlx-lm's qwen3_5 TextModel (the VLM's weights)
+        super().__init__(vlm, grid, 0)
+        self.offset_layer = int(text.model.fa_idx)
+        self.vlm_layers = list(vlm.language_model.model.layers)
+
+    def make_cache(self) -> list[Any]:
+        return [*self.text.make_cache(), ArraysCache(1)]
+
+    @property
+    def layers(self) -> list[Any]:
+        return list(self.text.layers)
+
+    def _forward(self, inputs: mx.array, kv: list[Any], input_embeddings: mx.array | None,
+                 pos: mx.array, visual_mask: mx.array | None,
+                 deepstack: list[mx.array] | None) -> mx.array:
+        from mlx_lm.models.base import create_attention_mask, create_ssm_mask
+
+        inner = self.text.model
+        h = inner.embed_tokens(inputs) if input_embeddings is None else input_embeddings
+        fa_mask = create_attention_mask(h, kv[inner.fa_idx])
+        ssm_mask = create_ssm_mask(h, kv[inner.ssm_idx])
+        # cos / sin once for all attention layers, as mlx-vlm's forward does (None: its
+        # fused rotary kernel applies them in the attention)
+        rotary = self.vlm_layers[inner.fa_idx].self_attn.rotary_emb
+        cos_sin = None if rotary.fused_apply else rotary(h, pos)
+        for layer, vlm_layer, c in zip(inner.layers, self.vlm_layers, kv, strict=True):
+            if layer.is_linear:
+                h = layer(h, mask=ssm_mask, cache=c)
+            else:
+                h = vlm_layer(h, mask=fa_mask, cache=c, position_ids=pos,
+                              position_embeddings=cos_sin)
+        out = inner.norm(h)
+        logits: mx.array = (inner.embed_tokens.as_linear(out)
+                            if self.text.args.tie_word_embeddings else self.text.lm_head(out))
         return logits
 
 
@@ -245,7 +312,7 @@ class VisionTower:
         proc = self.preprocess(pixels)
         pv = mx.array(proc["pixel_values"].astype(np.float32))
         self.calls += 1
-        if self.info.model_type == "qwen3_vl":
+        if self.info.model_type in QWEN_TYPES:
             tower = self.vlm.vision_tower
             grid = mx.array(proc["image_grid_thw"].astype(np.int32))
             feats, deep = tower(pv.astype(tower.patch_embed.proj.weight.dtype), grid)
@@ -323,12 +390,14 @@ def _gemma3(folder: Path, config: dict[str, Any], proc: dict[str, Any], hf: Any,
 
 def _qwen3_vl(folder: Path, config: dict[str, Any], proc: dict[str, Any], hf: Any,
               image_processor: Any) -> _Family:
+    """Qwen3-VL and Qwen3.5 (the same tower and image tokens; Qwen3.5 without deepstack)."""
+    model_type = str(config["model_type"])
     vc = config["vision_config"]
     image_id = int(config.get("image_token_id", -1))
     start_id = int(config.get("vision_start_token_id", -1))
     end_id = int(config.get("vision_end_token_id", -1))
     if min(image_id, start_id, end_id) < 0:
-        raise ValueError(f"{folder}: a qwen3_vl config needs image_token_id, "
+        raise ValueError(f"{folder}: a {model_type} config needs image_token_id, "
                          "vision_start_token_id and vision_end_token_id")
     patch = int(vc.get("patch_size", 16))
     merge = int(vc.get("spatial_merge_size", 2))
@@ -342,14 +411,49 @@ def _qwen3_vl(folder: Path, config: dict[str, Any], proc: dict[str, Any], hf: An
                          "the vision config's")
     m = grid_side // merge
     tokens = [str(hf.convert_ids_to_tokens(i)) for i in (start_id, image_id, end_id)]
-    info = VisionInfo("qwen3_vl", tokens[1], image_id, m * m,
-                      _settings_key("qwen3_vl", image_processor, m * m, side),
+    info = VisionInfo(model_type, tokens[1], image_id, m * m,
+                      _settings_key(model_type, image_processor, m * m, side),
                       image_text="".join(tokens))
     deep = len(vc.get("deepstack_visual_indexes") or [])
     return _Family(info, side=side, grid=(1, m, m), deepstack=deep)
 
 
-_FAMILIES = {"llava": _llava, "gemma3": _gemma3, "qwen3_vl": _qwen3_vl}
+_FAMILIES = {"llava": _llava, "gemma3": _gemma3, "qwen3_vl": _qwen3_vl, "qwen3_5": _qwen3_vl,
+             "qwen3_5_moe": _qwen3_vl}
+
+
+def _mlx_lm_text_model(folder: Path, config: dict[str, Any], vlm: Any) -> Any:
+    """mlx-lm's text model of a Qwen3.5 checkpoint (the class mlx-lm serves it with
+    text-only), holding the VLM's language-model weight arrays (shared, not copied).
+    Quantized layers are quantized as the VLM's are before the arrays are shared."""
+    from mlx.nn.layers.base import Module
+    from mlx.nn.layers.quantized import quantize
+    from mlx.utils import tree_flatten
+
+    from ..mlx_compat import model_classes
+
+    model_cls, args_cls = model_classes(str(config["model_type"]))
+    model = model_cls(args_cls.from_dict(config))
+    theirs = dict(tree_flatten(vlm.language_model.leaf_modules(),
+                               is_leaf=Module.is_module))
+
+    def quantized_as_theirs(path: str, _module: Any) -> bool | dict[str, Any]:
+        m = theirs.get(path.removeprefix("language_model."))
+        if m is None or not hasattr(m, "bits"):
+            return False
+        return {"group_size": int(m.group_size), "bits": int(m.bits),
+                "mode": str(getattr(m, "mode", "affine"))}
+
+    quantize(model, class_predicate=quantized_as_theirs)
+    weights = [(f"language_model.{k}", v)
+               for k, v in tree_flatten(vlm.language_model.parameters())]
+    try:
+        model.load_weights(weights, strict=True)
+    except ValueError as e:
+        raise ValueError(f"{folder}: mlx-lm's {config['model_type']} text model does not "
+                         f"take the VLM's language weights: {e}") from e
+    model.eval()  # as mlx-lm's load leaves it (its gated delta net's kernel is eval-only)
+    return model.language_model
 
 
 def load_vlm(folder: Path, config: dict[str, Any], *, float32_on_cpu: bool = True
@@ -377,8 +481,13 @@ def load_vlm(folder: Path, config: dict[str, Any], *, float32_on_cpu: bool = Tru
     proc = json.loads(proc_file.read_text()) if proc_file.is_file() else {}
     hf = getattr(tokenizer, "_tokenizer", tokenizer)
     fam = _FAMILIES[model_type](folder, config, proc, hf, image_processor)
-    text: VLMTextModel = (MRopeTextModel(vlm, fam.grid, fam.deepstack) if fam.side
-                          else VLMTextModel(vlm))
+    text: VLMTextModel
+    if model_type in HYBRID_TYPES:
+        text = HybridMRopeTextModel(vlm, fam.grid, _mlx_lm_text_model(folder, config, vlm))
+    elif fam.side:
+        text = MRopeTextModel(vlm, fam.grid, fam.deepstack)
+    else:
+        text = VLMTextModel(vlm)
     logger.info("vision-language model %s: %d placeholder tokens per image%s", model_type,
                 fam.info.tokens_per_image,
                 f" (images resized to {fam.side}x{fam.side})" if fam.side else "")
