@@ -12,9 +12,11 @@ What is used:
   ``BatchKVCache`` to read one row's KV without copying the whole row
   (``row_caches``) and to drop the padding every row of a prefill batch has in common
   (``trim_common_padding``).
-- batched prefill of right-padded chunks (``prepare(right_padding=...)`` before the
-  forward, ``finalize()`` after it: the pad tokens' KV is rolled to the left and
-  counted as left padding), as mlx-lm's own ``PromptProcessingBatch.prompt`` does.
+- batched prefill of right-padded chunks (``prepare(lengths=..., right_padding=...)``
+  before the forward, ``finalize()`` after it: the pad tokens' KV is rolled to the left
+  and counted as left padding; recurrent layers read the lengths), as mlx-lm's own
+  ``PromptProcessingBatch.prompt`` does; which model modules' recurrent layers honour
+  those lengths (``RIGHT_PADDED_STATE_MODULES``, read from the model's module name).
 - the rule by which ``RotatingKVCache.update_and_fetch`` drops tokens from a sliding
   window (``window_floor_after``), read from its public ``state``.
 """

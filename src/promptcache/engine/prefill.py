@@ -21,9 +21,18 @@ handed). One ``step()``:
    then stores the whole prompt (save point 2) from its row of that cache, which
    then joins the decode batch as it is.
 
-Only requests whose caches are plain KV (``mlx_compat.can_batch_prefill``) and that
-have no image embeddings are batched; the rest prefill on the per-request path
-(``Request.prefill_chunk``). The scheduler bounds a step by rows
+Sliding windows (``BatchRotatingKVCache``): before the forward, a row whose chunk
+would push whole unsaved blocks out of a window stores them first, from its row
+(``Request.save_before_slide``, as alone), and again before its last token slides the
+window; a step whose longest chunk is one token beside a row with none is two wide
+(``mlx_compat.prefill_width``). Array / SSM states: mlx-lm's recurrent layers read the
+rows' lengths (``prepare(lengths=...)``) so a pad token leaves a row's state as it is.
+
+Requests whose caches mlx-lm batches exactly (``mlx_compat.can_batch_prefill``: plain
+and MLA KV, windows without ``keep``, the array states of the model modules that honour
+the padding, ``CacheList``s of those) and that have no image embeddings are batched;
+the rest (quantized KV, windows with ``keep``, nemotron_h's Mamba2 state) prefill on
+the per-request path (``Request.prefill_chunk``). The scheduler bounds a step by rows
 (``prefill_batch_size``) and tokens (``prefill_batch_tokens``).
 """
 
