@@ -224,3 +224,28 @@ def test_can_batch_prefill_by_kind(family_path: Any) -> None:
     # array states batch only for a module known to honour the padding
     assert {f for f, ok in unknown_model.items() if not ok} == {
         "qwen3_5", "qwen3_5_moe", "qwen3_next", "nemotron_h", "falcon_h1", "kimi_linear"}
+
+
+@pytest.mark.parametrize("family", ["gpt_oss", "gemma3_text", "qwen3_next", "falcon_h1",
+                                    "kimi_linear"])
+def test_rows_that_join_a_running_prefill_batch(family: str, family_path: Any,
+                                                engines: Any) -> None:
+    """Two requests start a prefill batch; two more join it one step later (their
+    caches extend the batch's windows / states mid-prefill): all four equal alone."""
+    path = family_path(family)
+    batched, alone = engines(path, CHUNK), engines(path, CHUNK)
+    prompts = [_tokens(n, 50 + i) for i, n in enumerate((61, 40, 37, 52))]
+    st = Stepper(batched)
+    runs = [st.submit(p, max_tokens=4) for p in prompts[:2]]
+    st.step()
+    assert len(st.scheduler.group) == 2
+    runs += [st.submit(p, max_tokens=4) for p in prompts[2:]]
+    st.run()
+    got = [(r.result, batched.recorder.by_request.pop(r.request.request_id)) for r in runs]
+    ref = _results(Stepper(alone), alone, prompts, False, 4)
+    assert st.ctx.counters.max_prefill_batch == 4
+    for (rb, lb), (ra, la) in zip(got, ref, strict=True):
+        assert rb.tokens == ra.tokens and rb.usage == ra.usage
+        assert max(_rel(x, y) for x, y in zip(lb, la, strict=True)) <= TOL
+    assert sorted(_blocks(batched)) == sorted(_blocks(alone))
+    assert st.ctx.counters.store_errors == st.ctx.counters.window_gaps == 0
