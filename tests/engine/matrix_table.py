@@ -57,7 +57,7 @@ def family_row(family: str) -> dict[str, str]:
     mx.eval(model(mx.array([[1]]), cache=caches))
     return {
         "cache": _run_length([_leaf(c) for c in caches]),
-        "prefill": "yes" if mlx_compat.can_batch_prefill(caches) else "no",
+        "prefill": "yes" if mlx_compat.can_batch_prefill(caches, model) else "no",
         "decode": "yes" if mlx_compat.can_batch(caches) else "no",
         "restore": "any token" if adapters.is_truncatable(caches)
         else "state snapshots",

@@ -311,7 +311,7 @@ def test_blocks_restore_from_ssd_after_a_restart(mla, tmp_path):
 
 def test_batched_requests_store_restore_and_equal_each_alone(mla):
     """Rows join mlx-lm's batch caches (K and V of different widths) cold, prefilled in
-    a batch of right-padded chunks where every layer is a plain KVCache, and warm,
+    a batch of right-padded chunks (plain KV, CacheList, KDA states), and warm,
     restored from the blocks the cold batch stored; each decodes as it would alone."""
     kind, path = mla
     prompts = [_prompt(kind, n, seed=4 + n) for n in (20, 27, 35)]
@@ -328,15 +328,14 @@ def test_batched_requests_store_restore_and_equal_each_alone(mla):
     # all but the last token; kimi_linear: its snapshots at 16 (a chunk) and 32 (a chunk)
     hits = [16, 16, 32] if kind == "kimi_linear" else [19, 26, 34]
     assert [r.result.usage.cached_tokens for r in runs if r.result is not None] == hits
-    # plain-KV models prefill the cold prompts' 7 chunks in 3 batched steps; the others
-    # one chunk per step, so the first reply is done before the third prompt decodes
-    plain_kv = kind in ("deepseek_v3", "glm4_moe_lite")
+    # every kind (plain MLA KV, deepseek_v32's CacheList of KV + indexer keys, kimi_linear's
+    # KDA states beside MLA KV) prefills the cold prompts' 7 chunks in 3 batched steps
     c = cold_st.ctx.counters
     assert (c.prefill_chunks, c.prefill_batches, c.max_prefill_batch, c.max_batch) == (
-        (7, 3, 3, 3) if plain_kv else (7, 0, 0, 2))
+        7, 3, 3, 3)
     c = st.ctx.counters
     assert (c.prefill_chunks, c.prefill_batches, c.max_prefill_batch, c.max_batch) == (
-        (3, 1, 3, 3) if plain_kv else (3, 0, 0, 3))
+        3, 1, 3, 3)
     for c in (cold_st.ctx.counters, st.ctx.counters):
         assert (c.store_errors, c.restore_errors) == (0, 0)
 

@@ -12,9 +12,11 @@ What is used:
   ``BatchKVCache`` to read one row's KV without copying the whole row
   (``row_caches``) and to drop the padding every row of a prefill batch has in common
   (``trim_common_padding``).
-- batched prefill of right-padded chunks (``prepare(right_padding=...)`` before the
-  forward, ``finalize()`` after it: the pad tokens' KV is rolled to the left and
-  counted as left padding), as mlx-lm's own ``PromptProcessingBatch.prompt`` does.
+- batched prefill of right-padded chunks (``prepare(lengths=..., right_padding=...)``
+  before the forward, ``finalize()`` after it: the pad tokens' KV is rolled to the left
+  and counted as left padding; recurrent layers read the lengths), as mlx-lm's own
+  ``PromptProcessingBatch.prompt`` does; which model modules' recurrent layers honour
+  those lengths (``RIGHT_PADDED_STATE_MODULES``, read from the model's module name).
 - the rule by which ``RotatingKVCache.update_and_fetch`` drops tokens from a sliding
   window (``window_floor_after``), read from its public ``state``.
 - speculative decoding's repair of a verify forward: ``BatchRotatingKVCache``'s
@@ -97,11 +99,59 @@ def can_batch(caches: Sequence[Any]) -> bool:
     return True
 
 
-def can_batch_prefill(caches: Sequence[Any]) -> bool:
-    """True if these per-request caches can be prefilled in a batch with others: plain
-    KV only (``BatchKVCache`` handles right-padded chunks exactly; sliding windows,
-    array states and quantized KV prefill on the per-request path)."""
-    return bool(caches) and all(type(c) is KVCache for c in caches)
+# Model modules whose recurrent layers honour ``ArraysCache.lengths`` in a right-padded
+# forward (mlx-lm 0.32: the conv state is taken at each row's last real token and the
+# scan / delta rule leaves the state untouched at pad positions), so a row's state after
+# a padded chunk equals its state alone. Checked family by family against each request
+# prefilled alone (tests/engine/test_batch_prefill_kinds.py). Not here: ``nemotron_h``,
+# whose Mamba2 scan gets the mask but not the lengths (it takes the decay at the padded
+# last position, 0: a padded row's SSM state keeps none of the chunk; see that test and
+# BENCHMARKS.md "Batched prefill by cache kind"), and the recurrent models that take
+# neither (mamba, jamba, rwkv7, recurrent_gemma, ...).
+RIGHT_PADDED_STATE_MODULES = frozenset({
+    "qwen3_5", "qwen3_5_moe", "qwen3_next", "falcon_h1", "kimi_linear",
+})
+
+
+def model_module(model: Any) -> str:
+    """The mlx-lm module that implements ``model`` (``"qwen3_next"``)."""
+    return str(type(model).__module__).rsplit(".", 1)[-1]
+
+
+def can_batch_prefill(caches: Sequence[Any], model: Any = None) -> bool:
+    """True if these per-request caches can be prefilled in one forward with others'
+    right-padded chunks exactly as alone: plain KV (MLA included: its K and V widths
+    differ but it is a plain ``KVCache``), sliding windows without kept tokens
+    (``BatchRotatingKVCache`` rolls a row's pad tokens out of its window), array / SSM
+    states of ``model``'s module when it honours the padding
+    (``RIGHT_PADDED_STATE_MODULES``), and ``CacheList``s of those. Quantized KV and
+    windows with ``keep`` prefill on the per-request path."""
+    if not caches:
+        return False
+    states_ok = model is not None and model_module(model) in RIGHT_PADDED_STATE_MODULES
+    for c in _leaves(caches):
+        if type(c) is KVCache:
+            continue
+        if type(c) is RotatingKVCache and c.keep == 0:
+            continue
+        if type(c) is ArraysCache and states_ok:
+            continue
+        return False
+    return True
+
+
+def prefill_width(batch: Sequence[Any], lengths: Sequence[int]) -> int:
+    """The width of a right-padded prefill forward of chunks of ``lengths`` tokens.
+
+    A one-token forward writes a sliding window in place (no room for a pad token:
+    ``BatchRotatingKVCache`` refuses it once padding is prepared), so when the longest
+    chunk is one token and some row has none, the forward is two wide (each row's pad
+    is then rolled out of its window as any other)."""
+    width = max(lengths)
+    if width == 1 and min(lengths) == 0 and any(
+            isinstance(c, BatchRotatingKVCache) for c in _leaves(batch)):
+        return 2
+    return width
 
 
 def merge_requests(caches: Sequence[Sequence[Any]]) -> list[Any]:
@@ -110,10 +160,11 @@ def merge_requests(caches: Sequence[Sequence[Any]]) -> list[Any]:
     return [merge([c[layer] for c in caches]) for layer in range(len(caches[0]))]
 
 
-def prepare_right_padded(batch: Sequence[Any], lengths: Sequence[int]) -> None:
+def prepare_right_padded(batch: Sequence[Any], lengths: Sequence[int],
+                         width: int | None = None) -> None:
     """Before a forward of right-padded inputs: row ``i`` has ``lengths[i]`` real tokens
-    of ``max(lengths)``."""
-    width = max(lengths)
+    of ``width`` (default ``max(lengths)``)."""
+    width = max(lengths) if width is None else width
     right = [width - n for n in lengths]
     for c in batch:
         c.prepare(lengths=list(lengths), right_padding=right)
@@ -144,12 +195,11 @@ def trim_common_padding(batch: Sequence[Any]) -> None:
 def copy_row(batch: Sequence[Any], idx: int) -> list[Any]:
     """Private per-layer caches of row ``idx`` with their own buffers (a request that
     leaves a prefill batch and waits for a decode row)."""
-    out: list[Any] = []
-    for c in row_caches(batch, idx):
+    out = row_caches(batch, idx)
+    for c in _leaves(out):  # KV views (in a CacheList too); the rest are copies
         if isinstance(c, KVCache) and c.keys is not None:
             c.keys = copy_array(c.keys)
             c.values = copy_array(c.values)
-        out.append(c)
     return out
 
 

@@ -21,9 +21,18 @@ handed). One ``step()``:
    then stores the whole prompt (save point 2) from its row of that cache, which
    then joins the decode batch as it is.
 
-Only requests whose caches are plain KV (``mlx_compat.can_batch_prefill``) and that
-have no image embeddings are batched; the rest prefill on the per-request path
-(``Request.prefill_chunk``). The scheduler bounds a step by rows
+Sliding windows (``BatchRotatingKVCache``): before the forward, a row whose chunk
+would push whole unsaved blocks out of a window stores them first, from its row
+(``Request.save_before_slide``, as alone), and again before its last token slides the
+window; a step whose longest chunk is one token beside a row with none is two wide
+(``mlx_compat.prefill_width``). Array / SSM states: mlx-lm's recurrent layers read the
+rows' lengths (``prepare(lengths=...)``) so a pad token leaves a row's state as it is.
+
+Requests whose caches mlx-lm batches exactly (``mlx_compat.can_batch_prefill``: plain
+and MLA KV, windows without ``keep``, the array states of the model modules that honour
+the padding, ``CacheList``s of those) and that have no image embeddings are batched;
+the rest (quantized KV, windows with ``keep``, nemotron_h's Mamba2 state) prefill on
+the per-request path (``Request.prefill_chunk``). The scheduler bounds a step by rows
 (``prefill_batch_size``) and tokens (``prefill_batch_tokens``).
 """
 
@@ -148,12 +157,16 @@ class PrefillBatch:
         ends = [r.chunk_end() for r in rows]
         # a row at its prompt's end holds its last token back (fed in _first_tokens)
         lengths = [e - r.pos - (1 if e >= r.n_prompt else 0) for r, e in zip(rows, ends, strict=True)]
-        width = max(lengths)
+        width = mlx_compat.prefill_width(self.cache, lengths)
         if width > 0:
+            for i, (r, n) in enumerate(zip(rows, lengths, strict=True)):
+                if n > 0 and r.slide_save_due(r.pos):
+                    # blocks this forward pushes out of a window are stored first
+                    r.save_before_slide(r.pos, n, mlx_compat.row_caches(self.cache, i))
             inputs = np.zeros((len(rows), width), dtype=np.uint32)
             for i, (r, n) in enumerate(zip(rows, lengths, strict=True)):
                 inputs[i, :n] = r.seq[r.pos : r.pos + n]
-            mlx_compat.prepare_right_padded(self.cache, lengths)
+            mlx_compat.prepare_right_padded(self.cache, lengths, width)
             self.model(mx.array(inputs), cache=self.cache)  # logits never evaluated
             mlx_compat.finalize_right_padded(self.cache)
             mlx_compat.trim_common_padding(self.cache)
@@ -173,9 +186,12 @@ class PrefillBatch:
                 r.chunk_done(e, views)  # save point 1 from this row
         if not ending:
             return None
-        done = self._first_tokens([rows[i] for i in ending],
-                                  mlx_compat.merge_requests(
-                                      [mlx_compat.row_caches(self.cache, i) for i in ending]))
+        views = [mlx_compat.row_caches(self.cache, i) for i in ending]
+        for i, v in zip(ending, views, strict=True):
+            r = rows[i]
+            if r.slide_save_due(r.pos):  # the last token alone slides a window
+                r.save_before_slide(r.pos, 1, v)
+        done = self._first_tokens([rows[i] for i in ending], mlx_compat.merge_requests(views))
         self._remove(set(ending))
         return done
 

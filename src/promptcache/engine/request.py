@@ -329,15 +329,20 @@ class Request:
         ``held`` tokens; before a forward of ``n_new`` more, store the whole blocks not
         stored yet whose tokens that forward would push out of a window (a block is
         saved while its tokens are still in the window)."""
-        if not self.sliding or not self.use_cache or self.cursor is None:
+        if not self.slide_save_due(held) or self.cursor is None:
             return
-        start = self.cursor.start
-        if held - start < self.ctx.block_size:
-            return  # no whole block to store (a partial one stays: block <= window)
         src = self.caches if caches is None else caches
-        if mlx_compat.window_floor_after(src, n_new) > start:
+        if mlx_compat.window_floor_after(src, n_new) > self.cursor.start:
             self._store(held, save_point, include_partial=False, snapshot_at_end=False,
                         caches=src)
+
+    def slide_save_due(self, held: int) -> bool:
+        """Whether ``save_before_slide`` may store anything when the caches hold ``held``
+        tokens: a sliding-window request with a whole block not stored yet (a partial
+        one stays: block <= window). A cheap check before reading a batch row."""
+        if not self.sliding or not self.use_cache or self.cursor is None:
+            return False
+        return held - self.cursor.start >= self.ctx.block_size
 
     def _save_mid_prefill(self, caches: Sequence[Any] | None = None) -> None:
         """Save point 1. A non-truncatable state is snapshotted once a chunk reaches a

@@ -10,14 +10,17 @@ the save points read only the new blocks, from a request's private caches or fro
 lazy views of its row in a batch cache.
 
 Prefill has two paths:
-- batched (``engine/prefill.py``): interactive requests with plain-KV caches and no
-  images that prefill at the same step share one forward per chunk (``PrefillBatch``;
+- batched (``engine/prefill.py``): interactive requests whose caches mlx-lm batches
+  exactly (``mlx_compat.can_batch_prefill``: plain / MLA KV, sliding windows, the array
+  states of the modules that honour right padding) and no images that prefill at the
+  same step share one forward per chunk (``PrefillBatch``;
   at most ``prefill_batch_size`` rows and ``prefill_batch_tokens`` tokens per step,
   each row one chunk per step). A request joins it at a step boundary with its
   restored caches (every row's own prefix; only its suffix is prefilled);
 - per request (``Request.prefill_chunk`` on its private caches): a lone interactive
   request (nothing else prefilling interactively: no copy into a batch cache), caches
-  that cannot batch (quantized KV, sliding windows, array states), image prompts, and
+  that cannot batch exactly (quantized KV, windows that keep tokens, nemotron_h's
+  Mamba2 state), image prompts, and
   background requests (next-turn pre-render, shadow verification). One chunk per
   step: of the oldest interactive one; a background one only when no interactive
   request is prefilling, so a new interactive request waits at most the background
@@ -194,7 +197,8 @@ class Scheduler:
                 self._guard([r], r.start, on_error=r.fail)
                 if r.done:
                     continue
-            if (r.images is not None or not mlx_compat.can_batch_prefill(r.caches)
+            if (r.images is not None
+                    or not mlx_compat.can_batch_prefill(r.caches, self.ctx.model)
                     or not mlx_compat.can_batch(r.caches)):
                 self._solo.add(r)
                 continue
