@@ -3,8 +3,9 @@ acceptance (speculative decoding's gate, ``Speculator.plan``).
 
 A forward over ``rows`` rows of ``width`` positions costs about ``overhead + per_token
 * rows * width`` (``VerifyCost``: weights read once per forward, then work per position).
-``measure_verify_cost`` fits the two numbers from forwards of width 1 and 16 on the
-model itself at startup (a few forwards on an empty cache, the fastest of three each).
+``measure_verify_cost`` fits them (and ``wide``, what any forward of several positions
+adds) from forwards of width 1, 2 and 16 over a 1024-token context on the model itself
+at startup (the fastest of three each).
 A normal decode step is the same forward at width 1 and gives every row one token.
 
 A row's drafts are accepted token by token with probability ``q`` (``Acceptance``:
@@ -26,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
 logger = logging.getLogger(__name__)
 
@@ -35,24 +36,31 @@ MARGIN = 0.05
 # how much of a row's acceptance history each new verify keeps
 DECAY = 0.9
 MEASURE_WIDTH = 16
+# tokens in the cache the verify cost is measured over
+MEASURE_CONTEXT = 1024
 PRIOR_ACCEPTED = 2.0
 PRIOR_REJECTED = 1.0
 
 
 @dataclass(frozen=True)
 class VerifyCost:
-    """A forward costs ``overhead + per_token * rows * width`` (any unit)."""
+    """A forward costs ``overhead + per_token * rows * width`` (any unit), plus ``wide``
+    when ``width > 1`` (several positions per row take another path than one: the
+    causal mask over the context, matrix instead of vector attention kernels)."""
 
     overhead: float
     per_token: float
+    wide: float = 0.0
 
     def __post_init__(self) -> None:
-        if self.overhead < 0 or self.per_token < 0 or self.overhead + self.per_token <= 0:
-            raise ValueError(f"need overhead, per_token >= 0, not both 0: {self}")
+        if (self.overhead < 0 or self.per_token < 0 or self.wide < 0
+                or self.overhead + self.per_token <= 0):
+            raise ValueError(f"need overhead, per_token, wide >= 0, not all 0: {self}")
 
     def relative(self, rows: int, width: int) -> float:
         """A forward of ``width`` positions per row, in decode steps (width 1)."""
-        return (self.overhead + self.per_token * rows * width) \
+        extra = self.wide if width > 1 else 0.0
+        return (self.overhead + self.per_token * rows * width + extra) \
             / (self.overhead + self.per_token * rows)
 
 
@@ -60,30 +68,47 @@ FREE = VerifyCost(1.0, 0.0)  # a verify costs what a decode step does (tests)
 
 
 def measure_verify_cost(model: Any, vocab_size: int, repeats: int = 3) -> VerifyCost:
-    """Fit ``VerifyCost`` from forwards of width 1 and ``MEASURE_WIDTH`` on empty caches
-    (the fastest of ``repeats`` each, after one warm-up)."""
+    """Fit ``VerifyCost`` from forwards of width 1, 2 and ``MEASURE_WIDTH`` over a cache
+    holding ``MEASURE_CONTEXT`` tokens (attention over a context is part of a verify's
+    cost; a cache that cannot be trimmed back is measured empty), the fastest of
+    ``repeats`` each after one warm-up."""
+    base = make_prompt_cache(model)
+    context = MEASURE_CONTEXT if can_trim_prompt_cache(base) else 0
+    if context:
+        mx.eval(model(_tokens(context, vocab_size), cache=base))
+
     def once(width: int) -> float:
-        x = mx.array([[i % max(1, vocab_size - 1) + 1 for i in range(width)]], dtype=mx.uint32)
-        cache = make_prompt_cache(model)
+        cache = base if context else make_prompt_cache(model)
+        x = _tokens(width, vocab_size)
         t0 = time.perf_counter()
         mx.eval(model(x, cache=cache))
-        return time.perf_counter() - t0
+        took = time.perf_counter() - t0
+        if context:
+            trim_prompt_cache(cache, width)
+        return took
 
-    once(1)
-    once(MEASURE_WIDTH)
-    t1 = tw = 0.0
+    for w in (1, 2, MEASURE_WIDTH):
+        once(w)
+    t1 = t2 = tw = 0.0
     for _ in range(3):  # a wider forward is never cheaper: on a noisy machine, measure again
         t1 = min(once(1) for _ in range(repeats))
+        t2 = min(once(2) for _ in range(repeats))
         tw = min(once(MEASURE_WIDTH) for _ in range(repeats))
-        if tw > t1:
+        if tw > t2 >= t1:
             break
-    if tw <= t1:  # still noise: assume a 16-wide forward costs two narrow ones, not one
-        logger.warning("verify cost: a %d-token forward measured no slower than a 1-token "
-                       "one (%.1f vs %.1f ms): assuming twice", MEASURE_WIDTH, tw * 1e3, t1 * 1e3)
-        tw = 2 * t1
-    per_token = (tw - t1) / (MEASURE_WIDTH - 1)
+    if not tw > t2:  # still noise: assume a 16-wide forward costs two narrow ones, not one
+        logger.warning("verify cost: a %d-token forward measured no slower than a 2-token "
+                       "one (%.1f vs %.1f ms): assuming twice", MEASURE_WIDTH, tw * 1e3, t2 * 1e3)
+        t2 = max(t2, t1)
+        tw = 2 * t2
+    per_token = (tw - t2) / (MEASURE_WIDTH - 2)
     overhead = max(t1 - per_token, 1e-3 * t1, 1e-9)
-    return VerifyCost(overhead, per_token)
+    wide = max(0.0, t2 - (overhead + 2 * per_token))
+    return VerifyCost(overhead, per_token, wide)
+
+
+def _tokens(n: int, vocab_size: int) -> mx.array:
+    return mx.array([[i % max(1, vocab_size - 1) + 1 for i in range(n)]], dtype=mx.uint32)
 
 
 class Acceptance:
