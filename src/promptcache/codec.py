@@ -39,7 +39,7 @@ from typing import NamedTuple
 import numpy as np
 import xxhash
 
-from .blockdesc import CHECKSUM_KEY, FORMAT_VERSION, VERSION_KEY, Description, describe
+from .blockdesc import BLOCK_HASH_KEY, FORMAT_VERSION, VERSION_KEY, Description, describe
 from .blockdesc import read_description as _read_description
 from .errors import CorruptBlockError, UnsupportedFormatError
 from .meta import BlockMeta
@@ -154,8 +154,8 @@ def decode(data: Buffer, *, verify: bool = False) -> Decoded:
     meta = _metadata(header)
     old = _other_format(meta)
     if old is not None:
-        raise UnsupportedFormatError(f"block format {old} (an older cache's block); this "
-                                     f"version reads block format {FORMAT_VERSION} only")
+        raise UnsupportedFormatError(f"block format {old} (not this version's: it reads "
+                                     f"block format {FORMAT_VERSION} only)")
     spec = header.get(BLOCK_TENSOR)
     if set(header) != {"__metadata__", BLOCK_TENSOR} or not isinstance(spec, dict):
         raise CorruptBlockError("a block header holds its description and one tensor "
@@ -169,7 +169,7 @@ def decode(data: Buffer, *, verify: bool = False) -> Decoded:
     except ValueError as e:
         raise CorruptBlockError(str(e)) from e
     if desc is None:  # unreachable: _other_format said this is our format
-        raise UnsupportedFormatError("block format unknown")
+        raise CorruptBlockError("block format unknown")
     body = np.frombuffer(mv, dtype=np.uint8, offset=base)
     body.flags.writeable = False
     if verify:
@@ -181,8 +181,12 @@ def decode(data: Buffer, *, verify: bool = False) -> Decoded:
 
 
 def _other_format(meta: dict[str, str]) -> str | None:
-    """None if ``meta`` describes a block of this format, else the format it is of."""
+    """None if ``meta`` claims this block format, else the format it is of (a header
+    without a version is format 1 if it names its block). Raises CorruptBlockError
+    for a header that is no block's."""
     v = meta.get(VERSION_KEY)
-    if v == FORMAT_VERSION and CHECKSUM_KEY in meta:
+    if v == FORMAT_VERSION:
         return None
+    if v is None and BLOCK_HASH_KEY not in meta:
+        raise CorruptBlockError("the header describes no block (no block_hash)")
     return v if v is not None else "1"

@@ -138,6 +138,7 @@ def _with_header(data: bytes, edit) -> bytes:  # type: ignore[no-untyped-def]
         (lambda h: h["__metadata__"].update({"pc.nbytes": 1}), "__metadata__"),
         (lambda h: h["__metadata__"].update({"pc.tokens": "abc"}), "malformed"),
         (lambda h: h["__metadata__"].pop("layout"), "lacks"),
+        (lambda h: h["__metadata__"].pop("pc.xxh3"), "lacks"),
     ],
 )
 def test_malformed_headers_are_corrupt(edit, message):
@@ -155,3 +156,9 @@ def test_older_block_formats_are_unsupported_not_misread():
             decode(data)
         assert issubclass(UnsupportedFormatError, CorruptBlockError)
     assert read_header(fmt2)["pc.v"] == "2"  # headers of any format stay readable
+    with pytest.raises(UnsupportedFormatError, match="block format 9 "):  # a later one
+        decode(st_save({"block": buf()}, metadata={"block_hash": "ab", "pc.v": "9"}))
+    not_a_block = st_save({"w": np.ones(4, dtype=np.float32)}, metadata={"format": "mlx"})
+    with pytest.raises(CorruptBlockError, match="no block") as e:
+        decode(not_a_block)
+    assert not isinstance(e.value, UnsupportedFormatError)
