@@ -3,6 +3,8 @@ and argument checks. ``cache.py`` holds the policy itself; it re-exports these."
 
 from __future__ import annotations
 
+import functools
+import math
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from functools import cached_property
@@ -43,9 +45,11 @@ class PayloadAdapter(Protocol):
 _NP_ALIGN = 64
 
 
-def _np_layout_parts(layout: str) -> list[tuple[str, np.dtype[Any], tuple[int, ...], int]]:
-    """(name, dtype, shape, offset) of each array of a ``NumpyAdapter`` layout."""
-    out: list[tuple[str, np.dtype[Any], tuple[int, ...], int]] = []
+@functools.lru_cache(maxsize=1024)
+def _np_layout_parts(layout: str) -> tuple[tuple[str, np.dtype[Any], tuple[int, ...], int, int], ...]:
+    """(name, dtype, shape, offset, nbytes) of each array of a ``NumpyAdapter`` layout
+    (parsed once: the blocks of one cache share a few layouts)."""
+    out: list[tuple[str, np.dtype[Any], tuple[int, ...], int, int]] = []
     pos = 0
     for entry in layout.split(";") if layout else ():
         name, sep, spec = entry.partition("=")
@@ -60,9 +64,10 @@ def _np_layout_parts(layout: str) -> list[tuple[str, np.dtype[Any], tuple[int, .
         if dtype.kind not in "biufc" or any(d < 0 for d in shape):
             raise ValueError(f"bad numpy layout entry {entry!r}")
         pos = (pos + _NP_ALIGN - 1) // _NP_ALIGN * _NP_ALIGN
-        out.append((name, dtype, shape, pos))
-        pos += int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    return out
+        n = math.prod(shape) * dtype.itemsize
+        out.append((name, dtype, shape, pos, n))
+        pos += n
+    return tuple(out)
 
 
 class NumpyAdapter:
@@ -95,17 +100,16 @@ class NumpyAdapter:
             entries.append(f"{name}={arr.dtype.str}:{shape}")
         layout = ";".join(entries)
         parts = _np_layout_parts(layout)
-        end = parts[-1][3] + int(next(reversed(payload.values())).nbytes) if parts else 0
+        end = parts[-1][3] + parts[-1][4] if parts else 0
         buffer = np.zeros((end + _NP_ALIGN - 1) // _NP_ALIGN * _NP_ALIGN, dtype=np.uint8)
-        for (_name, _dt, _shape, offset), arr in zip(parts, payload.values(), strict=True):
+        for (_name, _dt, _shape, offset, _n), arr in zip(parts, payload.values(), strict=True):
             flat = np.ascontiguousarray(arr).reshape(-1).view(np.uint8)
             buffer[offset:offset + flat.size] = flat
         return buffer, layout
 
     def from_buffer(self, buffer: np.ndarray, layout: str) -> Any:
         out: dict[str, np.ndarray] = {}
-        for name, dtype, shape, offset in _np_layout_parts(layout):
-            n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        for name, dtype, shape, offset, n in _np_layout_parts(layout):
             if offset + n > buffer.size:
                 raise ValueError(f"array {name!r} ends past the {buffer.size}-byte buffer")
             out[name] = buffer[offset:offset + n].view(dtype).reshape(shape)
