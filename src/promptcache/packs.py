@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import IO, Any, Protocol
 
 from . import codec
-from .errors import CorruptBlockError
+from .errors import CorruptBlockError, UnsupportedFormatError
 from .hashing import CACHE_FORMAT_VERSION, BlockHash, hash_block
 from .meta import BlockMeta, Namespace, validate_tenant
 
@@ -370,6 +370,13 @@ def collect(cache: _Cache, ns: Namespace, *, tokens: Sequence[int] | None = None
         if rec is None:
             raise PackError(f"block {h.hex()[:16]} vanished during the export; try again")
         meta, data, sessions = rec
+        try:
+            codec.decode(data)
+        except UnsupportedFormatError as e:
+            raise PackError(f"block {h.hex()[:16]} is stored in an older block format ({e}): "
+                            "it is rewritten once a request recomputes it") from e
+        except CorruptBlockError as e:
+            raise PackError(f"block {h.hex()[:16]} cannot be read ({e})") from e
         got[h] = PackBlock(meta, data, sessions)
         if meta.parent_hash != ns.root and meta.parent_hash not in queued:
             todo.append(meta.parent_hash)

@@ -1,7 +1,7 @@
 """A cache folder written by an older version (block format 1/2: one safetensors tensor
 per array, sha256 in the index) is never misread and never crashes: each old block is a
 miss counted in ``old_format_blocks`` (not a tier error, not quarantined), recomputed,
-and its rewrite (block format 3) replaces the old copy."""
+and its rewrite (block format 3) replaces the old copy; a pack export names it."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import sqlite3
 from pathlib import Path
 
 import numpy as np
+import pytest
 from safetensors.numpy import save as st_save
 from ssd_helpers import make_tier
 
@@ -17,6 +18,7 @@ from promptcache.cache import PromptCache
 from promptcache.codec import decode
 from promptcache.config import CacheConfig
 from promptcache.meta import Namespace
+from promptcache.packs import PackError, collect
 
 BS = 4
 NS = Namespace("old-format-model", block_size=BS, tenant="alice")
@@ -82,3 +84,11 @@ def test_an_old_cache_folder_is_a_counted_miss_then_rewritten(tmp_path: Path) ->
         assert np.array_equal(payload["0.k"], arrays(i * BS, (i + 1) * BS, False)["0.k"])
     fresh.release(hit)
     fresh.close(persist=False)
+
+
+def test_exporting_an_old_block_is_refused_by_name(tmp_path: Path) -> None:
+    make_old_folder(tmp_path)
+    cache = cache_on(tmp_path)
+    with pytest.raises(PackError, match="older block format"):
+        collect(cache, NS, tokens=A + [7])
+    cache.close(persist=False)
