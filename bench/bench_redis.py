@@ -6,7 +6,7 @@ x 3 KV heads x head_dim 64, k and v: 46,080 B per token), 200.5 MB. A first
 ``PromptCache`` stores it (write-through to the tier under test, then ``flush``); a
 second one, with empty RAM, restores it with ``acquire``: the lookup (one pipelined
 round trip for Redis), then the promotion (RAM reserved first; Redis: one pipelined
-read per 64 MB, size + sha256 verified, decoded zero-copy; SSD: block by block with
+read per 64 MB, size + xxh3-128 verified, decoded zero-copy; SSD: block by block with
 its read-ahead). Times are the median of ``--repeat`` restores in one run.
 
 * Redis: a local redis-server started by the script on a free loopback port (no
@@ -120,6 +120,8 @@ def main() -> None:
     ap.add_argument("--blocks", type=int, default=68)
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--prefill", action="store_true", help="measure recompute with SmolLM2")
+    ap.add_argument("--timeout-s", type=float, default=RedisConfig.timeout_s,
+                    help="Redis socket timeout (raise it on a loaded machine)")
     args = ap.parse_args()
     n_tokens = args.blocks * BLOCK
     nbytes = n_tokens * BYTES_PER_TOKEN
@@ -131,7 +133,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         srv = RedisServer(Path(tmp) / "redis").start()
         try:
-            rtier = RedisTier(RedisConfig(url=srv.url, queue_size=1024))
+            rtier = RedisTier(RedisConfig(url=srv.url, queue_size=1024, timeout_s=args.timeout_s))
             print(f"redis write (put + flush): {fill(rtier, tokens, payloads):.3f} s")
             results["redis"] = [restore(rtier, tokens, nbytes) for _ in range(args.repeat)]
             st = rtier.stats()

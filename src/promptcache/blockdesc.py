@@ -1,57 +1,60 @@
-"""Self-describing block payloads: what a tier's index knows about a block, in the
-payload's own safetensors metadata, so a lost or corrupt index can be rebuilt from
-the block files (``SSDTier``: ``check --fix``) instead of losing them.
+"""Self-describing blocks: what a tier's index knows about a block, in the block's own
+header (``codec``), so a lost or corrupt index can be rebuilt from the block files
+(``SSDTier``: ``check --fix``) instead of losing them.
 
-Block format 2 (``pc.v`` = ``"2"``) adds to the metadata the cache always wrote
-(``block_hash``, ``layout``): ``pc.ns`` (namespace key), ``pc.tenant``, ``pc.parent``
-(hex), ``pc.tokens`` (hex of little-endian uint32 token ids), ``pc.start``,
-``pc.extra`` (hex of the length-prefixed extra keys), ``pc.nbytes``, ``pc.flags``
-(``t``: truncatable, ``s``: snapshot), ``pc.sessions`` (JSON list: the sessions
-the block had when it was encoded; the index stays the truth for later ones) and
-``pc.sha256`` (over the arrays: name, dtype, shape and bytes, in name order).
-Format 1 payloads (no ``pc.v``) still decode as before; ``read_description`` says
-None for them. A description is trusted only if ``verify`` holds: the chained
-block hash re-derived from parent, tokens and extra keys, and the data digest.
+Block format 3 (``pc.v`` = ``"3"``): the header's string entries are ``block_hash``
+(hex), ``layout`` (where each array sits in the buffer: the adapter's layout string),
+``pc.ns`` (namespace key), ``pc.tenant``, ``pc.parent`` (hex), ``pc.tokens`` (hex of
+little-endian uint32 token ids), ``pc.start``, ``pc.extra`` (hex of the
+length-prefixed extra keys), ``pc.nbytes``, ``pc.flags`` (``t``: truncatable, ``s``:
+snapshot), ``pc.sessions`` (JSON list: the sessions the block had when it was
+encoded; the index stays the truth for later ones) and ``pc.xxh3`` (the xxh3-128 of
+the block's buffer). Format 2 had the same entries with a sha256 over the arrays of a
+one-tensor-per-array payload; ``read_description`` says None for formats 1 and 2
+(and a later one). A description is trusted only if ``verify`` holds: the chained
+block hash re-derived from parent, tokens and extra keys, and the buffer's xxh3-128.
 
 Pure Python + numpy: no I/O, no tier, no MLX.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import struct
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
+import xxhash
 
 from .hashing import BlockHash, hash_block
 from .meta import BlockMeta
 
-FORMAT_VERSION = "2"
+FORMAT_VERSION = "3"
 VERSION_KEY = "pc.v"
-_KEYS = ("pc.ns", "pc.tenant", "pc.parent", "pc.tokens", "pc.start", "pc.extra",
-         "pc.nbytes", "pc.flags", "pc.sessions", "pc.sha256")
+BLOCK_HASH_KEY = "block_hash"
+LAYOUT_KEY = "layout"
+CHECKSUM_KEY = "pc.xxh3"
+_KEYS = (BLOCK_HASH_KEY, LAYOUT_KEY, "pc.ns", "pc.tenant", "pc.parent", "pc.tokens",
+         "pc.start", "pc.extra", "pc.nbytes", "pc.flags", "pc.sessions", CHECKSUM_KEY)
 
 
 @dataclass(frozen=True)
 class Description:
+    """A block as its header describes it: the index row's metadata, the sessions it
+    had when encoded, its layout and the xxh3-128 (hex) of its buffer."""
+
     meta: BlockMeta
     sessions: tuple[str, ...]
-    sha256: str
+    layout: str
+    checksum: str
 
-
-def data_digest(arrays: Mapping[str, np.ndarray]) -> str:
-    """sha256 over the arrays (name, dtype, shape, bytes), in name order."""
-    h = hashlib.sha256()
-    for name in sorted(arrays):
-        src = arrays[name]
-        arr = np.ascontiguousarray(src)
-        h.update(struct.pack("<I", len(name.encode())) + name.encode())
-        h.update(src.dtype.str.encode() + json.dumps(list(src.shape)).encode())
-        h.update(arr.reshape(-1).data.cast("B") if arr.size else b"")
-    return h.hexdigest()
+    def chain_holds(self) -> bool:
+        """True if the block hash is the chained hash of parent, tokens and extra keys."""
+        m = self.meta
+        if len(m.block_hash) != 32 or len(m.parent_hash) != 32:
+            return False
+        return hash_block(m.parent_hash, m.token_ids, m.extra_keys) == m.block_hash
 
 
 def _pack_extra(keys: Iterable[bytes]) -> bytes:
@@ -72,11 +75,15 @@ def _unpack_extra(blob: bytes) -> tuple[bytes, ...]:
     return tuple(out)
 
 
-def describe(meta: BlockMeta, sessions: Iterable[str],
-             arrays: Mapping[str, np.ndarray]) -> dict[str, str]:
-    """The ``pc.*`` metadata entries of a block payload (format 2)."""
+def describe(desc: Description) -> dict[str, str]:
+    """The header entries of a block (format 3)."""
+    meta = desc.meta
+    if not isinstance(desc.layout, str):
+        raise ValueError(f"a block layout is a string, got {type(desc.layout).__name__}")
     return {
         VERSION_KEY: FORMAT_VERSION,
+        BLOCK_HASH_KEY: bytes(meta.block_hash).hex(),
+        LAYOUT_KEY: desc.layout,
         "pc.ns": meta.namespace_key,
         "pc.tenant": meta.tenant,
         "pc.parent": bytes(meta.parent_hash).hex(),
@@ -85,46 +92,43 @@ def describe(meta: BlockMeta, sessions: Iterable[str],
         "pc.extra": _pack_extra(meta.extra_keys).hex(),
         "pc.nbytes": str(int(meta.nbytes)),
         "pc.flags": ("t" if meta.truncatable else "") + ("s" if meta.snapshot else ""),
-        "pc.sessions": json.dumps(sorted(str(s) for s in sessions)),
-        "pc.sha256": data_digest(arrays),
+        "pc.sessions": json.dumps(sorted(str(s) for s in desc.sessions)),
+        CHECKSUM_KEY: desc.checksum,
     }
 
 
-def read_description(payload_meta: Mapping[str, str]) -> Description | None:
-    """The description in a payload's metadata; None for a format 1 payload (or a
-    later format this build does not know). Raises ValueError if malformed."""
-    if payload_meta.get(VERSION_KEY) != FORMAT_VERSION:
+def read_description(header: Mapping[str, str]) -> Description | None:
+    """The description in a block's header entries; None for a block of format 1 or 2
+    (or a later format this build does not know). Raises ValueError if malformed."""
+    if header.get(VERSION_KEY) != FORMAT_VERSION:
         return None
-    missing = [k for k in (*_KEYS, "block_hash") if k not in payload_meta]
+    missing = [k for k in _KEYS if k not in header]
     if missing:
         raise ValueError(f"block description lacks {missing}")
     try:
-        h = bytes.fromhex(payload_meta["block_hash"])
-        parent = bytes.fromhex(payload_meta["pc.parent"])
-        raw = bytes.fromhex(payload_meta["pc.tokens"])
+        h = bytes.fromhex(header[BLOCK_HASH_KEY])
+        parent = bytes.fromhex(header["pc.parent"])
+        raw = bytes.fromhex(header["pc.tokens"])
         if len(raw) % 4:
             raise ValueError("token ids are not uint32")
         tokens = tuple(int(t) for t in np.frombuffer(raw, dtype="<u4").tolist())
-        extra = _unpack_extra(bytes.fromhex(payload_meta["pc.extra"]))
-        sessions = json.loads(payload_meta["pc.sessions"])
+        extra = _unpack_extra(bytes.fromhex(header["pc.extra"]))
+        sessions = json.loads(header["pc.sessions"])
         if not isinstance(sessions, list) or not all(isinstance(s, str) for s in sessions):
             raise ValueError("sessions are not a list of strings")
-        flags = payload_meta["pc.flags"]
+        flags = header["pc.flags"]
         meta = BlockMeta(BlockHash(h), BlockHash(parent), tokens,
-                         int(payload_meta["pc.start"]), extra_keys=extra,
-                         nbytes=int(payload_meta["pc.nbytes"]), truncatable="t" in flags,
-                         snapshot="s" in flags, namespace_key=payload_meta["pc.ns"],
-                         tenant=payload_meta["pc.tenant"])
+                         int(header["pc.start"]), extra_keys=extra,
+                         nbytes=int(header["pc.nbytes"]), truncatable="t" in flags,
+                         snapshot="s" in flags, namespace_key=header["pc.ns"],
+                         tenant=header["pc.tenant"])
     except (ValueError, TypeError, json.JSONDecodeError) as e:
         raise ValueError(f"malformed block description: {e}") from e
-    return Description(meta, tuple(sessions), payload_meta["pc.sha256"])
+    return Description(meta, tuple(sessions), header[LAYOUT_KEY], header[CHECKSUM_KEY])
 
 
-def verify(desc: Description, arrays: Mapping[str, np.ndarray]) -> bool:
-    """True if the description's hash chain link and data digest both hold."""
-    m = desc.meta
-    if len(m.block_hash) != 32 or len(m.parent_hash) != 32:
-        return False
-    if hash_block(m.parent_hash, m.token_ids, m.extra_keys) != m.block_hash:
-        return False
-    return data_digest(arrays) == desc.sha256
+def verify(desc: Description, buffer: np.ndarray | bytes) -> bool:
+    """True if the description's hash chain link holds and ``buffer`` (the block's
+    bytes) matches its xxh3-128."""
+    data = np.ascontiguousarray(buffer).data.cast("B") if isinstance(buffer, np.ndarray) else buffer
+    return desc.chain_holds() and xxhash.xxh3_128_hexdigest(data) == desc.checksum

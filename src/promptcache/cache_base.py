@@ -14,18 +14,20 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
-from .blockdesc import describe
+from . import codec
 from .blocks.matcher import EVICTED, EXPIRED, GoneMemory, Matcher
 from .blocks.pool import Block, BlockPool
 from .cache_levels import Levels
 from .cache_lower import DEMOTE_TIMEOUT_S, MAX_TIERS, LowerWriter
 from .cache_types import DecodeFn, EncodeFn, NumpyAdapter, PayloadAdapter
+from .codec import Decoded
 from .config import CacheConfig
+from .hashing import BlockHash
 from .meta import BlockMeta
 from .stats import Counters
 from .tiers.base import LazyPayload, Tier
@@ -88,20 +90,28 @@ class CacheBase:
         # under the lock, must be cheap, and may not fail a call (errors are logged)
         self.observers: list[Any] = []
 
-    # ---- codec (lazy: the SSD side provides it) ---------------------------------
-    def _enc(self, arrays: Mapping[str, np.ndarray], meta: Mapping[str, str]) -> bytes:
-        if self._encode is None:
-            from . import codec
+    # ---- codec ----------------------------------------------------------------
+    def _enc(self, meta: BlockMeta, sessions: Sequence[str], layout: str,
+             buffer: np.ndarray) -> bytes:
+        return (self._encode or codec.encode)(meta, sessions, layout, buffer)
 
-            self._encode = codec.encode
-        return self._encode(arrays, meta)
+    def _dec(self, data: bytes) -> Decoded:
+        return (self._decode or codec.decode)(data)
 
-    def _dec(self, data: bytes) -> tuple[dict[str, np.ndarray], dict[str, str]]:
-        if self._decode is None:
-            from . import codec
+    def _decode_block(self, data: bytes) -> tuple[BlockHash, np.ndarray, str]:
+        """(block hash, buffer, layout) of stored bytes. Raises CorruptBlockError
+        (``UnsupportedFormatError`` for an older block format)."""
+        dec = self._dec(data)
+        return dec.desc.meta.block_hash, dec.buffer, dec.desc.layout
 
-            self._decode = codec.decode
-        return self._decode(data)
+    def _on_old_format(self, tier: Any, exc: BaseException) -> None:
+        """A block of an older block format: a miss (``old_format_blocks``), not an
+        error; the block is recomputed and its new copy replaces the old one."""
+        self._c.old_format_blocks += 1
+        if self._c.old_format_blocks == 1:
+            logger.warning("cache tier %s holds blocks of an older format (%s): they are "
+                           "recomputed and rewritten (counted in old_format_blocks)",
+                           getattr(tier, "name", tier), exc)
 
     # ---- helpers -------------------------------------------------------------
     def _is_expired(self, block: Block) -> bool:
@@ -128,21 +138,18 @@ class CacheBase:
             self._c.expired += 1
 
     def _source(self, block: Block) -> LazyPayload:
-        """The block's payload as a ``PayloadSource``: encoded (arrays -> numpy ->
-        safetensors) by the first tier writer that needs the bytes, off the request
-        path, once for every tier. Self-describing (``blockdesc``, block format 2):
-        the metadata carries what an index row holds, so a lost index can be rebuilt
-        from the files; the sessions are those the block has now (taken here, under
-        the cache's lock)."""
+        """The block's payload as a ``PayloadSource``: encoded (the adapter's buffer and
+        layout behind a self-describing header, block format 3: ``codec``) by the first
+        tier writer that needs the bytes, off the request path, once for every tier.
+        The header carries what an index row holds, so a lost index can be rebuilt from
+        the files; the sessions are those the block has now (taken here, under the
+        cache's lock)."""
         adapter, payload, bm = self.adapter, block.payload, block.meta()
-        hx, sessions = bm.block_hash.hex(), tuple(sorted(block.sessions))
+        sessions = tuple(sorted(block.sessions))
 
         def make() -> bytes:
-            extra = {k: v for k, v in adapter.meta(payload).items()
-                     if k != "block_hash" and not k.startswith("pc.")}
-            arrays = adapter.to_numpy(payload)
-            return self._enc(arrays, {**extra, **describe(bm, sessions, arrays),
-                                      "block_hash": hx})
+            buffer, layout = adapter.to_buffer(payload)
+            return self._enc(bm, sessions, layout, buffer)
 
         return LazyPayload(make, block.nbytes)
 

@@ -21,7 +21,7 @@ from .blocks.tokens import to_request_tokens
 from .cache_base import CacheBase
 from .cache_lower import mark_in_tier
 from .cache_types import Hit, Match, check_ns, check_spans
-from .errors import TierError
+from .errors import TierError, UnsupportedFormatError
 from .hashing import BlockHash
 from .meta import ExtraKeySpan, Namespace
 from .tiers.base import Tier
@@ -210,11 +210,14 @@ class CacheLookup(CacheBase):
             c.promotion_failures += 1
             return None
         try:
-            arrays, payload_meta = self._dec(data)
-            if payload_meta.get("block_hash", meta.block_hash.hex()) != meta.block_hash.hex():
+            block_hash, buffer, layout = self._decode_block(data)
+            if block_hash != meta.block_hash:
                 raise TierError("the stored payload belongs to another block")
-            payload = self.adapter.from_numpy(arrays, payload_meta)
+            payload = self.adapter.from_buffer(buffer, layout)
             nbytes = self.adapter.nbytes(payload)
+        except UnsupportedFormatError as e:  # an older cache's block: a counted miss
+            self._on_old_format(entry.source, e)
+            return None
         except Exception as e:  # corrupt or foreign bytes: a counted miss
             self._on_tier_error(entry.source, e)
             return None

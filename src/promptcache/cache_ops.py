@@ -259,10 +259,10 @@ class CacheOps(CacheBase):
                 for sid in sessions:
                     existing.add_session(sid)
                 return False
-            arrays, payload_meta = self._dec(data)
-            if payload_meta.get("block_hash") != meta.block_hash.hex():
+            block_hash, buffer, layout = self._decode_block(data)
+            if block_hash != meta.block_hash:
                 raise ValueError("the payload belongs to another block")
-            payload = self.adapter.from_numpy(arrays, payload_meta)
+            payload = self.adapter.from_buffer(buffer, layout)
             nbytes = self.adapter.nbytes(payload)
             if self.pool.can_allocate(nbytes):
                 flags = (TRUNCATABLE if meta.truncatable else 0) | (SNAPSHOT if meta.snapshot else 0)

@@ -3,6 +3,8 @@ and argument checks. ``cache.py`` holds the policy itself; it re-exports these."
 
 from __future__ import annotations
 
+import functools
+import math
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from functools import cached_property
@@ -12,32 +14,67 @@ import numpy as np
 
 from .blocks.matcher import CacheMiss, Entry, entry_meta, entry_tier
 from .blocks.pool import Block
+from .codec import Decoded
 from .hashing import BlockHash
 from .meta import BlockMeta, ExtraKeySpan, Namespace
 
-EncodeFn = Callable[[Mapping[str, np.ndarray], Mapping[str, str]], bytes]
-DecodeFn = Callable[[bytes], tuple[dict[str, np.ndarray], dict[str, str]]]
+EncodeFn = Callable[[BlockMeta, Sequence[str], str, np.ndarray], bytes]
+"""``encode(meta, sessions, layout, buffer) -> bytes`` (``codec.encode``)."""
+DecodeFn = Callable[[bytes], Decoded]
+"""``decode(data) -> Decoded(description, buffer)`` (``codec.decode``)."""
 
 
 class PayloadAdapter(Protocol):
-    """How the cache sizes and (de)serializes opaque block payloads."""
+    """How the cache sizes and (de)serializes opaque block payloads: a payload travels
+    to the lower tiers as one contiguous byte buffer plus a layout string."""
 
     def nbytes(self, payload: Any) -> int:
         """Bytes of the payload from shape x dtype metadata (never evaluates arrays).
         Raises ValueError for a payload the adapter does not accept."""
 
-    def to_numpy(self, payload: Any) -> dict[str, np.ndarray]: ...
+    def to_buffer(self, payload: Any) -> tuple[np.ndarray, str]:
+        """The payload as one contiguous 1-d ``uint8`` array (a view where the payload
+        already is one buffer) and the layout string ``from_buffer`` needs."""
 
-    def meta(self, payload: Any) -> dict[str, str]:
-        """String metadata ``from_numpy`` needs to rebuild the payload (e.g. which
-        arrays are bfloat16 travelling as uint16); stored beside the arrays."""
+    def from_buffer(self, buffer: np.ndarray, layout: str) -> Any:
+        """Inverse of ``to_buffer``. ``buffer`` is a read-only view over the stored
+        bytes (copy what must outlive them). Raises ValueError for a buffer that does
+        not match its layout."""
 
-    def from_numpy(self, arrays: dict[str, np.ndarray], meta: Mapping[str, str] | None = None
-                   ) -> Any: ...
+
+_NP_ALIGN = 64
+
+
+@functools.lru_cache(maxsize=1024)
+def _np_layout_parts(layout: str) -> tuple[tuple[str, np.dtype[Any], tuple[int, ...], int, int], ...]:
+    """(name, dtype, shape, offset, nbytes) of each array of a ``NumpyAdapter`` layout
+    (parsed once: the blocks of one cache share a few layouts)."""
+    out: list[tuple[str, np.dtype[Any], tuple[int, ...], int, int]] = []
+    pos = 0
+    for entry in layout.split(";") if layout else ():
+        name, sep, spec = entry.partition("=")
+        dt, sep2, shape_text = spec.partition(":")
+        if not sep or not sep2 or not name:
+            raise ValueError(f"bad numpy layout entry {entry!r}")
+        try:
+            dtype = np.dtype(dt)
+            shape = tuple(int(d) for d in shape_text.split("x")) if shape_text else ()
+        except (TypeError, ValueError):
+            raise ValueError(f"bad numpy layout entry {entry!r}") from None
+        if dtype.kind not in "biufc" or any(d < 0 for d in shape):
+            raise ValueError(f"bad numpy layout entry {entry!r}")
+        pos = (pos + _NP_ALIGN - 1) // _NP_ALIGN * _NP_ALIGN
+        n = math.prod(shape) * dtype.itemsize
+        out.append((name, dtype, shape, pos, n))
+        pos += n
+    return tuple(out)
 
 
 class NumpyAdapter:
-    """The default adapter: payloads are ``dict[str, np.ndarray]`` of numeric arrays."""
+    """The default adapter: payloads are ``dict[str, np.ndarray]`` of numeric arrays.
+    The buffer holds them in order, each at a multiple of 64 bytes; the layout is
+    ``name=dtype:shape`` per array (numpy's dtype string, e.g. ``<f4``; the shape as
+    ``1x2x8``), separated by ``;``."""
 
     def nbytes(self, payload: Any) -> int:
         if not isinstance(payload, Mapping):
@@ -53,15 +90,30 @@ class NumpyAdapter:
             total += int(arr.nbytes)
         return total
 
-    def to_numpy(self, payload: Any) -> dict[str, np.ndarray]:
-        return dict(payload)
+    def to_buffer(self, payload: Any) -> tuple[np.ndarray, str]:
+        self.nbytes(payload)
+        entries = []
+        for name, arr in payload.items():
+            if "=" in name or ";" in name:
+                raise ValueError(f"payload array name {name!r} cannot be stored ('=' or ';')")
+            shape = "x".join(str(d) for d in arr.shape)
+            entries.append(f"{name}={arr.dtype.str}:{shape}")
+        layout = ";".join(entries)
+        parts = _np_layout_parts(layout)
+        end = parts[-1][3] + parts[-1][4] if parts else 0
+        buffer = np.zeros((end + _NP_ALIGN - 1) // _NP_ALIGN * _NP_ALIGN, dtype=np.uint8)
+        for (_name, _dt, _shape, offset, _n), arr in zip(parts, payload.values(), strict=True):
+            flat = np.ascontiguousarray(arr).reshape(-1).view(np.uint8)
+            buffer[offset:offset + flat.size] = flat
+        return buffer, layout
 
-    def meta(self, payload: Any) -> dict[str, str]:
-        return {}
-
-    def from_numpy(self, arrays: dict[str, np.ndarray], meta: Mapping[str, str] | None = None
-                   ) -> Any:
-        return arrays
+    def from_buffer(self, buffer: np.ndarray, layout: str) -> Any:
+        out: dict[str, np.ndarray] = {}
+        for name, dtype, shape, offset, n in _np_layout_parts(layout):
+            if offset + n > buffer.size:
+                raise ValueError(f"array {name!r} ends past the {buffer.size}-byte buffer")
+            out[name] = buffer[offset:offset + n].view(dtype).reshape(shape)
+        return out
 
 
 def tokens_by_tier_of(entries: Sequence[Entry], num_tokens: int) -> dict[str, int]:

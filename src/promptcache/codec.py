@@ -1,11 +1,31 @@
-"""Block payload <-> safetensors bytes, plus the checksum every tier verifies.
+"""Block format 3: one raw buffer per block behind a small self-describing header,
+plus the checksum every tier verifies.
 
-A payload is a flat ``dict[str, np.ndarray]``; string metadata travels in the
-safetensors header (``__metadata__``). numpy has no bfloat16: the engine passes
-bf16 arrays as ``uint16`` views and records ``dtype.<name>=bfloat16`` in the
-metadata; this module carries that entry unchanged and never interprets it.
+A block file (and a Redis payload, and a pack member) is::
 
-No pickle: safetensors stores raw little-endian buffers and a JSON header.
+    u64 little-endian  n: the header's length
+    n bytes            the header: JSON, padded with spaces so the buffer starts at a
+                       multiple of ``ALIGN`` bytes
+    the buffer         the block's bytes exactly as the engine holds them in RAM
+                       (``engine.blockbuf``: one contiguous uint8 buffer per block)
+
+which is also a valid safetensors file holding one ``uint8`` tensor named ``"block"``
+(so the files keep their ``.safetensors`` name and any safetensors reader can open
+them). The header's ``__metadata__`` is the block's description (``blockdesc``:
+namespace, tenant, block and parent hash, token ids, start, extra keys, sizes,
+flags, sessions, the layout that says where each array sits in the buffer, and the
+xxh3-128 of the buffer), so a lost index can be rebuilt from the files.
+
+Decoding copies nothing: the buffer comes back as a read-only numpy view over the
+bytes read (``mx.array(view)`` in the engine is the one copy). The tiers verify a
+whole file or payload against the xxh3-128 their index recorded (``checksum``); the
+buffer's own xxh3-128 in the header is checked where there is no index to trust
+(``decode(..., verify=True)``: rebuilding an index, packs, the shadow check). The
+chain hash (``hashing``) stays sha256: it names blocks, this only detects damage.
+
+Older block formats (1 and 2: one safetensors tensor per array, sha256 digests)
+decode to ``UnsupportedFormatError``: a clean, counted miss, never a misread. No
+pickle anywhere.
 """
 
 from __future__ import annotations
@@ -13,61 +33,46 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Iterable
+from typing import NamedTuple
 
 import numpy as np
-from safetensors import SafetensorError
-from safetensors.numpy import save as _st_save
+import xxhash
 
-from .errors import CorruptBlockError
+from .blockdesc import BLOCK_HASH_KEY, FORMAT_VERSION, VERSION_KEY, Description, describe
+from .blockdesc import read_description as _read_description
+from .errors import CorruptBlockError, UnsupportedFormatError
+from .meta import BlockMeta
 
-CHECKSUM_ALGORITHM = "sha256"
+CHECKSUM_ALGORITHM = "xxh3_128"
+BLOCK_TENSOR = "block"
+ALIGN = 64  # the buffer starts at a multiple of this many bytes (as in RAM: blockbuf.ALIGN)
 _HEADER_LEN = struct.Struct("<Q")
-# A block header lists a handful of tensors; a larger header is not ours.
+# A header lists one tensor and a block's description (a 64-token block: ~1 KB); a
+# larger one is not ours.
 _MAX_HEADER_BYTES = 16 * 1024 * 1024
-
-
-def encode(arrays: Mapping[str, np.ndarray], meta: Mapping[str, str]) -> bytes:
-    """Serialize ``arrays`` (name -> numpy array) with string ``meta`` in the header.
-
-    Raises ``ValueError`` for input safetensors cannot represent (non-string
-    metadata, object arrays, empty names).
-    """
-    if not isinstance(arrays, Mapping):
-        raise ValueError(f"arrays must be a mapping of name -> np.ndarray, got {type(arrays).__name__}")
-    tensors: dict[str, np.ndarray] = {}
-    for name, arr in arrays.items():
-        if not isinstance(name, str) or not name:
-            raise ValueError(f"array names must be non-empty strings, got {name!r}")
-        if not isinstance(arr, np.ndarray):
-            raise ValueError(f"array {name!r} must be a numpy array, got {type(arr).__name__}")
-        if arr.dtype == object:
-            raise ValueError(f"array {name!r} has dtype object, which cannot be stored")
-        tensors[name] = np.ascontiguousarray(arr).reshape(arr.shape)  # keeps 0-d arrays 0-d
-    header_meta: dict[str, str] = {}
-    for key, value in meta.items():
-        if not isinstance(key, str) or not isinstance(value, str):
-            raise ValueError(f"metadata must map str -> str, got {key!r}: {value!r}")
-        header_meta[key] = value
-    try:
-        return _st_save(tensors, metadata=header_meta or None)
-    except (SafetensorError, TypeError, KeyError) as e:
-        raise ValueError(f"cannot encode payload: {e}") from e
-
 
 Buffer = bytes | bytearray | memoryview
 
-# safetensors dtype codes numpy can represent (BF16 and the F8 types have no numpy
-# dtype: the engine stores bfloat16 as U16, see the module docstring).
-_DTYPES: dict[str, np.dtype[Any]] = {
-    code: np.dtype(name).newbyteorder("<")
-    for code, name in (
-        ("BOOL", "bool"), ("U8", "uint8"), ("I8", "int8"), ("U16", "uint16"),
-        ("I16", "int16"), ("F16", "float16"), ("U32", "uint32"), ("I32", "int32"),
-        ("F32", "float32"), ("U64", "uint64"), ("I64", "int64"), ("F64", "float64"),
-    )
-}
+
+class Decoded(NamedTuple):
+    desc: Description
+    buffer: np.ndarray  # read-only uint8 view over the decoded bytes
+
+
+def checksum(data: Buffer) -> str:
+    """Hex xxh3-128 of ``data`` (what a tier records and verifies for a stored block)."""
+    return xxhash.xxh3_128_hexdigest(data)
+
+
+def checksum_matches(data: Buffer, digest: str) -> bool:
+    """True if ``data`` hashes to ``digest``: an xxh3-128 (32 hex digits), or the sha256
+    (64) an index row or record of an older cache holds, so old rows are verified
+    rather than taken for damage (their payloads then decode to
+    ``UnsupportedFormatError``)."""
+    if len(digest) == 64:
+        return hashlib.sha256(data).hexdigest() == digest
+    return checksum(data) == digest
 
 
 def _as_bytes_view(data: Buffer) -> memoryview:
@@ -81,95 +86,107 @@ def _as_bytes_view(data: Buffer) -> memoryview:
     return mv
 
 
-def _header(mv: memoryview) -> tuple[dict[str, Any], int]:
-    """The parsed JSON header and the offset where the tensor bytes start."""
+def _as_uint8(buffer: np.ndarray | Buffer) -> np.ndarray:
+    arr = np.frombuffer(buffer, dtype=np.uint8) if not isinstance(buffer, np.ndarray) else buffer
+    if arr.dtype != np.uint8 or arr.ndim != 1:
+        raise ValueError(f"a block buffer is 1-d uint8, got {arr.dtype}{arr.shape}")
+    return np.ascontiguousarray(arr)
+
+
+def encode(meta: BlockMeta, sessions: Iterable[str], layout: str,
+           buffer: np.ndarray | Buffer) -> bytes:
+    """The stored form of one block: header (``meta``, ``sessions``, ``layout``, the
+    buffer's xxh3-128) + the buffer's bytes. Raises ValueError for a buffer that is
+    not 1-d uint8 or a description that cannot be written."""
+    body = _as_uint8(buffer)
+    view = body.data.cast("B")
+    desc = Description(meta, tuple(sorted(str(s) for s in sessions)), layout,
+                       xxhash.xxh3_128_hexdigest(view))
+    n = body.nbytes
+    header = {"__metadata__": describe(desc),
+              BLOCK_TENSOR: {"dtype": "U8", "shape": [n], "data_offsets": [0, n]}}
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-(_HEADER_LEN.size + len(raw)) % ALIGN)
+    return b"".join((_HEADER_LEN.pack(len(raw)), raw, view))
+
+
+def read_header(data: Buffer) -> dict[str, str]:
+    """The header's string entries (``__metadata__``) without touching the buffer, of
+    any block format (1 and 2 included). Raises ``CorruptBlockError``."""
+    return _metadata(_header(_as_bytes_view(data))[0])
+
+
+def _header(mv: memoryview) -> tuple[dict[str, object], int]:
+    """The parsed JSON header and the offset where the data starts."""
     if mv.nbytes < _HEADER_LEN.size:
-        raise CorruptBlockError(f"payload too short for a safetensors header ({mv.nbytes} bytes)")
+        raise CorruptBlockError(f"payload too short for a block header ({mv.nbytes} bytes)")
     (n,) = _HEADER_LEN.unpack_from(mv, 0)
     if n > _MAX_HEADER_BYTES or _HEADER_LEN.size + n > mv.nbytes:
-        raise CorruptBlockError(f"safetensors header length {n} does not fit the payload")
+        raise CorruptBlockError(f"block header length {n} does not fit the payload")
     try:
         header = json.loads(bytes(mv[_HEADER_LEN.size : _HEADER_LEN.size + n]))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CorruptBlockError(f"safetensors header is not valid JSON: {e}") from e
+        raise CorruptBlockError(f"block header is not valid JSON: {e}") from e
     if not isinstance(header, dict):
-        raise CorruptBlockError("safetensors header is not a JSON object")
+        raise CorruptBlockError("block header is not a JSON object")
     return header, _HEADER_LEN.size + n
 
 
-def _metadata(header: dict[str, Any]) -> dict[str, str]:
+def _metadata(header: dict[str, object]) -> dict[str, str]:
     meta = header.get("__metadata__") or {}
     if not isinstance(meta, dict) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in meta.items()
     ):
-        raise CorruptBlockError("safetensors __metadata__ is not a str -> str map")
+        raise CorruptBlockError("block header __metadata__ is not a str -> str map")
     return dict(meta)
 
 
-def read_metadata(data: Buffer) -> dict[str, str]:
-    """The ``__metadata__`` of a safetensors buffer, without touching the tensors."""
-    header, _ = _header(_as_bytes_view(data))
-    return _metadata(header)
-
-
-def _tensor_spec(name: str, spec: Any) -> tuple[int, int, np.dtype[Any], list[int], str]:
-    """(begin, end, dtype, shape, name) of one header entry, validated."""
-    if type(spec) is not dict:
-        raise CorruptBlockError(f"tensor {name!r}: header entry is not an object")
-    dtype = _DTYPES.get(spec.get("dtype"))  # type: ignore[arg-type]
-    if dtype is None:
-        raise CorruptBlockError(f"tensor {name!r}: unsupported dtype {spec.get('dtype')!r}")
-    shape, offsets = spec.get("shape"), spec.get("data_offsets")
-    if type(shape) is not list:
-        raise CorruptBlockError(f"tensor {name!r}: bad shape {shape!r}")
-    count = 1
-    for d in shape:
-        if type(d) is not int or d < 0:
-            raise CorruptBlockError(f"tensor {name!r}: bad shape {shape!r}")
-        count *= d
-    if type(offsets) is not list or len(offsets) != 2:
-        raise CorruptBlockError(f"tensor {name!r}: bad data_offsets {offsets!r}")
-    begin, end = offsets
-    if type(begin) is not int or type(end) is not int or not 0 <= begin <= end:
-        raise CorruptBlockError(f"tensor {name!r}: bad data_offsets {offsets!r}")
-    if count * dtype.itemsize != end - begin:
-        raise CorruptBlockError(
-            f"tensor {name!r}: shape {shape} x {dtype.itemsize} B does not match {end - begin} bytes"
-        )
-    return begin, end, dtype, shape, name
-
-
-def decode(data: Buffer) -> tuple[dict[str, np.ndarray], dict[str, str]]:
-    """Inverse of ``encode``. Raises ``CorruptBlockError`` on anything malformed.
-
-    Zero-copy: the arrays are read-only numpy views over ``data`` (they keep it
-    alive). The caller must not modify ``data`` (a ``bytearray``) while the arrays
-    are in use; copy them (``mx.array(view)`` does) if they must outlive that.
-    The tensor byte ranges must tile the data section exactly, as safetensors
-    writes them (no gaps, no overlaps, nothing after the last tensor).
-    """
+def decode(data: Buffer, *, verify: bool = False) -> Decoded:
+    """Inverse of ``encode``: the description and a read-only uint8 view of the buffer
+    (zero-copy; it keeps ``data`` alive, and ``data`` must not change while it is in
+    use). ``verify``: also check the buffer against the header's xxh3-128 and the
+    chain hash against parent, tokens and extra keys (callers without a tier index
+    that already verified the bytes). Raises ``UnsupportedFormatError`` for a block
+    of another format (an older cache's) and ``CorruptBlockError`` for anything
+    malformed."""
     mv = _as_bytes_view(data)
     header, base = _header(mv)
     meta = _metadata(header)
-    specs = [_tensor_spec(n, s) for n, s in header.items() if n != "__metadata__"]
-    specs.sort(key=lambda s: (s[0], s[1]))
-    pos = 0
-    for begin, end, _dtype, _shape, name in specs:
-        if begin != pos:
-            raise CorruptBlockError(f"tensor {name!r}: data_offsets leave a gap or overlap at {pos}")
-        pos = end
-    if base + pos != mv.nbytes:
-        raise CorruptBlockError(
-            f"safetensors data section is {mv.nbytes - base} bytes, tensors cover {pos}"
-        )
+    old = _other_format(meta)
+    if old is not None:
+        raise UnsupportedFormatError(f"block format {old} (not this version's: it reads "
+                                     f"block format {FORMAT_VERSION} only)")
+    spec = header.get(BLOCK_TENSOR)
+    if set(header) != {"__metadata__", BLOCK_TENSOR} or not isinstance(spec, dict):
+        raise CorruptBlockError("a block header holds its description and one tensor "
+                                f"{BLOCK_TENSOR!r}, got {sorted(header)}")
+    n = mv.nbytes - base
+    if spec != {"dtype": "U8", "shape": [n], "data_offsets": [0, n]}:
+        raise CorruptBlockError(f"block tensor {spec!r} does not cover the {n} bytes after "
+                                "the header as uint8")
+    try:
+        desc = _read_description(meta)
+    except ValueError as e:
+        raise CorruptBlockError(str(e)) from e
+    if desc is None:  # unreachable: _other_format said this is our format
+        raise CorruptBlockError("block format unknown")
     body = np.frombuffer(mv, dtype=np.uint8, offset=base)
-    body.flags.writeable = False  # the views below inherit it
-    return {
-        name: body[begin:end].view(dtype).reshape(shape)
-        for begin, end, dtype, shape, name in specs
-    }, meta
+    body.flags.writeable = False
+    if verify:
+        if xxhash.xxh3_128_hexdigest(mv[base:]) != desc.checksum:
+            raise CorruptBlockError("block buffer does not match its xxh3-128")
+        if not desc.chain_holds():
+            raise CorruptBlockError("block hash does not match its parent, tokens and extra keys")
+    return Decoded(desc, body)
 
 
-def checksum(data: Buffer) -> str:
-    """Hex sha256 of ``data``."""
-    return hashlib.sha256(data).hexdigest()
+def _other_format(meta: dict[str, str]) -> str | None:
+    """None if ``meta`` claims this block format, else the format it is of (a header
+    without a version is format 1 if it names its block). Raises CorruptBlockError
+    for a header that is no block's."""
+    v = meta.get(VERSION_KEY)
+    if v == FORMAT_VERSION:
+        return None
+    if v is None and BLOCK_HASH_KEY not in meta:
+        raise CorruptBlockError("the header describes no block (no block_hash)")
+    return v if v is not None else "1"

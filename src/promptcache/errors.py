@@ -22,6 +22,11 @@ class CorruptBlockError(TierError):
     """A stored block failed its checksum or could not be decoded."""
 
 
+class UnsupportedFormatError(CorruptBlockError):
+    """A stored block of another block format (an older cache's): not damaged, but not
+    read by this version; the cache counts it as a miss (``old_format_blocks``)."""
+
+
 class RequestError(PromptCacheError, ValueError):
     """A request is invalid (maps to HTTP 4xx)."""
 

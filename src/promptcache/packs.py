@@ -7,13 +7,14 @@ A pack is an uncompressed POSIX tar (``tar tf pack`` lists it) holding, in order
   hash, parent, start, token ids, extra keys, flags, sessions, file name, size and
   sha256;
 - ``manifest.sha256``: the hex sha256 of ``manifest.json``'s bytes;
-- ``blocks/<hash>.safetensors``: each block's payload in the cache codec (``codec``).
+- ``blocks/<hash>.safetensors``: each block as the tiers store it (``codec``, block
+  format 3: its header and its buffer).
 
 ``read_pack`` verifies everything before anything is imported and fails closed
 (``PackError``, a ValueError, with a message naming what is wrong): every byte of the
 archive is covered (tar headers by their checksums, member data by the digests, the
 padding and the end of the archive must be zeros), the manifest's digest, each block
-file's sha256 and its codec header (``block_hash`` must be the block's), the chain
+file's sha256 and its header (the block's own hash and buffer digest), the chain
 (each hash recomputed from its parent, tokens and extra keys; each parent is the
 namespace root or an earlier block ending where it starts). ``check_target`` compares
 the pack's namespace with the one of the cache it goes into (another model, block size,
@@ -40,7 +41,7 @@ from pathlib import Path
 from typing import IO, Any, Protocol
 
 from . import codec
-from .errors import CorruptBlockError
+from .errors import CorruptBlockError, UnsupportedFormatError
 from .hashing import CACHE_FORMAT_VERSION, BlockHash, hash_block
 from .meta import BlockMeta, Namespace, validate_tenant
 
@@ -120,7 +121,7 @@ def manifest_of(ns: Namespace, blocks: Sequence[PackBlock], selection: dict[str,
             "extra_keys": [k.hex() for k in b.meta.extra_keys], "nbytes": b.meta.nbytes,
             "truncatable": b.meta.truncatable, "snapshot": b.meta.snapshot,
             "sessions": sorted(b.sessions), "file": _file_name(b.meta.block_hash),
-            "size": len(b.data), "sha256": codec.checksum(b.data),
+            "size": len(b.data), "sha256": hashlib.sha256(b.data).hexdigest(),
         } for b in blocks],
     }
 
@@ -272,13 +273,14 @@ def read_pack(source: Path | bytes, *, progress: Progress | None = None) -> Pack
         if data is None:
             raise _fail(f"block file {name} is missing")
         expected_files.add(name)
-        if len(data) != _field(e, "size", int) or codec.checksum(data) != _field(e, "sha256", str):
+        if len(data) != _field(e, "size", int) or hashlib.sha256(data).hexdigest() != _field(
+                e, "sha256", str):
             raise _fail(f"block file {name} does not match its sha256 (damaged)")
         try:
-            _, payload_meta = codec.decode(data)
+            dec = codec.decode(data, verify=True)
         except CorruptBlockError as err:
             raise _fail(f"block file {name} is not a valid payload ({err})") from err
-        if payload_meta.get("block_hash") != h.hex():
+        if dec.desc.meta.block_hash != h:
             raise _fail(f"block file {name} holds another block's payload")
         sessions = _field(e, "sessions", list)
         if not all(isinstance(s, str) and s for s in sessions):
@@ -368,6 +370,13 @@ def collect(cache: _Cache, ns: Namespace, *, tokens: Sequence[int] | None = None
         if rec is None:
             raise PackError(f"block {h.hex()[:16]} vanished during the export; try again")
         meta, data, sessions = rec
+        try:
+            codec.decode(data)
+        except UnsupportedFormatError as e:
+            raise PackError(f"block {h.hex()[:16]} is stored in an older block format ({e}): "
+                            "it is rewritten once a request recomputes it") from e
+        except CorruptBlockError as e:
+            raise PackError(f"block {h.hex()[:16]} cannot be read ({e})") from e
         got[h] = PackBlock(meta, data, sessions)
         if meta.parent_hash != ns.root and meta.parent_hash not in queued:
             todo.append(meta.parent_hash)

@@ -28,6 +28,7 @@ class Counters:
     promotions: int = 0
     promotion_failures: int = 0
     tier_errors: int = 0
+    old_format_blocks: int = 0  # stored blocks of an older block format: counted misses
     expired: int = 0
     write_through: int = 0  # blocks every write-through tier accepted on store
     write_through_deferred: int = 0  # ... that first found a tier's write queue full
@@ -58,6 +59,7 @@ class CacheStats:
     promotions: int
     promotion_failures: int
     tier_errors: int
+    old_format_blocks: int
     expired: int
     write_through: int
     write_through_deferred: int
@@ -113,6 +115,7 @@ def snapshot(
         promotions=c.promotions,
         promotion_failures=c.promotion_failures,
         tier_errors=c.tier_errors,
+        old_format_blocks=c.old_format_blocks,
         expired=c.expired,
         write_through=c.write_through,
         write_through_deferred=c.write_through_deferred,

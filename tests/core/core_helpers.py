@@ -9,7 +9,9 @@ from typing import Any
 
 import numpy as np
 
+from promptcache.blockdesc import Description
 from promptcache.cache import PromptCache
+from promptcache.codec import Decoded
 from promptcache.config import CacheConfig
 from promptcache.errors import CorruptBlockError, TierError
 from promptcache.hashing import BlockHash
@@ -52,23 +54,22 @@ def ns_of(block_size: int = 4, tenant: str = "default") -> Namespace:
     return Namespace("test-model", block_size, tenant=tenant)
 
 
-def test_encode(arrays: Mapping[str, np.ndarray], meta: Mapping[str, str]) -> bytes:
-    doc = {
-        "meta": dict(meta),
-        "arrays": {k: [str(v.dtype), list(v.shape), v.ravel().tolist()] for k, v in arrays.items()},
-    }
+def test_encode(meta: BlockMeta, sessions: Sequence[str], layout: str, buffer: np.ndarray) -> bytes:
+    doc = {"hash": bytes(meta.block_hash).hex(), "layout": layout,
+           "buffer": np.asarray(buffer, dtype=np.uint8).tobytes().hex()}
     return json.dumps(doc).encode()
 
 
-def test_decode(data: bytes) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+def test_decode(data: bytes) -> Decoded:
     try:
         doc = json.loads(data)
-        arrays = {
-            k: np.asarray(vals, dtype=dt).reshape(shape) for k, (dt, shape, vals) in doc["arrays"].items()
-        }
+        h = BlockHash(bytes.fromhex(doc["hash"]))
+        buffer = np.frombuffer(bytes.fromhex(doc["buffer"]), dtype=np.uint8)
+        layout = doc["layout"]
     except (ValueError, KeyError, TypeError) as e:
         raise CorruptBlockError(f"bad test payload: {e}") from e
-    return arrays, doc["meta"]
+    meta = BlockMeta(h, BlockHash(bytes(32)), (), 0)
+    return Decoded(Description(meta, (), layout, ""), buffer)
 
 
 test_encode.__test__ = False  # type: ignore[attr-defined]

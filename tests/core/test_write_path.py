@@ -26,9 +26,9 @@ class CountingAdapter(NumpyAdapter):
     def __init__(self) -> None:
         self.threads: list[str] = []
 
-    def to_numpy(self, payload):  # type: ignore[no-untyped-def]
+    def to_buffer(self, payload):  # type: ignore[no-untyped-def]
         self.threads.append(threading.current_thread().name)
-        return super().to_numpy(payload)
+        return super().to_buffer(payload)
 
 
 def test_write_through_burst_waits_for_room_and_keeps_the_order():

@@ -257,14 +257,13 @@ def test_payload_adapter_bfloat16_round_trip():
     ad = MLXPayloadAdapter()
     payload = {"0.k": mx.arange(6, dtype=mx.bfloat16).reshape(1, 1, 3, 2), "0.v": mx.ones((1, 1, 3, 2))}
     assert ad.nbytes(payload) == 6 * 2 + 6 * 4
-    arrays, meta = ad.to_numpy_with_meta(payload)
-    assert arrays["0.k"].dtype == np.uint16 and arrays["0.v"].dtype == np.float32
-    assert meta == {"dtype.0.k": "bfloat16"} == ad.meta(payload)
-    back = ad.from_numpy(arrays, meta)
-    assert back["0.k"].dtype == mx.bfloat16
+    buffer, layout = ad.to_buffer(payload)  # a plain dict is packed into one buffer
+    assert buffer.dtype == np.uint8 and layout == "0.k=raw:bfloat16:1x1x3x2;0.v=raw:float32:1x1x3x2"
+    back = ad.from_buffer(buffer, layout)
+    assert back["0.k"].dtype == mx.bfloat16 and back["0.v"].dtype == mx.float32
     assert np.array(back["0.k"].astype(mx.float32)).ravel().tolist() == [0, 1, 2, 3, 4, 5]
-    with pytest.raises(ValueError, match="unknown dtype"):
-        ad.from_numpy(arrays, {"dtype.0.v": "float8"})
+    with pytest.raises(ValueError, match="bad layout item"):
+        ad.from_buffer(buffer, "0.k=raw:float8:1x1x3x2")
 
 
 def test_kv_spec_strings(llama, gemma, hybrid):

@@ -31,10 +31,15 @@ from promptcache.engine.adapters import (
 from promptcache.engine.blockbuf import BlockPayload, Item, format_layout, pack, parse_layout
 from promptcache.engine.payload import MLXPayloadAdapter
 from promptcache.engine.quant import KVQuant, from_config
+from promptcache.hashing import hash_block
+from promptcache.meta import BlockMeta, Namespace
 
 BS = 8
 Q8 = KVQuant(8, 64, 0)
 Q4 = KVQuant(4, 64, 0)
+
+_ROOT = Namespace("quant-codec", 4).root
+_META = BlockMeta(hash_block(_ROOT, (1, 2, 3)), _ROOT, (1, 2, 3), 8)
 
 
 @pytest.fixture(scope="module")
@@ -320,31 +325,29 @@ def test_adapter_round_trip_through_the_codec_is_one_array(hd64):
     ad = MLXPayloadAdapter()
     for quant in (None, Q8, Q4):
         p = extract_block(caches, 8, 11, False, quant=quant)
-        arrays, meta = ad.to_numpy(p), ad.meta(p)
-        assert list(arrays) == ["block"] and arrays["block"].dtype == np.uint8
-        assert arrays["block"].size == p.nbytes == ad.nbytes(p)
-        assert meta == {"layout": p.layout.text}
-        data = codec.encode(arrays, {**meta, "block_hash": "ab"})
-        dec_arrays, dec_meta = codec.decode(data)
-        back = ad.from_numpy(dec_arrays, dec_meta)
+        buffer, layout = ad.to_buffer(p)
+        assert buffer.dtype == np.uint8 and buffer.ndim == 1
+        assert buffer.size == p.nbytes == ad.nbytes(p)
+        assert layout == p.layout.text
+        data = codec.encode(_META, (), layout, buffer)
+        dec = codec.decode(data, verify=True)
+        back = ad.from_buffer(dec.buffer, dec.desc.layout)
         assert isinstance(back, BlockPayload) and back.layout is p.layout
         assert np.array_equal(np.array(back.buffer), np.array(p.buffer))
         assert ad.num_arrays(back) == 1
     with pytest.raises(ValueError, match="its layout needs"):
-        ad.from_numpy({"block": np.zeros(10, np.uint8)}, meta)
-    with pytest.raises(ValueError, match="one array"):
-        ad.from_numpy({"block": arrays["block"], "x": arrays["block"]}, meta)
+        ad.from_buffer(np.zeros(10, np.uint8), layout)
+    with pytest.raises(ValueError, match="its layout needs"):
+        ad.from_buffer(np.zeros((1, buffer.size), np.uint8), layout)
     with pytest.raises(ValueError):
-        ad.from_numpy({"block": arrays["block"]}, {"layout": "0=zz:float32:1"})
+        ad.from_buffer(buffer, "0=zz:float32:1")
 
 
-def test_older_payloads_are_read_and_packed_into_one_buffer(hd64):
+def test_plain_dict_payloads_are_packed_into_one_buffer(hd64):
     ad = MLXPayloadAdapter()
     k = mx.arange(2 * 4 * 64, dtype=mx.bfloat16).reshape(1, 2, 4, 64)
-    legacy = {"0.k": k, "0.v": -k}
-    arrays, meta = ad.to_numpy_with_meta(legacy)  # the old format: one array per tensor
-    assert sorted(arrays) == ["0.k", "0.v"] and meta == {"dtype.0.k": "bfloat16", "dtype.0.v": "bfloat16"}
-    back = ad.from_numpy(arrays, meta)
+    plain = {"0.k": k, "0.v": -k}  # one array per tensor, in memory (tools, tests)
+    back = ad.from_buffer(*ad.to_buffer(plain))
     assert isinstance(back, BlockPayload) and back.layout.text == (
         "0.k=raw:bfloat16:1x2x4x64;0.v=raw:bfloat16:1x2x4x64")
     assert ad.num_arrays(back) == 1

@@ -138,10 +138,10 @@ def test_a_block_on_the_ssd_is_one_tensor(hd64_path, tmp_path):
     files = [p for p in ssd.rglob("*.safetensors") if "quarantine" not in p.parts]
     assert files
     for f in files:
-        arrays, meta = codec.decode(f.read_bytes())
-        assert list(arrays) == ["block"] and arrays["block"].dtype == np.uint8
-        assert meta["layout"].startswith("0-1=q8g64:float32:1x2x")
-        assert arrays["block"].size in (4608, 2048)  # a full block; the 3-token tail
+        dec = codec.decode(f.read_bytes(), verify=True)
+        assert dec.buffer.dtype == np.uint8 and dec.buffer.ndim == 1
+        assert dec.desc.layout.startswith("0-1=q8g64:float32:1x2x")
+        assert dec.buffer.size in (4608, 2048)  # a full block; the 3-token tail
 
 
 def test_interleaved_requests_restore_quantized_prefixes(hd64_path):

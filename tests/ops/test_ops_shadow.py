@@ -151,8 +151,8 @@ def test_in_the_engine_a_swapped_ssd_payload_is_caught_in_idle_time_only(
         victim = cache.lookup(a, ns).blocks[2]
         donor = cache.pool.get(cache.lookup(b, ns).blocks[2].block_hash)
         ad = MLXPayloadAdapter()
-        forged = codec.encode(ad.to_numpy(donor.payload),
-                              {**ad.meta(donor.payload), "block_hash": victim.block_hash.hex()})
+        buffer, layout = ad.to_buffer(donor.payload)
+        forged = codec.encode(victim, (), layout, buffer)
         ssd = cache.lower[0]
         assert ssd.put(victim, forged, timeout=None) and ssd.flush(60)
         cache.evict()  # every block now comes back from the SSD

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from promptcache import codec
+from promptcache.cache_types import NumpyAdapter
 from promptcache.hashing import BlockHash, hash_block
 from promptcache.meta import BlockMeta, Namespace
 
@@ -31,7 +32,7 @@ def chain(space: Namespace, tokens: list[int], *, start_parent: BlockHash | None
 
 def payload(meta: BlockMeta) -> bytes:
     arr = np.arange(len(meta.token_ids) * 4, dtype=np.float32) + meta.start
-    return codec.encode({"0.k": arr}, {"block_hash": meta.block_hash.hex()})
+    return codec.encode(meta, (), *NumpyAdapter().to_buffer({"0.k": arr})[::-1])
 
 
 class Source:

@@ -13,6 +13,7 @@ from redis_helpers import chain, ns, payload
 from redis_servers import DelayProxy, RedisServer, free_port
 
 from promptcache import codec
+from promptcache.cache_types import NumpyAdapter
 from promptcache.errors import TierError
 from promptcache.meta import BlockMeta
 from promptcache.tiers.redis import RedisTier
@@ -31,7 +32,7 @@ class FakeClock:
 
 def big_payload(meta: BlockMeta, kib: int) -> bytes:
     arr = np.full(kib * 256, meta.start, dtype=np.float32)
-    return codec.encode({"0.k": arr}, {"block_hash": meta.block_hash.hex()})
+    return codec.encode(meta, (), *NumpyAdapter().to_buffer({"0.k": arr})[::-1])
 
 
 # -- the breaker alone ---------------------------------------------------------------------

@@ -58,11 +58,11 @@ def test_redis_holds_quantized_blocks_as_one_buffer(hd64_path: Path, redis_url: 
         for b in blocks:
             data = tier.get(b.block_hash, ns=ns)
             assert data is not None
-            arrays, meta = codec.decode(data)
-            assert list(arrays) == ["block"] and arrays["block"].dtype == np.uint8
-            assert arrays["block"].size == b.nbytes == b.payload.nbytes
-            assert meta["layout"] == b.payload.layout.text
-            assert meta["layout"].startswith("0-1=q8g64:float32:1x2x")
+            dec = codec.decode(data, verify=True)
+            assert dec.buffer.dtype == np.uint8 and dec.buffer.ndim == 1
+            assert dec.buffer.size == b.nbytes == b.payload.nbytes
+            assert dec.desc.layout == b.payload.layout.text
+            assert dec.desc.layout.startswith("0-1=q8g64:float32:1x2x")
     # another server with the same spec restores the quantized blocks from Redis
     with _engine(hd64_path, redis_url, 8) as b2:
         hit = _run(b2, prompt)

@@ -7,7 +7,9 @@ import sys
 from pathlib import Path
 
 import numpy as np
+from safetensors.numpy import save as st_save
 
+from promptcache.cache_types import NumpyAdapter
 from promptcache.codec import encode
 from promptcache.config import SSDConfig
 from promptcache.hashing import BlockHash, hash_block
@@ -19,10 +21,22 @@ NS_BOB = NS.with_tenant("bob")
 
 
 def payload_for(i: int, n: int = 64) -> bytes:
-    """A deterministic safetensors payload for block number ``i``."""
+    """A deterministic block (block format 3, ``codec``) for block number ``i``: its
+    header describes a block of its own (token ``i``), not a block of ``chain``."""
     rng = np.random.default_rng(i)
     arr = rng.standard_normal((1, 2, 4, n // 8), dtype=np.float32)
-    return encode({"0.k": arr, "0.v": arr * 2}, {"block": str(i)})
+    buffer, layout = NumpyAdapter().to_buffer({"0.k": arr, "0.v": arr * 2})
+    root = BlockHash(bytes(32))
+    meta = BlockMeta(hash_block(root, (i,)), root, (i,), 0, nbytes=2 * arr.nbytes,
+                     namespace_key="payload-for", tenant="alice")
+    return encode(meta, (), layout, buffer)
+
+
+def legacy_payload_for(i: int, n: int = 64) -> bytes:
+    """What an older cache wrote (block format 1: one safetensors tensor per array)."""
+    rng = np.random.default_rng(i)
+    arr = rng.standard_normal((1, 2, 4, n // 8), dtype=np.float32)
+    return st_save({"0.k": arr, "0.v": arr * 2}, metadata={"block": str(i)})
 
 
 def chain(ns: Namespace, n_blocks: int, first_token: int = 0) -> list[BlockMeta]:

@@ -1,7 +1,7 @@
-"""Self-describing block files (block format 2, ``blockdesc``): a lost or corrupt
+"""Self-describing block files (block format 3, ``blockdesc``): a lost or corrupt
 index is rebuilt from the files (``cache check --fix``, or the startup of a tier
 whose index is gone), every block comes back with its sessions; files that cannot
-prove what they are (format 1, damaged) are set aside, never deleted."""
+prove what they are (an older format, damaged) are set aside, never deleted."""
 
 from __future__ import annotations
 
@@ -10,18 +10,19 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import xxhash
 from ssd_helpers import NS as TIER_NS
-from ssd_helpers import chain, make_tier
-from ssd_helpers import payload_for as tier_payload
+from ssd_helpers import chain, legacy_payload_for, make_tier
 
 from promptcache.blockdesc import (
     FORMAT_VERSION,
-    data_digest,
+    Description,
     describe,
     read_description,
     verify,
 )
 from promptcache.cache import PromptCache
+from promptcache.cache_types import NumpyAdapter
 from promptcache.cli import main
 from promptcache.config import CacheConfig
 from promptcache.meta import Namespace
@@ -120,9 +121,9 @@ def test_a_lost_index_is_rebuilt_at_startup(tmp_path):
 
 def test_old_and_damaged_files_are_set_aside_the_rest_recovered(tmp_path):
     populate(tmp_path)
-    old = make_tier(tmp_path)  # a block format 1 file (only what the tier test payload says)
+    old = make_tier(tmp_path)  # a block format 1 file (what an older cache wrote)
     m = chain(TIER_NS, 1)[0]
-    old.put(m, tier_payload(0))
+    old.put(m, legacy_payload_for(0))
     old.close()
     damaged = [p for p in block_files(tmp_path) if NS.key in p.parts][0]
     data = bytearray(damaged.read_bytes())
@@ -152,24 +153,29 @@ def described():  # type: ignore[no-untyped-def]
 
     meta = BlockMeta(h, ns.root, (1, 2, 3, 4), 0, extra_keys=(b"img",), nbytes=512,
                      truncatable=False, snapshot=True, namespace_key=ns.key, tenant="bob")
-    arrs = arrays(0, 4, False)
-    return meta, arrs, {**describe(meta, ["s2", "s1"], arrs), "block_hash": h.hex()}
+    buf, layout = NumpyAdapter().to_buffer(arrays(0, 4, False))
+    digest = xxhash.xxh3_128_hexdigest(buf.tobytes())
+    return meta, buf, describe(Description(meta, ("s2", "s1"), layout, digest))
 
 
 def test_description_round_trip_and_verify():
-    meta, arrs, md = described()
+    meta, buf, md = described()
     assert md["pc.v"] == FORMAT_VERSION
+    assert md["block_hash"] == meta.block_hash.hex()
     desc = read_description(md)
     assert desc is not None
-    assert (desc.meta, desc.sessions, desc.sha256) == (meta, ("s1", "s2"), data_digest(arrs))
-    assert verify(desc, arrs) is True
-    other = {"0.k": arrs["0.k"], "0.v": arrs["0.v"] * 2}
+    assert (desc.meta, desc.sessions, desc.checksum) == (
+        meta, ("s1", "s2"), xxhash.xxh3_128_hexdigest(buf.tobytes()))
+    assert verify(desc, buf) is True
+    other = buf.copy()
+    other[-1] ^= 1
     assert verify(desc, other) is False
 
 
 def test_description_errors():
-    meta, arrs, md = described()
+    meta, buf, md = described()
     assert read_description({"block_hash": "00", "layout": "x"}) is None  # format 1
+    assert read_description({**md, "pc.v": "2"}) is None  # format 2 (sha256 over arrays)
     assert read_description({**md, "pc.v": "9"}) is None  # a later format: ignored
     with pytest.raises(ValueError):
         read_description({k: v for k, v in md.items() if k != "pc.tokens"})
@@ -178,4 +184,4 @@ def test_description_errors():
     with pytest.raises(ValueError):
         read_description({**md, "pc.sessions": "{}"})
     desc = read_description({**md, "pc.tokens": np.asarray([1, 2, 3, 5], "<u4").tobytes().hex()})
-    assert desc is not None and verify(desc, arrs) is False  # the hash chain does not hold
+    assert desc is not None and verify(desc, buf) is False  # the hash chain does not hold

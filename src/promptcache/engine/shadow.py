@@ -172,8 +172,8 @@ class ShadowVerifier:
         rec = self.cache.read_block(meta.block_hash, ns)
         if rec is None:
             return None
-        arrays, payload_meta = codec.decode(rec[1])
-        payload: Mapping[str, mx.array] = self.adapter.from_numpy(arrays, payload_meta)
+        dec = codec.decode(rec[1])
+        payload: Mapping[str, mx.array] = self.adapter.from_buffer(dec.buffer, dec.desc.layout)
         return payload
 
     def _tol(self, a: mx.array) -> tuple[float, float]:

@@ -11,7 +11,7 @@ key in every key) needs it; a tier with a local index (SSD) may ignore it.
 Payloads handed to ``put`` are ``bytes`` or a ``PayloadSource``: an object that
 encodes itself (``encode() -> bytes``, memoised and thread-safe, so several tiers
 may share one) and estimates its size (``nbytes``) without encoding. The cache
-hands a source over, so the encoding (arrays -> numpy -> safetensors) runs on the
+hands a source over, so the encoding (the block buffer behind its header) runs on the
 tier's writer thread, never on the request path under the cache lock.
 
 Write policy: a tier may have ``policy = "write_through"`` (it gets every new block

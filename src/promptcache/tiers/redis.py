@@ -17,7 +17,7 @@ again when ``has_room``); a positive or None ``timeout`` waits for room
 (back-pressure). An open circuit or an oversized block refuses the put (counted).
 
 Reads verify everything: the record must hash to its key (parent + tokens + extra
-keys), the payload must have the recorded size and sha256; a damaged block is
+keys), the payload must have the recorded size and checksum; a damaged block is
 deleted and counted (``corrupt``), and reads as a miss.
 
 Namespaces: keys carry the tenant and the namespace key, so every method that names a

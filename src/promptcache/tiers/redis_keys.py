@@ -6,14 +6,15 @@ old one. Per block, under the namespace key ``ns`` (``Namespace.key``: a digest 
 model fingerprint, block size, KV spec, tenant and format):
 
 * ``...:<tenant>:<ns>:b:<hash>`` -- a Redis HASH: ``m`` the block's metadata record,
-  ``p`` the payload bytes (the codec's safetensors bytes), ``s:<session id>`` one
+  ``p`` the payload bytes (``codec``: the block's header and buffer, block format 3), ``s:<session id>`` one
   field per session that wrote or reused the block;
 * ``...:<tenant>:<ns>:k:<parent hash>`` -- a HASH ``child hash (hex) -> metadata
   record``: the children index (partial tails and diverging siblings);
 * ``...:<tenant>:s:<digest of session id>`` -- a SET of ``<ns>:<hash>:<parent>``:
   the blocks a session touched (session deletion).
 
-The metadata record is JSON with the payload's length and sha256, so a reader checks
+The metadata record is JSON with the payload's length and xxh3-128 (``codec.checksum``;
+an older cache's records hold a sha256), so a reader checks
 the payload's size and checksum; the record itself is checked by recomputing the
 block hash from its parent, token ids and extra keys (a damaged record is detected,
 not trusted).
@@ -86,7 +87,7 @@ class KeySpace:
         return ns_key, bytes.fromhex(h), bytes.fromhex(parent)
 
 
-def encode_record(meta: BlockMeta, payload_len: int, payload_sha256: str) -> bytes:
+def encode_record(meta: BlockMeta, payload_len: int, payload_checksum: str) -> bytes:
     """The metadata record stored beside (and in the children index of) a block."""
     return json.dumps(
         {
@@ -102,7 +103,7 @@ def encode_record(meta: BlockMeta, payload_len: int, payload_sha256: str) -> byt
             "ns": meta.namespace_key,
             "te": meta.tenant,
             "l": payload_len,
-            "c": payload_sha256,
+            "c": payload_checksum,
         },
         separators=(",", ":"),
     ).encode()
@@ -121,7 +122,7 @@ def record_parent(data: bytes) -> bytes | None:
 class Record:
     meta: BlockMeta
     payload_len: int
-    payload_sha256: str
+    payload_checksum: str  # xxh3-128 hex (sha256 in a record an older cache wrote)
 
 
 def _field(obj: dict[str, Any], name: str, kind: type | tuple[type, ...]) -> Any:
@@ -157,7 +158,7 @@ def decode_record(data: bytes, *, block_hash: bytes, ns_key: str, tenant: str) -
         raise CorruptBlockError("redis block record belongs to another namespace")
     if len(parent) != 32 or h != block_hash or len(tokens_raw) % 4 or not tokens_raw:
         raise CorruptBlockError("redis block record does not match its key")
-    if start < 0 or nbytes < 0 or length < 0 or len(digest) != 64:
+    if start < 0 or nbytes < 0 or length < 0 or len(digest) not in (32, 64):
         raise CorruptBlockError("redis block record has out-of-range sizes")
     token_ids = tuple(np.frombuffer(tokens_raw, dtype="<u4").tolist())
     if hash_block(BlockHash(parent), token_ids, extra) != block_hash:

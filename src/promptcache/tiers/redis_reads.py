@@ -6,7 +6,7 @@ puts (a block queued but not yet sent is already visible). An open circuit answe
 "absent" at once (``Skipped``); a transport failure raises ``TierError``.
 
 Reads verify everything: the record must hash to its key (parent + tokens + extra
-keys), the payload must have the recorded size and sha256; a damaged block is
+keys), the payload must have the recorded size and checksum; a damaged block is
 deleted (best effort) and counted (``corrupt``), and reads as a miss. Payload reads
 return the block's sessions with it, so a promoted block keeps them.
 """
@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-from ..codec import checksum
+from ..codec import checksum_matches
 from ..errors import CorruptBlockError, TierError
 from ..meta import BlockMeta, Namespace
 from .redis_client import Client, Skipped
@@ -224,7 +224,7 @@ def fetch(tier: RedisTier, hs: list[bytes], ns: Namespace | None) -> list[Fetche
             if len(payload) != rec.payload_len:
                 raise CorruptBlockError(
                     f"payload is {len(payload)} bytes, the record says {rec.payload_len}")
-            if checksum(payload) != rec.payload_sha256:
+            if not checksum_matches(payload, rec.payload_checksum):
                 raise CorruptBlockError("payload checksum mismatch")
         except CorruptBlockError as e:
             corrupt(tier, ns, h, record_parent(data), str(e))

@@ -48,7 +48,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
-from ..codec import checksum
+from ..codec import checksum_matches
 from ..config import SSDConfig
 from ..errors import CorruptBlockError, TierError
 from ..hashing import BlockHash
@@ -300,7 +300,7 @@ class SSDTier(SSDWriter, SSDOpener):
                     self._counts["read_errors"] += 1
                 self._degrade(f"read failed: {e}")
                 raise TierError(f"ssd block {h.hex()[:16]}: cannot read {row.file_name}: {e}") from e
-            if len(data) != row.file_bytes or checksum(data) != row.checksum:
+            if len(data) != row.file_bytes or not checksum_matches(data, row.checksum):
                 again = self._reread_row(h, row)
                 if again is not row:
                     row = again

@@ -38,7 +38,7 @@ from concurrent.futures import wait as wait_all
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..codec import checksum
+from ..codec import checksum_matches
 
 log = logging.getLogger(__name__)
 
@@ -385,7 +385,7 @@ def read_verified(path: Path, size: int, digest: str) -> tuple[bytes, FileStamp]
         if _FADV_WILLNEED is not None:  # submit the whole file at once, not window by window
             os.posix_fadvise(f.fileno(), 0, 0, _FADV_WILLNEED)
         data = f.read()
-    if len(data) != size or checksum(data) != digest:
+    if len(data) != size or not checksum_matches(data, digest):
         return None
     return data, stamp_of(st)
 
@@ -416,7 +416,7 @@ class _Ahead:
 
 class ReadAhead:
     """Reads and verifies the next blocks of a chain on worker threads while the
-    caller uses the current one (``read`` and sha256 release the GIL, so reading,
+    caller uses the current one (``read`` and xxh3 release the GIL, so reading,
     hashing and the caller's decode overlap on separate cores).
 
     ``take`` hands a block over only if it was read from the file the index row

@@ -1,13 +1,13 @@
 """Rebuilding the SSD tier's index from its block files (a lost or corrupt index).
 
 Block files written by the cache describe themselves (``blockdesc``, block format
-2): each block file without a row is read, decoded and verified (the chained block
-hash re-derived from its parent, tokens and extra keys; the data digest; the file
-sits where its namespace, tenant and hash say), and its row is committed again with
-the sessions it recorded. Anything else (format 1 files that carry only
-``block_hash`` + ``layout``, damaged or misplaced files, a second file of a hash
-already recovered) is set aside in ``quarantine/unindexed.<time>/``: never deleted,
-since nothing proves it an orphan.
+3): each block file without a row is read, decoded and verified (the chained block
+hash re-derived from its parent, tokens and extra keys; the buffer's xxh3-128; the
+file sits where its namespace, tenant and hash say), and its row is committed again
+with the sessions it recorded. Anything else (files of an older block format,
+damaged or misplaced files, a second file of a hash already recovered) is set aside
+in ``quarantine/unindexed.<time>/``: never deleted, since nothing proves it an
+orphan.
 
 The caller holds the folder's exclusive lock (no other process is between a file
 step and an index step) and the tier's write lock.
@@ -20,9 +20,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..blockdesc import read_description, verify
 from ..codec import checksum, decode
-from ..errors import CorruptBlockError
+from ..errors import CorruptBlockError, UnsupportedFormatError
 from . import ssd_files as files
 from .ssd_index import IndexRow, SSDIndex
 
@@ -46,13 +45,13 @@ def _describe(root: Path, rel: str, now: float, ttl: float | None
         log.warning("ssd recover: cannot read %s: %s", rel, e)
         return None
     try:
-        arrays, payload_meta = decode(data)
-        desc = read_description(payload_meta)
-    except (CorruptBlockError, ValueError) as e:
-        log.warning("ssd recover: %s is not a readable block (%s)", rel, e)
+        desc = decode(data, verify=True).desc
+    except UnsupportedFormatError as e:
+        log.warning("ssd recover: %s is a block of an older format (%s)", rel, e)
         return None
-    if desc is None:
-        return None  # format 1: it does not say what it is
+    except CorruptBlockError as e:
+        log.warning("ssd recover: %s is not a readable block or fails its digests (%s)", rel, e)
+        return None
     m = desc.meta
     hx = bytes(m.block_hash).hex()
     try:
@@ -60,11 +59,8 @@ def _describe(root: Path, rel: str, now: float, ttl: float | None
     except ValueError:
         return None
     folder, _, name = rel.rpartition("/")
-    if payload_meta.get("block_hash") != hx or folder != where or not name.startswith(hx):
+    if folder != where or not name.startswith(hx):
         log.warning("ssd recover: %s is not where its description puts it", rel)
-        return None
-    if not verify(desc, arrays):
-        log.warning("ssd recover: %s fails its hash or data digest", rel)
         return None
     row = IndexRow(meta=m, file_name=rel, file_bytes=len(data), checksum=checksum(data),
                    created=mtime, last_access=mtime,
