@@ -48,8 +48,7 @@ def replay(budget: int) -> tuple[PromptCache, EvictionAdvisor, HitRateMonitor]:
         for c in range(CONVS):
             prompt = conv_prompt(c, turn)
             hit = cache.acquire(prompt, NS)
-            cause = hit.miss.cause if hit.miss is not None else None
-            monitor.record(len(prompt), hit.num_tokens, f"cause={cause}" if cause else None)
+            monitor.record(len(prompt), hit.num_tokens, hit.miss)  # the miss, as data
             cache.release(hit)
             cache.store(NS, prompt, len(prompt), payload_for, save_point="end_prefill")
     return cache, advisor, monitor
