@@ -312,7 +312,7 @@ def test_conversation_cached_equals_full_prefill(family, reference):
                  {"role": "user", "content": "Which came first?"}]
         r3 = both(eng, reference, msgs3, [A, B], "t3")
         assert (r2.usage.prompt_tokens, r3.usage.cached_tokens) == {
-            "gemma3": (135, 140), "qwen3_vl": (126, 131), "qwen3_5": (129, 129),
+            "gemma3": (137, 137), "qwen3_vl": (126, 131), "qwen3_5": (129, 129),
             "qwen3_5_moe": (128, 128)}[name]
         assert eng.vision_encoder.tower_calls == 2  # nothing new
         assert set(r3.usage.cached_by_tier) == {"ram"}
@@ -383,9 +383,9 @@ def test_a_branch_restores_to_the_last_shared_message(family, reference):
                   request_id="bb-ref")
         same(eng, reference, got, ref, "bb")
         start = req.message_starts[-1]  # the last user message
-        assert start == {"gemma3": 73, "qwen3_vl": 68, "qwen3_5": 71, "qwen3_5_moe": 70}[name]
+        assert start == {"gemma3": 75, "qwen3_vl": 68, "qwen3_5": 71, "qwen3_5_moe": 70}[name]
         # Gemma 3 also reuses the shared tokens after the message start
-        assert got.usage.cached_tokens == (78 if name == "gemma3" else start)
+        assert got.usage.cached_tokens == (80 if name == "gemma3" else start)
     finally:
         eng.close()
 

@@ -59,10 +59,10 @@ def test_image_turn2_is_cached_skips_the_tower_and_equals_uncached(served):
     turn2 = [*turn1, {"role": "assistant", "content": reply},
              {"role": "user", "content": "And its colours?"}]
     r2 = chat(client, turn2)
-    # + the reply re-tokenized (5 tokens; the tiny Qwen3.5 MoE's random reply: 10) + the
-    # new user message
-    assert r2["usage"]["prompt_tokens"] == u1["prompt_tokens"] + (
-        30 if name == "qwen3_5_moe" else 25)
+    # + the reply re-tokenized (5 tokens; the tiny Qwen3.5 MoE's random reply: 10, the
+    # tiny Gemma 3's: 7) + the new user message
+    assert r2["usage"]["prompt_tokens"] == u1["prompt_tokens"] + {
+        "gemma3": 27, "qwen3_5_moe": 30}.get(name, 25)
     # turn 1's prompt and image from the cache (Qwen3-VL: its end-of-generation snapshot;
     # Qwen3.5: its end-of-prefill snapshot, its random reply re-tokenizes otherwise)
     assert r2["usage"]["prompt_tokens_details"]["cached_tokens"] == {

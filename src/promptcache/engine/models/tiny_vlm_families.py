@@ -32,6 +32,8 @@ from .tiny_models import CONTEXT_LENGTH, EOS_TOKEN, PAD_TOKEN, _tokenizer_config
 from .tiny_vlm import PREPROCESSOR, TEXT_VOCAB, tokenizer_with
 
 TINY_FAMILIES_VERSION = 1
+# gemma3: 2 = a random multi-modal projection (mlx-vlm initialises it with ones)
+GEMMA3_VERSION = 2
 GEMMA3_IMAGE_SIZE, GEMMA3_PATCH, GEMMA3_TOKENS = 48, 4, 36
 QWEN_PATCH, QWEN_MERGE, QWEN_GRID = 4, 2, 12  # patches per side at the fixed resolution
 QWEN_TOKENS = (QWEN_GRID // QWEN_MERGE) ** 2
@@ -196,6 +198,14 @@ def _build(out_dir: str | os.PathLike[str], family: str, seed: int) -> Path:
                                          ["text", "vision"])
     mx.random.seed(seed)
     model = arch.Model(model_config)
+    if family == "gemma3":
+        # mlx-vlm initialises the projector with ones: every feature is then the sum of
+        # a normed vector, ~0 by cancellation, so an image's direction after the text
+        # model's norms is rounding noise (it flipped with the BLAS's summation order).
+        # A random projection, as trained weights have, is well-conditioned.
+        proj = model.multi_modal_projector
+        shape = proj.mm_input_projection_weight.shape
+        proj.mm_input_projection_weight = mx.random.normal(shape) / float(shape[0]) ** 0.5
     weights = {k: v.astype(mx.float32) for k, v in tree_flatten(model.parameters())}
     mx.eval(weights)
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
@@ -220,7 +230,7 @@ def build_tiny_qwen3_vl(out_dir: str | os.PathLike[str], seed: int = 2005) -> Pa
 
 
 def ensure_tiny_gemma3_vlm(cache_root: str | os.PathLike[str]) -> Path:
-    return ensure_built(Path(cache_root) / f"tiny-gemma3-vlm-v{TINY_FAMILIES_VERSION}",
+    return ensure_built(Path(cache_root) / f"tiny-gemma3-vlm-v{GEMMA3_VERSION}",
                         build_tiny_gemma3_vlm)
 
 
