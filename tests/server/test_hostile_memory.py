@@ -118,17 +118,4 @@ def test_rss_stays_within_the_budgets_under_hostile_load(tiny_llama_path: Path,
         sender.join()
         assert r.status_code == 200 and took < 2.0, (r.status_code, took)
         assert big == [400]
-        # a 4-token chat beside a 10 MB body: its own time stays small
-        big: list[int] = []
-        sender = threading.Thread(target=lambda: big.append(httpx.post(
-            f"{base}/v1/chat/completions", content=ten, timeout=600,
-            headers={"content-type": "application/json"}).status_code))
-        sender.start()
-        time.sleep(0.05)  # the big body is on its way (sending it takes longer)
-        t0 = time.monotonic()
-        r = c.post("/v1/chat/completions", json=small)
-        took = time.monotonic() - t0
-        sender.join()
-        assert r.status_code == 200 and took < 2.0, (r.status_code, took)
-        assert big == [400]
         assert c.post("/v1/chat/completions", json=small).status_code == 200

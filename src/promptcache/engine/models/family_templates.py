@@ -152,6 +152,28 @@ _LAST_QUERY = r"""
 {%- endfor %}
 """
 
+# every message, the system one skipped (written first); an assistant message split
+# into its reasoning and its text (from reasoning_content or a <think> block), opened
+_ASSISTANT_OPEN = r"""{%- for message in messages %}
+{%- if loop.first and message.role == 'system' %}
+{%- elif message.role == 'assistant' %}
+{%- set content = text(message.content) %}
+{%- set reasoning = message.reasoning_content if message.reasoning_content is string else '' %}
+{%- if '</think>' in content %}
+{%- set reasoning = content.split('</think>')[0].split('<think>')[-1].strip('\n') %}
+{%- set content = content.split('</think>')[-1].lstrip('\n') %}
+{%- endif %}
+{{- '<|im_start|>assistant\n' }}
+"""
+
+# an assistant message's tool calls as Hermes / Qwen3 JSON in <tool_call> tags
+_JSON_CALLS = r"""{%- for tool_call in message.tool_calls or [] %}
+{%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}{%- endif %}
+{%- if content or not loop.first %}{{- '\n' }}{%- endif %}
+{{- '<tool_call>\n{"name": "' + tool_call.name + '", "arguments": ' + args_json(tool_call.arguments) + '}\n</tool_call>' }}
+{%- endfor %}
+"""
+
 QWEN3 = FamilyChat("Qwen3 (ChatML, JSON tool calls, thinking switch)", _t(r"""
 {%- set first = 0 %}
 {%- if tools %}
@@ -164,24 +186,9 @@ QWEN3 = FamilyChat("Qwen3 (ChatML, JSON tool calls, thinking switch)", _t(r"""
 {{- '<|im_start|>system\n' + text(messages[0].content) + '<|im_end|>\n' }}
 {%- endif %}
 """ + _LAST_QUERY + r"""
-{%- for message in messages %}
-{%- if loop.first and message.role == 'system' %}
-{%- elif message.role == 'assistant' %}
-{%- set content = text(message.content) %}
-{%- set reasoning = message.reasoning_content if message.reasoning_content is string else '' %}
-{%- if '</think>' in content %}
-{%- set reasoning = content.split('</think>')[0].split('<think>')[-1].strip('\n') %}
-{%- set content = content.split('</think>')[-1].lstrip('\n') %}
-{%- endif %}
-{{- '<|im_start|>assistant\n' }}
-{%- if loop.index0 > ns.last_query and reasoning %}{{- '<think>\n' + reasoning + '\n</think>\n\n' }}{%- endif %}
+""" + _ASSISTANT_OPEN + r"""{%- if loop.index0 > ns.last_query and reasoning %}{{- '<think>\n' + reasoning + '\n</think>\n\n' }}{%- endif %}
 {{- content }}
-{%- for tool_call in message.tool_calls or [] %}
-{%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}{%- endif %}
-{%- if content or not loop.first %}{{- '\n' }}{%- endif %}
-{{- '<tool_call>\n{"name": "' + tool_call.name + '", "arguments": ' + args_json(tool_call.arguments) + '}\n</tool_call>' }}
-{%- endfor %}
-{{- '<|im_end|>\n' }}
+""" + _JSON_CALLS + r"""{{- '<|im_end|>\n' }}
 """ + _CHATML_TURNS + r"""
 {%- endfor %}
 {%- if add_generation_prompt %}
@@ -235,17 +242,7 @@ def _xml_chatml(*, think_history: str, gen_on: str, gen_off: str,
 {%- endif %}
 """.replace("SYSTEM_ALWAYS", "true" if system_always else "false")
     body = r"""
-{%- for message in messages %}
-{%- if loop.first and message.role == 'system' %}
-{%- elif message.role == 'assistant' %}
-{%- set content = text(message.content) %}
-{%- set reasoning = message.reasoning_content if message.reasoning_content is string else '' %}
-{%- if '</think>' in content %}
-{%- set reasoning = content.split('</think>')[0].split('<think>')[-1].strip('\n') %}
-{%- set content = content.split('</think>')[-1].lstrip('\n') %}
-{%- endif %}
-{{- '<|im_start|>assistant\n' }}
-{%- if loop.index0 > ns.last_query %}THINK_RECENT{%- else %}THINK_HISTORY{%- endif %}
+""" + _ASSISTANT_OPEN + r"""{%- if loop.index0 > ns.last_query %}THINK_RECENT{%- else %}THINK_HISTORY{%- endif %}
 {{- content }}""" + _XML_CALLS + r"""
 {{- '<|im_end|>\n' }}
 """ + _CHATML_TURNS + r"""
@@ -301,12 +298,7 @@ FALCON_H1 = FamilyChat("Falcon-H1 (ChatML, JSON tool calls)", _t(r"""
 {%- elif message.role == 'assistant' %}
 {%- set content = text(message.content) %}
 {{- '<|im_start|>assistant\n' + content }}
-{%- for tool_call in message.tool_calls or [] %}
-{%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}{%- endif %}
-{%- if content or not loop.first %}{{- '\n' }}{%- endif %}
-{{- '<tool_call>\n{"name": "' + tool_call.name + '", "arguments": ' + args_json(tool_call.arguments) + '}\n</tool_call>' }}
-{%- endfor %}
-{{- '<|im_end|>\n' }}
+""" + _JSON_CALLS + r"""{{- '<|im_end|>\n' }}
 """ + _CHATML_TURNS + r"""
 {%- endfor %}
 {%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}

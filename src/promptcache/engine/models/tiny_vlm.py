@@ -38,20 +38,25 @@ PATCH_SIZE = 4
 TOKENS_PER_IMAGE = (IMAGE_SIZE // PATCH_SIZE) ** 2
 TEXT_VOCAB = 1040  # the tokenizer's 1024 + <image>, rounded up
 
-CHATML_VLM_TEMPLATE = (
-    "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' }}"
-    "{%- if message['content'] is string %}{{- message['content'] }}"
-    "{%- elif message['content'] %}"
-    "{%- for part in message['content'] %}"
-    "{%- if part['type'] == 'text' %}{{- part['text'] }}"
-    "{%- elif part['type'] == 'image' %}{{- '<image>' }}{%- endif %}"
-    "{%- endfor %}"
-    "{%- endif %}"
-    "{{- '<|im_end|>\\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
-)
+def chatml_template(image_text: str) -> str:
+    """The tiny models' ChatML template; an image part renders as ``image_text``."""
+    return (
+        "{%- for message in messages %}"
+        "{{- '<|im_start|>' + message['role'] + '\\n' }}"
+        "{%- if message['content'] is string %}{{- message['content'] }}"
+        "{%- elif message['content'] %}"
+        "{%- for part in message['content'] %}"
+        "{%- if part['type'] == 'text' %}{{- part['text'] }}"
+        "{%- elif part['type'] == 'image' %}{{- '" + image_text + "' }}{%- endif %}"
+        "{%- endfor %}"
+        "{%- endif %}"
+        "{{- '<|im_end|>\\n' }}"
+        "{%- endfor %}"
+        "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+    )
+
+
+CHATML_VLM_TEMPLATE = chatml_template(IMAGE_TOKEN)
 
 PREPROCESSOR = {
     "image_processor_type": "CLIPImageProcessor",

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from .tiny_models import CONTEXT_LENGTH, EOS_TOKEN, PAD_TOKEN, _tokenizer_config, ensure_built
-from .tiny_vlm import PREPROCESSOR, TEXT_VOCAB, tokenizer_with
+from .tiny_vlm import PREPROCESSOR, TEXT_VOCAB, chatml_template, tokenizer_with
 
 TINY_FAMILIES_VERSION = 1
 # gemma3: 2 = a random multi-modal projection (mlx-vlm initialises it with ones)
@@ -40,24 +40,6 @@ QWEN_TOKENS = (QWEN_GRID // QWEN_MERGE) ** 2
 
 GEMMA3_TOKENS_ADDED = ("<start_of_image>", "<image_soft_token>", "<end_of_image>")
 QWEN_TOKENS_ADDED = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>")
-
-
-def chatml_template(image_text: str) -> str:
-    """The tiny models' ChatML template; an image part renders as ``image_text``."""
-    return (
-        "{%- for message in messages %}"
-        "{{- '<|im_start|>' + message['role'] + '\\n' }}"
-        "{%- if message['content'] is string %}{{- message['content'] }}"
-        "{%- elif message['content'] %}"
-        "{%- for part in message['content'] %}"
-        "{%- if part['type'] == 'text' %}{{- part['text'] }}"
-        "{%- elif part['type'] == 'image' %}{{- '" + image_text + "' }}{%- endif %}"
-        "{%- endfor %}"
-        "{%- endif %}"
-        "{{- '<|im_end|>\\n' }}"
-        "{%- endfor %}"
-        "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
-    )
 
 
 def gemma3_config(ids: dict[str, int]) -> dict[str, Any]:
