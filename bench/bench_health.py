@@ -31,8 +31,9 @@ import httpx
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
+sys.path.insert(0, str(REPO / "tests"))  # models: the tiny test models
 
-from promptcache.engine.models.tiny_models import ensure_tiny_model  # noqa: E402
+from models.tiny_models import ensure_tiny_model  # noqa: E402
 
 WORDS = ("the cache is warm and the model reads a long history of messages before it "
          "answers one more question about code files tests and servers").split()

@@ -26,6 +26,7 @@ import argparse
 import os
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -36,13 +37,15 @@ import numpy as np
 from promptcache.config import CacheConfig, EngineConfig
 from promptcache.engine.api import GenerationRequest, SamplingParams
 from promptcache.engine.engine import Engine
-from promptcache.engine.models.tiny_families import (
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the tiny test models
+from models.tiny_families import (  # noqa: E402
     FAMILIES,
     TINY_FAMILIES_VERSION,
     build_family_model,
     ensure_family_model,
 )
-from promptcache.engine.models.tiny_models import ensure_built
+from models.tiny_models import ensure_built  # noqa: E402
 
 WIDE = {"hidden_size": 512, "intermediate_size": 1024, "num_attention_heads": 8,
         "head_dim": 64}

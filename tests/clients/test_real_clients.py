@@ -35,9 +35,8 @@ from clients_helpers import (
     run_cli,
     scrub_record,
 )
+from models.tiny_models import LONG_CONTEXT_LENGTH, SCRIPTED_REPLY
 from serve_proc import serve
-
-from promptcache.engine.models.tiny_models import LONG_CONTEXT_LENGTH, SCRIPTED_REPLY
 
 REPO = Path(__file__).resolve().parents[2]
 FIXTURES = REPO / "tests" / "fixtures" / "traffic"
@@ -66,7 +65,7 @@ class Server:
 
 @pytest.fixture(scope="module")
 def server(models_root: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    from promptcache.engine.models.tiny_models import ensure_tiny_model
+    from models.tiny_models import ensure_tiny_model
 
     model = ensure_tiny_model("scripted", models_root)
     tmp = tmp_path_factory.mktemp("clients")

@@ -46,9 +46,9 @@ def _run_length(kinds: Sequence[str]) -> str:
 def family_row(family: str) -> dict[str, str]:
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
+    from models import tiny_families as tf
 
     from promptcache.engine import adapters, mlx_compat
-    from promptcache.engine.models import tiny_families as tf
 
     config = tf.family_config(family)
     model_cls, args_cls = mlx_compat.model_classes(config["model_type"])
@@ -66,7 +66,7 @@ def family_row(family: str) -> dict[str, str]:
 
 def matrix_table(known: Mapping[tuple[str, str], str], points: Sequence[str]) -> str:
     """The markdown table: one row per family of ``tiny_families.FAMILIES``."""
-    from promptcache.engine.models import tiny_families as tf
+    from models import tiny_families as tf
 
     lines = [
         "| Family | Tiny model keeps | Cache per layer | Batched prefill | Batched decode "
@@ -92,6 +92,10 @@ def readme_table(readme_text: str) -> str:
 
 
 if __name__ == "__main__":
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the tiny models
     import test_matrix
 
     print(matrix_table(test_matrix.KNOWN_FAILURES, test_matrix.POINTS), end="")

@@ -11,12 +11,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from models.tiny_models import ensure_built
 
 from promptcache.cache import PromptCache
 from promptcache.cli.wiring import build_cache
 from promptcache.config import CacheConfig, EngineConfig, SSDConfig
 from promptcache.engine.engine import Engine
-from promptcache.engine.models.tiny_models import ensure_built
 from promptcache.engine.payload import MLXPayloadAdapter
 
 CONFIG = {

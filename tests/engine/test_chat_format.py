@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 from mlx_lm.tokenizer_utils import load as load_tokenizer
+from models.tiny_models import CHATML_TEMPLATE
 
 from promptcache.engine.chat_format import (
     HERMES,
@@ -20,7 +21,6 @@ from promptcache.engine.chat_format import (
     chat_format_of,
     tool_call_format,
 )
-from promptcache.engine.models.tiny_models import CHATML_TEMPLATE
 
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "parameters": {"type": "object", "properties": {

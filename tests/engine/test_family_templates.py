@@ -1,4 +1,4 @@
-"""Each tiny family's chat template (``engine/models/family_templates.py``), rendered by the
+"""Each tiny family's chat template (``tests/models/family_templates.py``), rendered by the
 real tokenizer as mlx-lm loads it: a conversation with a tool call and its result comes
 out in the family's published format (exact texts), every added token is one token, the
 format promptcache detects from the template is the one docs/cache.md's matrix table names,
@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 from mlx_lm.tokenizer_utils import load as load_tokenizer
+from models import tiny_families as tf
 
 from promptcache.engine.chat_format import ChatFormat, chat_format_of
-from promptcache.engine.models import tiny_families as tf
 
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "Weather of a city",

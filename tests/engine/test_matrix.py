@@ -34,17 +34,17 @@ from typing import Any
 import numpy as np
 import pytest
 from matrix_table import matrix_table, readme_table
+from models.tiny_families import (
+    FAMILIES,
+    ensure_family_model,
+    word_token_ids,
+)
 
 from promptcache.cli.wiring import build_cache
 from promptcache.config import CacheConfig, EngineConfig, SSDConfig
 from promptcache.engine import mlx_compat
 from promptcache.engine.api import GenerationRequest, SamplingParams
 from promptcache.engine.engine import Engine
-from promptcache.engine.models.tiny_families import (
-    FAMILIES,
-    ensure_family_model,
-    word_token_ids,
-)
 from promptcache.engine.templates import message_starts
 
 BLOCK = 8
@@ -379,7 +379,7 @@ def test_readme_table_is_generated() -> None:
 
 def test_family_builds_are_deterministic(tmp_path: Path) -> None:
     """The on-disk cache is keyed by a version only: two builds give the same bytes."""
-    from promptcache.engine.models.tiny_families import build_family_model
+    from models.tiny_families import build_family_model
 
     a = build_family_model("kimi_linear", tmp_path / "a")
     b = build_family_model("kimi_linear", tmp_path / "b")

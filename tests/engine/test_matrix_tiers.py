@@ -20,6 +20,13 @@ from typing import Any
 
 import httpx
 import pytest
+from models.tiny_families import (
+    TINY_FAMILIES_VERSION,
+    build_family_model,
+    ensure_family_model,
+    word_token_ids,
+)
+from models.tiny_models import ensure_built
 from serve_proc import serve
 from test_matrix import (
     BLOCK,
@@ -41,13 +48,6 @@ from promptcache.config import CacheConfig, EngineConfig, RedisConfig
 from promptcache.engine import adapters
 from promptcache.engine.blockbuf import BlockPayload
 from promptcache.engine.engine import Engine
-from promptcache.engine.models.tiny_families import (
-    TINY_FAMILIES_VERSION,
-    build_family_model,
-    ensure_family_model,
-    word_token_ids,
-)
-from promptcache.engine.models.tiny_models import ensure_built
 
 # one family per cache kind
 KINDS = {"llama": "plain KV", "gpt_oss": "sliding window + sinks",

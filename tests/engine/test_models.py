@@ -11,19 +11,19 @@ import mlx.core as mx
 import pytest
 from mlx_lm import load
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
+from models import tiny_models
+from models.tiny_models import (
+    SLIDING_WINDOW,
+    VOCAB_SIZE,
+    build_tiny_model,
+    ensure_tiny_model,
+)
 
-from promptcache.engine.models import tiny_models
 from promptcache.engine.models.loader import (
     context_length_from_config,
     load_model,
     model_fingerprint,
     resolve_model_path,
-)
-from promptcache.engine.models.tiny_models import (
-    SLIDING_WINDOW,
-    VOCAB_SIZE,
-    build_tiny_model,
-    ensure_tiny_model,
 )
 
 EXPECTED_CACHES = {

@@ -23,12 +23,12 @@ from typing import Any
 import numpy as np
 import pytest
 from conftest import make_engine
+from models.tiny_families import ensure_family_model
+from models.tiny_models import ensure_built
 from stepper import Run, Stepper
 
 from promptcache.engine.api import TokenEvent
 from promptcache.engine.engine import Engine
-from promptcache.engine.models.tiny_families import ensure_family_model
-from promptcache.engine.models.tiny_models import ensure_built
 from promptcache.engine.speculate import Speculator
 
 # family -> the cache kind it stands for
@@ -227,7 +227,7 @@ def test_stops_inside_a_draft_and_the_next_turn(family: Family) -> None:
 
 @pytest.fixture(scope="module")
 def quant_engine(models_root: Path) -> Iterator[Engine]:
-    from promptcache.engine.models.tiny_families import build_family_model
+    from models.tiny_families import build_family_model
 
     path = ensure_built(models_root / "tiny-matrix-llama-hd64-v1",
                         lambda tmp: build_family_model("llama", tmp, {"head_dim": 64}))

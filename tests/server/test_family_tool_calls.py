@@ -26,12 +26,12 @@ import pytest
 import sse_checks
 from fake_engine import FakeEngine
 from fastapi.testclient import TestClient
+from models import tiny_families as tf
 from real_engine import tiny_engine
 from sse_checks import anthropic_stream, chat_stream, responses_stream
 
 from promptcache.config import EngineConfig, ServerConfig
 from promptcache.engine.chat_format import chat_format_of
-from promptcache.engine.models import tiny_families as tf
 from promptcache.server import create_app
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))

@@ -1,6 +1,6 @@
 """Tiny models for the hit-rate traces, derived from the "scripted" tiny model.
 
-The "scripted" model (``engine/models/tiny_models.py``) answers a fixed sentence whatever the
+The "scripted" model (``tests/models/tiny_models.py``) answers a fixed sentence whatever the
 prompt: after the newline that ends the generation prompt, each reply token's embedding
 carries a large value in a dimension of its own and the output row of the next token
 reads it. The chain needs every reply token to be distinct, so the two variants here add

@@ -364,7 +364,7 @@ def build_family_model(family: str, out_dir: str | os.PathLike[str],
     from mlx.nn.layers.quantized import quantize
     from mlx.utils import tree_flatten
 
-    from ..mlx_compat import model_classes
+    from promptcache.engine.mlx_compat import model_classes
 
     out, _, _ = new_model_folder(out_dir)
     tok_text = family_tokenizer_json(family)

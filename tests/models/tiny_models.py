@@ -265,7 +265,7 @@ def build_tiny_model(kind: str, out_dir: str | os.PathLike[str]) -> Path:
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
-    from ..mlx_compat import model_classes
+    from promptcache.engine.mlx_compat import model_classes
 
     out, tok_text, special_ids = new_model_folder(out_dir)
     config = model_config(kind, special_ids)
