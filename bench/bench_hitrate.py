@@ -31,6 +31,7 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "server"))
+sys.path.insert(0, str(ROOT / "tests"))  # models: the tiny test models
 
 import trace_replay as R  # noqa: E402
 from real_engine import tiny_engine  # noqa: E402

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from conftest import CHUNK
-from quant_models import ensure_tiny_llama_hd64
+from models.quant_models import ensure_tiny_llama_hd64
 from stepper import Stepper
 
 TOL = 1e-4

@@ -15,9 +15,9 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from mla_models import KINDS, KV_LORA_RANK, ROPE_DIM, ensure_tiny_mla
 from mlx_lm import load
 from mlx_lm.models.cache import ArraysCache, CacheList, ChunkedKVCache, KVCache, make_prompt_cache
+from models.mla_models import KINDS, KV_LORA_RANK, ROPE_DIM, ensure_tiny_mla
 from stepper import Stepper
 
 from promptcache.cache import PromptCache

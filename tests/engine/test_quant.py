@@ -15,7 +15,7 @@ from mlx_lm.models.cache import (
     RotatingKVCache,
     make_prompt_cache,
 )
-from quant_models import ensure_tiny_llama_hd64
+from models.quant_models import ensure_tiny_llama_hd64
 
 from promptcache import codec
 from promptcache.config import CacheConfig

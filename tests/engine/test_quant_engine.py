@@ -9,7 +9,7 @@ from collections import defaultdict
 
 import numpy as np
 import pytest
-from quant_models import ensure_tiny_llama_hd64
+from models.quant_models import ensure_tiny_llama_hd64
 from stepper import Stepper
 
 from promptcache import codec

@@ -5,22 +5,18 @@ quantization spec in the namespace keeps full-precision servers away from it."""
 from __future__ import annotations
 
 import itertools
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from models.quant_models import ensure_tiny_llama_hd64
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "engine"))
-
-from quant_models import ensure_tiny_llama_hd64  # noqa: E402
-
-from promptcache import codec  # noqa: E402
-from promptcache.cli.wiring import build_cache  # noqa: E402
-from promptcache.config import CacheConfig, EngineConfig, RedisConfig  # noqa: E402
-from promptcache.engine.api import GenerationRequest, SamplingParams  # noqa: E402
-from promptcache.engine.blockbuf import BlockPayload  # noqa: E402
-from promptcache.engine.engine import Engine  # noqa: E402
+from promptcache import codec
+from promptcache.cli.wiring import build_cache
+from promptcache.config import CacheConfig, EngineConfig, RedisConfig
+from promptcache.engine.api import GenerationRequest, SamplingParams
+from promptcache.engine.blockbuf import BlockPayload
+from promptcache.engine.engine import Engine
 
 BLOCK, CHUNK = 8, 16
 _ids = itertools.count()

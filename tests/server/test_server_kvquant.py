@@ -3,19 +3,15 @@ per block, the arrays and bytes per cached token and the stored quantization."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 from fastapi.testclient import TestClient
+from models.quant_models import ensure_tiny_llama_hd64
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "engine"))
-
-from quant_models import ensure_tiny_llama_hd64  # noqa: E402
-
-from promptcache.cli.wiring import build_cache  # noqa: E402
-from promptcache.config import CacheConfig, EngineConfig, ServerConfig  # noqa: E402
-from promptcache.engine.engine import Engine  # noqa: E402
-from promptcache.server import create_app  # noqa: E402
+from promptcache.cli.wiring import build_cache
+from promptcache.config import CacheConfig, EngineConfig, ServerConfig
+from promptcache.engine.engine import Engine
+from promptcache.server import create_app
 
 
 def test_cache_stats_report_arrays_per_cached_token(tiny_llama_path: Path, models_root: Path) -> None:

@@ -219,7 +219,7 @@ def replay(trace: dict[str, Any], post: Post, probe: Probe,
 def model_path(kind: str, models_root: Path) -> Path:
     """The folder of a trace's model (``scripted``, ``thinking``, ``toolcall``)."""
     from models.tiny_models import ensure_tiny_model
-    from trace_models import ensure_trace_model
+    from models.trace_models import ensure_trace_model
 
     scripted = ensure_tiny_model("scripted", models_root)
     return scripted if kind == "scripted" else ensure_trace_model(kind, scripted, models_root)

@@ -22,7 +22,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from models.tiny_models import ensure_built
+from .tiny_models import ensure_built
 
 KINDS = ("deepseek_v3", "glm4_moe_lite", "kimi_linear", "deepseek_v32")
 VERSION = 1

@@ -120,7 +120,9 @@ def _build(kind: str, scripted: Path, out: Path) -> None:
     chain = [tok.token_to_id("Ċ"), *reply]
     if len(set(chain)) != len(chain):
         raise RuntimeError(f"the {kind} reply repeats a token: {chain}")
-    weights = dict(mx.load(str(scripted / "model.safetensors")).items())
+    loaded = mx.load(str(scripted / "model.safetensors"))
+    assert isinstance(loaded, dict)  # a safetensors file: name -> array
+    weights = dict(loaded.items())
     emb = np.array(weights["model.embed_tokens.weight"])
     head = np.array(weights["lm_head.weight"])
     pad = np.zeros((len(added), emb.shape[1]), dtype=emb.dtype)

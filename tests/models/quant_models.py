@@ -11,7 +11,7 @@ import json
 import shutil
 from pathlib import Path
 
-from models.tiny_models import ensure_built
+from .tiny_models import ensure_built
 
 HEAD_DIM = 64
 NAME = "tiny-llama-hd64-v1"
