@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import os
 import random
-import socket
 import statistics
 import subprocess
 import sys
@@ -35,14 +34,10 @@ sys.path.insert(0, str(REPO / "tests"))  # models: the tiny test models
 
 from models.tiny_models import ensure_tiny_model  # noqa: E402
 
+from promptcache.bench.systems import free_port  # noqa: E402
+
 WORDS = ("the cache is warm and the model reads a long history of messages before it "
          "answers one more question about code files tests and servers").split()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def chat(n: int, seed: int = 0) -> list[dict[str, str]]:

@@ -36,15 +36,8 @@ sys.path.insert(0, str(ROOT / "tests"))  # models: the tiny test models
 import trace_replay as R  # noqa: E402
 from real_engine import tiny_engine  # noqa: E402
 
+from promptcache.bench.systems import free_port  # noqa: E402
 from promptcache.config import ServerConfig  # noqa: E402
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def serve(src: Path, model: Path, port: int, args: argparse.Namespace, budget_mb: int | None,

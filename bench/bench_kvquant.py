@@ -53,6 +53,7 @@ from mlx_lm import load
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 from page_cache import drop_cache
 
+from promptcache.bench.systems import dir_bytes
 from promptcache.cache import PromptCache
 from promptcache.config import CacheConfig, SSDConfig
 from promptcache.engine import adapters
@@ -302,10 +303,6 @@ def part_ppl(args: argparse.Namespace, smol: Path) -> dict[str, Any]:
 # ---------------------------------------------------------------- SSD restore
 
 
-def dir_bytes(path: Path) -> int:
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
-
-
 def _restore_all(cache: PromptCache, ns: Namespace, tokens: list[int], layers: int) -> float:
     t = time.perf_counter()
     hit = cache.acquire(tokens, ns)
@@ -419,7 +416,7 @@ def main() -> None:
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]
     smol = args.model
     if smol is None:
-        from promptcache.engine.gguf import ensure_default_model
+        from promptcache.engine.models.gguf import ensure_default_model
 
         smol = ensure_default_model()
     tiny = args.tiny_root / "tiny-llama-v1"

@@ -2,7 +2,8 @@
 
 ``RedisServer`` runs one redis-server (no persistence) on a free loopback port and
 stops it by PID; ``DelayProxy`` is an asyncio TCP proxy (on its own thread) that can
-hold every reply from the server for ``delay_s`` seconds.
+hold every reply from the server for ``delay_s`` seconds. ``free_port`` is
+``systems.free_port`` (re-exported: the tests import it from here).
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ import contextlib
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import threading
 import time
@@ -21,15 +21,11 @@ from pathlib import Path
 
 import redis
 
+from .systems import free_port
+
 REDIS_SERVER = shutil.which("redis-server") or shutil.which("valkey-server")
 REDIS_CLI = shutil.which("redis-cli") or shutil.which("valkey-cli")
 READY_TIMEOUT_S = 20.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def wait_until(pred: Callable[[], object], timeout: float = READY_TIMEOUT_S,
