@@ -39,6 +39,7 @@ from promptcache.engine.api import GenerationRequest, SamplingParams
 from promptcache.engine.engine import Engine
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the tiny test models
+from models import models_root  # noqa: E402
 from models.tiny_families import (  # noqa: E402
     FAMILIES,
     TINY_FAMILIES_VERSION,
@@ -52,13 +53,8 @@ WIDE = {"hidden_size": 512, "intermediate_size": 1024, "num_attention_heads": 8,
 LENGTHS = (512, 384, 448, 320)  # 4 prompts of different lengths
 
 
-def _models_root() -> Path:
-    env = os.environ.get("PROMPTCACHE_TEST_MODELS")
-    return Path(env) if env else Path(__file__).resolve().parents[1] / ".models"
-
-
 def _model(family: str, size: str) -> Path:
-    root = _models_root()
+    root = models_root()
     root.mkdir(parents=True, exist_ok=True)
     if size == "tiny":
         return ensure_family_model(family, root)

