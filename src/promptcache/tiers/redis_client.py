@@ -136,12 +136,6 @@ class CircuitBreaker:
             self.backoff = min(self.backoff * 2, self.max_backoff)
             self.retry_at = self.clock() + self.backoff
 
-    def force_open(self) -> None:
-        """Open now (e.g. the first connection failed at start)."""
-        if self.state == CLOSED:
-            self.consecutive_failures = self.threshold - 1
-            self.record_failure()
-
 
 class Skipped(TierError):
     """The circuit is open: the operation was not attempted."""

@@ -103,9 +103,8 @@ class SSDTier:
         self.reader = Reader(st, read_ahead_blocks=read_ahead_blocks)
         self.maint = Maintenance(st, sweep_interval_s=sweep_interval_s,
                                  index_check_interval_s=index_check_interval_s)
-        # (tests hold the locks and read the pending blocks, pins and read-ahead)
-        self._lock, self._write_lock, self._pending, self._pins, self._ahead = (
-            st.lock, st.write_lock, st.pending, st.pins, self.reader.ahead)
+        # (tests hold the write lock, and read the early pins and the read-ahead)
+        self._write_lock, self._pins, self._ahead = st.write_lock, st.pins, self.reader.ahead
         st.index = open_index(st, read_only)
         try:
             with st.lock:
@@ -326,26 +325,27 @@ class SSDTier:
               progress: Callable[[int, int], None] | None = None) -> CheckReport:
         """Compare index and files (see ``ssd_check``). Waits for queued writes first.
         ``progress(done, total)`` follows the index rows checked."""
-        if not self.state.closed and hasattr(self, "_thread"):
+        st = self.state
+        if not st.closed and hasattr(self, "_thread"):
             self.flush()
         refused = None
-        if fix and self.state.mode != "read_write":
-            refused = f"no repair: the tier is {self.state.mode.replace('_', '-')} ({self.state.mode_reason})"
+        if fix and st.mode != "read_write":
+            refused = f"no repair: the tier is {st.mode.replace('_', '-')} ({st.mode_reason})"
             log.error("ssd check: %s", refused)
             fix = False
-        with self.state.write_lock, self.state.dirlock.exclusive(), self.state.lock:
+        with st.write_lock, st.dirlock.exclusive(), st.lock:
             try:
-                report = reconcile(self.state.root, self.state.index, fix=fix, progress=progress,
-                                   trust_index=self.state.mode != "off")
-                if self.state.mode != "off":
-                    self.state.refresh_totals()
+                report = reconcile(st.root, st.index, fix=fix, progress=progress,
+                                   trust_index=st.mode != "off")
+                if st.mode != "off":
+                    st.refresh_totals()
             except sqlite3.Error as e:
-                self.state.index_error(e)
+                st.index_error(e)
                 raise TierError(f"ssd check failed: {e}") from e
-            report.index_rebuilt, self.state.index_rebuilt = self.state.index_rebuilt, False
-            report.set_aside_files, self.state.set_aside = self.state.set_aside, 0
-            report.recovered_blocks, self.state.recovered = self.state.recovered, 0
-            report.index_corrupt = self.state.index_corrupt
+            report.index_rebuilt, st.index_rebuilt = st.index_rebuilt, False
+            report.set_aside_files, st.set_aside = st.set_aside, 0
+            report.recovered_blocks, st.recovered = st.recovered, 0
+            report.index_corrupt = st.index_corrupt
             report.refused = refused
         return report
 

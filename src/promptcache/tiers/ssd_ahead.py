@@ -128,11 +128,6 @@ class ReadAhead:
         e.future.cancel()
         self.counts["discarded"] += 1
 
-    def clear(self) -> None:
-        with self._lock:
-            for h in list(self._entries):
-                self._discard(h)
-
     def close(self) -> None:
         with self._lock:
             self._closed = True

@@ -60,16 +60,11 @@ def _folder_name(value: str, what: str) -> str:
     return value
 
 
-def block_rel_path(namespace_key: str, tenant: str, hash_hex: str, *, alt: bool = False) -> str:
+def block_rel_path(namespace_key: str, tenant: str, hash_hex: str) -> str:
     """Path of a block file relative to the tier root (always '/'-separated)."""
     ns = _folder_name(namespace_key, "namespace key")
     tn = _folder_name(tenant, "tenant")
-    name = hash_hex + (ALT_SUFFIX if alt else SUFFIX)
-    return f"{ns}/{tn}/blocks/{hash_hex[:2]}/{name}"
-
-
-def is_alt(rel_path: str) -> bool:
-    return rel_path.endswith(ALT_SUFFIX)
+    return f"{ns}/{tn}/blocks/{hash_hex[:2]}/{hash_hex}{SUFFIX}"
 
 
 def block_names(hash_hex: str) -> list[str]:
@@ -160,24 +155,6 @@ def publish(tmp: Path, names: list[str], *, fsync: bool) -> str:
         fsync_dir(folder)
     return used
 
-
-def atomic_write(path: Path, data: bytes, *, fsync: bool) -> None:
-    """Write ``data`` to ``path`` so that ``path`` is either absent/old or complete.
-
-    temp file in the same folder -> write -> flush + fsync -> os.replace -> fsync folder.
-    (Block files use ``write_temp`` + ``publish``, which never replace a file.)
-    """
-    tmp = write_temp(path.parent, path.name, data, fsync=fsync)
-    try:
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            tmp.unlink()
-        except OSError:
-            pass
-        raise
-    if fsync:
-        fsync_dir(path.parent)
 
 
 def pid_alive(pid: int) -> bool:

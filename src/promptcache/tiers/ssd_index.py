@@ -153,12 +153,6 @@ class SSDIndex:
         ).fetchall()
         return [row_to_index_row(r) for r in rows]
 
-    def child_files(self, parent_hash: bytes, *, limit: int) -> list[str]:
-        rows = self._db.execute(
-            "SELECT file_name FROM blocks WHERE parent=? LIMIT ?", (bytes(parent_hash), limit)
-        ).fetchall()
-        return [str(r[0]) for r in rows]
-
     def child_reads(self, parent_hash: bytes, *, limit: int) -> list[tuple[bytes, str, int, str, float | None]]:
         """(hash, file_name, file_bytes, checksum, expiry) of up to ``limit`` children:
         what a read-ahead needs, without decoding whole rows."""

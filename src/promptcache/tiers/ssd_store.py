@@ -242,7 +242,7 @@ class SSDState:
     def delete_where(self, select: Callable[[], list[tuple[bytes, str, int]]], *,
                       unlink: bool = True) -> list[tuple[bytes, str, int]]:
         """Select victims and delete their rows in one transaction, then unlink their
-        files. Caller holds ``_write_lock``, the shared ``DirLock`` and ``_lock``.
+        files. Caller holds ``write_lock``, the shared ``DirLock`` and ``lock``.
         Raises sqlite3.Error (rolled back)."""
         self.index.begin()
         try:
