@@ -91,7 +91,6 @@ class RedisTier:
     ) -> None:
         if not isinstance(config, RedisConfig):
             raise ValueError(f"config must be a RedisConfig, got {type(config).__name__}")
-        self.config = config
         self.policy = config.policy
         self.keys = KeySpace(config.prefix)
         self.remote = Remote(config, clock=clock, start_prober=start_prober)
@@ -107,6 +106,15 @@ class RedisTier:
         self._thread = threading.Thread(target=self.writer.run,
                                         name="promptcache-redis-writer", daemon=True)
         self._thread.start()
+
+    @property
+    def config(self) -> RedisConfig:
+        """The configuration in use (the queue's limits follow a replaced one)."""
+        return self.writes.config
+
+    @config.setter
+    def config(self, config: RedisConfig) -> None:
+        self.writes.config = config
 
     # -- metadata queries (Reads) ---------------------------------------------------
     @_boundary

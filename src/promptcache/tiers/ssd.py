@@ -95,7 +95,6 @@ class SSDTier:
     ) -> None:
         if read_ahead_blocks < 0:
             raise ValueError(f"read_ahead_blocks must be >= 0, got {read_ahead_blocks}")
-        self.config = config
         self.policy = config.policy
         self.root = Path(config.path)
         st = self.state = SSDState(config, clock=clock, degraded_backoff_s=degraded_backoff_s,
@@ -127,6 +126,15 @@ class SSDTier:
         self._thread = threading.Thread(target=self.writer.run, name="promptcache-ssd-writer",
                                         daemon=True)
         self._thread.start()
+
+    @property
+    def config(self) -> SSDConfig:
+        """The configuration in use (replacing it, e.g. a smaller budget, takes effect)."""
+        return self.state.config
+
+    @config.setter
+    def config(self, config: SSDConfig) -> None:
+        self.state.config = config
 
     # (tests swap the index for a failing one, and shorten the index check interval)
     @property
