@@ -17,7 +17,7 @@ from promptcache.cache_types import NumpyAdapter
 from promptcache.errors import TierError
 from promptcache.meta import BlockMeta
 from promptcache.tiers.redis import RedisTier
-from promptcache.tiers.redis_breaker import CLOSED, HALF_OPEN, OPEN, CircuitBreaker
+from promptcache.tiers.redis_client import CLOSED, HALF_OPEN, OPEN, CircuitBreaker
 
 Make = Callable[..., RedisTier]
 

@@ -105,7 +105,7 @@ def test_read_error_is_a_tier_error_and_keeps_the_row(tmp_path, monkeypatch):
     a = chain(NS, 1)[0]
     tier.put(a, payload_for(0))
     tier.flush()
-    import promptcache.tiers.ssd as ssd_mod
+    import promptcache.tiers.ssd_read as ssd_mod
 
     def eio_open(file, mode="r", *args, **kw):
         raise OSError(errno.EIO, "Input/output error", str(file))

@@ -14,7 +14,8 @@ from typing import Any
 
 from ssd_helpers import NS, FakeClock, chain, make_tier, payload_for
 
-from promptcache.tiers.ssd_index import SSDIndex, is_corruption
+from promptcache.tiers.ssd_index import SSDIndex
+from promptcache.tiers.ssd_schema import is_corruption
 
 NEVER = 1e9
 

@@ -13,7 +13,8 @@ from ssd_helpers import NS, NS_BOB, FakeClock, chain, make_tier, payload_for
 
 from promptcache.tiers import ssd_files as files
 from promptcache.tiers.ssd import SSDTier
-from promptcache.tiers.ssd_index import SCHEMA_VERSION, SSDIndex
+from promptcache.tiers.ssd_index import SSDIndex
+from promptcache.tiers.ssd_schema import SCHEMA_VERSION
 
 SIZE = len(payload_for(0))
 DAY = 86400.0

@@ -12,7 +12,8 @@ from ssd_helpers import NS, FakeClock, chain, make_tier, payload_for
 from promptcache.errors import CorruptBlockError
 from promptcache.hashing import hash_block
 from promptcache.meta import BlockMeta
-from promptcache.tiers.ssd_files import ReadAhead, block_rel_path
+from promptcache.tiers.ssd_ahead import ReadAhead
+from promptcache.tiers.ssd_files import block_rel_path
 
 OLD = time.time() - 3600  # file times an hour ago: older than the stamp margin
 

@@ -13,6 +13,12 @@ failure raises ``TierError``. Out-of-memory and plain command errors do not open
 circuit (Redis is up; it refuses one write). While the circuit is open the prober
 thread pings Redis every ``probe_interval_s`` once the backoff has passed; a request
 never waits for a probe.
+
+The breaker (``CircuitBreaker``: pure logic, injected clock; callers hold their lock):
+closed, every operation is attempted and ``failures`` consecutive failures open it;
+open, operations are skipped at once (counted) until ``retry_at``, then one probe is
+due (``begin_probe``: half-open); half-open, still skipped, the probe's result closes
+the circuit (backoff reset) or opens it again with the backoff doubled, up to the max.
 """
 
 from __future__ import annotations
@@ -46,15 +52,89 @@ from redis.retry import Retry
 
 from ..config import RedisConfig
 from ..errors import TierError
-from .redis_breaker import CLOSED, CircuitBreaker
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+CLOSED = "closed"
+OPEN = "open"
+HALF_OPEN = "half_open"
 LATENCY_BUCKETS_MS = (0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 250.0, 1000.0)
 # the writer thread and admin calls: sending a batch of large values takes longer
 MIN_WRITE_TIMEOUT_S = 2.0
 Client = Any  # redis.Redis | RedisCluster (both untyped enough that Any is honest)
+
+class CircuitBreaker:
+    """closed -> open -> half_open -> closed | open (see the module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        failures: int = 3,
+        backoff_s: float = 1.0,
+        max_backoff_s: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if failures < 1:
+            raise ValueError(f"failures must be >= 1, got {failures}")
+        if not 0 < backoff_s <= max_backoff_s:
+            raise ValueError("need 0 < backoff_s <= max_backoff_s")
+        self.threshold = failures
+        self.base_backoff = backoff_s
+        self.max_backoff = max_backoff_s
+        self.clock = clock
+        self.state = CLOSED
+        self.consecutive_failures = 0
+        self.backoff = backoff_s
+        self.retry_at = 0.0
+        self.trips = 0  # closed -> open transitions
+        self.recoveries = 0  # half_open -> closed transitions
+        self.skipped = 0  # operations not attempted while open / half-open
+        self.probes = 0
+        self.probe_failures = 0
+
+    def allow(self) -> bool:
+        """Whether an operation may be attempted now (a skip is counted)."""
+        if self.state == CLOSED:
+            return True
+        self.skipped += 1
+        return False
+
+    def record_success(self) -> None:
+        if self.state == CLOSED:
+            self.consecutive_failures = 0
+
+    def record_failure(self) -> None:
+        if self.state != CLOSED:
+            return
+        self.consecutive_failures += 1
+        if self.consecutive_failures >= self.threshold:
+            self.state = OPEN
+            self.trips += 1
+            self.backoff = self.base_backoff
+            self.retry_at = self.clock() + self.backoff
+
+    def begin_probe(self) -> bool:
+        """True (and half-open) when the circuit is open and its backoff has passed."""
+        if self.state != OPEN or self.clock() < self.retry_at:
+            return False
+        self.state = HALF_OPEN
+        self.probes += 1
+        return True
+
+    def end_probe(self, ok: bool) -> None:
+        if self.state != HALF_OPEN:
+            return
+        if ok:
+            self.state = CLOSED
+            self.consecutive_failures = 0
+            self.backoff = self.base_backoff
+            self.recoveries += 1
+        else:
+            self.probe_failures += 1
+            self.state = OPEN
+            self.backoff = min(self.backoff * 2, self.max_backoff)
+            self.retry_at = self.clock() + self.backoff
 
 
 class Skipped(TierError):
@@ -89,6 +169,18 @@ def make_client(config: RedisConfig, timeout_s: float) -> Client:
             raise ValueError("a Redis Cluster is reached over TCP (redis:// or rediss://)")
         return RedisCluster.from_url(url, **opts)
     return redis.Redis.from_url(url, **opts)
+
+
+class Tally:
+    """Counters under a lock shared with the other parts of the tier."""
+
+    def __init__(self, lock: threading.RLock) -> None:
+        self.lock = lock
+        self.counts: Counter[str] = Counter()
+
+    def add(self, key: str, n: int = 1) -> None:
+        with self.lock:
+            self.counts[key] += n
 
 
 class Remote:

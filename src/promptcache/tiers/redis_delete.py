@@ -11,15 +11,12 @@ the batch in flight (the writer cannot write a cancelled block back meanwhile).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import threading
 
 from ..meta import validate_tenant
-from .redis_client import Client
+from .redis_client import Client, Remote, Tally
 from .redis_keys import SESSION_FIELD_PREFIX, KeySpace
-from .redis_queue import Sessions, forget
-
-if TYPE_CHECKING:
-    from .redis import RedisTier
+from .redis_queue import Sessions, WriteQueue
 
 SCAN_COUNT = 1000
 DELETE_BATCH = 500
@@ -40,93 +37,102 @@ def _tenant_of_key(keys: KeySpace, key: str) -> str:
     return key[len(keys.base) + 1:].split(":", 1)[0]
 
 
-def delete_session(tier: RedisTier, session_id: str, tenant: str | None) -> int:
-    """Remove ``session_id`` from its blocks (of ``tenant``, or of every tenant); a block
-    left without sessions is deleted. Returns the number of blocks deleted."""
-    if not isinstance(session_id, str) or not session_id:
-        raise ValueError("session_id must be a non-empty string")
-    if tenant is not None:
-        validate_tenant(tenant)
-    keys = tier.keys
-    field = SESSION_FIELD_PREFIX + session_id.encode("utf-8")
-    with tier._write_lock:
-        cancelled = 0
-        with tier._lock:
-            for p in list(tier._pending.values()):
-                if tenant is not None and p.meta.tenant != tenant:
-                    continue
-                p.sessions.discard(session_id)
-                if p.had_session and not p.sessions and not p.cancelled:
-                    p.cancelled = True
-                    forget(tier, p)
-                    cancelled += 1
-            for it in list(tier._queue.queue):
-                if isinstance(it, Sessions) and (tenant is None or it.tenant == tenant):
-                    it.sessions.discard(session_id)
+class Deleter:
+    """Deletions by session and tenant over ``remote``, cancelling ``writes``' pending
+    puts, under the writer's ``write_lock`` (see the module docstring)."""
 
-        def run(c: Client) -> int:
-            if tenant is not None:
-                set_keys = [keys.session(tenant, session_id)]
-            else:
-                set_keys = [k.decode() if isinstance(k, bytes) else k
-                            for k in c.scan_iter(match=keys.session_pattern(session_id),
-                                                 count=SCAN_COUNT)]
-            deleted = 0
-            for skey in set_keys:
-                t = _tenant_of_key(keys, skey)
-                for member in c.smembers(skey):
-                    ns_key, h, parent = KeySpace.parse_member(member)
-                    if c.eval(_DROP_SESSION, 1, keys.block(t, ns_key, h), field) == 2:
-                        deleted += 1
-                        c.hdel(keys.kids(t, ns_key, parent), h.hex())
-                c.delete(skey)
-            return deleted
+    def __init__(self, remote: Remote, keys: KeySpace, writes: WriteQueue, tally: Tally,
+                 write_lock: threading.RLock) -> None:
+        self.remote = remote
+        self.keys = keys
+        self.writes = writes
+        self.tally = tally
+        self.write_lock = write_lock
 
-        deleted = int(tier._call("delete_session", run, kind="write"))
-        with tier._lock:
-            tier._counts["deleted_blocks"] += deleted
-        return deleted + cancelled
-
-
-def delete_tenant(tier: RedisTier, tenant: str | None) -> int:
-    """Delete every key of ``tenant`` (None: every key of the tier). Returns the number
-    of blocks deleted (queued ones included)."""
-    if tenant is not None:
-        validate_tenant(tenant)
-    keys = tier.keys
-    with tier._write_lock:
-        with tier._lock:
+    def delete_session(self, session_id: str, tenant: str | None) -> int:
+        """Remove ``session_id`` from its blocks (of ``tenant``, or of every tenant); a block
+        left without sessions is deleted. Returns the number of blocks deleted."""
+        if not isinstance(session_id, str) or not session_id:
+            raise ValueError("session_id must be a non-empty string")
+        if tenant is not None:
+            validate_tenant(tenant)
+        keys = self.keys
+        field = SESSION_FIELD_PREFIX + session_id.encode("utf-8")
+        with self.write_lock:
             cancelled = 0
-            for p in list(tier._pending.values()):
-                if not p.cancelled and (tenant is None or p.meta.tenant == tenant):
-                    p.cancelled = True
-                    forget(tier, p)
-                    cancelled += 1
+            with self.writes.lock:
+                for p in list(self.writes.pending.values()):
+                    if tenant is not None and p.meta.tenant != tenant:
+                        continue
+                    p.sessions.discard(session_id)
+                    if p.had_session and not p.sessions and not p.cancelled:
+                        p.cancelled = True
+                        self.writes.forget(p)
+                        cancelled += 1
+                for it in list(self.writes.queue.queue):
+                    if isinstance(it, Sessions) and (tenant is None or it.tenant == tenant):
+                        it.sessions.discard(session_id)
 
-        def run(c: Client) -> int:
-            blocks = 0
-            batch: list[str] = []
+            def run(c: Client) -> int:
+                if tenant is not None:
+                    set_keys = [keys.session(tenant, session_id)]
+                else:
+                    set_keys = [k.decode() if isinstance(k, bytes) else k
+                                for k in c.scan_iter(match=keys.session_pattern(session_id),
+                                                     count=SCAN_COUNT)]
+                deleted = 0
+                for skey in set_keys:
+                    t = _tenant_of_key(keys, skey)
+                    for member in c.smembers(skey):
+                        ns_key, h, parent = KeySpace.parse_member(member)
+                        if c.eval(_DROP_SESSION, 1, keys.block(t, ns_key, h), field) == 2:
+                            deleted += 1
+                            c.hdel(keys.kids(t, ns_key, parent), h.hex())
+                    c.delete(skey)
+                return deleted
 
-            def drop() -> None:
-                pipe = c.pipeline(transaction=False)
-                for k in batch:
-                    pipe.unlink(k)
-                pipe.execute()
-                batch.clear()
+            deleted = int(self.remote.call("delete_session", run, kind="write"))
+            self.tally.add("deleted_blocks", deleted)
+            return deleted + cancelled
 
-            for raw in c.scan_iter(match=keys.tenant_pattern(tenant), count=SCAN_COUNT):
-                k = raw.decode() if isinstance(raw, bytes) else raw
-                parts = k.split(":")
-                if len(parts) == 6 and parts[4] == "b":
-                    blocks += 1
-                batch.append(k)
-                if len(batch) >= DELETE_BATCH:
+    def delete_tenant(self, tenant: str | None) -> int:
+        """Delete every key of ``tenant`` (None: every key of the tier). Returns the number
+        of blocks deleted (queued ones included)."""
+        if tenant is not None:
+            validate_tenant(tenant)
+        keys = self.keys
+        with self.write_lock:
+            with self.writes.lock:
+                cancelled = 0
+                for p in list(self.writes.pending.values()):
+                    if not p.cancelled and (tenant is None or p.meta.tenant == tenant):
+                        p.cancelled = True
+                        self.writes.forget(p)
+                        cancelled += 1
+
+            def run(c: Client) -> int:
+                blocks = 0
+                batch: list[str] = []
+
+                def drop() -> None:
+                    pipe = c.pipeline(transaction=False)
+                    for k in batch:
+                        pipe.unlink(k)
+                    pipe.execute()
+                    batch.clear()
+
+                for raw in c.scan_iter(match=keys.tenant_pattern(tenant), count=SCAN_COUNT):
+                    k = raw.decode() if isinstance(raw, bytes) else raw
+                    parts = k.split(":")
+                    if len(parts) == 6 and parts[4] == "b":
+                        blocks += 1
+                    batch.append(k)
+                    if len(batch) >= DELETE_BATCH:
+                        drop()
+                if batch:
                     drop()
-            if batch:
-                drop()
-            return blocks
+                return blocks
 
-        deleted = int(tier._call("delete_tenant", run, kind="write"))
-        with tier._lock:
-            tier._counts["deleted_blocks"] += deleted
-        return deleted + cancelled
+            deleted = int(self.remote.call("delete_tenant", run, kind="write"))
+            self.tally.add("deleted_blocks", deleted)
+            return deleted + cancelled

@@ -1,7 +1,7 @@
 """The Redis tier's write queue: what is queued and how (the request path's side).
 
 Writes are asynchronous: a bounded queue drained by one writer thread that pipelines
-whole batches (``redis_writes``). A queued put is *pending* (``tier._pending``,
+whole batches (``redis_writes``). A queued put is *pending* (``WriteQueue.pending``,
 by hash) until its batch was sent: reads answer from it, a newer put under the same
 hash supersedes it (keeping its sessions), a deletion cancels it.
 
@@ -14,16 +14,16 @@ tier, an open circuit or an oversized block refuses the put (counted by reason).
 from __future__ import annotations
 
 import queue
+import threading
 import time
-from collections.abc import Iterable
+from collections import Counter
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any
 
+from ..config import RedisConfig
 from ..meta import BlockMeta, Namespace
 from .base import PayloadSource, as_source
-
-if TYPE_CHECKING:
-    from .redis import RedisTier
 
 STOP = object()  # the writer thread's end marker
 DROP_REASONS = ("queue_full", "circuit_open", "too_large", "closed", "error", "encode")
@@ -62,127 +62,153 @@ class Discard:
     ns_key: str
 
 
-def put(tier: RedisTier, meta: BlockMeta, payload: bytes | PayloadSource,
-        sessions: Iterable[str], timeout: float | None) -> bool:
-    if not isinstance(meta, BlockMeta):
-        raise ValueError(f"meta must be a BlockMeta, got {type(meta).__name__}")
-    if len(meta.block_hash) != 32 or len(meta.parent_hash) != 32:
-        raise ValueError("block and parent hashes must be 32 bytes")
-    if isinstance(payload, str):
-        raise ValueError("payload must be bytes or a PayloadSource, got str")
-    source = as_source(payload)  # ValueError for anything else
-    if isinstance(sessions, str):
-        raise ValueError("sessions must be an iterable of session ids, not a string")
-    h = bytes(meta.block_hash)
-    item = Put(meta, source, {str(s) for s in sessions})
-    item.had_session = bool(item.sessions)
-    with tier._lock:
-        reason = None
-        if tier._closed:
-            reason = "closed"
-        elif source.nbytes > tier.config.max_value_bytes:
-            reason = "too_large"
-        elif not tier.remote.healthy:
-            reason = "circuit_open"
-        if reason is not None:
-            tier._drops[reason] += 1
-            return False
-        old = tier._pending.get(h)
-        tier._pending[h] = item  # before it is queued: the writer forgets it
-        try:
-            tier._queue.put_nowait(item)
-            queued = True
-        except queue.Full:
-            queued = False
-    if not queued and timeout != 0:
-        try:
-            tier._queue.put(item, timeout=timeout)
-            queued = True
-        except queue.Full:
-            pass
-    with tier._lock:
-        if not queued and item.cancelled:  # deleted while waiting: nothing to write
-            return True
-        if not queued:
-            forget(tier, item)
-            if old is not None and tier._pending.get(h) is None and not old.cancelled:
-                tier._pending[h] = old
-            tier._drops["queue_full"] += 1
-            return False
-        if old is not None and old is not item:  # superseded: keep its sessions
-            old.cancelled = True
-            item.sessions |= old.sessions
-            item.had_session = item.had_session or old.had_session
-        return True
+class WriteQueue:
+    """The bounded queue, the pending puts and the dropped-write counters, under the
+    tier's ``lock``; ``healthy`` says whether the circuit is closed."""
 
+    def __init__(self, config: RedisConfig, lock: threading.RLock,
+                 healthy: Callable[[], bool]) -> None:
+        self.config = config
+        self.lock = lock
+        self.healthy = healthy
+        self.queue: queue.Queue[Any] = queue.Queue(maxsize=config.queue_size)
+        self.pending: dict[bytes, Put] = {}  # queued puts by hash (under lock)
+        self.drops: Counter[str] = Counter({r: 0 for r in DROP_REASONS})
+        self.closed = False
 
-def has_room(tier: RedisTier, timeout: float | None) -> bool:
-    q = tier._queue
-    deadline = None if timeout is None else time.monotonic() + max(0.0, timeout)
-    with q.not_full:
-        while q.maxsize > 0 and q._qsize() >= q.maxsize:
-            remaining = None if deadline is None else deadline - time.monotonic()
-            if remaining is not None and remaining <= 0:
+    def close(self) -> bool:
+        """Refuse new items from now on; False if already closed."""
+        with self.lock:
+            was, self.closed = self.closed, True
+        return not was
+
+    def drop(self, reason: str, n: int = 1) -> None:
+        with self.lock:
+            self.drops[reason] += n
+
+    def pending_for(self, h: bytes, ns: Namespace) -> Put | None:
+        """The live pending put of ``h`` in namespace ``ns`` (caller holds ``lock``)."""
+        p = self.pending.get(h)
+        if p is None or p.cancelled or p.meta.namespace_key != ns.key or p.meta.tenant != ns.tenant:
+            return None
+        return p
+
+    def put(self, meta: BlockMeta, payload: bytes | PayloadSource,
+            sessions: Iterable[str], timeout: float | None) -> bool:
+        if not isinstance(meta, BlockMeta):
+            raise ValueError(f"meta must be a BlockMeta, got {type(meta).__name__}")
+        if len(meta.block_hash) != 32 or len(meta.parent_hash) != 32:
+            raise ValueError("block and parent hashes must be 32 bytes")
+        if isinstance(payload, str):
+            raise ValueError("payload must be bytes or a PayloadSource, got str")
+        source = as_source(payload)  # ValueError for anything else
+        if isinstance(sessions, str):
+            raise ValueError("sessions must be an iterable of session ids, not a string")
+        h = bytes(meta.block_hash)
+        item = Put(meta, source, {str(s) for s in sessions})
+        item.had_session = bool(item.sessions)
+        with self.lock:
+            reason = None
+            if self.closed:
+                reason = "closed"
+            elif source.nbytes > self.config.max_value_bytes:
+                reason = "too_large"
+            elif not self.healthy():
+                reason = "circuit_open"
+            if reason is not None:
+                self.drops[reason] += 1
                 return False
-            q.not_full.wait(remaining)
-        return True
-
-
-def add_sessions(tier: RedisTier, h: bytes, sessions: Iterable[str], ns: Namespace | None) -> None:
-    if isinstance(sessions, str):
-        raise ValueError("sessions must be an iterable of session ids, not a string")
-    sess = {str(s) for s in sessions}
-    if not sess or ns is None:
-        return
-    with tier._lock:
-        p = tier._pending_for(h, ns)
-        if p is not None:
-            p.sessions |= sess
-            p.had_session = True
-            return
-        if tier._closed:
-            return
-        try:
-            tier._queue.put_nowait(Sessions(h, ns.tenant, ns.key, sess))
-        except queue.Full:
-            tier._drops["queue_full"] += 1
-
-
-def discard(tier: RedisTier, hashes: Iterable[bytes], ns: Namespace | None) -> int:
-    if ns is None:
-        return 0
-    n = 0
-    with tier._lock:
-        for h in hashes:
-            p = tier._pending_for(h, ns)
-            if p is not None:
-                p.cancelled = True
-                del tier._pending[h]
-            if tier._closed:
-                continue
+            old = self.pending.get(h)
+            self.pending[h] = item  # before it is queued: the writer forgets it
             try:
-                tier._queue.put_nowait(Discard(h, ns.tenant, ns.key))
-                n += 1
+                self.queue.put_nowait(item)
+                queued = True
             except queue.Full:
-                tier._drops["queue_full"] += 1
-    return n
-
-
-def forget(tier: RedisTier, item: Put) -> None:
-    """Drop ``item`` from the pending puts (if it is still the one for its hash);
-    the caller holds ``tier._lock``."""
-    h = bytes(item.meta.block_hash)
-    if tier._pending.get(h) is item:
-        del tier._pending[h]
-
-
-def flush(tier: RedisTier, timeout: float | None) -> bool:
-    q = tier._queue
-    deadline = None if timeout is None else time.monotonic() + max(0.0, timeout)
-    with q.all_tasks_done:
-        while q.unfinished_tasks:
-            remaining = None if deadline is None else deadline - time.monotonic()
-            if remaining is not None and remaining <= 0:
+                queued = False
+        if not queued and timeout != 0:
+            try:
+                self.queue.put(item, timeout=timeout)
+                queued = True
+            except queue.Full:
+                pass
+        with self.lock:
+            if not queued and item.cancelled:  # deleted while waiting: nothing to write
+                return True
+            if not queued:
+                self.forget(item)
+                if old is not None and self.pending.get(h) is None and not old.cancelled:
+                    self.pending[h] = old
+                self.drops["queue_full"] += 1
                 return False
-            q.all_tasks_done.wait(remaining)
-    return True
+            if old is not None and old is not item:  # superseded: keep its sessions
+                old.cancelled = True
+                item.sessions |= old.sessions
+                item.had_session = item.had_session or old.had_session
+            return True
+
+    def has_room(self, timeout: float | None) -> bool:
+        q = self.queue
+        deadline = None if timeout is None else time.monotonic() + max(0.0, timeout)
+        with q.not_full:
+            while q.maxsize > 0 and len(q.queue) >= q.maxsize:
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return False
+                q.not_full.wait(remaining)
+            return True
+
+    def add_sessions(self, h: bytes, sessions: Iterable[str], ns: Namespace | None) -> None:
+        if isinstance(sessions, str):
+            raise ValueError("sessions must be an iterable of session ids, not a string")
+        sess = {str(s) for s in sessions}
+        if not sess or ns is None:
+            return
+        with self.lock:
+            p = self.pending_for(h, ns)
+            if p is not None:
+                p.sessions |= sess
+                p.had_session = True
+                return
+            if self.closed:
+                return
+            try:
+                self.queue.put_nowait(Sessions(h, ns.tenant, ns.key, sess))
+            except queue.Full:
+                self.drops["queue_full"] += 1
+
+    def discard(self, hashes: Iterable[bytes], ns: Namespace | None) -> int:
+        if ns is None:
+            return 0
+        n = 0
+        with self.lock:
+            for h in hashes:
+                p = self.pending_for(h, ns)
+                if p is not None:
+                    p.cancelled = True
+                    del self.pending[h]
+                if self.closed:
+                    continue
+                try:
+                    self.queue.put_nowait(Discard(h, ns.tenant, ns.key))
+                    n += 1
+                except queue.Full:
+                    self.drops["queue_full"] += 1
+        return n
+
+    def forget(self, item: Put) -> None:
+        """Drop ``item`` from the pending puts (if it is still the one for its hash);
+        the caller holds ``lock``."""
+        h = bytes(item.meta.block_hash)
+        if self.pending.get(h) is item:
+            del self.pending[h]
+
+    def flush(self, timeout: float | None) -> bool:
+        q = self.queue
+        deadline = None if timeout is None else time.monotonic() + max(0.0, timeout)
+        with q.all_tasks_done:
+            while q.unfinished_tasks:
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return False
+                q.all_tasks_done.wait(remaining)
+        return True

@@ -28,14 +28,9 @@ import fcntl
 import logging
 import os
 import re
-import threading
 import time
 import uuid
-from collections import Counter
-from collections.abc import Callable, Iterator
-from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
-from concurrent.futures import wait as wait_all
-from dataclasses import dataclass
+from collections.abc import Iterator
 from pathlib import Path
 
 from ..codec import checksum_matches
@@ -65,16 +60,11 @@ def _folder_name(value: str, what: str) -> str:
     return value
 
 
-def block_rel_path(namespace_key: str, tenant: str, hash_hex: str, *, alt: bool = False) -> str:
+def block_rel_path(namespace_key: str, tenant: str, hash_hex: str) -> str:
     """Path of a block file relative to the tier root (always '/'-separated)."""
     ns = _folder_name(namespace_key, "namespace key")
     tn = _folder_name(tenant, "tenant")
-    name = hash_hex + (ALT_SUFFIX if alt else SUFFIX)
-    return f"{ns}/{tn}/blocks/{hash_hex[:2]}/{name}"
-
-
-def is_alt(rel_path: str) -> bool:
-    return rel_path.endswith(ALT_SUFFIX)
+    return f"{ns}/{tn}/blocks/{hash_hex[:2]}/{hash_hex}{SUFFIX}"
 
 
 def block_names(hash_hex: str) -> list[str]:
@@ -165,24 +155,6 @@ def publish(tmp: Path, names: list[str], *, fsync: bool) -> str:
         fsync_dir(folder)
     return used
 
-
-def atomic_write(path: Path, data: bytes, *, fsync: bool) -> None:
-    """Write ``data`` to ``path`` so that ``path`` is either absent/old or complete.
-
-    temp file in the same folder -> write -> flush + fsync -> os.replace -> fsync folder.
-    (Block files use ``write_temp`` + ``publish``, which never replace a file.)
-    """
-    tmp = write_temp(path.parent, path.name, data, fsync=fsync)
-    try:
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            tmp.unlink()
-        except OSError:
-            pass
-        raise
-    if fsync:
-        fsync_dir(path.parent)
 
 
 def pid_alive(pid: int) -> bool:
@@ -357,9 +329,9 @@ def scan(root: Path) -> Iterator[tuple[str, int, str]]:
                 yield rel, size, kind
 
 
-# -- verified read-ahead ------------------------------------------------------------
+# -- verified reads (the read-ahead's, ``ssd_ahead``) ------------------------------------------------------------
 
-_FADV_WILLNEED: int | None = getattr(os, "POSIX_FADV_WILLNEED", None)
+FADV_WILLNEED: int | None = getattr(os, "POSIX_FADV_WILLNEED", None)
 FileStamp = tuple[int, int, int]  # (st_ino, st_size, st_mtime_ns)
 
 
@@ -382,137 +354,9 @@ def read_verified(path: Path, size: int, digest: str) -> tuple[bytes, FileStamp]
         st = os.fstat(f.fileno())
         if st.st_size != size or st.st_mtime_ns > started - STAMP_MARGIN_NS:
             return None
-        if _FADV_WILLNEED is not None:  # submit the whole file at once, not window by window
-            os.posix_fadvise(f.fileno(), 0, 0, _FADV_WILLNEED)
+        if FADV_WILLNEED is not None:  # submit the whole file at once, not window by window
+            os.posix_fadvise(f.fileno(), 0, 0, FADV_WILLNEED)
         data = f.read()
     if len(data) != size or not checksum_matches(data, digest):
         return None
     return data, stamp_of(st)
-
-
-def _willneed(path: Path) -> None:
-    if _FADV_WILLNEED is None:
-        return
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.posix_fadvise(fd, 0, 0, _FADV_WILLNEED)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-@dataclass
-class _Ahead:
-    file_name: str
-    digest: str
-    size: int
-    started: float
-    future: Future[tuple[bytes, FileStamp] | None]
-
-
-class ReadAhead:
-    """Reads and verifies the next blocks of a chain on worker threads while the
-    caller uses the current one (``read`` and xxh3 release the GIL, so reading,
-    hashing and the caller's decode overlap on separate cores).
-
-    ``take`` hands a block over only if it was read from the file the index row
-    names now, hashed to the row's checksum, and the file's (inode, size, mtime)
-    has not changed since it was read; otherwise it returns None and the caller
-    reads the file itself (and quarantines it if it is bad). So every byte served
-    was verified against the current row, and a file damaged after the read-ahead
-    is still caught by the get that follows. Memory is bounded by ``max_blocks``
-    and ``max_bytes``; a block not taken within ``ttl_s`` is dropped.
-    """
-
-    def __init__(self, *, workers: int = 2, max_blocks: int = 4, max_bytes: int = 256 << 20,
-                 ttl_s: float = 5.0, clock: Callable[[], float] = time.monotonic) -> None:
-        if workers < 1 or max_blocks < 1 or max_bytes < 1:
-            raise ValueError("read-ahead needs at least one worker, block and byte")
-        self.max_blocks, self.max_bytes, self.ttl_s = max_blocks, max_bytes, ttl_s
-        self._clock = clock
-        self._workers = workers
-        self._pool: ThreadPoolExecutor | None = None
-        self._hint_pool: ThreadPoolExecutor | None = None  # hints must not queue behind reads
-        self._lock = threading.Lock()
-        self._entries: dict[bytes, _Ahead] = {}
-        self._closed = False
-        self.counts: Counter[str] = Counter({"scheduled": 0, "used": 0, "discarded": 0})
-
-    def __contains__(self, block_hash: bytes) -> bool:
-        with self._lock:
-            return block_hash in self._entries
-
-    def schedule(self, block_hash: bytes, path: Path, file_name: str, size: int, digest: str) -> bool:
-        """Start reading ``path`` in the background; False if already there or full."""
-        now = self._clock()
-        with self._lock:
-            if self._closed or block_hash in self._entries:
-                return False
-            for h, e in list(self._entries.items()):
-                if now - e.started > self.ttl_s:
-                    self._discard(h)
-            held = sum(e.size for e in self._entries.values())
-            if len(self._entries) >= self.max_blocks or held + size > self.max_bytes:
-                return False
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(self._workers, thread_name_prefix="promptcache-ssd-read")
-            fut = self._pool.submit(read_verified, path, size, digest)
-            self._entries[block_hash] = _Ahead(file_name, digest, size, now, fut)
-            self.counts["scheduled"] += 1
-            return True
-
-    def hint(self, path: Path) -> None:
-        """Ask the kernel, from a worker thread, to start reading ``path`` (the open
-        itself may wait for the disk when the folder or inode is not cached)."""
-        with self._lock:
-            if self._closed or _FADV_WILLNEED is None:
-                return
-            if self._hint_pool is None:
-                self._hint_pool = ThreadPoolExecutor(1, thread_name_prefix="promptcache-ssd-hint")
-            self._hint_pool.submit(_willneed, path)
-
-    def take(self, block_hash: bytes, path: Path, file_name: str, digest: str) -> bytes | None:
-        """The verified bytes of ``block_hash`` if read ahead from this very file, else None."""
-        with self._lock:
-            e = self._entries.pop(block_hash, None)
-        if e is None:
-            return None
-        try:
-            got = e.future.result() if e.file_name == file_name and e.digest == digest else None
-            if got is not None and stamp_of(os.stat(path)) != got[1]:
-                got = None
-        except (OSError, CancelledError):
-            got = None
-        with self._lock:
-            self.counts["used" if got is not None else "discarded"] += 1
-        return None if got is None else got[0]
-
-    def wait(self) -> None:
-        """Wait until every scheduled read has finished (tests, benchmarks)."""
-        with self._lock:
-            futures = [e.future for e in self._entries.values()]
-        wait_all(futures)
-
-    def _discard(self, block_hash: bytes) -> None:
-        e = self._entries.pop(block_hash)
-        e.future.cancel()
-        self.counts["discarded"] += 1
-
-    def clear(self) -> None:
-        with self._lock:
-            for h in list(self._entries):
-                self._discard(h)
-
-    def close(self) -> None:
-        with self._lock:
-            self._closed = True
-            for h in list(self._entries):
-                self._discard(h)
-            pools = [p for p in (self._pool, self._hint_pool) if p is not None]
-            self._pool = self._hint_pool = None
-        for pool in pools:
-            pool.shutdown(wait=True, cancel_futures=True)

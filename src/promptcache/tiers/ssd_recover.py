@@ -23,7 +23,8 @@ from pathlib import Path
 from ..codec import checksum, decode
 from ..errors import CorruptBlockError, UnsupportedFormatError
 from . import ssd_files as files
-from .ssd_index import IndexRow, SSDIndex
+from .ssd_index import SSDIndex
+from .ssd_schema import IndexRow
 
 log = logging.getLogger(__name__)
 

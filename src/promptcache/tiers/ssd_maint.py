@@ -1,0 +1,184 @@
+"""The SSD tier's maintenance over its ``SSDState``: the periodic sweep (batched
+accesses, TTL, capacity, the index check), pins, and deletion by block, session,
+tenant and age. Locking rules: see ``ssd.py``."""
+
+from __future__ import annotations
+
+import logging
+import sqlite3
+import time
+from collections.abc import Callable, Iterable
+
+from ..errors import TierError
+from ..hashing import BlockHash
+from . import ssd_files as files
+from .ssd_index import SSDIndex
+from .ssd_schema import IndexCorruptError, IndexOpenError
+from .ssd_store import MAX_EARLY_PINS, SSDState
+
+log = logging.getLogger(__name__)
+
+
+class Maintenance:
+    """Sweeps every ``sweep_interval_s`` (the writer thread asks ``sweep_due``) and
+    verifies the index file every ``index_check_interval_s``."""
+
+    def __init__(self, st: SSDState, *, sweep_interval_s: float,
+                 index_check_interval_s: float) -> None:
+        self.st = st
+        self.sweep_interval = sweep_interval_s
+        self.index_check_interval = index_check_interval_s
+        self.last_sweep = self.last_index_check = time.monotonic()
+
+    def sweep_due(self) -> bool:
+        return time.monotonic() - self.last_sweep >= self.sweep_interval
+
+    def verify_index(self) -> bool:
+        """``PRAGMA quick_check`` of the index file on a connection of its own (so no
+        lock of the request path is held while it reads the whole file): a running
+        server notices an index damaged under it. False (and the tier read-only,
+        ``index_errors`` counted) if it is damaged. Never raises."""
+        self.last_index_check = time.monotonic()
+        if self.st.mode == "off" or self.st.closed:
+            return True
+        path = self.st.root / files.INDEX_NAME
+        try:
+            SSDIndex(path, durable=False, read_only=True).close()
+        except IndexCorruptError as e:
+            with self.st.lock:
+                self.st.counts["index_errors"] += 1
+            self.st.index_corrupted(str(e))
+            return False
+        except IndexOpenError as e:
+            with self.st.lock:
+                self.st.counts["index_errors"] += 1
+            self.st.degrade(f"index check failed: {e}")
+            return False
+        return True
+
+    def sweep(self, verify: Callable[[], bool]) -> int:
+        """Apply batched accesses, delete expired blocks, enforce the byte limit; every
+        ``index_check_interval_s``, verify the index file (``verify``)."""
+        self.last_sweep = time.monotonic()
+        if self.last_sweep - self.last_index_check >= self.index_check_interval:
+            verify()
+        if not self.st.writable():
+            with self.st.lock:
+                self.st.touches.clear()
+            return 0
+        try:
+            with self.st.write_lock, self.st.dirlock.shared(), self.st.lock:
+                self.st.apply_touches()
+                expired = self.st.delete_where(lambda: self.st.index.expired(self.st.clock()))
+                self.st.counts["evictions_ttl"] += len(expired)
+                self.st.refresh_totals()
+                self.st.refresh_disk_cap()
+            return len(expired) + self.st.enforce_capacity()
+        except sqlite3.Error as e:
+            with self.st.lock:
+                self.st.index_error(e)
+            return 0
+
+    def pin(self, block_hashes: Iterable[BlockHash], seconds: float) -> int:
+        """Retain these blocks for ``seconds`` from now (``prompt_cache_retention:
+        24h``): ``pinned_until`` in the index (shared by every process, kept across
+        restarts) only grows; until then the TTL does not remove them and the byte
+        limit evicts them only after every unpinned block. A block not stored yet
+        (queued, or still on its way from RAM) gets the pin when its row is
+        committed. Deletion (session, tenant, purge, discard) still deletes pinned
+        blocks. Returns the number of stored blocks pinned now."""
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds > 0:
+            raise ValueError(f"seconds must be a positive number, got {seconds!r}")
+        hs = list(dict.fromkeys(bytes(h) for h in block_hashes))
+        if not hs or not self.st.writable():
+            return 0
+        with self.st.lock:
+            until = self.st.clock() + float(seconds)
+            try:
+                self.st.index.begin()
+                found = self.st.index.pin(hs, until)
+                self.st.index.commit()
+            except sqlite3.Error as e:
+                self.st.index.rollback()
+                self.st.index_error(e)
+                raise TierError(f"ssd pin failed: {e}") from e
+            for h in hs:
+                if h not in found:
+                    self.st.pins[h] = max(self.st.pins.get(h, 0.0), until)
+            if len(self.st.pins) > MAX_EARLY_PINS:  # blocks that never came: oldest go
+                now = self.st.clock()
+                for h, t in sorted(self.st.pins.items(), key=lambda kv: kv[1]):
+                    if len(self.st.pins) <= MAX_EARLY_PINS // 2 and t > now:
+                        break
+                    del self.st.pins[h]
+            self.st.counts["pins"] += len(hs)
+            return len(found)
+
+    def delete_session(self, session_id: str, tenant: str | None = None) -> int:
+        """Remove the session from the blocks of ``tenant`` (None: every tenant); delete
+        the blocks it leaves without a session. Returns the number deleted."""
+        if not isinstance(session_id, str) or not session_id:
+            raise ValueError("session_id must be a non-empty string")
+        if tenant is not None and (not isinstance(tenant, str) or not tenant):
+            raise ValueError("tenant must be a non-empty string or None")
+        self.st.refuse_change("delete_session")
+        with self.st.write_lock, self.st.dirlock.shared(), self.st.lock:
+            for p in self.st.pending.values():
+                if tenant is None or p.meta.tenant == tenant:
+                    p.sessions.discard(session_id)
+            cancelled = self.st.cancel_pending(
+                lambda p: p.had_session and not p.sessions
+                and (tenant is None or p.meta.tenant == tenant))
+            try:
+                orphaned = self.st.delete_where(
+                    lambda: self.st.index.remove_session(session_id, tenant))
+            except sqlite3.Error as e:
+                self.st.index_error(e)
+                raise TierError(f"ssd delete_session failed: {e}") from e
+            return len(cancelled | {h for h, _, _ in orphaned})
+
+    def discard(self, block_hashes: Iterable[BlockHash]) -> int:
+        """Delete these blocks (e.g. partial tails a longer sibling now covers), queued
+        or stored. Returns the number deleted."""
+        hs = {bytes(h) for h in block_hashes}
+        if not hs:
+            return 0
+        self.st.refuse_change("discard")
+        marks = ",".join("?" * len(hs))
+        with self.st.write_lock, self.st.dirlock.shared(), self.st.lock:
+            cancelled = self.st.cancel_pending(lambda p: bytes(p.meta.block_hash) in hs)
+            try:
+                victims = self.st.delete_where(
+                    lambda: self.st.index.select_files(f"WHERE hash IN ({marks})", tuple(hs)))
+            except sqlite3.Error as e:
+                self.st.index_error(e)
+                raise TierError(f"ssd discard failed: {e}") from e
+            return len(cancelled | {h for h, _, _ in victims})
+
+    def purge(self, *, tenant: str | None = None, older_than_s: float | None = None) -> int:
+        """Delete the blocks of ``tenant`` (None: every tenant) not used for
+        ``older_than_s`` seconds (None: regardless of age). Returns the count. Holds
+        the folder's exclusive lock (as ``cache check --fix`` does)."""
+        if older_than_s is not None and older_than_s < 0:
+            raise ValueError(f"older_than_s must be >= 0, got {older_than_s}")
+        conds: list[str] = []
+        params: list[str | float] = []
+        if tenant is not None:
+            conds.append("tenant=?")
+            params.append(tenant)
+        if older_than_s is not None:
+            conds.append("last_access < ?")
+            params.append(self.st.clock() - older_than_s)
+        where = ("WHERE " + " AND ".join(conds)) if conds else ""
+        self.st.refuse_change("purge")
+        with self.st.write_lock, self.st.dirlock.exclusive(), self.st.lock:
+            self.st.apply_touches()
+            cancelled: set[bytes] = set()
+            if older_than_s is None:
+                cancelled = self.st.cancel_pending(lambda p: tenant is None or p.meta.tenant == tenant)
+            try:
+                victims = self.st.delete_where(lambda: self.st.index.select_files(where, tuple(params)))
+            except sqlite3.Error as e:
+                self.st.index_error(e)
+                raise TierError(f"ssd purge failed: {e}") from e
+            return len(cancelled | {h for h, _, _ in victims})
