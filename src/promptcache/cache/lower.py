@@ -37,11 +37,11 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from .blocks.pool import PERSISTED, Block
-from .hashing import BlockHash
-from .meta import Namespace
-from .stats import Counters
-from .tiers.base import PayloadSource, Tier
+from ..blocks.pool import PERSISTED, Block
+from ..hashing import BlockHash
+from ..meta import Namespace
+from ..stats import Counters
+from ..tiers.base import PayloadSource, Tier
 
 logger = logging.getLogger(__name__)
 

@@ -37,8 +37,8 @@ from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from .blocks.pool import ACTIVE, IDLE, PROTECTED, Block, BlockPool
-from .hashing import BlockHash
+from ..blocks.pool import ACTIVE, IDLE, PROTECTED, Block, BlockPool
+from ..hashing import BlockHash
 
 # a claim's key: ("breakpoint" | "key" | "session", tenant, namespace key, ...)
 ClaimKey = tuple[Hashable, ...]

@@ -11,13 +11,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from .blocks import matcher as _matcher
-from .blocks.pool import Block
-from .blocks.tokens import RequestTokens, to_request_tokens
-from .cache_base import CacheBase
-from .cache_types import check_ns, check_spans
-from .hashing import BlockHash
-from .meta import ExtraKeySpan, Namespace, extra_keys_for
+from ..blocks.pool import Block
+from ..blocks.tokens import RequestTokens, to_request_tokens
+from ..hashing import BlockHash
+from ..meta import ExtraKeySpan, Namespace, extra_keys_for
+from . import matcher as _matcher
+from .base import CacheBase
+from .types import check_ns, check_spans
 
 
 class CacheProtect(CacheBase):

@@ -12,15 +12,16 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .blocks import matcher as _matcher
-from .blocks.pool import PERSISTED, SNAPSHOT, TRUNCATABLE, Block
-from .blocks.tokens import RequestTokens, to_request_tokens
-from .cache_base import CacheBase
-from .cache_lower import ALL_TIERS, in_tiers
-from .cache_types import ChainCursor, check_ns, check_spans
-from .hashing import BlockHash
-from .meta import ExtraKeySpan, Namespace, extra_keys_for
-from .stats import SAVE_POINTS
+from ..blocks.pool import PERSISTED, SNAPSHOT, TRUNCATABLE, Block
+from ..blocks.tokens import RequestTokens, to_request_tokens
+from ..hashing import BlockHash
+from ..meta import ExtraKeySpan, Namespace, extra_keys_for
+from ..stats import SAVE_POINTS
+from . import matcher as _matcher
+from .base import CacheBase
+from .lower import ALL_TIERS, in_tiers
+from .miss import NOT_STORED
+from .types import ChainCursor, check_ns, check_spans
 
 logger = logging.getLogger(__name__)
 
@@ -117,7 +118,7 @@ class CacheStore(CacheBase):
             extra = extra_keys_for(spans, start, start + bs) if spans else ()
             first = _matcher.block_hash(ns.root if parent is None else parent, arr, extra)
         with self._lock:
-            self.gone.record(first, parent, _matcher.NOT_STORED, cause)
+            self.gone.record(first, parent, NOT_STORED, cause)
 
     def _store(self, ns: Namespace, req: RequestTokens, num_tokens: int,
                payload_for: Callable[[int, int, bool], Any], spans: tuple[ExtraKeySpan, ...],
@@ -172,7 +173,7 @@ class CacheStore(CacheBase):
                         logger.debug("no room for a %d-byte block at token %d: dropped", nbytes, start)
                         # the next lookup stopping here says why: not_stored: budget
                         self.gone.record(h, None if start == 0 else parent,
-                                         _matcher.NOT_STORED, "budget")
+                                         NOT_STORED, "budget")
                         break
                     block = pool.allocate(
                         block_hash=h, parent_hash=parent, tokens=want, start=start,

@@ -19,18 +19,19 @@ from typing import Any
 
 import numpy as np
 
-from . import codec
-from .blocks.matcher import EVICTED, EXPIRED, GoneMemory, Matcher
-from .blocks.pool import Block, BlockPool
-from .cache_levels import Levels
-from .cache_lower import DEMOTE_TIMEOUT_S, MAX_TIERS, LowerWriter
-from .cache_types import DecodeFn, EncodeFn, NumpyAdapter, PayloadAdapter
-from .codec import Decoded
-from .config import CacheConfig
-from .hashing import BlockHash
-from .meta import BlockMeta
-from .stats import Counters
-from .tiers.base import LazyPayload, Tier
+from .. import codec
+from ..blocks.pool import Block, BlockPool
+from ..codec import Decoded
+from ..config import CacheConfig
+from ..hashing import BlockHash
+from ..meta import BlockMeta
+from ..stats import Counters
+from ..tiers.base import LazyPayload, Tier
+from .levels import Levels
+from .lower import DEMOTE_TIMEOUT_S, MAX_TIERS, LowerWriter
+from .matcher import Matcher
+from .miss import EVICTED, EXPIRED, GoneMemory
+from .types import DecodeFn, EncodeFn, NumpyAdapter, PayloadAdapter
 
 logger = logging.getLogger(__name__)
 

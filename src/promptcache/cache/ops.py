@@ -14,11 +14,11 @@ from typing import Any
 
 import numpy as np
 
-from .blocks.block import unpack_tokens
-from .blocks.pool import SNAPSHOT, TRUNCATABLE
-from .cache_base import CacheBase
-from .hashing import BlockHash
-from .meta import BlockMeta, Namespace
+from ..blocks.block import unpack_tokens
+from ..blocks.pool import SNAPSHOT, TRUNCATABLE
+from ..hashing import BlockHash
+from ..meta import BlockMeta, Namespace
+from .base import CacheBase
 
 logger = logging.getLogger(__name__)
 

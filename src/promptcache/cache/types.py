@@ -12,11 +12,12 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from .blocks.matcher import CacheMiss, Entry, entry_meta, entry_tier
-from .blocks.pool import Block
-from .codec import Decoded
-from .hashing import BlockHash
-from .meta import BlockMeta, ExtraKeySpan, Namespace
+from ..blocks.pool import Block
+from ..codec import Decoded
+from ..hashing import BlockHash
+from ..meta import BlockMeta, ExtraKeySpan, Namespace
+from .entries import Entry, entry_meta, entry_tier
+from .miss import CacheMiss
 
 EncodeFn = Callable[[BlockMeta, Sequence[str], str, np.ndarray], bytes]
 """``encode(meta, sessions, layout, buffer) -> bytes`` (``codec.encode``)."""

@@ -30,21 +30,15 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from .blocks.matcher import RAM, CacheMiss
-from .cache_lookup import CacheLookup
-from .cache_lower import PersistReport
-from .cache_ops import CacheOps
-from .cache_protect import CacheProtect
-from .cache_store import CacheStore
-from .cache_types import ChainCursor, Hit, Match, NumpyAdapter, PayloadAdapter
-from .stats import CacheStats, snapshot
+from ..stats import CacheStats, snapshot
+from .lookup import CacheLookup
+from .lower import PersistReport
+from .ops import CacheOps
+from .protect import CacheProtect
+from .store import CacheStore
 
 logger = logging.getLogger(__name__)
 
-__all__ = [
-    "RAM", "CacheStats", "ChainCursor", "Hit", "Match", "CacheMiss", "NumpyAdapter",
-    "PayloadAdapter", "PromptCache",
-]
 
 
 class PromptCache(CacheOps, CacheProtect, CacheStore, CacheLookup):

@@ -15,16 +15,17 @@ from typing import Any
 
 import numpy as np
 
-from .blocks.matcher import PROMOTION_FAILED, CacheMiss, Entry, LowerEntry, entry_tier
-from .blocks.pool import SNAPSHOT, TRUNCATABLE, Block
-from .blocks.tokens import to_request_tokens
-from .cache_base import CacheBase
-from .cache_lower import mark_in_tier
-from .cache_types import Hit, Match, check_ns, check_spans
-from .errors import TierError, UnsupportedFormatError
-from .hashing import BlockHash
-from .meta import ExtraKeySpan, Namespace
-from .tiers.base import Tier
+from ..blocks.pool import SNAPSHOT, TRUNCATABLE, Block
+from ..blocks.tokens import to_request_tokens
+from ..errors import TierError, UnsupportedFormatError
+from ..hashing import BlockHash
+from ..meta import ExtraKeySpan, Namespace
+from ..tiers.base import Tier
+from .base import CacheBase
+from .entries import Entry, LowerEntry, entry_tier
+from .lower import mark_in_tier
+from .miss import PROMOTION_FAILED, CacheMiss
+from .types import Hit, Match, check_ns, check_spans
 
 # A chain's blocks in one remote tier are read in batches of at most this many bytes
 # (RAM is reserved for a whole batch before it is read).
