@@ -17,12 +17,12 @@
    the state is truncatable, at a block's end only if ``restorable_at_end``;
    never past ``len(tokens) - 1`` (the last token is recomputed for its logits).
 
-This module never changes the pool (a lookup is a pure query).
+Step 2 and the explanation of a short match are ``branches``. Never changes the pool
+(a lookup is a pure query); ``now`` is the cache's clock, for the TTL.
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -32,17 +32,12 @@ from ..blocks.pool import Block, BlockPool
 from ..blocks.tokens import RequestTokens
 from ..hashing import BlockHash, hash_block
 from ..meta import BlockMeta, ExtraKeySpan, Namespace, extra_keys_for
-from .entries import Entry, LowerEntry, MetaSource, RawMatch, entry_meta
-from .miss import COLD, DIVERGED, EXPIRED, NOT_RESTORABLE, CacheMiss, GoneMemory, Reason
-
-logger = logging.getLogger(__name__)
+from .branches import Branches, lcp_tokens
+from .entries import Entry, LowerEntry, MetaSource, RawMatch
 
 # Where RAM ends, the lower tiers are asked for this many blocks at once, then (if all
 # of them were found) for the rest of the chain: at most two calls per tier per lookup.
 LOWER_WINDOW = 256
-# Snapshots inside walked blocks (``Matcher._inner_snapshot``): the lower tiers are asked
-# for the siblings of at most this many walked blocks (one call each), RAM for all.
-INNER_LOWER_BLOCKS = 16
 
 
 def block_hash(parent: BlockHash, token_ids: Any, extra_keys: tuple[bytes, ...]) -> BlockHash:
@@ -50,41 +45,26 @@ def block_hash(parent: BlockHash, token_ids: Any, extra_keys: tuple[bytes, ...])
     return hash_block(parent, token_ids, extra_keys)
 
 
-def _lcp(a: bytes, b: bytes) -> int:
-    """Common prefix length, in tokens, of two packed token strings."""
-    n = min(len(a), len(b)) >> 2
-    if a[: n * 4] == b[: n * 4]:
-        return n
-    x = np.frombuffer(a, dtype="<u4", count=n)
-    y = np.frombuffer(b, dtype="<u4", count=n)
-    return int(np.argmax(x != y))
-
-
 class Matcher:
     """Finds the longest restorable prefix of a request (see the module docstring)."""
 
-    def __init__(
-        self,
-        pool: BlockPool,
-        lower: Sequence[MetaSource],
-        gone: GoneMemory,
-        *,
-        is_expired: Callable[[Block], bool],
-        on_tier_error: Callable[[MetaSource, Exception], None],
-    ) -> None:
+    def __init__(self, pool: BlockPool, lower: Sequence[MetaSource], branches: Branches, *,
+                 expired: Callable[[Block, float], bool],
+                 on_tier_error: Callable[[MetaSource, Exception], None]) -> None:
         self.pool = pool
         self.lower = list(lower)
-        self.gone = gone
-        self.is_expired = is_expired
+        self.branches = branches
+        self.expired = expired
         self.on_tier_error = on_tier_error
 
-    def _ram_ok(self, block: Block, start: int, extra: tuple[bytes, ...], ns: Namespace) -> bool:
+    def _ram_ok(self, block: Block, start: int, extra: tuple[bytes, ...], ns: Namespace,
+                now: float) -> bool:
         return (
             block.block_hash is not None
             and block.start == start
             and block.extra_keys == extra
             and (block.ns is ns or block.ns == ns)
-            and not self.is_expired(block)
+            and not self.expired(block, now)
         )
 
     @staticmethod
@@ -150,12 +130,12 @@ class Matcher:
         chain = dict(zip(starts, hashes, strict=False))
         return chain, {s: e for s, e in zip(starts, found, strict=False) if e is not None}
 
-    def match(self, req: RequestTokens, ns: Namespace, spans: Sequence[ExtraKeySpan]) -> RawMatch:
+    def match(self, req: RequestTokens, ns: Namespace, spans: Sequence[ExtraKeySpan],
+              now: float) -> RawMatch:
         n = req.n
         bs = ns.block_size
         cap = n - 1  # the last token is always recomputed
         arr, buf = req.arr, req.buf
-        ns_key = ns.key
         entries: list[Entry] = []
         parent = ns.root
         pos = 0
@@ -163,7 +143,7 @@ class Matcher:
         best_len = 0  # entries needed for `best`
         next_hash: BlockHash | None = None
         find_child = self.pool.find_child
-        is_expired = self.is_expired
+        expired = self.expired
         prev: Block | None = None  # the last matched RAM block: its kids are `parent`'s children
         block: Block | None
         chain: dict[int, BlockHash] | None = None  # hashes from where RAM first ended
@@ -186,7 +166,7 @@ class Matcher:
                     block = kids if kids.tokens == want else None
             entry: Entry | None
             if (block is not None and block.start == pos and block.extra_keys == extra
-                    and (block.ns is ns or block.ns == ns) and not is_expired(block)):
+                    and (block.ns is ns or block.ns == ns) and not expired(block, now)):
                 # found through the children index: hashed and in the map
                 entry = prev = block
                 h = block.block_hash
@@ -198,7 +178,7 @@ class Matcher:
                 h = known if known is not None else block_hash(parent, arr[pos:end], extra)
                 block = self.pool.get(h)  # e.g. a sibling with the same tokens, other extra keys
                 if (block is not None and block.parent_hash == parent and block.tokens == want
-                        and self._ram_ok(block, pos, extra, ns)):
+                        and self._ram_ok(block, pos, extra, ns, now)):
                     entry = prev = block
                     trunc = bool(block.flags & 1)
                     at_end = bool(block.flags & 3)
@@ -227,8 +207,9 @@ class Matcher:
         child_best: tuple[int, Entry] | None = None  # (restorable end, entry)
         if pos < n:
             top_lcp = -1
-            for cand, c_tokens, c_extra, c_trunc, c_at_end in self._children(parent, pos, ns, ns_key):
-                lcp = _lcp(c_tokens, rest)
+            for cand, c_tokens, c_extra, c_trunc, c_at_end in self.branches.children(
+                    parent, pos, ns, now):
+                lcp = lcp_tokens(c_tokens, rest)
                 c_len = len(c_tokens) >> 2
                 if lcp > top_lcp:
                     top_lcp = lcp
@@ -259,7 +240,8 @@ class Matcher:
         if best < min(matched, cap) and walked:
             # a state that cannot be truncated: a snapshot may end inside a walked block
             # (a partial block stored at a message start, where conversations branch)
-            inner = self._inner_snapshot(entries[:walked], best, cap, req, ns, spans)
+            inner = self.branches.inner_snapshot(entries[:walked], best, cap, req, ns, spans,
+                                                 now)
             if inner is not None:
                 best = inner[0]
                 del entries[inner[1]:]
@@ -268,45 +250,11 @@ class Matcher:
         del entries[best_len:]
         miss = None
         if best < cap:
-            miss = self._explain(best, matched, n, next_hash, parent, diverged)
+            miss = self.branches.explain(best, matched, n, next_hash, parent, diverged, now)
         return RawMatch(entries, best, matched, miss)
 
-    def _inner_snapshot(self, walked: list[Entry], best: int, cap: int, req: RequestTokens,
-                        ns: Namespace, spans: Sequence[ExtraKeySpan]
-                        ) -> tuple[int, int, Entry] | None:
-        """The furthest restorable position past ``best`` (and at most ``cap``) inside
-        the walked full blocks: a shorter sibling of walked block ``k`` (a child of the
-        same parent, RAM or a lower tier) whose tokens the request starts with there and
-        whose state is restorable at its end. Returns ``(position, k, sibling)``; the
-        scan goes back from the last walked block and stops where no sibling could beat
-        ``best`` (a few blocks: the regular snapshots are ``snapshot_every_blocks``
-        apart). The lower tiers are asked for the last ``INNER_LOWER_BLOCKS`` only."""
-        buf = req.buf
-        for k in range(len(walked) - 1, -1, -1):
-            start = walked[k].start
-            if start + ns.block_size - 1 <= best:
-                return None
-            parent = entry_meta(walked[k]).parent_hash
-            top: tuple[int, Entry] | None = None
-            lower = len(walked) - k <= INNER_LOWER_BLOCKS
-            for cand, c_tokens, c_extra, c_trunc, c_at_end in self._children(
-                    parent, start, ns, ns.key, lower=lower):
-                c_len = len(c_tokens) >> 2
-                reach = start + c_len
-                if (c_len >= ns.block_size or not (c_trunc or c_at_end) or reach > cap
-                        or reach <= best or (top is not None and reach <= top[0])):
-                    continue
-                if buf[start * 4:reach * 4] != c_tokens:
-                    continue
-                if c_extra != (extra_keys_for(spans, start, reach) if spans else ()):
-                    continue
-                top = (reach, cand)
-            if top is not None:
-                return top[0], k, top[1]
-        return None
-
     def stored_after(self, req: RequestTokens, ns: Namespace, spans: Sequence[ExtraKeySpan],
-                     position: int, limit: int) -> list[int]:
+                     position: int, limit: int, now: float) -> list[int]:
         """Up to ``limit`` stored token ids that follow ``req[:position]`` in the stored
         block (RAM or a lower tier) that shares the longest prefix with the request
         there, continued into that block's first stored child (the other side of a
@@ -319,73 +267,7 @@ class Matcher:
         for pos in range(0, start, bs):
             extra = extra_keys_for(spans, pos, pos + bs) if spans else ()
             parent = block_hash(parent, req.arr[pos:pos + bs], extra)
-        rest = req.buf[start * 4:]
-        best: tuple[int, Entry, bytes] | None = None
-        for cand, c_tokens, *_ in self._children(parent, start, ns, ns.key):
-            lcp = _lcp(c_tokens, rest)
-            if best is None or lcp > best[0]:
-                best = (lcp, cand, c_tokens)
-        if best is None:
-            return []
-        _, entry, c_tokens = best
-        out = list(np.frombuffer(c_tokens, dtype="<u4")[position - start:].tolist())
-        h = entry_meta(entry).block_hash
-        while len(out) < limit and len(c_tokens) >> 2 == bs:
-            start += bs
-            kids = self._children(h, start, ns, ns.key)
-            if not kids:
-                break
-            entry, c_tokens = kids[0][0], kids[0][1]
-            out.extend(np.frombuffer(c_tokens, dtype="<u4").tolist())
-            h = entry_meta(entry).block_hash
-        return [int(t) for t in out[:limit]]
-
-    def _children(self, parent: BlockHash, pos: int, ns: Namespace, ns_key: str, *,
-                  lower: bool = True
-                  ) -> list[tuple[Entry, bytes, tuple[bytes, ...], bool, bool]]:
-        out: list[tuple[Entry, bytes, tuple[bytes, ...], bool, bool]] = []
-        seen: set[bytes] = set()
-        for block in self.pool.children(parent):
-            if block.start != pos or not (block.ns is ns or block.ns == ns) or self.is_expired(block):
-                continue
-            if block.block_hash is not None:
-                seen.add(block.block_hash)
-            out.append((block, block.tokens, block.extra_keys, block.truncatable,
-                         block.restorable_at_end()))
-        for src in self.lower if lower else ():
-            try:
-                metas = src.children(parent, ns=ns)
-            except Exception as e:  # a tier breaking its contract is a tier failure too
-                self.on_tier_error(src, e)
-                continue
-            for meta in metas:
-                if meta.block_hash in seen or meta.start != pos or meta.namespace_key != ns_key:
-                    continue
-                seen.add(meta.block_hash)
-                out.append((LowerEntry(meta, src), np.asarray(meta.token_ids, dtype="<u4").tobytes(),
-                            meta.extra_keys, meta.truncatable, meta.restorable_at_end()))
-        return out
-
-    def _explain(self, best: int, matched: int, n: int, next_hash: BlockHash | None,
-                 parent: BlockHash, diverged: bool) -> CacheMiss:
-        reason: Reason = (COLD, None)
-        gone_next = self.gone.by_hash(next_hash) if next_hash is not None else None
-        if min(matched, n - 1) > best:
-            reason = (NOT_RESTORABLE, None)
-        elif gone_next is not None:
-            reason = gone_next
-        elif next_hash is not None and self._expired_in_ram(next_hash):
-            reason = (EXPIRED, None)
-        elif diverged:
-            reason = (DIVERGED, None)
-        else:
-            reason = self.gone.by_parent(parent) or (COLD, None)
-        return CacheMiss(reason[0], position=matched, restorable=best, num_tokens=n,
-                         store_error=reason[1])
-
-    def _expired_in_ram(self, h: BlockHash) -> bool:
-        block = self.pool.get(h)
-        return block is not None and self.is_expired(block)
+        return self.branches.stored_after(req, ns, parent, start, position, limit, now)
 
 
 def _extra_key_limit(spans: Sequence[ExtraKeySpan], start: int, end: int,

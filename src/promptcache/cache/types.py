@@ -13,6 +13,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from ..blocks.pool import Block
+from ..blocks.tokens import RequestTokens, to_request_tokens
 from ..codec import Decoded
 from ..hashing import BlockHash
 from ..meta import BlockMeta, ExtraKeySpan, Namespace
@@ -227,3 +228,11 @@ def check_ns(ns: Namespace, block_size: int) -> None:
         raise ValueError(f"namespace must be a Namespace, got {type(ns).__name__}")
     if ns.block_size != block_size:
         raise ValueError(f"namespace block_size {ns.block_size} != cache block_size {block_size}")
+
+
+def check_request(tokens: Any, ns: Namespace, extra_keys: Sequence[ExtraKeySpan],
+                  block_size: int) -> tuple[RequestTokens, tuple[ExtraKeySpan, ...]]:
+    """A request's tokens, namespace and extra keys checked (ValueError)."""
+    req = to_request_tokens(tokens)
+    check_ns(ns, block_size)
+    return req, check_spans(extra_keys)
