@@ -37,23 +37,12 @@ class LowerEntry:
         self.source = source
 
     @property
-    def tier(self) -> str:
-        return self.source.name
-
-    @property
     def start(self) -> int:
         return self.meta.start
 
     @property
     def end(self) -> int:
         return self.meta.end
-
-    @property
-    def truncatable(self) -> bool:
-        return self.meta.truncatable
-
-    def restorable_at_end(self) -> bool:
-        return self.meta.restorable_at_end()
 
 
 Entry = Block | LowerEntry

@@ -213,7 +213,7 @@ class PromptCache:
                 key: str | None = None, persist: bool = True, pin_s: float | None = None,
                 extra_keys: Sequence[ExtraKeySpan] = ()) -> int:
         """Keep the RAM blocks holding ``tokens[:num_tokens]`` from eviction for
-        ``ttl_s`` seconds (``cache_levels``): a cache breakpoint (``key`` None: renewed
+        ``ttl_s`` seconds (``levels``): a cache breakpoint (``key`` None: renewed
         when the same prefix is protected again, whatever follows it; the block that
         holds the breakpoint is protected too, as a truncatable state restores inside
         it) or the latest chain of ``key`` (it
@@ -231,7 +231,7 @@ class PromptCache:
         with self._lock:
             n, chain = self._protect.protect(req, ns, spans, end, full, float(ttl_s), key,
                                              persist, self._tick())
-        if n and pin_s is not None:
+        if chain and pin_s is not None:
             failed = self._protect.pin(chain, float(pin_s))  # outside the lock
             with self._lock:
                 for tier, e in failed:
@@ -252,7 +252,7 @@ class PromptCache:
             return self._protect.mark_active(req, ns, spans, full, session, self._tick())
 
     def levels_snapshot(self) -> dict[str, Any]:
-        """Protection and session-level gauges and counters (``cache_levels``)."""
+        """Protection and session-level gauges and counters (``levels``)."""
         with self._lock:
             self._tick()
             return self.levels.snapshot()

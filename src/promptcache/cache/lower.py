@@ -180,7 +180,7 @@ class LowerWriter:
             self._wake()
 
     def offer_first(self, blocks: Sequence[Block]) -> None:
-        """Protected blocks (a client's cache breakpoint, ``cache_levels``), head first:
+        """Protected blocks (a client's cache breakpoint, ``levels``), head first:
         each is put into every lower tier that lacks it now, whatever the write policy;
         for a tier without room they wait first, in their order, ahead of the
         write-through blocks already waiting. Never waits. Lock held."""

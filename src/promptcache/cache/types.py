@@ -1,5 +1,5 @@
 """The types of the PromptCache API: payload adapters, lookup results (Match, Hit)
-and argument checks. ``cache.py`` holds the policy itself; it re-exports these."""
+and argument checks. ``facade`` holds the policy itself; the package re-exports these."""
 
 from __future__ import annotations
 
