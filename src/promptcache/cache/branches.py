@@ -6,6 +6,7 @@ Never changes the pool."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -34,17 +35,15 @@ def lcp_tokens(a: bytes, b: bytes) -> int:
     return int(np.argmax(x != y))
 
 
+@dataclass(eq=False)
 class Branches:
     """The stored children of a block (RAM first, then each lower tier's ``children``)."""
 
-    def __init__(self, pool: BlockPool, lower: Sequence[MetaSource], gone: GoneMemory, *,
-                 expired: Callable[[Block, float], bool],
-                 on_tier_error: Callable[[MetaSource, Exception], None]) -> None:
-        self.pool = pool
-        self.lower = list(lower)
-        self.gone = gone
-        self.expired = expired
-        self.on_tier_error = on_tier_error
+    pool: BlockPool
+    lower: Sequence[MetaSource]
+    gone: GoneMemory
+    expired: Callable[[Block, float], bool]
+    on_tier_error: Callable[[MetaSource, Exception], None]
 
     def children(self, parent: BlockHash, pos: int, ns: Namespace, now: float, *,
                  lower: bool = True) -> list[Child]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from ..blocks.pool import Block, BlockPool
@@ -33,22 +34,20 @@ _UNFETCHED = object()
 _FAILED = object()
 
 
+@dataclass(eq=False)
 class Lookup:
     """``acquire``: match, reference, promote (see the module docstring)."""
 
-    def __init__(self, pool: BlockPool, lower: Sequence[Tier], matcher: Matcher,
-                 levels: Levels, expiry: Expiry, payloads: Payloads, gone: GoneMemory,
-                 faults: Faults, counters: Counters, observers: list[Any]) -> None:
-        self.pool = pool
-        self.lower = list(lower)
-        self.matcher = matcher
-        self.levels = levels
-        self.expiry = expiry
-        self.payloads = payloads
-        self.gone = gone
-        self.faults = faults
-        self._c = counters
-        self.observers = observers
+    pool: BlockPool
+    lower: Sequence[Tier]
+    matcher: Matcher
+    levels: Levels
+    expiry: Expiry
+    payloads: Payloads
+    gone: GoneMemory
+    faults: Faults
+    counters: Counters
+    observers: list[Any]
 
     def acquire(self, req: RequestTokens, ns: Namespace, spans: tuple[ExtraKeySpan, ...],
                 now: float) -> Hit:
@@ -64,7 +63,7 @@ class Lookup:
         by_tier: Counter[str] = Counter()
         for b, tier in zip(held, sources, strict=True):
             by_tier[tier] += min(b.end, num) - b.start
-        c = self._c
+        c = self.counters
         c.lookups += 1
         c.hit_tokens += num
         c.miss_tokens += req.n - num
@@ -161,7 +160,7 @@ class Lookup:
         """Promote one lower-tier block into RAM. ``fetched``: what ``_fetch_run`` read
         for it (``(payload, sessions)``, None: absent, ``_FAILED``), or ``_UNFETCHED``."""
         meta = entry.meta
-        c = self._c
+        c = self.counters
         if fetched is _FAILED:
             return None
         existing = self.pool.get(meta.block_hash)

@@ -24,6 +24,7 @@ Step 2 and the explanation of a short match are ``branches``. Never changes the 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -45,17 +46,15 @@ def block_hash(parent: BlockHash, token_ids: Any, extra_keys: tuple[bytes, ...])
     return hash_block(parent, token_ids, extra_keys)
 
 
+@dataclass(eq=False)
 class Matcher:
     """Finds the longest restorable prefix of a request (see the module docstring)."""
 
-    def __init__(self, pool: BlockPool, lower: Sequence[MetaSource], branches: Branches, *,
-                 expired: Callable[[Block, float], bool],
-                 on_tier_error: Callable[[MetaSource, Exception], None]) -> None:
-        self.pool = pool
-        self.lower = list(lower)
-        self.branches = branches
-        self.expired = expired
-        self.on_tier_error = on_tier_error
+    pool: BlockPool
+    lower: Sequence[MetaSource]
+    branches: Branches
+    expired: Callable[[Block, float], bool]
+    on_tier_error: Callable[[MetaSource, Exception], None]
 
     def _ram_ok(self, block: Block, start: int, extra: tuple[bytes, ...], ns: Namespace,
                 now: float) -> bool:

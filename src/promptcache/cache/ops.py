@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from ..blocks.block import unpack_tokens
@@ -36,28 +37,25 @@ def check_count(name: str, value: int | None, *, allow_none: bool = False) -> No
         raise ValueError(f"{name} must be {what}, got {value!r}")
 
 
+@dataclass(eq=False)
 class Ops:
     """Eviction, deletion, quarantine, the RAM budget, session listing, export / import
     (the facade holds the lock and passes its clock's ``now``)."""
 
-    def __init__(self, pool: BlockPool, lower: Sequence[Tier], levels: Levels,
-                 writer: LowerWriter, payloads: Payloads, gone: GoneMemory, faults: Faults,
-                 counters: Counters, observers: list[Any],
-                 on_evict: Callable[[BlockMeta, Any], None] | None = None) -> None:
-        self.pool = pool
-        self.lower = list(lower)
-        self.levels = levels
-        self.writer = writer
-        self.payloads = payloads
-        self.gone = gone
-        self.faults = faults
-        self._c = counters
-        self.observers = observers
-        self.on_evict = on_evict
+    pool: BlockPool
+    lower: Sequence[Tier]
+    levels: Levels
+    writer: LowerWriter
+    payloads: Payloads
+    gone: GoneMemory
+    faults: Faults
+    counters: Counters
+    observers: list[Any]
+    on_evict: Callable[[BlockMeta, Any], None] | None = None
 
     def evicted(self, block: Block) -> None:
         """The demotion hook: every evicted block passes here exactly once."""
-        self._c.evictions += 1
+        self.counters.evictions += 1
         h = block.block_hash
         if self.observers and h is not None:
             notify(self.observers, "evicted", block.meta())
@@ -65,10 +63,10 @@ class Ops:
             self.gone.record(h, block.parent_hash, EVICTED)
         if self.lower and not block.persisted and h is not None:
             ok, failed = self.writer.demote(block)
-            self._c.demotions += ok
-            self._c.demotion_failures += failed
+            self.counters.demotions += ok
+            self.counters.demotion_failures += failed
         elif not self.lower:
-            self._c.evicted_dropped += 1
+            self.counters.evicted_dropped += 1
         if self.on_evict is not None and h is not None:
             try:
                 self.on_evict(block.meta(), block.payload)
@@ -239,8 +237,8 @@ class Ops:
             return 0
         blocks = [b for b in self.pool.blocks() if b.block_hash is not None and not b.persisted]
         report = self.writer.persist(blocks, timeout)
-        self._c.persisted_on_close += report.written
-        self._c.persist_failures += report.failed
+        self.counters.persisted_on_close += report.written
+        self.counters.persist_failures += report.failed
         return report.written
 
     def ram_copy(self, block_hash: BlockHash, ns: Namespace
@@ -293,5 +291,5 @@ class Ops:
             except Exception as e:
                 self.faults.tier_error(tier, e)
         if not stored:
-            self._c.drops += 1
+            self.counters.drops += 1
         return stored

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from ..blocks.pool import Block, BlockPool
@@ -50,35 +51,34 @@ def close_tiers(tiers: Sequence[Any]) -> None:
             logger.warning("closing tier %s failed: %s", getattr(tier, "name", tier), e)
 
 
+@dataclass(eq=False)
 class Faults:
     """Counts and logs what the lower tiers do wrong (never raises)."""
 
-    def __init__(self, counters: Counters) -> None:
-        self._c = counters
+    counters: Counters
 
     def tier_error(self, tier: Any, exc: BaseException) -> None:
-        self._c.tier_errors += 1
+        self.counters.tier_errors += 1
         logger.warning("cache tier %s failed: %s", getattr(tier, "name", tier), exc)
 
     def old_format(self, tier: Any, exc: BaseException) -> None:
-        self._c.old_format_blocks += 1
-        if self._c.old_format_blocks == 1:
+        self.counters.old_format_blocks += 1
+        if self.counters.old_format_blocks == 1:
             logger.warning("cache tier %s holds blocks of an older format (%s): they are "
                            "recomputed and rewritten (counted in old_format_blocks)",
                            getattr(tier, "name", tier), exc)
 
 
+@dataclass(eq=False)
 class Expiry:
     """The TTL: a RAM block unused for ``ttl_s`` seconds (None: never) is expired; it
     is no hit and is removed when met (remembered as ``expired`` for miss
     explanations). ``now`` is the cache's clock, read once per call by the facade."""
 
-    def __init__(self, ttl_s: float | None, pool: BlockPool, gone: GoneMemory,
-                 counters: Counters) -> None:
-        self.ttl_s = ttl_s
-        self._pool = pool
-        self._gone = gone
-        self._c = counters
+    ttl_s: float | None
+    pool: BlockPool
+    gone: GoneMemory
+    counters: Counters
 
     def expired(self, block: Block, now: float) -> bool:
         ttl = self.ttl_s
@@ -86,15 +86,15 @@ class Expiry:
 
     def remove(self, block: Block) -> None:
         if block.block_hash is not None:
-            self._gone.record(block.block_hash, block.parent_hash, EXPIRED)
-        if self._pool.remove(block):
-            self._c.expired += 1
+            self.gone.record(block.block_hash, block.parent_hash, EXPIRED)
+        if self.pool.remove(block):
+            self.counters.expired += 1
 
     def sweep(self, now: float) -> None:
         """Remove expired unreferenced blocks from the LRU end of the free queue."""
         if self.ttl_s is None:
             return
-        for block in self._pool.lru_order():
+        for block in self.pool.lru_order():
             if not self.expired(block, now):
                 break
             self.remove(block)

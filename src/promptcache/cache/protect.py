@@ -7,6 +7,7 @@ RAM blocks and pins it in the lower tiers that can pin.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from ..blocks.pool import Block, BlockPool
@@ -43,13 +44,13 @@ def full_hashes(req: RequestTokens, ns: Namespace, spans: tuple[ExtraKeySpan, ..
     return out
 
 
+@dataclass(eq=False)
 class Protect:
     """Claims on RAM chains: protections and active sessions (see the module docstring)."""
 
-    def __init__(self, pool: BlockPool, lower: Sequence[Tier], levels: Levels) -> None:
-        self.pool = pool
-        self.lower = list(lower)
-        self.levels = levels
+    pool: BlockPool
+    lower: Sequence[Tier]
+    levels: Levels
 
     def protect(self, req: RequestTokens, ns: Namespace, spans: tuple[ExtraKeySpan, ...],
                 end: int, full: list[BlockHash], ttl_s: float, key: str | None,

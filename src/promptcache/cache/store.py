@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from ..blocks.pool import PERSISTED, SNAPSHOT, TRUNCATABLE, Block, BlockPool
@@ -86,21 +87,19 @@ def first_unstored(ns: Namespace, tokens: Any, num_tokens: int, cursor: ChainCur
     return first, parent
 
 
+@dataclass(eq=False)
 class Store:
     """Stores a token sequence's blocks (every save point calls ``PromptCache.store``)."""
 
-    def __init__(self, pool: BlockPool, lower: Sequence[Tier], writer: LowerWriter,
-                 levels: Levels, expiry: Expiry, adapter: PayloadAdapter, gone: GoneMemory,
-                 faults: Faults, counters: Counters) -> None:
-        self.pool = pool
-        self.lower = list(lower)
-        self.writer = writer
-        self.levels = levels
-        self.expiry = expiry
-        self.adapter = adapter
-        self.gone = gone
-        self.faults = faults
-        self._c = counters
+    pool: BlockPool
+    lower: Sequence[Tier]
+    writer: LowerWriter
+    levels: Levels
+    expiry: Expiry
+    adapter: PayloadAdapter
+    gone: GoneMemory
+    faults: Faults
+    counters: Counters
 
     def store(self, ns: Namespace, req: RequestTokens, num_tokens: int,
                payload_for: Callable[[int, int, bool], Any], spans: tuple[ExtraKeySpan, ...],
@@ -109,7 +108,7 @@ class Store:
                agent_id: str | None = None, *, now: float) -> int:
         """``req`` holds the tokens from ``offset`` (a cursor's start) on; ``num_tokens``
         counts from there too; block positions below are absolute."""
-        pool, c, bs = self.pool, self._c, ns.block_size
+        pool, c, bs = self.pool, self.counters, ns.block_size
         held: list[Block] = []
         created: list[Block] = []
         upgraded: list[Block] = []
@@ -210,7 +209,7 @@ class Store:
                     block.add_agent(aid)
                 where, h = in_tiers(sib, len(self.lower)), sib.block_hash
                 if self.pool.remove(sib):
-                    self._c.superseded += 1
+                    self.counters.superseded += 1
                     if where and h is not None:
                         self._discard_lower(h, sib.ns, where)
 
@@ -237,8 +236,8 @@ class Store:
             nbytes = self.adapter.nbytes(payload)
             flags = (block.flags | SNAPSHOT) & ~(PERSISTED | ALL_TIERS)
             if self.pool.replace_payload(block, payload, nbytes, flags):
-                self._c.upgrades += 1
+                self.counters.upgrades += 1
                 self.levels.resized(block)
                 return True
-            self._c.drops += 1
+            self.counters.drops += 1
         return False
