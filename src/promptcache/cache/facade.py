@@ -1,13 +1,10 @@
 """PromptCache: the one policy module (lookup, store, promote, demote, protect, delete,
-TTL, stats), as one facade over its parts.
+TTL, stats), as one facade over its parts (listed in the package docstring).
 
-The facade owns the lock and the clock: each public method checks its arguments,
-takes the lock, reads the clock once and hands ``now`` to the part doing the work
-(plain objects, each given only what it needs): ``matcher`` + ``branches`` (lookup),
-``lookup.Lookup`` (acquire, promotion), ``store.Store``, ``protect.Protect`` (over
-``levels.Levels``), ``ops.Ops`` (eviction and its demotion hook, deletion, quarantine,
-the RAM budget, sessions, export / import), ``lower.LowerWriter`` (writes to the lower
-tiers), ``payloads`` (the codec) and ``policy`` (tier failures, the TTL, observers).
+The facade owns the one re-entrant lock and the clock: each public method checks its
+arguments, takes the lock, reads the clock once (ending the claims past their time,
+``levels``) and hands ``now`` to the part doing the work. It builds and wires the
+parts; ``stats``, ``check``, ``flush`` and ``close`` are its own.
 
 Failure policy (``policy``): nothing a lower tier does fails a call, and no reference
 stays pinned. Bad input raises ``ValueError``. See docs/INTERFACES.md for the contract.

@@ -1,5 +1,5 @@
-"""Operations on the stored blocks: eviction (and the demotion hook), deletion, quarantine, the RAM budget,
-session listing, export / import.
+"""Operations on the stored blocks: eviction (and the demotion hook every evicted block
+passes), deletion, quarantine, the RAM budget, session listing, persist, export / import.
 
 What the admin endpoints and the ops modules (``sessions.py``, ``autotune.py``,
 ``packs.py``, ``engine/shadow.py``) do to the cache besides a request's lookup and
