@@ -41,19 +41,12 @@ from .types import ChainCursor, DecodeFn, EncodeFn, Hit, Match, PayloadAdapter, 
 class PromptCache:
     """Multi-tier prompt cache: RAM block pool + lower tiers (see the module docstring)."""
 
-    def __init__(
-        self,
-        config: CacheConfig,
-        adapter: PayloadAdapter | None = None,
-        lower: Sequence[Tier] = (),
-        *,
-        write_through: bool = False,
-        encode: EncodeFn | None = None,
-        decode: DecodeFn | None = None,
-        on_evict: Callable[[BlockMeta, Any], None] | None = None,
-        clock: Callable[[], float] = time.monotonic,
-        demote_timeout_s: float = DEMOTE_TIMEOUT_S,
-    ) -> None:
+    def __init__(self, config: CacheConfig, adapter: PayloadAdapter | None = None,
+                 lower: Sequence[Tier] = (), *, write_through: bool = False,
+                 encode: EncodeFn | None = None, decode: DecodeFn | None = None,
+                 on_evict: Callable[[BlockMeta, Any], None] | None = None,
+                 clock: Callable[[], float] = time.monotonic,
+                 demote_timeout_s: float = DEMOTE_TIMEOUT_S) -> None:
         if not isinstance(config, CacheConfig):
             raise ValueError(f"config must be a CacheConfig, got {type(config).__name__}")
         self.config = config
@@ -150,22 +143,12 @@ class PromptCache:
             self.pool.release_chain(hit._held)
 
     # ---- store -----------------------------------------------------------------
-    def store(
-        self,
-        ns: Namespace,
-        tokens: Any,
-        num_tokens: int,
-        payload_for: Callable[[int, int, bool], Any],
-        *,
-        extra_keys: Sequence[ExtraKeySpan] = (),
-        session_id: str | None = None,
-        agent_id: str | None = None,
-        truncatable: bool = True,
-        snapshot_at_end: bool = True,
-        include_partial: bool = True,
-        save_point: str = "mid_prefill",
-        cursor: ChainCursor | None = None,
-    ) -> int:
+    def store(self, ns: Namespace, tokens: Any, num_tokens: int,
+              payload_for: Callable[[int, int, bool], Any], *,
+              extra_keys: Sequence[ExtraKeySpan] = (), session_id: str | None = None,
+              agent_id: str | None = None, truncatable: bool = True,
+              snapshot_at_end: bool = True, include_partial: bool = True,
+              save_point: str = "mid_prefill", cursor: ChainCursor | None = None) -> int:
         """Store the blocks of ``tokens[:num_tokens]`` that are not stored yet; returns
         the number of blocks created. ``payload_for(start, end, snapshot)`` is called
         only for blocks that must be created (or upgraded with a snapshot).
