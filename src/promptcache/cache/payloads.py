@@ -23,8 +23,8 @@ class Payloads:
     def __init__(self, adapter: PayloadAdapter | None = None, encode: EncodeFn | None = None,
                  decode: DecodeFn | None = None) -> None:
         self.adapter: PayloadAdapter = adapter if adapter is not None else NumpyAdapter()
-        self._encode = encode or codec.encode
-        self._decode = decode or codec.decode
+        self._encode = encode
+        self._decode = decode
 
     def source(self, block: Block) -> LazyPayload:
         """The block's payload as a ``PayloadSource``: encoded (the adapter's buffer and
@@ -34,11 +34,10 @@ class Payloads:
         those the block has now (taken here, under the cache's lock)."""
         adapter, payload, bm = self.adapter, block.payload, block.meta()
         sessions: Sequence[str] = tuple(sorted(block.sessions))
-        encode = self._encode
 
         def make() -> bytes:
             buffer, layout = adapter.to_buffer(payload)
-            return encode(bm, sessions, layout, buffer)
+            return (self._encode or codec.encode)(bm, sessions, layout, buffer)
 
         return LazyPayload(make, block.nbytes)
 
@@ -46,7 +45,7 @@ class Payloads:
         """``(payload, nbytes)`` of stored bytes; None when they belong to another block
         than ``expect``. Raises CorruptBlockError (``UnsupportedFormatError`` for an
         older block format) or the adapter's ValueError."""
-        dec = self._decode(data)
+        dec = (self._decode or codec.decode)(data)
         if dec.desc.meta.block_hash != expect:
             return None
         payload = self.adapter.from_buffer(dec.buffer, dec.desc.layout)
