@@ -21,8 +21,7 @@ import tracemalloc
 
 import numpy as np
 
-from promptcache.blocks import matcher
-from promptcache.cache import PromptCache
+from promptcache.cache import PromptCache, matcher
 from promptcache.config import CacheConfig
 from promptcache.meta import Namespace
 

@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 from page_cache import drop_cache
 
-from promptcache.cache_types import NumpyAdapter
+from promptcache.cache.types import NumpyAdapter
 from promptcache.codec import decode, encode
 from promptcache.config import SSDConfig
 from promptcache.meta import Namespace

@@ -1,4 +1,4 @@
-"""Cache breakpoints and active sessions (cache_levels.py through PromptCache): exact
+"""Cache breakpoints and active sessions (cache/levels.py through PromptCache): exact
 blocks kept and evicted, on a controllable clock."""
 
 from __future__ import annotations
@@ -11,9 +11,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from promptcache.blocks import matcher
 from promptcache.blocks.pool import ACTIVE, IDLE, PROTECTED
-from promptcache.cache import PromptCache
+from promptcache.cache import PromptCache, matcher
 from promptcache.hashing import BlockHash
 
 BS = 4

@@ -3,7 +3,7 @@
 import pytest
 from core_helpers import PayloadRecorder, make_cache, ns_of, payload_for
 
-from promptcache.blocks import matcher
+from promptcache.cache import matcher
 from promptcache.hashing import chain_hashes, hash_block
 from promptcache.meta import ExtraKeySpan
 

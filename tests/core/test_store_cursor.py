@@ -7,8 +7,7 @@ import numpy as np
 import pytest
 from core_helpers import PayloadRecorder, make_cache, ns_of
 
-from promptcache.blocks import matcher
-from promptcache.cache import ChainCursor
+from promptcache.cache import ChainCursor, matcher
 
 NS = ns_of(4)
 

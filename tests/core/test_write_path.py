@@ -1,4 +1,4 @@
-"""Writing RAM blocks to lower tiers without silent loss (cache_lower): write-through
+"""Writing RAM blocks to lower tiers without silent loss (cache/lower.py): write-through
 that waits for room instead of dropping, demotion with back-pressure, persist at
 close within a time limit, and encoding off the request path. The lower tier is a
 QueueTier: a bounded queue whose writer runs only while its gate is open, so every
@@ -12,7 +12,7 @@ import threading
 import numpy as np
 from core_helpers import BYTES_PER_TOKEN, FakeTier, QueueTier, make_cache, ns_of, payload_for
 
-from promptcache.cache_types import NumpyAdapter
+from promptcache.cache.types import NumpyAdapter
 
 NS = ns_of(4)
 BLOCK = 4 * BYTES_PER_TOKEN
@@ -141,7 +141,7 @@ def test_persist_gives_up_at_its_time_limit_and_names_what_is_missing(caplog):
     tier = QueueTier(capacity=2)  # the gate stays closed: the disk never writes
     cache = make_cache(lower=[tier])
     cache.store(NS, seq(5), 20, payload_for)
-    with caplog.at_level(logging.INFO, logger="promptcache.cache_lower"):
+    with caplog.at_level(logging.INFO, logger="promptcache.cache.lower"):
         assert cache.persist(timeout=0.05) == 0
     report = cache.last_persist
     assert report is not None

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from promptcache import codec
-from promptcache.cache_types import NumpyAdapter
+from promptcache.cache.types import NumpyAdapter
 from promptcache.hashing import BlockHash, hash_block
 from promptcache.meta import BlockMeta, Namespace
 

@@ -268,7 +268,7 @@ def test_per_tier_write_policy(make_tier: Make, redis_url: str, tmp_path: Path) 
 
 def test_lookup_asks_a_window_then_the_rest(make_tier: Make, redis_url: str,
                                             monkeypatch: object) -> None:
-    from promptcache.blocks import matcher
+    from promptcache.cache import matcher
 
     monkeypatch.setattr(matcher, "LOWER_WINDOW", 8)  # type: ignore[attr-defined]
     ta = make_tier(redis_url)

@@ -13,7 +13,7 @@ from redis_helpers import chain, ns, payload
 from redis_servers import DelayProxy, RedisServer, free_port
 
 from promptcache import codec
-from promptcache.cache_types import NumpyAdapter
+from promptcache.cache.types import NumpyAdapter
 from promptcache.errors import TierError
 from promptcache.meta import BlockMeta
 from promptcache.tiers.redis import RedisTier

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import save as st_save
 
-from promptcache.cache_types import NumpyAdapter
+from promptcache.cache.types import NumpyAdapter
 from promptcache.codec import encode
 from promptcache.config import SSDConfig
 from promptcache.hashing import BlockHash, hash_block

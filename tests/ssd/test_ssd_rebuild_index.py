@@ -22,7 +22,7 @@ from promptcache.blockdesc import (
     verify,
 )
 from promptcache.cache import PromptCache
-from promptcache.cache_types import NumpyAdapter
+from promptcache.cache.types import NumpyAdapter
 from promptcache.cli import main
 from promptcache.config import CacheConfig
 from promptcache.meta import Namespace

@@ -1,1 +1,3 @@
-"""Pure-Python block bookkeeping: block pool, free queue, prefix index. No MLX, no I/O."""
+"""Pure-Python block bookkeeping: block pool, free queue, prefix index, request tokens.
+No MLX, no tier, no I/O (matching a request against the pool and the lower tiers is
+``cache.matcher``)."""

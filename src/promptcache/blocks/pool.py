@@ -28,11 +28,7 @@ that hash is allocated. Block start offsets and byte sizes are interned (blocks
 at one depth share one int object). Blocks carry no id: a block is identified by
 its hash (or by identity when private).
 
-Counting invariant (``check``): ``num_free_blocks + num_used_blocks == num_blocks``,
-``used_bytes <= budget_bytes``, and the hash map, the children index and the
-blocks agree both ways. A *private* block (``block_hash is None``, from
-copy-on-write or a removal while referenced) is not in the map; it is discarded
-when its last reference goes.
+The invariants ``check`` verifies are ``pool_check``'s.
 """
 
 from __future__ import annotations
@@ -58,6 +54,7 @@ from .block import (
     unpack_tokens,
 )
 from .free_queue import FreeQueue
+from .pool_check import check_pool
 
 __all__ = [
     "ACTIVE", "EMPTY_SESSIONS", "IDLE", "LEVELS", "MAX_AGENTS_PER_BLOCK", "MAX_INTERNED",
@@ -98,13 +95,9 @@ class BlockPool:
         return sum(len(q) for q in self._queues)
 
     @property
-    def _free_bytes(self) -> int:
-        # bytes that eviction can reclaim: unreferenced idle and active blocks
-        return self._level_bytes[IDLE] + self._level_bytes[ACTIVE]
-
-    @property
     def evictable_bytes(self) -> int:
-        return self._free_bytes
+        """Bytes that eviction can reclaim: unreferenced idle and active blocks."""
+        return self._level_bytes[IDLE] + self._level_bytes[ACTIVE]
 
     @property
     def protected_bytes(self) -> int:
@@ -127,9 +120,7 @@ class BlockPool:
         found = self._kids_of(parent_hash)
         if found is None:
             return []
-        if isinstance(found, list):
-            return list(found)
-        return [found]
+        return list(found) if isinstance(found, list) else [found]
 
     def find_child(self, parent_hash: BlockHash, tokens: bytes) -> Block | None:
         """The child of ``parent_hash`` whose packed token ids equal ``tokens``."""
@@ -179,7 +170,7 @@ class BlockPool:
     def can_allocate(self, nbytes: int) -> bool:
         """Whether ``nbytes`` fit after evicting every unreferenced block if needed."""
         return nbytes <= self.budget_bytes and (
-            self.used_bytes - self._free_bytes + nbytes <= self.budget_bytes
+            self.used_bytes - self.evictable_bytes + nbytes <= self.budget_bytes
         )
 
     def make_room(self, nbytes: int) -> bool:
@@ -404,60 +395,6 @@ class BlockPool:
 
     # ---- invariants (tests) ----------------------------------------------------
     def check(self) -> None:
-        """Verify every invariant; raise InvariantError on the first broken one."""
-        for q in self._queues:
-            q.check()
-        if self.num_free_blocks + self.num_used_blocks != self.num_blocks:
-            raise InvariantError(
-                f"free {self.num_free_blocks} + used {self.num_used_blocks} != total {self.num_blocks}"
-            )
-        if self.used_bytes > self.budget_bytes:
-            raise InvariantError(f"used bytes {self.used_bytes} > budget {self.budget_bytes}")
-        for level, queue in enumerate(self._queues):
-            level_bytes = 0
-            for block in queue:
-                if block.ref_cnt != 0:
-                    raise InvariantError(f"referenced block in the free queue: {block!r}")
-                if block.block_hash is None or self._map.get(block.block_hash) is not block:
-                    raise InvariantError(f"free block not in the map: {block!r}")
-                if block.level != level:
-                    raise InvariantError(f"level {block.level} block in queue {level}: {block!r}")
-                level_bytes += block.nbytes
-            if level_bytes != self._level_bytes[level]:
-                raise InvariantError(f"level {level} bytes {self._level_bytes[level]} != "
-                                     f"{level_bytes}")
-        hashed_bytes = 0
-        num_children = 0
-        for h, block in self._map.items():
-            if block.block_hash != h:
-                raise InvariantError(f"map key does not match block hash: {block!r}")
-            if block.ref_cnt < 0:
-                raise InvariantError(f"negative ref count: {block!r}")
-            if (block.ref_cnt == 0) != block.in_free_queue:
-                raise InvariantError(f"free queue membership disagrees with ref count: {block!r}")
-            if not any(kid is block for kid in self.children(block.parent_hash)):
-                raise InvariantError(f"block missing from the children index: {block!r}")
-            hashed_bytes += block.nbytes
-            num_children += self._check_kids(h, block.kids)
-        for parent, kids in self._detached.items():
-            if parent in self._map:
-                raise InvariantError(f"detached children of a block in the map: {parent.hex()[:12]}")
-            num_children += self._check_kids(parent, kids)
-        if num_children != len(self._map):
-            raise InvariantError(f"children index holds {num_children} blocks, map {len(self._map)}")
-        private = self.num_blocks - len(self._map)
-        if private < 0:
-            raise InvariantError(f"{len(self._map)} mapped blocks but num_blocks {self.num_blocks}")
-        if private == 0 and hashed_bytes != self.used_bytes:
-            raise InvariantError(f"used bytes {self.used_bytes} != sum of blocks {hashed_bytes}")
-
-    def _check_kids(self, parent: BlockHash, kids: Block | list[Block] | None) -> int:
-        if kids is None:
-            return 0
-        group = kids if isinstance(kids, list) else [kids]
-        if len(group) < (2 if isinstance(kids, list) else 1):
-            raise InvariantError("a children list with fewer than two blocks")
-        for kid in group:
-            if kid.parent_hash != parent or kid.block_hash is None or self._map.get(kid.block_hash) is not kid:
-                raise InvariantError(f"children index holds a stale block: {kid!r}")
-        return len(group)
+        """Verify every invariant (``pool_check``); raise InvariantError on the first
+        broken one."""
+        check_pool(self)

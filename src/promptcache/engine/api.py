@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from ..blocks.matcher import CacheMiss as CacheMiss  # the engine's miss type (re-exported)
+from ..cache.miss import CacheMiss as CacheMiss  # the engine's miss type (re-exported)
 from ..meta import DEFAULT_TENANT, ExtraKeySpan
 
 IMAGE_DIGEST_VERSION = 1

@@ -42,8 +42,8 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import TokenBuffer, make_prompt_cache
 
-from ..blocks.matcher import CACHE_ERROR, RESTORE_ERROR, CacheMiss
-from ..cache_types import ChainCursor
+from ..cache.miss import CACHE_ERROR, RESTORE_ERROR, CacheMiss
+from ..cache.types import ChainCursor
 from ..meta import Namespace
 from . import adapters, mlx_compat
 from .api import GenerationRequest, GenerationResult, TokenEvent, Usage

@@ -33,7 +33,7 @@ def cache_stats_dict(engine: Any) -> dict[str, Any] | None:
     stats = cache.stats()
     data = dict(stats.to_dict() if hasattr(stats, "to_dict") else dict(stats))
     levels = getattr(cache, "levels_snapshot", None)
-    if levels is not None:  # protections and active sessions (cache_levels.py)
+    if levels is not None:  # protections and active sessions (cache/levels.py)
         data["levels"] = levels()
     return data
 

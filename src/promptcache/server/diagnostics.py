@@ -55,7 +55,7 @@ MESSAGES_CHANGED = "messages_changed"
 CHANGED = (TOOLS_CHANGED, SYSTEM_CHANGED, MESSAGES_CHANGED)
 NOT_FOUND = "previous_message_not_found"
 UNAVAILABLE = "unavailable"
-# the cache's causes (blocks.matcher) -> the diagnosis for a repeated prefix
+# the cache's causes (cache/miss.py) -> the diagnosis for a repeated prefix
 _CACHE_CAUSES = {"evicted": "evicted", "expired": "expired", "cold": "cold",
                  "not_restorable": "not_restorable", "promotion_failed": "evicted",
                  "diverged": MESSAGES_CHANGED, "cache_error": "not_restorable",

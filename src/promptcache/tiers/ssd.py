@@ -5,7 +5,7 @@ several live processes may share.
 (bytes, or a ``PayloadSource`` the writer thread encodes) on a bounded queue
 drained by one writer thread. With ``timeout=0`` (the request path) a full queue
 refuses at once (counted ``queue_full``; the cache keeps such a block in RAM and
-offers it again, see ``cache_lower``); a positive or None ``timeout`` waits for
+offers it again, see ``cache.lower``); a positive or None ``timeout`` waits for
 room (back-pressure). The write itself is in ``ssd_write``: temp file -> fsync ->
 publish under a free name -> fsync folder -> commit of the index row, so after a
 crash (even SIGKILL) every row names a complete file; reconcile at startup

@@ -1,5 +1,5 @@
 """The types of the PromptCache API: payload adapters, lookup results (Match, Hit)
-and argument checks. ``cache.py`` holds the policy itself; it re-exports these."""
+and argument checks. ``facade`` holds the policy itself; the package re-exports these."""
 
 from __future__ import annotations
 
@@ -12,11 +12,13 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from .blocks.matcher import CacheMiss, Entry, entry_meta, entry_tier
-from .blocks.pool import Block
-from .codec import Decoded
-from .hashing import BlockHash
-from .meta import BlockMeta, ExtraKeySpan, Namespace
+from ..blocks.pool import Block
+from ..blocks.tokens import RequestTokens, to_request_tokens
+from ..codec import Decoded
+from ..hashing import BlockHash
+from ..meta import BlockMeta, ExtraKeySpan, Namespace
+from .entries import Entry, entry_meta, entry_tier
+from .miss import CacheMiss
 
 EncodeFn = Callable[[BlockMeta, Sequence[str], str, np.ndarray], bytes]
 """``encode(meta, sessions, layout, buffer) -> bytes`` (``codec.encode``)."""
@@ -226,3 +228,11 @@ def check_ns(ns: Namespace, block_size: int) -> None:
         raise ValueError(f"namespace must be a Namespace, got {type(ns).__name__}")
     if ns.block_size != block_size:
         raise ValueError(f"namespace block_size {ns.block_size} != cache block_size {block_size}")
+
+
+def check_request(tokens: Any, ns: Namespace, extra_keys: Sequence[ExtraKeySpan],
+                  block_size: int) -> tuple[RequestTokens, tuple[ExtraKeySpan, ...]]:
+    """A request's tokens, namespace and extra keys checked (ValueError)."""
+    req = to_request_tokens(tokens)
+    check_ns(ns, block_size)
+    return req, check_spans(extra_keys)

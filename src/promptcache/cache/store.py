@@ -10,123 +10,105 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
-from .blocks import matcher as _matcher
-from .blocks.pool import PERSISTED, SNAPSHOT, TRUNCATABLE, Block
-from .blocks.tokens import RequestTokens, to_request_tokens
-from .cache_base import CacheBase
-from .cache_lower import ALL_TIERS, in_tiers
-from .cache_types import ChainCursor, check_ns, check_spans
-from .hashing import BlockHash
-from .meta import ExtraKeySpan, Namespace, extra_keys_for
-from .stats import SAVE_POINTS
+from ..blocks.pool import PERSISTED, SNAPSHOT, TRUNCATABLE, Block, BlockPool
+from ..blocks.tokens import RequestTokens, to_request_tokens
+from ..hashing import BlockHash
+from ..meta import ExtraKeySpan, Namespace, extra_keys_for
+from ..stats import SAVE_POINTS, Counters
+from ..tiers.base import Tier
+from . import matcher as _matcher
+from .levels import Levels
+from .lower import ALL_TIERS, LowerWriter, in_tiers
+from .miss import NOT_STORED, GoneMemory
+from .policy import Expiry, Faults
+from .types import ChainCursor, PayloadAdapter, check_ns, check_spans
 
 logger = logging.getLogger(__name__)
 
 
-class CacheStore(CacheBase):
-    """Storing a token sequence's blocks (every save point calls ``store``)."""
+def check_store(ns: Namespace, tokens: Any, num_tokens: int, payload_for: Any,
+                extra_keys: Sequence[ExtraKeySpan], session_id: str | None,
+                agent_id: str | None, save_point: str, cursor: ChainCursor | None,
+                block_size: int) -> tuple[RequestTokens, tuple[ExtraKeySpan, ...], int]:
+    """``store``'s arguments checked (ValueError): the tokens from the cursor on, the
+    extra-key spans and the cursor's start."""
+    check_ns(ns, block_size)
+    if isinstance(num_tokens, bool) or not isinstance(num_tokens, int):
+        raise ValueError(f"num_tokens must be an integer, got {num_tokens!r}")
+    offset = 0
+    if cursor is not None:
+        if not isinstance(cursor, ChainCursor) or cursor.ns != ns:
+            raise ValueError("cursor must be a ChainCursor of the same namespace")
+        if cursor.start > num_tokens:
+            raise ValueError(f"cursor start {cursor.start} is past num_tokens {num_tokens}")
+        offset = cursor.start
+        # only the tokens from the cursor on are read (and validated)
+        tokens = (RequestTokens(tokens.arr[offset:num_tokens])
+                  if isinstance(tokens, RequestTokens) else tokens[offset:num_tokens])
+    req = to_request_tokens(tokens, allow_empty=cursor is not None)
+    spans = check_spans(extra_keys)
+    if not 0 <= num_tokens - offset <= req.n:
+        raise ValueError(f"num_tokens must be in [0, {offset + req.n}], got {num_tokens}")
+    if save_point not in SAVE_POINTS:
+        raise ValueError(f"save_point must be one of {SAVE_POINTS}, got {save_point!r}")
+    if session_id is not None and (not isinstance(session_id, str) or not session_id):
+        raise ValueError(f"session_id must be a non-empty string or None, got {session_id!r}")
+    if agent_id is not None and (not isinstance(agent_id, str) or not agent_id):
+        raise ValueError(f"agent_id must be a non-empty string or None, got {agent_id!r}")
+    if not callable(payload_for):
+        raise ValueError("payload_for must be callable")
+    return req, spans, offset
 
-    # ---- store ---------------------------------------------------------------
-    def store(
-        self,
-        ns: Namespace,
-        tokens: Any,
-        num_tokens: int,
-        payload_for: Callable[[int, int, bool], Any],
-        *,
-        extra_keys: Sequence[ExtraKeySpan] = (),
-        session_id: str | None = None,
-        agent_id: str | None = None,
-        truncatable: bool = True,
-        snapshot_at_end: bool = True,
-        include_partial: bool = True,
-        save_point: str = "mid_prefill",
-        cursor: ChainCursor | None = None,
-    ) -> int:
-        """Store the blocks of ``tokens[:num_tokens]`` that are not stored yet; returns
-        the number of blocks created. ``payload_for(start, end, snapshot)`` is called
-        only for blocks that must be created (or upgraded with a snapshot).
 
-        ``cursor``: resume the walk at ``cursor.start`` (a block boundary whose parent
-        hash it knows) instead of re-hashing the chain from the root, and move it to
-        the end of the last full block stored or found; only ``tokens[cursor.start:
-        num_tokens]`` is read, so repeated saves of a growing sequence cost only their
-        new blocks.
+def first_unstored(ns: Namespace, tokens: Any, num_tokens: int, cursor: ChainCursor | None,
+                   cause: str, extra_keys: Sequence[ExtraKeySpan], block_size: int
+                   ) -> tuple[BlockHash | None, BlockHash | None] | None:
+    """``note_not_stored``'s arguments checked (ValueError) and its keys: the hash of the
+    first block not stored (a full block) and the cursor's block; None when nothing
+    after the cursor was left unsaved."""
+    check_ns(ns, block_size)
+    if not isinstance(cause, str) or not cause:
+        raise ValueError(f"cause must be a non-empty string, got {cause!r}")
+    start = 0 if cursor is None else cursor.start
+    parent = None if cursor is None else cursor.parent
+    if start >= num_tokens:
+        return None  # nothing after the cursor was left unsaved
+    bs = ns.block_size
+    spans = check_spans(extra_keys)
+    first: BlockHash | None = None
+    if start + bs <= num_tokens:
+        part = tokens.arr if isinstance(tokens, RequestTokens) else tokens
+        arr = to_request_tokens(part[start:start + bs]).arr
+        extra = extra_keys_for(spans, start, start + bs) if spans else ()
+        first = _matcher.block_hash(ns.root if parent is None else parent, arr, extra)
+    return first, parent
 
-        ``session_id`` / ``agent_id``: recorded on every block stored or found (the
-        agent, a client's subagent id, in RAM only)."""
-        check_ns(ns, self.config.block_size)
-        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int):
-            raise ValueError(f"num_tokens must be an integer, got {num_tokens!r}")
-        offset = 0
-        if cursor is not None:
-            if not isinstance(cursor, ChainCursor) or cursor.ns != ns:
-                raise ValueError("cursor must be a ChainCursor of the same namespace")
-            if cursor.start > num_tokens:
-                raise ValueError(f"cursor start {cursor.start} is past num_tokens {num_tokens}")
-            offset = cursor.start
-            # only the tokens from the cursor on are read (and validated)
-            tokens = (RequestTokens(tokens.arr[offset:num_tokens])
-                      if isinstance(tokens, RequestTokens) else tokens[offset:num_tokens])
-        req = to_request_tokens(tokens, allow_empty=cursor is not None)
-        spans = check_spans(extra_keys)
-        if not 0 <= num_tokens - offset <= req.n:
-            raise ValueError(f"num_tokens must be in [0, {offset + req.n}], got {num_tokens}")
-        if save_point not in SAVE_POINTS:
-            raise ValueError(f"save_point must be one of {SAVE_POINTS}, got {save_point!r}")
-        if session_id is not None and (not isinstance(session_id, str) or not session_id):
-            raise ValueError(f"session_id must be a non-empty string or None, got {session_id!r}")
-        if agent_id is not None and (not isinstance(agent_id, str) or not agent_id):
-            raise ValueError(f"agent_id must be a non-empty string or None, got {agent_id!r}")
-        if not callable(payload_for):
-            raise ValueError("payload_for must be callable")
-        with self._lock:
-            self._now = self._clock()
-            self.levels.tick(self._now)
-            created = self._store(ns, req, num_tokens - offset, payload_for, spans,
-                                  session_id, truncatable, snapshot_at_end, include_partial,
-                                  offset, cursor, agent_id)
-            self._c.saves[save_point] += 1
-            self._c.blocks_saved[save_point] += created
-            return created
 
-    def note_not_stored(self, ns: Namespace, tokens: Any, num_tokens: int,
-                        cursor: ChainCursor | None, cause: str, *,
-                        extra_keys: Sequence[ExtraKeySpan] = ()) -> None:
-        """A save of ``tokens[:num_tokens]`` failed (``cause``: the caller's short name
-        for why: layout | tier | budget | invariant | other) after storing the blocks
-        before ``cursor.start`` (default 0). The next lookup that stops there explains
-        its miss as ``not_stored: <cause>`` instead of ``cold``: remembered for the
-        first block not stored (when it is a full block) and for the children of the
-        cursor's block (never the namespace root: every prompt starts there)."""
-        check_ns(ns, self.config.block_size)
-        if not isinstance(cause, str) or not cause:
-            raise ValueError(f"cause must be a non-empty string, got {cause!r}")
-        start = 0 if cursor is None else cursor.start
-        parent = None if cursor is None else cursor.parent
-        if start >= num_tokens:
-            return  # nothing after the cursor was left unsaved
-        bs = ns.block_size
-        spans = check_spans(extra_keys)
-        first: BlockHash | None = None
-        if start + bs <= num_tokens:
-            part = tokens.arr if isinstance(tokens, RequestTokens) else tokens
-            arr = to_request_tokens(part[start:start + bs]).arr
-            extra = extra_keys_for(spans, start, start + bs) if spans else ()
-            first = _matcher.block_hash(ns.root if parent is None else parent, arr, extra)
-        with self._lock:
-            self.gone.record(first, parent, _matcher.NOT_STORED, cause)
+@dataclass(eq=False)
+class Store:
+    """Stores a token sequence's blocks (every save point calls ``PromptCache.store``)."""
 
-    def _store(self, ns: Namespace, req: RequestTokens, num_tokens: int,
+    pool: BlockPool
+    lower: Sequence[Tier]
+    writer: LowerWriter
+    levels: Levels
+    expiry: Expiry
+    adapter: PayloadAdapter
+    gone: GoneMemory
+    faults: Faults
+    counters: Counters
+
+    def store(self, ns: Namespace, req: RequestTokens, num_tokens: int,
                payload_for: Callable[[int, int, bool], Any], spans: tuple[ExtraKeySpan, ...],
                session_id: str | None, truncatable: bool, snapshot_at_end: bool,
                include_partial: bool, offset: int = 0, cursor: ChainCursor | None = None,
-               agent_id: str | None = None) -> int:
+               agent_id: str | None = None, *, now: float) -> int:
         """``req`` holds the tokens from ``offset`` (a cursor's start) on; ``num_tokens``
         counts from there too; block positions below are absolute."""
-        pool, c, bs = self.pool, self._c, ns.block_size
+        pool, c, bs = self.pool, self.counters, ns.block_size
         held: list[Block] = []
         created: list[Block] = []
         upgraded: list[Block] = []
@@ -150,14 +132,14 @@ class CacheStore(CacheBase):
                     c.collisions += 1
                     logger.warning("hash collision at token %d: block not stored", start)
                     break
-                if existing is not None and existing.ref_cnt == 0 and self._is_expired(existing):
-                    self._remove_expired(existing)
+                if existing is not None and existing.ref_cnt == 0 and self.expiry.expired(existing, now):
+                    self.expiry.remove(existing)
                     existing = None
                 if existing is None and truncatable and end - start < bs:
                     # a partial tail already covered by a longer stored sibling adds nothing
-                    existing = self._covering_sibling(parent, want, extra, ns)
+                    existing = self._covering_sibling(parent, want, extra, ns, now)
                 if existing is not None:
-                    pool.ref(existing, self._now)
+                    pool.ref(existing, now)
                     held.append(existing)
                     c.dedup_blocks += 1
                     if self._touch_existing(existing, session_id, snap, start, end, payload_for):
@@ -172,12 +154,12 @@ class CacheStore(CacheBase):
                         logger.debug("no room for a %d-byte block at token %d: dropped", nbytes, start)
                         # the next lookup stopping here says why: not_stored: budget
                         self.gone.record(h, None if start == 0 else parent,
-                                         _matcher.NOT_STORED, "budget")
+                                         NOT_STORED, "budget")
                         break
                     block = pool.allocate(
                         block_hash=h, parent_hash=parent, tokens=want, start=start,
                         extra_keys=extra, flags=flags, ns=ns, payload=payload, nbytes=nbytes,
-                        now=self._now,
+                        now=now,
                     )
                     if session_id is not None:
                         block.add_session(session_id)
@@ -194,18 +176,18 @@ class CacheStore(CacheBase):
                     cursor.start, cursor.parent = end, h
             if self.lower:
                 for block in created + upgraded:
-                    self._writer.offer(block)  # to the write-through tiers, if any
+                    self.writer.offer(block)  # to the write-through tiers, if any
         finally:
             pool.release_chain(held)
         return len(created)
 
     def _covering_sibling(self, parent: BlockHash, want: bytes, extra: tuple[bytes, ...],
-                          ns: Namespace) -> Block | None:
+                          ns: Namespace, now: float) -> Block | None:
         """A stored truncatable sibling whose tokens extend ``want`` (same extra keys)."""
         for sib in self.pool.children(parent):
             if (sib.truncatable and sib.ns == ns and sib.extra_keys == extra
                     and len(sib.tokens) > len(want) and sib.tokens.startswith(want)
-                    and not self._is_expired(sib)):
+                    and not self.expiry.expired(sib, now)):
                 return sib
         return None
 
@@ -227,7 +209,7 @@ class CacheStore(CacheBase):
                     block.add_agent(aid)
                 where, h = in_tiers(sib, len(self.lower)), sib.block_hash
                 if self.pool.remove(sib):
-                    self._c.superseded += 1
+                    self.counters.superseded += 1
                     if where and h is not None:
                         self._discard_lower(h, sib.ns, where)
 
@@ -236,7 +218,7 @@ class CacheStore(CacheBase):
             try:
                 tier.discard((block_hash,), ns=ns)
             except Exception as e:
-                self._on_tier_error(tier, e)
+                self.faults.tier_error(tier, e)
 
     def _touch_existing(self, block: Block, session_id: str | None, snap: bool, start: int,
                         end: int, payload_for: Callable[[int, int, bool], Any]) -> bool:
@@ -248,14 +230,14 @@ class CacheStore(CacheBase):
                 try:
                     tier.add_sessions(block.meta().block_hash, (session_id,), ns=block.ns)
                 except Exception as e:
-                    self._on_tier_error(tier, e)
+                    self.faults.tier_error(tier, e)
         if snap and not block.restorable_at_end():
             payload = payload_for(start, end, True)
             nbytes = self.adapter.nbytes(payload)
             flags = (block.flags | SNAPSHOT) & ~(PERSISTED | ALL_TIERS)
             if self.pool.replace_payload(block, payload, nbytes, flags):
-                self._c.upgrades += 1
+                self.counters.upgrades += 1
                 self.levels.resized(block)
                 return True
-            self._c.drops += 1
+            self.counters.drops += 1
         return False

@@ -37,8 +37,8 @@ from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from .blocks.pool import ACTIVE, IDLE, PROTECTED, Block, BlockPool
-from .hashing import BlockHash
+from ..blocks.pool import ACTIVE, IDLE, PROTECTED, Block, BlockPool
+from ..hashing import BlockHash
 
 # a claim's key: ("breakpoint" | "key" | "session", tenant, namespace key, ...)
 ClaimKey = tuple[Hashable, ...]
@@ -179,7 +179,7 @@ class Levels:
         return touched
 
     def supersede(self, old: BlockHash, new: Block) -> None:
-        """A partial block gave way to a longer sibling (``PromptCache._drop_superseded``):
+        """A partial block gave way to a longer sibling (``Store._drop_superseded``):
         the claims on the old block's hash move to the new block."""
         h = new.block_hash
         if h is None or (old not in self._pcount and old not in self._acount):
@@ -196,14 +196,6 @@ class Levels:
         """A protected block's payload changed size (a snapshot upgrade)."""
         if block.block_hash is not None and self._pcount.get(block.block_hash):
             self._apply(self._enforce())
-
-    def unprotect(self, key: ClaimKey) -> bool:
-        old = self._prot.pop(key, None)
-        if old is None:
-            return False
-        self._dec(self._pcount, old.hashes)
-        self._apply(old.hashes)
-        return True
 
     def mark_active(self, key: ClaimKey, hashes: Iterable[BlockHash], now: float) -> int:
         """``hashes`` is the latest chain of session ``key`` (a request just now)."""

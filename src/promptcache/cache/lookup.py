@@ -1,30 +1,31 @@
-"""Lookup and promotion: what a request restores, and from which tier.
-
-``lookup`` / ``stored_after`` are pure queries; ``acquire`` references the RAM
-blocks of the longest restorable prefix and promotes the lower-tier ones into RAM (a
-remote tier's run of blocks read in one ``get_many`` after reserving RAM for all of
-them), cutting the hit at the last restorable position before a failed promotion;
-``release`` gives the references back.
+"""Acquire: reference the RAM blocks of a request's longest restorable prefix and
+promote the lower-tier ones into RAM (a remote tier's run of blocks read in one
+``get_many`` after reserving RAM for all of them), cutting the hit at the last
+restorable position before a failed promotion. Nothing stays pinned on an error.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
-from .blocks.matcher import PROMOTION_FAILED, CacheMiss, Entry, LowerEntry, entry_tier
-from .blocks.pool import SNAPSHOT, TRUNCATABLE, Block
-from .blocks.tokens import to_request_tokens
-from .cache_base import CacheBase
-from .cache_lower import mark_in_tier
-from .cache_types import Hit, Match, check_ns, check_spans
-from .errors import TierError, UnsupportedFormatError
-from .hashing import BlockHash
-from .meta import ExtraKeySpan, Namespace
-from .tiers.base import Tier
+from ..blocks.pool import Block, BlockPool
+from ..blocks.tokens import RequestTokens
+from ..errors import TierError, UnsupportedFormatError
+from ..hashing import BlockHash
+from ..meta import ExtraKeySpan, Namespace
+from ..stats import Counters
+from ..tiers.base import Tier
+from .entries import Entry, LowerEntry, entry_tier
+from .levels import Levels
+from .lower import mark_in_tier
+from .matcher import Matcher
+from .miss import PROMOTION_FAILED, CacheMiss, GoneMemory
+from .payloads import Payloads, allocate_stored
+from .policy import Expiry, Faults, notify
+from .types import Hit
 
 # A chain's blocks in one remote tier are read in batches of at most this many bytes
 # (RAM is reserved for a whole batch before it is read).
@@ -33,74 +34,52 @@ _UNFETCHED = object()
 _FAILED = object()
 
 
-class CacheLookup(CacheBase):
-    """Lookup, acquire (with promotion from the lower tiers) and release."""
+@dataclass(eq=False)
+class Lookup:
+    """``acquire``: match, reference, promote (see the module docstring)."""
 
-    # ---- lookup / acquire / release ------------------------------------------
-    def lookup(self, tokens: Any, ns: Namespace, extra_keys: Sequence[ExtraKeySpan] = (),
-               explain: bool = False) -> Match:
-        """The longest restorable cached prefix of ``tokens`` (a pure query: no LRU
-        change, no stats). ``explain`` is accepted for symmetry: ``miss`` is always set
-        on a short match."""
-        req = to_request_tokens(tokens)
-        check_ns(ns, self.config.block_size)
-        spans = check_spans(extra_keys)
-        with self._lock:
-            self._now = self._clock()
-            raw = self._matcher.match(req, ns, spans)
-            return Match(raw.entries, raw.num_tokens, raw.matched_tokens, raw.miss)
+    pool: BlockPool
+    lower: Sequence[Tier]
+    matcher: Matcher
+    levels: Levels
+    expiry: Expiry
+    payloads: Payloads
+    gone: GoneMemory
+    faults: Faults
+    counters: Counters
+    observers: list[Any]
 
-    def stored_after(self, tokens: Any, ns: Namespace, position: int, limit: int = 32,
-                     extra_keys: Sequence[ExtraKeySpan] = ()) -> list[int]:
-        """The stored token ids that follow ``tokens[:position]`` in the stored block
-        closest to ``tokens`` there (a pure query, for miss explanations: the cached
-        side of a divergence); at most ``limit``, empty when nothing is stored."""
-        req = to_request_tokens(tokens)
-        check_ns(ns, self.config.block_size)
-        spans = check_spans(extra_keys)
-        with self._lock:
-            self._now = self._clock()
-            return self._matcher.stored_after(req, ns, spans, position, limit)
+    def acquire(self, req: RequestTokens, ns: Namespace, spans: tuple[ExtraKeySpan, ...],
+                now: float) -> Hit:
+        self.expiry.sweep(now)
+        raw = self.matcher.match(req, ns, spans, now)
+        sources = [entry_tier(e) for e in raw.entries]
+        held, num = self._take(raw.entries, raw.num_tokens, ns, req.n, now)
+        sources = sources[: len(held)]
+        miss = raw.miss
+        if num < raw.num_tokens:
+            miss = CacheMiss(PROMOTION_FAILED, position=raw.matched_tokens,
+                             restorable=num, num_tokens=req.n)
+        by_tier: Counter[str] = Counter()
+        for b, tier in zip(held, sources, strict=True):
+            by_tier[tier] += min(b.end, num) - b.start
+        c = self.counters
+        c.lookups += 1
+        c.hit_tokens += num
+        c.miss_tokens += req.n - num
+        c.hit_tokens_by_tier.update(by_tier)
+        if miss is not None:
+            c.misses_by_cause[miss.cause] += 1
+        if self.observers:
+            notify(self.observers, "acquired", req, ns, spans, num, miss)
+        return Hit(held, num, req.n, dict(by_tier), sources, miss)
 
-    def acquire(self, tokens: Any, ns: Namespace, extra_keys: Sequence[ExtraKeySpan] = (),
-                session_id: str | None = None) -> Hit:
-        """Lookup + promote lower-tier blocks into RAM + reference the blocks."""
-        req = to_request_tokens(tokens)
-        check_ns(ns, self.config.block_size)
-        spans = check_spans(extra_keys)
-        with self._lock:
-            self._now = self._clock()
-            self.levels.tick(self._now)
-            self._expire_lru()
-            raw = self._matcher.match(req, ns, spans)
-            sources = [entry_tier(e) for e in raw.entries]
-            held, num = self._take(raw.entries, raw.num_tokens, ns, req.n)
-            sources = sources[: len(held)]
-            miss = raw.miss
-            if num < raw.num_tokens:
-                miss = CacheMiss(PROMOTION_FAILED, position=raw.matched_tokens,
-                                 restorable=num, num_tokens=req.n)
-            by_tier: Counter[str] = Counter()
-            for b, tier in zip(held, sources, strict=True):
-                by_tier[tier] += min(b.end, num) - b.start
-            c = self._c
-            c.lookups += 1
-            c.hit_tokens += num
-            c.miss_tokens += req.n - num
-            c.hit_tokens_by_tier.update(by_tier)
-            if miss is not None:
-                c.misses_by_cause[miss.cause] += 1
-            if self.observers:
-                self._notify("acquired", req, ns, spans, num, miss)
-            return Hit(held, num, req.n, dict(by_tier), sources, miss)
-
-    def _take(self, entries: list[Entry], num_tokens: int, ns: Namespace, n: int
+    def _take(self, entries: list[Entry], num_tokens: int, ns: Namespace, n: int, now: float
               ) -> tuple[list[Block], int]:
         """Reference RAM entries, then promote lower ones in order; on a failed
         promotion cut the hit at the last restorable position before it. On any
         exception every reference taken here is given back before it propagates
         (nothing stays pinned)."""
-        now = self._now
         taken: list[Block] = []  # every reference this call holds, in order
         try:
             for e in entries:
@@ -117,7 +96,7 @@ class CacheLookup(CacheBase):
                     continue
                 if i not in fetched and getattr(e.source, "get_many", None) is not None:
                     fetched = self._fetch_run(entries, i, ns)
-                block = self._promote(e, ns, fetched.pop(i, _UNFETCHED))
+                block = self._promote(e, ns, fetched.pop(i, _UNFETCHED), now)
                 if block is None:
                     cut = i
                     break
@@ -169,18 +148,19 @@ class CacheLookup(CacheBase):
         try:
             got = get_many(hashes, ns=ns)
         except Exception as e:  # a tier breaking its contract is a tier failure too
-            self._on_tier_error(src, e)
+            self.faults.tier_error(src, e)
             return dict.fromkeys(run, _FAILED)
         if not isinstance(got, list) or len(got) != len(run):
-            self._on_tier_error(src, TierError("get_many returned a wrong number of blocks"))
+            self.faults.tier_error(src, TierError("get_many returned a wrong number of blocks"))
             return dict.fromkeys(run, _FAILED)
         return dict(zip(run, got, strict=True))
 
-    def _promote(self, entry: LowerEntry, ns: Namespace, fetched: Any = None) -> Block | None:
+    def _promote(self, entry: LowerEntry, ns: Namespace, fetched: Any, now: float
+                 ) -> Block | None:
         """Promote one lower-tier block into RAM. ``fetched``: what ``_fetch_run`` read
         for it (``(payload, sessions)``, None: absent, ``_FAILED``), or ``_UNFETCHED``."""
         meta = entry.meta
-        c = self._c
+        c = self.counters
         if fetched is _FAILED:
             return None
         existing = self.pool.get(meta.block_hash)
@@ -188,7 +168,7 @@ class CacheLookup(CacheBase):
             if existing.ref_cnt:
                 c.promotion_failures += 1
                 return None
-            self._remove_expired(existing)
+            self.expiry.remove(existing)
         if not self.pool.make_room(meta.nbytes):  # reserve RAM before reading
             c.promotion_failures += 1
             return None
@@ -204,33 +184,26 @@ class CacheLookup(CacheBase):
             else:
                 data, sessions = fetched
         except Exception as e:
-            self._on_tier_error(source, e)
+            self.faults.tier_error(source, e)
             return None
         if data is None:
             c.promotion_failures += 1
             return None
         try:
-            block_hash, buffer, layout = self._decode_block(data)
-            if block_hash != meta.block_hash:
+            loaded = self.payloads.load(data, meta.block_hash)
+            if loaded is None:
                 raise TierError("the stored payload belongs to another block")
-            payload = self.adapter.from_buffer(buffer, layout)
-            nbytes = self.adapter.nbytes(payload)
         except UnsupportedFormatError as e:  # an older cache's block: a counted miss
-            self._on_old_format(entry.source, e)
+            self.faults.old_format(source, e)
             return None
         except Exception as e:  # corrupt or foreign bytes: a counted miss
-            self._on_tier_error(entry.source, e)
+            self.faults.tier_error(source, e)
             return None
+        payload, nbytes = loaded
         if not self.pool.can_allocate(nbytes):
             c.promotion_failures += 1
             return None
-        flags = (TRUNCATABLE if meta.truncatable else 0) | (SNAPSHOT if meta.snapshot else 0)
-        block = self.pool.allocate(
-            block_hash=meta.block_hash, parent_hash=meta.parent_hash,
-            tokens=np.asarray(meta.token_ids, dtype="<u4").tobytes(), start=meta.start,
-            extra_keys=tuple(meta.extra_keys), flags=flags, ns=ns, payload=payload,
-            nbytes=nbytes, now=self._now,
-        )
+        block = allocate_stored(self.pool, meta, ns, payload, nbytes, now)
         block.hits = 1
         self.levels.on_new_block(block)
         mark_in_tier(block, self.lower.index(source), len(self.lower))
@@ -239,13 +212,3 @@ class CacheLookup(CacheBase):
         self.gone.forget(meta.block_hash)
         c.promotions += 1
         return block
-
-    def release(self, hit: Hit) -> None:
-        """Unreference a hit's blocks (tail-first); they become evictable. Idempotent."""
-        if not isinstance(hit, Hit):
-            raise ValueError(f"release expects a Hit, got {type(hit).__name__}")
-        with self._lock:
-            if hit.released:
-                return
-            hit.released = True
-            self.pool.release_chain(hit._held)

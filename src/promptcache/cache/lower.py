@@ -35,20 +35,19 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from .blocks.pool import PERSISTED, Block
-from .hashing import BlockHash
-from .meta import Namespace
-from .stats import Counters
-from .tiers.base import PayloadSource, Tier
+from ..blocks.pool import PERSISTED, Block
+from ..hashing import BlockHash
+from ..stats import Counters
+from ..tiers.base import PayloadSource, Tier
+from .persist import NAMED_FAILURES, PROGRESS_EVERY_S, PersistReport, block_name
+from .persist import missing as persist_missing
 
 logger = logging.getLogger(__name__)
 
 DEMOTE_TIMEOUT_S = 30.0  # an evicted block waits this long for room in a tier's queue
 FEED_WAIT_S = 0.5  # the feeder re-checks for close/new work at least this often
-PROGRESS_EVERY_S = 2.0
-NAMED_FAILURES = 10  # failed blocks named in the persist log line
 # Block flag bits above the pool's: bit (IN_TIER << i) = lower tier i holds the block.
 IN_TIER = 8
 MAX_TIERS = 4
@@ -69,29 +68,11 @@ def mark_in_tier(block: Block, i: int, n: int) -> None:
         block.flags |= PERSISTED
 
 
-@dataclass
-class PersistReport:
-    """The outcome of one ``persist``: blocks to write, written, and the ones that did
-    not reach every lower tier (``failed_names``: the first few, for the log)."""
-
-    blocks: int = 0
-    written: int = 0
-    failed: int = 0
-    timed_out: bool = False
-    seconds: float = 0.0
-    failed_names: list[str] = field(default_factory=list)
-
-
 @dataclass(eq=False)
 class _Unwritten:
     block: Block
     left: set[int]  # write-through tiers that had no room yet
     refused: bool = False  # some tier refused it for good
-
-
-def block_name(block: Block) -> str:
-    h = block.block_hash.hex()[:16] if block.block_hash is not None else "private"
-    return f"{block.ns.tenant}@{block.start}:{h}"
 
 
 class LowerWriter:
@@ -199,7 +180,7 @@ class LowerWriter:
             self._wake()
 
     def offer_first(self, blocks: Sequence[Block]) -> None:
-        """Protected blocks (a client's cache breakpoint, ``cache_levels``), head first:
+        """Protected blocks (a client's cache breakpoint, ``levels``), head first:
         each is put into every lower tier that lacks it now, whatever the write policy;
         for a tier without room they wait first, in their order, ahead of the
         write-through blocks already waiting. Never waits. Lock held."""
@@ -352,7 +333,7 @@ class LowerWriter:
         flushed = self._flush_tiers(deadline)
         if not flushed:
             report.timed_out = True
-        missing = self._missing(handed)
+        missing = persist_missing(self.tiers, handed, self._on_tier_error)
         for block in handed:
             gone = missing.get(id(block))
             if not gone and block.persisted:
@@ -375,29 +356,6 @@ class LowerWriter:
         elif blocks:
             logger.info("persisted %d RAM blocks in %.1f s", report.written, report.seconds)
         return report
-
-    def _missing(self, blocks: list[Block]) -> dict[int, set[int]]:
-        """After a flush: ``{id(block): tiers that lack it}`` over the asynchronous tiers
-        (those with ``flush``), asked with one ``get_metas`` per tier and namespace."""
-        by_ns: dict[Namespace, list[Block]] = {}
-        for b in blocks:
-            by_ns.setdefault(b.ns, []).append(b)
-        missing: dict[int, set[int]] = {}
-        for i, tier in enumerate(self.tiers):
-            if getattr(tier, "flush", None) is None:
-                continue
-            for ns, group in by_ns.items():
-                try:
-                    metas = tier.get_metas([b.meta().block_hash for b in group], ns=ns)
-                    if len(metas) != len(group):
-                        raise ValueError("get_metas returned a wrong number of entries")
-                except Exception as e:
-                    self._on_tier_error(tier, e)
-                    metas = [None] * len(group)
-                for b, m in zip(group, metas, strict=True):
-                    if m is None:
-                        missing.setdefault(id(b), set()).add(i)
-        return missing
 
     # ---- lifecycle -------------------------------------------------------------------
     def stop(self) -> None:
