@@ -260,9 +260,25 @@ class DecodeBatch:
             greedy = cast(list[list[int]], mx.argmax(logits, axis=-1).tolist())
         accepted: list[int] = []
         bonus: list[int] = []
+        # constrained rows: the logits at each position checked, masked by the grammar
+        masked: dict[int, list[mx.array]] = {}
         for i, r in enumerate(rows):
             d, a = drafts[i], 0
-            if r.sampler.greedy:
+            if r.processors:
+                # the grammar masks position j once the draft tokens before it were
+                # accepted (its matcher consumes exactly what the reply keeps), then the
+                # token is picked as decoding one at a time would (sample: argmax if greedy)
+                fed, masked[i] = pending[i], []
+                while True:
+                    row = r.process(logits[i, a], mx.array([fed], dtype=mx.uint32))
+                    masked[i].append(row)
+                    tok = int(cast(int, r.sampler.sample(row).item()))
+                    if a < len(d) and tok == d[a]:
+                        fed = d[a]
+                        a += 1
+                        continue
+                    break
+            elif r.sampler.greedy:
                 while a < len(d) and greedy[i][a] == d[a]:
                     a += 1
                 tok = greedy[i][a]
@@ -301,16 +317,19 @@ class DecodeBatch:
         for i, r in enumerate(rows):
             n = 1 + accepted[i]
             wants = r.sampler.wants_logprobs
+            at = masked.get(i)
             for j, tok in enumerate(drafts[i][:accepted[i]]):
                 values = logprob_values(r.sampler.logprob_arrays(
-                    logits[i, j], mx.array(int(tok)))) if wants else None
+                    logits[i, j] if at is None else at[j], mx.array(int(tok)))) \
+                    if wants else None
                 reason = r.accept(int(tok), values, None)
                 if reason is not None:
                     stopped[i] = reason
                     n = j + 1
                     break
             kept.append(n)
-        lps = [r.sampler.logprob_arrays(logits[i, accepted[i]], mx.array(bonus[i]))
+        lps = [r.sampler.logprob_arrays(logits[i, accepted[i]] if i not in masked
+                                        else masked[i][accepted[i]], mx.array(bonus[i]))
                if r.sampler.wants_logprobs and i not in stopped else None
                for i, r in enumerate(rows)]
         # uniform: rows that stopped before the others' end hold more than their output

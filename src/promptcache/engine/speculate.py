@@ -14,7 +14,10 @@ distribution unchanged.
 
 Where it runs (``Speculator.eligible``): batches of at most ``spec_max_rows`` rows, all
 of them greedy or sampled (log-probabilities of every emitted token from the verify
-forward's logits at its position), no logits processors (constraints), no logits hook,
+forward's logits at its position), no logits processors but grammar constraints (a
+constrained row's draft is cut at the first token its grammar rejects, and its
+processor masks each position only once the draft tokens before it were accepted, so
+its matcher consumes exactly the kept tokens: ``constrained.grammar_prefix``), no logits hook,
 and caches that can take a verify's rejected positions back
 (``mlx_compat.speculation_kind``): plain KV and MLA (trimmed), sliding windows (the
 window keeps exactly what decoding one token at a time would hold), and array / SSM
@@ -56,7 +59,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..config import EngineConfig
-from . import mlx_compat, spec_cost
+from . import constrained, mlx_compat, spec_cost
 from .drafts import DraftConfig, DraftPools, SequenceDrafts, TenantDrafts, propose
 from .spec_cost import FREE, Acceptance, CostModel, OnlineCost
 
@@ -129,9 +132,10 @@ class Speculator:
         if kind is None:
             return False
         if kind == "state" and len(rows) > 1 and not mlx_compat.states_take_lengths(model) \
-                and not all(r.sampler.greedy for r in rows):
+                and not all(r.sampler.greedy and not r.processors for r in rows):
             return False
-        return all(not r.processors and r.ctx.logits_hook is None for r in rows)
+        return all(constrained.speculates(r.processors) and r.ctx.logits_hook is None
+                   for r in rows)
 
     def waiting(self, rows: Sequence[Request]) -> bool:
         """Every row cools down or pauses this step: count the step for each and say
@@ -170,7 +174,7 @@ class Speculator:
         k = self._k.setdefault(r.request_id, max(MIN_K, self.max_k // 2))
         if self.source is not None:
             self._source[r.request_id] = "source"
-            return tuple(int(t) for t in self.source(r, k))[:k]
+            return self._grammar_cut(r, tuple(int(t) for t in self.source(r, k))[:k])
         n = r.n_prompt + len(r.output)
         entry = self._index.get(r.request_id)
         if entry is None:
@@ -183,7 +187,16 @@ class Speculator:
             index.extend(int(t) for t in r.seq[have:n].tolist())
         draft = propose(index, self._pool(r.req.tenant), k)
         self._source[r.request_id] = draft.source
-        return draft.tokens
+        return self._grammar_cut(r, draft.tokens)
+
+    def _grammar_cut(self, r: Request, draft: tuple[int, ...]) -> tuple[int, ...]:
+        """A constrained row's draft up to the first token its grammar rejects after the
+        pending token (``r.output[-1]``, reported, not yet fed)."""
+        if not r.processors or not draft:
+            return draft
+        n = constrained.grammar_prefix(r.processors, r.output[-1], draft)
+        self.counters.spec_grammar_cut += len(draft) - n
+        return draft[:n]
 
     def _pool(self, tenant: str) -> TenantDrafts | None:
         """``tenant``'s pool; the first time a tenant asks in this process, it is
