@@ -106,10 +106,10 @@ class ConcurrentPlan:
 def _sizes(quick: bool) -> dict[str, int]:
     if quick:
         return {"prompt": 60, "output": 8, "system": 200, "tools": 2, "steps": 2, "result": 40,
-                "counts": 2, "functions": 3, "spec_output": 32, "spec_streams": 2}
+                "counts": 2, "functions": 3, "spec_output": 32, "spec_streams": 2, "spec_tool_desc": 8}
     return {"prompt": 200, "output": 64, "system": 1500, "tools": 6, "steps": 3, "result": 200,
             "counts": len(STREAM_COUNTS), "functions": 12, "spec_output": 160,
-            "spec_streams": SPEC_STREAMS[-1]}
+            "spec_streams": SPEC_STREAMS[-1], "spec_tool_desc": 24}
 
 
 def build(name: str, *, quick: bool = False, seed: int = 0,
@@ -197,7 +197,9 @@ def _edit_stream(s: int, g: TextGen, sz: dict[str, int]) -> tuple[Job, ...]:
 
 def _replay_stream(s: int, g: TextGen, sz: dict[str, int]) -> tuple[Job, ...]:
     """An agent's turns (each a request; the assistant's earlier calls are scripted)."""
-    tools = tuple(_tool_defs(g, 8, 24))
+    # read_file, write_file, edit_file, run_shell, ...: the calls below need the first
+    # two and run_tests (the eighth)
+    tools = tuple(_tool_defs(g, 8, sz["spec_tool_desc"]))
     old = "_".join(g.words(2)) + "_state"
     new = "_".join(g.words(2)) + "_record"
     path = f"src/{g.ident('mod')}.py"
