@@ -231,8 +231,8 @@ def test_the_gate_follows_the_measured_cost(tiny_llama_path: Any, verify: str,
                                             drafts: str) -> None:
     """The fit says a verify is free; the measured cost says a verify of k drafts costs
     1 + 0.5 k decode steps (expensive) or 1 + 0.01 k (cheap). Wrong drafts: with the
-    expensive cost the row stops drafting after its first verify (then pauses past the
-    reply's end), with the cheap one it keeps verifying between cool-downs. Right
+    expensive cost the row stops drafting after its first verify (and probes rarely),
+    with the cheap one it keeps verifying between cool-downs. Right
     drafts pay either way. The tokens are those of decoding one at a time."""
     toks = tuple(int(t) for t in np.random.default_rng(3).integers(3, 1000, size=48))
     plain = make_engine(tiny_llama_path, use_cache=False)
@@ -261,7 +261,8 @@ def test_the_gate_follows_the_measured_cost(tiny_llama_path: Any, verify: str,
             assert c.spec_paused == 0
             assert c.decode_steps < 60 // 2
         elif verify == "expensive":
-            assert (c.spec_verifies, c.spec_accepted, c.spec_paused) == (1, 0, 1)
+            # paused after its first verify; probes after 16 steps, then 32: at most 3
+            assert c.spec_verifies <= 3 and c.spec_accepted == 0 and c.spec_paused >= 1
         else:
             assert c.spec_verifies >= 5 and c.spec_accepted == 0 and c.spec_paused == 0
     finally:

@@ -36,9 +36,10 @@ corrected by the wall time of the verify forwards and decode steps the batch run
 Per row, a draft that is not expected to pay on its own at that cost
 (``spec_cost.row_pays``: the row's acceptance rate, the verify's price) is dropped and
 the row drafts nothing for ``PROBE_STEPS`` steps, then probes once with an optimistic
-rate (``PROBE_RATE``); a probe that does not pay doubles the pause, up to
-``MAX_PROBE_STEPS``. While every row of the batch waits (a cool-down or a pause), the
-decode step stays pipelined (``waiting``: no sync to read the pending tokens).
+rate (``PROBE_RATE``); each further pause with no draft token accepted in between is
+twice as long, up to ``MAX_PROBE_STEPS``. While every row of the batch waits (a
+cool-down or a pause), the decode step stays pipelined (``waiting``: no sync to read the
+pending tokens).
 
 Drafts come from the request's own history first and its tenant's pool second
 (``drafts.DraftPools``: when a request finishes, ``remember`` adds its output and the
@@ -80,10 +81,11 @@ MAX_COOL = 16
 # history indexed per request: the last this many tokens of prompt + output
 HISTORY_TOKENS = 32768
 # a row whose drafts do not pay drafts nothing for this many steps, then probes ...
-PROBE_STEPS = 64
+PROBE_STEPS = 16
 # ... with its acceptance rate taken as at least this ...
 PROBE_RATE = 0.9
-# ... and a failed probe doubles the pause, up to this many steps
+# ... and each pause with no draft token accepted since the last is twice as long, up to
+# this many steps
 MAX_PROBE_STEPS = 1024
 
 
