@@ -267,3 +267,44 @@ def test_the_gate_follows_the_measured_cost(tiny_llama_path: Any, verify: str,
             assert c.spec_verifies >= 5 and c.spec_accepted == 0 and c.spec_paused == 0
     finally:
         eng.close()
+
+
+def test_the_gate_is_per_row_in_a_batch(tiny_llama_path: Any) -> None:
+    """Two rows decoding together, a verify measured at 1 + 0.25 k decode steps (of the
+    batch): the row whose drafts are wrong stops drafting (pauses) after a few verifies,
+    the row whose drafts are right keeps verifying (its tokens pay for the batch's wider
+    forward); both get the tokens of decoding one at a time."""
+    rng = np.random.default_rng(21)
+    prompts = [tuple(int(t) for t in rng.integers(3, 1000, size=40)) for _ in range(2)]
+    plain = make_engine(tiny_llama_path, use_cache=False)
+    try:
+        want = {p: plain.submit(GenerationRequest(prompt_tokens=p, sampling=SamplingParams(
+            max_tokens=60))).result(timeout=300).tokens for p in prompts}
+    finally:
+        plain.close()
+    eng = make_engine(tiny_llama_path, use_cache=False, speculation="suffix",
+                      spec_max_draft=8)
+    try:
+        eng._ctx.logits_hook = None
+        spec = eng._ctx.speculator
+        spec.cost = ScriptedCost(lambda width: 1.0 + 0.25 * (width - 1))
+        right, wrong = prompts
+
+        def source(r: Any, k: int) -> list[int]:
+            p = tuple(r.req.prompt_tokens)
+            shift = 1 if p == wrong else 0
+            return [(t + shift) % 1000 for t in want[p][len(r.output):len(r.output) + k]]
+
+        spec.source = source
+        handles = [eng.submit(GenerationRequest(prompt_tokens=p, sampling=SamplingParams(
+            max_tokens=60))) for p in prompts]
+        got = [h.result(timeout=300) for h in handles]
+        assert [g.tokens for g in got] == [want[p] for p in prompts]
+        good, bad = got
+        assert good.usage.spec_accepted == good.usage.spec_drafted >= 40
+        # a few drafts of 2 (k falls to MIN_K after a rejection), then paused
+        assert bad.usage.spec_accepted == 0 and bad.usage.spec_drafted <= 12
+        c = eng.counters
+        assert c.spec_paused >= 1 and c.max_batch == 2
+    finally:
+        eng.close()
