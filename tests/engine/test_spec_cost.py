@@ -308,3 +308,34 @@ def test_the_gate_is_per_row_in_a_batch(tiny_llama_path: Any) -> None:
         assert c.spec_paused >= 1 and c.max_batch == 2
     finally:
         eng.close()
+
+
+def test_a_row_with_nothing_to_copy_looks_for_drafts_less_often() -> None:
+    """No draft EMPTY_RUN steps in a row: the row looks again every EMPTY_SKIP + 1 steps
+    (the steps between wait: the batch stays pipelined); a match drafts at once."""
+    from types import SimpleNamespace
+
+    from promptcache.config import EngineConfig
+    from promptcache.engine.context import EngineCounters
+    from promptcache.engine.speculate import EMPTY_RUN, EMPTY_SKIP, Speculator
+
+    spec = Speculator(EngineConfig(speculation="suffix", spec_min_match=2),
+                      EngineCounters())
+    seq = list(range(100, 140))  # no token repeats: nothing to copy
+    r = SimpleNamespace(request_id="r", n_prompt=20, output=seq[20:], processors=[],
+                        req=SimpleNamespace(tenant="t"))
+    r.seq = np.array(seq)
+    looked = []
+    for step in range(16):
+        if not spec.waiting([r]):
+            assert spec.propose(r) == ()
+            looked.append(step)
+    period = EMPTY_SKIP + 1
+    assert looked == list(range(EMPTY_RUN)) + list(range(EMPTY_RUN - 1 + period, 16, period))
+    # the sequence repeats itself: the next look drafts
+    seq += seq[:4]
+    r.seq, r.output = np.array(seq), seq[20:]
+    while spec.waiting([r]):
+        pass
+    draft = spec.propose(r)
+    assert draft and draft == tuple(seq[4:4 + len(draft)])

@@ -27,7 +27,9 @@ before. The
 number of draft tokens adapts per request (doubles after a fully accepted draft, falls
 to accepted + 1 after a rejection, at least ``MIN_K``); after a fully rejected draft the
 request drafts nothing for 1, 2, 4 ... ``MAX_COOL`` steps, so a request whose drafts keep
-failing decodes almost as without speculation. Several rows verify in one forward of
+failing decodes almost as without speculation; a request whose history found no draft
+``EMPTY_RUN`` steps in a row looks again only every ``EMPTY_SKIP + 1`` steps. Several
+rows verify in one forward of
 ``[rows, 1 + longest draft]`` when at least half of them have a draft.
 
 The gate (``spec_cost``) prices a verify with ``cost``: by default the startup fit
@@ -87,6 +89,11 @@ PROBE_RATE = 0.9
 # ... and each pause with no draft token accepted since the last is twice as long, up to
 # this many steps
 MAX_PROBE_STEPS = 1024
+# a row whose history found no draft this many steps in a row looks again only every
+# EMPTY_SKIP + 1 steps (a copy starts at most EMPTY_SKIP tokens late; the steps between
+# stay pipelined)
+EMPTY_RUN = 4
+EMPTY_SKIP = 2
 
 
 class Speculator:
@@ -121,6 +128,9 @@ class Speculator:
         # drafts did not pay; a row whose pause ran out probes (``_probing``)
         self._pause: dict[str, tuple[int, int]] = {}
         self._probing: set[str] = set()
+        # request id -> proposals in a row that found nothing; steps left without looking
+        self._empty: dict[str, int] = {}
+        self._skip: dict[str, int] = {}
 
     def eligible(self, rows: Sequence[Request], cache: Sequence[Any], model: Any) -> bool:
         """A verify forward can serve these rows: at most ``max_rows``, caches whose
@@ -150,7 +160,8 @@ class Speculator:
 
     def _waits(self, r: Request) -> bool:
         rid = r.request_id
-        return self._cool.get(rid, (0, 0))[0] > 0 or self._pause.get(rid, (0, 0))[0] > 0
+        return self._cool.get(rid, (0, 0))[0] > 0 or self._pause.get(rid, (0, 0))[0] > 0 \
+            or self._skip.get(rid, 0) > 0
 
     def _tick(self, r: Request) -> bool:
         """One step of ``r``'s cool-down or pause passes; True if it was in one."""
@@ -164,6 +175,10 @@ class Speculator:
             self._pause[rid] = (paused[0] - 1, paused[1])
             if paused[0] == 1:
                 self._probing.add(rid)
+            return True
+        skip = self._skip.get(rid, 0)
+        if skip > 0:
+            self._skip[rid] = skip - 1
             return True
         return False
 
@@ -189,6 +204,12 @@ class Speculator:
             index.extend(int(t) for t in r.seq[have:n].tolist())
         draft = propose(index, self._pool(r.req.tenant), k)
         self._source[r.request_id] = draft.source
+        if draft.tokens:
+            self._empty[r.request_id] = 0
+        else:  # nothing to copy here: after EMPTY_RUN such steps, look less often
+            empty = self._empty[r.request_id] = self._empty.get(r.request_id, 0) + 1
+            if empty >= EMPTY_RUN:
+                self._skip[r.request_id] = EMPTY_SKIP
         return self._grammar_cut(r, draft.tokens)
 
     def _grammar_cut(self, r: Request, draft: tuple[int, ...]) -> tuple[int, ...]:
@@ -320,3 +341,5 @@ class Speculator:
         self._acc.pop(r.request_id, None)
         self._pause.pop(r.request_id, None)
         self._probing.discard(r.request_id)
+        self._empty.pop(r.request_id, None)
+        self._skip.pop(r.request_id, None)
