@@ -160,14 +160,22 @@ def test_measured_verify_costs_replace_the_startup_fit() -> None:
     assert cost.relative(1, 2) == pytest.approx(fit.relative(1, 2) * 3.0 / (13 / 11))
     assert cost.relative(1, 9) == pytest.approx(fit.relative(1, 9) * 3.0 / (13 / 11))
     assert cost.relative(1, 1) == 1.0
-    # exponentially weighted: a k=2 verify at exactly the fit's cost moves the bucket's
-    # ratio ALPHA of the way to 1; a k=3 one starts its own bucket (3-4)
+    # the mean of the first samples: a k=2 verify at exactly the fit's cost moves the
+    # bucket's ratio half way to 1; a k=3 one starts its own bucket (3-4)
     before = cost.correction(2)
     cost.observe_verify(1, 3, 2.0 * fit.relative(1, 3))
-    assert cost.correction(2) == pytest.approx(before + ALPHA * (1.0 - before))
+    assert cost.correction(2) == pytest.approx((before + 1.0) / 2)
     cost.observe_verify(1, 4, 2.0 * fit.relative(1, 4))
     assert cost.correction(3) == cost.correction(4) == pytest.approx(1.0)
-    assert cost.correction(2) == pytest.approx(before + ALPHA * (1.0 - before))
+    assert cost.correction(2) == pytest.approx((before + 1.0) / 2)
+    # the mean up to 1 / ALPHA samples, then each moves it by ALPHA
+    n = round(1 / ALPHA)
+    for _ in range(n - 2):
+        cost.observe_verify(1, 3, 2.0 * fit.relative(1, 3))
+    assert cost.correction(2) == pytest.approx(1.0 + (before - 1.0) / n)
+    was = cost.correction(2)
+    cost.observe_verify(1, 3, 2.0 * 2 * fit.relative(1, 3))  # twice the fit
+    assert cost.correction(2) == pytest.approx(was + ALPHA * (2.0 - was))
     # never cheaper than a decode step
     cheap = OnlineCost(fit)
     cheap.observe_decode(1, 2.0)

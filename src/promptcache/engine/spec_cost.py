@@ -22,8 +22,8 @@ verify forward can cost more (measured on a loaded CPU: 1.5-4.2 decode steps whe
 fit said 1.09-1.85). ``OnlineCost`` corrects it: the decode batch reports the wall time
 of each verify forward and of each plain decode step (``observe_verify`` /
 ``observe_decode``, taken at the syncs the steps already do), and per draft-length bucket
-(k = 1, 2, 3-4, 5-8, 9-16, ...) an exponentially weighted ratio of measured to fitted
-cost replaces the fit as samples arrive (a bucket without samples takes its nearest
+(k = 1, 2, 3-4, 5-8, 9-16, ...) a running ratio of measured to fitted cost (the mean of
+the first samples, then exponentially weighted) replaces the fit as samples arrive (a bucket without samples takes its nearest
 measured neighbour's ratio). ``--spec-verify-cost`` fixes the cost instead
 (``TableCost``: one number, the cost per extra position in decode steps, or a list of
 costs at k = 1, 2, ...), with no correction.
@@ -127,7 +127,8 @@ def bucket(k: int) -> int:
 
 
 class _Ewma:
-    """A running estimate that skips outliers (``OUTLIER`` x the estimate) unless
+    """A running estimate (the mean of the first samples, then exponentially weighted by
+    ``ALPHA``) that skips outliers (``OUTLIER`` x the estimate) unless
     ``OUTLIERS_IN_A_ROW`` of them arrive in a row."""
 
     __slots__ = ("value", "samples", "_outliers")
@@ -143,8 +144,10 @@ class _Ewma:
             if self._outliers < OUTLIERS_IN_A_ROW:
                 return
         self._outliers = 0
-        self.value += ALPHA * (x - self.value)
         self.samples += 1
+        # the mean of the first 1 / ALPHA samples (one odd first sample is soon
+        # outweighed), then exponentially weighted
+        self.value += max(ALPHA, 1.0 / self.samples) * (x - self.value)
 
 
 class OnlineCost:
