@@ -12,8 +12,11 @@ whether the tokens equal those of the run without speculation.
 (a forward of 1 position): the fastest of ``--repeats`` each, the cache trimmed back
 after each; and the engine's fitted model (engine/spec_cost.py) beside it.
 
+After each run with speculation: the gate's verify cost in decode steps at k = 1, 2, 4, 8,
+16 (the startup fit corrected by the forwards timed during the runs so far).
+
 Usage: .venv/bin/python bench/bench_speculation.py [--max-tokens 160] [--model PATH]
-       [--verify-cost [--repeats 5]]
+       [--spec-verify-cost auto|X|C1,C2,...] [--verify-cost [--repeats 5]]
 (with OpenBLAS: LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0)
 """
 
@@ -46,6 +49,8 @@ def main() -> None:
     ap.add_argument("--max-draft", type=int, default=8)
     ap.add_argument("--min-match", type=int, default=3)
     ap.add_argument("--verify-cost", action="store_true")
+    ap.add_argument("--spec-verify-cost", default="auto",
+                    help="the gate's verify cost (as promptcache serve --spec-verify-cost)")
     ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args()
     path = args.model or ensure_default_model()
@@ -55,7 +60,8 @@ def main() -> None:
     reference: dict[str, list[int]] = {}
     for mode in ("off", "suffix", "off", "suffix"):
         cfg = EngineConfig(speculation=mode, spec_max_draft=args.max_draft,
-                           spec_min_match=args.min_match)
+                           spec_min_match=args.min_match,
+                           spec_verify_cost=args.spec_verify_cost)
         eng = Engine.load(path, cfg, CacheConfig(), cache=None)
         try:
             for name, messages in scenarios().items():
@@ -65,12 +71,17 @@ def main() -> None:
                 r = eng.generate(tokens, max_tokens=args.max_tokens)
                 after = eng.counters.to_dict()
                 d = {k: after[k] - before[k] for k in
-                     ("decode_steps", "spec_drafted", "spec_accepted")}
+                     ("decode_steps", "spec_drafted", "spec_accepted", "spec_gated",
+                      "spec_paused")}
                 same = reference.setdefault(name, r.tokens) == r.tokens
                 print(f"{mode:6s} {name:4s} prompt {len(tokens):4d}  tokens {len(r.tokens)}  "
                       f"decode {len(r.tokens) / r.decode_s:6.2f} tok/s  "
                       f"forwards {d['decode_steps']:3d}  drafted {d['spec_drafted']:3d}  "
-                      f"accepted {d['spec_accepted']:3d}  identical {same}", flush=True)
+                      f"accepted {d['spec_accepted']:3d}  gated {d['spec_gated']:3d}  "
+                      f"paused {d['spec_paused']}  identical {same}", flush=True)
+                if mode == "suffix":  # the gate's cost after the online correction
+                    print(f"       verify cost (decode steps): "
+                          f"{eng.engine_stats()['spec_verify_cost']}", flush=True)
         finally:
             eng.close()
 

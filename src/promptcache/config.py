@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -239,10 +240,14 @@ class EngineConfig:
     # objects per pooled token (the n-gram index): the default holds ~64 MB
     spec_pool_tokens: int = 65_536
     spec_pool_prompt_tokens: int = 256
-    # what a forward of `rows` rows x `width` positions costs: (overhead, per token), as in
-    # overhead + per_token * rows * width (engine/spec_cost.py); None: measured on the
-    # model at startup
-    spec_verify_cost: tuple[float, float] | None = None
+    # what a verify forward of k draft tokens costs, for speculation's gate
+    # (engine/spec_cost.py): "auto" (or None): measured on the model at startup, then
+    # corrected by the verify forwards and decode steps timed while serving; a number
+    # ("0.3"): fixed, 1 + 0.3 k decode steps; a comma list ("1.4,1.6,2.1"): fixed, the
+    # cost at k = 1, 2, 3 in decode steps (the last slope continues); a tuple
+    # (overhead, per_token): fixed, a forward of rows x width positions costs
+    # overhead + per_token * rows * width
+    spec_verify_cost: str | tuple[float, float] | None = "auto"
 
     def __post_init__(self) -> None:
         if self.speculation not in ("suffix", "off"):
@@ -255,9 +260,11 @@ class EngineConfig:
             raise ValueError(f"spec_min_match must be in [1, 16], got {self.spec_min_match}")
         if self.spec_pool_tokens < 0:
             raise ValueError(f"spec_pool_tokens must be >= 0, got {self.spec_pool_tokens}")
-        if self.spec_verify_cost is not None:
+        if isinstance(self.spec_verify_cost, str):
+            verify_cost_steps(self.spec_verify_cost)
+        elif self.spec_verify_cost is not None:
             vc = self.spec_verify_cost
-            if len(vc) != 2 or any(isinstance(v, bool) or not isinstance(v, int | float)
+            if not isinstance(vc, tuple) or len(vc) != 2 or any(isinstance(v, bool) or not isinstance(v, int | float)
                                    or v < 0 for v in vc) or vc[0] + vc[1] <= 0:
                 raise ValueError("spec_verify_cost must be (overhead, per_token), both >= 0 "
                                  f"and not both 0, got {vc!r}")
@@ -376,3 +383,28 @@ class ServerConfig:
                              f"got [{lo}, {hi}]")
         if self.responses_store_size < 0:
             raise ValueError(f"responses_store_size must be >= 0, got {self.responses_store_size}")
+
+
+def verify_cost_steps(setting: str | None) -> tuple[float, ...] | None:
+    """``spec_verify_cost`` as text -> the fixed verify costs in decode steps at
+    k = 1, 2, ... (one number ``x``: ``(1 + x,)``, the per-position slope ``x``), or
+    None for ``auto``; ValueError when it is neither."""
+    if setting is None or setting.strip().lower() == "auto":
+        return None
+    parts = [p.strip() for p in setting.split(",")]
+    try:
+        values = [float(p) for p in parts]
+    except ValueError:
+        raise ValueError("spec_verify_cost must be 'auto', a number (the cost per extra "
+                         "position in decode steps) or a comma list of costs at k = 1, 2, "
+                         f"... in decode steps, got {setting!r}") from None
+    if len(values) == 1:
+        x = values[0]
+        if not math.isfinite(x) or x < 0:
+            raise ValueError(f"spec_verify_cost: the cost per extra position must be a "
+                             f"finite number >= 0, got {setting!r}")
+        return (1.0 + x,)
+    if any(not math.isfinite(v) or v < 1.0 for v in values):
+        raise ValueError("spec_verify_cost: each verify cost must be a finite number of "
+                         f"decode steps >= 1, got {setting!r}")
+    return tuple(values)

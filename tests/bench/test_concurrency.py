@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from promptcache.bench import concurrency
@@ -49,3 +51,60 @@ def test_round_metrics():
     md = concurrency.markdown("C1", "t", {"ours": {"rounds": {"2": {"summary": s}}},
                                           "mlx_lm": {"rounds": {"2": {"summary": s}}}})
     assert "| 2 | ours | 8.9 | 10.0 | 7.5 | 2.00 s | 2.90 s | 2/3 | 1.00× |" in md
+
+
+@pytest.mark.parametrize("quick", [False, True])
+def test_speculation_plans_at_1_and_8_streams(quick):
+    for name in ("E2", "E3", "E4"):
+        plan = concurrency.build(name, quick=quick)
+        assert plan == concurrency.build(name.lower(), quick=quick)
+        assert plan.labels == (("1", "2") if quick else ("1", "8"))
+        assert plan.max_tokens == (32 if quick else 160)
+        one, many = plan.rounds
+        assert many[: len(one)] == one  # the same texts, more of them at once
+        firsts = [jobs[0].messages[-1]["content"] for jobs in many]
+        assert len(set(firsts)) == len(firsts) or name == "E3"  # every stream its own text
+        assert concurrency.build(name, streams=[1, 4]).labels == ("1", "4")
+    edit = concurrency.build("E2").rounds[1][0][0].messages[1]["content"]
+    assert "renamed to" in edit and "```python" in edit
+    # E3: read a file, write it back changed (a tool call), report on a test run that
+    # quotes the written file: each reply has earlier tool output to copy
+    (read, report), *_ = concurrency.build("E3").rounds[1]
+    assert read.tools and report.messages[: len(read.messages)] == read.messages
+    code = read.messages[-1]["content"]
+    assert read.messages[-1]["role"] == "tool" and "def " in code
+    calls = [m["tool_calls"][0]["function"] for m in report.messages if m.get("tool_calls")]
+    assert [c["name"] for c in calls] == ["read_file", "write_file", "run_tests"]
+    written = json.loads(calls[1]["arguments"])["content"]
+    assert written != code and len(written.splitlines()) == len(code.splitlines())
+    quoted = [line for line in written.splitlines() if line.strip() and line in report.messages[
+        -1]["content"]]
+    assert len(quoted) >= 3  # the test run's output quotes the lines it wrote
+    chats = [jobs[0].messages[1]["content"] for jobs in concurrency.build("E4").rounds[1]]
+    assert len(set(chats)) == 8
+
+
+def test_speculation_counters_over_a_round_and_their_table():
+    before = {"engine": {"spec_verifies": 10, "spec_drafted": 40, "spec_accepted": 20,
+                         "decode_steps": 100}}
+    after = {"engine": {"spec_verifies": 30, "spec_drafted": 120, "spec_accepted": 80,
+                        "decode_steps": 150, "spec_paused": 2}}
+    d = concurrency.spec_delta(before, after)
+    assert d is not None
+    assert (d["spec_verifies"], d["spec_drafted"], d["spec_accepted"]) == (20, 80, 60)
+    assert (d["decode_steps"], d["spec_paused"]) == (50, 2)
+    assert d["acceptance_rate"] == pytest.approx(0.75)
+    assert d["mean_accepted"] == pytest.approx(3.0)
+    assert d["tokens_per_forward"] == pytest.approx(4.0)
+    assert concurrency.spec_delta(None, after) is None
+    none = concurrency.spec_delta(after, after)
+    assert none is not None and none["acceptance_rate"] is None
+    rows = [_row(0, 10.0, 1.0, 5.0, 41), _row(1, 10.0, 3.0, 7.0, 21)]
+    s = concurrency.summarize_round(rows)
+    fast = {**s, "aggregate_decode_tps": 2 * s["aggregate_decode_tps"], "spec": d}
+    md = concurrency.markdown("E2", "t", {
+        "mlx_lm": {"rounds": {"8": {"summary": s}}},
+        "ours": {"rounds": {"8": {"summary": {**s, "spec": none}}}},
+        "ours_spec": {"rounds": {"8": {"summary": fast}}}})
+    assert "| 8 | ours_spec | 20.0 | 7.5 | 2.00× | 2.00× | 75.0% | 3.00 | 4.00 | 2/2 |" in md
+    assert "| 8 | ours | 10.0 | 7.5 | 1.00× | 1.00× | — | — | — | 2/2 |" in md

@@ -11,8 +11,12 @@ from conftest import make_engine
 
 from promptcache.engine.api import GenerationRequest, SamplingParams
 from promptcache.engine.spec_cost import (
+    ALPHA,
     FREE,
+    OUTLIERS_IN_A_ROW,
     Acceptance,
+    OnlineCost,
+    TableCost,
     VerifyCost,
     expected_tokens,
     plan,
@@ -127,7 +131,9 @@ def test_the_cost_is_measured_at_startup_without_a_configured_one(tiny_llama_pat
     eng = make_engine(tiny_llama_path, use_cache=False, speculation="suffix",
                       spec_verify_cost=None)
     try:
-        cost = eng._ctx.speculator.cost
+        online = eng._ctx.speculator.cost
+        assert isinstance(online, OnlineCost)  # the fit, corrected while serving
+        cost = online.prior
         assert isinstance(cost, VerifyCost) and cost.overhead > 0 and cost.per_token >= 0
         rel = eng.engine_stats()["spec_verify_cost"]
         assert list(rel) == ["k1", "k2", "k4", "k8", "k16"]
@@ -136,3 +142,208 @@ def test_the_cost_is_measured_at_startup_without_a_configured_one(tiny_llama_pat
         assert again.overhead > 0
     finally:
         eng.close()
+
+
+# --- the cost corrected online (spec_cost.OnlineCost) and --spec-verify-cost ------------
+
+
+def test_measured_verify_costs_replace_the_startup_fit() -> None:
+    fit = VerifyCost(10.0, 1.0)  # k=2: 13/11 decode steps
+    cost = OnlineCost(fit)
+    assert cost.relative(1, 3) == pytest.approx(13 / 11)  # no samples: the fit
+    assert cost.decode_seconds(1) == 11.0  # the fit's own time, until measured
+    cost.observe_decode(1, 2.0)
+    cost.observe_verify(1, 3, 6.0)  # k=2 took 3 decode steps
+    assert cost.relative(1, 3) == pytest.approx(3.0)
+    # k = 1, 4, 8 (other buckets) take the nearest measured bucket's ratio
+    assert cost.relative(1, 5) == pytest.approx(fit.relative(1, 5) * 3.0 / (13 / 11))
+    assert cost.relative(1, 2) == pytest.approx(fit.relative(1, 2) * 3.0 / (13 / 11))
+    assert cost.relative(1, 9) == pytest.approx(fit.relative(1, 9) * 3.0 / (13 / 11))
+    assert cost.relative(1, 1) == 1.0
+    # the mean of the first samples: a k=2 verify at exactly the fit's cost moves the
+    # bucket's ratio half way to 1; a k=3 one starts its own bucket (3-4)
+    before = cost.correction(2)
+    cost.observe_verify(1, 3, 2.0 * fit.relative(1, 3))
+    assert cost.correction(2) == pytest.approx((before + 1.0) / 2)
+    cost.observe_verify(1, 4, 2.0 * fit.relative(1, 4))
+    assert cost.correction(3) == cost.correction(4) == pytest.approx(1.0)
+    assert cost.correction(2) == pytest.approx((before + 1.0) / 2)
+    # the mean up to 1 / ALPHA samples, then each moves it by ALPHA
+    n = round(1 / ALPHA)
+    for _ in range(n - 2):
+        cost.observe_verify(1, 3, 2.0 * fit.relative(1, 3))
+    assert cost.correction(2) == pytest.approx(1.0 + (before - 1.0) / n)
+    was = cost.correction(2)
+    cost.observe_verify(1, 3, 2.0 * 2 * fit.relative(1, 3))  # twice the fit
+    assert cost.correction(2) == pytest.approx(was + ALPHA * (2.0 - was))
+    # never cheaper than a decode step
+    cheap = OnlineCost(fit)
+    cheap.observe_decode(1, 2.0)
+    cheap.observe_verify(1, 3, 0.5)
+    assert cheap.relative(1, 3) == 1.0
+
+
+def test_outliers_are_skipped_unless_they_persist() -> None:
+    cost = OnlineCost(FREE)
+    cost.observe_decode(1, 1.0)
+    cost.observe_decode(1, 100.0)  # a prefill chunk ran between two steps
+    assert cost.decode_seconds(1) == 1.0
+    for _ in range(OUTLIERS_IN_A_ROW):
+        cost.observe_decode(1, 100.0)  # the machine did get slower
+    assert cost.decode_seconds(1) > 1.0
+    # another row count: scaled from the nearest measured one by the fit
+    two = OnlineCost(VerifyCost(1.0, 1.0))
+    two.observe_decode(1, 4.0)
+    assert two.decode_seconds(3) == pytest.approx(4.0 * 4 / 2)
+
+
+def test_fixed_verify_costs_from_the_setting() -> None:
+    from promptcache.config import EngineConfig, verify_cost_steps
+
+    assert verify_cost_steps("auto") is None and verify_cost_steps(None) is None
+    assert verify_cost_steps("0.5") == (1.5,)
+    assert verify_cost_steps("1.5, 2,3") == (1.5, 2.0, 3.0)
+    one = TableCost(verify_cost_steps("0.5") or ())
+    assert [one.relative(4, 1 + k) for k in (0, 1, 2, 8)] == [1.0, 1.5, 2.0, 5.0]
+    table = TableCost((1.5, 2.0, 3.0))
+    assert [table.relative(1, 1 + k) for k in (1, 2, 3, 4, 6)] == [1.5, 2.0, 3.0, 4.0, 6.0]
+    assert TableCost.per_position(0.25).relative(1, 5) == 2.0
+    for bad in ("fast", "-1", "nan", "inf", "1.5,0.5", "1,,2", ""):
+        with pytest.raises(ValueError):
+            EngineConfig(spec_verify_cost=bad)
+    with pytest.raises(ValueError):
+        EngineConfig(spec_verify_cost=(0.0, 0.0))
+    assert EngineConfig().spec_verify_cost == "auto"
+    EngineConfig(spec_verify_cost="0"), EngineConfig(spec_verify_cost="1,1.2")
+
+
+class ScriptedCost(OnlineCost):
+    """What the online correction measures, scripted instead of timed: a plain decode
+    step takes 1 s, a verify of ``rows x width`` takes ``verify(width)`` s (the batch's
+    clock readings are ignored: deterministic)."""
+
+    def __init__(self, verify: Any) -> None:
+        super().__init__(FREE)  # the startup fit: a verify costs a decode step
+        self.verify = verify
+
+    def observe_decode(self, rows: int, seconds: float) -> None:
+        super().observe_decode(rows, 1.0)
+
+    def observe_verify(self, rows: int, width: int, seconds: float) -> None:
+        super().observe_verify(rows, width, self.verify(width))
+
+
+@pytest.mark.parametrize("verify", ["expensive", "cheap"])
+@pytest.mark.parametrize("drafts", ["wrong", "right"])
+def test_the_gate_follows_the_measured_cost(tiny_llama_path: Any, verify: str,
+                                            drafts: str) -> None:
+    """The fit says a verify is free; the measured cost says a verify of k drafts costs
+    1 + 0.5 k decode steps (expensive) or 1 + 0.01 k (cheap). Wrong drafts: with the
+    expensive cost the row stops drafting after its first verify (and probes rarely),
+    with the cheap one it keeps verifying between cool-downs. Right
+    drafts pay either way. The tokens are those of decoding one at a time."""
+    toks = tuple(int(t) for t in np.random.default_rng(3).integers(3, 1000, size=48))
+    plain = make_engine(tiny_llama_path, use_cache=False)
+    try:
+        want = plain.submit(GenerationRequest(prompt_tokens=toks, sampling=SamplingParams(
+            max_tokens=60))).result(timeout=300).tokens
+    finally:
+        plain.close()
+    eng = make_engine(tiny_llama_path, use_cache=False, speculation="suffix",
+                      spec_max_draft=8)
+    try:
+        eng._ctx.logits_hook = None
+        spec = eng._ctx.speculator
+        slope = 0.5 if verify == "expensive" else 0.01
+        spec.cost = ScriptedCost(lambda width: 1.0 + slope * (width - 1))
+        shift = 1 if drafts == "wrong" else 0
+        spec.source = lambda r, k: [(t + shift) % 1000 for t in want[
+            len(r.output):len(r.output) + k]]
+        got = eng.submit(GenerationRequest(prompt_tokens=toks, sampling=SamplingParams(
+            max_tokens=60))).result(timeout=300)
+        assert got.tokens == want
+        c = eng.counters
+        assert spec.cost.verify_samples == c.spec_verifies > 0
+        if drafts == "right":
+            assert c.spec_accepted == c.spec_drafted
+            assert c.spec_paused == 0
+            assert c.decode_steps < 60 // 2
+        elif verify == "expensive":
+            # paused after its first verify; probes after 16 steps, then 32: at most 3
+            assert c.spec_verifies <= 3 and c.spec_accepted == 0 and c.spec_paused >= 1
+        else:
+            assert c.spec_verifies >= 5 and c.spec_accepted == 0 and c.spec_paused == 0
+    finally:
+        eng.close()
+
+
+def test_the_gate_is_per_row_in_a_batch(tiny_llama_path: Any) -> None:
+    """Two rows decoding together, a verify measured at 1 + 0.25 k decode steps (of the
+    batch): the row whose drafts are wrong stops drafting (pauses) after a few verifies,
+    the row whose drafts are right keeps verifying (its tokens pay for the batch's wider
+    forward); both get the tokens of decoding one at a time."""
+    rng = np.random.default_rng(21)
+    prompts = [tuple(int(t) for t in rng.integers(3, 1000, size=40)) for _ in range(2)]
+    plain = make_engine(tiny_llama_path, use_cache=False)
+    try:
+        want = {p: plain.submit(GenerationRequest(prompt_tokens=p, sampling=SamplingParams(
+            max_tokens=60))).result(timeout=300).tokens for p in prompts}
+    finally:
+        plain.close()
+    eng = make_engine(tiny_llama_path, use_cache=False, speculation="suffix",
+                      spec_max_draft=8)
+    try:
+        eng._ctx.logits_hook = None
+        spec = eng._ctx.speculator
+        spec.cost = ScriptedCost(lambda width: 1.0 + 0.25 * (width - 1))
+        right, wrong = prompts
+
+        def source(r: Any, k: int) -> list[int]:
+            p = tuple(r.req.prompt_tokens)
+            shift = 1 if p == wrong else 0
+            return [(t + shift) % 1000 for t in want[p][len(r.output):len(r.output) + k]]
+
+        spec.source = source
+        handles = [eng.submit(GenerationRequest(prompt_tokens=p, sampling=SamplingParams(
+            max_tokens=60))) for p in prompts]
+        got = [h.result(timeout=300) for h in handles]
+        assert [g.tokens for g in got] == [want[p] for p in prompts]
+        good, bad = got
+        assert good.usage.spec_accepted == good.usage.spec_drafted >= 40
+        # a few drafts of 2 (k falls to MIN_K after a rejection), then paused
+        assert bad.usage.spec_accepted == 0 and bad.usage.spec_drafted <= 12
+        c = eng.counters
+        assert c.spec_paused >= 1 and c.max_batch == 2
+    finally:
+        eng.close()
+
+
+def test_a_row_with_nothing_to_copy_looks_for_drafts_less_often() -> None:
+    """No draft EMPTY_RUN steps in a row: the row looks again every EMPTY_SKIP + 1 steps
+    (the steps between wait: the batch stays pipelined); a match drafts at once."""
+    from types import SimpleNamespace
+
+    from promptcache.config import EngineConfig
+    from promptcache.engine.context import EngineCounters
+    from promptcache.engine.speculate import EMPTY_RUN, EMPTY_SKIP, Speculator
+
+    spec = Speculator(EngineConfig(speculation="suffix", spec_min_match=2),
+                      EngineCounters())
+    seq = list(range(100, 140))  # no token repeats: nothing to copy
+    r = SimpleNamespace(request_id="r", n_prompt=20, output=seq[20:], processors=[],
+                        req=SimpleNamespace(tenant="t"))
+    r.seq = np.array(seq)
+    looked = []
+    for step in range(16):
+        if not spec.waiting([r]):
+            assert spec.propose(r) == ()
+            looked.append(step)
+    period = EMPTY_SKIP + 1
+    assert looked == list(range(EMPTY_RUN)) + list(range(EMPTY_RUN - 1 + period, 16, period))
+    # the sequence repeats itself: the next look drafts
+    seq += seq[:4]
+    r.seq, r.output = np.array(seq), seq[20:]
+    while spec.waiting([r]):
+        pass
+    draft = spec.propose(r)
+    assert draft and draft == tuple(seq[4:4 + len(draft)])

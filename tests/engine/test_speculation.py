@@ -128,14 +128,18 @@ def test_what_speculation_saves_restores_the_same_next_turn(tiny_llama_path: Any
 DIGITS = Constraint("regex", "[0-9]{1,200}")
 
 
-def test_constrained_rows_do_not_speculate(tiny_llama_path: Any) -> None:
+def test_constrained_drafts_the_grammar_rejects_are_never_verified(tiny_llama_path: Any
+                                                                   ) -> None:
+    """Constrained rows speculate with grammar-checked drafts (more in
+    test_speculation_constrained.py): a draft the grammar rejects is cut to nothing."""
     eng = make_engine(tiny_llama_path, use_cache=False, speculation="suffix")
     try:
         eng._ctx.logits_hook = None
-        eng._ctx.speculator.source = lambda r, k: [1] * k
+        bad = eng._ctx.tokenizer.encode("Q", add_special_tokens=False)[-1]  # not a digit
+        eng._ctx.speculator.source = lambda r, k: [bad] * k
         eng.submit(GenerationRequest(prompt_tokens=prompt(2), sampling=SamplingParams(
             max_tokens=8), constraint=DIGITS)).result(timeout=300)  # a constraint
-        assert eng.counters.spec_verifies == 0
+        assert eng.counters.spec_verifies == 0 and eng.counters.spec_grammar_cut > 0
     finally:
         eng.close()
 
@@ -244,7 +248,8 @@ def test_batched_rows_with_mixed_drafts_equal_decoding_alone(tiny_llama_path: An
         eng.close()
 
 
-def test_a_batch_with_an_ineligible_row_decodes_as_before(tiny_llama_path: Any) -> None:
+def test_a_batch_mixing_constrained_and_free_rows_decodes_as_before(tiny_llama_path: Any
+                                                                    ) -> None:
     prompts = [prompt(200 + i) for i in range(3)]
     plain = make_engine(tiny_llama_path, use_cache=False)
     try:

@@ -77,3 +77,10 @@ def test_serve_speculation_options() -> None:
     assert (eng.speculation, eng.spec_pool_tokens) == ("off", 65_536)
     with pytest.raises(ValueError, match="spec_pool_tokens"):
         _configs("--spec-pool-tokens", "-1")
+    assert eng.spec_verify_cost == "auto"
+    for value in ("0.3", "1.4,1.6,2.1"):
+        eng, *_ = _configs("--spec-verify-cost", value)
+        assert eng.spec_verify_cost == value
+    for bad in ("cheap", "-0.5", "1.4,0.5"):
+        with pytest.raises(ValueError, match="spec_verify_cost"):
+            _configs("--spec-verify-cost", bad)

@@ -6,6 +6,15 @@
 - ``C2``: "main + 3 subagents": four agent conversations that share a long system
   prompt and tool definitions run at the same time, each a sequence of tool steps
   (Anthropic Messages where the system speaks it): Σ TTFT and token hit rate.
+- ``E2``, ``E3``, ``E4``: speculative decoding's cases, each at 1 and 8 streams
+  (``--streams`` overrides), greedy, every stream its own text: ``E2`` an edit (a code
+  file returned with one identifier renamed, E1 per stream); ``E3`` an agentic replay
+  with tool calls (read a file, then write it back changed through a tool call, then
+  report on a test run whose output quotes the file: the replies repeat earlier tool
+  output); ``E4`` a chat with nothing to copy (a story from a random prompt). Per round:
+  aggregate and per-stream decode tok/s and, for ours, the speculation counters over the
+  round from ``/v1/cache/stats`` (drafted, accepted, acceptance rate, mean accepted
+  length, tokens per verify forward).
 
 Every system gets one fresh server per scenario, started and warmed up as in
 ``runner``; all of them stay up and take turns round by round, in a rotating order
@@ -16,6 +25,7 @@ connection per stream.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import statistics
@@ -29,11 +39,18 @@ from typing import Any
 import httpx
 
 from .client import TurnResult, send_turn
-from .runner import WARMUP_MESSAGES
-from .scenarios import THINK_CLOSE, THINK_OPEN, TextGen, _tool_defs
-from .systems import SPECS, ServerProcess
+from .runner import WARMUP_MESSAGES, _fetch_stats
+from .scenarios import THINK_CLOSE, THINK_OPEN, TextGen, _code_file, _tool_defs, edit_request
+from .systems import OURS, SPECS, ServerProcess
 
-CONCURRENT_NAMES = ("C1", "C2")
+# new names go at the end: a plan's seed stream is its index here
+CONCURRENT_NAMES = ("C1", "C2", "E2", "E3", "E4")
+# the speculation plans (decode-bound, greedy; run only when named)
+SPEC_NAMES = ("E2", "E3", "E4")
+DEFAULT_CONCURRENT = ("C1", "C2")
+SPEC_STREAMS = (1, 8)
+SPEC_COUNTERS = ("spec_verifies", "spec_drafted", "spec_accepted", "spec_pool_drafted",
+                 "spec_pool_accepted", "spec_gated", "spec_paused", "decode_steps")
 STREAM_COUNTS = (1, 4, 8, 16)
 REQUEST_TIMEOUT_S = 3600.0  # a 16-stream round on a loaded 2-core machine is slow
 
@@ -82,14 +99,17 @@ class ConcurrentPlan:
     rounds: tuple[tuple[tuple[Job, ...], ...], ...]
     labels: tuple[str, ...] = ()
     notes: tuple[str, ...] = field(default_factory=tuple)
+    # tokens generated per request when ``--max-tokens`` is not given (None: the default)
+    max_tokens: int | None = None
 
 
 def _sizes(quick: bool) -> dict[str, int]:
     if quick:
         return {"prompt": 60, "output": 8, "system": 200, "tools": 2, "steps": 2, "result": 40,
-                "counts": 2}
+                "counts": 2, "functions": 3, "spec_output": 32, "spec_streams": 2, "spec_tool_desc": 8}
     return {"prompt": 200, "output": 64, "system": 1500, "tools": 6, "steps": 3, "result": 200,
-            "counts": len(STREAM_COUNTS)}
+            "counts": len(STREAM_COUNTS), "functions": 12, "spec_output": 160,
+            "spec_streams": SPEC_STREAMS[-1], "spec_tool_desc": 24}
 
 
 def build(name: str, *, quick: bool = False, seed: int = 0,
@@ -142,8 +162,98 @@ def build(name: str, *, quick: bool = False, seed: int = 0,
                   f"~{sz['system']}-token system prompt + {sz['tools']} tools, "
                   f"{sz['steps']} tool steps each", "anthropic", (tuple(convs),),
             labels=("4 agents",))
+    if key in SPEC_NAMES and g is not None:
+        counts = tuple(streams) if streams else (1, sz["spec_streams"])
+        return _spec_plan(key, g, sz, counts)
     raise ValueError(f"unknown concurrent scenario {name!r}; expected one of "
                      f"{', '.join(CONCURRENT_NAMES)}")
+
+
+def _spec_plan(key: str, g: TextGen, sz: dict[str, int], counts: Sequence[int]
+               ) -> ConcurrentPlan:
+    """E2 / E3 / E4 (module docstring): one round per stream count, each stream its own
+    conversation; the same streams' texts in every round (round n's first streams are
+    round 1's), so rounds differ only in concurrency."""
+    most = max(counts)
+    make = {"E2": _edit_stream, "E3": _replay_stream, "E4": _chat_stream}[key]
+    streams = [make(s, g, sz) for s in range(most)]
+    rounds = tuple(tuple(streams[:n]) for n in counts)
+    out = sz["spec_output"]
+    title = {
+        "E2": f"edit: a {sz['functions']}-function file returned with one identifier renamed",
+        "E3": "agentic replay with tool calls: read a file, write it back changed through a "
+              "tool call, report on a test run that quotes it",
+        "E4": "chat with nothing to copy: a story from a random prompt",
+    }[key]
+    return ConcurrentPlan(
+        key, f"{title} ({'/'.join(str(n) for n in counts)} streams, {out} tokens, greedy)",
+        "openai", rounds, labels=tuple(str(n) for n in counts), max_tokens=out,
+        notes=("speculative decoding's case: compare ours_spec with ours and mlx_lm",))
+
+
+def _edit_stream(s: int, g: TextGen, sz: dict[str, int]) -> tuple[Job, ...]:
+    return (Job(s, 0, edit_request(g, sz["functions"])[0]),)
+
+
+def _replay_stream(s: int, g: TextGen, sz: dict[str, int]) -> tuple[Job, ...]:
+    """An agent's turns (each a request; the assistant's earlier calls are scripted)."""
+    # read_file, write_file, edit_file, run_shell, ...: the calls below need the first
+    # two and run_tests (the eighth)
+    tools = tuple(_tool_defs(g, 8, sz["spec_tool_desc"]))
+    old = "_".join(g.words(2)) + "_state"
+    new = "_".join(g.words(2)) + "_record"
+    path = f"src/{g.ident('mod')}.py"
+    code = _code_file(g, sz["functions"], old)
+    system = ("You are a coding agent working in a repository. Use the tools; to change a "
+              "file, call write_file with its whole new content. " + g.text(60))
+    history: list[dict[str, Any]] = [
+        {"role": "system", "content": system},
+        {"role": "user", "content": f"In `{path}`, rename `{old}` to `{new}` everywhere. "
+                                    "Read the file, write it back changed, then run the "
+                                    "tests and tell me what failed."}]
+    jobs: list[Job] = []
+
+    def call(fn: str, args: dict[str, Any], result: str) -> None:
+        cid = g.ident("call")
+        history.append({"role": "assistant", "content": "", "tool_calls": [{
+            "id": cid, "type": "function",
+            "function": {"name": fn, "arguments": json.dumps(args)}}]})
+        history.append({"role": "tool", "tool_call_id": cid, "name": fn, "content": result})
+
+    call("read_file", {"path": path}, code)
+    jobs.append(Job(s, 0, tuple(dict(m) for m in history), tools))  # the write_file call
+    changed = code.replace(old, new)
+    call("write_file", {"path": path, "content": changed}, f"wrote {len(changed)} bytes")
+    lines = changed.splitlines()
+    quoted = "\n".join(f"{path}:{i + 1}: {line}" for i, line in enumerate(lines)
+                       if new in line)
+    call("run_tests", {"path": "tests/"}, "FAILED tests/test_mod.py - NameError: name "
+         f"'{old}' is not defined\nLines that use the new name:\n{quoted}")
+    jobs.append(Job(s, 1, tuple(dict(m) for m in history), tools))  # the report
+    return tuple(jobs)
+
+
+def _chat_stream(s: int, g: TextGen, sz: dict[str, int]) -> tuple[Job, ...]:
+    topic = " ".join(g.words(6))
+    msgs = ({"role": "system", "content": "You are a creative writer."},
+            {"role": "user", "content": f"Write an original short story about {topic}. "
+                                        "Do not repeat any sentence."})
+    return (Job(s, 0, msgs),)
+
+
+def spec_delta(before: dict[str, Any] | None, after: dict[str, Any] | None
+               ) -> dict[str, Any] | None:
+    """The speculation counters over a round (``/v1/cache/stats`` → ``engine`` before and
+    after it) with the acceptance rate (accepted / drafted), the mean accepted length
+    (accepted / verify) and tokens per verify forward (1 + that); None without stats."""
+    if not isinstance(before, dict) or not isinstance(after, dict):
+        return None
+    b, a = before.get("engine") or {}, after.get("engine") or {}
+    d = {k: int(a.get(k) or 0) - int(b.get(k) or 0) for k in SPEC_COUNTERS}
+    v, drafted, acc = d["spec_verifies"], d["spec_drafted"], d["spec_accepted"]
+    return {**d, "acceptance_rate": acc / drafted if drafted else None,
+            "mean_accepted": acc / v if v else None,
+            "tokens_per_forward": 1 + acc / v if v else None}
 
 
 def output_tokens(quick: bool) -> int:
@@ -248,9 +358,12 @@ def run_plans(systems: Sequence[str], plan: ConcurrentPlan, model: str, work_dir
             for system in names:
                 srv = servers[system]
                 t = time.time()
+                before = _fetch_stats(srv) if system in OURS else None
                 rows = run_round(srv.base_url, out[system]["api"], srv.model_id, streams,
                                  max_tokens)
                 summary = summarize_round(rows)
+                if system in OURS:
+                    summary["spec"] = spec_delta(before, _fetch_stats(srv))
                 t0 = min((r.start for r in rows), default=0.0)
                 out[system]["rounds"][label] = {
                     "summary": summary, "started_at": t, "load_avg": os.getloadavg()[0],
@@ -269,7 +382,11 @@ def run_plans(systems: Sequence[str], plan: ConcurrentPlan, model: str, work_dir
 def markdown(name: str, plan_title: str, runs: dict[str, dict[str, Any]]) -> str:
     """A table per concurrent scenario: one row per (round, system)."""
     lines = [f"### {name}: {plan_title}", ""]
-    if name == "C1":
+    if name in SPEC_NAMES:
+        lines += ["| streams | system | aggregate decode tok/s | per-stream tok/s | agg. decode "
+                  "vs mlx_lm | vs ours | acceptance rate | mean accepted | tokens / verify "
+                  "| ok |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    elif name == "C1":
         lines += ["| streams | system | throughput tok/s | aggregate decode tok/s | "
                   "per-stream tok/s | TTFT p50 | TTFT p95 | ok | agg. decode vs mlx_lm |",
                   "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -292,7 +409,20 @@ def markdown(name: str, plan_title: str, runs: dict[str, dict[str, Any]]) -> str
             if s is None:
                 lines.append(f"| {label} | {system} | {run.get('error') or 'not run'} |")
                 continue
-            if name == "C1":
+            if name in SPEC_NAMES:
+                ours = runs.get("ours", {}).get("rounds", {}).get(label, {}).get("summary", {})
+                agg = s["aggregate_decode_tps"]
+                vs = [agg / ref["aggregate_decode_tps"] if agg and ref.get(
+                    "aggregate_decode_tps") else None for ref in (base, ours)]
+                sp = s.get("spec") or {}
+                rate = sp.get("acceptance_rate")
+                lines.append(
+                    f"| {label} | {system} | {f(agg, '', 1)} | "
+                    f"{f(s['per_stream_decode_tps'], '', 1)} | {f(vs[0], '×')} | "
+                    f"{f(vs[1], '×')} | {'—' if rate is None else f'{rate:.1%}'} | "
+                    f"{f(sp.get('mean_accepted'))} | {f(sp.get('tokens_per_forward'))} | "
+                    f"{s['ok']}/{s['requests']} |")
+            elif name == "C1":
                 ratio = None
                 if base.get("aggregate_decode_tps") and s["aggregate_decode_tps"]:
                     ratio = s["aggregate_decode_tps"] / base["aggregate_decode_tps"]

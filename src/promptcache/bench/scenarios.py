@@ -309,18 +309,23 @@ def _code_file(g: TextGen, n_functions: int, target: str) -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
-def _e1(sz: dict[str, int], g: TextGen) -> Scenario:
-    """One turn: return a code file with one identifier renamed (greedy)."""
+def edit_request(g: TextGen, n_functions: int) -> tuple[tuple[dict[str, Any], ...], str, str]:
+    """E1's request (system + user): a ``n_functions``-function file to return with one
+    identifier renamed; with the old and the new name."""
     old = "_".join(g.words(2)) + "_state"
     new = "_".join(g.words(2)) + "_record"
-    code = _code_file(g, sz["e1_functions"], old)
+    code = _code_file(g, n_functions, old)
     user = (f"Return the following file with the identifier `{old}` renamed to `{new}` "
             "everywhere. Change nothing else; reply with the whole file in one Python "
             f"code block and no other text.\n\n```python\n{code}```")
-    turn = Turn(conversation=0, index=0, messages=(
-        {"role": "system", "content": "You are a careful coding assistant."},
-        {"role": "user", "content": user},
-    ))
+    return ({"role": "system", "content": "You are a careful coding assistant."},
+            {"role": "user", "content": user}), old, new
+
+
+def _e1(sz: dict[str, int], g: TextGen) -> Scenario:
+    """One turn: return a code file with one identifier renamed (greedy)."""
+    messages, _, _ = edit_request(g, sz["e1_functions"])
+    turn = Turn(conversation=0, index=0, messages=messages)
     return Scenario("E1", f"edit: a {sz['e1_functions']}-function file returned with one "
                           f"identifier renamed ({sz['e1_max_tokens']} tokens, greedy)",
                     "openai", (turn,), max_tokens=sz["e1_max_tokens"], measure_decode=True,

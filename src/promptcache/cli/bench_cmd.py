@@ -1,5 +1,5 @@
-"""`promptcache bench`: replay S1..S5 (and E1, the edit) against ours and the peers, with
-the floor.
+"""`promptcache bench`: replay S1..S5 (and E1, the edit; E2-E4, speculation's cases at 1
+and 8 streams) against ours and the peers, with the floor.
 
 Writes <out>/results.json, <out>/report.md and <out>/charts/*.png, printing progress as
 it goes. Run it with the BLAS preload the numbers should be taken with, e.g.
@@ -40,11 +40,14 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("bench", help="benchmark S1..S5, E1 against mlx_lm.server / vllm-mlx",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--scenarios",
-                   default=",".join(scenarios.SCENARIO_NAMES + concurrency.CONCURRENT_NAMES),
+                   default=",".join(scenarios.SCENARIO_NAMES + concurrency.DEFAULT_CONCURRENT),
                    help="comma-separated, from S1,S2,S3,S4,S5 (sequential), E1 (edit: a "
                         "file returned with one identifier renamed), C1 (1/4/8/16 "
-                        "concurrent streams), C2 (main + 3 subagents) (default: all) and S6 "
-                        "(two servers sharing one Redis; needs redis-server; only when named)")
+                        "concurrent streams), C2 (main + 3 subagents), E2 / E3 / E4 "
+                        "(speculation's cases at 1 and 8 streams: edit, agentic replay with "
+                        "tool calls, chat with nothing to copy; only when named), S6 (two "
+                        "servers sharing one Redis; needs redis-server; only when named); "
+                        "default: all the others")
     p.add_argument("--systems", default=",".join(systems.SYSTEM_NAMES),
                    help="comma-separated, from ours,mlx_lm,vllm_mlx,nocache (default: all) "
                         "and ours_kv8,ours_kv4 (ours with --kv-bits 8 / 4), ours_spec (ours "
@@ -54,11 +57,12 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--out", default="bench/out", help="output folder (default: bench/out)")
     p.add_argument("--quick", action="store_true", help="small scenarios for a smoke run")
     p.add_argument("--max-tokens", type=int, default=None,
-                   help=f"tokens generated per turn (default: {DEFAULT_MAX_TOKENS}; E1: its "
-                        "own, 160)")
+                   help=f"tokens generated per turn (default: {DEFAULT_MAX_TOKENS}; E1-E4: "
+                        "their own, 160)")
     p.add_argument("--seed", type=int, default=0, help="scenario text seed")
     p.add_argument("--streams", default=None,
-                   help="C1's stream counts, comma-separated (default: 1,4,8,16)")
+                   help="C1's stream counts, comma-separated (default: 1,4,8,16; E2-E4: "
+                        "1,8)")
     p.add_argument("--floor-repeats", type=int, default=2, help="best of N floor timings")
     p.add_argument("--no-floor", action="store_true", help="skip the in-process floor")
     p.set_defaults(func=run)
@@ -217,7 +221,8 @@ def _run_concurrent(args: argparse.Namespace, names: list[str], wanted: list[str
         plan = concurrency.build(name, quick=args.quick, seed=args.seed,
                                  streams=_streams(args.streams))
         max_tokens = (concurrency.output_tokens(args.quick) if name == "C1"
-                      else max_tokens_for(args))
+                      else plan.max_tokens if plan.max_tokens is not None
+                      and args.max_tokens is None else max_tokens_for(args))
         entry: dict[str, Any] = {"title": plan.title, "api": plan.api, "max_tokens": max_tokens,
                                  "runs": {}, "skipped": {}}
         results["concurrent"][name] = entry

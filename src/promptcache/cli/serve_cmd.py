@@ -146,6 +146,12 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                    help="tokens of finished requests kept as drafts, over all tenants' "
                         "pools (about 1 KB each; 0: no pool; default "
                         f"{EngineConfig.spec_pool_tokens})")
+    p.add_argument("--spec-verify-cost", default="auto", metavar="auto|X|C1,C2,...",
+                   help="what the speculation gate takes a verify forward of k draft tokens "
+                        "to cost: 'auto' (measured at startup, corrected by the verify "
+                        "forwards timed while serving), a number X (fixed: 1 + X*k decode "
+                        "steps) or a comma list (fixed: the cost at k = 1, 2, ... in decode "
+                        "steps; the last slope continues); default auto")
     p.add_argument("--max-body-bytes", default="32MB",
                    help="largest /v1 request body; a larger one gets 413 before it is "
                         "read (default 32MB, as the hosted APIs)")
@@ -243,7 +249,8 @@ def build_configs(args: argparse.Namespace) -> tuple[
                               shadow_verify_fraction=args.shadow_verify,
                               speculation=args.speculation,
                               spec_max_draft=args.spec_max_draft,
-                              spec_pool_tokens=args.spec_pool_tokens)
+                              spec_pool_tokens=args.spec_pool_tokens,
+                              spec_verify_cost=args.spec_verify_cost)
     if args.api_keys_file is not None and not args.api_keys_file.is_file():
         raise ValueError(f"--api-keys-file {args.api_keys_file} does not exist")
     server_cfg = ServerConfig(host=args.host, port=args.port, api_key=args.api_key,

@@ -57,6 +57,9 @@ class DecodeBatch:
         self._lps: list[LogprobArrays | None] = []
         self._logits: list[mx.array | None] = []  # for the logits hook (tests)
         self.non_truncatable = False
+        # speculation's online cost (Speculator.observe_*): when the last plain step read
+        # its fed tokens (the forward before it done) and how many rows its forward had
+        self._synced: tuple[float, int] | None = None
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -115,6 +118,7 @@ class DecodeBatch:
             self.rows, self.cache, self._inputs = [], [], None
             self._reported, self._lps, self._logits = [], [], []
             self.non_truncatable = False
+            self._synced = None
             return
         for c in self.cache:
             mlx_compat.filter_rows(c, keep)
@@ -153,7 +157,7 @@ class DecodeBatch:
             return
         spec = self.rows[0].ctx.speculator
         if spec is not None and spec.eligible(self.rows, self.cache, self.model) \
-                and self._speculative_step(spec):
+                and not spec.waiting(self.rows) and self._speculative_step(spec):
             return
         rows = self.rows
         inputs = self._inputs
@@ -179,6 +183,8 @@ class DecodeBatch:
         hook = rows[0].ctx.logits_hook is not None
         # host work for the tokens fed in this step (sampled in the previous one)
         fed = cast(list[int], inputs.tolist())
+        if spec is not None:
+            self._time_decode(spec, len(rows))
         prev_lps, prev_logits, prev_reported = self._lps, self._logits, self._reported
         finished: list[tuple[int, str]] = []
         for i, r in enumerate(rows):
@@ -195,6 +201,15 @@ class DecodeBatch:
         self._lps = lps
         self._logits = [logits[i] for i in range(len(rows))] if hook else [None] * len(rows)
         self._after_step(finished, before)
+
+    def _time_decode(self, spec: Speculator, rows: int) -> None:
+        """The forward launched by the previous plain step is done when this one reads
+        its tokens: the time since the previous read is one decode step (pipelined: the
+        host work overlaps it) of that step's rows."""
+        now = spec.clock()
+        if self._synced is not None:
+            spec.observe_decode(self._synced[1], now - self._synced[0])
+        self._synced = (now, rows)
 
     def _speculative_step(self, spec: Speculator) -> bool:
         """Every row's pending token and its draft (``speculate.py``) in one forward of
@@ -227,10 +242,14 @@ class DecodeBatch:
             if not self.rows:
                 return True
         rows = self.rows
-        drafts = [spec.propose(r) for r in rows]
+        drafts: list[Sequence[int]] = [spec.propose(r) for r in rows]
         cut = spec.plan(rows, drafts, self.cache, self.model)
         if cut == 0:
             return False
+        # the verify's wall time, for the gate's online cost: the forward and reading its
+        # tokens (the sync the step does anyway); not the drafting (a tenant pool's first
+        # seeding reads the cache)
+        t0 = spec.clock()
         drafts = [d[:cut] for d in drafts]
         width = 1 + max(len(d) for d in drafts)
         x = mx.array([[pending[i], *d, *([pending[i]] * (width - 1 - len(d)))]
@@ -242,9 +261,25 @@ class DecodeBatch:
             greedy = cast(list[list[int]], mx.argmax(logits, axis=-1).tolist())
         accepted: list[int] = []
         bonus: list[int] = []
+        # constrained rows: the logits at each position checked, masked by the grammar
+        masked: dict[int, list[mx.array]] = {}
         for i, r in enumerate(rows):
             d, a = drafts[i], 0
-            if r.sampler.greedy:
+            if r.processors:
+                # the grammar masks position j once the draft tokens before it were
+                # accepted (its matcher consumes exactly what the reply keeps), then the
+                # token is picked as decoding one at a time would (sample: argmax if greedy)
+                fed, masked[i] = pending[i], []
+                while True:
+                    row = r.process(logits[i, a], mx.array([fed], dtype=mx.uint32))
+                    masked[i].append(row)
+                    tok = int(cast(int, r.sampler.sample(row).item()))
+                    if a < len(d) and tok == d[a]:
+                        fed = d[a]
+                        a += 1
+                        continue
+                    break
+            elif r.sampler.greedy:
                 while a < len(d) and greedy[i][a] == d[a]:
                     a += 1
                 tok = greedy[i][a]
@@ -259,6 +294,8 @@ class DecodeBatch:
                     break
             accepted.append(a)
             bonus.append(tok)
+        spec.observe_verify(len(rows), width, spec.clock() - t0)
+        self._synced = None  # the next plain step's read finds nothing in flight
         # array states that cannot take right-padded tokens (mlx_compat.states_take_lengths):
         # every row keeps as many positions as the shortest (greedy rows only: eligible)
         uniform = states is not None and len(rows) > 1 \
@@ -281,16 +318,19 @@ class DecodeBatch:
         for i, r in enumerate(rows):
             n = 1 + accepted[i]
             wants = r.sampler.wants_logprobs
+            at = masked.get(i)
             for j, tok in enumerate(drafts[i][:accepted[i]]):
                 values = logprob_values(r.sampler.logprob_arrays(
-                    logits[i, j], mx.array(int(tok)))) if wants else None
+                    logits[i, j] if at is None else at[j], mx.array(int(tok)))) \
+                    if wants else None
                 reason = r.accept(int(tok), values, None)
                 if reason is not None:
                     stopped[i] = reason
                     n = j + 1
                     break
             kept.append(n)
-        lps = [r.sampler.logprob_arrays(logits[i, accepted[i]], mx.array(bonus[i]))
+        lps = [r.sampler.logprob_arrays(logits[i, accepted[i]] if i not in masked
+                                        else masked[i][accepted[i]], mx.array(bonus[i]))
                if r.sampler.wants_logprobs and i not in stopped else None
                for i, r in enumerate(rows)]
         # uniform: rows that stopped before the others' end hold more than their output

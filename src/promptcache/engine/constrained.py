@@ -30,6 +30,12 @@ has its own processor, applied to its own row of the batch's logits only.
 - ``logits_processor(constraint, tokenizer, vocab_size)``: a fresh processor with its
   own matcher state.
 
+Speculative decoding (engine/speculate.py) drafts for constrained rows too:
+``grammar_prefix`` cuts a draft at the first token the grammar would reject (llguidance's
+``validate_tokens``: the matcher unchanged), and the verify step applies the processor
+position by position, feeding it a draft token only once it is accepted, so the matcher
+only ever consumes the tokens the reply keeps (no rollback).
+
 JSON (a ``json_schema`` constraint, unless its ``x-guidance`` says otherwise) is
 compact-or-pretty with bounded whitespace (``JSON_OPTIONS``): a model cannot loop on
 newlines inside a JSON value.
@@ -42,7 +48,7 @@ import logging
 import threading
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import mlx.core as mx
@@ -233,6 +239,27 @@ class GrammarProcessor:
         elif width < self.vocab_size:
             mask = mask[:width]
         return mx.where(mask, logits, mx.array(-float("inf"), dtype=logits.dtype))
+
+
+def speculates(processors: Sequence[object]) -> bool:
+    """Whether a row with these logits processors can verify drafts: only grammar
+    constraints (``GrammarProcessor``) are checked draft by draft."""
+    return all(isinstance(p, GrammarProcessor) for p in processors)
+
+
+def grammar_prefix(processors: Sequence[object], pending: int, draft: Sequence[int]) -> int:
+    """How many tokens of ``draft`` every grammar accepts after ``pending`` (the token the
+    row feeds next, not consumed by its matcher yet), the matchers unchanged; 0 for a
+    matcher that failed or processors that are not grammars."""
+    n = len(draft)
+    for p in processors:
+        if not isinstance(p, GrammarProcessor) or p.failed:
+            return 0
+        ok = int(p.matcher.validate_tokens([int(pending), *(int(t) for t in draft[:n])]))
+        n = max(0, min(n, ok - 1))
+        if n == 0:
+            break
+    return n
 
 
 def logits_processor(constraint: Constraint, tokenizer: Any, vocab_size: int) -> LogitsProcessor:

@@ -73,6 +73,12 @@ class EngineCounters:
     # steps with drafts where the gate (engine/spec_cost.py) decoded as usual: the
     # verify forward was not expected to pay for itself
     spec_gated: int = 0
+    # rows whose drafts did not pay at the measured cost: they stopped drafting for a
+    # while (speculate.PROBE_STEPS, doubling), then probed again
+    spec_paused: int = 0
+    # draft tokens of constrained rows cut because the grammar would reject them (the
+    # first rejected one and everything after it)
+    spec_grammar_cut: int = 0
     # rows of several whose array states cannot take right-padded tokens (all rows keep
     # as many positions as the shortest) that stopped inside a draft before the others'
     # end: their state holds more than their output, so their reply was not stored

@@ -44,7 +44,7 @@ from .quant import from_config as _kv_quant_of
 from .request import Request
 from .scheduler import Scheduler
 from .shadow import ShadowVerifier
-from .spec_cost import VerifyCost, measure_verify_cost
+from .spec_cost import CostModel, cost_from_config
 from .speculate import Speculator
 from .templates import ChatTemplate
 from .vision import VisionEncoder
@@ -551,11 +551,6 @@ def _stop_thread(control: Arrivals, thread: threading.Thread) -> None:
         thread.join(timeout=60)
 
 
-def _verify_cost(cfg: EngineConfig, model: Any, vocab_size: int) -> VerifyCost:
-    """The verify forward's cost for speculation's gate: from the config, or measured."""
-    if cfg.spec_verify_cost is not None:
-        return VerifyCost(*cfg.spec_verify_cost)
-    cost = measure_verify_cost(model, vocab_size)
-    logger.info("speculation: a verify forward of k drafts costs %s decode steps (k=1, 4, "
-                "16), measured", [round(cost.relative(1, k + 1), 2) for k in (1, 4, 16)])
-    return cost
+def _verify_cost(cfg: EngineConfig, model: Any, vocab_size: int) -> CostModel:
+    """The verify forward's cost for speculation's gate (``spec_cost.cost_from_config``)."""
+    return cost_from_config(cfg.spec_verify_cost, model, vocab_size)

@@ -16,15 +16,27 @@ draft truncated to ``L`` tokens is worth ``1 + q + q^2 + ... + q^L`` tokens. For
 feeds the kept positions again when some row rejects), and speculates only when the
 best ``L`` beats decoding by ``MARGIN``: a batch with nothing to copy decodes as
 without speculation. Pure arithmetic; timing only in ``measure_verify_cost``.
+
+The startup fit is taken on an idle model over one context length; while serving, the
+verify forward can cost more (measured on a loaded CPU: 1.5-4.2 decode steps where the
+fit said 1.09-1.85). ``OnlineCost`` corrects it: the decode batch reports the wall time
+of each verify forward and of each plain decode step (``observe_verify`` /
+``observe_decode``, taken at the syncs the steps already do), and per draft-length bucket
+(k = 1, 2, 3-4, 5-8, 9-16, ...) a running ratio of measured to fitted cost (the mean of
+the first samples, then exponentially weighted) replaces the fit as samples arrive (a bucket without samples takes its nearest
+measured neighbour's ratio). ``--spec-verify-cost`` fixes the cost instead
+(``TableCost``: one number, the cost per extra position in decode steps, or a list of
+costs at k = 1, 2, ...), with no correction.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import mlx.core as mx
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
@@ -40,6 +52,20 @@ MEASURE_WIDTH = 16
 MEASURE_CONTEXT = 1024
 PRIOR_ACCEPTED = 2.0
 PRIOR_REJECTED = 1.0
+# OnlineCost: the weight of a new sample in the running estimates
+ALPHA = 0.2
+# a sample this many times the running estimate is an outlier (the engine did other
+# work in between: a prefill chunk, a request joining) ...
+OUTLIER = 4.0
+# ... unless this many come in a row (the machine did get slower)
+OUTLIERS_IN_A_ROW = 8
+
+
+class CostModel(Protocol):
+    def relative(self, rows: int, width: int) -> float:
+        """A forward of ``width`` positions per row over ``rows`` rows, in decode steps
+        (the same rows at width 1)."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -65,6 +91,147 @@ class VerifyCost:
 
 
 FREE = VerifyCost(1.0, 0.0)  # a verify costs what a decode step does (tests)
+
+
+@dataclass(frozen=True)
+class TableCost:
+    """Fixed costs, in decode steps, of a verify of k = 1, 2, ... draft tokens
+    (``--spec-verify-cost``); past the table's end, the last step's slope continues
+    (one entry ``c``: slope ``c - 1``)."""
+
+    steps: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        if not self.steps or any(not math.isfinite(c) or c <= 0 for c in self.steps):
+            raise ValueError(f"need verify costs > 0, got {self.steps}")
+
+    @classmethod
+    def per_position(cls, extra: float) -> TableCost:
+        """A verify of k drafts costs ``1 + extra * k`` decode steps."""
+        return cls((1.0 + extra,))
+
+    def relative(self, rows: int, width: int) -> float:
+        k = width - 1
+        if k <= 0:
+            return 1.0
+        s = self.steps
+        if k <= len(s):
+            return s[k - 1]
+        slope = s[-1] - s[-2] if len(s) > 1 else s[0] - 1.0
+        return s[-1] + max(0.0, slope) * (k - len(s))
+
+
+def bucket(k: int) -> int:
+    """Draft lengths measured together: 1, 2, 3-4, 5-8, 9-16, ... -> 0, 1, 2, 3, 4, ..."""
+    return max(0, k - 1).bit_length()
+
+
+class _Ewma:
+    """A running estimate (the mean of the first samples, then exponentially weighted by
+    ``ALPHA``) that skips outliers (``OUTLIER`` x the estimate) unless
+    ``OUTLIERS_IN_A_ROW`` of them arrive in a row."""
+
+    __slots__ = ("value", "samples", "_outliers")
+
+    def __init__(self, first: float) -> None:
+        self.value = first
+        self.samples = 1
+        self._outliers = 0
+
+    def add(self, x: float) -> None:
+        if x > OUTLIER * self.value:
+            self._outliers += 1
+            if self._outliers < OUTLIERS_IN_A_ROW:
+                return
+        self._outliers = 0
+        self.samples += 1
+        # the mean of the first 1 / ALPHA samples (one odd first sample is soon
+        # outweighed), then exponentially weighted
+        self.value += max(ALPHA, 1.0 / self.samples) * (x - self.value)
+
+
+class OnlineCost:
+    """``prior`` (the startup fit, in seconds when measured) corrected by the wall time
+    of the verify forwards and decode steps the engine runs (see the module docstring).
+    Engine thread only."""
+
+    def __init__(self, prior: VerifyCost) -> None:
+        self.prior = prior
+        self._decode: dict[int, _Ewma] = {}  # rows -> seconds per plain decode step
+        self._ratio: dict[int, _Ewma] = {}  # k bucket -> measured / fitted relative cost
+        self.verify_samples = 0
+        self.decode_samples = 0
+
+    def decode_seconds(self, rows: int) -> float:
+        """A plain decode step of ``rows`` rows: measured, else the nearest measured row
+        count scaled by the fit, else the fit itself (seconds when measured at startup)."""
+        est = self._decode.get(rows)
+        if est is not None:
+            return est.value
+        p = self.prior
+        fit = p.overhead + p.per_token * rows
+        if self._decode:
+            near = min(self._decode, key=lambda n: abs(n - rows))
+            return self._decode[near].value * fit / (p.overhead + p.per_token * near)
+        return fit
+
+    def observe_decode(self, rows: int, seconds: float) -> None:
+        if seconds <= 0:
+            return
+        self.decode_samples += 1
+        est = self._decode.get(rows)
+        if est is None:
+            self._decode[rows] = _Ewma(seconds)
+        else:
+            est.add(seconds)
+
+    def observe_verify(self, rows: int, width: int, seconds: float) -> None:
+        """A verify forward of ``rows`` x ``width`` took ``seconds`` (from the sync that
+        made the previous step's tokens known to the one that reads its own)."""
+        if width <= 1 or seconds <= 0:
+            return
+        self.verify_samples += 1
+        ratio = seconds / self.decode_seconds(rows) / self.prior.relative(rows, width)
+        b = bucket(width - 1)
+        est = self._ratio.get(b)
+        if est is None:
+            self._ratio[b] = _Ewma(ratio)
+        else:
+            est.add(ratio)
+
+    def correction(self, k: int) -> float:
+        """Measured over fitted cost for drafts of ``k`` tokens (1.0: no samples yet)."""
+        if not self._ratio:
+            return 1.0
+        b = bucket(k)
+        est = self._ratio.get(b)
+        if est is None:
+            est = self._ratio[min(self._ratio, key=lambda n: (abs(n - b), n))]
+        return est.value
+
+    def relative(self, rows: int, width: int) -> float:
+        if width <= 1:
+            return 1.0
+        return max(1.0, self.prior.relative(rows, width) * self.correction(width - 1))
+
+
+def cost_from_config(setting: str | tuple[float, float] | None, model: Any,
+                     vocab_size: int) -> CostModel:
+    """``EngineConfig.spec_verify_cost`` -> the gate's cost: ``(overhead, per_token)``
+    fixed; a number or a list (``--spec-verify-cost``) fixed; ``auto`` / None: measured
+    at startup, corrected online (``OnlineCost``)."""
+    from ..config import verify_cost_steps
+
+    if isinstance(setting, tuple):
+        return VerifyCost(*setting)
+    steps = verify_cost_steps(setting)
+    if steps is not None:
+        return TableCost(steps)
+    cost = measure_verify_cost(model, vocab_size)
+    logger.info("speculation: a verify forward of k drafts costs %s decode steps (k=1, 4, "
+                "16), measured; corrected while serving",
+                [round(cost.relative(1, k + 1), 2) for k in (1, 4, 16)])
+    return OnlineCost(cost)
 
 
 def measure_verify_cost(model: Any, vocab_size: int, repeats: int = 3) -> VerifyCost:
@@ -139,7 +306,14 @@ def expected_tokens(rate: float, n: int) -> float:
     return 1.0 + sum(rate ** j for j in range(1, n + 1))
 
 
-def plan(rates: Sequence[float], lengths: Sequence[int], cost: VerifyCost, *,
+def row_pays(rate: float, length: int, cost: CostModel, rows: int = 1) -> bool:
+    """Whether some cut of one row's draft is expected to beat decoding by ``MARGIN``
+    on its own (its tokens against the verify's cost per row)."""
+    return any(expected_tokens(rate, cut) / cost.relative(rows, 1 + cut) > 1.0 + MARGIN
+               for cut in range(1, length + 1))
+
+
+def plan(rates: Sequence[float], lengths: Sequence[int], cost: CostModel, *,
          state: bool = False, uniform: bool = False) -> int:
     """How many draft tokens each row keeps (its draft cut to that), 0 for no verify.
 

@@ -14,7 +14,10 @@ distribution unchanged.
 
 Where it runs (``Speculator.eligible``): batches of at most ``spec_max_rows`` rows, all
 of them greedy or sampled (log-probabilities of every emitted token from the verify
-forward's logits at its position), no logits processors (constraints), no logits hook,
+forward's logits at its position), no logits processors but grammar constraints (a
+constrained row's draft is cut at the first token its grammar rejects, and its
+processor masks each position only once the draft tokens before it were accepted, so
+its matcher consumes exactly the kept tokens: ``constrained.grammar_prefix``), no logits hook,
 and caches that can take a verify's rejected positions back
 (``mlx_compat.speculation_kind``): plain KV and MLA (trimmed), sliding windows (the
 window keeps exactly what decoding one token at a time would hold), and array / SSM
@@ -24,8 +27,21 @@ before. The
 number of draft tokens adapts per request (doubles after a fully accepted draft, falls
 to accepted + 1 after a rejection, at least ``MIN_K``); after a fully rejected draft the
 request drafts nothing for 1, 2, 4 ... ``MAX_COOL`` steps, so a request whose drafts keep
-failing decodes almost as without speculation. Several rows verify in one forward of
+failing decodes almost as without speculation; a request whose history found no draft
+``EMPTY_RUN`` steps in a row looks again only every ``EMPTY_SKIP + 1`` steps. Several
+rows verify in one forward of
 ``[rows, 1 + longest draft]`` when at least half of them have a draft.
+
+The gate (``spec_cost``) prices a verify with ``cost``: by default the startup fit
+corrected by the wall time of the verify forwards and decode steps the batch runs
+(``observe_verify`` / ``observe_decode``, with ``clock``; ``spec_cost.OnlineCost``).
+Per row, a draft that is not expected to pay on its own at that cost
+(``spec_cost.row_pays``: the row's acceptance rate, the verify's price) is dropped and
+the row drafts nothing for ``PROBE_STEPS`` steps, then probes once with an optimistic
+rate (``PROBE_RATE``); each further pause with no draft token accepted in between is
+twice as long, up to ``MAX_PROBE_STEPS``. While every row of the batch waits (a
+cool-down or a pause), the decode step stays pipelined (``waiting``: no sync to read the
+pending tokens).
 
 Drafts come from the request's own history first and its tenant's pool second
 (``drafts.DraftPools``: when a request finishes, ``remember`` adds its output and the
@@ -41,13 +57,14 @@ half right must all give the same tokens).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..config import EngineConfig
-from . import mlx_compat, spec_cost
+from . import constrained, mlx_compat, spec_cost
 from .drafts import DraftConfig, DraftPools, SequenceDrafts, TenantDrafts, propose
-from .spec_cost import FREE, Acceptance, VerifyCost
+from .spec_cost import FREE, Acceptance, CostModel, OnlineCost
 
 if TYPE_CHECKING:
     from .context import EngineCounters
@@ -65,12 +82,24 @@ MIN_K = 2
 MAX_COOL = 16
 # history indexed per request: the last this many tokens of prompt + output
 HISTORY_TOKENS = 32768
+# a row whose drafts do not pay drafts nothing for this many steps, then probes ...
+PROBE_STEPS = 16
+# ... with its acceptance rate taken as at least this ...
+PROBE_RATE = 0.9
+# ... and each pause with no draft token accepted since the last is twice as long, up to
+# this many steps
+MAX_PROBE_STEPS = 1024
+# a row whose history found no draft this many steps in a row looks again only every
+# EMPTY_SKIP + 1 steps (a copy starts at most EMPTY_SKIP tokens late; the steps between
+# stay pipelined)
+EMPTY_RUN = 4
+EMPTY_SKIP = 2
 
 
 class Speculator:
     def __init__(self, config: EngineConfig, counters: EngineCounters,
                  source: DraftSource | None = None, history: History | None = None,
-                 cost: VerifyCost | None = None) -> None:
+                 cost: CostModel | None = None) -> None:
         self.max_k = config.spec_max_draft
         self.max_rows = config.spec_max_rows
         self.drafts_config = DraftConfig(min_n=config.spec_min_match,
@@ -84,7 +113,8 @@ class Speculator:
         self.history = history
         # what a verify forward costs (measured at startup, or from the config; default:
         # what a decode step costs)
-        self.cost = cost if cost is not None else FREE
+        self.cost: CostModel = cost if cost is not None else FREE
+        self.clock: Callable[[], float] = time.perf_counter
         self._acc: dict[str, Acceptance] = {}  # request id -> its acceptance counts
         self._seeded: set[str] = set()  # tenants whose pool took the cache's history
         # request id -> (where its indexed history starts, the index)
@@ -94,6 +124,13 @@ class Speculator:
         self._cool: dict[str, tuple[int, int]] = {}
         # request id -> where its last draft came from ("self" | "pool" | "source")
         self._source: dict[str, str] = {}
+        # request id -> (steps left without drafts, the pause's length) for rows whose
+        # drafts did not pay; a row whose pause ran out probes (``_probing``)
+        self._pause: dict[str, tuple[int, int]] = {}
+        self._probing: set[str] = set()
+        # request id -> proposals in a row that found nothing; steps left without looking
+        self._empty: dict[str, int] = {}
+        self._skip: dict[str, int] = {}
 
     def eligible(self, rows: Sequence[Request], cache: Sequence[Any], model: Any) -> bool:
         """A verify forward can serve these rows: at most ``max_rows``, caches whose
@@ -107,21 +144,54 @@ class Speculator:
         if kind is None:
             return False
         if kind == "state" and len(rows) > 1 and not mlx_compat.states_take_lengths(model) \
-                and not all(r.sampler.greedy for r in rows):
+                and not all(r.sampler.greedy and not r.processors for r in rows):
             return False
-        return all(not r.processors and r.ctx.logits_hook is None for r in rows)
+        return all(constrained.speculates(r.processors) and r.ctx.logits_hook is None
+                   for r in rows)
+
+    def waiting(self, rows: Sequence[Request]) -> bool:
+        """Every row cools down or pauses this step: count the step for each and say
+        so (the batch then decodes without reading its pending tokens first)."""
+        if not all(self._waits(r) for r in rows):
+            return False
+        for r in rows:
+            self._tick(r)
+        return True
+
+    def _waits(self, r: Request) -> bool:
+        rid = r.request_id
+        return self._cool.get(rid, (0, 0))[0] > 0 or self._pause.get(rid, (0, 0))[0] > 0 \
+            or self._skip.get(rid, 0) > 0
+
+    def _tick(self, r: Request) -> bool:
+        """One step of ``r``'s cool-down or pause passes; True if it was in one."""
+        rid = r.request_id
+        rest = self._cool.get(rid, (0, 0))
+        if rest[0] > 0:
+            self._cool[rid] = (rest[0] - 1, rest[1])
+            return True
+        paused = self._pause.get(rid, (0, 0))
+        if paused[0] > 0:
+            self._pause[rid] = (paused[0] - 1, paused[1])
+            if paused[0] == 1:
+                self._probing.add(rid)
+            return True
+        skip = self._skip.get(rid, 0)
+        if skip > 0:
+            self._skip[rid] = skip - 1
+            return True
+        return False
 
     def propose(self, r: Request) -> tuple[int, ...]:
         """Draft tokens after ``r``'s sequence (prompt + output so far); none while the
-        request cools down after a fully rejected draft."""
-        rest = self._cool.get(r.request_id, (0, 0))
-        if rest[0] > 0:
-            self._cool[r.request_id] = (rest[0] - 1, rest[1])
+        request cools down after a fully rejected draft or pauses after drafts that did
+        not pay."""
+        if self._tick(r):
             return ()
         k = self._k.setdefault(r.request_id, max(MIN_K, self.max_k // 2))
         if self.source is not None:
             self._source[r.request_id] = "source"
-            return tuple(int(t) for t in self.source(r, k))[:k]
+            return self._grammar_cut(r, tuple(int(t) for t in self.source(r, k))[:k])
         n = r.n_prompt + len(r.output)
         entry = self._index.get(r.request_id)
         if entry is None:
@@ -134,7 +204,22 @@ class Speculator:
             index.extend(int(t) for t in r.seq[have:n].tolist())
         draft = propose(index, self._pool(r.req.tenant), k)
         self._source[r.request_id] = draft.source
-        return draft.tokens
+        if draft.tokens:
+            self._empty[r.request_id] = 0
+        else:  # nothing to copy here: after EMPTY_RUN such steps, look less often
+            empty = self._empty[r.request_id] = self._empty.get(r.request_id, 0) + 1
+            if empty >= EMPTY_RUN:
+                self._skip[r.request_id] = EMPTY_SKIP
+        return self._grammar_cut(r, draft.tokens)
+
+    def _grammar_cut(self, r: Request, draft: tuple[int, ...]) -> tuple[int, ...]:
+        """A constrained row's draft up to the first token its grammar rejects after the
+        pending token (``r.output[-1]``, reported, not yet fed)."""
+        if not r.processors or not draft:
+            return draft
+        n = constrained.grammar_prefix(r.processors, r.output[-1], draft)
+        self.counters.spec_grammar_cut += len(draft) - n
+        return draft[:n]
 
     def _pool(self, tenant: str) -> TenantDrafts | None:
         """``tenant``'s pool; the first time a tenant asks in this process, it is
@@ -173,22 +258,62 @@ class Speculator:
             self._cool[r.request_id] = (wait, wait)
         else:
             self._cool[r.request_id] = (0, 0)
+            self._pause.pop(r.request_id, None)  # drafts pay again: a later pause starts short
 
-    def plan(self, rows: Sequence[Request], drafts: Sequence[Sequence[int]],
+    def plan(self, rows: Sequence[Request], drafts: list[Sequence[int]],
              cache: Sequence[Any], model: Any) -> int:
         """How many tokens of its draft each row feeds in a verify forward, 0: decode as
         usual (``spec_cost.plan``: each row's acceptance rate, the measured cost of the
-        verify forward, the forward that feeds array states again)."""
+        verify forward, the forward that feeds array states again). A row whose draft
+        does not pay on its own has it emptied in ``drafts`` and pauses."""
         if not any(drafts):
             return 0
         state = mlx_compat.speculation_kind(cache) == "state"
         uniform = state and len(rows) > 1 and not mlx_compat.states_take_lengths(model)
-        rates = [self._acceptance(r).rate for r in rows]
-        cut = spec_cost.plan(rates, [len(d) for d in drafts], self.cost, state=state,
-                             uniform=uniform)
+        rates = [self._rate(r) for r in rows]
+        lengths = [len(d) for d in drafts]
+        for i, r in enumerate(rows):
+            # a row whose draft does not pay on its own drops it, and pauses
+            if lengths[i] and not spec_cost.row_pays(rates[i], lengths[i], self.cost,
+                                                     len(rows)):
+                lengths[i] = 0
+                self._hold(r)
+            self._probing.discard(r.request_id)
+        if not any(lengths):
+            self.counters.spec_gated += 1
+            return 0
+        cut = spec_cost.plan(rates, lengths, self.cost, state=state, uniform=uniform)
+        if cut:
+            for i, n in enumerate(lengths):
+                if n == 0 and drafts[i]:
+                    drafts[i] = ()
         if cut == 0:
             self.counters.spec_gated += 1
         return cut
+
+    def _rate(self, r: Request) -> float:
+        rate = self._acceptance(r).rate
+        return max(rate, PROBE_RATE) if r.request_id in self._probing else rate
+
+    def _hold(self, r: Request) -> None:
+        """``r``'s drafts do not pay: no drafts for ``PROBE_STEPS`` steps, twice as many
+        as last time while no verify since accepted a token (at most
+        ``MAX_PROBE_STEPS``)."""
+        rid = r.request_id
+        _, last = self._pause.get(rid, (0, 0))
+        wait = min(MAX_PROBE_STEPS, 2 * last) if last else PROBE_STEPS
+        self._pause[rid] = (wait, wait)
+        self.counters.spec_paused += 1
+
+    def observe_decode(self, rows: int, seconds: float) -> None:
+        """A plain decode step of ``rows`` rows took ``seconds`` (``OnlineCost``)."""
+        if isinstance(self.cost, OnlineCost):
+            self.cost.observe_decode(rows, seconds)
+
+    def observe_verify(self, rows: int, width: int, seconds: float) -> None:
+        """A verify forward of ``rows`` x ``width`` positions took ``seconds``."""
+        if isinstance(self.cost, OnlineCost):
+            self.cost.observe_verify(rows, width, seconds)
 
     def _acceptance(self, r: Request) -> Acceptance:
         acc = self._acc.get(r.request_id)
@@ -214,3 +339,7 @@ class Speculator:
         self._cool.pop(r.request_id, None)
         self._source.pop(r.request_id, None)
         self._acc.pop(r.request_id, None)
+        self._pause.pop(r.request_id, None)
+        self._probing.discard(r.request_id)
+        self._empty.pop(r.request_id, None)
+        self._skip.pop(r.request_id, None)
