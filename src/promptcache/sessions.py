@@ -17,13 +17,21 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 log = logging.getLogger(__name__)
 
 
+class SessionStore(Protocol):
+    """What the reaper uses of a cache (``PromptCache``; ``engine/port.CacheAPI``)."""
+
+    def sessions(self, tenant: str | None = None) -> list[dict[str, Any]]: ...
+
+    def delete_session(self, session_id: str, tenant: str | None = None) -> int: ...
+
+
 class SessionReaper:
-    def __init__(self, cache: Any, ttl_s: float, *, clock: Callable[[], float] = time.time,
+    def __init__(self, cache: SessionStore, ttl_s: float, *, clock: Callable[[], float] = time.time,
                  interval_s: float | None = None) -> None:
         if not ttl_s > 0:
             raise ValueError(f"session ttl must be > 0 seconds, got {ttl_s!r}")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import pytest
@@ -166,13 +167,19 @@ def test_auto_tune_growth_is_limited_by_available_memory() -> None:
     assert tuner.step() == 96 * 1024
 
 
-class _Engine:
-    """Just enough engine for the admin routes: a model id and a real cache."""
+def _Engine(cache: PromptCache) -> Any:
+    """Just enough engine for the admin routes: the fake engine (tests/server) named
+    ``storm-model``, over a real cache."""
+    import sys
+    from pathlib import Path
 
-    model_id = "storm-model"
+    sys.path.insert(0, str(Path(__file__).parent.parent / "server"))
+    from fake_engine import FakeEngine
 
-    def __init__(self, cache: PromptCache) -> None:
-        self.cache = cache
+    engine = FakeEngine()
+    engine.model_id = "storm-model"  # type: ignore[misc]
+    engine.cache = cache  # type: ignore[assignment]
+    return engine
 
 
 def test_stats_dashboard_and_serve_options_carry_the_diagnosis(tmp_path) -> None:  # type: ignore[no-untyped-def]

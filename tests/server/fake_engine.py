@@ -1,5 +1,9 @@
 """A tokenizer-free stand-in for the Engine (docs/INTERFACES.md), for fast protocol tests.
 
+``FakeEngine`` implements ``promptcache.engine.port.EngineAPI``: mypy checks it (this
+file is in pyproject's mypy ``files``; see ``_implements_the_port`` at the end), so it
+cannot drift from what the server uses of an engine.
+
 Tokens are the UTF-8 bytes of the text. The chat "template" is
 ``<|role|>content\\n`` per message (+ tools as JSON) and ``<|assistant|>`` as the
 generation prompt. Generation is deterministic: it emits ``reply`` (default
@@ -26,9 +30,9 @@ import asyncio
 import codecs
 import json
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from promptcache.config import EngineConfig
 from promptcache.engine.api import (
@@ -39,13 +43,16 @@ from promptcache.engine.api import (
     Usage,
 )
 from promptcache.engine.chat_format import ChatFormat
+from promptcache.engine.port import CachePrediction, CacheProbe, EngineAPI, TunableCacheAPI
+from promptcache.meta import DEFAULT_TENANT, ExtraKeySpan, Namespace
+from promptcache.packs import ImportReport, Pack, PackError
 
 
 class FakeTokenizer:
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
 
-    def decode(self, tokens: list[int]) -> str:
+    def decode(self, tokens: Sequence[int]) -> str:
         return bytes(tokens).decode("utf-8", errors="replace")
 
 
@@ -104,6 +111,9 @@ class FakeCache:
 
     def lookup(self, tokens: Any, ns: Any) -> FakeMatch:
         return FakeMatch(self.match(tuple(tokens), ns))
+
+    def sessions(self, tenant: str | None = None) -> list[dict[str, Any]]:
+        return []  # no session lists
 
     def stats(self) -> FakeStats:
         with self.lock:
@@ -216,6 +226,11 @@ class FakeHandle:
 
 class FakeEngine:
     model_id = "fake-model"
+    vocab_size = 256  # byte tokens
+    vision = None  # text only
+    shadow = None  # no shadow verification
+    alive = True
+    failure: str | None = None
 
     def __init__(self, *, context_length: int = 4096, reply: str = "Hello world!",
                  use_cache: bool = True, delay: float = 0.0, renders_tools: bool = True,
@@ -227,26 +242,118 @@ class FakeEngine:
         self.chat_format = ChatFormat("<think>", "</think>", "enable_thinking") if think \
             else ChatFormat()
         self.before_first_token: Callable[[], Awaitable[None]] | None = None
-        self.template_kwargs: list[dict[str, Any] | None] = []
+        self.template_kwargs: list[Mapping[str, Any] | None] = []
         self.tokenizer = FakeTokenizer()
-        self.cache = FakeCache() if use_cache else None
+        self.cache: FakeCache | None = FakeCache() if use_cache else None
         self.config = EngineConfig(max_tokens_limit=1000, default_max_tokens=64)
         self.submitted: list[GenerationRequest] = []
         self.background: list[GenerationRequest] = []
         self._render_lock = threading.RLock()
         self.cancelled: list[str] = []
-        self.rendered: list[tuple[list[dict[str, Any]], Any]] = []
+        self.rendered: list[tuple[Sequence[Mapping[str, Any]], Any]] = []
 
-    def namespace(self, tenant: str) -> str:
-        return tenant
+    @property
+    def engine_config(self) -> EngineConfig:
+        return self.config
+
+    @property
+    def tunable_cache(self) -> TunableCacheAPI | None:
+        """A real PromptCache a test put in ``cache`` (the advisor watches it)."""
+        cache: Any = self.cache
+        return cache if hasattr(cache, "observers") else None
+
+    def namespace(self, tenant: str = DEFAULT_TENANT) -> Namespace:
+        return Namespace("fake-model", 16, tenant=tenant)
+
+    def announce(self) -> Callable[[], None]:
+        return lambda: None
+
+    # the cache's calls (the real engine runs them on its thread): the fake cache keys
+    # its chains by tenant; a real PromptCache a test put in ``cache`` fails them, which
+    # degrades as the engine's calls do (None / 0)
+    def predict_cached(self, tokens: Sequence[int], tenant: str,
+                       extra_keys: Sequence[ExtraKeySpan] = ()) -> CachePrediction | None:
+        if self.cache is None:
+            return None
+        try:
+            match = self.cache.lookup(list(tokens), tenant)
+        except Exception:
+            return None
+        return CachePrediction(max(0, min(int(match.num_tokens), len(tokens) - 1)))
+
+    def probe_cache(self, tokens: Sequence[int], tenant: str,
+                    extra_keys: Sequence[ExtraKeySpan] = (),
+                    context_tokens: int = 0) -> CacheProbe | None:
+        if self.cache is None:
+            return None
+        try:
+            n = self.cache.lookup(list(tokens), tenant).num_tokens
+        except Exception:
+            return None
+        return CacheProbe(n, n, {"ram": n} if n else {},
+                          None if n else CacheMiss("cold", 0, 0, len(tokens)))
+
+    def protect(self, tokens: Sequence[int], tenant: str, num_tokens: int, ttl_s: float, *,
+                key: str | None = None, persist: bool = True, pin_s: float | None = None,
+                extra_keys: Sequence[ExtraKeySpan] = ()) -> int:
+        if self.cache is None:
+            return 0
+        try:
+            return self.cache.protect(tokens, tenant, num_tokens, ttl_s, key=key,
+                                      persist=persist, pin_s=pin_s, extra_keys=extra_keys)
+        except Exception:
+            return 0
+
+    def mark_active(self, tokens: Sequence[int], tenant: str, session: str, *,
+                    extra_keys: Sequence[ExtraKeySpan] = ()) -> int:
+        if self.cache is None:
+            return 0
+        try:
+            return self.cache.mark_active(tokens, tenant, session, extra_keys=extra_keys)
+        except Exception:
+            return 0
+
+    def export_pack(self, tenant: str, selection: dict[str, Any], *,
+                    tokens: Sequence[int] | None = None,
+                    session_id: str | None = None) -> tuple[bytes, dict[str, Any]]:
+        raise PackError("the fake engine stores no blocks")
+
+    def import_pack(self, pack: Pack) -> ImportReport:
+        raise PackError("the fake engine stores no blocks")
+
+    def engine_stats(self) -> dict[str, Any] | None:
+        return None  # no admission control: the server counts requests in flight
+
+    def kv_stats(self) -> dict[str, Any] | None:
+        return None
+
+    def vision_stats(self) -> dict[str, Any] | None:
+        return None
+
+    def cache_stats(self) -> dict[str, Any] | None:
+        cache: Any = self.cache
+        if cache is None:
+            return None
+        data: dict[str, Any] = dict(cache.stats().to_dict())
+        if hasattr(cache, "levels_snapshot"):  # a real PromptCache
+            data["levels"] = cache.levels_snapshot()
+        return data
+
+    def tier_health(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for tier in getattr(self.cache, "lower", None) or ():  # a real PromptCache's
+            health = getattr(tier, "health", None)
+            if callable(health):
+                out[str(tier.name)] = dict(health())
+        return out
 
     def encode_prompt(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text))
 
-    def render_chat_with_offsets(self, messages: list[dict[str, Any]], tools: Any = None,
+    def render_chat_with_offsets(self, messages: Sequence[Mapping[str, Any]], tools: Any = None,
                                  add_generation_prompt: bool = True, *,
                                  continue_final_message: bool = False,
-                                 template_kwargs: dict[str, Any] | None = None,
+                                 template_kwargs: Mapping[str, Any] | None = None,
                                  ) -> tuple[list[int], list[int]]:
         self.rendered.append((messages, tools))
         self.template_kwargs.append(template_kwargs)
@@ -254,9 +361,9 @@ class FakeEngine:
                             continue_final_message=continue_final_message,
                             template_kwargs=template_kwargs)
 
-    def _render(self, messages: list[dict[str, Any]], tools: Any = None,
+    def _render(self, messages: Sequence[Mapping[str, Any]], tools: Any = None,
                 add_generation_prompt: bool = True, *, continue_final_message: bool = False,
-                template_kwargs: dict[str, Any] | None = None,
+                template_kwargs: Mapping[str, Any] | None = None,
                 ) -> tuple[list[int], list[int]]:
         text, starts = "", []
         if tools and self.renders_tools:
@@ -276,15 +383,18 @@ class FakeEngine:
                 text += "<think>"
         return list(text.encode("utf-8")), starts
 
-    def render_chat(self, messages: list[dict[str, Any]], tools: Any = None,
-                    add_generation_prompt: bool = True, **kwargs: Any) -> list[int]:
+    def render_chat(self, messages: Sequence[Mapping[str, Any]], tools: Any = None,
+                    add_generation_prompt: bool = True, *, continue_final_message: bool = False,
+                    template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
         """Tokens only, not recorded in ``rendered`` (the server's side renders: template
         probes, the next-turn pre-render); a subclass's ``render_chat_with_offsets``
         still decides what renders."""
         with self._render_lock:
             n = len(self.rendered)
-            out = self.render_chat_with_offsets(messages, tools, add_generation_prompt,
-                                                **kwargs)[0]
+            out = self.render_chat_with_offsets(
+                messages, tools, add_generation_prompt,
+                continue_final_message=continue_final_message,
+                template_kwargs=template_kwargs)[0]
             del self.rendered[n:]
             del self.template_kwargs[n:]
         return out
@@ -297,3 +407,8 @@ class FakeEngine:
         else:
             self.submitted.append(request)
         return FakeHandle(self, request)
+
+
+if TYPE_CHECKING:
+    def _implements_the_port(engine: FakeEngine) -> EngineAPI:
+        return engine  # mypy: the fake implements EngineAPI (engine/port.py)

@@ -16,22 +16,25 @@ False and ``submit`` raises ``EngineDeadError``.
 from __future__ import annotations
 
 import dataclasses
+import io
 import itertools
 import logging
 import threading
 import time
 import weakref
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import ArraysCache, make_prompt_cache
 
+from .. import packs
 from ..config import CacheConfig, EngineConfig
 from ..errors import EngineDeadError, RequestError
-from ..meta import DEFAULT_TENANT, Namespace, validate_tenant
+from ..meta import DEFAULT_TENANT, ExtraKeySpan, Namespace, validate_tenant
 from . import adapters, constrained
 from .admission import Admission, Ticket
 from .api import GenerationRequest, GenerationResult, SamplingParams, Usage, VisionInfo
@@ -40,6 +43,13 @@ from .chat_format import ChatFormat, chat_format_of
 from .context import EngineContext, EngineCounters, LogitsHook, Processor, validate_request
 from .handles import RequestHandle
 from .payload import ram_census
+from .port import (
+    ENGINE_CALL_TIMEOUT_S,
+    CachePrediction,
+    CacheProbe,
+    EngineAPI,
+    TunableCacheAPI,
+)
 from .quant import from_config as _kv_quant_of
 from .request import Request
 from .scheduler import Scheduler
@@ -53,6 +63,23 @@ from .vision_cache import VisionCache
 logger = logging.getLogger(__name__)
 
 _SAMPLING_FIELDS = frozenset(SamplingParams.__dataclass_fields__)
+
+T = TypeVar("T")
+
+
+class EngineCallTimeout(TimeoutError):
+    """``Engine.call``: the engine thread did not run the call in time."""
+
+
+@dataclasses.dataclass(eq=False)
+class _Call:
+    """A function the engine thread runs between two steps (``Engine.call``)."""
+
+    fn: Callable[[], Any]
+    done: threading.Event = dataclasses.field(default_factory=threading.Event)
+    value: Any = None
+    error: BaseException | None = None
+    abandoned: bool = False  # the caller stopped waiting: not run
 
 
 @dataclasses.dataclass(eq=False)
@@ -213,6 +240,10 @@ class Engine:
         self._closed = False
         self._dead: str | None = None
         self._control = Arrivals()
+        # calls to run on the engine thread (``call``) and how they went
+        self._calls: deque[_Call] = deque()
+        self.call_stats = {"engine_calls": 0, "engine_calls_failed": 0,
+                           "engine_calls_timed_out": 0}
         self._thread = threading.Thread(target=self._run, name="promptcache-engine", daemon=True)
         self._thread.start()
         # stop the engine thread at interpreter exit even if close() was never called
@@ -410,6 +441,7 @@ class Engine:
         Cheap and lock-free apart from the admission lock (safe from any thread)."""
         return {**self.counters.to_dict(), **self.admission.snapshot(),
                 "alive": self.alive, "batch_size": len(self.scheduler.batch),
+                **self.call_stats,
                 **self._spec_stats(),
                 # mlx's own accounting: arrays alive (KV, RAM-tier blocks, weights), its
                 # buffer cache (freed buffers it keeps for reuse) and the peak
@@ -460,6 +492,181 @@ class Engine:
         stored quantization (``payload.ram_census``); None without a cache."""
         return None if self.cache is None else ram_census(self.cache, self.kv_quant)
 
+    # ------------------------------------------------------------------ the server's port
+
+    @property
+    def tunable_cache(self) -> TunableCacheAPI | None:
+        """The cache when it reports to observers (the advisor, --auto-tune)."""
+        cache = self.cache
+        return cache if cache is not None and hasattr(cache, "observers") else None
+
+    def call(self, fn: Callable[[], T], timeout: float | None = ENGINE_CALL_TIMEOUT_S) -> T:
+        """Run ``fn()`` on the engine thread (between two steps, in order with the other
+        calls) and return its result; raises what it raised, ``EngineCallTimeout`` when
+        the engine thread did not run it within ``timeout`` seconds (it is then dropped),
+        ``EngineDeadError`` once the engine thread is gone. On the engine thread itself
+        ``fn`` runs at once."""
+        if threading.current_thread() is self._thread:
+            return fn()
+        if self._dead is not None:
+            raise EngineDeadError(f"the engine thread died: {self._dead}")
+        if self._closed or not self._thread.is_alive():
+            raise EngineDeadError("the engine is closed")
+        job = _Call(fn)
+        self._calls.append(job)
+        self._control.wake.set()
+        if not self._thread.is_alive():  # ended meanwhile: nobody will take it
+            self._fail_calls("the engine is closed")
+        if not job.done.wait(timeout):
+            job.abandoned = True
+            raise EngineCallTimeout(f"the engine thread did not run the call in {timeout} s")
+        if job.error is not None:
+            raise job.error
+        return cast(T, job.value)
+
+    def _degrade(self, what: str, fn: Callable[[], T], default: T,
+                 timeout: float | None = ENGINE_CALL_TIMEOUT_S) -> T:
+        """``call(fn)``, or ``default`` (logged and counted) when it fails or times out:
+        an engine-thread call made for a request never fails the request."""
+        self.call_stats["engine_calls"] += 1
+        try:
+            return self.call(fn, timeout)
+        except EngineCallTimeout:
+            self.call_stats["engine_calls_timed_out"] += 1
+            logger.warning("%s: the engine thread did not run it in %s s", what, timeout)
+        except Exception:
+            self.call_stats["engine_calls_failed"] += 1
+            logger.warning("%s failed", what, exc_info=True)
+        return default
+
+    def predict_cached(self, tokens: Sequence[int], tenant: str,
+                       extra_keys: Sequence[ExtraKeySpan] = ()) -> CachePrediction | None:
+        """The cached tokens a prompt would get now (a lookup on the engine thread; at
+        most ``len(tokens) - 1``) and the miss's cause; None without a cache or when
+        the lookup failed."""
+        cache = self.cache
+        if cache is None:
+            return None
+        toks = list(tokens)
+
+        def lookup() -> CachePrediction:
+            ns = self.namespace(tenant)
+            match = (cache.lookup(toks, ns, tuple(extra_keys)) if extra_keys
+                     else cache.lookup(toks, ns))
+            miss = match.miss
+            return CachePrediction(max(0, min(int(match.num_tokens), len(toks) - 1)),
+                                   miss.cause if miss is not None else None)
+
+        return self._degrade("the cache lookup of a usage prediction", lookup, None)
+
+    def probe_cache(self, tokens: Sequence[int], tenant: str,
+                    extra_keys: Sequence[ExtraKeySpan] = (),
+                    context_tokens: int = 0) -> CacheProbe | None:
+        """A lookup explained (the probe endpoint; engine thread); None without a
+        cache or when it failed."""
+        cache = self.cache
+        if cache is None:
+            return None
+        toks = list(tokens)
+        extra = tuple(extra_keys)
+
+        def probe() -> CacheProbe:
+            ns = self.namespace(tenant)
+            match = cache.lookup(toks, ns, extra) if extra else cache.lookup(toks, ns)
+            miss = match.miss
+            stored: tuple[int, ...] = ()
+            if miss is not None and context_tokens > 0:
+                position = min(int(miss.position), len(toks))
+                stored = tuple(cache.stored_after(toks, ns, position, context_tokens,
+                                                  extra_keys=extra))
+            return CacheProbe(int(match.num_tokens), int(match.matched_tokens),
+                              {str(k): int(v) for k, v in dict(match.tokens_by_tier).items()},
+                              miss, stored)
+
+        return self._degrade("the cache probe's lookup", probe, None)
+
+    def protect(self, tokens: Sequence[int], tenant: str, num_tokens: int, ttl_s: float, *,
+                key: str | None = None, persist: bool = True, pin_s: float | None = None,
+                extra_keys: Sequence[ExtraKeySpan] = ()) -> int:
+        """``PromptCache.protect`` of ``tokens[:num_tokens]`` on the engine thread (after
+        the blocks the engine stored); 0 without a cache or when it failed."""
+        cache = self.cache
+        if cache is None:
+            return 0
+        toks = list(tokens)
+
+        def run() -> int:
+            return int(cache.protect(toks, self.namespace(tenant), num_tokens, ttl_s, key=key,
+                                     persist=persist, pin_s=pin_s,
+                                     extra_keys=tuple(extra_keys)))
+
+        return self._degrade("protecting a prompt's blocks", run, 0)
+
+    def mark_active(self, tokens: Sequence[int], tenant: str, session: str, *,
+                    extra_keys: Sequence[ExtraKeySpan] = ()) -> int:
+        """``PromptCache.mark_active`` (a session's latest chain) on the engine thread;
+        0 without a cache or when it failed."""
+        cache = self.cache
+        if cache is None:
+            return 0
+        toks = list(tokens)
+
+        def run() -> int:
+            return int(cache.mark_active(toks, self.namespace(tenant), session,
+                                         extra_keys=tuple(extra_keys)))
+
+        return self._degrade("marking a session's latest chain", run, 0)
+
+    def export_pack(self, tenant: str, selection: dict[str, Any], *,
+                    tokens: Sequence[int] | None = None,
+                    session_id: str | None = None) -> tuple[bytes, dict[str, Any]]:
+        """A pack (``packs.py``) of a conversation's cached prefix, a session or the
+        whole tenant: ``(bytes, summary)``; ``PackError`` without a cache."""
+        if self.cache is None:
+            raise packs.PackError("the prompt cache is disabled")
+        ns = self.namespace(tenant)
+        blocks = packs.collect(self.cache, ns, tokens=tokens,
+                               session_id=session_id if tokens is None else None)
+        buf = io.BytesIO()
+        summary = packs.write_pack(buf, ns, blocks, selection)
+        return buf.getvalue(), summary
+
+    def import_pack(self, pack: packs.Pack) -> packs.ImportReport:
+        """Import a verified pack into its tenant under this model."""
+        if self.cache is None:
+            raise packs.PackError("the prompt cache is disabled")
+        return packs.import_into(self.cache, pack, self.namespace(pack.namespace.tenant))
+
+    def cache_stats(self) -> dict[str, Any] | None:
+        """The cache's stats with its protections and active sessions (``levels``);
+        None without a cache."""
+        cache = self.cache
+        if cache is None:
+            return None
+        data: dict[str, Any] = dict(cache.stats().to_dict())
+        if hasattr(cache, "levels_snapshot"):  # protections and active sessions
+            data["levels"] = cache.levels_snapshot()
+        return data
+
+    def vision_stats(self) -> dict[str, Any] | None:
+        """The vision-embedding cache's line; None for a text-only model."""
+        return self.vision_encoder.stats() if self.vision_encoder is not None else None
+
+    def tier_health(self) -> dict[str, Any]:
+        """``{tier name: tier.health()}`` for the lower tiers that report it (the SSD
+        tier: ``mode`` read_write / read_only / off, ``degraded``, ``reason``): attribute
+        reads only, no lock and no I/O, so /health stays cheap."""
+        out: dict[str, Any] = {}
+        for tier in getattr(self.cache, "lower", None) or ():
+            health = getattr(tier, "health", None)
+            if callable(health):
+                name = str(getattr(tier, "name", type(tier).__name__))
+                try:
+                    out[name] = dict(health())
+                except Exception as e:  # a broken tier must not break /health
+                    out[name] = {"error": str(e)}
+        return out
+
     def close(self) -> None:
         """Stop the engine thread (active requests are cancelled) and close the cache."""
         if self._closed:
@@ -498,6 +705,8 @@ class Engine:
             finally:
                 self._fail_pending(error)
         finally:
+            self._fail_calls(f"the engine thread died: {self._dead}" if self._dead
+                             else "the engine was closed")
             # mlx keeps per-thread streams; destroy them before the thread ends, or the
             # process may abort at exit ("terminate called without an active exception")
             mx.synchronize()
@@ -510,6 +719,8 @@ class Engine:
                 sched.fail_all("the engine was closed", reason="cancelled")
                 self._fail_pending(None)
                 return
+            if self._calls:
+                self._run_calls()
             if not sched.step():
                 # idle: one chunk of shadow verification, then look for requests again
                 # (a request that arrives waits at most that chunk)
@@ -518,6 +729,10 @@ class Engine:
                     continue
                 self._control.wake.wait()
                 self._control.wake.clear()
+                if self._calls:
+                    self._run_calls()
+                    if not self.admission.has_ready:  # woken by a call, not an arrival
+                        continue
                 self._gather_burst()
 
     def _gather_burst(self) -> None:
@@ -528,6 +743,26 @@ class Engine:
         the rest after it."""
         cfg = self.engine_config
         self._control.gather(cfg.batch_window_s, cfg.burst_gather_max_s)
+
+    def _run_calls(self) -> None:
+        """Run the waiting ``call``s (engine thread), in the order they came."""
+        while self._calls:
+            job = self._calls.popleft()
+            if job.abandoned:
+                continue
+            try:
+                job.value = job.fn()
+            except Exception as e:  # the caller gets it; the engine thread goes on
+                job.error = e
+            finally:
+                job.done.set()
+
+    def _fail_calls(self, error: str) -> None:
+        """Answer every waiting call (the engine thread is ending)."""
+        while self._calls:
+            job = self._calls.popleft()
+            job.error = EngineDeadError(error)
+            job.done.set()
 
     def _fail_pending(self, error: str | None) -> None:
         """Answer every ticket that was never started (error, or cancelled on close)."""
@@ -554,3 +789,8 @@ def _stop_thread(control: Arrivals, thread: threading.Thread) -> None:
 def _verify_cost(cfg: EngineConfig, model: Any, vocab_size: int) -> CostModel:
     """The verify forward's cost for speculation's gate (``spec_cost.cost_from_config``)."""
     return cost_from_config(cfg.spec_verify_cost, model, vocab_size)
+
+
+if TYPE_CHECKING:
+    def _implements_the_port(engine: Engine) -> EngineAPI:
+        return engine  # mypy: Engine implements EngineAPI (engine/port.py)

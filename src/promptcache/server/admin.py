@@ -18,58 +18,38 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from ..advisor import diagnose
+from ..engine.port import EngineAPI
 from .auth import validate_session_id
 from .common import state_of
 from .errors import APIError
+from .runner import ServerState
 
 log = logging.getLogger(__name__)
 router = APIRouter()
 
 
-def cache_stats_dict(engine: Any) -> dict[str, Any] | None:
-    cache = getattr(engine, "cache", None)
-    if cache is None:
-        return None
-    stats = cache.stats()
-    data = dict(stats.to_dict() if hasattr(stats, "to_dict") else dict(stats))
-    levels = getattr(cache, "levels_snapshot", None)
-    if levels is not None:  # protections and active sessions (cache/levels.py)
-        data["levels"] = levels()
-    return data
+def cache_stats_dict(engine: EngineAPI) -> dict[str, Any] | None:
+    """The cache's stats with its levels (protections and active sessions); None
+    without a cache."""
+    return engine.cache_stats()
 
 
-def kv_stats_dict(engine: Any) -> dict[str, Any] | None:
+def kv_stats_dict(engine: EngineAPI) -> dict[str, Any] | None:
     """Arrays and bytes per cached token, the stored KV quantization (if the engine
     reports them)."""
-    get = getattr(engine, "kv_stats", None)
-    got = get() if callable(get) else None
+    got = engine.kv_stats()
     return dict(got) if got is not None else None
 
 
-def engine_stats_dict(engine: Any) -> dict[str, Any] | None:
+def engine_stats_dict(engine: EngineAPI) -> dict[str, Any] | None:
     """The engine's own numbers (active KV bytes, queue, waits, batch), if it has them."""
-    get = getattr(engine, "engine_stats", None)
-    return dict(get()) if callable(get) else None
+    got = engine.engine_stats()
+    return dict(got) if got is not None else None
 
 
-def _prerender_stats(st: Any) -> dict[str, Any] | None:
-    pre = getattr(st, "prerender", None)
+def _prerender_stats(st: ServerState) -> dict[str, Any] | None:
+    pre = st.prerender
     return pre.snapshot() if pre is not None else None
-
-
-def tier_health(cache: Any) -> dict[str, Any]:
-    """``{tier name: tier.health()}`` for the lower tiers that report it (the SSD
-    tier: ``mode`` read_write / read_only / off, ``degraded``, ``reason``): attribute
-    reads only, no lock and no I/O, so /health stays cheap."""
-    out: dict[str, Any] = {}
-    for tier in getattr(cache, "lower", None) or ():
-        health = getattr(tier, "health", None)
-        if callable(health):
-            try:
-                out[str(getattr(tier, "name", type(tier).__name__))] = dict(health())
-            except Exception as e:  # a broken tier must not break /health
-                out[str(getattr(tier, "name", type(tier).__name__))] = {"error": str(e)}
-    return out
 
 
 @router.get("/health", response_model=None)
@@ -79,14 +59,14 @@ async def health(request: Request) -> dict[str, Any] | JSONResponse:
     st = state_of(request)
     body: dict[str, Any] = {
         "status": "ok", "model": st.model_id,
-        "cache_enabled": getattr(st.engine, "cache", None) is not None,
+        "cache_enabled": st.engine.cache is not None,
         "uptime_s": round(time.time() - st.started_at, 3)}
-    tiers = tier_health(getattr(st.engine, "cache", None))
+    tiers = st.engine.tier_health()
     if tiers:
         body["tiers"] = tiers
-    if not getattr(st.engine, "alive", True):
+    if not st.engine.alive:
         body["status"] = "engine_dead"
-        body["error"] = getattr(st.engine, "failure", None)
+        body["error"] = st.engine.failure
         return JSONResponse(body, status_code=503)
     return body
 
@@ -98,7 +78,7 @@ async def metrics(request: Request) -> Response:
     return Response(body, media_type=CONTENT_TYPE_LATEST)
 
 
-def stats_payload(st: Any, tenant: str | None = None) -> dict[str, Any]:
+def stats_payload(st: ServerState, tenant: str | None = None) -> dict[str, Any]:
     """The body of ``GET /v1/cache/stats`` (also what the dashboard shows); runs in a
     worker thread (the cache's stats take its lock). ``tenant``: the tenant of a
     tenant-bound key, whose view lists only its own sessions."""
@@ -111,7 +91,7 @@ def stats_payload(st: Any, tenant: str | None = None) -> dict[str, Any]:
         stats, kv, error = None, None, f"{type(e).__name__}: {e}"
     out: dict[str, Any] = {
         "model": st.model_id,
-        "cache_enabled": getattr(st.engine, "cache", None) is not None,
+        "cache_enabled": st.engine.cache is not None,
         "cache": stats,
         "kv": kv,
         "engine": engine_stats_dict(st.engine),
@@ -122,10 +102,10 @@ def stats_payload(st: Any, tenant: str | None = None) -> dict[str, Any]:
                   "min_requests": st.monitor.min_samples},
         "sessions": st.session_stats.snapshot(tenant),
     }
-    vision = getattr(st.engine, "vision_encoder", None)
+    vision = st.engine.vision_stats()
     if vision is not None:  # a vision-language model: the vision-embedding cache's line
-        out["vision"] = vision.stats()
-    shadow = getattr(st.engine, "shadow", None)
+        out["vision"] = vision
+    shadow = st.engine.shadow
     if shadow is not None:  # engine/shadow.py: a mismatch raises the alert too
         out["shadow"] = shadow.snapshot()
         out["alert"]["shadow_mismatch"] = bool(shadow.alerting)
@@ -139,11 +119,13 @@ def stats_payload(st: Any, tenant: str | None = None) -> dict[str, Any]:
     return out
 
 
-def diagnosis_of(st: Any, stats: dict[str, Any] | None = None) -> dict[str, Any]:
+def diagnosis_of(st: ServerState, stats: dict[str, Any] | None = None) -> dict[str, Any]:
     """The automated diagnosis (``advisor.diagnose``) over the advisor's window."""
     if stats is None:
         stats = cache_stats_dict(st.engine)
     adv = st.advisor
+    if adv is None:
+        return {}
     d = diagnose(adv.window(), stats, recommended_budget=adv.recommended_budget())
     d["alerting"] = st.monitor.alerting
     return d
@@ -160,7 +142,7 @@ async def cache_stats(request: Request) -> dict[str, Any]:
 async def delete_cache(request: Request, tenant: str | None = None) -> dict[str, Any]:
     st = state_of(request)
     tenant = st.auth.query_tenant(request, tenant, "delete its own tenant's cache")
-    cache = getattr(st.engine, "cache", None)
+    cache = st.engine.cache
     if cache is None:
         return {"deleted_blocks": 0, "tenant": tenant, "cache_enabled": False}
     n = await run_in_threadpool(cache.delete, tenant)
@@ -180,7 +162,7 @@ async def delete_session(session_id: str, request: Request,
     except ValueError as e:
         raise APIError(400, str(e), param="session_id") from e
     scope = st.auth.deletion_tenant(request, tenant)
-    cache = getattr(st.engine, "cache", None)
+    cache = st.engine.cache
     if cache is None:
         return {"deleted_blocks": 0, "session_id": session_id, "cache_enabled": False}
     if scope is None:

@@ -22,6 +22,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from ..advisor import EvictionAdvisor, diagnose
 from ..autotune import AutoTuner
 from ..config import EngineConfig, ServerConfig
+from ..engine.port import EngineAPI
 from ..sessions import SessionReaper
 from . import admin, anthropic, dashboard, openai, packs_api, probe, responses, sessions_api
 from .alerts import HitRateMonitor
@@ -64,15 +65,7 @@ class ScopeMiddleware:
         await self.app(scope, receive, send)
 
 
-def _engine_config_of(engine: Any) -> EngineConfig:
-    for attr in ("engine_config", "config"):
-        cfg = getattr(engine, attr, None)
-        if isinstance(cfg, EngineConfig):
-            return cfg
-    return EngineConfig()
-
-
-def create_app(engine: Any, server_config: ServerConfig | None = None, *,
+def create_app(engine: EngineAPI, server_config: ServerConfig | None = None, *,
                engine_config: EngineConfig | None = None,
                model_aliases: Iterable[str] = ()) -> FastAPI:
     """Build the app around a loaded engine (see docs/INTERFACES.md for its API)."""
@@ -82,7 +75,7 @@ def create_app(engine: Any, server_config: ServerConfig | None = None, *,
     state = ServerState(
         engine=engine,
         config=config,
-        engine_config=engine_config or _engine_config_of(engine),
+        engine_config=engine_config or engine.engine_config,
         auth=auth,
         monitor=HitRateMonitor(config.hit_rate_window, config.hit_rate_alert_threshold),
         metrics=ServerMetrics(lambda: admin.cache_stats_dict(engine),
@@ -90,10 +83,10 @@ def create_app(engine: Any, server_config: ServerConfig | None = None, *,
         aliases=frozenset(BASE_ALIASES) | frozenset(a for a in model_aliases if a),
     )
     preparer = Preparer(engine, canon=Canon(parse_rules_off(config.canonicalize_off)))
-    cache = getattr(engine, "cache", None)
-    if config.session_ttl_s is not None and cache is not None:
-        state.sessions = SessionReaper(cache, config.session_ttl_s)
-    if cache is not None and hasattr(cache, "observers"):
+    if config.session_ttl_s is not None and engine.cache is not None:
+        state.sessions = SessionReaper(engine.cache, config.session_ttl_s)
+    cache = engine.tunable_cache
+    if cache is not None:
         advisor = EvictionAdvisor(cache)
         cache.observers.append(advisor)
         state.advisor = advisor

@@ -27,6 +27,7 @@ from fastapi.responses import HTMLResponse, Response
 from .admin import stats_payload
 from .common import state_of
 from .errors import APIError
+from .runner import ServerState
 
 log = logging.getLogger(__name__)
 router = APIRouter()
@@ -38,17 +39,16 @@ def _asset(name: str) -> bytes:
     return resources.files("promptcache.server").joinpath("static", name).read_bytes()
 
 
-def engine_load(st: Any) -> dict[str, Any]:
+def engine_load(st: ServerState) -> dict[str, Any]:
     """Active and queued requests: from the engine's admission control when it has one
-    (``engine_stats()``), else the requests in flight (queued unknown: None)."""
-    get = getattr(st.engine, "engine_stats", None)
-    if callable(get):
-        try:
-            es = get()
+    (``engine_stats()`` not None), else the requests in flight (queued unknown: None)."""
+    try:
+        es = st.engine.engine_stats()
+        if es is not None:
             return {"active": int(es.get("active", 0)), "queued": int(es.get("queued", 0)),
                     "source": "engine"}
-        except Exception:
-            log.debug("engine_stats failed", exc_info=True)
+    except Exception:
+        log.debug("engine_stats failed", exc_info=True)
     in_flight = st.metrics.registry.get_sample_value("promptcache_requests_in_flight")
     return {"active": int(in_flight or 0), "queued": None, "source": "server"}
 
@@ -66,7 +66,7 @@ def speculation_panel(engine: Any) -> dict[str, Any] | None:
     return {k.removeprefix("spec_"): engine.get(k) for k in SPEC_KEYS}
 
 
-def dashboard_data(st: Any, tenant: str | None) -> dict[str, Any]:
+def dashboard_data(st: ServerState, tenant: str | None) -> dict[str, Any]:
     """Everything the page shows (runs in a worker thread: the cache's stats lock)."""
     out: dict[str, Any] = {
         "stats": stats_payload(st, tenant),

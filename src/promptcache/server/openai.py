@@ -263,11 +263,11 @@ def _completion_tokens(st: ServerState, prompt: str | list[str] | list[int]) -> 
     if all(isinstance(p, str) for p in prompt):
         if len(prompt) != 1:
             raise APIError(400, "only one prompt per request is supported", param="prompt")
-        return list(st.engine.encode_prompt(prompt[0]))
+        return list(st.engine.encode_prompt(str(prompt[0])))
     tokens = [int(t) for t in prompt]
-    vocab = getattr(st.engine, "vocab_size", None)
+    vocab = st.engine.vocab_size
     for t in tokens:
-        if t < 0 or (vocab is not None and t >= vocab):
+        if t < 0 or t >= vocab:
             raise APIError(400, f"prompt token id {t} is out of range", param="prompt")
     return tokens
 

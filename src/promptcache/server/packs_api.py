@@ -15,7 +15,6 @@ worker thread, never on the event loop.
 
 from __future__ import annotations
 
-import io
 import logging
 from typing import Any
 
@@ -33,20 +32,17 @@ router = APIRouter()
 MAX_PACK_BYTES = 16 * 1024**3
 
 
-def _cache(request: Request) -> Any:
-    cache = getattr(state_of(request).engine, "cache", None)
-    if cache is None:
+def _require_cache(request: Request) -> None:
+    if state_of(request).engine.cache is None:
         raise APIError(409, "the prompt cache is disabled on this server", code="cache_disabled")
-    return cache
 
 
 @router.post("/v1/cache/export")
 async def export_pack(request: Request) -> Response:
     st = state_of(request)
-    cache = _cache(request)
+    _require_cache(request)
     body = await json_object(request)
     tenant = request.state.pc_scope.tenant
-    ns = st.engine.namespace(tenant)
     tokens: list[int] | None = None
     session = body.get("session_id")
     selection: dict[str, Any]
@@ -72,11 +68,8 @@ async def export_pack(request: Request) -> Response:
         raise APIError(400, "name what to export: messages, tokens, session_id or all=true")
 
     def build() -> tuple[bytes, dict[str, Any]]:
-        blocks = packs.collect(cache, ns, tokens=tokens,
-                               session_id=session if tokens is None else None)
-        buf = io.BytesIO()
-        summary = packs.write_pack(buf, ns, blocks, selection)
-        return buf.getvalue(), summary
+        return st.engine.export_pack(tenant, selection, tokens=tokens,
+                                     session_id=session if isinstance(session, str) else None)
 
     try:
         data, summary = await run_in_threadpool(build)
@@ -93,7 +86,7 @@ async def export_pack(request: Request) -> Response:
 @router.post("/v1/cache/import")
 async def import_pack(request: Request) -> dict[str, Any]:
     st = state_of(request)
-    cache = _cache(request)
+    _require_cache(request)
     data = await request.body()
     if len(data) > MAX_PACK_BYTES:
         raise APIError(413, "pack too large")
@@ -115,9 +108,8 @@ async def import_pack(request: Request) -> dict[str, Any]:
     if fixed is None and request.headers.get("x-tenant-id") and tenant != scope_tenant:
         raise APIError(400, f"the pack belongs to tenant {tenant!r}, not {scope_tenant!r}",
                        code="tenant_mismatch")
-    target = st.engine.namespace(tenant)
     try:
-        report = await run_in_threadpool(packs.import_into, cache, pack, target)
+        report = await run_in_threadpool(st.engine.import_pack, pack)
     except packs.PackError as e:
         log.warning("pack import refused: %s", e)
         raise APIError(400, str(e), code="invalid_pack") from e

@@ -6,7 +6,8 @@ placement and the tools fallback (``prompt.py``), the chat template, tokenizatio
 message offsets, the cache breakpoints as token positions, the images' placeholders,
 the output constraint (``structured.py``), whether the prompt ends inside a reasoning
 block, the comparison with the session's previous turn (``diagnostics.py``), and (for a
-streamed usage prediction) a cache lookup. All of it runs in one worker thread per app
+streamed usage prediction) the predicted cached tokens (``EngineAPI.predict_cached``:
+a lookup the engine thread runs; a failure predicts 0). All of it runs in one worker thread per app
 (one thread: the fast tokenizer is not safe to share between threads); the event loop
 only awaits it. The template's abilities (a system turn mid-conversation, rendering
 ``tools``) are probed once per app, in that thread. ``preparer_of(request)``: the app's
@@ -29,6 +30,7 @@ from fastapi import Request
 from ..blocks.tokens import common_prefix
 from ..engine.api import GenerationResult, ImageInput, expand_placeholders, image_extra_keys
 from ..engine.chat_format import ChatFormat
+from ..engine.port import EngineAPI
 from .canon import Canon
 from .diagnostics import (
     NO_PREVIOUS,
@@ -68,15 +70,10 @@ _PROBE_TOOL = {"type": "function", "function": {
 _PROBE_TEXT = "promptcache-probe-7d1f"
 
 
-def _chat_format(engine: Any) -> ChatFormat:
-    cf = getattr(engine, "chat_format", None)
-    return cf if isinstance(cf, ChatFormat) else ChatFormat()
-
-
 class Preparer:
     """Renders prompts for one app in one worker thread (see the module docstring)."""
 
-    def __init__(self, engine: Any, canon: Canon | None = None,
+    def __init__(self, engine: EngineAPI, canon: Canon | None = None,
                  turns: TurnStore | None = None) -> None:
         self.engine = engine
         self.canon = canon if canon is not None else Canon()
@@ -84,7 +81,7 @@ class Preparer:
         self._pool: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
         self._abilities: TemplateAbilities | None = None
-        self.chat_format = _chat_format(engine)
+        self.chat_format: ChatFormat = engine.chat_format
 
     def close(self) -> None:
         """Stop the worker (at app shutdown; a later request starts a new one)."""
@@ -116,8 +113,7 @@ class Preparer:
         returns; the engine is told (``Engine.announce``) while it is being prepared,
         so that a burst of requests prepared one after the other prefills as one batch
         (``engine/arrivals.py``)."""
-        announce = getattr(self.engine, "announce", None) if generate else None
-        release = announce() if announce is not None else None
+        release = self.engine.announce() if generate else None
         try:
             return await self.run(self._prepare, chat, predict_tenant, turn)
         finally:
@@ -156,7 +152,7 @@ class Preparer:
             opts["continue_final_message"] = True
         if kwargs:
             opts["template_kwargs"] = kwargs
-        if offsets and hasattr(engine, "render_chat_with_offsets"):
+        if offsets:
             tokens, starts = engine.render_chat_with_offsets(messages, tools=tools, **opts)
             return list(tokens), list(starts)
         return list(engine.render_chat(messages, tools=tools, **opts)), []
@@ -336,19 +332,19 @@ class Preparer:
 
     def _predict(self, tokens: list[int], tenant: str | None,
                  images: tuple[ImageInput, ...] = ()) -> tuple[int, str | None]:
-        cache = getattr(self.engine, "cache", None)
-        if tenant is None or cache is None:
+        """The predicted cached tokens (a lookup on the engine thread) and the miss's
+        cause; ``(0, None)`` without a cache or when the lookup failed or timed out (a
+        prediction only: it never fails the request)."""
+        if tenant is None or self.engine.cache is None:
             return 0, None
         try:
-            ns = self.engine.namespace(tenant)
-            match = (cache.lookup(tokens, ns, image_extra_keys(images)) if images
-                     else cache.lookup(tokens, ns))
-            miss = getattr(match, "miss", None)
-            return (max(0, min(int(match.num_tokens), len(tokens) - 1)),
-                    getattr(miss, "cause", None))
-        except Exception:  # a prediction only; never fails the request
+            got = self.engine.predict_cached(tokens, tenant, image_extra_keys(images))
+        except Exception:  # an engine that raises instead of degrading
             log.debug("cache lookup for the usage prediction failed", exc_info=True)
+            got = None
+        if got is None:
             return 0, None
+        return max(0, min(got.num_tokens, len(tokens) - 1)), got.cause
 
 
 def _shift_past_images(positions: tuple[tuple[int, float], ...],

@@ -37,8 +37,11 @@ from typing import Any
 
 from ..blocks.tokens import common_prefix
 from ..engine.api import GenerationRequest, GenerationResult, SamplingParams
+from ..engine.port import EngineAPI, HandleAPI
 from ..errors import OverloadedError
 from .diagnostics import TurnKey
+from .prepared import ChatPrompt, Prepared
+from .preparer import Preparer
 
 log = logging.getLogger(__name__)
 
@@ -65,32 +68,32 @@ class PreRenderStats:
 class PreRenderer:
     """One per app (see the module docstring); ``preparer`` is the app's ``Preparer``."""
 
-    def __init__(self, engine: Any, preparer: Any, *, enabled: bool = True,
+    def __init__(self, engine: EngineAPI, preparer: Preparer, *, enabled: bool = True,
                  max_pending: int = 4, max_suffix_tokens: int = 32768) -> None:
         if max_pending < 1:
             raise ValueError(f"max_pending must be >= 1, got {max_pending}")
         self.engine = engine
         self.preparer = preparer
-        self.enabled = enabled and getattr(engine, "cache", None) is not None
+        self.enabled = enabled and engine.cache is not None
         self.max_pending = max_pending
         self.max_suffix_tokens = max_suffix_tokens
         self.stats = PreRenderStats()
         self._lock = threading.Condition()
         self._queued = 0  # handed to the worker, not yet submitted or dropped
-        self._pending: dict[Any, Any] = {}  # session key -> engine handle
+        self._pending: dict[object, HandleAPI] = {}  # session key -> engine handle
         self._tasks: set[asyncio.Task[None]] = set()
         self._ids = itertools.count(1)
 
     # ---- the event loop side
 
     def after_reply(self, key: TurnKey | None, tenant: str, session_id: str | None,
-                    chat: Any, reply: list[dict[str, Any]], prepared: Any,
+                    chat: ChatPrompt, reply: list[dict[str, Any]], prepared: Prepared,
                     result: GenerationResult) -> None:
         """A reply ended: schedule its pre-render (returns at once)."""
         if not self.enabled or result.finish_reason not in ("stop", "length"):
             return
-        slot = key if key is not None else object()  # no session: a slot of its own
-        images = getattr(chat, "images", None)
+        slot: object = key if key is not None else object()  # no session: a slot of its own
+        images = chat.images
         if images is not None and images.sources:
             # a light render carries no images (their placeholders and digests come
             # with a real turn's preparation): not pre-rendered
@@ -133,7 +136,7 @@ class PreRenderer:
 
     # ---- the worker thread
 
-    def next_prefix(self, chat: Any, reply: list[dict[str, Any]]) -> list[int]:
+    def next_prefix(self, chat: ChatPrompt, reply: list[dict[str, Any]]) -> list[int]:
         """The tokens the next request will start with: the conversation + ``reply``,
         cut where a placeholder next user message starts (worker thread)."""
         renders: list[list[int]] = []
@@ -144,10 +147,10 @@ class PreRenderer:
             renders.append(self.preparer._prepare(nxt, None, None, light=True).tokens)
         return renders[0][:common_prefix(renders[0], renders[1])]
 
-    def _render_and_submit(self, loop: asyncio.AbstractEventLoop, slot: Any,
+    def _render_and_submit(self, loop: asyncio.AbstractEventLoop, slot: object,
                            key: TurnKey | None, tenant: str, session_id: str | None,
-                           chat: Any, reply: list[dict[str, Any]], stored: list[int]) -> None:
-        handle = None
+                           chat: ChatPrompt, reply: list[dict[str, Any]], stored: list[int]) -> None:
+        handle: HandleAPI | None = None
         try:
             target = self.next_prefix(chat, reply)
             kept = len(stored) - 1  # the last generated token's state is not stored
@@ -202,19 +205,17 @@ class PreRenderer:
                 self._lock.notify_all()
 
     def _mark_active(self, key: TurnKey, req: GenerationRequest) -> None:
-        cache = getattr(self.engine, "cache", None)
-        if cache is not None and hasattr(cache, "mark_active"):
-            cache.mark_active(list(req.prompt_tokens), self.engine.namespace(req.tenant),
-                              key.activity)
+        """The next turn's prefix is the session's latest chain (on the engine thread)."""
+        self.engine.mark_active(req.prompt_tokens, req.tenant, key.activity)
 
     # ---- back on the loop
 
-    def _watch(self, slot: Any, handle: Any) -> None:
+    def _watch(self, slot: object, handle: HandleAPI) -> None:
         task = asyncio.ensure_future(self._await(slot, handle))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _await(self, slot: Any, handle: Any) -> None:
+    async def _await(self, slot: object, handle: HandleAPI) -> None:
         result: GenerationResult | None = None
         try:
             async for ev in handle.aevents():

@@ -104,7 +104,8 @@ def _previous(div: Divergence) -> dict[str, Any] | None:
 
 
 def analyse(prep: Preparer, prepared: Prepared, tenant: str, source: Any) -> dict[str, Any]:
-    """The probe's answer (worker thread: cache lookups, a render, decoding)."""
+    """The probe's answer (worker thread: a render, decoding; the cache lookup runs on
+    the engine thread, ``EngineAPI.probe_cache``)."""
     engine = prep.engine
     tokens = prepared.tokens
     n = len(tokens)
@@ -112,17 +113,16 @@ def analyse(prep: Preparer, prepared: Prepared, tenant: str, source: Any) -> dic
                            "matched_tokens": 0, "divergence": None, "cause": None,
                            "cache_miss_reason": None,
                            "previous_turn": _previous(prepared.divergence)}
-    cache = getattr(engine, "cache", None)
-    if cache is None:
+    extra = image_extra_keys(prepared.images)
+    match = engine.probe_cache(tokens, tenant, extra, CONTEXT_TOKENS) \
+        if engine.cache is not None else None
+    if match is None:  # no cache (or its lookup failed)
         out["cause"] = out["cache_miss_reason"] = "unavailable"
         return out
-    ns = engine.namespace(tenant)
-    extra = image_extra_keys(prepared.images)
-    match = cache.lookup(tokens, ns, extra) if extra else cache.lookup(tokens, ns)
     cached = max(0, min(int(match.num_tokens), n - 1))
     by_tier: dict[str, int] = {}
     left = cached
-    for tier, count in dict(match.tokens_by_tier).items():
+    for tier, count in match.tokens_by_tier.items():
         take = min(int(count), left)
         if take > 0:
             by_tier[str(tier)] = take
@@ -136,7 +136,7 @@ def analyse(prep: Preparer, prepared: Prepared, tenant: str, source: Any) -> dic
     idx = message_at(position, prepared.message_starts)
     role = str(prepared.messages[idx].get("role")) \
         if idx is not None and idx < len(prepared.messages) else None
-    stored = cache.stored_after(tokens, ns, position, CONTEXT_TOKENS, extra_keys=extra)
+    stored = list(match.stored_after)
     decode = engine.tokenizer.decode
     common = str(decode(tokens[max(0, position - CONTEXT_TOKENS):position]))
     request_text = str(decode(tokens[position:position + CONTEXT_TOKENS]))

@@ -6,9 +6,11 @@ and returns a ``Generation`` whose ``events()`` async iterator yields the engine
 ``TokenEvent``s and then the final ``GenerationResult``. While it runs, a watcher
 task polls ``request.is_disconnected()``; a disconnect (or the stream being
 cancelled/closed early) calls ``handle.cancel()``: the engine stops and keeps the
-blocks it already stored. Each finished request updates the metrics and the rolling
-hit rate and the per-session / per-agent counts (``session_stats``), and logs one
-line.
+blocks it already stored. Each finished request is published as one
+``RequestFinished`` event (``finished.py``) to ``ServerState.finished``, whose
+subscribers update the metrics, the rolling hit rate, the per-session / per-agent
+counts (``session_stats``), the history, and log one line. The engine is an
+``EngineAPI`` (``engine/port.py``).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 
@@ -35,15 +37,20 @@ from ..engine.api import (
     SamplingParams,
     TokenEvent,
 )
+from ..engine.port import EngineAPI, HandleAPI
 from ..errors import OverloadedError
 from ..sessions import SessionReaper
 from .alerts import HitRateMonitor
 from .auth import Authenticator, Scope
 from .errors import APIError
+from .finished import RequestFinished, Subscriber, publish, standard_subscribers
 from .history import RequestHistory
 from .images import ImageCollector
 from .metrics import ServerMetrics
 from .session_stats import SessionStats
+
+if TYPE_CHECKING:
+    from .prerender import PreRenderer
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +60,7 @@ BASE_ALIASES = ("default", "promptcache")
 
 @dataclass
 class ServerState:
-    engine: Any
+    engine: EngineAPI
     config: ServerConfig
     engine_config: EngineConfig
     auth: Authenticator
@@ -75,7 +82,12 @@ class ServerState:
     tuner: AutoTuner | None = None
     # the next-turn pre-renderer (prerender.py; also app.state.pc_prerender): its
     # snapshot() is the ``prerender`` line of /v1/cache/stats
-    prerender: Any = None
+    prerender: PreRenderer | None = None
+    # who hears of every finished request (finished.py); the standard subscribers first
+    finished: list[Subscriber] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.finished[:0] = standard_subscribers(self)
 
     @property
     def model_id(self) -> str:
@@ -84,7 +96,7 @@ class ServerState:
     def image_collector(self) -> ImageCollector | None:
         """A new request's image collector when the model takes images, else None
         (a text-only model: image parts stay a 400)."""
-        info = getattr(self.engine, "vision", None)
+        info = self.engine.vision
         return ImageCollector(info, self.config.images) if info is not None else None
 
     def check_model(self, name: str | None) -> str:
@@ -143,7 +155,7 @@ class Generation:
     """One submitted request; iterate ``events()`` exactly once."""
 
     def __init__(self, state: ServerState, api: str, http_request: Request,
-                 req: GenerationRequest, handle: Any, scope: Scope | None = None) -> None:
+                 req: GenerationRequest, handle: HandleAPI, scope: Scope | None = None) -> None:
         self.state = state
         self.api = api
         self.scope = scope or Scope(tenant=req.tenant, session_id=req.session_id)
@@ -207,51 +219,21 @@ class Generation:
         return (result.text if result.text or not joined else joined), result
 
     def _finish(self, result: GenerationResult) -> None:
-        s = self.state
-        s.metrics.in_flight.dec()
-        s.metrics.queue_wait.observe(result.queue_s)
-        u = result.usage
-        if result.finish_reason == "error":
-            s.metrics.observe_failure(self.api, "error")
-            log.error("request %s failed in the engine: %s", self.request.request_id,
-                      result.error)
-            return
-        if result.finish_reason == "cancelled":
-            s.metrics.observe_failure(self.api, "cancelled")
-        note = result.miss_reason
-        if self.on_result is not None:
-            try:
-                note = self.on_result(result)
-            except Exception:  # a hook must never break the response
-                log.warning("request %s: result hook failed", self.request.request_id,
-                            exc_info=True)
-        ttft = result.ttft_s if result.ttft_s > 0 else self.first_token_s
-        if result.finish_reason != "cancelled":
-            s.metrics.observe_result(self.api, u.prompt_tokens, u.cached_by_tier,
-                                     u.completion_tokens, ttft)
-            s.monitor.record(u.prompt_tokens, u.cached_tokens, result.miss)
-            s.session_stats.record(self.scope, u.prompt_tokens, u.cached_tokens)
-        rate = s.monitor.hit_rate()
-        if s.sessions is not None:
-            s.sessions.touch(self.scope.tenant, self.scope.session_id)
-        if result.finish_reason != "cancelled":
-            s.history.record(api=self.api, tenant=self.request.tenant,
-                             session=self.scope.session_id, prompt_tokens=u.prompt_tokens,
-                             cached_tokens=u.cached_tokens, ttft_s=ttft,
-                             cause=result.miss.cause if result.miss is not None else None,
-                             rolling_hit_rate=rate)
-        if rate is not None:
-            s.metrics.rolling_hit_rate.set(rate)
-        s.metrics.alert.set(1 if s.monitor.alerting else 0)
-        tiers = " ".join(f"{k}={v}" for k, v in sorted(u.cached_by_tier.items())) or "-"
-        # speculative decoding: draft tokens accepted / verified (only when it drafted)
-        spec = f" spec={u.spec_accepted}/{u.spec_drafted}" if u.spec_drafted else ""
-        log.info(
-            "request %s api=%s tenant=%s %s prompt=%d cached=%d (%s) completion=%d "
-            "ttft=%.3fs decode=%.1f tok/s finish=%s%s%s", self.request.request_id, self.api,
-            self.request.tenant, self.scope.describe(), u.prompt_tokens, u.cached_tokens,
-            tiers, u.completion_tokens, ttft or 0.0, result.decode_tps, result.finish_reason,
-            spec, f" miss={note}" if note else "")
+        """The final result: publish it (``RequestFinished``) to the app's subscribers."""
+        self.state.metrics.in_flight.dec()
+        note = None
+        if result.finish_reason != "error":
+            note = result.miss_reason
+            if self.on_result is not None:
+                try:
+                    note = self.on_result(result)
+                except Exception:  # a hook must never break the response
+                    log.warning("request %s: result hook failed", self.request.request_id,
+                                exc_info=True)
+        publish(self.state.finished, RequestFinished(
+            api=self.api, request_id=self.request.request_id, tenant=self.request.tenant,
+            scope=self.scope, result=result,
+            ttft_s=result.ttft_s if result.ttft_s > 0 else self.first_token_s, note=note))
 
 
 def unstreamed_tail(streamed: str, result: GenerationResult) -> str:

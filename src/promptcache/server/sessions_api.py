@@ -16,13 +16,14 @@ from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
 
 from .common import state_of
+from .runner import ServerState
 
 router = APIRouter()
 
 
-def session_rows(st: Any, tenant: str | None) -> list[dict[str, Any]]:
-    cache = getattr(st.engine, "cache", None)
-    if cache is None or not hasattr(cache, "sessions"):
+def session_rows(st: ServerState, tenant: str | None) -> list[dict[str, Any]]:
+    cache = st.engine.cache
+    if cache is None:
         return []
     rows: list[dict[str, Any]] = cache.sessions(tenant)
     reaper = st.sessions

@@ -41,6 +41,7 @@ from ..engine import constrained
 from ..engine.api import Constraint
 from ..engine.chat_format import ChatFormat, ToolCallFormat
 from ..engine.constrained import JSON_OPTIONS
+from ..engine.port import EngineAPI
 from ..errors import RequestError
 from .errors import APIError
 from .tool_grammar import (
@@ -318,14 +319,14 @@ def _json_of(schema: Mapping[str, Any]) -> str:
     return json_rule(_with_options(schema))
 
 
-def check_constraint(constraint: Constraint, engine: Any, param: str) -> None:
+def check_constraint(constraint: Constraint, engine: EngineAPI, param: str) -> None:
     """Compile ``constraint`` for the engine's tokenizer (so submitting it is cheap), or
     check the grammar alone when the engine has no tokenizer bridge; 400 naming
     ``param`` when it is invalid. Runs in the preparation thread."""
-    tokenizer = getattr(engine, "tokenizer", None)
-    vocab = getattr(engine, "vocab_size", None)
+    tokenizer, vocab = engine.tokenizer, engine.vocab_size
     try:
-        if isinstance(vocab, int) and hasattr(tokenizer, "backend_tokenizer"):
+        # a real (Hugging Face fast) tokenizer: compile the constraint for it
+        if hasattr(tokenizer, "backend_tokenizer"):
             constrained.prepare(constraint, tokenizer, vocab)
         else:
             constrained.validate(constraint)

@@ -18,11 +18,13 @@ from typing import Any
 from fastapi import Request
 
 from ..engine.api import GenerationResult, SamplingParams, image_extra_keys
+from ..engine.port import EngineAPI
 from .auth import Scope
 from .diagnostics import TurnKey, cache_cause_of
 from .errors import APIError
 from .prepared import ChatPrompt, Prepared, TurnContext
 from .preparer import preparer_of
+from .prerender import PreRenderer
 from .runner import Generation, ServerState
 
 log = logging.getLogger(__name__)
@@ -32,11 +34,12 @@ log = logging.getLogger(__name__)
 
 
 def caching(st: ServerState) -> bool:
-    return getattr(st.engine, "cache", None) is not None
+    return st.engine.cache is not None
 
 
-def prerenderer_of(request: Request) -> Any:
-    return getattr(request.app.state, "pc_prerender", None)
+def prerenderer_of(request: Request) -> PreRenderer | None:
+    pre: PreRenderer | None = request.app.state.pc.prerender
+    return pre
 
 
 def start(st: ServerState, api: str, request: Request, scope: Scope, prepared: Prepared,
@@ -91,18 +94,19 @@ RETENTIONS = ("in_memory", "24h")
 
 def claim_chain(request: Request, tenant: str, key: TurnKey | None, prepared: Prepared,
                 chat: ChatPrompt, result: GenerationResult) -> None:
-    """Tell the cache what this turn wants kept (in the preparation worker, in order
-    with the next preparations; never on the event loop): each Anthropic breakpoint is
-    protected for its ttl (``PromptCache.protect``, persisted at once); with a
-    prompt_cache_key the turn's whole chain (prompt + output) replaces the key's
-    previous chain for ``KEY_PROTECT_S``, written to the lower tiers at once only with
-    ``prompt_cache_retention: 24h``; a turn with a session marks its chain as the
-    session's latest (``PromptCache.mark_active``)."""
+    """Tell the cache what this turn wants kept (queued in the preparation worker, in
+    order with the next preparations; never on the event loop; each call runs on the
+    engine thread, ``EngineAPI.protect`` / ``mark_active``, after the blocks the turn
+    stored): each Anthropic breakpoint is protected for its ttl (``PromptCache.protect``,
+    persisted at once); with a prompt_cache_key the turn's whole chain (prompt + output)
+    replaces the key's previous chain for ``KEY_PROTECT_S``, written to the lower tiers
+    at once only with ``prompt_cache_retention: 24h``; a turn with a session marks its
+    chain as the session's latest (``PromptCache.mark_active``). A call that fails or
+    times out is logged and counted by the engine; the reply is already sent."""
     if result.finish_reason in ("error", "cancelled"):
         return
-    engine = request.app.state.pc.engine
-    cache = getattr(engine, "cache", None)
-    if cache is None or not hasattr(cache, "protect"):
+    engine: EngineAPI = request.app.state.pc.engine
+    if engine.cache is None:
         return
     breakpoints = list(prepared.breakpoints)
     if not breakpoints and key is None:
@@ -111,15 +115,14 @@ def claim_chain(request: Request, tenant: str, key: TurnKey | None, prepared: Pr
     extra = image_extra_keys(prepared.images)  # the images' digests are in the block keys
 
     def apply() -> None:
-        ns = engine.namespace(tenant)
         for pos, ttl in breakpoints:
-            cache.protect(tokens, ns, min(pos, len(tokens)), ttl, extra_keys=extra)
+            engine.protect(tokens, tenant, min(pos, len(tokens)), ttl, extra_keys=extra)
         if chat.retention is not None and key is not None:
-            cache.protect(tokens, ns, len(tokens), KEY_PROTECT_S, key=key.activity,
-                          persist=chat.retention == "24h", extra_keys=extra,
-                          pin_s=86400.0 if chat.retention == "24h" else None)
+            engine.protect(tokens, tenant, len(tokens), KEY_PROTECT_S, key=key.activity,
+                           persist=chat.retention == "24h", extra_keys=extra,
+                           pin_s=86400.0 if chat.retention == "24h" else None)
         if key is not None:
-            cache.mark_active(tokens, ns, key.activity, extra_keys=extra)
+            engine.mark_active(tokens, tenant, key.activity, extra_keys=extra)
 
     preparer_of(request).submit(apply)
 
