@@ -59,9 +59,12 @@ class Arrivals:
 
         return release
 
-    def gather(self, window: float, max_s: float) -> int:
+    def gather(self, window: float, max_s: float,
+               on_wake: Callable[[], None] | None = None) -> int:
         """Called by the engine thread woken from idle; returns the number of waits
-        (see the module docstring). ``window <= 0``: no gathering."""
+        (see the module docstring). ``window <= 0``: no gathering. ``on_wake`` runs at
+        every wake-up meanwhile (the engine runs the calls made of it: a request being
+        prepared may wait for one, ``Engine.call``)."""
         if window <= 0:
             return 0
         start = self._clock()
@@ -77,6 +80,8 @@ class Arrivals:
             waits += 1
             if self.wake.wait(min(window, left)):
                 self.wake.clear()
+                if on_wake is not None:
+                    on_wake()
                 if self._released != seen:  # a preparation ended: its submit follows
                     seen = self._released
                     quiet_end = min(hard_end, max(quiet_end, self._clock() + window))

@@ -742,7 +742,7 @@ class Engine:
         requests sent together prefill as one batch instead of the first one alone and
         the rest after it."""
         cfg = self.engine_config
-        self._control.gather(cfg.batch_window_s, cfg.burst_gather_max_s)
+        self._control.gather(cfg.batch_window_s, cfg.burst_gather_max_s, self._run_calls)
 
     def _run_calls(self) -> None:
         """Run the waiting ``call``s (engine thread), in the order they came."""
