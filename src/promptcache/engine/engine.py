@@ -11,6 +11,13 @@ tiers); the engine closes it in ``close()``.
 If the engine thread dies (a bug, not a model failure of one request, which only
 ends that request), every pending request ends with an error, ``alive`` turns
 False and ``submit`` raises ``EngineDeadError``.
+
+The Engine implements the server's port (``port.EngineAPI``). ``call(fn)`` runs a
+function on the engine thread between two steps (or while it gathers a burst) and
+waits for it, bounded; the cache operations the server asks for a request
+(``predict_cached``, ``probe_cache``, ``protect``, ``mark_active``) are such calls and
+degrade (None / 0, counted in ``engine_stats``: ``engine_calls_failed`` /
+``engine_calls_timed_out``) instead of failing the request.
 """
 
 from __future__ import annotations
@@ -242,6 +249,7 @@ class Engine:
         self._control = Arrivals()
         # calls to run on the engine thread (``call``) and how they went
         self._calls: deque[_Call] = deque()
+        self._call_lock = threading.Lock()
         self.call_stats = {"engine_calls": 0, "engine_calls_failed": 0,
                            "engine_calls_timed_out": 0}
         self._thread = threading.Thread(target=self._run, name="promptcache-engine", daemon=True)
@@ -528,16 +536,24 @@ class Engine:
                  timeout: float | None = ENGINE_CALL_TIMEOUT_S) -> T:
         """``call(fn)``, or ``default`` (logged and counted) when it fails or times out:
         an engine-thread call made for a request never fails the request."""
-        self.call_stats["engine_calls"] += 1
         try:
-            return self.call(fn, timeout)
+            value = self.call(fn, timeout)
         except EngineCallTimeout:
-            self.call_stats["engine_calls_timed_out"] += 1
+            self._count_call("engine_calls_timed_out")
             logger.warning("%s: the engine thread did not run it in %s s", what, timeout)
+            return default
         except Exception:
-            self.call_stats["engine_calls_failed"] += 1
+            self._count_call("engine_calls_failed")
             logger.warning("%s failed", what, exc_info=True)
-        return default
+            return default
+        self._count_call(None)
+        return value
+
+    def _count_call(self, outcome: str | None) -> None:
+        with self._call_lock:  # callers on several threads
+            self.call_stats["engine_calls"] += 1
+            if outcome is not None:
+                self.call_stats[outcome] += 1
 
     def predict_cached(self, tokens: Sequence[int], tenant: str,
                        extra_keys: Sequence[ExtraKeySpan] = ()) -> CachePrediction | None:
@@ -746,8 +762,11 @@ class Engine:
 
     def _run_calls(self) -> None:
         """Run the waiting ``call``s (engine thread), in the order they came."""
-        while self._calls:
-            job = self._calls.popleft()
+        while True:
+            try:
+                job = self._calls.popleft()
+            except IndexError:
+                return
             if job.abandoned:
                 continue
             try:
@@ -759,8 +778,11 @@ class Engine:
 
     def _fail_calls(self, error: str) -> None:
         """Answer every waiting call (the engine thread is ending)."""
-        while self._calls:
-            job = self._calls.popleft()
+        while True:
+            try:
+                job = self._calls.popleft()
+            except IndexError:
+                return
             job.error = EngineDeadError(error)
             job.done.set()
 

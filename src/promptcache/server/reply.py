@@ -25,6 +25,7 @@ from typing import Any, TypeVar
 from fastapi import Request
 
 from ..engine.api import GenerationResult, TokenEvent
+from ..engine.port import TokenizerAPI
 from .harmony import HarmonyParser
 from .prepared import Prepared
 from .reasoning import Piece, ReplyParser
@@ -190,7 +191,7 @@ class LogprobDecoder:
     that ended the reply (EOS or a requested stop token id) is not content and has no
     entry, as in OpenAI's API."""
 
-    def __init__(self, tokenizer: Any, stop_token_ids: Sequence[int] = ()) -> None:
+    def __init__(self, tokenizer: TokenizerAPI, stop_token_ids: Sequence[int] = ()) -> None:
         self.tokenizer = tokenizer
         self._memo: dict[int, str] = {}
         eos = getattr(tokenizer, "eos_token_ids", None) or ()
