@@ -306,7 +306,7 @@ class EngineConfig:
 
 @dataclass(frozen=True)
 class ImageLimits:
-    """Image inputs of vision-language models (``server/images.py``)."""
+    """Image inputs of vision-language models (``server/prompts/images.py``)."""
 
     max_bytes: int = 20 * 1024 * 1024  # encoded size of one image
     max_pixels: int = 40_000_000  # width x height, checked from the header before decoding
@@ -342,9 +342,9 @@ class ServerConfig:
     log_requests_dir: Path | None = None
     # responses kept for previous_response_id / GET /v1/responses/{id} (bounded, in RAM)
     responses_store_size: int = 256
-    # canonical-prompt rules switched off (server/canon.py; "all" = every rule)
+    # canonical-prompt rules switched off (server/prompts/canon.py; "all" = every rule)
     canonicalize_off: tuple[str, ...] = ()
-    # next-turn pre-render (server/prerender.py): on, at most this many at once, and
+    # next-turn pre-render (server/prompts/prerender.py): on, at most this many at once, and
     # only suffixes up to this many tokens
     prerender: bool = True
     prerender_max_pending: int = 4

@@ -22,8 +22,13 @@ from promptcache.engine import constrained
 from promptcache.engine.api import Constraint
 from promptcache.engine.chat_format import HERMES, ChatFormat, ToolCallFormat, tool_call_format
 from promptcache.errors import RequestError
-from promptcache.server.structured import ForcedCall, JsonOutput, PromptShape, constraint_for
-from promptcache.server.toolcalls import parse_tool_calls
+from promptcache.server.prompts.structured import (
+    ForcedCall,
+    JsonOutput,
+    PromptShape,
+    constraint_for,
+)
+from promptcache.server.replies.toolcalls import parse_tool_calls
 
 VOCAB = 1024
 

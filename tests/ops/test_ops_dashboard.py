@@ -16,7 +16,7 @@ from fake_engine import FakeEngine  # noqa: E402
 
 from promptcache.config import ServerConfig  # noqa: E402
 from promptcache.server import create_app  # noqa: E402
-from promptcache.server.history import RequestHistory  # noqa: E402
+from promptcache.server.ops.history import RequestHistory  # noqa: E402
 
 
 def _chat(c: TestClient, text: str, headers: dict[str, str]) -> None:

@@ -21,7 +21,7 @@ from promptcache.autotune import AutoTuner
 from promptcache.cache import PromptCache
 from promptcache.config import CacheConfig
 from promptcache.meta import Namespace
-from promptcache.server.alerts import HitRateMonitor
+from promptcache.server.ops.alerts import HitRateMonitor
 
 BS = 16
 NS = Namespace("storm-model", BS)
@@ -59,7 +59,7 @@ def test_eviction_storm_names_the_cause_and_a_budget_that_fixes_it(
         caplog: pytest.LogCaptureFixture) -> None:
     working_set = CONVS * (64 + BS * (TURNS - 1)) * BYTES_PER_TOKEN
     small = working_set // 4
-    with caplog.at_level(logging.WARNING, logger="promptcache.server.alerts"):
+    with caplog.at_level(logging.WARNING, logger="promptcache.server.ops.alerts"):
         cache, advisor, monitor = replay(small)
     assert monitor.alerting and monitor.hit_rate() < THRESHOLD
     warning = [r.getMessage() for r in caplog.records if "low prompt-cache" in r.getMessage()][-1]

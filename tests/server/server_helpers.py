@@ -59,7 +59,7 @@ def assert_streamed_equals_whole(reply: str, cuts: list[int], names: Any, fmt: A
                                  tools: Any) -> None:
     """``reply`` fed to a ``ToolCallStream`` in the pieces ``cuts`` makes gives the text
     and calls of parsing it whole."""
-    from promptcache.server.toolcalls import ParsedReply, ToolCallStream, parse_tool_calls
+    from promptcache.server.replies.toolcalls import ParsedReply, ToolCallStream, parse_tool_calls
 
     points = sorted({min(c, len(reply)) for c in cuts} | {0, len(reply)})
     stream = ToolCallStream(names, fmt, tools)

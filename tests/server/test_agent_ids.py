@@ -20,8 +20,8 @@ from promptcache.config import CacheConfig, EngineConfig, ServerConfig
 from promptcache.engine.engine import Engine
 from promptcache.engine.payload import MLXPayloadAdapter
 from promptcache.server import create_app
-from promptcache.server.auth import Scope
-from promptcache.server.session_stats import SessionStats
+from promptcache.server.api.auth import Scope
+from promptcache.server.ops.session_stats import SessionStats
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "traffic" / "claude_code"
 SESSION = "759c5563-53c4-4b0b-b78f-e150f51b67f8"

@@ -12,7 +12,7 @@ from fastapi.testclient import TestClient
 
 from promptcache.config import ServerConfig
 from promptcache.server import create_app
-from promptcache.server.anthropic import creation
+from promptcache.server.api.anthropic import creation
 
 CC = {"type": "ephemeral"}
 CC_1H = {"type": "ephemeral", "ttl": "1h"}

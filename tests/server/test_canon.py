@@ -1,4 +1,4 @@
-"""Canonical prompts (server/canon.py): each rule, on by default and switchable, and
+"""Canonical prompts (server/prompts/canon.py): each rule, on by default and switchable, and
 what the template is given with them on and off."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from fixtures.traces.make_traces import shuffled
 from promptcache.cli import serve_cmd
 from promptcache.config import ServerConfig
 from promptcache.server import create_app
-from promptcache.server.canon import (
+from promptcache.server.prompts.canon import (
     BILLING_HEADER,
     RULES,
     TOOL_KEYS,

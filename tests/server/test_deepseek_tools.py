@@ -15,7 +15,7 @@ from test_server_structured import ANT_TOOLS, HI, OAI_TOOLS, RESP_TOOLS, WANT, _
 
 from promptcache.engine.chat_format import DEEPSEEK, ChatFormat, ToolCall, chat_format_of
 from promptcache.engine.tool_formats import parse_deepseek
-from promptcache.server.toolcalls import parse_tool_calls
+from promptcache.server.replies.toolcalls import parse_tool_calls
 
 B, E = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
 CB, CE, SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"

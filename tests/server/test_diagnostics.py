@@ -20,7 +20,7 @@ from server_helpers import sse_events
 from promptcache.blocks.tokens import common_prefix
 from promptcache.config import ServerConfig
 from promptcache.server import create_app
-from promptcache.server.diagnostics import (
+from promptcache.server.ops.diagnostics import (
     BETA,
     Divergence,
     Fingerprint,
@@ -244,7 +244,7 @@ def test_subagents_have_their_own_previous_turn(served: Served) -> None:
 def test_the_request_log_line_names_the_miss(served: Served,
                                              caplog: pytest.LogCaptureFixture) -> None:
     first = served.send(body())
-    caplog.set_level(logging.INFO, logger="promptcache.server.runner")
+    caplog.set_level(logging.INFO, logger="promptcache.server.replies.runner")
     second = served.send(body(system=SYSTEM.replace("caches and blocks", "rivers")))
     [line] = [r.getMessage() for r in caplog.records if "miss=system_changed" in r.getMessage()]
     n = missed(first, second)

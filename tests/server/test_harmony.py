@@ -1,4 +1,4 @@
-"""gpt-oss's harmony format (server/harmony.py): analysis is reasoning and never
+"""gpt-oss's harmony format (server/replies/harmony.py): analysis is reasoning and never
 content, final is the answer, ``to=functions.NAME`` is a tool call; streamed byte by
 byte and whole the same; through chat, Messages and Responses, streamed and not, with
 a 200-line file as a call argument."""
@@ -16,8 +16,8 @@ from sse_checks import anthropic_stream, chat_stream, responses_stream
 from promptcache.config import EngineConfig, ServerConfig
 from promptcache.engine.chat_format import ChatFormat, ToolCall
 from promptcache.server import create_app
-from promptcache.server.harmony import HarmonyParser
-from promptcache.server.reasoning import parse_reply
+from promptcache.server.replies.harmony import HarmonyParser
+from promptcache.server.replies.reasoning import parse_reply
 
 WRITE = {"type": "function", "function": {"name": "write_file", "parameters": {
     "type": "object", "properties": {"path": {"type": "string"},

@@ -1,4 +1,4 @@
-"""Next-turn pre-render (server/prerender.py) on the fake engine: what is rendered, when
+"""Next-turn pre-render (server/prompts/prerender.py) on the fake engine: what is rendered, when
 a background prefill is submitted (and when not), the bounds, cancellation by the
 session's next request, and that the next turn then hits the pre-rendered prefix."""
 
@@ -15,7 +15,7 @@ from fastapi.testclient import TestClient
 from promptcache.config import ServerConfig
 from promptcache.engine.api import GenerationResult, Usage
 from promptcache.server import create_app
-from promptcache.server.prerender import PreRenderer
+from promptcache.server.prompts.prerender import PreRenderer
 
 THINK_REPLY = "<think>Let me see.</think>Hi there."
 SESSION = {"X-Session-Id": "pre-1"}

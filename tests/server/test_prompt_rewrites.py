@@ -11,14 +11,14 @@ from typing import Any
 from hypothesis import given
 from hypothesis import strategies as st
 
-from promptcache.server.common import KEEPALIVE, with_keepalive
-from promptcache.server.prompt import (
+from promptcache.server.prompts.prompt import (
     SYSTEM_NOTE_FORMAT,
     place_system_messages,
     tools_into_system,
     tools_text,
 )
-from promptcache.server.reasoning import Piece, ReasoningSplitter, ReplyParser, parse_reply
+from promptcache.server.replies.reasoning import Piece, ReasoningSplitter, ReplyParser, parse_reply
+from promptcache.server.replies.reply import KEEPALIVE, with_keepalive
 
 
 def m(role: str, content: str, **kw: Any) -> dict[str, Any]:

@@ -18,7 +18,7 @@ from server_helpers import sse_events, uvicorn_thread
 from promptcache.config import ServerConfig
 from promptcache.engine.api import CacheMiss
 from promptcache.server import create_app
-from promptcache.server.alerts import HitRateMonitor
+from promptcache.server.ops.alerts import HitRateMonitor
 
 HI = {"messages": [{"role": "user", "content": "hi"}]}
 AHI = {"max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]}
@@ -155,7 +155,7 @@ def test_monitor_rules(caplog: pytest.LogCaptureFixture) -> None:
     assert m.hit_rate() is None and m.num_skipped_cold == 1
     m.record(100, 90, None)
     assert not m.alerting  # below min_samples
-    with caplog.at_level(logging.WARNING, logger="promptcache.server.alerts"):
+    with caplog.at_level(logging.WARNING, logger="promptcache.server.ops.alerts"):
         m.record(100, 10, CacheMiss("evicted", 10, 10, 100))
         m.record(100, 20, CacheMiss("evicted", 20, 20, 100))
         m.record(100, 30, CacheMiss("diverged", 30, 30, 100))
@@ -175,7 +175,7 @@ def test_monitor_rules(caplog: pytest.LogCaptureFixture) -> None:
 def test_alert_gauge_through_app(caplog: pytest.LogCaptureFixture) -> None:
     engine = FakeEngine()
     c = TestClient(create_app(engine, ServerConfig(hit_rate_window=3)))
-    with caplog.at_level(logging.WARNING, logger="promptcache.server.alerts"):
+    with caplog.at_level(logging.WARNING, logger="promptcache.server.ops.alerts"):
         for i in range(4):  # each prompt shares only "<|user|>" with the previous ones
             c.post("/v1/chat/completions",
                    json={"messages": [{"role": "user", "content": f"{i}" * 40}]})

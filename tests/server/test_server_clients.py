@@ -17,7 +17,7 @@ from test_prompt_rewrites import FakeClock
 
 from promptcache.config import EngineConfig, ServerConfig
 from promptcache.server import create_app
-from promptcache.server.prompt import tools_text
+from promptcache.server.prompts.prompt import tools_text
 
 HI = [{"role": "user", "content": "hi"}]
 
@@ -59,7 +59,7 @@ def test_claude_code_request_is_accepted(engine: FakeEngine, client: TestClient)
     r = client.post("/v1/messages?beta=true", json=CLAUDE_BODY, headers=CLAUDE_HEADERS)
     assert r.status_code == 200, r.text
     messages, tools = engine.rendered[-1]
-    # the billing header block is dropped (canonical prompts, server/canon.py)
+    # the billing header block is dropped (canonical prompts, server/prompts/canon.py)
     assert messages == [
         {"role": "system", "content": "You are Claude Code."},
         {"role": "user", "content": "say hi"},
@@ -249,7 +249,7 @@ def test_assistant_prefill_is_continued(engine: FakeEngine, client: TestClient) 
 def test_head_root_and_4xx_logging(client: TestClient, caplog: pytest.LogCaptureFixture) -> None:
     assert client.head("/").status_code == 200
     assert client.get("/").json()["model"] == "fake-model"
-    with caplog.at_level(logging.WARNING, logger="promptcache.server.request_log"):
+    with caplog.at_level(logging.WARNING, logger="promptcache.server.ops.request_log"):
         client.post("/v1/messages", json={"max_tokens": 5, "messages": [
             {"role": "wizard", "content": "x"}]}, headers={"X-Claude-Code-Session-Id": "s-1"})
         client.get("/v1/nope")
@@ -276,7 +276,7 @@ def test_head_root_and_4xx_logging(client: TestClient, caplog: pytest.LogCapture
 def test_session_sources(engine: FakeEngine, client: TestClient, headers: dict[str, str],
                          body: dict[str, Any], session: str | None, source: str | None,
                          caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.INFO, logger="promptcache.server.runner"):
+    with caplog.at_level(logging.INFO, logger="promptcache.server.replies.runner"):
         r = client.post("/v1/chat/completions", json={"messages": HI, **body}, headers=headers)
         assert r.status_code == 200
         r = client.post("/v1/responses", json={"input": "hi", **body}, headers=headers)

@@ -16,7 +16,7 @@ from promptcache.cli.wiring import build_cache
 from promptcache.config import CacheConfig, EngineConfig, ServerConfig
 from promptcache.engine.engine import Engine
 from promptcache.server import create_app
-from promptcache.server.prompt import tools_text
+from promptcache.server.prompts.prompt import tools_text
 
 pytestmark = pytest.mark.slow
 

@@ -163,7 +163,7 @@ def test_namespace_and_server_side_tools(client: TestClient, engine: FakeEngine)
              {"type": "file_search", "vector_store_ids": ["v"]}]
     engine.reply = '<tool_call>{"name": "agents__spawn", "arguments": {"task": "x"}}</tool_call>'
     body = _post(client, input="go", tools=tools).json()
-    # offered sorted by name (canonical prompts, server/canon.py)
+    # offered sorted by name (canonical prompts, server/prompts/canon.py)
     assert [t["function"]["name"] for t in engine.rendered[-1][1]] == \
         ["agents__spawn", "get_weather"]
     [call] = body["output"]

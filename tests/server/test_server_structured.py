@@ -33,7 +33,7 @@ from promptcache.engine.api import Constraint
 from promptcache.engine.chat_format import ChatFormat, tool_call_format
 from promptcache.engine.constrained import JSON_OPTIONS
 from promptcache.server import create_app
-from promptcache.server.toolcalls import ParsedReply, ToolCall, parse_tool_calls
+from promptcache.server.replies.toolcalls import ParsedReply, ToolCall, parse_tool_calls
 
 HI = [{"role": "user", "content": "weather in Paris?"}]
 PARAMS = {"type": "object", "properties": {"city": {"type": "string"},
@@ -360,8 +360,8 @@ def test_a_prefill_the_schema_cannot_continue_is_a_400(tiny_llama_path: Any) -> 
 
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
-    from promptcache.server.errors import APIError
-    from promptcache.server.structured import check_constraint
+    from promptcache.server.api.errors import APIError
+    from promptcache.server.prompts.structured import check_constraint
 
     engine = SimpleNamespace(tokenizer=load_tokenizer(tiny_llama_path), vocab_size=1024)
     schema = json.dumps(_opts(PARAMS))
@@ -379,7 +379,7 @@ def test_masked_alternatives_are_left_out_of_logprobs() -> None:
     from fake_engine import FakeTokenizer
 
     from promptcache.engine.api import TokenEvent
-    from promptcache.server.common import LogprobDecoder
+    from promptcache.server.replies.reply import LogprobDecoder
 
     ev = TokenEvent(65, "A", logprob=-0.25, top_logprobs=((65, -0.25), (66, -math.inf)))
     [entry] = asyncio.run(LogprobDecoder(FakeTokenizer()).entries([ev]))
@@ -394,7 +394,7 @@ def test_the_token_that_ended_the_reply_has_no_logprob_entry() -> None:
     from fake_engine import FakeTokenizer
 
     from promptcache.engine.api import TokenEvent
-    from promptcache.server.common import LogprobDecoder
+    from promptcache.server.replies.reply import LogprobDecoder
 
     tok = FakeTokenizer()
     tok.eos_token_ids = [2]  # type: ignore[attr-defined]

@@ -1,6 +1,6 @@
 """Tool calls in the model's output and stop-sequence reporting (fake engine, exact shapes).
 
-The parser (server/toolcalls.py) is tested directly, then both APIs end to end, streaming
+The parser (server/replies/toolcalls.py) is tested directly, then both APIs end to end, streaming
 and not, with the official SDKs parsing the responses where it is convenient.
 """
 
@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from server_helpers import sse_events
 
-from promptcache.server.toolcalls import (
+from promptcache.server.replies.toolcalls import (
     ParsedReply,
     ToolCall,
     ToolCallStream,

@@ -41,7 +41,7 @@ def test_spec_counts_in_the_log_line_stats_and_dashboard(
             return out
 
         spec.source = no_drafts
-        with caplog.at_level(logging.INFO, logger="promptcache.server.runner"):
+        with caplog.at_level(logging.INFO, logger="promptcache.server.replies.runner"):
             first = chat()
         truth = list(seen[-1].output)
         assert len(truth) == 11  # no early stop: the counts below are exact
@@ -49,7 +49,7 @@ def test_spec_counts_in_the_log_line_stats_and_dashboard(
         assert len(logged) == 1 and " spec=" not in logged[0]  # nothing drafted
         spec.source = lambda r, k: truth[len(r.output):len(r.output) + k]
         caplog.clear()
-        with caplog.at_level(logging.INFO, logger="promptcache.server.runner"):
+        with caplog.at_level(logging.INFO, logger="promptcache.server.replies.runner"):
             second = chat()
         assert second["choices"][0]["message"]["content"] == \
             first["choices"][0]["message"]["content"]
@@ -73,7 +73,7 @@ def test_spec_counts_in_the_log_line_stats_and_dashboard(
 
 
 def test_no_speculation_panel_without_an_engine_that_counts() -> None:
-    from promptcache.server.dashboard import speculation_panel
+    from promptcache.server.ops.dashboard import speculation_panel
 
     assert speculation_panel(None) is None
     assert speculation_panel({"active": 1}) is None

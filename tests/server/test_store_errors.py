@@ -164,8 +164,8 @@ def test_the_miss_keeps_the_failed_save_cause() -> None:
     """One miss type: the alert and the stats count a failed save by its cause, the
     diagnostics read its kind, the log line says both; nothing is parsed from text."""
     from promptcache.engine.api import CacheMiss
-    from promptcache.server.alerts import HitRateMonitor
-    from promptcache.server.diagnostics import cache_cause_of
+    from promptcache.server.ops.alerts import HitRateMonitor
+    from promptcache.server.ops.diagnostics import cache_cause_of
 
     miss = CacheMiss("not_stored", 0, 0, 9, store_error="tier").at_message((0, 5))
     assert (miss.kind, miss.cause, miss.message_index) == ("not_stored", "not_stored: tier", 0)

@@ -188,7 +188,7 @@ def build_configs(args: argparse.Namespace) -> tuple[
     """Validate the options into configs (ValueError on bad values)."""
     import psutil  # type: ignore[import-untyped]
 
-    from ..server.canon import parse_rules_off
+    from ..server.prompts.canon import parse_rules_off
 
     if not 1 <= args.port <= 65535:
         raise ValueError(f"--port must be in 1..65535, got {args.port}")

@@ -181,7 +181,7 @@ class ChatFormat:
     think_end_token: int | None = None
     tool_format: ToolCallFormat | None = None
     # gpt-oss's harmony format (channels ``analysis`` / ``commentary`` / ``final``,
-    # calls as ``to=functions.NAME``): the reply is parsed by ``server/harmony.py``
+    # calls as ``to=functions.NAME``): the reply is parsed by ``server/replies/harmony.py``
     harmony: bool = False
     # harmony markers that are one added token of the model: (text, id)
     harmony_tokens: tuple[tuple[str, int], ...] = ()

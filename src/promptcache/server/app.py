@@ -24,18 +24,19 @@ from ..autotune import AutoTuner
 from ..config import EngineConfig, ServerConfig
 from ..engine.port import EngineAPI
 from ..sessions import SessionReaper
-from . import admin, anthropic, dashboard, openai, packs_api, probe, responses, sessions_api
-from .alerts import HitRateMonitor
-from .auth import Authenticator, load_api_keys
-from .canon import Canon, parse_rules_off
-from .common import Preparer
-from .errors import APIError, error_response, install_handlers
-from .limits import BodyLimit
-from .metrics import ServerMetrics
-from .prerender import PreRenderer
-from .request_log import RequestLog, first_sequence_number
-from .responses_items import ResponseStore
-from .runner import BASE_ALIASES, ServerState
+from .api import anthropic, openai, responses
+from .api.auth import Authenticator, load_api_keys
+from .api.errors import APIError, error_response, install_handlers
+from .api.limits import BodyLimit
+from .api.responses_items import ResponseStore
+from .ops import admin, dashboard, packs_api, probe, sessions_api
+from .ops.alerts import HitRateMonitor
+from .ops.metrics import ServerMetrics
+from .ops.request_log import RequestLog, first_sequence_number
+from .prompts.canon import Canon, parse_rules_off
+from .prompts.preparer import Preparer
+from .prompts.prerender import PreRenderer
+from .replies.runner import BASE_ALIASES, ServerState
 
 log = logging.getLogger(__name__)
 

@@ -18,12 +18,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..engine.api import GenerationResult, Usage
-from .auth import Scope
+from .api.auth import Scope
 
 if TYPE_CHECKING:
-    from .runner import ServerState
+    from .replies.runner import ServerState
 
-log = logging.getLogger("promptcache.server.runner")
+log = logging.getLogger("promptcache.server.replies.runner")
 
 
 @dataclass(frozen=True)

@@ -24,10 +24,9 @@ from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import HTMLResponse, Response
 
+from ..api.errors import APIError
+from ..replies.runner import ServerState, state_of
 from .admin import stats_payload
-from .common import state_of
-from .errors import APIError
-from .runner import ServerState
 
 log = logging.getLogger(__name__)
 router = APIRouter()

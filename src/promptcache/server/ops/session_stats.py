@@ -19,7 +19,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from .auth import Scope
+from ..api.auth import Scope
 
 MAX_SESSIONS = 256
 MAX_AGENTS = 32

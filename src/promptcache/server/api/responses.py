@@ -33,30 +33,28 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from ..engine.api import GenerationResult, TokenEvent
-from .common import (
+from ...engine.api import GenerationResult, TokenEvent
+from ..prompts.images import ImageCollector
+from ..prompts.prepared import ChatPrompt, TurnContext
+from ..prompts.preparer import preparer_of
+from ..prompts.structured import openai_tool_choice, responses_text_format
+from ..prompts.turns import after_reply, plan_max_tokens, retention_of, start
+from ..replies.reasoning import Piece, ReplyParser
+from ..replies.reply import (
     KEEPALIVE,
     SSE_COMMENT,
     SSE_HEADERS,
-    ChatPrompt,
     Finished,
     LogprobDecoder,
     Sleep,
-    TurnContext,
-    after_reply,
-    plan_max_tokens,
-    preparer_of,
     reply_events,
     reply_parser,
-    retention_of,
     sleep_of,
     sse_event,
-    start,
-    state_of,
 )
+from ..replies.runner import Generation, ServerState, state_of
+from ..replies.toolcalls import ToolCall, offered_tool_names
 from .errors import APIError
-from .images import ImageCollector
-from .reasoning import Piece, ReplyParser
 from .responses_items import (
     Conversation,
     OfferedTools,
@@ -65,10 +63,7 @@ from .responses_items import (
     TenantResponses,
     responses_tools,
 )
-from .runner import Generation, ServerState
 from .schemas import ResponsesRequest
-from .structured import openai_tool_choice, responses_text_format
-from .toolcalls import ToolCall, offered_tool_names
 
 router = APIRouter()
 

@@ -35,11 +35,11 @@ import threading
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from ..blocks.tokens import common_prefix
-from ..engine.api import GenerationRequest, GenerationResult, SamplingParams
-from ..engine.port import EngineAPI, HandleAPI
-from ..errors import OverloadedError
-from .diagnostics import TurnKey
+from ...blocks.tokens import common_prefix
+from ...engine.api import GenerationRequest, GenerationResult, SamplingParams
+from ...engine.port import EngineAPI, HandleAPI
+from ...errors import OverloadedError
+from ..ops.diagnostics import TurnKey
 from .prepared import ChatPrompt, Prepared
 from .preparer import Preparer
 

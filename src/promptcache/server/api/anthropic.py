@@ -37,38 +37,31 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from ..engine.api import GenerationResult
-from .canon import Canon
-from .common import (
+from ...engine.api import GenerationResult
+from ..ops.diagnostics import cache_cause_of, wants_diagnostics
+from ..prompts.canon import Canon
+from ..prompts.images import ImageCollector
+from ..prompts.prepared import Breakpoint, ChatPrompt, Prepared, TurnContext
+from ..prompts.preparer import preparer_of
+from ..prompts.prompt import anthropic_messages, anthropic_tools
+from ..prompts.structured import anthropic_tool_choice
+from ..prompts.turns import after_reply, caching, plan_max_tokens, start
+from ..replies.reasoning import Piece, ReplyParser
+from ..replies.reply import (
     KEEPALIVE,
     SSE_HEADERS,
-    Breakpoint,
-    ChatPrompt,
     Finished,
-    Prepared,
     Sleep,
-    TurnContext,
-    after_reply,
-    caching,
     collect_reply,
-    plan_max_tokens,
-    preparer_of,
     reply_events,
     reply_parser,
     sleep_of,
     sse_event,
-    start,
-    state_of,
 )
-from .diagnostics import cache_cause_of, wants_diagnostics
+from ..replies.runner import Generation, ServerState, cache_creation_tokens, state_of
+from ..replies.toolcalls import ToolCall, offered_tool_names
 from .errors import APIError
-from .images import ImageCollector
-from .prompt import anthropic_messages, anthropic_tools
-from .reasoning import Piece, ReplyParser
-from .runner import Generation, ServerState, cache_creation_tokens
 from .schemas import AnthropicMessage, CountTokensRequest, MessagesRequest
-from .structured import anthropic_tool_choice
-from .toolcalls import ToolCall, offered_tool_names
 
 log = logging.getLogger(__name__)
 router = APIRouter()

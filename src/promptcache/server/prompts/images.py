@@ -29,9 +29,9 @@ from typing import Literal
 
 import numpy as np
 
-from ..config import ImageLimits
-from ..engine.api import VisionInfo, image_digest
-from .errors import APIError
+from ...config import ImageLimits
+from ...engine.api import VisionInfo, image_digest
+from ..api.errors import APIError
 
 log = logging.getLogger(__name__)
 

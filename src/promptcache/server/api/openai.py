@@ -20,38 +20,38 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from ..engine.api import GenerationResult, TokenEvent
-from .common import (
-    KEEPALIVE,
-    SSE_COMMENT,
-    SSE_HEADERS,
-    ChatPrompt,
-    Finished,
-    LogprobDecoder,
-    Sleep,
-    TurnContext,
+from ...engine.api import GenerationResult, TokenEvent
+from ..prompts.images import ImageCollector
+from ..prompts.prepared import ChatPrompt, TurnContext
+from ..prompts.preparer import preparer_of
+from ..prompts.prompt import openai_messages, openai_tools
+from ..prompts.structured import openai_response_format, openai_tool_choice
+from ..prompts.turns import (
     after_reply,
-    collect_reply,
     context_window,
     max_output_tokens,
     plan_max_tokens,
-    preparer_of,
+    retention_of,
+    start,
+)
+from ..replies.reasoning import Piece, ReplyParser
+from ..replies.reply import (
+    KEEPALIVE,
+    SSE_COMMENT,
+    SSE_HEADERS,
+    Finished,
+    LogprobDecoder,
+    Sleep,
+    collect_reply,
     reply_events,
     reply_parser,
-    retention_of,
     sleep_of,
     sse_data,
-    start,
-    state_of,
 )
+from ..replies.runner import Generation, ServerState, state_of
+from ..replies.toolcalls import ToolCall, offered_tool_names
 from .errors import APIError, error_body
-from .images import ImageCollector
-from .prompt import openai_messages, openai_tools
-from .reasoning import Piece, ReplyParser
-from .runner import Generation, ServerState
 from .schemas import ChatCompletionRequest, CompletionRequest, OAIMessage, OAIToolCall
-from .structured import openai_response_format, openai_tool_choice
-from .toolcalls import ToolCall, offered_tool_names
 
 router = APIRouter()
 

@@ -15,8 +15,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
 
-from .common import state_of
-from .runner import ServerState
+from ..replies.runner import ServerState, state_of
 
 router = APIRouter()
 

@@ -33,7 +33,7 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..engine.chat_format import HERMES, ToolCall, ToolCallFormat
+from ...engine.chat_format import HERMES, ToolCall, ToolCallFormat
 
 __all__ = ["HERMES", "ParsedReply", "ToolCall", "ToolCallStream", "offered_tool_names",
            "parse_tool_calls"]

@@ -26,10 +26,10 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 
-from ..advisor import EvictionAdvisor
-from ..autotune import AutoTuner
-from ..config import EngineConfig, ServerConfig
-from ..engine.api import (
+from ...advisor import EvictionAdvisor
+from ...autotune import AutoTuner
+from ...config import EngineConfig, ServerConfig
+from ...engine.api import (
     Constraint,
     GenerationRequest,
     GenerationResult,
@@ -37,20 +37,20 @@ from ..engine.api import (
     SamplingParams,
     TokenEvent,
 )
-from ..engine.port import EngineAPI, HandleAPI
-from ..errors import OverloadedError
-from ..sessions import SessionReaper
-from .alerts import HitRateMonitor
-from .auth import Authenticator, Scope
-from .errors import APIError
-from .finished import RequestFinished, Subscriber, publish, standard_subscribers
-from .history import RequestHistory
-from .images import ImageCollector
-from .metrics import ServerMetrics
-from .session_stats import SessionStats
+from ...engine.port import EngineAPI, HandleAPI
+from ...errors import OverloadedError
+from ...sessions import SessionReaper
+from ..api.auth import Authenticator, Scope
+from ..api.errors import APIError
+from ..finished import RequestFinished, Subscriber, publish, standard_subscribers
+from ..ops.alerts import HitRateMonitor
+from ..ops.history import RequestHistory
+from ..ops.metrics import ServerMetrics
+from ..ops.session_stats import SessionStats
+from ..prompts.images import ImageCollector
 
 if TYPE_CHECKING:
-    from .prerender import PreRenderer
+    from ..prompts.prerender import PreRenderer
 
 log = logging.getLogger(__name__)
 
@@ -68,9 +68,9 @@ class ServerState:
     metrics: ServerMetrics
     aliases: frozenset[str] = frozenset()
     started_at: float = field(default_factory=time.time)
-    # per-session and per-agent request counts for /v1/cache/stats (server/session_stats.py)
+    # per-session and per-agent request counts for /v1/cache/stats (server/ops/session_stats.py)
     session_stats: SessionStats = field(default_factory=SessionStats)
-    # the recent finished requests the dashboard draws (server/history.py)
+    # the recent finished requests the dashboard draws (server/ops/history.py)
     history: RequestHistory = field(default_factory=RequestHistory)
     # extra dashboard panels: tenant scope (None: every tenant) -> {name: data}
     panels: list[Callable[[str | None], dict[str, Any]]] = field(default_factory=list)
@@ -250,3 +250,9 @@ def cache_creation_tokens(result: GenerationResult) -> int:
     if u.saved_mid_prefill + u.saved_end_prefill > 0:
         return max(0, u.prompt_tokens - u.cached_tokens)
     return 0
+
+
+def state_of(request: Request) -> ServerState:
+    """The app's ``ServerState``."""
+    st: ServerState = request.app.state.pc
+    return st

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ..engine.api import CacheMiss
+from ...engine.api import CacheMiss
 
 log = logging.getLogger(__name__)
 

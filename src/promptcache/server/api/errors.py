@@ -17,7 +17,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..errors import ContextLengthError, EngineDeadError, OverloadedError
+from ...errors import ContextLengthError, EngineDeadError, OverloadedError
 
 log = logging.getLogger(__name__)
 

@@ -22,9 +22,11 @@ from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import Response
 
-from .. import packs
-from .common import ChatPrompt, preparer_of, state_of
-from .errors import APIError, json_object
+from ... import packs
+from ..api.errors import APIError, json_object
+from ..prompts.prepared import ChatPrompt
+from ..prompts.preparer import preparer_of
+from ..replies.runner import state_of
 
 log = logging.getLogger(__name__)
 router = APIRouter()

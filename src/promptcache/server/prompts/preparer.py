@@ -27,12 +27,12 @@ from typing import Any, TypeVar
 
 from fastapi import Request
 
-from ..blocks.tokens import common_prefix
-from ..engine.api import GenerationResult, ImageInput, expand_placeholders, image_extra_keys
-from ..engine.chat_format import ChatFormat
-from ..engine.port import EngineAPI
-from .canon import Canon
-from .diagnostics import (
+from ...blocks.tokens import common_prefix
+from ...engine.api import GenerationResult, ImageInput, expand_placeholders, image_extra_keys
+from ...engine.chat_format import ChatFormat
+from ...engine.port import EngineAPI
+from ..api.errors import APIError
+from ..ops.diagnostics import (
     NO_PREVIOUS,
     PREVIOUS_NOT_FOUND,
     Divergence,
@@ -42,11 +42,11 @@ from .diagnostics import (
     TurnStore,
     compare,
 )
-from .errors import APIError
+from ..replies.toolcalls import offered_tool_names
+from .canon import Canon
 from .prepared import ChatPrompt, Prepared, TurnContext
 from .prompt import place_system_messages, tools_into_system
 from .structured import PromptShape, check_constraint, constraint_for, thinking_for
-from .toolcalls import offered_tool_names
 
 log = logging.getLogger(__name__)
 

@@ -35,9 +35,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..prompts.images import ImageCollector
+from ..prompts.prompt import check_tool_parameters, function_arguments, image_part
 from .errors import APIError
-from .images import ImageCollector
-from .prompt import check_tool_parameters, function_arguments, image_part
 
 NAMESPACE_SEP = "__"
 _ROLES = {"user": "user", "assistant": "assistant", "system": "system",

@@ -29,7 +29,7 @@ import re
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
-from ..engine.chat_format import ToolCall
+from ...engine.chat_format import ToolCall
 from .reasoning import Piece, ReplyParser, _partial_suffix
 
 START, CHANNEL, MESSAGE = "<|start|>", "<|channel|>", "<|message|>"

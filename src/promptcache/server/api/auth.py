@@ -34,7 +34,7 @@ from pathlib import Path
 
 from fastapi import Request
 
-from ..meta import DEFAULT_TENANT, validate_tenant
+from ...meta import DEFAULT_TENANT, validate_tenant
 from .errors import APIError
 
 log = logging.getLogger(__name__)

@@ -24,10 +24,10 @@ from typing import Any, TypeVar
 
 from fastapi import Request
 
-from ..engine.api import GenerationResult, TokenEvent
-from ..engine.port import TokenizerAPI
+from ...engine.api import GenerationResult, TokenEvent
+from ...engine.port import TokenizerAPI
+from ..prompts.prepared import Prepared
 from .harmony import HarmonyParser
-from .prepared import Prepared
 from .reasoning import Piece, ReplyParser
 from .runner import Generation, unstreamed_tail
 from .toolcalls import ToolCall

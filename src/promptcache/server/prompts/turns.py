@@ -17,15 +17,15 @@ from typing import Any
 
 from fastapi import Request
 
-from ..engine.api import GenerationResult, SamplingParams, image_extra_keys
-from ..engine.port import EngineAPI
-from .auth import Scope
-from .diagnostics import TurnKey, cache_cause_of
-from .errors import APIError
+from ...engine.api import GenerationResult, SamplingParams, image_extra_keys
+from ...engine.port import EngineAPI
+from ..api.auth import Scope
+from ..api.errors import APIError
+from ..ops.diagnostics import TurnKey, cache_cause_of
+from ..replies.runner import Generation, ServerState
 from .prepared import ChatPrompt, Prepared, TurnContext
 from .preparer import preparer_of
 from .prerender import PreRenderer
-from .runner import Generation, ServerState
 
 log = logging.getLogger(__name__)
 

@@ -17,12 +17,11 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from ..advisor import diagnose
-from ..engine.port import EngineAPI
-from .auth import validate_session_id
-from .common import state_of
-from .errors import APIError
-from .runner import ServerState
+from ...advisor import diagnose
+from ...engine.port import EngineAPI
+from ..api.auth import validate_session_id
+from ..api.errors import APIError
+from ..replies.runner import ServerState, state_of
 
 log = logging.getLogger(__name__)
 router = APIRouter()

@@ -37,9 +37,13 @@ from typing import Any
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ValidationError
 
-from ..engine.api import image_extra_keys
-from . import anthropic, openai, responses
-from .common import Prepared, Preparer, TurnContext, preparer_of, state_of
+from ...engine.api import image_extra_keys
+from ..api import anthropic, openai, responses
+from ..api.errors import APIError, json_object
+from ..api.schemas import ChatCompletionRequest, MessagesRequest, ResponsesRequest
+from ..prompts.prepared import Prepared, TurnContext
+from ..prompts.preparer import Preparer, preparer_of
+from ..replies.runner import state_of
 from .diagnostics import (
     CONTEXT_TOKENS,
     MESSAGES_CHANGED,
@@ -50,8 +54,6 @@ from .diagnostics import (
     locate,
     message_at,
 )
-from .errors import APIError, json_object
-from .schemas import ChatCompletionRequest, MessagesRequest, ResponsesRequest
 
 log = logging.getLogger(__name__)
 router = APIRouter()

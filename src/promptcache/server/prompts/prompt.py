@@ -27,8 +27,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from ..api.schemas import AnthropicMessage, AnthropicTool, OAIMessage
 from .images import ImageCollector, ImageSource
-from .schemas import AnthropicMessage, AnthropicTool, OAIMessage
 
 OPENAI_ROLES = ("system", "developer", "user", "assistant", "tool")
 

@@ -37,13 +37,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..engine import constrained
-from ..engine.api import Constraint
-from ..engine.chat_format import ChatFormat, ToolCallFormat
-from ..engine.constrained import JSON_OPTIONS
-from ..engine.port import EngineAPI
-from ..errors import RequestError
-from .errors import APIError
+from ...engine import constrained
+from ...engine.api import Constraint
+from ...engine.chat_format import ChatFormat, ToolCallFormat
+from ...engine.constrained import JSON_OPTIONS
+from ...engine.port import EngineAPI
+from ...errors import RequestError
+from ..api.errors import APIError
 from .tool_grammar import (
     ToolSpec,
     calls_rule,

@@ -13,10 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..engine.api import Constraint, ImageInput
-from ..engine.chat_format import ChatFormat, ToolCallFormat
-from .auth import Scope
-from .diagnostics import NO_PREVIOUS, Divergence, Fingerprint, TurnKey
+from ...engine.api import Constraint, ImageInput
+from ...engine.chat_format import ChatFormat, ToolCallFormat
+from ..api.auth import Scope
+from ..ops.diagnostics import NO_PREVIOUS, Divergence, Fingerprint, TurnKey
 from .images import ImageCollector
 from .structured import OutputSpec
 

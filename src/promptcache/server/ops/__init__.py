@@ -1,0 +1,1 @@
+"""Operations: admin endpoints, metrics, dashboard, history, alerts, diagnostics, probe, packs, sessions, request log; they subscribe to ``RequestFinished``."""
