@@ -30,7 +30,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from promptcache.config import EngineConfig
 from promptcache.engine.api import (
     CacheMiss,
     GenerationRequest,
@@ -39,6 +38,7 @@ from promptcache.engine.api import (
     Usage,
 )
 from promptcache.engine.chat_format import ChatFormat
+from promptcache.serving_config import EngineConfig
 
 
 class FakeTokenizer:

@@ -61,7 +61,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from ..config import EngineConfig
+from ..serving_config import EngineConfig
 from . import constrained, mlx_compat, spec_cost
 from .drafts import DraftConfig, DraftPools, SequenceDrafts, TenantDrafts, propose
 from .spec_cost import FREE, Acceptance, CostModel, OnlineCost
