@@ -24,7 +24,8 @@ from promptcache.cache import PromptCache
 from promptcache.cli.wiring import build_cache
 from promptcache.config import CacheConfig, SSDConfig
 from promptcache.engine import adapters
-from promptcache.engine.blockbuf import BlockPayload, Item, format_layout, pack, parse_layout
+from promptcache.engine.blockbuf import BlockPayload, pack
+from promptcache.engine.blocklayout import Item, format_layout, parse_layout
 from promptcache.engine.engine import Engine
 from promptcache.engine.payload import MLXPayloadAdapter
 from promptcache.engine.quant import KVQuant
