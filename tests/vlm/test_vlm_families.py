@@ -23,7 +23,7 @@ from promptcache.cli.wiring import build_cache
 from promptcache.config import CacheConfig
 from promptcache.engine.engine import Engine
 from promptcache.engine.models.loader import load_model_or_vlm
-from promptcache.engine.models.vlm import HybridMRopeTextModel, mrope_positions
+from promptcache.engine.models.vlm_text import HybridMRopeTextModel, mrope_positions
 from promptcache.engine.vision_cache import VisionCache
 from promptcache.serving_config import EngineConfig
 
