@@ -121,11 +121,11 @@ def _prompts(n: int, length: int, seed: int) -> list[list[int]]:
 
 def _ours(model, tok, prompts, max_tokens) -> tuple[float, float, int]:
     """(total s, decode tok/s once every stream started, tokens) through our scheduler."""
-    from promptcache.config import EngineConfig
     from promptcache.engine.admission import Admission, Ticket
     from promptcache.engine.api import GenerationRequest, SamplingParams
     from promptcache.engine.request import EngineContext, Request, validate_request
     from promptcache.engine.scheduler import Scheduler
+    from promptcache.serving_config import EngineConfig
 
     cfg = EngineConfig(prefill_chunk_tokens=CHUNK)
     ctx = EngineContext(model=model, tokenizer=tok, config=cfg, context_length=1 << 20,
@@ -247,11 +247,11 @@ def bench_scheduler(model_path: str, batches: list[int], max_tokens: int, long_p
 def _ours_steps(model, tok, prompts, max_tokens, profiler=None):
     """Our scheduler on a burst: (s until every stream had its first token, per decode
     step s after that); ``profiler`` (cProfile) runs during those decode steps."""
-    from promptcache.config import EngineConfig
     from promptcache.engine.admission import Admission, Ticket
     from promptcache.engine.api import GenerationRequest, SamplingParams
     from promptcache.engine.request import EngineContext, Request, validate_request
     from promptcache.engine.scheduler import Scheduler
+    from promptcache.serving_config import EngineConfig
 
     ctx = EngineContext(model=model, tokenizer=tok, config=EngineConfig(prefill_chunk_tokens=CHUNK),
                         context_length=1 << 20, vocab_size=1 << 20, eos_token_ids=frozenset())

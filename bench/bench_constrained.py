@@ -167,9 +167,9 @@ def engine_batches(path: Path, tokens: int, rounds: int) -> list[tuple[str, str]
     (rows 0 and 2) or 4 of them under the JSON schema; the time per decode step while
     all 4 rows decode (token arrival times, so the rows' prefills are left out), and its
     ratio to the all-unconstrained batch of the same round."""
-    from promptcache.config import EngineConfig
     from promptcache.engine.api import GenerationRequest, SamplingParams, TokenEvent
     from promptcache.engine.engine import Engine
+    from promptcache.serving_config import EngineConfig
 
     eng = Engine.load(path, EngineConfig(), cache=None)
     try:

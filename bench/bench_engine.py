@@ -26,9 +26,10 @@ import mlx.core as mx
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
 from promptcache.cli.wiring import build_cache
-from promptcache.config import CacheConfig, EngineConfig
+from promptcache.config import CacheConfig
 from promptcache.engine.api import GenerationRequest, SamplingParams
 from promptcache.engine.engine import Engine
+from promptcache.serving_config import EngineConfig
 
 WORDS = (
     "cache block token prefix model layer window chunk state tier memory disk "

@@ -37,7 +37,7 @@ import trace_replay as R  # noqa: E402
 from real_engine import tiny_engine  # noqa: E402
 
 from promptcache.bench.systems import free_port  # noqa: E402
-from promptcache.config import ServerConfig  # noqa: E402
+from promptcache.serving_config import ServerConfig  # noqa: E402
 
 
 def serve(src: Path, model: Path, port: int, args: argparse.Namespace, budget_mb: int | None,

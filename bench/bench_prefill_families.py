@@ -34,9 +34,10 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from promptcache.config import CacheConfig, EngineConfig
+from promptcache.config import CacheConfig
 from promptcache.engine.api import GenerationRequest, SamplingParams
 from promptcache.engine.engine import Engine
+from promptcache.serving_config import EngineConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the tiny test models
 from models import models_root  # noqa: E402

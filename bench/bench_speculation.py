@@ -26,10 +26,11 @@ import argparse
 import inspect
 from typing import Any
 
-from promptcache.config import CacheConfig, EngineConfig
+from promptcache.config import CacheConfig
 from promptcache.engine import drafts as drafts_module
 from promptcache.engine.engine import Engine
 from promptcache.engine.models.gguf import ensure_default_model
+from promptcache.serving_config import EngineConfig
 
 
 def scenarios() -> dict[str, list[dict[str, Any]]]:

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from promptcache.cli.wiring import build_cache
-from promptcache.config import CacheConfig, EngineConfig
+from promptcache.config import CacheConfig
 from promptcache.engine.api import (
     GenerationRequest,
     SamplingParams,
@@ -39,6 +39,7 @@ from promptcache.engine.api import (
 )
 from promptcache.engine.engine import Engine
 from promptcache.engine.vision_cache import VisionCache
+from promptcache.serving_config import EngineConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the tiny test models
 from models.tiny_vlm import build_tiny_vlm  # noqa: E402

@@ -46,7 +46,7 @@ from .meta import BlockMeta
 
 CHECKSUM_ALGORITHM = "xxh3_128"
 BLOCK_TENSOR = "block"
-ALIGN = 64  # the buffer starts at a multiple of this many bytes (as in RAM: blockbuf.ALIGN)
+ALIGN = 64  # the buffer starts at a multiple of this many bytes (as in RAM: blocklayout.ALIGN)
 _HEADER_LEN = struct.Struct("<Q")
 # A header lists one tensor and a block's description (a 64-token block: ~1 KB); a
 # larger one is not ours.

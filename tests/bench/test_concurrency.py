@@ -6,18 +6,18 @@ import json
 
 import pytest
 
-from promptcache.bench import concurrency
+from promptcache.bench import concurrency, concurrent_plans
 from promptcache.bench.client import TurnResult
 
 
 def test_plans_are_deterministic_and_shaped_as_described():
-    c1 = concurrency.build("C1")
+    c1 = concurrent_plans.build("C1")
     assert c1.labels == ("1", "4", "8", "16")
     assert [len(r) for r in c1.rounds] == [1, 4, 8, 16]
     prompts = [job.messages[1]["content"] for rnd in c1.rounds for (job,) in rnd]
     assert len(set(prompts)) == len(prompts)  # every stream has its own prompt
-    assert concurrency.build("c1") == c1
-    c2 = concurrency.build("C2")
+    assert concurrent_plans.build("c1") == c1
+    c2 = concurrent_plans.build("C2")
     (convs,) = c2.rounds
     assert len(convs) == 4 and all(len(turns) == 3 for turns in convs)
     systems = {turns[0].messages[0]["content"] for turns in convs}
@@ -28,7 +28,7 @@ def test_plans_are_deterministic_and_shaped_as_described():
         for a, b in zip(turns, turns[1:], strict=False):
             assert b.messages[: len(a.messages)] == a.messages
     with pytest.raises(ValueError, match="unknown concurrent scenario"):
-        concurrency.build("C9")
+        concurrent_plans.build("C9")
 
 
 def _row(stream, start, ttft, total, completion, prompt=100, cached=0):
@@ -56,20 +56,20 @@ def test_round_metrics():
 @pytest.mark.parametrize("quick", [False, True])
 def test_speculation_plans_at_1_and_8_streams(quick):
     for name in ("E2", "E3", "E4"):
-        plan = concurrency.build(name, quick=quick)
-        assert plan == concurrency.build(name.lower(), quick=quick)
+        plan = concurrent_plans.build(name, quick=quick)
+        assert plan == concurrent_plans.build(name.lower(), quick=quick)
         assert plan.labels == (("1", "2") if quick else ("1", "8"))
         assert plan.max_tokens == (32 if quick else 160)
         one, many = plan.rounds
         assert many[: len(one)] == one  # the same texts, more of them at once
         firsts = [jobs[0].messages[-1]["content"] for jobs in many]
         assert len(set(firsts)) == len(firsts) or name == "E3"  # every stream its own text
-        assert concurrency.build(name, streams=[1, 4]).labels == ("1", "4")
-    edit = concurrency.build("E2").rounds[1][0][0].messages[1]["content"]
+        assert concurrent_plans.build(name, streams=[1, 4]).labels == ("1", "4")
+    edit = concurrent_plans.build("E2").rounds[1][0][0].messages[1]["content"]
     assert "renamed to" in edit and "```python" in edit
     # E3: read a file, write it back changed (a tool call), report on a test run that
     # quotes the written file: each reply has earlier tool output to copy
-    (read, report), *_ = concurrency.build("E3").rounds[1]
+    (read, report), *_ = concurrent_plans.build("E3").rounds[1]
     assert read.tools and report.messages[: len(read.messages)] == read.messages
     code = read.messages[-1]["content"]
     assert read.messages[-1]["role"] == "tool" and "def " in code
@@ -80,7 +80,7 @@ def test_speculation_plans_at_1_and_8_streams(quick):
     quoted = [line for line in written.splitlines() if line.strip() and line in report.messages[
         -1]["content"]]
     assert len(quoted) >= 3  # the test run's output quotes the lines it wrote
-    chats = [jobs[0].messages[1]["content"] for jobs in concurrency.build("E4").rounds[1]]
+    chats = [jobs[0].messages[1]["content"] for jobs in concurrent_plans.build("E4").rounds[1]]
     assert len(set(chats)) == 8
 
 

@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 
 from promptcache.cache import PromptCache
-from promptcache.config import CacheConfig, EngineConfig
+from promptcache.config import CacheConfig
 from promptcache.engine.engine import Engine
 from promptcache.engine.payload import MLXPayloadAdapter
+from promptcache.serving_config import EngineConfig
 
 BLOCK = 8
 CHUNK = 16

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from promptcache.config import CacheConfig, EngineConfig
+from promptcache.config import CacheConfig
+from promptcache.serving_config import EngineConfig
 
 ENGINE_CONFIG = EngineConfig(prefill_chunk_tokens=16)
 CACHE_CONFIG = CacheConfig(block_size=8, ram_budget_bytes=64 * 1024**2)

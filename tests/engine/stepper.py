@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from promptcache.config import EngineConfig
 from promptcache.engine.admission import Admission, Ticket
 from promptcache.engine.api import GenerationRequest, GenerationResult, SamplingParams, TokenEvent
 from promptcache.engine.request import EngineContext, Request, validate_request
 from promptcache.engine.scheduler import Scheduler
+from promptcache.serving_config import EngineConfig
 
 
 @dataclass(eq=False)

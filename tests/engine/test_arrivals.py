@@ -125,7 +125,7 @@ def test_stopping_ends_the_gathering() -> None:
 
 @pytest.mark.parametrize("bad", [-0.1, 10.5])
 def test_burst_gather_max_s_is_validated(bad: float) -> None:
-    from promptcache.config import EngineConfig
+    from promptcache.serving_config import EngineConfig
 
     with pytest.raises(ValueError, match="burst_gather_max_s"):
         EngineConfig(burst_gather_max_s=bad)

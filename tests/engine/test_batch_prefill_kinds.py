@@ -25,9 +25,10 @@ from conftest import BLOCK, CHUNK, LogitsRecorder, make_cache
 from models.tiny_families import FAMILIES, ensure_family_model
 from stepper import Stepper
 
-from promptcache.config import CacheConfig, EngineConfig
+from promptcache.config import CacheConfig
 from promptcache.engine import mlx_compat
 from promptcache.engine.engine import Engine
+from promptcache.serving_config import EngineConfig
 
 TOL = 1e-4  # |batched - alone| / max(1, |alone|), logits and stored arrays
 NOT_BATCHED = {"nemotron_h"}  # mlx_compat.RIGHT_PADDED_STATE_MODULES leaves it out

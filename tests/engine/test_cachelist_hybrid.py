@@ -15,9 +15,10 @@ from models.tiny_models import ensure_built
 
 from promptcache.cache import PromptCache
 from promptcache.cli.wiring import build_cache
-from promptcache.config import CacheConfig, EngineConfig, SSDConfig
+from promptcache.config import CacheConfig, SSDConfig
 from promptcache.engine.engine import Engine
 from promptcache.engine.payload import MLXPayloadAdapter
+from promptcache.serving_config import EngineConfig
 
 CONFIG = {
     "model_type": "falcon_h1", "architectures": ["FalconH1ForCausalLM"], "hidden_size": 64,

@@ -5,8 +5,9 @@ from __future__ import annotations
 import numpy as np
 
 from promptcache.cli.wiring import build_cache
-from promptcache.config import CacheConfig, EngineConfig, SSDConfig
+from promptcache.config import CacheConfig, SSDConfig
 from promptcache.engine.engine import Engine
+from promptcache.serving_config import EngineConfig
 
 
 def test_restarted_engine_hits_ssd_blocks(tiny_llama_path, tmp_path):

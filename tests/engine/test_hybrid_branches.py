@@ -151,7 +151,7 @@ def test_message_snapshots_bounded_to_the_last_starts(tiny_hybrid_path, engine_f
 
 
 def test_message_snapshots_must_not_be_negative():
-    from promptcache.config import EngineConfig
+    from promptcache.serving_config import EngineConfig
 
     with pytest.raises(ValueError, match="message_snapshots"):
         EngineConfig(message_snapshots=-1)

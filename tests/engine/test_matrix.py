@@ -41,11 +41,12 @@ from models.tiny_families import (
 )
 
 from promptcache.cli.wiring import build_cache
-from promptcache.config import CacheConfig, EngineConfig, SSDConfig
+from promptcache.config import CacheConfig, SSDConfig
 from promptcache.engine import mlx_compat
 from promptcache.engine.api import GenerationRequest, SamplingParams
 from promptcache.engine.engine import Engine
 from promptcache.engine.templates import message_starts
+from promptcache.serving_config import EngineConfig
 
 BLOCK = 8
 CHUNK = 16

@@ -44,10 +44,11 @@ from test_matrix import (
 
 from promptcache.bench.redisproc import REDIS_SERVER, RedisServer, wait_until
 from promptcache.cli.wiring import build_cache
-from promptcache.config import CacheConfig, EngineConfig, RedisConfig
+from promptcache.config import CacheConfig, RedisConfig
 from promptcache.engine import adapters
 from promptcache.engine.blockbuf import BlockPayload
 from promptcache.engine.engine import Engine
+from promptcache.serving_config import EngineConfig
 
 # one family per cache kind
 KINDS = {"llama": "plain KV", "gpt_oss": "sliding window + sinks",

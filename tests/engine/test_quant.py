@@ -19,7 +19,7 @@ from models.quant_models import ensure_tiny_llama_hd64
 
 from promptcache import codec
 from promptcache.config import CacheConfig
-from promptcache.engine import blockbuf
+from promptcache.engine import blocklayout
 from promptcache.engine.adapters import (
     BlockSpan,
     extract_block,
@@ -28,7 +28,8 @@ from promptcache.engine.adapters import (
     payload_nbytes,
     restore,
 )
-from promptcache.engine.blockbuf import BlockPayload, Item, format_layout, pack, parse_layout
+from promptcache.engine.blockbuf import BlockPayload, pack
+from promptcache.engine.blocklayout import Item, format_layout, parse_layout
 from promptcache.engine.payload import MLXPayloadAdapter
 from promptcache.engine.quant import KVQuant, from_config
 from promptcache.hashing import hash_block
@@ -135,7 +136,7 @@ def test_layout_text_offsets_and_interning():
     scales = lay.parts["3.k.1"]
     assert (scales.nbytes, scales.shape, scales.dtype, scales.elem_offset) == (
         12, (1, 2, 3, 1), mx.bfloat16, 13056 // 2)
-    assert all(p.offset % blockbuf.ALIGN == 0 for p in lay.parts.values())
+    assert all(p.offset % blocklayout.ALIGN == 0 for p in lay.parts.values())
     assert lay.parts["4.0.s.1"].nbytes == 20 and lay.nbytes == 13376
     # equal neighbours without a gap are one run (one mx.split on restore)
     assert [names for _, names in lay.runs] == [

@@ -16,10 +16,11 @@ from promptcache import codec
 from promptcache.cli import build_parser
 from promptcache.cli.serve_cmd import build_configs
 from promptcache.cli.wiring import build_cache
-from promptcache.config import CacheConfig, EngineConfig, SSDConfig
+from promptcache.config import CacheConfig, SSDConfig
 from promptcache.engine.api import GenerationRequest, SamplingParams
 from promptcache.engine.blockbuf import BlockPayload
 from promptcache.engine.engine import Engine
+from promptcache.serving_config import EngineConfig
 
 BLOCK, CHUNK = 8, 16
 _ids = itertools.count()

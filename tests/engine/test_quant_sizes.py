@@ -19,7 +19,8 @@ CHILD = textwrap.dedent(
     import mlx.core as mx
     from promptcache.cache import PromptCache
     from promptcache.config import CacheConfig
-    from promptcache.engine.blockbuf import BlockPayload, parse_layout
+    from promptcache.engine.blockbuf import BlockPayload
+    from promptcache.engine.blocklayout import parse_layout
     from promptcache.engine.payload import MLXPayloadAdapter, ram_census
     from promptcache.engine.quant import KVQuant
     from promptcache.meta import Namespace

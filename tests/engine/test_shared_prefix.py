@@ -152,7 +152,7 @@ def test_engine_burst_of_subagents_reuses_the_shared_prefix(tiny_llama_path,
 
 @pytest.mark.parametrize("bad", [-1])
 def test_share_prefix_min_tokens_is_validated(bad):
-    from promptcache.config import EngineConfig
+    from promptcache.serving_config import EngineConfig
 
     with pytest.raises(ValueError, match="share_prefix_min_tokens"):
         EngineConfig(share_prefix_min_tokens=bad)

@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 
 from promptcache.cli.wiring import build_cache
-from promptcache.config import CacheConfig, EngineConfig
+from promptcache.config import CacheConfig
 from promptcache.engine.api import GenerationRequest, SamplingParams
 from promptcache.engine.engine import Engine
+from promptcache.serving_config import EngineConfig
 
 pytestmark = pytest.mark.slow
 

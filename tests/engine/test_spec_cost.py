@@ -198,7 +198,7 @@ def test_outliers_are_skipped_unless_they_persist() -> None:
 
 
 def test_fixed_verify_costs_from_the_setting() -> None:
-    from promptcache.config import EngineConfig, verify_cost_steps
+    from promptcache.serving_config import EngineConfig, verify_cost_steps
 
     assert verify_cost_steps("auto") is None and verify_cost_steps(None) is None
     assert verify_cost_steps("0.5") == (1.5,)
@@ -323,9 +323,9 @@ def test_a_row_with_nothing_to_copy_looks_for_drafts_less_often() -> None:
     (the steps between wait: the batch stays pipelined); a match drafts at once."""
     from types import SimpleNamespace
 
-    from promptcache.config import EngineConfig
     from promptcache.engine.context import EngineCounters
     from promptcache.engine.speculate import EMPTY_RUN, EMPTY_SKIP, Speculator
+    from promptcache.serving_config import EngineConfig
 
     spec = Speculator(EngineConfig(speculation="suffix", spec_min_match=2),
                       EngineCounters())

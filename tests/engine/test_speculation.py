@@ -175,7 +175,7 @@ def test_logprobs_equal_decoding_one_token_at_a_time(tiny_llama_path: Any, refer
 
 
 def test_config_is_checked() -> None:
-    from promptcache.config import EngineConfig
+    from promptcache.serving_config import EngineConfig
 
     for kw in ({"speculation": "ngram"}, {"spec_max_draft": 0}, {"spec_min_match": 0},
                {"spec_pool_tokens": -1}, {"spec_pool_prompt_tokens": -1}):
@@ -375,8 +375,9 @@ def test_a_restarted_engine_drafts_from_the_token_ids_the_ssd_stores(tiny_llama_
     (accepted) from the previous process's reply, the same tokens as without
     speculation; another tenant's first request gets none of them."""
     from promptcache.cli.wiring import build_cache
-    from promptcache.config import CacheConfig, EngineConfig, SSDConfig
+    from promptcache.config import CacheConfig, SSDConfig
     from promptcache.engine.engine import Engine
+    from promptcache.serving_config import EngineConfig
 
     toks = tuple(int(t) for t in np.random.default_rng(301).integers(3, 1000, size=40))
     plain = make_engine(tiny_llama_path, use_cache=False)

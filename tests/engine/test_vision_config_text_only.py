@@ -18,10 +18,11 @@ import pytest
 from mlx_lm.models.cache import ArraysCache, KVCache, make_prompt_cache
 
 from promptcache.cache import PromptCache
-from promptcache.config import CacheConfig, EngineConfig
+from promptcache.config import CacheConfig
 from promptcache.engine.engine import Engine
 from promptcache.engine.models.loader import load_model_or_vlm
 from promptcache.engine.payload import MLXPayloadAdapter
+from promptcache.serving_config import EngineConfig
 
 TEXT_CONFIG = {
     "model_type": "qwen3_5_text", "hidden_size": 64, "intermediate_size": 128,

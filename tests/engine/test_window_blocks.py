@@ -29,11 +29,12 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
 from stepper import Stepper
 
-from promptcache.config import CacheConfig, EngineConfig
+from promptcache.config import CacheConfig
 from promptcache.engine import adapters, mlx_compat
 from promptcache.engine.engine import Engine
 from promptcache.engine.models.loader import load_model_or_vlm
 from promptcache.errors import InvariantError
+from promptcache.serving_config import EngineConfig
 
 GPT_OSS_WINDOW = 32
 KEEP = 2

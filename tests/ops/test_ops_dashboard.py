@@ -14,9 +14,9 @@ sys.path.insert(0, str(Path(__file__).parent.parent / "server"))
 
 from fake_engine import FakeEngine  # noqa: E402
 
-from promptcache.config import ServerConfig  # noqa: E402
 from promptcache.server import create_app  # noqa: E402
 from promptcache.server.ops.history import RequestHistory  # noqa: E402
+from promptcache.serving_config import ServerConfig  # noqa: E402
 
 
 def _chat(c: TestClient, text: str, headers: dict[str, str]) -> None:

@@ -187,8 +187,8 @@ def test_stats_dashboard_and_serve_options_carry_the_diagnosis(tmp_path) -> None
 
     from promptcache.cli import build_parser
     from promptcache.cli.serve_cmd import build_configs
-    from promptcache.config import ServerConfig
     from promptcache.server import create_app
+    from promptcache.serving_config import ServerConfig
 
     cache = PromptCache(CacheConfig(block_size=BS, ram_budget_bytes=8 * 1024))
     app = create_app(_Engine(cache), ServerConfig(auto_tune=True, ram_budget_min_bytes=4096,

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from promptcache import packs
+from promptcache import packfile, packs
 from promptcache.cache import PromptCache
 from promptcache.config import CacheConfig, SSDConfig
 from promptcache.meta import Namespace
@@ -46,7 +46,7 @@ def _exported(tmp: Path) -> tuple[PromptCache, Path]:
     blocks = packs.collect(cache, NS, tokens=NEXT)
     assert [b.meta.start for b in blocks] == [0, 4, 8, 12, 16, 20]
     out = tmp / "conv.pcpack"
-    summary = packs.write_pack(out, NS, blocks, {"conversation_tokens": len(NEXT)})
+    summary = packfile.write_pack(out, NS, blocks, {"conversation_tokens": len(NEXT)})
     assert summary == {"blocks": 6, "tokens": 22, "bytes": sum(len(b.data) for b in blocks)}
     return cache, out
 
@@ -61,7 +61,7 @@ def test_export_wipe_import_next_turn_hits_all_of_it(tmp_path: Path) -> None:
     assert cache.delete() > 0
     assert _counts(cache) == (0, 0)
     assert cache.lookup(NEXT, NS).num_tokens == 0
-    pack = packs.read_pack(out)
+    pack = packfile.read_pack(out)
     assert pack.namespace == NS and pack.num_tokens == 22 and len(pack.blocks) == 6
     assert all(b.sessions == ("s1",) for b in pack.blocks)
     report = packs.import_into(cache, pack, NS)
@@ -104,7 +104,7 @@ def _flip(data: bytes, i: int) -> bytes:
 
 
 def _import_file(cache: PromptCache, data: bytes, target: Namespace) -> None:
-    pack = packs.read_pack(data)
+    pack = packfile.read_pack(data)
     packs.import_into(cache, pack, target)
 
 
@@ -120,14 +120,14 @@ def test_any_flipped_byte_is_refused_and_nothing_is_imported(tmp_path: Path) -> 
                     m.offset_data + m.size - 1, m.offset_data + m.size}  # + padding
     offsets |= set(range(0, len(raw), max(1, len(raw) // 400)))  # and ~400 spread out
     for i in sorted(o for o in offsets if o < len(raw)):
-        with pytest.raises(packs.PackError, match="refusing the pack"):
+        with pytest.raises(packfile.PackError, match="refusing the pack"):
             _import_file(cache, _flip(raw, i), NS)
     assert _counts(cache) == (0, 0)
     last = members[-1]
     for cut in (last.offset_data + last.size - 10, last.offset_data + last.size + 100):
-        with pytest.raises(packs.PackError, match="refusing the pack"):
+        with pytest.raises(packfile.PackError, match="refusing the pack"):
             _import_file(cache, raw[:cut], NS)  # truncated
-    with pytest.raises(packs.PackError):
+    with pytest.raises(packfile.PackError):
         _import_file(cache, raw + b"x", NS)
     assert _counts(cache) == (0, 0)
     _import_file(cache, raw, NS)  # the intact pack still imports
@@ -138,11 +138,11 @@ def test_any_flipped_byte_is_refused_and_nothing_is_imported(tmp_path: Path) -> 
 def test_another_model_block_size_or_kv_spec_is_refused(tmp_path: Path) -> None:
     cache, out = _exported(tmp_path)
     cache.delete()
-    pack = packs.read_pack(out)
+    pack = packfile.read_pack(out)
     for target, msg in ((Namespace("model-b", BS, tenant="alice"), "another model"),
                         (Namespace("model-a", 8, tenant="alice"), "block size"),
                         (Namespace("model-a", BS, "bfloat16", tenant="alice"), "KV spec")):
-        with pytest.raises(packs.PackError, match=msg):
+        with pytest.raises(packfile.PackError, match=msg):
             packs.import_into(cache, pack, target)
     assert _counts(cache) == (0, 0)
     cache.close()
@@ -188,9 +188,9 @@ def test_consistent_forgeries_are_refused(tmp_path: Path) -> None:
 
     for edit, msg in ((swap_payload, "another block's payload"), (change_token, "hash does not"),
                       (orphan, "does not continue a chain"), (smuggle, "not in the manifest")):
-        with pytest.raises(packs.PackError, match=msg):
+        with pytest.raises(packfile.PackError, match=msg):
             _import_file(cache, _rewrite(raw, edit), NS)
     assert _counts(cache) == (0, 0)
-    with pytest.raises(packs.PackError, match="not a readable tar|no manifest"):
-        packs.read_pack(b"not a pack at all" * 100)
+    with pytest.raises(packfile.PackError, match="not a readable tar|no manifest"):
+        packfile.read_pack(b"not a pack at all" * 100)
     cache.close()

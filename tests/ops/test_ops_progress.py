@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from promptcache import packs
+from promptcache import packfile, packs
 from promptcache.cache import PromptCache
 from promptcache.cli import progress
 from promptcache.config import CacheConfig, SSDConfig
@@ -59,8 +59,8 @@ def test_long_operations_report_progress(tmp_path: Path) -> None:
     blocks = packs.collect(cache, ns, tokens=list(range(41)),
                            progress=lambda d, t: seen["collect"].append((d, t)))
     buf = io.BytesIO()
-    packs.write_pack(buf, ns, blocks, {}, progress=lambda d, t: seen["write"].append((d, t)))
-    pack = packs.read_pack(buf.getvalue(), progress=lambda d, t: seen["read"].append((d, t)))
+    packfile.write_pack(buf, ns, blocks, {}, progress=lambda d, t: seen["write"].append((d, t)))
+    pack = packfile.read_pack(buf.getvalue(), progress=lambda d, t: seen["read"].append((d, t)))
     cache.delete()
     packs.import_into(cache, pack, ns, progress=lambda d, t: seen["import"].append((d, t)))
     for what, got in seen.items():

@@ -10,8 +10,9 @@ from pathlib import Path
 import numpy as np
 
 from promptcache.cache import PromptCache
-from promptcache.config import CacheConfig, EngineConfig, SSDConfig
+from promptcache.config import CacheConfig, SSDConfig
 from promptcache.meta import Namespace
+from promptcache.serving_config import EngineConfig
 from promptcache.tiers.ssd import SSDTier
 
 BS = 8

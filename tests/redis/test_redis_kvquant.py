@@ -13,10 +13,11 @@ from models.quant_models import ensure_tiny_llama_hd64
 
 from promptcache import codec
 from promptcache.cli.wiring import build_cache
-from promptcache.config import CacheConfig, EngineConfig, RedisConfig
+from promptcache.config import CacheConfig, RedisConfig
 from promptcache.engine.api import GenerationRequest, SamplingParams
 from promptcache.engine.blockbuf import BlockPayload
 from promptcache.engine.engine import Engine
+from promptcache.serving_config import EngineConfig
 
 BLOCK, CHUNK = 8, 16
 _ids = itertools.count()

@@ -12,8 +12,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from fake_engine import FakeEngine  # noqa: E402
 
-from promptcache.config import ServerConfig  # noqa: E402
 from promptcache.server import create_app  # noqa: E402
+from promptcache.serving_config import ServerConfig  # noqa: E402
 
 
 @pytest.fixture

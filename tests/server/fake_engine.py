@@ -34,7 +34,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mappin
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from promptcache.config import EngineConfig
 from promptcache.engine.api import (
     CacheMiss,
     GenerationRequest,
@@ -45,7 +44,8 @@ from promptcache.engine.api import (
 from promptcache.engine.chat_format import ChatFormat
 from promptcache.engine.port import CachePrediction, CacheProbe, EngineAPI, TunableCacheAPI
 from promptcache.meta import DEFAULT_TENANT, ExtraKeySpan, Namespace
-from promptcache.packs import ImportReport, Pack, PackError
+from promptcache.packfile import ImportReport, Pack, PackError
+from promptcache.serving_config import EngineConfig
 
 
 class FakeTokenizer:

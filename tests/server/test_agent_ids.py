@@ -16,12 +16,13 @@ import pytest
 from fastapi.testclient import TestClient
 
 from promptcache.cache import PromptCache
-from promptcache.config import CacheConfig, EngineConfig, ServerConfig
+from promptcache.config import CacheConfig
 from promptcache.engine.engine import Engine
 from promptcache.engine.payload import MLXPayloadAdapter
 from promptcache.server import create_app
 from promptcache.server.api.auth import Scope
 from promptcache.server.ops.session_stats import SessionStats
+from promptcache.serving_config import EngineConfig, ServerConfig
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "traffic" / "claude_code"
 SESSION = "759c5563-53c4-4b0b-b78f-e150f51b67f8"

@@ -19,9 +19,9 @@ from typing import Any
 
 import httpx
 
-from promptcache.config import EngineConfig, ServerConfig
 from promptcache.engine.engine import Engine
 from promptcache.server import create_app
+from promptcache.serving_config import EngineConfig, ServerConfig
 
 N = 8
 WINDOW = 0.01

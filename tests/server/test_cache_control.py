@@ -10,9 +10,9 @@ import pytest
 from fake_engine import FakeEngine
 from fastapi.testclient import TestClient
 
-from promptcache.config import ServerConfig
 from promptcache.server import create_app
 from promptcache.server.api.anthropic import creation
+from promptcache.serving_config import ServerConfig
 
 CC = {"type": "ephemeral"}
 CC_1H = {"type": "ephemeral", "ttl": "1h"}

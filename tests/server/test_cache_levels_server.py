@@ -12,9 +12,9 @@ import pytest
 from fastapi.testclient import TestClient
 from real_engine import Clock, make_cache, tiny_engine
 
-from promptcache.config import ServerConfig
 from promptcache.hashing import BlockHash
 from promptcache.server import create_app
+from promptcache.serving_config import ServerConfig
 
 BS = 8
 SYSTEM = ("You are a careful agent. You read the files before you change them, you keep the "

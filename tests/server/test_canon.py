@@ -15,7 +15,6 @@ from fastapi.testclient import TestClient
 from fixtures.traces.make_traces import shuffled
 
 from promptcache.cli import serve_cmd
-from promptcache.config import ServerConfig
 from promptcache.server import create_app
 from promptcache.server.prompts.canon import (
     BILLING_HEADER,
@@ -27,6 +26,7 @@ from promptcache.server.prompts.canon import (
     parse_rules_off,
     sorted_keys,
 )
+from promptcache.serving_config import ServerConfig
 
 README = Path(__file__).resolve().parents[2] / "docs" / "api.md"  # the API reference
 

@@ -18,7 +18,6 @@ from real_engine import Clock, make_cache, tiny_engine
 from server_helpers import sse_events
 
 from promptcache.blocks.tokens import common_prefix
-from promptcache.config import ServerConfig
 from promptcache.server import create_app
 from promptcache.server.ops.diagnostics import (
     BETA,
@@ -30,6 +29,7 @@ from promptcache.server.ops.diagnostics import (
     locate,
     wants_diagnostics,
 )
+from promptcache.serving_config import ServerConfig
 
 SYSTEM = "You are a terse assistant who answers questions about caches and blocks."
 TOOLS = [{"name": "get_weather", "description": "Get the current weather in a city",

@@ -30,9 +30,9 @@ from models import tiny_families as tf
 from real_engine import tiny_engine
 from sse_checks import anthropic_stream, chat_stream, responses_stream
 
-from promptcache.config import EngineConfig, ServerConfig
 from promptcache.engine.chat_format import chat_format_of
 from promptcache.server import create_app
+from promptcache.serving_config import EngineConfig, ServerConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
 from test_family_templates import ARGS, RENDERED  # noqa: E402

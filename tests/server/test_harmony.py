@@ -13,11 +13,11 @@ from fake_engine import FakeEngine
 from fastapi.testclient import TestClient
 from sse_checks import anthropic_stream, chat_stream, responses_stream
 
-from promptcache.config import EngineConfig, ServerConfig
 from promptcache.engine.chat_format import ChatFormat, ToolCall
 from promptcache.server import create_app
 from promptcache.server.replies.harmony import HarmonyParser
 from promptcache.server.replies.reasoning import parse_reply
+from promptcache.serving_config import EngineConfig, ServerConfig
 
 WRITE = {"type": "function", "function": {"name": "write_file", "parameters": {
     "type": "object", "properties": {"path": {"type": "string"},

@@ -13,8 +13,8 @@ import pytest
 from fake_engine import FakeEngine
 from fastapi.testclient import TestClient
 
-from promptcache.config import ServerConfig
 from promptcache.server import create_app
+from promptcache.serving_config import ServerConfig
 
 CHAT = {"model": "default", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
 MSG = {"model": "default", "max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}]}

@@ -13,8 +13,8 @@ import pytest
 from fastapi.testclient import TestClient
 from real_engine import make_cache, tiny_engine
 
-from promptcache.config import ServerConfig
 from promptcache.server import create_app
+from promptcache.serving_config import ServerConfig
 
 BS = 8
 HISTORY = [{"role": "system", "content": "You are a terse assistant for shell questions."},

@@ -12,10 +12,10 @@ import pytest
 from fake_engine import FakeEngine
 from fastapi.testclient import TestClient
 
-from promptcache.config import ServerConfig
 from promptcache.engine.api import GenerationResult, Usage
 from promptcache.server import create_app
 from promptcache.server.prompts.prerender import PreRenderer
+from promptcache.serving_config import ServerConfig
 
 THINK_REPLY = "<think>Let me see.</think>Hi there."
 SESSION = {"X-Session-Id": "pre-1"}

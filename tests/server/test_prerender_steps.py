@@ -17,9 +17,9 @@ import trace_replay as R
 from fastapi.testclient import TestClient
 from real_engine import make_cache, tiny_engine
 
-from promptcache.config import ServerConfig
 from promptcache.engine.api import GenerationRequest
 from promptcache.server import create_app
+from promptcache.serving_config import ServerConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
 from stepper import Stepper  # noqa: E402

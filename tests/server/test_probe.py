@@ -13,8 +13,8 @@ from fake_engine import FakeEngine
 from fastapi.testclient import TestClient
 from real_engine import Clock, make_cache, tiny_engine
 
-from promptcache.config import ServerConfig
 from promptcache.server import create_app
+from promptcache.serving_config import ServerConfig
 
 SYSTEM = "You are a terse assistant who answers questions about caches and blocks."
 TOOLS = [{"type": "function", "function": {

@@ -14,9 +14,10 @@ import pytest
 from fastapi.testclient import TestClient
 from real_engine import Clock, make_cache, tiny_engine
 
-from promptcache.config import ServerConfig, SSDConfig
+from promptcache.config import SSDConfig
 from promptcache.hashing import BlockHash
 from promptcache.server import create_app
+from promptcache.serving_config import ServerConfig
 from promptcache.tiers.ssd import SSDTier
 
 BS = 8

@@ -15,10 +15,10 @@ from fake_engine import FakeEngine
 from fastapi.testclient import TestClient
 from server_helpers import sse_events, uvicorn_thread
 
-from promptcache.config import ServerConfig
 from promptcache.engine.api import CacheMiss
 from promptcache.server import create_app
 from promptcache.server.ops.alerts import HitRateMonitor
+from promptcache.serving_config import ServerConfig
 
 HI = {"messages": [{"role": "user", "content": "hi"}]}
 AHI = {"max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]}

@@ -15,9 +15,9 @@ from fake_engine import FakeEngine
 from fastapi.testclient import TestClient
 from test_prompt_rewrites import FakeClock
 
-from promptcache.config import EngineConfig, ServerConfig
 from promptcache.server import create_app
 from promptcache.server.prompts.prompt import tools_text
+from promptcache.serving_config import EngineConfig, ServerConfig
 
 HI = [{"role": "user", "content": "hi"}]
 

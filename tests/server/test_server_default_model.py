@@ -13,10 +13,11 @@ import pytest
 from fastapi.testclient import TestClient
 
 from promptcache.cli.wiring import build_cache
-from promptcache.config import CacheConfig, EngineConfig, ServerConfig
+from promptcache.config import CacheConfig
 from promptcache.engine.engine import Engine
 from promptcache.server import create_app
 from promptcache.server.prompts.prompt import tools_text
+from promptcache.serving_config import EngineConfig, ServerConfig
 
 pytestmark = pytest.mark.slow
 

@@ -13,10 +13,11 @@ import pytest
 from fastapi.testclient import TestClient
 
 from promptcache.cache import PromptCache
-from promptcache.config import CacheConfig, EngineConfig, ServerConfig
+from promptcache.config import CacheConfig
 from promptcache.engine.engine import Engine
 from promptcache.engine.payload import MLXPayloadAdapter
 from promptcache.server import create_app
+from promptcache.serving_config import EngineConfig, ServerConfig
 
 RAM_BUDGET = 8 * 1024**2
 MAX_TOKENS = 8

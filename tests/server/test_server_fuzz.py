@@ -12,8 +12,8 @@ import schemathesis
 from fake_engine import FakeEngine
 from hypothesis import HealthCheck, settings
 
-from promptcache.config import ServerConfig
 from promptcache.server import create_app
+from promptcache.serving_config import ServerConfig
 
 ENGINE = FakeEngine(reply="ok")
 APP = create_app(ENGINE, ServerConfig())

@@ -9,9 +9,10 @@ from fastapi.testclient import TestClient
 from models.quant_models import ensure_tiny_llama_hd64
 
 from promptcache.cli.wiring import build_cache
-from promptcache.config import CacheConfig, EngineConfig, ServerConfig
+from promptcache.config import CacheConfig
 from promptcache.engine.engine import Engine
 from promptcache.server import create_app
+from promptcache.serving_config import EngineConfig, ServerConfig
 
 
 def test_cache_stats_report_arrays_per_cached_token(tiny_llama_path: Path, models_root: Path) -> None:

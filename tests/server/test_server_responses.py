@@ -11,8 +11,8 @@ import sse_checks
 from fake_engine import FakeEngine
 from fastapi.testclient import TestClient
 
-from promptcache.config import ServerConfig
 from promptcache.server import create_app
+from promptcache.serving_config import ServerConfig
 
 WEATHER_TOOL = {"type": "function", "name": "get_weather", "description": "weather",
                 "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}

@@ -15,9 +15,10 @@ from fake_engine import FakeEngine
 from fastapi.testclient import TestClient
 
 from promptcache.cache import PromptCache
-from promptcache.config import CacheConfig, ServerConfig, SSDConfig
+from promptcache.config import CacheConfig, SSDConfig
 from promptcache.meta import Namespace
 from promptcache.server import create_app
+from promptcache.serving_config import ServerConfig
 from promptcache.tiers.ssd import SSDTier
 
 BS = 4

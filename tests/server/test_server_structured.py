@@ -28,12 +28,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from server_helpers import assert_streamed_equals_whole
 
-from promptcache.config import EngineConfig, ServerConfig
 from promptcache.engine.api import Constraint
 from promptcache.engine.chat_format import ChatFormat, tool_call_format
 from promptcache.engine.constrained import JSON_OPTIONS
 from promptcache.server import create_app
 from promptcache.server.replies.toolcalls import ParsedReply, ToolCall, parse_tool_calls
+from promptcache.serving_config import EngineConfig, ServerConfig
 
 HI = [{"role": "user", "content": "weather in Paris?"}]
 PARAMS = {"type": "object", "properties": {"city": {"type": "string"},

@@ -13,8 +13,8 @@ import pytest
 from fastapi.testclient import TestClient
 from real_engine import tiny_engine
 
-from promptcache.config import ServerConfig
 from promptcache.server import create_app
+from promptcache.serving_config import ServerConfig
 
 MESSAGES = [{"role": "user", "content": "Count from one to twenty, in words."}]
 

@@ -14,11 +14,11 @@ import pytest
 from fastapi.testclient import TestClient
 from real_engine import make_cache, tiny_engine
 
-from promptcache.config import ServerConfig
 from promptcache.engine.api import GenerationRequest, SamplingParams
 from promptcache.engine.request import store_error_cause
 from promptcache.errors import InvariantError, TierError
 from promptcache.server import create_app
+from promptcache.serving_config import ServerConfig
 
 BS = 8
 MESSAGES = [{"role": "system", "content": "You answer in one short sentence, plainly."},

@@ -13,8 +13,8 @@ import pytest
 from fastapi.testclient import TestClient
 from real_engine import make_cache, tiny_engine
 
-from promptcache.config import ServerConfig
 from promptcache.server import create_app
+from promptcache.serving_config import ServerConfig
 
 A = {"Authorization": "Bearer key-a", "X-Session-Id": "sess-alice-7"}
 B = {"Authorization": "Bearer key-b", "X-Session-Id": "sess-bob-1"}

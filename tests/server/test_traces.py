@@ -15,8 +15,8 @@ import trace_replay as R
 from fastapi.testclient import TestClient
 from real_engine import make_cache, tiny_engine
 
-from promptcache.config import ServerConfig
 from promptcache.server import create_app
+from promptcache.serving_config import ServerConfig
 
 TRIM = 300
 BS = 16

@@ -14,8 +14,8 @@ import sse_checks
 from fake_engine import FakeEngine
 from fastapi.testclient import TestClient
 
-from promptcache.config import EngineConfig, ServerConfig
 from promptcache.server import create_app
+from promptcache.serving_config import EngineConfig, ServerConfig
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "traffic"
 RECORDS = sorted(FIXTURES.glob("*/*.json"))

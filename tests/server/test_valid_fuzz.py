@@ -12,8 +12,8 @@ from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from promptcache.config import ServerConfig
 from promptcache.server import create_app
+from promptcache.serving_config import ServerConfig
 
 ENGINE = FakeEngine(reply="Sure, done.")
 CLIENT = TestClient(create_app(ENGINE, ServerConfig(prerender=False)))

@@ -18,7 +18,8 @@ from promptcache.cache import PromptCache
 from promptcache.codec import decode
 from promptcache.config import CacheConfig
 from promptcache.meta import Namespace
-from promptcache.packs import PackError, collect
+from promptcache.packfile import PackError
+from promptcache.packs import collect
 
 BS = 4
 NS = Namespace("old-format-model", block_size=BS, tenant="alice")

@@ -22,8 +22,9 @@ from ssd_helpers import NS, chain, make_tier, payload_for
 
 from promptcache.cli import build_parser, serve_cmd
 from promptcache.cli.wiring import build_cache
-from promptcache.config import GB, CacheConfig, ServerConfig, SSDConfig
+from promptcache.config import GB, CacheConfig, SSDConfig
 from promptcache.server import create_app
+from promptcache.serving_config import ServerConfig
 from promptcache.tiers import ssd_files
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "server"))

@@ -8,11 +8,12 @@ import pytest
 from vlm_helpers import LogitsRecorder, image, request, run
 
 from promptcache.cli.wiring import build_cache
-from promptcache.config import CacheConfig, EngineConfig, SSDConfig
+from promptcache.config import CacheConfig, SSDConfig
 from promptcache.engine.api import GenerationRequest, ImageInput, image_digest
 from promptcache.engine.engine import Engine
 from promptcache.engine.vision_cache import VisionCache
 from promptcache.errors import RequestError
+from promptcache.serving_config import EngineConfig
 
 BLOCK, CHUNK = 16, 32
 A, B, C = image(1), image(2, 64, 30), image(3)

@@ -20,11 +20,12 @@ from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prom
 from vlm_helpers import LogitsRecorder, image, request, run
 
 from promptcache.cli.wiring import build_cache
-from promptcache.config import CacheConfig, EngineConfig
+from promptcache.config import CacheConfig
 from promptcache.engine.engine import Engine
 from promptcache.engine.models.loader import load_model_or_vlm
-from promptcache.engine.models.vlm import HybridMRopeTextModel, mrope_positions
+from promptcache.engine.models.vlm_text import HybridMRopeTextModel, mrope_positions
 from promptcache.engine.vision_cache import VisionCache
+from promptcache.serving_config import EngineConfig
 
 BLOCK, CHUNK = 16, 32
 A, B, C = image(1), image(2, 64, 30), image(3)

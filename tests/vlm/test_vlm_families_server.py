@@ -14,10 +14,11 @@ from fastapi.testclient import TestClient
 from test_vlm_server import data_url, encoded, oai_user
 
 from promptcache.cli.wiring import build_cache
-from promptcache.config import CacheConfig, EngineConfig, ImageLimits, ServerConfig
+from promptcache.config import CacheConfig
 from promptcache.engine.engine import Engine
 from promptcache.engine.vision_cache import VisionCache
 from promptcache.server.app import create_app
+from promptcache.serving_config import EngineConfig, ImageLimits, ServerConfig
 
 
 @pytest.fixture(scope="module", params=("gemma3", "qwen3_vl", "qwen3_5", "qwen3_5_moe"))

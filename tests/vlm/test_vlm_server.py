@@ -21,10 +21,11 @@ from PIL import Image
 from vlm_helpers import image
 
 from promptcache.cli.wiring import build_cache
-from promptcache.config import CacheConfig, EngineConfig, ImageLimits, ServerConfig
+from promptcache.config import CacheConfig
 from promptcache.engine.engine import Engine
 from promptcache.engine.vision_cache import VisionCache
 from promptcache.server.app import create_app
+from promptcache.serving_config import EngineConfig, ImageLimits, ServerConfig
 
 
 def encoded(seed: int, fmt: str = "PNG", h: int = 40, w: int = 48) -> bytes:

@@ -1,7 +1,8 @@
 """The benchmark harness behind `promptcache bench` (issue 6).
 
 - ``scenarios``: the deterministic S1..S5 (and E1) conversation generators.
-- ``concurrency``: the concurrent scenarios C1, C2.
+- ``concurrent_plans``: the concurrent scenarios' requests (C1, C2, E2..E4).
+- ``concurrency``: runs them on every system, timed and summarized.
 - ``shared``: S6, two servers sharing one Redis.
 - ``systems``: start / stop / kill each system under test on a free port, sample peak RSS.
 - ``redisproc``: redis-server processes and a delaying TCP proxy.

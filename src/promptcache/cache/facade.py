@@ -311,7 +311,7 @@ class PromptCache:
 
     def import_block(self, meta: BlockMeta, data: bytes, sessions: Sequence[str],
                      ns: Namespace) -> bool:
-        """Add one verified block (``packs.read_pack`` checked its chain hash, digest and
+        """Add one verified block (``packfile.read_pack`` checked its chain hash, digest and
         namespace): into RAM when it fits (handed to the write-through tiers like a
         stored block), else straight into every lower tier (with back-pressure). A
         block already in RAM only gains the sessions. True if the block was added."""

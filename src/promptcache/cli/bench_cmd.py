@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..bench import concurrency, report, scenarios, systems
+from ..bench import concurrency, concurrent_plans, report, scenarios, systems
 from ..bench.runner import run_scenario
 from .progress import progress_bar
 
@@ -40,7 +40,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("bench", help="benchmark S1..S5, E1 against mlx_lm.server / vllm-mlx",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--scenarios",
-                   default=",".join(scenarios.SCENARIO_NAMES + concurrency.DEFAULT_CONCURRENT),
+                   default=",".join(scenarios.SCENARIO_NAMES + concurrent_plans.DEFAULT_CONCURRENT),
                    help="comma-separated, from S1,S2,S3,S4,S5 (sequential), E1 (edit: a "
                         "file returned with one identifier renamed), C1 (1/4/8/16 "
                         "concurrent streams), C2 (main + 3 subagents), E2 / E3 / E4 "
@@ -123,8 +123,8 @@ def run(args: argparse.Namespace) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)
     parts = [p.strip().upper() for p in args.scenarios.split(",") if p.strip()]
     want_s6 = "S6" in parts
-    concurrent = [p for p in dict.fromkeys(parts) if p in concurrency.CONCURRENT_NAMES]
-    rest = [p for p in parts if p != "S6" and p not in concurrency.CONCURRENT_NAMES]
+    concurrent = [p for p in dict.fromkeys(parts) if p in concurrent_plans.CONCURRENT_NAMES]
+    rest = [p for p in parts if p != "S6" and p not in concurrent_plans.CONCURRENT_NAMES]
     names = scenarios.parse_names(",".join(rest)) if rest or not (want_s6 or concurrent) else []
     wanted = systems.parse_systems(args.systems)
     if args.max_tokens is not None and not 0 < args.max_tokens <= 4096:
@@ -218,9 +218,9 @@ def _run_concurrent(args: argparse.Namespace, names: list[str], wanted: list[str
     (``concurrency.run_plans``); returns their Markdown."""
     md = ""
     for name in names:
-        plan = concurrency.build(name, quick=args.quick, seed=args.seed,
+        plan = concurrent_plans.build(name, quick=args.quick, seed=args.seed,
                                  streams=_streams(args.streams))
-        max_tokens = (concurrency.output_tokens(args.quick) if name == "C1"
+        max_tokens = (concurrent_plans.output_tokens(args.quick) if name == "C1"
                       else plan.max_tokens if plan.max_tokens is not None
                       and args.max_tokens is None else max_tokens_for(args))
         entry: dict[str, Any] = {"title": plan.title, "api": plan.api, "max_tokens": max_tokens,

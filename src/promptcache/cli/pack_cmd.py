@@ -22,7 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .. import packs
+from .. import packfile, packs
 from ..config import CacheConfig, SSDConfig
 from ..meta import DEFAULT_TENANT, Namespace
 from .progress import progress_bar
@@ -74,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
     cache_dir: Path = args.cache_dir
     if args.cache_command == "import":
         with progress_bar("verifying the pack") as bar:
-            pack = packs.read_pack(args.pack, progress=bar)
+            pack = packfile.read_pack(args.pack, progress=bar)
     if args.cache_command == "import":
         try:  # as serve does: an import is what fills a new folder
             cache_dir.mkdir(parents=True, exist_ok=True)
@@ -106,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
                 {"conversation_tokens": len(tokens)} if tokens is not None else
                 {"session_id": args.session} if args.session else {"tenant": tenant})
             with progress_bar("writing the pack") as bar:
-                summary = packs.write_pack(args.output, ns, blocks, selection, progress=bar)
+                summary = packfile.write_pack(args.output, ns, blocks, selection, progress=bar)
         finally:
             cache.close(persist=False)
         print(json.dumps({**summary, "tenant": tenant, "pack": str(args.output)}))

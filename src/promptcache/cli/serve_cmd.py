@@ -25,15 +25,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..config import (
-    CacheConfig,
-    EngineConfig,
-    ImageLimits,
-    RedisConfig,
-    ServerConfig,
-    SSDConfig,
-    parse_size,
-)
+from ..config import CacheConfig, RedisConfig, SSDConfig, parse_size
+from ..serving_config import EngineConfig, ImageLimits, ServerConfig
 
 if TYPE_CHECKING:
     from ..engine.vision_cache import VisionCache

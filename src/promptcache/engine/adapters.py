@@ -45,7 +45,8 @@ from mlx_lm.models.cache import (
 from ..errors import InvariantError
 from . import quant as _quant
 from .block_restore import restore
-from .blockbuf import BlockPayload, Item, dtype_name, pack
+from .blockbuf import BlockPayload, pack
+from .blocklayout import Item, dtype_name
 from .cache_kinds import (
     BlockSpan,
     Span,

@@ -13,9 +13,9 @@ import mlx.core as mx
 import numpy as np
 
 from ..blocks.tokens import to_request_tokens
-from ..config import EngineConfig
 from ..errors import ContextLengthError, InvariantError, RequestError, TierError
 from ..meta import Namespace
+from ..serving_config import EngineConfig
 from .api import GenerationRequest, SamplingParams
 from .quant import KVQuant
 from .vision import validate_images

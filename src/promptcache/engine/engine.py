@@ -38,10 +38,11 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import ArraysCache, make_prompt_cache
 
-from .. import packs
-from ..config import CacheConfig, EngineConfig
+from .. import packfile, packs
+from ..config import CacheConfig
 from ..errors import EngineDeadError, RequestError
 from ..meta import DEFAULT_TENANT, ExtraKeySpan, Namespace, validate_tenant
+from ..serving_config import EngineConfig
 from . import adapters, constrained
 from .admission import Admission, Ticket
 from .api import GenerationRequest, GenerationResult, SamplingParams, Usage, VisionInfo
@@ -639,18 +640,18 @@ class Engine:
         """A pack (``packs.py``) of a conversation's cached prefix, a session or the
         whole tenant: ``(bytes, summary)``; ``PackError`` without a cache."""
         if self.cache is None:
-            raise packs.PackError("the prompt cache is disabled")
+            raise packfile.PackError("the prompt cache is disabled")
         ns = self.namespace(tenant)
         blocks = packs.collect(self.cache, ns, tokens=tokens,
                                session_id=session_id if tokens is None else None)
         buf = io.BytesIO()
-        summary = packs.write_pack(buf, ns, blocks, selection)
+        summary = packfile.write_pack(buf, ns, blocks, selection)
         return buf.getvalue(), summary
 
-    def import_pack(self, pack: packs.Pack) -> packs.ImportReport:
+    def import_pack(self, pack: packfile.Pack) -> packfile.ImportReport:
         """Import a verified pack into its tenant under this model."""
         if self.cache is None:
-            raise packs.PackError("the prompt cache is disabled")
+            raise packfile.PackError("the prompt cache is disabled")
         return packs.import_into(self.cache, pack, self.namespace(pack.namespace.tenant))
 
     def cache_stats(self) -> dict[str, Any] | None:

@@ -19,7 +19,8 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from .blockbuf import BlockPayload, pack_named, parse_layout
+from .blockbuf import BlockPayload, pack_named
+from .blocklayout import parse_layout
 
 logger = logging.getLogger(__name__)
 

@@ -23,9 +23,9 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from ..config import EngineConfig
 from ..meta import ExtraKeySpan, Namespace
-from ..packs import ImportReport, Pack
+from ..packfile import ImportReport, Pack
+from ..serving_config import EngineConfig
 from .api import CacheMiss, GenerationRequest, GenerationResult, TokenEvent, VisionInfo
 from .chat_format import ChatFormat
 

@@ -28,6 +28,7 @@ exception from the cache is logged and counted and turns into a miss (or a skipp
 save): it never fails the request. A failed save is counted by cause
 (``store_error_cause``) and the cache is told which blocks it left out, so the next
 request that would have hit them misses as ``not_stored: <cause>``, not ``cold``.
+The cache side (lookup + restore, the stores) is ``request_saves.py``.
 """
 
 from __future__ import annotations
@@ -36,18 +37,17 @@ import bisect
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import TokenBuffer, make_prompt_cache
 
-from ..cache.miss import CACHE_ERROR, RESTORE_ERROR, CacheMiss
+from ..cache.miss import CacheMiss
 from ..cache.types import ChainCursor
 from ..meta import Namespace
 from . import adapters, mlx_compat
 from .api import GenerationRequest, GenerationResult, TokenEvent, Usage
-from .blockbuf import BlockPayload
 from .context import (
     EngineContext,
     EngineCounters,
@@ -57,28 +57,15 @@ from .context import (
     validate_request,
 )
 from .handles import Event
+from .request_saves import lookup_and_restore, save_mid_prefill, store
 from .sampling import Detokenizer, Sampler, StopStrings, logprob_values
 from .vision import ImagePrefill
-
-if TYPE_CHECKING:
-    pass
 
 logger = logging.getLogger(__name__)
 
 # the context names stay importable from here (they lived here before context.py)
 __all__ = ["EngineContext", "EngineCounters", "LogitsHook", "Processor", "Request",
            "store_error_cause", "validate_request"]
-
-def _cut_by_tier(by_tier: Any, n: int) -> dict[str, int]:
-    """Per-tier cached token counts, trimmed to the ``n`` tokens actually restored."""
-    out: dict[str, int] = {}
-    left = n
-    for tier, count in dict(by_tier or {}).items():
-        take = min(int(count), left)
-        if take > 0:
-            out[str(tier)] = take
-        left -= take
-    return out
 
 
 class Request:
@@ -114,15 +101,15 @@ class Request:
         self._t0 = t_submit if t_submit is not None else time.perf_counter()
         self.queue_s = queue_s
         self._t_first: float | None = None
-        self._timings = {"lookup_s": 0.0, "restore_s": 0.0, "prefill_s": 0.0}
+        self.timings = {"lookup_s": 0.0, "restore_s": 0.0, "prefill_s": 0.0}
         self.miss: CacheMiss | None = None
         # called once, just before the final result is emitted (the scheduler releases
         # the admission ticket there, so a client holding its answer is never counted)
         self.on_finish: Callable[[], None] | None = None
-        self._last_snapshot = 0
+        self.last_snapshot = 0
         # non-truncatable states: the message starts inside the prompt, where prefill
         # stops for a state snapshot (set at start)
-        self._snap_at: tuple[int, ...] = ()
+        self.snap_at: tuple[int, ...] = ()
         self.waited_for_prefix = False  # counted once (scheduler: shared prefixes)
         self.use_cache = bool(request.use_cache and ctx.cache is not None and ctx.namespace_for)
         self.ns: Namespace | None = (
@@ -171,63 +158,14 @@ class Request:
         self.sliding = adapters.has_sliding_window(template)
         self.caches = list(template)
         if self.use_cache:
-            self._lookup_and_restore()
+            lookup_and_restore(self)
             keep = self.ctx.config.message_snapshots
             if not self.truncatable and keep:
                 starts = sorted({int(m) for m in self.req.message_starts
                                  if self.pos < m < self.n_prompt})
-                self._snap_at = tuple(starts[-keep:])
-        self._last_snapshot = self.pos
+                self.snap_at = tuple(starts[-keep:])
+        self.last_snapshot = self.pos
         self.phase = "prefill"
-
-    def _lookup_and_restore(self) -> None:
-        cache, ns = self.ctx.cache, self.ns
-        if cache is None or ns is None:  # pragma: no cover - use_cache implies both
-            return
-        n_prompt = self.n_prompt
-        t = time.perf_counter()
-        try:
-            hit = cache.acquire(self.seq[:n_prompt], ns, extra_keys=self.extra_keys,
-                                session_id=self.req.session_id)
-        except Exception:
-            logger.exception("cache lookup failed; prefilling the whole prompt")
-            self.ctx.counters.cache_errors += 1
-            self.miss = CacheMiss(CACHE_ERROR, 0, 0, n_prompt).at_message(self.req.message_starts)
-            self._timings["lookup_s"] = time.perf_counter() - t
-            return
-        self._timings["lookup_s"] = time.perf_counter() - t
-        t = time.perf_counter()
-        try:
-            miss: CacheMiss | None = hit.miss
-            if miss is not None:
-                self.miss = miss.at_message(self.req.message_starts)
-            n = min(int(hit.num_tokens), n_prompt - 1)  # an exact hit re-runs the last token
-            if n > 0:
-                blocks = hit.blocks
-                self.caches = adapters.restore(self.ctx.model, blocks, n,
-                                               reserve=n_prompt - n + 1)
-                self.pos = n
-                self.usage.cached_tokens = n
-                self.usage.cached_by_tier = _cut_by_tier(hit.tokens_by_tier, n)
-                if self.ns is not None:
-                    self.cursor = ChainCursor.after_hit(self.ns, [m for m, _ in blocks], n)
-        except Exception:
-            logger.exception("restoring cached blocks failed; prefilling the whole prompt")
-            self.ctx.counters.restore_errors += 1
-            self.caches = list(make_prompt_cache(self.ctx.model))
-            self.pos = 0
-            self.usage.cached_tokens = 0
-            self.usage.cached_by_tier = {}
-            self.miss = CacheMiss(RESTORE_ERROR, 0, 0, n_prompt).at_message(
-                self.req.message_starts)
-            self.cursor = ChainCursor(self.ns) if self.ns is not None else None
-        finally:
-            try:
-                cache.release(hit)
-            except Exception:
-                logger.exception("cache release failed")
-                self.ctx.counters.cache_errors += 1
-            self._timings["restore_s"] = time.perf_counter() - t
 
     # ------------------------------------------------------------------ prefill
 
@@ -239,10 +177,10 @@ class Request:
         message restores up to it)."""
         chunk = self.ctx.config.prefill_chunk_tokens
         end = min(self.n_prompt, (self.pos // chunk + 1) * chunk)
-        if self._snap_at:
-            i = bisect.bisect_right(self._snap_at, self.pos)
-            if i < len(self._snap_at) and self._snap_at[i] < end:
-                end = self._snap_at[i]
+        if self.snap_at:
+            i = bisect.bisect_right(self.snap_at, self.pos)
+            if i < len(self.snap_at) and self.snap_at[i] < end:
+                end = self.snap_at[i]
         return end
 
     def prefill_chunk(self) -> bool:
@@ -285,11 +223,11 @@ class Request:
 
     @property
     def prefill_s(self) -> float:
-        return self._timings["prefill_s"]
+        return self.timings["prefill_s"]
 
     @prefill_s.setter
     def prefill_s(self, v: float) -> None:
-        self._timings["prefill_s"] = v
+        self.timings["prefill_s"] = v
 
     def chunk_done(self, end: int, caches: Sequence[Any] | None = None) -> bool:
         """A chunk's forward ran: the caches (``caches``, default the private ones) hold
@@ -298,7 +236,7 @@ class Request:
         self.pos = end
         self.ctx.counters.prefill_chunks += 1
         if end < self.n_prompt:
-            self._save_mid_prefill(caches)
+            save_mid_prefill(self, caches)
             return False
         return True
 
@@ -316,7 +254,7 @@ class Request:
         """The end-of-prefill save (after the first token went out: saving is not in
         TTFT), from ``caches`` (default the private ones); finish if ``reason``."""
         n = self.n_prompt
-        self._store(n, "end_prefill", include_partial=True, snapshot_at_end=True, caches=caches)
+        store(self, n, "end_prefill", include_partial=True, snapshot_at_end=True, caches=caches)
         if reason == "prefilled":
             self.ctx.counters.prefilled += 1
             self.finish("prefilled")
@@ -333,8 +271,8 @@ class Request:
             return
         src = self.caches if caches is None else caches
         if mlx_compat.window_floor_after(src, n_new) > self.cursor.start:
-            self._store(held, save_point, include_partial=False, snapshot_at_end=False,
-                        caches=src)
+            store(self, held, save_point, include_partial=False, snapshot_at_end=False,
+                  caches=src)
 
     def slide_save_due(self, held: int) -> bool:
         """Whether ``save_before_slide`` may store anything when the caches hold ``held``
@@ -343,27 +281,6 @@ class Request:
         if not self.sliding or not self.use_cache or self.cursor is None:
             return False
         return held - self.cursor.start >= self.ctx.block_size
-
-    def _save_mid_prefill(self, caches: Sequence[Any] | None = None) -> None:
-        """Save point 1. A non-truncatable state is snapshotted once a chunk reaches a
-        multiple of ``snapshot_every_blocks`` blocks, and at every message start (a
-        partial block ending there carries it when the start is inside a block)."""
-        if self.truncatable:
-            self._store(self.pos, "mid_prefill", include_partial=False, snapshot_at_end=True,
-                        caches=caches)
-            return
-        every = self.ctx.config.snapshot_every_blocks * self.ctx.block_size
-        regular = self.pos // every > self._last_snapshot // every
-        i = bisect.bisect_left(self._snap_at, self.pos)
-        at_message = i < len(self._snap_at) and self._snap_at[i] == self.pos
-        before = self.ctx.counters.snapshots
-        self._store(self.pos, "mid_prefill", include_partial=at_message and
-                    self.pos % self.ctx.block_size != 0,
-                    snapshot_at_end=regular or at_message, caches=caches)
-        if at_message:
-            self.ctx.counters.message_snapshots += self.ctx.counters.snapshots - before
-        if regular:
-            self._last_snapshot = self.pos
 
     # ------------------------------------------------------------------ sampling
 
@@ -427,78 +344,8 @@ class Request:
     def store_decoded_block(self, caches: Sequence[Any]) -> None:
         """Sliding-window models: store the output block that just completed (its
         tokens leave the window soon)."""
-        self._store(self.pos, "end_generation", include_partial=False, snapshot_at_end=False,
-                    caches=caches)
-
-    def _store(self, num_tokens: int, save_point: str, *, include_partial: bool,
-               snapshot_at_end: bool, caches: Sequence[Any] | None = None) -> None:
-        cache = self.ctx.cache
-        if not self.use_cache or cache is None or num_tokens <= 0:
-            return
-        src = self.caches if caches is None else caches
-
-        kv_quant = self.ctx.kv_quant
-        counters, stateful = self.ctx.counters, not self.truncatable
-
-        def payload_for(start: int, end: int, snapshot: bool) -> BlockPayload:
-            payload = adapters.extract_block(src, start, end, snapshot, quant=kv_quant)
-            if snapshot and stateful:
-                nbytes = adapters.snapshot_nbytes(src)
-                counters.snapshots += 1
-                counters.snapshot_bytes += nbytes
-                counters.bytes_per_snapshot = nbytes
-            return payload
-
-        try:
-            created = cache.store(
-                self.ns, self.seq, num_tokens, payload_for,
-                extra_keys=self.extra_keys, session_id=self.req.session_id,
-                agent_id=self.req.agent_id, truncatable=self.truncatable, snapshot_at_end=snapshot_at_end,
-                include_partial=include_partial, save_point=save_point, cursor=self.cursor,
-            )
-        except Exception as e:
-            if self._window_gap(src):
-                logger.debug("request %s: block %d left the sliding window unsaved; the "
-                             "%s save stops there", self.request_id, self._cursor_start(),
-                             save_point)
-                self.ctx.counters.window_gaps += 1
-                return
-            cause = store_error_cause(e)
-            logger.exception("storing blocks (%s) failed (%s); continuing without saving",
-                             save_point, cause)
-            c = self.ctx.counters
-            c.store_errors += 1
-            c.store_errors_by_cause[cause] = c.store_errors_by_cause.get(cause, 0) + 1
-            self._note_not_stored(num_tokens, cause)
-            return
-        attr = f"saved_{save_point}"
-        setattr(self.usage, attr, getattr(self.usage, attr) + int(created))
-
-    def _note_not_stored(self, num_tokens: int, cause: str) -> None:
-        """Tell the cache which blocks a failed save left out (the next lookup stopping
-        there says ``not_stored: <cause>``, not ``cold``); never fails the request."""
-        note = getattr(self.ctx.cache, "note_not_stored", None)
-        if note is None or self.ns is None:
-            return
-        try:
-            note(self.ns, self.seq, num_tokens, self.cursor, cause, extra_keys=self.extra_keys)
-        except Exception:
-            logger.exception("recording a failed save failed")
-            self.ctx.counters.cache_errors += 1
-
-    def _cursor_start(self) -> int:
-        return self.cursor.start if self.cursor is not None else 0
-
-    def _window_gap(self, caches: Sequence[Any]) -> bool:
-        """The next block to store has left a sliding window (it can no longer be read;
-        the chain cannot go past it). Never the case while every block is stored in
-        time; it follows a block that was not stored (dropped: no room)."""
-        if not self.sliding or self.cursor is None:
-            return False
-        try:
-            return mlx_compat.window_floor(caches) > self.cursor.start
-        except Exception:
-            return False
+        store(self, self.pos, "end_generation", include_partial=False, snapshot_at_end=False,
+              caches=caches)
 
     # ------------------------------------------------------------------ finish
 
@@ -513,8 +360,8 @@ class Request:
             self.ctx.counters.cancelled += 1
         if caches is not None and self.phase == "decode" and self.output:
             pos = state_pos if state_pos is not None else self.n_prompt + len(self.output) - 1
-            self._store(pos, "end_generation", include_partial=True, snapshot_at_end=True,
-                        caches=caches)
+            store(self, pos, "end_generation", include_partial=True, snapshot_at_end=True,
+                  caches=caches)
         self.usage.completion_tokens = len(self.output)
         spec = self.ctx.speculator
         if spec is not None and reason != "error":
@@ -529,10 +376,10 @@ class Request:
             finish_reason=reason,
             usage=self.usage,
             ttft_s=(self._t_first - self._t0) if self._t_first is not None else 0.0,
-            prefill_s=self._timings["prefill_s"],
+            prefill_s=self.timings["prefill_s"],
             decode_s=(end - self._t_first) if self._t_first is not None else 0.0,
-            lookup_s=self._timings["lookup_s"],
-            restore_s=self._timings["restore_s"],
+            lookup_s=self.timings["lookup_s"],
+            restore_s=self.timings["restore_s"],
             error=error,
             stop_sequence=self.stops.matched if reason == "stop" else None,
             miss=self.miss,

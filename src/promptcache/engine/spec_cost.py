@@ -220,7 +220,7 @@ def cost_from_config(setting: str | tuple[float, float] | None, model: Any,
     """``EngineConfig.spec_verify_cost`` -> the gate's cost: ``(overhead, per_token)``
     fixed; a number or a list (``--spec-verify-cost``) fixed; ``auto`` / None: measured
     at startup, corrected online (``OnlineCost``)."""
-    from ..config import verify_cost_steps
+    from ..serving_config import verify_cost_steps
 
     if isinstance(setting, tuple):
         return VerifyCost(*setting)

@@ -22,7 +22,7 @@ and caches that can take a verify's rejected positions back
 (``mlx_compat.speculation_kind``): plain KV and MLA (trimmed), sliding windows (the
 window keeps exactly what decoding one token at a time would hold), and array / SSM
 states next to KV (hybrids: the states are put back as they were before the verify and
-the accepted tokens are fed again, ``DecodeBatch._repair``). Everything else decodes as
+the accepted tokens are fed again, ``batch_verify.repair``). Everything else decodes as
 before. The
 number of draft tokens adapts per request (doubles after a fully accepted draft, falls
 to accepted + 1 after a rejection, at least ``MIN_K``); after a fully rejected draft the
@@ -61,7 +61,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from ..config import EngineConfig
+from ..serving_config import EngineConfig
 from . import constrained, mlx_compat, spec_cost
 from .drafts import DraftConfig, DraftPools, SequenceDrafts, TenantDrafts, propose
 from .spec_cost import FREE, Acceptance, CostModel, OnlineCost

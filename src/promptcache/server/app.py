@@ -21,8 +21,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ..advisor import EvictionAdvisor, diagnose
 from ..autotune import AutoTuner
-from ..config import EngineConfig, ServerConfig
 from ..engine.port import EngineAPI
+from ..serving_config import EngineConfig, ServerConfig
 from ..sessions import SessionReaper
 from .api import anthropic, openai, responses
 from .api.auth import Authenticator, load_api_keys

@@ -22,7 +22,7 @@ from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import Response
 
-from ... import packs
+from ... import packfile
 from ..api.errors import APIError, json_object
 from ..prompts.prepared import ChatPrompt
 from ..prompts.preparer import preparer_of
@@ -75,7 +75,7 @@ async def export_pack(request: Request) -> Response:
 
     try:
         data, summary = await run_in_threadpool(build)
-    except packs.PackError as e:
+    except packfile.PackError as e:
         raise APIError(409, str(e), code="export_failed") from e
     log.info("exported a pack of %d blocks (%d tokens, %d bytes) for tenant %s: %s",
              summary["blocks"], summary["tokens"], len(data), tenant, selection)
@@ -95,12 +95,12 @@ async def import_pack(request: Request) -> dict[str, Any]:
     fixed = st.auth.key_tenant(request)
     scope_tenant = request.state.pc_scope.tenant
 
-    def verify() -> packs.Pack:
-        return packs.read_pack(data)
+    def verify() -> packfile.Pack:
+        return packfile.read_pack(data)
 
     try:
         pack = await run_in_threadpool(verify)
-    except packs.PackError as e:
+    except packfile.PackError as e:
         log.warning("pack import refused: %s", e)
         raise APIError(400, str(e), code="invalid_pack") from e
     tenant = pack.namespace.tenant
@@ -112,7 +112,7 @@ async def import_pack(request: Request) -> dict[str, Any]:
                        code="tenant_mismatch")
     try:
         report = await run_in_threadpool(st.engine.import_pack, pack)
-    except packs.PackError as e:
+    except packfile.PackError as e:
         log.warning("pack import refused: %s", e)
         raise APIError(400, str(e), code="invalid_pack") from e
     log.info("imported a pack: %d blocks (%d new, %d tokens) into tenant %s",

@@ -29,8 +29,8 @@ from typing import Literal
 
 import numpy as np
 
-from ...config import ImageLimits
 from ...engine.api import VisionInfo, image_digest
+from ...serving_config import ImageLimits
 from ..api.errors import APIError
 
 log = logging.getLogger(__name__)

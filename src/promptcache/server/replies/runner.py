@@ -28,7 +28,6 @@ from fastapi import Request
 
 from ...advisor import EvictionAdvisor
 from ...autotune import AutoTuner
-from ...config import EngineConfig, ServerConfig
 from ...engine.api import (
     Constraint,
     GenerationRequest,
@@ -39,6 +38,7 @@ from ...engine.api import (
 )
 from ...engine.port import EngineAPI, HandleAPI
 from ...errors import OverloadedError
+from ...serving_config import EngineConfig, ServerConfig
 from ...sessions import SessionReaper
 from ..api.auth import Authenticator, Scope
 from ..api.errors import APIError

@@ -1,0 +1,231 @@
+"""mlx-lm's batch caches: merge, pad, filter and read rows of per-layer batch caches."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, cast
+
+import mlx.core as mx
+from mlx_lm.models.cache import (
+    ArraysCache,
+    BatchKVCache,
+    BatchRotatingKVCache,
+    CacheList,
+    KVCache,
+    RotatingKVCache,
+)
+
+
+def cache_leaves(caches: Sequence[Any]) -> list[Any]:
+    """The leaf caches, ``CacheList``s flattened."""
+    out: list[Any] = []
+    for c in caches:
+        if isinstance(c, CacheList):
+            out.extend(cache_leaves(list(c.caches)))
+        else:
+            out.append(c)
+    return out
+
+
+def can_batch(caches: Sequence[Any]) -> bool:
+    """True if mlx-lm can merge these per-request caches into batch caches: plain KV,
+    sliding-window KV without kept tokens (``BatchRotatingKVCache`` has no ``keep``),
+    SSM / arrays state, and lists of those. Quantized KV and others cannot."""
+    for c in cache_leaves(caches):
+        if type(c) is KVCache or type(c) is ArraysCache:
+            continue
+        if type(c) is RotatingKVCache and c.keep == 0:
+            continue
+        return False
+    return True
+
+
+# Model modules whose recurrent layers honour ``ArraysCache.lengths`` in a right-padded
+# forward (mlx-lm 0.32: the conv state is taken at each row's last real token and the
+# scan / delta rule leaves the state untouched at pad positions), so a row's state after
+# a padded chunk equals its state alone. Checked family by family against each request
+# prefilled alone (tests/engine/test_batch_prefill_kinds.py). Not here: ``nemotron_h``,
+# whose Mamba2 scan gets the mask but not the lengths (it takes the decay at the padded
+# last position, 0: a padded row's SSM state keeps none of the chunk; see that test and
+# BENCHMARKS.md "Batched prefill by cache kind"), and the recurrent models that take
+# neither (mamba, jamba, rwkv7, recurrent_gemma, ...).
+RIGHT_PADDED_STATE_MODULES = frozenset({
+    "qwen3_5", "qwen3_5_moe", "qwen3_next", "falcon_h1", "kimi_linear",
+})
+
+
+def model_module(model: Any) -> str:
+    """The mlx-lm module that implements ``model`` (``"qwen3_next"``)."""
+    return str(type(model).__module__).rsplit(".", 1)[-1]
+
+
+def can_batch_prefill(caches: Sequence[Any], model: Any = None) -> bool:
+    """True if these per-request caches can be prefilled in one forward with others'
+    right-padded chunks exactly as alone: plain KV (MLA included: its K and V widths
+    differ but it is a plain ``KVCache``), sliding windows without kept tokens
+    (``BatchRotatingKVCache`` rolls a row's pad tokens out of its window), array / SSM
+    states of ``model``'s module when it honours the padding
+    (``RIGHT_PADDED_STATE_MODULES``), and ``CacheList``s of those. Quantized KV and
+    windows with ``keep`` prefill on the per-request path."""
+    if not caches:
+        return False
+    states_ok = model is not None and model_module(model) in RIGHT_PADDED_STATE_MODULES
+    for c in cache_leaves(caches):
+        if type(c) is KVCache:
+            continue
+        if type(c) is RotatingKVCache and c.keep == 0:
+            continue
+        if type(c) is ArraysCache and states_ok:
+            continue
+        return False
+    return True
+
+
+def prefill_width(batch: Sequence[Any], lengths: Sequence[int]) -> int:
+    """The width of a right-padded prefill forward of chunks of ``lengths`` tokens.
+
+    A one-token forward writes a sliding window in place (no room for a pad token:
+    ``BatchRotatingKVCache`` refuses it once padding is prepared), so when the longest
+    chunk is one token and some row has none, the forward is two wide (each row's pad
+    is then rolled out of its window as any other)."""
+    width = max(lengths)
+    if width == 1 and min(lengths) == 0 and any(
+            isinstance(c, BatchRotatingKVCache) for c in cache_leaves(batch)):
+        return 2
+    return width
+
+
+def merge_requests(caches: Sequence[Sequence[Any]]) -> list[Any]:
+    """Per-layer batch caches of several requests' per-layer caches (copies: rows
+    are left-padded to the longest)."""
+    return [merge([c[layer] for c in caches]) for layer in range(len(caches[0]))]
+
+
+def prepare_right_padded(batch: Sequence[Any], lengths: Sequence[int],
+                         width: int | None = None) -> None:
+    """Before a forward of right-padded inputs: row ``i`` has ``lengths[i]`` real tokens
+    of ``width`` (default ``max(lengths)``)."""
+    width = max(lengths) if width is None else width
+    right = [width - n for n in lengths]
+    for c in batch:
+        c.prepare(lengths=list(lengths), right_padding=right)
+
+
+def finalize_right_padded(batch: Sequence[Any]) -> None:
+    """After that forward: the pad tokens' KV moves to the left (left padding)."""
+    for c in batch:
+        c.finalize()
+
+
+def trim_common_padding(batch: Sequence[Any]) -> None:
+    """Drop the left padding all rows share (views: nothing is copied). Prefilling rows
+    gain left padding whenever a chunk is shorter than the longest of its step."""
+    kv = [c for c in batch if isinstance(c, BatchKVCache) and c.keys is not None]
+    if not kv:
+        return
+    m = int(cast(int, mx.min(kv[0].left_padding).item()))  # the same in every layer
+    if m <= 0:
+        return
+    for c in kv:
+        c.keys = c.keys[..., m:, :]
+        c.values = c.values[..., m:, :]
+        c._idx -= m
+        c.left_padding = c.left_padding - m
+
+
+def copy_row(batch: Sequence[Any], idx: int) -> list[Any]:
+    """Private per-layer caches of row ``idx`` with their own buffers (a request that
+    leaves a prefill batch and waits for a decode row)."""
+    out = row_caches(batch, idx)
+    for c in cache_leaves(out):  # KV views (in a CacheList too); the rest are copies
+        if isinstance(c, KVCache) and c.keys is not None:
+            c.keys = copy_array(c.keys)
+            c.values = copy_array(c.values)
+    return out
+
+
+def merge(caches: Sequence[Any]) -> Any:
+    """One batch cache of a layer from the per-request caches of that layer."""
+    return type(caches[0]).merge(list(caches))
+
+
+def extend(batch: Any, other: Any) -> None:
+    """Append the rows of ``other`` to ``batch`` (both batch caches of one layer)."""
+    batch.extend(other)
+
+
+def filter_rows(batch: Any, keep: Sequence[int]) -> None:
+    batch.filter(list(keep))
+
+
+def _row_kv(c: BatchKVCache, idx: int, pads: list[int]) -> KVCache:
+    """A KVCache whose arrays are lazy views of row ``idx`` (nothing copied): the
+    caller slices the blocks it needs and copies those."""
+    pad = pads[idx]
+    out = KVCache()
+    end = int(c._idx)
+    out.keys = c.keys[idx : idx + 1, :, pad:end, :]
+    out.values = c.values[idx : idx + 1, :, pad:end, :]
+    out.offset = end - pad
+    return out
+
+
+def copy_array(x: mx.array) -> mx.array:
+    """A copy with its own buffer (``mx.contiguous`` returns a contiguous slice as is,
+    sharing -- and pinning -- the whole source buffer)."""
+    return mx.array(x)
+
+
+def _row_arrays(c: ArraysCache, idx: int, states: list[Any] | None) -> ArraysCache:
+    src = states if states is not None else c.cache
+    out = ArraysCache(len(src))
+    out.cache = [None if a is None else copy_array(a[idx : idx + 1]) for a in src]
+    return out
+
+
+def row_caches(batch: Sequence[Any], idx: int, ssm_states: list[list[Any]] | None = None
+               ) -> list[Any]:
+    """Per-layer cache objects of row ``idx`` of a batch, for reading blocks out of it.
+
+    Plain KV layers are lazy views of the row (slice what you need and copy it);
+    sliding-window layers are ``extract``-ed (a copy of one window); array states are
+    copies, taken from ``ssm_states`` (the states before the last step, in leaf order)
+    when given. Nothing returned shares a buffer that the batch later writes in place
+    without also being a view the caller copies from.
+    """
+    states = iter(ssm_states) if ssm_states is not None else None
+    pad_cache: dict[int, list[int]] = {}
+
+    def one(c: Any) -> Any:
+        if isinstance(c, CacheList):
+            return CacheList(*(one(sub) for sub in c.caches))
+        if isinstance(c, BatchKVCache):
+            pads = pad_cache.get(id(c.left_padding))
+            if pads is None:
+                pads = [int(p) for p in c.left_padding.tolist()]
+                pad_cache[id(c.left_padding)] = pads
+            return _row_kv(c, idx, pads)
+        if isinstance(c, BatchRotatingKVCache):
+            return c.extract(idx)
+        if isinstance(c, ArraysCache):
+            return _row_arrays(c, idx, next(states) if states is not None else None)
+        raise TypeError(f"not a batch cache: {type(c).__name__}")
+
+    return [one(c) for c in batch]
+
+
+def ssm_states(batch: Sequence[Any]) -> list[list[Any]]:
+    """The current array states of every ArraysCache leaf (references: the batch
+    replaces them with new arrays at each step, so these stay the pre-step state)."""
+    return [list(c.cache) for c in cache_leaves(batch) if isinstance(c, ArraysCache)]
+
+
+def batch_nbytes(batch: Sequence[Any]) -> int:
+    """Bytes held by a batch's caches (padding included), from shapes only."""
+    total = 0
+    for c in cache_leaves(batch):
+        if isinstance(c, ArraysCache):
+            total += sum(int(a.nbytes) for a in c.cache if a is not None)
+        elif getattr(c, "keys", None) is not None:
+            total += int(c.keys.nbytes) + int(c.values.nbytes)
+    return total

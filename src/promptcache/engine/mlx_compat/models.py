@@ -1,0 +1,33 @@
+"""mlx-lm's model modules and the tokenizer inside its wrapper (model classes, offsets)."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+
+def model_classes(model_type: str) -> tuple[Any, Any]:
+    """``(Model, ModelArgs)`` of an mlx-lm architecture, e.g. ``"llama"``.
+
+    Every module in ``mlx_lm.models`` defines these two names; we import the module
+    directly instead of calling mlx-lm's private class lookup.
+    """
+    if not model_type.replace("_", "").isalnum():
+        raise ValueError(f"invalid model_type {model_type!r}")
+    try:
+        module = importlib.import_module(f"mlx_lm.models.{model_type}")
+    except ImportError as e:
+        raise ValueError(f"mlx-lm has no model type {model_type!r}") from e
+    return module.Model, module.ModelArgs
+
+
+def encode_with_offsets(tokenizer: Any, text: str) -> tuple[list[int], list[tuple[int, int]]] | None:
+    """Token ids of ``text`` (no special tokens added) and each token's character span,
+    from one call of the Hugging Face fast tokenizer; None if it has no offsets."""
+    hf = getattr(tokenizer, "_tokenizer", tokenizer)
+    if not callable(hf) or not getattr(hf, "is_fast", False):
+        return None
+    enc = hf(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids = [int(t) for t in enc["input_ids"]]
+    offsets = [(int(a), int(b)) for a, b in enc["offset_mapping"]]
+    return ids, offsets

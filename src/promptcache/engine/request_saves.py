@@ -1,0 +1,192 @@
+"""A request's cache side: lookup + restore at its start, and the stores of its save points.
+
+``Request`` (``request.py``) calls these: ``lookup_and_restore`` at ``start``,
+``save_mid_prefill`` after each prompt chunk (save point 1), ``store`` at the end of
+the prompt (2), as sliding windows move and at the end of generation (3). Every save goes
+through the request's ``ChainCursor``; any exception from the cache is logged and
+counted and turns into a miss or a skipped save (by cause: ``store_error_cause``, and
+the cache is told which blocks were left out).
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from mlx_lm.models.cache import make_prompt_cache
+
+from ..cache.miss import CACHE_ERROR, RESTORE_ERROR, CacheMiss
+from ..cache.types import ChainCursor
+from . import adapters, mlx_compat
+from .blockbuf import BlockPayload
+from .context import store_error_cause
+
+if TYPE_CHECKING:
+    from .request import Request
+
+logger = logging.getLogger(__name__)
+
+
+def cut_by_tier(by_tier: Any, n: int) -> dict[str, int]:
+    """Per-tier cached token counts, trimmed to the ``n`` tokens actually restored."""
+    out: dict[str, int] = {}
+    left = n
+    for tier, count in dict(by_tier or {}).items():
+        take = min(int(count), left)
+        if take > 0:
+            out[str(tier)] = take
+        left -= take
+    return out
+
+
+def lookup_and_restore(req: Request) -> None:
+    """Lookup + restore at the start (a miss is kept as data: ``req.miss``); any cache
+    exception turns into a miss."""
+    cache, ns = req.ctx.cache, req.ns
+    if cache is None or ns is None:  # pragma: no cover - use_cache implies both
+        return
+    n_prompt = req.n_prompt
+    t = time.perf_counter()
+    try:
+        hit = cache.acquire(req.seq[:n_prompt], ns, extra_keys=req.extra_keys,
+                            session_id=req.req.session_id)
+    except Exception:
+        logger.exception("cache lookup failed; prefilling the whole prompt")
+        req.ctx.counters.cache_errors += 1
+        req.miss = CacheMiss(CACHE_ERROR, 0, 0, n_prompt).at_message(req.req.message_starts)
+        req.timings["lookup_s"] = time.perf_counter() - t
+        return
+    req.timings["lookup_s"] = time.perf_counter() - t
+    t = time.perf_counter()
+    try:
+        miss: CacheMiss | None = hit.miss
+        if miss is not None:
+            req.miss = miss.at_message(req.req.message_starts)
+        n = min(int(hit.num_tokens), n_prompt - 1)  # an exact hit re-runs the last token
+        if n > 0:
+            blocks = hit.blocks
+            req.caches = adapters.restore(req.ctx.model, blocks, n,
+                                          reserve=n_prompt - n + 1)
+            req.pos = n
+            req.usage.cached_tokens = n
+            req.usage.cached_by_tier = cut_by_tier(hit.tokens_by_tier, n)
+            if req.ns is not None:
+                req.cursor = ChainCursor.after_hit(req.ns, [m for m, _ in blocks], n)
+    except Exception:
+        logger.exception("restoring cached blocks failed; prefilling the whole prompt")
+        req.ctx.counters.restore_errors += 1
+        req.caches = list(make_prompt_cache(req.ctx.model))
+        req.pos = 0
+        req.usage.cached_tokens = 0
+        req.usage.cached_by_tier = {}
+        req.miss = CacheMiss(RESTORE_ERROR, 0, 0, n_prompt).at_message(
+            req.req.message_starts)
+        req.cursor = ChainCursor(req.ns) if req.ns is not None else None
+    finally:
+        try:
+            cache.release(hit)
+        except Exception:
+            logger.exception("cache release failed")
+            req.ctx.counters.cache_errors += 1
+        req.timings["restore_s"] = time.perf_counter() - t
+
+
+def save_mid_prefill(req: Request, caches: Sequence[Any] | None = None) -> None:
+    """Save point 1. A non-truncatable state is snapshotted once a chunk reaches a
+    multiple of ``snapshot_every_blocks`` blocks, and at every message start (a
+    partial block ending there carries it when the start is inside a block)."""
+    if req.truncatable:
+        store(req, req.pos, "mid_prefill", include_partial=False, snapshot_at_end=True,
+              caches=caches)
+        return
+    every = req.ctx.config.snapshot_every_blocks * req.ctx.block_size
+    regular = req.pos // every > req.last_snapshot // every
+    i = bisect.bisect_left(req.snap_at, req.pos)
+    at_message = i < len(req.snap_at) and req.snap_at[i] == req.pos
+    before = req.ctx.counters.snapshots
+    store(req, req.pos, "mid_prefill", include_partial=at_message and
+          req.pos % req.ctx.block_size != 0,
+          snapshot_at_end=regular or at_message, caches=caches)
+    if at_message:
+        req.ctx.counters.message_snapshots += req.ctx.counters.snapshots - before
+    if regular:
+        req.last_snapshot = req.pos
+
+
+def store(req: Request, num_tokens: int, save_point: str, *, include_partial: bool,
+          snapshot_at_end: bool, caches: Sequence[Any] | None = None) -> None:
+    """One save through the request's ``ChainCursor``: blocks of ``req.seq`` up to
+    ``num_tokens`` from ``caches`` (default the private ones); never raises."""
+    cache = req.ctx.cache
+    if not req.use_cache or cache is None or num_tokens <= 0:
+        return
+    src = req.caches if caches is None else caches
+
+    kv_quant = req.ctx.kv_quant
+    counters, stateful = req.ctx.counters, not req.truncatable
+
+    def payload_for(start: int, end: int, snapshot: bool) -> BlockPayload:
+        payload = adapters.extract_block(src, start, end, snapshot, quant=kv_quant)
+        if snapshot and stateful:
+            nbytes = adapters.snapshot_nbytes(src)
+            counters.snapshots += 1
+            counters.snapshot_bytes += nbytes
+            counters.bytes_per_snapshot = nbytes
+        return payload
+
+    try:
+        created = cache.store(
+            req.ns, req.seq, num_tokens, payload_for,
+            extra_keys=req.extra_keys, session_id=req.req.session_id,
+            agent_id=req.req.agent_id, truncatable=req.truncatable, snapshot_at_end=snapshot_at_end,
+            include_partial=include_partial, save_point=save_point, cursor=req.cursor,
+        )
+    except Exception as e:
+        if _window_gap(req, src):
+            logger.debug("request %s: block %d left the sliding window unsaved; the "
+                         "%s save stops there", req.request_id, _cursor_start(req),
+                         save_point)
+            req.ctx.counters.window_gaps += 1
+            return
+        cause = store_error_cause(e)
+        logger.exception("storing blocks (%s) failed (%s); continuing without saving",
+                         save_point, cause)
+        c = req.ctx.counters
+        c.store_errors += 1
+        c.store_errors_by_cause[cause] = c.store_errors_by_cause.get(cause, 0) + 1
+        _note_not_stored(req, num_tokens, cause)
+        return
+    attr = f"saved_{save_point}"
+    setattr(req.usage, attr, getattr(req.usage, attr) + int(created))
+
+
+def _note_not_stored(req: Request, num_tokens: int, cause: str) -> None:
+    """Tell the cache which blocks a failed save left out (the next lookup stopping
+    there says ``not_stored: <cause>``, not ``cold``); never fails the request."""
+    note = getattr(req.ctx.cache, "note_not_stored", None)
+    if note is None or req.ns is None:
+        return
+    try:
+        note(req.ns, req.seq, num_tokens, req.cursor, cause, extra_keys=req.extra_keys)
+    except Exception:
+        logger.exception("recording a failed save failed")
+        req.ctx.counters.cache_errors += 1
+
+
+def _cursor_start(req: Request) -> int:
+    return req.cursor.start if req.cursor is not None else 0
+
+
+def _window_gap(req: Request, caches: Sequence[Any]) -> bool:
+    """The next block to store has left a sliding window (it can no longer be read;
+    the chain cannot go past it). Never the case while every block is stored in
+    time; it follows a block that was not stored (dropped: no room)."""
+    if not req.sliding or req.cursor is None:
+        return False
+    try:
+        return mlx_compat.window_floor(caches) > req.cursor.start
+    except Exception:
+        return False
