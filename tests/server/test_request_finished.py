@@ -8,7 +8,7 @@ from __future__ import annotations
 from fake_engine import FakeEngine
 from fastapi.testclient import TestClient
 
-from promptcache.config import ServerConfig
+from promptcache.serving_config import ServerConfig
 from promptcache.server import create_app
 from promptcache.server.finished import RequestFinished
 
