@@ -8,9 +8,9 @@ from __future__ import annotations
 from fake_engine import FakeEngine
 from fastapi.testclient import TestClient
 
-from promptcache.serving_config import ServerConfig
 from promptcache.server import create_app
 from promptcache.server.finished import RequestFinished
+from promptcache.serving_config import ServerConfig
 
 BODY = {"model": "default", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]}
 
