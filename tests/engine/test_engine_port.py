@@ -12,7 +12,7 @@ import pytest
 from conftest import make_engine
 
 from promptcache.engine.api import GenerationRequest, SamplingParams
-from promptcache.engine.engine import EngineCallTimeout
+from promptcache.engine.calls import EngineCallTimeout
 from promptcache.engine.port import CachePrediction, EngineAPI
 from promptcache.errors import EngineDeadError
 
@@ -61,9 +61,9 @@ def test_predict_probe_protect_and_mark_active_go_through_the_engine_thread(engi
 
 
 def test_a_failing_or_late_call_degrades_and_is_counted(engine) -> None:  # type: ignore[no-untyped-def]
-    before = dict(engine.call_stats)
-    assert engine._degrade("a broken call", lambda: 1 // 0, None) is None
-    assert engine.call_stats["engine_calls_failed"] == before["engine_calls_failed"] + 1
+    before = dict(engine.calls.stats)
+    assert engine.calls.degrade("a broken call", lambda: 1 // 0, None) is None
+    assert engine.calls.stats["engine_calls_failed"] == before["engine_calls_failed"] + 1
     # the engine thread is busy (a slow call): the next call times out, degrades, counts
     gate = threading.Event()
     slow = threading.Thread(target=lambda: engine.call(gate.wait, timeout=30))
@@ -72,15 +72,15 @@ def test_a_failing_or_late_call_degrades_and_is_counted(engine) -> None:  # type
     try:
         with pytest.raises(EngineCallTimeout):
             engine.call(lambda: 1, timeout=0.05)
-        assert engine._degrade("a late call", lambda: 2, -1, timeout=0.05) == -1
-        assert engine.call_stats["engine_calls_timed_out"] == \
+        assert engine.calls.degrade("a late call", lambda: 2, -1, timeout=0.05) == -1
+        assert engine.calls.stats["engine_calls_timed_out"] == \
             before["engine_calls_timed_out"] + 1
     finally:
         gate.set()
         slow.join(30)
     assert engine.call(lambda: 3) == 3  # and the engine goes on
     stats = engine.engine_stats()
-    assert stats["engine_calls_timed_out"] == engine.call_stats["engine_calls_timed_out"]
+    assert stats["engine_calls_timed_out"] == engine.calls.stats["engine_calls_timed_out"]
 
 
 def test_calls_on_a_closed_engine_raise_at_once(tiny_llama_path) -> None:  # type: ignore[no-untyped-def]

@@ -11,7 +11,7 @@ from fake_engine import FakeEngine
 from fastapi.testclient import TestClient
 
 from promptcache.server import create_app
-from promptcache.server.api.anthropic import creation
+from promptcache.server.api.anthropic_body import creation
 from promptcache.serving_config import ServerConfig
 
 CC = {"type": "ephemeral"}

@@ -28,7 +28,6 @@ stream has nothing else to send (a long prefill) it sends ``ping`` events.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -37,7 +36,6 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from ...engine.api import GenerationResult
 from ..ops.diagnostics import cache_cause_of, wants_diagnostics
 from ..prompts.canon import Canon
 from ..prompts.images import ImageCollector
@@ -58,8 +56,17 @@ from ..replies.reply import (
     sleep_of,
     sse_event,
 )
-from ..replies.runner import Generation, ServerState, cache_creation_tokens, state_of
+from ..replies.runner import Generation, ServerState, state_of
 from ..replies.toolcalls import ToolCall, offered_tool_names
+from .anthropic_body import (
+    TTLS,
+    anthropic_usage,
+    content_blocks,
+    creation,
+    signature,
+    stop_fields,
+    tool_use_block,
+)
 from .errors import APIError
 from .schemas import AnthropicMessage, CountTokensRequest, MessagesRequest
 
@@ -68,77 +75,6 @@ router = APIRouter()
 
 TOOL_CHOICES = ("auto", "any", "tool", "none")
 THINKING_TYPES = {"enabled": True, "adaptive": True, "disabled": False}
-
-
-TTLS = {"5m": 300.0, "1h": 3600.0}
-_TTL_KEYS = {300.0: "ephemeral_5m_input_tokens", 3600.0: "ephemeral_1h_input_tokens"}
-
-
-def creation(prompt_len: int, cached: int, breakpoints: tuple[tuple[int, float], ...]
-             ) -> tuple[int, dict[str, int]]:
-    """``cache_creation_input_tokens`` and its ``cache_creation`` split by ttl: the
-    prompt tokens after the cached ones up to the last breakpoint (without breakpoints,
-    up to the end: the cache keeps every prefix), each counted under the ttl of the
-    first breakpoint at or after it."""
-    split = {"ephemeral_5m_input_tokens": 0, "ephemeral_1h_input_tokens": 0}
-    marks = breakpoints or ((prompt_len, TTLS["5m"]),)
-    start = cached
-    for pos, ttl in marks:
-        end = min(pos, prompt_len)
-        if end > start:
-            split[_TTL_KEYS.get(ttl, "ephemeral_5m_input_tokens")] += end - start
-            start = end
-    return sum(split.values()), split
-
-
-def anthropic_usage(result: GenerationResult,
-                    breakpoints: tuple[tuple[int, float], ...] = ()) -> dict[str, Any]:
-    u = result.usage
-    created, split = 0, {"ephemeral_5m_input_tokens": 0, "ephemeral_1h_input_tokens": 0}
-    if cache_creation_tokens(result):  # the request stored prompt blocks
-        created, split = creation(u.prompt_tokens, u.cached_tokens, breakpoints)
-    return {
-        "input_tokens": u.prompt_tokens - u.cached_tokens - created,
-        "cache_creation_input_tokens": created,
-        "cache_read_input_tokens": u.cached_tokens,
-        "cache_creation": split,
-        "output_tokens": u.completion_tokens,
-    }
-
-
-def _stop(result: GenerationResult, calls: tuple[ToolCall, ...] = ()) -> dict[str, Any]:
-    """``stop_reason`` and ``stop_sequence`` of a finished reply."""
-    if calls:
-        return {"stop_reason": "tool_use", "stop_sequence": None}
-    if result.finish_reason == "length":
-        return {"stop_reason": "max_tokens", "stop_sequence": None}
-    if result.stop_sequence is not None:
-        return {"stop_reason": "stop_sequence", "stop_sequence": result.stop_sequence}
-    return {"stop_reason": "end_turn", "stop_sequence": None}
-
-
-def _tool_use(call: ToolCall) -> dict[str, Any]:
-    return {"type": "tool_use", "id": f"toolu_{uuid.uuid4().hex[:24]}", "name": call.name,
-            "input": call.arguments}
-
-
-def signature(thinking: str) -> str:
-    """An opaque signature for a thinking block (clients send blocks back with it)."""
-    return "promptcache-" + hashlib.sha256(thinking.encode("utf-8")).hexdigest()[:32]
-
-
-def content_blocks(reasoning: str, text: str, calls: tuple[ToolCall, ...]
-                   ) -> list[dict[str, Any]]:
-    """[thinking?, text?, tool_use...]: the text block is left out when empty and there
-    are calls or reasoning."""
-    blocks: list[dict[str, Any]] = []
-    if reasoning:
-        blocks.append({"type": "thinking", "thinking": reasoning,
-                       "signature": signature(reasoning)})
-    if text or not (calls or reasoning):
-        blocks.append({"type": "text", "text": text})
-    blocks.extend(_tool_use(c) for c in calls)
-    return blocks
 
 
 def _thinking_switch(thinking: dict[str, Any] | None) -> bool | None:
@@ -285,7 +221,7 @@ class _Blocks:
     def tool_use(self, call: ToolCall) -> list[str]:
         out = self.close()
         self.index += 1
-        block = _tool_use(call)
+        block = tool_use_block(call)
         self.uses.append(dict(block))
         block["input"] = {}
         return out + [
@@ -353,7 +289,7 @@ async def _stream(gen: Generation, st: ServerState, parser: ReplyParser, msg_id:
                     yield event
             on_reply(echo_messages(ev.text, blocks.uses))
             yield sse_event("message_delta", {"type": "message_delta",
-                                              "delta": _stop(ev.result, ev.tool_calls),
+                                              "delta": stop_fields(ev.result, ev.tool_calls),
                                               "usage": anthropic_usage(ev.result,
                                                                        prepared.breakpoints)})
             yield sse_event("message_stop", {"type": "message_stop"})
@@ -399,7 +335,7 @@ async def messages(body: MessagesRequest, request: Request) -> Any:
     out: dict[str, Any] = {
         "id": msg_id, "type": "message", "role": "assistant", "model": model,
         "content": content,
-        **_stop(finished.result, finished.tool_calls),
+        **stop_fields(finished.result, finished.tool_calls),
         "usage": anthropic_usage(finished.result, prepared.breakpoints),
     }
     if diagnose:

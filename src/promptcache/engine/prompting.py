@@ -1,0 +1,97 @@
+"""The Engine's chat-template surface (render, encode) and its synchronous ``generate``."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from ..errors import RequestError
+from ..meta import DEFAULT_TENANT
+from .api import GenerationRequest, GenerationResult, SamplingParams, VisionInfo
+from .chat_format import ChatFormat, chat_format_of
+from .templates import ChatTemplate
+
+if TYPE_CHECKING:
+    from .handles import RequestHandle
+    from .vision import VisionEncoder
+
+_SAMPLING_FIELDS = frozenset(SamplingParams.__dataclass_fields__)
+
+
+class Prompting:
+    """A mixin of ``Engine``: prompts from chats or text (thread-safe) and ``generate``."""
+
+    tokenizer: Any
+    templates: ChatTemplate
+    vision_encoder: VisionEncoder | None
+
+    if TYPE_CHECKING:
+        def submit(self, request: GenerationRequest) -> RequestHandle: ...
+
+
+    @property
+    def vision(self) -> VisionInfo | None:
+        """Image token, placeholder tokens per image and preprocessing settings of a
+        vision-language model; None for a text-only model (images are a 400)."""
+        return self.vision_encoder.info if self.vision_encoder is not None else None
+
+    @property
+    def chat_format(self) -> ChatFormat:
+        """Reasoning markers and the template's thinking switch (engine/chat_format.py)."""
+        return chat_format_of(self.tokenizer)
+
+    def render_chat(
+        self, messages: Sequence[Mapping[str, Any]], tools: Any = None,
+        add_generation_prompt: bool = True, *, continue_final_message: bool = False,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> list[int]:
+        """Prompt token ids of a chat (see ``templates.ChatTemplate.render``); thread-safe."""
+        return self.templates.render(messages, tools, add_generation_prompt,
+                                     continue_final_message=continue_final_message,
+                                     template_kwargs=template_kwargs)
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """Token ids of a plain-text prompt (``/v1/completions``); a text that surely
+        exceeds the context is refused after a bounded tokenization; thread-safe."""
+        return self.templates.encode(text)
+
+    def render_chat_with_offsets(
+        self, messages: Sequence[Mapping[str, Any]], tools: Any = None,
+        add_generation_prompt: bool = True, *, continue_final_message: bool = False,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> tuple[list[int], tuple[int, ...]]:
+        """``(tokens, message_starts)`` in one render + tokenization; thread-safe."""
+        return self.templates.render_with_offsets(
+            messages, tools, add_generation_prompt,
+            continue_final_message=continue_final_message, template_kwargs=template_kwargs)
+
+    def generate(
+        self,
+        prompt: Sequence[int] | Sequence[Mapping[str, Any]],
+        *,
+        tenant: str = DEFAULT_TENANT,
+        session_id: str | None = None,
+        use_cache: bool = True,
+        tools: Any = None,
+        **sampling: Any,
+    ) -> GenerationResult:
+        """Synchronous helper: token ids or chat messages in, the final result out."""
+        unknown = set(sampling) - _SAMPLING_FIELDS
+        if unknown:
+            raise RequestError(f"unknown sampling parameters: {sorted(unknown)}")
+        for key in ("stop", "stop_token_ids"):
+            if key in sampling and isinstance(sampling[key], (list, tuple)):
+                sampling[key] = tuple(sampling[key])
+            elif key in sampling and isinstance(sampling[key], str) and key == "stop":
+                sampling[key] = (sampling[key],)
+        starts: tuple[int, ...] = ()
+        items = list(prompt)
+        if items and isinstance(items[0], Mapping):
+            tokens, starts = self.render_chat_with_offsets(items, tools)  # type: ignore[arg-type]
+        else:
+            tokens = items  # type: ignore[assignment]
+        req = GenerationRequest(
+            prompt_tokens=tuple(tokens), sampling=SamplingParams(**sampling), tenant=tenant,
+            session_id=session_id, use_cache=use_cache, message_starts=starts,
+        )
+        return self.submit(req).result()

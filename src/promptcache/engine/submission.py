@@ -1,0 +1,127 @@
+"""The Engine's request intake: validate, admit or queue, cancel, start on the engine thread."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+
+from ..errors import EngineDeadError
+from . import constrained
+from .admission import Admission, Ticket
+from .api import GenerationRequest, GenerationResult, Usage
+from .arrivals import Arrivals
+from .context import EngineContext, EngineCounters, Processor, validate_request
+from .handles import RequestHandle
+from .request import Request
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(eq=False)
+class _Pending:
+    """What a ticket carries until the engine thread starts the request."""
+
+    request: GenerationRequest
+    tokens: np.ndarray
+    handle: RequestHandle
+    processors: list[Processor]
+    t_submit: float
+
+
+class Submission:
+    """A mixin of ``Engine``: ``submit`` (any thread) and the tickets' life until the
+    engine thread starts the request (``_make_request``) or answers it unstarted."""
+
+    tokenizer: Any
+    vocab_size: int
+    admission: Admission
+    counters: EngineCounters
+    _ctx: EngineContext
+    _control: Arrivals
+    _ids: Iterator[int]
+    _dead: str | None
+    _closed: bool
+
+    def submit(self, request: GenerationRequest) -> RequestHandle:
+        """Validate and admit (or queue); returns at once. Raises ``RequestError`` (a
+        ValueError), ``OverloadedError`` or ``EngineDeadError``."""
+        if self._dead is not None:
+            raise EngineDeadError(f"the engine thread died: {self._dead}")
+        if self._closed:
+            raise RuntimeError("the engine is closed")
+        tokens = validate_request(request, self._ctx)
+        processors: list[Processor] = []
+        if request.constraint is not None:
+            processors.append(constrained.logits_processor(
+                request.constraint, self.tokenizer, self.vocab_size))
+        if not request.request_id:
+            request = dataclasses.replace(request, request_id=f"req-{next(self._ids)}")
+        handle = RequestHandle(request, on_cancel=self._on_cancel)
+        pending = _Pending(request, tokens, handle, processors, time.perf_counter())
+        length = int(tokens.shape[0]) + (0 if request.prefill_only else request.sampling.max_tokens)
+        ticket = Ticket(pending, length, background=request.priority == "background")
+        handle._ticket = ticket  # type: ignore[attr-defined]
+        self.admission.submit(ticket)
+        if self._dead is not None:  # died while we were admitting: nobody will take it
+            self._fail_pending(f"the engine thread died: {self._dead}")
+        self._control.wake.set()
+        return handle
+
+    def announce(self) -> Callable[[], None]:
+        """The caller is preparing a request it will ``submit`` (the server announces
+        every generation request before rendering its prompt): an idle engine gathering
+        a burst waits for it (``arrivals.py``). Returns the release (idempotent), to
+        call when the preparation ends, submitted or not. Thread-safe."""
+        return self._control.announce()
+
+    def _on_cancel(self, handle: RequestHandle) -> None:
+        ticket: Ticket | None = getattr(handle, "_ticket", None)
+        if ticket is not None and self.admission.cancel(ticket):
+            self.counters.cancelled += 1
+            handle._emit(_empty_result(handle.request, "cancelled", queue_s=0.0))
+        self._control.wake.set()
+
+    def _preempt(self, ticket: Ticket) -> None:
+        """A background request gives its slot back to a waiting interactive one: it is
+        cancelled (its saved blocks stay); the slot frees when the scheduler drops it."""
+        p: _Pending = ticket.item
+        logger.debug("background request %s preempted by a waiting interactive request",
+                     p.request.request_id)
+        p.handle.cancel()
+
+    def _make_request(self, ticket: Ticket) -> Request | None:
+        p: _Pending = ticket.item
+        if p.handle.cancel_requested:
+            p.handle._emit(_empty_result(p.request, "cancelled", ticket.queue_s))
+            self.counters.cancelled += 1
+            return None
+        try:
+            return Request(self._ctx, p.request, p.tokens, p.handle._emit,
+                           cancelled=lambda: p.handle.cancel_requested,
+                           processors=p.processors, queue_s=ticket.queue_s,
+                           t_submit=p.t_submit)
+        except Exception as e:  # one request that cannot start fails alone
+            logger.exception("request %s could not start", p.request.request_id)
+            self.counters.errors += 1
+            p.handle._emit(_empty_result(p.request, "error", ticket.queue_s,
+                                         f"{type(e).__name__}: {e}"))
+            return None
+
+    def _fail_pending(self, error: str | None) -> None:
+        """Answer every ticket that was never started (error, or cancelled on close)."""
+        for t in self.admission.drain():
+            p: _Pending = t.item
+            reason = "error" if error is not None else "cancelled"
+            p.handle._emit(_empty_result(p.request, reason, t.queue_s, error))
+
+
+def _empty_result(req: GenerationRequest, reason: str, queue_s: float,
+                  error: str | None = None) -> GenerationResult:
+    return GenerationResult(tokens=[], text="", finish_reason=reason,
+                            usage=Usage(prompt_tokens=len(req.prompt_tokens)), error=error,
+                            queue_s=queue_s)
