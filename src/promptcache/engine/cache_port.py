@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from .. import packfile, packs
+from ..cache import PromptCache
 from ..meta import ExtraKeySpan, Namespace
 from .payload import ram_census
 from .port import CachePrediction, CacheProbe, TunableCacheAPI
@@ -24,7 +25,7 @@ class CachePort:
     and changes for a request run on the engine thread (``calls.degrade``: None / 0
     when they fail or time out); packs and stats are thread-safe calls on the cache."""
 
-    cache: Any
+    cache: PromptCache | None
     kv_quant: Any
     vision_encoder: VisionEncoder | None
     calls: EngineCalls

@@ -13,6 +13,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..blocks.tokens import to_request_tokens
+from ..cache import PromptCache
 from ..errors import ContextLengthError, InvariantError, RequestError, TierError
 from ..meta import Namespace
 from ..serving_config import EngineConfig
@@ -111,7 +112,7 @@ class EngineContext:
     context_length: int
     vocab_size: int
     eos_token_ids: frozenset[int]
-    cache: Any | None = None  # PromptCache
+    cache: PromptCache | None = None
     namespace_for: Callable[[str], Namespace] | None = None
     block_size: int = 64
     counters: EngineCounters = field(default_factory=EngineCounters)

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
+from ..cache import PromptCache
 from ..config import CacheConfig
 from ..meta import DEFAULT_TENANT, Namespace, validate_tenant
 from ..serving_config import EngineConfig
@@ -82,7 +83,7 @@ class Engine(Submission, Prompting, CachePort):
         vocab_size: int,
         engine_config: EngineConfig | None = None,
         cache_config: CacheConfig | None = None,
-        cache: Any | None = None,
+        cache: PromptCache | None = None,
         logits_hook: LogitsHook | None = None,
         vision: VisionEncoder | None = None,
     ) -> None:
@@ -184,7 +185,7 @@ class Engine(Submission, Prompting, CachePort):
         engine_config: EngineConfig | None = None,
         cache_config: CacheConfig | None = None,
         *,
-        cache: Any | None = None,
+        cache: PromptCache | None = None,
         logits_hook: LogitsHook | None = None,
         vision_cache: VisionCache | None = None,
     ) -> Engine:

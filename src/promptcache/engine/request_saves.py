@@ -120,8 +120,8 @@ def store(req: Request, num_tokens: int, save_point: str, *, include_partial: bo
           snapshot_at_end: bool, caches: Sequence[Any] | None = None) -> None:
     """One save through the request's ``ChainCursor``: blocks of ``req.seq`` up to
     ``num_tokens`` from ``caches`` (default the private ones); never raises."""
-    cache = req.ctx.cache
-    if not req.use_cache or cache is None or num_tokens <= 0:
+    cache, ns = req.ctx.cache, req.ns
+    if not req.use_cache or cache is None or ns is None or num_tokens <= 0:
         return
     src = req.caches if caches is None else caches
 
@@ -139,7 +139,7 @@ def store(req: Request, num_tokens: int, save_point: str, *, include_partial: bo
 
     try:
         created = cache.store(
-            req.ns, req.seq, num_tokens, payload_for,
+            ns, req.seq, num_tokens, payload_for,
             extra_keys=req.extra_keys, session_id=req.req.session_id,
             agent_id=req.req.agent_id, truncatable=req.truncatable, snapshot_at_end=snapshot_at_end,
             include_partial=include_partial, save_point=save_point, cursor=req.cursor,

@@ -42,6 +42,7 @@ import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
 from .. import codec
+from ..cache import PromptCache
 from ..meta import BlockMeta, ExtraKeySpan, Namespace
 from . import adapters
 from .payload import MLXPayloadAdapter
@@ -63,7 +64,7 @@ class _Job:
 
 
 class ShadowVerifier:
-    def __init__(self, model: Any, cache: Any, *, fraction: float, chunk_tokens: int = 256,
+    def __init__(self, model: Any, cache: PromptCache, *, fraction: float, chunk_tokens: int = 256,
                  max_pending: int = 8, seed: int | None = None, alert_window: int = 50,
                  tolerance: dict[str, tuple[float, float]] | None = None,
                  busy: Callable[[], bool] | None = None) -> None:
