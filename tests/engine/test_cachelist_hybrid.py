@@ -6,11 +6,11 @@ exact and output from them equals a full prefill."""
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
+from models import save_beside
 from models.tiny_models import ensure_built
 
 from promptcache.cache import PromptCache
@@ -43,11 +43,7 @@ def _build(base: Path, tmp: Path) -> None:
     mx.random.seed(7)
     model = model_cls(args_cls.from_dict(config))
     weights = {k: v.astype(mx.float32) for k, v in tree_flatten(model.parameters())}
-    mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})
-    (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    for f in base.iterdir():
-        if f.name not in ("config.json", "model.safetensors") and f.is_file():
-            shutil.copy(f, tmp / f.name)
+    save_beside(tmp, dict(weights), config, base)
 
 
 @pytest.fixture(scope="module")

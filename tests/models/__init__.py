@@ -26,3 +26,21 @@ def models_root() -> Path:
     ``<repo>/.models`` (gitignored)."""
     env = os.environ.get("PROMPTCACHE_TEST_MODELS")
     return Path(env) if env else REPO_ROOT / ".models"
+
+
+def save_beside(tmp: Path, weights: dict[str, object], config: dict[str, object],
+                base: Path) -> None:
+    """Write a built checkpoint into ``tmp``: the float32 ``weights`` as MLX safetensors,
+    ``config`` as config.json, and every other file of the folder ``base`` (its
+    tokenizer) copied as it is."""
+    import json
+    import shutil
+
+    import mlx.core as mx
+
+    arrays = {k: v for k, v in weights.items() if isinstance(v, mx.array)}
+    mx.save_safetensors(str(tmp / "model.safetensors"), arrays, metadata={"format": "mlx"})
+    (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    for f in base.iterdir():
+        if f.name not in ("config.json", "model.safetensors") and f.is_file():
+            shutil.copy(f, tmp / f.name)

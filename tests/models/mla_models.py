@@ -18,10 +18,10 @@ is built once under the test models root, like ``quant_models``.
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 from typing import Any
 
+from . import save_beside
 from .tiny_models import ensure_built
 
 KINDS = ("deepseek_v3", "glm4_moe_lite", "kimi_linear", "deepseek_v32")
@@ -124,8 +124,4 @@ def _build(kind: str, base: Path, tmp: Path) -> None:
         if name.endswith(".mlp.gate.weight") or name.endswith("e_score_correction_bias"):
             weights[name] = mx.random.normal(w.shape) * (0.5 if w.ndim > 1 else 0.1)
     mx.eval(weights)
-    mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})
-    (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    for f in base.iterdir():
-        if f.name not in ("config.json", "model.safetensors") and f.is_file():
-            shutil.copy(f, tmp / f.name)
+    save_beside(tmp, dict(weights), config, base)

@@ -8,9 +8,9 @@ their tokenizer and differs only in ``head_dim`` (and so in its random weights).
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
+from . import save_beside
 from .tiny_models import ensure_built
 
 HEAD_DIM = 64
@@ -34,8 +34,4 @@ def _build(base: Path, tmp: Path) -> None:
     mx.random.seed(64)
     model = model_cls(args_cls.from_dict(config))
     weights = {k: v.astype(mx.float32) for k, v in tree_flatten(model.parameters())}
-    mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})
-    (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    for f in base.iterdir():
-        if f.name not in ("config.json", "model.safetensors") and f.is_file():
-            shutil.copy(f, tmp / f.name)
+    save_beside(tmp, dict(weights), config, base)
