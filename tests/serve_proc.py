@@ -5,7 +5,6 @@ SIGKILL) when the ``with`` block ends. Importable from every test folder (pytest
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 import time
@@ -15,13 +14,9 @@ from pathlib import Path
 
 import httpx
 
+from promptcache.bench.systems import free_port
+
 PROMPTCACHE = str(Path(sys.executable).parent / "promptcache")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def wait_healthy(proc: subprocess.Popen[bytes], base: str, log_path: Path,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -11,6 +10,8 @@ from contextlib import contextmanager
 from typing import Any
 
 import uvicorn
+
+from promptcache.bench.systems import free_port
 
 
 def sse_events(text: str) -> list[tuple[str | None, Any]]:
@@ -28,12 +29,6 @@ def sse_events(text: str) -> list[tuple[str | None, Any]]:
                 data = raw if raw == "[DONE]" else json.loads(raw)
         out.append((name, data))
     return out
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @contextmanager

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,14 +14,10 @@ from typing import Any
 
 import httpx
 
+from promptcache.bench.systems import free_port
+
 PROMPTCACHE = str(Path(sys.executable).parent / "promptcache")
 VOCAB = 1024  # the tiny models' vocabulary
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def token_prompt(n: int, seed: int = 0) -> list[int]:
