@@ -66,11 +66,12 @@ def test_spec_counts_in_the_log_line_stats_and_dashboard(
         assert dash == {"verifies": 3, "drafted": 8, "accepted": 8, "pool_drafted": 0,
                         "pool_accepted": 0, "pool_tokens": eng["spec_pool_tokens"],
                         "acceptance_rate": 1.0, "mean_accepted": round(8 / 3, 4),
-                        "tokens_per_forward": round(1 + 8 / 3, 4), "paused": 0,
+                        "tokens_per_forward": round(1 + 8 / 3, 4), "paused": 0, "guard_off": 0,
                         "grammar_cut": 0}
         metrics = client.get("/metrics").text
         assert "promptcache_engine_spec_accepted 8.0" in metrics.splitlines()
         assert "promptcache_engine_spec_drafted 8.0" in metrics.splitlines()
+        assert "promptcache_engine_spec_guard_off 0.0" in metrics.splitlines()
         assert eng["spec_pool_tokens"] > 0  # both replies joined the default tenant's pool
     finally:
         engine.close()

@@ -52,6 +52,7 @@ def verify_step(batch: DecodeBatch, spec: Speculator) -> bool:
         if not batch.rows:
             return True
     rows = batch.rows
+    spec.step_started()
     drafts: list[Sequence[int]] = [spec.propose(r) for r in rows]
     cut = spec.plan(rows, drafts, batch.cache, batch.model)
     if cut == 0:
@@ -165,6 +166,7 @@ def verify_step(batch: DecodeBatch, spec: Speculator) -> bool:
     batch._reported = [False] * len(rows)
     batch._lps = lps
     batch._logits = [None] * len(rows)
+    spec.step_done(len(rows), width, sum(kept))
     if stopped:
         batch._remove(set(stopped))
     return True

@@ -77,6 +77,9 @@ class EngineCounters:
     # rows whose drafts did not pay at the measured cost: they stopped drafting for a
     # while (speculate.PROBE_STEPS, doubling), then probed again
     spec_paused: int = 0
+    # batch sizes whose verify steps, timed whole, gave fewer tokens per second than
+    # their decode steps: speculation off for that size for a while (engine/spec_guard.py)
+    spec_guard_off: int = 0
     # draft tokens of constrained rows cut because the grammar would reject them (the
     # first rejected one and everything after it)
     spec_grammar_cut: int = 0

@@ -41,6 +41,8 @@ from typing import Any, Protocol
 import mlx.core as mx
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
+from .spec_guard import StepGuard
+
 logger = logging.getLogger(__name__)
 
 # a verify must be expected to beat decoding by this fraction
@@ -161,6 +163,17 @@ class OnlineCost:
         self._ratio: dict[int, _Ewma] = {}  # k bucket -> measured / fitted relative cost
         self.verify_samples = 0
         self.decode_samples = 0
+        # whole verify steps against plain decode steps, per batch size
+        self.guard = StepGuard(self.decode_seconds)
+
+    def allows(self, rows: int) -> bool:
+        """Whether a batch of ``rows`` rows may speculate this step (``StepGuard``)."""
+        return self.guard.allows(rows)
+
+    def observe_step(self, rows: int, width: int, tokens: int, seconds: float) -> None:
+        """A whole verify step (drafting to repaired caches) of ``rows`` x ``width``
+        gave ``tokens`` tokens in ``seconds`` (``StepGuard``)."""
+        self.guard.observe_step(rows, tokens, seconds)
 
     def decode_seconds(self, rows: int) -> float:
         """A plain decode step of ``rows`` rows: measured, else the nearest measured row

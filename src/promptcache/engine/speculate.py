@@ -131,6 +131,10 @@ class Speculator:
         # request id -> proposals in a row that found nothing; steps left without looking
         self._empty: dict[str, int] = {}
         self._skip: dict[str, int] = {}
+        # a verify step's start and the seconds spent seeding tenant pools (a read of
+        # the cache, not the step's own cost) by then (``step_started``)
+        self._seeding_s = 0.0
+        self._step: tuple[float, float] = (0.0, 0.0)
 
     def eligible(self, rows: Sequence[Request], cache: Sequence[Any], model: Any) -> bool:
         """A verify forward can serve these rows: at most ``max_rows``, caches whose
@@ -146,8 +150,12 @@ class Speculator:
         if kind == "state" and len(rows) > 1 and not mlx_compat.states_take_lengths(model) \
                 and not all(r.sampler.greedy and not r.processors for r in rows):
             return False
-        return all(constrained.speculates(r.processors) and r.ctx.logits_hook is None
-                   for r in rows)
+        if not all(constrained.speculates(r.processors) and r.ctx.logits_hook is None
+                   for r in rows):
+            return False
+        # never slower, measured: a batch size whose verify steps deliver fewer tokens
+        # per second than its decode steps decodes as without speculation for a while
+        return not isinstance(self.cost, OnlineCost) or self.cost.allows(len(rows))
 
     def waiting(self, rows: Sequence[Request]) -> bool:
         """Every row cools down or pauses this step: count the step for each and say
@@ -227,6 +235,7 @@ class Speculator:
         survive a restart and are shared between servers), at most the pool's budget."""
         if self.history is not None and tenant not in self._seeded:
             self._seeded.add(tenant)
+            t0 = self.clock()
             try:
                 seqs = self.history(tenant)
             except Exception:
@@ -235,6 +244,7 @@ class Speculator:
             for seq in seqs:
                 self.pools.add(tenant, seq)
             self.counters.spec_pool_seeded += sum(len(s) for s in seqs)
+            self._seeding_s += self.clock() - t0
         return self.pools.get(tenant)
 
     def feedback(self, r: Request, drafted: int, accepted: int) -> None:
@@ -314,6 +324,20 @@ class Speculator:
         """A verify forward of ``rows`` x ``width`` positions took ``seconds``."""
         if isinstance(self.cost, OnlineCost):
             self.cost.observe_verify(rows, width, seconds)
+
+    def step_started(self) -> None:
+        """A verify step begins (before its drafts): ``step_done`` times it whole."""
+        self._step = (self.clock(), self._seeding_s)
+
+    def step_done(self, rows: int, width: int, tokens: int) -> None:
+        """The verify step begun last gave ``tokens`` tokens over ``rows`` rows: its
+        wall time, less any pool seeding in it, goes to the guard (``StepGuard``)."""
+        if isinstance(self.cost, OnlineCost):
+            t0, seeding = self._step
+            before = self.cost.guard.turned_off
+            self.cost.observe_step(rows, width, tokens,
+                                   self.clock() - t0 - (self._seeding_s - seeding))
+            self.counters.spec_guard_off += self.cost.guard.turned_off - before
 
     def _acceptance(self, r: Request) -> Acceptance:
         acc = self._acc.get(r.request_id)

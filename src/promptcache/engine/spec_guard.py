@@ -1,0 +1,82 @@
+"""Never slower, measured: speculation's last word per batch size (``StepGuard``).
+
+The gate (``spec_cost.plan``) decides each step from a cost model and each row's
+acceptance; what it cannot see is everything a verify step costs beside its forward
+(drafting every row, the sync that ends the decode pipeline, accepting the drafted
+tokens, trimming or repairing the caches), which grows with the rows of the batch: on a
+2-core CPU at 8 rows a verify step can give more tokens per forward and still fewer per
+second than plain decoding. So the guard compares what the two paths deliver, per batch
+size (rows): the tokens per second of the last ``WINDOW`` verify steps of ``rows`` rows,
+each timed whole (``observe_step``: from before the drafts to after the caches are
+repaired), against ``rows`` tokens per plain decode step of ``rows`` rows (its pipelined
+wall time, ``OnlineCost.decode_seconds``). When verifying delivers less than
+``1 - SLACK`` of decoding, speculation is off for batches of that size for ``OFF_STEPS``
+decode steps (decode as without speculation, pipelined, no drafting), then it probes
+again; each failed probe doubles the pause, up to ``MAX_OFF_STEPS``; a window that pays
+resets it. Only with the measured cost (``--spec-verify-cost auto``): a fixed cost means
+the operator decided. Engine thread only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+# verify steps of one batch size judged together
+WINDOW = 4
+# verifying must deliver at least this share of decoding's tokens per second less this
+SLACK = 0.02
+OFF_STEPS = 32
+MAX_OFF_STEPS = 1024
+
+
+@dataclass
+class _Size:
+    tokens: int = 0
+    seconds: float = 0.0
+    steps: int = 0
+    off_left: int = 0
+    last_off: int = 0
+
+
+class StepGuard:
+    """Per batch size: speculation allowed or paused, from measured tokens per second
+    (module docstring). ``decode_seconds(rows)``: a plain decode step of ``rows`` rows."""
+
+    def __init__(self, decode_seconds: Callable[[int], float]) -> None:
+        self._decode_seconds = decode_seconds
+        self._sizes: dict[int, _Size] = {}
+        self.turned_off = 0
+
+    def allows(self, rows: int) -> bool:
+        """Whether a batch of ``rows`` rows may speculate this step (a paused size
+        counts the step)."""
+        s = self._sizes.get(rows)
+        if s is None or s.off_left <= 0:
+            return True
+        s.off_left -= 1
+        return False
+
+    def observe_step(self, rows: int, tokens: int, seconds: float) -> None:
+        """A verify step of ``rows`` rows gave ``tokens`` tokens in ``seconds``."""
+        if rows <= 0 or seconds <= 0:
+            return
+        s = self._sizes.setdefault(rows, _Size())
+        s.tokens += tokens
+        s.seconds += seconds
+        s.steps += 1
+        if s.steps < WINDOW:
+            return
+        verify_rate = s.tokens / s.seconds
+        decode_rate = rows / self._decode_seconds(rows)
+        s.tokens, s.seconds, s.steps = 0, 0.0, 0
+        if verify_rate >= (1.0 - SLACK) * decode_rate:
+            s.last_off = 0
+            return
+        s.last_off = min(MAX_OFF_STEPS, 2 * s.last_off) if s.last_off else OFF_STEPS
+        s.off_left = s.last_off
+        self.turned_off += 1
+
+    def paused(self) -> dict[int, int]:
+        """Batch sizes paused now -> the steps left."""
+        return {n: s.off_left for n, s in sorted(self._sizes.items()) if s.off_left > 0}
