@@ -12,11 +12,15 @@ whether the tokens equal those of the run without speculation.
 (a forward of 1 position): the fastest of ``--repeats`` each, the cache trimmed back
 after each; and the engine's fitted model (engine/spec_cost.py) beside it.
 
+``--verify-cost --rows 1,2,4,8``: the same for a batch: a verify forward of ``rows`` rows
+at k = 1, 2, 4, 8, 16 over a 1,000-token context per row, in decode steps of the same rows
+(and a decode step's own time), the fastest of ``--repeats``.
+
 After each run with speculation: the gate's verify cost in decode steps at k = 1, 2, 4, 8,
 16 (the startup fit corrected by the forwards timed during the runs so far).
 
 Usage: .venv/bin/python bench/bench_speculation.py [--max-tokens 160] [--model PATH]
-       [--spec-verify-cost auto|X|C1,C2,...] [--verify-cost [--repeats 5]]
+       [--spec-verify-cost auto|X|C1,C2,...] [--verify-cost [--repeats 5] [--rows 1,2,4,8]]
 (with OpenBLAS: LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0)
 """
 
@@ -53,8 +57,12 @@ def main() -> None:
     ap.add_argument("--spec-verify-cost", default="auto",
                     help="the gate's verify cost (as promptcache serve --spec-verify-cost)")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--rows", default=None, help="with --verify-cost: batch sizes, e.g. 1,2,4,8")
     args = ap.parse_args()
     path = args.model or ensure_default_model()
+    if args.verify_cost and args.rows:
+        verify_cost_rows(path, [int(n) for n in args.rows.split(",")], args.repeats)
+        return
     if args.verify_cost:
         verify_cost(path, args.repeats)
         return
@@ -121,6 +129,42 @@ def verify_cost(path: Any, repeats: int) -> None:
             t = min(once(k + 1) for _ in range(repeats))
             print(f"| {k} | {t * 1000:.1f} | {t / base:.2f} | {fitted.relative(1, k + 1):.2f} |",
                   flush=True)
+    finally:
+        eng.close()
+
+
+def verify_cost_rows(path: Any, rows_list: list[int], repeats: int, context: int = 1000) -> None:
+    import time
+
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    eng = Engine.load(path, EngineConfig(), CacheConfig(), cache=None)
+    try:
+        model, vocab = eng._ctx.model, eng._ctx.vocab_size
+        ks = (1, 2, 4, 8, 16)
+        print(f"context {context} tokens per row; fastest of {repeats}")
+        print("| rows | decode step ms | " + " | ".join(f"k={k}" for k in ks) + " |")
+        print("| --- | --- | " + " | ".join("---" for _ in ks) + " |")
+        for rows in rows_list:
+            cache = make_prompt_cache(model)
+            x = mx.array([[(i * 7 + r) % (vocab - 20) + 10 for i in range(context)]
+                          for r in range(rows)], dtype=mx.uint32)
+            mx.eval(model(x, cache=cache))
+
+            def once(width: int, x: Any = x, cache: Any = cache) -> float:
+                t0 = time.perf_counter()
+                mx.eval(model(x[:, :width], cache=cache))
+                dt = time.perf_counter() - t0
+                for c in cache:
+                    c.trim(width)
+                return dt
+
+            once(1)
+            once(3)
+            base = min(once(1) for _ in range(repeats))
+            cells = [f"{min(once(k + 1) for _ in range(repeats)) / base:.2f}" for k in ks]
+            print(f"| {rows} | {base * 1000:.0f} | " + " | ".join(cells) + " |", flush=True)
     finally:
         eng.close()
 

@@ -12,7 +12,15 @@ from conftest import make_engine
 
 from promptcache.engine.api import GenerationRequest, SamplingParams
 from promptcache.engine.spec_cost import FREE, OnlineCost
-from promptcache.engine.spec_guard import MAX_OFF_STEPS, OFF_STEPS, SLACK, WINDOW, StepGuard
+from promptcache.engine.spec_guard import (
+    GATED_OFF_STEPS,
+    MAX_GATED_OFF_STEPS,
+    MAX_OFF_STEPS,
+    OFF_STEPS,
+    SLACK,
+    WINDOW,
+    StepGuard,
+)
 
 
 def steps_off(guard: StepGuard, rows: int) -> int:
@@ -123,3 +131,24 @@ def test_the_engine_stops_speculating_when_whole_steps_lose(tiny_llama_path: Any
             assert c.decode_steps < 60 // 2
     finally:
         eng.close()
+
+
+def test_gated_steps_in_a_row_pause_the_size_and_a_verify_resets_it() -> None:
+    guard = StepGuard(lambda rows: 1.0)
+    guard.observe_gated(8)
+    assert guard.paused() == {}  # one gated step: nothing yet
+    guard.observe_gated(8)
+    assert guard.paused() == {8: GATED_OFF_STEPS} and guard.gated_off == 1
+    assert steps_off(guard, 8) == GATED_OFF_STEPS
+    want = 2 * GATED_OFF_STEPS
+    for _ in range(6):  # each probe gated twice again: the pause doubles, up to the cap
+        guard.observe_gated(8)
+        guard.observe_gated(8)
+        assert steps_off(guard, 8) == want
+        want = min(MAX_GATED_OFF_STEPS, 2 * want)
+    assert want == MAX_GATED_OFF_STEPS
+    guard.observe_step(8, 16, 1.0)  # a verify (that pays) resets the run and the pause
+    guard.observe_gated(8)
+    guard.observe_gated(8)
+    assert steps_off(guard, 8) == GATED_OFF_STEPS
+    assert guard.allows(4) and guard.turned_off == 0

@@ -175,6 +175,10 @@ class OnlineCost:
         gave ``tokens`` tokens in ``seconds`` (``StepGuard``)."""
         self.guard.observe_step(rows, tokens, seconds)
 
+    def observe_gated(self, rows: int) -> None:
+        """A step of ``rows`` rows had drafts the gate did not verify (``StepGuard``)."""
+        self.guard.observe_gated(rows)
+
     def decode_seconds(self, rows: int) -> float:
         """A plain decode step of ``rows`` rows: measured, else the nearest measured row
         count scaled by the fit, else the fit itself (seconds when measured at startup)."""

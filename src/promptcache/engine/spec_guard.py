@@ -13,7 +13,13 @@ wall time, ``OnlineCost.decode_seconds``). When verifying delivers less than
 ``1 - SLACK`` of decoding, speculation is off for batches of that size for ``OFF_STEPS``
 decode steps (decode as without speculation, pipelined, no drafting), then it probes
 again; each failed probe doubles the pause, up to ``MAX_OFF_STEPS``; a window that pays
-resets it. Only with the measured cost (``--spec-verify-cost auto``): a fixed cost means
+resets it.
+
+A step whose rows have drafts but whose verify the gate does not take (``spec_gated``)
+costs too: it reads the pending tokens (the sync that ends the pipeline) and drafts
+every row for nothing. ``GATED_RUN`` such steps in a row pause the size for
+``GATED_OFF_STEPS`` steps (doubling while the next probe is gated again, up to
+``MAX_GATED_OFF_STEPS``; a verify resets it). Only with the measured cost (``--spec-verify-cost auto``): a fixed cost means
 the operator decided. Engine thread only.
 """
 
@@ -28,6 +34,10 @@ WINDOW = 4
 SLACK = 0.02
 OFF_STEPS = 32
 MAX_OFF_STEPS = 1024
+# gated steps in a row that pause a batch size, and for how long
+GATED_RUN = 2
+GATED_OFF_STEPS = 4
+MAX_GATED_OFF_STEPS = 64
 
 
 @dataclass
@@ -37,6 +47,8 @@ class _Size:
     steps: int = 0
     off_left: int = 0
     last_off: int = 0
+    gated_run: int = 0
+    last_gated_off: int = 0
 
 
 class StepGuard:
@@ -47,6 +59,7 @@ class StepGuard:
         self._decode_seconds = decode_seconds
         self._sizes: dict[int, _Size] = {}
         self.turned_off = 0
+        self.gated_off = 0
 
     def allows(self, rows: int) -> bool:
         """Whether a batch of ``rows`` rows may speculate this step (a paused size
@@ -62,6 +75,7 @@ class StepGuard:
         if rows <= 0 or seconds <= 0:
             return
         s = self._sizes.setdefault(rows, _Size())
+        s.gated_run, s.last_gated_off = 0, 0
         s.tokens += tokens
         s.seconds += seconds
         s.steps += 1
@@ -76,6 +90,18 @@ class StepGuard:
         s.last_off = min(MAX_OFF_STEPS, 2 * s.last_off) if s.last_off else OFF_STEPS
         s.off_left = s.last_off
         self.turned_off += 1
+
+    def observe_gated(self, rows: int) -> None:
+        """A step of ``rows`` rows had drafts, and the gate decoded as usual."""
+        s = self._sizes.setdefault(rows, _Size())
+        s.gated_run += 1
+        if s.gated_run < GATED_RUN:
+            return
+        s.gated_run = 0
+        s.last_gated_off = min(MAX_GATED_OFF_STEPS, 2 * s.last_gated_off) \
+            if s.last_gated_off else GATED_OFF_STEPS
+        s.off_left = max(s.off_left, s.last_gated_off)
+        self.gated_off += 1
 
     def paused(self) -> dict[int, int]:
         """Batch sizes paused now -> the steps left."""

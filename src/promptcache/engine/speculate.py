@@ -290,7 +290,7 @@ class Speculator:
                 self._hold(r)
             self._probing.discard(r.request_id)
         if not any(lengths):
-            self.counters.spec_gated += 1
+            self._gated(len(rows))
             return 0
         cut = spec_cost.plan(rates, lengths, self.cost, state=state, uniform=uniform)
         if cut:
@@ -298,8 +298,15 @@ class Speculator:
                 if n == 0 and drafts[i]:
                     drafts[i] = ()
         if cut == 0:
-            self.counters.spec_gated += 1
+            self._gated(len(rows))
         return cut
+
+    def _gated(self, rows: int) -> None:
+        self.counters.spec_gated += 1
+        if isinstance(self.cost, OnlineCost):
+            before = self.cost.guard.gated_off
+            self.cost.observe_gated(rows)
+            self.counters.spec_guard_off += self.cost.guard.gated_off - before
 
     def _rate(self, r: Request) -> float:
         rate = self._acceptance(r).rate
