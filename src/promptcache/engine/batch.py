@@ -65,6 +65,35 @@ class DecodeBatch:
     def __len__(self) -> int:
         return len(self.rows)
 
+    @property
+    def pending(self) -> mx.array | None:
+        """Per row, the token it feeds next (None: no rows)."""
+        return self._inputs
+
+    def take_unreported(self, i: int) -> tuple[LogprobArrays | None, mx.array | None] | None:
+        """Row ``i``'s pending token is reported now (by the caller): its logprobs and
+        its logits (for the logits hook; None when not kept). None when it was reported
+        already (the first token of a row that just joined)."""
+        if self._reported[i]:
+            return None
+        self._reported[i] = True
+        return self._lps[i], self._logits[i]
+
+    def set_pending(self, tokens: mx.array, lps: list[LogprobArrays | None],
+                    logits: list[mx.array | None] | None = None) -> None:
+        """The tokens the rows feed next (sampled, not reported yet), their logprobs and
+        their logits (None: not kept)."""
+        n = len(self.rows)
+        self._inputs = tokens
+        self._reported = [False] * n
+        self._lps = lps
+        self._logits = logits if logits is not None else [None] * n
+
+    def clear_decode_timing(self) -> None:
+        """No plain forward is in flight (a verify step synced): the next plain step's
+        read times nothing (``_time_decode``)."""
+        self._synced = None
+
     def nbytes(self) -> int:
         return mlx_compat.batch_nbytes(self.cache) if self.rows else 0
 
@@ -109,7 +138,8 @@ class DecodeBatch:
             self._logits.append(None)
             self.non_truncatable = self.non_truncatable or not r.truncatable
 
-    def _remove(self, drop: set[int]) -> None:
+    def remove(self, drop: set[int]) -> None:
+        """Take rows ``drop`` (indexes) out of the batch and its caches."""
         for i in drop:
             spec = self.rows[i].ctx.speculator
             if spec is not None:
@@ -141,12 +171,12 @@ class DecodeBatch:
             # output[:-1] as always; array states (SSM) are stored where they are
             pos = r.n_prompt + len(r.output) - 1 if r.truncatable else r.pos
             r.finish("cancelled", mlx_compat.row_caches(self.cache, i), state_pos=pos)
-        self._remove(gone)
+        self.remove(gone)
 
     def fail_all(self, error: str) -> None:
         for r in self.rows:
             r.fail(error)
-        self._remove(set(range(len(self.rows))))
+        self.remove(set(range(len(self.rows))))
 
     # ------------------------------------------------------------------ the step
 
@@ -197,10 +227,7 @@ class DecodeBatch:
                               prev_logits[i])
             if reason is not None:
                 finished.append((i, reason))
-        self._inputs = sampled
-        self._reported = [False] * len(rows)
-        self._lps = lps
-        self._logits = [logits[i] for i in range(len(rows))] if hook else [None] * len(rows)
+        self.set_pending(sampled, lps, [logits[i] for i in range(len(rows))] if hook else None)
         self._after_step(finished, before)
 
     def _time_decode(self, spec: Speculator, rows: int) -> None:
@@ -226,7 +253,7 @@ class DecodeBatch:
                 # a sliding window drops old tokens: store output blocks while in it
                 r.store_decoded_block(mlx_compat.row_caches(self.cache, i))
         if done:
-            self._remove(done)
+            self.remove(done)
 
 
 def decode_alone(req: Request) -> None:

@@ -30,25 +30,26 @@ def verify_step(batch: DecodeBatch, spec: Speculator) -> bool:
     string or max_tokens inside an accepted draft ends the row there, its caches
     holding prompt + output[:-1], as without speculation. False: no verify is worth
     it, the caller decodes as usual (the pending tokens have been reported then)."""
-    if batch._inputs is None:  # step() checks it; a row without a pending token is a bug
+    inputs = batch.pending
+    if inputs is None:  # step() checks it; a row without a pending token is a bug
         raise InvariantError("a speculative step over rows without pending tokens")
-    pending = cast(list[int], batch._inputs.tolist())
+    pending = cast(list[int], inputs.tolist())
     # the pending tokens are reported before they are fed: a stop here saves the
     # state as it is (prompt + output[:-1])
     done: set[int] = set()
     for i, r in enumerate(batch.rows):
-        if batch._reported[i]:
+        unreported = batch.take_unreported(i)
+        if unreported is None:
             continue
-        batch._reported[i] = True
-        lp = batch._lps[i]
+        lp, row_logits = unreported
         reason = r.accept(pending[i], logprob_values(lp) if lp is not None else None,
-                          batch._logits[i])
+                          row_logits)
         if reason is not None:
             r.finish(reason, mlx_compat.row_caches(batch.cache, i), state_pos=r.pos)
             done.add(i)
     if done:
         pending = [p for i, p in enumerate(pending) if i not in done]
-        batch._remove(done)
+        batch.remove(done)
         if not batch.rows:
             return True
     rows = batch.rows
@@ -106,7 +107,7 @@ def verify_step(batch: DecodeBatch, spec: Speculator) -> bool:
         accepted.append(a)
         bonus.append(tok)
     spec.observe_verify(len(rows), width, spec.clock() - t0)
-    batch._synced = None  # the next plain step's read finds nothing in flight
+    batch.clear_decode_timing()  # the next plain step's read finds nothing in flight
     # array states that cannot take right-padded tokens (mlx_compat.states_take_lengths):
     # every row keeps as many positions as the shortest (greedy rows only: eligible)
     uniform = states is not None and len(rows) > 1 \
@@ -162,14 +163,12 @@ def verify_step(batch: DecodeBatch, spec: Speculator) -> bool:
             # a sliding window drops old tokens: store output blocks while in it
             r.store_decoded_block(mlx_compat.row_caches(batch.cache, i))
     # the model's own token after each accepted draft: fed and reported next step
-    batch._inputs = mx.array(bonus, dtype=mx.uint32)
-    batch._reported = [False] * len(rows)
-    batch._lps = lps
-    batch._logits = [None] * len(rows)
+    batch.set_pending(mx.array(bonus, dtype=mx.uint32), lps)
     spec.step_done(len(rows), width, sum(kept))
     if stopped:
-        batch._remove(set(stopped))
+        batch.remove(set(stopped))
     return True
+
 
 def repair(batch: DecodeBatch, x: mx.array, states: list[list[Any]] | None,
            kept: Sequence[int]) -> None:

@@ -1,37 +1,65 @@
-"""The Engine's cache-facing port methods: lookups, protections, packs, cache stats."""
+"""The Engine's cache-facing port methods: lookups, protections, packs, cache stats;
+the namespaces of its model (``Namespaces``)."""
 
 from __future__ import annotations
 
 import io
 import logging
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from .. import packfile, packs
 from ..cache import PromptCache
-from ..meta import ExtraKeySpan, Namespace
+from ..meta import DEFAULT_TENANT, ExtraKeySpan, Namespace, validate_tenant
+from .calls import EngineCalls
 from .payload import ram_census
 from .port import CachePrediction, CacheProbe, TunableCacheAPI
-
-if TYPE_CHECKING:
-    from .calls import EngineCalls
-    from .vision import VisionEncoder
+from .quant import KVQuant
 
 logger = logging.getLogger(__name__)
 
 
+class Namespaces:
+    """The cache namespace of each tenant under one model (fingerprint, block size,
+    KV format), built once per tenant."""
+
+    def __init__(self, fingerprint: str, block_size: int, kv_spec: str) -> None:
+        self._fingerprint = fingerprint
+        self._block_size = block_size
+        self._kv_spec = kv_spec
+        self._namespaces: dict[str, Namespace] = {}
+
+    def __call__(self, tenant: str = DEFAULT_TENANT) -> Namespace:
+        ns = self._namespaces.get(tenant)
+        if ns is None:
+            validate_tenant(tenant)
+            ns = Namespace(self._fingerprint, self._block_size, self._kv_spec, tenant)
+            self._namespaces[tenant] = ns
+        return ns
+
+
 class CachePort:
-    """A mixin of ``Engine``: the ``EngineAPI`` methods on its prompt cache. The lookups
-    and changes for a request run on the engine thread (``calls.degrade``: None / 0
-    when they fail or time out); packs and stats are thread-safe calls on the cache."""
+    """The ``EngineAPI`` methods on the engine's prompt cache (``cache``; None without
+    one). The lookups and changes for a request run on the engine thread (``calls``,
+    ``EngineCalls.degrade``: None / 0 when they fail or time out); packs and stats are
+    thread-safe calls on the cache. ``namespace``: a tenant's namespace under the
+    model; ``kv_quant``: how stored blocks are quantized (None: full precision)."""
 
-    cache: PromptCache | None
-    kv_quant: Any
-    vision_encoder: VisionEncoder | None
-    calls: EngineCalls
+    def __init__(self, cache: PromptCache | None, calls: EngineCalls,
+                 namespace: Callable[[str], Namespace], kv_quant: KVQuant | None) -> None:
+        self.cache = cache
+        self.calls = calls
+        self.namespace = namespace
+        self.kv_quant = kv_quant
 
-    if TYPE_CHECKING:
-        def namespace(self, tenant: str = ...) -> Namespace: ...
+    def token_history(self, tenant: str, max_tokens: int) -> list[tuple[int, ...]]:
+        """The token ids the cache stores for ``tenant`` under this model, at most
+        ``max_tokens`` (the draft pool's seed; engine thread)."""
+        if self.cache is None:
+            return []
+        seqs: list[tuple[int, ...]] = self.cache.token_history(self.namespace(tenant),
+                                                               max_tokens)
+        return seqs
 
     def kv_stats(self) -> dict[str, Any] | None:
         """What the RAM tier holds per cached token: arrays (one per block), bytes, the
@@ -152,10 +180,6 @@ class CachePort:
         if hasattr(cache, "levels_snapshot"):  # protections and active sessions
             data["levels"] = cache.levels_snapshot()
         return data
-
-    def vision_stats(self) -> dict[str, Any] | None:
-        """The vision-embedding cache's line; None for a text-only model."""
-        return self.vision_encoder.stats() if self.vision_encoder is not None else None
 
     def tier_health(self) -> dict[str, Any]:
         """``{tier name: tier.health()}`` for the lower tiers that report it (the SSD

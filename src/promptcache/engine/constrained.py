@@ -23,6 +23,8 @@ has its own processor, applied to its own row of the batch's logits only.
 
 - ``validate(constraint)``: the grammar alone, without a tokenizer (cheap); raises
   ``RequestError`` (a ValueError: a 400) with llguidance's reason.
+- ``compiles_for(tokenizer)``: whether ``prepare`` can build a bridge for it (an mlx-lm
+  ``TokenizerWrapper`` around a fast Hugging Face tokenizer).
 - ``prepare(constraint, tokenizer, vocab_size)``: build the tokenizer bridge and the
   compiled matcher (the prefix consumed) and keep them in a small LRU, raising
   ``RequestError`` for an invalid grammar or a prefix it rejects. The server calls it
@@ -55,6 +57,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..errors import RequestError
+from . import mlx_compat
 from .api import Constraint
 
 logger = logging.getLogger(__name__)
@@ -135,9 +138,10 @@ def _bridge(tokenizer: Any, vocab_size: int) -> _Bridge:
         per = _bridges.get(tokenizer)
         if per is not None and vocab_size in per:
             return per[vocab_size]
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None:
+    fast = mlx_compat.fast_tokenizer(tokenizer)
+    if fast is None:
         raise RequestError("constrained decoding needs a fast (tokenizer.json) tokenizer")
+    backend = fast.backend_tokenizer
     eos = _eos_ids(tokenizer)
     if not eos:
         raise RequestError("constrained decoding needs the model's EOS token")
@@ -145,6 +149,12 @@ def _bridge(tokenizer: Any, vocab_size: int) -> _Bridge:
     bridge = _Bridge(_llg().LLTokenizer(backend.to_str(), n_vocab=size, eos_token=eos))
     with _lock:
         return _bridges.setdefault(tokenizer, {}).setdefault(vocab_size, bridge)
+
+
+def compiles_for(tokenizer: object) -> bool:
+    """Whether a constraint can be compiled for ``tokenizer`` (``prepare``): an mlx-lm
+    ``TokenizerWrapper`` around a fast Hugging Face tokenizer (``mlx_compat``)."""
+    return mlx_compat.fast_tokenizer(tokenizer) is not None
 
 
 def ll_tokenizer(tokenizer: Any, vocab_size: int) -> Any:

@@ -16,45 +16,49 @@ The Engine implements the server's port (``port.EngineAPI``). ``call(fn)`` runs 
 function on the engine thread between two steps (or while it gathers a burst) and
 waits for it, bounded (``calls.py``); the cache operations the server asks for a
 request (``cache_port.py``) are such calls and degrade (None / 0, counted in
-``engine_stats``) instead of failing the request. Request intake is ``submission.py``,
-the chat-template surface ``prompting.py``, the KV sizing probe ``kv_size.py``.
+``engine_stats``) instead of failing the request. Its parts are plain objects it
+builds and holds, each given only what it needs: request intake ``submission``
+(``submission.py``), the chat-template surface ``prompting`` (``prompting.py``), the
+cache operations ``cache_port`` and the tenants' ``namespaces`` (``cache_port.py``); the
+port's methods are short delegates to them. The KV sizing probe is ``kv_size.py``.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
+from .. import packfile
 from ..cache import PromptCache
 from ..config import CacheConfig
-from ..meta import DEFAULT_TENANT, Namespace, validate_tenant
+from ..meta import DEFAULT_TENANT, ExtraKeySpan, Namespace
 from ..serving_config import EngineConfig
 from . import adapters
 from .admission import Admission
+from .api import GenerationRequest, GenerationResult, VisionInfo
 from .arrivals import Arrivals
-from .cache_port import CachePort
+from .cache_port import CachePort, Namespaces
 from .calls import EngineCalls
+from .chat_format import ChatFormat, chat_format_of
 from .context import EngineContext, EngineCounters, LogitsHook
+from .handles import RequestHandle
 from .kv_size import kv_row_bytes, probe_caches
-from .port import (
-    ENGINE_CALL_TIMEOUT_S,
-    EngineAPI,
-)
+from .loop import EngineLoop, stop_thread
+from .port import ENGINE_CALL_TIMEOUT_S, CachePrediction, CacheProbe, EngineAPI, TunableCacheAPI
 from .prompting import Prompting
 from .quant import from_config as _kv_quant_of
 from .scheduler import Scheduler
 from .shadow import ShadowVerifier
-from .spec_cost import CostModel, cost_from_config
-from .speculate import Speculator
-from .submission import Submission
+from .spec_cost import cost_from_config
+from .speculate import Speculator, spec_stats
+from .submission import Submission, preempt
 from .templates import ChatTemplate
 from .vision import VisionEncoder
 from .vision_cache import VisionCache
@@ -63,13 +67,11 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-
-
 # mlx's buffer cache is limited to 1 / CACHE_LIMIT_SHARE of the KV budget
 CACHE_LIMIT_SHARE = 8
 
 
-class Engine(Submission, Prompting, CachePort):
+class Engine:
     """Cache-aware, batched generation on one mlx-lm model."""
 
     def __init__(
@@ -122,15 +124,26 @@ class Engine(Submission, Prompting, CachePort):
         self.templates = ChatTemplate(tokenizer, token_limit=context_length)
         eos = getattr(tokenizer, "eos_token_ids", None) or []
         self.counters = EngineCounters()
+        self.namespaces = Namespaces(fingerprint, bs, self.kv_spec)
+        self._closed = False
+        self._dead: str | None = None
+        self._control = Arrivals()
+        self._thread = threading.Thread(target=self._run, name="promptcache-engine", daemon=True)
+        # calls to run on the engine thread (``call``) and how they went
+        self.calls = EngineCalls(self._thread, self._control.wake, self._refusal)
+        self.cache_port = CachePort(cache, self.calls, self.namespaces, self.kv_quant)
+        port = self.cache_port
         self._ctx = EngineContext(
             model=model, tokenizer=tokenizer, config=cfg, context_length=context_length,
             vocab_size=vocab_size, eos_token_ids=frozenset(int(t) for t in eos), cache=cache,
-            namespace_for=self.namespace if cache is not None else None, block_size=bs,
+            namespace_for=self.namespaces if cache is not None else None, block_size=bs,
             counters=self.counters, logits_hook=logits_hook, vision=vision,
             kv_quant=self.kv_quant,
-            speculator=Speculator(cfg, self.counters, history=self._token_history
+            speculator=Speculator(cfg, self.counters,
+                                  history=(lambda t: port.token_history(t, cfg.spec_pool_tokens))
                                   if cache is not None else None,
-                                  cost=_verify_cost(cfg, model, vocab_size))
+                                  cost=cost_from_config(cfg.spec_verify_cost, model,
+                                                        vocab_size))
             if cfg.speculation == "suffix" else None,
         )
         probed = probe_caches(model)
@@ -143,8 +156,11 @@ class Engine(Submission, Prompting, CachePort):
         self.row_bytes = kv_row_bytes(model, probed)
         self.admission = Admission(cfg.max_active_requests, cfg.max_queued_requests,
                                    cfg.active_kv_budget_bytes, self.row_bytes,
-                                   on_preempt=self._preempt)
-        self.scheduler = Scheduler(self._ctx, self.admission, self._make_request)
+                                   on_preempt=preempt)
+        self.submission = Submission(self._ctx, self.admission, self._control,
+                                     failure=lambda: self._dead, closed=lambda: self._closed)
+        self.prompting = Prompting(self.templates, self.submission.submit)
+        self.scheduler = Scheduler(self._ctx, self.admission, self.submission.make_request)
         if cfg.active_kv_budget_bytes is not None:
             # mlx keeps freed buffers for reuse (its buffer cache; unbounded by default
             # on Metal): at most an eighth of the KV budget (the smallest over engines)
@@ -164,17 +180,12 @@ class Engine(Submission, Prompting, CachePort):
                                          chunk_tokens=cfg.prefill_chunk_tokens,
                                          busy=lambda: not self.scheduler.idle)
             cache.observers.append(self.shadow)
-        self._namespaces: dict[str, Namespace] = {}
-        self._ids = itertools.count(1)
-        self._closed = False
-        self._dead: str | None = None
-        self._control = Arrivals()
-        self._thread = threading.Thread(target=self._run, name="promptcache-engine", daemon=True)
-        # calls to run on the engine thread (``call``) and how they went
-        self.calls = EngineCalls(self._thread, self._control.wake, self._refusal)
+        self.loop = EngineLoop(cfg, self.scheduler, self.admission, self.calls, self._control,
+                               self.shadow, fail_pending=self.submission.fail_pending,
+                               died=self._died)
         self._thread.start()
         # stop the engine thread at interpreter exit even if close() was never called
-        self._finalizer = weakref.finalize(self, _stop_thread, self._control, self._thread)
+        self._finalizer = weakref.finalize(self, stop_thread, self._control, self._thread)
 
     # ------------------------------------------------------------------ construction
 
@@ -210,14 +221,102 @@ class Engine(Submission, Prompting, CachePort):
             logits_hook=logits_hook, vision=vision,
         )
 
-    def namespace(self, tenant: str = DEFAULT_TENANT) -> Namespace:
-        ns = self._namespaces.get(tenant)
-        if ns is None:
-            validate_tenant(tenant)
-            ns = Namespace(self.fingerprint, self.cache_config.block_size, self.kv_spec, tenant)
-            self._namespaces[tenant] = ns
-        return ns
+    # ------------------------------------------------------------------ the port's delegates
 
+    def namespace(self, tenant: str = DEFAULT_TENANT) -> Namespace:
+        return self.namespaces(tenant)
+
+    @property
+    def chat_format(self) -> ChatFormat:
+        """Reasoning markers and the template's thinking switch (engine/chat_format.py)."""
+        return chat_format_of(self.tokenizer)
+
+    @property
+    def vision(self) -> VisionInfo | None:
+        """Image token, placeholder tokens per image and preprocessing settings of a
+        vision-language model; None for a text-only model (images are a 400)."""
+        return self.vision_encoder.info if self.vision_encoder is not None else None
+
+    def render_chat(self, messages: Sequence[Mapping[str, Any]], tools: Any = None,
+                    add_generation_prompt: bool = True, *,
+                    continue_final_message: bool = False,
+                    template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
+        return self.prompting.render_chat(messages, tools, add_generation_prompt,
+                                          continue_final_message=continue_final_message,
+                                          template_kwargs=template_kwargs)
+
+    def render_chat_with_offsets(
+        self, messages: Sequence[Mapping[str, Any]], tools: Any = None,
+        add_generation_prompt: bool = True, *, continue_final_message: bool = False,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> tuple[list[int], tuple[int, ...]]:
+        return self.prompting.render_chat_with_offsets(
+            messages, tools, add_generation_prompt,
+            continue_final_message=continue_final_message, template_kwargs=template_kwargs)
+
+    def encode_prompt(self, text: str) -> list[int]:
+        return self.prompting.encode_prompt(text)
+
+    def generate(self, prompt: Sequence[int] | Sequence[Mapping[str, Any]], *,
+                 tenant: str = DEFAULT_TENANT, session_id: str | None = None,
+                 use_cache: bool = True, tools: Any = None, **sampling: Any
+                 ) -> GenerationResult:
+        """Synchronous helper: token ids or chat messages in, the final result out."""
+        return self.prompting.generate(prompt, tenant=tenant, session_id=session_id,
+                                       use_cache=use_cache, tools=tools, **sampling)
+
+    def submit(self, request: GenerationRequest) -> RequestHandle:
+        return self.submission.submit(request)
+
+    def announce(self) -> Callable[[], None]:
+        return self.submission.announce()
+
+    @property
+    def tunable_cache(self) -> TunableCacheAPI | None:
+        return self.cache_port.tunable_cache
+
+    def predict_cached(self, tokens: Sequence[int], tenant: str,
+                       extra_keys: Sequence[ExtraKeySpan] = ()) -> CachePrediction | None:
+        return self.cache_port.predict_cached(tokens, tenant, extra_keys)
+
+    def probe_cache(self, tokens: Sequence[int], tenant: str,
+                    extra_keys: Sequence[ExtraKeySpan] = (),
+                    context_tokens: int = 0) -> CacheProbe | None:
+        return self.cache_port.probe_cache(tokens, tenant, extra_keys, context_tokens)
+
+    def protect(self, tokens: Sequence[int], tenant: str, num_tokens: int, ttl_s: float, *,
+                key: str | None = None, persist: bool = True, pin_s: float | None = None,
+                extra_keys: Sequence[ExtraKeySpan] = ()) -> int:
+        return self.cache_port.protect(tokens, tenant, num_tokens, ttl_s, key=key,
+                                       persist=persist, pin_s=pin_s, extra_keys=extra_keys)
+
+    def mark_active(self, tokens: Sequence[int], tenant: str, session: str, *,
+                    extra_keys: Sequence[ExtraKeySpan] = ()) -> int:
+        return self.cache_port.mark_active(tokens, tenant, session, extra_keys=extra_keys)
+
+    def export_pack(self, tenant: str, selection: dict[str, Any], *,
+                    tokens: Sequence[int] | None = None,
+                    session_id: str | None = None) -> tuple[bytes, dict[str, Any]]:
+        return self.cache_port.export_pack(tenant, selection, tokens=tokens,
+                                           session_id=session_id)
+
+    def import_pack(self, pack: packfile.Pack) -> packfile.ImportReport:
+        return self.cache_port.import_pack(pack)
+
+    def kv_stats(self) -> dict[str, Any] | None:
+        return self.cache_port.kv_stats()
+
+    def cache_stats(self) -> dict[str, Any] | None:
+        return self.cache_port.cache_stats()
+
+    def vision_stats(self) -> dict[str, Any] | None:
+        """The vision-embedding cache's line; None for a text-only model."""
+        return self.vision_encoder.stats() if self.vision_encoder is not None else None
+
+    def tier_health(self) -> dict[str, Any]:
+        return self.cache_port.tier_health()
+
+    # ------------------------------------------------------------------ the engine's own
 
     @property
     def alive(self) -> bool:
@@ -234,38 +333,12 @@ class Engine(Submission, Prompting, CachePort):
         return {**self.counters.to_dict(), **self.admission.snapshot(),
                 "alive": self.alive, "batch_size": len(self.scheduler.batch),
                 **self.calls.stats,
-                **self._spec_stats(),
+                **spec_stats(self._ctx.speculator, self.counters),
                 # mlx's own accounting: arrays alive (KV, RAM-tier blocks, weights), its
                 # buffer cache (freed buffers it keeps for reuse) and the peak
                 "mlx_active_bytes": int(mx.get_active_memory()),
                 "mlx_cache_bytes": int(mx.get_cache_memory()),
                 "mlx_peak_bytes": int(mx.get_peak_memory())}
-
-    def _token_history(self, tenant: str) -> list[tuple[int, ...]]:
-        """The token ids the cache stores for ``tenant`` under this model (the draft
-        pool's seed; engine thread)."""
-        if self.cache is None:
-            return []
-        seqs: list[tuple[int, ...]] = self.cache.token_history(
-            self.namespace(tenant), self.engine_config.spec_pool_tokens)
-        return seqs
-
-    def _spec_stats(self) -> dict[str, Any]:
-        """The draft pool's size and what the speculation counters mean: acceptance rate
-        (accepted / drafted), mean accepted length (accepted / verify forwards) and tokens
-        per verify forward (1 + that: the model's own token after each draft)."""
-        spec = self._ctx.speculator
-        c = self.counters
-        v, d, a = c.spec_verifies, c.spec_drafted, c.spec_accepted
-        relative = ({f"k{k}": round(spec.cost.relative(1, k + 1), 3) for k in (1, 2, 4, 8, 16)}
-                    if spec is not None else {})
-        return {"spec_pool_tokens": spec.pool_tokens() if spec is not None else 0,
-                # one stream's verify forward of k drafts, in decode steps
-                "spec_verify_cost": relative,
-                "spec_pool_ngrams": spec.pools.num_ngrams() if spec is not None else 0,
-                "spec_acceptance_rate": round(a / d, 4) if d else None,
-                "spec_mean_accepted": round(a / v, 4) if v else None,
-                "spec_tokens_per_forward": round(1 + a / v, 4) if v else None}
 
     def stats(self) -> dict[str, Any]:
         out: dict[str, Any] = {"engine": self.engine_stats()}
@@ -314,69 +387,11 @@ class Engine(Submission, Prompting, CachePort):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # ------------------------------------------------------------------ the engine thread
-
     def _run(self) -> None:
-        try:
-            self._loop()
-        except BaseException as e:  # the engine thread must never die silently
-            self._dead = f"{type(e).__name__}: {e}"
-            logger.critical("the engine thread died: %s", self._dead, exc_info=True)
-            error = f"the engine thread died: {self._dead}"
-            try:
-                self.scheduler.fail_all(error)
-            finally:
-                self._fail_pending(error)
-        finally:
-            self.calls.fail(f"the engine thread died: {self._dead}" if self._dead
-                             else "the engine was closed")
-            # mlx keeps per-thread streams; destroy them before the thread ends, or the
-            # process may abort at exit ("terminate called without an active exception")
-            mx.synchronize()
-            mx.clear_streams()
+        self.loop.run()  # the engine thread (``loop.py``)
 
-    def _loop(self) -> None:
-        sched = self.scheduler
-        while True:
-            if self._control.stopping:
-                sched.fail_all("the engine was closed", reason="cancelled")
-                self._fail_pending(None)
-                return
-            if self.calls.pending:
-                self.calls.run()
-            if not sched.step():
-                # idle: one chunk of shadow verification, then look for requests again
-                # (a request that arrives waits at most that chunk)
-                shadow = self.shadow
-                if shadow is not None and shadow.pending and shadow.step():
-                    continue
-                self._control.wake.wait()
-                self._control.wake.clear()
-                if self.calls.pending:
-                    self.calls.run()
-                    if not self.admission.has_ready:  # woken by a call, not an arrival
-                        continue
-                self._gather_burst()
-
-    def _gather_burst(self) -> None:
-        """Woken from idle by an arrival: wait for the rest of a burst (``arrivals.py``:
-        arrivals within ``batch_window_s`` of each other, and requests the server has
-        announced and is still preparing, at most ``burst_gather_max_s``), so that
-        requests sent together prefill as one batch instead of the first one alone and
-        the rest after it."""
-        cfg = self.engine_config
-        self._control.gather(cfg.batch_window_s, cfg.burst_gather_max_s, self.calls.run)
-
-def _stop_thread(control: Arrivals, thread: threading.Thread) -> None:
-    control.stopping = True
-    control.wake.set()
-    if thread.is_alive() and thread is not threading.current_thread():
-        thread.join(timeout=60)
-
-
-def _verify_cost(cfg: EngineConfig, model: Any, vocab_size: int) -> CostModel:
-    """The verify forward's cost for speculation's gate (``spec_cost.cost_from_config``)."""
-    return cost_from_config(cfg.spec_verify_cost, model, vocab_size)
+    def _died(self, reason: str) -> None:
+        self._dead = reason
 
 
 if TYPE_CHECKING:

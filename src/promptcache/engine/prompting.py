@@ -2,43 +2,28 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..errors import RequestError
 from ..meta import DEFAULT_TENANT
-from .api import GenerationRequest, GenerationResult, SamplingParams, VisionInfo
-from .chat_format import ChatFormat, chat_format_of
+from .api import GenerationRequest, GenerationResult, SamplingParams
 from .templates import ChatTemplate
 
 if TYPE_CHECKING:
     from .handles import RequestHandle
-    from .vision import VisionEncoder
 
 _SAMPLING_FIELDS = frozenset(SamplingParams.__dataclass_fields__)
 
 
 class Prompting:
-    """A mixin of ``Engine``: prompts from chats or text (thread-safe) and ``generate``."""
+    """Prompts from chats or text through the chat template (thread-safe) and
+    ``generate`` (through ``submit``)."""
 
-    tokenizer: Any
-    templates: ChatTemplate
-    vision_encoder: VisionEncoder | None
-
-    if TYPE_CHECKING:
-        def submit(self, request: GenerationRequest) -> RequestHandle: ...
-
-
-    @property
-    def vision(self) -> VisionInfo | None:
-        """Image token, placeholder tokens per image and preprocessing settings of a
-        vision-language model; None for a text-only model (images are a 400)."""
-        return self.vision_encoder.info if self.vision_encoder is not None else None
-
-    @property
-    def chat_format(self) -> ChatFormat:
-        """Reasoning markers and the template's thinking switch (engine/chat_format.py)."""
-        return chat_format_of(self.tokenizer)
+    def __init__(self, templates: ChatTemplate,
+                 submit: Callable[[GenerationRequest], RequestHandle]) -> None:
+        self._templates = templates
+        self._submit = submit
 
     def render_chat(
         self, messages: Sequence[Mapping[str, Any]], tools: Any = None,
@@ -46,14 +31,14 @@ class Prompting:
         template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[int]:
         """Prompt token ids of a chat (see ``templates.ChatTemplate.render``); thread-safe."""
-        return self.templates.render(messages, tools, add_generation_prompt,
-                                     continue_final_message=continue_final_message,
-                                     template_kwargs=template_kwargs)
+        return self._templates.render(messages, tools, add_generation_prompt,
+                                      continue_final_message=continue_final_message,
+                                      template_kwargs=template_kwargs)
 
     def encode_prompt(self, text: str) -> list[int]:
         """Token ids of a plain-text prompt (``/v1/completions``); a text that surely
         exceeds the context is refused after a bounded tokenization; thread-safe."""
-        return self.templates.encode(text)
+        return self._templates.encode(text)
 
     def render_chat_with_offsets(
         self, messages: Sequence[Mapping[str, Any]], tools: Any = None,
@@ -61,7 +46,7 @@ class Prompting:
         template_kwargs: Mapping[str, Any] | None = None,
     ) -> tuple[list[int], tuple[int, ...]]:
         """``(tokens, message_starts)`` in one render + tokenization; thread-safe."""
-        return self.templates.render_with_offsets(
+        return self._templates.render_with_offsets(
             messages, tools, add_generation_prompt,
             continue_final_message=continue_final_message, template_kwargs=template_kwargs)
 
@@ -94,4 +79,4 @@ class Prompting:
             prompt_tokens=tuple(tokens), sampling=SamplingParams(**sampling), tenant=tenant,
             session_id=session_id, use_cache=use_cache, message_starts=starts,
         )
-        return self.submit(req).result()
+        return self._submit(req).result()

@@ -374,3 +374,20 @@ class Speculator:
         self._probing.discard(r.request_id)
         self._empty.pop(r.request_id, None)
         self._skip.pop(r.request_id, None)
+
+
+def spec_stats(spec: Speculator | None, c: EngineCounters) -> dict[str, Any]:
+    """The draft pool's size and what the speculation counters mean (``engine_stats``):
+    acceptance rate (accepted / drafted), mean accepted length (accepted / verify
+    forwards) and tokens per verify forward (1 + that: the model's own token after
+    each draft)."""
+    v, d, a = c.spec_verifies, c.spec_drafted, c.spec_accepted
+    relative = ({f"k{k}": round(spec.cost.relative(1, k + 1), 3) for k in (1, 2, 4, 8, 16)}
+                if spec is not None else {})
+    return {"spec_pool_tokens": spec.pool_tokens() if spec is not None else 0,
+            # one stream's verify forward of k drafts, in decode steps
+            "spec_verify_cost": relative,
+            "spec_pool_ngrams": spec.pools.num_ngrams() if spec is not None else 0,
+            "spec_acceptance_rate": round(a / d, 4) if d else None,
+            "spec_mean_accepted": round(a / v, 4) if v else None,
+            "spec_tokens_per_forward": round(1 + a / v, 4) if v else None}

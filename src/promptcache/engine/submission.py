@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import time
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable
 
 import numpy as np
 
@@ -15,7 +15,7 @@ from . import constrained
 from .admission import Admission, Ticket
 from .api import GenerationRequest, GenerationResult, Usage
 from .arrivals import Arrivals
-from .context import EngineContext, EngineCounters, Processor, validate_request
+from .context import EngineContext, Processor, validate_request
 from .handles import RequestHandle
 from .request import Request
 
@@ -34,31 +34,34 @@ class _Pending:
 
 
 class Submission:
-    """A mixin of ``Engine``: ``submit`` (any thread) and the tickets' life until the
-    engine thread starts the request (``_make_request``) or answers it unstarted."""
+    """``submit`` (any thread) and the tickets' life until the engine thread starts the
+    request (``make_request``, the scheduler's) or answers it unstarted
+    (``fail_pending``). ``failure`` is the engine thread's death (None while it lives),
+    ``closed`` whether the engine was closed."""
 
-    tokenizer: Any
-    vocab_size: int
-    admission: Admission
-    counters: EngineCounters
-    _ctx: EngineContext
-    _control: Arrivals
-    _ids: Iterator[int]
-    _dead: str | None
-    _closed: bool
+    def __init__(self, ctx: EngineContext, admission: Admission, control: Arrivals, *,
+                 failure: Callable[[], str | None], closed: Callable[[], bool]) -> None:
+        self._ctx = ctx
+        self._admission = admission
+        self._control = control
+        self._failure = failure
+        self._closed = closed
+        self._ids = itertools.count(1)
 
     def submit(self, request: GenerationRequest) -> RequestHandle:
         """Validate and admit (or queue); returns at once. Raises ``RequestError`` (a
         ValueError), ``OverloadedError`` or ``EngineDeadError``."""
-        if self._dead is not None:
-            raise EngineDeadError(f"the engine thread died: {self._dead}")
-        if self._closed:
+        dead = self._failure()
+        if dead is not None:
+            raise EngineDeadError(f"the engine thread died: {dead}")
+        if self._closed():
             raise RuntimeError("the engine is closed")
-        tokens = validate_request(request, self._ctx)
+        ctx = self._ctx
+        tokens = validate_request(request, ctx)
         processors: list[Processor] = []
         if request.constraint is not None:
             processors.append(constrained.logits_processor(
-                request.constraint, self.tokenizer, self.vocab_size))
+                request.constraint, ctx.tokenizer, ctx.vocab_size))
         if not request.request_id:
             request = dataclasses.replace(request, request_id=f"req-{next(self._ids)}")
         handle = RequestHandle(request, on_cancel=self._on_cancel)
@@ -66,9 +69,10 @@ class Submission:
         length = int(tokens.shape[0]) + (0 if request.prefill_only else request.sampling.max_tokens)
         ticket = Ticket(pending, length, background=request.priority == "background")
         handle._ticket = ticket  # type: ignore[attr-defined]
-        self.admission.submit(ticket)
-        if self._dead is not None:  # died while we were admitting: nobody will take it
-            self._fail_pending(f"the engine thread died: {self._dead}")
+        self._admission.submit(ticket)
+        dead = self._failure()
+        if dead is not None:  # died while we were admitting: nobody will take it
+            self.fail_pending(f"the engine thread died: {dead}")
         self._control.wake.set()
         return handle
 
@@ -81,24 +85,18 @@ class Submission:
 
     def _on_cancel(self, handle: RequestHandle) -> None:
         ticket: Ticket | None = getattr(handle, "_ticket", None)
-        if ticket is not None and self.admission.cancel(ticket):
-            self.counters.cancelled += 1
+        if ticket is not None and self._admission.cancel(ticket):
+            self._ctx.counters.cancelled += 1
             handle._emit(_empty_result(handle.request, "cancelled", queue_s=0.0))
         self._control.wake.set()
 
-    def _preempt(self, ticket: Ticket) -> None:
-        """A background request gives its slot back to a waiting interactive one: it is
-        cancelled (its saved blocks stay); the slot frees when the scheduler drops it."""
-        p: _Pending = ticket.item
-        logger.debug("background request %s preempted by a waiting interactive request",
-                     p.request.request_id)
-        p.handle.cancel()
-
-    def _make_request(self, ticket: Ticket) -> Request | None:
+    def make_request(self, ticket: Ticket) -> Request | None:
+        """The request of an admitted ticket, started (engine thread); None when it was
+        cancelled while it waited or could not start (answered here)."""
         p: _Pending = ticket.item
         if p.handle.cancel_requested:
             p.handle._emit(_empty_result(p.request, "cancelled", ticket.queue_s))
-            self.counters.cancelled += 1
+            self._ctx.counters.cancelled += 1
             return None
         try:
             return Request(self._ctx, p.request, p.tokens, p.handle._emit,
@@ -107,17 +105,27 @@ class Submission:
                            t_submit=p.t_submit)
         except Exception as e:  # one request that cannot start fails alone
             logger.exception("request %s could not start", p.request.request_id)
-            self.counters.errors += 1
+            self._ctx.counters.errors += 1
             p.handle._emit(_empty_result(p.request, "error", ticket.queue_s,
                                          f"{type(e).__name__}: {e}"))
             return None
 
-    def _fail_pending(self, error: str | None) -> None:
+    def fail_pending(self, error: str | None) -> None:
         """Answer every ticket that was never started (error, or cancelled on close)."""
-        for t in self.admission.drain():
+        for t in self._admission.drain():
             p: _Pending = t.item
             reason = "error" if error is not None else "cancelled"
             p.handle._emit(_empty_result(p.request, reason, t.queue_s, error))
+
+
+def preempt(ticket: Ticket) -> None:
+    """``Admission``'s ``on_preempt``: a background request gives its slot back to a
+    waiting interactive one: it is cancelled (its saved blocks stay); the slot frees
+    when the scheduler drops it."""
+    p: _Pending = ticket.item
+    logger.debug("background request %s preempted by a waiting interactive request",
+                 p.request.request_id)
+    p.handle.cancel()
 
 
 def _empty_result(req: GenerationRequest, reason: str, queue_s: float,

@@ -4,7 +4,8 @@ Anything here may change between mlx-lm releases; pyproject pins the range.
 What is used:
 - model classes by ``model_type`` (``mlx_lm.models.<type>.Model / ModelArgs``);
 - the Hugging Face tokenizer inside mlx-lm's ``TokenizerWrapper`` (``_tokenizer``), for
-  one tokenization with character offsets;
+  one tokenization with character offsets and to tell a fast one (``fast_tokenizer``:
+  constrained decoding's bridge reads its ``backend_tokenizer``);
 - the batch caches of ``mlx_lm.models.cache`` (``BatchKVCache``,
   ``BatchRotatingKVCache``, ``ArraysCache``, ``CacheList``): their public ``merge`` /
   ``extend`` / ``filter`` / ``extract`` / ``prepare`` / ``finalize``, plus the private
@@ -26,9 +27,9 @@ What is used:
 
 Every use of mlx-lm's private APIs stays behind this package; callers import from
 ``mlx_compat`` itself (re-exported below), not from its modules:
-``models`` (model classes, the tokenizer's offsets), ``batch_caches`` (merging,
-padding and reading rows of batch caches), ``speculation`` (a verify forward's repair)
-and ``windows`` (what a sliding window dropped).
+``models`` (model classes, the tokenizer's offsets, its fast tokenizer),
+``batch_caches`` (merging, padding and reading rows of batch caches), ``speculation``
+(a verify forward's repair) and ``windows`` (what a sliding window dropped).
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ from .batch_caches import (
 )
 from .models import (
     encode_with_offsets,
+    fast_tokenizer,
     model_classes,
 )
 from .speculation import (
@@ -79,6 +81,7 @@ __all__ = [
     "drop_row_tails",
     "encode_with_offsets",
     "extend",
+    "fast_tokenizer",
     "filter_rows",
     "finalize_right_padded",
     "merge",

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
 
 
 def model_classes(model_type: str) -> tuple[Any, Any]:
@@ -19,6 +22,19 @@ def model_classes(model_type: str) -> tuple[Any, Any]:
     except ImportError as e:
         raise ValueError(f"mlx-lm has no model type {model_type!r}") from e
     return module.Model, module.ModelArgs
+
+
+def fast_tokenizer(tokenizer: object) -> PreTrainedTokenizerFast | None:
+    """The Hugging Face fast tokenizer (``tokenizer.json``, a Rust backend) inside
+    mlx-lm's ``TokenizerWrapper``; None for anything else (a slow tokenizer, a test's
+    stand-in)."""
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+    from transformers import PreTrainedTokenizerFast
+
+    if not isinstance(tokenizer, TokenizerWrapper):
+        return None
+    hf = tokenizer._tokenizer
+    return hf if isinstance(hf, PreTrainedTokenizerFast) else None
 
 
 def encode_with_offsets(tokenizer: Any, text: str) -> tuple[list[int], list[tuple[int, int]]] | None:

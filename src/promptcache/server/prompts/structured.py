@@ -325,8 +325,8 @@ def check_constraint(constraint: Constraint, engine: EngineAPI, param: str) -> N
     ``param`` when it is invalid. Runs in the preparation thread."""
     tokenizer, vocab = engine.tokenizer, engine.vocab_size
     try:
-        # a real (Hugging Face fast) tokenizer: compile the constraint for it
-        if hasattr(tokenizer, "backend_tokenizer"):
+        # the engine's own (mlx-lm wrapping a fast Hugging Face) tokenizer: compile
+        if constrained.compiles_for(tokenizer):
             constrained.prepare(constraint, tokenizer, vocab)
         else:
             constrained.validate(constraint)

@@ -1,0 +1,107 @@
+"""The engine thread's body (``EngineLoop``): scheduler steps, calls, shadow
+verification in idle time, gathering a burst; and its death.
+
+Each turn runs the calls waiting for the engine thread (``calls.py``), then one
+scheduler step. Idle, it runs one chunk of shadow verification if there is one, else
+it waits for a wake-up: a call, or an arrival, after which it gathers the rest of a
+burst (``arrivals.py``). An exception that escapes a step kills the thread: ``died``
+is told why first (so a submit racing with it answers its own ticket), then every
+active and pending request ends with that error.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+import mlx.core as mx
+
+from ..serving_config import EngineConfig
+from .admission import Admission
+from .arrivals import Arrivals
+from .calls import EngineCalls
+from .scheduler import Scheduler
+from .shadow import ShadowVerifier
+
+logger = logging.getLogger(__name__)
+
+
+class EngineLoop:
+    """What the engine thread runs (``run``). ``fail_pending(error)`` answers the
+    tickets never started (error None: cancelled on close); ``died(reason)`` records
+    the thread's death."""
+
+    def __init__(self, config: EngineConfig, scheduler: Scheduler, admission: Admission,
+                 calls: EngineCalls, control: Arrivals, shadow: ShadowVerifier | None, *,
+                 fail_pending: Callable[[str | None], None],
+                 died: Callable[[str], None]) -> None:
+        self._config = config
+        self._scheduler = scheduler
+        self._admission = admission
+        self._calls = calls
+        self._control = control
+        self._shadow = shadow
+        self._fail_pending = fail_pending
+        self._died = died
+
+    def run(self) -> None:
+        dead: str | None = None
+        try:
+            self._loop()
+        except BaseException as e:  # the engine thread must never die silently
+            dead = f"{type(e).__name__}: {e}"
+            self._died(dead)
+            logger.critical("the engine thread died: %s", dead, exc_info=True)
+            error = f"the engine thread died: {dead}"
+            try:
+                self._scheduler.fail_all(error)
+            finally:
+                self._fail_pending(error)
+        finally:
+            self._calls.fail(f"the engine thread died: {dead}" if dead
+                             else "the engine was closed")
+            # mlx keeps per-thread streams; destroy them before the thread ends, or the
+            # process may abort at exit ("terminate called without an active exception")
+            mx.synchronize()
+            mx.clear_streams()
+
+    def _loop(self) -> None:
+        sched, calls, control = self._scheduler, self._calls, self._control
+        while True:
+            if control.stopping:
+                sched.fail_all("the engine was closed", reason="cancelled")
+                self._fail_pending(None)
+                return
+            if calls.pending:
+                calls.run()
+            if not sched.step():
+                # idle: one chunk of shadow verification, then look for requests again
+                # (a request that arrives waits at most that chunk)
+                shadow = self._shadow
+                if shadow is not None and shadow.pending and shadow.step():
+                    continue
+                control.wake.wait()
+                control.wake.clear()
+                if calls.pending:
+                    calls.run()
+                    if not self._admission.has_ready:  # woken by a call, not an arrival
+                        continue
+                self._gather_burst()
+
+    def _gather_burst(self) -> None:
+        """Woken from idle by an arrival: wait for the rest of a burst (``arrivals.py``:
+        arrivals within ``batch_window_s`` of each other, and requests the server has
+        announced and is still preparing, at most ``burst_gather_max_s``), so that
+        requests sent together prefill as one batch instead of the first one alone and
+        the rest after it."""
+        cfg = self._config
+        self._control.gather(cfg.batch_window_s, cfg.burst_gather_max_s, self._calls.run)
+
+
+def stop_thread(control: Arrivals, thread: threading.Thread) -> None:
+    """Stop the engine thread (``close``, or the interpreter's exit) and wait for it."""
+    control.stopping = True
+    control.wake.set()
+    if thread.is_alive() and thread is not threading.current_thread():
+        thread.join(timeout=60)
