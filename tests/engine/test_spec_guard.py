@@ -15,6 +15,7 @@ from promptcache.engine.spec_cost import FREE, OnlineCost
 from promptcache.engine.spec_guard import (
     GATED_OFF_STEPS,
     MAX_GATED_OFF_STEPS,
+    MAX_IDLE_OFF_STEPS,
     MAX_OFF_STEPS,
     OFF_STEPS,
     SLACK,
@@ -152,3 +153,17 @@ def test_gated_steps_in_a_row_pause_the_size_and_a_verify_resets_it() -> None:
     guard.observe_gated(8)
     assert steps_off(guard, 8) == GATED_OFF_STEPS
     assert guard.allows(4) and guard.turned_off == 0
+
+
+def test_steps_with_no_draft_pause_the_size_up_to_the_idle_cap() -> None:
+    cost = OnlineCost(FREE)
+    want = GATED_OFF_STEPS
+    for _ in range(5):
+        cost.observe_gated(2, idle=True)
+        cost.observe_gated(2, idle=True)
+        assert steps_off(cost.guard, 2) == want
+        want = min(MAX_IDLE_OFF_STEPS, 2 * want)
+    assert want == MAX_IDLE_OFF_STEPS == 16
+    cost.observe_gated(2)  # drafts the gate did not take: the longer cap
+    cost.observe_gated(2)
+    assert steps_off(cost.guard, 2) == 2 * MAX_IDLE_OFF_STEPS

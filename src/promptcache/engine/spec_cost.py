@@ -41,7 +41,7 @@ from typing import Any, Protocol
 import mlx.core as mx
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
-from .spec_guard import StepGuard
+from .spec_guard import MAX_GATED_OFF_STEPS, MAX_IDLE_OFF_STEPS, StepGuard
 
 logger = logging.getLogger(__name__)
 
@@ -175,9 +175,10 @@ class OnlineCost:
         gave ``tokens`` tokens in ``seconds`` (``StepGuard``)."""
         self.guard.observe_step(rows, tokens, seconds)
 
-    def observe_gated(self, rows: int) -> None:
-        """A step of ``rows`` rows had drafts the gate did not verify (``StepGuard``)."""
-        self.guard.observe_gated(rows)
+    def observe_gated(self, rows: int, *, idle: bool = False) -> None:
+        """A step of ``rows`` rows had drafts the gate did not verify, or (``idle``) no
+        row found one (``StepGuard``)."""
+        self.guard.observe_gated(rows, cap=MAX_IDLE_OFF_STEPS if idle else MAX_GATED_OFF_STEPS)
 
     def decode_seconds(self, rows: int) -> float:
         """A plain decode step of ``rows`` rows: measured, else the nearest measured row

@@ -276,7 +276,8 @@ class Speculator:
         usual (``spec_cost.plan``: each row's acceptance rate, the measured cost of the
         verify forward, the forward that feeds array states again). A row whose draft
         does not pay on its own has it emptied in ``drafts`` and pauses."""
-        if not any(drafts):
+        if not any(drafts):  # a sync and drafting for nothing, as a gated step
+            self._gated(len(rows), idle=True)
             return 0
         state = mlx_compat.speculation_kind(cache) == "state"
         uniform = state and len(rows) > 1 and not mlx_compat.states_take_lengths(model)
@@ -301,11 +302,13 @@ class Speculator:
             self._gated(len(rows))
         return cut
 
-    def _gated(self, rows: int) -> None:
-        self.counters.spec_gated += 1
+    def _gated(self, rows: int, *, idle: bool = False) -> None:
+        """A step that read the pending tokens and drafted for no verify: gated (counted
+        ``spec_gated``), or ``idle`` (no row found a draft)."""
+        self.counters.spec_gated += not idle
         if isinstance(self.cost, OnlineCost):
             before = self.cost.guard.gated_off
-            self.cost.observe_gated(rows)
+            self.cost.observe_gated(rows, idle=idle)
             self.counters.spec_guard_off += self.cost.guard.gated_off - before
 
     def _rate(self, r: Request) -> float:
