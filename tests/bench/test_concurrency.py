@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -108,3 +109,25 @@ def test_speculation_counters_over_a_round_and_their_table():
         "ours_spec": {"rounds": {"8": {"summary": fast}}}})
     assert "| 8 | ours_spec | 20.0 | 7.5 | 2.00× | 2.00× | 75.0% | 3.00 | 4.00 | 2/2 |" in md
     assert "| 8 | ours | 10.0 | 7.5 | 1.00× | 1.00× | — | — | — | 2/2 |" in md
+
+
+@pytest.mark.parametrize("quick", [False, True])
+def test_the_edits_next_turn_plan(quick):
+    plan = concurrent_plans.build("E5", quick=quick)
+    n = 2 if quick else 8
+    assert plan.labels == ("1 turn 1", "1 turn 2", f"{n} turn 1", f"{n} turn 2")
+    assert [len(r) for r in plan.rounds] == [1, 1, n, n]
+    assert plan.max_tokens == (32 if quick else 160)
+    for first, second in ((plan.rounds[0], plan.rounds[1]), (plan.rounds[2], plan.rounds[3])):
+        for (t1,), (t2,) in zip(first, second, strict=True):
+            assert (t1.index, t2.index) == (0, 1) and t1.stream == t2.stream
+            a, b = t1.messages[-1]["content"], t2.messages[-1]["content"]
+            file_a, ask_a = a.split("```\n\n")
+            file_b, ask_b = b.split("```\n\n")
+            assert file_a == file_b and "def " in file_a  # the same file first ...
+            old_a, new_a = re.search(r"`(\w+)` renamed to `(\w+)`", ask_a).groups()
+            old_b, new_b = re.search(r"`(\w+)` renamed to `(\w+)`", ask_b).groups()
+            assert old_a == old_b and new_a != new_b and old_a in file_a  # ... another name
+    texts = [jobs[0].messages[-1]["content"] for r in (plan.rounds[0], plan.rounds[2])
+             for jobs in r]
+    assert len(set(texts)) == len(texts)  # no stream shares its text with another count

@@ -9,12 +9,15 @@ the sequential S1..S5 live in ``scenarios``.
 - ``C2``: "main + 3 subagents": four agent conversations that share a long system
   prompt and tool definitions run at the same time, each a sequence of tool steps
   (Anthropic Messages where the system speaks it): Σ TTFT and token hit rate.
-- ``E2``, ``E3``, ``E4``: speculative decoding's cases, each at 1 and 8 streams
+- ``E2`` .. ``E5``: speculative decoding's cases, each at 1 and 8 streams
   (``--streams`` overrides), greedy, every stream its own text: ``E2`` an edit (a code
   file returned with one identifier renamed, E1 per stream); ``E3`` an agentic replay
   with tool calls (read a file, then write it back changed through a tool call, then
   report on a test run whose output quotes the file: the replies repeat earlier tool
-  output); ``E4`` a chat with nothing to copy (a story from a random prompt). Per round:
+  output); ``E4`` a chat with nothing to copy (a story from a random prompt); ``E5`` the
+  edit's next turn (a code file and a rename asked, then the same file and another name
+  asked: turn 2's prompt shares the file with turn 1's, so its decode is what is
+  measured; two rounds per stream count, over streams of their own). Per round:
   aggregate and per-stream decode tok/s and, for ours, the speculation counters over the
   round from ``/v1/cache/stats`` (drafted, accepted, acceptance rate, mean accepted
   length, tokens per verify forward).

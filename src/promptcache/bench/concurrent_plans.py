@@ -14,9 +14,9 @@ from typing import Any
 from .scenarios import THINK_CLOSE, THINK_OPEN, TextGen, _code_file, _tool_defs, edit_request
 
 # new names go at the end: a plan's seed stream is its index here
-CONCURRENT_NAMES = ("C1", "C2", "E2", "E3", "E4")
+CONCURRENT_NAMES = ("C1", "C2", "E2", "E3", "E4", "E5")
 # the speculation plans (decode-bound, greedy; run only when named)
-SPEC_NAMES = ("E2", "E3", "E4")
+SPEC_NAMES = ("E2", "E3", "E4", "E5")
 DEFAULT_CONCURRENT = ("C1", "C2")
 SPEC_STREAMS = (1, 8)
 STREAM_COUNTS = (1, 4, 8, 16)
@@ -119,11 +119,13 @@ def _spec_plan(key: str, g: TextGen, sz: dict[str, int], counts: Sequence[int]
     """E2 / E3 / E4 (module docstring): one round per stream count, each stream its own
     conversation; the same streams' texts in every round (round n's first streams are
     round 1's), so rounds differ only in concurrency."""
+    out = sz["spec_output"]
+    if key == "E5":
+        return _followup_plan(g, sz, counts)
     most = max(counts)
     make = {"E2": _edit_stream, "E3": _replay_stream, "E4": _chat_stream}[key]
     streams = [make(s, g, sz) for s in range(most)]
     rounds = tuple(tuple(streams[:n]) for n in counts)
-    out = sz["spec_output"]
     title = {
         "E2": f"edit: a {sz['functions']}-function file returned with one identifier renamed",
         "E3": "agentic replay with tool calls: read a file, write it back changed through a "
@@ -138,6 +140,41 @@ def _spec_plan(key: str, g: TextGen, sz: dict[str, int], counts: Sequence[int]
 
 def _edit_stream(s: int, g: TextGen, sz: dict[str, int]) -> tuple[Job, ...]:
     return (Job(s, 0, edit_request(g, sz["functions"])[0]),)
+
+
+def _followup_plan(g: TextGen, sz: dict[str, int], counts: Sequence[int]) -> ConcurrentPlan:
+    """E5, the edit's next turn: per stream count, two rounds over streams of their own
+    (no text shared with another count's). Turn 1 shows a code file and asks for one
+    identifier renamed; turn 2 shows the same file and asks for another name for it (an
+    agent that reads the file again and asks for a different change). The file comes
+    first, so a server with a prompt cache prefills only turn 2's request: its decode is
+    what is measured."""
+    rounds: list[tuple[tuple[Job, ...], ...]] = []
+    labels: list[str] = []
+    for n in counts:
+        first: list[tuple[Job, ...]] = []
+        second: list[tuple[Job, ...]] = []
+        for s in range(n):
+            old = "_".join(g.words(2)) + "_state"
+            code = _code_file(g, sz["functions"], old)
+            path = f"src/{g.ident('mod')}.py"
+            shown = f"Here is `{path}`:\n\n```python\n{code}```\n\n"
+            for turn, out in ((0, first), (1, second)):
+                new = "_".join(g.words(2)) + ("_record" if turn == 0 else "_entry")
+                ask = (f"Return this file with the identifier `{old}` renamed to `{new}` "
+                       "everywhere. Change nothing else; reply with the whole file in one "
+                       "Python code block and no other text.")
+                out.append((Job(s, turn, (
+                    {"role": "system", "content": "You are a careful coding assistant."},
+                    {"role": "user", "content": shown + ask})),))
+        rounds += [tuple(first), tuple(second)]
+        labels += [f"{n} turn 1", f"{n} turn 2"]
+    out_tokens = sz["spec_output"]
+    return ConcurrentPlan(
+        "E5", f"the edit's next turn: a file, then the same file with another rename asked "
+              f"({'/'.join(str(n) for n in counts)} streams, {out_tokens} tokens, greedy)",
+        "openai", tuple(rounds), labels=tuple(labels), max_tokens=out_tokens,
+        notes=("speculative decoding's case with a cached prompt: turn 2 is decode-bound",))
 
 
 def _replay_stream(s: int, g: TextGen, sz: dict[str, int]) -> tuple[Job, ...]:

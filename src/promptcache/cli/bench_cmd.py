@@ -1,4 +1,4 @@
-"""`promptcache bench`: replay S1..S5 (and E1, the edit; E2-E4, speculation's cases at 1
+"""`promptcache bench`: replay S1..S5 (and E1, the edit; E2-E5, speculation's cases at 1
 and 8 streams) against ours and the peers, with the floor.
 
 Writes <out>/results.json, <out>/report.md and <out>/charts/*.png, printing progress as
@@ -43,9 +43,10 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                    default=",".join(scenarios.SCENARIO_NAMES + concurrent_plans.DEFAULT_CONCURRENT),
                    help="comma-separated, from S1,S2,S3,S4,S5 (sequential), E1 (edit: a "
                         "file returned with one identifier renamed), C1 (1/4/8/16 "
-                        "concurrent streams), C2 (main + 3 subagents), E2 / E3 / E4 "
+                        "concurrent streams), C2 (main + 3 subagents), E2 / E3 / E4 / E5 "
                         "(speculation's cases at 1 and 8 streams: edit, agentic replay with "
-                        "tool calls, chat with nothing to copy; only when named), S6 (two "
+                        "tool calls, chat with nothing to copy, the edit's next turn; only "
+                        "when named), S6 (two "
                         "servers sharing one Redis; needs redis-server; only when named); "
                         "default: all the others")
     p.add_argument("--systems", default=",".join(systems.SYSTEM_NAMES),
@@ -57,11 +58,11 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--out", default="bench/out", help="output folder (default: bench/out)")
     p.add_argument("--quick", action="store_true", help="small scenarios for a smoke run")
     p.add_argument("--max-tokens", type=int, default=None,
-                   help=f"tokens generated per turn (default: {DEFAULT_MAX_TOKENS}; E1-E4: "
+                   help=f"tokens generated per turn (default: {DEFAULT_MAX_TOKENS}; E1-E5: "
                         "their own, 160)")
     p.add_argument("--seed", type=int, default=0, help="scenario text seed")
     p.add_argument("--streams", default=None,
-                   help="C1's stream counts, comma-separated (default: 1,4,8,16; E2-E4: "
+                   help="C1's stream counts, comma-separated (default: 1,4,8,16; E2-E5: "
                         "1,8)")
     p.add_argument("--floor-repeats", type=int, default=2, help="best of N floor timings")
     p.add_argument("--no-floor", action="store_true", help="skip the in-process floor")
