@@ -1,7 +1,7 @@
 """The caller's side of one request: its events, cancellation and final result.
 
 The engine thread emits ``TokenEvent``s and then exactly one ``GenerationResult``
-through ``_emit``; a consumer reads them once, either blocking (``events()``) or from
+through ``emit``; a consumer reads them once, either blocking (``events()``) or from
 asyncio (``aevents()``, delivered with ``call_soon_threadsafe``: no worker thread is
 held per stream). ``cancel()`` may be called from any thread.
 """
@@ -13,8 +13,12 @@ import logging
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator
+from typing import TYPE_CHECKING
 
 from .api import GenerationRequest, GenerationResult, TokenEvent
+
+if TYPE_CHECKING:
+    from .admission import Ticket
 
 logger = logging.getLogger(__name__)
 
@@ -35,10 +39,13 @@ class RequestHandle:
         self._on_cancel = on_cancel
         self._lock = threading.Lock()
         self._async: tuple[asyncio.AbstractEventLoop, asyncio.Queue[Event]] | None = None
+        # the admission ticket while the request waits for or holds a slot (engine side)
+        self.ticket: Ticket | None = None
 
     # ------------------------------------------------------------------ engine side
 
-    def _emit(self, ev: Event) -> None:
+    def emit(self, ev: Event) -> None:
+        """Deliver an event (engine thread); nothing after the one result."""
         with self._lock:
             if self._result is not None:  # exactly one result; nothing after it
                 return

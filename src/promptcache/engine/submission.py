@@ -68,7 +68,7 @@ class Submission:
         pending = _Pending(request, tokens, handle, processors, time.perf_counter())
         length = int(tokens.shape[0]) + (0 if request.prefill_only else request.sampling.max_tokens)
         ticket = Ticket(pending, length, background=request.priority == "background")
-        handle._ticket = ticket  # type: ignore[attr-defined]
+        handle.ticket = ticket
         self._admission.submit(ticket)
         dead = self._failure()
         if dead is not None:  # died while we were admitting: nobody will take it
@@ -84,10 +84,10 @@ class Submission:
         return self._control.announce()
 
     def _on_cancel(self, handle: RequestHandle) -> None:
-        ticket: Ticket | None = getattr(handle, "_ticket", None)
+        ticket = handle.ticket
         if ticket is not None and self._admission.cancel(ticket):
             self._ctx.counters.cancelled += 1
-            handle._emit(_empty_result(handle.request, "cancelled", queue_s=0.0))
+            handle.emit(_empty_result(handle.request, "cancelled", queue_s=0.0))
         self._control.wake.set()
 
     def make_request(self, ticket: Ticket) -> Request | None:
@@ -95,18 +95,18 @@ class Submission:
         cancelled while it waited or could not start (answered here)."""
         p: _Pending = ticket.item
         if p.handle.cancel_requested:
-            p.handle._emit(_empty_result(p.request, "cancelled", ticket.queue_s))
+            p.handle.emit(_empty_result(p.request, "cancelled", ticket.queue_s))
             self._ctx.counters.cancelled += 1
             return None
         try:
-            return Request(self._ctx, p.request, p.tokens, p.handle._emit,
+            return Request(self._ctx, p.request, p.tokens, p.handle.emit,
                            cancelled=lambda: p.handle.cancel_requested,
                            processors=p.processors, queue_s=ticket.queue_s,
                            t_submit=p.t_submit)
         except Exception as e:  # one request that cannot start fails alone
             logger.exception("request %s could not start", p.request.request_id)
             self._ctx.counters.errors += 1
-            p.handle._emit(_empty_result(p.request, "error", ticket.queue_s,
+            p.handle.emit(_empty_result(p.request, "error", ticket.queue_s,
                                          f"{type(e).__name__}: {e}"))
             return None
 
@@ -115,7 +115,7 @@ class Submission:
         for t in self._admission.drain():
             p: _Pending = t.item
             reason = "error" if error is not None else "cancelled"
-            p.handle._emit(_empty_result(p.request, reason, t.queue_s, error))
+            p.handle.emit(_empty_result(p.request, reason, t.queue_s, error))
 
 
 def preempt(ticket: Ticket) -> None:
