@@ -95,8 +95,22 @@ def main() -> None:
             eng.close()
 
 
-def verify_cost(path: Any, repeats: int) -> None:
+def timed_forward(model: Any, x: Any, cache: Any, width: int) -> float:
+    """Seconds of one forward of ``x``'s first ``width`` positions over ``cache``, which is
+    trimmed back after it."""
     import time
+
+    import mlx.core as mx
+
+    t0 = time.perf_counter()
+    mx.eval(model(x[:, :width], cache=cache))
+    dt = time.perf_counter() - t0
+    for c in cache:
+        c.trim(width)
+    return dt
+
+
+def verify_cost(path: Any, repeats: int) -> None:
 
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
@@ -112,12 +126,7 @@ def verify_cost(path: Any, repeats: int) -> None:
         x = mx.array([tokens[:17]], dtype=mx.uint32)
 
         def once(width: int) -> float:
-            t0 = time.perf_counter()
-            mx.eval(model(x[:, :width], cache=cache))
-            dt = time.perf_counter() - t0
-            for c in cache:
-                c.trim(width)
-            return dt
+            return timed_forward(model, x, cache, width)
 
         once(1)
         base = min(once(1) for _ in range(repeats))
@@ -134,7 +143,6 @@ def verify_cost(path: Any, repeats: int) -> None:
 
 
 def verify_cost_rows(path: Any, rows_list: list[int], repeats: int, context: int = 1000) -> None:
-    import time
 
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
@@ -153,12 +161,7 @@ def verify_cost_rows(path: Any, rows_list: list[int], repeats: int, context: int
             mx.eval(model(x, cache=cache))
 
             def once(width: int, x: Any = x, cache: Any = cache) -> float:
-                t0 = time.perf_counter()
-                mx.eval(model(x[:, :width], cache=cache))
-                dt = time.perf_counter() - t0
-                for c in cache:
-                    c.trim(width)
-                return dt
+                return timed_forward(model, x, cache, width)
 
             once(1)
             once(3)

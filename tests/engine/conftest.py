@@ -52,6 +52,19 @@ def make_engine(path, *, snapshot_every_blocks=1, use_cache=True, budget=64 * 10
     return eng
 
 
+def plain_tokens(path, prompt, max_tokens=60):
+    """The tokens decoding one at a time gives (no cache, no speculation): the reference
+    every speculative run must equal."""
+    from promptcache.engine.api import GenerationRequest, SamplingParams
+
+    plain = make_engine(path, use_cache=False)
+    try:
+        return plain.submit(GenerationRequest(prompt_tokens=prompt, sampling=SamplingParams(
+            max_tokens=max_tokens))).result(timeout=300).tokens
+    finally:
+        plain.close()
+
+
 @pytest.fixture(scope="module")
 def engine_factory():
     made = []

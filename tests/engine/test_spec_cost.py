@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import make_engine
+from conftest import make_engine, plain_tokens
 
 from promptcache.engine.api import GenerationRequest, SamplingParams
 from promptcache.engine.spec_cost import (
@@ -246,12 +246,7 @@ def test_the_gate_follows_the_measured_cost(tiny_llama_path: Any, verify: str,
     with the cheap one it keeps verifying between cool-downs. Right
     drafts pay either way. The tokens are those of decoding one at a time."""
     toks = tuple(int(t) for t in np.random.default_rng(3).integers(3, 1000, size=48))
-    plain = make_engine(tiny_llama_path, use_cache=False)
-    try:
-        want = plain.submit(GenerationRequest(prompt_tokens=toks, sampling=SamplingParams(
-            max_tokens=60))).result(timeout=300).tokens
-    finally:
-        plain.close()
+    want = plain_tokens(tiny_llama_path, toks)
     eng = make_engine(tiny_llama_path, use_cache=False, speculation="suffix",
                       spec_max_draft=8)
     try:

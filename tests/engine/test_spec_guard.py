@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import make_engine
+from conftest import make_engine, plain_tokens
 
 from promptcache.engine.api import GenerationRequest, SamplingParams
 from promptcache.engine.spec_cost import FREE, OnlineCost
@@ -103,12 +103,7 @@ def test_the_engine_stops_speculating_when_whole_steps_lose(tiny_llama_path: Any
     size is off for OFF_STEPS steps, which decode the rest of the reply; at 1 s a step
     the verifies pay and go on. The tokens are those of decoding one at a time."""
     toks = tuple(int(t) for t in np.random.default_rng(5).integers(3, 1000, size=40))
-    plain = make_engine(tiny_llama_path, use_cache=False)
-    try:
-        want = plain.submit(GenerationRequest(prompt_tokens=toks, sampling=SamplingParams(
-            max_tokens=60))).result(timeout=300).tokens
-    finally:
-        plain.close()
+    want = plain_tokens(tiny_llama_path, toks)
     eng = make_engine(tiny_llama_path, use_cache=False, speculation="suffix",
                       spec_max_draft=4)
     try:
