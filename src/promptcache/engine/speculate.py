@@ -153,9 +153,13 @@ class Speculator:
         if not all(constrained.speculates(r.processors) and r.ctx.logits_hook is None
                    for r in rows):
             return False
-        # never slower, measured: a batch size whose verify steps deliver fewer tokens
-        # per second than its decode steps decodes as without speculation for a while
-        return not isinstance(self.cost, OnlineCost) or self.cost.allows(len(rows))
+        # a batch size the guard paused (spec_guard) decodes as without speculation; its
+        # rows' own cool-downs and pauses go on counting the steps
+        if isinstance(self.cost, OnlineCost) and not self.cost.allows(len(rows)):
+            for r in rows:
+                self._tick(r)
+            return False
+        return True
 
     def waiting(self, rows: Sequence[Request]) -> bool:
         """Every row cools down or pauses this step: count the step for each and say
