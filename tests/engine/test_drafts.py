@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from promptcache.engine.drafts import (
     NO_DRAFT,
+    Draft,
     DraftConfig,
     DraftPools,
     SequenceDrafts,
@@ -103,8 +104,73 @@ def test_own_history_first_then_the_tenants_pool_never_another_tenants() -> None
     assert pools.num_tokens() == 5
 
 
+def resync_reference(seq: list[int], cursor: int, k: int, cfg: DraftConfig
+                     ) -> tuple[tuple[int, ...], int, int]:
+    """Every position j in [cursor, cursor + window) with something after it and before
+    the tail: the tokens before j that equal the tail's last ones (at most max_n); the
+    longest (at least cursor_min_n) wins, the earliest of those."""
+    best: tuple[tuple[int, ...], int, int] = ((), 0, -1)
+    end = len(seq)
+    for j in range(max(1, cursor), min(end - 1, cursor + cfg.cursor_window)):
+        n = 0
+        while n < min(cfg.max_n, j) and seq[j - 1 - n] == seq[end - 1 - n]:
+            n += 1
+        if n >= cfg.cursor_min_n and n > best[1]:
+            best = (tuple(seq[j:j + k]), n, j)
+    return best
+
+
+RESYNC = DraftConfig(min_n=2, max_n=4, max_k=5, cursor_window=6, cursor_min_n=1)
+
+
+@settings(max_examples=300, deadline=None)
+@given(tokens, st.integers(0, 80), st.integers(1, 8))
+def test_resync_at_the_cursor_matches_the_reference(seq: list[int], cursor: int,
+                                                    k: int) -> None:
+    d = SequenceDrafts(seq, RESYNC)
+    d.cursor = cursor
+    got = d.resync(min(k, RESYNC.max_k))
+    want, n, at = resync_reference(seq, cursor, min(k, RESYNC.max_k), RESYNC)
+    assert (got.tokens, got.matched, got.at) == (want, n, at)
+    # propose: the re-sync when there is one, else the index's latest occurrence
+    full = d.propose(k)
+    if want:
+        assert full == got
+    else:
+        index = SequenceDrafts(seq, RESYNC).propose(k)
+        assert (full.tokens, full.matched) == (index.tokens, index.matched)
+
+
+def test_a_renamed_identifier_resyncs_at_the_cursor_not_at_the_latest_occurrence() -> None:
+    """A file (10 .. 29, with OLD = 50 at 4 and 14), then an ask that says "60 25" and
+    goes on 70 71 72; the reply copies the file with NEW = 60 for OLD and has just
+    written the 25 after the second NEW. The index's latest occurrence of the tail
+    (60, 25) is the ask's, which proposes 70 71 72; the cursor (where the last accepted
+    draft stopped: the OLD at 14) finds the 25 after it and proposes the file's 26 27
+    28."""
+    cfg = DraftConfig(min_n=2, max_n=4, max_k=3, cursor_window=8, cursor_min_n=1)
+    file = [10, 11, 12, 13, 50, 15, 16, 17, 18, 19, 20, 21, 22, 23, 50, 25, 26, 27, 28, 29]
+    ask = [90, 60, 25, 70, 71, 72]
+    reply = [10, 11, 12, 13, 60, 15, 16, 17, 18, 19, 20, 21, 22, 23, 60, 25]
+    d = SequenceDrafts(file + ask + reply, cfg)
+    assert d.propose(3) == Draft((70, 71, 72), 2, "self", 23)
+    d.cursor = 14  # the draft (50, 25, ...) was rejected at the OLD
+    assert d.propose(3) == Draft((26, 27, 28), 1, "self", 16)
+    d.cursor = 30  # far from any 25: the window finds nothing, the index answers
+    assert d.propose(3) == Draft((70, 71, 72), 2, "self", 23)
+
+
+def test_self_drafts_say_where_they_start() -> None:
+    d = SequenceDrafts([1, 2, 3, 4, 1, 2], CFG)
+    assert d.propose(3) == Draft((3, 4, 1), 2, "self", 2)
+    pool = TenantDrafts(CFG)
+    pool.add([1, 2, 3])
+    assert pool.propose([1, 2], 3).at == -1
+
+
 @pytest.mark.parametrize("kw", [{"min_n": 0}, {"min_n": 3, "max_n": 2}, {"max_k": 0},
-                                {"pool_tokens": -1}])
+                                {"pool_tokens": -1}, {"cursor_window": -1},
+                                {"cursor_min_n": 0}, {"cursor_min_n": 9}])
 def test_bad_configs_are_refused(kw: dict[str, int]) -> None:
     with pytest.raises(ValueError):
         DraftConfig(**kw)

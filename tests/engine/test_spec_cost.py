@@ -307,11 +307,56 @@ def test_the_gate_is_per_row_in_a_batch(tiny_llama_path: Any) -> None:
         got = [h.result(timeout=300) for h in handles]
         assert [g.tokens for g in got] == [want[p] for p in prompts]
         good, bad = got
-        assert good.usage.spec_accepted == good.usage.spec_drafted >= 40
-        # a few drafts of 2 (k falls to MIN_K after a rejection), then paused
-        assert bad.usage.spec_accepted == 0 and bad.usage.spec_drafted <= 12
         c = eng.counters
+        assert good.usage.spec_accepted == good.usage.spec_drafted >= 40
+        # a few drafts of 2 (k falls to MIN_K after a rejection), then paused; while
+        # paused, its padding in the good row's verifies takes its (wrong) drafts as fills
+        assert bad.usage.spec_accepted == 0 == c.spec_fill_accepted
+        assert c.spec_drafted - c.spec_fill_drafted <= good.usage.spec_drafted + 12
+        assert bad.usage.spec_drafted == c.spec_fill_drafted + (
+            c.spec_drafted - c.spec_fill_drafted - good.usage.spec_drafted)
         assert c.spec_paused >= 1 and c.max_batch == 2
+    finally:
+        eng.close()
+
+
+def test_a_row_that_drafts_nothing_fills_the_verify_padding(tiny_llama_path: Any) -> None:
+    """Two rows: A's drafts are always right; B's first draft is wrong (a cool-down
+    follows), then its source is right. While B cools down, A's verifies carry B's
+    draft in the positions they pad anyway (a fill): accepted there, and B's
+    cool-down ends; both rows get the tokens of decoding one at a time."""
+    rng = np.random.default_rng(23)
+    prompts = [tuple(int(t) for t in rng.integers(3, 1000, size=40)) for _ in range(2)]
+    plain = make_engine(tiny_llama_path, use_cache=False)
+    try:
+        want = {p: plain.submit(GenerationRequest(prompt_tokens=p, sampling=SamplingParams(
+            max_tokens=60))).result(timeout=300).tokens for p in prompts}
+    finally:
+        plain.close()
+    eng = make_engine(tiny_llama_path, use_cache=False, speculation="suffix",
+                      spec_max_draft=8)
+    try:
+        eng._ctx.logits_hook = None
+        spec = eng._ctx.speculator
+        spec.cost = ScriptedCost(lambda width: 1.0 + 0.25 * (width - 1))
+        calls: dict[tuple[int, ...], int] = {}
+
+        def source(r: Any, k: int) -> list[int]:
+            p = tuple(r.req.prompt_tokens)
+            calls[p] = calls.get(p, 0) + 1
+            shift = 1 if p == prompts[1] and calls[p] == 1 else 0
+            return [(t + shift) % 1000 for t in want[p][len(r.output):len(r.output) + k]]
+
+        spec.source = source
+        handles = [eng.submit(GenerationRequest(prompt_tokens=p, sampling=SamplingParams(
+            max_tokens=60))) for p in prompts]
+        got = [h.result(timeout=300) for h in handles]
+        assert [g.tokens for g in got] == [want[p] for p in prompts]
+        c = eng.counters
+        assert c.max_batch == 2 and c.spec_multirow >= 1
+        assert c.spec_fill_accepted == c.spec_fill_drafted >= 1
+        # only the first draft (k starts at spec_max_draft // 2) was wrong
+        assert got[1].usage.spec_accepted == got[1].usage.spec_drafted - 4
     finally:
         eng.close()
 

@@ -248,6 +248,46 @@ def test_batched_rows_with_mixed_drafts_equal_decoding_alone(tiny_llama_path: An
         eng.close()
 
 
+def test_batched_speculation_saves_what_restores_the_same_next_turn(tiny_llama_path: Any
+                                                                   ) -> None:
+    """Four rows verify together with right, wrong and half-right drafts, so their
+    repairs move rows' first positions into rejected tails (``RowMoves``); what each
+    row saves when it ends is read back in temporal order: every next turn restores
+    as much and decodes the same tokens as after decoding without speculation."""
+    prompts = [prompt(300 + i, n=40 + 5 * i) for i in range(4)]
+    ref_eng = make_engine(tiny_llama_path, use_cache=False)
+    try:
+        ref = {p: run(ref_eng, p, max_tokens=32).tokens for p in prompts}
+    finally:
+        ref_eng.close()
+    kinds = ["right", "wrong", "half", "half"]
+    sources = {p: source_of(kinds[i], ref) for i, p in enumerate(prompts)}
+    plain = make_engine(tiny_llama_path)
+    spec_eng = make_engine(tiny_llama_path, speculation="suffix", spec_max_draft=6)
+    try:
+        for e in (plain, spec_eng):
+            e._ctx.logits_hook = None
+        spec_eng._ctx.speculator.source = lambda r, k: sources[tuple(r.req.prompt_tokens)](r, k)
+        first = [run_many(e, prompts, max_tokens=32) for e in (plain, spec_eng)]
+        assert [g.tokens for g in first[1]] == [g.tokens for g in first[0]] \
+            == [ref[p] for p in prompts]
+        c = spec_eng.counters
+        assert c.spec_multirow > 0 and 0 < c.spec_accepted < c.spec_drafted
+        spec_eng._ctx.speculator.source = None
+        nxt = [p + tuple(g.tokens) + tuple(range(5, 15)) for p, g in zip(prompts, first[0],
+                                                                        strict=True)]
+        second = [[run(e, q, max_tokens=12) for q in nxt] for e in (plain, spec_eng)]
+        assert [g.tokens for g in second[1]] == [g.tokens for g in second[0]]
+        assert [g.usage.cached_tokens for g in second[1]] \
+            == [g.usage.cached_tokens for g in second[0]]
+        assert all(g.usage.cached_tokens > len(p) for g, p in zip(second[1], prompts,
+                                                                 strict=True))
+        assert spec_eng.counters.store_errors == 0
+    finally:
+        plain.close()
+        spec_eng.close()
+
+
 def test_a_batch_mixing_constrained_and_free_rows_decodes_as_before(tiny_llama_path: Any
                                                                     ) -> None:
     prompts = [prompt(200 + i) for i in range(3)]

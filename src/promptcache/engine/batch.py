@@ -61,6 +61,8 @@ class DecodeBatch:
         # speculation's online cost (Speculator.observe_*): when the last plain step read
         # its fed tokens (the forward before it done) and how many rows its forward had
         self._synced: tuple[float, int] | None = None
+        # request id -> where a verify's repair moved its row's first positions
+        self._moves: dict[str, mlx_compat.RowMoves] = {}
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -93,6 +95,16 @@ class DecodeBatch:
         """No plain forward is in flight (a verify step synced): the next plain step's
         read times nothing (``_time_decode``)."""
         self._synced = None
+
+    def row_caches(self, i: int, before: list[list[Any]] | None = None) -> list[Any]:
+        """Row ``i``'s caches for reading blocks (``mlx_compat.row_caches``)."""
+        return mlx_compat.row_caches(self.cache, i, before,
+                                     self._moves.get(self.rows[i].request_id))
+
+    def moves(self) -> list[mlx_compat.RowMoves]:
+        """Per row, where its positions were moved (``mlx_compat.drop_row_tails``)."""
+        return [self._moves.setdefault(r.request_id, mlx_compat.RowMoves())
+                for r in self.rows]
 
     def nbytes(self) -> int:
         return mlx_compat.batch_nbytes(self.cache) if self.rows else 0
@@ -141,6 +153,7 @@ class DecodeBatch:
     def remove(self, drop: set[int]) -> None:
         """Take rows ``drop`` (indexes) out of the batch and its caches."""
         for i in drop:
+            self._moves.pop(self.rows[i].request_id, None)
             spec = self.rows[i].ctx.speculator
             if spec is not None:
                 spec.forget(self.rows[i])
@@ -170,7 +183,7 @@ class DecodeBatch:
             # the state holds every reported token: KV layers are sliced to prompt +
             # output[:-1] as always; array states (SSM) are stored where they are
             pos = r.n_prompt + len(r.output) - 1 if r.truncatable else r.pos
-            r.finish("cancelled", mlx_compat.row_caches(self.cache, i), state_pos=pos)
+            r.finish("cancelled", self.row_caches(i), state_pos=pos)
         self.remove(gone)
 
     def fail_all(self, error: str) -> None:
@@ -245,13 +258,13 @@ class DecodeBatch:
         for i, reason in finished:
             r = self.rows[i]
             # r.pos counts the token just fed; the save covers prompt + output[:-1]
-            r.finish(reason, mlx_compat.row_caches(self.cache, i, before),
+            r.finish(reason, self.row_caches(i, before),
                      state_pos=r.pos - 1)
         bs = self.block_size
         for i, r in enumerate(self.rows):
             if i not in done and r.sliding and r.pos % bs == 0:
                 # a sliding window drops old tokens: store output blocks while in it
-                r.store_decoded_block(mlx_compat.row_caches(self.cache, i))
+                r.store_decoded_block(self.row_caches(i))
         if done:
             self.remove(done)
 

@@ -45,7 +45,7 @@ def verify_step(batch: DecodeBatch, spec: Speculator) -> bool:
         reason = r.accept(pending[i], logprob_values(lp) if lp is not None else None,
                           row_logits)
         if reason is not None:
-            r.finish(reason, mlx_compat.row_caches(batch.cache, i), state_pos=r.pos)
+            r.finish(reason, batch.row_caches(i), state_pos=r.pos)
             done.add(i)
     if done:
         pending = [p for i, p in enumerate(pending) if i not in done]
@@ -157,11 +157,11 @@ def verify_step(batch: DecodeBatch, spec: Speculator) -> bool:
             exact = held[i] == kept[i]
             if not exact:
                 c.spec_unsaved += 1
-            r.finish(stopped[i], mlx_compat.row_caches(batch.cache, i) if exact else None,
+            r.finish(stopped[i], batch.row_caches(i) if exact else None,
                      state_pos=r.pos)
         elif r.sliding and r.pos // bs > before // bs:
             # a sliding window drops old tokens: store output blocks while in it
-            r.store_decoded_block(mlx_compat.row_caches(batch.cache, i))
+            r.store_decoded_block(batch.row_caches(i))
     # the model's own token after each accepted draft: fed and reported next step
     batch.set_pending(mx.array(bonus, dtype=mx.uint32), lps)
     spec.step_done(len(rows), width, sum(kept))
@@ -181,7 +181,7 @@ def repair(batch: DecodeBatch, x: mx.array, states: list[list[Any]] | None,
     state holds exactly its row's kept tokens."""
     width = int(x.shape[1])
     if states is None:
-        mlx_compat.drop_row_tails(batch.cache, [width - n for n in kept])
+        mlx_compat.drop_row_tails(batch.cache, [width - n for n in kept], batch.moves())
         return
     if all(n == width for n in kept):
         return

@@ -64,6 +64,10 @@ class EngineCounters:
     # of those, the drafts from the tenant's pool (other requests' outputs)
     spec_pool_drafted: int = 0
     spec_pool_accepted: int = 0
+    # drafts of rows that drafted nothing themselves, in positions a verify pads anyway
+    # (included in spec_drafted / spec_accepted)
+    spec_fill_drafted: int = 0
+    spec_fill_accepted: int = 0
     # tokens the pools took from the cache's stored token ids (a tenant's first request
     # in this process: its history in RAM / SSD / Redis)
     spec_pool_seeded: int = 0

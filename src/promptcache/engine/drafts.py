@@ -9,6 +9,14 @@ draft is the continuation of the longest recent n-gram match of the sequence's t
   after its latest occurrence, updated in O(max_n) per appended token, so a proposal is
   ``max_n`` dict lookups: the longest n whose last n tokens occurred before proposes
   the tokens that followed that occurrence (up to ``k``).
+- The copy cursor (``SequenceDrafts.cursor``): where in the sequence the last verified
+  draft stopped being accepted. A reply that copies its context with changes (a file
+  returned with an identifier renamed) leaves the copy at each change and comes back to
+  it a few tokens later; the latest occurrence of a short tail is then often elsewhere
+  (the request's own text that asked for the change). So the first place within
+  ``cursor_window`` tokens after the cursor whose preceding tokens match the tail's
+  last ``cursor_min_n`` or more (the longest match there, the earliest of those) is
+  proposed before the index is asked.
 - ``TenantDrafts``: a bounded pool of recent sequences (prompts and outputs of every
   session) of ONE tenant, the same n-gram index over all of them (the latest
   occurrence wins), least recently added sequences out past ``max_tokens``. A request
@@ -33,6 +41,8 @@ class DraftConfig:
     max_n: int = 8  # longest tail looked up
     max_k: int = 16  # most tokens proposed at once
     pool_tokens: int = 1_000_000  # tokens a tenant's pool keeps
+    cursor_window: int = 64  # tokens after the copy cursor searched for the tail (0: off)
+    cursor_min_n: int = 1  # the shortest tail that re-syncs at the cursor
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_n <= self.max_n:
@@ -41,6 +51,9 @@ class DraftConfig:
             raise ValueError(f"max_k must be >= 1, got {self.max_k}")
         if self.pool_tokens < 0:
             raise ValueError(f"pool_tokens must be >= 0, got {self.pool_tokens}")
+        if self.cursor_window < 0 or not 1 <= self.cursor_min_n <= self.max_n:
+            raise ValueError(f"need cursor_window >= 0 and 1 <= cursor_min_n <= max_n, got "
+                             f"{self.cursor_window}, {self.cursor_min_n}")
 
 
 @dataclass(frozen=True)
@@ -48,6 +61,7 @@ class Draft:
     tokens: tuple[int, ...]
     matched: int  # length of the n-gram that proposed it (0: no draft)
     source: str  # "self" | "pool" | ""
+    at: int = -1  # where in the sequence the draft starts ("self"; -1: elsewhere)
 
 
 NO_DRAFT = Draft((), 0, "")
@@ -61,6 +75,8 @@ class SequenceDrafts:
         self.tokens: list[int] = []
         # n-gram -> the position right after its latest occurrence
         self._after: dict[tuple[int, ...], int] = {}
+        # where the last verified draft stopped being accepted (None: no copy yet)
+        self.cursor: int | None = None
         self.extend(tokens)
 
     def __len__(self) -> int:
@@ -83,10 +99,38 @@ class SequenceDrafts:
             self.append(t)
 
     def propose(self, k: int) -> Draft:
-        """Up to ``k`` tokens that followed the latest earlier occurrence of the longest
-        tail n-gram (``NO_DRAFT`` when no tail of ``min_n`` or more occurred before)."""
-        return lookup(self._after, self.tokens, self.tokens, min(k, self.config.max_k),
-                      self.config, "self")
+        """Up to ``k`` tokens: after the tail's re-sync point near the copy cursor
+        (``resync``), else after the latest earlier occurrence of the longest tail
+        n-gram (``NO_DRAFT`` when no tail of ``min_n`` or more occurred before)."""
+        k = min(k, self.config.max_k)
+        near = self.resync(k)
+        if near.tokens:
+            return near
+        return lookup(self._after, self.tokens, self.tokens, k, self.config, "self")
+
+    def resync(self, k: int) -> Draft:
+        """The tokens after the first position in ``cursor_window`` tokens from the
+        cursor whose preceding tokens match the longest tail (at least
+        ``cursor_min_n``), ``NO_DRAFT`` when none does."""
+        cfg, toks, cur = self.config, self.tokens, self.cursor
+        end = len(toks)
+        if cur is None or k <= 0 or cfg.cursor_window == 0 or end == 0:
+            return NO_DRAFT
+        best, best_n = -1, cfg.cursor_min_n - 1
+        last = toks[-1]
+        for j in range(max(1, cur), min(end - 1, cur + cfg.cursor_window)):
+            if toks[j - 1] != last:
+                continue
+            n = 1
+            while n < cfg.max_n and n < j and toks[j - 1 - n] == toks[end - 1 - n]:
+                n += 1
+            if n > best_n:
+                best, best_n = j, n
+                if n == cfg.max_n:
+                    break
+        if best < 0:
+            return NO_DRAFT
+        return Draft(tuple(toks[best:best + k]), best_n, "self", best)
 
 
 def lookup(index: dict[tuple[int, ...], int], source: Sequence[int], tail_of: Sequence[int],
@@ -101,7 +145,7 @@ def lookup(index: dict[tuple[int, ...], int], source: Sequence[int], tail_of: Se
             continue
         out = tuple(source[at:at + k])
         if out:
-            return Draft(out, n, name)
+            return Draft(out, n, name, at if name == "self" else -1)
     return NO_DRAFT
 
 

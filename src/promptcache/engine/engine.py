@@ -57,7 +57,8 @@ from .quant import from_config as _kv_quant_of
 from .scheduler import Scheduler
 from .shadow import ShadowVerifier
 from .spec_cost import cost_from_config
-from .speculate import Speculator, spec_stats
+from .spec_rows import spec_stats
+from .speculate import Speculator
 from .submission import Submission, preempt
 from .templates import ChatTemplate
 from .vision import VisionEncoder

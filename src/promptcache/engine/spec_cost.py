@@ -301,10 +301,11 @@ class Acceptance:
 
     __slots__ = ("accepted", "rejected")
 
-    def __init__(self) -> None:
+    def __init__(self, accepted: float = PRIOR_ACCEPTED, rejected: float = PRIOR_REJECTED
+                 ) -> None:
         # the prior decays with the counts: what a request's drafts do wins
-        self.accepted = PRIOR_ACCEPTED
-        self.rejected = PRIOR_REJECTED
+        self.accepted = accepted
+        self.rejected = rejected
 
     def update(self, drafted: int, accepted: int) -> None:
         self.accepted = DECAY * self.accepted + accepted

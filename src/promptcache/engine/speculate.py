@@ -23,14 +23,13 @@ and caches that can take a verify's rejected positions back
 window keeps exactly what decoding one token at a time would hold), and array / SSM
 states next to KV (hybrids: the states are put back as they were before the verify and
 the accepted tokens are fed again, ``batch_verify.repair``). Everything else decodes as
-before. The
-number of draft tokens adapts per request (doubles after a fully accepted draft, falls
+before. The number of draft tokens adapts per request (doubles after a fully accepted draft, falls
 to accepted + 1 after a rejection, at least ``MIN_K``); after a fully rejected draft the
 request drafts nothing for 1, 2, 4 ... ``MAX_COOL`` steps, so a request whose drafts keep
 failing decodes almost as without speculation; a request whose history found no draft
 ``EMPTY_RUN`` steps in a row looks again only every ``EMPTY_SKIP + 1`` steps. Several
-rows verify in one forward of
-``[rows, 1 + longest draft]`` when at least half of them have a draft.
+rows verify in one forward of ``[rows, 1 + longest draft]``; a row with no draft of its
+own this step fills its padding there with its best draft (``spec_rows.Fills``).
 
 The gate (``spec_cost``) prices a verify with ``cost``: by default the startup fit
 corrected by the wall time of the verify forwards and decode steps the batch runs
@@ -63,8 +62,9 @@ from typing import TYPE_CHECKING, Any
 
 from ..serving_config import EngineConfig
 from . import constrained, mlx_compat, spec_cost
-from .drafts import DraftConfig, DraftPools, SequenceDrafts, TenantDrafts, propose
+from .drafts import DraftConfig, DraftPools, TenantDrafts, propose
 from .spec_cost import FREE, Acceptance, CostModel, OnlineCost
+from .spec_rows import Fills, RowIndexes
 
 if TYPE_CHECKING:
     from .context import EngineCounters
@@ -80,8 +80,6 @@ logger = logging.getLogger(__name__)
 MIN_K = 2
 # the longest pause in drafting after fully rejected drafts, in decode steps
 MAX_COOL = 16
-# history indexed per request: the last this many tokens of prompt + output
-HISTORY_TOKENS = 32768
 # a row whose drafts do not pay drafts nothing for this many steps, then probes ...
 PROBE_STEPS = 16
 # ... with its acceptance rate taken as at least this ...
@@ -117,8 +115,7 @@ class Speculator:
         self.clock: Callable[[], float] = time.perf_counter
         self._acc: dict[str, Acceptance] = {}  # request id -> its acceptance counts
         self._seeded: set[str] = set()  # tenants whose pool took the cache's history
-        # request id -> (where its indexed history starts, the index)
-        self._index: dict[str, tuple[int, SequenceDrafts]] = {}
+        self._rows = RowIndexes(self.drafts_config)  # each request's own index
         self._k: dict[str, int] = {}
         # request id -> (steps left without drafts, the last cool-down length)
         self._cool: dict[str, tuple[int, int]] = {}
@@ -128,6 +125,7 @@ class Speculator:
         # drafts did not pay; a row whose pause ran out probes (``_probing``)
         self._pause: dict[str, tuple[int, int]] = {}
         self._probing: set[str] = set()
+        self._fills = Fills()  # rows whose draft this step is a fill (``fill``)
         # request id -> proposals in a row that found nothing; steps left without looking
         self._empty: dict[str, int] = {}
         self._skip: dict[str, int] = {}
@@ -204,18 +202,9 @@ class Speculator:
         if self.source is not None:
             self._source[r.request_id] = "source"
             return self._grammar_cut(r, tuple(int(t) for t in self.source(r, k))[:k])
-        n = r.n_prompt + len(r.output)
-        entry = self._index.get(r.request_id)
-        if entry is None:
-            start = max(0, n - HISTORY_TOKENS)
-            entry = self._index[r.request_id] = (start, SequenceDrafts(
-                (int(t) for t in r.seq[start:n].tolist()), self.drafts_config))
-        base, index = entry
-        have = base + len(index)
-        if have < n:
-            index.extend(int(t) for t in r.seq[have:n].tolist())
-        draft = propose(index, self._pool(r.req.tenant), k)
+        draft = propose(self._rows.synced(r), self._pool(r.req.tenant), k)
         self._source[r.request_id] = draft.source
+        self._rows.drafted(r.request_id, draft.at)
         if draft.tokens:
             self._empty[r.request_id] = 0
         else:  # nothing to copy here: after EMPTY_RUN such steps, look less often
@@ -223,6 +212,17 @@ class Speculator:
             if empty >= EMPTY_RUN:
                 self._skip[r.request_id] = EMPTY_SKIP
         return self._grammar_cut(r, draft.tokens)
+
+    def fill(self, r: Request, k: int) -> tuple[int, ...]:
+        """A draft for a row that drafts nothing this step, for the positions a verify
+        pads anyway (``spec_rows.Fills``): no cool-down, pause or skip is counted."""
+        if r.processors or k <= 0:
+            return ()
+        if self.source is not None:
+            return tuple(int(t) for t in self.source(r, k))[:k]
+        draft = propose(self._rows.synced(r), self.pools.get(r.req.tenant), k)
+        self._rows.drafted(r.request_id, draft.at)
+        return draft.tokens
 
     def _grammar_cut(self, r: Request, draft: tuple[int, ...]) -> tuple[int, ...]:
         """A constrained row's draft up to the first token its grammar rejects after the
@@ -256,6 +256,11 @@ class Speculator:
         c.spec_verifies += 1
         c.spec_drafted += drafted
         c.spec_accepted += accepted
+        self._rows.verified(r.request_id, accepted)
+        if self._fills.verified(r, c, drafted, accepted):
+            if accepted:  # back in sync: its cool-down ends
+                self._cool[r.request_id] = (0, 0)
+            return
         if self._source.get(r.request_id) == "pool":
             c.spec_pool_drafted += drafted
             c.spec_pool_accepted += accepted
@@ -297,10 +302,20 @@ class Speculator:
         if not any(lengths):
             self._gated(len(rows))
             return 0
+        fills: dict[int, tuple[int, ...]] = {}
+        for i, r in enumerate(rows):
+            if lengths[i] == 0:
+                fill = self.fill(r, self.max_k)
+                if fill:
+                    fills[i] = fill
+                    lengths[i], rates[i] = len(fill), self._fills.rate
         cut = spec_cost.plan(rates, lengths, self.cost, state=state, uniform=uniform)
         if cut:
             for i, n in enumerate(lengths):
-                if n == 0 and drafts[i]:
+                if i in fills:
+                    drafts[i] = fills[i]
+                    self._fills.rows.add(rows[i].request_id)
+                elif n == 0 and drafts[i]:
                     drafts[i] = ()
         if cut == 0:
             self._gated(len(rows))
@@ -372,7 +387,7 @@ class Speculator:
         return self.pools.num_tokens()
 
     def forget(self, r: Request) -> None:
-        self._index.pop(r.request_id, None)
+        self._rows.forget(r.request_id)
         self._k.pop(r.request_id, None)
         self._cool.pop(r.request_id, None)
         self._source.pop(r.request_id, None)
@@ -381,20 +396,5 @@ class Speculator:
         self._probing.discard(r.request_id)
         self._empty.pop(r.request_id, None)
         self._skip.pop(r.request_id, None)
+        self._fills.rows.discard(r.request_id)
 
-
-def spec_stats(spec: Speculator | None, c: EngineCounters) -> dict[str, Any]:
-    """The draft pool's size and what the speculation counters mean (``engine_stats``):
-    acceptance rate (accepted / drafted), mean accepted length (accepted / verify
-    forwards) and tokens per verify forward (1 + that: the model's own token after
-    each draft)."""
-    v, d, a = c.spec_verifies, c.spec_drafted, c.spec_accepted
-    relative = ({f"k{k}": round(spec.cost.relative(1, k + 1), 3) for k in (1, 2, 4, 8, 16)}
-                if spec is not None else {})
-    return {"spec_pool_tokens": spec.pool_tokens() if spec is not None else 0,
-            # one stream's verify forward of k drafts, in decode steps
-            "spec_verify_cost": relative,
-            "spec_pool_ngrams": spec.pools.num_ngrams() if spec is not None else 0,
-            "spec_acceptance_rate": round(a / d, 4) if d else None,
-            "spec_mean_accepted": round(a / v, 4) if v else None,
-            "spec_tokens_per_forward": round(1 + a / v, 4) if v else None}

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 from .batch_caches import (
     RIGHT_PADDED_STATE_MODULES,
+    RowMoves,
     batch_nbytes,
     can_batch,
     can_batch_prefill,
@@ -72,6 +73,7 @@ from .windows import (
 
 __all__ = [
     "RIGHT_PADDED_STATE_MODULES",
+    "RowMoves",
     "batch_nbytes",
     "before_verify",
     "can_batch",

@@ -158,14 +158,53 @@ def filter_rows(batch: Any, keep: Sequence[int]) -> None:
     batch.filter(list(keep))
 
 
-def _row_kv(c: BatchKVCache, idx: int, pads: list[int]) -> KVCache:
+class RowMoves:
+    """Where a decode-batch row's first positions went (``speculation.drop_row_tails``
+    moves them into the row's rejected tail instead of shifting the whole row), the same
+    in every KV layer of the batch. Positions are counted from where the row's first
+    position was (``u``: physical index - (left padding - ``shift``)), which filtering,
+    extending and trimming the batch's common padding leave unchanged."""
+
+    __slots__ = ("shift", "keys")
+
+    def __init__(self) -> None:
+        self.shift = 0  # positions moved so far: the row's left padding grew by this
+        self.keys: dict[int, int] = {}  # u of a moved-to slot -> the u it held first
+
+    def moved(self, pad: int, end: int, n: int) -> None:
+        """The ``n`` positions after the row's left padding ``pad`` were copied to the
+        ``n`` before ``end`` (the batch's write index); the padding grows by ``n``."""
+        origin = pad - self.shift
+        dst = end - n - origin
+        for j in range(n):
+            src = self.shift + j
+            self.keys[dst + j] = self.keys.pop(src, src)
+        self.shift += n
+
+    def order(self, pad: int, end: int) -> list[int] | None:
+        """The row's physical positions in temporal order (None: never moved)."""
+        if not self.keys:
+            return None
+        origin = pad - self.shift
+        slots = sorted(range(self.shift, end - origin), key=lambda u: self.keys.get(u, u))
+        return [origin + u for u in slots]
+
+
+def _row_kv(c: BatchKVCache, idx: int, pads: list[int], moves: RowMoves | None) -> KVCache:
     """A KVCache whose arrays are lazy views of row ``idx`` (nothing copied): the
-    caller slices the blocks it needs and copies those."""
+    caller slices the blocks it needs and copies those. A row whose positions were moved
+    (``moves``) is gathered in temporal order (a copy of the row)."""
     pad = pads[idx]
     out = KVCache()
     end = int(c._idx)
-    out.keys = c.keys[idx : idx + 1, :, pad:end, :]
-    out.values = c.values[idx : idx + 1, :, pad:end, :]
+    order = moves.order(pad, end) if moves is not None else None
+    if order is not None:
+        ix = mx.array(order)
+        out.keys = mx.take(c.keys[idx : idx + 1], ix, axis=2)
+        out.values = mx.take(c.values[idx : idx + 1], ix, axis=2)
+    else:
+        out.keys = c.keys[idx : idx + 1, :, pad:end, :]
+        out.values = c.values[idx : idx + 1, :, pad:end, :]
     out.offset = end - pad
     return out
 
@@ -183,15 +222,16 @@ def _row_arrays(c: ArraysCache, idx: int, states: list[Any] | None) -> ArraysCac
     return out
 
 
-def row_caches(batch: Sequence[Any], idx: int, ssm_states: list[list[Any]] | None = None
-               ) -> list[Any]:
+def row_caches(batch: Sequence[Any], idx: int, ssm_states: list[list[Any]] | None = None,
+               moves: RowMoves | None = None) -> list[Any]:
     """Per-layer cache objects of row ``idx`` of a batch, for reading blocks out of it.
 
     Plain KV layers are lazy views of the row (slice what you need and copy it);
     sliding-window layers are ``extract``-ed (a copy of one window); array states are
     copies, taken from ``ssm_states`` (the states before the last step, in leaf order)
-    when given. Nothing returned shares a buffer that the batch later writes in place
-    without also being a view the caller copies from.
+    when given; ``moves``: where the row's positions were moved (``RowMoves``). Nothing
+    returned shares a buffer that the batch later writes in place without also being a
+    view the caller copies from.
     """
     states = iter(ssm_states) if ssm_states is not None else None
     pad_cache: dict[int, list[int]] = {}
@@ -204,7 +244,7 @@ def row_caches(batch: Sequence[Any], idx: int, ssm_states: list[list[Any]] | Non
             if pads is None:
                 pads = [int(p) for p in c.left_padding.tolist()]
                 pad_cache[id(c.left_padding)] = pads
-            return _row_kv(c, idx, pads)
+            return _row_kv(c, idx, pads, moves)
         if isinstance(c, BatchRotatingKVCache):
             return c.extract(idx)
         if isinstance(c, ArraysCache):

@@ -8,7 +8,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, BatchKVCache, BatchRotatingKVCache, dynamic_roll
 
-from .batch_caches import cache_leaves, ssm_states
+from .batch_caches import RowMoves, cache_leaves, ssm_states
 
 
 def speculation_kind(batch: Sequence[Any]) -> str | None:
@@ -61,7 +61,8 @@ def before_verify(batch: Sequence[Any]) -> list[list[Any]] | None:
     return states if states else None
 
 
-def drop_row_tails(batch: Sequence[Any], counts: Sequence[int]) -> None:
+def drop_row_tails(batch: Sequence[Any], counts: Sequence[int],
+                   moves: Sequence[RowMoves] | None = None) -> None:
     """Drop the last ``counts[i]`` positions of row ``i`` (rejected draft tokens and
     right padding) after a verify forward: what all rows drop is trimmed; the rest of a
     row's tail becomes its left padding (mlx-lm's right-padding path: the tail is rolled
@@ -86,6 +87,8 @@ def drop_row_tails(batch: Sequence[Any], counts: Sequence[int]) -> None:
     rest = [n - common for n in counts]
     if not any(rest):
         return
+    if moves is not None and _move_heads(leaves, rest, moves):
+        return
     for c in leaves:
         if isinstance(c, BatchRotatingKVCache):
             shift = mx.array(rest)
@@ -96,6 +99,36 @@ def drop_row_tails(batch: Sequence[Any], counts: Sequence[int]) -> None:
         else:
             c.prepare(right_padding=rest)
             c.finalize()
+
+
+def _move_heads(leaves: Sequence[Any], rest: Sequence[int], moves: Sequence[RowMoves]
+                ) -> bool:
+    """Row ``i``'s first ``rest[i]`` positions into its last ``rest[i]`` (rejected)
+    ones, in every leaf; False (nothing done) unless every leaf is plain KV and every
+    row holds at least twice what it moves."""
+    if not leaves or not all(type(c) is BatchKVCache and c.keys is not None for c in leaves):
+        return False
+    pads = [int(p) for p in leaves[0].left_padding.tolist()]
+    end = int(leaves[0]._idx)
+    if any(n and end - pads[i] < 2 * n for i, n in enumerate(rest)):
+        return False
+    heads = [(c, i, n, mx.array(c.keys[i : i + 1, :, pads[i] : pads[i] + n]),
+              mx.array(c.values[i : i + 1, :, pads[i] : pads[i] + n]))
+             for c in leaves for i, n in enumerate(rest) if n]
+    # the heads are copies with their own buffers before the writes: the writes then
+    # update the caches' buffers in place (nothing else holds them)
+    mx.eval([h[3] for h in heads] + [h[4] for h in heads])
+    for c, i, n, k, v in heads:
+        c.keys[i : i + 1, :, end - n : end] = k
+        c.values[i : i + 1, :, end - n : end] = v
+    shift = mx.array(list(rest))
+    for c in leaves:
+        c.left_padding = c.left_padding + shift
+        c.offset = c.offset - shift
+    for i, n in enumerate(rest):
+        if n:
+            moves[i].moved(pads[i], end, n)
+    return True
 
 
 def restore_before_verify(batch: Sequence[Any], states: Sequence[Sequence[Any]],
