@@ -390,3 +390,33 @@ def test_a_row_with_nothing_to_copy_looks_for_drafts_less_often() -> None:
         pass
     draft = spec.propose(r)
     assert draft and draft == tuple(seq[4:4 + len(draft)])
+
+
+def test_a_new_request_starts_at_the_engines_recent_rate_and_probes_until_verified(
+) -> None:
+    """The prior of a new request is the rate of the engine's recent drafts at the fixed
+    prior's weight (2 + 1); until its first verify the gate takes it as at least
+    PROBE_RATE, then as it is."""
+    from types import SimpleNamespace
+
+    from promptcache.engine.context import EngineCounters
+    from promptcache.engine.speculate import PROBE_RATE, Speculator
+    from promptcache.serving_config import EngineConfig
+
+    recent = Acceptance()
+    recent.update(10, 10)  # 0.9 * 2 + 10 accepted, 0.9 * 1 rejected
+    prior = recent.prior()
+    assert prior.rate == pytest.approx(recent.rate) and prior.updates == 0
+    assert prior.accepted + prior.rejected == pytest.approx(3.0)
+    spec = Speculator(EngineConfig(speculation="suffix"), EngineCounters())
+    rows = [SimpleNamespace(request_id=n, usage=SimpleNamespace(spec_drafted=0,
+                                                                spec_accepted=0))
+            for n in ("a", "b")]
+    assert spec._rate(rows[0]) == PROBE_RATE  # prior 2/3, probing: 0.9
+    spec.feedback(rows[0], 4, 0)  # a's first draft: all rejected
+    assert spec._rate(rows[0]) == pytest.approx(1.8 / 3.7)  # 0.9 * (2, 1) + (0, 1)
+    spec.feedback(rows[0], 4, 4)
+    # b starts at what a's two drafts left in the engine's counts, probing
+    assert spec._recent.rate == pytest.approx((0.81 * 2 + 4) / (0.81 * 2 + 4 + 0.81 * 1 + 0.9))
+    assert spec._acceptance(rows[1]).rate == pytest.approx(spec._recent.rate)
+    assert spec._rate(rows[1]) == max(PROBE_RATE, spec._recent.rate)

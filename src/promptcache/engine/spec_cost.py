@@ -299,15 +299,17 @@ def _tokens(n: int, vocab_size: int) -> mx.array:
 class Acceptance:
     """One request's decayed counts: draft tokens accepted, drafts cut short."""
 
-    __slots__ = ("accepted", "rejected")
+    __slots__ = ("accepted", "rejected", "updates")
 
     def __init__(self, accepted: float = PRIOR_ACCEPTED, rejected: float = PRIOR_REJECTED
                  ) -> None:
         # the prior decays with the counts: what a request's drafts do wins
         self.accepted = accepted
         self.rejected = rejected
+        self.updates = 0  # verified drafts counted
 
     def update(self, drafted: int, accepted: int) -> None:
+        self.updates += 1
         self.accepted = DECAY * self.accepted + accepted
         self.rejected = DECAY * self.rejected + (1.0 if accepted < drafted else 0.0)
 
@@ -317,6 +319,12 @@ class Acceptance:
         rejected (2/3): a draft exists only where the sequence's last tokens occurred
         before, which is evidence for the tokens that followed."""
         return self.accepted / (self.accepted + self.rejected)
+
+    def prior(self) -> Acceptance:
+        """A new request's counts: this rate (the engine's recent drafts) at the weight
+        of the fixed prior (2 + 1), so that what the request's own drafts do soon wins."""
+        weight = PRIOR_ACCEPTED + PRIOR_REJECTED
+        return Acceptance(weight * self.rate, weight * (1.0 - self.rate))
 
 
 def expected_tokens(rate: float, n: int) -> float:

@@ -38,19 +38,17 @@ Per row, a draft that is not expected to pay on its own at that cost
 (``spec_cost.row_pays``: the row's acceptance rate, the verify's price) is dropped and
 the row drafts nothing for ``PROBE_STEPS`` steps, then probes once with an optimistic
 rate (``PROBE_RATE``); each further pause with no draft token accepted in between is
-twice as long, up to ``MAX_PROBE_STEPS``. While every row of the batch waits (a
-cool-down or a pause), the decode step stays pipelined (``waiting``: no sync to read the
-pending tokens).
+twice as long, up to ``MAX_PROBE_STEPS``; a new request starts at the engine's recent
+rate (``Acceptance.prior``) and probes until its first verify. While every row waits (a
+cool-down or a pause), the step stays pipelined (``waiting``).
 
 Drafts come from the request's own history first and its tenant's pool second
 (``drafts.DraftPools``: when a request finishes, ``remember`` adds its output and the
 last ``spec_pool_prompt_tokens`` of its prompt to the pool of ITS tenant, at most
 ``spec_pool_tokens`` tokens over all pools): a draft never comes from another tenant's
 text. Counted per engine (``spec_*``; ``spec_pool_*`` for pool drafts) and per request
-(``Usage.spec_drafted`` / ``spec_accepted``).
-
-``Speculator.source`` replaces the draft source (tests: drafts that are right, wrong or
-half right must all give the same tokens).
+(``Usage.spec_drafted`` / ``spec_accepted``). ``Speculator.source`` replaces the draft
+source (tests: drafts that are right, wrong or half right give the same tokens).
 """
 
 from __future__ import annotations
@@ -84,8 +82,7 @@ MAX_COOL = 16
 PROBE_STEPS = 16
 # ... with its acceptance rate taken as at least this ...
 PROBE_RATE = 0.9
-# ... and each pause with no draft token accepted since the last is twice as long, up to
-# this many steps
+# ... and each pause with no draft token accepted since the last is twice as long, up to:
 MAX_PROBE_STEPS = 1024
 # a row whose history found no draft this many steps in a row looks again only every
 # EMPTY_SKIP + 1 steps (a copy starts at most EMPTY_SKIP tokens late; the steps between
@@ -114,6 +111,7 @@ class Speculator:
         self.cost: CostModel = cost if cost is not None else FREE
         self.clock: Callable[[], float] = time.perf_counter
         self._acc: dict[str, Acceptance] = {}  # request id -> its acceptance counts
+        self._recent = Acceptance()  # every request's drafts: a new request's prior
         self._seeded: set[str] = set()  # tenants whose pool took the cache's history
         self._rows = RowIndexes(self.drafts_config)  # each request's own index
         self._k: dict[str, int] = {}
@@ -267,6 +265,7 @@ class Speculator:
         r.usage.spec_drafted += drafted
         r.usage.spec_accepted += accepted
         self._acceptance(r).update(drafted, accepted)
+        self._recent.update(drafted, accepted)
         k = self._k.get(r.request_id, self.max_k)
         self._k[r.request_id] = min(self.max_k, 2 * k) if accepted == drafted \
             else max(MIN_K, accepted + 1)
@@ -330,9 +329,10 @@ class Speculator:
             self.cost.observe_gated(rows, idle=idle)
             self.counters.spec_guard_off += self.cost.guard.gated_off - before
 
-    def _rate(self, r: Request) -> float:
-        rate = self._acceptance(r).rate
-        return max(rate, PROBE_RATE) if r.request_id in self._probing else rate
+    def _rate(self, r: Request) -> float:  # probing: until a first verify, after pauses
+        acc = self._acceptance(r)
+        return max(acc.rate, PROBE_RATE) if r.request_id in self._probing or not acc.updates \
+            else acc.rate
 
     def _hold(self, r: Request) -> None:
         """``r``'s drafts do not pay: no drafts for ``PROBE_STEPS`` steps, twice as many
@@ -371,7 +371,7 @@ class Speculator:
     def _acceptance(self, r: Request) -> Acceptance:
         acc = self._acc.get(r.request_id)
         if acc is None:
-            acc = self._acc[r.request_id] = Acceptance()
+            acc = self._acc[r.request_id] = self._recent.prior()
         return acc
 
     def remember(self, r: Request) -> None:
