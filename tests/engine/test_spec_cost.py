@@ -275,25 +275,33 @@ def test_the_gate_follows_the_measured_cost(tiny_llama_path: Any, verify: str,
         eng.close()
 
 
-def test_the_gate_is_per_row_in_a_batch(tiny_llama_path: Any) -> None:
-    """Two rows decoding together, a verify measured at 1 + 0.25 k decode steps (of the
-    batch): the row whose drafts are wrong stops drafting (pauses) after a few verifies,
-    the row whose drafts are right keeps verifying (its tokens pay for the batch's wider
-    forward); both get the tokens of decoding one at a time."""
-    rng = np.random.default_rng(21)
+def two_rows(path: Any, seed: int) -> tuple[list[tuple[int, ...]], dict[tuple[int, ...],
+                                                                        list[int]], Any]:
+    """Two random 40-token prompts, the 60 tokens decoding one at a time gives for each,
+    and a speculating engine (drafts of up to 8) whose verify costs 1 + 0.25 k decode
+    steps, scripted."""
+    rng = np.random.default_rng(seed)
     prompts = [tuple(int(t) for t in rng.integers(3, 1000, size=40)) for _ in range(2)]
-    plain = make_engine(tiny_llama_path, use_cache=False)
+    plain = make_engine(path, use_cache=False)
     try:
         want = {p: plain.submit(GenerationRequest(prompt_tokens=p, sampling=SamplingParams(
             max_tokens=60))).result(timeout=300).tokens for p in prompts}
     finally:
         plain.close()
-    eng = make_engine(tiny_llama_path, use_cache=False, speculation="suffix",
-                      spec_max_draft=8)
+    eng = make_engine(path, use_cache=False, speculation="suffix", spec_max_draft=8)
+    eng._ctx.logits_hook = None
+    eng._ctx.speculator.cost = ScriptedCost(lambda width: 1.0 + 0.25 * (width - 1))
+    return prompts, want, eng
+
+
+def test_the_gate_is_per_row_in_a_batch(tiny_llama_path: Any) -> None:
+    """Two rows decoding together, a verify measured at 1 + 0.25 k decode steps (of the
+    batch): the row whose drafts are wrong stops drafting (pauses) after a few verifies,
+    the row whose drafts are right keeps verifying (its tokens pay for the batch's wider
+    forward); both get the tokens of decoding one at a time."""
+    prompts, want, eng = two_rows(tiny_llama_path, 21)
     try:
-        eng._ctx.logits_hook = None
         spec = eng._ctx.speculator
-        spec.cost = ScriptedCost(lambda width: 1.0 + 0.25 * (width - 1))
         right, wrong = prompts
 
         def source(r: Any, k: int) -> list[int]:
@@ -325,20 +333,9 @@ def test_a_row_that_drafts_nothing_fills_the_verify_padding(tiny_llama_path: Any
     follows), then its source is right. While B cools down, A's verifies carry B's
     draft in the positions they pad anyway (a fill): accepted there, and B's
     cool-down ends; both rows get the tokens of decoding one at a time."""
-    rng = np.random.default_rng(23)
-    prompts = [tuple(int(t) for t in rng.integers(3, 1000, size=40)) for _ in range(2)]
-    plain = make_engine(tiny_llama_path, use_cache=False)
+    prompts, want, eng = two_rows(tiny_llama_path, 23)
     try:
-        want = {p: plain.submit(GenerationRequest(prompt_tokens=p, sampling=SamplingParams(
-            max_tokens=60))).result(timeout=300).tokens for p in prompts}
-    finally:
-        plain.close()
-    eng = make_engine(tiny_llama_path, use_cache=False, speculation="suffix",
-                      spec_max_draft=8)
-    try:
-        eng._ctx.logits_hook = None
         spec = eng._ctx.speculator
-        spec.cost = ScriptedCost(lambda width: 1.0 + 0.25 * (width - 1))
         calls: dict[tuple[int, ...], int] = {}
 
         def source(r: Any, k: int) -> list[int]:
