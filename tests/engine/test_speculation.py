@@ -392,6 +392,9 @@ def test_per_request_and_engine_counts_are_exact(tiny_llama_path: Any, reference
         assert st["spec_mean_accepted"] == round(accepted / verifies, 4)
         assert st["spec_tokens_per_forward"] == round(1 + accepted / verifies, 4)
         assert st["spec_pool_tokens"] == len(toks) + 11  # the whole prompt (< 256) + output
+        # one decode step per verify forward ("first": a sixth reports the last pending
+        # token, which ends the request before any forward)
+        assert eng.counters.decode_steps == (3 if kind == "right" else 6)
     finally:
         eng.close()
 

@@ -119,9 +119,7 @@ def verify_step(batch: DecodeBatch, spec: Speculator) -> bool:
     for i, r in enumerate(rows):
         if drafts[i]:
             spec.feedback(r, len(drafts[i]), accepted[i])
-    c = rows[0].ctx.counters
-    c.decode_steps += 1
-    c.decode_rows += len(rows)
+    c = rows[0].ctx.counters  # the step itself is counted by the scheduler (decode_steps)
     c.spec_multirow += len(rows) > 1
     # report the accepted draft tokens; a row that stops inside its draft keeps the
     # positions fed before its last token (prompt + output[:-1])
