@@ -294,6 +294,18 @@ def two_rows(path: Any, seed: int) -> tuple[list[tuple[int, ...]], dict[tuple[in
     return prompts, want, eng
 
 
+def decode_together(eng: Any, prompts: list[tuple[int, ...]],
+                    want: dict[tuple[int, ...], list[int]], source: Any) -> list[Any]:
+    """Both prompts decoded together with drafts from ``source``: each gets the tokens
+    of decoding one at a time (asserted); their results."""
+    eng._ctx.speculator.source = source
+    handles = [eng.submit(GenerationRequest(prompt_tokens=p, sampling=SamplingParams(
+        max_tokens=60))) for p in prompts]
+    got = [h.result(timeout=300) for h in handles]
+    assert [g.tokens for g in got] == [want[p] for p in prompts]
+    return got
+
+
 def test_the_gate_is_per_row_in_a_batch(tiny_llama_path: Any) -> None:
     """Two rows decoding together, a verify measured at 1 + 0.25 k decode steps (of the
     batch): the row whose drafts are wrong stops drafting (pauses) after a few verifies,
@@ -301,7 +313,6 @@ def test_the_gate_is_per_row_in_a_batch(tiny_llama_path: Any) -> None:
     forward); both get the tokens of decoding one at a time."""
     prompts, want, eng = two_rows(tiny_llama_path, 21)
     try:
-        spec = eng._ctx.speculator
         right, wrong = prompts
 
         def source(r: Any, k: int) -> list[int]:
@@ -309,11 +320,7 @@ def test_the_gate_is_per_row_in_a_batch(tiny_llama_path: Any) -> None:
             shift = 1 if p == wrong else 0
             return [(t + shift) % 1000 for t in want[p][len(r.output):len(r.output) + k]]
 
-        spec.source = source
-        handles = [eng.submit(GenerationRequest(prompt_tokens=p, sampling=SamplingParams(
-            max_tokens=60))) for p in prompts]
-        got = [h.result(timeout=300) for h in handles]
-        assert [g.tokens for g in got] == [want[p] for p in prompts]
+        got = decode_together(eng, prompts, want, source)
         good, bad = got
         c = eng.counters
         assert good.usage.spec_accepted == good.usage.spec_drafted >= 40
@@ -335,7 +342,6 @@ def test_a_row_that_drafts_nothing_fills_the_verify_padding(tiny_llama_path: Any
     cool-down ends; both rows get the tokens of decoding one at a time."""
     prompts, want, eng = two_rows(tiny_llama_path, 23)
     try:
-        spec = eng._ctx.speculator
         calls: dict[tuple[int, ...], int] = {}
 
         def source(r: Any, k: int) -> list[int]:
@@ -344,11 +350,7 @@ def test_a_row_that_drafts_nothing_fills_the_verify_padding(tiny_llama_path: Any
             shift = 1 if p == prompts[1] and calls[p] == 1 else 0
             return [(t + shift) % 1000 for t in want[p][len(r.output):len(r.output) + k]]
 
-        spec.source = source
-        handles = [eng.submit(GenerationRequest(prompt_tokens=p, sampling=SamplingParams(
-            max_tokens=60))) for p in prompts]
-        got = [h.result(timeout=300) for h in handles]
-        assert [g.tokens for g in got] == [want[p] for p in prompts]
+        got = decode_together(eng, prompts, want, source)
         c = eng.counters
         assert c.max_batch == 2 and c.spec_multirow >= 1
         assert c.spec_fill_accepted == c.spec_fill_drafted >= 1
