@@ -111,3 +111,15 @@ def test_floor_meter_on_the_tiny_model(tiny_llama_path: Path) -> None:
     assert turns[0].cached_tokens == 0 and turns[1].cached_tokens > 0
     assert all(f.new_tokens == f.prompt_tokens - f.cached_tokens for f in turns)
     assert all(f.floor_s > 0 for f in turns)
+
+
+def test_a_chat_template_goes_to_ours_as_a_file_and_to_mlx_lm_as_text(tmp_path: Path) -> None:
+    template = tmp_path / "t.jinja"
+    template.write_text("{{ messages[0]['content'] }}", encoding="utf-8")
+    ours = systems.build_command("ours_spec", "/m", 4000, chat_template=template)
+    assert ours[3:] == ["serve", "--model", "/m", "--host", "127.0.0.1", "--port", "4000",
+                        "--chat-template", str(template), "--speculation", "suffix"]
+    mlx = systems.build_command("mlx_lm", "/m", 5, chat_template=template)
+    assert mlx[-2:] == ["--chat-template", "{{ messages[0]['content'] }}"]
+    with pytest.raises(ValueError, match="vllm_mlx"):
+        systems.build_command("vllm_mlx", "/m", 6, chat_template=template)

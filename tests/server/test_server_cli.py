@@ -84,3 +84,24 @@ def test_serve_speculation_options() -> None:
     for bad in ("cheap", "-0.5", "1.4,0.5"):
         with pytest.raises(ValueError, match="spec_verify_cost"):
             _configs("--spec-verify-cost", bad)
+
+
+def test_serve_chat_template_option(tmp_path: Path) -> None:
+    from promptcache.cli.serve_cmd import read_chat_template
+
+    parse = build_parser().parse_args
+    assert read_chat_template(parse(["serve"]).chat_template) is None
+    f = tmp_path / "t.jinja"
+    f.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}", encoding="utf-8")
+    assert read_chat_template(parse(["serve", "--chat-template", str(f)]).chat_template) \
+        == f.read_text(encoding="utf-8")
+    inline = "{{ messages[0]['content'] }}"
+    assert read_chat_template(inline) == inline
+    with pytest.raises(ValueError, match="not a readable template file"):
+        read_chat_template(str(tmp_path / "missing.jinja"))
+    with pytest.raises(ValueError, match=r"not a valid Jinja template \(line 1"):
+        read_chat_template("{% for m in messages %}{{ m }}")
+    empty = tmp_path / "empty.jinja"
+    empty.write_text("  \n", encoding="utf-8")
+    with pytest.raises(ValueError, match="the template is empty"):
+        read_chat_template(str(empty))

@@ -97,3 +97,53 @@ def test_prefill_is_left_open(smol: tuple[Engine, TestClient]) -> None:
                                  {"role": "assistant", "content": "{"}],
                                 continue_final_message=True)
     assert engine.tokenizer.decode(tokens).endswith("<|im_start|>assistant\n{")
+
+
+def test_a_chat_template_that_takes_tools_replaces_the_models(default_model_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch
+                                                              ) -> None:
+    """``--chat-template`` (E3's template): the tools go to the template, not into the
+    system turn, and ours prefills the tokens mlx_lm.server renders from the same
+    template (it parses each call's arguments into a dict, as ours does), once ours
+    does not sort the tools (its canonical form: the same text in another order)."""
+    import json
+
+    from promptcache.bench.concurrent_plans import build
+    from promptcache.bench.tool_template import TOOLS_TEMPLATE
+
+    plan = build("E3", quick=True)
+    assert plan.chat_template == TOOLS_TEMPLATE
+    assert build("E5", quick=True).chat_template is None
+    job = plan.rounds[0][0][1]  # the report turn: read, write and test calls in its history
+    engine = Engine.load(default_model_path, EngineConfig(), None,
+                         chat_template=TOOLS_TEMPLATE)
+    try:
+        submitted: list[Any] = []
+        submit = engine.submit
+
+        def spy(req: Any) -> Any:
+            submitted.append(req)
+            return submit(req)
+
+        monkeypatch.setattr(engine, "submit", spy)
+        config = ServerConfig(canonicalize_off=("tool_keys", "tool_order"))
+        with TestClient(create_app(engine, config)) as client:
+            r = client.post("/v1/chat/completions", json={
+                "model": "default", "max_tokens": 1, "messages": list(job.messages),
+                "tools": list(job.tools)})
+            assert r.status_code == 200, r.text
+            assert client.app.state.pc_prepare.abilities().tools  # type: ignore[attr-defined]
+        peer = [dict(m) for m in job.messages]
+        for m in peer:  # what mlx_lm.server does to a request's calls before rendering
+            m["tool_calls"] = [{**c, "function": {**c["function"], "arguments": json.loads(
+                c["function"]["arguments"])}} for c in m.get("tool_calls") or []] or None
+            if m["tool_calls"] is None:
+                del m["tool_calls"]
+        expected = engine.tokenizer.apply_chat_template(
+            peer, tools=list(job.tools), add_generation_prompt=True, tokenize=False)
+        text = engine.tokenizer.decode(list(submitted[-1].prompt_tokens))
+        assert text == expected
+        assert text.count("<tool_call>") == 3 + 2  # three calls + the format's two
+        assert '{"type": "function", "function": {"name": "read_file"' in text
+    finally:
+        engine.close()

@@ -170,8 +170,13 @@ def run_plans(systems: Sequence[str], plan: ConcurrentPlan, model: str, work_dir
             cache_dir = work_dir / f"{plan.name}-{system}"
             shutil.rmtree(cache_dir, ignore_errors=True)
             cache_dir.mkdir(parents=True)
+            template = None
+            if plan.chat_template is not None:
+                template = work_dir / f"{plan.name}-chat-template.jinja"
+                template.write_text(plan.chat_template, encoding="utf-8")
             srv = ServerProcess(system, model, log_dir / f"{plan.name}-{system}.log",
-                                cache_dir=cache_dir if system != "nocache" else None)
+                                cache_dir=cache_dir if system != "nocache" else None,
+                                chat_template=template)
             try:
                 srv.start()
                 with httpx.Client() as client:

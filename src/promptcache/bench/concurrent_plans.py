@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .scenarios import THINK_CLOSE, THINK_OPEN, TextGen, _code_file, _tool_defs, edit_request
+from .tool_template import TOOLS_TEMPLATE
 
 # new names go at the end: a plan's seed stream is its index here
 CONCURRENT_NAMES = ("C1", "C2", "E2", "E3", "E4", "E5")
@@ -46,6 +47,8 @@ class ConcurrentPlan:
     notes: tuple[str, ...] = field(default_factory=tuple)
     # tokens generated per request when ``--max-tokens`` is not given (None: the default)
     max_tokens: int | None = None
+    # a chat template every system is started with (None: the model's own)
+    chat_template: str | None = None
 
 
 def _sizes(quick: bool) -> dict[str, int]:
@@ -135,7 +138,9 @@ def _spec_plan(key: str, g: TextGen, sz: dict[str, int], counts: Sequence[int]
     return ConcurrentPlan(
         key, f"{title} ({'/'.join(str(n) for n in counts)} streams, {out} tokens, greedy)",
         "openai", rounds, labels=tuple(str(n) for n in counts), max_tokens=out,
-        notes=("speculative decoding's case: compare ours_spec with ours and mlx_lm",))
+        notes=("speculative decoding's case: compare ours_spec with ours and mlx_lm",),
+        # SmolLM2's template drops tools: every system gets one that renders them
+        chat_template=TOOLS_TEMPLATE if key == "E3" else None)
 
 
 def _edit_stream(s: int, g: TextGen, sz: dict[str, int]) -> tuple[Job, ...]:

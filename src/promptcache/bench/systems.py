@@ -103,10 +103,15 @@ def unavailable_reason(name: str) -> str | None:
 
 
 def build_command(name: str, model: str, port: int, *, cache_dir: Path | None = None,
-                  ram_budget_bytes: int | None = None, extra_args: tuple[str, ...] = ()
-                  ) -> list[str]:
+                  ram_budget_bytes: int | None = None, extra_args: tuple[str, ...] = (),
+                  chat_template: Path | None = None) -> list[str]:
     """The argv that starts system ``name`` serving ``model`` on 127.0.0.1:``port``
-    (``extra_args``: more options for ours, e.g. ``--redis-url``)."""
+    (``extra_args``: more options for ours, e.g. ``--redis-url``; ``chat_template``: a
+    template file that replaces the model's, for ours and mlx_lm.server)."""
+    if chat_template is not None:
+        if name == "vllm_mlx":
+            raise ValueError("vllm_mlx: the bench does not pass it a chat template")
+        extra_args = (*extra_args, "--chat-template", str(chat_template))
     if name in ("nocache", *OURS):
         cmd = [sys.executable, "-c", "import sys; from promptcache.cli import main; sys.exit(main())",
                "serve", "--model", model, "--host", "127.0.0.1", "--port", str(port),
@@ -128,6 +133,8 @@ def build_command(name: str, model: str, port: int, *, cache_dir: Path | None = 
                "--host", "127.0.0.1", "--port", str(port), "--log-level", "WARNING"]
         if ram_budget_bytes is not None:
             cmd += ["--prompt-cache-bytes", str(ram_budget_bytes)]
+        if chat_template is not None:  # mlx_lm.server takes the template's text
+            cmd += ["--chat-template", chat_template.read_text(encoding="utf-8")]
         return cmd
     if name == "vllm_mlx":
         cmd = [str(vllm_mlx_binary()), "serve", model, "--continuous-batching",
@@ -192,6 +199,7 @@ class ServerProcess:
     cache_dir: Path | None = None
     ram_budget_bytes: int | None = None
     extra_args: tuple[str, ...] = ()
+    chat_template: Path | None = None
     ready_timeout_s: float = 600.0
     sample_interval_s: float = 0.2
     port: int = 0
@@ -217,7 +225,8 @@ class ServerProcess:
         self.model_id = ""
         self.port = free_port()
         cmd = build_command(self.name, self.model, self.port, cache_dir=self.cache_dir,
-                            ram_budget_bytes=self.ram_budget_bytes, extra_args=self.extra_args)
+                            ram_budget_bytes=self.ram_budget_bytes, extra_args=self.extra_args,
+                            chat_template=self.chat_template)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log.info("starting %s: %s", self.name, " ".join(cmd))
         t0 = time.perf_counter()

@@ -42,6 +42,10 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="local model folder or Hugging Face repo id "
                                    "(default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--chat-template", default=None, metavar="FILE|TEMPLATE",
+                   help="a Jinja chat template (a file, or the template itself) that "
+                        "replaces the model's, e.g. one that renders tools for a model "
+                        "whose own template drops them")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8080)
     p.add_argument("--cache-dir", type=Path, default=None,
@@ -269,6 +273,32 @@ def build_configs(args: argparse.Namespace) -> tuple[
     return engine_cfg, cache_cfg, ssd_cfg, server_cfg
 
 
+def read_chat_template(value: str | None) -> str | None:
+    """``--chat-template``: a file's text, or the value itself when it is a Jinja
+    template (has ``{{`` or ``{%``); ValueError otherwise (a mistyped path)."""
+    if value is None:
+        return None
+    path = Path(value)
+    if "{{" not in value and "{%" not in value:
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"--chat-template {value}: not a readable template file "
+                             f"({type(e).__name__}: {e})") from None
+    else:
+        text = value
+    if not text.strip():
+        raise ValueError(f"--chat-template {value}: the template is empty")
+    try:
+        import jinja2
+
+        jinja2.Environment().parse(text)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"--chat-template: not a valid Jinja template (line {e.lineno}: "
+                         f"{e.message})") from None
+    return text
+
+
 def free_bytes(path: Path) -> int:
     """Free bytes of the file system holding ``path`` (or its nearest existing parent);
     0 if none can be asked."""
@@ -314,6 +344,7 @@ def run(args: argparse.Namespace) -> int:
     logging.getLogger().setLevel(args.log_level.upper())
     engine_cfg, cache_cfg, ssd_cfg, server_cfg = build_configs(args)
     redis_cfg = build_redis_config(args)
+    chat_template = read_chat_template(args.chat_template)
 
     import uvicorn
 
@@ -331,7 +362,8 @@ def run(args: argparse.Namespace) -> int:
     cache = build_cache(cache_cfg, ssd_cfg, redis_cfg)
     ssd_mode = {t.name: getattr(t, "mode", "") for t in cache.lower}.get("ssd") if cache else None
     engine = Engine.load(model, engine_cfg, cache_cfg, cache=cache,
-                         vision_cache=build_vision_cache(args, ssd_cfg))
+                         vision_cache=build_vision_cache(args, ssd_cfg),
+                         chat_template=chat_template)
     if server_cfg.context_window and server_cfg.context_window > engine.context_length:
         log.warning("--context-window %d is larger than the model's window (%d); using %d",
                     server_cfg.context_window, engine.context_length, engine.context_length)

@@ -200,14 +200,16 @@ class Engine:
         cache: PromptCache | None = None,
         logits_hook: LogitsHook | None = None,
         vision_cache: VisionCache | None = None,
+        chat_template: str | None = None,
     ) -> Engine:
         """Load a model folder or Hugging Face repo id. ``cache``: a PromptCache built
         by the caller (with ``engine.payload.MLXPayloadAdapter``), or None. A
         vision-language model folder (config with ``vision_config``) is loaded through
-        mlx-vlm (``models/vlm.py``); ``vision_cache`` then caches its image features."""
+        mlx-vlm (``models/vlm.py``); ``vision_cache`` then caches its image features.
+        ``chat_template``: a Jinja chat template that replaces the checkpoint's."""
         from .models.loader import load_model_or_vlm
 
-        model, tokenizer, info, tower = load_model_or_vlm(model_path)
+        model, tokenizer, info, tower = load_model_or_vlm(model_path, chat_template=chat_template)
         vision = None
         if tower is not None:
             if vision_cache is not None:

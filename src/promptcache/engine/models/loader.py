@@ -92,7 +92,8 @@ def context_length_from_config(config: dict[str, Any], default: int = DEFAULT_CO
     return default
 
 
-def load_model_or_vlm(path_or_repo: str | os.PathLike[str], *, float32_on_cpu: bool = True
+def load_model_or_vlm(path_or_repo: str | os.PathLike[str], *, float32_on_cpu: bool = True,
+                      chat_template: str | None = None
                       ) -> tuple[Any, Any, ModelInfo, Any | None]:
     """``(model, tokenizer, info, vision_tower)``: a text model through mlx-lm
     (``vision_tower`` None), or a vision-language model through mlx-vlm
@@ -103,7 +104,8 @@ def load_model_or_vlm(path_or_repo: str | os.PathLike[str], *, float32_on_cpu: b
     (``preprocessor_config.json``), but whose family mlx-lm has (mlx-lm loads its
     ``text_config`` and drops the vision weights) is loaded text-only; a log line says
     which path was taken and why. A family neither supports is refused by
-    ``vlm.load_vlm``."""
+    ``vlm.load_vlm``. ``chat_template``: a Jinja chat template that replaces the
+    checkpoint's (``promptcache serve --chat-template``)."""
     folder, model_id = resolve_model_path(path_or_repo)
     try:
         config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
@@ -128,10 +130,12 @@ def load_model_or_vlm(path_or_repo: str | os.PathLike[str], *, float32_on_cpu: b
             logger.info("%s ships a vision_config of family %r: loading it with images "
                         "through mlx-vlm", model_id, model_type)
     if text_only:
-        model, tokenizer, info = load_model(folder, float32_on_cpu=float32_on_cpu)
+        model, tokenizer, info = load_model(folder, float32_on_cpu=float32_on_cpu,
+                                            chat_template=chat_template)
         return model, tokenizer, dataclasses.replace(info, model_id=model_id), None
     fingerprint = model_fingerprint(folder)
-    model, tokenizer, tower = vlm.load_vlm(folder, config, float32_on_cpu=float32_on_cpu)
+    model, tokenizer, tower = vlm.load_vlm(folder, config, float32_on_cpu=float32_on_cpu,
+                                           chat_template=chat_template)
     info = ModelInfo(
         model_id=model_id, path=folder, fingerprint=fingerprint,
         model_type=str(config.get("model_type", "unknown")),
@@ -141,6 +145,12 @@ def load_model_or_vlm(path_or_repo: str | os.PathLike[str], *, float32_on_cpu: b
     logger.info("loaded vision-language model %s (%s, %d layers, fingerprint %s)",
                 info.model_id, info.model_type, info.num_layers, info.fingerprint[:12])
     return model, tokenizer, info, tower
+
+
+def tokenizer_config(chat_template: str | None) -> dict[str, Any] | None:
+    """What mlx-lm's tokenizer loader takes to replace the checkpoint's chat template
+    (the tool-call parser mlx-lm infers from the template follows it)."""
+    return {"chat_template": chat_template} if chat_template is not None else None
 
 
 def _mlx_lm_has(model_type: str) -> bool:
@@ -168,16 +178,19 @@ def _dtype_of(model: Any) -> str:
 
 
 def load_model(
-    path_or_repo: str | os.PathLike[str], *, float32_on_cpu: bool = True
+    path_or_repo: str | os.PathLike[str], *, float32_on_cpu: bool = True,
+    chat_template: str | None = None,
 ) -> tuple[Any, Any, ModelInfo]:
-    """Load ``(model, tokenizer, info)`` with mlx-lm from a folder or a Hugging Face repo id."""
+    """Load ``(model, tokenizer, info)`` with mlx-lm from a folder or a Hugging Face repo id
+    (``chat_template``: replaces the checkpoint's, as ``mlx_lm.server --chat-template``)."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
     from mlx_lm import load
 
     folder, model_id = resolve_model_path(path_or_repo)
     fingerprint = model_fingerprint(folder)
-    model, tokenizer, config = load(str(folder), lazy=True, return_config=True)
+    model, tokenizer, config = load(str(folder), lazy=True, return_config=True,
+                                    tokenizer_config=tokenizer_config(chat_template))
     if float32_on_cpu and mx.default_device() == mx.cpu:
         model.set_dtype(mx.float32)  # floating-point parameters only
     mx.eval(model.parameters())

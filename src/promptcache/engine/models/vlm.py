@@ -243,8 +243,8 @@ def _mlx_lm_text_model(folder: Path, config: dict[str, Any], vlm: Any) -> Any:
     return model.language_model
 
 
-def load_vlm(folder: Path, config: dict[str, Any], *, float32_on_cpu: bool = True
-             ) -> tuple[VLMTextModel, Any, VisionTower]:
+def load_vlm(folder: Path, config: dict[str, Any], *, float32_on_cpu: bool = True,
+             chat_template: str | None = None) -> tuple[VLMTextModel, Any, VisionTower]:
     """``(text_model, tokenizer, vision)`` of a VLM folder (mlx-vlm + mlx-lm's tokenizer)."""
     model_type = str(config.get("model_type"))
     if model_type not in SUPPORTED_TYPES:
@@ -262,7 +262,8 @@ def load_vlm(folder: Path, config: dict[str, Any], *, float32_on_cpu: bool = Tru
     if float32_on_cpu and mx.default_device() == mx.cpu:
         vlm.set_dtype(mx.float32)
     mx.eval(vlm.parameters())
-    tokenizer = load_tokenizer(folder, eos_token_ids=config.get("eos_token_id"))
+    extra = {"chat_template": chat_template} if chat_template is not None else None
+    tokenizer = load_tokenizer(folder, extra, eos_token_ids=config.get("eos_token_id"))
     image_processor = AutoImageProcessor.from_pretrained(str(folder), backend="pil")
     proc_file = folder / "processor_config.json"
     proc = json.loads(proc_file.read_text()) if proc_file.is_file() else {}
