@@ -25,7 +25,8 @@ def reference(seqs: list[list[int]], tail: list[int], k: int, cfg: DraftConfig,
               own: bool) -> tuple[tuple[int, ...], int]:
     """Longest n first; the latest occurrence (sequences in order, positions in order)
     that something follows; never across two sequences; for ``own`` the tail itself
-    (the sequence's end) is not an occurrence."""
+    (the sequence's end) is not an occurrence, and a draft that reaches the end repeats
+    the span from its start (the sequence's token ``at + i mod (end - at)``)."""
     end = len(tail)
     for n in range(min(cfg.max_n, end), cfg.min_n - 1, -1):
         gram = tail[end - n:]
@@ -33,7 +34,9 @@ def reference(seqs: list[list[int]], tail: list[int], k: int, cfg: DraftConfig,
         for seq in seqs:
             for j in range(len(seq) - n):
                 if seq[j:j + n] == gram:
-                    best = tuple(seq[j + n:j + n + k])
+                    at = j + n
+                    best = tuple(seq[at + i % (len(seq) - at)] for i in range(k)) if own \
+                        else tuple(seq[at:at + k])
         if best:
             return best, n
     return (), 0
@@ -108,7 +111,8 @@ def resync_reference(seq: list[int], cursor: int, k: int, cfg: DraftConfig
                      ) -> tuple[tuple[int, ...], int, int]:
     """Every position j in [cursor, cursor + window) with something after it and before
     the tail: the tokens before j that equal the tail's last ones (at most max_n); the
-    longest (at least cursor_min_n) wins, the earliest of those."""
+    longest (at least cursor_min_n) wins, the earliest of those; its draft repeats the
+    span from j when it reaches the end (as ``reference``)."""
     best: tuple[tuple[int, ...], int, int] = ((), 0, -1)
     end = len(seq)
     for j in range(max(1, cursor), min(end - 1, cursor + cfg.cursor_window)):
@@ -116,7 +120,7 @@ def resync_reference(seq: list[int], cursor: int, k: int, cfg: DraftConfig
         while n < min(cfg.max_n, j) and seq[j - 1 - n] == seq[end - 1 - n]:
             n += 1
         if n >= cfg.cursor_min_n and n > best[1]:
-            best = (tuple(seq[j:j + k]), n, j)
+            best = (tuple(seq[j + i % (end - j)] for i in range(k)), n, j)
     return best
 
 
@@ -189,3 +193,15 @@ def test_pools_together_stay_within_the_budget_least_recently_added_out() -> Non
     pools.add("c", [])  # nothing to add: nothing created
     assert pools.get("c") is None
     assert DraftPools(DraftConfig(pool_tokens=0)).num_tokens() == 0
+
+
+def test_a_draft_that_reaches_the_end_repeats_its_span() -> None:
+    cfg = DraftConfig(min_n=2, max_n=4, max_k=8)
+    assert SequenceDrafts([5, 6, 7, 1, 1, 1], cfg).propose(4).tokens == (1, 1, 1, 1)
+    # the tail (2, 3, 1, 2) last occurred at 2..5: what followed it, [3, 1, 2], repeats
+    loop = SequenceDrafts([9, 1, 2, 3, 1, 2, 3, 1, 2], cfg)
+    assert loop.propose(5).tokens == (3, 1, 2, 3, 1)
+    # the pool's sequences are other texts: no repeat past their end
+    pool = TenantDrafts(cfg)
+    pool.add([4, 1, 1, 1])
+    assert pool.propose([7, 1, 1], 4).tokens == (1,)

@@ -17,6 +17,9 @@ draft is the continuation of the longest recent n-gram match of the sequence's t
   ``cursor_window`` tokens after the cursor whose preceding tokens match the tail's
   last ``cursor_min_n`` or more (the longest match there, the earliest of those) is
   proposed before the index is asked.
+- A draft from the sequence itself that reaches its end goes on over what it copied
+  (``copy``: a repeat continues with its period), so a reply caught in a loop drafts
+  ``k`` tokens.
 - ``TenantDrafts``: a bounded pool of recent sequences (prompts and outputs of every
   session) of ONE tenant, the same n-gram index over all of them (the latest
   occurrence wins), least recently added sequences out past ``max_tokens``. A request
@@ -130,7 +133,19 @@ class SequenceDrafts:
                     break
         if best < 0:
             return NO_DRAFT
-        return Draft(tuple(toks[best:best + k]), best_n, "self", best)
+        return Draft(copy(toks, best, k), best_n, "self", best)
+
+
+def copy(toks: Sequence[int], at: int, k: int) -> tuple[int, ...]:
+    """``k`` tokens of a sequence from ``at``; past its end the copy goes on over what it
+    copied (an overlapping copy: the tail that matched at ``at`` repeats with period
+    ``len(toks) - at``), so a reply caught in a loop drafts ``k`` tokens, not the few
+    left before its end."""
+    out = list(toks[at:at + k])
+    period = len(toks) - at
+    while 0 < period and len(out) < k:
+        out.append(out[len(out) - period])
+    return tuple(out)
 
 
 def lookup(index: dict[tuple[int, ...], int], source: Sequence[int], tail_of: Sequence[int],
@@ -143,7 +158,7 @@ def lookup(index: dict[tuple[int, ...], int], source: Sequence[int], tail_of: Se
         at = index.get(tuple(tail_of[end - n:end]))
         if at is None:
             continue
-        out = tuple(source[at:at + k])
+        out = copy(source, at, k) if source is tail_of else tuple(source[at:at + k])
         if out:
             return Draft(out, n, name, at if name == "self" else -1)
     return NO_DRAFT
