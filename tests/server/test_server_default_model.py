@@ -105,7 +105,8 @@ def test_a_chat_template_that_takes_tools_replaces_the_models(default_model_path
     """``--chat-template`` (E3's template): the tools go to the template, not into the
     system turn, and ours prefills the tokens mlx_lm.server renders from the same
     template (it parses each call's arguments into a dict, as ours does), once ours
-    does not sort the tools (its canonical form: the same text in another order)."""
+    does not sort the tools (its canonical form: the same text in another order); both
+    parse the calls of a reply with mlx-lm's parser for that template."""
     import json
 
     from promptcache.bench.concurrent_plans import build
@@ -118,6 +119,8 @@ def test_a_chat_template_that_takes_tools_replaces_the_models(default_model_path
     engine = Engine.load(default_model_path, EngineConfig(), None,
                          chat_template=TOOLS_TEMPLATE)
     try:
+        # mlx-lm infers its json_tools parser from the template: replies' calls are parsed
+        assert engine.tokenizer.tool_call_start == "<tool_call>"
         submitted: list[Any] = []
         submit = engine.submit
 

@@ -67,7 +67,8 @@ def test_spec_counts_in_the_log_line_stats_and_dashboard(
                         "pool_accepted": 0, "pool_tokens": eng["spec_pool_tokens"],
                         "acceptance_rate": 1.0, "mean_accepted": round(8 / 3, 4),
                         "tokens_per_forward": round(1 + 8 / 3, 4), "paused": 0, "guard_off": 0,
-                        "grammar_cut": 0, "fill_drafted": 0, "fill_accepted": 0}
+                        "grammar_cut": 0, "fill_drafted": 0, "fill_accepted": 0, "gated": 0,
+                        "presync_gated": 0}
         metrics = client.get("/metrics").text
         assert "promptcache_engine_spec_accepted 8.0" in metrics.splitlines()
         assert "promptcache_engine_spec_drafted 8.0" in metrics.splitlines()

@@ -49,7 +49,8 @@ from .runner import WARMUP_MESSAGES, _fetch_stats
 from .systems import OURS, SPECS, ServerProcess
 
 SPEC_COUNTERS = ("spec_verifies", "spec_drafted", "spec_accepted", "spec_pool_drafted",
-                 "spec_pool_accepted", "spec_gated", "spec_paused", "spec_guard_off",
+                 "spec_pool_accepted", "spec_gated", "spec_presync_gated", "spec_paused",
+                 "spec_guard_off",
                  "decode_steps")
 REQUEST_TIMEOUT_S = 3600.0  # a 16-stream round on a loaded 2-core machine is slow
 

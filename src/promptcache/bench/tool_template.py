@@ -5,7 +5,9 @@ SmolLM2's own template (ChatML) drops the ``tools`` it is given and the assistan
 one that drops them (mlx_lm.server) would not see the same prompt. This is the same
 ChatML with tools in the Hermes / Qwen2.5 layout: the tools' JSON in the system turn,
 each call as ``<tool_call>{"name", "arguments"}</tool_call>``, each result as a user turn
-in ``<tool_response>``. Both servers take it, so both prefill the same tokens.
+in ``<tool_response>``. Both servers take it, so both prefill the same tokens, and both
+parse the calls a reply makes with mlx-lm's ``json_tools`` parser (which mlx-lm infers
+from ``<tool_call>`` and ``tool_call.name`` in a template).
 """
 
 from __future__ import annotations
@@ -36,10 +38,10 @@ For each function call, return a json object with function name and arguments wi
 {%- elif message['role'] == 'assistant' %}<|im_start|>assistant
 {% if message['content'] %}{{ message['content'] }}{% endif %}
 {%- for call in message['tool_calls'] or [] %}
-{%- set fn = call['function'] if call['function'] is defined else call %}
+{%- set tool_call = call['function'] if call['function'] is defined else call %}
 {% if message['content'] or not loop.first %}
 {% endif %}<tool_call>
-{"name": "{{ fn['name'] }}", "arguments": {{ fn['arguments'] | tojson }}}
+{"name": "{{ tool_call.name }}", "arguments": {{ tool_call.arguments | tojson }}}
 </tool_call>
 {%- endfor %}<|im_end|>
 {% elif message['role'] == 'tool' %}<|im_start|>user

@@ -201,7 +201,9 @@ class DecodeBatch:
             return
         spec = self.rows[0].ctx.speculator
         if spec is not None and spec.eligible(self.rows, self.cache, self.model) \
-                and not spec.waiting(self.rows) and verify_step(self, spec):
+                and not spec.waiting(self.rows) \
+                and spec.presync(self.rows, self.cache, self.model, self._reported) \
+                and verify_step(self, spec):
             return
         rows = self.rows
         inputs = self._inputs

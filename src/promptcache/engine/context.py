@@ -78,6 +78,9 @@ class EngineCounters:
     # steps with drafts where the gate (engine/spec_cost.py) decoded as usual: the
     # verify forward was not expected to pay for itself
     spec_gated: int = 0
+    # steps where the gate declined before reading the pending tokens (``presync``): the
+    # drafts the rows' sequences gave without them would not pay; the step stayed pipelined
+    spec_presync_gated: int = 0
     # rows whose drafts did not pay at the measured cost: they stopped drafting for a
     # while (speculate.PROBE_STEPS, doubling), then probed again
     spec_paused: int = 0

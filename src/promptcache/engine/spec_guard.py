@@ -22,7 +22,10 @@ forward) and drafts every row for nothing (measured at 8 chat streams: 0.93x the
 tokens per second of decoding without speculation, with no verify at all). ``GATED_RUN``
 such steps in a row pause the size for ``GATED_OFF_STEPS`` steps, doubling while the
 next probe is gated again, up to ``MAX_GATED_OFF_STEPS`` (``MAX_IDLE_OFF_STEPS`` when no
-row found a draft); a verify resets it.
+row found a draft); a verify resets it. Most such steps never get here: the gate is
+first asked before the sync (``Speculator.presync``), with the drafts the rows'
+sequences give one token ahead, and a step it declines there stays pipelined; what
+reaches the guard is a step whose drafts, looked up after the sync, differ from those.
 
 Only with the measured cost (``--spec-verify-cost auto``): a fixed cost means the
 operator decided. Engine thread only.

@@ -40,7 +40,8 @@ the row drafts nothing for ``PROBE_STEPS`` steps, then probes once with an optim
 rate (``PROBE_RATE``); each further pause with no draft token accepted in between is
 twice as long, up to ``MAX_PROBE_STEPS``; a new request starts at the engine's recent
 rate (``Acceptance.prior``) and probes until its first verify. While every row waits (a
-cool-down or a pause), the step stays pipelined (``waiting``).
+cool-down or a pause), the step stays pipelined (``waiting``); so does a step whose
+drafts, looked up before the pending tokens are read, would not pay (``presync``).
 
 Drafts come from the request's own history first and its tenant's pool second
 (``drafts.DraftPools``: when a request finishes, ``remember`` adds its output and the
@@ -287,28 +288,8 @@ class Speculator:
         if not any(drafts):  # a sync and drafting for nothing, as a gated step
             self._gated(len(rows), idle=True)
             return 0
-        state = mlx_compat.speculation_kind(cache) == "state"
-        uniform = state and len(rows) > 1 and not mlx_compat.states_take_lengths(model)
-        rates = [self._rate(r) for r in rows]
-        lengths = [len(d) for d in drafts]
-        for i, r in enumerate(rows):
-            # a row whose draft does not pay on its own drops it, and pauses
-            if lengths[i] and not spec_cost.row_pays(rates[i], lengths[i], self.cost,
-                                                     len(rows)):
-                lengths[i] = 0
-                self._hold(r)
-            self._probing.discard(r.request_id)
-        if not any(lengths):
-            self._gated(len(rows))
-            return 0
-        fills: dict[int, tuple[int, ...]] = {}
-        for i, r in enumerate(rows):
-            if lengths[i] == 0:
-                fill = self.fill(r, self.max_k)
-                if fill:
-                    fills[i] = fill
-                    lengths[i], rates[i] = len(fill), self._fills.rate
-        cut = spec_cost.plan(rates, lengths, self.cost, state=state, uniform=uniform)
+        cut, lengths, fills, dropped = self._decide(rows, drafts, cache, model, self.fill)
+        self._drop(rows, dropped)
         if cut:
             for i, n in enumerate(lengths):
                 if i in fills:
@@ -316,9 +297,78 @@ class Speculator:
                     self._fills.rows.add(rows[i].request_id)
                 elif n == 0 and drafts[i]:
                     drafts[i] = ()
-        if cut == 0:
+        else:
             self._gated(len(rows))
         return cut
+
+    def _decide(self, rows: Sequence[Request], drafts: Sequence[Sequence[int]],
+                cache: Sequence[Any], model: Any,
+                fill: Callable[[Request, int], tuple[int, ...]]
+                ) -> tuple[int, list[int], dict[int, tuple[int, ...]], list[int]]:
+        """The gate's decision alone: ``(cut, each row's draft length, the fills (row ->
+        its fill), the rows whose own draft does not pay on its own)``; no fill is
+        looked up when no row's own draft pays (the cut is then 0)."""
+        state = mlx_compat.speculation_kind(cache) == "state"
+        uniform = state and len(rows) > 1 and not mlx_compat.states_take_lengths(model)
+        rates = [self._rate(r) for r in rows]
+        lengths = [len(d) for d in drafts]
+        dropped = [i for i, n in enumerate(lengths)
+                   if n and not spec_cost.row_pays(rates[i], n, self.cost, len(rows))]
+        for i in dropped:
+            lengths[i] = 0
+        fills: dict[int, tuple[int, ...]] = {}
+        if not any(lengths):
+            return 0, lengths, fills, dropped
+        for i, r in enumerate(rows):
+            if lengths[i] == 0:
+                found = fill(r, self.max_k)
+                if found:
+                    fills[i] = found
+                    lengths[i], rates[i] = len(found), self._fills.rate
+        cut = spec_cost.plan(rates, lengths, self.cost, state=state, uniform=uniform)
+        return cut, lengths, fills, dropped
+
+    def _drop(self, rows: Sequence[Request], dropped: Sequence[int]) -> None:
+        """Rows whose drafts did not pay pause; every row's probe is spent."""
+        for i in dropped:
+            self._hold(rows[i])
+        for r in rows:
+            self._probing.discard(r.request_id)
+
+    def presync(self, rows: Sequence[Request], cache: Sequence[Any], model: Any,
+                reported: Sequence[bool]) -> bool:
+        """Before the pending tokens are read (the sync that ends the decode pipeline):
+        would the gate verify the drafts the rows' sequences give without them (each
+        looked up one token longer, its first token standing for the pending one;
+        ``reported``: rows whose pending token is in their output already)? No:
+        the step decodes pipelined, every row's cool-down, pause or skip counts it, and
+        the rows whose drafts did not pay pause, as after a gated step
+        (``spec_presync_gated``); the guard counts nothing. Drafts from the request's
+        own history and its pool only (a ``source`` is asked after the sync)."""
+        if self.source is not None:
+            return True
+        ahead = {r.request_id: not known for r, known in zip(rows, reported, strict=True)}
+        drafts = [() if self._waits(r) else self._ahead(r, self._k.get(
+            r.request_id, max(MIN_K, self.max_k // 2)), ahead[r.request_id]) for r in rows]
+        if any(drafts):
+            cut, _, _, dropped = self._decide(
+                rows, drafts, cache, model,
+                lambda r, k: () if r.processors else self._ahead(r, k, ahead[r.request_id]))
+            if cut:
+                return True
+        else:
+            dropped = []
+        for r in rows:
+            self._tick(r)
+        self._drop(rows, dropped)
+        self.counters.spec_presync_gated += 1
+        return False
+
+    def _ahead(self, r: Request, k: int, ahead: bool = True) -> tuple[int, ...]:
+        """Up to ``k`` tokens after the pending one, drafted before it is read
+        (``ahead``; else it is the sequence's last)."""
+        tokens = propose(self._rows.synced(r), self._pool(r.req.tenant), k + int(ahead)).tokens
+        return tokens[1:] if ahead else tokens
 
     def _gated(self, rows: int, *, idle: bool = False) -> None:
         """A step that read the pending tokens and drafted for no verify: gated (counted

@@ -55,7 +55,8 @@ def engine_load(st: ServerState) -> dict[str, Any]:
 SPEC_KEYS = ("spec_verifies", "spec_drafted", "spec_accepted", "spec_pool_drafted",
              "spec_pool_accepted", "spec_pool_tokens", "spec_acceptance_rate",
              "spec_mean_accepted", "spec_tokens_per_forward", "spec_paused",
-             "spec_guard_off", "spec_grammar_cut", "spec_fill_drafted", "spec_fill_accepted")
+             "spec_guard_off", "spec_grammar_cut", "spec_fill_drafted", "spec_fill_accepted",
+             "spec_gated", "spec_presync_gated")
 
 
 def speculation_panel(engine: Any) -> dict[str, Any] | None:
