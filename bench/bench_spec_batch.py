@@ -74,8 +74,11 @@ def main() -> None:
             total = sum(len(t) for t in tokens)
             same = "" if reference is None else f"  identical {reference == tokens}"
             reference = reference or tokens
+            t0 = min(first)
+            ends = ", ".join(f"{e - t0:.1f}" for e in sorted(end))
             print(f"{mode:6s} {a.scenario} {n} streams: {total} tokens, aggregate decode "
-                  f"{total / (max(end) - max(first)):6.2f} tok/s{same}\n       {d}", flush=True)
+                  f"{total / (max(end) - max(first)):6.2f} tok/s{same}\n       {d}\n"
+                  f"       rows end at (s after the first token): {ends}", flush=True)
         finally:
             eng.close()
 
