@@ -26,6 +26,19 @@ TOOL = {"name": "get_weather", "description": "Get the current weather in a city
                          "required": ["city"]}}
 
 
+def spy_submits(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """The requests ``engine.submit`` is given from now on (it still runs them)."""
+    submitted: list[Any] = []
+    submit = engine.submit
+
+    def spy(req: Any) -> Any:
+        submitted.append(req)
+        return submit(req)
+
+    monkeypatch.setattr(engine, "submit", spy)
+    return submitted
+
+
 @pytest.fixture(scope="module")
 def smol(default_model_path: Path) -> Iterator[tuple[Engine, TestClient]]:
     cc = CacheConfig(block_size=16, ram_budget_bytes=256 * 1024**2)
@@ -60,14 +73,7 @@ def test_tools_go_into_the_system_turn(smol: tuple[Engine, TestClient]) -> None:
 def test_tool_history_and_placement_are_rendered(smol: tuple[Engine, TestClient],
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     engine, client = smol
-    submitted: list[Any] = []
-    submit = engine.submit
-
-    def spy(req: Any) -> Any:
-        submitted.append(req)
-        return submit(req)
-
-    monkeypatch.setattr(engine, "submit", spy)
+    submitted = spy_submits(engine, monkeypatch)
     r = client.post("/v1/messages", json={
         "model": "default", "max_tokens": 1, "tools": [TOOL], "messages": [
             {"role": "user", "content": "Weather in Paris?"},
@@ -121,14 +127,7 @@ def test_a_chat_template_that_takes_tools_replaces_the_models(default_model_path
     try:
         # mlx-lm infers its json_tools parser from the template: replies' calls are parsed
         assert engine.tokenizer.tool_call_start == "<tool_call>"
-        submitted: list[Any] = []
-        submit = engine.submit
-
-        def spy(req: Any) -> Any:
-            submitted.append(req)
-            return submit(req)
-
-        monkeypatch.setattr(engine, "submit", spy)
+        submitted = spy_submits(engine, monkeypatch)
         config = ServerConfig(canonicalize_off=("tool_keys", "tool_order"))
         with TestClient(create_app(engine, config)) as client:
             r = client.post("/v1/chat/completions", json={
