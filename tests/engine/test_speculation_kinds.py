@@ -267,3 +267,46 @@ def test_quantized_stored_kv_rows_equal_decoding_without_speculation(
         assert g.result is not None and p.result is not None
         assert g.result.usage.cached_tokens == p.result.usage.cached_tokens >= 32
     assert st.ctx.counters.spec_accepted > 0
+
+
+# array states that take right-padded rows: their refeed moves KV heads (finalize_refeed)
+REFED = ("qwen3_5", "qwen3_next", "falcon_h1", "kimi_linear")
+
+
+@pytest.mark.parametrize("family", [pytest.param(f, id=f) for f in REFED], indirect=True)
+def test_hybrid_rows_refed_move_their_heads_and_restore_the_same_next_turn(
+        family: Family, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Four rows over array states verify together with right, wrong and half-right
+    drafts (cache on): after each refeed of the kept positions, the KV leaves' pad tails
+    take rows' first positions (``finalize_refeed``: recorded in ``RowMoves``, no roll of
+    whole rows); what each row saves when it ends is read back in temporal order, so
+    every next turn restores past its first prompt and decodes the uncached reference."""
+    from promptcache.engine import mlx_compat
+
+    original = mlx_compat.finalize_refeed
+    moved: list[int] = []
+
+    def spy(batch: Any, moves: Any) -> None:
+        before = sum(m.shift for m in moves)
+        original(batch, moves)
+        moved.append(sum(m.shift for m in moves) - before)
+
+    monkeypatch.setattr(mlx_compat, "finalize_refeed", spy)
+    prompts = [prompt(1100 + i, n=36 + 3 * i) for i in range(4)]
+    want = family.reference(prompts)
+    kinds = ["wrong", "right", "half", "half"]
+    sources = {p: source_of(kinds[i], want[i].tokens, i) for i, p in enumerate(prompts)}
+    st = stepper(family.eng, sources)
+    got = run_all(st, prompts)
+    assert [g.tokens for g in got] == [w.tokens for w in want]
+    c = st.ctx.counters
+    assert c.spec_multirow > 0 and c.spec_recomputes == len(moved) > 0
+    assert any(n > 0 for n in moved)  # heads moved instead of rows rolled
+    nxt = [p + tuple(w.tokens) + prompt(1200 + i, n=8) for i, (p, w) in
+           enumerate(zip(prompts, want, strict=True))]
+    ref2 = family.reference(nxt)
+    got2 = run_all(stepper(family.eng, None), nxt)
+    assert [g.tokens for g in got2] == [w.tokens for w in ref2]
+    for g, p in zip(got2, prompts, strict=True):
+        assert g.result is not None and g.result.usage.cached_tokens > len(p)
+    assert c.store_errors == 0

@@ -176,7 +176,8 @@ def repair(batch: DecodeBatch, x: mx.array, states: list[list[Any]] | None,
     row keeps all of them, the states go back to before the verify
     (``states``), the KV leaves drop the whole verify, and the kept positions are
     fed again, right-padded (``lengths``: padding never reaches a state), so each
-    state holds exactly its row's kept tokens."""
+    state holds exactly its row's kept tokens; the KV leaves' pad tails then take
+    rows' first positions (``mlx_compat.finalize_refeed``, recorded in ``RowMoves``)."""
     width = int(x.shape[1])
     if states is None:
         mlx_compat.drop_row_tails(batch.cache, [width - n for n in kept], batch.moves())
@@ -186,5 +187,5 @@ def repair(batch: DecodeBatch, x: mx.array, states: list[list[Any]] | None,
     mlx_compat.restore_before_verify(batch.cache, states, width)
     mlx_compat.prepare_right_padded(batch.cache, kept)
     batch.model(x[:, :max(kept)], cache=batch.cache)
-    mlx_compat.finalize_right_padded(batch.cache)
+    mlx_compat.finalize_refeed(batch.cache, batch.moves())
     batch.rows[0].ctx.counters.spec_recomputes += 1

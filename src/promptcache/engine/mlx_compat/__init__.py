@@ -62,6 +62,7 @@ from .models import (
 from .speculation import (
     before_verify,
     drop_row_tails,
+    finalize_refeed,
     restore_before_verify,
     speculation_kind,
     states_take_lengths,
@@ -81,6 +82,7 @@ __all__ = [
     "copy_array",
     "copy_row",
     "drop_row_tails",
+    "finalize_refeed",
     "encode_with_offsets",
     "extend",
     "fast_tokenizer",

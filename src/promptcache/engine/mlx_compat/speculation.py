@@ -131,6 +131,29 @@ def _move_heads(leaves: Sequence[Any], rest: Sequence[int], moves: Sequence[RowM
     return True
 
 
+def finalize_refeed(batch: Sequence[Any], moves: Sequence[RowMoves]) -> None:
+    """After the right-padded forward that feeds a ``"state"`` batch's kept positions
+    again (``prepare_right_padded``): the array leaves finalize (their lengths are
+    done); in the KV leaves each row's pad tail (``max(kept) - kept[i]`` positions)
+    becomes left padding by moving the row's first positions into it (``_move_heads``,
+    recorded in ``moves``) instead of rolling every row of every layer
+    (``BatchKVCache.finalize``), which stays the fallback for a row too short to move."""
+    leaves = cache_leaves(batch)
+    kv = [c for c in leaves if isinstance(c, BatchKVCache)]
+    pads = kv[0]._right_padding if kv else None
+    if pads is not None:
+        rest = [int(n) for n in pads.tolist()]
+        for c in kv:
+            c._right_padding = None
+        if not _move_heads(kv, rest, moves):
+            for c in kv:
+                c._right_padding = pads
+                c.finalize()
+    for c in leaves:
+        if not isinstance(c, BatchKVCache):
+            c.finalize()
+
+
 def restore_before_verify(batch: Sequence[Any], states: Sequence[Sequence[Any]],
                           width: int) -> None:
     """Undo a verify forward of ``width`` positions on a ``"state"`` batch: array states
