@@ -72,6 +72,10 @@ class EngineConfig:
     # (overhead, per_token): fixed, a forward of rows x width positions costs
     # overhead + per_token * rows * width
     spec_verify_cost: str | tuple[float, float] | None = "auto"
+    # a verify may cost a row no more decode steps than its drafts saved it so far plus
+    # this fraction of the tokens it decoded (engine/spec_cost.py Credits): a row with
+    # nothing to copy decodes at most this much slower next to rows that copy
+    spec_max_slowdown: float = 0.0
 
     def __post_init__(self) -> None:
         if self.speculation not in ("suffix", "off"):
@@ -82,6 +86,9 @@ class EngineConfig:
             raise ValueError(f"spec_max_rows must be >= 1, got {self.spec_max_rows}")
         if not 1 <= self.spec_min_match <= 16:
             raise ValueError(f"spec_min_match must be in [1, 16], got {self.spec_min_match}")
+        if not (math.isfinite(self.spec_max_slowdown) and self.spec_max_slowdown >= 0.0):
+            raise ValueError(f"spec_max_slowdown must be a number >= 0, got "
+                             f"{self.spec_max_slowdown}")
         if self.spec_pool_tokens < 0:
             raise ValueError(f"spec_pool_tokens must be >= 0, got {self.spec_pool_tokens}")
         if isinstance(self.spec_verify_cost, str):

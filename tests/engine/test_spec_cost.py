@@ -15,6 +15,7 @@ from promptcache.engine.spec_cost import (
     FREE,
     OUTLIERS_IN_A_ROW,
     Acceptance,
+    Credits,
     OnlineCost,
     TableCost,
     VerifyCost,
@@ -88,6 +89,46 @@ def test_the_gate_for_several_rows_and_array_states() -> None:
     # rows keep as many positions as the shortest: one row without a draft stops all
     assert plan([0.95, 0.95], [8, 0], FREE, state=True, uniform=True) == 0
     assert plan([0.95, 0.95], [8, 8], CPU, state=True, uniform=True) == 8
+
+
+def test_the_bystander_bound() -> None:
+    """A row without a draft gets 1 token for the verify's price: it may lose only its
+    allowance (decode steps)."""
+    # CPU, two rows, one copies (8 drafts at 0.95), one has nothing: cut 8 costs 28/12
+    # decode steps, so the row with nothing loses 4/3 steps; cut 1 costs 14/12 (1/6 lost)
+    assert plan([0.95, 0.5], [8, 0], CPU, allowance=[0.0, 4 / 3 + 1e-9]) == 8
+    assert plan([0.95, 0.5], [8, 0], CPU, allowance=[0.0, 1.0]) == 6  # 26/12: 7/6 lost
+    assert plan([0.95, 0.5], [8, 0], CPU, allowance=[0.0, 1 / 6 + 1e-9]) == 1
+    assert plan([0.95, 0.5], [8, 0], CPU, allowance=[0.0, 0.1]) == 0
+    assert plan([0.95, 0.5], [8, 0], CPU, allowance=[0.0, 0.0]) == 0
+    # every row drafts and each expects more than the price: no allowance needed
+    assert plan([0.95, 0.95], [8, 8], CPU, allowance=[0.0, 0.0]) == 8
+    # a weak row's expectation below the price is a loss too (0.3: 1.43 tokens at cut 8)
+    # (cut 2: 1.39 tokens for 16/12 steps; cut 3: 1.417 for 18/12)
+    assert plan([0.95, 0.3], [8, 8], CPU, allowance=[0.0, 0.0]) == 2
+    # FREE: a verify costs a decode step, nobody loses anything
+    assert plan([0.9, 0.5], [4, 0], FREE, allowance=[0.0, 0.0]) == 4
+
+
+def test_credits_are_what_verifies_saved_a_row() -> None:
+    credits = Credits(0.05)
+    assert credits.allowance("a", 0) == 0.0
+    assert credits.allowance("a", 40) == pytest.approx(2.0)  # 5% of 40 decoded tokens
+    credits.settle("a", 1.0, 1.5)  # a bystander of a verify costing 1.5 decode steps
+    assert credits.balance("a") == pytest.approx(-0.5)
+    credits.settle("a", 4.2, 2.0)  # its own draft: 4.2 tokens expected for 2 steps
+    assert credits.balance("a") == pytest.approx(1.7)
+    assert credits.allowance("a", 40) == pytest.approx(3.7)
+    credits.forget("a")
+    assert credits.balance("a") == 0.0
+    for bad in (-0.1, float("nan"), float("inf")):
+        with pytest.raises(ValueError):
+            Credits(bad)
+    from promptcache.serving_config import EngineConfig
+
+    assert EngineConfig().spec_max_slowdown == 0.0
+    with pytest.raises(ValueError):
+        EngineConfig(spec_max_slowdown=-1.0)
 
 
 def test_a_chat_turn_with_nothing_to_copy_decodes_without_verifies(tiny_llama_path: Any
@@ -312,6 +353,9 @@ def test_the_gate_is_per_row_in_a_batch(tiny_llama_path: Any) -> None:
     the row whose drafts are right keeps verifying (its tokens pay for the batch's wider
     forward); both get the tokens of decoding one at a time."""
     prompts, want, eng = two_rows(tiny_llama_path, 21)
+    # the per-row gate alone: the wrong row may pay for the right row's verifies
+    # (test_a_row_with_nothing_to_copy_is_not_slowed_by_its_batch: the bound)
+    eng._ctx.speculator.credits = Credits(10.0)
     try:
         right, wrong = prompts
 
@@ -419,3 +463,48 @@ def test_a_new_request_starts_at_the_engines_recent_rate_and_probes_until_verifi
     assert spec._recent.rate == pytest.approx((0.81 * 2 + 4) / (0.81 * 2 + 4 + 0.81 * 1 + 0.9))
     assert spec._acceptance(rows[1]).rate == pytest.approx(spec._recent.rate)
     assert spec._rate(rows[1]) == max(PROBE_RATE, spec._recent.rate)
+
+
+@pytest.mark.parametrize("max_slowdown", [0.0, 0.25])
+def test_a_row_with_nothing_to_copy_is_not_slowed_by_its_batch(tiny_llama_path: Any,
+                                                               max_slowdown: float) -> None:
+    """Two rows decode together (a verify of k drafts measured at 1 + 0.25 k decode
+    steps): one's drafts are right, the other has none (a chat next to an edit). With
+    the default bound (0) the copying row verifies only once it decodes alone: no verify
+    ever charges the other row. With 0.25 they verify together, and the verifies charge
+    the row without drafts at most a quarter of the steps it decodes."""
+    prompts, want, eng = two_rows(tiny_llama_path, 21)
+    spec = eng._ctx.speculator
+    spec.credits = Credits(max_slowdown)
+    for width in range(2, 10):  # the cost measured before (a verify's first price is known)
+        spec.cost.observe_decode(2, 1.0)
+        spec.cost.observe_verify(2, width, 0.0)
+    right, chat = prompts
+    charged: list[tuple[int, float]] = []  # (rows, price) of each verify
+    settle = spec.settle
+
+    def spy(rows: Any, width: int, refed: int = 0) -> None:
+        charged.append((len(rows), spec.cost.relative(len(rows), width)))
+        settle(rows, width, refed)
+
+    spec.settle = spy  # type: ignore[method-assign]
+    try:
+        def source(r: Any, k: int) -> list[int]:
+            p = tuple(r.req.prompt_tokens)
+            if p == chat:
+                return []
+            return list(want[p][len(r.output):len(r.output) + k])
+
+        eng._ctx.speculator.source = source
+        handles = [eng.submit(GenerationRequest(prompt_tokens=p, sampling=SamplingParams(
+            max_tokens=60 if p == right else 24))) for p in prompts]
+        got = [h.result(timeout=300) for h in handles]
+        assert [g.tokens for g in got] == [want[right], want[chat][:24]]
+        assert got[0].usage.spec_accepted == got[0].usage.spec_drafted > 0
+        together = [price for rows, price in charged if rows == 2]
+        if max_slowdown == 0.0:
+            assert together == [] and len(charged) > 0
+        else:
+            assert together and sum(p - 1.0 for p in together) <= max_slowdown * 24
+    finally:
+        eng.close()

@@ -81,3 +81,27 @@ def test_a_draft_source_always_syncs_and_a_fixed_cost_gates_the_same() -> None:
     assert not fixed.presync([r], [], None, [False])
     assert fixed.presync([row(X + X[:5])], [], None, [False])
     assert fixed.counters.spec_presync_gated == 1
+
+
+def test_a_pause_that_ends_on_a_declined_step_still_probes() -> None:
+    """A row's pause ends on a step declined before the sync (it drafted nothing: it was
+    waiting): its probe is not spent there, so its next draft is judged at the probe's
+    optimistic rate. Before, the decline spent every row's probe, and a row whose own
+    rate does not pay paused again, twice as long, without ever probing."""
+    from promptcache.engine.spec_cost import Acceptance
+
+    # a verify of k drafts costs (3 + k) / 3 decode steps: at the probe's rate (0.9) one
+    # draft token pays, at the row's own rate (0.3) none does
+    spec = speculator(OnlineCost(VerifyCost(2.0, 1.0)))
+    r = row(X + X[:5])
+    spec._acc["r"] = Acceptance(0.3, 0.7)
+    spec._acc["r"].updates = 3
+    spec._pause["r"] = (1, PROBE_STEPS)  # the last step of its pause
+    assert not spec.presync([r], [], None, [False])  # waiting: nothing drafted
+    assert spec._pause["r"] == (0, PROBE_STEPS) and "r" in spec._probing
+    assert spec.presync([r], [], None, [False])  # the probe: verified
+    assert spec.counters.spec_paused == 0
+    # without the probe the same draft is declined and the row pauses twice as long
+    spec._probing.discard("r")
+    assert not spec.presync([r], [], None, [False])
+    assert spec._pause["r"] == (2 * PROBE_STEPS, 2 * PROBE_STEPS)

@@ -84,6 +84,12 @@ def test_serve_speculation_options() -> None:
     for bad in ("cheap", "-0.5", "1.4,0.5"):
         with pytest.raises(ValueError, match="spec_verify_cost"):
             _configs("--spec-verify-cost", bad)
+    assert eng.spec_max_slowdown == 0.0
+    eng, *_ = _configs("--spec-max-slowdown", "0.1")
+    assert eng.spec_max_slowdown == 0.1
+    for bad in ("-0.1", "nan", "inf"):
+        with pytest.raises(ValueError, match="spec_max_slowdown"):
+            _configs("--spec-max-slowdown", bad)
 
 
 def test_serve_chat_template_option(tmp_path: Path) -> None:

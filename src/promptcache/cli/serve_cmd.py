@@ -149,6 +149,13 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                         "forwards timed while serving), a number X (fixed: 1 + X*k decode "
                         "steps) or a comma list (fixed: the cost at k = 1, 2, ... in decode "
                         "steps; the last slope continues); default auto")
+    p.add_argument("--spec-max-slowdown", type=float,
+                   default=EngineConfig.spec_max_slowdown, metavar="F",
+                   help="how much slower a verify forward may make a row that gains "
+                        "nothing from it (a request with nothing to copy, batched with "
+                        "rows that copy): beyond the steps its own drafts saved it, at "
+                        "most F x the tokens it decoded (default 0: never slower; larger: "
+                        "more speculation for the rows that copy)")
     p.add_argument("--max-body-bytes", default="32MB",
                    help="largest /v1 request body; a larger one gets 413 before it is "
                         "read (default 32MB, as the hosted APIs)")
@@ -247,7 +254,8 @@ def build_configs(args: argparse.Namespace) -> tuple[
                               speculation=args.speculation,
                               spec_max_draft=args.spec_max_draft,
                               spec_pool_tokens=args.spec_pool_tokens,
-                              spec_verify_cost=args.spec_verify_cost)
+                              spec_verify_cost=args.spec_verify_cost,
+                              spec_max_slowdown=args.spec_max_slowdown)
     if args.api_keys_file is not None and not args.api_keys_file.is_file():
         raise ValueError(f"--api-keys-file {args.api_keys_file} does not exist")
     server_cfg = ServerConfig(host=args.host, port=args.port, api_key=args.api_key,

@@ -146,7 +146,8 @@ def verify_step(batch: DecodeBatch, spec: Speculator) -> bool:
     # uniform: rows that stopped before the others' end hold more than their output
     # (an array state cannot give it back): they finish without the end save
     held = [1 + accepted[i] for i in range(len(rows))] if uniform else kept
-    repair(batch, x, states, held)
+    refed = repair(batch, x, states, held)
+    spec.settle(rows, width, refed)
     bs = batch.block_size
     for i, r in enumerate(rows):
         before = r.pos
@@ -169,7 +170,7 @@ def verify_step(batch: DecodeBatch, spec: Speculator) -> bool:
 
 
 def repair(batch: DecodeBatch, x: mx.array, states: list[list[Any]] | None,
-           kept: Sequence[int]) -> None:
+           kept: Sequence[int]) -> int:
     """After a verify forward of ``x``: row ``i`` keeps its first ``kept[i]``
     positions. KV and sliding windows drop the rest (``mlx_compat.drop_row_tails``).
     Array states (SSM, linear attention) absorbed every position fed: unless every
@@ -177,15 +178,17 @@ def repair(batch: DecodeBatch, x: mx.array, states: list[list[Any]] | None,
     (``states``), the KV leaves drop the whole verify, and the kept positions are
     fed again, right-padded (``lengths``: padding never reaches a state), so each
     state holds exactly its row's kept tokens; the KV leaves' pad tails then take
-    rows' first positions (``mlx_compat.finalize_refeed``, recorded in ``RowMoves``)."""
+    rows' first positions (``mlx_compat.finalize_refeed``, recorded in ``RowMoves``).
+    Returns the width of that second forward (0: none)."""
     width = int(x.shape[1])
     if states is None:
         mlx_compat.drop_row_tails(batch.cache, [width - n for n in kept], batch.moves())
-        return
+        return 0
     if all(n == width for n in kept):
-        return
+        return 0
     mlx_compat.restore_before_verify(batch.cache, states, width)
     mlx_compat.prepare_right_padded(batch.cache, kept)
     batch.model(x[:, :max(kept)], cache=batch.cache)
     mlx_compat.finalize_refeed(batch.cache, batch.moves())
     batch.rows[0].ctx.counters.spec_recomputes += 1
+    return max(kept)

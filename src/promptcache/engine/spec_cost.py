@@ -341,24 +341,65 @@ def row_pays(rate: float, length: int, cost: CostModel, rows: int = 1) -> bool:
 
 
 def plan(rates: Sequence[float], lengths: Sequence[int], cost: CostModel, *,
-         state: bool = False, uniform: bool = False) -> int:
+         state: bool = False, uniform: bool = False,
+         allowance: Sequence[float] | None = None) -> int:
     """How many draft tokens each row keeps (its draft cut to that), 0 for no verify.
 
     ``rates``: each row's acceptance rate; ``lengths``: its draft's length; ``state``:
     array states, fed the kept positions again when a row rejects part of its draft;
-    ``uniform``: every row keeps as many positions as the shortest."""
+    ``uniform``: every row keeps as many positions as the shortest. A cut must beat
+    decoding by ``MARGIN`` over all rows; with ``allowance`` (per row, in decode steps:
+    ``Credits.allowance``), also no row may expect to lose more than its allowance (a
+    row with no draft gets 1 token for the verify's price: the bystander bound)."""
     rows = len(rates)
     best, best_gain = 0, 1.0 + MARGIN
     for cut in range(1, max(lengths, default=0) + 1):
         per_row = [expected_tokens(q, min(n, cut)) for q, n in zip(rates, lengths, strict=True)]
-        tokens = rows * min(per_row) if uniform else sum(per_row)
+        if uniform:
+            per_row = [min(per_row)] * rows
+        tokens = sum(per_row)
         price = cost.relative(rows, 1 + cut)
         if state:
             whole = 1.0
             for q, n in zip(rates, lengths, strict=True):
                 whole *= q ** cut if n >= cut else 0.0  # a shorter row is padded
             price += (1.0 - whole) * cost.relative(rows, round(tokens / rows))
+        if allowance is not None and any(
+                t - price < -a for t, a in zip(per_row, allowance, strict=True)):
+            continue  # some row would lose more time than it may
         gain = tokens / (rows * price)
         if gain > best_gain:
             best, best_gain = cut, gain
     return best
+
+
+class Credits:
+    """Per request, the decode steps speculation saved it so far (``balance``): a verify
+    of price ``P`` decode steps (``CostModel.relative``) expected to give a row ``t``
+    tokens adds ``t - P`` (decoding would have taken ``t`` steps for them). A row with no
+    draft of its own in a verify (a bystander) loses ``P - 1``. The gate lets a verify slow a
+    row only by what the row has in hand (``allowance``: its balance plus
+    ``max_slowdown`` x the tokens it has decoded), so a row that never gains from a
+    draft (a chat next to copying rows) decodes at most ``max_slowdown`` slower than
+    without speculation, and over a whole reply no row is slower than that either.
+    Engine thread only."""
+
+    def __init__(self, max_slowdown: float) -> None:
+        if not (math.isfinite(max_slowdown) and max_slowdown >= 0.0):
+            raise ValueError(f"max_slowdown must be a number >= 0, got {max_slowdown}")
+        self.max_slowdown = max_slowdown
+        self._balance: dict[str, float] = {}
+
+    def balance(self, request_id: str) -> float:
+        return self._balance.get(request_id, 0.0)
+
+    def allowance(self, request_id: str, decoded: int) -> float:
+        """The decode steps a verify may cost this row beyond the tokens it gives it."""
+        return self.balance(request_id) + self.max_slowdown * decoded
+
+    def settle(self, request_id: str, tokens: float, price: float) -> None:
+        """A verify of ``price`` decode steps gave the row ``tokens`` tokens (expected)."""
+        self._balance[request_id] = self.balance(request_id) + tokens - price
+
+    def forget(self, request_id: str) -> None:
+        self._balance.pop(request_id, None)

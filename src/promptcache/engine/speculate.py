@@ -39,7 +39,12 @@ Per row, a draft that is not expected to pay on its own at that cost
 the row drafts nothing for ``PROBE_STEPS`` steps, then probes once with an optimistic
 rate (``PROBE_RATE``); each further pause with no draft token accepted in between is
 twice as long, up to ``MAX_PROBE_STEPS``; a new request starts at the engine's recent
-rate (``Acceptance.prior``) and probes until its first verify. While every row waits (a
+rate (``Acceptance.prior``) and probes until its first verify (a pause that ends on a
+step without a draft probes at the row's next draft). A verify is as wide as the
+batch's longest draft, so every row pays for it: a verify may cost a row no more decode
+steps than its own drafts were expected to save it, plus ``spec_max_slowdown`` x the
+tokens it decoded (``spec_cost.Credits``, settled after each verify: ``settle``), so a
+row with nothing to copy is not slowed by its batch. While every row waits (a
 cool-down or a pause), the step stays pipelined (``waiting``); so does a step whose
 drafts, looked up before the pending tokens are read, would not pay (``presync``).
 
@@ -62,7 +67,7 @@ from typing import TYPE_CHECKING, Any
 from ..serving_config import EngineConfig
 from . import constrained, mlx_compat, spec_cost
 from .drafts import DraftConfig, DraftPools, TenantDrafts, propose
-from .spec_cost import FREE, Acceptance, CostModel, OnlineCost
+from .spec_cost import FREE, Acceptance, CostModel, Credits, OnlineCost
 from .spec_rows import Fills, RowIndexes
 
 if TYPE_CHECKING:
@@ -125,6 +130,11 @@ class Speculator:
         self._pause: dict[str, tuple[int, int]] = {}
         self._probing: set[str] = set()
         self._fills = Fills()  # rows whose draft this step is a fill (``fill``)
+        # per request, the decode steps verifies saved it: what a verify may cost it
+        self.credits = Credits(config.spec_max_slowdown)
+        # per row of the last verify the gate planned, the tokens it expected (``settle``)
+        self._expected: list[float] = []
+        self._last_expected: list[float] = []
         # request id -> proposals in a row that found nothing; steps left without looking
         self._empty: dict[str, int] = {}
         self._skip: dict[str, int] = {}
@@ -289,7 +299,8 @@ class Speculator:
             self._gated(len(rows), idle=True)
             return 0
         cut, lengths, fills, dropped = self._decide(rows, drafts, cache, model, self.fill)
-        self._drop(rows, dropped)
+        self._drop(rows, dropped, drafts)
+        self._expected = self._last_expected if cut else []
         if cut:
             for i, n in enumerate(lengths):
                 if i in fills:
@@ -325,15 +336,24 @@ class Speculator:
                 if found:
                     fills[i] = found
                     lengths[i], rates[i] = len(found), self._fills.rate
-        cut = spec_cost.plan(rates, lengths, self.cost, state=state, uniform=uniform)
+        allowance = [self.credits.allowance(r.request_id, len(r.output)) for r in rows]
+        cut = spec_cost.plan(rates, lengths, self.cost, state=state, uniform=uniform,
+                             allowance=allowance)
+        if cut:
+            expected = [spec_cost.expected_tokens(q, min(n, cut))
+                        for q, n in zip(rates, lengths, strict=True)]
+            self._last_expected = [min(expected)] * len(rows) if uniform else expected
         return cut, lengths, fills, dropped
 
-    def _drop(self, rows: Sequence[Request], dropped: Sequence[int]) -> None:
-        """Rows whose drafts did not pay pause; every row's probe is spent."""
+    def _drop(self, rows: Sequence[Request], dropped: Sequence[int],
+              drafts: Sequence[Sequence[int]]) -> None:
+        """Rows whose drafts did not pay pause; the probe of every row that drafted is
+        spent (a row whose pause ended this step drafts next step: it probes then)."""
         for i in dropped:
             self._hold(rows[i])
-        for r in rows:
-            self._probing.discard(r.request_id)
+        for r, d in zip(rows, drafts, strict=True):
+            if d:
+                self._probing.discard(r.request_id)
 
     def presync(self, rows: Sequence[Request], cache: Sequence[Any], model: Any,
                 reported: Sequence[bool]) -> bool:
@@ -360,7 +380,7 @@ class Speculator:
             dropped = []
         for r in rows:
             self._tick(r)
-        self._drop(rows, dropped)
+        self._drop(rows, dropped, drafts)
         self.counters.spec_presync_gated += 1
         return False
 
@@ -403,6 +423,20 @@ class Speculator:
         """A verify forward of ``rows`` x ``width`` positions took ``seconds``."""
         if isinstance(self.cost, OnlineCost):
             self.cost.observe_verify(rows, width, seconds)
+
+    def settle(self, rows: Sequence[Request], width: int, refed: int = 0) -> None:
+        """A verify of ``rows`` x ``width`` positions (``refed``: the width of the forward
+        that fed array states again, 0: none) that the gate planned (``plan``): each
+        row's credit (``spec_cost.Credits``) gains the tokens the gate expected it to
+        give the row, less the step's price. Expected, not the tokens it gave: the bound
+        is on what other rows' verifies cost a row, not on the luck of its own drafts
+        (``row_pays`` judges those)."""
+        price = self.cost.relative(len(rows), width)
+        if refed:
+            price += self.cost.relative(len(rows), refed)
+        expected = self._expected if len(self._expected) == len(rows) else [1.0] * len(rows)
+        for r, e in zip(rows, expected, strict=True):
+            self.credits.settle(r.request_id, e, price)
 
     def step_started(self) -> None:
         """A verify step begins (before its drafts): ``step_done`` times it whole."""
@@ -447,4 +481,5 @@ class Speculator:
         self._empty.pop(r.request_id, None)
         self._skip.pop(r.request_id, None)
         self._fills.rows.discard(r.request_id)
+        self.credits.forget(r.request_id)
 
