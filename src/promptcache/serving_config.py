@@ -53,7 +53,7 @@ class EngineConfig:
     # speculative decoding drafted from the request's own history (engine/drafts.py,
     # engine/speculate.py): "suffix" or "off"; at most this many draft tokens per verify
     # forward, from a tail match of at least spec_min_match tokens
-    speculation: str = "off"
+    speculation: str = "suffix"
     spec_max_draft: int = 8
     spec_min_match: int = 3
     # speculate while at most this many rows decode together (1: one stream only)

@@ -105,10 +105,12 @@ def test_speculation_counters_over_a_round_and_their_table():
     fast = {**s, "aggregate_decode_tps": 2 * s["aggregate_decode_tps"], "spec": d}
     md = concurrency.markdown("E2", "t", {
         "mlx_lm": {"rounds": {"8": {"summary": s}}},
-        "ours": {"rounds": {"8": {"summary": {**s, "spec": none}}}},
-        "ours_spec": {"rounds": {"8": {"summary": fast}}}})
-    assert "| 8 | ours_spec | 20.0 | 7.5 | 2.00× | 2.00× | 75.0% | 3.00 | 4.00 | 2/2 |" in md
-    assert "| 8 | ours | 10.0 | 7.5 | 1.00× | 1.00× | — | — | — | 2/2 |" in md
+        "ours_nospec": {"rounds": {"8": {"summary": {**s, "spec": none}}}},
+        "ours": {"rounds": {"8": {"summary": fast}}}})
+    # speculation is on by default: "vs no spec" is against ours --speculation off
+    assert "vs mlx_lm | vs no spec |" in md
+    assert "| 8 | ours | 20.0 | 7.5 | 2.00× | 2.00× | 75.0% | 3.00 | 4.00 | 2/2 |" in md
+    assert "| 8 | ours_nospec | 10.0 | 7.5 | 1.00× | 1.00× | — | — | — | 2/2 |" in md
 
 
 @pytest.mark.parametrize("quick", [False, True])

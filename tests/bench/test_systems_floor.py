@@ -27,6 +27,8 @@ def test_build_command_per_system(tmp_path: Path) -> None:
     assert spec[3:] == ["serve", "--model", "/m", "--host", "127.0.0.1", "--port", "4000",
                         "--speculation", "suffix", "--cache-dir", str(tmp_path)]
     assert systems.parse_systems("ours-spec") == ["ours_spec"]
+    off = systems.build_command("ours_nospec", "/m", 4000)
+    assert off[-2:] == ["--speculation", "off"]
     mlx = systems.build_command("mlx_lm", "/m", 5, ram_budget_bytes=1234)
     assert mlx[1:4] == ["-m", "mlx_lm", "server"]
     assert mlx[-2:] == ["--prompt-cache-bytes", "1234"]

@@ -400,7 +400,7 @@ def test_per_request_and_engine_counts_are_exact(tiny_llama_path: Any, reference
 
 
 def test_no_speculation_reports_no_rates(tiny_llama_path: Any) -> None:
-    eng = make_engine(tiny_llama_path, use_cache=False)
+    eng = make_engine(tiny_llama_path, use_cache=False, speculation="off")
     try:
         got = run(eng, prompt(0), max_tokens=4)
         assert (got.usage.spec_drafted, got.usage.spec_accepted) == (0, 0)

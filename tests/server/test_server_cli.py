@@ -74,7 +74,9 @@ def test_serve_speculation_options() -> None:
                        "--spec-pool-tokens", "1000")
     assert (eng.speculation, eng.spec_max_draft, eng.spec_pool_tokens) == ("suffix", 6, 1000)
     eng, *_ = _configs()
-    assert (eng.speculation, eng.spec_pool_tokens) == ("off", 65_536)
+    assert (eng.speculation, eng.spec_pool_tokens) == ("suffix", 65_536)  # on by default
+    eng, *_ = _configs("--speculation", "off")
+    assert eng.speculation == "off"
     with pytest.raises(ValueError, match="spec_pool_tokens"):
         _configs("--spec-pool-tokens", "-1")
     assert eng.spec_verify_cost == "auto"

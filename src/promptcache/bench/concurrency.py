@@ -221,7 +221,7 @@ def markdown(name: str, plan_title: str, runs: dict[str, dict[str, Any]]) -> str
     lines = [f"### {name}: {plan_title}", ""]
     if name in SPEC_NAMES:
         lines += ["| streams | system | aggregate decode tok/s | per-stream tok/s | agg. decode "
-                  "vs mlx_lm | vs ours | acceptance rate | mean accepted | tokens / verify "
+                  "vs mlx_lm | vs no spec | acceptance rate | mean accepted | tokens / verify "
                   "| ok |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     elif name == "C1":
         lines += ["| streams | system | throughput tok/s | aggregate decode tok/s | "
@@ -247,7 +247,9 @@ def markdown(name: str, plan_title: str, runs: dict[str, dict[str, Any]]) -> str
                 lines.append(f"| {label} | {system} | {run.get('error') or 'not run'} |")
                 continue
             if name in SPEC_NAMES:
-                ours = runs.get("ours", {}).get("rounds", {}).get(label, {}).get("summary", {})
+                # the baseline without speculation (on by default: ours_nospec)
+                ours = runs.get("ours_nospec", {}).get("rounds", {}).get(label, {}).get(
+                    "summary", {})
                 agg = s["aggregate_decode_tps"]
                 vs = [agg / ref["aggregate_decode_tps"] if agg and ref.get(
                     "aggregate_decode_tps") else None for ref in (base, ours)]

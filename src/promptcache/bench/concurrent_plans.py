@@ -138,7 +138,8 @@ def _spec_plan(key: str, g: TextGen, sz: dict[str, int], counts: Sequence[int]
     return ConcurrentPlan(
         key, f"{title} ({'/'.join(str(n) for n in counts)} streams, {out} tokens, greedy)",
         "openai", rounds, labels=tuple(str(n) for n in counts), max_tokens=out,
-        notes=("speculative decoding's case: compare ours_spec with ours and mlx_lm",),
+        notes=("speculative decoding's case: compare ours (speculation on by default) with "
+               "ours_nospec and mlx_lm",),
         # SmolLM2's template drops tools: every system gets one that renders them
         chat_template=TOOLS_TEMPLATE if key == "E3" else None)
 

@@ -3,8 +3,10 @@
 - ``ours``: ``promptcache serve`` (RAM + SSD cache in a per-run cache dir)
 - ``ours_kv8`` / ``ours_kv4``: ``ours`` with ``--kv-bits 8`` / ``4`` and
   ``--kv-quant-min-tokens 0`` (every block quantized; not run by default)
-- ``ours_spec``: ``ours`` with ``--speculation suffix`` (drafts from history; not run by
-  default: E1 is its case)
+- ``ours_nospec``: ``ours`` with ``--speculation off`` (speculation is on by default: the
+  baseline speculation's scenarios E1-E5 compare with; not run by default)
+- ``ours_spec``: ``ours`` with ``--speculation suffix`` named explicitly (runs before the
+  default changed compared ``ours_spec`` with ``ours``; not run by default)
 - ``nocache``: ``promptcache serve --no-cache``
 - ``mlx_lm``: ``mlx_lm server`` from the project venv (in-RAM LRUPromptCache)
 - ``vllm_mlx``: ``vllm-mlx serve --continuous-batching`` from the separate peers venv
@@ -38,7 +40,7 @@ SYSTEM_NAMES = ("ours", "mlx_lm", "vllm_mlx", "nocache")
 # ours with quantized cached blocks (--kv-bits): on request only
 KV_BITS = {"ours_kv8": 8, "ours_kv4": 4}
 # ours with other options: on request only
-VARIANTS = {"ours_spec": ("--speculation", "suffix")}
+VARIANTS = {"ours_spec": ("--speculation", "suffix"), "ours_nospec": ("--speculation", "off")}
 OURS = ("ours", *KV_BITS, *VARIANTS)  # the systems that are promptcache serve with a cache
 PEERS_DIR_ENV = "PROMPTCACHE_PEERS_DIR"
 
@@ -73,6 +75,7 @@ SPECS = {
     "ours_kv8": SystemSpec("ours_kv8", True, True, "promptcache serve --kv-bits 8 --kv-quant-min-tokens 0 (RAM + SSD)"),
     "ours_kv4": SystemSpec("ours_kv4", True, True, "promptcache serve --kv-bits 4 --kv-quant-min-tokens 0 (RAM + SSD)"),
     "ours_spec": SystemSpec("ours_spec", True, True, "promptcache serve --speculation suffix (RAM + SSD)"),
+    "ours_nospec": SystemSpec("ours_nospec", True, True, "promptcache serve --speculation off (RAM + SSD)"),
     "nocache": SystemSpec("nocache", True, True, "promptcache serve --no-cache"),
     "mlx_lm": SystemSpec("mlx_lm", False, True, "mlx_lm server (in-RAM LRUPromptCache)"),
     "vllm_mlx": SystemSpec("vllm_mlx", True, True, "vllm-mlx serve --continuous-batching"),

@@ -51,8 +51,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                         "default: all the others")
     p.add_argument("--systems", default=",".join(systems.SYSTEM_NAMES),
                    help="comma-separated, from ours,mlx_lm,vllm_mlx,nocache (default: all) "
-                        "and ours_kv8,ours_kv4 (ours with --kv-bits 8 / 4), ours_spec (ours "
-                        "with --speculation suffix)")
+                        "and ours_kv8,ours_kv4 (ours with --kv-bits 8 / 4), ours_nospec "
+                        "(ours with --speculation off: the baseline of E1-E5), ours_spec "
+                        "(ours with --speculation suffix, the default, named)")
     p.add_argument("--model", default=None,
                    help="MLX model folder (default: the embedded default model)")
     p.add_argument("--out", default="bench/out", help="output folder (default: bench/out)")

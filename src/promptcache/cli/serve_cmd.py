@@ -134,9 +134,11 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                    help="recompute this fraction of cache hits in idle time and compare "
                         "them with the stored blocks; a mismatch quarantines the chain "
                         "(default 0: off)")
-    p.add_argument("--speculation", choices=["suffix", "off"], default="off",
+    p.add_argument("--speculation", choices=["suffix", "off"],
+                   default=EngineConfig.speculation,
                    help="speculative decoding drafted from the request's own history, "
-                        "then its tenant's recent replies (plain-KV models; default off)")
+                        "then its tenant's recent replies; a verify runs only where the "
+                        "gate expects it to pay (default suffix)")
     p.add_argument("--spec-max-draft", type=int, default=EngineConfig.spec_max_draft,
                    help="most draft tokens verified per forward (default 8)")
     p.add_argument("--spec-pool-tokens", type=int, default=EngineConfig.spec_pool_tokens,
