@@ -340,6 +340,14 @@ def row_pays(rate: float, length: int, cost: CostModel, rows: int = 1) -> bool:
                for cut in range(1, length + 1))
 
 
+def row_tokens(rates: Sequence[float], lengths: Sequence[int], cut: int, *,
+               uniform: bool = False) -> list[float]:
+    """The tokens each row is expected to get from a verify of drafts cut to ``cut``
+    (``uniform``: every row keeps as many as the shortest)."""
+    per_row = [expected_tokens(q, min(n, cut)) for q, n in zip(rates, lengths, strict=True)]
+    return [min(per_row)] * len(per_row) if uniform and per_row else per_row
+
+
 def plan(rates: Sequence[float], lengths: Sequence[int], cost: CostModel, *,
          state: bool = False, uniform: bool = False,
          allowance: Sequence[float] | None = None) -> int:
@@ -354,9 +362,7 @@ def plan(rates: Sequence[float], lengths: Sequence[int], cost: CostModel, *,
     rows = len(rates)
     best, best_gain = 0, 1.0 + MARGIN
     for cut in range(1, max(lengths, default=0) + 1):
-        per_row = [expected_tokens(q, min(n, cut)) for q, n in zip(rates, lengths, strict=True)]
-        if uniform:
-            per_row = [min(per_row)] * rows
+        per_row = row_tokens(rates, lengths, cut, uniform=uniform)
         tokens = sum(per_row)
         price = cost.relative(rows, 1 + cut)
         if state:

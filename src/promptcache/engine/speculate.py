@@ -132,9 +132,8 @@ class Speculator:
         self._fills = Fills()  # rows whose draft this step is a fill (``fill``)
         # per request, the decode steps verifies saved it: what a verify may cost it
         self.credits = Credits(config.spec_max_slowdown)
-        # per row of the last verify the gate planned, the tokens it expected (``settle``)
+        # per row of the verify the gate planned last, the tokens it expected (``settle``)
         self._expected: list[float] = []
-        self._last_expected: list[float] = []
         # request id -> proposals in a row that found nothing; steps left without looking
         self._empty: dict[str, int] = {}
         self._skip: dict[str, int] = {}
@@ -298,9 +297,9 @@ class Speculator:
         if not any(drafts):  # a sync and drafting for nothing, as a gated step
             self._gated(len(rows), idle=True)
             return 0
-        cut, lengths, fills, dropped = self._decide(rows, drafts, cache, model, self.fill)
+        cut, lengths, fills, dropped, self._expected = self._decide(
+            rows, drafts, cache, model, self.fill)
         self._drop(rows, dropped, drafts)
-        self._expected = self._last_expected if cut else []
         if cut:
             for i, n in enumerate(lengths):
                 if i in fills:
@@ -315,10 +314,11 @@ class Speculator:
     def _decide(self, rows: Sequence[Request], drafts: Sequence[Sequence[int]],
                 cache: Sequence[Any], model: Any,
                 fill: Callable[[Request, int], tuple[int, ...]]
-                ) -> tuple[int, list[int], dict[int, tuple[int, ...]], list[int]]:
+                ) -> tuple[int, list[int], dict[int, tuple[int, ...]], list[int], list[float]]:
         """The gate's decision alone: ``(cut, each row's draft length, the fills (row ->
-        its fill), the rows whose own draft does not pay on its own)``; no fill is
-        looked up when no row's own draft pays (the cut is then 0)."""
+        its fill), the rows whose own draft does not pay on its own, each row's expected
+        tokens at the cut (empty when the cut is 0))``; no fill is looked up when no
+        row's own draft pays (the cut is then 0)."""
         state = mlx_compat.speculation_kind(cache) == "state"
         uniform = state and len(rows) > 1 and not mlx_compat.states_take_lengths(model)
         rates = [self._rate(r) for r in rows]
@@ -329,7 +329,7 @@ class Speculator:
             lengths[i] = 0
         fills: dict[int, tuple[int, ...]] = {}
         if not any(lengths):
-            return 0, lengths, fills, dropped
+            return 0, lengths, fills, dropped, []
         for i, r in enumerate(rows):
             if lengths[i] == 0:
                 found = fill(r, self.max_k)
@@ -339,11 +339,8 @@ class Speculator:
         allowance = [self.credits.allowance(r.request_id, len(r.output)) for r in rows]
         cut = spec_cost.plan(rates, lengths, self.cost, state=state, uniform=uniform,
                              allowance=allowance)
-        if cut:
-            expected = [spec_cost.expected_tokens(q, min(n, cut))
-                        for q, n in zip(rates, lengths, strict=True)]
-            self._last_expected = [min(expected)] * len(rows) if uniform else expected
-        return cut, lengths, fills, dropped
+        expected = spec_cost.row_tokens(rates, lengths, cut, uniform=uniform) if cut else []
+        return cut, lengths, fills, dropped, expected
 
     def _drop(self, rows: Sequence[Request], dropped: Sequence[int],
               drafts: Sequence[Sequence[int]]) -> None:
@@ -371,7 +368,7 @@ class Speculator:
         drafts = [() if self._waits(r) else self._ahead(r, self._k.get(
             r.request_id, max(MIN_K, self.max_k // 2)), ahead[r.request_id]) for r in rows]
         if any(drafts):
-            cut, _, _, dropped = self._decide(
+            cut, _, _, dropped, _ = self._decide(
                 rows, drafts, cache, model,
                 lambda r, k: () if r.processors else self._ahead(r, k, ahead[r.request_id]))
             if cut:
@@ -434,8 +431,7 @@ class Speculator:
         price = self.cost.relative(len(rows), width)
         if refed:
             price += self.cost.relative(len(rows), refed)
-        expected = self._expected if len(self._expected) == len(rows) else [1.0] * len(rows)
-        for r, e in zip(rows, expected, strict=True):
+        for r, e in zip(rows, self._expected, strict=True):
             self.credits.settle(r.request_id, e, price)
 
     def step_started(self) -> None:

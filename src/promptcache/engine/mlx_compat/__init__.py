@@ -23,7 +23,9 @@ What is used:
 - speculative decoding's repair of a verify forward: ``BatchRotatingKVCache``'s
   ``_temporal_order()`` / ``_idx`` / ``keys`` / ``values`` / ``offset`` /
   ``left_padding`` (``before_verify``, ``drop_row_tails``) and ``ArraysCache.cache``
-  (``restore_before_verify``); ``dynamic_roll`` of ``mlx_lm.models.cache``.
+  (``restore_before_verify``); ``dynamic_roll`` of ``mlx_lm.models.cache``; after a
+  hybrid batch's refeed, ``BatchKVCache._right_padding`` (read, and cleared when the
+  rows' first positions are moved into the pad tails instead: ``finalize_refeed``).
 
 Every use of mlx-lm's private APIs stays behind this package; callers import from
 ``mlx_compat`` itself (re-exported below), not from its modules:

@@ -142,12 +142,11 @@ def finalize_refeed(batch: Sequence[Any], moves: Sequence[RowMoves]) -> None:
     kv = [c for c in leaves if isinstance(c, BatchKVCache)]
     pads = kv[0]._right_padding if kv else None
     if pads is not None:
-        rest = [int(n) for n in pads.tolist()]
+        moved = _move_heads(kv, [int(n) for n in pads.tolist()], moves)
         for c in kv:
-            c._right_padding = None
-        if not _move_heads(kv, rest, moves):
-            for c in kv:
-                c._right_padding = pads
+            if moved:
+                c._right_padding = None
+            else:
                 c.finalize()
     for c in leaves:
         if not isinstance(c, BatchKVCache):
