@@ -13,12 +13,14 @@ from promptcache.engine.api import GenerationRequest, SamplingParams
 from promptcache.engine.spec_cost import (
     ALPHA,
     FREE,
+    MEASURE_CONTEXT,
     OUTLIERS_IN_A_ROW,
     Acceptance,
     Credits,
     OnlineCost,
     TableCost,
     VerifyCost,
+    context_bucket,
     expected_tokens,
     plan,
 )
@@ -176,6 +178,7 @@ def test_the_cost_is_measured_at_startup_without_a_configured_one(tiny_llama_pat
         assert isinstance(online, OnlineCost)  # the fit, corrected while serving
         cost = online.prior
         assert isinstance(cost, VerifyCost) and cost.overhead > 0 and cost.per_token >= 0
+        assert cost.at == MEASURE_CONTEXT and cost.attend >= 0  # llama: trimmable
         rel = eng.engine_stats()["spec_verify_cost"]
         assert list(rel) == ["k1", "k2", "k4", "k8", "k16"]
         assert 1.0 <= rel["k1"] <= rel["k16"]
@@ -238,6 +241,93 @@ def test_outliers_are_skipped_unless_they_persist() -> None:
     assert two.decode_seconds(3) == pytest.approx(4.0 * 4 / 2)
 
 
+def test_a_verify_is_priced_against_steps_over_its_own_context() -> None:
+    """Plain steps are timed per batch size and context octave, as ratios to the fit's
+    step over their own context: a verify over 2,300 tokens after steps timed only over
+    a few (a short warm-up request) is compared with what a step over 2,300 tokens is
+    expected to take, not with the short steps."""
+    # a step: 1 + 1 per row over 1,000 tokens, 0.001 more per row per token beyond
+    fit = VerifyCost(1.0, 1.0, attend=0.001, at=1000)
+    assert fit.step(1, 1000) == 2.0 and fit.step(1, 2300) == pytest.approx(3.3)
+    assert fit.step(2, 2300) == pytest.approx(5.6) and fit.step(1, 0) == 1.0
+    assert VerifyCost(1.0, 0.5, attend=0.001, at=1000).step(1, 0) == 1.0  # the floor
+    assert [context_bucket(n) for n in (0, 255, 256, 511, 512, 2047, 2048, 2300)] == \
+        [0, 0, 1, 1, 2, 3, 4, 4]
+    cost = OnlineCost(fit)
+    for _ in range(3):
+        cost.observe_decode(1, 0.5, context=0)  # the warm-up: half the fit's step
+    assert cost.decode_seconds(1, 0) == pytest.approx(0.5)
+    # not timed over 2,300 tokens yet: the nearest octave's ratio at this context
+    assert cost.decode_seconds(1, 2300) == pytest.approx(0.5 * 3.3)
+    # a k=1 verify there that took the fit's relative cost x that step: no correction
+    cost.observe_verify(1, 2, 0.5 * 3.3 * fit.relative(1, 2), context=2300)
+    assert cost.correction(1) == pytest.approx(1.0)
+    # steps over the long context: their own octave's ratio (0.8), the short one kept
+    cost.observe_decode(1, 0.8 * 3.3, context=2300)
+    assert cost.decode_seconds(1, 2400) == pytest.approx(0.8 * 3.4)
+    assert cost.decode_seconds(1, 100) == pytest.approx(0.5 * 1.1)
+    # another size: the same octave first (2 rows over 2,300: 0.8 x its fit) ...
+    assert cost.decode_seconds(2, 2300) == pytest.approx(0.8 * 5.6)
+    # ... then the nearest size in it (8 rows measured at 9x their fit)
+    cost.observe_decode(8, 9.0 * fit.step(8, 3000), context=3000)
+    assert cost.decode_seconds(2, 10) == pytest.approx(0.5 * fit.step(2, 10))
+    assert cost.decode_seconds(3, 2100) == pytest.approx(0.8 * fit.step(3, 2100))
+    assert cost.decode_seconds(7, 2100) == pytest.approx(9.0 * fit.step(7, 2100))
+    assert cost.decode_seconds(7, 4500) == pytest.approx(9.0 * fit.step(7, 4500))
+    # the guard compares a window of verify steps with plain steps over its context
+    cost.guard.observe_step(1, 4, 4 * 0.8 * 3.3, context=2300)
+    for _ in range(3):
+        cost.guard.observe_step(1, 4, 4 * 0.8 * 3.3, context=2300)
+    assert cost.guard.turned_off == 0  # a token per step over 2,300 tokens: decoding's
+    for _ in range(4):
+        cost.guard.observe_step(1, 4, 4 * 0.8 * 3.3, context=100)
+    assert cost.guard.turned_off == 1  # over 100 tokens a step takes 0.5 x 1.1 s
+
+
+class ContextSpy(OnlineCost):
+    """``ScriptedCost``'s fixed timings, recording the context of every timed step."""
+
+    def __init__(self) -> None:
+        super().__init__(FREE)
+        self.contexts: list[tuple[str, int]] = []
+
+    def observe_decode(self, rows: int, seconds: float, context: int = 0) -> None:
+        self.contexts.append(("decode", context))
+        super().observe_decode(rows, 1.0, context)
+
+    def observe_verify(self, rows: int, width: int, seconds: float, context: int = 0
+                       ) -> None:
+        self.contexts.append(("verify", context))
+        super().observe_verify(rows, width, 1.0 + 0.01 * (width - 1), context)
+
+
+def test_steps_and_verifies_are_timed_with_the_tokens_they_attend_to(tiny_llama_path: Any
+                                                                     ) -> None:
+    """The batch reports each plain step and each verify with its row's tokens in the
+    cache: in the order of the steps, every one over more tokens than the one before,
+    all between the prompt and the prompt plus the reply."""
+    toks = tuple(int(t) for t in np.random.default_rng(3).integers(3, 1000, size=48))
+    want = plain_tokens(tiny_llama_path, toks)
+    eng = make_engine(tiny_llama_path, use_cache=False, speculation="suffix",
+                      spec_max_draft=4)
+    try:
+        eng._ctx.logits_hook = None
+        spec = eng._ctx.speculator
+        spy = spec.cost = ContextSpy()
+        spec.source = lambda r, k: [(t + 1) % 1000 for t in want[
+            len(r.output):len(r.output) + k]]  # wrong: every step adds one token
+        got = eng.submit(GenerationRequest(prompt_tokens=toks, sampling=SamplingParams(
+            max_tokens=60))).result(timeout=300)
+        assert got.tokens == want
+        kinds = {k for k, _ in spy.contexts}
+        assert kinds == {"decode", "verify"}
+        seen = [n for _, n in spy.contexts]
+        assert seen == sorted(set(seen)), spy.contexts
+        assert len(toks) - 1 <= seen[0] and seen[-1] < len(toks) + 60
+    finally:
+        eng.close()
+
+
 def test_fixed_verify_costs_from_the_setting() -> None:
     from promptcache.serving_config import EngineConfig, verify_cost_steps
 
@@ -267,13 +357,15 @@ class ScriptedCost(OnlineCost):
         super().__init__(FREE)  # the startup fit: a verify costs a decode step
         self.verify = verify
 
-    def observe_decode(self, rows: int, seconds: float) -> None:
+    def observe_decode(self, rows: int, seconds: float, context: int = 0) -> None:
         super().observe_decode(rows, 1.0)
 
-    def observe_verify(self, rows: int, width: int, seconds: float) -> None:
+    def observe_verify(self, rows: int, width: int, seconds: float, context: int = 0
+                       ) -> None:
         super().observe_verify(rows, width, self.verify(width))
 
-    def observe_step(self, rows: int, width: int, tokens: int, seconds: float) -> None:
+    def observe_step(self, rows: int, width: int, tokens: int, seconds: float,
+                     context: int = 0) -> None:
         pass  # the whole-step guard (engine/spec_guard.py) is tested on its own
 
 

@@ -33,7 +33,8 @@ def steps_off(guard: StepGuard, rows: int) -> int:
 
 
 def test_a_losing_window_turns_its_batch_size_off() -> None:
-    guard = StepGuard(lambda rows: 1.0)  # a decode step of any size: 1 s, `rows` tokens
+    # a decode step of any size: 1 s, `rows` tokens
+    guard = StepGuard(lambda rows, context: 1.0)
     for _ in range(WINDOW - 1):  # 7 tokens per second against decoding's 8
         guard.observe_step(8, 7, 1.0)
         assert guard.allows(8)  # not judged before a whole window
@@ -45,7 +46,7 @@ def test_a_losing_window_turns_its_batch_size_off() -> None:
 
 
 def test_failed_probes_double_the_pause_and_a_paying_window_resets_it() -> None:
-    guard = StepGuard(lambda rows: 2.0)  # decoding: rows / 2 tokens per second
+    guard = StepGuard(lambda rows, context: 2.0)  # decoding: rows / 2 tokens per second
     for _ in range(8):
         for _ in range(WINDOW):
             guard.observe_step(2, 1, 1.0)  # 1 token/s: exactly decoding's rate
@@ -63,7 +64,7 @@ def test_failed_probes_double_the_pause_and_a_paying_window_resets_it() -> None:
 
 
 def test_the_slack_and_the_window_sum() -> None:
-    guard = StepGuard(lambda rows: 1.0)
+    guard = StepGuard(lambda rows, context: 1.0)
     # just over (1 - SLACK) of decoding's rate over the window as a whole: allowed
     tokens = [10, 10, 10, 10]
     seconds = [1.0, 1.0, 1.0, 0.999 * 4 / (1 - SLACK) - 3.0]
@@ -85,13 +86,15 @@ class ScriptedSteps(OnlineCost):
         super().__init__(FREE)
         self.step_s = step_s
 
-    def observe_decode(self, rows: int, seconds: float) -> None:
+    def observe_decode(self, rows: int, seconds: float, context: int = 0) -> None:
         super().observe_decode(rows, 1.0)
 
-    def observe_verify(self, rows: int, width: int, seconds: float) -> None:
+    def observe_verify(self, rows: int, width: int, seconds: float, context: int = 0
+                       ) -> None:
         super().observe_verify(rows, width, 1.0)
 
-    def observe_step(self, rows: int, width: int, tokens: int, seconds: float) -> None:
+    def observe_step(self, rows: int, width: int, tokens: int, seconds: float,
+                     context: int = 0) -> None:
         super().observe_step(rows, width, tokens, self.step_s)
 
 
@@ -130,7 +133,7 @@ def test_the_engine_stops_speculating_when_whole_steps_lose(tiny_llama_path: Any
 
 
 def test_gated_steps_in_a_row_pause_the_size_and_a_verify_resets_it() -> None:
-    guard = StepGuard(lambda rows: 1.0)
+    guard = StepGuard(lambda rows, context: 1.0)
     guard.observe_gated(8)
     assert guard.paused() == {}  # one gated step: nothing yet
     guard.observe_gated(8)

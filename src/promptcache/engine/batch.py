@@ -60,7 +60,7 @@ class DecodeBatch:
         self.non_truncatable = False
         # speculation's online cost (Speculator.observe_*): when the last plain step read
         # its fed tokens (the forward before it done) and how many rows its forward had
-        self._synced: tuple[float, int] | None = None
+        self._synced: tuple[float, int, int] | None = None
         # request id -> where a verify's repair moved its row's first positions
         self._moves: dict[str, mlx_compat.RowMoves] = {}
 
@@ -230,7 +230,7 @@ class DecodeBatch:
         # host work for the tokens fed in this step (sampled in the previous one)
         fed = cast(list[int], inputs.tolist())
         if spec is not None:
-            self._time_decode(spec, len(rows))
+            self._time_decode(spec, rows)
         prev_lps, prev_logits, prev_reported = self._lps, self._logits, self._reported
         finished: list[tuple[int, str]] = []
         for i, r in enumerate(rows):
@@ -245,14 +245,15 @@ class DecodeBatch:
         self.set_pending(sampled, lps, [logits[i] for i in range(len(rows))] if hook else None)
         self._after_step(finished, before)
 
-    def _time_decode(self, spec: Speculator, rows: int) -> None:
+    def _time_decode(self, spec: Speculator, rows: Sequence[Request]) -> None:
         """The forward launched by the previous plain step is done when this one reads
         its tokens: the time since the previous read is one decode step (pipelined: the
-        host work overlaps it) of that step's rows."""
+        host work overlaps it) of that step's rows, over its longest row's tokens."""
         now = spec.clock()
         if self._synced is not None:
-            spec.observe_decode(self._synced[1], now - self._synced[0])
-        self._synced = (now, rows)
+            at, n, context = self._synced
+            spec.observe_decode(n, now - at, context)
+        self._synced = (now, len(rows), max(r.pos for r in rows))
 
     def _after_step(self, finished: list[tuple[int, str]], before: list[list[Any]] | None
                     ) -> None:

@@ -62,6 +62,7 @@ def verify_step(batch: DecodeBatch, spec: Speculator) -> bool:
     # tokens (the sync the step does anyway); not the drafting (a tenant pool's first
     # seeding reads the cache)
     t0 = spec.clock()
+    context = max(r.pos for r in rows)  # compared with plain steps over as many tokens
     drafts = [d[:cut] for d in drafts]
     width = 1 + max(len(d) for d in drafts)
     x = mx.array([[pending[i], *d, *([pending[i]] * (width - 1 - len(d)))]
@@ -106,7 +107,7 @@ def verify_step(batch: DecodeBatch, spec: Speculator) -> bool:
                 break
         accepted.append(a)
         bonus.append(tok)
-    spec.observe_verify(len(rows), width, spec.clock() - t0)
+    spec.observe_verify(len(rows), width, spec.clock() - t0, context)
     batch.clear_decode_timing()  # the next plain step's read finds nothing in flight
     # array states that cannot take right-padded tokens (mlx_compat.states_take_lengths):
     # every row keeps as many positions as the shortest (greedy rows only: eligible)
@@ -163,7 +164,7 @@ def verify_step(batch: DecodeBatch, spec: Speculator) -> bool:
             r.store_decoded_block(batch.row_caches(i))
     # the model's own token after each accepted draft: fed and reported next step
     batch.set_pending(mx.array(bonus, dtype=mx.uint32), lps)
-    spec.step_done(len(rows), width, sum(kept))
+    spec.step_done(len(rows), width, sum(kept), context)
     if stopped:
         batch.remove(set(stopped))
     return True

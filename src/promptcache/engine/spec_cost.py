@@ -23,8 +23,19 @@ fit said 1.09-1.85). ``OnlineCost`` corrects it: the decode batch reports the wa
 of each verify forward and of each plain decode step (``observe_verify`` /
 ``observe_decode``, taken at the syncs the steps already do), and per draft-length bucket
 (k = 1, 2, 3-4, 5-8, 9-16, ...) a running ratio of measured to fitted cost (the mean of
-the first samples, then exponentially weighted) replaces the fit as samples arrive (a bucket without samples takes its nearest
-measured neighbour's ratio). ``--spec-verify-cost`` fixes the cost instead
+the first samples, then exponentially weighted) replaces the fit as samples arrive (a
+bucket without samples takes its nearest measured neighbour's ratio).
+
+A verify is compared with plain decode steps over the same context: a step attends to
+every token in the cache, so one over 2,000 tokens takes twice one over a few (SmolLM2
+on this CPU), and a verify divided by steps timed on another conversation would be
+priced wrong by as much (the first verify of a long prompt after a short warm-up
+request: 2.5 decode steps for k=1, and its row paused). The plain steps are kept per
+batch size and context octave (``context_bucket``: below 256 tokens, 256-511, 512-1023,
+...), each as a ratio to the fit's step over its own context (``VerifyCost.step``: the
+startup fit also times a step over an empty cache, which gives what each token of
+context adds), so a size and octave not timed yet takes the nearest timed one's ratio at
+its own context. ``--spec-verify-cost`` fixes the cost instead
 (``TableCost``: one number, the cost per extra position in decode steps, or a list of
 costs at k = 1, 2, ...), with no correction.
 """
@@ -74,16 +85,27 @@ class CostModel(Protocol):
 class VerifyCost:
     """A forward costs ``overhead + per_token * rows * width`` (any unit), plus ``wide``
     when ``width > 1`` (several positions per row take another path than one: the
-    causal mask over the context, matrix instead of vector attention kernels)."""
+    causal mask over the context, matrix instead of vector attention kernels), over a
+    context of ``at`` tokens; a decode step costs ``attend`` more per row for each token
+    of context beyond ``at`` (``step``)."""
 
     overhead: float
     per_token: float
     wide: float = 0.0
+    attend: float = 0.0
+    at: int = 0
 
     def __post_init__(self) -> None:
-        if (self.overhead < 0 or self.per_token < 0 or self.wide < 0
-                or self.overhead + self.per_token <= 0):
-            raise ValueError(f"need overhead, per_token, wide >= 0, not all 0: {self}")
+        if (self.overhead < 0 or self.per_token < 0 or self.wide < 0 or self.attend < 0
+                or self.at < 0 or self.overhead + self.per_token <= 0):
+            raise ValueError(f"need overhead, per_token, wide, attend, at >= 0, "
+                             f"overhead + per_token > 0: {self}")
+
+    def step(self, rows: int, context: int = 0) -> float:
+        """A decode step (width 1) of ``rows`` rows over ``context`` tokens (``at``
+        without ``attend``); never below ``overhead`` (nor 0)."""
+        t = self.overhead + self.per_token * rows + self.attend * rows * (context - self.at)
+        return max(t, self.overhead, 1e-3 * (self.overhead + self.per_token * rows))
 
     def relative(self, rows: int, width: int) -> float:
         """A forward of ``width`` positions per row, in decode steps (width 1)."""
@@ -128,6 +150,12 @@ def bucket(k: int) -> int:
     return max(0, k - 1).bit_length()
 
 
+def context_bucket(tokens: int) -> int:
+    """Contexts whose decode steps are timed together: below 256 tokens, 256-511,
+    512-1023, 1024-2047, ... -> 0, 1, 2, 3, ..."""
+    return (max(0, tokens) >> 8).bit_length()
+
+
 class _Ewma:
     """A running estimate (the mean of the first samples, then exponentially weighted by
     ``ALPHA``) that skips outliers (``OUTLIER`` x the estimate) unless
@@ -155,11 +183,13 @@ class _Ewma:
 class OnlineCost:
     """``prior`` (the startup fit, in seconds when measured) corrected by the wall time
     of the verify forwards and decode steps the engine runs (see the module docstring).
-    Engine thread only."""
+    ``context``: the tokens in the batch's caches (its longest row's). Engine thread
+    only."""
 
     def __init__(self, prior: VerifyCost) -> None:
         self.prior = prior
-        self._decode: dict[int, _Ewma] = {}  # rows -> seconds per plain decode step
+        # (rows, context_bucket) -> a plain decode step over the fit's step there
+        self._decode: dict[tuple[int, int], _Ewma] = {}
         self._ratio: dict[int, _Ewma] = {}  # k bucket -> measured / fitted relative cost
         self.verify_samples = 0
         self.decode_samples = 0
@@ -170,46 +200,54 @@ class OnlineCost:
         """Whether a batch of ``rows`` rows may speculate this step (``StepGuard``)."""
         return self.guard.allows(rows)
 
-    def observe_step(self, rows: int, width: int, tokens: int, seconds: float) -> None:
+    def observe_step(self, rows: int, width: int, tokens: int, seconds: float,
+                     context: int = 0) -> None:
         """A whole verify step (drafting to repaired caches) of ``rows`` x ``width``
         gave ``tokens`` tokens in ``seconds`` (``StepGuard``)."""
-        self.guard.observe_step(rows, tokens, seconds)
+        self.guard.observe_step(rows, tokens, seconds, context)
 
     def observe_gated(self, rows: int, *, idle: bool = False) -> None:
         """A step of ``rows`` rows had drafts the gate did not verify, or (``idle``) no
         row found one (``StepGuard``)."""
         self.guard.observe_gated(rows, cap=MAX_IDLE_OFF_STEPS if idle else MAX_GATED_OFF_STEPS)
 
-    def decode_seconds(self, rows: int) -> float:
-        """A plain decode step of ``rows`` rows: measured, else the nearest measured row
-        count scaled by the fit, else the fit itself (seconds when measured at startup)."""
-        est = self._decode.get(rows)
-        if est is not None:
-            return est.value
-        p = self.prior
-        fit = p.overhead + p.per_token * rows
-        if self._decode:
-            near = min(self._decode, key=lambda n: abs(n - rows))
-            return self._decode[near].value * fit / (p.overhead + p.per_token * near)
-        return fit
+    def decode_seconds(self, rows: int, context: int = 0) -> float:
+        """A plain decode step of ``rows`` rows over ``context`` tokens: the fit's step
+        there (``VerifyCost.step``) times the ratio measured at this size and context
+        octave, else at the nearest measured one (the same octave first, then the
+        nearest size), else the fit itself (seconds when measured at startup)."""
+        fit = self.prior.step(rows, context)
+        if not self._decode:
+            return fit
+        key = (rows, context_bucket(context))
+        est = self._decode.get(key)
+        if est is None:
+            est = self._decode[min(self._decode, key=lambda n: (
+                abs(n[1] - key[1]), abs(n[0] - rows), n))]
+        return est.value * fit
 
-    def observe_decode(self, rows: int, seconds: float) -> None:
+    def observe_decode(self, rows: int, seconds: float, context: int = 0) -> None:
         if seconds <= 0:
             return
         self.decode_samples += 1
-        est = self._decode.get(rows)
+        ratio = seconds / self.prior.step(rows, context)
+        key = (rows, context_bucket(context))
+        est = self._decode.get(key)
         if est is None:
-            self._decode[rows] = _Ewma(seconds)
+            self._decode[key] = _Ewma(ratio)
         else:
-            est.add(seconds)
+            est.add(ratio)
 
-    def observe_verify(self, rows: int, width: int, seconds: float) -> None:
-        """A verify forward of ``rows`` x ``width`` took ``seconds`` (from the sync that
-        made the previous step's tokens known to the one that reads its own)."""
+    def observe_verify(self, rows: int, width: int, seconds: float, context: int = 0
+                       ) -> None:
+        """A verify forward of ``rows`` x ``width`` over ``context`` tokens took
+        ``seconds`` (from the sync that made the previous step's tokens known to the one
+        that reads its own)."""
         if width <= 1 or seconds <= 0:
             return
         self.verify_samples += 1
-        ratio = seconds / self.decode_seconds(rows) / self.prior.relative(rows, width)
+        ratio = seconds / self.decode_seconds(rows, context) \
+            / self.prior.relative(rows, width)
         b = bucket(width - 1)
         est = self._ratio.get(b)
         if est is None:
@@ -255,25 +293,31 @@ def cost_from_config(setting: str | tuple[float, float] | None, model: Any,
 def measure_verify_cost(model: Any, vocab_size: int, repeats: int = 3) -> VerifyCost:
     """Fit ``VerifyCost`` from forwards of width 1, 2 and ``MEASURE_WIDTH`` over a cache
     holding ``MEASURE_CONTEXT`` tokens (attention over a context is part of a verify's
-    cost; a cache that cannot be trimmed back is measured empty), the fastest of
-    ``repeats`` each after one warm-up."""
+    cost; a cache that cannot be trimmed back is measured empty), and ``attend`` from
+    width 1 over that context against an empty cache; the fastest of ``repeats`` each
+    after one warm-up."""
     base = make_prompt_cache(model)
     context = MEASURE_CONTEXT if can_trim_prompt_cache(base) else 0
     if context:
         mx.eval(model(_tokens(context, vocab_size), cache=base))
 
-    def once(width: int) -> float:
-        cache = base if context else make_prompt_cache(model)
+    def once(width: int, empty: bool = False) -> float:
+        cache = base if context and not empty else make_prompt_cache(model)
         x = _tokens(width, vocab_size)
         t0 = time.perf_counter()
         mx.eval(model(x, cache=cache))
         took = time.perf_counter() - t0
-        if context:
+        if cache is base:
             trim_prompt_cache(cache, width)
         return took
 
     for w in (1, 2, MEASURE_WIDTH):
         once(w)
+    attend = 0.0
+    if context:
+        once(1, empty=True)
+        t0 = min(once(1, empty=True) for _ in range(repeats))
+        attend = max(0.0, min(once(1) for _ in range(repeats)) - t0) / context
     t1 = t2 = tw = 0.0
     for _ in range(3):  # a wider forward is never cheaper: on a noisy machine, measure again
         t1 = min(once(1) for _ in range(repeats))
@@ -289,7 +333,7 @@ def measure_verify_cost(model: Any, vocab_size: int, repeats: int = 3) -> Verify
     per_token = (tw - t2) / (MEASURE_WIDTH - 2)
     overhead = max(t1 - per_token, 1e-3 * t1, 1e-9)
     wide = max(0.0, t2 - (overhead + 2 * per_token))
-    return VerifyCost(overhead, per_token, wide)
+    return VerifyCost(overhead, per_token, wide, attend, context)
 
 
 def _tokens(n: int, vocab_size: int) -> mx.array:

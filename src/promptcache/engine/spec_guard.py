@@ -8,8 +8,8 @@ tokens, trimming or repairing the caches), which grows with the rows of the batc
 second than plain decoding. So the guard compares what the two paths deliver, per batch
 size (rows): the tokens per second of the last ``WINDOW`` verify steps of ``rows`` rows,
 each timed whole (``observe_step``: from before the drafts to after the caches are
-repaired), against ``rows`` tokens per plain decode step of ``rows`` rows (its pipelined
-wall time, ``OnlineCost.decode_seconds``). When verifying delivers less than
+repaired), against ``rows`` tokens per plain decode step of ``rows`` rows over the
+window's last context (its pipelined wall time, ``OnlineCost.decode_seconds``). When verifying delivers less than
 ``1 - SLACK`` of decoding, speculation is off for batches of that size for ``OFF_STEPS``
 decode steps (decode as without speculation, pipelined, no drafting), then it probes
 again; each failed probe doubles the pause, up to ``MAX_OFF_STEPS``; a window that pays
@@ -64,9 +64,10 @@ class _Size:
 
 class StepGuard:
     """Per batch size: speculation allowed or paused, from measured tokens per second
-    (module docstring). ``decode_seconds(rows)``: a plain decode step of ``rows`` rows."""
+    (module docstring). ``decode_seconds(rows, context)``: a plain decode step of
+    ``rows`` rows over ``context`` tokens."""
 
-    def __init__(self, decode_seconds: Callable[[int], float]) -> None:
+    def __init__(self, decode_seconds: Callable[[int, int], float]) -> None:
         self._decode_seconds = decode_seconds
         self._sizes: dict[int, _Size] = {}
         self.turned_off = 0
@@ -81,8 +82,10 @@ class StepGuard:
         s.off_left -= 1
         return False
 
-    def observe_step(self, rows: int, tokens: int, seconds: float) -> None:
-        """A verify step of ``rows`` rows gave ``tokens`` tokens in ``seconds``."""
+    def observe_step(self, rows: int, tokens: int, seconds: float, context: int = 0
+                     ) -> None:
+        """A verify step of ``rows`` rows over ``context`` tokens gave ``tokens`` tokens
+        in ``seconds``."""
         if rows <= 0 or seconds <= 0:
             return
         s = self._sizes.setdefault(rows, _Size())
@@ -93,7 +96,7 @@ class StepGuard:
         if s.steps < WINDOW:
             return
         verify_rate = s.tokens / s.seconds
-        decode_rate = rows / self._decode_seconds(rows)
+        decode_rate = rows / self._decode_seconds(rows, context)
         s.tokens, s.seconds, s.steps = 0, 0.0, 0
         if verify_rate >= (1.0 - SLACK) * decode_rate:
             s.last_off = 0

@@ -411,15 +411,17 @@ class Speculator:
         self._pause[rid] = (wait, wait)
         self.counters.spec_paused += 1
 
-    def observe_decode(self, rows: int, seconds: float) -> None:
-        """A plain decode step of ``rows`` rows took ``seconds`` (``OnlineCost``)."""
+    def observe_decode(self, rows: int, seconds: float, context: int) -> None:
+        """A plain decode step of ``rows`` rows over ``context`` tokens (the longest
+        row's) took ``seconds`` (``OnlineCost``)."""
         if isinstance(self.cost, OnlineCost):
-            self.cost.observe_decode(rows, seconds)
+            self.cost.observe_decode(rows, seconds, context)
 
-    def observe_verify(self, rows: int, width: int, seconds: float) -> None:
-        """A verify forward of ``rows`` x ``width`` positions took ``seconds``."""
+    def observe_verify(self, rows: int, width: int, seconds: float, context: int) -> None:
+        """A verify forward of ``rows`` x ``width`` positions over ``context`` tokens
+        took ``seconds``."""
         if isinstance(self.cost, OnlineCost):
-            self.cost.observe_verify(rows, width, seconds)
+            self.cost.observe_verify(rows, width, seconds, context)
 
     def settle(self, rows: Sequence[Request], width: int, refed: int = 0) -> None:
         """A verify of ``rows`` x ``width`` positions (``refed``: the width of the forward
@@ -438,14 +440,15 @@ class Speculator:
         """A verify step begins (before its drafts): ``step_done`` times it whole."""
         self._step = (self.clock(), self._seeding_s)
 
-    def step_done(self, rows: int, width: int, tokens: int) -> None:
-        """The verify step begun last gave ``tokens`` tokens over ``rows`` rows: its
-        wall time, less any pool seeding in it, goes to the guard (``StepGuard``)."""
+    def step_done(self, rows: int, width: int, tokens: int, context: int) -> None:
+        """The verify step begun last gave ``tokens`` tokens over ``rows`` rows and
+        ``context`` tokens: its wall time, less any pool seeding in it, goes to the
+        guard (``StepGuard``)."""
         if isinstance(self.cost, OnlineCost):
             t0, seeding = self._step
             before = self.cost.guard.turned_off
             self.cost.observe_step(rows, width, tokens,
-                                   self.clock() - t0 - (self._seeding_s - seeding))
+                                   self.clock() - t0 - (self._seeding_s - seeding), context)
             self.counters.spec_guard_off += self.cost.guard.turned_off - before
 
     def _acceptance(self, r: Request) -> Acceptance:
