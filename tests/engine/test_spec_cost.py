@@ -527,11 +527,11 @@ def test_a_row_with_nothing_to_copy_looks_for_drafts_less_often() -> None:
     assert draft and draft == tuple(seq[4:4 + len(draft)])
 
 
-def test_a_new_request_starts_at_the_engines_recent_rate_and_probes_until_verified(
+def test_a_new_request_starts_at_the_engines_recent_rate_and_probes_until_cut_short(
 ) -> None:
     """The prior of a new request is the rate of the engine's recent drafts at the fixed
-    prior's weight (2 + 1); until its first verify the gate takes it as at least
-    PROBE_RATE, then as it is."""
+    prior's weight (2 + 1); until one of its drafts is cut short the gate takes it as at
+    least PROBE_RATE, then as it is."""
     from types import SimpleNamespace
 
     from promptcache.engine.context import EngineCounters
@@ -555,6 +555,20 @@ def test_a_new_request_starts_at_the_engines_recent_rate_and_probes_until_verifi
     assert spec._recent.rate == pytest.approx((0.81 * 2 + 4) / (0.81 * 2 + 4 + 0.81 * 1 + 0.9))
     assert spec._acceptance(rows[1]).rate == pytest.approx(spec._recent.rate)
     assert spec._rate(rows[1]) == max(PROBE_RATE, spec._recent.rate)
+    # c accepts its first draft whole: its counts fall below the probe rate, the gate
+    # keeps it there until a draft is cut short
+    c = SimpleNamespace(request_id="c", usage=SimpleNamespace(spec_drafted=0,
+                                                              spec_accepted=0))
+    spec._recent = Acceptance()  # the fixed prior, 2/3
+    spec.feedback(c, 2, 2)
+    acc = spec._acceptance(c)
+    assert acc.rate == pytest.approx(3.8 / 4.7) and acc.cut_short == 0  # 0.81
+    assert spec._rate(c) == PROBE_RATE
+    spec.feedback(c, 4, 4)
+    assert spec._rate(c) == pytest.approx(7.42 / 8.23)  # 0.9016: its own, above
+    spec.feedback(c, 4, 1)
+    assert acc.cut_short == 1 and acc.updates == 3
+    assert spec._rate(c) == pytest.approx(acc.rate) and acc.rate < PROBE_RATE
 
 
 @pytest.mark.parametrize("max_slowdown", [0.0, 0.25])

@@ -95,7 +95,7 @@ def test_a_pause_that_ends_on_a_declined_step_still_probes() -> None:
     spec = speculator(OnlineCost(VerifyCost(2.0, 1.0)))
     r = row(X + X[:5])
     spec._acc["r"] = Acceptance(0.3, 0.7)
-    spec._acc["r"].updates = 3
+    spec._acc["r"].updates = spec._acc["r"].cut_short = 3
     spec._pause["r"] = (1, PROBE_STEPS)  # the last step of its pause
     assert not spec.presync([r], [], None, [False])  # waiting: nothing drafted
     assert spec._pause["r"] == (0, PROBE_STEPS) and "r" in spec._probing

@@ -343,7 +343,7 @@ def _tokens(n: int, vocab_size: int) -> mx.array:
 class Acceptance:
     """One request's decayed counts: draft tokens accepted, drafts cut short."""
 
-    __slots__ = ("accepted", "rejected", "updates")
+    __slots__ = ("accepted", "rejected", "updates", "cut_short")
 
     def __init__(self, accepted: float = PRIOR_ACCEPTED, rejected: float = PRIOR_REJECTED
                  ) -> None:
@@ -351,9 +351,11 @@ class Acceptance:
         self.accepted = accepted
         self.rejected = rejected
         self.updates = 0  # verified drafts counted
+        self.cut_short = 0  # ... of which some token was rejected
 
     def update(self, drafted: int, accepted: int) -> None:
         self.updates += 1
+        self.cut_short += accepted < drafted
         self.accepted = DECAY * self.accepted + accepted
         self.rejected = DECAY * self.rejected + (1.0 if accepted < drafted else 0.0)
 

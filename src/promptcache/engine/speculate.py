@@ -39,12 +39,13 @@ Per row, a draft that is not expected to pay on its own at that cost
 the row drafts nothing for ``PROBE_STEPS`` steps, then probes once with an optimistic
 rate (``PROBE_RATE``); each further pause with no draft token accepted in between is
 twice as long, up to ``MAX_PROBE_STEPS``; a new request starts at the engine's recent
-rate (``Acceptance.prior``) and probes until its first verify (a pause that ends on a
-step without a draft probes at the row's next draft). A verify is as wide as the
-batch's longest draft, so every row pays for it: a verify may cost a row no more decode
-steps than its own drafts were expected to save it, plus ``spec_max_slowdown`` x the
-tokens it decoded (``spec_cost.Credits``, settled after each verify: ``settle``), so a
-row with nothing to copy is not slowed by its batch. While every row waits (a
+rate (``Acceptance.prior``) taken as at least ``PROBE_RATE`` until one of its drafts is
+cut short (a pause that ends on a step without a draft probes at the row's next
+draft). A verify is as wide as the batch's longest draft, so every row pays for it: a
+verify may cost a row no more decode steps than its own drafts were expected to save
+it, plus ``spec_max_slowdown`` x the tokens it decoded (``spec_cost.Credits``, settled
+after each verify: ``settle``), so a row with nothing to copy is not slowed by its
+batch. While every row waits (a
 cool-down or a pause), the step stays pipelined (``waiting``); so does a step whose
 drafts, looked up before the pending tokens are read, would not pay (``presync``).
 
@@ -396,10 +397,15 @@ class Speculator:
             self.cost.observe_gated(rows, idle=idle)
             self.counters.spec_guard_off += self.cost.guard.gated_off - before
 
-    def _rate(self, r: Request) -> float:  # probing: until a first verify, after pauses
+    def _rate(self, r: Request) -> float:
+        """``r``'s acceptance rate for the gate: at least ``PROBE_RATE`` while it probes
+        (after a pause) and until a draft of its own is cut short (a first draft accepted
+        whole is no evidence against copying: the decayed counts would put a row that
+        accepted 2 of 2 at 0.81, below where it started, and a batch of such rows, all
+        copying, would stop verifying)."""
         acc = self._acceptance(r)
-        return max(acc.rate, PROBE_RATE) if r.request_id in self._probing or not acc.updates \
-            else acc.rate
+        return max(acc.rate, PROBE_RATE) \
+            if r.request_id in self._probing or not acc.cut_short else acc.rate
 
     def _hold(self, r: Request) -> None:
         """``r``'s drafts do not pay: no drafts for ``PROBE_STEPS`` steps, twice as many
