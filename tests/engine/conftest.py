@@ -65,6 +65,20 @@ def plain_tokens(path, prompt, max_tokens=60):
         plain.close()
 
 
+def speculating(path, seed, n, max_draft, cost):
+    """A random ``n``-token prompt, the tokens decoding one at a time gives for it
+    (``plain_tokens``), and an engine that speculates with drafts of up to ``max_draft``
+    (no cache, no logits hook) and prices verifies with ``cost``."""
+    import numpy as np
+
+    toks = tuple(int(t) for t in np.random.default_rng(seed).integers(3, 1000, size=n))
+    want = plain_tokens(path, toks)
+    eng = make_engine(path, use_cache=False, speculation="suffix", spec_max_draft=max_draft)
+    eng._ctx.logits_hook = None
+    eng._ctx.speculator.cost = cost
+    return toks, want, eng
+
+
 @pytest.fixture(scope="module")
 def engine_factory():
     made = []

@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import make_engine, plain_tokens
+from conftest import make_engine, speculating
 
 from promptcache.engine.api import GenerationRequest, SamplingParams
 from promptcache.engine.spec_cost import (
@@ -306,14 +306,10 @@ def test_steps_and_verifies_are_timed_with_the_tokens_they_attend_to(tiny_llama_
     """The batch reports each plain step and each verify with its row's tokens in the
     cache: in the order of the steps, every one over more tokens than the one before,
     all between the prompt and the prompt plus the reply."""
-    toks = tuple(int(t) for t in np.random.default_rng(3).integers(3, 1000, size=48))
-    want = plain_tokens(tiny_llama_path, toks)
-    eng = make_engine(tiny_llama_path, use_cache=False, speculation="suffix",
-                      spec_max_draft=4)
+    spy = ContextSpy()
+    toks, want, eng = speculating(tiny_llama_path, 3, 48, 4, spy)
     try:
-        eng._ctx.logits_hook = None
         spec = eng._ctx.speculator
-        spy = spec.cost = ContextSpy()
         spec.source = lambda r, k: [(t + 1) % 1000 for t in want[
             len(r.output):len(r.output) + k]]  # wrong: every step adds one token
         got = eng.submit(GenerationRequest(prompt_tokens=toks, sampling=SamplingParams(
@@ -378,15 +374,11 @@ def test_the_gate_follows_the_measured_cost(tiny_llama_path: Any, verify: str,
     expensive cost the row stops drafting after its first verify (and probes rarely),
     with the cheap one it keeps verifying between cool-downs. Right
     drafts pay either way. The tokens are those of decoding one at a time."""
-    toks = tuple(int(t) for t in np.random.default_rng(3).integers(3, 1000, size=48))
-    want = plain_tokens(tiny_llama_path, toks)
-    eng = make_engine(tiny_llama_path, use_cache=False, speculation="suffix",
-                      spec_max_draft=8)
+    slope = 0.5 if verify == "expensive" else 0.01
+    toks, want, eng = speculating(tiny_llama_path, 3, 48, 8,
+                                  ScriptedCost(lambda width: 1.0 + slope * (width - 1)))
     try:
-        eng._ctx.logits_hook = None
         spec = eng._ctx.speculator
-        slope = 0.5 if verify == "expensive" else 0.01
-        spec.cost = ScriptedCost(lambda width: 1.0 + slope * (width - 1))
         shift = 1 if drafts == "wrong" else 0
         spec.source = lambda r, k: [(t + shift) % 1000 for t in want[
             len(r.output):len(r.output) + k]]

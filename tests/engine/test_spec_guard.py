@@ -6,9 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 import pytest
-from conftest import make_engine, plain_tokens
+from conftest import speculating
 
 from promptcache.engine.api import GenerationRequest, SamplingParams
 from promptcache.engine.spec_cost import FREE, OnlineCost
@@ -105,14 +104,9 @@ def test_the_engine_stops_speculating_when_whole_steps_lose(tiny_llama_path: Any
     scripted at 100 s loses to decoding (1 s a token): after WINDOW verifies the batch
     size is off for OFF_STEPS steps, which decode the rest of the reply; at 1 s a step
     the verifies pay and go on. The tokens are those of decoding one at a time."""
-    toks = tuple(int(t) for t in np.random.default_rng(5).integers(3, 1000, size=40))
-    want = plain_tokens(tiny_llama_path, toks)
-    eng = make_engine(tiny_llama_path, use_cache=False, speculation="suffix",
-                      spec_max_draft=4)
+    toks, want, eng = speculating(tiny_llama_path, 5, 40, 4, ScriptedSteps(step_s))
     try:
-        eng._ctx.logits_hook = None
         spec = eng._ctx.speculator
-        spec.cost = ScriptedSteps(step_s)
         spec.source = lambda r, k: want[len(r.output):len(r.output) + k]
         got = eng.submit(GenerationRequest(prompt_tokens=toks, sampling=SamplingParams(
             max_tokens=60))).result(timeout=300)

@@ -230,7 +230,7 @@ class DecodeBatch:
         # host work for the tokens fed in this step (sampled in the previous one)
         fed = cast(list[int], inputs.tolist())
         if spec is not None:
-            self._time_decode(spec, rows)
+            self._time_decode(spec)
         prev_lps, prev_logits, prev_reported = self._lps, self._logits, self._reported
         finished: list[tuple[int, str]] = []
         for i, r in enumerate(rows):
@@ -245,15 +245,20 @@ class DecodeBatch:
         self.set_pending(sampled, lps, [logits[i] for i in range(len(rows))] if hook else None)
         self._after_step(finished, before)
 
-    def _time_decode(self, spec: Speculator, rows: Sequence[Request]) -> None:
+    def context(self) -> int:
+        """The tokens a forward of the batch attends to: its longest row's in the caches
+        (speculation's online cost compares steps over as many)."""
+        return max(r.pos for r in self.rows)
+
+    def _time_decode(self, spec: Speculator) -> None:
         """The forward launched by the previous plain step is done when this one reads
         its tokens: the time since the previous read is one decode step (pipelined: the
-        host work overlaps it) of that step's rows, over its longest row's tokens."""
+        host work overlaps it) of that step's rows, over its ``context``."""
         now = spec.clock()
         if self._synced is not None:
             at, n, context = self._synced
             spec.observe_decode(n, now - at, context)
-        self._synced = (now, len(rows), max(r.pos for r in rows))
+        self._synced = (now, len(self.rows), self.context())
 
     def _after_step(self, finished: list[tuple[int, str]], before: list[list[Any]] | None
                     ) -> None:

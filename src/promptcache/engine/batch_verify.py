@@ -62,7 +62,7 @@ def verify_step(batch: DecodeBatch, spec: Speculator) -> bool:
     # tokens (the sync the step does anyway); not the drafting (a tenant pool's first
     # seeding reads the cache)
     t0 = spec.clock()
-    context = max(r.pos for r in rows)  # compared with plain steps over as many tokens
+    context = batch.context()  # compared with plain steps over as many tokens
     drafts = [d[:cut] for d in drafts]
     width = 1 + max(len(d) for d in drafts)
     x = mx.array([[pending[i], *d, *([pending[i]] * (width - 1 - len(d)))]

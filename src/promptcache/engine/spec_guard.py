@@ -9,11 +9,11 @@ second than plain decoding. So the guard compares what the two paths deliver, pe
 size (rows): the tokens per second of the last ``WINDOW`` verify steps of ``rows`` rows,
 each timed whole (``observe_step``: from before the drafts to after the caches are
 repaired), against ``rows`` tokens per plain decode step of ``rows`` rows over the
-window's last context (its pipelined wall time, ``OnlineCost.decode_seconds``). When verifying delivers less than
-``1 - SLACK`` of decoding, speculation is off for batches of that size for ``OFF_STEPS``
-decode steps (decode as without speculation, pipelined, no drafting), then it probes
-again; each failed probe doubles the pause, up to ``MAX_OFF_STEPS``; a window that pays
-resets it.
+window's last context (its pipelined wall time, ``OnlineCost.decode_seconds``). When
+verifying delivers less than ``1 - SLACK`` of decoding, speculation is off for batches
+of that size for ``OFF_STEPS`` decode steps (decode as without speculation, pipelined,
+no drafting), then it probes again; each failed probe doubles the pause, up to
+``MAX_OFF_STEPS``; a window that pays resets it.
 
 A step whose rows have drafts but whose verify the gate does not take (``spec_gated``),
 or whose rows found no draft at all, costs too: it reads the pending tokens (the sync

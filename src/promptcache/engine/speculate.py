@@ -45,9 +45,9 @@ draft). A verify is as wide as the batch's longest draft, so every row pays for 
 verify may cost a row no more decode steps than its own drafts were expected to save
 it, plus ``spec_max_slowdown`` x the tokens it decoded (``spec_cost.Credits``, settled
 after each verify: ``settle``), so a row with nothing to copy is not slowed by its
-batch. While every row waits (a
-cool-down or a pause), the step stays pipelined (``waiting``); so does a step whose
-drafts, looked up before the pending tokens are read, would not pay (``presync``).
+batch. While every row waits (a cool-down or a pause), the step stays pipelined
+(``waiting``); so does a step whose drafts, looked up before the pending tokens are
+read, would not pay (``presync``).
 
 Drafts come from the request's own history first and its tenant's pool second
 (``drafts.DraftPools``: when a request finishes, ``remember`` adds its output and the
