@@ -310,3 +310,23 @@ def test_hybrid_rows_refed_move_their_heads_and_restore_the_same_next_turn(
     for g, p in zip(got2, prompts, strict=True):
         assert g.result is not None and g.result.usage.cached_tokens > len(p)
     assert c.store_errors == 0
+
+
+@pytest.mark.parametrize("name", list(KINDS))
+def test_the_startup_cost_fit_on_every_cache_kind(name: str, models_root: Path) -> None:
+    """``measure_verify_cost`` on each family: a cache that can be trimmed back is
+    measured over MEASURE_CONTEXT tokens, with what a token of context adds to a step
+    (``attend``); array states are measured empty (``at`` 0, ``attend`` 0). The numbers
+    are timings: only their form is checked."""
+    from mlx_lm.utils import load_model
+
+    from promptcache.engine.spec_cost import MEASURE_CONTEXT, measure_verify_cost
+
+    model, _ = load_model(ensure_family_model(name, models_root))
+    cost = measure_verify_cost(model, 1000, repeats=1)
+    assert cost.overhead > 0 and cost.per_token >= 0 and cost.attend >= 0
+    if name in STATEFUL:
+        assert cost.at == 0 and cost.attend == 0.0
+    else:
+        assert cost.at == MEASURE_CONTEXT
+    assert cost.step(8, 4096) >= cost.step(8, 0) > 0
