@@ -19,12 +19,13 @@ from promptcache.server import create_app
 from promptcache.server.prompts.canon import (
     BILLING_HEADER,
     RULES,
+    STRUCTURE_ORDER,
     TOOL_KEYS,
     TOOL_ORDER,
     Canon,
+    canonical_keys,
     is_billing_header,
     parse_rules_off,
-    sorted_keys,
 )
 from promptcache.serving_config import ServerConfig
 
@@ -97,15 +98,46 @@ def test_tool_keys_and_order() -> None:
     out = Canon().tools(tools)
     assert out is not None
     assert [t["function"]["name"] for t in out] == ["Bash", "Write"]
-    # every object's keys sorted, lists (``required``) in their order
-    assert list(out[1]) == ["function", "type"]
-    assert list(out[1]["function"]) == ["description", "name", "parameters"]
+    # the structure's keys in the conventional order, property names sorted, lists
+    # (``required``) in their order
+    assert list(out[1]) == ["type", "function"]
+    assert list(out[1]["function"]) == ["name", "description", "parameters"]
+    assert list(out[1]["function"]["parameters"]) == ["type", "properties", "required"]
     assert list(out[1]["function"]["parameters"]["properties"]) == ["content", "path"]
     assert out[1]["function"]["parameters"]["required"] == ["path", "content"]
     assert Canon(frozenset({TOOL_ORDER})).tools(tools)[0]["function"]["name"] == "Write"  # type: ignore[index]
     kept = Canon(frozenset({TOOL_KEYS, TOOL_ORDER})).tools(tools)
     assert json.dumps(kept) == json.dumps(tools)
-    assert sorted_keys({"b": [{"d": 1, "c": 2}], "a": None}) == {"a": None, "b": [{"c": 2, "d": 1}]}
+    assert canonical_keys({"b": [{"d": 1, "c": 2}], "a": None}) == {"a": None, "b": [{"c": 2, "d": 1}]}
+
+
+def test_tool_keys_come_in_the_conventional_order() -> None:
+    """The order OpenAI's and Hugging Face's tool schemas are written in, whatever the
+    client sent: structure keys ranked, other keys sorted after them, and names
+    (properties, definitions: a parameter called ``type`` or ``description`` too)
+    sorted among themselves."""
+    schema = {"required": ["type"], "$schema": "x", "additionalProperties": False,
+              "properties": {"type": {"enum": ["a"], "description": "d", "type": "string"},
+                             "description": {"items": {"type": "string"}, "type": "array"},
+                             "alpha": {"type": "integer", "minimum": 0, "title": "A"}},
+              "type": "object", "$defs": {"z": {"type": "string"}, "b": {"type": "integer"}}}
+    tool = {"function": {"strict": True, "parameters": schema, "description": "t",
+                         "name": "f"}, "type": "function"}
+    out = canonical_keys(tool)
+    assert json.dumps(out) == json.dumps({"type": "function", "function": {
+        "name": "f", "description": "t",
+        "parameters": {"type": "object", "properties": {
+            "alpha": {"type": "integer", "title": "A", "minimum": 0},
+            "description": {"type": "array", "items": {"type": "string"}},
+            "type": {"type": "string", "description": "d", "enum": ["a"]}},
+            "required": ["type"], "additionalProperties": False,
+            "$defs": {"b": {"type": "integer"}, "z": {"type": "string"}}, "$schema": "x"},
+        "strict": True}})
+    assert STRUCTURE_ORDER[:3] == ("type", "function", "name")
+    # any key order in, the same text out
+    rng = random.Random(5)
+    assert {json.dumps(canonical_keys(shuffled(tool, rng))) for _ in range(20)} \
+        == {json.dumps(out)}
 
 
 CLAUDE_TOOLS = [
@@ -160,7 +192,7 @@ def test_claude_code_turns_render_the_same(off: tuple[str, ...], same: bool) -> 
         assert messages[0] == {"role": "system", "content": "You are Claude Code."}
         assert [t["function"]["name"] for t in tools] == ["Bash", "Edit", "Read"]
         assert json.dumps(tools[0]["function"]["parameters"]) == json.dumps(
-            sorted_keys(CLAUDE_TOOLS[1]["input_schema"]))
+            canonical_keys(CLAUDE_TOOLS[1]["input_schema"]))
 
 
 def test_openai_tools_are_canonical_and_count_tokens_agrees() -> None:

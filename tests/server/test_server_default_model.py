@@ -110,9 +110,10 @@ def test_a_chat_template_that_takes_tools_replaces_the_models(default_model_path
                                                               ) -> None:
     """``--chat-template`` (E3's template): the tools go to the template, not into the
     system turn, and ours prefills the tokens mlx_lm.server renders from the same
-    template (it parses each call's arguments into a dict, as ours does), once ours
-    does not sort the tools (its canonical form: the same text in another order); both
-    parse the calls of a reply with mlx-lm's parser for that template."""
+    template (it parses each call's arguments into a dict, as ours does): E3 sends its
+    tools in ours' canonical form (sorted by name, the conventional key order, property
+    names sorted), which ours renders unchanged; both parse the calls of a reply with
+    mlx-lm's parser for that template."""
     import json
 
     from promptcache.bench.concurrent_plans import build
@@ -128,7 +129,7 @@ def test_a_chat_template_that_takes_tools_replaces_the_models(default_model_path
         # mlx-lm infers its json_tools parser from the template: replies' calls are parsed
         assert engine.tokenizer.tool_call_start == "<tool_call>"
         submitted = spy_submits(engine, monkeypatch)
-        config = ServerConfig(canonicalize_off=("tool_keys", "tool_order"))
+        config = ServerConfig()
         with TestClient(create_app(engine, config)) as client:
             r = client.post("/v1/chat/completions", json={
                 "model": "default", "max_tokens": 1, "messages": list(job.messages),

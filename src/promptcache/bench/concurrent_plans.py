@@ -187,7 +187,7 @@ def _replay_stream(s: int, g: TextGen, sz: dict[str, int]) -> tuple[Job, ...]:
     """An agent's turns (each a request; the assistant's earlier calls are scripted)."""
     # read_file, write_file, edit_file, run_shell, ...: the calls below need the first
     # two and run_tests (the eighth)
-    tools = tuple(_tool_defs(g, 8, sz["spec_tool_desc"]))
+    tools = _canonical_tools(_tool_defs(g, 8, sz["spec_tool_desc"]))
     old = "_".join(g.words(2)) + "_state"
     new = "_".join(g.words(2)) + "_record"
     path = f"src/{g.ident('mod')}.py"
@@ -219,6 +219,19 @@ def _replay_stream(s: int, g: TextGen, sz: dict[str, int]) -> tuple[Job, ...]:
          f"'{old}' is not defined\nLines that use the new name:\n{quoted}")
     jobs.append(Job(s, 1, tuple(dict(m) for m in history), tools))  # the report
     return tuple(jobs)
+
+
+def _canonical_tools(tools: Sequence[dict[str, Any]]) -> tuple[dict[str, Any], ...]:
+    """The tools in the form ours renders any tools in (``server/prompts/canon.py``:
+    sorted by name, the conventional key order, property names sorted), so that every
+    server E3 compares, given the same template, prefills the same text."""
+    out = []
+    for t in sorted(tools, key=lambda t: str(t["function"]["name"])):
+        params = t["function"]["parameters"]
+        props = params["properties"]
+        out.append({**t, "function": {**t["function"], "parameters": {
+            **params, "properties": {k: props[k] for k in sorted(props)}}}})
+    return tuple(out)
 
 
 def _chat_stream(s: int, g: TextGen, sz: dict[str, int]) -> tuple[Job, ...]:

@@ -13,9 +13,17 @@ model is told.
   makes every cached prefix miss at token ~1. A system block that is exactly such a
   header is dropped (Anthropic ``system`` blocks), and so is a first line of that form
   in a system message's text (clients that join the blocks with newlines).
-- ``tool_keys``: every tool definition is rendered with its JSON object keys sorted
-  (recursively; lists keep their order). Clients re-serialise schemas with another key
-  order from turn to turn; the key order of a JSON object carries no meaning.
+- ``tool_keys``: every tool definition is rendered with its JSON object keys in one
+  canonical order (recursively; lists keep their order). Clients re-serialise schemas
+  with another key order from turn to turn; the key order of a JSON object carries no
+  meaning, but the order a template prints is text the model reads. So the keys of the
+  tool, its function and its JSON Schema come in the order tools are written in the
+  OpenAI / Hugging Face convention that models are trained on (``STRUCTURE_ORDER``:
+  ``type``, ``function``, ``name``, ``description``, ``parameters``, ``properties``,
+  ``required``, ...), any other key after them, sorted, and the names of a
+  ``properties`` (or ``$defs``) map sorted; a key-sorted rendering (``{"function": {"description": ...,
+  "name": ...}, "parameters": {"properties": ..., "type": ...}}, "type": ...}``) is a
+  layout models did not see in training.
 - ``tool_order``: tools are offered sorted by name (stable), so a client that reorders
   its tools still hits.
 
@@ -38,7 +46,7 @@ TOOL_ORDER = "tool_order"
 RULES: dict[str, str] = {
     BILLING_HEADER: "drop Claude Code's x-anthropic-billing-header system block "
                     "(per-request metadata)",
-    TOOL_KEYS: "render every tool schema with its JSON keys sorted",
+    TOOL_KEYS: "render every tool schema with its JSON keys in one canonical order",
     TOOL_ORDER: "offer the tools sorted by name",
 }
 ALL = "all"
@@ -70,12 +78,29 @@ def is_billing_header(text: str) -> bool:
     return bool(_HEADER_RE.match(text.strip()))
 
 
-def sorted_keys(value: Any) -> Any:
-    """``value`` with every JSON object's keys in sorted order (lists keep theirs)."""
+# the keys of an OpenAI tool, its function and a JSON Schema, in the order the
+# convention writes them (``{"type": "function", "function": {"name", "description",
+# "parameters": {"type": "object", "properties": {...}, "required": [...]}}}``, a
+# property ``{"type", "description", "enum"}``); other keys follow, sorted
+STRUCTURE_ORDER = ("type", "function", "name", "title", "description", "parameters",
+                   "input_schema", "properties", "items", "enum", "default", "required",
+                   "additionalProperties", "strict")
+_RANK = {k: i for i, k in enumerate(STRUCTURE_ORDER)}
+# JSON Schema keys whose value maps names (of properties, of definitions) to schemas
+_NAME_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions"})
+
+
+def canonical_keys(value: Any, *, names: bool = False) -> Any:
+    """``value`` with every JSON object's keys in canonical order (``STRUCTURE_ORDER``
+    first, then the rest sorted; ``names``: a map of names, all sorted); lists keep
+    their order."""
     if isinstance(value, Mapping):
-        return {k: sorted_keys(value[k]) for k in sorted(value, key=str)}
+        order = sorted(value, key=str) if names else sorted(
+            value, key=lambda k: (_RANK.get(k, len(_RANK)), str(k)))
+        return {k: canonical_keys(value[k], names=not names and k in _NAME_MAPS)
+                for k in order}
     if isinstance(value, list):
-        return [sorted_keys(v) for v in value]
+        return [canonical_keys(v) for v in value]
     return value
 
 
@@ -142,7 +167,7 @@ class Canon:
         """Tools (OpenAI function format) in canonical form."""
         if not tools:
             return tools
-        out = [sorted_keys(t) for t in tools] if self.on(TOOL_KEYS) else list(tools)
+        out = [canonical_keys(t) for t in tools] if self.on(TOOL_KEYS) else list(tools)
         if self.on(TOOL_ORDER):
             out.sort(key=_tool_name)
         return out
