@@ -21,9 +21,9 @@ model is told.
   OpenAI / Hugging Face convention that models are trained on (``STRUCTURE_ORDER``:
   ``type``, ``function``, ``name``, ``description``, ``parameters``, ``properties``,
   ``required``, ...), any other key after them, sorted, and the names of a
-  ``properties`` (or ``$defs``) map sorted; a key-sorted rendering (``{"function": {"description": ...,
-  "name": ...}, "parameters": {"properties": ..., "type": ...}}, "type": ...}``) is a
-  layout models did not see in training.
+  ``properties`` (or ``$defs``) map sorted; a key-sorted rendering
+  (``{"function": {"description": ..., "name": ..., "parameters": {"properties": ...,
+  "type": ...}}, "type": ...}``) is a layout models did not see in training.
 - ``tool_order``: tools are offered sorted by name (stable), so a client that reorders
   its tools still hits.
 
