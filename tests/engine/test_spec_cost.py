@@ -488,6 +488,92 @@ def test_a_row_that_drafts_nothing_fills_the_verify_padding(tiny_llama_path: Any
         eng.close()
 
 
+def test_a_short_draft_goes_on_into_the_verify_padding(tiny_llama_path: Any) -> None:
+    """Two rows: A's drafts are always right; B's first draft (4 tokens) is wrong at its
+    last token (B's k stays 4 while A's doubles), then its source is right. A verify is as wide as
+    A's draft: B's draft goes on in the positions past its own k that the verify pads
+    anyway (counted as a fill, accepted there); B's own k grows from its own drafts
+    only (doubling after each accepted whole). Both rows get the tokens of decoding
+    one at a time."""
+    prompts, want, eng = two_rows(tiny_llama_path, 23)
+    spec = eng._ctx.speculator
+    fed: list[tuple[int, int, bool]] = []  # B's verified drafts: (fed, own k, a fill)
+    plan = spec.plan
+
+    def spy(rows: Any, drafts: Any, cache: Any, model: Any) -> int:
+        ks = {r.request_id: spec._k.get(r.request_id, 0) for r in rows}
+        cut = plan(rows, drafts, cache, model)
+        for r, d in zip(rows, drafts, strict=True):
+            if cut and d and tuple(r.req.prompt_tokens) == prompts[1]:
+                fed.append((len(d[:cut]), ks[r.request_id],
+                            r.request_id in spec._fills.rows))
+        return cut
+
+    spec.plan = spy
+    try:
+        calls: dict[tuple[int, ...], int] = {}
+
+        def source(r: Any, k: int) -> list[int]:
+            p = tuple(r.req.prompt_tokens)
+            calls[p] = calls.get(p, 0) + 1
+            out = list(want[p][len(r.output):len(r.output) + k])
+            if p == prompts[1] and calls[p] == 1 and len(out) > 3:
+                out[3] = (out[3] + 1) % 1000
+            return out
+
+        got = decode_together(eng, prompts, want, source)
+        c = eng.counters
+        assert c.max_batch == 2 and c.spec_multirow >= 1
+        # B's first draft: 4 tokens (spec_max_draft // 2), the last wrong; then k = 4
+        assert fed[0] == (4, 4, False) and fed[1][1] == 4
+        extended = [(n, k) for n, k, fill in fed if not fill and n > k]
+        assert extended and all(n <= 8 for n, _ in extended)
+        assert c.spec_fill_accepted == c.spec_fill_drafted >= sum(n - k for n, k in extended)
+        assert got[1].usage.spec_accepted == got[1].usage.spec_drafted - 1
+    finally:
+        eng.close()
+
+
+def test_a_verify_charges_its_rows_the_price_it_was_planned_at() -> None:
+    """The gate plans a verify within each row's allowance at the cost it knows (here
+    the startup fit: a verify costs a decode step); the verify itself re-measures the
+    cost (2 decode steps). Each row is charged the planned price: the bystander, with
+    no credit, ends at 0, not in a debt that only a verify expected to give it more
+    than it costs could repay (for a row with nothing to copy: never), which would keep
+    its whole batch from verifying for the rest of its reply."""
+    from types import SimpleNamespace
+
+    from mlx_lm.models.cache import BatchKVCache
+
+    from promptcache.engine.context import EngineCounters
+    from promptcache.engine.speculate import Speculator
+    from promptcache.serving_config import EngineConfig
+
+    cost = ScriptedCost(lambda width: 2.0)
+    spec = Speculator(EngineConfig(speculation="suffix"), EngineCounters(), cost=cost)
+
+    def row(name: str, seq: list[int]) -> Any:
+        r = SimpleNamespace(request_id=name, n_prompt=len(seq) - 4, output=seq[-4:],
+                            processors=[], req=SimpleNamespace(tenant="t"))
+        r.seq = np.array(seq)
+        return r
+
+    copying, chat = row("copy", [5, 6, 7, 8, 9] * 4), row("chat", list(range(100, 120)))
+    rows = [copying, chat]
+    drafts: list[Any] = [(6, 7, 8, 9), ()]
+    cut = spec.plan(rows, drafts, [BatchKVCache([0, 0])], None)
+    assert cut == 4 and drafts == [(6, 7, 8, 9), ()]
+    planned = spec._price
+    assert planned == cost.relative(2, 5) == 1.0
+    spec.observe_decode(2, 1.0, 0)
+    spec.observe_verify(2, 5, 2.0, 0)
+    assert cost.relative(2, 5) > 1.0  # what the verify cost, known after it
+    spec.settle(rows)
+    assert spec.credits.balance("chat") == 0.0  # 1 token for 1 planned decode step
+    assert spec.credits.balance("copy") == pytest.approx(spec._expected[0] - 1.0)
+    assert spec._expected[0] > 1.0
+
+
 def test_a_row_with_nothing_to_copy_looks_for_drafts_less_often() -> None:
     """No draft EMPTY_RUN steps in a row: the row looks again every EMPTY_SKIP + 1 steps
     (the steps between wait: the batch stays pipelined); a match drafts at once."""
@@ -581,9 +667,9 @@ def test_a_row_with_nothing_to_copy_is_not_slowed_by_its_batch(tiny_llama_path: 
     charged: list[tuple[int, float]] = []  # (rows, price) of each verify
     settle = spec.settle
 
-    def spy(rows: Any, width: int, refed: int = 0) -> None:
-        charged.append((len(rows), spec.cost.relative(len(rows), width)))
-        settle(rows, width, refed)
+    def spy(rows: Any) -> None:
+        charged.append((len(rows), spec._price))
+        settle(rows)
 
     spec.settle = spy  # type: ignore[method-assign]
     try:

@@ -147,8 +147,8 @@ def verify_step(batch: DecodeBatch, spec: Speculator) -> bool:
     # uniform: rows that stopped before the others' end hold more than their output
     # (an array state cannot give it back): they finish without the end save
     held = [1 + accepted[i] for i in range(len(rows))] if uniform else kept
-    refed = repair(batch, x, states, held)
-    spec.settle(rows, width, refed)
+    repair(batch, x, states, held)
+    spec.settle(rows)
     bs = batch.block_size
     for i, r in enumerate(rows):
         before = r.pos

@@ -410,12 +410,7 @@ def plan(rates: Sequence[float], lengths: Sequence[int], cost: CostModel, *,
     for cut in range(1, max(lengths, default=0) + 1):
         per_row = row_tokens(rates, lengths, cut, uniform=uniform)
         tokens = sum(per_row)
-        price = cost.relative(rows, 1 + cut)
-        if state:
-            whole = 1.0
-            for q, n in zip(rates, lengths, strict=True):
-                whole *= q ** cut if n >= cut else 0.0  # a shorter row is padded
-            price += (1.0 - whole) * cost.relative(rows, round(tokens / rows))
+        price = verify_price(rates, lengths, cut, cost, state=state, tokens=tokens)
         if allowance is not None and any(
                 t - price < -a for t, a in zip(per_row, allowance, strict=True)):
             continue  # some row would lose more time than it may
@@ -425,10 +420,31 @@ def plan(rates: Sequence[float], lengths: Sequence[int], cost: CostModel, *,
     return best
 
 
+def verify_price(rates: Sequence[float], lengths: Sequence[int], cut: int, cost: CostModel,
+                 *, state: bool = False, tokens: float) -> float:
+    """What a verify of every draft cut at ``cut`` costs, in decode steps of the batch:
+    the forward of ``1 + cut`` positions per row, and over array states (``state``)
+    the expected forward that feeds the kept positions again (unless every row keeps
+    its whole draft; ``tokens``: the tokens the rows are expected to keep in all)."""
+    rows = len(rates)
+    price = cost.relative(rows, 1 + cut)
+    if state:
+        whole = 1.0
+        for q, n in zip(rates, lengths, strict=True):
+            whole *= q ** cut if n >= cut else 0.0  # a shorter row is padded
+        price += (1.0 - whole) * cost.relative(rows, round(tokens / rows))
+    return price
+
+
 class Credits:
     """Per request, the decode steps speculation saved it so far (``balance``): a verify
-    of price ``P`` decode steps (``CostModel.relative``) expected to give a row ``t``
-    tokens adds ``t - P`` (decoding would have taken ``t`` steps for them). A row with no
+    of price ``P`` decode steps (``verify_price``, as the gate priced it when it planned
+    the verify) expected to give a row ``t`` tokens adds ``t - P`` (decoding would
+    have taken ``t`` steps for them): a balance never falls below
+    ``-max_slowdown`` x the tokens decoded, since the gate planned the verify within
+    the allowance at that price (priced after the verify, with the cost re-measured
+    by it, a row could end in debt that no later verify at its own rate repays, and
+    the batch would never verify again). A row with no
     draft of its own in a verify (a bystander) loses ``P - 1``. The gate lets a verify slow a
     row only by what the row has in hand (``allowance``: its balance plus
     ``max_slowdown`` x the tokens it has decoded), so a row that never gains from a

@@ -15,8 +15,11 @@ index with its copy cursor (``RowIndexes``), the drafts that fill a verify's pad
   already compute. The gate counts a fill's tokens at the fills' own acceptance rate
   (engine-wide, decayed, prior 1/3); a fill changes no row's draft length, cool-down
   or pause, except that an accepted fill ends the row's cool-down (its copy is back in
-  sync). Counted in ``spec_drafted`` / ``spec_accepted`` and apart in
-  ``spec_fill_drafted`` / ``spec_fill_accepted``.
+  sync). A row whose own draft (``k`` long) is shorter than the verify goes on there
+  the same way: its draft is looked up ``max_k`` long and fed up to the verify's width
+  (``Speculator.plan``); the row's rate, k and cool-down count its first ``k`` tokens,
+  the rest counts as a fill. Counted in ``spec_drafted`` / ``spec_accepted`` and apart
+  in ``spec_fill_drafted`` / ``spec_fill_accepted``.
 """
 
 from __future__ import annotations

@@ -29,7 +29,8 @@ request drafts nothing for 1, 2, 4 ... ``MAX_COOL`` steps, so a request whose dr
 failing decodes almost as without speculation; a request whose history found no draft
 ``EMPTY_RUN`` steps in a row looks again only every ``EMPTY_SKIP + 1`` steps. Several
 rows verify in one forward of ``[rows, 1 + longest draft]``; a row with no draft of its
-own this step fills its padding there with its best draft (``spec_rows.Fills``).
+own this step fills its padding there with its best draft, and a shorter draft goes on
+there past the row's own k (``spec_rows.Fills``).
 
 The gate (``spec_cost``) prices a verify with ``cost``: by default the startup fit
 corrected by the wall time of the verify forwards and decode steps the batch runs
@@ -131,10 +132,16 @@ class Speculator:
         self._pause: dict[str, tuple[int, int]] = {}
         self._probing: set[str] = set()
         self._fills = Fills()  # rows whose draft this step is a fill (``fill``)
+        # request id -> its draft this step looked up ``max_k`` long, where longer than
+        # its own k; and the rows whose verified draft was extended so: their own length
+        self._more: dict[str, tuple[int, ...]] = {}
+        self._extended: dict[str, int] = {}
         # per request, the decode steps verifies saved it: what a verify may cost it
         self.credits = Credits(config.spec_max_slowdown)
-        # per row of the verify the gate planned last, the tokens it expected (``settle``)
+        # per row of the verify the gate planned last, the tokens it expected, and the
+        # price it planned with (``settle``)
         self._expected: list[float] = []
+        self._price = 0.0
         # request id -> proposals in a row that found nothing; steps left without looking
         self._empty: dict[str, int] = {}
         self._skip: dict[str, int] = {}
@@ -208,19 +215,25 @@ class Speculator:
         if self._tick(r):
             return ()
         k = self._k.setdefault(r.request_id, max(MIN_K, self.max_k // 2))
+        # looked up ``max_k`` long: what lies past ``k`` may extend the draft into the
+        # positions a wider verify pads anyway (``plan``)
         if self.source is not None:
             self._source[r.request_id] = "source"
-            return self._grammar_cut(r, tuple(int(t) for t in self.source(r, k))[:k])
-        draft = propose(self._rows.synced(r), self._pool(r.req.tenant), k)
-        self._source[r.request_id] = draft.source
-        self._rows.drafted(r.request_id, draft.at)
-        if draft.tokens:
-            self._empty[r.request_id] = 0
-        else:  # nothing to copy here: after EMPTY_RUN such steps, look less often
-            empty = self._empty[r.request_id] = self._empty.get(r.request_id, 0) + 1
-            if empty >= EMPTY_RUN:
-                self._skip[r.request_id] = EMPTY_SKIP
-        return self._grammar_cut(r, draft.tokens)
+            tokens = tuple(int(t) for t in self.source(r, self.max_k))[:self.max_k]
+        else:
+            draft = propose(self._rows.synced(r), self._pool(r.req.tenant), self.max_k)
+            self._source[r.request_id] = draft.source
+            self._rows.drafted(r.request_id, draft.at)
+            tokens = draft.tokens
+            if tokens:
+                self._empty[r.request_id] = 0
+            else:  # nothing to copy here: after EMPTY_RUN such steps, look less often
+                empty = self._empty[r.request_id] = self._empty.get(r.request_id, 0) + 1
+                if empty >= EMPTY_RUN:
+                    self._skip[r.request_id] = EMPTY_SKIP
+        if len(tokens) > k and not r.processors:
+            self._more[r.request_id] = tokens
+        return self._grammar_cut(r, tokens[:k])
 
     def fill(self, r: Request, k: int) -> tuple[int, ...]:
         """A draft for a row that drafts nothing this step, for the positions a verify
@@ -270,6 +283,15 @@ class Speculator:
             if accepted:  # back in sync: its cool-down ends
                 self._cool[r.request_id] = (0, 0)
             return
+        own = self._extended.pop(r.request_id, drafted)
+        if own < drafted:
+            # the extension past the row's own draft was verified in padding: counted
+            # as a fill; the row's rate, k and cool-down see its own draft only
+            c.spec_fill_drafted += drafted - own
+            c.spec_fill_accepted += max(0, accepted - own)
+            r.usage.spec_drafted += drafted - own
+            r.usage.spec_accepted += max(0, accepted - own)
+            drafted, accepted = own, min(accepted, own)
         if self._source.get(r.request_id) == "pool":
             c.spec_pool_drafted += drafted
             c.spec_pool_accepted += accepted
@@ -296,18 +318,26 @@ class Speculator:
         verify forward, the forward that feeds array states again). A row whose draft
         does not pay on its own has it emptied in ``drafts`` and pauses."""
         if not any(drafts):  # a sync and drafting for nothing, as a gated step
+            self._more.clear()
             self._gated(len(rows), idle=True)
             return 0
-        cut, lengths, fills, dropped, self._expected = self._decide(
+        cut, lengths, fills, dropped, (self._expected, self._price) = self._decide(
             rows, drafts, cache, model, self.fill)
         self._drop(rows, dropped, drafts)
+        more, self._more = self._more, {}
         if cut:
             for i, n in enumerate(lengths):
+                rid = rows[i].request_id
                 if i in fills:
                     drafts[i] = fills[i]
-                    self._fills.rows.add(rows[i].request_id)
+                    self._fills.rows.add(rid)
                 elif n == 0 and drafts[i]:
                     drafts[i] = ()
+                elif 0 < n < cut and len(more.get(rid, ())) > n:
+                    # the verify is ``cut`` wide for this row anyway: its draft goes on
+                    # there (the row's own gate, k and rate count its first n tokens)
+                    self._extended[rid] = n
+                    drafts[i] = more[rid][:cut]
         else:
             self._gated(len(rows))
         return cut
@@ -315,11 +345,12 @@ class Speculator:
     def _decide(self, rows: Sequence[Request], drafts: Sequence[Sequence[int]],
                 cache: Sequence[Any], model: Any,
                 fill: Callable[[Request, int], tuple[int, ...]]
-                ) -> tuple[int, list[int], dict[int, tuple[int, ...]], list[int], list[float]]:
+                ) -> tuple[int, list[int], dict[int, tuple[int, ...]], list[int],
+                     tuple[list[float], float]]:
         """The gate's decision alone: ``(cut, each row's draft length, the fills (row ->
-        its fill), the rows whose own draft does not pay on its own, each row's expected
-        tokens at the cut (empty when the cut is 0))``; no fill is looked up when no
-        row's own draft pays (the cut is then 0)."""
+        its fill), the rows whose own draft does not pay on its own, (each row's expected
+        tokens at the cut, the verify's price: empty and 0 when the cut is 0))``; no fill
+        is looked up when no row's own draft pays (the cut is then 0)."""
         state = mlx_compat.speculation_kind(cache) == "state"
         uniform = state and len(rows) > 1 and not mlx_compat.states_take_lengths(model)
         rates = [self._rate(r) for r in rows]
@@ -330,7 +361,7 @@ class Speculator:
             lengths[i] = 0
         fills: dict[int, tuple[int, ...]] = {}
         if not any(lengths):
-            return 0, lengths, fills, dropped, []
+            return 0, lengths, fills, dropped, ([], 0.0)
         for i, r in enumerate(rows):
             if lengths[i] == 0:
                 found = fill(r, self.max_k)
@@ -340,8 +371,12 @@ class Speculator:
         allowance = [self.credits.allowance(r.request_id, len(r.output)) for r in rows]
         cut = spec_cost.plan(rates, lengths, self.cost, state=state, uniform=uniform,
                              allowance=allowance)
-        expected = spec_cost.row_tokens(rates, lengths, cut, uniform=uniform) if cut else []
-        return cut, lengths, fills, dropped, expected
+        if not cut:
+            return 0, lengths, fills, dropped, ([], 0.0)
+        expected = spec_cost.row_tokens(rates, lengths, cut, uniform=uniform)
+        price = spec_cost.verify_price(rates, lengths, cut, self.cost, state=state,
+                                       tokens=sum(expected))
+        return cut, lengths, fills, dropped, (expected, price)
 
     def _drop(self, rows: Sequence[Request], dropped: Sequence[int],
               drafts: Sequence[Sequence[int]]) -> None:
@@ -429,22 +464,20 @@ class Speculator:
         if isinstance(self.cost, OnlineCost):
             self.cost.observe_verify(rows, width, seconds, context)
 
-    def settle(self, rows: Sequence[Request], width: int, refed: int = 0) -> None:
-        """A verify of ``rows`` x ``width`` positions (``refed``: the width of the forward
-        that fed array states again, 0: none) that the gate planned (``plan``): each
-        row's credit (``spec_cost.Credits``) gains the tokens the gate expected it to
-        give the row, less the step's price. Expected, not the tokens it gave: the bound
-        is on what other rows' verifies cost a row, not on the luck of its own drafts
-        (``row_pays`` judges those)."""
-        price = self.cost.relative(len(rows), width)
-        if refed:
-            price += self.cost.relative(len(rows), refed)
+    def settle(self, rows: Sequence[Request]) -> None:
+        """The verify of ``rows`` that the gate planned last (``plan``) ran: each row's
+        credit (``spec_cost.Credits``) gains the tokens the gate expected it to give the
+        row, less the price it planned with (``spec_cost.verify_price``). Expected, not
+        the tokens it gave: the bound is on what other rows' verifies cost a row, not on
+        the luck of its own drafts (``row_pays`` judges those); planned, not re-measured
+        by this verify: a row stays within the allowance the gate planned for."""
         for r, e in zip(rows, self._expected, strict=True):
-            self.credits.settle(r.request_id, e, price)
+            self.credits.settle(r.request_id, e, self._price)
 
     def step_started(self) -> None:
         """A verify step begins (before its drafts): ``step_done`` times it whole."""
         self._step = (self.clock(), self._seeding_s)
+        self._more.clear()
 
     def step_done(self, rows: int, width: int, tokens: int, context: int) -> None:
         """The verify step begun last gave ``tokens`` tokens over ``rows`` rows and
@@ -486,5 +519,7 @@ class Speculator:
         self._empty.pop(r.request_id, None)
         self._skip.pop(r.request_id, None)
         self._fills.rows.discard(r.request_id)
+        self._more.pop(r.request_id, None)
+        self._extended.pop(r.request_id, None)
         self.credits.forget(r.request_id)
 
