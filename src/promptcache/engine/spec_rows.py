@@ -96,12 +96,17 @@ class Fills:
         if r.request_id not in self.rows:
             return False
         self.rows.discard(r.request_id)
+        self.count(r, c, drafted, accepted)
+        self.acceptance.update(drafted, accepted)
+        return True
+
+    @staticmethod
+    def count(r: Request, c: EngineCounters, drafted: int, accepted: int) -> None:
+        """Fill tokens verified for ``r``: the engine's fill counters and the request's usage."""
         c.spec_fill_drafted += drafted
         c.spec_fill_accepted += accepted
         r.usage.spec_drafted += drafted
         r.usage.spec_accepted += accepted
-        self.acceptance.update(drafted, accepted)
-        return True
 
 
 def spec_stats(spec: Speculator | None, c: EngineCounters) -> dict[str, Any]:

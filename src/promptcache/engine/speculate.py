@@ -287,10 +287,7 @@ class Speculator:
         if own < drafted:
             # the extension past the row's own draft was verified in padding: counted
             # as a fill; the row's rate, k and cool-down see its own draft only
-            c.spec_fill_drafted += drafted - own
-            c.spec_fill_accepted += max(0, accepted - own)
-            r.usage.spec_drafted += drafted - own
-            r.usage.spec_accepted += max(0, accepted - own)
+            self._fills.count(r, c, drafted - own, max(0, accepted - own))
             drafted, accepted = own, min(accepted, own)
         if self._source.get(r.request_id) == "pool":
             c.spec_pool_drafted += drafted
@@ -318,13 +315,12 @@ class Speculator:
         verify forward, the forward that feeds array states again). A row whose draft
         does not pay on its own has it emptied in ``drafts`` and pauses."""
         if not any(drafts):  # a sync and drafting for nothing, as a gated step
-            self._more.clear()
             self._gated(len(rows), idle=True)
             return 0
         cut, lengths, fills, dropped, (self._expected, self._price) = self._decide(
             rows, drafts, cache, model, self.fill)
         self._drop(rows, dropped, drafts)
-        more, self._more = self._more, {}
+        more = self._more  # this step's (cleared when the next starts)
         if cut:
             for i, n in enumerate(lengths):
                 rid = rows[i].request_id
