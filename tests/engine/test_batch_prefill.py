@@ -49,6 +49,56 @@ def _blocks(eng):
     return out
 
 
+def _chunk_ends(pos, n):
+    """Where a plain-KV request's chunks end (``Request.chunk_end``): at multiples of
+    CHUNK, except that a rest of CHUNK + 1 tokens or fewer is one chunk and a chunk
+    that would end less than CHUNK / 2 from its start ends at the multiple after."""
+    ends = []
+    while pos < n:
+        end = (pos // CHUNK + 1) * CHUNK
+        if n - pos <= CHUNK + 1:
+            end = n
+        elif end - pos < CHUNK // 2:
+            end += CHUNK
+        pos = min(n, end)
+        ends.append(pos)
+    return ends
+
+
+def test_a_restore_just_before_a_chunk_multiple_costs_no_extra_step(
+        tiny_llama_path, engine_factory):
+    """Eight requests sent together, each restoring its first turn and prefilling a
+    new message that fits in one chunk: one of them restored 1 token before a multiple
+    of the chunk size. Every row gets its first token from the same (single) prefill
+    forward: the sliver before the multiple rides with the rest, so the round's first
+    tokens come together and none waits a step more (chunks used to end at every
+    multiple: that row fed 1 token, then the rest at the next step)."""
+    eng = engine_factory(tiny_llama_path)
+    st = Stepper(eng)
+    # turn 1 prompt + output[:-1] restored: 2 * CHUNK - 1 for the first (its 13 new
+    # tokens cross 2 * CHUNK), CHUNK for the others (theirs do not)
+    lens = [2 * CHUNK - 3] + [CHUNK - 2] * 7
+    prompts = [_prompt(n, 300 + i, 700 + i) for i, n in enumerate(lens)]
+    firsts = [_run_alone(st, eng, p, max_tokens=3)[0] for p in prompts]
+    turn2 = [p + r.tokens + _prompt(12, 400 + i, 750 + i)
+             for i, (p, r) in enumerate(zip(prompts, firsts, strict=True))]
+    assert _chunk_ends(2 * CHUNK - 1, len(turn2[0])) == [len(turn2[0])]
+    c = st.ctx.counters
+    before = c.prefill_batches
+    runs = [st.submit(p, max_tokens=4) for p in turn2]
+    first_step: dict[int, int] = {}
+    step = 0
+    while not all(r.result is not None for r in runs):
+        st.step()
+        step += 1
+        for i, r in enumerate(runs):
+            if i not in first_step and r.tokens:
+                first_step[i] = step
+    assert [r.result.usage.cached_tokens for r in runs] == [2 * CHUNK - 1] + [CHUNK] * 7
+    assert c.prefill_batches - before == 1
+    assert len(set(first_step.values())) == 1
+
+
 PREFIX_LENS = [5, 13, 24, 37, 50, 61, 70, 90]  # turn 1 (prompt lengths)
 SUFFIX_LENS = [1, 3, 9, 16, 17, 30, 40, 2]  # turn 2's new tokens: 1 to 3 chunks
 
@@ -72,11 +122,11 @@ def test_batched_prefill_of_restored_prefixes_equals_each_alone(tiny_llama_path,
     st = Stepper(batched_eng)
     got = _run_together(st, batched_eng, turn2, max_tokens=6)
     c = st.ctx.counters
-    # one forward per chunk: as many as the request with the most chunks (chunks end
-    # at multiples of CHUNK; prefix = turn 1's prompt + output[:-1])
-    chunks = [len(range((len(p) + 2) // CHUNK, (len(t) - 1) // CHUNK + 1))
-              for p, t in zip(prompts, turn2, strict=True)]
-    assert c.max_prefill_batch == 8 and c.prefill_batches == max(chunks) == 4
+    # one forward per chunk: as many as the request with the most chunks (prefix =
+    # turn 1's prompt + output[:-1]; _chunk_ends)
+    chunks = [len(_chunk_ends(len(p) + 2, len(t))) for p, t in zip(prompts, turn2, strict=True)]
+    assert chunks == [1, 1, 1, 1, 2, 2, 3, 1]
+    assert c.max_prefill_batch == 8 and c.prefill_batches == max(chunks) == 3
     assert c.active_kv_bytes == 0
     lengths = [len(p) + 6 for p in turn2]
     assert 0 < c.peak_active_kv_bytes <= st.admission.footprint(lengths)

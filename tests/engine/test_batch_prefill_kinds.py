@@ -22,16 +22,19 @@ from typing import Any
 import numpy as np
 import pytest
 from conftest import BLOCK, CHUNK, LogitsRecorder, make_cache
+from mlx_lm.models.cache import make_prompt_cache
 from models.tiny_families import FAMILIES, ensure_family_model
 from stepper import Stepper
 
 from promptcache.config import CacheConfig
-from promptcache.engine import mlx_compat
+from promptcache.engine import adapters, mlx_compat
 from promptcache.engine.engine import Engine
 from promptcache.serving_config import EngineConfig
 
 TOL = 1e-4  # |batched - alone| / max(1, |alone|), logits and stored arrays
-NOT_BATCHED = {"nemotron_h"}  # mlx_compat.RIGHT_PADDED_STATE_MODULES leaves it out
+NOT_BATCHED = {"nemotron_h"}
+# caches that can be trimmed and hold no window: their chunks take no sliver
+PLAIN_KV = {"llama", "qwen3", "qwen3_moe", "deepseek_v3", "glm4_moe_lite", "qwen3_4bit"}  # mlx_compat.RIGHT_PADDED_STATE_MODULES leaves it out
 
 # turn 1: prompt lengths; turn 2 restores prompt + reply[:-1] (len + 2, replies of 3)
 TURN1 = (29, 13, 45, 21)
@@ -141,12 +144,24 @@ def test_four_requests_prefilled_together_equal_each_alone(
     assert [r.usage.cached_tokens for r, _ in got[1]] == [n + 2 for n in TURN1]
 
     cb, ca = st_b.ctx.counters, st_a.ctx.counters
+    template = make_prompt_cache(st_b.ctx.model)
+    plain = adapters.is_truncatable(template) and not adapters.has_sliding_window(template)
+    assert plain == (family in PLAIN_KV)
     assert ca.prefill_batches == 0
     for c in (cb, ca):
         assert (c.store_errors, c.restore_errors, c.cache_errors, c.errors, c.window_gaps
                 ) == (0, 0, 0, 0, 0)
     if family in NOT_BATCHED:
         assert cb.prefill_batches == 0 and widths == []
+    elif chunk == CHUNK and plain:
+        assert cb.max_prefill_batch == 4
+        # plain KV takes no sliver (Request.chunk_end): turn 1's longest prompt (45)
+        # takes 3 chunks (to 16, 32, 45), turn 2's longest (70 from 31) 3 (to 48, 64,
+        # 70: the 1 token before 32 rides with the next chunk)
+        assert cb.prefill_batches == 3 + 3
+        # turn 2's first step: rows of 17, 0, 10, 0 tokens (row 2: 47 -> 57, then its
+        # last token: the rest of its prompt fits in one chunk)
+        assert ((17, 0, 10, 0), 17) in widths
     elif chunk == CHUNK:
         assert cb.max_prefill_batch == 4
         # one forward per step: turn 1's longest prompt (45) takes 3 chunks of 16, turn

@@ -174,9 +174,22 @@ class Request:
         chunk size (so every mid-prefill save lands on a block boundary), or the
         prompt's end; for a non-truncatable state, the next message start before
         that (a state snapshot is stored there: a conversation that branches at that
-        message restores up to it)."""
+        message restores up to it).
+
+        Plain KV (truncatable, no window) takes no sliver: a prompt restored up to a few
+        tokens before a multiple would otherwise feed those few as one chunk and the
+        rest as the next, a whole prefill step more (for every row prefilling with
+        it). So a rest of the prompt that fits in one chunk plus its last token (fed on
+        its own in any case) is one chunk, and a chunk that would end less than half a
+        chunk from here ends at the multiple after (at most 1.5 chunks)."""
         chunk = self.ctx.config.prefill_chunk_tokens
-        end = min(self.n_prompt, (self.pos // chunk + 1) * chunk)
+        end = (self.pos // chunk + 1) * chunk
+        if self.truncatable and not self.sliding:
+            if self.n_prompt - self.pos <= chunk + 1:  # its last token goes alone anyway
+                end = self.n_prompt
+            elif end - self.pos < chunk // 2:
+                end += chunk
+        end = min(self.n_prompt, end)
         if self.snap_at:
             i = bisect.bisect_right(self.snap_at, self.pos)
             if i < len(self.snap_at) and self.snap_at[i] < end:

@@ -227,7 +227,9 @@ class Scheduler:
         if room is None:
             return True
         rows = [*self.group.rows, *joining]
-        chunk = self.ctx.config.prefill_chunk_tokens
+        # a chunk is at most 1.5 x the chunk size (Request.chunk_end)
+        chunk = max(self.ctx.config.prefill_chunk_tokens,
+                    *(r.chunk_end() - r.pos for r in rows))
         need = workspace_bytes(len(rows), chunk, max(r.n_prompt for r in rows), self._heads)
         return need <= room
 
