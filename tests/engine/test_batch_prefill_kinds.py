@@ -32,15 +32,17 @@ from promptcache.engine.engine import Engine
 from promptcache.serving_config import EngineConfig
 
 TOL = 1e-4  # |batched - alone| / max(1, |alone|), logits and stored arrays
-NOT_BATCHED = {"nemotron_h"}
+NOT_BATCHED = {"nemotron_h"}  # mlx_compat.RIGHT_PADDED_STATE_MODULES leaves it out
 # caches that can be trimmed and hold no window: their chunks take no sliver
-PLAIN_KV = {"llama", "qwen3", "qwen3_moe", "deepseek_v3", "glm4_moe_lite", "qwen3_4bit"}  # mlx_compat.RIGHT_PADDED_STATE_MODULES leaves it out
+# (Request.chunk_end)
+PLAIN_KV = {"llama", "qwen3", "qwen3_moe", "deepseek_v3", "glm4_moe_lite", "qwen3_4bit"}
 
 # turn 1: prompt lengths; turn 2 restores prompt + reply[:-1] (len + 2, replies of 3)
 TURN1 = (29, 13, 45, 21)
-# turn 2's whole prompt: restored 31, 15, 47, 23 -> the first step's chunks are
-# 1, 0 (only the last token), 1, 0 tokens (a two-wide forward for a sliding window),
-# then 16 + 16 + 5, -, 9, - : four lengths, each row ending at its own step
+# turn 2's whole prompt: restored 31, 15, 47, 23 -> for windows and array states the
+# first step's chunks are 1, 0 (only the last token), 1, 0 tokens (a two-wide forward
+# for a sliding window), then 16 + 16 + 5, -, 9, - : four lengths, each row ending at
+# its own step; plain KV takes no sliver: 17, 0, 10, 0, then 16 + 5
 TURN2 = (70, 16, 58, 24)
 
 
