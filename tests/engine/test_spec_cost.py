@@ -12,6 +12,7 @@ from conftest import make_engine, speculating
 from promptcache.engine.api import GenerationRequest, SamplingParams
 from promptcache.engine.spec_cost import (
     ALPHA,
+    FIT_WEIGHT,
     FREE,
     MEASURE_CONTEXT,
     OUTLIERS_IN_A_ROW,
@@ -23,6 +24,8 @@ from promptcache.engine.spec_cost import (
     context_bucket,
     expected_tokens,
     plan,
+    row_share,
+    shared_tokens,
 )
 
 # a CPU-like forward: the weights cost 10, each position 1 (a verify of 8 drafts: 1.64x)
@@ -112,6 +115,52 @@ def test_the_bystander_bound() -> None:
     assert plan([0.9, 0.5], [4, 0], FREE, allowance=[0.0, 0.0]) == 4
 
 
+def test_a_rows_share_of_a_decode_step() -> None:
+    """What a row adds to a decode step of the batch, as a share of it (the fit's)."""
+    assert row_share(CPU, 8) == pytest.approx(1 - 17 / 18)  # steps of 10 + 1 per row
+    assert row_share(CPU, 4) == pytest.approx(1 / 14)
+    assert row_share(CPU, 1) == 0.0
+    assert row_share(OnlineCost(CPU), 8) == pytest.approx(1 / 18)  # the startup fit's
+    # each row's attention to its context is part of what it adds: 1 + 2 per row here
+    assert row_share(VerifyCost(1.0, 1.0, attend=0.001, at=1000), 8, 2000) == \
+        pytest.approx(1 - 15 / 17)
+    # a fixed cost says nothing of rows; a verify as cheap as a step shares nothing
+    assert row_share(TableCost((1.5,)), 8) == 0.0
+    assert row_share(FREE, 8) == 0.0
+
+
+def test_what_a_verify_is_worth_to_each_row() -> None:
+    """A row's own expected tokens, plus the share of a step for each token beyond one
+    the verify gives the rows with no more tokens left than it (they leave the batch
+    that many steps sooner while it still decodes there)."""
+    per_row = [4.0, 3.0, 1.0, 1.0]
+    assert shared_tokens(per_row, 0.1, [10, 10, 10, 5]) == pytest.approx(
+        [4.0 + 0.1 * 2.0, 3.0 + 0.1 * 3.0, 1.0 + 0.1 * 5.0, 1.0])
+    assert shared_tokens(per_row, 0.1, [5, 10, 20, 30]) == pytest.approx(
+        [4.0, 3.0 + 0.1 * 3.0, 1.0 + 0.1 * 5.0, 1.0 + 0.1 * 5.0])
+    assert shared_tokens(per_row, 0.0, [10, 10, 10, 10]) == per_row
+
+
+def test_the_bystander_bound_counts_the_steps_the_others_save_it() -> None:
+    """CPU, four rows: three copy (8 drafts at 0.95), one copies badly (0.5). Alone the
+    weak row gains from a verify only up to a cut of 3 (1.875 tokens for 13/7 steps);
+    the others' gains make them leave the batch sooner, and each of those steps is
+    1/14 cheaper for it, so it gains from the cut that pays best over the four (6)."""
+    rates, lengths = [0.95, 0.95, 0.95, 0.5], [8, 8, 8, 8]
+    share = row_share(CPU, 4)
+    assert plan(rates, lengths, CPU) == 6
+    assert plan(rates, lengths, CPU, allowance=[0.0] * 4) == 3
+    assert plan(rates, lengths, CPU, allowance=[0.0] * 4, share=share, left=[50] * 4) == 6
+    # the weak row is due to finish first: the others finishing sooner saves it nothing
+    assert plan(rates, lengths, CPU, allowance=[0.0] * 4, share=share,
+                left=[50, 50, 50, 49]) == 3
+    # a row with nothing to copy is never paid for by the others' gains here: each
+    # verify position costs it 4/14 of a step, each token beyond one they get 1/14
+    for q in (0.95, 1.0):
+        assert plan([q, q, q, 0.5], [8, 8, 8, 0], CPU, allowance=[0.0] * 4, share=share,
+                    left=[50] * 4) == 0
+
+
 def test_credits_are_what_verifies_saved_a_row() -> None:
     credits = Credits(0.05)
     assert credits.allowance("a", 0) == 0.0
@@ -191,39 +240,53 @@ def test_the_cost_is_measured_at_startup_without_a_configured_one(tiny_llama_pat
 # --- the cost corrected online (spec_cost.OnlineCost) and --spec-verify-cost ------------
 
 
+def _weighed(ratio: float, samples: int) -> float:
+    """A bucket's correction: its running ratio against the fit's 1.0 (FIT_WEIGHT samples)."""
+    return (FIT_WEIGHT + samples * ratio) / (FIT_WEIGHT + samples)
+
+
 def test_measured_verify_costs_replace_the_startup_fit() -> None:
     fit = VerifyCost(10.0, 1.0)  # k=2: 13/11 decode steps
     cost = OnlineCost(fit)
     assert cost.relative(1, 3) == pytest.approx(13 / 11)  # no samples: the fit
     assert cost.decode_seconds(1) == 11.0  # the fit's own time, until measured
     cost.observe_decode(1, 2.0)
-    cost.observe_verify(1, 3, 6.0)  # k=2 took 3 decode steps
-    assert cost.relative(1, 3) == pytest.approx(3.0)
-    # k = 1, 4, 8 (other buckets) take the nearest measured bucket's ratio
-    assert cost.relative(1, 5) == pytest.approx(fit.relative(1, 5) * 3.0 / (13 / 11))
-    assert cost.relative(1, 2) == pytest.approx(fit.relative(1, 2) * 3.0 / (13 / 11))
-    assert cost.relative(1, 9) == pytest.approx(fit.relative(1, 9) * 3.0 / (13 / 11))
+    cost.observe_verify(1, 3, 6.0)  # k=2 took 3 decode steps: 33/13 the fit's
+    ratio = 3.0 / (13 / 11)
+    # one sample moves the price a quarter of the way (the fit weighs 3 samples) ...
+    assert FIT_WEIGHT == 3.0
+    assert cost.correction(2) == pytest.approx(_weighed(ratio, 1)) == pytest.approx(
+        (3.0 + ratio) / 4)
+    assert cost.relative(1, 3) == pytest.approx(13 / 11 * (3.0 + ratio) / 4)
+    # ... and the measurements outweigh it as they come (the mean of four: the same)
+    for _ in range(3):
+        cost.observe_verify(1, 3, 6.0)
+    assert cost.relative(1, 3) == pytest.approx(13 / 11 * (3.0 + 4 * ratio) / 7)
+    c = cost.correction(2)
+    # k = 1, 4, 8 (other buckets) take the nearest measured bucket's correction
+    assert cost.relative(1, 5) == pytest.approx(fit.relative(1, 5) * c)
+    assert cost.relative(1, 2) == pytest.approx(fit.relative(1, 2) * c)
+    assert cost.relative(1, 9) == pytest.approx(fit.relative(1, 9) * c)
     assert cost.relative(1, 1) == 1.0
-    # the mean of the first samples: a k=2 verify at exactly the fit's cost moves the
-    # bucket's ratio half way to 1; a k=3 one starts its own bucket (3-4)
-    before = cost.correction(2)
+    # the mean of the first samples: a k=2 verify at exactly the fit's cost (ratio 1)
+    # makes the bucket's ratio the mean of five; a k=3 one starts its own bucket (3-4)
     cost.observe_verify(1, 3, 2.0 * fit.relative(1, 3))
-    assert cost.correction(2) == pytest.approx((before + 1.0) / 2)
+    mean = (4 * ratio + 1.0) / 5
+    assert cost.correction(2) == pytest.approx(_weighed(mean, 5))
     cost.observe_verify(1, 4, 2.0 * fit.relative(1, 4))
     assert cost.correction(3) == cost.correction(4) == pytest.approx(1.0)
-    assert cost.correction(2) == pytest.approx((before + 1.0) / 2)
+    assert cost.correction(2) == pytest.approx(_weighed(mean, 5))
     # the mean up to 1 / ALPHA samples, then each moves it by ALPHA
     n = round(1 / ALPHA)
-    for _ in range(n - 2):
-        cost.observe_verify(1, 3, 2.0 * fit.relative(1, 3))
-    assert cost.correction(2) == pytest.approx(1.0 + (before - 1.0) / n)
-    was = cost.correction(2)
+    assert n == 5
     cost.observe_verify(1, 3, 2.0 * 2 * fit.relative(1, 3))  # twice the fit
-    assert cost.correction(2) == pytest.approx(was + ALPHA * (2.0 - was))
+    was = mean + ALPHA * (2.0 - mean)
+    assert cost.correction(2) == pytest.approx(_weighed(was, 6))
     # never cheaper than a decode step
     cheap = OnlineCost(fit)
     cheap.observe_decode(1, 2.0)
-    cheap.observe_verify(1, 3, 0.5)
+    for _ in range(20):
+        cheap.observe_verify(1, 3, 0.5)
     assert cheap.relative(1, 3) == 1.0
 
 
@@ -371,8 +434,10 @@ def test_the_gate_follows_the_measured_cost(tiny_llama_path: Any, verify: str,
                                             drafts: str) -> None:
     """The fit says a verify is free; the measured cost says a verify of k drafts costs
     1 + 0.5 k decode steps (expensive) or 1 + 0.01 k (cheap). Wrong drafts: with the
-    expensive cost the row stops drafting after its first verify (and probes rarely),
-    with the cheap one it keeps verifying between cool-downs. Right
+    expensive cost the row stops drafting after its first verifies (the fit weighs
+    FIT_WEIGHT samples, so each draft-length bucket's first verify moves its price a
+    quarter of the way; then it probes rarely), with the cheap one it keeps verifying
+    between cool-downs. Right
     drafts pay either way. The tokens are those of decoding one at a time."""
     slope = 0.5 if verify == "expensive" else 0.01
     toks, want, eng = speculating(tiny_llama_path, 3, 48, 8,
@@ -392,8 +457,9 @@ def test_the_gate_follows_the_measured_cost(tiny_llama_path: Any, verify: str,
             assert c.spec_paused == 0
             assert c.decode_steps < 60 // 2
         elif verify == "expensive":
-            # paused after its first verify; probes after 16 steps, then 32: at most 3
-            assert c.spec_verifies <= 3 and c.spec_accepted == 0 and c.spec_paused >= 1
+            # k = 4, 2, 1, 1 (cool-downs of 1, 2, 4 steps between) until the measured
+            # price outweighs the fit, then paused: its probe comes 16 steps later
+            assert c.spec_verifies == 4 and c.spec_accepted == 0 and c.spec_paused >= 1
         else:
             assert c.spec_verifies >= 5 and c.spec_accepted == 0 and c.spec_paused == 0
     finally:
@@ -554,7 +620,8 @@ def test_a_verify_charges_its_rows_the_price_it_was_planned_at() -> None:
 
     def row(name: str, seq: list[int]) -> Any:
         r = SimpleNamespace(request_id=name, n_prompt=len(seq) - 4, output=seq[-4:],
-                            processors=[], req=SimpleNamespace(tenant="t"))
+                            processors=[], pos=len(seq) - 1, req=SimpleNamespace(
+                                tenant="t", sampling=SimpleNamespace(max_tokens=64)))
         r.seq = np.array(seq)
         return r
 
@@ -572,6 +639,58 @@ def test_a_verify_charges_its_rows_the_price_it_was_planned_at() -> None:
     assert spec.credits.balance("chat") == 0.0  # 1 token for 1 planned decode step
     assert spec.credits.balance("copy") == pytest.approx(spec._expected[0] - 1.0)
     assert spec._expected[0] > 1.0
+
+
+def test_a_verify_credits_each_row_the_steps_the_others_save_it() -> None:
+    """Two rows, the startup fit a CPU-like forward (10 + 1 per position): the copying
+    row's draft (4 tokens) and the other row's fill. The credit each row is settled
+    with is its expected tokens plus 1/12 of a step for each token beyond one the other
+    row is expected to get, when the other has no more tokens left than it; the rows'
+    ``max_tokens`` decide."""
+    from types import SimpleNamespace
+
+    from mlx_lm.models.cache import BatchKVCache
+
+    from promptcache.engine.context import EngineCounters
+    from promptcache.engine.spec_cost import row_tokens, verify_price
+    from promptcache.engine.speculate import Speculator
+    from promptcache.serving_config import EngineConfig
+
+    def row(name: str, seq: list[int], max_tokens: int) -> Any:
+        r = SimpleNamespace(request_id=name, n_prompt=len(seq) - 4, output=seq[-4:],
+                            processors=[], pos=len(seq) - 1, req=SimpleNamespace(
+                                tenant="t", sampling=SimpleNamespace(max_tokens=max_tokens)))
+        r.seq = np.array(seq)
+        return r
+
+    # the same tokens left as the copying row: the fill (at the fills' rate, 1/3) pays
+    # its row at a cut of 4 with the copying row's gain counted; with fewer left it is
+    # due to finish first, and alone its fill pays it up to a cut of 2 (1.44 tokens for
+    # 14/12 steps; 1.48 for 16/12 at 3)
+    for other_left, want_cut in ((60, 4), (20, 2)):
+        spec = Speculator(EngineConfig(speculation="suffix"), EngineCounters(), cost=CPU)
+        copying = row("copy", [5, 6, 7, 8, 9] * 4, 64)
+        other = row("other", [1, 2, 3, 4, 100, 101, 102, 1, 2, 3, 4], other_left + 4)
+        rows = [copying, other]
+        drafts: list[Any] = [(6, 7, 8, 9), ()]
+        cut = spec.plan(rows, drafts, [BatchKVCache([0, 0])], None)
+        # the other row's fill, looked up 8 long (a verify feeds its first ``cut``)
+        assert cut == want_cut
+        assert drafts == [(6, 7, 8, 9), (100, 101, 102, 1, 2, 3, 4, 100)]
+        rates, lengths = [spec._rate(copying), spec._fills.rate], [4, 8]
+        assert rates[1] == pytest.approx(1 / 3)
+        own = row_tokens(rates, lengths, cut)
+        price = verify_price(rates, lengths, cut, CPU, tokens=sum(own))
+        assert spec._price == pytest.approx(price) == pytest.approx((10 + 2 * (1 + cut)) / 12)
+        spec.settle(rows)
+        gain = [t - 1.0 for t in own]
+        if other_left == 60:
+            assert spec.credits.balance("copy") == pytest.approx(own[0] + gain[1] / 12 - price)
+            assert spec.credits.balance("other") == pytest.approx(
+                own[1] + gain[0] / 12 - price)
+        else:  # the other row finishes first: nothing of the copying row's gain is its
+            assert spec.credits.balance("copy") == pytest.approx(own[0] + gain[1] / 12 - price)
+            assert spec.credits.balance("other") == pytest.approx(own[1] - price)
 
 
 def test_a_row_with_nothing_to_copy_looks_for_drafts_less_often() -> None:

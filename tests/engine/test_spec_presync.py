@@ -19,7 +19,8 @@ X = list(range(100, 130))  # 30 tokens, none repeated
 
 def row(seq: list[int], n_prompt: int = 20, rid: str = "r") -> Any:
     r = SimpleNamespace(request_id=rid, n_prompt=n_prompt, output=seq[n_prompt:],
-                        processors=[], req=SimpleNamespace(tenant="t"),
+                        processors=[], pos=len(seq) - 1,
+                        req=SimpleNamespace(tenant="t", sampling=SimpleNamespace(max_tokens=64)),
                         usage=SimpleNamespace(spec_drafted=0, spec_accepted=0))
     r.seq = np.array(seq)
     return r

@@ -23,8 +23,11 @@ fit said 1.09-1.85). ``OnlineCost`` corrects it: the decode batch reports the wa
 of each verify forward and of each plain decode step (``observe_verify`` /
 ``observe_decode``, taken at the syncs the steps already do), and per draft-length bucket
 (k = 1, 2, 3-4, 5-8, 9-16, ...) a running ratio of measured to fitted cost (the mean of
-the first samples, then exponentially weighted) replaces the fit as samples arrive (a
-bucket without samples takes its nearest measured neighbour's ratio).
+the first samples, then exponentially weighted) replaces the fit as samples arrive, the
+fit counted as ``FIT_WEIGHT`` samples of ratio 1 (a bucket without samples takes its
+nearest measured neighbour's ratio). So one verify that ran slow (the CPU busy with
+other work) moves a bucket's price a quarter of the way, not all of it: priced too high,
+the gate would stop verifying and never time a verify again to learn otherwise.
 
 A verify is compared with plain decode steps over the same context: a step attends to
 every token in the cache, so one over 2,000 tokens takes twice one over a few (SmolLM2
@@ -67,6 +70,9 @@ PRIOR_ACCEPTED = 2.0
 PRIOR_REJECTED = 1.0
 # OnlineCost: the weight of a new sample in the running estimates
 ALPHA = 0.2
+# ... and of the startup fit in a draft-length bucket's correction, in samples: one
+# verify timed during other work does not reprice every later one by itself
+FIT_WEIGHT = 3.0
 # a sample this many times the running estimate is an outlier (the engine did other
 # work in between: a prefill chunk, a request joining) ...
 OUTLIER = 4.0
@@ -256,14 +262,16 @@ class OnlineCost:
             est.add(ratio)
 
     def correction(self, k: int) -> float:
-        """Measured over fitted cost for drafts of ``k`` tokens (1.0: no samples yet)."""
+        """Measured over fitted cost for drafts of ``k`` tokens: the bucket's running
+        ratio weighed against the fit (1.0) as ``FIT_WEIGHT`` samples, so a bucket's first
+        verifies move it part of the way (1.0: no samples yet)."""
         if not self._ratio:
             return 1.0
         b = bucket(k)
         est = self._ratio.get(b)
         if est is None:
             est = self._ratio[min(self._ratio, key=lambda n: (abs(n - b), n))]
-        return est.value
+        return (FIT_WEIGHT + est.samples * est.value) / (FIT_WEIGHT + est.samples)
 
     def relative(self, rows: int, width: int) -> float:
         if width <= 1:
@@ -394,9 +402,51 @@ def row_tokens(rates: Sequence[float], lengths: Sequence[int], cut: int, *,
     return [min(per_row)] * len(per_row) if uniform and per_row else per_row
 
 
+def row_share(cost: CostModel, rows: int, context: int = 0) -> float:
+    """What one row of ``rows`` adds to a decode step of the batch, as a share of that
+    step: ``1 - step(rows - 1) / step(rows)`` of the startup fit (``VerifyCost.step``
+    over ``context`` tokens; 0 for one row, and for a fixed cost, which says nothing of
+    rows). Each step sooner a row leaves the batch, every row still in it decodes that
+    share of a step faster (``shared_tokens``). The fit's share, not the measured steps':
+    it is taken at one row and is below what rows add on a loaded CPU (0.055 of a step
+    at 8 rows against 0.08 measured for SmolLM2 here), so the bound stays on the safe
+    side."""
+    fit = cost.prior if isinstance(cost, OnlineCost) else cost
+    if rows < 2 or not isinstance(fit, VerifyCost):
+        return 0.0
+    return max(0.0, 1.0 - fit.step(rows - 1, context) / fit.step(rows, context))
+
+
+def shared_tokens(per_row: Sequence[float], share: float, left: Sequence[int]
+                  ) -> list[float]:
+    """What a verify is worth to each row in decode steps of the batch: its own expected
+    tokens (``per_row``) plus ``share`` x the tokens beyond one that the verify is
+    expected to give each other row with no more tokens ``left`` to decode than it
+    (``max_tokens`` less its output): such a row leaves the batch that many steps
+    sooner, while this one still decodes in it, and each of those steps is ``share``
+    cheaper (``row_share``). A row expected to finish first gets nothing from the
+    others' gains."""
+    if share <= 0.0:
+        return list(per_row)
+    order = sorted(range(len(per_row)), key=lambda i: left[i])
+    out = [0.0] * len(per_row)
+    ahead = 0.0  # the gains of the rows with no more left than the current group's
+    i = 0
+    while i < len(order):
+        j = i
+        while j < len(order) and left[order[j]] == left[order[i]]:
+            ahead += per_row[order[j]] - 1.0
+            j += 1
+        for b in order[i:j]:
+            out[b] = per_row[b] + share * (ahead - (per_row[b] - 1.0))
+        i = j
+    return out
+
+
 def plan(rates: Sequence[float], lengths: Sequence[int], cost: CostModel, *,
          state: bool = False, uniform: bool = False,
-         allowance: Sequence[float] | None = None) -> int:
+         allowance: Sequence[float] | None = None, share: float = 0.0,
+         left: Sequence[int] | None = None) -> int:
     """How many draft tokens each row keeps (its draft cut to that), 0 for no verify.
 
     ``rates``: each row's acceptance rate; ``lengths``: its draft's length; ``state``:
@@ -404,15 +454,18 @@ def plan(rates: Sequence[float], lengths: Sequence[int], cost: CostModel, *,
     ``uniform``: every row keeps as many positions as the shortest. A cut must beat
     decoding by ``MARGIN`` over all rows; with ``allowance`` (per row, in decode steps:
     ``Credits.allowance``), also no row may expect to lose more than its allowance (a
-    row with no draft gets 1 token for the verify's price: the bystander bound)."""
+    row with no draft gets 1 token for the verify's price: the bystander bound), its
+    tokens counted with what the other rows' gains save it (``shared_tokens`` with
+    ``share`` and each row's tokens ``left``)."""
     rows = len(rates)
     best, best_gain = 0, 1.0 + MARGIN
     for cut in range(1, max(lengths, default=0) + 1):
         per_row = row_tokens(rates, lengths, cut, uniform=uniform)
         tokens = sum(per_row)
         price = verify_price(rates, lengths, cut, cost, state=state, tokens=tokens)
+        worth = shared_tokens(per_row, share, left) if left is not None else per_row
         if allowance is not None and any(
-                t - price < -a for t, a in zip(per_row, allowance, strict=True)):
+                t - price < -a for t, a in zip(worth, allowance, strict=True)):
             continue  # some row would lose more time than it may
         gain = tokens / (rows * price)
         if gain > best_gain:
@@ -439,18 +492,20 @@ def verify_price(rates: Sequence[float], lengths: Sequence[int], cut: int, cost:
 class Credits:
     """Per request, the decode steps speculation saved it so far (``balance``): a verify
     of price ``P`` decode steps (``verify_price``, as the gate priced it when it planned
-    the verify) expected to give a row ``t`` tokens adds ``t - P`` (decoding would
-    have taken ``t`` steps for them): a balance never falls below
-    ``-max_slowdown`` x the tokens decoded, since the gate planned the verify within
-    the allowance at that price (priced after the verify, with the cost re-measured
-    by it, a row could end in debt that no later verify at its own rate repays, and
-    the batch would never verify again). A row with no
-    draft of its own in a verify (a bystander) loses ``P - 1``. The gate lets a verify slow a
-    row only by what the row has in hand (``allowance``: its balance plus
-    ``max_slowdown`` x the tokens it has decoded), so a row that never gains from a
-    draft (a chat next to copying rows) decodes at most ``max_slowdown`` slower than
-    without speculation, and over a whole reply no row is slower than that either.
-    Engine thread only."""
+    the verify) expected to be worth ``t`` tokens to a row adds ``t - P`` (decoding
+    would have taken ``t`` steps for them): its own expected tokens, plus the steps the
+    verify saves it by letting rows that finish before it leave the batch sooner
+    (``shared_tokens``). A balance never falls below ``-max_slowdown`` x the tokens
+    decoded, since the gate planned the verify within the allowance at that price
+    (priced after the verify, with the cost re-measured by it, a row could end in debt
+    that no later verify at its own rate repays, and the batch would never verify
+    again). A row with no draft of its own in a verify (a bystander) loses ``P - 1``,
+    less what the others' gains save it. The gate lets a verify slow a row only by what
+    the row has in hand (``allowance``: its balance plus ``max_slowdown`` x the tokens
+    it has decoded), so a row that never gains from a draft (a chat next to copying
+    rows) is expected to decode at most ``max_slowdown`` slower than without
+    speculation over its whole reply, the steps it decodes in a smaller batch because
+    copying rows due to finish before it finished sooner counted. Engine thread only."""
 
     def __init__(self, max_slowdown: float) -> None:
         if not (math.isfinite(max_slowdown) and max_slowdown >= 0.0):

@@ -44,9 +44,11 @@ rate (``Acceptance.prior``) taken as at least ``PROBE_RATE`` until one of its dr
 cut short (a pause that ends on a step without a draft probes at the row's next
 draft). A verify is as wide as the batch's longest draft, so every row pays for it: a
 verify may cost a row no more decode steps than its own drafts were expected to save
-it, plus ``spec_max_slowdown`` x the tokens it decoded (``spec_cost.Credits``, settled
-after each verify: ``settle``), so a row with nothing to copy is not slowed by its
-batch. While every row waits (a cool-down or a pause), the step stays pipelined
+it, plus the steps it saves it by letting rows due to finish before it (no more
+``max_tokens`` left) leave the batch sooner (``spec_cost.shared_tokens``: a batch of
+fewer rows steps faster), plus ``spec_max_slowdown`` x the tokens it decoded
+(``spec_cost.Credits``, settled after each verify: ``settle``), so a row with nothing to
+copy is not slowed by its batch. While every row waits (a cool-down or a pause), the step stays pipelined
 (``waiting``); so does a step whose drafts, looked up before the pending tokens are
 read, would not pay (``presync``).
 
@@ -344,9 +346,11 @@ class Speculator:
                 ) -> tuple[int, list[int], dict[int, tuple[int, ...]], list[int],
                      tuple[list[float], float]]:
         """The gate's decision alone: ``(cut, each row's draft length, the fills (row ->
-        its fill), the rows whose own draft does not pay on its own, (each row's expected
-        tokens at the cut, the verify's price: empty and 0 when the cut is 0))``; no fill
-        is looked up when no row's own draft pays (the cut is then 0)."""
+        its fill), the rows whose own draft does not pay on its own, (what the verify is
+        expected to be worth to each row at the cut: its tokens and the steps the other
+        rows' gains save it, ``spec_cost.shared_tokens``; the verify's price: empty and
+        0 when the cut is 0))``; no fill is looked up when no row's own draft pays (the
+        cut is then 0)."""
         state = mlx_compat.speculation_kind(cache) == "state"
         uniform = state and len(rows) > 1 and not mlx_compat.states_take_lengths(model)
         rates = [self._rate(r) for r in rows]
@@ -365,14 +369,17 @@ class Speculator:
                     fills[i] = found
                     lengths[i], rates[i] = len(found), self._fills.rate
         allowance = [self.credits.allowance(r.request_id, len(r.output)) for r in rows]
+        share = spec_cost.row_share(self.cost, len(rows), max(r.pos for r in rows))
+        left = [r.req.sampling.max_tokens - len(r.output) for r in rows]
         cut = spec_cost.plan(rates, lengths, self.cost, state=state, uniform=uniform,
-                             allowance=allowance)
+                             allowance=allowance, share=share, left=left)
         if not cut:
             return 0, lengths, fills, dropped, ([], 0.0)
         expected = spec_cost.row_tokens(rates, lengths, cut, uniform=uniform)
         price = spec_cost.verify_price(rates, lengths, cut, self.cost, state=state,
                                        tokens=sum(expected))
-        return cut, lengths, fills, dropped, (expected, price)
+        return cut, lengths, fills, dropped, (
+            spec_cost.shared_tokens(expected, share, left), price)
 
     def _drop(self, rows: Sequence[Request], dropped: Sequence[int],
               drafts: Sequence[Sequence[int]]) -> None:
@@ -462,8 +469,9 @@ class Speculator:
 
     def settle(self, rows: Sequence[Request]) -> None:
         """The verify of ``rows`` that the gate planned last (``plan``) ran: each row's
-        credit (``spec_cost.Credits``) gains the tokens the gate expected it to give the
-        row, less the price it planned with (``spec_cost.verify_price``). Expected, not
+        credit (``spec_cost.Credits``) gains what the gate expected it to be worth to
+        the row (its tokens and the steps the other rows' gains save it), less the price
+        it planned with (``spec_cost.verify_price``). Expected, not
         the tokens it gave: the bound is on what other rows' verifies cost a row, not on
         the luck of its own drafts (``row_pays`` judges those); planned, not re-measured
         by this verify: a row stays within the allowance the gate planned for."""
