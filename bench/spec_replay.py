@@ -1,0 +1,209 @@
+"""Speculation's gate replayed offline: many runs of one 8-stream round in seconds.
+
+A round of ``promptcache bench`` at 8 streams takes minutes and its ratio moves by
+±0.15 from run to run on this machine, so a change to the gate (``engine/speculate.py``,
+``engine/spec_cost.py``) cannot be judged from one run. This replays a round instead:
+the greedy replies of its streams (recorded once with speculation off: the replies do
+not depend on speculation) go through the engine's own ``Speculator`` (drafts from each
+request's history, the gate, the credits, ``OnlineCost`` with the startup fit), and each
+step takes the time a measured table says (a decode step of ``n`` rows; a verify of
+``n`` rows and ``k`` drafts in decode steps, from ``bench_speculation.py --verify-cost
+--rows``; its extra over a decode step scaled by ``--scale``: verifies inside a server
+cost ~1.35x more than timed alone, measured 2026-12-06), times a uniform jitter of
+``--jitter``, which is what the online cost sees. A verify keeps the longest draft prefix
+the recorded reply agrees with, as the model would. Reported: the aggregate decode
+speed-up over decoding without speculation (the same replay without the speculator)
+over ``--seeds`` runs (the jitter's seed and which startup fit): min, 10th percentile,
+median, max.
+
+Not a measurement of the engine: the forward, the pipelining of plain steps and the
+host work are not modelled. What it answers is how the gate's decisions turn a cost
+model and acceptance into speed, and how often they stall.
+
+Usage: .venv/bin/python bench/spec_replay.py --record [--scenario E5] [--out FILE]
+       .venv/bin/python bench/spec_replay.py [--seeds 60] [--jitter 0.3] [--scale 1.35]
+(record with OpenBLAS: LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+
+from promptcache.engine.context import EngineCounters
+from promptcache.engine.spec_cost import OnlineCost, VerifyCost
+from promptcache.engine.speculate import Speculator
+from promptcache.serving_config import EngineConfig
+
+OUT = Path(__file__).parent / "out" / "spec_replay.json"
+# decode step ms and verify cost in decode steps at k = 1, 2, 4, 8, 16, per batch size
+# (bench_speculation.py --verify-cost --rows 1,2,4,8: 2026-12-06 for 1 and 8 rows,
+# 2026-12-04 for 2 and 4; SmolLM2-135M fp32, OpenBLAS, 2 vCPUs)
+TABLE: dict[int, tuple[float, dict[int, float]]] = {
+    1: (67.0, {1: 1.15, 2: 1.31, 4: 1.49, 8: 1.94, 16: 2.86}),
+    2: (80.0, {1: 1.32, 2: 1.57, 4: 2.05, 8: 2.31, 16: 3.44}),
+    4: (110.0, {1: 1.13, 2: 2.05, 4: 1.96, 8: 2.73, 16: 5.33}),
+    8: (176.0, {1: 1.42, 2: 1.71, 4: 2.16, 8: 3.31, 16: 5.60}),
+}
+# the startup fits (spec_cost.measure_verify_cost) of three server starts, 2026-12-06
+FITS = (VerifyCost(0.05624, 0.006294, 0.009792, 6.88e-06, 1024),
+        VerifyCost(0.06248, 0.005876, 0.010366, 5.42e-06, 1024),
+        VerifyCost(0.06205, 0.006189, 0.011085, 4.1e-07, 1024))
+
+
+def _interp(points: dict[int, float], x: float, at_zero: float) -> float:
+    xs = sorted(points)
+    if x <= xs[0]:
+        return at_zero + (points[xs[0]] - at_zero) * x / xs[0]
+    if x >= xs[-1]:
+        return points[xs[-1]]
+    lo = max(k for k in xs if k <= x)
+    hi = min(k for k in xs if k >= x)
+    return points[lo] if lo == hi else \
+        points[lo] + (points[hi] - points[lo]) * (x - lo) / (hi - lo)
+
+
+def step_ms(rows: int, width: int, scale: float) -> float:
+    """A step of ``rows`` rows feeding ``width`` positions each, in ms (the table)."""
+    decode = _interp({n: ms for n, (ms, _) in TABLE.items()}, rows, 0.0)
+    if width <= 1:
+        return decode
+    per_size = {n: _interp(ks, width - 1, 1.0) for n, (_, ks) in TABLE.items()}
+    return decode * (1.0 + (_interp(per_size, rows, 1.0) - 1.0) * scale)
+
+
+class Row:
+    """A request as the speculator sees it, its reply known in advance."""
+
+    def __init__(self, i: int, prompt: list[int], reply: list[int]) -> None:
+        self.request_id = f"r{i}"
+        self.n_prompt = len(prompt)
+        self.seq = np.array(prompt + reply, dtype=np.int64)
+        self.reply = reply
+        self.output = reply[:1]  # the first token comes with the prefill
+        self.processors: list[Any] = []
+        self.sampler = SimpleNamespace(greedy=True)
+        self.ctx = SimpleNamespace(logits_hook=None)
+        self.usage = SimpleNamespace(spec_drafted=0, spec_accepted=0)
+        self.req = SimpleNamespace(tenant="t", sampling=SimpleNamespace(max_tokens=len(reply)))
+
+    @property
+    def pos(self) -> int:
+        return self.n_prompt + len(self.output) - 1
+
+    @property
+    def done(self) -> bool:
+        return len(self.output) >= len(self.reply)
+
+
+def replay(prompts: list[list[int]], replies: list[list[int]], *, speculate: bool,
+           seed: int, jitter: float, scale: float) -> float:
+    """Seconds until the last reply is complete."""
+    from mlx_lm.models.cache import BatchKVCache
+
+    rng = random.Random(seed)
+    rows = [Row(i, p, r) for i, (p, r) in enumerate(zip(prompts, replies, strict=True))]
+    cache = [BatchKVCache([0] * len(rows))]
+    cost = OnlineCost(FITS[seed % len(FITS)])
+    spec = Speculator(EngineConfig(speculation="suffix"), EngineCounters(), cost=cost)
+    now = [0.0]
+    spec.clock = lambda: now[0]
+    while rows:
+        n = len(rows)
+        context = max(r.pos for r in rows)
+        noise = 1.0 + jitter * (2.0 * rng.random() - 1.0) if speculate else 1.0
+        width, tokens = 1, n
+        if speculate and spec.eligible(rows, cache, None) and not spec.waiting(rows) \
+                and spec.presync(rows, cache, None, [True] * n):
+            spec.step_started()
+            drafts: list[Any] = [spec.propose(r) for r in rows]
+            cut = spec.plan(rows, drafts, cache, None)
+            if cut:
+                drafts = [tuple(d[:cut]) for d in drafts]
+                width = 1 + max(len(d) for d in drafts)
+                for r, d in zip(rows, drafts, strict=True):
+                    at, kept = len(r.output), 0
+                    while kept < len(d) and at + kept < len(r.reply) \
+                            and d[kept] == r.reply[at + kept]:
+                        kept += 1
+                    if d:
+                        spec.feedback(r, len(d), kept)
+                    r.output = r.reply[:at + 1 + kept]
+                    tokens += kept
+                spec.settle(rows)
+        seconds = step_ms(n, width, scale) * noise / 1e3
+        now[0] += seconds
+        if width > 1:
+            spec.observe_verify(n, width, seconds, context)
+            spec.step_done(n, width, tokens, context)
+        else:
+            for r in rows:
+                r.output = r.reply[:len(r.output) + 1]
+            if speculate:
+                spec.observe_decode(n, seconds, context)
+        for r in rows:
+            if r.done:
+                spec.forget(r)
+        rows = [r for r in rows if not r.done]
+    return now[0]
+
+
+def record(scenario: str, streams: int, out: Path) -> None:
+    from promptcache.bench.concurrent_plans import build
+    from promptcache.config import CacheConfig
+    from promptcache.engine.api import GenerationRequest, SamplingParams
+    from promptcache.engine.engine import Engine
+    from promptcache.engine.models.gguf import ensure_default_model
+
+    plan = build(scenario, streams=[streams])
+    eng = Engine.load(ensure_default_model(), EngineConfig(speculation="off"), CacheConfig())
+    rounds = []
+    try:
+        for jobs in plan.rounds:
+            prompts = [eng.render_chat(list(s[0].messages), tools=list(s[0].tools) or None)
+                       for s in jobs]
+            handles = [eng.submit(GenerationRequest(tuple(p), SamplingParams(
+                max_tokens=plan.max_tokens or 160, temperature=0.0))) for p in prompts]
+            replies = [list(h.result().tokens) for h in handles]
+            rounds.append({"prompts": prompts, "replies": replies})
+            print(f"recorded a round of {len(prompts)}", flush=True)
+    finally:
+        eng.close()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"scenario": scenario, "streams": streams, "rounds": rounds}))
+    print(f"wrote {out}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--record", action="store_true", help="record the replies first")
+    ap.add_argument("--scenario", default="E5")
+    ap.add_argument("--streams", type=int, default=8)
+    ap.add_argument("--out", type=Path, default=OUT)
+    ap.add_argument("--seeds", type=int, default=60)
+    ap.add_argument("--jitter", type=float, default=0.3)
+    ap.add_argument("--scale", type=float, default=1.35)
+    args = ap.parse_args()
+    if args.record:
+        record(args.scenario, args.streams, args.out)
+        return
+    data = json.loads(args.out.read_text())
+    for i, rnd in enumerate(data["rounds"]):
+        off = replay(rnd["prompts"], rnd["replies"], speculate=False, seed=0,
+                     jitter=args.jitter, scale=args.scale)
+        ups = sorted(off / replay(rnd["prompts"], rnd["replies"], speculate=True, seed=s,
+                                  jitter=args.jitter, scale=args.scale)
+                     for s in range(args.seeds))
+        print(f"{data['scenario']} round {i + 1} ({len(rnd['prompts'])} streams): speed-up "
+              f"over decoding min {ups[0]:.2f}, p10 {ups[len(ups) // 10]:.2f}, median "
+              f"{ups[len(ups) // 2]:.2f}, max {ups[-1]:.2f} ({args.seeds} runs)")
+
+
+if __name__ == "__main__":
+    main()
