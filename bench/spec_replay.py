@@ -20,8 +20,13 @@ Not a measurement of the engine: the forward, the pipelining of plain steps and 
 host work are not modelled. What it answers is how the gate's decisions turn a cost
 model and acceptance into speed, and how often they stall.
 
+``--mix``: also chat rows next to edit rows (E4's replies, recorded with ``--record
+--scenario E4 --out FILE``): how much later the chats end than without speculation, and
+how much sooner the edits.
+
 Usage: .venv/bin/python bench/spec_replay.py --record [--scenario E5] [--out FILE]
        .venv/bin/python bench/spec_replay.py [--seeds 60] [--jitter 0.3] [--scale 1.35]
+                                             [--mix FILE]
 (record with OpenBLAS: LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0)
 """
 
@@ -103,12 +108,14 @@ class Row:
 
 
 def replay(prompts: list[list[int]], replies: list[list[int]], *, speculate: bool,
-           seed: int, jitter: float, scale: float) -> float:
-    """Seconds until the last reply is complete."""
+           seed: int, jitter: float, scale: float, ends: list[float] | None = None) -> float:
+    """Seconds until the last reply is complete (each reply's end into ``ends``)."""
     from mlx_lm.models.cache import BatchKVCache
 
     rng = random.Random(seed)
     rows = [Row(i, p, r) for i, (p, r) in enumerate(zip(prompts, replies, strict=True))]
+    if ends is not None:
+        ends[:] = [0.0] * len(rows)
     cache = [BatchKVCache([0] * len(rows))]
     cost = OnlineCost(FITS[seed % len(FITS)])
     spec = Speculator(EngineConfig(speculation="suffix"), EngineCounters(), cost=cost)
@@ -150,8 +157,22 @@ def replay(prompts: list[list[int]], replies: list[list[int]], *, speculate: boo
         for r in rows:
             if r.done:
                 spec.forget(r)
+                if ends is not None:
+                    ends[int(r.request_id[1:])] = now[0]
         rows = [r for r in rows if not r.done]
     return now[0]
+
+
+def mixed(edits: dict[str, Any], chats: dict[str, Any], n_edit: int, chat_tokens: int
+          ) -> tuple[list[list[int]], list[list[int]]]:
+    """``n_edit`` edit rows from their 40th reply token on (past the preamble: they copy
+    at once) and chat rows (E4's) of ``chat_tokens`` tokens, 8 in all."""
+    prompts = [p + r[:40] for p, r in zip(edits["prompts"][:n_edit],
+                                          edits["replies"][:n_edit], strict=True)]
+    replies = [r[40:] for r in edits["replies"][:n_edit]]
+    prompts += chats["prompts"][n_edit:8]
+    replies += [r[:chat_tokens] for r in chats["replies"][n_edit:8]]
+    return prompts, replies
 
 
 def record(scenario: str, streams: int, out: Path) -> None:
@@ -189,11 +210,34 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, default=60)
     ap.add_argument("--jitter", type=float, default=0.3)
     ap.add_argument("--scale", type=float, default=1.35)
+    ap.add_argument("--mix", type=Path, default=None, metavar="CHAT_FILE",
+                    help="also: chat rows (a recording of E4) next to edit rows (--out's "
+                         "turn 1): 4 + 4 of 160 tokens, 7 edits + 1 chat of 60")
     args = ap.parse_args()
     if args.record:
         record(args.scenario, args.streams, args.out)
         return
     data = json.loads(args.out.read_text())
+    if args.mix is not None:
+        chats = json.loads(args.mix.read_text())["rounds"][0]
+        for n_edit, chat_tokens in ((4, 160), (7, 60)):
+            prompts, replies = mixed(data["rounds"][0], chats, n_edit, chat_tokens)
+            off: list[float] = []
+            replay(prompts, replies, speculate=False, seed=0, jitter=args.jitter,
+                   scale=args.scale, ends=off)
+            slow, fast = [], []
+            for s in range(args.seeds):
+                on: list[float] = []
+                replay(prompts, replies, speculate=True, seed=s, jitter=args.jitter,
+                       scale=args.scale, ends=on)
+                slow.append(max(on[i] / off[i] for i in range(n_edit, 8)))
+                fast.append(sum(off[i] / on[i] for i in range(n_edit)) / n_edit)
+            slow.sort()
+            fast.sort()
+            print(f"{n_edit} edits + {8 - n_edit} chats of {chat_tokens} tokens: the slowest "
+                  f"chat ends at {slow[len(slow) // 2]:.2f}x its time without speculation "
+                  f"(median; worst {slow[-1]:.2f}), the edits {fast[len(fast) // 2]:.2f}x "
+                  f"faster (median) ({args.seeds} runs)")
     for i, rnd in enumerate(data["rounds"]):
         off = replay(rnd["prompts"], rnd["replies"], speculate=False, seed=0,
                      jitter=args.jitter, scale=args.scale)
