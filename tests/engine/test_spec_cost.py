@@ -8,6 +8,8 @@ from typing import Any
 import numpy as np
 import pytest
 from conftest import make_engine, speculating
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from promptcache.engine.api import GenerationRequest, SamplingParams
 from promptcache.engine.spec_cost import (
@@ -25,7 +27,9 @@ from promptcache.engine.spec_cost import (
     expected_tokens,
     plan,
     row_share,
+    row_tokens,
     shared_tokens,
+    verify_price,
 )
 
 # a CPU-like forward: the weights cost 10, each position 1 (a verify of 8 drafts: 1.64x)
@@ -159,6 +163,28 @@ def test_the_bystander_bound_counts_the_steps_the_others_save_it() -> None:
     for q in (0.95, 1.0):
         assert plan([q, q, q, 0.5], [8, 8, 8, 0], CPU, allowance=[0.0] * 4, share=share,
                     left=[50] * 4) == 0
+
+
+@settings(max_examples=300, deadline=None)
+@given(rows=st.lists(st.tuples(st.floats(0.0, 1.0), st.integers(0, 8), st.floats(0.0, 3.0),
+                               st.integers(1, 100)), min_size=1, max_size=8),
+       share=st.floats(0.0, 0.3))
+def test_a_planned_verify_keeps_every_row_within_its_allowance(
+        rows: list[tuple[float, int, float, int]], share: float) -> None:
+    """Whatever the rows: a verify the gate plans is worth at least its price less the
+    allowance to every row (its tokens and what the others' gains save it), counting
+    the others never makes a verify worth less to a row, and a verify the bound allowed
+    without the others' gains it allows with them."""
+    rates, lengths, allowance, left = (list(c) for c in zip(*rows, strict=True))
+    cut = plan(rates, lengths, CPU, allowance=allowance, share=share, left=left)
+    if cut:
+        per_row = row_tokens(rates, lengths, cut)
+        price = verify_price(rates, lengths, cut, CPU, tokens=sum(per_row))
+        worth = shared_tokens(per_row, share, left)
+        assert all(w - price >= -a - 1e-9 for w, a in zip(worth, allowance, strict=True))
+        assert all(w >= t - 1e-12 for w, t in zip(worth, per_row, strict=True))
+    if plan(rates, lengths, CPU, allowance=allowance, left=left):
+        assert cut > 0
 
 
 def test_credits_are_what_verifies_saved_a_row() -> None:
@@ -652,7 +678,6 @@ def test_a_verify_credits_each_row_the_steps_the_others_save_it() -> None:
     from mlx_lm.models.cache import BatchKVCache
 
     from promptcache.engine.context import EngineCounters
-    from promptcache.engine.spec_cost import row_tokens, verify_price
     from promptcache.engine.speculate import Speculator
     from promptcache.serving_config import EngineConfig
 
