@@ -428,19 +428,14 @@ def shared_tokens(per_row: Sequence[float], share: float, left: Sequence[int]
     others' gains."""
     if share <= 0.0:
         return list(per_row)
-    order = sorted(range(len(per_row)), key=lambda i: left[i])
-    out = [0.0] * len(per_row)
-    ahead = 0.0  # the gains of the rows with no more left than the current group's
-    i = 0
-    while i < len(order):
-        j = i
-        while j < len(order) and left[order[j]] == left[order[i]]:
-            ahead += per_row[order[j]] - 1.0
-            j += 1
-        for b in order[i:j]:
-            out[b] = per_row[b] + share * (ahead - (per_row[b] - 1.0))
-        i = j
-    return out
+    # tokens left -> the gains of every row with no more left (ascending: the last
+    # write for a value has all its ties in)
+    ahead: dict[int, float] = {}
+    total = 0.0
+    for i in sorted(range(len(per_row)), key=left.__getitem__):
+        total += per_row[i] - 1.0
+        ahead[left[i]] = total
+    return [t + share * (ahead[n] - (t - 1.0)) for t, n in zip(per_row, left, strict=True)]
 
 
 def plan(rates: Sequence[float], lengths: Sequence[int], cost: CostModel, *,
@@ -463,7 +458,7 @@ def plan(rates: Sequence[float], lengths: Sequence[int], cost: CostModel, *,
         per_row = row_tokens(rates, lengths, cut, uniform=uniform)
         tokens = sum(per_row)
         price = verify_price(rates, lengths, cut, cost, state=state, tokens=tokens)
-        worth = shared_tokens(per_row, share, left) if left is not None else per_row
+        worth = per_row if left is None else shared_tokens(per_row, share, left)
         if allowance is not None and any(
                 t - price < -a for t, a in zip(worth, allowance, strict=True)):
             continue  # some row would lose more time than it may

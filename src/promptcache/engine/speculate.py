@@ -48,8 +48,8 @@ it, plus the steps it saves it by letting rows due to finish before it (no more
 ``max_tokens`` left) leave the batch sooner (``spec_cost.shared_tokens``: a batch of
 fewer rows steps faster), plus ``spec_max_slowdown`` x the tokens it decoded
 (``spec_cost.Credits``, settled after each verify: ``settle``), so a row with nothing to
-copy is not slowed by its batch. While every row waits (a cool-down or a pause), the step stays pipelined
-(``waiting``); so does a step whose drafts, looked up before the pending tokens are
+copy is not slowed by its batch. While every row waits (a cool-down or a pause), the
+step stays pipelined (``waiting``); so does a step whose drafts, looked up before the pending tokens are
 read, would not pay (``presync``).
 
 Drafts come from the request's own history first and its tenant's pool second
