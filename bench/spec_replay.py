@@ -26,7 +26,7 @@ how much sooner the edits.
 
 Usage: .venv/bin/python bench/spec_replay.py --record [--scenario E5] [--out FILE]
        .venv/bin/python bench/spec_replay.py [--seeds 60] [--jitter 0.3] [--scale 1.35]
-                                             [--mix FILE]
+                                             [--mix FILE] [--cost cpu|h100-32b|h100-30b-a3b]
 (record with OpenBLAS: LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0)
 """
 
@@ -60,6 +60,20 @@ TABLE: dict[int, tuple[float, dict[int, float]]] = {
 FITS = (VerifyCost(0.05624, 0.006294, 0.009792, 6.88e-06, 1024),
         VerifyCost(0.06248, 0.005876, 0.010366, 5.42e-06, 1024),
         VerifyCost(0.06205, 0.006189, 0.011085, 4.1e-07, 1024))
+Table = dict[int, tuple[float, dict[int, float]]]
+# ``--cost``: the table and startup fits above ("cpu"), or those measured on one H100 with
+# mlx[cuda] 0.32.4 over 8,192 tokens of context per row (bench_gpu.py, 2026-12-06, random
+# weights, 4-bit): a Qwen3-32B-shaped dense model and a Qwen3-30B-A3B-shaped MoE
+COSTS: dict[str, tuple[Table, tuple[VerifyCost, ...]]] = {
+    "cpu": (TABLE, FITS),
+    "h100-32b": ({1: (26.2, {1: 1.86, 2: 2.50, 4: 3.76, 8: 2.21, 16: 3.01}),
+                  8: (133.0, {1: 1.13, 2: 1.13, 4: 1.15, 8: 1.14, 16: 1.81})},
+                 (VerifyCost(0.02498, 0.0006357, 0.01751, 0.0, 1024),)),
+    "h100-30b-a3b": ({1: (11.1, {1: 1.50, 2: 1.77, 4: 1.95, 8: 2.72, 16: 3.55}),
+                      8: (29.7, {1: 1.36, 2: 1.59, 4: 2.07, 8: 3.02, 16: 4.74})},
+                     (VerifyCost(0.009789, 0.0011466, 0.0, 2.69e-07, 1024),
+                      VerifyCost(0.01924, 0.0006444, 0.001569, 2.79e-06, 1024))),
+}
 
 
 def _interp(points: dict[int, float], x: float, at_zero: float) -> float:
@@ -74,12 +88,12 @@ def _interp(points: dict[int, float], x: float, at_zero: float) -> float:
         points[lo] + (points[hi] - points[lo]) * (x - lo) / (hi - lo)
 
 
-def step_ms(rows: int, width: int, scale: float) -> float:
+def step_ms(rows: int, width: int, scale: float, table: Table = TABLE) -> float:
     """A step of ``rows`` rows feeding ``width`` positions each, in ms (the table)."""
-    decode = _interp({n: ms for n, (ms, _) in TABLE.items()}, rows, 0.0)
+    decode = _interp({n: ms for n, (ms, _) in table.items()}, rows, 0.0)
     if width <= 1:
         return decode
-    per_size = {n: _interp(ks, width - 1, 1.0) for n, (_, ks) in TABLE.items()}
+    per_size = {n: _interp(ks, width - 1, 1.0) for n, (_, ks) in table.items()}
     return decode * (1.0 + (_interp(per_size, rows, 1.0) - 1.0) * scale)
 
 
@@ -108,7 +122,8 @@ class Row:
 
 
 def replay(prompts: list[list[int]], replies: list[list[int]], *, speculate: bool,
-           seed: int, jitter: float, scale: float, ends: list[float] | None = None) -> float:
+           seed: int, jitter: float, scale: float, ends: list[float] | None = None,
+           cost_of: str = "cpu") -> float:
     """Seconds until the last reply is complete (each reply's end into ``ends``)."""
     from mlx_lm.models.cache import BatchKVCache
 
@@ -117,7 +132,8 @@ def replay(prompts: list[list[int]], replies: list[list[int]], *, speculate: boo
     if ends is not None:
         ends[:] = [0.0] * len(rows)
     cache = [BatchKVCache([0] * len(rows))]
-    cost = OnlineCost(FITS[seed % len(FITS)])
+    table, fits = COSTS[cost_of]
+    cost = OnlineCost(fits[seed % len(fits)])
     spec = Speculator(EngineConfig(speculation="suffix"), EngineCounters(), cost=cost)
     now = [0.0]
     spec.clock = lambda: now[0]
@@ -144,7 +160,7 @@ def replay(prompts: list[list[int]], replies: list[list[int]], *, speculate: boo
                     r.output = r.reply[:at + 1 + kept]
                     tokens += kept
                 spec.settle(rows)
-        seconds = step_ms(n, width, scale) * noise / 1e3
+        seconds = step_ms(n, width, scale, table) * noise / 1e3
         now[0] += seconds
         if width > 1:
             spec.observe_verify(n, width, seconds, context)
@@ -210,6 +226,8 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, default=60)
     ap.add_argument("--jitter", type=float, default=0.3)
     ap.add_argument("--scale", type=float, default=1.35)
+    ap.add_argument("--cost", choices=sorted(COSTS), default="cpu",
+                    help="step times and startup fits: this CPU's, or one H100's")
     ap.add_argument("--mix", type=Path, default=None, metavar="CHAT_FILE",
                     help="also: chat rows (a recording of E4) next to edit rows (--out's "
                          "turn 1): 4 + 4 of 160 tokens, 7 edits + 1 chat of 60")
@@ -224,12 +242,12 @@ def main() -> None:
             prompts, replies = mixed(data["rounds"][0], chats, n_edit, chat_tokens)
             off: list[float] = []
             replay(prompts, replies, speculate=False, seed=0, jitter=args.jitter,
-                   scale=args.scale, ends=off)
+                   scale=args.scale, ends=off, cost_of=args.cost)
             slow, fast = [], []
             for s in range(args.seeds):
                 on: list[float] = []
                 replay(prompts, replies, speculate=True, seed=s, jitter=args.jitter,
-                       scale=args.scale, ends=on)
+                       scale=args.scale, ends=on, cost_of=args.cost)
                 slow.append(max(on[i] / off[i] for i in range(n_edit, 8)))
                 fast.append(sum(off[i] / on[i] for i in range(n_edit)) / n_edit)
             slow.sort()
@@ -240,9 +258,9 @@ def main() -> None:
                   f"faster (median) ({args.seeds} runs)")
     for i, rnd in enumerate(data["rounds"]):
         off = replay(rnd["prompts"], rnd["replies"], speculate=False, seed=0,
-                     jitter=args.jitter, scale=args.scale)
+                     jitter=args.jitter, scale=args.scale, cost_of=args.cost)
         ups = sorted(off / replay(rnd["prompts"], rnd["replies"], speculate=True, seed=s,
-                                  jitter=args.jitter, scale=args.scale)
+                                  jitter=args.jitter, scale=args.scale, cost_of=args.cost)
                      for s in range(args.seeds))
         print(f"{data['scenario']} round {i + 1} ({len(rnd['prompts'])} streams): speed-up "
               f"over decoding min {ups[0]:.2f}, p10 {ups[len(ups) // 10]:.2f}, median "
