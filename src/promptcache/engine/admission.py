@@ -107,6 +107,7 @@ class Admission:
         self._active: set[Ticket] = set()
         self._ready: deque[Ticket] = deque()  # admitted, not yet taken by the engine
         self._admits = 0
+        self._interactive_submits = 0  # interactive tickets ever submitted
 
     # ---------------------------------------------------------------- accounting
 
@@ -257,6 +258,7 @@ class Admission:
                 f"bytes of KV, more than the active-KV budget of {self.kv_budget} bytes")
         with self._lock:
             t.t_submit = self.clock()
+            self._interactive_submits += not t.background
             q = self._waiting[1 if t.background else 0]
             t.state = WAITING
             q.append(t)
@@ -341,6 +343,12 @@ class Admission:
     @property
     def has_ready(self) -> bool:
         return bool(self._ready)
+
+    @property
+    def interactive_submits(self) -> int:
+        """Interactive tickets submitted so far (accepted or refused): the engine
+        gathers a burst once per new arrival (``loop.py``)."""
+        return self._interactive_submits
 
     def snapshot(self) -> dict[str, Any]:
         with self._lock:

@@ -4,7 +4,10 @@ verification in idle time, gathering a burst; and its death.
 Each turn runs the calls waiting for the engine thread (``calls.py``), then one
 scheduler step. Idle, it runs one chunk of shadow verification if there is one, else
 it waits for a wake-up: a call, or an arrival, after which it gathers the rest of a
-burst (``arrivals.py``). An exception that escapes a step kills the thread: ``died``
+burst (``arrivals.py``). A burst that arrives while the engine runs only background
+work (next-turn pre-renders) is gathered the same way before the step that would take
+its first request: one request would otherwise start alone and the others prefill
+while it decodes. An exception that escapes a step kills the thread: ``died``
 is told why first (so a submit racing with it answers its own ticket), then every
 active and pending request ends with that error.
 """
@@ -44,6 +47,8 @@ class EngineLoop:
         self._shadow = shadow
         self._fail_pending = fail_pending
         self._died = died
+        # interactive submits up to the last gathering (``_burst_behind_background``)
+        self._gathered = 0
 
     def run(self) -> None:
         dead: str | None = None
@@ -75,6 +80,8 @@ class EngineLoop:
                 return
             if calls.pending:
                 calls.run()
+            if self._burst_behind_background():
+                self._gather_burst()
             if not sched.step():
                 # idle: one chunk of shadow verification, then look for requests again
                 # (a request that arrives waits at most that chunk)
@@ -97,6 +104,20 @@ class EngineLoop:
         the rest after it."""
         cfg = self._config
         self._control.gather(cfg.batch_window_s, cfg.burst_gather_max_s, self._calls.run)
+        self._gathered = self._admission.interactive_submits
+
+    def _burst_behind_background(self) -> bool:
+        """An interactive request arrived since the last gathering while the engine
+        runs only background work: gather as an idle engine would (once per arrival)."""
+        submits = self._admission.interactive_submits
+        if submits == self._gathered:
+            return False
+        sched = self._scheduler
+        if sched.idle or sched.interactive_busy:
+            # idle: the wake-up path gathers; busy: new requests join at the next step
+            self._gathered = submits
+            return False
+        return True
 
 
 def stop_thread(control: Arrivals, thread: threading.Thread) -> None:

@@ -99,6 +99,12 @@ class Scheduler:
         return not (self.prefilling or len(self.group) or self.ready or self.alone
                     or len(self.batch) or self.admission.has_ready)
 
+    @property
+    def interactive_busy(self) -> bool:
+        """An interactive request was started (prefilling, waiting for a row, decoding):
+        background work alone (next-turn pre-renders) does not count."""
+        return any(not r.background for r in self.requests())
+
     def requests(self) -> list[Request]:
         return [*self.prefilling, *self.group.rows, *self.ready, *self.alone,
                 *self.batch.rows]
