@@ -42,28 +42,27 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+from page_cache import drop_cache
 
+QWEN3_30B_A3B: dict[str, Any] = dict(
+    hidden_size=2048, num_hidden_layers=48, intermediate_size=6144,
+    moe_intermediate_size=768, num_attention_heads=32, num_key_value_heads=4,
+    head_dim=128, num_experts=128, num_experts_per_tok=8, decoder_sparse_step=1,
+    mlp_only_layers=[], norm_topk_prob=True, rms_norm_eps=1e-6, rope_theta=1e6,
+    tie_word_embeddings=False)
+QWEN3_32B: dict[str, Any] = dict(
+    hidden_size=5120, num_hidden_layers=64, intermediate_size=25600,
+    num_attention_heads=64, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6,
+    rope_theta=1e6, tie_word_embeddings=False)
+# the same structures, small enough for a CPU (to check the script)
+TINY: dict[str, Any] = dict(hidden_size=128, num_hidden_layers=4, intermediate_size=256,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=32)
 SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
-    "qwen3-30b-a3b": ("qwen3_moe", dict(
-        hidden_size=2048, num_hidden_layers=48, intermediate_size=6144,
-        moe_intermediate_size=768, num_attention_heads=32, num_key_value_heads=4,
-        head_dim=128, num_experts=128, num_experts_per_tok=8, decoder_sparse_step=1,
-        mlp_only_layers=[], norm_topk_prob=True, rms_norm_eps=1e-6, rope_theta=1e6,
-        tie_word_embeddings=False)),
-    "qwen3-32b": ("qwen3", dict(
-        hidden_size=5120, num_hidden_layers=64, intermediate_size=25600,
-        num_attention_heads=64, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6,
-        rope_theta=1e6, tie_word_embeddings=False)),
-    "tiny": ("qwen3", dict(
-        hidden_size=128, num_hidden_layers=4, intermediate_size=256,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-6,
-        rope_theta=1e6, tie_word_embeddings=False)),
-    "tiny-moe": ("qwen3_moe", dict(
-        hidden_size=128, num_hidden_layers=4, intermediate_size=256,
-        moe_intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=32, num_experts=16, num_experts_per_tok=4, decoder_sparse_step=1,
-        mlp_only_layers=[], norm_topk_prob=True, rms_norm_eps=1e-6, rope_theta=1e6,
-        tie_word_embeddings=False)),
+    "qwen3-30b-a3b": ("qwen3_moe", QWEN3_30B_A3B),
+    "qwen3-32b": ("qwen3", QWEN3_32B),
+    "tiny": ("qwen3", {**QWEN3_32B, **TINY}),
+    "tiny-moe": ("qwen3_moe", {**QWEN3_30B_A3B, **TINY, "moe_intermediate_size": 64,
+                               "num_experts": 16, "num_experts_per_tok": 4}),
 }
 
 T0 = time.perf_counter()
@@ -166,24 +165,9 @@ def verify_cost(model: Any, vocab: int, rows_list: list[int], context: int,
 
 
 def drop_page_cache(folder: Path) -> str:
-    """Drop ``folder``'s files from the page cache: the kernel's whole cache where we
-    may (root), else each file by posix_fadvise(DONTNEED) after fsync."""
-    try:
-        os.sync()
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return "drop_caches"
-    except OSError:
-        pass
-    for p in folder.rglob("*"):
-        if p.is_file():
-            fd = os.open(p, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
-    return "posix_fadvise"
+    """Write back and drop ``folder``'s files from the page cache (``page_cache.py``)."""
+    os.sync()
+    return drop_cache([p for p in folder.rglob("*") if p.is_file()])
 
 
 def restore_vs_prefill(model: Any, tokenizer: Any, vocab: int, contexts: list[int],
