@@ -76,8 +76,14 @@ class EngineConfig:
     # this fraction of the tokens it decoded (engine/spec_cost.py Credits): a row with
     # nothing to copy decodes at most this much slower next to rows that copy
     spec_max_slowdown: float = 0.0
+    # live session state (engine/live.py): the caches of at most this many finished turns
+    # stay as the model's own cache objects (counted in the RAM tier's budget, released
+    # before its active blocks), so a next turn that extends one restores nothing; 0: off
+    live_states: int = 8
 
     def __post_init__(self) -> None:
+        if self.live_states < 0:
+            raise ValueError(f"live_states must be >= 0, got {self.live_states}")
         if self.speculation not in ("suffix", "off"):
             raise ValueError(f"speculation must be 'suffix' or 'off', got {self.speculation!r}")
         if not 1 <= self.spec_max_draft <= 64:

@@ -200,3 +200,69 @@ def test_start_offsets_and_sizes_are_shared_int_objects():
     assert blocks[0].nbytes is blocks[2].nbytes
     assert pool.used_bytes == 3 * 1048576
     pool.check()
+
+
+class Outside:
+    """A holder of bytes outside the pool (the engine's live states): LRU items."""
+
+    def __init__(self, items: list[int]) -> None:
+        self.items = items
+        self.calls: list[int] = []
+
+    def reclaim(self, nbytes: int) -> int:
+        self.calls.append(nbytes)
+        freed = 0
+        while self.items and freed < nbytes:
+            freed += self.items.pop(0)
+        return freed
+
+
+def test_make_room_evicts_idle_blocks_then_outside_bytes_then_active_blocks():
+    from promptcache.blocks.pool import ACTIVE
+
+    pool, evicted = make(100)
+    out = Outside([15, 15])
+    pool.reclaim_outside = out.reclaim
+    idle, active = alloc(pool, 1), alloc(pool, 2)
+    pool.set_level(active, ACTIVE)
+    for b in (idle, active):
+        pool.unref(b)
+    assert pool.hold_outside(30) and pool.outside_bytes == 30
+    assert pool.used_bytes == 20
+    # 50 free: 70 more evict the idle block first (10), then ask for the 10 missing
+    # (the holder gives one item, 15)
+    assert pool.make_room(70)
+    assert (evicted, out.calls, out.items, pool.outside_bytes) == ([1], [10], [15], 15)
+    # 95 more (of 75 free): the rest of the outside bytes, then the active block
+    assert pool.make_room(95)
+    assert (evicted, out.calls, out.items, pool.outside_bytes) == ([1, 2], [10, 20], [], 0)
+    assert pool.used_bytes == 0
+    pool.check()
+
+
+def test_outside_bytes_that_cannot_fit_are_not_counted():
+    pool, evicted = make(100)
+    a = alloc(pool, 1, nbytes=80)  # referenced: never evicted
+    pool.reclaim_outside = Outside([]).reclaim
+    assert not pool.hold_outside(21) and pool.outside_bytes == 0 and evicted == []
+    assert pool.hold_outside(20) and pool.outside_bytes == 20
+    assert pool.can_allocate(20)  # the outside bytes can be reclaimed
+    pool.drop_outside(20)
+    assert pool.outside_bytes == 0
+    pool.unref(a)
+    pool.check()
+
+
+def test_shrink_to_releases_outside_bytes_before_active_blocks():
+    from promptcache.blocks.pool import ACTIVE
+
+    pool, evicted = make(100)
+    out = Outside([25])
+    pool.reclaim_outside = out.reclaim
+    b = alloc(pool, 1, nbytes=50)
+    pool.set_level(b, ACTIVE)
+    pool.unref(b)
+    assert pool.hold_outside(25)
+    assert pool.shrink_to(50) == 50
+    assert (evicted, pool.outside_bytes, pool.used_bytes) == ([], 0, 50)
+    assert pool.shrink_to(0) == 0 and evicted == [1]

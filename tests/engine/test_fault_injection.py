@@ -34,7 +34,7 @@ class Once:
 
 @pytest.fixture()
 def eng(tiny_llama_path):
-    e = make_engine(tiny_llama_path)
+    e = make_engine(tiny_llama_path, live_states=0)  # faults of the block path
     yield e
     e.close()
 

@@ -10,6 +10,11 @@ an engine over RAM + an SSD tier (write-back: the close persists every RAM block
 - an exact repeat of a prompt;
 - a restart: a fresh engine over the same SSD folder runs the sequential chat's 4th turn.
 
+The next turns of the sequential chat and of the concurrent conversations continue from
+their live state (``engine/live.py``: the previous turn's caches, kept as the model's own
+objects; nothing restored), and so does the branch where every layer can be trimmed; the
+repeat and the restart restore from blocks.
+
 Each prompt ends where the family's template writes the text of the reply that follows
 (``_prompt``): the tiny models write only words, while a real model writes what its
 template puts before the answer itself (harmony's ``<|channel|>final<|message|>``), or
@@ -55,7 +60,7 @@ TOL = 1e-4  # relative |logits of a restored prefill - of a full one|: float32 n
 SYSTEM = "You are a tiny model."
 
 POINTS = ("retokenize", "equal", "sequential", "concurrent", "branch", "repeat",
-          "store_errors", "ssd_restart")
+          "store_errors", "ssd_restart", "live")
 
 # (family, point) -> the known bug; each is xfail(strict=True) on that point only: a
 # point that starts passing turns the test red, and its entry goes
@@ -280,7 +285,9 @@ def _assert_next_turn_reuses(prev: Turn, turn: Turn) -> None:
     cache kind."""
     assert turn.prompt[: len(prev.prompt) + len(prev.tokens)] == prev.prompt + prev.tokens
     assert turn.cached / (len(prev.prompt) + len(prev.tokens)) >= 0.95
-    assert turn.cached == len(prev.prompt) + len(prev.tokens) - 1
+    n = len(prev.prompt) + len(prev.tokens)
+    # n with a full window's live state (test_next_turns_continue_from_the_live_state)
+    assert turn.cached in (n - 1, n)
 
 
 @pytest.mark.parametrize("family", families_for("retokenize"))
@@ -369,6 +376,39 @@ def test_restarted_engine_hits_the_ssd(matrix: Callable[[str], Run], family: str
     assert run.restart is not None
     _assert_next_turn_reuses(run.sequential[-1], run.restart)
     assert run.restart.by_tier == {"ssd": run.restart.cached}
+
+
+@pytest.mark.parametrize("family", families_for("live"))
+def test_next_turns_continue_from_the_live_state(matrix: Callable[[str], Run], family: str
+                                                 ) -> None:
+    """Where the live state serves (the tokens each turn took are checked above, its
+    greedy tokens and logits against a full prefill by ``test_greedy_equals_full_prefill``)."""
+    run = matrix(family)
+    first, second, third = run.sequential
+    assert first.by_tier == {}
+    # a full sliding window cannot give back the reply's last token (fed by the step in
+    # flight when the reply ended): its state is kept with it, and the next turn, which
+    # holds it too, takes one token more than the blocks would give
+    windowed = family in ("gemma3_text", "gpt_oss")
+    for prev, turn in ((first, second), (second, third),
+                       *zip(run.concurrent[0], run.concurrent[1], strict=True)):
+        assert turn.by_tier == {"live": turn.cached}  # the next turns, alone and batched
+        assert turn.cached == len(prev.prompt) + len(prev.tokens) - 1 + int(windowed)
+    for turn in run.concurrent[0]:  # a new conversation takes no other's state
+        assert "live" not in turn.by_tier
+    base, branch, repeat = run.branch_base, run.branch, run.repeat
+    assert base is not None and branch is not None and repeat is not None
+    # the branch trims the base's state where every layer can be trimmed; an array state
+    # (SSM) or a full window cannot be: the blocks serve it (its snapshot)
+    trims = run.truncatable and family not in ("gemma3_text", "gpt_oss")
+    assert ("live" in branch.by_tier) is trims
+    assert repeat.by_tier.get("live", 0) == 0  # the first turn's state went on to turn 2
+    c = run.counters[0]
+    assert c["live_taken"] == 2 + 4 + int(trims)
+    assert c["live_trimmed"] == int(trims)
+    assert c["live_errors"] == c["live_not_kept"] == 0
+    assert c["live_kept"] == 3 + 8 + 3  # every reply: sequential, concurrent, the rest
+    assert run.counters[1]["live_taken"] == 0  # the restarted engine has none
 
 
 def test_readme_table_is_generated() -> None:

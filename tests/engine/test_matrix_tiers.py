@@ -66,7 +66,9 @@ def _errors(eng: Engine) -> tuple[int, ...]:
 
 def _engine(path: Path, cc: CacheConfig, cache: Any) -> Engine:
     rec = _Logits()
-    eng = Engine.load(path, EngineConfig(prefill_chunk_tokens=CHUNK, snapshot_every_blocks=1),
+    # each tier's blocks are what these tests restore: no live state
+    eng = Engine.load(path, EngineConfig(prefill_chunk_tokens=CHUNK, snapshot_every_blocks=1,
+                                         live_states=0),
                       cc, cache=cache, logits_hook=rec)
     eng.matrix_logits = rec  # type: ignore[attr-defined]
     return eng

@@ -62,7 +62,9 @@ def make_cache() -> PromptCache:
 
 
 def _engine(path: Path, cache: PromptCache | None = None) -> Engine:
-    return Engine.load(path, EngineConfig(prefill_chunk_tokens=16, snapshot_every_blocks=1),
+    # the blocks' layouts are what these tests restore: no live state
+    return Engine.load(path, EngineConfig(prefill_chunk_tokens=16, snapshot_every_blocks=1,
+                                          live_states=0),
                        CacheConfig(block_size=BLOCK, ram_budget_bytes=64 * 1024**2),
                        cache=cache if cache is not None else make_cache())
 

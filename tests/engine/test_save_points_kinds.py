@@ -50,7 +50,7 @@ def test_hybrid_turn_two_hits_end_of_generation_snapshot(tiny_hybrid_path, engin
 
 
 def test_sliding_window_stores_output_blocks_during_decode(tiny_gemma_path, engine_factory):
-    eng = engine_factory(tiny_gemma_path)
+    eng = engine_factory(tiny_gemma_path, live_states=0)  # the turn restores the blocks
     prompt = [992] + _toks(9, 79)  # 10 tokens; the window is 16
     t1 = eng.generate(prompt, max_tokens=40)
     n = len(prompt) + len(t1.tokens) - 1

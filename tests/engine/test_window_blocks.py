@@ -155,7 +155,8 @@ def engines():
     made: list[Engine] = []
 
     def make(path, block, chunk, *, keep=False, **cfg):
-        ecfg = EngineConfig(prefill_chunk_tokens=chunk, **cfg)
+        # the blocks are what these tests reuse: no live state (test_live_state.py)
+        ecfg = EngineConfig(prefill_chunk_tokens=chunk, **{"live_states": 0, **cfg})
         ccfg = CacheConfig(block_size=block, ram_budget_bytes=64 * 1024**2)
         cache = make_cache(block_size=block)
         if keep:

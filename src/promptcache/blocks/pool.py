@@ -18,6 +18,11 @@ A block exists in the pool only while it holds cached state. Its life:
   policy sets the levels (``set_level``); ``remove`` deletes a block without the hook
   (session / tenant deletion, TTL).
 
+Bytes held outside the pool but counted in its budget (the engine's live session
+state: ``outside_bytes``, given back through the ``reclaim_outside`` hook) are
+reclaimed after the idle blocks and before the active ones: ``make_room`` evicts
+idle blocks, then asks the holder to release, then evicts active blocks.
+
 Index layout (kept small: about 280 B per block besides its token ids, see
 BENCHMARKS.md): one hash map ``block_hash -> Block`` (the identity of a block: a
 hash is held by at most one block); the children index lives in the parent block
@@ -87,6 +92,10 @@ class BlockPool:
         self.num_blocks = 0
         self.num_used_blocks = 0
         self.num_evictions = 0
+        # bytes held outside the pool within its budget, and the hook that releases
+        # at least the bytes asked (returns those released; 0: nothing left to give)
+        self.outside_bytes = 0
+        self.reclaim_outside: Callable[[int], int] | None = None
 
     # ---- queries -------------------------------------------------------------
     @property
@@ -168,19 +177,53 @@ class BlockPool:
 
     # ---- allocation ----------------------------------------------------------
     def can_allocate(self, nbytes: int) -> bool:
-        """Whether ``nbytes`` fit after evicting every unreferenced block if needed."""
+        """Whether ``nbytes`` fit after evicting every unreferenced block and releasing
+        the bytes held outside if needed."""
+        outside = 0 if self.reclaim_outside is not None else self.outside_bytes
         return nbytes <= self.budget_bytes and (
-            self.used_bytes - self.evictable_bytes + nbytes <= self.budget_bytes
+            self.used_bytes + outside - self.evictable_bytes + nbytes <= self.budget_bytes
         )
 
     def make_room(self, nbytes: int) -> bool:
-        """Evict LRU unreferenced blocks until ``nbytes`` more fit. False if impossible
-        (nothing is evicted then)."""
+        """Evict LRU unreferenced idle blocks, then release bytes held outside, then
+        evict active blocks, until ``nbytes`` more fit. False if impossible (nothing is
+        evicted then)."""
         if not self.can_allocate(nbytes):
             return False
-        while self.used_bytes + nbytes > self.budget_bytes:
-            self.evict()
+        self.shrink_to(self.budget_bytes - nbytes)
         return True
+
+    def shrink_to(self, target: int) -> int:
+        """Free bytes in ``make_room``'s order until at most ``target`` are used (blocks
+        and outside bytes); returns the bytes used then (above ``target`` when what is
+        left cannot be freed)."""
+        while self.used_bytes + self.outside_bytes > target:
+            if self._queues[IDLE].peekleft() is not None:
+                self.evict()
+                continue
+            if self.outside_bytes and self.reclaim_outside is not None:
+                freed = min(self.outside_bytes, max(0, self.reclaim_outside(
+                    self.used_bytes + self.outside_bytes - target)))
+                if freed:
+                    self.outside_bytes -= freed
+                    continue
+            if self.evict() is None:
+                break
+        return self.used_bytes + self.outside_bytes
+
+    def hold_outside(self, nbytes: int) -> bool:
+        """Count ``nbytes`` held outside the pool in its budget, making room first;
+        False (nothing counted) if they cannot fit."""
+        if nbytes < 0:
+            raise ValueError(f"nbytes must be >= 0, got {nbytes}")
+        if not self.make_room(nbytes):
+            return False
+        self.outside_bytes += nbytes
+        return True
+
+    def drop_outside(self, nbytes: int) -> None:
+        """Bytes held outside were given back by their holder (not through the hook)."""
+        self.outside_bytes = max(0, self.outside_bytes - nbytes)
 
     def allocate(
         self,

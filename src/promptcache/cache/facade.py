@@ -276,12 +276,35 @@ class PromptCache:
             return self._ops.quarantine_chain(block_hash, ns)
 
     def resize_ram(self, budget_bytes: int) -> int:
-        """Set the RAM budget; shrinking evicts (demotes) LRU blocks. Blocks in use are
+        """Set the RAM budget; shrinking evicts (demotes) idle blocks, then releases
+        the live state held outside the pool, then evicts active blocks. Blocks in use are
         never evicted, so the budget set may stay above ``budget_bytes`` by what they
         hold. Returns the budget in force."""
         check_count("budget_bytes", budget_bytes)
         with self._lock:
             return self._ops.resize_ram(budget_bytes)
+
+    # ---- bytes held outside the pool (the engine's live session state) ----------
+    def set_outside_reclaimer(self, reclaim: Callable[[int], int] | None) -> None:
+        """The hook that releases bytes held outside the pool within the RAM budget
+        (called under the cache lock with the bytes wanted; returns those released).
+        It must not call back into the cache."""
+        with self._lock:
+            self.pool.reclaim_outside = reclaim
+
+    def hold_outside(self, nbytes: int) -> bool:
+        """Count ``nbytes`` held outside the pool in the RAM budget, evicting idle
+        blocks (and releasing older outside bytes) to make room; False if they cannot
+        fit (nothing counted)."""
+        check_count("nbytes", nbytes)
+        with self._lock:
+            return self.pool.hold_outside(nbytes)
+
+    def drop_outside(self, nbytes: int) -> None:
+        """Bytes counted by ``hold_outside`` were given back by their holder."""
+        check_count("nbytes", nbytes)
+        with self._lock:
+            self.pool.drop_outside(nbytes)
 
     def sessions(self, tenant: str | None = None) -> list[dict[str, Any]]:
         """Every session with blocks, per tier: ``{"tenant", "session_id", "tiers":

@@ -194,9 +194,8 @@ class Ops:
     # ---- RAM budget (``autotune.py`` moves it within its bounds) -----------------
     def resize_ram(self, budget_bytes: int) -> int:
         pool = self.pool
-        while pool.used_bytes > budget_bytes and pool.evict() is not None:
-            pass
-        pool.budget_bytes = max(budget_bytes, pool.used_bytes)
+        pool.shrink_to(budget_bytes)  # idle blocks, live state, then active blocks
+        pool.budget_bytes = max(budget_bytes, pool.used_bytes + pool.outside_bytes)
         return pool.budget_bytes
 
     # ---- sessions (listing; ``sessions.py`` reaps idle ones) ---------------------

@@ -158,6 +158,11 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                         "rows that copy): beyond the steps its own drafts saved it, at "
                         "most F x the tokens it decoded (default 0: never slower; larger: "
                         "more speculation for the rows that copy)")
+    p.add_argument("--live-states", type=int, default=EngineConfig.live_states, metavar="N",
+                   help="the caches of the last N finished turns stay as the model's own "
+                        "objects, so a next turn that extends one restores nothing "
+                        "(counted in --ram-budget, released before its active blocks; "
+                        f"0: off; default {EngineConfig.live_states})")
     p.add_argument("--max-body-bytes", default="32MB",
                    help="largest /v1 request body; a larger one gets 413 before it is "
                         "read (default 32MB, as the hosted APIs)")
@@ -257,7 +262,8 @@ def build_configs(args: argparse.Namespace) -> tuple[
                               spec_max_draft=args.spec_max_draft,
                               spec_pool_tokens=args.spec_pool_tokens,
                               spec_verify_cost=args.spec_verify_cost,
-                              spec_max_slowdown=args.spec_max_slowdown)
+                              spec_max_slowdown=args.spec_max_slowdown,
+                              live_states=args.live_states)
     if args.api_keys_file is not None and not args.api_keys_file.is_file():
         raise ValueError(f"--api-keys-file {args.api_keys_file} does not exist")
     server_cfg = ServerConfig(host=args.host, port=args.port, api_key=args.api_key,

@@ -22,6 +22,7 @@ from .quant import KVQuant
 from .vision import validate_images
 
 if TYPE_CHECKING:
+    from .live import LiveStates
     from .speculate import Speculator
 
 
@@ -130,6 +131,7 @@ class EngineContext:
     vision: Any | None = None  # vision.VisionEncoder of a vision-language model
     kv_quant: KVQuant | None = None  # how stored blocks are quantized (None: full precision)
     speculator: Speculator | None = None  # --speculation suffix (engine/speculate.py)
+    live: LiveStates | None = None  # the last turns' states (engine/live.py)
 
 
 def validate_request(req: GenerationRequest, ctx: EngineContext) -> np.ndarray:

@@ -50,6 +50,7 @@ from .chat_format import ChatFormat, chat_format_of
 from .context import EngineContext, EngineCounters, LogitsHook
 from .handles import RequestHandle
 from .kv_size import kv_row_bytes, probe_caches
+from .live import LiveStates
 from .loop import EngineLoop, stop_thread
 from .port import ENGINE_CALL_TIMEOUT_S, CachePrediction, CacheProbe, EngineAPI, TunableCacheAPI
 from .prompting import Prompting
@@ -147,6 +148,11 @@ class Engine:
                                                         vocab_size))
             if cfg.speculation == "suffix" else None,
         )
+        if cache is not None and cfg.live_states > 0 and hasattr(cache, "hold_outside"):
+            # the last turns' states, counted in the RAM tier's budget (engine/live.py)
+            live = LiveStates(cfg.live_states, cache.hold_outside, cache.drop_outside)
+            cache.set_outside_reclaimer(live.reclaim)
+            self._ctx.live = live
         probed = probe_caches(model)
         if cache is not None:
             # a model whose cache cannot be stored is refused here, not at every save
@@ -337,6 +343,7 @@ class Engine:
                 "alive": self.alive, "batch_size": len(self.scheduler.batch),
                 **self.calls.stats,
                 **spec_stats(self._ctx.speculator, self.counters),
+                **(self._ctx.live.stats() if self._ctx.live is not None else {}),
                 # mlx's own accounting: arrays alive (KV, RAM-tier blocks, weights), its
                 # buffer cache (freed buffers it keeps for reuse) and the peak
                 "mlx_active_bytes": int(mx.get_active_memory()),
@@ -372,6 +379,8 @@ class Engine:
             return
         self._closed = True
         self._finalizer()
+        if self._ctx.live is not None:
+            self._ctx.live.clear()
         vcache = self.vision_encoder.cache if self.vision_encoder is not None else None
         if vcache is not None:
             try:

@@ -57,7 +57,7 @@ from .context import (
     validate_request,
 )
 from .handles import Event
-from .request_saves import lookup_and_restore, save_mid_prefill, store
+from .request_saves import keep_live, lookup_and_restore, save_mid_prefill, store
 from .sampling import Detokenizer, Sampler, StopStrings, logprob_values
 from .vision import ImagePrefill
 
@@ -270,7 +270,7 @@ class Request:
         store(self, n, "end_prefill", include_partial=True, snapshot_at_end=True, caches=caches)
         if reason == "prefilled":
             self.ctx.counters.prefilled += 1
-            self.finish("prefilled")
+            self.finish("prefilled", caches)
         elif reason is not None:
             self.finish(reason, self.caches if caches is None else caches)
 
@@ -375,6 +375,8 @@ class Request:
             pos = state_pos if state_pos is not None else self.n_prompt + len(self.output) - 1
             store(self, pos, "end_generation", include_partial=True, snapshot_at_end=True,
                   caches=caches)
+        if reason != "error":
+            keep_live(self, reason, caches, state_pos)
         self.usage.completion_tokens = len(self.output)
         spec = self.ctx.speculator
         if spec is not None and reason != "error":

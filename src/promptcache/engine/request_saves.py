@@ -20,9 +20,11 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from ..cache.miss import CACHE_ERROR, RESTORE_ERROR, CacheMiss
 from ..cache.types import ChainCursor
+from ..meta import BlockMeta
 from . import adapters, mlx_compat
 from .blockbuf import BlockPayload
 from .context import store_error_cause
+from .live import grow, keep_position
 
 if TYPE_CHECKING:
     from .request import Request
@@ -66,6 +68,10 @@ def lookup_and_restore(req: Request) -> None:
         if miss is not None:
             req.miss = miss.at_message(req.req.message_starts)
         n = min(int(hit.num_tokens), n_prompt - 1)  # an exact hit re-runs the last token
+        if _continue_live(req, n, [m for m, _ in hit.blocks]):
+            if n < req.pos:
+                req.miss = None  # the live state went past where the blocks stop
+            return
         if n > 0:
             blocks = hit.blocks
             req.caches = adapters.restore(req.ctx.model, blocks, n,
@@ -92,6 +98,60 @@ def lookup_and_restore(req: Request) -> None:
             logger.exception("cache release failed")
             req.ctx.counters.cache_errors += 1
         req.timings["restore_s"] = time.perf_counter() - t
+
+
+def _continue_live(req: Request, at_least: int, metas: Sequence[BlockMeta]) -> bool:
+    """Continue from a live state of the request's namespace serving at least the
+    ``at_least`` tokens the blocks would (``LiveStates.take`` says when a tie goes to it) (``engine/live.py``): its caches become the
+    request's, trimmed to the common prefix, with room for the prompt; nothing is
+    restored. The cursor stands behind the hit's blocks up to there (the saves store
+    what the blocks lack from these caches). False (nothing changed) when none serves."""
+    live = req.ctx.live
+    if live is None or req.ns is None or req.extra_keys or req.images is not None:
+        return False
+    try:
+        taken = live.take(req.ns, req.seq[:req.n_prompt], at_least,
+                          session=req.req.session_id)
+        if taken is None:
+            return False
+        caches, n = taken
+        grow(caches, req.n_prompt + 1)
+    except Exception:
+        logger.exception("continuing from a live state failed; restoring from blocks")
+        live.counters.errors += 1
+        return False
+    req.caches = caches
+    req.pos = n
+    req.usage.cached_tokens = n
+    req.usage.cached_by_tier = {"live": n}
+    req.cursor = ChainCursor.after_hit(req.ns, metas, n)
+    return True
+
+
+def keep_live(req: Request, reason: str, caches: Sequence[Any] | None,
+              state_pos: int | None) -> None:
+    """At the request's end: keep its state as a live state (``engine/live.py``): a
+    reply's (prompt + output[:-1], as the end-of-generation save), a prefill-only
+    request's (the prompt), a prefill cancelled between chunks (its private caches)."""
+    live = req.ctx.live
+    if live is None or not req.use_cache or req.ns is None or req.extra_keys \
+            or req.images is not None:
+        return
+    if reason == "prefilled":
+        src = caches if caches is not None else req.caches
+        pos = req.n_prompt
+    elif caches is not None and req.phase == "decode" and req.output:
+        src = caches
+        pos = state_pos if state_pos is not None else req.n_prompt + len(req.output) - 1
+        pos = keep_position(src, pos, req.n_prompt + len(req.output))
+    elif caches is None and req.phase == "prefill" and req.caches:
+        src, pos = req.caches, req.pos
+    else:
+        return
+    if not src or pos <= 0:
+        return
+    live.keep(req.ns, req.seq[:pos], src, private=src is req.caches,
+              session=req.req.session_id)
 
 
 def save_mid_prefill(req: Request, caches: Sequence[Any] | None = None) -> None:
