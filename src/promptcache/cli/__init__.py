@@ -25,6 +25,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run a command; ``argv=None`` means this process's own command line (the console
+    script, ``python -m promptcache.cli``), which on Linux is first re-executed once with
+    OpenBLAS preloaded (``openblas.py``)."""
+    if argv is None:
+        from .openblas import reexec_with_openblas
+
+        reexec_with_openblas()
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(

@@ -356,6 +356,12 @@ def run(args: argparse.Namespace) -> int:
     redis_cfg = build_redis_config(args)
     chat_template = read_chat_template(args.chat_template)
 
+    from .openblas import missing_warning
+
+    blas_warning = missing_warning()
+    if blas_warning is not None:
+        print(blas_warning, file=sys.stderr)
+
     import uvicorn
 
     from ..engine.engine import Engine
