@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import psutil
@@ -113,3 +117,43 @@ def test_serve_chat_template_option(tmp_path: Path) -> None:
     empty.write_text("  \n", encoding="utf-8")
     with pytest.raises(ValueError, match="the template is empty"):
         read_chat_template(str(empty))
+
+
+def _occupied_port() -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen()
+    return sock
+
+
+BUSY = ("promptcache: error: cannot serve on 127.0.0.1:{port}: the address is already in "
+        "use (another server?); pick another --port")
+
+
+def test_serve_checks_the_port_before_loading(tmp_path: Path,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    from promptcache.cli import main
+    from promptcache.cli.serve_cmd import check_port
+
+    with _occupied_port() as busy:
+        port = busy.getsockname()[1]
+        # a model that does not exist: reaching the load would fail differently
+        assert main(["serve", "--port", str(port), "--no-ssd",
+                     "--model", str(tmp_path / "no-model")]) == 2
+        assert capsys.readouterr().err.splitlines() == [BUSY.format(port=port)]
+    check_port("127.0.0.1", port)  # free again: no error, and nothing left bound
+    check_port("127.0.0.1", port)
+
+
+def test_serve_on_a_busy_port_exits_at_once(tmp_path: Path) -> None:
+    with _occupied_port() as busy:
+        port = busy.getsockname()[1]
+        start = time.monotonic()
+        proc = subprocess.run(
+            [sys.executable, "-m", "promptcache.cli", "serve", "--port", str(port),
+             "--no-ssd", "--model", str(tmp_path / "no-model")],
+            capture_output=True, text=True, timeout=60)
+        took = time.monotonic() - start
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines() == [BUSY.format(port=port)]
+    assert took < 30  # secondary: nothing was loaded (a model load takes far longer)

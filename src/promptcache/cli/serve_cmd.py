@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import logging
 import shutil
 import signal
+import socket
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -350,9 +352,25 @@ def build_redis_config(args: argparse.Namespace) -> RedisConfig | None:
                        ttl_seconds=ttl, timeout_s=args.redis_timeout_ms / 1000.0)
 
 
+def check_port(host: str, port: int) -> None:
+    """ValueError (one line) when ``host:port`` cannot be listened on: bound and closed
+    again as uvicorn binds it (SO_REUSEADDR), before anything slow is loaded."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                raise ValueError(f"cannot serve on {host}:{port}: the address is already in "
+                                 "use (another server?); pick another --port") from None
+            raise ValueError(f"cannot serve on {host}:{port}: {e.strerror or e}") from None
+
+
 def run(args: argparse.Namespace) -> int:
     logging.getLogger().setLevel(args.log_level.upper())
     engine_cfg, cache_cfg, ssd_cfg, server_cfg = build_configs(args)
+    check_port(args.host, args.port)
     redis_cfg = build_redis_config(args)
     chat_template = read_chat_template(args.chat_template)
 
