@@ -157,3 +157,22 @@ def test_serve_on_a_busy_port_exits_at_once(tmp_path: Path) -> None:
     assert proc.returncode == 2
     assert proc.stderr.splitlines() == [BUSY.format(port=port)]
     assert took < 30  # secondary: nothing was loaded (a model load takes far longer)
+
+
+def test_serve_takes_vllm_spellings(tmp_path: Path) -> None:
+    from promptcache.cli.serve_cmd import model_of
+
+    parse = build_parser().parse_args
+    assert model_of(parse(["serve"])) is None  # the embedded default model
+    assert model_of(parse(["serve", "org/model"])) == "org/model"  # vllm serve MODEL
+    assert model_of(parse(["serve", "--model", "org/model"])) == "org/model"
+    assert model_of(parse(["serve", "--port", "9000", "org/model", "--no-ssd"])) == "org/model"
+    assert model_of(parse(["serve", "org/model", "--model", "org/model"])) == "org/model"
+    with pytest.raises(ValueError, match=r"two models given \(a/b and --model c/d\)"):
+        model_of(parse(["serve", "a/b", "--model", "c/d"]))
+    # --served-model-name is --model-alias (a name accepted), --max-model-len --context-window
+    args = parse(["serve", "--served-model-name", "gpt-x", "--model-alias", "other",
+                  "--max-model-len", "4096"])
+    assert (args.model_alias, args.context_window) == (["gpt-x", "other"], 4096)
+    _, _, _, srv = _configs("--max-model-len", "8192", "--cache-dir", str(tmp_path))
+    assert srv.context_window == 8192
