@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -176,3 +177,23 @@ def test_serve_takes_vllm_spellings(tmp_path: Path) -> None:
     assert (args.model_alias, args.context_window) == (["gpt-x", "other"], 4096)
     _, _, _, srv = _configs("--max-model-len", "8192", "--cache-dir", str(tmp_path))
     assert srv.context_window == 8192
+
+
+def test_serve_an_unreachable_hub_model_is_one_line(tmp_path: Path) -> None:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
+    env.pop("HF_HUB_CACHE", None)
+    env.pop("HUGGINGFACE_HUB_CACHE", None)
+    with _occupied_port() as sock:  # a port nobody listens on once closed
+        port = sock.getsockname()[1]
+    proc = subprocess.run(
+        [sys.executable, "-m", "promptcache.cli", "serve", "some-org/some-model",
+         "--cache-dir", str(tmp_path / "blocks"), "--port", str(port)],
+        env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    last = proc.stderr.splitlines()[-1]
+    assert last.startswith(
+        "promptcache: error: model 'some-org/some-model': not a local folder, and it could "
+        "not be downloaded from the Hugging Face hub (LocalEntryNotFoundError: ")
+    assert last.endswith(")")
+    assert [ln for ln in proc.stderr.splitlines() if "error" in ln.lower()] == [last]
