@@ -4,7 +4,8 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 # Debian's OpenBLAS makes fp32 matmul on this CPU ~30x faster than the reference BLAS
-# in the mlx[cpu] wheel. Used when present; everything also works without it.
+# in the mlx[cpu] wheel. Used when present; everything also works without it. The
+# promptcache command preloads it itself (cli/openblas.py); pytest needs it here.
 OPENBLAS := /usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0
 PRELOAD := $(if $(wildcard $(OPENBLAS)),LD_PRELOAD=$(OPENBLAS),)
 HOST ?= 127.0.0.1

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import psutil
@@ -113,3 +118,82 @@ def test_serve_chat_template_option(tmp_path: Path) -> None:
     empty.write_text("  \n", encoding="utf-8")
     with pytest.raises(ValueError, match="the template is empty"):
         read_chat_template(str(empty))
+
+
+def _occupied_port() -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen()
+    return sock
+
+
+BUSY = ("promptcache: error: cannot serve on 127.0.0.1:{port}: the address is already in "
+        "use (another server?); pick another --port")
+
+
+def test_serve_checks_the_port_before_loading(tmp_path: Path,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    from promptcache.cli import main
+    from promptcache.cli.serve_cmd import check_port
+
+    with _occupied_port() as busy:
+        port = busy.getsockname()[1]
+        # a model that does not exist: reaching the load would fail differently
+        assert main(["serve", "--port", str(port), "--no-ssd",
+                     "--model", str(tmp_path / "no-model")]) == 2
+        assert capsys.readouterr().err.splitlines() == [BUSY.format(port=port)]
+    check_port("127.0.0.1", port)  # free again: no error, and nothing left bound
+    check_port("127.0.0.1", port)
+
+
+def test_serve_on_a_busy_port_exits_at_once(tmp_path: Path) -> None:
+    with _occupied_port() as busy:
+        port = busy.getsockname()[1]
+        start = time.monotonic()
+        proc = subprocess.run(
+            [sys.executable, "-m", "promptcache.cli", "serve", "--port", str(port),
+             "--no-ssd", "--model", str(tmp_path / "no-model")],
+            capture_output=True, text=True, timeout=60)
+        took = time.monotonic() - start
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines() == [BUSY.format(port=port)]
+    assert took < 30  # secondary: nothing was loaded (a model load takes far longer)
+
+
+def test_serve_takes_vllm_spellings(tmp_path: Path) -> None:
+    from promptcache.cli.serve_cmd import model_of
+
+    parse = build_parser().parse_args
+    assert model_of(parse(["serve"])) is None  # the embedded default model
+    assert model_of(parse(["serve", "org/model"])) == "org/model"  # vllm serve MODEL
+    assert model_of(parse(["serve", "--model", "org/model"])) == "org/model"
+    assert model_of(parse(["serve", "--port", "9000", "org/model", "--no-ssd"])) == "org/model"
+    assert model_of(parse(["serve", "org/model", "--model", "org/model"])) == "org/model"
+    with pytest.raises(ValueError, match=r"two models given \(a/b and --model c/d\)"):
+        model_of(parse(["serve", "a/b", "--model", "c/d"]))
+    # --served-model-name is --model-alias (a name accepted), --max-model-len --context-window
+    args = parse(["serve", "--served-model-name", "gpt-x", "--model-alias", "other",
+                  "--max-model-len", "4096"])
+    assert (args.model_alias, args.context_window) == (["gpt-x", "other"], 4096)
+    _, _, _, srv = _configs("--max-model-len", "8192", "--cache-dir", str(tmp_path))
+    assert srv.context_window == 8192
+
+
+def test_serve_an_unreachable_hub_model_is_one_line(tmp_path: Path) -> None:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
+    env.pop("HF_HUB_CACHE", None)
+    env.pop("HUGGINGFACE_HUB_CACHE", None)
+    with _occupied_port() as sock:  # a port nobody listens on once closed
+        port = sock.getsockname()[1]
+    proc = subprocess.run(
+        [sys.executable, "-m", "promptcache.cli", "serve", "some-org/some-model",
+         "--cache-dir", str(tmp_path / "blocks"), "--port", str(port)],
+        env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    last = proc.stderr.splitlines()[-1]
+    assert last.startswith(
+        "promptcache: error: model 'some-org/some-model': not a local folder, and it could "
+        "not be downloaded from the Hugging Face hub (LocalEntryNotFoundError: ")
+    assert last.endswith(")")
+    assert [ln for ln in proc.stderr.splitlines() if "error" in ln.lower()] == [last]

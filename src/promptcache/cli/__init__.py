@@ -11,12 +11,15 @@ import importlib
 import logging
 import sys
 
+from .. import __version__
+
 _COMMANDS = ("serve_cmd", "model_cmd", "cache_cmd", "bench_cmd")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="promptcache", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     for name in _COMMANDS:
         module = importlib.import_module(f"{__name__}.{name}")
@@ -25,6 +28,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run a command; ``argv=None`` means this process's own command line (the console
+    script, ``python -m promptcache.cli``), which on Linux is first re-executed once with
+    OpenBLAS preloaded (``openblas.py``)."""
+    if argv is None:
+        from .openblas import reexec_with_openblas
+
+        reexec_with_openblas()
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(

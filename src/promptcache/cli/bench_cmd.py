@@ -2,9 +2,9 @@
 and 8 streams) against ours and the peers, with the floor.
 
 Writes <out>/results.json, <out>/report.md and <out>/charts/*.png, printing progress as
-it goes. Run it with the BLAS preload the numbers should be taken with, e.g.
-``LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0``; the
-environment is recorded in the results, never changed.
+it goes. On Linux the command preloads OpenBLAS itself when it is installed (for the
+peers too: they inherit it; ``PROMPTCACHE_NO_OPENBLAS=1`` measures without); the
+environment is recorded in the results.
 """
 
 from __future__ import annotations

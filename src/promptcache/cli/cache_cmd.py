@@ -1,5 +1,6 @@
-"""`promptcache cache stats | ls | check [--fix] | purge [--tenant T] [--older-than D]`
-(and ``export`` / ``import``: ``pack_cmd.py``; ``sessions``: ``sessions_cmd.py``).
+"""`promptcache cache stats | ls | check [--fix] | purge [--tenant T] [--older-than D]
+[--dry-run | --yes]` (and ``export`` / ``import``: ``pack_cmd.py``; ``sessions``:
+``sessions_cmd.py``).
 
 ``--cache-dir DIR`` is the SSD tier's folder (``SSDConfig.path``; default
 ``$PROMPTCACHE_HOME/blocks``). ``check`` exits with status 1 when it finds
@@ -7,7 +8,8 @@ problems and ``--fix`` is not given, 2 when ``--fix`` could not repair (no folde
 lock, a folder it cannot write). ``stats``, ``ls`` and ``check`` without ``--fix``
 open the folder read-only: they change nothing on disk (a corrupt index is reported,
 not moved); ``check --fix`` and ``purge`` repair and delete only under the folder's
-exclusive lock.
+exclusive lock. ``purge`` says what it would delete (blocks and bytes) and asks y/N on a
+terminal; off a terminal it deletes only with ``--yes``; ``--dry-run`` deletes nothing.
 """
 
 from __future__ import annotations
@@ -63,6 +65,11 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     pg = add("purge", "delete blocks")
     pg.add_argument("--tenant", default=None, help="only this tenant")
     pg.add_argument("--older-than", default=None, help="only blocks unused for D (7d, 12h, 30m)")
+    ask = pg.add_mutually_exclusive_group()
+    ask.add_argument("--yes", action="store_true",
+                     help="delete without asking (needed when stdin is not a terminal)")
+    ask.add_argument("--dry-run", action="store_true",
+                     help="print how many blocks and bytes would be deleted; delete nothing")
 
 
 def _open(args: argparse.Namespace, *, read_only: bool) -> SSDTier:
@@ -72,13 +79,46 @@ def _open(args: argparse.Namespace, *, read_only: bool) -> SSDTier:
     return SSDTier(SSDConfig(path=cache_dir), reconcile_on_open=False, read_only=read_only)
 
 
+def _purge(args: argparse.Namespace) -> int:
+    """``cache purge``: count what matches (read-only), then ``--dry-run`` stops, a
+    terminal is asked y/N, anything else needs ``--yes``; deletion under the lock."""
+    older = parse_duration(args.older_than) if args.older_than is not None else None
+    if args.dry_run or not args.yes:
+        tier = _open(args, read_only=True)
+        try:
+            cutoff = time.time() - older if older is not None else None
+            rows = [r for r in tier.rows(args.tenant)
+                    if cutoff is None or r.last_access < cutoff]
+        finally:
+            tier.close()
+        what = f"{len(rows)} block(s) ({sum(r.file_bytes for r in rows)} bytes)"
+        if args.dry_run:
+            print(f"would purge {what}; nothing deleted (--dry-run)")
+            return 0
+        if not sys.stdin.isatty():
+            raise ValueError(f"cache purge would delete {what} from {args.cache_dir} and "
+                             "stdin is not a terminal to confirm: pass --yes (or --dry-run)")
+        print(f"delete {what} from {args.cache_dir}? [y/N] ", end="", file=sys.stderr,
+              flush=True)
+        if sys.stdin.readline().strip().lower() not in ("y", "yes"):
+            print("promptcache cache purge: nothing deleted", file=sys.stderr)
+            return 1
+    tier = _open(args, read_only=False)
+    try:
+        n = tier.purge(tenant=args.tenant, older_than_s=older)
+    finally:
+        tier.close()
+    print(f"purged {n} block(s)")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     cmd = args.cache_command
     if cmd == "purge":
-        older = parse_duration(args.older_than) if args.older_than is not None else None
+        return _purge(args)
     if cmd == "ls" and args.limit < 0:
         raise ValueError(f"--limit must be >= 0, got {args.limit}")
-    changes = cmd == "purge" or (cmd == "check" and args.fix)
+    changes = cmd == "check" and args.fix
     tier = _open(args, read_only=not changes)
     try:
         if cmd == "stats":
@@ -119,10 +159,6 @@ def run(args: argparse.Namespace) -> int:
                     file=sys.stderr,
                 )
                 return 1
-            return 0
-        if cmd == "purge":
-            n = tier.purge(tenant=args.tenant, older_than_s=older)
-            print(f"purged {n} block(s)")
             return 0
         raise ValueError(f"unknown cache command {cmd!r}")
     finally:

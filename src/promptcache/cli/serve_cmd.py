@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import logging
 import shutil
 import signal
+import socket
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -40,6 +42,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("serve", help="serve the OpenAI/Anthropic-compatible API",
                        description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model_arg", nargs="?", default=None, metavar="MODEL",
+                   help="the model, as --model (the spelling of `vllm serve MODEL`)")
     p.add_argument("--model", help="local model folder or Hugging Face repo id "
                                    "(default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--chat-template", default=None, metavar="FILE|TEMPLATE",
@@ -100,8 +104,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--api-key", default=None, help="require this key (Bearer or x-api-key)")
     p.add_argument("--api-keys-file", type=Path, default=None,
                    help='JSON object {"<key>": "<tenant>"}: keys that select a tenant')
-    p.add_argument("--model-alias", action="append", default=[],
-                   help="extra model name to accept (repeatable), e.g. a name a client insists on")
+    p.add_argument("--model-alias", "--served-model-name", action="append", default=[],
+                   help="extra model name to accept (repeatable), e.g. a name a client "
+                        "insists on; replies still name the model")
     p.add_argument("--hit-rate-window", type=int, default=50,
                    help="requests in the rolling hit-rate window")
     p.add_argument("--hit-rate-threshold", type=float, default=0.8,
@@ -109,7 +114,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--max-tokens-limit", type=int, default=EngineConfig.max_tokens_limit)
     p.add_argument("--default-max-tokens", type=int, default=EngineConfig.default_max_tokens,
                    help="max_tokens of a request that gives none (within the room left)")
-    p.add_argument("--context-window", type=int, default=None,
+    p.add_argument("--context-window", "--max-model-len", type=int, default=None,
                    help="the context window to enforce (default: the model's; may only "
                         "shrink it)")
     p.add_argument("--max-tokens-overflow", choices=("clamp", "error"), default="clamp",
@@ -356,11 +361,44 @@ def build_redis_config(args: argparse.Namespace) -> RedisConfig | None:
                        ttl_seconds=ttl, timeout_s=args.redis_timeout_ms / 1000.0)
 
 
+def model_of(args: argparse.Namespace) -> str | None:
+    """The model named by ``MODEL`` or ``--model`` (None: the default model);
+    ValueError when they name two different ones."""
+    given = {m for m in (args.model_arg, args.model) if m is not None}
+    if len(given) > 1:
+        raise ValueError(f"two models given ({args.model_arg} and --model {args.model}): "
+                         "name it once")
+    return given.pop() if given else None
+
+
+def check_port(host: str, port: int) -> None:
+    """ValueError (one line) when ``host:port`` cannot be listened on: bound and closed
+    again as uvicorn binds it (SO_REUSEADDR), before anything slow is loaded."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                raise ValueError(f"cannot serve on {host}:{port}: the address is already in "
+                                 "use (another server?); pick another --port") from None
+            raise ValueError(f"cannot serve on {host}:{port}: {e.strerror or e}") from None
+
+
 def run(args: argparse.Namespace) -> int:
     logging.getLogger().setLevel(args.log_level.upper())
+    model = model_of(args)
     engine_cfg, cache_cfg, ssd_cfg, server_cfg = build_configs(args)
+    check_port(args.host, args.port)
     redis_cfg = build_redis_config(args)
     chat_template = read_chat_template(args.chat_template)
+
+    from .openblas import missing_warning
+
+    blas_warning = missing_warning()
+    if blas_warning is not None:
+        print(blas_warning, file=sys.stderr)
 
     import uvicorn
 
@@ -368,7 +406,6 @@ def run(args: argparse.Namespace) -> int:
     from ..server import create_app
     from .wiring import build_cache
 
-    model = args.model
     if model is None:
         from ..engine.models.gguf import ensure_default_model
 

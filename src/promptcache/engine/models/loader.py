@@ -60,8 +60,9 @@ class ModelInfo:
 def resolve_model_path(path_or_repo: str | os.PathLike[str]) -> tuple[Path, str]:
     """A local folder as is, or a Hugging Face repo id downloaded into the HF cache.
 
-    Returns ``(folder, model_id)``. Raises ValueError for an empty name or a
-    local path that exists but is not a model folder.
+    Returns ``(folder, model_id)``. Raises ValueError (one line) for an empty name, a
+    local path that exists but is not a model folder, or a repo id that is not in the
+    Hugging Face cache and cannot be downloaded (offline, no network, no such repo).
     """
     text = os.fspath(path_or_repo).strip()
     if not text:
@@ -78,7 +79,13 @@ def resolve_model_path(path_or_repo: str | os.PathLike[str]) -> tuple[Path, str]
     from huggingface_hub import snapshot_download
 
     logger.info("fetching %s from the Hugging Face hub (cached after the first time)", text)
-    folder = Path(snapshot_download(text, allow_patterns=_ALLOW_PATTERNS))
+    try:
+        folder = Path(snapshot_download(text, allow_patterns=_ALLOW_PATTERNS))
+    except Exception as e:  # whatever the hub client raises: offline, HTTP, connection
+        logger.debug("downloading %s failed", text, exc_info=True)
+        cause = (str(e).strip().splitlines() or [""])[0]
+        raise ValueError(f"model {text!r}: not a local folder, and it could not be downloaded "
+                         f"from the Hugging Face hub ({type(e).__name__}: {cause})") from None
     return folder, text
 
 

@@ -1,0 +1,83 @@
+"""OpenBLAS for mlx on Linux, however the ``promptcache`` command is started.
+
+mlx's CPU wheel ships a reference BLAS that is ~30x slower for float32 matmul than
+Debian's OpenBLAS (``apt-get install libopenblas0-pthread``). The dynamic loader reads
+``LD_PRELOAD`` only when a process starts, so ``reexec_with_openblas`` (called first by
+the command's entry point) runs the same command line again, once, in the same process,
+with that library prepended to ``LD_PRELOAD``. It does nothing off Linux, when the
+library is not installed, already loaded or named in ``LD_PRELOAD``, when
+``PROMPTCACHE_NO_OPENBLAS=1``, or in the re-executed process (``PROMPTCACHE_OPENBLAS_REEXEC``
+marks it, so it never loops). OpenBLAS' own tuning variables are left to the user.
+``missing_warning`` is the line ``promptcache serve`` prints when it runs without it.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+
+OPT_OUT = "PROMPTCACHE_NO_OPENBLAS"
+MARKER = "PROMPTCACHE_OPENBLAS_REEXEC"
+
+
+def library_path(machine: str | None = None) -> Path:
+    """Debian's pthread OpenBLAS for this machine's multiarch folder."""
+    machine = machine or platform.machine()
+    return Path(f"/usr/lib/{machine}-linux-gnu/openblas-pthread/libopenblas.so.0")
+
+
+def is_mapped(library: Path, maps: Path = Path("/proc/self/maps")) -> bool:
+    """Whether this process has ``library`` (its resolved file) mapped."""
+    try:
+        return os.path.realpath(library) in maps.read_text()
+    except OSError:
+        return False
+
+
+def preload_environment(environ: Mapping[str, str], *, library: Path | None = None,
+                        system: str = sys.platform, loaded: bool | None = None
+                        ) -> dict[str, str] | None:
+    """The environment to re-execute with (``LD_PRELOAD`` with the library first, the
+    marker set), or None when there is nothing to do."""
+    library = library if library is not None else library_path()
+    if system != "linux" or environ.get(OPT_OUT, "") not in ("", "0") or MARKER in environ:
+        return None
+    preload = environ.get("LD_PRELOAD", "")
+    if "libopenblas" in preload or not library.is_file():
+        return None
+    if loaded is None:
+        loaded = is_mapped(library)
+    if loaded:
+        return None
+    env = dict(environ)
+    env["LD_PRELOAD"] = f"{library}:{preload}" if preload else str(library)
+    env[MARKER] = "1"
+    return env
+
+
+def reexec_with_openblas() -> None:
+    """Replace this process by the same command line with OpenBLAS preloaded (see the
+    module docstring); returns only when that is not needed or not possible."""
+    env = preload_environment(os.environ)
+    if env is None or not sys.executable or not sys.orig_argv:
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        os.execve(sys.executable, sys.orig_argv, env)
+    except OSError:
+        return  # serve on the bundled BLAS; ``serve`` says so
+
+
+def missing_warning(*, library: Path | None = None, system: str = sys.platform) -> str | None:
+    """The one line to print when mlx runs on its slow bundled BLAS because OpenBLAS is
+    not installed (None otherwise: not Linux, installed, or preloaded from elsewhere)."""
+    library = library if library is not None else library_path()
+    if system != "linux" or library.is_file() or "libopenblas" in os.environ.get("LD_PRELOAD", ""):
+        return None
+    return ("promptcache: warning: OpenBLAS is not installed, so mlx runs on its bundled "
+            "reference BLAS (float32 matmul ~30x slower); install it with "
+            "`apt-get install libopenblas0-pthread` and promptcache preloads it")
