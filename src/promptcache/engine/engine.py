@@ -350,6 +350,11 @@ class Engine:
                 "mlx_cache_bytes": int(mx.get_cache_memory()),
                 "mlx_peak_bytes": int(mx.get_peak_memory())}
 
+    def release_live(self) -> int:
+        """Release every live session state (what a memory governor asks first);
+        returns the bytes released. Safe from any thread."""
+        return self._ctx.live.clear() if self._ctx.live is not None else 0
+
     def stats(self) -> dict[str, Any]:
         out: dict[str, Any] = {"engine": self.engine_stats()}
         if self.vision_encoder is not None:
