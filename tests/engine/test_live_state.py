@@ -199,14 +199,26 @@ def test_another_server_restores_from_the_shared_tier_and_the_first_goes_on(
         b.close()
 
 
-def test_live_states_off_restores_from_blocks(tiny_llama_path):
+def test_live_states_off_restores_from_blocks_and_counts_the_copies(tiny_llama_path):
+    from promptcache.engine import adapters
+    from promptcache.engine.kv_size import probe_caches
+
     eng = make_engine(tiny_llama_path, live_states=0)
     try:
         p = _prompt(13, 40)
         first, _, _ = _run(eng, p, "t1")
         toks, by_tier, _ = _run(eng, p + first + _prompt(14, 20), "t2")
         assert by_tier == {"ram": 44}
-        assert "live_states" not in eng.engine_stats()
+        s = eng.engine_stats()
+        assert "live_states" not in s
+        # 44 tokens from 6 blocks (5 of 8 tokens + one of 4), room for the 21 new ones and
+        # the first output (rounded up to mlx-lm's 256-token step): per layer, k and v are
+        # each one concatenation of 7 parts (6 blocks + the room) writing 256 positions
+        arrays = [a for _, a in adapters.state_arrays(probe_caches(eng._ctx.model))]
+        per_position = sum(int(a.nbytes) // int(a.shape[2]) for a in arrays)
+        assert (s["restores"], s["restored_blocks"]) == (1, 6)
+        assert s["restore_copies"] == 7 * len(arrays)
+        assert s["restore_copy_bytes"] == 256 * per_position
     finally:
         eng.close()
 

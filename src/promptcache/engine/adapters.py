@@ -44,7 +44,7 @@ from mlx_lm.models.cache import (
 
 from ..errors import InvariantError
 from . import quant as _quant
-from .block_restore import restore
+from .block_restore import RestoreTally, restore
 from .blockbuf import BlockPayload, pack
 from .blocklayout import Item, dtype_name
 from .cache_kinds import (
@@ -80,6 +80,7 @@ __all__ = [
     "min_window",
     "payload_arrays",
     "payload_nbytes",
+    "RestoreTally",
     "restore",
     "snapshot_nbytes",
     "state_arrays",

@@ -64,8 +64,28 @@ def _cut_blocks(
     return out
 
 
-def _cat(parts: Sequence[mx.array]) -> mx.array:
-    return parts[0] if len(parts) == 1 else mx.concatenate(list(parts), axis=2)
+class RestoreTally:
+    """What one restore copies: the array copies its concatenations issue (one per
+    part read: a block's slice of a layer, a zero-filled room) and the bytes they
+    write (the engine counters ``restore_copies`` / ``restore_copy_bytes``)."""
+
+    __slots__ = ("copies", "bytes")
+
+    def __init__(self) -> None:
+        self.copies = 0
+        self.bytes = 0
+
+    def add(self, out: mx.array, copies: int) -> mx.array:
+        self.copies += copies
+        self.bytes += int(out.nbytes)
+        return out
+
+
+def _cat(parts: Sequence[mx.array], tally: RestoreTally | None = None) -> mx.array:
+    if len(parts) == 1:
+        return parts[0]
+    out = mx.concatenate(list(parts), axis=2)
+    return tally.add(out, len(parts)) if tally is not None else out
 
 
 class _Seg(NamedTuple):
@@ -133,7 +153,8 @@ def _zeros_like_tokens(a: mx.array, n: int) -> mx.array:
     return mx.zeros((*a.shape[:2], n, a.shape[3]), dtype=a.dtype)
 
 
-def _float_kv(segs: list[_Seg], pad: int = 0) -> tuple[mx.array, mx.array]:
+def _float_kv(segs: list[_Seg], pad: int = 0, tally: RestoreTally | None = None
+              ) -> tuple[mx.array, mx.array]:
     """Full-precision k and v in token order, plus ``pad`` zero tokens of room.
 
     Consecutive quantized blocks are concatenated first and dequantized in one call per
@@ -158,17 +179,18 @@ def _float_kv(segs: list[_Seg], pad: int = 0) -> tuple[mx.array, mx.array]:
             pieces = [r.arrays[p] for r in run]
             if room:
                 pieces.append(_zeros_like_tokens(pieces[0], room))
-            parts.append(_cat(pieces))
+            parts.append(_cat(pieces, tally))
         ks.append(_quant.dequantize(parts[:3], head.bits, head.group_size))
         vs.append(_quant.dequantize(parts[3:], head.bits, head.group_size))
         pad -= room
     if pad:
         ks.append(_zeros_like_tokens(ks[0], pad))
         vs.append(_zeros_like_tokens(vs[0], pad))
-    return _cat(ks), _cat(vs)
+    return _cat(ks, tally), _cat(vs, tally)
 
 
-def _quantized_kv(segs: list[_Seg], bits: int, group: int) -> tuple[tuple[mx.array, ...], ...]:
+def _quantized_kv(segs: list[_Seg], bits: int, group: int, tally: RestoreTally | None = None
+                  ) -> tuple[tuple[mx.array, ...], ...]:
     """``(k parts, v parts)`` quantized with ``bits`` / ``group``: stored parts with the
     same quantization as they are, anything else (re)quantized."""
     pieces: list[list[mx.array]] = [[] for _ in range(6)]
@@ -184,7 +206,7 @@ def _quantized_kv(segs: list[_Seg], bits: int, group: int) -> tuple[tuple[mx.arr
             parts = [*_quant.quantize(k, bits, group), *_quant.quantize(v, bits, group)]
         for p, a in zip(pieces, parts, strict=True):
             p.append(a)
-    cat = [_cat(p) for p in pieces]
+    cat = [_cat(p, tally) for p in pieces]
     return tuple(cat[:3]), tuple(cat[3:])
 
 
@@ -194,6 +216,7 @@ def restore(
     num_tokens: int,
     *,
     reserve: int = 0,
+    tally: RestoreTally | None = None,
 ) -> list[Any]:
     """Fresh cache objects holding the state after ``num_tokens`` tokens.
 
@@ -214,16 +237,19 @@ def restore(
     used = _cut_blocks(blocks, num_tokens)
     if reserve < 0:
         raise ValueError(f"reserve must be >= 0, got {reserve}")
-    out = [_restore_one(str(i), c, used, num_tokens, reserve) for i, c in enumerate(template)]
+    out = [_restore_one(str(i), c, used, num_tokens, reserve, tally)
+           for i, c in enumerate(template)]
     arrays = [a for _, a in state_arrays(out)]
     mx.eval(arrays)
     return out
 
 
-def _restore_one(name: str, c: Any, blocks: list[_Used], n: int, reserve: int = 0) -> Any:
+def _restore_one(name: str, c: Any, blocks: list[_Used], n: int, reserve: int = 0,
+                 tally: RestoreTally | None = None) -> Any:
     if isinstance(c, CacheList):
         return CacheList(
-            *(_restore_one(f"{name}.{j}", sub, blocks, n, reserve) for j, sub in enumerate(c.caches))
+            *(_restore_one(f"{name}.{j}", sub, blocks, n, reserve, tally)
+              for j, sub in enumerate(c.caches))
         )
     _check_supported(c)
     if isinstance(c, ArraysCache):
@@ -242,7 +268,7 @@ def _restore_one(name: str, c: Any, blocks: list[_Used], n: int, reserve: int = 
         fresh.cache = arrays
         return fresh
     if isinstance(c, QuantizedKVCache):
-        kq, vq = _quantized_kv(_segments(blocks, name, 0, n), c.bits, c.group_size)
+        kq, vq = _quantized_kv(_segments(blocks, name, 0, n), c.bits, c.group_size, tally)
         return QuantizedKVCache.from_state((kq, vq, n, c.group_size, c.bits))
     if isinstance(c, RotatingKVCache):
         keep, max_size = c.keep, c.max_size
@@ -251,11 +277,11 @@ def _restore_one(name: str, c: Any, blocks: list[_Used], n: int, reserve: int = 
         for lo, hi in ranges:
             if hi > lo:
                 segs += _segments(blocks, name, lo, hi)
-        k, v = _float_kv(segs)
+        k, v = _float_kv(segs, 0, tally)
         return RotatingKVCache.from_state((k, v, n, keep, max_size, k.shape[2]))
     pad = 0
     if reserve > 0:
         step = KVCache.step
         pad = (n + reserve + step - 1) // step * step - n
-    k, v = _float_kv(_segments(blocks, name, 0, n), pad)
+    k, v = _float_kv(_segments(blocks, name, 0, n), pad, tally)
     return KVCache.from_state((k, v, n))

@@ -102,6 +102,12 @@ class EngineCounters:
     message_snapshots: int = 0
     snapshot_bytes: int = 0
     bytes_per_snapshot: int = 0
+    # restores from blocks (request_saves.lookup_and_restore): how many, the blocks they
+    # read, the array copies their concatenations issued and the bytes those wrote
+    restores: int = 0
+    restored_blocks: int = 0
+    restore_copies: int = 0
+    restore_copy_bytes: int = 0
     decode_steps: int = 0
     decode_rows: int = 0  # sum of batch sizes over decode steps
     solo_steps: int = 0  # decode steps of requests mlx-lm cannot batch

@@ -74,8 +74,14 @@ def lookup_and_restore(req: Request) -> None:
             return
         if n > 0:
             blocks = hit.blocks
+            tally = adapters.RestoreTally()
             req.caches = adapters.restore(req.ctx.model, blocks, n,
-                                          reserve=n_prompt - n + 1)
+                                          reserve=n_prompt - n + 1, tally=tally)
+            c = req.ctx.counters
+            c.restores += 1
+            c.restored_blocks += sum(1 for m, _ in blocks if m.start < n)
+            c.restore_copies += tally.copies
+            c.restore_copy_bytes += tally.bytes
             req.pos = n
             req.usage.cached_tokens = n
             req.usage.cached_by_tier = cut_by_tier(hit.tokens_by_tier, n)
