@@ -238,3 +238,53 @@ def test_tenants_never_take_each_others_state(tiny_llama_path):
         assert mine.usage.cached_by_tier == {"live": 44}
     finally:
         eng.close()
+
+
+def test_deleting_a_session_or_a_tenant_or_evicting_all_drops_its_states(tiny_llama_path):
+    eng = make_engine(tiny_llama_path)
+    try:
+        def turn(tenant: str, session: str, seed: int) -> None:
+            eng.submit(GenerationRequest(prompt_tokens=tuple(_prompt(seed, 24)), tenant=tenant,
+                                         session_id=session, request_id=f"{tenant}-{session}",
+                                         sampling=SamplingParams(max_tokens=2))).result(300)
+
+        for i, (tenant, session) in enumerate([("a", "s1"), ("a", "s2"), ("b", "s1")]):
+            turn(tenant, session, 20 + i)
+        cache = eng.cache
+        assert eng.engine_stats()["live_states"] == 3
+        held = cache.pool.outside_bytes
+        cache.delete_session("s1", "a")  # tenant a's s1 only (b's s1 stays)
+        assert eng.engine_stats()["live_states"] == 2
+        assert cache.pool.outside_bytes == eng.engine_stats()["live_bytes"] < held
+        cache.delete("b")
+        assert eng.engine_stats()["live_states"] == 1
+        cache.evict()  # everything: the blocks and every live state
+        s = eng.engine_stats()
+        assert (s["live_states"], s["live_reclaimed"], cache.pool.outside_bytes) == (0, 3, 0)
+    finally:
+        eng.close()
+
+
+def test_a_state_older_than_the_cache_ttl_is_not_used(tiny_llama_path):
+    from promptcache.cache import PromptCache
+    from promptcache.engine.payload import MLXPayloadAdapter
+
+    now = [0.0]
+    cache = PromptCache(CacheConfig(block_size=BLOCK, ram_budget_bytes=64 * 1024**2,
+                                    ttl_seconds=60.0),
+                        adapter=MLXPayloadAdapter(), clock=lambda: now[0])
+    eng = Engine.load(tiny_llama_path, EngineConfig(prefill_chunk_tokens=16,
+                                                    spec_verify_cost=(1.0, 0.0)),
+                      CacheConfig(block_size=BLOCK), cache=cache, logits_hook=LogitsRecorder())
+    eng.recorder = eng._ctx.logits_hook
+    try:
+        p = _prompt(30, 40)
+        first, _, _ = _run(eng, p, "t1")
+        now[0] = 61.0  # the blocks and the state have expired
+        _, by_tier, _ = _run(eng, p + first + _prompt(31, 8), "t2")
+        assert by_tier == {}
+        s = eng.engine_stats()
+        assert (s["live_expired"], s["live_taken"], s["live_states"]) == (1, 0, 1)
+        assert cache.pool.outside_bytes == s["live_bytes"]
+    finally:
+        eng.close()

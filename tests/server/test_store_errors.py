@@ -45,7 +45,9 @@ class Served:
     def __init__(self, path: Path) -> None:
         self.cache = make_cache(block_size=BS)
         # a chunk longer than the prompt: two saves (end of prefill, end of generation)
-        self.engine = tiny_engine(path, self.cache, block_size=BS, chunk=16 * BS)
+        # what a failed save leaves to the next turn: the blocks (no live state)
+        self.engine = tiny_engine(path, self.cache, block_size=BS, chunk=16 * BS,
+                                  live_states=0)
         self.client = TestClient(create_app(self.engine, ServerConfig(prerender=False)))
 
     def chat(self) -> dict[str, Any]:

@@ -98,6 +98,7 @@ class PromptCache:
         self._ops = Ops(pool, self.lower, levels, writer, payloads, gone, faults, c,
                         self.observers, on_evict)
         self._faults = faults
+        self._forget_hook: Callable[[str | None, str | None], int] | None = None
 
     def _tick(self) -> float:
         """The clock's time now, after ending the claims past their time (lock held)."""
@@ -239,22 +240,32 @@ class PromptCache:
 
     # ---- eviction, deletion, export / import (``ops``) ------------------------------
     def evict(self, num_blocks: int | None = None) -> int:
-        """Evict (demote) up to ``num_blocks`` LRU unreferenced blocks (None: all)."""
+        """Evict (demote) up to ``num_blocks`` LRU unreferenced blocks (None: all, and
+        every state held outside the pool)."""
         check_count("num_blocks", num_blocks, allow_none=True)
         with self._lock:
             self._tick()
+            if num_blocks is None:
+                self._forget_outside(None, None)
             return self._ops.evict(num_blocks)
+
+    def now(self) -> float:
+        """The cache's clock (what its TTL is counted in)."""
+        return self._clock()
 
     def delete_session(self, session_id: str, tenant: str | None = None) -> int:
         """Remove the session from the blocks of ``tenant`` (None: of every tenant) in
         every tier; blocks left with no session are deleted. Returns the number of
         blocks deleted (all tiers)."""
         with self._lock:
+            self._forget_outside(tenant, session_id)
             return self._ops.delete_session(session_id, tenant)
 
     def delete(self, tenant: str | None = None) -> int:
-        """Delete every block of ``tenant`` (None: every block) in every tier."""
+        """Delete every block of ``tenant`` (None: every block) in every tier (and the
+        state held outside the pool for it)."""
         with self._lock:
+            self._forget_outside(tenant, None)
             return self._ops.delete(tenant)
 
     def token_history(self, ns: Namespace, max_tokens: int, overlap: int = 16
@@ -285,12 +296,22 @@ class PromptCache:
             return self._ops.resize_ram(budget_bytes)
 
     # ---- bytes held outside the pool (the engine's live session state) ----------
-    def set_outside_reclaimer(self, reclaim: Callable[[int], int] | None) -> None:
-        """The hook that releases bytes held outside the pool within the RAM budget
-        (called under the cache lock with the bytes wanted; returns those released).
-        It must not call back into the cache."""
+    def set_outside_holder(self, reclaim: Callable[[int], int] | None,
+                           forget: Callable[[str | None, str | None], int] | None = None
+                           ) -> None:
+        """The hooks of the holder of bytes outside the pool within the RAM budget (the
+        engine's live states), called under the cache lock, never calling back into the
+        cache: ``reclaim(nbytes)`` releases at least ``nbytes`` (returns the bytes
+        released); ``forget(tenant, session)`` releases what it holds of a tenant (None:
+        every tenant) or of one session of it, when those are deleted (returns the bytes
+        released)."""
         with self._lock:
             self.pool.reclaim_outside = reclaim
+            self._forget_hook = forget
+
+    def _forget_outside(self, tenant: str | None, session: str | None) -> None:
+        if self._forget_hook is not None:  # lock held
+            self.pool.drop_outside(self._forget_hook(tenant, session))
 
     def hold_outside(self, nbytes: int) -> bool:
         """Count ``nbytes`` held outside the pool in the RAM budget, evicting idle

@@ -150,8 +150,9 @@ class Engine:
         )
         if cache is not None and cfg.live_states > 0 and hasattr(cache, "hold_outside"):
             # the last turns' states, counted in the RAM tier's budget (engine/live.py)
-            live = LiveStates(cfg.live_states, cache.hold_outside, cache.drop_outside)
-            cache.set_outside_reclaimer(live.reclaim)
+            live = LiveStates(cfg.live_states, cache.hold_outside, cache.drop_outside,
+                              clock=cache.now, ttl_s=cache.config.ttl_seconds)
+            cache.set_outside_holder(live.reclaim, live.forget)
             self._ctx.live = live
         probed = probe_caches(model)
         if cache is not None:

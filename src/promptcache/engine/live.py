@@ -8,7 +8,8 @@ hands its caches to ``LiveStates.keep``: plain KV is copied out of the decode ba
 into its own buffers (one copy per layer), private caches are kept as they are. A
 new request's ``take`` finds the state of its namespace (tenant, model, cache
 format) with the longest common prefix; the caller uses it instead of the blocks
-when it reaches at least as far as the blocks would (``request_saves``). A state is
+when it reaches at least as far as the blocks would (``request_saves``; ``take`` says
+when a state that would be trimmed to less than half of itself is left alone). A state is
 taken whole (the request writes into it), so two requests never share one: requests
 of one session that overlap take it once, the other restores from blocks. A branch
 (or a retry) trims a state whose every layer can be trimmed (plain, MLA, quantized
@@ -19,7 +20,8 @@ blocks stay the source of truth, the live state is only a faster copy.
 
 Bytes: each state is counted in the RAM tier's budget (``PromptCache.hold_outside``)
 and released after the idle blocks and before the active ones when the tier needs
-room (``reclaim``, the pool's hook), or when a memory governor asks (``clear``). At
+room (``reclaim``, the pool's hook), or when a memory governor asks (``clear``); a
+deleted tenant's or session's states go with its blocks (``forget``). At
 most ``max_states`` states are kept (least recently kept dropped first).
 
 Requests with image embeddings (their extra keys are not in the token ids) neither
@@ -59,11 +61,13 @@ class LiveState:
     """One kept state: the caches hold the state after ``tokens`` (uint32)."""
 
     root: BlockHash  # the namespace root: tenant, model, format
+    tenant: str
     tokens: np.ndarray
     caches: list[Any]
     nbytes: int
     trimmable: bool
     session: str | None = None
+    kept_at: float = 0.0  # the cache's clock when kept (its TTL applies)
 
 
 @dataclass
@@ -77,6 +81,7 @@ class LiveCounters:
     not_kept: int = 0  # states that could not be kept (no room, a layer not detachable)
     reclaimed: int = 0  # states released for the RAM tier's room or by ``clear``
     replaced: int = 0  # states dropped for the count limit
+    expired: int = 0  # states older than the cache's TTL, dropped unused
     errors: int = 0  # failures keeping or taking one (the request went on without it)
 
 
@@ -189,12 +194,15 @@ class LiveStates:
     takes, the RAM tier's hook may reclaim from any thread holding the cache lock)."""
 
     def __init__(self, max_states: int, hold: Callable[[int], bool],
-                 drop: Callable[[int], None]) -> None:
+                 drop: Callable[[int], None], *, clock: Callable[[], float] = lambda: 0.0,
+                 ttl_s: float | None = None) -> None:
         if max_states < 0:
             raise ValueError(f"max_states must be >= 0, got {max_states}")
         self.max_states = max_states
         self._hold = hold
         self._drop = drop
+        self._clock = clock
+        self._ttl_s = ttl_s  # the cache's TTL: an older state is not used (and dropped)
         self._lock = threading.Lock()
         self._states: OrderedDict[int, LiveState] = OrderedDict()
         self._next = 0
@@ -232,8 +240,8 @@ class LiveStates:
             arrays = [a for _, a in adapters.state_arrays(own)]
             mx.async_eval(*arrays)  # type: ignore[no-untyped-call]
             nbytes = _nbytes(own)
-            state = LiveState(ns.root, np.array(tokens, dtype=np.uint32), own, nbytes,
-                              bool(can_trim_prompt_cache(own)), session)
+            state = LiveState(ns.root, ns.tenant, np.array(tokens, dtype=np.uint32), own, nbytes,
+                              bool(can_trim_prompt_cache(own)), session, self._clock())
         except Exception:
             logger.exception("keeping a live state failed")
             self.counters.errors += 1
@@ -257,14 +265,22 @@ class LiveStates:
              session: str | None = None) -> tuple[list[Any], int] | None:
         """The live state of ``ns`` that serves the most of ``prompt`` (at most all but
         its last token, which runs again for its logits), trimmed to that, when it
-        serves more than ``blocks`` tokens (what the blocks restore), or as many
-        without trimming, or as many when it is the same session's or most of it
-        serves (a retry, an edit of the last message; not another conversation whose
-        system prompt alone is shared: its state stays for its own next turn). None
-        when none does. The state leaves the store."""
+        serves at least the ``blocks`` tokens the blocks would restore and either
+        extends exactly, or keeps at least half of itself (a retry, an edit of the last
+        message), or is the same session's. Another conversation that shares only a
+        system prompt (or a first token) does not take it: its state stays for its own
+        next turn, and the blocks serve the shared prefix. None when none serves. The
+        state leaves the store."""
         limit = int(prompt.shape[0]) - 1
         best: tuple[int, int] | None = None  # (tokens served, key)
+        expired = 0
         with self._lock:
+            if self._ttl_s is not None:
+                now = self._clock()
+                for key in [k for k, s in self._states.items()
+                            if now - s.kept_at > self._ttl_s]:
+                    expired += self._states.pop(key).nbytes
+                    self.counters.expired += 1
             for key, s in self._states.items():
                 if s.root != ns.root:
                     continue
@@ -272,15 +288,17 @@ class LiveStates:
                 n = min(common_prefix(s.tokens, prompt), limit)
                 if n <= 0 or (n < held and not s.trimmable):
                     continue  # an array state or a full window: only an exact extension
-                if n < blocks or (n == blocks and n < held and 2 * n < held
+                if n < blocks or (n < held and 2 * n < held
                                   and (session is None or s.session != session)):
-                    continue
+                    continue  # it would lose most of itself: its own session's only
                 if best is None or n > best[0]:
                     best = (n, key)
-            if best is None:
-                return None
-            n, key = best
-            state = self._states.pop(key)
+            state = self._states.pop(best[1]) if best is not None else None
+        if expired:
+            self._drop(expired)
+        if state is None or best is None:
+            return None
+        n = best[0]
         self._drop(state.nbytes)
         held = int(state.tokens.shape[0])
         if n < held:
@@ -299,6 +317,20 @@ class LiveStates:
         with self._lock:
             while self._states and freed < nbytes:
                 freed += self._states.popitem(last=False)[1].nbytes
+                self.counters.reclaimed += 1
+        return freed
+
+    def forget(self, tenant: str | None, session: str | None) -> int:
+        """The cache's hook when a tenant's blocks (None: everyone's) or one session of
+        theirs are deleted: release the matching states (a state of an unnamed session
+        goes with its tenant only); returns the bytes released. Does not call back into
+        the cache."""
+        freed = 0
+        with self._lock:
+            for key in [k for k, s in self._states.items()
+                        if (tenant is None or s.tenant == tenant)
+                        and (session is None or s.session == session)]:
+                freed += self._states.pop(key).nbytes
                 self.counters.reclaimed += 1
         return freed
 

@@ -108,7 +108,7 @@ def lookup_and_restore(req: Request) -> None:
 
 def _continue_live(req: Request, at_least: int, metas: Sequence[BlockMeta]) -> bool:
     """Continue from a live state of the request's namespace serving at least the
-    ``at_least`` tokens the blocks would (``LiveStates.take`` says when a tie goes to it) (``engine/live.py``): its caches become the
+    ``at_least`` tokens the blocks would (``LiveStates.take`` says which it takes) (``engine/live.py``): its caches become the
     request's, trimmed to the common prefix, with room for the prompt; nothing is
     restored. The cursor stands behind the hit's blocks up to there (the saves store
     what the blocks lack from these caches). False (nothing changed) when none serves."""
