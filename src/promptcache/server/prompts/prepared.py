@@ -96,6 +96,9 @@ class Prepared:
     tools: list[dict[str, Any]] | None = None
     # constrained decoding for the request's ``structure`` (compiled, checked)
     constraint: Constraint | None = None
+    # ``constraint`` forces tool calls (``tool_choice`` required / a named tool): the
+    # answer is calls only, never text
+    forced_call: bool = False
     # the template messages as rendered (after system placement and the tools fallback)
     messages: list[dict[str, Any]] = field(default_factory=list)
     # the messages before the tools fallback, and the template variables (to render

@@ -46,7 +46,13 @@ from ..replies.toolcalls import offered_tool_names
 from .canon import Canon
 from .prepared import ChatPrompt, Prepared, TurnContext
 from .prompt import place_system_messages, tools_into_system
-from .structured import PromptShape, check_constraint, constraint_for, thinking_for
+from .structured import (
+    ForcedCall,
+    PromptShape,
+    check_constraint,
+    constraint_for,
+    thinking_for,
+)
 
 log = logging.getLogger(__name__)
 
@@ -240,6 +246,8 @@ class Preparer:
                         predicted_cached=predicted, chat_format=self.chat_format,
                         images=images, tool_format=fmt, tools=chat.tools or None,
                         constraint=constraint,
+                        forced_call=constraint is not None
+                        and isinstance(chat.structure, ForcedCall),
                         messages=messages, plain_messages=plain,
                         template_kwargs=kwargs, fingerprint=fingerprint,
                         divergence=self._divergence(turn, fingerprint, tokens, starts,
