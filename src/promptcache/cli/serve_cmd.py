@@ -104,6 +104,10 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--api-key", default=None, help="require this key (Bearer or x-api-key)")
     p.add_argument("--api-keys-file", type=Path, default=None,
                    help='JSON object {"<key>": "<tenant>"}: keys that select a tenant')
+    p.add_argument("--allowed-origins", default=None, metavar="ORIGINS",
+                   help="browser origins allowed to call the server (CORS): a comma list "
+                        "(https://app.example.com,http://localhost:3000) or *; default: "
+                        "none (no CORS headers)")
     p.add_argument("--model-alias", "--served-model-name", action="append", default=[],
                    help="extra model name to accept (repeatable), e.g. a name a client "
                         "insists on; replies still name the model")
@@ -273,6 +277,7 @@ def build_configs(args: argparse.Namespace) -> tuple[
         raise ValueError(f"--api-keys-file {args.api_keys_file} does not exist")
     server_cfg = ServerConfig(host=args.host, port=args.port, api_key=args.api_key,
                               api_keys_file=args.api_keys_file,
+                              allowed_origins=parse_origins(args.allowed_origins),
                               hit_rate_window=args.hit_rate_window,
                               hit_rate_alert_threshold=args.hit_rate_threshold,
                               context_window=args.context_window,
@@ -292,6 +297,16 @@ def build_configs(args: argparse.Namespace) -> tuple[
                               session_ttl_s=session_ttl, auto_tune=args.auto_tune,
                               ram_budget_min_bytes=bounds[0], ram_budget_max_bytes=bounds[1])
     return engine_cfg, cache_cfg, ssd_cfg, server_cfg
+
+
+def parse_origins(value: str | None) -> tuple[str, ...]:
+    """``--allowed-origins``: a comma list of origins, or ``*`` (any origin); None: ()."""
+    if value is None:
+        return ()
+    origins = tuple(o.strip().rstrip("/") for o in value.split(","))
+    if not all(origins):
+        raise ValueError(f"--allowed-origins: an empty origin in {value!r}")
+    return origins
 
 
 def read_chat_template(value: str | None) -> str | None:
