@@ -172,8 +172,9 @@ class ServerConfig:
     hit_rate_alert_threshold: float = 0.8
     # the context window the server enforces (None: the model's own; may only shrink it)
     context_window: int | None = None
-    # prompt + max_tokens past the window: "clamp" max_tokens to the room left, or
-    # "error" (the APIs' own context-limit wordings, which clients act on)
+    # prompt + max_tokens past the window (or max_tokens past max_tokens_limit): "clamp"
+    # max_tokens to the room left (and the limit), or "error" (the APIs' own
+    # context-limit wordings, which clients act on)
     max_tokens_overflow: str = "clamp"
     # seconds between keep-alive events on a stream that has nothing else to send
     keepalive_s: float = 10.0

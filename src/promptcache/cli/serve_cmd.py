@@ -115,15 +115,19 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                    help="requests in the rolling hit-rate window")
     p.add_argument("--hit-rate-threshold", type=float, default=0.8,
                    help="warn when the rolling token hit rate drops below this")
-    p.add_argument("--max-tokens-limit", type=int, default=EngineConfig.max_tokens_limit)
+    p.add_argument("--max-tokens-limit", type=int, default=EngineConfig.max_tokens_limit,
+                   help="the largest max_tokens of a request (default "
+                        f"{EngineConfig.max_tokens_limit}); a larger one is clamped to it, "
+                        "or refused with --max-tokens-overflow error")
     p.add_argument("--default-max-tokens", type=int, default=EngineConfig.default_max_tokens,
                    help="max_tokens of a request that gives none (within the room left)")
     p.add_argument("--context-window", "--max-model-len", type=int, default=None,
                    help="the context window to enforce (default: the model's; may only "
                         "shrink it)")
     p.add_argument("--max-tokens-overflow", choices=("clamp", "error"), default="clamp",
-                   help="prompt + max_tokens past the window: clamp max_tokens to the room "
-                        "left (default), or answer with the APIs' context-limit error")
+                   help="prompt + max_tokens past the window, or max_tokens past the "
+                        "limit: clamp max_tokens to the room left (default), or answer "
+                        "with the APIs' context-limit error")
     p.add_argument("--no-canonicalize", action="append", default=[], metavar="RULE",
                    help="switch a canonical-prompt rule off (repeatable): billing_header, "
                         "tool_keys, tool_order, or all")
