@@ -125,6 +125,26 @@ def test_a_forced_call_leaks_no_markup(smol: tuple[Engine, TestClient]) -> None:
         {"type": "tool_use", "id": ANY, "name": "get_weather", "input": {"city": "Paris"}}]
 
 
+def test_anthropic_usage_agrees_streamed_and_not(smol: tuple[Engine, TestClient]) -> None:
+    """The same prompt again: message_start predicts what message_delta and the
+    non-streamed reply report (the prompt is stored whole: nothing created, its last
+    token is input)."""
+    _, client = smol
+    body = {"model": "default", "max_tokens": 4, "temperature": 0,
+            "messages": [{"role": "user", "content": "Usage check: say one word."}]}
+    first = client.post("/v1/messages", json=body).json()["usage"]
+    prompt = sum(first[k] for k in ("input_tokens", "cache_creation_input_tokens",
+                                    "cache_read_input_tokens"))
+    assert first["cache_creation_input_tokens"] == prompt - first["cache_read_input_tokens"]
+    got = sse_checks.anthropic_stream(client.post("/v1/messages",
+                                                  json={**body, "stream": True}).text)
+    again = client.post("/v1/messages", json=body).json()["usage"]
+    assert got["start_usage"] == {**got["usage"], "output_tokens": 0}
+    assert got["usage"] == again
+    assert (again["input_tokens"], again["cache_creation_input_tokens"],
+            again["cache_read_input_tokens"]) == (1, 0, prompt - 1)
+
+
 def test_prefill_is_left_open(smol: tuple[Engine, TestClient]) -> None:
     engine, _ = smol
     tokens = engine.render_chat([{"role": "user", "content": "JSON please"},

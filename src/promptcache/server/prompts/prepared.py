@@ -88,6 +88,8 @@ class Prepared:
     # cache lookup for a streamed usage prediction (0 when not asked or no cache)
     predicted_cached: int
     chat_format: ChatFormat
+    # the lookup found every token of the prompt stored: the request writes nothing
+    predicted_whole: bool = False
     # decoded images with their placeholder spans (``tokens`` holds the placeholders)
     images: tuple[ImageInput, ...] = field(default=())
     # the tool-call format the model was asked for (its own, or the Hermes fallback)
