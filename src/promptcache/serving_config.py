@@ -166,12 +166,15 @@ class ServerConfig:
     api_key: str | None = None
     # optional JSON file mapping API keys to tenants
     api_keys_file: Path | None = None
+    # browser origins allowed to call the server (CORS; "*": any); (): no CORS headers
+    allowed_origins: tuple[str, ...] = ()
     hit_rate_window: int = 50
     hit_rate_alert_threshold: float = 0.8
     # the context window the server enforces (None: the model's own; may only shrink it)
     context_window: int | None = None
-    # prompt + max_tokens past the window: "clamp" max_tokens to the room left, or
-    # "error" (the APIs' own context-limit wordings, which clients act on)
+    # prompt + max_tokens past the window (or max_tokens past max_tokens_limit): "clamp"
+    # max_tokens to the room left (and the limit), or "error" (the APIs' own
+    # context-limit wordings, which clients act on)
     max_tokens_overflow: str = "clamp"
     # seconds between keep-alive events on a stream that has nothing else to send
     keepalive_s: float = 10.0
@@ -197,6 +200,12 @@ class ServerConfig:
     max_body_bytes: int = 32 * 1024 * 1024
 
     def __post_init__(self) -> None:
+        for origin in self.allowed_origins:
+            if origin != "*" and "://" not in origin:
+                raise ValueError(f"allowed_origins: {origin!r} is not '*' or an origin "
+                                 "(scheme://host[:port])")
+        if "*" in self.allowed_origins and len(self.allowed_origins) > 1:
+            raise ValueError("allowed_origins: '*' allows every origin, list no others")
         if self.max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be >= 1, got {self.max_body_bytes}")
         if self.context_window is not None and self.context_window < 2:

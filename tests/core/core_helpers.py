@@ -142,13 +142,17 @@ class FakeTier:
             self.blocks[block_hash][2].update(sessions)
 
     def delete_session(self, session_id: str, tenant: str | None = None) -> int:
+        return len(self.delete_session_blocks(session_id, tenant))
+
+    def delete_session_blocks(self, session_id: str, tenant: str | None = None
+                              ) -> set[bytes]:
         mine = {h for h, (m, _, _) in self.blocks.items() if tenant is None or m.tenant == tenant}
-        gone = [h for h in mine if self.blocks[h][2] == {session_id}]
+        gone = {h for h in mine if self.blocks[h][2] == {session_id}}
         for h in mine:
             self.blocks[h][2].discard(session_id)
         for h in gone:
             del self.blocks[h]
-        return len(gone)
+        return {bytes(h) for h in gone}
 
     def delete_tenant(self, tenant: str | None) -> int:
         gone = [h for h, (m, _, _) in self.blocks.items() if tenant is None or m.tenant == tenant]
@@ -238,16 +242,18 @@ class QueueTier(FakeTier):
                 self.in_flight -= 1
                 self.cond.notify_all()
 
-    def delete_session(self, session_id: str, tenant: str | None = None) -> int:
+    def delete_session_blocks(self, session_id: str, tenant: str | None = None
+                              ) -> set[bytes]:
         with self.cond:
-            n = len(self.queue)
+            gone = {bytes(q[0].block_hash) for q in self.queue if (
+                tenant is None or q[0].tenant == tenant) and q[2] == {session_id}}
             self.queue = [q for q in self.queue if not (
                 (tenant is None or q[0].tenant == tenant) and q[2] == {session_id})]
             for meta, _, sessions in self.queue:
                 if tenant is None or meta.tenant == tenant:
                     sessions.discard(session_id)
             self.cond.notify_all()
-            return n - len(self.queue) + super().delete_session(session_id, tenant)
+            return gone | super().delete_session_blocks(session_id, tenant)
 
     def wait_for_waiting_put(self) -> None:
         with self.cond:

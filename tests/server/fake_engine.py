@@ -78,7 +78,9 @@ class FakeCache:
         self.active: list[tuple[Any, int, str]] = []
         self.pinned: list[tuple[str | None, float | None]] = []  # (key, pin_s) per protect
 
-    def match(self, tokens: tuple[int, ...], tenant: str) -> int:
+    def match(self, tokens: tuple[int, ...], tenant: str, *, clamp: bool = True) -> int:
+        """The longest common prefix with a stored sequence (``clamp``: at most
+        ``len(tokens) - 1``, what a request restores)."""
         best = 0
         with self.lock:
             for seq, _ in self.seqs.get(tenant, []):
@@ -88,7 +90,7 @@ class FakeCache:
                         break
                     n += 1
                 best = max(best, n)
-        return min(best, max(0, len(tokens) - 1))
+        return min(best, max(0, len(tokens) - 1)) if clamp else best
 
     def store(self, tokens: tuple[int, ...], tenant: str, session: str | None) -> None:
         with self.lock:
@@ -199,13 +201,16 @@ class FakeHandle:
             else:
                 top = tuple(((t + j) % 256, -((t + j) % 7) / 10 - j) for j in range(k))
                 yield TokenEvent(t, text, logprob=-(t % 7) / 10, top_logprobs=top)
+        saved = 0
         if eng.cache is not None:
+            # like the real cache: a prompt already stored whole saves no new block
+            whole = eng.cache.match(prompt, self.request.tenant, clamp=False) >= len(prompt)
+            saved = 0 if whole else 1
             eng.cache.store(prompt + tuple(emitted), self.request.tenant,
                             self.request.session_id)
         usage = Usage(prompt_tokens=len(prompt), cached_tokens=cached,
                       cached_by_tier={"ram": cached} if cached else {},
-                      completion_tokens=len(emitted),
-                      saved_end_prefill=1 if eng.cache is not None else 0)
+                      completion_tokens=len(emitted), saved_end_prefill=saved)
         miss = None if cached else CacheMiss("cold", 0, 0, len(prompt))
         yield GenerationResult(tokens=emitted,
                                text=bytes(emitted[:text_len]).decode("utf-8", "replace"),
@@ -277,9 +282,12 @@ class FakeEngine:
             return None
         try:
             match = self.cache.lookup(list(tokens), tenant)
+            whole = getattr(self.cache, "match", None)  # a FakeCache (tests may set another)
+            stored = whole(tuple(tokens), tenant, clamp=False) if whole is not None else 0
         except Exception:
             return None
-        return CachePrediction(max(0, min(int(match.num_tokens), len(tokens) - 1)))
+        return CachePrediction(max(0, min(int(match.num_tokens), len(tokens) - 1)),
+                               whole=stored >= len(tokens) > 0)
 
     def probe_cache(self, tokens: Sequence[int], tenant: str,
                     extra_keys: Sequence[ExtraKeySpan] = (),

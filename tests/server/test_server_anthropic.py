@@ -5,9 +5,13 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from fake_engine import FakeEngine
+import sse_checks
+from fake_engine import FakeCache, FakeEngine
 from fastapi.testclient import TestClient
 from server_helpers import sse_events
+
+from promptcache.server import create_app
+from promptcache.serving_config import ServerConfig
 
 HI = [{"role": "user", "content": "hi"}]
 
@@ -59,18 +63,52 @@ def test_messages_streaming_event_sequence(client: TestClient) -> None:
     assert all(d["type"] == n for n, d in events)
     start = events[0][1]["message"]
     assert start["content"] == [] and start["stop_reason"] is None
-    # predicted from a pure lookup: 24-token prompt, 23 cached (the last token is recomputed)
-    assert start["usage"] == {"input_tokens": 0, "cache_creation_input_tokens": 1,
+    # predicted from a pure lookup: 24-token prompt, 23 cached (the last token is
+    # recomputed); stored whole already, so nothing is written: the last token is input
+    assert start["usage"] == {"input_tokens": 1, "cache_creation_input_tokens": 0,
                               "cache_read_input_tokens": 23, "output_tokens": 0,
-                              "cache_creation": {"ephemeral_5m_input_tokens": 1, "ephemeral_1h_input_tokens": 0}}
+                              "cache_creation": {"ephemeral_5m_input_tokens": 0, "ephemeral_1h_input_tokens": 0}}
     assert events[1][1]["content_block"] == {"type": "text", "text": ""}
     text = "".join(d["delta"]["text"] for n, d in events if n == "content_block_delta")
     assert text == "Hello"
     delta = events[-2][1]
     assert delta["delta"] == {"stop_reason": "max_tokens", "stop_sequence": None}
-    assert delta["usage"] == {"input_tokens": 0, "cache_creation_input_tokens": 1,
-                              "cache_read_input_tokens": 23, "output_tokens": 5,
-                              "cache_creation": {"ephemeral_5m_input_tokens": 1, "ephemeral_1h_input_tokens": 0}}
+    assert delta["usage"] == {**start["usage"], "output_tokens": 5}
+
+
+@pytest.mark.parametrize("case", ["cold", "repeat", "longer"])
+def test_streamed_and_whole_usage_agree(engine: FakeEngine, case: str) -> None:
+    """message_start's predicted usage, message_delta's and the non-streamed reply's use
+    one definition (cache_creation_input_tokens: the uncached tokens when the request
+    stores prompt blocks, else 0; a prompt stored whole stores none) and give the same
+    numbers: a cold prompt writes all of it; the same prompt again writes nothing (its
+    last token, always computed, is input; the stream said 1 created, the delta 0);
+    a prompt that extends a stored one writes its new part."""
+    prompt = len(engine.render_chat(HI))  # 24
+    first = {"cold": None, "repeat": HI, "longer": [{"role": "user", "content": "h"}]}[case]
+    common = len("<|user|>h")  # of "<|user|>h\n<|assistant|>Hello" stored first
+    want = {"cold": (0, prompt, 0), "repeat": (1, 0, prompt - 1),
+            "longer": (0, prompt - common, common)}[case]
+    got = []
+    for stream in (True, False):
+        engine.cache = FakeCache()
+        client = TestClient(create_app(engine, ServerConfig()))
+        if first is not None:
+            client.post("/v1/messages", json={"max_tokens": 5, "messages": first})
+        r = client.post("/v1/messages", json={"max_tokens": 5, "messages": HI,
+                                              "stream": stream})
+        if stream:
+            ant = sse_checks.anthropic_stream(r.text)
+            assert ant["start_usage"] == {**ant["usage"], "output_tokens": 0}
+            got.append(ant["usage"])
+        else:
+            got.append(r.json()["usage"])
+    assert got[0] == got[1]
+    u = got[0]
+    assert (u["input_tokens"], u["cache_creation_input_tokens"],
+            u["cache_read_input_tokens"]) == want
+    assert u["cache_creation"] == {"ephemeral_5m_input_tokens": want[1],
+                                   "ephemeral_1h_input_tokens": 0}
 
 
 def test_tool_use_and_tool_result_blocks(client: TestClient, engine: FakeEngine) -> None:

@@ -192,6 +192,62 @@ def test_max_tokens_32000_on_an_8k_window_is_clamped() -> None:
     assert r.json()["status"] == "incomplete"
 
 
+def test_max_tokens_100000_is_clamped_in_every_api() -> None:
+    """docs/api.md: max_tokens past the room left in the window, or past
+    ``--max-tokens-limit``, is clamped (the reply ends at it: ``length`` /
+    ``max_tokens`` / incomplete), streamed or not, in every API; a 400 only with
+    ``--max-tokens-overflow error``."""
+    eng = FakeEngine(context_length=8192, reply="y" * 9000)
+    client = _app(eng)  # --max-tokens-limit 32768
+    msgs = [{"role": "user", "content": "x" * 8000}]  # 8022 tokens: 170 left
+    for stream in (False, True):
+        r = client.post("/v1/chat/completions", json={
+            "max_tokens": 100000, "messages": msgs, "stream": stream,
+            "stream_options": {"include_usage": True}} if stream else {
+            "max_tokens": 100000, "messages": msgs})
+        assert r.status_code == 200, r.text
+        got = sse_checks.chat_stream(r.text) if stream else {
+            "finish_reason": r.json()["choices"][0]["finish_reason"],
+            "usage": r.json()["usage"]}
+        assert eng.submitted[-1].sampling.max_tokens == 170
+        assert (got["finish_reason"], got["usage"]["completion_tokens"]) == ("length", 170)
+        r = client.post("/v1/messages", json={"max_tokens": 100000, "messages": msgs,
+                                              "stream": stream})
+        assert r.status_code == 200, r.text
+        if stream:
+            ant = sse_checks.anthropic_stream(r.text)
+            stop, out = ant["stop"]["stop_reason"], ant["usage"]["output_tokens"]
+        else:
+            stop, out = r.json()["stop_reason"], r.json()["usage"]["output_tokens"]
+        assert (stop, out) == ("max_tokens", 170)
+        r = client.post("/v1/responses", json={"max_output_tokens": 100000,
+                                               "input": "x" * 8000, "stream": stream})
+        assert r.status_code == 200, r.text
+        final = sse_checks.responses_stream(r.text) if stream else r.json()
+        assert (final["status"], final["incomplete_details"], final["usage"]["output_tokens"]
+                ) == ("incomplete", {"reason": "max_output_tokens"}, 170)
+        assert eng.submitted[-1].sampling.max_tokens == 170
+    r = client.post("/v1/completions", json={"max_tokens": 100000, "prompt": "x" * 8100})
+    assert r.status_code == 200, r.text
+    assert (r.json()["choices"][0]["finish_reason"], r.json()["usage"]["completion_tokens"]
+            ) == ("length", 92)  # 8192 - 8100
+    # a short prompt: clamped to --max-tokens-limit
+    big = FakeEngine(context_length=200_000, reply="y" * 40_000)
+    client = _app(big)
+    r = client.post("/v1/messages", json={"max_tokens": 100000, "messages": HI})
+    assert (r.json()["stop_reason"], r.json()["usage"]["output_tokens"]) == ("max_tokens",
+                                                                             32768)
+    r = client.post("/v1/chat/completions", json={"max_tokens": 100000, "messages": HI})
+    assert (r.json()["choices"][0]["finish_reason"], r.json()["usage"]["completion_tokens"]
+            ) == ("length", 32768)
+    # --max-tokens-overflow error: past the limit is a 400 naming it
+    r = _app(big, max_tokens_overflow="error").post(
+        "/v1/chat/completions", json={"max_tokens": 100000, "messages": HI})
+    assert r.status_code == 400
+    assert r.json()["error"]["message"] == "max_tokens must be <= 32768, got 100000"
+    assert r.json()["error"]["param"] == "max_tokens"
+
+
 def test_default_max_tokens_and_context_window_override() -> None:
     eng = FakeEngine(context_length=4096, reply="z" * 500)
     client = TestClient(create_app(eng, ServerConfig(context_window=1000),

@@ -1,15 +1,19 @@
 """The server on the real default model (SmolLM2-135M-Instruct), in process: its template
 drops ``tools``, so they go into the system turn (count_tokens grows by their size) and
 the model sees a tool call and its result; a system turn mid-conversation is rendered
-where it stands; an assistant prefill is left open."""
+where it stands; an assistant prefill is left open; a forced call (parallel calls allowed)
+cut by max_tokens leaks no ``<tool_call>`` markup."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from unittest.mock import ANY
 
 import pytest
+import sse_checks
 from fastapi.testclient import TestClient
 
 from promptcache.cli.wiring import build_cache
@@ -97,6 +101,50 @@ def test_tool_history_and_placement_are_rendered(smol: tuple[Engine, TestClient]
     assert text.endswith("<|im_start|>assistant\n")
 
 
+def test_a_forced_call_leaks_no_markup(smol: tuple[Engine, TestClient]) -> None:
+    """``tool_choice`` any / required (parallel calls allowed): SmolLM2 writes its call,
+    then starts another until max_tokens cuts it; the cut one is dropped, never text."""
+    _, client = smol
+    fn = [{"type": "function", "function": {"name": TOOL["name"],
+                                            "description": TOOL["description"],
+                                            "parameters": TOOL["input_schema"]}}]
+    hi = [{"role": "user", "content": "Weather in Paris?"}]
+    r = client.post("/v1/chat/completions", json={
+        "model": "default", "max_tokens": 60, "temperature": 0, "messages": hi,
+        "tools": fn, "tool_choice": "required"}).json()
+    assert r["usage"]["completion_tokens"] == 60  # cut inside the second call
+    msg = r["choices"][0]["message"]
+    assert msg["content"] is None
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"]))
+            for c in msg["tool_calls"]] == [("get_weather", {"city": "Paris"})]
+    body = client.post("/v1/messages", json={
+        "model": "default", "max_tokens": 60, "temperature": 0, "messages": hi,
+        "tools": [TOOL], "tool_choice": {"type": "any"}, "stream": True}).text
+    assert "<tool_call" not in body and '"text_delta"' not in body
+    assert sse_checks.anthropic_stream(body)["content"] == [
+        {"type": "tool_use", "id": ANY, "name": "get_weather", "input": {"city": "Paris"}}]
+
+
+def test_anthropic_usage_agrees_streamed_and_not(smol: tuple[Engine, TestClient]) -> None:
+    """The same prompt again: message_start predicts what message_delta and the
+    non-streamed reply report (the prompt is stored whole: nothing created, its last
+    token is input)."""
+    _, client = smol
+    body = {"model": "default", "max_tokens": 4, "temperature": 0,
+            "messages": [{"role": "user", "content": "Usage check: say one word."}]}
+    first = client.post("/v1/messages", json=body).json()["usage"]
+    prompt = sum(first[k] for k in ("input_tokens", "cache_creation_input_tokens",
+                                    "cache_read_input_tokens"))
+    assert first["cache_creation_input_tokens"] == prompt - first["cache_read_input_tokens"]
+    got = sse_checks.anthropic_stream(client.post("/v1/messages",
+                                                  json={**body, "stream": True}).text)
+    again = client.post("/v1/messages", json=body).json()["usage"]
+    assert got["start_usage"] == {**got["usage"], "output_tokens": 0}
+    assert got["usage"] == again
+    assert (again["input_tokens"], again["cache_creation_input_tokens"],
+            again["cache_read_input_tokens"]) == (1, 0, prompt - 1)
+
+
 def test_prefill_is_left_open(smol: tuple[Engine, TestClient]) -> None:
     engine, _ = smol
     tokens = engine.render_chat([{"role": "user", "content": "JSON please"},
@@ -114,7 +162,6 @@ def test_a_chat_template_that_takes_tools_replaces_the_models(default_model_path
     tools in ours' canonical form (sorted by name, the conventional key order, property
     names sorted), which ours renders unchanged; both parse the calls of a reply with
     mlx-lm's parser for that template."""
-    import json
 
     from promptcache.bench.concurrent_plans import build
     from promptcache.bench.tool_template import TOOLS_TEMPLATE

@@ -106,3 +106,38 @@ def test_without_keys_the_callers_tenant_header_scopes_the_deletion(cache, tmp_p
     assert hits(cache, "alice") == {} and hits(cache, "bob") == {"ssd": 16, "ram": 16}
     assert c.delete("/v1/cache/sessions/conv").json()["deleted_blocks"] == 8  # every tenant
     assert hits(cache, "bob") == {}
+
+
+def test_a_block_in_ram_and_on_ssd_is_deleted_and_counted_once(tmp_path):
+    """Written through: each of the session's 5 blocks is in RAM and on the SSD; the
+    deletion removes both copies and reports 5 blocks (it said 10)."""
+    ssd = SSDTier(SSDConfig(path=tmp_path / "ssd", fsync=False))
+    cache = PromptCache(CacheConfig(block_size=BS, ram_budget_bytes=1 << 20), lower=[ssd],
+                        write_through=True)
+    try:
+        five = list(range(300, 320))
+        assert cache.store(ns("alice"), five, 20, payload_for, session_id="s5") == 5
+        # another session's 4 blocks: kept
+        assert cache.store(ns("alice"), IN_RAM, 16, payload_for, session_id="other") == 4
+        ssd.flush()
+        assert cache.lookup(five + [0], ns("alice")).tokens_by_tier == {"ram": 20}
+        assert ssd.stats()["blocks_on_disk"] == 9
+        engine = FakeEngine()
+        engine.cache = cache  # type: ignore[assignment]
+        c = TestClient(create_app(engine, ServerConfig()))
+        r = c.delete("/v1/cache/sessions/s5", headers={"X-Tenant-Id": "alice"})
+        assert r.json() == {"deleted_blocks": 5, "session_id": "s5", "cache_enabled": True,
+                            "tenant": "alice"}
+        assert cache.lookup(five + [0], ns("alice")).num_tokens == 0
+        assert ssd.stats()["blocks_on_disk"] == 4
+        # some blocks only on the SSD, some in both: each counted once
+        assert cache.store(ns("alice"), five, 20, payload_for, session_id="s5") == 5
+        ssd.flush()
+        cache.evict()  # every block now only on the SSD, then the first 2 back in RAM
+        cache.release(cache.acquire(five[:8] + [0], ns("alice")))
+        assert cache.lookup(five + [0], ns("alice")).tokens_by_tier == {"ram": 8, "ssd": 12}
+        r = c.delete("/v1/cache/sessions/s5", headers={"X-Tenant-Id": "alice"})
+        assert r.json()["deleted_blocks"] == 5
+        assert ssd.stats()["blocks_on_disk"] == 4
+    finally:
+        cache.close(persist=False)

@@ -10,6 +10,8 @@ engine; exact shapes).
   400s in each API's shape; constrained requests switch the template's thinking off unless
   asked; an assistant prefill is the constraint's prefix; ``client.chat.completions.parse``
   reads a scripted JSON reply into a pydantic model.
+- A forced reply is calls only: the call max_tokens cuts (SmolLM2's exact output) is
+  dropped, no markup reaches a text field in any API, streamed or not.
 """
 
 from __future__ import annotations
@@ -120,6 +122,84 @@ def test_a_format_that_fails_to_parse_stays_text() -> None:
         "messages": HI, "tools": OAI_TOOLS, "max_tokens": 400}).json()
     assert body["choices"][0]["message"]["content"] == cut
     assert body["choices"][0]["finish_reason"] == "stop"
+
+
+# what SmolLM2-135M-Instruct (the default model: its template drops tools, the Hermes
+# fallback) writes under the call grammar of ``tool_choice`` "required" (parallel calls
+# allowed), max_tokens 60: one call, then the start of another, cut by max_tokens
+SMOL_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {\n  "city": "Paris"\n}}\n</tool_call>'
+SMOL_FORCED = SMOL_CALL + '\n<tool_call>\n{"name": "get_weather", "arguments": {\n  "city": "Paris"'
+
+
+def _forced_replies(client: TestClient, stream: bool, max_tokens: int, choices: dict[str, Any]
+                    ) -> dict[str, tuple[Any, list[tuple[str, Any]], str]]:
+    """Per API: (the text it returned, its calls as (name, arguments), how it finished)."""
+    out: dict[str, tuple[Any, list[tuple[str, Any]], str]] = {}
+    r = client.post("/v1/chat/completions", json={
+        "messages": HI, "tools": OAI_TOOLS, "tool_choice": choices["chat"],
+        "max_tokens": max_tokens, "stream": stream})
+    assert r.status_code == 200, r.text
+    if stream:
+        got = sse_checks.chat_stream(r.text)
+        out["chat"] = (got["content"], [(c["name"], json.loads(c["arguments"]))
+                                        for c in got["tool_calls"]], got["finish_reason"])
+    else:
+        choice = r.json()["choices"][0]
+        out["chat"] = (choice["message"]["content"],
+                       [(c["function"]["name"], json.loads(c["function"]["arguments"]))
+                        for c in choice["message"].get("tool_calls", [])],
+                       choice["finish_reason"])
+    r = client.post("/v1/messages", json={
+        "messages": HI, "tools": ANT_TOOLS, "tool_choice": choices["messages"],
+        "max_tokens": max_tokens, "stream": stream})
+    assert r.status_code == 200, r.text
+    body = sse_checks.anthropic_stream(r.text) if stream else r.json()
+    stop = body["stop"]["stop_reason"] if stream else body["stop_reason"]
+    out["messages"] = ([b for b in body["content"] if b["type"] != "tool_use"],
+                       [(b["name"], b["input"]) for b in body["content"]
+                        if b["type"] == "tool_use"], stop)
+    r = client.post("/v1/responses", json={
+        "input": "weather in Paris?", "tools": RESP_TOOLS, "tool_choice": choices["responses"],
+        "max_output_tokens": max_tokens, "stream": stream})
+    assert r.status_code == 200, r.text
+    final = sse_checks.responses_stream(r.text) if stream else r.json()
+    out["responses"] = ([i for i in final["output"] if i["type"] != "function_call"],
+                        [(i["name"], json.loads(i["arguments"])) for i in final["output"]
+                         if i["type"] == "function_call"], final["status"])
+    return out
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_forced_reply_cut_by_max_tokens_leaks_no_markup(stream: bool) -> None:
+    """A forced call with parallel calls allowed: the model (SmolLM2's exact output) goes
+    on with a second call until max_tokens cuts it. The complete call comes back, the cut
+    one is dropped: no ``<tool_call>`` (nor any other text) in the chat content, in an
+    Anthropic text block or in a Responses message, streamed or not."""
+    eng = _engine(renders_tools=False, reply=SMOL_FORCED + '\n}}\n</tool_call>')
+    client = _app(eng)
+    cut = len(SMOL_FORCED.encode())  # the fake engine's tokens are bytes: cut there
+    got = _forced_replies(client, stream, cut, {
+        "chat": "required", "messages": {"type": "any"}, "responses": "required"})
+    call = ("get_weather", {"city": "Paris"})
+    assert got == {"chat": ("" if stream else None, [call], "tool_calls"),
+                   "messages": ([], [call], "tool_use"),
+                   "responses": ([], [call], "incomplete")}
+    assert all(r.constraint is not None for r in eng.submitted[-3:])
+    # a named tool, cut inside its one call: no call, and no text (an empty reply)
+    got = _forced_replies(client, stream, len(SMOL_CALL.encode()) - 20, {
+        "chat": {"type": "function", "function": {"name": "get_weather"}},
+        "messages": {"type": "tool", "name": "get_weather"},
+        "responses": {"type": "function", "name": "get_weather"}})
+    [message] = got["responses"][0]
+    assert [part["text"] for part in message["content"]] == [""]
+    assert got == {"chat": ("", [], "length"),
+                   "messages": ([{"type": "text", "text": ""}], [], "max_tokens"),
+                   "responses": ([message], [], "incomplete")}
+    # tool_choice auto: the same cut block is the model's text (as before)
+    eng.reply = SMOL_FORCED
+    body = client.post("/v1/chat/completions", json={
+        "messages": HI, "tools": OAI_TOOLS, "max_tokens": 400}).json()
+    assert body["choices"][0]["message"]["content"] == SMOL_FORCED[len(SMOL_CALL) + 1:]
 
 
 # --- constraints --------------------------------------------------------------------------

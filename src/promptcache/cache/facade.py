@@ -256,7 +256,7 @@ class PromptCache:
     def delete_session(self, session_id: str, tenant: str | None = None) -> int:
         """Remove the session from the blocks of ``tenant`` (None: of every tenant) in
         every tier; blocks left with no session are deleted. Returns the number of
-        blocks deleted (all tiers)."""
+        distinct blocks deleted (a block in RAM and on SSD counts once)."""
         with self._lock:
             self._forget_outside(tenant, session_id)
             return self._ops.delete_session(session_id, tenant)

@@ -87,18 +87,34 @@ class Ops:
             raise ValueError(f"session_id must be a non-empty string, got {session_id!r}")
         if tenant is not None and (not isinstance(tenant, str) or not tenant):
             raise ValueError(f"tenant must be a non-empty string or None, got {tenant!r}")
-        count = 0
+        # a block held by several tiers (RAM and the SSD copy of it) is one block
+        deleted: set[bytes] = set()
+        by_tier: dict[str, int] = {"ram": 0}
         for block in self.pool.blocks():
             if session_id in block.sessions and (tenant is None or block.ns.tenant == tenant):
                 block.sessions = tuple(s for s in block.sessions if s != session_id)
+                h = block.block_hash
                 if not block.sessions and self.pool.remove(block):
-                    count += 1
+                    by_tier["ram"] += 1
+                    if h is not None:
+                        deleted.add(bytes(h))
+        unnamed = by_tier["ram"] - len(deleted)  # (RAM blocks always have a hash)
         for tier in self.lower:
             try:
-                count += int(tier.delete_session(session_id, tenant))
+                hashes = getattr(tier, "delete_session_blocks", None)
+                if hashes is not None:
+                    found = set(hashes(session_id, tenant))
+                    deleted |= found
+                    by_tier[tier.name] = len(found)
+                else:  # a tier that only counts: counted as it says
+                    n = int(tier.delete_session(session_id, tenant))
+                    unnamed += n
+                    by_tier[tier.name] = n
             except Exception as e:
                 self.faults.tier_error(tier, e)
-        return count
+        logger.debug("session %s (tenant %s): %d blocks deleted, per tier %s", session_id,
+                    tenant or "*", len(deleted) + unnamed, by_tier)
+        return len(deleted) + unnamed
 
     def delete(self, tenant: str | None = None) -> int:
         if tenant is not None and (not isinstance(tenant, str) or not tenant):

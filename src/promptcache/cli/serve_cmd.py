@@ -104,6 +104,10 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--api-key", default=None, help="require this key (Bearer or x-api-key)")
     p.add_argument("--api-keys-file", type=Path, default=None,
                    help='JSON object {"<key>": "<tenant>"}: keys that select a tenant')
+    p.add_argument("--allowed-origins", default=None, metavar="ORIGINS",
+                   help="browser origins allowed to call the server (CORS): a comma list "
+                        "(https://app.example.com,http://localhost:3000) or *; default: "
+                        "none (no CORS headers)")
     p.add_argument("--model-alias", "--served-model-name", action="append", default=[],
                    help="extra model name to accept (repeatable), e.g. a name a client "
                         "insists on; replies still name the model")
@@ -111,15 +115,19 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                    help="requests in the rolling hit-rate window")
     p.add_argument("--hit-rate-threshold", type=float, default=0.8,
                    help="warn when the rolling token hit rate drops below this")
-    p.add_argument("--max-tokens-limit", type=int, default=EngineConfig.max_tokens_limit)
+    p.add_argument("--max-tokens-limit", type=int, default=EngineConfig.max_tokens_limit,
+                   help="the largest max_tokens of a request (default "
+                        f"{EngineConfig.max_tokens_limit}); a larger one is clamped to it, "
+                        "or refused with --max-tokens-overflow error")
     p.add_argument("--default-max-tokens", type=int, default=EngineConfig.default_max_tokens,
                    help="max_tokens of a request that gives none (within the room left)")
     p.add_argument("--context-window", "--max-model-len", type=int, default=None,
                    help="the context window to enforce (default: the model's; may only "
                         "shrink it)")
     p.add_argument("--max-tokens-overflow", choices=("clamp", "error"), default="clamp",
-                   help="prompt + max_tokens past the window: clamp max_tokens to the room "
-                        "left (default), or answer with the APIs' context-limit error")
+                   help="prompt + max_tokens past the window, or max_tokens past the "
+                        "limit: clamp max_tokens to the room left (default), or answer "
+                        "with the APIs' context-limit error")
     p.add_argument("--no-canonicalize", action="append", default=[], metavar="RULE",
                    help="switch a canonical-prompt rule off (repeatable): billing_header, "
                         "tool_keys, tool_order, or all")
@@ -273,6 +281,7 @@ def build_configs(args: argparse.Namespace) -> tuple[
         raise ValueError(f"--api-keys-file {args.api_keys_file} does not exist")
     server_cfg = ServerConfig(host=args.host, port=args.port, api_key=args.api_key,
                               api_keys_file=args.api_keys_file,
+                              allowed_origins=parse_origins(args.allowed_origins),
                               hit_rate_window=args.hit_rate_window,
                               hit_rate_alert_threshold=args.hit_rate_threshold,
                               context_window=args.context_window,
@@ -292,6 +301,16 @@ def build_configs(args: argparse.Namespace) -> tuple[
                               session_ttl_s=session_ttl, auto_tune=args.auto_tune,
                               ram_budget_min_bytes=bounds[0], ram_budget_max_bytes=bounds[1])
     return engine_cfg, cache_cfg, ssd_cfg, server_cfg
+
+
+def parse_origins(value: str | None) -> tuple[str, ...]:
+    """``--allowed-origins``: a comma list of origins, or ``*`` (any origin); None: ()."""
+    if value is None:
+        return ()
+    origins = tuple(o.strip().rstrip("/") for o in value.split(","))
+    if not all(origins):
+        raise ValueError(f"--allowed-origins: an empty origin in {value!r}")
+    return origins
 
 
 def read_chat_template(value: str | None) -> str | None:

@@ -88,7 +88,8 @@ class CachePort:
                      else cache.lookup(toks, ns))
             miss = match.miss
             return CachePrediction(max(0, min(int(match.num_tokens), len(toks) - 1)),
-                                   miss.cause if miss is not None else None)
+                                   miss.cause if miss is not None else None,
+                                   whole=int(match.matched_tokens) >= len(toks) > 0)
 
         return self.calls.degrade("the cache lookup of a usage prediction", lookup, None)
 

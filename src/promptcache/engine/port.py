@@ -38,10 +38,12 @@ ENGINE_CALL_TIMEOUT_S = 10.0
 class CachePrediction:
     """What a lookup of a prompt predicts before it is submitted: ``num_tokens`` cached
     (at most ``len(prompt) - 1``: the last token is always computed) and the miss's
-    cause (None on a full hit)."""
+    cause (None on a full hit). ``whole``: the cache already holds every token of the
+    prompt (the request will store no prompt block: nothing is written for it)."""
 
     num_tokens: int
     cause: str | None = None
+    whole: bool = False
 
 
 @dataclass(frozen=True)

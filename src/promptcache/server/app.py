@@ -16,6 +16,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -145,6 +146,12 @@ def create_app(engine: EngineAPI, server_config: ServerConfig | None = None, *,
     # outermost: an oversized body is refused before anything (the request log
     # included) reads it
     app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
+    if config.allowed_origins:
+        # outermost: a browser's preflight (OPTIONS, no credentials) is answered before
+        # the API key is asked for, and every answer (413s included) carries the headers
+        app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins),
+                           allow_methods=["*"], allow_headers=["*"],
+                           expose_headers=["Retry-After"])
     log.info("promptcache app ready: model=%s auth=%s", state.model_id,
              "on" if auth.enabled else "off")
     return app

@@ -183,6 +183,12 @@ class Tier(Protocol):
         the same session id never touch each other's blocks. Returns the number of
         blocks deleted."""
 
+    def delete_session_blocks(self, session_id: str, tenant: str | None = None
+                              ) -> set[bytes]:
+        """``delete_session``, returning the hashes of the blocks deleted (the cache
+        counts a block held by several tiers once). Optional: the cache counts a tier
+        without it by ``delete_session``'s number."""
+
     def delete_tenant(self, tenant: str | None) -> int:
         """Delete every block of a tenant (None: all). Returns the count."""
 

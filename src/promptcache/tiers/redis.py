@@ -186,6 +186,11 @@ class RedisTier:
     # -- deletion (Deleter) ----------------------------------------------------------
     @_boundary
     def delete_session(self, session_id: str, tenant: str | None = None) -> int:
+        return len(self.deleter.delete_session(session_id, tenant))
+
+    @_boundary
+    def delete_session_blocks(self, session_id: str, tenant: str | None = None
+                              ) -> set[bytes]:
         return self.deleter.delete_session(session_id, tenant)
 
     @_boundary

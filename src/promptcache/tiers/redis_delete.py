@@ -49,9 +49,9 @@ class Deleter:
         self.tally = tally
         self.write_lock = write_lock
 
-    def delete_session(self, session_id: str, tenant: str | None) -> int:
+    def delete_session(self, session_id: str, tenant: str | None) -> set[bytes]:
         """Remove ``session_id`` from its blocks (of ``tenant``, or of every tenant); a block
-        left without sessions is deleted. Returns the number of blocks deleted."""
+        left without sessions is deleted. Returns the hashes of the blocks deleted."""
         if not isinstance(session_id, str) or not session_id:
             raise ValueError("session_id must be a non-empty string")
         if tenant is not None:
@@ -59,7 +59,7 @@ class Deleter:
         keys = self.keys
         field = SESSION_FIELD_PREFIX + session_id.encode("utf-8")
         with self.write_lock:
-            cancelled = 0
+            cancelled: set[bytes] = set()
             with self.writes.lock:
                 for p in list(self.writes.pending.values()):
                     if tenant is not None and p.meta.tenant != tenant:
@@ -68,32 +68,32 @@ class Deleter:
                     if p.had_session and not p.sessions and not p.cancelled:
                         p.cancelled = True
                         self.writes.forget(p)
-                        cancelled += 1
+                        cancelled.add(bytes(p.meta.block_hash))
                 for it in list(self.writes.queue.queue):
                     if isinstance(it, Sessions) and (tenant is None or it.tenant == tenant):
                         it.sessions.discard(session_id)
 
-            def run(c: Client) -> int:
+            def run(c: Client) -> set[bytes]:
                 if tenant is not None:
                     set_keys = [keys.session(tenant, session_id)]
                 else:
                     set_keys = [k.decode() if isinstance(k, bytes) else k
                                 for k in c.scan_iter(match=keys.session_pattern(session_id),
                                                      count=SCAN_COUNT)]
-                deleted = 0
+                deleted: set[bytes] = set()
                 for skey in set_keys:
                     t = _tenant_of_key(keys, skey)
                     for member in c.smembers(skey):
                         ns_key, h, parent = KeySpace.parse_member(member)
                         if c.eval(_DROP_SESSION, 1, keys.block(t, ns_key, h), field) == 2:
-                            deleted += 1
+                            deleted.add(h)
                             c.hdel(keys.kids(t, ns_key, parent), h.hex())
                     c.delete(skey)
                 return deleted
 
-            deleted = int(self.remote.call("delete_session", run, kind="write"))
-            self.tally.add("deleted_blocks", deleted)
-            return deleted + cancelled
+            deleted: set[bytes] = set(self.remote.call("delete_session", run, kind="write"))
+            self.tally.add("deleted_blocks", len(deleted))
+            return deleted | cancelled
 
     def delete_tenant(self, tenant: str | None) -> int:
         """Delete every key of ``tenant`` (None: every key of the tier). Returns the number

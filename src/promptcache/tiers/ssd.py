@@ -239,6 +239,11 @@ class SSDTier:
 
     @tier_errors
     def delete_session(self, session_id: str, tenant: str | None = None) -> int:
+        return len(self.maint.delete_session(session_id, tenant))
+
+    @tier_errors
+    def delete_session_blocks(self, session_id: str, tenant: str | None = None
+                              ) -> set[bytes]:
         return self.maint.delete_session(session_id, tenant)
 
     @tier_errors

@@ -114,9 +114,9 @@ class Maintenance:
             self.st.counts["pins"] += len(hs)
             return len(found)
 
-    def delete_session(self, session_id: str, tenant: str | None = None) -> int:
+    def delete_session(self, session_id: str, tenant: str | None = None) -> set[bytes]:
         """Remove the session from the blocks of ``tenant`` (None: every tenant); delete
-        the blocks it leaves without a session. Returns the number deleted."""
+        the blocks it leaves without a session. Returns the hashes of those deleted."""
         if not isinstance(session_id, str) or not session_id:
             raise ValueError("session_id must be a non-empty string")
         if tenant is not None and (not isinstance(tenant, str) or not tenant):
@@ -135,7 +135,7 @@ class Maintenance:
             except sqlite3.Error as e:
                 self.st.index_error(e)
                 raise TierError(f"ssd delete_session failed: {e}") from e
-            return len(cancelled | {h for h, _, _ in orphaned})
+            return cancelled | {bytes(h) for h, _, _ in orphaned}
 
     def discard(self, block_hashes: Iterable[BlockHash]) -> int:
         """Delete these blocks (e.g. partial tails a longer sibling now covers), queued

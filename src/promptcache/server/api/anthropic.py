@@ -22,7 +22,9 @@ as Claude Code add them up to size the context).
 
 Streaming: ``message_start`` is sent at once; its usage is a prediction from a pure
 cache lookup (made off the event loop while the prompt is prepared; the engine reports
-exact numbers only at the end). The exact usage is in ``message_delta``. While the
+exact numbers only at the end), by the same definition: a prompt the cache already
+holds whole writes nothing (its last token, always computed, is ``input_tokens``). The
+exact usage is in ``message_delta``, the same as the non-streamed reply's. While the
 stream has nothing else to send (a long prefill) it sends ``ping`` events.
 """
 
@@ -249,7 +251,10 @@ async def _stream(gen: Generation, st: ServerState, parser: ReplyParser, msg_id:
     tool_use blocks follow at the end. ``diagnostics`` (when asked) rides on
     ``message_start``, from the same cache lookup as its usage."""
     prompt_len, predicted = len(prepared.tokens), prepared.predicted_cached
-    created, split = creation(prompt_len, predicted, prepared.breakpoints) if cache_on \
+    # the final usage's definition: the uncached tokens when the request stores prompt
+    # blocks, else 0 (a prompt the cache holds whole stores none)
+    writes = cache_on and not prepared.predicted_whole
+    created, split = creation(prompt_len, predicted, prepared.breakpoints) if writes \
         else (0, {"ephemeral_5m_input_tokens": 0, "ephemeral_1h_input_tokens": 0})
     start_usage = {"input_tokens": prompt_len - predicted - created,
                    "cache_creation_input_tokens": created,

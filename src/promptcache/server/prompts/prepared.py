@@ -88,6 +88,8 @@ class Prepared:
     # cache lookup for a streamed usage prediction (0 when not asked or no cache)
     predicted_cached: int
     chat_format: ChatFormat
+    # the lookup found every token of the prompt stored: the request writes nothing
+    predicted_whole: bool = False
     # decoded images with their placeholder spans (``tokens`` holds the placeholders)
     images: tuple[ImageInput, ...] = field(default=())
     # the tool-call format the model was asked for (its own, or the Hermes fallback)
@@ -96,6 +98,9 @@ class Prepared:
     tools: list[dict[str, Any]] | None = None
     # constrained decoding for the request's ``structure`` (compiled, checked)
     constraint: Constraint | None = None
+    # ``constraint`` forces tool calls (``tool_choice`` required / a named tool): the
+    # answer is calls only, never text
+    forced_call: bool = False
     # the template messages as rendered (after system placement and the tools fallback)
     messages: list[dict[str, Any]] = field(default_factory=list)
     # the messages before the tools fallback, and the template variables (to render

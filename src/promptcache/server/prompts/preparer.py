@@ -30,7 +30,7 @@ from fastapi import Request
 from ...blocks.tokens import common_prefix
 from ...engine.api import GenerationResult, ImageInput, expand_placeholders, image_extra_keys
 from ...engine.chat_format import ChatFormat
-from ...engine.port import EngineAPI
+from ...engine.port import CachePrediction, EngineAPI
 from ..api.errors import APIError
 from ..ops.diagnostics import (
     NO_PREVIOUS,
@@ -46,7 +46,13 @@ from ..replies.toolcalls import offered_tool_names
 from .canon import Canon
 from .prepared import ChatPrompt, Prepared, TurnContext
 from .prompt import place_system_messages, tools_into_system
-from .structured import PromptShape, check_constraint, constraint_for, thinking_for
+from .structured import (
+    ForcedCall,
+    PromptShape,
+    check_constraint,
+    constraint_for,
+    thinking_for,
+)
 
 log = logging.getLogger(__name__)
 
@@ -233,18 +239,21 @@ class Preparer:
                 prefill=prefill if isinstance(prefill, str) else None))
             if constraint is not None:
                 check_constraint(constraint, self.engine, chat.structure.param)
-        predicted, cause = self._predict(tokens, predict_tenant, images)
+        prediction = self._predict(tokens, predict_tenant, images)
         return Prepared(tokens=tokens, message_starts=starts, tool_names=names,
                         tools_in_system=in_system, continues=cont,
                         in_reasoning=in_reasoning,
-                        predicted_cached=predicted, chat_format=self.chat_format,
+                        predicted_cached=prediction.num_tokens,
+                        predicted_whole=prediction.whole, chat_format=self.chat_format,
                         images=images, tool_format=fmt, tools=chat.tools or None,
                         constraint=constraint,
+                        forced_call=constraint is not None
+                        and isinstance(chat.structure, ForcedCall),
                         messages=messages, plain_messages=plain,
                         template_kwargs=kwargs, fingerprint=fingerprint,
                         divergence=self._divergence(turn, fingerprint, tokens, starts,
                                                     messages, chat.source),
-                        predicted_cause=cause, breakpoints=bps)
+                        predicted_cause=prediction.cause, breakpoints=bps)
 
     def _positions(self, chat: ChatPrompt, canonical: list[dict[str, Any]], dropped: int,
                    tokens: list[int], starts: list[int], rendered: list[dict[str, Any]]
@@ -331,20 +340,22 @@ class Preparer:
         return tail.rfind(cf.think_start or "") > tail.rfind(cf.think_end or "")
 
     def _predict(self, tokens: list[int], tenant: str | None,
-                 images: tuple[ImageInput, ...] = ()) -> tuple[int, str | None]:
-        """The predicted cached tokens (a lookup on the engine thread) and the miss's
-        cause; ``(0, None)`` without a cache or when the lookup failed or timed out (a
-        prediction only: it never fails the request)."""
+                 images: tuple[ImageInput, ...] = ()) -> CachePrediction:
+        """The predicted cached tokens (a lookup on the engine thread), the miss's
+        cause and whether the whole prompt is stored; nothing cached without a cache or
+        when the lookup failed or timed out (a prediction only: it never fails the
+        request)."""
         if tenant is None or self.engine.cache is None:
-            return 0, None
+            return CachePrediction(0)
         try:
             got = self.engine.predict_cached(tokens, tenant, image_extra_keys(images))
         except Exception:  # an engine that raises instead of degrading
             log.debug("cache lookup for the usage prediction failed", exc_info=True)
             got = None
         if got is None:
-            return 0, None
-        return max(0, min(got.num_tokens, len(tokens) - 1)), got.cause
+            return CachePrediction(0)
+        return CachePrediction(max(0, min(got.num_tokens, len(tokens) - 1)), got.cause,
+                               whole=got.whole)
 
 
 def _shift_past_images(positions: tuple[tuple[int, float], ...],

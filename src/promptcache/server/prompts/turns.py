@@ -161,11 +161,12 @@ def plan_max_tokens(st: ServerState, api: str, prompt_len: int, requested: int |
       {window} maximum`` (Claude Code compacts), OpenAI ``context_length_exceeded``
       with its usual message.
     - No max_tokens: the server default (``--default-max-tokens``), within the room left.
-    - prompt + max_tokens past the window: clamped to the room left (the reply ends with
-      ``max_tokens`` / ``length`` there), or with ``max_tokens_overflow="error"``
-      Anthropic ``input length and `max_tokens` exceed context limit: {n} + {m} >
-      {window}, ...`` (Claude Code retries with a smaller max_tokens) / OpenAI
-      ``context_length_exceeded``."""
+    - prompt + max_tokens past the window, or max_tokens past ``--max-tokens-limit``:
+      clamped to the room left and the limit (the reply ends with ``max_tokens`` /
+      ``length`` there), or with ``max_tokens_overflow="error"`` a 400: ``{param} must be
+      <= {limit}`` past the limit, else Anthropic ``input length and `max_tokens` exceed
+      context limit: {n} + {m} > {window}, ...`` (Claude Code retries with a smaller
+      max_tokens) / OpenAI ``context_length_exceeded``."""
     window = context_window(st)
     anthropic = api == "anthropic"
     if prompt_len == 0:
@@ -184,12 +185,12 @@ def plan_max_tokens(st: ServerState, api: str, prompt_len: int, requested: int |
     if isinstance(requested, bool) or requested <= 0:
         raise APIError(400, f"{param} must be > 0, got {requested}", param=param)
     limit = st.engine_config.max_tokens_limit
-    if requested > limit:
-        raise APIError(400, f"{param} must be <= {limit}, got {requested}", param=param)
-    if requested <= room:
+    if requested <= min(limit, room):
         return requested
     if st.config.max_tokens_overflow == "clamp":
-        return room
+        return min(limit, room)
+    if requested > limit:
+        raise APIError(400, f"{param} must be <= {limit}, got {requested}", param=param)
     if anthropic:
         raise APIError(400, f"input length and `max_tokens` exceed context limit: {prompt_len} "
                             f"+ {requested} > {window}, decrease input length or `max_tokens` "

@@ -9,7 +9,8 @@ already opened a reasoning block (templates that end the generation prompt with
 ``<think>``), the reply starts inside it (``in_reasoning=True``).
 
 ``ReplyParser`` runs the answer part through the tool-call parser
-(``toolcalls.ToolCallStream``, in the model's tool-call format). Streaming and
+(``toolcalls.ToolCallStream``, in the model's tool-call format; ``calls_only`` for a
+reply whose calls were forced: its answer is calls, never text). Streaming and
 non-streaming replies go through the same machine (``parse_reply`` for a whole reply),
 so both agree exactly.
 """
@@ -90,9 +91,11 @@ class ReplyParser:
     def __init__(self, think_start: str | None = None, think_end: str | None = None, *,
                  in_reasoning: bool = False, tool_names: Collection[str] = (),
                  tool_format: ToolCallFormat = HERMES,
-                 tools: Sequence[Mapping[str, Any]] | None = None) -> None:
+                 tools: Sequence[Mapping[str, Any]] | None = None,
+                 calls_only: bool = False) -> None:
         self.splitter = ReasoningSplitter(think_start, think_end, in_reasoning=in_reasoning)
-        self.tools = ToolCallStream(tool_names, tool_format, tools) if tool_names else None
+        self.tools = ToolCallStream(tool_names, tool_format, tools, calls_only=calls_only) \
+            if tool_names else None
         self.reasoning = ""  # all reasoning returned so far
         self.text = ""  # all answer text returned so far
 

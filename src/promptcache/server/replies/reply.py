@@ -113,7 +113,7 @@ def reply_parser(prepared: Prepared) -> ReplyParser:
     return ReplyParser(cf.think_start, cf.think_end, in_reasoning=prepared.in_reasoning,
                        tool_names=prepared.tool_names,
                        tool_format=prepared.tool_format or cf.tools_format(False),
-                       tools=prepared.tools)
+                       tools=prepared.tools, calls_only=prepared.forced_call)
 
 
 @dataclass(frozen=True)

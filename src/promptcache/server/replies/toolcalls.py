@@ -25,15 +25,24 @@ be a call plus the calls. ``parse_tool_calls`` runs the same machine over a whol
 so a streamed reply and a non-streamed one agree: the content is exactly the
 concatenation of the streamed text. When calls are found, whitespace around them is
 dropped and text after them is joined with a blank line.
+
+A reply whose calls were forced (``calls_only``: ``tool_choice`` required / a named
+tool, decoded under the call grammar) is calls and nothing else: it sends no text, and
+a block that is not a call (the last one, cut by ``max_tokens``: a parallel reply goes
+on with another call until it stops) is dropped instead of becoming text, so no marker
+reaches the content.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from ...engine.chat_format import HERMES, ToolCall, ToolCallFormat
+
+log = logging.getLogger(__name__)
 
 __all__ = ["HERMES", "ParsedReply", "ToolCall", "ToolCallStream", "offered_tool_names",
            "parse_tool_calls"]
@@ -108,15 +117,17 @@ class ToolCallStream:
     """Incremental tool-call parser of one reply; see the module docstring."""
 
     def __init__(self, names: Collection[str], fmt: ToolCallFormat = HERMES,
-                 tools: Tools | None = None) -> None:
+                 tools: Tools | None = None, *, calls_only: bool = False) -> None:
         self.names = frozenset(names)
         self.fmt = fmt
         self.tools = list(tools) if tools else None
+        self.calls_only = calls_only and bool(self.names)
         self.text = ""  # all text returned so far (feed + finish)
         self._pending = ""  # received, not yet returned (text mode)
         self._held = ""  # the possible call(s): from the start marker on, or the JSON reply
         self._gap = ""  # whitespace between the returned text and the start marker
-        self._mode = "text"  # "text" | "bare" | "tagged"
+        # "text" | "bare" | "tagged"; a forced reply is held whole ("tagged") from the start
+        self._mode = "tagged" if self.calls_only else "text"
         self._finished = False
 
     def _emit(self, out: str) -> str:
@@ -165,6 +176,12 @@ class ToolCallStream:
             calls = _calls(self.fmt, self._held.strip(), self.names, self.tools)
             return ("", calls) if calls else (self._emit(self._held), ())
         found, pieces = _blocks(self._held, self.fmt, self.names, self.tools)
+        if self.calls_only:
+            dropped = "".join(pieces).strip()
+            if dropped:
+                log.info("a forced tool-call reply ended with %d characters that are not a "
+                         "complete call (max_tokens?): dropped", len(dropped))
+            return "", tuple(found)
         if not found:
             return self._emit(self._gap + self._held), ()
         rest = "\n\n".join(p.strip() for p in pieces if p.strip())
@@ -174,10 +191,10 @@ class ToolCallStream:
 
 
 def parse_tool_calls(text: str, names: Collection[str], fmt: ToolCallFormat = HERMES,
-                     tools: Tools | None = None) -> ParsedReply:
+                     tools: Tools | None = None, *, calls_only: bool = False) -> ParsedReply:
     """Tool calls of a whole reply (the same result as streaming it through
     ``ToolCallStream``)."""
-    stream = ToolCallStream(names, fmt, tools)
+    stream = ToolCallStream(names, fmt, tools, calls_only=calls_only)
     head = stream.feed(text)
     tail, calls = stream.finish()
     return ParsedReply(text=head + tail, tool_calls=calls)
