@@ -80,8 +80,21 @@ class EngineConfig:
     # stay as the model's own cache objects (counted in the RAM tier's budget, released
     # before its active blocks), so a next turn that extends one restores nothing; 0: off
     live_states: int = 8
+    # the memory governor (engine/governor.py): the process's footprint is kept under
+    # this many bytes (None: no governor); past soft x it, the holders release (MLX's
+    # buffer pool, live states, the RAM tier) and admission pauses; past hard x it, new
+    # requests are refused with 429 / 529
+    memory_limit_bytes: int | None = None
+    memory_soft: float = 0.85
+    memory_hard: float = 0.95
 
     def __post_init__(self) -> None:
+        if self.memory_limit_bytes is not None and self.memory_limit_bytes <= 0:
+            raise ValueError(f"memory_limit_bytes must be > 0 or None, got "
+                             f"{self.memory_limit_bytes}")
+        if not 0 < self.memory_soft <= self.memory_hard <= 1:
+            raise ValueError("memory watermarks must satisfy 0 < soft <= hard <= 1, got "
+                             f"{self.memory_soft} / {self.memory_hard}")
         if self.live_states < 0:
             raise ValueError(f"live_states must be >= 0, got {self.live_states}")
         if self.speculation not in ("suffix", "off"):

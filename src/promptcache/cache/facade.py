@@ -327,6 +327,16 @@ class PromptCache:
         with self._lock:
             self.pool.drop_outside(nbytes)
 
+    def shrink_ram(self, nbytes: float) -> int:
+        """Free about ``nbytes`` of the RAM tier (the memory governor): its budget is
+        lowered to what its blocks hold less that; evicted blocks are demoted as on any
+        eviction. Returns the bytes of blocks freed."""
+        with self._lock:
+            used = self.pool.used_bytes
+            target = max(0, used - int(min(nbytes, used)))
+            self._ops.resize_ram(target)
+            return used - self.pool.used_bytes
+
     def sessions(self, tenant: str | None = None) -> list[dict[str, Any]]:
         """Every session with blocks, per tier: ``{"tenant", "session_id", "tiers":
         {"ram": {"blocks", "bytes"}, "<tier>": {"blocks", "bytes", "last_use"}}}`` (a

@@ -187,6 +187,12 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                    help="bytes of KV the active requests may hold (batch padding included): "
                         "2GB or a %% of available RAM (default 10%%; the RAM tier budget is "
                         "separate, so KV memory stays under ram-budget + kv-budget)")
+    p.add_argument("--memory-limit", default="75%", metavar="SIZE|%|off",
+                   help="the process's footprint (macOS phys_footprint, Linux RSS) is kept "
+                        "under this: past 85%% of it MLX's buffer pool, the live states and "
+                        "the RAM tier give memory back and admission pauses, past 95%% new "
+                        "requests get 429 / 529 with Retry-After; 8GB or a %% of physical "
+                        "memory (default 75%%; off: no limit)")
     g = p.add_argument_group("images (vision-language models, promptcache[vlm])")
     g.add_argument("--allow-local-images", action="store_true",
                    help="read image parts that name a local file (absolute path / file://)")
@@ -276,7 +282,8 @@ def build_configs(args: argparse.Namespace) -> tuple[
                               spec_pool_tokens=args.spec_pool_tokens,
                               spec_verify_cost=args.spec_verify_cost,
                               spec_max_slowdown=args.spec_max_slowdown,
-                              live_states=args.live_states)
+                              live_states=args.live_states,
+                              memory_limit_bytes=memory_limit(args.memory_limit))
     if args.api_keys_file is not None and not args.api_keys_file.is_file():
         raise ValueError(f"--api-keys-file {args.api_keys_file} does not exist")
     server_cfg = ServerConfig(host=args.host, port=args.port, api_key=args.api_key,
@@ -301,6 +308,18 @@ def build_configs(args: argparse.Namespace) -> tuple[
                               session_ttl_s=session_ttl, auto_tune=args.auto_tune,
                               ram_budget_min_bytes=bounds[0], ram_budget_max_bytes=bounds[1])
     return engine_cfg, cache_cfg, ssd_cfg, server_cfg
+
+
+def memory_limit(value: str) -> int | None:
+    """``--memory-limit``: bytes (a size, or a % of physical memory), None for ``off``."""
+    import psutil
+
+    if value.strip().lower() == "off":
+        return None
+    limit = parse_size(value, total=psutil.virtual_memory().total)
+    if limit <= 0:
+        raise ValueError(f"--memory-limit must be > 0 (or off), got {value!r}")
+    return limit
 
 
 def parse_origins(value: str | None) -> tuple[str, ...]:
@@ -442,6 +461,13 @@ def run(args: argparse.Namespace) -> int:
     try:
         app = create_app(engine, server_cfg, engine_config=engine_cfg,
                          model_aliases=args.model_alias)
+        if engine_cfg.memory_limit_bytes is not None:
+            import psutil
+
+            total = psutil.virtual_memory().total
+            print(f"promptcache: memory limit {engine_cfg.memory_limit_bytes / 1e9:.1f} GB "
+                  f"({engine_cfg.memory_limit_bytes / total:.0%} of "
+                  f"{total / 1e9:.1f} GB physical; --memory-limit)", file=sys.stderr)
         print(f"promptcache: serving {engine.model_id} on http://{args.host}:{args.port} "
               f"(cache: {'off' if args.no_cache else 'RAM' + (' + SSD ' + str(ssd_cfg.path) + (f' ({ssd_mode})' if ssd_mode != 'read_write' else '') if ssd_cfg else '') + (' + Redis' if redis_cfg else '')}"
               f"{f', KV {args.kv_bits}-bit' if args.kv_bits and not args.no_cache else ''}; "

@@ -30,6 +30,12 @@ and never costs an interactive request a slot or a queue position:
 
 A ticket is never admitted past a waiting one of its class (FIFO, no starvation of long
 requests).
+
+Memory pressure (``set_pressure``, from the memory governor, ``governor.py``): under
+``pause`` a ticket is admitted only while no other request is active (the running ones
+finish and give their memory back; an idle engine still serves one at a time); under
+``refuse`` every new submit raises ``OverloadedError`` with the governor's Retry-After
+(``memory_refused``) and nothing waiting is admitted. Back to ``ok``, the queue moves.
 """
 
 from __future__ import annotations
@@ -108,6 +114,9 @@ class Admission:
         self._ready: deque[Ticket] = deque()  # admitted, not yet taken by the engine
         self._admits = 0
         self._interactive_submits = 0  # interactive tickets ever submitted
+        self._pressure = "ok"  # the memory governor's level: ok | pause | refuse
+        self._pressure_retry = 1
+        self.memory_refused = 0  # submits refused for memory
 
     # ---------------------------------------------------------------- accounting
 
@@ -226,6 +235,8 @@ class Admission:
                     continue
                 if q is background and interactive:
                     return
+                if self._pressure == "refuse" or (self._pressure == "pause" and self._active):
+                    return
                 if not self._fits(head):
                     return
                 q.popleft()
@@ -259,6 +270,17 @@ class Admission:
         with self._lock:
             t.t_submit = self.clock()
             self._interactive_submits += not t.background
+            if self._pressure == "refuse":
+                t.state = CANCELLED
+                self.memory_refused += 1
+                if t.background:
+                    self.stats.background_rejected += 1
+                else:
+                    self.stats.rejected += 1
+                retry = self._pressure_retry
+                raise OverloadedError(
+                    f"the server is short of memory (past its --memory-limit's hard "
+                    f"watermark); retry in {retry}s", retry_after_s=retry)
             q = self._waiting[1 if t.background else 0]
             t.state = WAITING
             q.append(t)
@@ -340,6 +362,19 @@ class Admission:
                 t.state = CANCELLED
             return out
 
+    def set_pressure(self, level: str, retry_after_s: int = 1) -> None:
+        """The memory governor's level (``ok`` | ``pause`` | ``refuse``) and the
+        Retry-After of a refusal; back to ``ok`` (or to ``pause`` with nothing active)
+        the waiting tickets are admitted as they fit."""
+        if level not in ("ok", "pause", "refuse"):
+            raise ValueError(f"pressure level must be ok, pause or refuse, got {level!r}")
+        with self._lock:
+            self._pressure = level
+            self._pressure_retry = max(1, min(MAX_RETRY_AFTER_S, int(retry_after_s)))
+            self._admit_waiting()
+            preempt = self._preemptions()
+        self._tell_preempted(preempt)
+
     @property
     def has_ready(self) -> bool:
         return bool(self._ready)
@@ -363,5 +398,7 @@ class Admission:
                 "max_queued": self.max_queued,
                 "kv_budget_bytes": self.kv_budget,
                 "kv_reserved_bytes": self.footprint(lengths),
+                "memory_pressure": self._pressure,
+                "memory_refused_requests": self.memory_refused,
                 **self.stats.to_dict(),
             }

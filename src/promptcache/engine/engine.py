@@ -48,6 +48,7 @@ from .cache_port import CachePort, Namespaces
 from .calls import EngineCalls
 from .chat_format import ChatFormat, chat_format_of
 from .context import EngineContext, EngineCounters, LogitsHook
+from .governor import Holder, MemoryGovernor, process_footprint
 from .handles import RequestHandle
 from .kv_size import kv_row_bytes, probe_caches
 from .live import LiveStates
@@ -188,9 +189,11 @@ class Engine:
                                          chunk_tokens=cfg.prefill_chunk_tokens,
                                          busy=lambda: not self.scheduler.idle)
             cache.observers.append(self.shadow)
+        self.governor = (self._governor(cfg.memory_limit_bytes)
+                         if cfg.memory_limit_bytes is not None else None)
         self.loop = EngineLoop(cfg, self.scheduler, self.admission, self.calls, self._control,
                                self.shadow, fail_pending=self.submission.fail_pending,
-                               died=self._died)
+                               died=self._died, governor=self.governor)
         self._thread.start()
         # stop the engine thread at interpreter exit even if close() was never called
         self._finalizer = weakref.finalize(self, stop_thread, self._control, self._thread)
@@ -345,11 +348,41 @@ class Engine:
                 **self.calls.stats,
                 **spec_stats(self._ctx.speculator, self.counters),
                 **(self._ctx.live.stats() if self._ctx.live is not None else {}),
+                **(self.governor.snapshot() if self.governor is not None else {}),
                 # mlx's own accounting: arrays alive (KV, RAM-tier blocks, weights), its
                 # buffer cache (freed buffers it keeps for reuse) and the peak
                 "mlx_active_bytes": int(mx.get_active_memory()),
                 "mlx_cache_bytes": int(mx.get_cache_memory()),
                 "mlx_peak_bytes": int(mx.get_peak_memory())}
+
+    def _governor(self, limit: int, footprint: Callable[[], int] = process_footprint
+                  ) -> MemoryGovernor:
+        """The memory governor over this engine's holders (``governor.py``): MLX's
+        buffer pool (first, and after each holder that released), the live states,
+        the RAM tier."""
+        cache, live, cfg = self.cache, self._ctx.live, self.engine_config
+
+        def mlx_pool(_: float) -> int:
+            held = int(mx.get_cache_memory())
+            mx.clear_cache()
+            return held
+
+        holders: list[Holder] = []
+        if live is not None:
+            holders.append(Holder("live", live.release))
+        regrow: Callable[[], None] = lambda: None  # noqa: E731
+        if cache is not None:
+            configured = cache.pool.budget_bytes
+
+            def regrow_ram() -> None:
+                if cache.pool.budget_bytes < configured:
+                    cache.resize_ram(configured)
+
+            holders.append(Holder("ram", cache.shrink_ram))
+            regrow = regrow_ram
+        return MemoryGovernor(limit, footprint, holders, pool=Holder("mlx_cache", mlx_pool),
+                              admission=self.admission.set_pressure,
+                              regrow=regrow, soft=cfg.memory_soft, hard=cfg.memory_hard)
 
     def release_live(self) -> int:
         """Release every live session state (what a memory governor asks first);

@@ -320,6 +320,14 @@ class LiveStates:
                 self.counters.reclaimed += 1
         return freed
 
+    def release(self, nbytes: float) -> int:
+        """Release the least recently kept states until at least ``nbytes`` are freed
+        (the memory governor, not under the cache lock); returns the bytes released."""
+        freed = self.reclaim(int(min(nbytes, 1 << 62)))
+        if freed:
+            self._drop(freed)
+        return freed
+
     def forget(self, tenant: str | None, session: str | None) -> int:
         """The cache's hook when a tenant's blocks (None: everyone's) or one session of
         theirs are deleted: release the matching states (a state of an unnamed session

@@ -4,7 +4,8 @@ verification in idle time, gathering a burst; and its death.
 Each turn runs the calls waiting for the engine thread (``calls.py``), then one
 scheduler step. Idle, it runs one chunk of shadow verification if there is one, else
 it waits for a wake-up: a call, or an arrival, after which it gathers the rest of a
-burst (``arrivals.py``). A burst that arrives while the engine runs only background
+burst (``arrivals.py``). Before each step the memory governor checks the footprint (at
+most every ``interval_s``; ``governor.py``). A burst that arrives while the engine runs only background
 work (next-turn pre-renders) is gathered the same way before the step that would take
 its first request: one request would otherwise start alone and the others prefill
 while it decodes. An exception that escapes a step kills the thread: ``died``
@@ -24,6 +25,7 @@ from ..serving_config import EngineConfig
 from .admission import Admission
 from .arrivals import Arrivals
 from .calls import EngineCalls
+from .governor import MemoryGovernor
 from .scheduler import Scheduler
 from .shadow import ShadowVerifier
 
@@ -38,7 +40,7 @@ class EngineLoop:
     def __init__(self, config: EngineConfig, scheduler: Scheduler, admission: Admission,
                  calls: EngineCalls, control: Arrivals, shadow: ShadowVerifier | None, *,
                  fail_pending: Callable[[str | None], None],
-                 died: Callable[[str], None]) -> None:
+                 died: Callable[[str], None], governor: MemoryGovernor | None = None) -> None:
         self._config = config
         self._scheduler = scheduler
         self._admission = admission
@@ -47,6 +49,7 @@ class EngineLoop:
         self._shadow = shadow
         self._fail_pending = fail_pending
         self._died = died
+        self._governor = governor
         # interactive submits up to the last gathering (``_burst_behind_background``)
         self._gathered = 0
 
@@ -80,6 +83,8 @@ class EngineLoop:
                 return
             if calls.pending:
                 calls.run()
+            if self._governor is not None:
+                self._governor.maybe_check()  # between steps: the memory limit
             if self._burst_behind_background():
                 self._gather_burst()
             if not sched.step():

@@ -1,0 +1,222 @@
+"""The memory governor: one memory limit, enforced on the process's real footprint.
+
+On a Mac the model, the running requests' KV, the live session states, the RAM tier,
+MLX's buffer pool and the page cache share one unified memory, and running out of it
+is a kernel panic or a jetsam kill, not an exception. The budgets of the parts
+(``--ram-budget``, ``--kv-budget``, MLX's cache limit) do not bound their sum; the
+governor does. It reads the footprint (``footprint()``: macOS ``phys_footprint``, which
+sees Metal buffers where RSS does not; Linux RSS) and, past the soft watermark, asks
+the holders to release, in order, until the footprint is back under it:
+
+1. MLX's buffer pool (``pool``: freed buffers kept for reuse; nothing is lost);
+2. the live session states (``engine/live.py``: the blocks hold the same state);
+3. the RAM tier (its budget shrinks; evicted blocks are demoted to the lower tiers as
+   on any eviction, so what the SSD lacks is spilled, not dropped);
+
+and the pool again after each holder that released something (what an array frees goes
+to the pool, not back to the system, until the pool is cleared).
+
+What is left decides admission: under the soft watermark, as usual; between the soft
+and the hard one, new requests wait (``pause``); past the hard one, new requests are
+refused with 429 / 529 and a Retry-After from the measured drain rate (``refuse``).
+Nothing acknowledged is dropped and no running request is stopped. When the footprint
+is back under the soft watermark by a margin, the RAM tier's budget grows back toward
+its configured size (growing evicts nothing).
+
+``check`` runs on the engine thread between steps (at most every ``interval_s``); the
+holders are plain callables, so a test drives it with injected footprints.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+import math
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+logger = logging.getLogger(__name__)
+
+OK, PAUSE, REFUSE = "ok", "pause", "refuse"
+# the RAM tier's budget grows back once the footprint is this far under the soft mark
+REGROW_MARGIN = 0.05
+MAX_RETRY_AFTER_S = 600
+
+
+@dataclass(frozen=True)
+class Holder:
+    """One part that can give memory back: ``release(nbytes)`` frees up to about
+    ``nbytes`` (``math.inf``: everything it can) and returns the bytes freed."""
+
+    name: str
+    release: Callable[[float], int]
+
+
+@dataclass
+class GovernorStats:
+    checks: int = 0
+    reclaims: int = 0  # checks that found the footprint past the soft watermark
+    released: dict[str, int] = field(default_factory=dict)  # bytes, per holder
+    paused: int = 0  # checks that left admission paused
+    refused: int = 0  # checks that left admission refusing new work
+    peak_footprint: int = 0
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What one check saw and did."""
+
+    footprint: int  # before the releases
+    after: int  # the footprint read again after them
+    released: tuple[tuple[str, int], ...]  # (holder, bytes) in the order asked
+    level: str  # OK | PAUSE | REFUSE
+    retry_after_s: int
+
+
+class MemoryGovernor:
+    """Enforces ``limit`` bytes on ``footprint()`` (see the module docstring)."""
+
+    def __init__(self, limit: int, footprint: Callable[[], int],
+                 holders: Sequence[Holder], *, pool: Holder | None = None,
+                 admission: Callable[[str, int], None] = lambda level, retry: None,
+                 regrow: Callable[[], None] = lambda: None,
+                 soft: float = 0.85, hard: float = 0.95, interval_s: float = 0.25,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if limit <= 0:
+            raise ValueError(f"the memory limit must be > 0 bytes, got {limit}")
+        if not 0 < soft <= hard <= 1:
+            raise ValueError(f"watermarks must satisfy 0 < soft <= hard <= 1, got "
+                             f"{soft} / {hard}")
+        self.limit = limit
+        self.soft = int(limit * soft)
+        self.hard = int(limit * hard)
+        self._footprint = footprint
+        self._holders = list(holders)
+        self._pool = pool
+        self._admission = admission
+        self._regrow = regrow
+        self._interval = interval_s
+        self._clock = clock
+        self._last = -math.inf
+        self.level = OK
+        self.stats = GovernorStats()
+        # (time, footprint) of the last checks: the drain rate for Retry-After
+        self._history: list[tuple[float, int]] = []
+
+    def maybe_check(self) -> Decision | None:
+        """``check`` if ``interval_s`` passed since the last one."""
+        now = self._clock()
+        if now - self._last < self._interval:
+            return None
+        return self.check()
+
+    def check(self) -> Decision:
+        now = self._clock()
+        self._last = now
+        st = self.stats
+        st.checks += 1
+        used = int(self._footprint())
+        st.peak_footprint = max(st.peak_footprint, used)
+        released: list[tuple[str, int]] = []
+        after = used
+        if used > self.soft:
+            st.reclaims += 1
+            pool = self._pool
+            if pool is not None:
+                after = self._ask(pool, after, released)
+            for holder in self._holders:
+                if after <= self.soft:
+                    break
+                n = len(released)
+                after = self._ask(holder, after, released)
+                if pool is not None and len(released) > n and released[-1][1] \
+                        and after > self.soft:
+                    after = self._ask(pool, after, released)
+        elif used < self.soft - self.limit * REGROW_MARGIN:
+            self._regrow()
+        self._history = [(t, f) for t, f in self._history if now - t <= 30.0]
+        self._history.append((now, after))
+        level = OK if after <= self.soft else PAUSE if after <= self.hard else REFUSE
+        retry = self._retry_after(after) if level != OK else 0
+        if level != self.level:
+            logger.warning("memory: footprint %.2f GB of a %.2f GB limit (soft %.2f, hard "
+                           "%.2f): admission %s", after / 1e9, self.limit / 1e9,
+                           self.soft / 1e9, self.hard / 1e9, level)
+        self.level = level
+        st.paused += level == PAUSE
+        st.refused += level == REFUSE
+        self._admission(level, retry)
+        return Decision(used, after, tuple(released), level, retry)
+
+    def _ask(self, holder: Holder, used: int, released: list[tuple[str, int]]) -> int:
+        """Ask ``holder`` for what the footprint ``used`` is over the soft mark; the
+        footprint read again when it released something."""
+        try:
+            freed = int(holder.release(used - self.soft))
+        except Exception:
+            logger.exception("the memory governor's %s release failed", holder.name)
+            return used
+        released.append((holder.name, freed))
+        st = self.stats
+        st.released[holder.name] = st.released.get(holder.name, 0) + freed
+        return int(self._footprint()) if freed else used
+
+    def _retry_after(self, used: int) -> int:
+        """Seconds until the footprint is back under the soft watermark at the drain
+        rate of the last 30 s (1 s when it is not draining: ask again soon)."""
+        if len(self._history) < 2:
+            return 1
+        (t0, f0), (t1, f1) = self._history[0], self._history[-1]
+        rate = (f0 - f1) / (t1 - t0) if t1 > t0 else 0.0
+        if rate <= 0:
+            return 1
+        return int(min(MAX_RETRY_AFTER_S, max(1, math.ceil((used - self.soft) / rate))))
+
+    def snapshot(self) -> dict[str, object]:
+        st = self.stats
+        return {"memory_limit_bytes": self.limit, "memory_soft_bytes": self.soft,
+                "memory_hard_bytes": self.hard, "memory_level": self.level,
+                "memory_checks": st.checks, "memory_reclaims": st.reclaims,
+                "memory_released_bytes": dict(st.released), "memory_paused": st.paused,
+                "memory_refused": st.refused, "memory_peak_footprint": st.peak_footprint}
+
+
+# ---------------------------------------------------------------- the footprint
+
+def process_footprint() -> int:
+    """The process's physical footprint in bytes: macOS ``phys_footprint`` (what jetsam
+    counts, Metal buffers included), elsewhere the resident set size."""
+    if sys.platform == "darwin":
+        got = _darwin_phys_footprint()
+        if got is not None:
+            return got
+    import psutil  # type: ignore[import-untyped]
+
+    return int(psutil.Process().memory_info().rss)
+
+
+class _RUsageInfoV2(ctypes.Structure):
+    _fields_ = [("ri_uuid", ctypes.c_uint8 * 16), *[(n, ctypes.c_uint64) for n in (
+        "ri_user_time", "ri_system_time", "ri_pkg_idle_wkups", "ri_interrupt_wkups",
+        "ri_pageins", "ri_wired_size", "ri_resident_size", "ri_phys_footprint",
+        "ri_proc_start_abstime", "ri_proc_exit_abstime", "ri_child_user_time",
+        "ri_child_system_time", "ri_child_pkg_idle_wkups", "ri_child_interrupt_wkups",
+        "ri_child_pageins", "ri_child_elapsed_abstime", "ri_diskio_bytesread",
+        "ri_diskio_byteswritten")]]
+
+
+def _darwin_phys_footprint() -> int | None:
+    """``proc_pid_rusage(getpid(), RUSAGE_INFO_V2)``'s ``ri_phys_footprint``."""
+    try:
+        import os
+
+        lib = ctypes.CDLL(ctypes.util.find_library("System") or "/usr/lib/libSystem.B.dylib")
+        info = _RUsageInfoV2()
+        if lib.proc_pid_rusage(os.getpid(), 2, ctypes.byref(info)) != 0:
+            return None
+        return int(info.ri_phys_footprint)
+    except (OSError, AttributeError):
+        return None
