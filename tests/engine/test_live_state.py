@@ -59,7 +59,11 @@ def test_a_retry_trims_the_live_state_and_equals_a_full_prefill(tiny_llama_path)
         p = _prompt(1, 40)
         first, by_tier, _ = _run(eng, p, "t1")
         assert by_tier == {}
-        assert eng.engine_stats()["live_states"] == 1
+        s = eng.engine_stats()
+        layers = len(eng._ctx.model.layers)
+        # arrays held (Metal caps their number): k and v per layer in the live state; one
+        # buffer per RAM block (5 of the prompt, the reply's partial one)
+        assert (s["live_states"], s["live_arrays"], s["ram_arrays"]) == (1, 2 * layers, 6)
         # the client retries the same request: the state holds prompt + reply[:-1]; it is
         # trimmed to all but the prompt's last token (which runs again for its logits)
         again, by_tier, logits = _run(eng, p, "retry")

@@ -349,6 +349,9 @@ class Engine:
                 **spec_stats(self._ctx.speculator, self.counters),
                 **(self._ctx.live.stats() if self._ctx.live is not None else {}),
                 **(self.governor.snapshot() if self.governor is not None else {}),
+                # MLX arrays the RAM tier holds (one buffer per block): Metal caps the
+                # buffers of a process (~499,000) whatever their bytes
+                "ram_arrays": self.cache.pool.num_blocks if self.cache is not None else 0,
                 # mlx's own accounting: arrays alive (KV, RAM-tier blocks, weights), its
                 # buffer cache (freed buffers it keeps for reuse) and the peak
                 "mlx_active_bytes": int(mx.get_active_memory()),

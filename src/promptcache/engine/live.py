@@ -67,6 +67,7 @@ class LiveState:
     nbytes: int
     trimmable: bool
     session: str | None = None
+    narrays: int = 0  # MLX arrays it holds (Metal caps their number per process)
     kept_at: float = 0.0  # the cache's clock when kept (its TTL applies)
 
 
@@ -176,10 +177,6 @@ def _leaves(caches: Sequence[Any]) -> list[Any]:
     return out
 
 
-def _nbytes(caches: Sequence[Any]) -> int:
-    return sum(int(a.nbytes) for _, a in adapters.state_arrays(caches))
-
-
 def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
     """The length of the longest common prefix of two token arrays."""
     n = min(a.shape[0], b.shape[0])
@@ -223,6 +220,7 @@ class LiveStates:
             c = self.counters
             return {"live_states": len(self._states),
                     "live_bytes": sum(s.nbytes for s in self._states.values()),
+                    "live_arrays": sum(s.narrays for s in self._states.values()),
                     **{f"live_{k}": int(v) for k, v in c.__dict__.items()}}
 
     # ---- keep / take ------------------------------------------------------------
@@ -239,9 +237,10 @@ class LiveStates:
                 return False
             arrays = [a for _, a in adapters.state_arrays(own)]
             mx.async_eval(*arrays)  # type: ignore[no-untyped-call]
-            nbytes = _nbytes(own)
+            nbytes = sum(int(a.nbytes) for a in arrays)
             state = LiveState(ns.root, ns.tenant, np.array(tokens, dtype=np.uint32), own, nbytes,
-                              bool(can_trim_prompt_cache(own)), session, self._clock())
+                              bool(can_trim_prompt_cache(own)), session, len(arrays),
+                              self._clock())
         except Exception:
             logger.exception("keeping a live state failed")
             self.counters.errors += 1
