@@ -73,8 +73,15 @@ class CacheConfig:
     kv_bits: int | None = None
     kv_group_size: int = 64
     kv_quant_min_tokens: int = 256
+    # MLX arrays the RAM tier may hold (one buffer per block; None: no cap). Metal caps a
+    # process's buffers (~499,000) whatever their bytes: the default leaves room for the
+    # model, the running requests and the live states
+    max_arrays: int | None = 400_000
 
     def __post_init__(self) -> None:
+        if self.max_arrays is not None and (isinstance(self.max_arrays, bool)
+                                            or self.max_arrays < 1):
+            raise ValueError(f"max_arrays must be >= 1 or None, got {self.max_arrays!r}")
         if not isinstance(self.block_size, int) or not 1 <= self.block_size <= 4096:
             raise ValueError(f"block_size must be an integer in [1, 4096], got {self.block_size!r}")
         if self.kv_bits is not None and (isinstance(self.kv_bits, bool) or self.kv_bits not in (4, 8)):

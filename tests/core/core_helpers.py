@@ -43,7 +43,7 @@ class PayloadRecorder:
 
 def make_cache(block_size: int = 4, budget: int = 1 << 20, **kw: Any) -> PromptCache:
     cfg_kw = {k: kw.pop(k) for k in ("ttl_seconds", "explain_history", "protect_share",
-                                         "active_session_s") if k in kw}
+                                         "active_session_s", "max_arrays") if k in kw}
     cfg = CacheConfig(block_size=block_size, ram_budget_bytes=budget, **cfg_kw)
     kw.setdefault("encode", test_encode)
     kw.setdefault("decode", test_decode)

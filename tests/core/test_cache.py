@@ -268,3 +268,16 @@ def test_token_history_walks_the_stored_chains_of_one_namespace():
     assert cache.token_history(NS, 0) == []
     # the walk stops once max_tokens are collected (blocks of 4: it stops after 4)
     assert sum(len(s) for s in cache.token_history(NS, 4)) == 4
+
+
+def test_max_arrays_caps_the_ram_blocks_whatever_their_bytes():
+    cache = make_cache(budget=10**8, max_arrays=5)
+    a = list(range(1, 13))  # 3 blocks
+    b = list(range(100, 112))  # 3 more: the cap evicts a's LRU tail-first
+    assert cache.store(NS, a, 12, payload_for) == 3
+    assert cache.store(NS, b, 12, payload_for) == 3
+    s = cache.stats()
+    assert s.ram_blocks == 5 and s.evictions == 1
+    assert cache.lookup(a + [0], NS).num_tokens == 8  # its last block went first
+    assert cache.lookup(b + [0], NS).num_tokens == 12
+    cache.check()

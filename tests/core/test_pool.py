@@ -266,3 +266,32 @@ def test_shrink_to_releases_outside_bytes_before_active_blocks():
     assert pool.shrink_to(50) == 50
     assert (evicted, pool.outside_bytes, pool.used_bytes) == ([], 0, 50)
     assert pool.shrink_to(0) == 0 and evicted == [1]
+
+
+def test_max_blocks_caps_the_count_evicting_idle_then_active_blocks():
+    from promptcache.blocks.pool import ACTIVE
+
+    evicted: list[int] = []
+    pool = BlockPool(1000, on_evict=lambda b: evicted.append(num(b)), max_blocks=3)
+    a, b, c = alloc(pool, 1), alloc(pool, 2), alloc(pool, 3)
+    pool.set_level(a, ACTIVE)
+    for x in (a, b, c):
+        pool.unref(x)
+    # a fourth block: the LRU idle one (2) goes, though 970 bytes are free
+    d = alloc(pool, 4)
+    assert evicted == [2] and pool.num_blocks == 3
+    # a run of 2 more (the lower tiers' batched promotion): idle 3, then active 1
+    assert pool.make_room(20, 2)
+    assert evicted == [2, 3, 1] and pool.num_blocks == 1
+    # referenced blocks count and are never evicted: 3 referenced leave no room
+    e, f = alloc(pool, 5), alloc(pool, 6)
+    assert not pool.can_allocate(10) and not pool.make_room(10) and pool.num_blocks == 3
+    assert pool.can_allocate(10, 0)  # bytes outside the pool hold no block
+    for x in (d, e, f):
+        pool.unref(x)
+    pool.check()
+
+
+def test_max_blocks_must_be_positive():
+    with pytest.raises(ValueError):
+        BlockPool(100, max_blocks=0)

@@ -75,11 +75,16 @@ class BlockPool:
     ones before active ones; protected ones never (one free queue per level)."""
 
     def __init__(
-        self, budget_bytes: int, on_evict: Callable[[Block], None] | None = None
+        self, budget_bytes: int, on_evict: Callable[[Block], None] | None = None,
+        max_blocks: int | None = None,
     ) -> None:
         if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes < 0:
             raise ValueError(f"budget_bytes must be a non-negative integer, got {budget_bytes!r}")
+        if max_blocks is not None and (isinstance(max_blocks, bool) or max_blocks < 1):
+            raise ValueError(f"max_blocks must be a positive integer or None, got {max_blocks!r}")
         self.budget_bytes = budget_bytes
+        # at most this many blocks (each one MLX buffer: Metal caps a process's buffers)
+        self.max_blocks = max_blocks
         self.on_evict = on_evict
         self._map: dict[BlockHash, Block] = {}
         # children whose parent is not a block in the map: parent hash -> child(ren)
@@ -176,21 +181,29 @@ class BlockPool:
         block.level = level
 
     # ---- allocation ----------------------------------------------------------
-    def can_allocate(self, nbytes: int) -> bool:
-        """Whether ``nbytes`` fit after evicting every unreferenced block and releasing
-        the bytes held outside if needed."""
+    def can_allocate(self, nbytes: int, nblocks: int = 1) -> bool:
+        """Whether ``nblocks`` blocks of ``nbytes`` in all fit after evicting every
+        unreferenced block and releasing the bytes held outside if needed."""
         outside = 0 if self.reclaim_outside is not None else self.outside_bytes
+        if self.max_blocks is not None:
+            evictable = len(self._queues[IDLE]) + len(self._queues[ACTIVE])
+            if self.num_blocks - evictable + nblocks > self.max_blocks:
+                return False
         return nbytes <= self.budget_bytes and (
             self.used_bytes + outside - self.evictable_bytes + nbytes <= self.budget_bytes
         )
 
-    def make_room(self, nbytes: int) -> bool:
+    def make_room(self, nbytes: int, nblocks: int = 1) -> bool:
         """Evict LRU unreferenced idle blocks, then release bytes held outside, then
-        evict active blocks, until ``nbytes`` more fit. False if impossible (nothing is
-        evicted then)."""
-        if not self.can_allocate(nbytes):
+        evict active blocks, until ``nblocks`` blocks of ``nbytes`` in all fit (bytes
+        and, with ``max_blocks``, the count). False if impossible (nothing is evicted
+        then)."""
+        if not self.can_allocate(nbytes, nblocks):
             return False
         self.shrink_to(self.budget_bytes - nbytes)
+        if self.max_blocks is not None:
+            while self.num_blocks + nblocks > self.max_blocks and self.evict() is not None:
+                pass
         return True
 
     def shrink_to(self, target: int) -> int:
@@ -216,7 +229,7 @@ class BlockPool:
         False (nothing counted) if they cannot fit."""
         if nbytes < 0:
             raise ValueError(f"nbytes must be >= 0, got {nbytes}")
-        if not self.make_room(nbytes):
+        if not self.make_room(nbytes, 0):
             return False
         self.outside_bytes += nbytes
         return True

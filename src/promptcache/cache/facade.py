@@ -71,7 +71,8 @@ class PromptCache:
         self.gone = gone = GoneMemory(config.explain_history)
         # every evicted block passes ``Ops.evicted`` once (the demotion hook)
         self.pool = pool = BlockPool(config.resolved_ram_budget(),
-                                     on_evict=lambda block: self._ops.evicted(block))
+                                     on_evict=lambda block: self._ops.evicted(block),
+                                     max_blocks=config.max_arrays)
         faults = Faults(c)
         payloads = Payloads(adapter, encode, decode)
         self.adapter = payloads.adapter

@@ -138,12 +138,12 @@ class Lookup:
             if run and total + e.meta.nbytes > PROMOTE_BATCH_BYTES:
                 break
             if self.pool.get(e.meta.block_hash) is not None or not self.pool.can_allocate(
-                    total + e.meta.nbytes):
+                    total + e.meta.nbytes, len(run) + 1):
                 break
             run.append(j)
             hashes.append(e.meta.block_hash)
             total += e.meta.nbytes
-        if get_many is None or not run or not self.pool.make_room(total):  # RAM first
+        if get_many is None or not run or not self.pool.make_room(total, len(run)):  # RAM first
             return {}
         try:
             got = get_many(hashes, ns=ns)

@@ -56,6 +56,10 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                    help="SSD tier folder (default: <promptcache home>/blocks)")
     p.add_argument("--ram-budget", default=None,
                    help="RAM tier budget: 512MB, 4GB or 20%% of available RAM (default 20%%)")
+    p.add_argument("--max-arrays", type=int, default=CacheConfig.max_arrays, metavar="N",
+                   help="MLX arrays the RAM tier may hold (one per block): Metal caps a "
+                        "process's buffers at ~499,000 whatever their bytes (default "
+                        f"{CacheConfig.max_arrays})")
     p.add_argument("--ssd-budget", default="10GB",
                    help="SSD tier budget: 10GB, or a %% of the free disk space")
     p.add_argument("--block-size", type=int, default=64, help="tokens per cache block")
@@ -250,7 +254,8 @@ def build_configs(args: argparse.Namespace) -> tuple[
                             protect_share=args.protect_share,
                             active_session_s=args.session_active_minutes * 60.0 or None,
                             kv_bits=args.kv_bits, kv_group_size=args.kv_group_size,
-                            kv_quant_min_tokens=args.kv_quant_min_tokens)
+                            kv_quant_min_tokens=args.kv_quant_min_tokens,
+                            max_arrays=args.max_arrays)
     ssd_cfg = None
     if not args.no_cache and not args.no_ssd:
         path = args.cache_dir if args.cache_dir is not None else SSDConfig().path
