@@ -5,7 +5,8 @@ what is new.
 
 A request that finishes (a reply, a cancelled stream, a prefill-only pre-render)
 hands its caches to ``LiveStates.keep``: plain KV is copied out of the decode batch
-into its own buffers (one copy per layer), private caches are kept as they are. A
+into its own buffers (one copy per layer, with room for an eighth more tokens: the next
+turn writes its new tokens in place), private caches are kept as they are. A
 new request's ``take`` finds the state of its namespace (tenant, model, cache
 format) with the longest common prefix; the caller uses it instead of the blocks
 when it reaches at least as far as the blocks would (``request_saves``; ``take`` says
@@ -54,6 +55,10 @@ from ..meta import Namespace
 from . import adapters, mlx_compat
 
 logger = logging.getLogger(__name__)
+
+# a kept plain-KV state has room for this share of its tokens more (its next turn's new
+# tokens are written in place up to there; past it, ``grow`` copies it once)
+ROOM_SHARE = 8
 
 
 @dataclass
@@ -109,7 +114,9 @@ def _detach(caches: Sequence[Any], pos: int, private: bool) -> list[Any] | None:
                 c.offset = pos  # its own buffers: trimming is moving the offset
                 out.append(c)
                 continue
-            cap = _round_up(pos, KVCache.step)
+            # room for the next turn's new tokens (an eighth of the state, at least one
+            # growth step), so the turn that takes it writes in place: no copy then
+            cap = _round_up(pos + max(KVCache.step, pos // ROOM_SHARE), KVCache.step)
             fresh = KVCache()
             fresh.keys = _padded(c.keys, pos, cap)
             fresh.values = _padded(c.values, pos, cap)
