@@ -173,6 +173,26 @@ class ImageLimits:
 
 
 @dataclass(frozen=True)
+class EdgeLimits:
+    """The HTTP edge (server/edge.py): what one connection may hold before it has sent
+    a request, and how many connections the server keeps open."""
+
+    # a connection that has not sent a whole request head this many seconds after it
+    # opened (or after the first byte of its next request) is closed
+    header_timeout_s: float = 10.0
+    # open connections at most; past it the idle keep-alive ones are closed first, then
+    # the ones still sending a head (oldest first); with every one busy a new one is
+    # answered 503 and closed. Sized to the fd limit at startup (edge.fit_to_fd_limit)
+    max_connections: int = 1024
+
+    def __post_init__(self) -> None:
+        if not self.header_timeout_s > 0:
+            raise ValueError(f"header_timeout_s must be > 0, got {self.header_timeout_s}")
+        if self.max_connections < 1:
+            raise ValueError(f"max_connections must be >= 1, got {self.max_connections}")
+
+
+@dataclass(frozen=True)
 class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8080
@@ -211,6 +231,8 @@ class ServerConfig:
     ram_budget_max_bytes: int | None = None
     # bodies of /v1/* requests larger than this are refused with 413 before any work
     max_body_bytes: int = 32 * 1024 * 1024
+    # the HTTP edge: head timeout, connection cap (server/edge.py)
+    edge: EdgeLimits = field(default_factory=EdgeLimits)
 
     def __post_init__(self) -> None:
         for origin in self.allowed_origins:
