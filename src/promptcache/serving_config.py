@@ -184,8 +184,18 @@ class EdgeLimits:
     # the ones still sending a head (oldest first); with every one busy a new one is
     # answered 503 and closed. Sized to the fd limit at startup (edge.fit_to_fd_limit)
     max_connections: int = 1024
+    # a request head larger than this is answered 431 (h11's default limit)
+    max_header_bytes: int = 16 * 1024
+    # a refusal sent while the client still sends (431, a 413 mid-body) half-closes the
+    # connection and drops what still arrives for up to this many seconds, so the
+    # client reads the answer instead of a connection reset
+    linger_s: float = 2.0
 
     def __post_init__(self) -> None:
+        if self.max_header_bytes < 1024:
+            raise ValueError(f"max_header_bytes must be >= 1024, got {self.max_header_bytes}")
+        if self.linger_s < 0:
+            raise ValueError(f"linger_s must be >= 0, got {self.linger_s}")
         if not self.header_timeout_s > 0:
             raise ValueError(f"header_timeout_s must be > 0, got {self.header_timeout_s}")
         if self.max_connections < 1:

@@ -202,3 +202,49 @@ def test_at_the_cap_idle_connections_go_first_and_busy_ones_are_kept(
         assert status == 200
         for s in idle + slow + busy + [extra]:
             s.close()
+
+
+def head_of(size: int, path: str = "/health") -> bytes:
+    """A GET request head of exactly ``size`` bytes (padded by one header; a keep-alive
+    request that asks to be closed after its answer)."""
+    start = f"GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\nx-pad: ".encode()
+    pad = size - len(start) - 4
+    return start + b"a" * pad + b"\r\n\r\n"
+
+
+def test_an_oversized_head_is_a_431_in_the_api_error_shape(tiny_llama_path: Path,
+                                                           tmp_path: Path) -> None:
+    with serve(tiny_llama_path, tmp_path, "--max-body-bytes", "1MB") as srv:
+        # a 1 MB header through a real client: the 431 is read, not a reset
+        r = httpx.post(f"{srv.base}/v1/chat/completions", json=CHAT, timeout=30,
+                       headers={"x-big": "a" * 1_000_000})
+        assert r.status_code == 431
+        assert r.json() == {"error": {
+            "message": "the request's headers are larger than the server's limit of "
+                       "16384 bytes", "type": "invalid_request_error", "param": None,
+            "code": "request_header_fields_too_large"}}
+        # Anthropic's path, Anthropic's shape
+        r = httpx.post(f"{srv.base}/v1/messages", json=CHAT, timeout=30,
+                       headers={"x-big": "a" * 100_000})
+        assert r.status_code == 431 and r.json()["type"] == "error"
+        assert r.json()["error"]["type"] == "invalid_request_error"
+        # the limit is exact whatever the chunks: 16,384 bytes pass, 16,385 do not
+        for size, status in ((16384, b"200"), (16385, b"431")):
+            for step in (size, 1000):
+                s = connect(srv.port)
+                head = head_of(size)
+                for i in range(0, len(head), step):
+                    with contextlib.suppress(OSError):
+                        s.sendall(head[i:i + step])
+                assert read_all(s).startswith(b"HTTP/1.1 " + status), (size, step)
+                s.close()
+        # a body past --max-body-bytes, streamed without a length: the 413 is read too
+        def body() -> Iterator[bytes]:
+            for _ in range(64):
+                yield b"x" * 1024**2
+
+        r = httpx.post(f"{srv.base}/v1/chat/completions", content=body(), timeout=60,
+                       headers={"content-type": "application/json"})
+        assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+        assert chat(srv.base)[0] == 200
+        assert "refused a request head of more than 16384 bytes" in srv.log.read_text()

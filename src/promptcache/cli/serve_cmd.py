@@ -493,7 +493,8 @@ def run(args: argparse.Namespace) -> int:
         with _terminate_raises():
             uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
                         timeout_graceful_shutdown=5, http=edge_protocol(edge),
-                        backlog=backlog, ws="none")
+                        backlog=backlog, ws="none",
+                        h11_max_incomplete_event_size=edge.max_header_bytes)
     except (_Terminated, KeyboardInterrupt):
         pass  # a clean shutdown: the cache is persisted below
     finally:
