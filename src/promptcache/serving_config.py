@@ -241,6 +241,10 @@ class ServerConfig:
     ram_budget_max_bytes: int | None = None
     # bodies of /v1/* requests larger than this are refused with 413 before any work
     max_body_bytes: int = 32 * 1024 * 1024
+    # POST /v1/cache/import: the largest pack accepted (streamed to a temp file in
+    # import_dir, or the system's temp folder; refused with 413 once past it)
+    max_import_bytes: int = 2 * 1024**3
+    import_dir: Path | None = None
     # the HTTP edge: head timeout, connection cap (server/edge.py)
     edge: EdgeLimits = field(default_factory=EdgeLimits)
 
@@ -253,6 +257,8 @@ class ServerConfig:
             raise ValueError("allowed_origins: '*' allows every origin, list no others")
         if self.max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be >= 1, got {self.max_body_bytes}")
+        if self.max_import_bytes < 1:
+            raise ValueError(f"max_import_bytes must be >= 1, got {self.max_import_bytes}")
         if self.context_window is not None and self.context_window < 2:
             raise ValueError(f"context_window must be >= 2, got {self.context_window}")
         if self.max_tokens_overflow not in ("clamp", "error"):

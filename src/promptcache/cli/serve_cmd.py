@@ -180,6 +180,10 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--max-body-bytes", default="32MB",
                    help="largest /v1 request body; a larger one gets 413 before it is "
                         "read (default 32MB, as the hosted APIs)")
+    p.add_argument("--max-import-bytes", default="2GB",
+                   help="largest cache pack POST /v1/cache/import accepts: streamed to a "
+                        "temp file beside the SSD tier, refused with 413 once past it "
+                        "(default 2GB)")
     p.add_argument("--header-timeout", type=float, default=EdgeLimits.header_timeout_s,
                    metavar="SECONDS",
                    help="close a connection that has not sent a whole request head this "
@@ -306,6 +310,8 @@ def build_configs(args: argparse.Namespace) -> tuple[
                               max_tokens_overflow=args.max_tokens_overflow,
                               log_requests_dir=args.log_requests,
                               max_body_bytes=parse_size(args.max_body_bytes),
+                              max_import_bytes=parse_size(args.max_import_bytes),
+                              import_dir=ssd_cfg.path if ssd_cfg is not None else None,
                               prerender=not args.no_prerender,
                               prerender_max_pending=args.prerender_max_pending,
                               canonicalize_off=tuple(sorted(

@@ -214,6 +214,8 @@ class EdgeProtocol(H11Protocol):
             self._set_phase(Phase.BUSY)  # a whole head came in: a request is running
 
     def on_response_complete(self) -> None:
+        if self.conn.their_state is h11.SEND_BODY:
+            self.transport.close()  # answered before the body ended: linger, then close
         if self.phase is Phase.BUSY and not self.transport.is_closing():
             self._set_phase(Phase.IDLE)
         super().on_response_complete()
