@@ -49,6 +49,8 @@ MANIFEST = "manifest.json"
 MANIFEST_DIGEST = "manifest.sha256"
 _BLOCK_DIR = "blocks/"
 _TAR_BLOCK = 512
+_CHUNK = 1024 * 1024
+MANIFEST_CHECK_BYTES = 64 * 1024 * 1024  # PackStart parses manifests up to this size
 
 Progress = Callable[[int, int], None]  # (done, total)
 
@@ -168,34 +170,57 @@ def _fail(msg: str) -> PackError:
     return PackError(f"refusing the pack: {msg}")
 
 
-def _read_members(raw: bytes) -> dict[str, bytes]:
-    """The members of a tar whose every byte is accounted for (see module docstring)."""
+def _zeros(f: IO[bytes], start: int, end: int | None) -> bool:
+    """Whether the bytes of ``f`` from ``start`` to ``end`` (None: its end) are zeros
+    (read in bounded chunks)."""
+    f.seek(start)
+    left = -1 if end is None else end - start
+    while left != 0:
+        chunk = f.read(_CHUNK if left < 0 else min(left, _CHUNK))
+        if not chunk:
+            return True
+        if chunk.strip(b"\0"):
+            return False
+        left = -1 if left < 0 else left - len(chunk)
+    return True
+
+
+def _read_members(f: IO[bytes]) -> dict[str, bytes]:
+    """The members of a tar whose every byte is accounted for (see module docstring),
+    read from a seekable file: only the members' data is held in memory."""
+    f.seek(0)
     try:
-        tar = tarfile.open(fileobj=io.BytesIO(raw), mode="r:")
+        tar = tarfile.open(fileobj=f, mode="r:")
     except tarfile.TarError as e:
         raise _fail(f"not a readable tar archive ({e})") from e
-    members: dict[str, bytes] = {}
-    covered: list[tuple[int, int]] = []
+    names: set[str] = set()
+    infos: list[tarfile.TarInfo] = []
     try:
         for m in tar:
-            if not m.isreg() or m.pax_headers or m.name in members:
+            if not m.isreg() or m.pax_headers or m.name in names:
                 raise _fail(f"unexpected archive member {m.name!r}")
             if m.name not in (MANIFEST, MANIFEST_DIGEST) and not (
                     m.name.startswith(_BLOCK_DIR) and "/" not in m.name[len(_BLOCK_DIR):]
                     and ".." not in m.name):
                 raise _fail(f"unexpected archive member {m.name!r}")
-            covered.append((m.offset, m.offset_data + m.size))
-            members[m.name] = raw[m.offset_data:m.offset_data + m.size]
+            names.add(m.name)
+            infos.append(m)
     except tarfile.TarError as e:
         raise _fail(f"damaged tar archive ({e})") from e
+    members: dict[str, bytes] = {}
     pos = 0
-    for start, end in covered:
-        if raw[pos:start].strip(b"\0"):
+    for m in infos:
+        if not _zeros(f, pos, m.offset):
             raise _fail(f"unexpected bytes at offset {pos} of the archive")
-        pos = end
-    if raw[pos:].strip(b"\0"):
+        f.seek(m.offset_data)
+        data = f.read(m.size)
+        if len(data) != m.size:
+            raise _fail(f"the archive ends inside {m.name!r} (truncated)")
+        members[m.name] = data
+        pos = m.offset_data + m.size
+    if not _zeros(f, pos, None):
         raise _fail(f"unexpected bytes after offset {pos} of the archive (damaged or appended)")
-    if len(raw) - pos < 2 * _TAR_BLOCK:
+    if f.seek(0, io.SEEK_END) - pos < 2 * _TAR_BLOCK:
         raise _fail("the archive has no end marker (truncated)")
     return members
 
@@ -207,16 +232,23 @@ def _field(d: dict[str, Any], name: str, kind: type | tuple[type, ...]) -> Any:
     return v
 
 
-def read_pack(source: Path | bytes, *, progress: Progress | None = None) -> Pack:
-    """Read and verify a pack completely (``PackError`` on any problem)."""
+def read_pack(source: Path | bytes | IO[bytes], *, progress: Progress | None = None) -> Pack:
+    """Read and verify a pack completely (``PackError`` on any problem): a file, its
+    bytes, or a seekable binary file object."""
     if isinstance(source, bytes):
-        raw = source
-    else:
+        members = _read_members(io.BytesIO(source))
+    elif isinstance(source, Path):
         try:
-            raw = Path(source).read_bytes()
+            with open(source, "rb") as f:
+                members = _read_members(f)
         except OSError as err:
             raise PackError(f"cannot read the pack {source}: {err}") from err
-    members = _read_members(raw)
+    else:
+        members = _read_members(source)
+    return _verify(members, progress)
+
+
+def _verify(members: dict[str, bytes], progress: Progress | None) -> Pack:
     manifest_bytes = members.get(MANIFEST)
     if manifest_bytes is None or MANIFEST_DIGEST not in members:
         raise _fail("it has no manifest (not a promptcache pack)")
@@ -298,6 +330,53 @@ def read_pack(source: Path | bytes, *, progress: Progress | None = None) -> Pack
     created = man.get("created_at")
     return Pack(ns, blocks, selection if isinstance(selection, dict) else {},
                 float(created) if isinstance(created, int | float) else 0.0)
+
+
+class PackStart:
+    """Checks a pack's first bytes as they arrive (an upload): the archive's first
+    member is ``manifest.json`` (a valid tar header) and the manifest, once in (up to
+    ``MANIFEST_CHECK_BYTES``), names the format and a version this build reads.
+    ``feed`` raises ``PackError`` at once on a body that does not start like a pack;
+    ``read_pack`` still verifies everything."""
+
+    def __init__(self) -> None:
+        self._head = b""
+        self._want = _TAR_BLOCK
+        self.done = False
+
+    def feed(self, chunk: bytes) -> None:
+        while not self.done:
+            take = chunk[:self._want - len(self._head)]
+            chunk = chunk[len(take):]
+            self._head += take
+            if len(self._head) < self._want:
+                return
+            self._check()
+
+    def _check(self) -> None:
+        if self._want == _TAR_BLOCK:
+            try:
+                info = tarfile.TarInfo.frombuf(self._head, "utf-8", "surrogateescape")
+            except tarfile.HeaderError as e:
+                raise _fail(f"it does not start like a pack: not a tar archive ({e})") from e
+            if info.name != MANIFEST or not info.isreg():
+                raise _fail(f"it does not start like a pack: the first member is "
+                            f"{info.name!r}, not {MANIFEST}")
+            if info.size > MANIFEST_CHECK_BYTES:
+                self.done = True  # too long to hold here: read_pack checks it
+                return
+            self._want = _TAR_BLOCK + info.size
+            return
+        self.done = True
+        try:
+            man = json.loads(self._head[_TAR_BLOCK:])
+        except ValueError as err:
+            raise _fail(f"the manifest is not JSON ({err})") from err
+        if not isinstance(man, dict) or man.get("format") != PACK_FORMAT:
+            raise _fail("not a promptcache pack")
+        if man.get("version") != PACK_VERSION:
+            raise _fail(f"pack version {man.get('version')!r} is not supported (this build "
+                        f"reads version {PACK_VERSION})")
 
 
 def check_target(pack: Pack, target: Namespace) -> None:

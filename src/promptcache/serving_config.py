@@ -173,6 +173,36 @@ class ImageLimits:
 
 
 @dataclass(frozen=True)
+class EdgeLimits:
+    """The HTTP edge (server/edge.py): what one connection may hold before it has sent
+    a request, and how many connections the server keeps open."""
+
+    # a connection that has not sent a whole request head this many seconds after it
+    # opened (or after the first byte of its next request) is closed
+    header_timeout_s: float = 10.0
+    # open connections at most; past it the idle keep-alive ones are closed first, then
+    # the ones still sending a head (oldest first); with every one busy a new one is
+    # answered 503 and closed. Sized to the fd limit at startup (edge.fit_to_fd_limit)
+    max_connections: int = 1024
+    # a request head larger than this is answered 431 (h11's default limit)
+    max_header_bytes: int = 16 * 1024
+    # a refusal sent while the client still sends (431, a 413 mid-body) half-closes the
+    # connection and drops what still arrives for up to this many seconds, so the
+    # client reads the answer instead of a connection reset
+    linger_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        if self.max_header_bytes < 1024:
+            raise ValueError(f"max_header_bytes must be >= 1024, got {self.max_header_bytes}")
+        if self.linger_s < 0:
+            raise ValueError(f"linger_s must be >= 0, got {self.linger_s}")
+        if not self.header_timeout_s > 0:
+            raise ValueError(f"header_timeout_s must be > 0, got {self.header_timeout_s}")
+        if self.max_connections < 1:
+            raise ValueError(f"max_connections must be >= 1, got {self.max_connections}")
+
+
+@dataclass(frozen=True)
 class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8080
@@ -211,6 +241,12 @@ class ServerConfig:
     ram_budget_max_bytes: int | None = None
     # bodies of /v1/* requests larger than this are refused with 413 before any work
     max_body_bytes: int = 32 * 1024 * 1024
+    # POST /v1/cache/import: the largest pack accepted (streamed to a temp file in
+    # import_dir, or the system's temp folder; refused with 413 once past it)
+    max_import_bytes: int = 2 * 1024**3
+    import_dir: Path | None = None
+    # the HTTP edge: head timeout, connection cap (server/edge.py)
+    edge: EdgeLimits = field(default_factory=EdgeLimits)
 
     def __post_init__(self) -> None:
         for origin in self.allowed_origins:
@@ -221,6 +257,8 @@ class ServerConfig:
             raise ValueError("allowed_origins: '*' allows every origin, list no others")
         if self.max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be >= 1, got {self.max_body_bytes}")
+        if self.max_import_bytes < 1:
+            raise ValueError(f"max_import_bytes must be >= 1, got {self.max_import_bytes}")
         if self.context_window is not None and self.context_window < 2:
             raise ValueError(f"context_window must be >= 2, got {self.context_window}")
         if self.max_tokens_overflow not in ("clamp", "error"):

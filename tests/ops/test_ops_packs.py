@@ -194,3 +194,34 @@ def test_consistent_forgeries_are_refused(tmp_path: Path) -> None:
     with pytest.raises(packfile.PackError, match="not a readable tar|no manifest"):
         packfile.read_pack(b"not a pack at all" * 100)
     cache.close()
+
+
+def test_pack_start_checks_an_upload_as_it_arrives(tmp_path: Path) -> None:
+    """``PackStart``: a real pack passes in any pieces; a body that does not start like
+    a pack is refused by its first 512 bytes (or its manifest); ``read_pack`` reads the
+    same pack from a file object as from its bytes."""
+    cache, out = _exported(tmp_path)
+    raw = out.read_bytes()
+    for step in (1, 511, 512, 513, len(raw)):
+        start = packfile.PackStart()
+        for i in range(0, len(raw), step):
+            start.feed(raw[i:i + step])
+        assert start.done
+    for body, msg in ((bytes(4096), "not a tar archive"),
+                      (b"{" * 4096, "not a tar archive"),
+                      (_flip(raw, 10), "not a tar archive"),  # the header's checksum
+                      (_flip(raw, 600), "manifest is not JSON|not a promptcache pack")):
+        start = packfile.PackStart()
+        with pytest.raises(packfile.PackError, match=msg):
+            start.feed(body)
+    other = io.BytesIO()
+    with tarfile.open(fileobj=other, mode="w", format=tarfile.USTAR_FORMAT) as tar:
+        info = tarfile.TarInfo("blocks/x.safetensors")
+        info.size = 3
+        tar.addfile(info, io.BytesIO(b"abc"))
+    with pytest.raises(packfile.PackError, match="the first member is 'blocks/x.safetensors'"):
+        packfile.PackStart().feed(other.getvalue())
+    with open(out, "rb") as f:
+        from_file = packfile.read_pack(f)
+    assert from_file == packfile.read_pack(raw)
+    cache.close()

@@ -250,3 +250,45 @@ def test_concurrent_streams() -> None:
         outs = asyncio.run(main(base))
     assert outs == ["Hello world!"] * 8
     assert gate["arrived"] == 8
+
+
+class _PathTier:
+    """A tier whose reason names its folder, as the SSD tier's does."""
+
+    name = "ssd"
+
+    def health(self) -> dict[str, Any]:
+        return {"mode": "off", "degraded": True, "index_errors": 0,
+                "reason": "cannot create the folder /srv/secret/blocks: Permission denied"}
+
+
+def test_health_shows_no_paths_without_a_key_and_an_unreachable_redis(
+        engine: FakeEngine) -> None:
+    from promptcache.bench.systems import free_port
+    from promptcache.config import RedisConfig
+    from promptcache.tiers.redis import RedisTier
+
+    # nothing listens there: the startup check finds it unreachable
+    redis = RedisTier(RedisConfig(url=f"redis://127.0.0.1:{free_port()}"), start_prober=False)
+    assert redis.check_reachable() is False
+    try:
+        engine.cache.lower = [_PathTier(), redis]  # type: ignore[union-attr]
+        c = TestClient(create_app(engine, ServerConfig(api_key="k")))
+        h = c.get("/health")
+        assert h.status_code == 200
+        assert h.json()["tiers"] == {
+            "ssd": {"mode": "off", "degraded": True, "index_errors": 0},
+            "redis": {"healthy": False, "state": "open"}}
+        assert "/srv" not in h.text
+        for bad in ({}, {"Authorization": "Bearer wrong"}):
+            assert "/srv" not in c.get("/health", headers=bad).text
+        full = c.get("/health", headers={"Authorization": "Bearer k"}).json()["tiers"]
+        assert full["ssd"]["reason"].startswith("cannot create the folder /srv/secret")
+        assert full["redis"]["healthy"] is False
+        assert full["redis"]["reason"].startswith("startup: ConnectionError")
+        # a normal request beside it is served (the fake engine's cache, no tier touched)
+        r = c.post("/v1/chat/completions", headers={"Authorization": "Bearer k"},
+                   json={"model": "default", "messages": [{"role": "user", "content": "Hi"}]})
+        assert r.status_code == 200
+    finally:
+        redis.close()

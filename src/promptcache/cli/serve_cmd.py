@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import errno
 import logging
 import shutil
@@ -28,7 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..config import CacheConfig, RedisConfig, SSDConfig, parse_size
-from ..serving_config import EngineConfig, ImageLimits, ServerConfig
+from ..serving_config import EdgeLimits, EngineConfig, ImageLimits, ServerConfig
 
 if TYPE_CHECKING:
     from ..engine.vision_cache import VisionCache
@@ -183,6 +184,20 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--max-body-bytes", default="32MB",
                    help="largest /v1 request body; a larger one gets 413 before it is "
                         "read (default 32MB, as the hosted APIs)")
+    p.add_argument("--max-import-bytes", default="2GB",
+                   help="largest cache pack POST /v1/cache/import accepts: streamed to a "
+                        "temp file beside the SSD tier, refused with 413 once past it "
+                        "(default 2GB)")
+    p.add_argument("--header-timeout", type=float, default=EdgeLimits.header_timeout_s,
+                   metavar="SECONDS",
+                   help="close a connection that has not sent a whole request head this "
+                        "long after it opened (or after its next request began); default "
+                        "%(default)s")
+    p.add_argument("--max-connections", type=int, default=EdgeLimits.max_connections,
+                   help="open connections at most; past it idle keep-alive connections "
+                        "are closed first, then the ones still sending a head (oldest "
+                        "first), and with every one busy a new one gets 503; lowered to "
+                        "fit the file descriptor limit (default %(default)s)")
     p.add_argument("--max-active", type=int, default=EngineConfig.max_active_requests,
                    help="requests admitted at once (prefilling + decoding)")
     p.add_argument("--max-queue", type=int, default=EngineConfig.max_queued_requests,
@@ -300,6 +315,8 @@ def build_configs(args: argparse.Namespace) -> tuple[
                               max_tokens_overflow=args.max_tokens_overflow,
                               log_requests_dir=args.log_requests,
                               max_body_bytes=parse_size(args.max_body_bytes),
+                              max_import_bytes=parse_size(args.max_import_bytes),
+                              import_dir=ssd_cfg.path if ssd_cfg is not None else None,
                               prerender=not args.no_prerender,
                               prerender_max_pending=args.prerender_max_pending,
                               canonicalize_off=tuple(sorted(
@@ -311,7 +328,9 @@ def build_configs(args: argparse.Namespace) -> tuple[
                                   allow_local_files=args.allow_local_images,
                                   allow_urls=args.allow_image_urls),
                               session_ttl_s=session_ttl, auto_tune=args.auto_tune,
-                              ram_budget_min_bytes=bounds[0], ram_budget_max_bytes=bounds[1])
+                              ram_budget_min_bytes=bounds[0], ram_budget_max_bytes=bounds[1],
+                              edge=EdgeLimits(header_timeout_s=args.header_timeout,
+                                              max_connections=args.max_connections))
     return engine_cfg, cache_cfg, ssd_cfg, server_cfg
 
 
@@ -447,6 +466,7 @@ def run(args: argparse.Namespace) -> int:
 
     from ..engine.engine import Engine
     from ..server import create_app
+    from ..server.edge import edge_protocol, fit_to_fd_limit
     from .wiring import build_cache
 
     if model is None:
@@ -479,9 +499,13 @@ def run(args: argparse.Namespace) -> int:
               f"{engine_cfg.max_active_requests} active / {engine_cfg.max_queued_requests} queued, "
               f"active KV <= {engine_cfg.active_kv_budget_bytes} bytes)",
               file=sys.stderr, flush=True)
+        max_connections, backlog = fit_to_fd_limit(server_cfg.edge.max_connections)
+        edge = dataclasses.replace(server_cfg.edge, max_connections=max_connections)
         with _terminate_raises():
             uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                        timeout_graceful_shutdown=5)
+                        timeout_graceful_shutdown=5, http=edge_protocol(edge),
+                        backlog=backlog, ws="none",
+                        h11_max_incomplete_event_size=edge.max_header_bytes)
     except (_Terminated, KeyboardInterrupt):
         pass  # a clean shutdown: the cache is persisted below
     finally:

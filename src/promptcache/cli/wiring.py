@@ -41,7 +41,11 @@ def build_cache(cache_config: CacheConfig, ssd_config: SSDConfig | None = None,
     if redis_config is not None:
         from ..tiers.redis import RedisTier
 
-        lower.append(RedisTier(redis_config))
+        redis = RedisTier(redis_config)
+        if not redis.check_reachable():
+            log.error("the shared Redis tier is unreachable at startup (%s): serving "
+                      "without it until it answers", redis.health()["reason"])
+        lower.append(redis)
     # each tier's own ``policy`` decides too: the Redis tier is write-through by default
     write_through = ssd_config is not None and ssd_config.policy == "write_through"
     return PromptCache(cache_config, adapter=MLXPayloadAdapter(), lower=lower,

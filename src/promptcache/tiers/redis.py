@@ -206,6 +206,17 @@ class RedisTier:
     def healthy(self) -> bool:
         return self.remote.healthy
 
+    def health(self) -> dict[str, Any]:
+        """Cheap (no I/O): whether the circuit is closed, and the last error if not."""
+        remote = self.remote
+        return {"healthy": remote.healthy, "state": remote.breaker.state,
+                "reason": None if remote.healthy else remote.last_error}
+
+    def check_reachable(self) -> bool:
+        """One ping (at startup); False: unreachable, the tier skipped until a probe
+        succeeds, ``health()`` says so."""
+        return self.remote.check_reachable()
+
     def stats(self) -> dict[str, Any]:
         out = {"name": self.name, "policy": self.policy, **self.remote.stats()}
         with self.remote.lock:

@@ -114,6 +114,14 @@ class CircuitBreaker:
             self.backoff = self.base_backoff
             self.retry_at = self.clock() + self.backoff
 
+    def trip(self) -> None:
+        """Open the circuit now (the tier was found unreachable): probes follow."""
+        if self.state == CLOSED:
+            self.state = OPEN
+            self.trips += 1
+            self.backoff = self.base_backoff
+            self.retry_at = self.clock() + self.backoff
+
     def begin_probe(self) -> bool:
         """True (and half-open) when the circuit is open and its backoff has passed."""
         if self.state != OPEN or self.clock() < self.retry_at:
@@ -307,6 +315,23 @@ class Remote:
             else:
                 log.debug("redis probe failed; next in %.1fs", self.breaker.backoff)
         return ok
+
+    def check_reachable(self) -> bool:
+        """One ping at startup: False (the circuit opened, ``last_error`` set, the
+        prober retrying) when the server does not answer."""
+        try:
+            c = self.client("read")
+            if isinstance(c, RedisCluster):
+                c.ping(target_nodes=RedisCluster.PRIMARIES)
+            else:
+                c.ping()
+        except (RedisError, RedisClusterException, OSError) as e:
+            with self.lock:
+                self.last_error = f"startup: {type(e).__name__}: {e}"
+                self.breaker.trip()
+            self._drop_clients()
+            return False
+        return True
 
     def _probe_loop(self) -> None:
         while not self._stop.wait(self.config.probe_interval_s):

@@ -7,8 +7,8 @@ body:
 - a body without a length (chunked) is counted as it is received; the chunk that
   crosses the limit ends the request with the same 413, so at most one chunk more
   than the limit is ever buffered.
-``/v1/cache/import`` (a cache pack, checked against its own ``MAX_PACK_BYTES``) is
-exempt.
+``/v1/cache/import`` (a cache pack, streamed to a file within its own
+``--max-import-bytes``: server/ops/packs_api.py) is exempt.
 """
 
 from __future__ import annotations

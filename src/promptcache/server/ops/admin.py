@@ -51,21 +51,39 @@ def _prerender_stats(st: ServerState) -> dict[str, Any] | None:
     return pre.snapshot() if pre is not None else None
 
 
+_PLAIN = ("mode", "state")  # the tiers' string fields that are enums, never free text
+
+
+def _has_valid_key(st: ServerState, request: Request) -> bool:
+    if not st.auth.enabled:
+        return False
+    try:
+        st.auth.key_tenant(request)
+    except APIError:
+        return False
+    return True
+
+
 @router.get("/health", response_model=None)
 async def health(request: Request) -> dict[str, Any] | JSONResponse:
     """Liveness: 200 while the engine thread runs, 503 once it has died (every
-    request then fails). Reads two attributes: no lock, no engine call."""
+    request then fails). Reads two attributes: no lock, no engine call. Free text
+    (a tier's reason, the engine's failure: they may name paths) only for a caller
+    with a valid API key; anyone else sees the modes and flags."""
     st = state_of(request)
+    detail = _has_valid_key(st, request)
     body: dict[str, Any] = {
         "status": "ok", "model": st.model_id,
         "cache_enabled": st.engine.cache is not None,
         "uptime_s": round(time.time() - st.started_at, 3)}
     tiers = st.engine.tier_health()
     if tiers:
-        body["tiers"] = tiers
+        body["tiers"] = tiers if detail else {
+            name: {k: v for k, v in entry.items() if not isinstance(v, str) or k in _PLAIN}
+            for name, entry in tiers.items()}
     if not st.engine.alive:
         body["status"] = "engine_dead"
-        body["error"] = st.engine.failure
+        body["error"] = st.engine.failure if detail else "the engine thread has died"
         return JSONResponse(body, status_code=503)
     return body
 

@@ -4,9 +4,13 @@
   [...], "tools": [...]}`` (a conversation, rendered exactly as a chat request would
   be), ``{"tokens": [...]}``, ``{"session_id": "S"}`` or ``{"all": true}`` (the whole
   tenant). Answers the pack (``application/x-tar``).
-- ``POST /v1/cache/import`` with a pack as the body: verified completely, then imported
-  (``{"blocks", "added", "tokens", "tenant"}``); a bad pack is a 400 naming the problem
-  and imports nothing.
+- ``POST /v1/cache/import`` with a pack as the body: streamed to a temp file (in the
+  SSD tier's folder, else the system's temp folder) within ``--max-import-bytes`` (a
+  ``Content-Length`` over it is a 413 before a byte is read, a body that passes it a 413
+  at once), its start checked as it arrives (a body that does not start like a pack is
+  a 400 at once: ``packfile.PackStart``), then verified completely from the file and
+  imported (``{"blocks", "added", "tokens", "tenant"}``); a bad pack is a 400 naming the
+  problem and imports nothing.
 
 The tenant is the caller's scope: a tenant-bound key's own (a pack of another tenant is
 a 403), else ``X-Tenant-Id`` (default ``default``). Packing and verification run in a
@@ -16,7 +20,8 @@ worker thread, never on the event loop.
 from __future__ import annotations
 
 import logging
-from typing import Any
+import tempfile
+from typing import IO, Any
 
 from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
@@ -31,7 +36,8 @@ from ..replies.runner import state_of
 log = logging.getLogger(__name__)
 router = APIRouter()
 
-MAX_PACK_BYTES = 16 * 1024**3
+WRITE_BYTES = 1024 * 1024  # the upload is written to its file in pieces of about this
+
 
 
 def _require_cache(request: Request) -> None:
@@ -89,20 +95,23 @@ async def export_pack(request: Request) -> Response:
 async def import_pack(request: Request) -> dict[str, Any]:
     st = state_of(request)
     _require_cache(request)
-    data = await request.body()
-    if len(data) > MAX_PACK_BYTES:
-        raise APIError(413, "pack too large")
+    limit = st.config.max_import_bytes
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > limit:
+        raise _too_large(limit)
     fixed = st.auth.key_tenant(request)
     scope_tenant = request.state.pc_scope.tenant
+    with tempfile.TemporaryFile(dir=st.config.import_dir, prefix=".import-") as f:
+        await _receive(request, f, limit)
 
-    def verify() -> packfile.Pack:
-        return packfile.read_pack(data)
+        def verify() -> packfile.Pack:
+            return packfile.read_pack(f)
 
-    try:
-        pack = await run_in_threadpool(verify)
-    except packfile.PackError as e:
-        log.warning("pack import refused: %s", e)
-        raise APIError(400, str(e), code="invalid_pack") from e
+        try:
+            pack = await run_in_threadpool(verify)
+        except packfile.PackError as e:
+            log.warning("pack import refused: %s", e)
+            raise APIError(400, str(e), code="invalid_pack") from e
     tenant = pack.namespace.tenant
     if fixed is not None and tenant != fixed:
         raise APIError(403, f"this API key may only import packs of its own tenant; the pack "
@@ -118,3 +127,32 @@ async def import_pack(request: Request) -> dict[str, Any]:
     log.info("imported a pack: %d blocks (%d new, %d tokens) into tenant %s",
              report.blocks, report.added, report.tokens, tenant)
     return {**report.to_dict(), "tenant": tenant}
+
+
+def _too_large(limit: int) -> APIError:
+    log.warning("pack import refused: larger than --max-import-bytes %d", limit)
+    return APIError(413, f"the pack is larger than the server's limit of {limit} bytes "
+                         "(--max-import-bytes)", code="request_too_large")
+
+
+async def _receive(request: Request, f: IO[bytes], limit: int) -> None:
+    """The request's body into ``f``, in pieces written off the event loop: 413 once it
+    passes ``limit``, 400 as soon as it does not start like a pack."""
+    start = packfile.PackStart()
+    seen = 0
+    piece = bytearray()
+    async for chunk in request.stream():
+        seen += len(chunk)
+        if seen > limit:
+            raise _too_large(limit)
+        try:
+            start.feed(chunk)
+        except packfile.PackError as e:
+            log.warning("pack import refused: %s", e)
+            raise APIError(400, str(e), code="invalid_pack") from e
+        piece += chunk
+        if len(piece) >= WRITE_BYTES:
+            await run_in_threadpool(f.write, bytes(piece))
+            piece.clear()
+    if piece:
+        await run_in_threadpool(f.write, bytes(piece))
