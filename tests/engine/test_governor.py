@@ -211,3 +211,10 @@ def test_memory_limit_option():
         memory_limit("0")
     with pytest.raises(ValueError):
         memory_limit("150%")
+
+
+def test_serve_limits_memory_to_75_percent_by_default():
+    from promptcache.cli import build_parser
+
+    args = build_parser().parse_args(["serve"])
+    assert args.memory_limit == "75%"
