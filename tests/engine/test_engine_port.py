@@ -45,7 +45,8 @@ def test_predict_probe_protect_and_mark_active_go_through_the_engine_thread(engi
                                           sampling=SamplingParams(max_tokens=2))).result(60)
     assert res.finish_reason in ("stop", "length")
     hit = engine.predict_cached(toks, "t-port")
-    assert hit == CachePrediction(39, None)  # all of it but the last token
+    # all of it but the last token; every prompt token is stored (nothing to write)
+    assert hit == CachePrediction(39, None, whole=True)
     # a prompt that diverges from the stored chain after 32 tokens
     probe = engine.probe_cache(toks[:33] + [1] * 16, "t-port", context_tokens=8)
     assert probe is not None and probe.miss is not None

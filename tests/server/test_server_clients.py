@@ -309,7 +309,10 @@ def test_head_root_and_4xx_logging(client: TestClient, caplog: pytest.LogCapture
         client.post("/v1/messages", json={"max_tokens": 5, "messages": [
             {"role": "wizard", "content": "x"}]}, headers={"X-Claude-Code-Session-Id": "s-1"})
         client.get("/v1/nope")
-    lines = [r.getMessage() for r in caplog.records]
+    # the request log's records only (another test may have let httpx's INFO lines reach
+    # the root logger, which caplog sees too)
+    lines = [r.getMessage() for r in caplog.records
+             if r.name == "promptcache.server.ops.request_log"]
     assert lines[0] == ("POST /v1/messages -> 400: messages[0].role: unknown role 'wizard' "
                         "(expected user, assistant or system) "
                         "(session=s-1 (x-claude-code-session-id))")
