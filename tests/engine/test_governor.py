@@ -192,7 +192,8 @@ def test_an_engine_past_the_hard_watermark_refuses_and_serves_again(tiny_llama_p
         again = eng.submit(req).result(timeout=120)
         assert again.tokens == first.tokens and again.error is None
         s = eng.engine_stats()
-        assert (s["memory_level"], s["memory_refused_requests"]) == ("ok", 1)
+        # refused at submit by its predicted peak (the footprint past the hard mark)
+        assert (s["memory_level"], s["memory_refused_peaks"]) == ("ok", 1)
         assert s["memory_limit_bytes"] == 1 << 30 and not math.isnan(s["memory_peak_footprint"])
     finally:
         eng.close()
@@ -218,3 +219,33 @@ def test_serve_limits_memory_to_75_percent_by_default():
 
     args = build_parser().parse_args(["serve"])
     assert args.memory_limit == "75%"
+
+
+def test_admission_predicts_the_peak_never_fits_is_a_400_not_now_a_429(tiny_llama_path):
+    import mlx.core as mx
+
+    from promptcache.errors import RequestError
+
+    eng = make_engine(tiny_llama_path)
+    try:
+        prompt = tuple(int(t) for t in np.random.default_rng(4).integers(3, 1000, size=30))
+        req = GenerationRequest(prompt_tokens=prompt, sampling=SamplingParams(max_tokens=3))
+        # a limit whose hard watermark the weights alone nearly fill: no request fits, ever
+        eng.governor = eng._governor(int(eng.weights_bytes / 0.95) + 1, footprint=lambda: 0)
+        with pytest.raises(RequestError, match=r"needs about .* GB at its peak .* weights"):
+            eng.submit(req)
+        # room for it, but the process holds all of the limit and has nothing to release
+        limit = 1 << 30
+        eng.governor = g = eng._governor(limit, footprint=lambda: limit)
+        mx.clear_cache()
+        g.check()  # the footprint seen: at the limit, past the hard watermark
+        with pytest.raises(OverloadedError, match="needs about"):
+            eng.submit(req)
+        assert g.stats.refused_peaks == 1
+        # the footprint back down: served, and the server went on all along
+        eng.governor = eng._governor(limit, footprint=lambda: 0)
+        eng.governor.check()
+        r = eng.submit(req).result(timeout=120)
+        assert r.error is None and len(r.tokens) == 3
+    finally:
+        eng.close()

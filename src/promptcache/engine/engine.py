@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import mlx.core as mx
+from mlx.utils import tree_flatten
 from mlx_lm.models.cache import make_prompt_cache
 
 from .. import packfile
@@ -54,6 +55,7 @@ from .kv_size import kv_row_bytes, probe_caches
 from .live import LiveStates
 from .loop import EngineLoop, stop_thread
 from .port import ENGINE_CALL_TIMEOUT_S, CachePrediction, CacheProbe, EngineAPI, TunableCacheAPI
+from .prefill import attention_heads, workspace_bytes
 from .prompting import Prompting
 from .quant import from_config as _kv_quant_of
 from .scheduler import Scheduler
@@ -191,6 +193,10 @@ class Engine:
             cache.observers.append(self.shadow)
         self.governor = (self._governor(cfg.memory_limit_bytes)
                          if cfg.memory_limit_bytes is not None else None)
+        # what the process holds that is never released (the memory governor's base)
+        self.weights_bytes = sum(int(v.nbytes) for _, v in tree_flatten(model.parameters()))
+        self._heads = attention_heads(model)
+        self.submission.memory_check = self._memory_check
         self.loop = EngineLoop(cfg, self.scheduler, self.admission, self.calls, self._control,
                                self.shadow, fail_pending=self.submission.fail_pending,
                                died=self._died, governor=self.governor)
@@ -386,6 +392,22 @@ class Engine:
         return MemoryGovernor(limit, footprint, holders, pool=Holder("mlx_cache", mlx_pool),
                               admission=self.admission.set_pressure,
                               regrow=regrow, soft=cfg.memory_soft, hard=cfg.memory_hard)
+
+    def _memory_check(self, n_prompt: int, length: int) -> None:
+        """At submit, with a memory governor: the request's predicted peak (its KV at
+        ``length``, the restored prefix's buffers, a prefill chunk's attention
+        workspace) against the limit (``MemoryGovernor.admit``)."""
+        g = self.governor
+        if g is None:
+            return
+        chunk = min(n_prompt, self.engine_config.prefill_chunk_tokens * 3 // 2)
+        peak = (self.row_bytes(length) + self.row_bytes(n_prompt)
+                + workspace_bytes(1, chunk, n_prompt, self._heads))
+        live = self._ctx.live
+        reclaimable = ((live.nbytes if live is not None else 0)
+                       + (self.cache.pool.used_bytes if self.cache is not None else 0)
+                       + int(mx.get_cache_memory()))
+        g.admit(peak, self.weights_bytes, reclaimable)
 
     def release_live(self) -> int:
         """Release every live session state (what a memory governor asks first);

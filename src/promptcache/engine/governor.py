@@ -16,6 +16,11 @@ the holders to release, in order, until the footprint is back under it:
 and the pool again after each holder that released something (what an array frees goes
 to the pool, not back to the system, until the pool is cleared).
 
+Before a request is admitted, its predicted peak (its KV at prompt + max_tokens, the
+restored prefix's buffers, the attention workspace of a prefill chunk) is checked
+(``admit``): one that can never fit beside the weights gets a 400 naming the numbers,
+one that cannot fit now (what the holders could release counted) gets 429 / 529.
+
 What is left decides admission: under the soft watermark, as usual; between the soft
 and the hard one, new requests wait (``pause``); past the hard one, new requests are
 refused with 429 / 529 and a Retry-After from the measured drain rate (``refuse``).
@@ -63,6 +68,7 @@ class GovernorStats:
     paused: int = 0  # checks that left admission paused
     refused: int = 0  # checks that left admission refusing new work
     peak_footprint: int = 0
+    refused_peaks: int = 0  # requests refused at submit: their peak would not fit now
 
 
 @dataclass(frozen=True)
@@ -151,6 +157,30 @@ class MemoryGovernor:
         self._admission(level, retry)
         return Decision(used, after, tuple(released), level, retry)
 
+    def admit(self, peak: int, base: int, reclaimable: int) -> None:
+        """Whether a request whose memory peak is predicted at ``peak`` bytes may start:
+        ``RequestError`` when it can never fit (``base``, what the process holds that
+        is never released, e.g. the weights, plus the peak pass the hard watermark),
+        ``OverloadedError`` when it cannot fit now (the last footprint less what the
+        holders can release, ``reclaimable``, plus the peak pass it)."""
+        from ..errors import OverloadedError, RequestError
+
+        if base + peak > self.hard:
+            raise RequestError(
+                f"this request needs about {peak / 1e9:.2f} GB at its peak (KV, restore and "
+                f"attention workspace) beside {base / 1e9:.2f} GB of weights: more than the "
+                f"server's memory limit allows ({self.hard / 1e9:.2f} GB of "
+                f"--memory-limit {self.limit / 1e9:.2f} GB); send a shorter prompt or fewer "
+                f"max_tokens")
+        now = self._history[-1][1] if self._history else base
+        if max(base, now - reclaimable) + peak > self.hard:
+            self.stats.refused_peaks += 1
+            retry = self._retry_after(now) if now > self.soft else 1
+            raise OverloadedError(
+                f"this request needs about {peak / 1e9:.2f} GB at its peak; the server holds "
+                f"{now / 1e9:.2f} GB of its {self.hard / 1e9:.2f} GB: retry in {retry}s",
+                retry_after_s=retry)
+
     def _ask(self, holder: Holder, used: int, released: list[tuple[str, int]]) -> int:
         """Ask ``holder`` for what the footprint ``used`` is over the soft mark; the
         footprint read again when it released something."""
@@ -181,7 +211,8 @@ class MemoryGovernor:
                 "memory_hard_bytes": self.hard, "memory_level": self.level,
                 "memory_checks": st.checks, "memory_reclaims": st.reclaims,
                 "memory_released_bytes": dict(st.released), "memory_paused": st.paused,
-                "memory_refused": st.refused, "memory_peak_footprint": st.peak_footprint}
+                "memory_refused": st.refused, "memory_peak_footprint": st.peak_footprint,
+                "memory_refused_peaks": st.refused_peaks}
 
 
 # ---------------------------------------------------------------- the footprint

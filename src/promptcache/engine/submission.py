@@ -40,12 +40,15 @@ class Submission:
     ``closed`` whether the engine was closed."""
 
     def __init__(self, ctx: EngineContext, admission: Admission, control: Arrivals, *,
-                 failure: Callable[[], str | None], closed: Callable[[], bool]) -> None:
+                 failure: Callable[[], str | None], closed: Callable[[], bool],
+                 memory_check: Callable[[int, int], None] | None = None) -> None:
         self._ctx = ctx
         self._admission = admission
         self._control = control
         self._failure = failure
         self._closed = closed
+        # (prompt tokens, prompt + max_tokens) -> raises when its memory peak cannot fit
+        self.memory_check = memory_check
         self._ids = itertools.count(1)
 
     def submit(self, request: GenerationRequest) -> RequestHandle:
@@ -67,6 +70,8 @@ class Submission:
         handle = RequestHandle(request, on_cancel=self._on_cancel)
         pending = _Pending(request, tokens, handle, processors, time.perf_counter())
         length = int(tokens.shape[0]) + (0 if request.prefill_only else request.sampling.max_tokens)
+        if self.memory_check is not None:
+            self.memory_check(int(tokens.shape[0]), length)
         ticket = Ticket(pending, length, background=request.priority == "background")
         handle.ticket = ticket
         self._admission.submit(ticket)
