@@ -477,9 +477,17 @@ def run(args: argparse.Namespace) -> int:
     print(f"promptcache: loading {model}", file=sys.stderr)
     cache = build_cache(cache_cfg, ssd_cfg, redis_cfg)
     ssd_mode = {t.name: getattr(t, "mode", "") for t in cache.lower}.get("ssd") if cache else None
-    engine = Engine.load(model, engine_cfg, cache_cfg, cache=cache,
-                         vision_cache=build_vision_cache(args, ssd_cfg),
-                         chat_template=chat_template)
+    from ..errors import TemplateRenderError
+
+    try:
+        engine = Engine.load(model, engine_cfg, cache_cfg, cache=cache,
+                             vision_cache=build_vision_cache(args, ssd_cfg),
+                             chat_template=chat_template)
+    except TemplateRenderError as e:  # the startup test render: one line, no traceback
+        if cache is not None:
+            cache.close(persist=False)
+        whose = "--chat-template" if chat_template is not None else f"the chat template of {model}"
+        raise ValueError(f"{whose}: {e}") from None
     if server_cfg.context_window and server_cfg.context_window > engine.context_length:
         log.warning("--context-window %d is larger than the model's window (%d); using %d",
                     server_cfg.context_window, engine.context_length, engine.context_length)

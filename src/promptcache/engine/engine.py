@@ -125,6 +125,9 @@ class Engine:
         except ValueError as e:
             raise ValueError(f"model {model_id}: {e}") from e
         self.templates = ChatTemplate(tokenizer, token_limit=context_length)
+        # the startup test render: a template that does not parse, loops or recurses
+        # refuses to start (TemplateRenderError) instead of failing every request
+        self.templates.check()
         eos = getattr(tokenizer, "eos_token_ids", None) or []
         self.counters = EngineCounters()
         self.namespaces = Namespaces(fingerprint, bs, self.kv_spec)
