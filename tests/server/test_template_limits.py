@@ -2,12 +2,14 @@
 render refuses it (``ChatTemplate.check``, ``Engine``, ``promptcache serve`` with a one-
 line message); one that fails only for some messages answers those requests with a 500
 naming the chat template (``server_error`` / ``api_error``, never the client's 400),
-within the render's time limit, while other requests and endpoints go on answering."""
+within the render's time limit, while other requests and endpoints go on answering;
+SIGTERM ends a server whose preparation thread is stuck within 10 s."""
 
 from __future__ import annotations
 
 import json
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -16,9 +18,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from fastapi.testclient import TestClient
 from real_engine import tiny_engine
+from serve_proc import PROMPTCACHE, wait_healthy
 
 from promptcache.bench.systems import free_port
 from promptcache.engine.engine import Engine
@@ -149,3 +153,47 @@ def test_serve_refuses_to_start_with_a_looping_or_broken_template(
     assert recursed.stderr.strip().splitlines()[-1] == (
         f"promptcache: error: the chat template of {folder}: the chat template recursed "
         "past Python's limit (a recursive macro?)")
+
+
+def test_sigterm_ends_a_server_whose_preparation_thread_is_stuck(
+        tiny_llama_path: Path, tmp_path: Path) -> None:
+    """A real server whose template loops on one request, with a render limit far past
+    the test (the preparation thread stays stuck): SIGTERM ends the process within 10 s
+    (serve's exit watchdog, ``SHUTDOWN_LIMIT_S``); before it, other endpoints answered."""
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    log_path = tmp_path / "server.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            [PROMPTCACHE, "serve", "--port", str(port), "--model", str(tiny_llama_path),
+             "--no-ssd", "--chat-template", LOOPS_ON_DEMAND, "--template-render-limit", "600"],
+            stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_healthy(proc, base, log_path, 90)
+        r = httpx.post(f"{base}/v1/chat/completions", json=CHAT, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+        stuck = threading.Thread(target=lambda: _swallow(
+            lambda: httpx.post(f"{base}/v1/chat/completions", json=LOOP, timeout=120)),
+            daemon=True)
+        stuck.start()
+        time.sleep(1.0)  # the render has started looping
+        assert httpx.get(f"{base}/health", timeout=10).json()["status"] == "ok"
+        assert proc.poll() is None
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=30)
+        took = time.monotonic() - t0
+        assert took < 10, f"{took:.1f} s\n" + log_path.read_text(errors="replace")
+        assert code == 0  # the engine was closed before the watchdog ended the process
+        assert "exiting now (0)" in log_path.read_text(errors="replace")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+def _swallow(call: Any) -> None:
+    try:
+        call()
+    except httpx.HTTPError:
+        pass  # the server went away under it
