@@ -35,6 +35,11 @@ class ContextLengthError(RequestError):
     """The prompt (plus max_tokens) does not fit the model's context."""
 
 
+class TemplateRenderError(PromptCacheError, RuntimeError):
+    """The chat template itself failed (a syntax error, a render past its time limit, a
+    runaway recursion): the server's fault, not the request's (HTTP 500)."""
+
+
 class CancelledError(PromptCacheError):
     """A request was cancelled (client disconnect)."""
 

@@ -87,6 +87,9 @@ class EngineConfig:
     memory_limit_bytes: int | None = None
     memory_soft: float = 0.85
     memory_hard: float = 0.95
+    # a chat template's render past this many seconds is stopped (engine/templates.py:
+    # a template that loops answers a 500 instead of holding the preparation thread)
+    template_render_limit_s: float = 5.0
 
     def __post_init__(self) -> None:
         if self.memory_limit_bytes is not None and self.memory_limit_bytes <= 0:
@@ -95,6 +98,10 @@ class EngineConfig:
         if not 0 < self.memory_soft <= self.memory_hard <= 1:
             raise ValueError("memory watermarks must satisfy 0 < soft <= hard <= 1, got "
                              f"{self.memory_soft} / {self.memory_hard}")
+        if not (math.isfinite(self.template_render_limit_s)
+                and self.template_render_limit_s > 0):
+            raise ValueError(f"template_render_limit_s must be a number > 0, got "
+                             f"{self.template_render_limit_s}")
         if self.live_states < 0:
             raise ValueError(f"live_states must be >= 0, got {self.live_states}")
         if self.speculation not in ("suffix", "off"):

@@ -10,7 +10,9 @@ block that finds the writer's queue full waits in RAM and is written as the queu
 drains, so a crash or ``kill -9`` loses only blocks not written yet. ``--ssd-policy
 write_back`` writes only blocks evicted from RAM (fewer SSD writes). Either way a
 clean shutdown (SIGINT / SIGTERM) writes every RAM block the SSD lacks, within
-``--shutdown-persist-timeout`` seconds. Several servers may share one ``--cache-dir``.
+``--shutdown-persist-timeout`` seconds; whatever is stuck (a template's render, a
+disk), the process ends within 9 s of the signal, plus the time that persist takes.
+Several servers may share one ``--cache-dir``.
 """
 
 from __future__ import annotations
@@ -20,18 +22,24 @@ import contextlib
 import dataclasses
 import errno
 import logging
+import os
 import shutil
 import signal
 import socket
 import sys
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import FrameType
 from typing import TYPE_CHECKING
 
 from ..config import CacheConfig, RedisConfig, SSDConfig, parse_size
 from ..serving_config import EdgeLimits, EngineConfig, ImageLimits, ServerConfig
 
 if TYPE_CHECKING:
+    import uvicorn
+
     from ..engine.vision_cache import VisionCache
 
 log = logging.getLogger(__name__)
@@ -51,6 +59,11 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                    help="a Jinja chat template (a file, or the template itself) that "
                         "replaces the model's, e.g. one that renders tools for a model "
                         "whose own template drops them")
+    p.add_argument("--template-render-limit", type=float,
+                   default=EngineConfig.template_render_limit_s, metavar="SECONDS",
+                   help="a chat template's render that runs longer is stopped and its "
+                        "request answered with a 500 (a template that loops); the startup "
+                        "test render too (default %(default)s)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8080)
     p.add_argument("--cache-dir", type=Path, default=None,
@@ -303,6 +316,7 @@ def build_configs(args: argparse.Namespace) -> tuple[
                               spec_verify_cost=args.spec_verify_cost,
                               spec_max_slowdown=args.spec_max_slowdown,
                               live_states=args.live_states,
+                              template_render_limit_s=args.template_render_limit,
                               memory_limit_bytes=memory_limit(args.memory_limit))
     if args.api_keys_file is not None and not args.api_keys_file.is_file():
         raise ValueError(f"--api-keys-file {args.api_keys_file} does not exist")
@@ -477,9 +491,17 @@ def run(args: argparse.Namespace) -> int:
     print(f"promptcache: loading {model}", file=sys.stderr)
     cache = build_cache(cache_cfg, ssd_cfg, redis_cfg)
     ssd_mode = {t.name: getattr(t, "mode", "") for t in cache.lower}.get("ssd") if cache else None
-    engine = Engine.load(model, engine_cfg, cache_cfg, cache=cache,
-                         vision_cache=build_vision_cache(args, ssd_cfg),
-                         chat_template=chat_template)
+    from ..errors import TemplateRenderError
+
+    try:
+        engine = Engine.load(model, engine_cfg, cache_cfg, cache=cache,
+                             vision_cache=build_vision_cache(args, ssd_cfg),
+                             chat_template=chat_template)
+    except TemplateRenderError as e:  # the startup test render: one line, no traceback
+        if cache is not None:
+            cache.close(persist=False)
+        whose = "--chat-template" if chat_template is not None else f"the chat template of {model}"
+        raise ValueError(f"{whose}: {e}") from None
     if server_cfg.context_window and server_cfg.context_window > engine.context_length:
         log.warning("--context-window %d is larger than the model's window (%d); using %d",
                     server_cfg.context_window, engine.context_length, engine.context_length)
@@ -501,11 +523,14 @@ def run(args: argparse.Namespace) -> int:
               file=sys.stderr, flush=True)
         max_connections, backlog = fit_to_fd_limit(server_cfg.edge.max_connections)
         edge = dataclasses.replace(server_cfg.edge, max_connections=max_connections)
+        config = uvicorn.Config(app, host=args.host, port=args.port,
+                                log_level=args.log_level, timeout_graceful_shutdown=5,
+                                http=edge_protocol(edge), backlog=backlog, ws="none",
+                                h11_max_incomplete_event_size=edge.max_header_bytes)
         with _terminate_raises():
-            uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                        timeout_graceful_shutdown=5, http=edge_protocol(edge),
-                        backlog=backlog, ws="none",
-                        h11_max_incomplete_event_size=edge.max_header_bytes)
+            started = _serve_uvicorn(config)
+        if not started:
+            raise ValueError(f"cannot serve on {args.host}:{args.port} (see the log above)")
     except (_Terminated, KeyboardInterrupt):
         pass  # a clean shutdown: the cache is persisted below
     finally:
@@ -513,8 +538,88 @@ def run(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         log.info("shutting down: closing the engine and persisting the cache")
+        if cache_cfg.persist_timeout_s is not None:
+            _watchdog.extend(cache_cfg.persist_timeout_s + SHUTDOWN_LIMIT_S)
         engine.close()
+        _watchdog.closed()
     return 0
+
+
+# From the first SIGTERM / SIGINT the process ends within this many seconds, whatever
+# is stuck (a preparation thread in a template's render, a disk that does not answer):
+# the graceful part runs first (uvicorn's 5 s, the engine's close); the cache's persist
+# (bounded by --shutdown-persist-timeout, logging its progress) extends the limit while
+# it runs; past the limit ``os._exit`` (0 if the engine was closed, else 1).
+SHUTDOWN_LIMIT_S = 9.0
+# once the engine is closed, what is left (threads joined at exit) gets this long
+EXIT_GRACE_S = 1.0
+
+
+class _ExitWatchdog:
+    """Ends the process at a deadline set from the first exit signal (``arm``), moved
+    by ``extend`` / ``closed``; a daemon thread, so a normal exit never waits for it."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._deadline: float | None = None
+        self.engine_closed = False
+
+    def arm(self, limit_s: float = SHUTDOWN_LIMIT_S) -> None:
+        with self._lock:
+            if self._deadline is not None:
+                return
+            self._deadline = time.monotonic() + limit_s
+        threading.Thread(target=self._watch, name="promptcache-exit-watchdog",
+                         daemon=True).start()
+
+    def extend(self, seconds: float) -> None:
+        """Allow ``seconds`` more from now (bounded work with progress: the persist)."""
+        with self._lock:
+            if self._deadline is not None:
+                self._deadline = max(self._deadline, time.monotonic() + seconds)
+
+    def closed(self) -> None:
+        """The engine is closed: what is left gets ``EXIT_GRACE_S``."""
+        with self._lock:
+            self.engine_closed = True
+            if self._deadline is not None:
+                self._deadline = min(self._deadline, time.monotonic() + EXIT_GRACE_S)
+
+    def _watch(self) -> None:
+        while True:
+            with self._lock:
+                left = (self._deadline or 0.0) - time.monotonic()
+                code = 0 if self.engine_closed else 1
+            if left <= 0:
+                break
+            time.sleep(min(left, 0.1))
+        log.error("shutdown past its time limit (a stuck thread?): exiting now (%d)", code)
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+_watchdog = _ExitWatchdog()
+
+
+def _arm_exit_watchdog() -> None:
+    _watchdog.arm()
+
+
+def _serve_uvicorn(config: uvicorn.Config) -> bool:
+    """``uvicorn.Server(config).run()`` whose exit signal also arms the exit watchdog;
+    whether the server started."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+            _arm_exit_watchdog()
+            super().handle_exit(sig, frame)
+
+    server = Server(config)
+    server.run()
+    return bool(server.started)
 
 
 class _Terminated(Exception):
@@ -528,6 +633,7 @@ def _terminate_raises() -> Iterator[None]:
     turn it into an exception instead, so the ``finally`` above runs."""
 
     def raise_terminated(signum: int, frame: object) -> None:
+        _arm_exit_watchdog()
         raise _Terminated()
 
     previous = signal.signal(signal.SIGTERM, raise_terminated)

@@ -136,6 +136,10 @@ class SamplingParams:
     # None = no log-probabilities; k >= 0 = the chosen token's logprob plus the k most
     # likely alternatives on every TokenEvent (OpenAI ``top_logprobs``, at most 20)
     logprobs: int | None = None
+    # OpenAI ``logit_bias``: (token id, bias in [-100, 100]) added to the logits before
+    # sampling (mlx-lm's logits processor); the ids are checked against the vocabulary
+    # at submit (``engine/context.py``)
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
@@ -164,6 +168,15 @@ class SamplingParams:
             or not 0 <= self.logprobs <= 20
         ):
             raise ValueError(f"logprobs must be None or an integer in [0, 20], got {self.logprobs!r}")
+        for item in self.logit_bias:
+            if not isinstance(item, tuple) or len(item) != 2:
+                raise ValueError(f"logit_bias entries must be (token id, bias) pairs, got {item!r}")
+            tid, bias = item
+            if isinstance(tid, bool) or not isinstance(tid, int) or tid < 0:
+                raise ValueError(f"logit_bias token ids must be non-negative integers, got {tid!r}")
+            if isinstance(bias, bool) or not isinstance(bias, (int, float)) \
+                    or not -100.0 <= float(bias) <= 100.0:
+                raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {bias!r}")
 
 
 ConstraintKind = Literal["json_schema", "regex", "lark"]

@@ -156,6 +156,10 @@ def validate_request(req: GenerationRequest, ctx: EngineContext) -> np.ndarray:
     if top >= ctx.vocab_size:
         bad = int(arr[int(np.argmax(arr >= ctx.vocab_size))])
         raise RequestError(f"prompt token id {bad} is outside the vocabulary (size {ctx.vocab_size})")
+    bad_bias = [t for t, _ in sp.logit_bias if t >= ctx.vocab_size]
+    if bad_bias:
+        raise RequestError(f"logit_bias token id {bad_bias[0]} is outside the vocabulary "
+                           f"(size {ctx.vocab_size})")
     if not isinstance(sp.stop, (tuple, list)) or not all(isinstance(s, str) and s for s in sp.stop):
         raise RequestError(f"stop must be a sequence of non-empty strings, got {sp.stop!r}")
     if not isinstance(sp.stop_token_ids, (tuple, list)) or not all(

@@ -126,7 +126,11 @@ class Engine:
             self.kv_spec = adapters.kv_spec(model, template, quant=self.kv_quant)
         except ValueError as e:
             raise ValueError(f"model {model_id}: {e}") from e
-        self.templates = ChatTemplate(tokenizer, token_limit=context_length)
+        self.templates = ChatTemplate(tokenizer, token_limit=context_length,
+                                      render_limit_s=cfg.template_render_limit_s)
+        # the startup test render: a template that does not parse, loops or recurses
+        # refuses to start (TemplateRenderError) instead of failing every request
+        self.templates.check()
         eos = getattr(tokenizer, "eos_token_ids", None) or []
         self.counters = EngineCounters()
         self.namespaces = Namespaces(fingerprint, bs, self.kv_spec)

@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable
 
 import numpy as np
+from mlx_lm.sample_utils import make_logits_processors
 
 from ..errors import EngineDeadError
 from . import constrained
@@ -65,6 +66,11 @@ class Submission:
         if request.constraint is not None:
             processors.append(constrained.logits_processor(
                 request.constraint, ctx.tokenizer, ctx.vocab_size))
+        if request.sampling.logit_bias:
+            # after the grammar: a bias never revives a token the grammar masked out.
+            # Not a grammar: such a row decodes without speculation (Speculator.eligible)
+            processors.extend(make_logits_processors(
+                logit_bias=dict(request.sampling.logit_bias)))
         if not request.request_id:
             request = dataclasses.replace(request, request_id=f"req-{next(self._ids)}")
         handle = RequestHandle(request, on_cancel=self._on_cancel)

@@ -9,8 +9,17 @@ tokenization.
 
 Thread-safe: the server calls it from worker threads while the engine thread may
 use the tokenizer; Hugging Face fast tokenizers are not safe to share between
-threads (their padding / truncation state is mutated per call), so every render
-holds one lock.
+threads (their padding / truncation state is mutated per call), so every
+tokenization holds one lock (a render, Jinja only, holds none).
+
+Bounded time: a render runs under a trace budget (``render_budget``): the template's
+own code (Jinja compiles it to Python, file ``<template>``) and every Python call it
+makes check a deadline (``render_limit_s``), so a template that loops (a recursive
+macro, nested ``range`` loops) ends with ``TemplateRenderError`` instead of holding
+the preparation thread; so do a syntax error and a recursion past Python's limit.
+The render holds no lock (only the tokenization does), so a slow render never delays
+another request's tokenization. ``check()`` renders a one-message chat (the startup
+test render: a template that fails or loops refuses to start).
 
 Bounded work: with a ``token_limit`` (the model's context length), a rendered text
 longer than ``(limit + 1) * longest token`` characters is first tokenized only up to
@@ -22,12 +31,58 @@ tokens).
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import sys
 import threading
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from types import FrameType
 from typing import Any
 
-from ..errors import ContextLengthError, RequestError
+from ..errors import ContextLengthError, RequestError, TemplateRenderError
 from . import mlx_compat
+
+log = logging.getLogger(__name__)
+
+# A chat template's render takes milliseconds (a few hundred for a very long agent
+# conversation); past this it is a template that loops.
+RENDER_LIMIT_S = 5.0
+# what Jinja names the code of a template compiled from a string
+TEMPLATE_FILE = "<template>"
+CHECK_MESSAGES = ({"role": "user", "content": "Hello"},)
+
+
+class _OverBudget(BaseException):
+    """Raised inside a render past its deadline (a BaseException: a template's or a
+    library's ``except Exception`` cannot swallow it)."""
+
+
+@contextlib.contextmanager
+def render_budget(limit_s: float) -> Iterator[None]:
+    """Run the body with this thread traced: every Python call, and every line of a
+    template's own code, checks the deadline and raises ``_OverBudget`` past it.
+    The previous trace function (a debugger, coverage) is restored after."""
+    deadline = time.monotonic() + limit_s
+
+    def check() -> None:
+        if time.monotonic() > deadline:
+            raise _OverBudget()
+
+    def local(frame: FrameType, event: str, arg: Any) -> Any:
+        check()
+        return local
+
+    def on_call(frame: FrameType, event: str, arg: Any) -> Any:
+        check()
+        return local if frame.f_code.co_filename == TEMPLATE_FILE else None
+
+    previous = sys.gettrace()
+    sys.settrace(on_call)
+    try:
+        yield
+    finally:
+        sys.settrace(previous)
 
 
 def validate_messages(messages: Any) -> None:
@@ -97,12 +152,24 @@ def message_starts(text: str, offsets: Sequence[tuple[int, int]],
     return tuple(starts)
 
 
+def _is_syntax_error(e: BaseException) -> bool:
+    try:
+        import jinja2
+    except ImportError:  # no Jinja: the tokenizer renders its own way
+        return False
+    return isinstance(e, jinja2.TemplateSyntaxError)
+
+
 class ChatTemplate:
     """The tokenizer's chat template, rendered under one lock."""
 
-    def __init__(self, tokenizer: Any, token_limit: int | None = None) -> None:
+    def __init__(self, tokenizer: Any, token_limit: int | None = None,
+                 render_limit_s: float = RENDER_LIMIT_S) -> None:
+        if not render_limit_s > 0:
+            raise ValueError(f"render_limit_s must be > 0, got {render_limit_s}")
         self.tokenizer = tokenizer
         self.token_limit = token_limit
+        self.render_limit_s = render_limit_s
         self._lock = threading.Lock()
         self._max_token_chars: int | None = None
 
@@ -144,9 +211,22 @@ class ChatTemplate:
         if continue_final_message:
             kwargs["continue_final_message"] = True
             gen = False
-        out = self.tokenizer.apply_chat_template(
-            list(messages), tools=tools, add_generation_prompt=gen, tokenize=False, **kwargs
-        )
+        try:
+            with render_budget(self.render_limit_s):
+                out = self.tokenizer.apply_chat_template(
+                    list(messages), tools=tools, add_generation_prompt=gen, tokenize=False,
+                    **kwargs)
+        except _OverBudget:
+            raise TemplateRenderError(
+                f"the chat template did not finish rendering within {self.render_limit_s:g} "
+                "s (does it loop?)") from None
+        except RecursionError:
+            raise TemplateRenderError("the chat template recursed past Python's limit "
+                                      "(a recursive macro?)") from None
+        except Exception as e:
+            if _is_syntax_error(e):
+                raise TemplateRenderError(f"the chat template is not valid Jinja: {e}") from e
+            raise
         if not isinstance(out, str):
             raise RequestError("the chat template did not render to text")
         return out
@@ -160,11 +240,23 @@ class ChatTemplate:
         message is left open; ``template_kwargs``: extra template variables such as
         ``enable_thinking``)."""
         validate_messages(messages)
+        text = self._render_text(messages, tools, add_generation_prompt,
+                                 continue_final_message, template_kwargs)
         with self._lock:
-            text = self._render_text(messages, tools, add_generation_prompt,
-                                     continue_final_message, template_kwargs)
             self._check_length(text)
             return [int(t) for t in self.tokenizer.encode(text, add_special_tokens=False)]
+
+    def check(self) -> None:
+        """The startup test render: a one-message chat. ``TemplateRenderError`` for a
+        template that fails to parse, loops or recurses; any other failure (the
+        template refusing this chat, e.g. one that needs a system message) only logs."""
+        try:
+            self._render_text(CHECK_MESSAGES, None, True, False, None)
+        except TemplateRenderError:
+            raise
+        except Exception as e:
+            log.warning("the chat template's test render failed (%s: %s); serving anyway",
+                        type(e).__name__, e)
 
     def encode(self, text: str) -> list[int]:
         """Token ids of a plain prompt (the tokenizer's own special tokens, e.g. BOS,
@@ -181,9 +273,9 @@ class ChatTemplate:
     ) -> tuple[list[int], tuple[int, ...]]:
         """``(tokens, message_starts)`` from one render and one tokenization."""
         validate_messages(messages)
+        text = self._render_text(messages, tools, add_generation_prompt,
+                                 continue_final_message, template_kwargs)
         with self._lock:
-            text = self._render_text(messages, tools, add_generation_prompt,
-                                     continue_final_message, template_kwargs)
             self._check_length(text)
             encoded = mlx_compat.encode_with_offsets(self.tokenizer, text)
             if encoded is None:  # a slow tokenizer: no character offsets

@@ -21,8 +21,9 @@ the block's hit count as the policy knows it, used by the ``admission_min_hits``
 rule (None counts as 0).
 
 Repairs only under the folder's exclusive lock: a folder whose ``lock`` cannot be
-opened is served read-only (``mode`` ``read_only``: reads, no write, no deletion, no
-reconcile); a folder that cannot be written, or whose index cannot be opened (or is
+opened, or that cannot be written (a read-only file system, permissions), is served
+read-only (``mode`` ``read_only``: reads, no write (refused and counted), no deletion,
+no reconcile); a folder that cannot be created, or whose index cannot be opened (or is
 corrupt while the lock is missing), is ``off`` (an empty index in memory; the files
 are left as they are). A corrupt index is rebuilt only under the exclusive lock, and
 the block files it described are set aside in quarantine, never deleted.

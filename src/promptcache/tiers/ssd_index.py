@@ -35,19 +35,43 @@ from .ssd_schema import (
 
 log = logging.getLogger(__name__)
 
+def _connect_read_only(path: Path) -> sqlite3.Connection:
+    """A read-only connection: ``mode=ro`` first (it sees other processes' commits);
+    where SQLite cannot open the WAL index beside it (a folder it cannot write),
+    ``immutable=1`` (no locks, no ``-shm``: the rows of the last checkpoint; a row
+    naming a file gone since is a miss when read)."""
+    try:
+        return _connect(path, "mode=ro")
+    except sqlite3.Error as e:
+        if is_corruption(e):
+            raise
+        log.info("ssd index %s: mode=ro failed (%s), opening it immutable", path, e)
+        return _connect(path, "mode=ro&immutable=1")
+
+
+def _connect(path: Path, query: str) -> sqlite3.Connection:
+    db = sqlite3.connect(f"file:{path}?{query}", uri=True, check_same_thread=False,
+                         isolation_level=None, timeout=30.0)
+    try:
+        db.execute("PRAGMA schema_version").fetchone()
+    except sqlite3.Error:
+        db.close()
+        raise
+    return db
+
+
 class SSDIndex:
     """``read_only``: opened with ``mode=ro`` (no schema change, no write; SQLite may
-    still create its ``-wal`` / ``-shm`` files beside it); a missing file raises
-    ``IndexOpenError`` instead of being created."""
+    still create its ``-wal`` / ``-shm`` files beside it), or, where it cannot (a
+    read-only folder without them), ``immutable`` (what the last checkpoint holds); a
+    missing file raises ``IndexOpenError`` instead of being created."""
 
     def __init__(self, path: Path, *, durable: bool = True, read_only: bool = False) -> None:
         self.path = path
         self.read_only = read_only
         try:
             if read_only:
-                self._db = sqlite3.connect(f"file:{path}?mode=ro", uri=True,
-                                           check_same_thread=False, isolation_level=None,
-                                           timeout=30.0)
+                self._db = _connect_read_only(path)
             else:
                 self._db = sqlite3.connect(
                     str(path), check_same_thread=False, isolation_level=None, timeout=30.0

@@ -2,8 +2,10 @@
 step, ``open_index``, on its ``SSDState``; see ``ssd.py`` for the modes).
 
 Repairs need the folder's exclusive lock: without a lock the tier serves what the
-index holds, read-only; without a usable index (or a writable folder) it is off (an
-empty index in memory, never reconciled against the files). A corrupt index is
+index holds, read-only; so does a folder that cannot be written (a read-only file
+system or permissions: its index opened ``mode=ro``, or ``immutable`` where SQLite
+cannot share it); without a usable index it is off (an empty index in memory, never
+reconciled against the files). A corrupt index is
 rebuilt, and a lost one recovered, from the self-describing block files
 (``ssd_recover``), under that lock only; the files that cannot say what they are are
 set aside, never deleted.
@@ -25,12 +27,15 @@ from .ssd_store import SSDState
 
 log = logging.getLogger(__name__)
 
+# what probing a folder that can be read but not written raises
+READ_ONLY_ERRNOS = (errno.EROFS, errno.EACCES, errno.EPERM)
+
 
 def open_index(st: SSDState, read_only: bool) -> SSDIndex:
     """Open the folder: its lock, then its index. Repairs (rebuilding a corrupt
-    index, reconcile) need the folder's exclusive lock: without a lock the tier
-    serves what the index holds, read-only; without a usable index (or folder) it
-    is off (an empty index in memory, never reconciled against the files).
+    index, reconcile) need the folder's exclusive lock: without a lock, or in a
+    folder it cannot write, the tier serves what the index holds, read-only; without
+    a usable index (or folder) it is off (an empty index in memory, never reconciled against the files).
     ``read_only`` (``cache check`` without ``--fix``, ``ls``, ``stats``): create,
     move or repair nothing."""
     path = st.root / files.INDEX_NAME
@@ -44,6 +49,10 @@ def open_index(st: SSDState, read_only: bool) -> SSDIndex:
     try:
         files.probe_writable(st.root)
     except OSError as e:
+        if e.errno in READ_ONLY_ERRNOS:
+            # a read-only file system or folder: its blocks are still served (lookups
+            # and restores hit them); every write, touch and repair is skipped
+            return _open_read_only(st, path, f"cache folder {st.root} is not writable: {e}")
         if e.errno not in (errno.ENOSPC, errno.EDQUOT):
             return _off(st, f"cache folder {st.root} is not writable: {e}")
         # a full disk is writable once blocks are evicted (the budget in use is
@@ -91,23 +100,32 @@ def _recover(st: SSDState, index: SSDIndex) -> None:
     if got.recovered or got.set_aside:
         st.index_rebuilt = True
 
-def _open_read_only(st: SSDState, path: Path) -> SSDIndex:
+def _open_read_only(st: SSDState, path: Path, unwritable: str | None = None) -> SSDIndex:
+    """The index opened read-only: asked for (the CLI's inspections, ``unwritable``
+    None), or a folder that cannot be written (``unwritable`` says why: the tier
+    serves read-only, reported as degraded). A folder without a usable index is off."""
     if not st.root.is_dir():
         return _off(st, f"{st.root} is not a folder")
     try:
         st.dirlock = files.DirLock(st.root / files.LOCK_NAME, create=False)
     except OSError as e:
         log.info("ssd: no folder lock to share (%s)", e)
+    why = f"{unwritable}; " if unwritable is not None else ""
     try:
         if path.exists() and not path.is_file():
             raise IndexCorruptError(f"{path} is not a file")
         index = SSDIndex(path, durable=False, read_only=True)
     except IndexCorruptError as e:
-        st.index_corrupt = True
-        return _off(st, f"the index {path} is unusable: {e}")
+        if unwritable is None:
+            st.index_corrupt = True
+        return _off(st, f"{why}the index {path} is unusable: {e}")
     except IndexOpenError as e:
-        return _off(st, f"cannot open the index {path}: {e}")
-    st.set_mode("read_only", "opened read-only", degraded=False)
+        return _off(st, f"{why}cannot open the index {path}: {e}")
+    if unwritable is None:
+        st.set_mode("read_only", "opened read-only", degraded=False)
+    else:
+        st.set_mode("read_only", f"{unwritable}: its blocks are served read-only (no "
+                                 "writes, no repairs)")
     return index
 
 def _rebuild_index(st: SSDState, path: Path, durable: bool) -> SSDIndex:

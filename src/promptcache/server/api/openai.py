@@ -6,6 +6,8 @@ the model's own format, parsed with mlx-lm's parser of it) as ``tool_calls``;
 ``response_format`` ``json_object`` / ``json_schema`` and ``tool_choice`` ``required`` /
 a named function are enforced by constrained decoding (``structured.py``); with ``logprobs`` (and ``top_logprobs``) every token's log-probability
 in ``choices[0].logprobs.content``. A final assistant message is continued (prefill).
+``logit_bias`` (both endpoints) is applied by a logits processor; /v1/completions
+answers ``logprobs`` (0..5) in the legacy shape; the checks are in ``openai_params.py``.
 Streams send an SSE comment when they have nothing else to send for a while (a long
 prefill), so proxies and clients keep the connection.
 """
@@ -50,6 +52,7 @@ from ..replies.reply import (
 )
 from ..replies.runner import Generation, ServerState, state_of
 from ..replies.toolcalls import ToolCall, offered_tool_names
+from . import openai_params
 from .errors import APIError, error_body
 from .schemas import ChatCompletionRequest, CompletionRequest, OAIMessage, OAIToolCall
 
@@ -192,6 +195,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     if body.n not in (None, 1):
         raise APIError(400, "only n=1 is supported", param="n")
     k = _logprobs_k(body.logprobs, body.top_logprobs)
+    bias = openai_params.logit_bias(body.logit_bias, st.engine.vocab_size)
     scope = request.state.pc_scope.with_session(body.prompt_cache_key, "prompt_cache_key")
     turn = TurnContext.of(scope)
     chat = chat_prompt(body, st.image_collector())
@@ -201,7 +205,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     max_tokens = plan_max_tokens(st, "openai", len(prepared.tokens), requested, param)
     sampling = st.sampling(max_tokens=max_tokens, temperature=body.temperature,
-                           top_p=body.top_p, seed=body.seed, stop=body.stop, logprobs=k)
+                           top_p=body.top_p, seed=body.seed, stop=body.stop, logprobs=k,
+                           logit_bias=bias)
     gen = start(st, "openai", request, scope, prepared, sampling, turn)
 
     def on_reply(reply: list[dict[str, Any]]) -> None:
@@ -273,20 +278,36 @@ def _completion_tokens(st: ServerState, prompt: str | list[str] | list[int]) -> 
 
 
 async def _completion_stream(gen: Generation, st: ServerState, make_chunk: Any,
-                             include_usage: bool, path: str, sleep: Sleep
-                             ) -> AsyncIterator[str]:
+                             include_usage: bool, path: str, sleep: Sleep,
+                             decoder: LogprobDecoder | None) -> AsyncIterator[str]:
+    pending: list[TokenEvent] = []  # logprobs travel with the next chunk
+    offset = 0  # text_offset of the next token
+
+    async def chunk(text: str, finish: str | None = None) -> str:
+        nonlocal offset
+        logprobs = None
+        if decoder is not None:
+            entries = await decoder.entries(pending)
+            pending.clear()
+            if entries:
+                logprobs = openai_params.legacy_logprobs(entries, offset)
+                offset += sum(len(e["token"]) for e in entries)
+        return sse_data(make_chunk(text, finish, logprobs))
+
     async for ev in reply_events(gen, ReplyParser(), keepalive_s=st.config.keepalive_s,
                                  sleep=sleep):
         if ev is KEEPALIVE:
             yield SSE_COMMENT
+        elif isinstance(ev, TokenEvent):
+            pending.append(ev)
         elif isinstance(ev, Piece):
-            yield sse_data(make_chunk(ev.text))
+            yield await chunk(ev.text)
         elif isinstance(ev, Finished):
             if ev.failed:
                 yield sse_data(error_body(path, 500, f"generation failed: {ev.result.error}",
                                           "engine_error"))
                 break
-            yield sse_data(make_chunk("", _finish_reason(ev.result)))
+            yield await chunk("", _finish_reason(ev.result))
             if include_usage:
                 last = make_chunk("")
                 last["choices"] = []
@@ -302,10 +323,16 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     model = st.check_model(body.model)
     if body.n not in (None, 1):
         raise APIError(400, "only n=1 is supported", param="n")
+    openai_params.best_of(body.best_of)
+    k = openai_params.completion_logprobs(body.logprobs, body.echo)
+    bias = openai_params.logit_bias(body.logit_bias, st.engine.vocab_size)
     prompt = await preparer_of(request).run(_completion_tokens, st, body.prompt)
     max_tokens = plan_max_tokens(st, "openai", len(prompt), body.max_tokens)
     sampling = st.sampling(max_tokens=max_tokens, temperature=body.temperature,
-                           top_p=body.top_p, seed=body.seed, stop=body.stop)
+                           top_p=body.top_p, seed=body.seed, stop=body.stop, logprobs=k,
+                           logit_bias=bias)
+    decoder = (LogprobDecoder(st.engine.tokenizer, sampling.stop_token_ids)
+               if k is not None else None)
     gen = st.start("openai", request, request.state.pc_scope, prompt, sampling)
     cid = f"cmpl-{uuid.uuid4().hex[:24]}"
     created = int(time.time())
@@ -314,10 +341,11 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
-        def make_chunk(text: str, finish: str | None = None) -> dict[str, Any]:
+        def make_chunk(text: str, finish: str | None = None,
+                       logprobs: Any = None) -> dict[str, Any]:
             chunk: dict[str, Any] = {
                 "id": cid, "object": "text_completion", "created": created, "model": model,
-                "choices": [{"index": 0, "text": text, "logprobs": None,
+                "choices": [{"index": 0, "text": text, "logprobs": logprobs,
                              "finish_reason": finish}],
             }
             if include_usage:
@@ -326,15 +354,18 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
 
         return StreamingResponse(
             _completion_stream(gen, st, make_chunk, include_usage, request.url.path,
-                               sleep_of(request)),
+                               sleep_of(request), decoder),
             media_type="text/event-stream", headers=SSE_HEADERS)
 
-    finished, _ = await collect_reply(gen, ReplyParser())
+    finished, token_events = await collect_reply(gen, ReplyParser())
     if finished.failed:
         raise _engine_failed(finished.result)
+    logprobs = None
+    if decoder is not None:  # no echo with logprobs: offsets start at the reply
+        logprobs = openai_params.legacy_logprobs(await decoder.entries(token_events), 0)
     return JSONResponse({
         "id": cid, "object": "text_completion", "created": created, "model": model,
-        "choices": [{"index": 0, "text": echo + finished.text, "logprobs": None,
+        "choices": [{"index": 0, "text": echo + finished.text, "logprobs": logprobs,
                      "finish_reason": _finish_reason(finished.result)}],
         "usage": openai_usage(finished.result),
     })

@@ -56,6 +56,8 @@ class _OAISampling(_Lenient):
     stream_options: OAIStreamOptions | None = None
     n: int | None = None
     user: str | None = None
+    # {"token id": bias in [-100, 100]}: checked in openai_params.py (a 400 naming it)
+    logit_bias: Any = None
 
 
 class ChatCompletionRequest(_OAISampling):
@@ -76,6 +78,10 @@ class ChatCompletionRequest(_OAISampling):
 class CompletionRequest(_OAISampling):
     prompt: str | list[str] | list[int]
     echo: bool = False
+    # the legacy integer (alternatives per token, 0..5) and best_of (only 1): checked in
+    # openai_params.py
+    logprobs: Any = None
+    best_of: Any = None
 
 
 # --- Anthropic ------------------------------------------------------------------------

@@ -31,6 +31,7 @@ from ...blocks.tokens import common_prefix
 from ...engine.api import GenerationResult, ImageInput, expand_placeholders, image_extra_keys
 from ...engine.chat_format import ChatFormat
 from ...engine.port import CachePrediction, EngineAPI
+from ...errors import TemplateRenderError
 from ..api.errors import APIError
 from ..ops.diagnostics import (
     NO_PREVIOUS,
@@ -210,6 +211,9 @@ class Preparer:
                                           offsets=not light)
         except (ValueError, APIError):
             raise
+        except TemplateRenderError as e:  # the template's own fault (syntax, loop): ours
+            raise APIError(500, f"cannot render the chat template: {e}",
+                           code="template_error") from e
         except Exception as e:  # jinja TemplateError & co: caused by the request's messages
             raise APIError(400, f"cannot render the chat template for these messages: {e}",
                            code="invalid_messages", param="messages") from e

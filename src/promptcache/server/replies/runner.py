@@ -109,7 +109,8 @@ class ServerState:
 
     def sampling(self, *, max_tokens: int, temperature: float | None, top_p: float | None,
                  seed: int | None, stop: Sequence[str] | str | None, top_k: int | None = None,
-                 logprobs: int | None = None) -> SamplingParams:
+                 logprobs: int | None = None,
+                 logit_bias: tuple[tuple[int, float], ...] = ()) -> SamplingParams:
         stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
         if len(stops) > 16:
             raise APIError(400, "at most 16 stop sequences are supported", param="stop")
@@ -121,6 +122,7 @@ class ServerState:
             stop=stops,
             top_k=top_k or 0,
             logprobs=logprobs,
+            logit_bias=logit_bias,
         )
 
     def start(self, api: str, http_request: Request, scope: Scope, prompt: Sequence[int],
