@@ -179,88 +179,92 @@ def main(argv: list[str] | None = None) -> int:
     def words(n: int) -> list[int]:
         return [rng.randrange(10, vocab - 10) for _ in range(n)]
 
-    ssd_dir = root / "blocks"
-    eng = engine(ssd_dir, a.redis)
-    ns = eng.namespace()
-    history = words(sizes[0])
-    cold = ask(eng, history)
-    log(f"cold prefill of {sizes[0]}: {cold.ttft_s:.2f} s")
-    history += list(cold.tokens)
-    rows: list[dict[str, Any]] = []
-    for n in sizes:
-        if len(history) < n:  # a turn that grows the conversation (from the live state)
-            add = words(n - len(history))
-            grown = ask(eng, history + add)
-            history += add + list(grown.tokens)
-        row: dict[str, Any] = {"size": len(history), "cold_s": cold.ttft_s,
-                               "cold_size": sizes[0]}
-        # each next turn a.repeats times, the fastest (a turn after the first trims the
-        # previous one's state back to the conversation: a retry with other new tokens)
-        lives = [ask(eng, history + words(a.new)) for _ in range(a.repeats)]
-        live = min(lives, key=lambda r: r.ttft_s)
-        row.update(live_s=live.ttft_s, live_by_tier=dict(live.usage.cached_by_tier))
-        rams = []
-        for _ in range(a.repeats):
-            eng.release_live()
-            before = eng.engine_stats()
-            rams.append(ask(eng, history + words(a.new)))
-            after = eng.engine_stats()
-        ram = min(rams, key=lambda r: r.ttft_s)
-        copied = after["restore_copy_bytes"] - before["restore_copy_bytes"]
-        row.update(ram_s=ram.ttft_s, ram_restore_s=ram.restore_s,
-                   ram_by_tier=dict(ram.usage.cached_by_tier), copy_bytes=copied,
-                   copies=after["restore_copies"] - before["restore_copies"],
-                   copy_s=copy_time(copied))
-        # the floor: mlx-lm alone, the new tokens on a cache holding the conversation
-        hit = eng.cache.acquire(history, ns)
-        m = min(int(hit.num_tokens), len(history) - 1)
-        state = adapters.restore(model, hit.blocks, m, reserve=len(history) - m + a.new + 1)
-        eng.cache.release(hit)
-        rest = mx.array(history[m:] + words(a.new))[None]
-
-        def floor(state: Any = state, rest: Any = rest) -> None:
-            mx.eval(model(rest[:, :-1], cache=state))
-            mx.eval(model(rest[:, -1:], cache=state)[0, -1])
-
-        times = []
-        for _ in range(a.repeats + 1):  # the first warms the kernels of these widths
-            times.append(timed(floor))
-            trim_prompt_cache(state, int(rest.shape[1]))
-        row["floor_s"] = min(times[1:])
-        row["floor_new"] = int(rest.shape[1])
-        del state
-        # the SSD after a clean shutdown and a restart, page cache dropped
-        row["shutdown_s"] = timed(eng.close)
-        stored = sum(p.stat().st_size for p in ssd_dir.rglob("*") if p.is_file())
-        row["page_cache"] = drop_cache([p for p in ssd_dir.rglob("*") if p.is_file()])
-        mx.clear_cache()
-        t = time.perf_counter()
+    eng = None
+    try:
+        ssd_dir = root / "blocks"
         eng = engine(ssd_dir, a.redis)
-        row["restart_s"] = time.perf_counter() - t
-        ssd = ask(eng, history + words(a.new))
-        row.update(ssd_s=ssd.ttft_s, ssd_restore_s=ssd.restore_s, ssd_bytes=stored,
-                   ssd_by_tier=dict(ssd.usage.cached_by_tier),
-                   read_s=read_time(root, stored))
-        if a.redis:  # a new server: nothing in its RAM or SSD, Redis holds the blocks
-            other = engine(None, True)
-            red = ask(other, history + words(a.new))
-            row.update(redis_s=red.ttft_s, redis_by_tier=dict(red.usage.cached_by_tier))
-            other.close()
-        log(f"N={row['size']}: live {row['live_s']:.3f} s {row['live_by_tier']}, RAM {row['ram_s']:.3f} s, "
-            f"SSD {row['ssd_s']:.3f} s, floor {row['floor_s']:.3f} s, copy "
-            f"{row['copy_s']:.3f} s ({copied / 1e6:.0f} MB), dd {row['read_s']:.3f} s "
-            f"({stored / 1e6:.0f} MB)"
-            + (f", Redis {row['redis_s']:.3f} s" if a.redis else ""))
-        rows.append(row)
-        if a.out:
-            Path(a.out).write_text(json.dumps({"shape": a.shape, "new": a.new,
-                                               "per_token_bytes": per_token,
-                                               "rows": rows}, indent=1))
-    print(table(rows, a.redis))
-    eng.close()
-    if redis_srv is not None:
-        redis_srv.stop()
-    shutil.rmtree(root, ignore_errors=True)
+        ns = eng.namespace()
+        history = words(sizes[0])
+        cold = ask(eng, history)
+        log(f"cold prefill of {sizes[0]}: {cold.ttft_s:.2f} s")
+        history += list(cold.tokens)
+        rows: list[dict[str, Any]] = []
+        for n in sizes:
+            if len(history) < n:  # a turn that grows the conversation (from the live state)
+                add = words(n - len(history))
+                grown = ask(eng, history + add)
+                history += add + list(grown.tokens)
+            row: dict[str, Any] = {"size": len(history), "cold_s": cold.ttft_s,
+                                   "cold_size": sizes[0]}
+            # each next turn a.repeats times, the fastest (a turn after the first trims the
+            # previous one's state back to the conversation: a retry with other new tokens)
+            lives = [ask(eng, history + words(a.new)) for _ in range(a.repeats)]
+            live = min(lives, key=lambda r: r.ttft_s)
+            row.update(live_s=live.ttft_s, live_by_tier=dict(live.usage.cached_by_tier))
+            rams = []
+            for _ in range(a.repeats):
+                eng.release_live()
+                before = eng.engine_stats()
+                rams.append(ask(eng, history + words(a.new)))
+                after = eng.engine_stats()
+            ram = min(rams, key=lambda r: r.ttft_s)
+            copied = after["restore_copy_bytes"] - before["restore_copy_bytes"]
+            row.update(ram_s=ram.ttft_s, ram_restore_s=ram.restore_s,
+                       ram_by_tier=dict(ram.usage.cached_by_tier), copy_bytes=copied,
+                       copies=after["restore_copies"] - before["restore_copies"],
+                       copy_s=copy_time(copied))
+            # the floor: mlx-lm alone, the new tokens on a cache holding the conversation
+            hit = eng.cache.acquire(history, ns)
+            m = min(int(hit.num_tokens), len(history) - 1)
+            state = adapters.restore(model, hit.blocks, m, reserve=len(history) - m + a.new + 1)
+            eng.cache.release(hit)
+            rest = mx.array(history[m:] + words(a.new))[None]
+
+            def floor(state: Any = state, rest: Any = rest) -> None:
+                mx.eval(model(rest[:, :-1], cache=state))
+                mx.eval(model(rest[:, -1:], cache=state)[0, -1])
+
+            times = []
+            for _ in range(a.repeats + 1):  # the first warms the kernels of these widths
+                times.append(timed(floor))
+                trim_prompt_cache(state, int(rest.shape[1]))
+            row["floor_s"] = min(times[1:])
+            row["floor_new"] = int(rest.shape[1])
+            del state
+            # the SSD after a clean shutdown and a restart, page cache dropped
+            row["shutdown_s"] = timed(eng.close)
+            stored = sum(p.stat().st_size for p in ssd_dir.rglob("*") if p.is_file())
+            row["page_cache"] = drop_cache([p for p in ssd_dir.rglob("*") if p.is_file()])
+            mx.clear_cache()
+            t = time.perf_counter()
+            eng = engine(ssd_dir, a.redis)
+            row["restart_s"] = time.perf_counter() - t
+            ssd = ask(eng, history + words(a.new))
+            row.update(ssd_s=ssd.ttft_s, ssd_restore_s=ssd.restore_s, ssd_bytes=stored,
+                       ssd_by_tier=dict(ssd.usage.cached_by_tier),
+                       read_s=read_time(root, stored))
+            if a.redis:  # a new server: nothing in its RAM or SSD, Redis holds the blocks
+                other = engine(None, True)
+                red = ask(other, history + words(a.new))
+                row.update(redis_s=red.ttft_s, redis_by_tier=dict(red.usage.cached_by_tier))
+                other.close()
+            log(f"N={row['size']}: live {row['live_s']:.3f} s {row['live_by_tier']}, RAM {row['ram_s']:.3f} s, "
+                f"SSD {row['ssd_s']:.3f} s, floor {row['floor_s']:.3f} s, copy "
+                f"{row['copy_s']:.3f} s ({copied / 1e6:.0f} MB), dd {row['read_s']:.3f} s "
+                f"({stored / 1e6:.0f} MB)"
+                + (f", Redis {row['redis_s']:.3f} s" if a.redis else ""))
+            rows.append(row)
+            if a.out:
+                Path(a.out).write_text(json.dumps({"shape": a.shape, "new": a.new,
+                                                   "per_token_bytes": per_token,
+                                                   "rows": rows}, indent=1))
+        print(table(rows, a.redis))
+    finally:
+        if eng is not None:
+            eng.close()
+        if redis_srv is not None:
+            redis_srv.stop()
+        shutil.rmtree(root, ignore_errors=True)
     return 0
 
 
