@@ -5,6 +5,10 @@ The CLIs come from npm, pinned (``.ci/run`` installs them into ``CLIENTS_DIR``, 
 run gets its own HOME (and CODEX_HOME) in a temporary folder, telemetry and updates off,
 the base URL on 127.0.0.1. ``scrub_record`` turns a recorded request (``promptcache serve
 --log-requests``) into a fixture: no secrets, no machine paths.
+
+The configs and exports are the documented ones (``docs/clients/``, shown in README.md
+and docs/api.md, kept equal by ``tests/server/test_client_docs.py``), written for a test
+server by ``localize``: the one substitution of the documented base URL and window.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +28,39 @@ PINS = {"claude": ("@anthropic-ai/claude-code", "2.1.197"),
 CLIENTS_DIR = Path(os.environ.get("PROMPTCACHE_CLIENTS_DIR")
                    or Path.home() / ".cache" / "promptcache" / "clients")
 CLI_TIMEOUT_S = 600
+
+DOCS_CLIENTS = Path(__file__).resolve().parents[2] / "docs" / "clients"
+DOC_BASE = "http://127.0.0.1:8080"  # `make serve`
+DOC_WINDOW = 32768  # the default model's window
+
+
+def documented(name: str) -> str:
+    """A documented config or export block: ``docs/clients/<name>``."""
+    return (DOCS_CLIENTS / name).read_text()
+
+
+def localize(text: str, base: str, window: int = DOC_WINDOW) -> str:
+    """A documented block for a server at ``base`` (``http://HOST:PORT``) with a window of
+    ``window`` tokens: the documented base URL and window replaced, nothing else."""
+    return text.replace(DOC_BASE, base).replace(str(DOC_WINDOW), str(window))
+
+
+def exports(text: str) -> dict[str, str]:
+    """The variables of a block's ``export K=V ...`` lines."""
+    out: dict[str, str] = {}
+    for line in text.splitlines():
+        words = shlex.split(line, comments=True)
+        if words[:1] == ["export"]:
+            for word in words[1:]:
+                name, _, value = word.partition("=")
+                out[name] = value
+    return out
+
+
+def documented_env(base: str, prefix: str) -> dict[str, str]:
+    """The documented exports (``env.sh``) whose names start with ``prefix``, for ``base``."""
+    return {k: v for k, v in exports(localize(documented("env.sh"), base)).items()
+            if k.startswith(prefix)}
 
 
 def cli_path(name: str) -> Path | None:
@@ -71,32 +109,20 @@ def claude_env(home: Path, base: str) -> dict[str, str]:
     return {"HOME": str(home), "DISABLE_TELEMETRY": "1",
             "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_AUTOUPDATER": "1",
             "DISABLE_ERROR_REPORTING": "1", "DISABLE_BUG_COMMAND": "1",
-            "ANTHROPIC_BASE_URL": base, "ANTHROPIC_API_KEY": "dummy",
-            "ANTHROPIC_MODEL": "default", "ANTHROPIC_SMALL_FAST_MODEL": "default",
+            **documented_env(base, "ANTHROPIC_"),
             # a random model would otherwise be allowed 32000 tokens
             "CLAUDE_CODE_MAX_OUTPUT_TOKENS": "64"}
 
 
 def codex_env(home: Path, base: str) -> dict[str, str]:
     home.mkdir(parents=True, exist_ok=True)
-    (home / "config.toml").write_text(
-        'model = "default"\nmodel_provider = "promptcache"\nmodel_reasoning_effort = "low"\n'
-        "[model_providers.promptcache]\n"
-        f'name = "promptcache"\nbase_url = "{base}/v1"\nwire_api = "responses"\n'
-        'env_key = "PROMPTCACHE_API_KEY"\n[analytics]\nenabled = false\n')
-    return {"HOME": str(home), "CODEX_HOME": str(home), "PROMPTCACHE_API_KEY": "unused"}
+    (home / "config.toml").write_text(localize(documented("codex.toml"), base))
+    return {"HOME": str(home), "CODEX_HOME": str(home), **documented_env(base, "PROMPTCACHE_")}
 
 
 def opencode_env(home: Path, work: Path, base: str, window: int) -> dict[str, str]:
     home.mkdir(parents=True, exist_ok=True)
-    config = {"provider": {"promptcache": {
-        "npm": "@ai-sdk/openai-compatible", "name": "promptcache",
-        "options": {"baseURL": f"{base}/v1", "apiKey": "unused"},
-        "models": {"default": {"name": "default",
-                               "limit": {"context": window, "output": 512}}}}},
-        "model": "promptcache/default", "small_model": "promptcache/default",
-        "autoupdate": False, "share": "disabled"}
-    (work / "opencode.json").write_text(json.dumps(config))
+    (work / "opencode.json").write_text(localize(documented("opencode.json"), base, window))
     return {"HOME": str(home), "OPENCODE_DISABLE_AUTOUPDATE": "1",
             "OPENCODE_DISABLE_MODELS_FETCH": "1", "OPENCODE_DISABLE_LSP_DOWNLOAD": "1",
             "OPENCODE_DISABLE_SHARE": "1", "OPENCODE_DISABLE_DEFAULT_PLUGINS": "1"}

@@ -13,6 +13,8 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from promptcache.cli import main as cli_main
 from promptcache.engine.models.gguf import (
+    CONVERSION_VERSION,
+    DEFAULT_CONTEXT_LENGTH,
     DEFAULT_MODEL_NAME,
     config_from_metadata,
     convert_gguf,
@@ -72,6 +74,7 @@ def test_config_from_metadata() -> None:
         "tokenizer.ggml.eos_token_id": _u32(2),
     }
     cfg = config_from_metadata(meta, tied=True, dtype="float32")
+    assert cfg["promptcache_conversion"] == {"version": 2, "from": "gguf"}
     assert {k: cfg[k] for k in cfg if k != "promptcache_conversion"} == {
         "model_type": "llama",
         "architectures": ["LlamaForCausalLM"],
@@ -90,6 +93,15 @@ def test_config_from_metadata() -> None:
         "bos_token_id": 1,
         "eos_token_id": 2,
     }
+    # the default model's window: 8,192 trained, 32,768 by YaRN (factor 4)
+    wide = config_from_metadata(meta, tied=True, dtype="float32", context_length=32768)
+    assert {k: wide[k] for k in wide if cfg.get(k) != wide[k]} == {
+        "max_position_embeddings": 32768,
+        "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8192,
+                         "mscale": 1.0, "mscale_all_dim": 1.0},
+    }
+    # a window not past the trained one changes nothing
+    assert config_from_metadata(meta, tied=True, dtype="float32", context_length=8192) == cfg
     with pytest.raises(ValueError, match="architecture 'qwen2' is not supported"):
         config_from_metadata({**meta, "general.architecture": "qwen2"}, tied=True, dtype="float32")
     del meta["llama.block_count"]
@@ -182,10 +194,43 @@ def test_convert_gguf_reproduces_the_original_model(tmp_path: Path, tiny_llama_p
     assert mx.abs(ref - got).max().item() < 1e-5
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["tie_word_embeddings"] is True and cfg["torch_dtype"] == "float32"
+    assert "rope_scaling" not in cfg and cfg["max_position_embeddings"] == 4096
     with pytest.raises(ValueError, match="already exists"):
         convert_gguf(gguf, out)
     with pytest.raises(ValueError, match="does not exist"):
         convert_gguf(tmp_path / "missing.gguf", tmp_path / "x")
+
+
+def test_convert_gguf_widens_the_window_with_yarn(tmp_path: Path, tiny_llama_path: Path) -> None:
+    """``context_length`` 4x the trained 4,096: mlx-lm builds a YaRN rope from the config
+    (no attention temperature: mscale 1), the tokenizer's limit and the loader's window
+    are the new one, and the model runs past the trained window."""
+    from mlx_lm.models.rope_utils import YarnRoPE
+
+    gguf = _tiny_llama_as_gguf(tiny_llama_path, tmp_path / "tiny.gguf")
+    out = convert_gguf(gguf, tmp_path / "wide", context_length=16384)
+    cfg = json.loads((out / "config.json").read_text())
+    assert (cfg["max_position_embeddings"], cfg["rope_scaling"]) == (
+        16384, {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096,
+                "mscale": 1.0, "mscale_all_dim": 1.0})
+    assert json.loads((out / "tokenizer_config.json").read_text())["model_max_length"] == 16384
+    model, _, info = load_model(out)
+    assert info.context_length == 16384
+    rope = model.model.layers[0].self_attn.rope
+    assert isinstance(rope, YarnRoPE) and rope.mscale == 1.0
+    cache = make_prompt_cache(model)
+    logits = model(mx.zeros((1, 4100), dtype=mx.int32), cache=cache)
+    assert cache[0].offset == 4100 and bool(mx.isfinite(logits).all().item())
+
+
+def test_an_older_conversion_is_redone(tmp_path: Path) -> None:
+    folder = tmp_path / DEFAULT_MODEL_NAME
+    folder.mkdir()
+    (folder / "model.safetensors").write_bytes(b"")
+    for version, converted in ((1, False), (CONVERSION_VERSION, True)):
+        (folder / "config.json").write_text(json.dumps(
+            {"promptcache_conversion": {"version": version, "from": "gguf"}}))
+        assert is_converted(folder) is converted
 
 
 # --- the real default model -----------------------------------------------------------
@@ -197,6 +242,9 @@ def test_default_model_folder_and_tokenizer(default_model_path: Path) -> None:
     cfg = json.loads((default_model_path / "config.json").read_text())
     assert (cfg["num_hidden_layers"], cfg["hidden_size"], cfg["vocab_size"]) == (30, 576, 49152)
     assert cfg["torch_dtype"] == "float32"
+    assert (cfg["max_position_embeddings"], cfg["rope_scaling"]) == (
+        DEFAULT_CONTEXT_LENGTH, {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8192,
+                                 "mscale": 1.0, "mscale_all_dim": 1.0})
     # idempotent: a second call returns the same folder without converting again
     stamp = (default_model_path / "model.safetensors").stat().st_mtime_ns
     assert ensure_default_model(default_model_path.parent, install=False) == default_model_path
@@ -232,7 +280,7 @@ def test_model_prepare_cli(capsys: pytest.CaptureFixture[str], default_model_pat
 @pytest.mark.slow
 def test_default_model_knows_the_capital_of_france(default_model_path: Path) -> None:
     model, tok, info = load_model(default_model_path)
-    assert info.dtype == "float32" and info.context_length == 8192
+    assert info.dtype == "float32" and info.context_length == 32768
     prompt = tok.apply_chat_template(
         [{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True
     )
@@ -254,3 +302,35 @@ def test_nothing_is_installed_at_run_time(monkeypatch: pytest.MonkeyPatch,
     assert "`make setup` or `promptcache model prepare` installs it" in str(e.value)
     assert ran == [] and not (tmp_path / DEFAULT_MODEL_NAME).exists()
 
+
+
+@pytest.mark.slow
+def test_default_model_serves_prompts_past_its_trained_window(default_model_path: Path) -> None:
+    """Codex's first request is ~9,200 tokens: a 9,000-token prompt (past the 8,192 the
+    model was trained on) is prefilled and decoded; the window's end is 32,768."""
+    import time
+
+    from promptcache.engine.api import GenerationRequest, SamplingParams
+    from promptcache.engine.engine import Engine
+    from promptcache.errors import ContextLengthError
+    from promptcache.serving_config import EngineConfig
+
+    engine = Engine.load(default_model_path, EngineConfig(prefill_chunk_tokens=1024), None)
+    try:
+        assert engine.context_length == 32768
+        docs = Path(__file__).resolve().parents[2] / "docs"
+        text = "\n\n".join(p.read_text() for p in sorted(docs.glob("*.md")))
+        body = engine.tokenizer.encode(text, add_special_tokens=False)
+        head = engine.render_chat([{"role": "user", "content": "Summarize:\n"}])
+        tokens = (tuple(head[:-5]) + tuple(body[:9000 - len(head)]) + tuple(head[-5:]))
+        assert len(tokens) == 9000
+        start = time.monotonic()
+        res = engine.submit(GenerationRequest(
+            prompt_tokens=tokens, sampling=SamplingParams(max_tokens=4))).result(timeout=1800)
+        print(f"\n9,000-token prompt on the default model: {time.monotonic() - start:.1f} s")
+        assert (res.usage.prompt_tokens, len(res.tokens), res.finish_reason) == (9000, 4, "length")
+        with pytest.raises(ContextLengthError, match=r"context length \(32768\)"):
+            engine.submit(GenerationRequest(prompt_tokens=(1,) * 32765,
+                                            sampling=SamplingParams(max_tokens=4)))
+    finally:
+        engine.close()

@@ -197,3 +197,22 @@ def test_a_chat_template_that_takes_tools_replaces_the_models(default_model_path
         assert '{"type": "function", "function": {"name": "read_file"' in text
     finally:
         engine.close()
+
+
+def test_claude_code_and_codex_first_requests_fit_the_window(
+        smol: tuple[Engine, TestClient]) -> None:
+    """The recorded first requests of Claude Code and Codex (tests/fixtures/traffic), as
+    the default model's template renders them: past the 8,192 tokens it was trained on
+    (Claude Code's), within the 32,768 of its widened window (both)."""
+    engine, client = smol
+    traffic = Path(__file__).resolve().parents[1] / "fixtures" / "traffic"
+    sizes = {}
+    for api, name in (("messages", "claude_code/01-v1_messages.json"),
+                      ("responses", "codex/01-v1_responses.json")):
+        body = json.loads((traffic / name).read_text())["body"]
+        r = client.post(f"/v1/cache/probe?api={api}", json=body)
+        assert r.status_code == 200, r.text
+        sizes[api] = r.json()["prompt_tokens"]
+    print(f"first requests on the default model: {sizes}")
+    assert sizes == {"messages": 20279, "responses": 9166}
+    assert engine.context_length == 32768

