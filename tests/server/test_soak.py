@@ -1,0 +1,42 @@
+"""A short soak (``tests/soak.py``) of a real server on the tiny llama: 8 streams of
+sessions with churn, a cancelled stream and a hostile request every round. After
+warm-up nothing the process holds grows past a stated bound: threads (at most
+``THREAD_SLACK`` more than during warm-up: the event loop's worker threads start on
+demand and end when idle), file descriptors (``FD_SLACK``), the MLX arrays of the RAM
+tier (at its budget) and of the live states (at most --live-states of them), resident
+memory (``RSS_BOUND``); and no request got a 5xx."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from soak import run, server
+
+STREAMS = 8
+ROUNDS = 36
+# rounds before the RAM tier is at its budget (~13 rounds at 8MB) and every thread pool
+# started (the SSD tier's workers start once blocks are evicted: rounds 13-16 here)
+WARMUP = 20
+RSS_BOUND = 48 * 1024**2  # resident memory may move this much after warm-up (allocator)
+THREAD_SLACK = 4
+FD_SLACK = 4
+
+
+def test_nothing_grows_after_warm_up(tiny_llama_path: Path, tmp_path: Path) -> None:
+    args = ["--model", str(tiny_llama_path), "--cache-dir", str(tmp_path / "blocks"),
+            "--ram-budget", "8MB", "--live-states", "4", "--no-prerender"]
+    with server(args, tmp_path / "server.log") as (base, pid):
+        samples = run(base, pid, streams=STREAMS, rounds=ROUNDS, max_tokens=6)
+    assert len(samples) == ROUNDS
+    last = samples[-1]
+    assert last.errors_5xx == 0 and last.refused == 0
+    assert last.requests == ROUNDS * STREAMS
+    warm, after = samples[:WARMUP], samples[WARMUP:]
+    assert max(s.threads for s in after) <= max(s.threads for s in warm) + THREAD_SLACK
+    assert max(s.fds for s in after) <= max(s.fds for s in warm) + FD_SLACK
+    assert max(s.live_states for s in samples) <= 4
+    # one buffer per RAM block, under the 2MB budget; k and v per layer per live state
+    assert max(s.ram_arrays for s in after) <= max(s.ram_arrays for s in warm) + 16
+    assert max(s.live_arrays for s in after) <= max(s.live_arrays for s in warm)
+    rss = [s.rss for s in after]
+    assert max(rss) - min(rss) <= RSS_BOUND, [r // 2**20 for r in rss]
