@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import random
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -29,6 +28,7 @@ from typing import Any
 
 import httpx
 import psutil
+from serve_proc import PROMPTCACHE, stop, wait_healthy
 
 from promptcache.bench.systems import free_port
 
@@ -62,35 +62,17 @@ class Sample:
 def server(args: Sequence[str], log_path: Path, timeout: float = 120.0
            ) -> Iterator[tuple[str, int]]:
     """``promptcache serve --port <free> *args``; yields (base URL, PID) once healthy,
-    stops it by its PID afterwards."""
+    stops it by its PID afterwards (``serve_proc``'s wait and stop)."""
     port = free_port()
-    exe = str(Path(sys.executable).parent / "promptcache")
     with open(log_path, "w") as log:
-        proc = subprocess.Popen([exe, "serve", "--port", str(port), *args], stdout=log,
-                                stderr=subprocess.STDOUT)
+        proc = subprocess.Popen([PROMPTCACHE, "serve", "--port", str(port), *args],
+                                stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + timeout
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError("server exited:\n" + log_path.read_text(errors="replace"))
-            try:
-                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("server did not start:\n"
-                                   + log_path.read_text(errors="replace"))
-            time.sleep(0.2)
+        wait_healthy(proc, base, log_path, timeout)
         yield base, proc.pid
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
+        stop(proc)
 
 
 class _Session:
