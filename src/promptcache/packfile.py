@@ -170,6 +170,20 @@ def _fail(msg: str) -> PackError:
     return PackError(f"refusing the pack: {msg}")
 
 
+def _manifest(data: bytes) -> dict[str, Any]:
+    """A pack's manifest parsed, its format and version checked (PackError)."""
+    try:
+        man = json.loads(data)
+    except ValueError as err:
+        raise _fail(f"the manifest is not JSON ({err})") from err
+    if not isinstance(man, dict) or man.get("format") != PACK_FORMAT:
+        raise _fail("not a promptcache pack")
+    if man.get("version") != PACK_VERSION:
+        raise _fail(f"pack version {man.get('version')!r} is not supported (this build reads "
+                    f"version {PACK_VERSION})")
+    return man
+
+
 def _zeros(f: IO[bytes], start: int, end: int | None) -> bool:
     """Whether the bytes of ``f`` from ``start`` to ``end`` (None: its end) are zeros
     (read in bounded chunks)."""
@@ -255,15 +269,7 @@ def _verify(members: dict[str, bytes], progress: Progress | None) -> Pack:
     if members[MANIFEST_DIGEST].decode("ascii", "replace") != hashlib.sha256(
             manifest_bytes).hexdigest():
         raise _fail("the manifest does not match its sha256 (damaged)")
-    try:
-        man = json.loads(manifest_bytes)
-    except ValueError as err:
-        raise _fail(f"the manifest is not JSON ({err})") from err
-    if not isinstance(man, dict) or man.get("format") != PACK_FORMAT:
-        raise _fail("not a promptcache pack")
-    if man.get("version") != PACK_VERSION:
-        raise _fail(f"pack version {man.get('version')!r} is not supported (this build reads "
-                    f"version {PACK_VERSION})")
+    man = _manifest(manifest_bytes)
     nsd = _field(man, "namespace", dict)
     try:
         ns = Namespace(_field(nsd, "model_fingerprint", str), _field(nsd, "block_size", int),
@@ -368,15 +374,7 @@ class PackStart:
             self._want = _TAR_BLOCK + info.size
             return
         self.done = True
-        try:
-            man = json.loads(self._head[_TAR_BLOCK:])
-        except ValueError as err:
-            raise _fail(f"the manifest is not JSON ({err})") from err
-        if not isinstance(man, dict) or man.get("format") != PACK_FORMAT:
-            raise _fail("not a promptcache pack")
-        if man.get("version") != PACK_VERSION:
-            raise _fail(f"pack version {man.get('version')!r} is not supported (this build "
-                        f"reads version {PACK_VERSION})")
+        _manifest(self._head[_TAR_BLOCK:])
 
 
 def check_target(pack: Pack, target: Namespace) -> None:

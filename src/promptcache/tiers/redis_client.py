@@ -299,11 +299,7 @@ class Remote:
         self._drop_clients()  # a fresh connection (and cluster topology) for the probe
         ok = True
         try:
-            c = self.client("read")
-            if isinstance(c, RedisCluster):
-                c.ping(target_nodes=RedisCluster.PRIMARIES)
-            else:
-                c.ping()
+            self._ping()
         except (RedisError, RedisClusterException, OSError) as e:
             ok = False
             with self.lock:
@@ -316,15 +312,19 @@ class Remote:
                 log.debug("redis probe failed; next in %.1fs", self.breaker.backoff)
         return ok
 
+    def _ping(self) -> None:
+        """One PING (every primary of a cluster); raises what redis-py raises."""
+        c = self.client("read")
+        if isinstance(c, RedisCluster):
+            c.ping(target_nodes=RedisCluster.PRIMARIES)
+        else:
+            c.ping()
+
     def check_reachable(self) -> bool:
         """One ping at startup: False (the circuit opened, ``last_error`` set, the
         prober retrying) when the server does not answer."""
         try:
-            c = self.client("read")
-            if isinstance(c, RedisCluster):
-                c.ping(target_nodes=RedisCluster.PRIMARIES)
-            else:
-                c.ping()
+            self._ping()
         except (RedisError, RedisClusterException, OSError) as e:
             with self.lock:
                 self.last_error = f"startup: {type(e).__name__}: {e}"
