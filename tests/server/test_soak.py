@@ -24,7 +24,9 @@ FD_SLACK = 4
 
 def test_nothing_grows_after_warm_up(tiny_llama_path: Path, tmp_path: Path) -> None:
     args = ["--model", str(tiny_llama_path), "--cache-dir", str(tmp_path / "blocks"),
-            "--ram-budget", "8MB", "--live-states", "4", "--no-prerender"]
+            "--ram-budget", "8MB", "--live-states", "4", "--no-prerender",
+            # the draft pool (about 1 KB of Python objects per token) full within warm-up
+            "--spec-pool-tokens", "4096"]
     with server(args, tmp_path / "server.log") as (base, pid):
         samples = run(base, pid, streams=STREAMS, rounds=ROUNDS, max_tokens=6)
     assert len(samples) == ROUNDS
