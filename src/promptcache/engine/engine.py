@@ -385,13 +385,18 @@ class Engine:
             holders.append(Holder("live", live.release))
         regrow: Callable[[], None] = lambda: None  # noqa: E731
         if cache is not None:
-            configured = cache.pool.budget_bytes
+            shrunk: list[int] = []  # the budget before the governor first shrank it
 
-            def regrow_ram() -> None:
-                if cache.pool.budget_bytes < configured:
-                    cache.resize_ram(configured)
+            def shrink_ram(nbytes: float) -> int:
+                if not shrunk:
+                    shrunk.append(cache.pool.budget_bytes)
+                return cache.shrink_ram(nbytes)
 
-            holders.append(Holder("ram", cache.shrink_ram))
+            def regrow_ram() -> None:  # only what the governor took (--auto-tune moves
+                if shrunk:             # the budget on its own)
+                    cache.resize_ram(max(shrunk.pop(), cache.pool.budget_bytes))
+
+            holders.append(Holder("ram", shrink_ram))
             regrow = regrow_ram
         return MemoryGovernor(limit, footprint, holders, pool=Holder("mlx_cache", mlx_pool),
                               admission=self.admission.set_pressure,
