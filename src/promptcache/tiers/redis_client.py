@@ -327,6 +327,10 @@ class Remote:
             self._ping()
         except (RedisError, RedisClusterException, OSError) as e:
             with self.lock:
+                # counted as any call's failure is (the tier's stats say what happened)
+                self.counts["timeouts" if isinstance(e, RedisTimeoutError)
+                            else "connection_errors"] += 1
+                self.counts["errors"] += 1
                 self.last_error = f"startup: {type(e).__name__}: {e}"
                 self.breaker.trip()
             self._drop_clients()
