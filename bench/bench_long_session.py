@@ -20,7 +20,11 @@ matmul), the embedded default's structure (``--shape smollm2``: 30 layers, 9 que
 both with a 128K window; the vocabulary is the embedded default's tokenizer's.
 
     PYTHONPATH=src:bench python bench/bench_long_session.py [--shape small] \\
-        [--sizes 8192,16384,32768] [--new 256] [--redis] [--out FILE.json]
+        [--sizes 8192,16384,32768] [--new 256] [--redis] [--gap 1] [--out FILE.json]
+
+Each turn is sent ``--gap`` seconds after the previous one ended (an agent's tool call, a
+user's reading: what the previous request left running, its state's copy into a live
+state and its saves, is done by then).
 
 Prints a markdown table (times in seconds) and, with ``--out``, the numbers as JSON.
 """
@@ -118,6 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chunk", type=int, default=512, help="--prefill-chunk-tokens")
     ap.add_argument("--redis", action="store_true", help="also from a redis-server")
     ap.add_argument("--repeats", type=int, default=3, help="the fastest of this many")
+    ap.add_argument("--gap", type=float, default=1.0,
+                    help="seconds before each turn (think time; the floor has none)")
     ap.add_argument("--dir", default=None, help="folder for the SSD tier (default: a temp)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
@@ -167,6 +173,9 @@ def main(argv: list[str] | None = None) -> int:
                       cache=build_cache(cc, ssd, rc if with_redis else None))
 
     def ask(eng: Engine, tokens: list[int]) -> Any:
+        # a user's or an agent's think time before each turn: what the previous request
+        # left running (its state's copy into a live state, its saves) is done
+        time.sleep(a.gap)
         r = eng.submit(GenerationRequest(prompt_tokens=tuple(tokens),
                                          sampling=SamplingParams(max_tokens=1),
                                          session_id="long")).result()
@@ -221,7 +230,10 @@ def main(argv: list[str] | None = None) -> int:
             rest = mx.array(history[m:] + words(a.new))[None]
 
             def floor(state: Any = state, rest: Any = rest) -> None:
-                mx.eval(model(rest[:, :-1], cache=state))
+                # as the engine prefills: the chunk's caches only (its logits are never
+                # computed), then the last token alone for its logits
+                model(rest[:, :-1], cache=state)
+                mx.eval([x for _, x in adapters.state_arrays(state)])
                 mx.eval(model(rest[:, -1:], cache=state)[0, -1])
 
             times = []

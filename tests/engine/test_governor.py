@@ -249,3 +249,35 @@ def test_admission_predicts_the_peak_never_fits_is_a_400_not_now_a_429(tiny_llam
         assert r.error is None and len(r.tokens) == 3
     finally:
         eng.close()
+
+
+def test_an_idle_engine_keeps_checking_and_admits_what_pressure_held_back(tiny_llama_path):
+    """A request waits behind another under ``pause``; the footprint then passes the hard
+    mark (``refuse``: nothing waiting is admitted) and the first one ends: the engine is
+    idle with a request held back. It keeps checking while idle, so once the footprint is
+    down the waiting request is admitted and served with nothing else happening."""
+    eng = make_engine(tiny_llama_path)
+    used = [0]
+    limit = 1 << 30
+    try:
+        g = eng._governor(limit, footprint=lambda: used[0])
+        eng.governor = g
+        eng.loop._governor = g  # the loop's checks (between steps and while idle)
+        used[0] = int(limit * 0.9)  # between the watermarks: admission pauses
+        g.check()
+        prompt = tuple(int(t) for t in np.random.default_rng(5).integers(3, 1000, size=20))
+        a = eng.submit(GenerationRequest(prompt_tokens=prompt,
+                                         sampling=SamplingParams(max_tokens=200)))
+        b = eng.submit(GenerationRequest(prompt_tokens=prompt[:-1],
+                                         sampling=SamplingParams(max_tokens=2)))
+        used[0] = limit  # past the hard mark: b stays held back after a ends
+        g.check()
+        assert b.ticket is not None and b.ticket.state == "waiting"
+        assert a.result(timeout=120).error is None
+        assert b.ticket.state == "waiting"
+        assert g.level == REFUSE
+        used[0] = 0
+        r = b.result(timeout=60)  # a deadlock guard: without idle checks b waits forever
+        assert r.error is None and len(r.tokens) == 2 and g.level == "ok"
+    finally:
+        eng.close()

@@ -112,6 +112,13 @@ class MemoryGovernor:
         # (time, footprint) of the last checks: the drain rate for Retry-After
         self._history: list[tuple[float, int]] = []
 
+    @property
+    def idle_wait_s(self) -> float | None:
+        """How long an idle engine may wait before the next check: ``interval_s`` while
+        admission is held back (nothing else would wake it to admit what waits), else
+        no limit."""
+        return self._interval if self.level != OK else None
+
     def maybe_check(self) -> Decision | None:
         """``check`` if ``interval_s`` passed since the last one."""
         now = self._clock()

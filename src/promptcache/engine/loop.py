@@ -93,7 +93,10 @@ class EngineLoop:
                 shadow = self._shadow
                 if shadow is not None and shadow.pending and shadow.step():
                     continue
-                control.wake.wait()
+                # under memory pressure the governor keeps checking while idle: the
+                # requests it holds back are admitted once the footprint is down
+                g = self._governor
+                control.wake.wait(g.idle_wait_s if g is not None else None)
                 control.wake.clear()
                 if calls.pending:
                     calls.run()
