@@ -32,10 +32,12 @@ A ticket is never admitted past a waiting one of its class (FIFO, no starvation 
 requests).
 
 Memory pressure (``set_pressure``, from the memory governor, ``governor.py``): under
-``pause`` a ticket is admitted only while no other request is active (the running ones
-finish and give their memory back; an idle engine still serves one at a time); under
-``refuse`` every new submit raises ``OverloadedError`` with the governor's Retry-After
-(``memory_refused``) and nothing waiting is admitted. Back to ``ok``, the queue moves.
+``pause`` or ``refuse`` a waiting ticket is admitted only while no other request is
+active (the running ones finish and give their memory back; an idle engine still serves
+one at a time: a footprint that does not come down, as RSS often does not after a free,
+never holds the queue forever); under ``refuse`` every new submit also raises
+``OverloadedError`` with the governor's Retry-After (``memory_refused``). Back to
+``ok``, the queue moves as usual.
 """
 
 from __future__ import annotations
@@ -235,8 +237,8 @@ class Admission:
                     continue
                 if q is background and interactive:
                     return
-                if self._pressure == "refuse" or (self._pressure == "pause" and self._active):
-                    return
+                if self._pressure != "ok" and self._active:
+                    return  # under memory pressure: one at a time
                 if not self._fits(head):
                     return
                 q.popleft()
