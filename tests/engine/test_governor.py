@@ -283,3 +283,19 @@ def test_an_idle_engine_keeps_checking_so_it_stops_refusing(tiny_llama_path):
         assert r.error is None and len(r.tokens) == 2
     finally:
         eng.close()
+
+
+def test_the_running_requests_kv_budget_fits_under_the_limit(tiny_llama_path):
+    from promptcache.engine.governor import process_footprint
+
+    before = process_footprint()
+    limit = before + 200 * 2**20
+    eng = make_engine(tiny_llama_path, memory_limit_bytes=limit)
+    try:
+        # the hard watermark less what the process held once the model was loaded (at
+        # least what it held before, give or take what the allocator returned)
+        budget = eng.admission.kv_budget
+        assert budget is not None and 0 < budget <= int(limit * 0.95) - before + 16 * 2**20
+        assert eng.engine_stats()["kv_budget_bytes"] == budget
+    finally:
+        eng.close()

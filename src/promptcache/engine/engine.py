@@ -197,6 +197,14 @@ class Engine:
             cache.observers.append(self.shadow)
         self.governor = (self._governor(cfg.memory_limit_bytes)
                          if cfg.memory_limit_bytes is not None else None)
+        if self.governor is not None:
+            # what the running requests' KV and prefill workspace may hold together: the
+            # hard watermark less what the process holds now (the weights loaded), so a
+            # burst of long prompts is admitted only as far as it fits under the limit
+            room = self.governor.hard - process_footprint()
+            budget = self.admission.kv_budget
+            if room > 0 and (budget is None or room < budget):
+                self.admission.kv_budget = room
         # what the process holds that is never released (the memory governor's base)
         self.weights_bytes = sum(int(v.nbytes) for _, v in tree_flatten(model.parameters()))
         self._heads = attention_heads(model)
