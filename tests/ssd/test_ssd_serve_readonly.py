@@ -171,7 +171,7 @@ def test_serve_configs_survive_an_uncreatable_cache_dir(tmp_path, monkeypatch):
             raise NotADirectoryError(errno.ENOTDIR, "Not a directory", str(p))
         return _Usage(16 * GB, 8 * GB, 8 * GB)
 
-    monkeypatch.setattr(serve_cmd.shutil, "disk_usage", usage)
+    monkeypatch.setattr("shutil.disk_usage", usage)  # what serve_config reads
     args = build_parser().parse_args(["serve", "--cache-dir", str(blocker / "blocks"),
                                       "--ssd-budget", "50%"])
     _, _, ssd_cfg, _ = serve_cmd.build_configs(args)
