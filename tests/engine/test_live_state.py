@@ -215,14 +215,17 @@ def test_live_states_off_restores_from_blocks_and_counts_the_copies(tiny_llama_p
         assert by_tier == {"ram": 44}
         s = eng.engine_stats()
         assert "live_states" not in s
-        # 44 tokens from 6 blocks (5 of 8 tokens + one of 4), room for the 21 new ones and
-        # the first output (rounded up to mlx-lm's 256-token step): per layer, k and v are
-        # each one concatenation of 7 parts (6 blocks + the room) writing 256 positions
+        # 44 tokens from 6 blocks (5 of 8 tokens + one of 4). Turn 1's prompt was saved
+        # as two 16-token chunks (each a slab of two rows) and one block, the reply's
+        # blocks one by one. Per layer, k and v are each one concatenation of 5 parts:
+        # the two slabs' rows (a strided copy each), the fifth block, the partial one
+        # (its 4 tokens padded to a block) and the room for the 21 new tokens and the
+        # first output in whole blocks (44 + 22 -> 3 blocks past the 6): 72 positions
         arrays = [a for _, a in adapters.state_arrays(probe_caches(eng._ctx.model))]
         per_position = sum(int(a.nbytes) // int(a.shape[2]) for a in arrays)
         assert (s["restores"], s["restored_blocks"]) == (1, 6)
-        assert s["restore_copies"] == 7 * len(arrays)
-        assert s["restore_copy_bytes"] == 256 * per_position
+        assert s["restore_copies"] == 5 * len(arrays)
+        assert s["restore_copy_bytes"] == 72 * per_position
     finally:
         eng.close()
 

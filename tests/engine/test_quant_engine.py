@@ -74,10 +74,15 @@ def test_blocks_are_stored_quantized_as_one_array(hd64_path):
         assert all(isinstance(b.payload, BlockPayload) for b in blocks)
         assert [b.payload.layout.quantized for b in blocks] == [False, False, True, True, True]
         assert [b.nbytes for b in blocks] == [16384, 16384, 4608, 4608, 4608]
+        # each 16-token chunk's two blocks are rows of one slab (one array), the tail
+        # is its own: 3 arrays
+        assert [b.payload.row for b in blocks[:4]] == [0, 1, 0, 1]
+        assert blocks[0].payload.slab is blocks[1].payload.slab
+        assert blocks[2].payload.slab is blocks[3].payload.slab and blocks[4].payload.slab is None
         kv = eng.stats()["kv"]
         assert kv == {
-            "kv_quantization": "q8g64m16", "ram_blocks": 5, "ram_tokens": 40, "ram_arrays": 5,
-            "ram_quantized_blocks": 3, "arrays_per_cached_token": 5 / 40,
+            "kv_quantization": "q8g64m16", "ram_blocks": 5, "ram_tokens": 40, "ram_arrays": 3,
+            "ram_quantized_blocks": 3, "arrays_per_cached_token": 3 / 40,
             "bytes_per_cached_token": (2 * 16384 + 3 * 4608) / 40,
         }
         cached, lc = _run(eng, prompt)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from ..blocks.pool import Block, BlockPool
 from ..blocks.tokens import RequestTokens
@@ -32,6 +32,14 @@ from .types import Hit
 PROMOTE_BATCH_BYTES = 64 * 1024 * 1024
 _UNFETCHED = object()
 _FAILED = object()
+
+
+class _Loaded(NamedTuple):
+    """A block of a fetched run, already made into a payload (``Payloads.load_many``):
+    ``(payload, nbytes)``, None (another block's bytes) or the exception it raised."""
+
+    result: tuple[Any, int] | Exception | None
+    sessions: Any
 
 
 @dataclass(eq=False)
@@ -153,7 +161,15 @@ class Lookup:
         if not isinstance(got, list) or len(got) != len(run):
             self.faults.tier_error(src, TierError("get_many returned a wrong number of blocks"))
             return dict.fromkeys(run, _FAILED)
-        return dict(zip(run, got, strict=True))
+        # the run's payloads made at once (the adapter may build one array for a run)
+        present = [k for k, g in enumerate(got) if isinstance(g, tuple) and len(g) == 2
+                   and isinstance(g[0], (bytes, bytearray, memoryview))]
+        loaded = self.payloads.load_many(
+            [(bytes(got[k][0]), hashes[k]) for k in present])
+        out: dict[int, Any] = dict(zip(run, got, strict=True))
+        for k, res in zip(present, loaded, strict=True):
+            out[run[k]] = _Loaded(res, got[k][1])
+        return out
 
     def _promote(self, entry: LowerEntry, ns: Namespace, fetched: Any, now: float
                  ) -> Block | None:
@@ -175,8 +191,12 @@ class Lookup:
         source: Tier = entry.source  # type: ignore[assignment]
         # the sessions that wrote it, so delete_session also reaches this copy: a block
         # whose sessions cannot be read is not promoted (it would escape them)
+        pre: _Loaded | None = fetched if isinstance(fetched, _Loaded) else None
+        data: bytes | None
         try:
-            if fetched is _UNFETCHED:
+            if pre is not None:
+                data, sessions = b"", pre.sessions
+            elif fetched is _UNFETCHED:
                 data = source.get(meta.block_hash, ns=ns)
                 sessions = source.sessions_of(meta.block_hash, ns=ns) if data is not None else []
             elif fetched is None:
@@ -190,7 +210,12 @@ class Lookup:
             c.promotion_failures += 1
             return None
         try:
-            loaded = self.payloads.load(data, meta.block_hash)
+            if pre is None:
+                loaded = self.payloads.load(data, meta.block_hash)
+            elif isinstance(pre.result, Exception):
+                raise pre.result
+            else:
+                loaded = pre.result
             if loaded is None:
                 raise TierError("the stored payload belongs to another block")
         except UnsupportedFormatError as e:  # an older cache's block: a counted miss

@@ -52,6 +52,41 @@ class Payloads:
         return payload, self.adapter.nbytes(payload)
 
 
+    def load_many(self, items: Sequence[tuple[bytes, BlockHash]]
+                  ) -> list[tuple[Any, int] | Exception | None]:
+        """``load`` of a run of stored blocks, each result in place (an exception a
+        block's own ``load`` would raise is returned, not raised). Where the adapter has
+        ``from_buffers``, the run's payloads are made with one call (the MLX adapter
+        builds one array for consecutive blocks of one layout)."""
+        out: list[tuple[Any, int] | Exception | None] = [None] * len(items)
+        todo: list[tuple[int, np.ndarray, str]] = []
+        for i, (data, expect) in enumerate(items):
+            try:
+                dec = (self._decode or codec.decode)(data)
+            except Exception as e:
+                out[i] = e
+                continue
+            if dec.desc.meta.block_hash == expect:
+                todo.append((i, dec.buffer, dec.desc.layout))
+        many = getattr(self.adapter, "from_buffers", None)
+        if many is not None and len(todo) > 1:
+            try:
+                made = many([(buf, layout) for _, buf, layout in todo])
+            except Exception:  # one bad buffer: each on its own, each its own result
+                made = None
+            if made is not None:
+                for (i, _, _), payload in zip(todo, made, strict=True):
+                    out[i] = (payload, self.adapter.nbytes(payload))
+                return out
+        for i, buf, layout in todo:
+            try:
+                payload = self.adapter.from_buffer(buf, layout)
+                out[i] = (payload, self.adapter.nbytes(payload))
+            except Exception as e:
+                out[i] = e
+        return out
+
+
 def allocate_stored(pool: BlockPool, meta: BlockMeta, ns: Namespace, payload: Any,
                     nbytes: int, now: float) -> Block:
     """A RAM block for a stored block (promoted or imported): its metadata, its payload."""

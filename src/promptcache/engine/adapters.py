@@ -45,7 +45,7 @@ from mlx_lm.models.cache import (
 from ..errors import InvariantError
 from . import quant as _quant
 from .block_restore import RestoreTally, restore
-from .blockbuf import BlockPayload, pack
+from .blockbuf import BlockPayload, pack, pack_rows
 from .blocklayout import Item, dtype_name
 from .cache_kinds import (
     BlockSpan,
@@ -73,6 +73,7 @@ __all__ = [
     "cache_offset",
     "check_storable",
     "extract_block",
+    "extract_run",
     "has_sliding_window",
     "is_truncatable",
     "kv_spec",
@@ -200,6 +201,30 @@ def extract_block(caches: Sequence[Any], start: int, end: int, snapshot: bool, *
     ``quant``: store the KV quantized (blocks from ``quant.min_tokens`` on; a
     QuantizedKVCache layer is stored as it is, quantized with its own bits).
     """
+    return pack(_entries(caches, start, end, snapshot, quant))
+
+
+def extract_run(caches: Sequence[Any], start: int, block_size: int, n: int, *,
+                quant: KVQuant | None = None) -> list[BlockPayload]:
+    """The payloads of ``n`` full blocks from ``start`` (no snapshots) as rows of one
+    slab (``blockbuf.pack_rows``): each equal to ``extract_block``'s, one copy per layer
+    array for the run. ``quant`` must treat every block of the run alike."""
+    if n < 1 or block_size < 1:
+        raise ValueError(f"a run needs n >= 1 blocks of >= 1 token, got {n} x {block_size}")
+    end = start + n * block_size
+    if quant is not None and quant.applies_to(start) != quant.applies_to(end - block_size):
+        raise ValueError("a run's blocks must all be quantized or all not")
+    entries = []
+    for item, arrays in _entries(caches, start, end, False, quant):
+        b, h, _, d = item.shape
+        vshape = None if item.vshape is None else (*item.vshape[:2], block_size, item.vshape[3])
+        entries.append((dataclasses.replace(item, shape=(b, h, block_size, d), vshape=vshape),
+                        arrays))
+    return pack_rows(entries, n)
+
+
+def _entries(caches: Sequence[Any], start: int, end: int, snapshot: bool,
+             quant: KVQuant | None) -> list[tuple[Item, list[mx.array]]]:
     if not 0 <= start < end:
         raise ValueError(f"block range must satisfy 0 <= start < end, got [{start}, {end})")
     entries: list[tuple[Item, list[mx.array]]] = []
@@ -228,7 +253,7 @@ def extract_block(caches: Sequence[Any], start: int, end: int, snapshot: bool, *
         else:
             entries.append(_kv_entry(name, c.keys[..., start:end, :], c.values[..., start:end, :],
                                      quant, start))
-    return pack(entries)
+    return entries
 
 
 def payload_nbytes(payload: Mapping[str, Any]) -> int:

@@ -279,9 +279,92 @@ def _restore_one(name: str, c: Any, blocks: list[_Used], n: int, reserve: int = 
                 segs += _segments(blocks, name, lo, hi)
         k, v = _float_kv(segs, 0, tally)
         return RotatingKVCache.from_state((k, v, n, keep, max_size, k.shape[2]))
+    whole = _whole_blocks_kv(blocks, name, n, reserve, tally)
+    if whole is not None:
+        return KVCache.from_state((*whole, n))
     pad = 0
     if reserve > 0:
         step = KVCache.step
         pad = (n + reserve + step - 1) // step * step - n
     k, v = _float_kv(_segments(blocks, name, 0, n), pad, tally)
     return KVCache.from_state((k, v, n))
+
+
+def _whole_blocks_kv(blocks: list[_Used], name: str, n: int, reserve: int,
+                     tally: RestoreTally | None) -> tuple[mx.array, mx.array] | None:
+    """Full-precision k and v of layer ``name`` holding the blocks whole (tokens past
+    ``n`` in the last block are room; cut off, as a view, without a ``reserve``), with
+    room for ``reserve`` more tokens in whole blocks of zeros; None where the general path is needed (a block stored quantized
+    or of another width than the first).
+
+    Written as ``(B, H, blocks, T, D)`` and reshaped for free: a run of consecutive
+    rows of one slab is one strided copy per array, any other block one copy, the room
+    one more; a lone block or run is copied into a fresh array too (the restored KV
+    never aliases a stored block)."""
+    first = blocks[0]
+    width = first.end - first.start
+    pieces: dict[str, list[mx.array]] = {"k": [], "v": []}
+    viewed = False  # a piece is a strided view of a slab (its reshape copies)
+    i = 0
+    while i < len(blocks):
+        u = blocks[i]
+        kind, _, _ = _kind_of(u.payload, name, u.start, u.end)
+        if kind != "kv":
+            return None
+        p = u.payload
+        j = i + 1
+        if isinstance(p, BlockPayload) and p.slab is not None and u.end - u.start == width:
+            while (j < len(blocks) and blocks[j].end - blocks[j].start == width
+                   and isinstance(q := blocks[j].payload, BlockPayload) and q.slab is p.slab
+                   and q.row == p.row + (j - i) and q.layout is p.layout):
+                j += 1
+        for kv in ("k", "v"):
+            key = f"{name}.{kv}"
+            if isinstance(p, BlockPayload) and p.slab is not None:
+                pieces[kv].append(_rows_view(p, key, j - i))
+                viewed = True
+                continue
+            a = u.arrays.get(key)
+            if a is None or a.ndim != 4:
+                raise ValueError(f"block [{u.start}, {u.end}) has no array {key!r}")
+            t = u.end - u.start
+            if a.shape[2] != t:
+                raise ValueError(f"array {key!r} of block [{u.start}, {u.end}) holds "
+                                 f"{a.shape[2]} tokens, expected {t}")
+            if t > width:
+                return None
+            if t < width:
+                a = mx.concatenate([a, _zeros_like_tokens(a, width - t)], axis=2)
+            pieces[kv].append(a.reshape(a.shape[0], a.shape[1], 1, width, a.shape[3]))
+        i = j
+    have = len(blocks) * width
+    want = n + reserve if reserve > 0 else n
+    more = max(0, -(-(want - have) // width))
+    out = []
+    for kv in ("k", "v"):
+        ps = pieces[kv]
+        b, h, _, _, d = ps[0].shape
+        if any(p.shape[0] != b or p.shape[1] != h or p.shape[4] != d or p.dtype != ps[0].dtype
+               for p in ps):
+            return None
+        if more:
+            ps = [*ps, mx.zeros((b, h, more, width, d), dtype=ps[0].dtype)]
+        whole = mx.concatenate(ps, axis=2) if len(ps) > 1 else ps[0]
+        flat = whole.reshape(b, h, whole.shape[2] * width, d)  # a copy only for a lone view
+        if tally is not None and (len(ps) > 1 or viewed):
+            tally.add(flat, len(ps))
+        out.append(flat if reserve > 0 or flat.shape[2] == n else flat[..., :n, :])
+    return out[0], out[1]
+
+
+def _rows_view(p: BlockPayload, key: str, count: int) -> mx.array:
+    """Part ``key`` of ``count`` consecutive rows of ``p``'s slab from ``p.row`` on, as a
+    strided ``(B, H, count, T, D)`` view (no copy)."""
+    assert p.slab is not None
+    part = p.layout.parts[key]
+    b, h, t, d = part.shape
+    sb, sh, st, sd = part.strides
+    typed = p.slab.view(part.dtype)
+    row_elems = p.layout.nbytes // part.dtype.size
+    return mx.as_strided(typed, (b, h, count, t, d), (sb, sh, row_elems, st, sd),
+                         p.row * row_elems + part.elem_offset)

@@ -14,6 +14,11 @@ to views sliced from the buffer, so code that indexes payloads keeps working.
 
 The layout (``blocklayout.py``) travels as one short string (``Layout.text``), parsed
 once and shared.
+
+A run of consecutive blocks saved together (``pack_rows``) shares one 2-d slab, one
+row per block (``BlockPayload.slab`` / ``row``): restore reads a layer across a run of
+rows with one strided copy instead of one copy per block, and a Metal process holds
+one buffer for the run. A slab's memory returns when the last of its blocks goes.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping, Sequence
 
 import mlx.core as mx
+import numpy as np
 
 from .blocklayout import DTYPES, NAME_RE, Item, Layout, dtype_name, format_layout, parse_layout
 
@@ -28,15 +34,23 @@ from .blocklayout import DTYPES, NAME_RE, Item, Layout, dtype_name, format_layou
 class BlockPayload(Mapping[str, mx.array]):
     """A block's arrays in one ``uint8`` buffer; ``payload[name]`` is a view into it."""
 
-    __slots__ = ("buffer", "layout")
+    __slots__ = ("buffer", "layout", "slab", "row")
 
-    def __init__(self, buffer: mx.array, layout: Layout) -> None:
+    def __init__(self, buffer: mx.array, layout: Layout, slab: mx.array | None = None,
+                 row: int = 0) -> None:
         if not isinstance(buffer, mx.array) or buffer.dtype != mx.uint8 or buffer.ndim != 1:
             raise ValueError("a block buffer must be a 1-d uint8 mx.array")
         if buffer.size != layout.nbytes:
             raise ValueError(f"block buffer holds {buffer.size} bytes, its layout needs {layout.nbytes}")
+        if slab is not None and (slab.dtype != mx.uint8 or slab.ndim != 2
+                                 or slab.shape[1] != layout.nbytes
+                                 or not 0 <= row < slab.shape[0]):
+            raise ValueError("a block's slab must be a 2-d uint8 mx.array of rows of its "
+                             "layout's size, and its row inside it")
         self.buffer = buffer
         self.layout = layout
+        self.slab = slab  # the run's 2-d buffer when ``buffer`` is its row ``row``
+        self.row = row
 
     @property
     def nbytes(self) -> int:
@@ -111,6 +125,61 @@ def pack(entries: Sequence[tuple[Item, Sequence[mx.array]]]) -> BlockPayload:
     buffer = pieces[0] if len(pieces) == 1 else mx.concatenate(pieces)
     mx.eval(buffer)
     return BlockPayload(buffer, layout)
+
+
+def pack_rows(entries: Sequence[tuple[Item, Sequence[mx.array]]], n: int
+              ) -> list[BlockPayload]:
+    """``n`` consecutive blocks as rows of one evaluated slab. ``entries`` hold KV items
+    shaped for one block (``T`` tokens) with their arrays over all ``n`` blocks' tokens
+    (axis 2 holds ``n * T``); row ``i`` is byte for byte what ``pack`` makes of block
+    ``i``'s slices. One copy per array of the run, not one per block."""
+    if n < 1:
+        raise ValueError(f"a slab holds at least one block, got {n}")
+    items = [item for item, _ in entries]
+    layout = parse_layout(format_layout(items))
+    placed: list[tuple[int, mx.array]] = []
+    for item, arrays in entries:
+        if item.kind not in ("kv", "q"):
+            raise ValueError(f"only KV items are packed into rows, not {item.name!r}")
+        specs = item.parts()
+        if len(arrays) != len(specs):
+            raise ValueError(f"item {item.name!r} needs {len(specs)} arrays, got {len(arrays)}")
+        for (name, dt, shape), a in zip(specs, arrays, strict=True):
+            b, h, t, d = shape
+            if tuple(a.shape) != (b, h, t * n, d) or a.dtype != DTYPES[dt]:
+                raise ValueError(f"array {name!r} is {a.dtype}{tuple(a.shape)}, {n} blocks of "
+                                 f"its layout need {dt}{(b, h, t * n, d)}")
+            rows = a.reshape(b, h, n, t, d).transpose(2, 0, 1, 3, 4).reshape(n, -1)
+            placed.append((layout.parts[name].offset, rows.view(mx.uint8)))
+    placed.sort(key=lambda x: x[0])
+    pieces: list[mx.array] = []
+    pos = 0
+    for offset, a in placed:
+        if offset > pos:
+            pieces.append(mx.zeros((n, offset - pos), dtype=mx.uint8))
+        pieces.append(a)
+        pos = offset + a.shape[1]
+    if layout.nbytes > pos or not pieces:
+        pieces.append(mx.zeros((n, layout.nbytes - pos), dtype=mx.uint8))
+    slab = pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=1)
+    mx.eval(slab)
+    rows_out = [slab[i] for i in range(n)]
+    mx.eval(rows_out)
+    return [BlockPayload(r, layout, slab, i) for i, r in enumerate(rows_out)]
+
+
+def rows_from_host(buffers: Sequence[object], layout: Layout) -> list[BlockPayload]:
+    """Blocks of one layout read from host memory (numpy ``uint8`` buffers of
+    ``layout.nbytes``) as rows of one slab: one array made from host memory for the
+    run, not one per block."""
+    arrs = [np.asarray(b) for b in buffers]
+    if not arrs or any(a.dtype != np.uint8 or a.shape != (layout.nbytes,) for a in arrs):
+        raise ValueError(f"block buffers must be uint8 ({layout.nbytes},) each")
+    host = np.stack(arrs)
+    slab = mx.array(host)
+    rows = [slab[i] for i in range(len(arrs))]
+    mx.eval(slab, *rows)
+    return [BlockPayload(r, layout, slab, i) for i, r in enumerate(rows)]
 
 
 def pack_named(arrays: Mapping[str, mx.array]) -> BlockPayload:

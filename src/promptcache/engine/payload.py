@@ -13,13 +13,13 @@ buffer travels as it is, with its layout string; ``from_buffer`` makes it one
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
 
-from .blockbuf import BlockPayload, pack_named
+from .blockbuf import BlockPayload, pack_named, rows_from_host
 from .blocklayout import parse_layout
 
 logger = logging.getLogger(__name__)
@@ -63,6 +63,31 @@ class MLXPayloadAdapter:
         return BlockPayload(out, parsed)
 
 
+    def from_buffers(self, items: Sequence[tuple[np.ndarray, str]]) -> list[BlockPayload]:
+        """``from_buffer`` of a run of blocks: consecutive blocks of one layout become
+        rows of one slab (one array made from host memory for them, restored with one
+        strided copy per layer array). Raises ValueError for any buffer that does not
+        match its layout."""
+        out: list[BlockPayload] = []
+        i = 0
+        while i < len(items):
+            j = i + 1
+            while j < len(items) and items[j][1] == items[i][1]:
+                j += 1
+            parsed = parse_layout(items[i][1])
+            group = [buf for buf, _ in items[i:j]]
+            for buf in group:
+                if buf.dtype != np.uint8 or buf.ndim != 1 or buf.size != parsed.nbytes:
+                    raise ValueError(f"block buffer is {buf.dtype}{buf.shape}, its layout "
+                                     f"needs uint8 ({parsed.nbytes},)")
+            if len(group) == 1:
+                out.append(self.from_buffer(group[0], items[i][1]))
+            else:
+                out.extend(rows_from_host(group, parsed))
+            i = j
+        return out
+
+
 def ram_census(cache: Any, quant: Any = None) -> dict[str, Any]:
     """What the RAM tier of ``cache`` holds, by payload: blocks, tokens, arrays (Metal
     buffers on Apple GPUs), bytes, quantized blocks; per cached token. ``quant`` (a
@@ -71,12 +96,17 @@ def ram_census(cache: Any, quant: Any = None) -> dict[str, Any]:
     pool = getattr(cache, "pool", None)
     blocks = pool.blocks() if pool is not None else []
     arrays = tokens = nbytes = quantized = 0
+    slabs: set[int] = set()
     for b in blocks:
         payload = b.payload
         tokens += b.num_tokens
         nbytes += int(b.nbytes)
         if isinstance(payload, BlockPayload):
-            arrays += 1
+            if payload.slab is None:
+                arrays += 1
+            elif id(payload.slab) not in slabs:  # a slab's rows share its one buffer
+                slabs.add(id(payload.slab))
+                arrays += 1
             quantized += payload.layout.quantized
         elif isinstance(payload, Mapping):
             arrays += len(payload)

@@ -193,8 +193,14 @@ def store(req: Request, num_tokens: int, save_point: str, *, include_partial: bo
 
     kv_quant = req.ctx.kv_quant
     counters, stateful = req.ctx.counters, not req.truncatable
+    rows = _Rows(src, kv_quant, ns.block_size, num_tokens,
+                 stateful and snapshot_at_end)
 
     def payload_for(start: int, end: int, snapshot: bool) -> BlockPayload:
+        if not (snapshot and stateful):
+            row = rows.take(start, end)
+            if row is not None:
+                return row
         payload = adapters.extract_block(src, start, end, snapshot, quant=kv_quant)
         if snapshot and stateful:
             nbytes = adapters.snapshot_nbytes(src)
@@ -227,6 +233,50 @@ def store(req: Request, num_tokens: int, save_point: str, *, include_partial: bo
         return
     attr = f"saved_{save_point}"
     setattr(req.usage, attr, getattr(req.usage, attr) + int(created))
+
+
+class _Rows:
+    """The full blocks one save creates, packed as rows of one slab per run
+    (``adapters.extract_run``: one copy per layer array for the run, restored with one
+    strided copy) on the first block's request and handed out in order. A run stops at
+    ``RUN_BLOCKS``, where a quantization spec starts, and before a block that carries a
+    state snapshot; anything else (a run that cannot be cut, a partial block) is packed
+    on its own."""
+
+    RUN_BLOCKS = 64
+
+    def __init__(self, caches: Sequence[Any], quant: Any, block_size: int, num_tokens: int,
+                 last_snapshot: bool) -> None:
+        self.caches, self.quant, self.bs = caches, quant, block_size
+        end = num_tokens // block_size * block_size
+        if last_snapshot and end == num_tokens:
+            end -= block_size  # the last block is snapshotted: packed on its own
+        self.end = end
+        self.ready: dict[int, BlockPayload] = {}
+        self.failed = False
+
+    def take(self, start: int, end: int) -> BlockPayload | None:
+        if end - start != self.bs:
+            return None
+        row = self.ready.pop(start, None)
+        if row is not None or self.failed:
+            return row
+        stop = min(self.end, start + self.RUN_BLOCKS * self.bs)
+        q = self.quant
+        if q is not None and start < q.min_tokens < stop:
+            stop = start + -(-(q.min_tokens - start) // self.bs) * self.bs
+        n = (stop - start) // self.bs
+        if n < 2:
+            return None
+        try:
+            run = adapters.extract_run(self.caches, start, self.bs, n, quant=q)
+        except Exception:
+            logger.debug("a run of %d blocks from token %d cannot be packed as one slab; "
+                         "packing them one by one", n, start, exc_info=True)
+            self.failed = True
+            return None
+        self.ready = {start + i * self.bs: p for i, p in enumerate(run)}
+        return self.ready.pop(start)
 
 
 def _note_not_stored(req: Request, num_tokens: int, cause: str) -> None:
