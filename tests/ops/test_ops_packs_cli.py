@@ -71,6 +71,10 @@ def test_identity_namespace_is_the_engines(tiny_model_path: Any) -> None:
                 for tenant in ("default", "alice"):
                     assert identity.namespace(tenant) == engine.namespace(tenant), (kind, cc)
                 assert identity.kv_spec == engine.kv_spec and identity.model_id == engine.model_id
+                chat = [{"role": "user", "content": "What is the capital of France?"}]
+                for gen in (True, False):  # --conversation renders as the engine does
+                    assert identity.render_chat(chat, add_generation_prompt=gen) == \
+                        engine.render_chat(chat, add_generation_prompt=gen)
             finally:
                 engine.close()
 
