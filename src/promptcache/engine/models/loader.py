@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ...fingerprint import model_fingerprint
+from ..steps import Steps, no_steps
 
 __all__ = ["ModelInfo", "context_length_from_config", "load_model", "model_fingerprint",
            "resolve_model_path"]
@@ -100,8 +101,8 @@ def context_length_from_config(config: dict[str, Any], default: int = DEFAULT_CO
 
 
 def load_model_or_vlm(path_or_repo: str | os.PathLike[str], *, float32_on_cpu: bool = True,
-                      chat_template: str | None = None
-                      ) -> tuple[Any, Any, ModelInfo, Any | None]:
+                      chat_template: str | None = None, lazy: bool = False,
+                      steps: Steps = no_steps) -> tuple[Any, Any, ModelInfo, Any | None]:
     """``(model, tokenizer, info, vision_tower)``: a text model through mlx-lm
     (``vision_tower`` None), or a vision-language model through mlx-vlm
     (``models/vlm.py``: the model is its language model with mlx-lm's interface).
@@ -112,7 +113,9 @@ def load_model_or_vlm(path_or_repo: str | os.PathLike[str], *, float32_on_cpu: b
     ``text_config`` and drops the vision weights) is loaded text-only; a log line says
     which path was taken and why. A family neither supports is refused by
     ``vlm.load_vlm``. ``chat_template``: a Jinja chat template that replaces the
-    checkpoint's (``promptcache serve --chat-template``)."""
+    checkpoint's (``promptcache serve --chat-template``). ``lazy``: a text model's
+    weights are not read (its structure, dtype and tokenizer are there: what a cache
+    namespace needs); ``steps`` names the long steps (fingerprint, weight load)."""
     folder, model_id = resolve_model_path(path_or_repo)
     try:
         config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
@@ -138,11 +141,14 @@ def load_model_or_vlm(path_or_repo: str | os.PathLike[str], *, float32_on_cpu: b
                         "through mlx-vlm", model_id, model_type)
     if text_only:
         model, tokenizer, info = load_model(folder, float32_on_cpu=float32_on_cpu,
-                                            chat_template=chat_template)
+                                            chat_template=chat_template, lazy=lazy,
+                                            steps=steps)
         return model, tokenizer, dataclasses.replace(info, model_id=model_id), None
-    fingerprint = model_fingerprint(folder)
-    model, tokenizer, tower = vlm.load_vlm(folder, config, float32_on_cpu=float32_on_cpu,
-                                           chat_template=chat_template)
+    with steps("fingerprinting the weights"):
+        fingerprint = model_fingerprint(folder)
+    with steps("loading the weights"):
+        model, tokenizer, tower = vlm.load_vlm(folder, config, float32_on_cpu=float32_on_cpu,
+                                               chat_template=chat_template)
     info = ModelInfo(
         model_id=model_id, path=folder, fingerprint=fingerprint,
         model_type=str(config.get("model_type", "unknown")),
@@ -186,21 +192,25 @@ def _dtype_of(model: Any) -> str:
 
 def load_model(
     path_or_repo: str | os.PathLike[str], *, float32_on_cpu: bool = True,
-    chat_template: str | None = None,
+    chat_template: str | None = None, lazy: bool = False, steps: Steps = no_steps,
 ) -> tuple[Any, Any, ModelInfo]:
     """Load ``(model, tokenizer, info)`` with mlx-lm from a folder or a Hugging Face repo id
-    (``chat_template``: replaces the checkpoint's, as ``mlx_lm.server --chat-template``)."""
+    (``chat_template``: replaces the checkpoint's, as ``mlx_lm.server --chat-template``;
+    ``lazy``: the weights are not read, only their shapes and dtypes are known)."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
     from mlx_lm import load
 
     folder, model_id = resolve_model_path(path_or_repo)
-    fingerprint = model_fingerprint(folder)
-    model, tokenizer, config = load(str(folder), lazy=True, return_config=True,
-                                    tokenizer_config=tokenizer_config(chat_template))
-    if float32_on_cpu and mx.default_device() == mx.cpu:
-        model.set_dtype(mx.float32)  # floating-point parameters only
-    mx.eval(model.parameters())
+    with steps("fingerprinting the weights"):
+        fingerprint = model_fingerprint(folder)
+    with steps("loading the weights" if not lazy else "opening the model"):
+        model, tokenizer, config = load(str(folder), lazy=True, return_config=True,
+                                        tokenizer_config=tokenizer_config(chat_template))
+        if float32_on_cpu and mx.default_device() == mx.cpu:
+            model.set_dtype(mx.float32)  # floating-point parameters only
+        if not lazy:
+            mx.eval(model.parameters())
     float_dtypes = {
         str(v.dtype).removeprefix("mlx.core.")
         for _, v in tree_flatten(model.parameters())

@@ -1,0 +1,60 @@
+"""A model's cache identity without an engine: what a pack needs of a model.
+
+``open_identity(model, cache_config)`` reads the model's fingerprint (remembered per
+file), builds its structure lazily (mlx-lm's ``lazy=True``: no weight is read), and
+gives the namespace of each tenant exactly as ``Engine.namespace`` would (fingerprint,
+block size, KV spec with the stored-block quantization) and the chat template's
+rendering. (A vision-language model is loaded whole, through mlx-vlm.) No engine thread, no speculation-cost fit: ``promptcache cache export`` /
+``import`` open this.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from mlx_lm.models.cache import make_prompt_cache
+
+from ..config import CacheConfig
+from ..meta import DEFAULT_TENANT, Namespace
+from . import adapters
+from .cache_port import Namespaces
+from .quant import from_config as kv_quant_of
+from .steps import Steps, no_steps
+from .templates import ChatTemplate
+
+
+@dataclass(frozen=True)
+class ModelIdentity:
+    model_id: str
+    fingerprint: str
+    kv_spec: str
+    namespaces: Namespaces
+    templates: ChatTemplate
+
+    def namespace(self, tenant: str = DEFAULT_TENANT) -> Namespace:
+        return self.namespaces(tenant)
+
+    def render_chat(self, messages: Sequence[Mapping[str, Any]], tools: Any = None,
+                    add_generation_prompt: bool = True) -> list[int]:
+        return self.templates.render(messages, tools, add_generation_prompt)
+
+
+def open_identity(model: str | os.PathLike[str], cache_config: CacheConfig,
+                  *, steps: Steps = no_steps) -> ModelIdentity:
+    """The identity of a model folder or Hugging Face repo id (ValueError, one line,
+    for a name that is neither, as ``Engine.load``)."""
+    from .models.loader import load_model_or_vlm
+
+    loaded, tokenizer, info, _ = load_model_or_vlm(model, lazy=True, steps=steps)
+    try:
+        spec = adapters.kv_spec(loaded, make_prompt_cache(loaded),
+                                quant=kv_quant_of(cache_config))
+    except ValueError as e:
+        raise ValueError(f"model {info.model_id}: {e}") from e
+    return ModelIdentity(
+        model_id=info.model_id, fingerprint=info.fingerprint, kv_spec=spec,
+        namespaces=Namespaces(info.fingerprint, cache_config.block_size, spec),
+        templates=ChatTemplate(tokenizer, token_limit=info.context_length))
