@@ -183,7 +183,10 @@ def test_monitor_rules(caplog: pytest.LogCaptureFixture) -> None:
 @pytest.mark.parametrize("args, kw, words, counted", [
     ((100, 0, CacheMiss("cold", 0, 0, 100)), {}, "new", False),
     ((100, 3, CacheMiss("diverged", 3, 3, 100)), {"last_message_start": 2}, "new", False),
-    ((100, 3, CacheMiss("diverged", 3, 3, 100)), {}, "new", False),  # no message offsets
+    # a raw prompt (no message offsets) going on differently: a hit of what it shares
+    ((100, 3, CacheMiss("diverged", 3, 3, 100)), {"cached_by_tier": {"ram": 3}}, "hit:ram",
+     True),
+    ((100, 0, CacheMiss("diverged", 0, 0, 100)), {}, "new", False),
     ((100, 40, CacheMiss("diverged", 40, 40, 100)), {"last_message_start": 60},
      "miss:diverged", True),
     ((100, 64, CacheMiss("cold", 64, 64, 100)), {"cached_by_tier": {"ram": 64}},

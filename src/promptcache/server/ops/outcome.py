@@ -18,7 +18,8 @@ The request log line (``cache=...``), the hit-rate alert and its diagnosis read 
   ``not_stored: <why>``, ``not_restorable``, ``promotion_failed``, ``cache_error``,
   ``restore_error``, or ``cold``: gone without a trace). Without a previous turn, a
   cause by which the cache lost what it held, or ``diverged`` before the prompt's last
-  message (its history changed).
+  message (its history changed). A raw prompt (``/v1/completions``, no chat messages)
+  that goes on differently from a stored one is a ``hit`` of what they share.
 - ``off``: the server runs without a cache.
 
 ``shared`` is what a working cache reuses of the request: the previous turn's reusable
@@ -100,7 +101,12 @@ def outcome_of(prompt_tokens: int, cached_tokens: int, miss: CacheMiss | None, *
     if miss.kind in LOST:
         shared = max(prompt_tokens, cached_tokens)
         return Outcome(MISS, miss.cause, shared, cached_tokens, tiers)
-    if (miss.kind == "diverged" and last_message_start is not None
-            and miss.position < last_message_start):
-        return Outcome(MISS, miss.cause, last_message_start, cached_tokens, tiers)
+    if miss.kind == "diverged" and last_message_start is not None:
+        if miss.position < last_message_start:  # the history changed
+            return Outcome(MISS, miss.cause, last_message_start, cached_tokens, tiers)
+        return Outcome(NEW, tiers=tiers)  # a new question after a shared preamble
+    if miss.kind == "diverged" and cached_tokens > 0:
+        # a raw prompt (no chat messages) that goes on differently from a stored one:
+        # the cache served all they share
+        return Outcome(HIT, None, cached_tokens, cached_tokens, tiers)
     return Outcome(NEW, tiers=tiers)
