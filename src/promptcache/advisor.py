@@ -15,9 +15,12 @@ measured from the cache's own events (``PromptCache.observers``).
   estimate: exact for a full pool under LRU, conservative when the pool has free room).
 
 ``diagnose(advisor.window(), stats)`` names the dominant cause by missed tokens (cold
-starts excluded: a cache cannot be expected to hit a prompt it never saw) and its
-remedy: for ``evicted`` the RAM budget that would have kept every evicted-before-reuse
-run of the window (rounded up a little), for ``diverged`` where prompts diverged, for
+starts excluded: a cache cannot be expected to hit a prompt it never saw; the server
+passes the alert's own count, ``missed``, where new prompts are not counted at all) and
+its remedy: for ``evicted`` the RAM budget that would have kept every evicted-before-reuse
+run of the window (rounded up a little), for a prompt that changed (``diverged``, or a
+session's ``tools_changed`` / ``system_changed`` / ``messages_changed``) the
+canonical-prompt rules that are off (never one that is on), for
 ``expired`` the TTL, for ``not_stored: <cause>`` the failed save's cause (the
 engine's ``store_errors_by_cause``), plus findings from the tiers (SSD writes over the daily write
 budget, a degraded SSD, an unhealthy shared tier). The server puts the result into the
@@ -29,7 +32,7 @@ from __future__ import annotations
 import statistics
 import threading
 from collections import Counter, OrderedDict, deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -156,21 +159,41 @@ _TEXT = {
 }
 
 
+_CHANGED = {
+    "tools_changed": "the tools changed",
+    "system_changed": "the system prompt changed",
+    "messages_changed": "the conversation's history changed",
+    "diverged": "the prompt diverged from a cached one",
+}
+
+
 def diagnose(samples: Sequence[LookupSample], stats: Mapping[str, Any] | None = None,
-             *, recommended_budget: int | None = None) -> dict[str, Any]:
-    """The dominant miss cause of ``samples`` (by missed tokens, cold excluded), its
-    share, a one-line summary with the remedy, and findings from the tiers' stats."""
+             *, recommended_budget: int | None = None,
+             missed: Mapping[str, int] | None = None,
+             canonical_off: Collection[str] = ()) -> dict[str, Any]:
+    """The dominant miss cause (by missed tokens, cold excluded), its share, a one-line
+    summary with the remedy, and findings from the tiers' stats.
+
+    ``missed``: the missed tokens by cause of the requests that repeat earlier traffic
+    (the alert's window, ``HitRateMonitor.missed_by_cause``: new prompts are not in it,
+    and a session's turn names where its prompt changed); None: counted from
+    ``samples``, every lookup's. ``canonical_off``: the canonical-prompt rules switched
+    off (``--no-canonicalize``); a prompt that changed is advised to switch those back
+    on, never a rule that is on."""
     stats = stats or {}
-    missed: Counter[str] = Counter()
-    for s in samples:
-        if s.cause is not None and s.cause != "cold":
-            missed[s.cause] += s.prompt_tokens - s.hit_tokens
-    total = sum(missed.values())
+    if missed is None:
+        counted: Counter[str] = Counter()
+        for s in samples:
+            if s.cause is not None and s.cause != "cold":
+                counted[s.cause] += s.prompt_tokens - s.hit_tokens
+    else:
+        counted = Counter({k: v for k, v in missed.items() if v > 0})
+    total = sum(counted.values())
     out: dict[str, Any] = {"window_lookups": len(samples), "missed_tokens_by_cause":
-                           dict(missed), "dominant_cause": None, "share": None,
+                           dict(counted), "dominant_cause": None, "share": None,
                            "remedy": None, "summary": None, "findings": _findings(stats)}
     if total:
-        cause, n = missed.most_common(1)[0]
+        cause, n = counted.most_common(1)[0]
         share = n / total
         out["dominant_cause"], out["share"] = cause, share
         pct = f"{share * 100:.0f}% of missed tokens"
@@ -186,14 +209,25 @@ def diagnose(samples: Sequence[LookupSample], stats: Mapping[str, Any] | None = 
                                   f"{_size(need)} would have kept them (now {_size(budget)})")
             else:
                 out["summary"] = f"{pct} were blocks evicted before reuse: raise --ram-budget"
-        elif cause == "diverged":
+        elif cause in _CHANGED:
             pos = [s.position for s in samples if s.cause == "diverged" and s.position is not None]
-            at = f" (median at token {int(statistics.median(pos))})" if pos else ""
-            out["remedy"] = {"canonical_prompts": True}
-            out["summary"] = (f"{pct} diverged from a cached prefix{at}: the prompt changed "
-                              "before its end (a volatile system block, reordered tools, "
-                              "template or thinking drift); enable the canonical-prompt rules "
-                              "and see each request's miss explanation")
+            at = f" (median at token {int(statistics.median(pos))})" \
+                if pos and cause == "diverged" else ""
+            off = sorted(canonical_off)
+            head = f"{pct} were lost where {_CHANGED[cause]}{at}"
+            if off:
+                out["remedy"] = {"canonical_rules_on": off}
+                out["summary"] = (f"{head}: the canonical-prompt rules {', '.join(off)} are "
+                                  "off (--no-canonicalize): with them on, volatile metadata, "
+                                  "reordered tools and template drift no longer change the "
+                                  "prompt")
+            else:
+                out["summary"] = (f"{head}, with every canonical-prompt rule on: the client "
+                                  "sent a different prompt; each request's miss= in the log "
+                                  "(or Anthropic diagnostics) says where")
+        elif cause == "cold":
+            out["summary"] = (f"{pct} were gone from the cache without a trace (deleted, "
+                              "or evicted longer ago than the cache remembers)")
         elif cause.startswith("not_stored"):
             why = cause.partition(":")[2].strip() or "unknown"
             out["remedy"] = {"store_error_cause": why}

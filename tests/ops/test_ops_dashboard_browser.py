@@ -88,7 +88,7 @@ def test_dashboard_live_figures_equal_cache_stats(tiny_llama_path: Path, tmp_pat
             assert page.evaluate(f"document.querySelector({cell!r}).title") == f"{nbytes:,} B"
             blocks = f"#tier-{tier} td.blocks"
             assert int(page.evaluate(f"document.querySelector({blocks!r}).dataset.value")) == nblocks
-        # one request counts for the alert (the cold one is skipped): too few to judge yet
+        # one request counts for the alert (the new one is skipped): too few to judge yet
         assert _text(page, "#alert") == "hit rate: too few requests yet (1 of 10)"
         # the request panels: two requests of one session, TTFT of both kinds
         assert int(_value(page, "requests")) == 2

@@ -22,6 +22,7 @@ from promptcache.cache import PromptCache
 from promptcache.config import CacheConfig
 from promptcache.meta import Namespace
 from promptcache.server.ops.alerts import HitRateMonitor
+from promptcache.server.ops.outcome import outcome_of
 
 BS = 16
 NS = Namespace("storm-model", BS)
@@ -43,13 +44,14 @@ def replay(budget: int) -> tuple[PromptCache, EvictionAdvisor, HitRateMonitor]:
     advisor = EvictionAdvisor(cache, window=50)
     cache.observers.append(advisor)
     monitor = HitRateMonitor(window=50, threshold=THRESHOLD)
-    monitor.explain = lambda: diagnose(advisor.window(), cache.stats().to_dict(),
-                                       recommended_budget=advisor.recommended_budget())["summary"]
+    monitor.explain = lambda missed: diagnose(
+        advisor.window(), cache.stats().to_dict(), recommended_budget=advisor.recommended_budget(),
+        missed=missed)["summary"]
     for turn in range(TURNS):
         for c in range(CONVS):
             prompt = conv_prompt(c, turn)
             hit = cache.acquire(prompt, NS)
-            monitor.record(len(prompt), hit.num_tokens, hit.miss)  # the miss, as data
+            monitor.record(outcome_of(len(prompt), hit.num_tokens, hit.miss))  # as data
             cache.release(hit)
             cache.store(NS, prompt, len(prompt), payload_for, save_point="end_prefill")
     return cache, advisor, monitor
@@ -89,8 +91,11 @@ def test_diagnosis_of_other_causes_and_findings() -> None:
                LookupSample(500, 0, "cold", 0, None, 0)]  # cold starts do not count
     d = diagnose(samples, {"ram_budget_bytes": 1 << 30})
     assert d["dominant_cause"] == "diverged" and d["share"] == pytest.approx(120 / 130)
-    assert d["summary"].startswith("92% of missed tokens diverged from a cached prefix "
-                                   "(median at token 40)")
+    assert d["remedy"] is None  # every canonical-prompt rule is on: none is advised
+    assert d["summary"] == ("92% of missed tokens were lost where the prompt diverged from a "
+                            "cached one (median at token 40), with every canonical-prompt "
+                            "rule on: the client sent a different prompt; each request's "
+                            "miss= in the log (or Anthropic diagnostics) says where")
     stats = {"tiers": {"ssd": {"dropped_spills": {"write_budget": 7},
                                "bytes_written_today": 3 * 1024**3},
                        "redis": {"healthy": False, "state": "open"}}}
@@ -100,6 +105,32 @@ def test_diagnosis_of_other_causes_and_findings() -> None:
                              "written today (3 GB written)",
                              "the shared Redis tier is unhealthy (circuit open)"]
     assert d["summary"] == d["findings"][0]
+
+
+def test_advice_matches_the_alerts_cause_and_names_only_rules_that_are_off() -> None:
+    # the alert's own count (the server's): a session's turn names where its prompt changed
+    missed = {"system_changed": 300, "evicted": 100}
+    d = diagnose([], {}, missed=missed)
+    assert (d["dominant_cause"], d["share"], d["remedy"]) == ("system_changed", 0.75, None)
+    assert d["summary"] == ("75% of missed tokens were lost where the system prompt changed, "
+                            "with every canonical-prompt rule on: the client sent a different "
+                            "prompt; each request's miss= in the log (or Anthropic "
+                            "diagnostics) says where")
+    d = diagnose([], {}, missed=missed, canonical_off=["tool_order", "billing_header"])
+    assert d["remedy"] == {"canonical_rules_on": ["billing_header", "tool_order"]}
+    assert d["summary"] == ("75% of missed tokens were lost where the system prompt changed: "
+                            "the canonical-prompt rules billing_header, tool_order are off "
+                            "(--no-canonicalize): with them on, volatile metadata, reordered "
+                            "tools and template drift no longer change the prompt")
+    # one-shot questions diverge after the template's first tokens: the cache's lookups
+    # see "diverged", the alert counts none of them, and nothing is advised
+    samples = [LookupSample(40, 8, "diverged", 8, None, 0) for _ in range(12)]
+    assert diagnose(samples, {})["dominant_cause"] == "diverged"
+    d = diagnose(samples, {}, missed={})
+    assert (d["dominant_cause"], d["remedy"], d["summary"]) == (None, None, None)
+    d = diagnose([], {}, missed={"cold": 50})
+    assert d["summary"] == ("100% of missed tokens were gone from the cache without a trace "
+                            "(deleted, or evicted longer ago than the cache remembers)")
 
 
 @dataclass
@@ -193,15 +224,18 @@ def test_stats_dashboard_and_serve_options_carry_the_diagnosis(tmp_path) -> None
     cache = PromptCache(CacheConfig(block_size=BS, ram_budget_bytes=8 * 1024))
     app = create_app(_Engine(cache), ServerConfig(auto_tune=True, ram_budget_min_bytes=4096,
                                                   ram_budget_max_bytes=64 * 1024))
+    monitor = app.state.pc.monitor
     for turn in range(3):
         for c in range(CONVS):
             p = conv_prompt(c, turn)
-            cache.release(cache.acquire(p, NS))
+            hit = cache.acquire(p, NS)
+            monitor.record(outcome_of(len(p), hit.num_tokens, hit.miss))  # as the server does
+            cache.release(hit)
             cache.store(NS, p, len(p), payload_for)
     with TestClient(app) as client:
         stats = client.get("/v1/cache/stats").json()
         d = stats["diagnosis"]
-        assert d["dominant_cause"] == "evicted" and d["alerting"] is False
+        assert d["dominant_cause"] == "evicted" and d["alerting"] is True
         assert d["remedy"]["ram_budget_bytes"] > 8 * 1024
         assert stats["auto_tune"]["min_bytes"] == 4096 and stats["auto_tune"]["max_bytes"] == 65536
         assert client.get("/v1/dashboard/data").json()["diagnosis"] == d

@@ -72,6 +72,7 @@ class FakeMatch:
 class FakeCache:
     def __init__(self) -> None:
         self.seqs: dict[str, list[tuple[tuple[int, ...], str | None]]] = {}
+        self.evicted: dict[str, list[tuple[int, ...]]] = {}
         self.lock = threading.Lock()
         self.deleted: list[Any] = []
         self.protected: list[tuple[Any, int, float, str | None, bool]] = []
@@ -91,6 +92,28 @@ class FakeCache:
                     n += 1
                 best = max(best, n)
         return min(best, max(0, len(tokens) - 1)) if clamp else best
+
+    def miss_kind(self, tokens: tuple[int, ...], tenant: str, cached: int) -> str | None:
+        """Like the real cache's miss: None for a full hit, ``diverged`` where a stored
+        sequence goes on differently after the ``cached`` tokens, else ``cold``."""
+        if cached >= len(tokens) - 1:
+            return None
+        with self.lock:
+            for seq in self.evicted.get(tenant, []):
+                if len(seq) > cached and seq[:cached + 1] == tokens[:cached + 1]:
+                    return "evicted"
+            for seq, _ in self.seqs.get(tenant, []):
+                if len(seq) > cached and seq[:cached] == tokens[:cached] \
+                        and seq[cached] != tokens[cached]:
+                    return "diverged"
+        return "cold"
+
+    def evict(self) -> None:
+        """Drop every sequence, remembering it (a later miss on it is ``evicted``)."""
+        with self.lock:
+            for tenant, seqs in self.seqs.items():
+                self.evicted.setdefault(tenant, []).extend(seq for seq, _ in seqs)
+            self.seqs.clear()
 
     def store(self, tokens: tuple[int, ...], tenant: str, session: str | None) -> None:
         with self.lock:
@@ -211,7 +234,8 @@ class FakeHandle:
         usage = Usage(prompt_tokens=len(prompt), cached_tokens=cached,
                       cached_by_tier={"ram": cached} if cached else {},
                       completion_tokens=len(emitted), saved_end_prefill=saved)
-        miss = None if cached else CacheMiss("cold", 0, 0, len(prompt))
+        kind = eng.cache.miss_kind(prompt, self.request.tenant, cached) if eng.cache else None
+        miss = None if kind is None else CacheMiss(kind, cached, cached, len(prompt))
         yield GenerationResult(tokens=emitted,
                                text=bytes(emitted[:text_len]).decode("utf-8", "replace"),
                                finish_reason=finish, usage=usage, ttft_s=0.001,

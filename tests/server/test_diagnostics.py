@@ -6,6 +6,7 @@ the request log line, and the comparison's parts as units."""
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -50,12 +51,13 @@ def body(user: str = USER, system: str = SYSTEM, tools: Any = None,
 
 
 class Served:
-    def __init__(self, path: Path, budget: int = 64 * 1024**2, ttl: float | None = None) -> None:
+    def __init__(self, path: Path, budget: int = 64 * 1024**2, ttl: float | None = None,
+                 config: ServerConfig | None = None) -> None:
         self.clock = Clock()
         self.cache = make_cache(budget=budget, ttl_seconds=ttl, clock=self.clock)
         self.engine = tiny_engine(path, self.cache)
         # entered: the app's event loop outlives a request (a pre-render is watched there)
-        self.client = TestClient(create_app(self.engine, ServerConfig())).__enter__()
+        self.client = TestClient(create_app(self.engine, config or ServerConfig())).__enter__()
 
     def send(self, b: dict[str, Any], headers: dict[str, str] | None = None) -> dict[str, Any]:
         r = self.client.post("/v1/messages", json=b, headers=headers or HEADERS)
@@ -249,7 +251,7 @@ def test_the_request_log_line_names_the_miss(served: Served,
     [line] = [r.getMessage() for r in caplog.records if "miss=system_changed" in r.getMessage()]
     n = missed(first, second)
     at = second["usage"]["cache_read_input_tokens"]
-    assert f"miss=system_changed; {n} tokens of the previous turn not reused; " \
+    assert f" cache=miss:system_changed miss=system_changed; {n} tokens of the previous turn not reused; " \
            f"diverges at token {at} (message 0, system) in system; " \
            'previous " answers questions about| caches and blocks.<|im_" vs ' \
            'request " answers questions about| rivers.<|im_end|>\\n<|im_"; ' \
@@ -331,3 +333,92 @@ def test_turn_store_bounds() -> None:
     store.add(Turn(None, fp, array("I", [4] * 9)), "m4")  # over max_tokens
     assert store.by_id("m2", None) is None and store.last(key) is None
     assert store.by_id("m4", None) is not None
+
+
+# --- the request log's words and the hit-rate alert -----------------------------------------
+
+ONE_SHOT = {"anthropic-version": "2023-06-01"}  # no session: one-shot questions
+QUESTIONS = ["What is a block?", "Name a river in France.", "How far is the moon?",
+             "Why is the sky blue?", "Spell cache backwards.", "Is zero even?",
+             "Who wrote Hamlet?", "What does RAM stand for?", "Count to three.",
+             "What colour is grass?", "Translate hello to French.", "Is a tomato a fruit?"]
+
+
+def request_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.getMessage().startswith("request ")]
+
+
+def bare(lines: list[str]) -> list[str]:
+    """The request log lines without the request id, the api and the timings."""
+    return [re.sub(r" ttft=\S+ decode=\S+ tok/s", "", line.split(" ", 3)[3]) for line in lines]
+
+
+def test_unrelated_questions_are_new_and_raise_no_alert(
+        tiny_llama_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Twelve unrelated one-shot questions share the system prompt and then differ in
+    their own message: each is ``new``, none is counted, no alert, no advice."""
+    s = Served(tiny_llama_path, config=ServerConfig(hit_rate_window=5))
+    try:
+        caplog.set_level(logging.INFO)
+        for q in QUESTIONS:
+            s.send(body(user=q), headers=ONE_SHOT)
+        lines = request_lines(caplog)
+        assert len(lines) == 12 and all(line.endswith(" cache=new") for line in lines)
+        assert "cached=0 (-)" in lines[0] and "cached=0 (-)" not in lines[1]  # the system prompt
+        stats = s.client.get("/v1/cache/stats").json()
+        assert (stats["rolling"]["requests_in_window"],
+                stats["rolling"]["skipped_new_prompts"]) == (0, 12)
+        assert stats["alert"]["active"] is False
+        assert stats["cache"]["misses_by_cause"]["diverged"] == 11  # what the lookups saw
+        assert (stats["diagnosis"]["dominant_cause"], stats["diagnosis"]["summary"]) == (None, None)
+        assert not any("low prompt-cache hit rate" in r.getMessage() for r in caplog.records)
+    finally:
+        s.close()
+
+
+def test_a_next_turn_is_a_hit_and_evicted_turns_raise_the_alert(
+        tiny_llama_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A session's first turn is ``new``, its next turn a hit with its tier; next turns
+    whose blocks were evicted are ``miss:evicted``, counted, and raise the alert with
+    the eviction advice."""
+    s = Served(tiny_llama_path, config=ServerConfig(hit_rate_window=3))
+    try:
+        caplog.set_level(logging.INFO)
+        history: list[dict[str, Any]] = []
+        first = s.send(body())
+        history += [{"role": "assistant", "content": first["content"]},
+                    {"role": "user", "content": "And the disk?"}]
+        second = s.send(body(history=history))
+        assert second["usage"]["cache_read_input_tokens"] == prompt_len(first)
+        for turn in range(3):
+            s.cache.evict()
+            history += [{"role": "assistant", "content": "Sure."},
+                        {"role": "user", "content": f"And turn {turn}?"}]
+            s.send(body(history=history))
+        session = "tenant=default session=diag-session (x-claude-code-session-id)"
+        evicted = ("finish=length cache=miss:evicted miss=evicted; {} tokens of the previous "
+                   "turn not reused; cache: evicted: first uncached token at position 0 "
+                   "(chat message 0)")
+        assert bare(request_lines(caplog)) == [
+            f"{session} prompt=44 cached=0 (-) completion=1 finish=length cache=new",
+            # the previous turn's live state
+            f"{session} prompt=59 cached=44 (live=44) completion=1 finish=length cache=hit:live",
+            f"{session} prompt=80 cached=0 (-) completion=1 " + evicted.format(59),
+            f"{session} prompt=100 cached=0 (-) completion=1 " + evicted.format(80),
+            f"{session} prompt=120 cached=0 (-) completion=1 " + evicted.format(100)]
+        stats = s.client.get("/v1/cache/stats").json()
+        assert stats["rolling"]["requests_in_window"] == 3
+        assert stats["rolling"]["hit_rate"] == 0.0 and stats["alert"]["active"] is True
+        assert stats["rolling"]["top_miss_reasons"] == {"evicted": 3}
+        assert stats["diagnosis"]["dominant_cause"] == "evicted"
+        [warning] = [r.getMessage() for r in caplog.records
+                     if "low prompt-cache hit rate" in r.getMessage()]
+        # raised once the window held 3 counted requests: the hit (44 of 44) and two
+        # evicted turns (0 of 59, 0 of 80)
+        assert warning == ("low prompt-cache hit rate: 24.0% of the tokens 3 requests repeat "
+                           "from earlier traffic were reused (threshold 80%); most common "
+                           "miss reasons: evicted x2; diagnosis: 100% of missed tokens were "
+                           "blocks evicted before reuse: a RAM budget of 68 MB would have kept "
+                           "them (now 64 MB)")
+    finally:
+        s.close()

@@ -18,6 +18,8 @@ from server_helpers import sse_events, uvicorn_thread
 from promptcache.engine.api import CacheMiss
 from promptcache.server import create_app
 from promptcache.server.ops.alerts import HitRateMonitor
+from promptcache.server.ops.diagnostics import Divergence
+from promptcache.server.ops.outcome import outcome_of
 from promptcache.serving_config import ServerConfig
 
 HI = {"messages": [{"role": "user", "content": "hi"}]}
@@ -99,8 +101,8 @@ def test_cache_admin_endpoints(client: TestClient, engine: FakeEngine) -> None:
     assert stats["cache"]["sequences"] == 3
     assert stats["cache"]["tiers"]["ssd"]["spills"] == 2
     assert stats["cache_enabled"] is True
-    assert stats["rolling"]["requests_in_window"] == 1  # two cold starts skipped
-    assert stats["rolling"]["skipped_cold_starts"] == 2
+    assert stats["rolling"]["requests_in_window"] == 1  # two new prompts skipped
+    assert stats["rolling"]["skipped_new_prompts"] == 2
     assert stats["alert"] == {"active": False, "threshold": 0.8, "min_requests": 10}
     assert client.delete("/v1/cache/sessions/s2").json() == {
         "deleted_blocks": 1, "session_id": "s2", "cache_enabled": True}
@@ -151,36 +153,100 @@ def test_metrics(client: TestClient) -> None:
 
 def test_monitor_rules(caplog: pytest.LogCaptureFixture) -> None:
     m = HitRateMonitor(window=4, threshold=0.8, min_samples=2)
-    m.record(100, 0, CacheMiss("cold", 0, 0, 100))  # skipped
-    assert m.hit_rate() is None and m.num_skipped_cold == 1
-    m.record(100, 90, None)
+    m.record(outcome_of(100, 0, CacheMiss("cold", 0, 0, 100)))  # new: nothing to share
+    # a new question after a shared preamble: it diverges in its own, last, message
+    m.record(outcome_of(100, 30, CacheMiss("diverged", 30, 30, 100), last_message_start=20))
+    m.record(outcome_of(100, 0, None, caching=False))  # no cache: neither counted nor new
+    assert m.hit_rate() is None and m.num_skipped_new == 2
+    m.record(outcome_of(100, 90, None))  # a hit: 90 of 90 shared tokens
     assert not m.alerting  # below min_samples
     with caplog.at_level(logging.WARNING, logger="promptcache.server.ops.alerts"):
-        m.record(100, 10, CacheMiss("evicted", 10, 10, 100))
-        m.record(100, 20, CacheMiss("evicted", 20, 20, 100))
-        m.record(100, 30, CacheMiss("diverged", 30, 30, 100))
+        m.record(outcome_of(100, 10, CacheMiss("evicted", 10, 10, 100)))  # 10 of 100
+        m.record(outcome_of(100, 20, CacheMiss("evicted", 20, 20, 100)))  # 20 of 100
+        # the history changed before the last message: 30 of the 60 tokens before it
+        m.record(outcome_of(100, 30, CacheMiss("diverged", 30, 30, 100), last_message_start=60))
     assert m.alerting
-    assert m.hit_rate() == pytest.approx(150 / 400)
+    assert m.hit_rate() == pytest.approx(150 / 350)
+    assert m.missed_by_cause() == {"evicted": 170, "diverged": 30}
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1  # logged once on entering the alert state
-    assert warnings[0] == ("low prompt-cache hit rate: 50.0% over the last 2 requests "
-                           "(threshold 80%); most common miss reasons: evicted x1")
+    assert warnings[0] == ("low prompt-cache hit rate: 52.6% of the tokens 2 requests repeat "
+                           "from earlier traffic were reused (threshold 80%); most common "
+                           "miss reasons: evicted x1")
     for _ in range(4):
-        m.record(100, 99, None)
-    assert not m.alerting and m.hit_rate() == pytest.approx(0.99)
+        m.record(outcome_of(100, 99, None))
+    assert not m.alerting and m.hit_rate() == 1.0
     with pytest.raises(ValueError):
         HitRateMonitor(window=0)
 
 
+@pytest.mark.parametrize("args, kw, words, counted", [
+    ((100, 0, CacheMiss("cold", 0, 0, 100)), {}, "new", False),
+    ((100, 3, CacheMiss("diverged", 3, 3, 100)), {"last_message_start": 2}, "new", False),
+    # a raw prompt (no message offsets) going on differently: a hit of what it shares
+    ((100, 3, CacheMiss("diverged", 3, 3, 100)), {"cached_by_tier": {"ram": 3}}, "hit:ram",
+     True),
+    ((100, 0, CacheMiss("diverged", 0, 0, 100)), {}, "new", False),
+    ((100, 40, CacheMiss("diverged", 40, 40, 100)), {"last_message_start": 60},
+     "miss:diverged", True),
+    ((100, 64, CacheMiss("cold", 64, 64, 100)), {"cached_by_tier": {"ram": 64}},
+     "hit:ram", True),  # continues a stored prompt: its new tokens were never seen
+    ((100, 99, None), {"cached_by_tier": {"ssd": 35, "live": 64}}, "hit:live+ssd", True),
+    ((100, 0, CacheMiss("evicted", 0, 0, 100)), {}, "miss:evicted", True),
+    ((100, 0, CacheMiss("expired", 0, 0, 100)), {}, "miss:expired", True),
+    ((100, 0, CacheMiss("not_stored", 0, 0, 100, store_error="budget")), {},
+     "miss:not_stored: budget", True),
+    ((100, 0, None), {"caching": False}, "off", False),
+    # a session's next turn: the previous turn's 80 reusable tokens
+    ((100, 80, CacheMiss("cold", 80, 80, 100)),
+     {"cached_by_tier": {"live": 80}, "divergence": Divergence(True, reachable=80, position=99)},
+     "hit:live", True),
+    ((100, 0, CacheMiss("evicted", 0, 0, 100)),
+     {"divergence": Divergence(True, reachable=80, position=99)}, "miss:evicted", True),
+    ((100, 0, CacheMiss("cold", 0, 0, 100)),
+     {"divergence": Divergence(True, reachable=80, position=99)}, "miss:cold", True),
+    ((100, 10, CacheMiss("diverged", 10, 10, 100)),
+     {"divergence": Divergence(True, reachable=80, position=10, changed="system_changed")},
+     "miss:system_changed", True),
+])
+def test_outcome_words(args: tuple[Any, ...], kw: dict[str, Any], words: str,
+                       counted: bool) -> None:
+    o = outcome_of(*args, **kw)
+    assert (o.words, o.counted) == (words, counted)
+
+
+def test_alert_quiet_on_unrelated_questions(caplog: pytest.LogCaptureFixture) -> None:
+    """Twelve unrelated one-shot questions (each shares only the template's first tokens
+    with the others): all new, none counted, no alert; the log calls each ``new``."""
+    engine = FakeEngine()
+    c = TestClient(create_app(engine, ServerConfig(hit_rate_window=3)))
+    with caplog.at_level(logging.INFO):
+        for i in range(12):
+            c.post("/v1/chat/completions",
+                   json={"messages": [{"role": "user", "content": chr(97 + i) * 40}]})
+    stats = c.get("/v1/cache/stats").json()
+    rolling = stats["rolling"]
+    assert (rolling["requests_in_window"], rolling["skipped_new_prompts"]) == (0, 12)
+    assert rolling["alerting"] is False and stats["alert"]["active"] is False
+    assert "promptcache_hit_rate_alert 0.0" in c.get("/metrics").text.splitlines()
+    assert not any("low prompt-cache hit rate" in r.getMessage() for r in caplog.records)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("request ")]
+    assert len(lines) == 12 and all(line.endswith(" cache=new") for line in lines)
+
+
 def test_alert_gauge_through_app(caplog: pytest.LogCaptureFixture) -> None:
+    """Retries of earlier prompts whose blocks were evicted raise it."""
     engine = FakeEngine()
     c = TestClient(create_app(engine, ServerConfig(hit_rate_window=3)))
     with caplog.at_level(logging.WARNING, logger="promptcache.server.ops.alerts"):
-        for i in range(4):  # each prompt shares only "<|user|>" with the previous ones
-            c.post("/v1/chat/completions",
-                   json={"messages": [{"role": "user", "content": f"{i}" * 40}]})
+        for i in range(4):
+            body = {"messages": [{"role": "user", "content": f"{i}" * 40}]}
+            c.post("/v1/chat/completions", json=body)
+            assert engine.cache is not None
+            engine.cache.evict()  # the retry below misses: evicted
+            c.post("/v1/chat/completions", json=body)
     stats = c.get("/v1/cache/stats").json()["rolling"]
-    assert stats["requests_in_window"] == 3 and stats["skipped_cold_starts"] == 1
+    assert stats["requests_in_window"] == 3 and stats["skipped_new_prompts"] == 4
     assert stats["alerting"] is True
     assert "promptcache_hit_rate_alert 1.0" in c.get("/metrics").text.splitlines()
     assert any("low prompt-cache hit rate" in r.getMessage() for r in caplog.records)

@@ -101,7 +101,7 @@ def test_failed_saves_counted_by_cause_and_next_miss_says_not_stored(
     second = served.chat()
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     stats = served.client.get("/v1/cache/stats").json()
-    assert stats["rolling"]["skipped_cold_starts"] == 1  # the first request only
+    assert stats["rolling"]["skipped_new_prompts"] == 1  # the first request only
     assert stats["rolling"]["top_miss_reasons"] == {"not_stored: layout": 1}
     diagnosis = stats["diagnosis"]
     assert diagnosis["dominant_cause"] == "not_stored: layout"
@@ -168,14 +168,15 @@ def test_the_miss_keeps_the_failed_save_cause() -> None:
     from promptcache.engine.api import CacheMiss
     from promptcache.server.ops.alerts import HitRateMonitor
     from promptcache.server.ops.diagnostics import cache_cause_of
+    from promptcache.server.ops.outcome import outcome_of
 
     miss = CacheMiss("not_stored", 0, 0, 9, store_error="tier").at_message((0, 5))
     assert (miss.kind, miss.cause, miss.message_index) == ("not_stored", "not_stored: tier", 0)
     assert miss.describe() == "not_stored: tier: first uncached token at position 0 (chat message 0)"
     assert cache_cause_of(miss) == "not_stored" and cache_cause_of(None) is None
     m = HitRateMonitor(window=4, min_samples=1)
-    m.record(9, 0, miss)
-    m.record(9, 8, CacheMiss("evicted", 8, 8, 9))
+    m.record(outcome_of(9, 0, miss))
+    m.record(outcome_of(9, 8, CacheMiss("evicted", 8, 8, 9)))
     assert m.snapshot()["top_miss_reasons"] == {"not_stored: tier": 1, "evicted": 1}
 
 

@@ -1,6 +1,6 @@
 """OpenBLAS for mlx on Linux, however the ``promptcache`` command is started.
 
-mlx's CPU wheel ships a reference BLAS that is ~30x slower for float32 matmul than
+mlx's CPU wheel ships a reference BLAS that is 12-34x slower for float32 matmul than
 Debian's OpenBLAS (``apt-get install libopenblas0-pthread``). The dynamic loader reads
 ``LD_PRELOAD`` only when a process starts, so ``reexec_with_openblas`` (called first by
 the command's entry point) runs the same command line again, once, in the same process,
@@ -79,5 +79,5 @@ def missing_warning(*, library: Path | None = None, system: str = sys.platform) 
     if system != "linux" or library.is_file() or "libopenblas" in os.environ.get("LD_PRELOAD", ""):
         return None
     return ("promptcache: warning: OpenBLAS is not installed, so mlx runs on its bundled "
-            "reference BLAS (float32 matmul ~30x slower); install it with "
+            "reference BLAS (float32 matmul 12-34x slower); install it with "
             "`apt-get install libopenblas0-pthread` and promptcache preloads it")

@@ -94,9 +94,10 @@ def create_app(engine: EngineAPI, server_config: ServerConfig | None = None, *,
         state.advisor = advisor
         # the alert's log line runs on the event loop: no cache lock, no tier stats there,
         # only the advisor's own window (a few hundred samples) and the budget in force
-        state.monitor.explain = lambda: diagnose(
+        state.monitor.explain = lambda missed: diagnose(
             advisor.window(), {"ram_budget_bytes": int(cache.pool.budget_bytes)},
-            recommended_budget=advisor.recommended_budget()).get("summary")
+            recommended_budget=advisor.recommended_budget(), missed=missed,
+            canonical_off=preparer.canon.off).get("summary")
         if config.auto_tune:
             budget = int(cache.pool.budget_bytes)
             state.tuner = AutoTuner(

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 from ..engine.api import GenerationResult, Usage
 from .api.auth import Scope
+from .ops.outcome import Outcome
 
 if TYPE_CHECKING:
     from .replies.runner import ServerState
@@ -38,8 +39,10 @@ class RequestFinished:
     # the engine's time to first token, else the first token as the server saw it
     ttft_s: float | None
     # the miss note of the log line (turns.start: the divergence from the previous turn;
-    # else the engine's miss reason)
+    # else the engine's miss reason); None unless the outcome is a miss
     note: str | None
+    # what the cache did (ops/outcome.py): the log line's ``cache=`` word, the alert's sample
+    outcome: Outcome
 
     @property
     def usage(self) -> Usage:
@@ -72,7 +75,7 @@ def standard_subscribers(s: ServerState) -> list[Subscriber]:
 
     def monitor(ev: RequestFinished) -> None:
         if ev.served:
-            s.monitor.record(ev.usage.prompt_tokens, ev.usage.cached_tokens, ev.result.miss)
+            s.monitor.record(ev.outcome)
 
     def session_stats(ev: RequestFinished) -> None:
         if ev.served:
@@ -121,7 +124,7 @@ def log_line(ev: RequestFinished) -> None:
     spec = f" spec={u.spec_accepted}/{u.spec_drafted}" if u.spec_drafted else ""
     log.info(
         "request %s api=%s tenant=%s %s prompt=%d cached=%d (%s) completion=%d "
-        "ttft=%.3fs decode=%.1f tok/s finish=%s%s%s", ev.request_id, ev.api,
+        "ttft=%.3fs decode=%.1f tok/s finish=%s%s cache=%s%s", ev.request_id, ev.api,
         ev.tenant, ev.scope.describe(), u.prompt_tokens, u.cached_tokens,
         tiers, u.completion_tokens, ev.ttft_s or 0.0, result.decode_tps, result.finish_reason,
-        spec, f" miss={ev.note}" if ev.note else "")
+        spec, ev.outcome.words, f" miss={ev.note}" if ev.note else "")

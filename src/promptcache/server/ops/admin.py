@@ -21,6 +21,7 @@ from ...advisor import diagnose
 from ...engine.port import EngineAPI
 from ..api.auth import validate_session_id
 from ..api.errors import APIError
+from ..prompts.canon import parse_rules_off
 from ..replies.runner import ServerState, state_of
 
 log = logging.getLogger(__name__)
@@ -143,7 +144,9 @@ def diagnosis_of(st: ServerState, stats: dict[str, Any] | None = None) -> dict[s
     adv = st.advisor
     if adv is None:
         return {}
-    d = diagnose(adv.window(), stats, recommended_budget=adv.recommended_budget())
+    d = diagnose(adv.window(), stats, recommended_budget=adv.recommended_budget(),
+                 missed=st.monitor.missed_by_cause(),
+                 canonical_off=parse_rules_off(st.config.canonicalize_off))
     d["alerting"] = st.monitor.alerting
     return d
 

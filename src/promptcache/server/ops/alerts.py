@@ -1,9 +1,12 @@
-"""Rolling token hit rate over the last N requests, and the low-hit-rate alert.
+"""Rolling reuse rate over the last N requests that repeat earlier traffic, and the
+low-hit-rate alert.
 
-Rule for cold starts: a request that hit nothing and whose miss reason is ``cold``
-(its prefix was never seen: the first turn of a new conversation) is *not* counted:
-a cache cannot be expected to hit it. Every other request counts with its prompt and
-cached tokens, including requests served with the cache disabled.
+What counts (``outcome.Outcome.counted``): a request that repeats earlier traffic, a
+session's next turn or a prompt whose prefix the cache held, with the tokens a working
+cache reuses of it (``shared``) and those it did reuse (``reused``). A request with
+nothing cached to share (``new``: a first turn, an unrelated one-shot question) is not
+counted: a cache cannot be expected to hit it, and a few of them must not raise the
+alert. Neither is a request served without a cache (``off``).
 
 The alert is evaluated once the window holds at least ``min_samples`` counted
 requests (``min(window, 10)`` by default). Entering the alert state logs a warning with
@@ -20,14 +23,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ...engine.api import CacheMiss
+from .outcome import Outcome
 
 log = logging.getLogger(__name__)
 
+
 @dataclass
 class _Sample:
-    prompt_tokens: int
-    cached_tokens: int
+    shared: int
+    reused: int
     cause: str | None
 
 
@@ -44,29 +48,43 @@ class HitRateMonitor:
         self._samples: deque[_Sample] = deque(maxlen=window)
         self._lock = threading.Lock()
         self.alerting = False
-        self.num_skipped_cold = 0
+        self.num_skipped_new = 0
         self._since_warning = 0
-        # the automated diagnosis added to the warning (the app sets it: advisor.py)
-        self.explain: Callable[[], str | None] | None = None
+        # the automated diagnosis added to the warning, given the window's missed tokens
+        # by cause (the app sets it: advisor.py)
+        self.explain: Callable[[dict[str, int]], str | None] | None = None
 
-    def record(self, prompt_tokens: int, cached_tokens: int, miss: CacheMiss | None) -> None:
-        cause = miss.cause if miss is not None else None
+    def record(self, outcome: Outcome) -> None:
         with self._lock:
-            if cached_tokens == 0 and cause == "cold":
-                self.num_skipped_cold += 1
+            if not outcome.counted:
+                if outcome.word != "off":
+                    self.num_skipped_new += 1
                 return
-            self._samples.append(_Sample(prompt_tokens, cached_tokens, cause))
+            self._samples.append(_Sample(outcome.shared, min(outcome.reused, outcome.shared),
+                                         outcome.cause))
             self._evaluate()
 
     def _rate_locked(self) -> float | None:
-        prompt = sum(s.prompt_tokens for s in self._samples)
-        if prompt == 0:
+        shared = sum(s.shared for s in self._samples)
+        if shared == 0:
             return None
-        return sum(s.cached_tokens for s in self._samples) / prompt
+        return sum(s.reused for s in self._samples) / shared
 
     def _reasons_locked(self, top: int = 3) -> list[tuple[str, int]]:
         c = Counter(s.cause for s in self._samples if s.cause is not None)
         return c.most_common(top)
+
+    def _missed_locked(self) -> dict[str, int]:
+        missed: Counter[str] = Counter()
+        for s in self._samples:
+            if s.cause is not None and s.shared > s.reused:
+                missed[s.cause] += s.shared - s.reused
+        return dict(missed)
+
+    def missed_by_cause(self) -> dict[str, int]:
+        """Tokens the window's counted misses did not reuse, by cause."""
+        with self._lock:
+            return self._missed_locked()
 
     def _evaluate(self) -> None:
         rate = self._rate_locked()
@@ -79,13 +97,14 @@ class HitRateMonitor:
             diagnosis = None
             if self.explain is not None:
                 try:
-                    diagnosis = self.explain()
+                    diagnosis = self.explain(self._missed_locked())
                 except Exception:
                     log.debug("hit-rate diagnosis failed", exc_info=True)
             log.warning(
-                "low prompt-cache hit rate: %.1f%% over the last %d requests (threshold %.0f%%); "
-                "most common miss reasons: %s%s", rate * 100, len(self._samples),
-                self.threshold * 100, reasons, f"; diagnosis: {diagnosis}" if diagnosis else "")
+                "low prompt-cache hit rate: %.1f%% of the tokens %d requests repeat from "
+                "earlier traffic were reused (threshold %.0f%%); most common miss reasons: "
+                "%s%s", rate * 100, len(self._samples), self.threshold * 100, reasons,
+                f"; diagnosis: {diagnosis}" if diagnosis else "")
             self._since_warning = 0
         elif not low and self.alerting:
             log.info("prompt-cache hit rate recovered: %.1f%%", rate * 100)
@@ -101,9 +120,9 @@ class HitRateMonitor:
                 "window": self.window,
                 "threshold": self.threshold,
                 "requests_in_window": len(self._samples),
-                "skipped_cold_starts": self.num_skipped_cold,
-                "prompt_tokens": sum(s.prompt_tokens for s in self._samples),
-                "cached_tokens": sum(s.cached_tokens for s in self._samples),
+                "skipped_new_prompts": self.num_skipped_new,
+                "shared_tokens": sum(s.shared for s in self._samples),
+                "reused_tokens": sum(s.reused for s in self._samples),
                 "hit_rate": self._rate_locked(),
                 "alerting": self.alerting,
                 "top_miss_reasons": dict(self._reasons_locked(5)),

@@ -165,7 +165,8 @@ class ServerMetrics:
         self.in_flight = Gauge("promptcache_requests_in_flight", "requests being generated",
                                registry=r)
         self.rolling_hit_rate = Gauge("promptcache_rolling_token_hit_rate",
-                                      "token hit rate over the alert window", registry=r)
+                                      "share of the tokens repeated from earlier traffic "
+                                      "reused, over the alert window", registry=r)
         self.alert = Gauge("promptcache_hit_rate_alert",
                            "1 while the rolling hit rate is below the threshold", registry=r)
         self.queue_wait = Histogram("promptcache_queue_wait_seconds",

@@ -1,7 +1,8 @@
 """A turn's life: its max_tokens, its start, and what it leaves in the cache.
 
 - ``start``: submit a prepared turn to the engine; when it ends, the turn is remembered
-  for the next one's comparison and the request log names a miss with its facts.
+  for the next one's comparison, and what the cache did (``ops/outcome.py``: new, hit,
+  miss and its cause) goes to the request log and the alert, a miss with its facts.
 - ``after_reply``: a reply was sent: ``claim_chain`` tells the cache what the turn wants
   kept (breakpoints, the prompt_cache_key chain, the session's latest chain) and the
   next-turn pre-render is scheduled (``prerender.py``).
@@ -22,6 +23,7 @@ from ...engine.port import EngineAPI
 from ..api.auth import Scope
 from ..api.errors import APIError
 from ..ops.diagnostics import TurnKey, cache_cause_of
+from ..ops.outcome import MISS, Outcome, outcome_of
 from ..replies.runner import Generation, ServerState
 from .prepared import ChatPrompt, Prepared, TurnContext
 from .preparer import preparer_of
@@ -56,13 +58,21 @@ def start(st: ServerState, api: str, request: Request, scope: Scope, prepared: P
     prep = preparer_of(request)
     cache_on = caching(st)
 
-    def on_result(result: GenerationResult) -> str | None:
-        cause = cache_cause_of(result.miss)
-        diagnosis = prepared.divergence.diagnose(result.usage.cached_tokens, cause, cache_on)
+    def on_result(result: GenerationResult) -> tuple[Outcome, str | None]:
         prep.record_turn(prepared, turn, message_id, result)
+        u = result.usage
+        outcome = outcome_of(u.prompt_tokens, u.cached_tokens, result.miss,
+                             cached_by_tier=u.cached_by_tier, caching=cache_on,
+                             divergence=prepared.divergence,
+                             last_message_start=prepared.message_starts[-1]
+                             if prepared.message_starts else None)
+        if outcome.word != MISS:
+            return outcome, None
+        cause = cache_cause_of(result.miss)
+        diagnosis = prepared.divergence.diagnose(u.cached_tokens, cause, cache_on)
         if diagnosis is None:
-            return result.miss_reason
-        return prepared.divergence.log_text(diagnosis, result.miss_reason)
+            return outcome, result.miss_reason
+        return outcome, prepared.divergence.log_text(diagnosis, result.miss_reason)
 
     gen.on_result = on_result
     return gen

@@ -46,6 +46,7 @@ from ..finished import RequestFinished, Subscriber, publish, standard_subscriber
 from ..ops.alerts import HitRateMonitor
 from ..ops.history import RequestHistory
 from ..ops.metrics import ServerMetrics
+from ..ops.outcome import MISS, Outcome, outcome_of
 from ..ops.session_stats import SessionStats
 from ..prompts.images import ImageCollector
 
@@ -169,8 +170,8 @@ class Generation:
         self.result: GenerationResult | None = None
         self.disconnected = False
         # called once with the final result (turns.start: remember the turn); returns
-        # the miss note of the log line (None: the engine's miss_reason)
-        self.on_result: Callable[[GenerationResult], str | None] | None = None
+        # what the cache did and the miss note of the log line (None: ``plain_outcome``)
+        self.on_result: Callable[[GenerationResult], tuple[Outcome, str | None]] | None = None
         state.metrics.in_flight.inc()
 
     async def _watch(self) -> None:
@@ -223,19 +224,27 @@ class Generation:
     def _finish(self, result: GenerationResult) -> None:
         """The final result: publish it (``RequestFinished``) to the app's subscribers."""
         self.state.metrics.in_flight.dec()
-        note = None
-        if result.finish_reason != "error":
-            note = result.miss_reason
-            if self.on_result is not None:
-                try:
-                    note = self.on_result(result)
-                except Exception:  # a hook must never break the response
-                    log.warning("request %s: result hook failed", self.request.request_id,
-                                exc_info=True)
+        outcome, note = plain_outcome(result, self.state.engine.cache is not None)
+        if result.finish_reason != "error" and self.on_result is not None:
+            try:
+                outcome, note = self.on_result(result)
+            except Exception:  # a hook must never break the response
+                log.warning("request %s: result hook failed", self.request.request_id,
+                            exc_info=True)
         publish(self.state.finished, RequestFinished(
             api=self.api, request_id=self.request.request_id, tenant=self.request.tenant,
             scope=self.scope, result=result,
-            ttft_s=result.ttft_s if result.ttft_s > 0 else self.first_token_s, note=note))
+            ttft_s=result.ttft_s if result.ttft_s > 0 else self.first_token_s, note=note,
+            outcome=outcome))
+
+
+def plain_outcome(result: GenerationResult, caching: bool) -> tuple[Outcome, str | None]:
+    """What the cache did for a request with no previous turn to compare with (a raw
+    completions prompt), and its miss note (the engine's ``miss_reason`` of a miss)."""
+    u = result.usage
+    outcome = outcome_of(u.prompt_tokens, u.cached_tokens, result.miss,
+                         cached_by_tier=u.cached_by_tier, caching=caching)
+    return outcome, result.miss_reason if outcome.word == MISS else None
 
 
 def unstreamed_tail(streamed: str, result: GenerationResult) -> str:
