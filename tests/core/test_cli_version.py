@@ -20,3 +20,14 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
         main(["--version"])
     assert exit_.value.code == 0
     assert capsys.readouterr().out == f"promptcache {declared}\n"
+
+
+def test_top_level_help_is_for_users(capsys: pytest.CaptureFixture[str]) -> None:
+    from promptcache.cli import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--help"])
+    out = capsys.readouterr().out
+    assert "prompt cache keeps every\nconversation's prefix" in out
+    assert "promptcache serve                      serve the embedded default model" in out
+    assert "register(subparsers)" not in out and "``" not in out

@@ -27,6 +27,30 @@ def test_restarted_engine_hits_ssd_blocks(tiny_llama_path, tmp_path):
     assert stats["cache"]["promotions"] == 4
 
 
+def test_a_run_read_from_the_ssd_is_one_array_and_one_copy_per_layer(tiny_llama_path, tmp_path):
+    from promptcache.engine.blockbuf import BlockPayload
+
+    ssd = SSDConfig(path=tmp_path / "blocks", policy="write_through", fsync=False)
+    ec, cc = EngineConfig(prefill_chunk_tokens=16), CacheConfig(block_size=8, ram_budget_bytes=64 * 1024**2)
+    prompt = [int(t) for t in np.random.default_rng(6).integers(3, 1000, size=41)]
+    with Engine.load(tiny_llama_path, ec, cc, cache=build_cache(cc, ssd)) as first:
+        r1 = first.generate(prompt, max_tokens=4)
+    with Engine.load(tiny_llama_path, ec, cc, cache=build_cache(cc, ssd)) as second:
+        r2 = second.generate(prompt, max_tokens=4)
+        ref = second.generate(prompt, max_tokens=4, use_cache=False)
+        blocks = sorted((b for b in second.cache.pool.blocks() if b.start < 40),
+                        key=lambda b: b.start)
+        stats = second.engine_stats()
+    assert r2.usage.cached_by_tier == {"ssd": 40} and r2.tokens == r1.tokens == ref.tokens
+    # the five blocks were read as one run: rows 0-4 of one array made from host memory
+    payloads = [b.payload for b in blocks]
+    assert all(isinstance(p, BlockPayload) for p in payloads)
+    assert [p.row for p in payloads] == [0, 1, 2, 3, 4]
+    assert len({id(p.slab) for p in payloads}) == 1 and payloads[0].slab is not None
+    # restored with one strided copy per layer array for the run, one for the room
+    assert stats["restore_copies"] == 2 * 2 * 2
+
+
 def test_bfloat16_blocks_come_back_from_ssd_as_bfloat16(tmp_path):
     """Apple GPUs keep KV in bfloat16; numpy has no bf16, so it travels as uint16 + meta."""
     import mlx.core as mx

@@ -133,7 +133,8 @@ class Lookup:
         """Read the run of entries from ``i`` on that live in the same remote tier with
         one ``get_many`` (one round trip), after reserving RAM for all of them; the run
         ends at another tier, at ``PROMOTE_BATCH_BYTES`` or where RAM cannot hold more.
-        Returns ``{index: (payload, sessions) | None | _FAILED}``."""
+        Returns ``{index: _Loaded | None | _FAILED}`` (``get_many`` may return a
+        block's own exception in its place: that block fails as its ``get`` would)."""
         src = entries[i].source  # type: ignore[union-attr]
         get_many = getattr(src, "get_many", None)
         run: list[int] = []
@@ -169,6 +170,9 @@ class Lookup:
         out: dict[int, Any] = dict(zip(run, got, strict=True))
         for k, res in zip(present, loaded, strict=True):
             out[run[k]] = _Loaded(res, got[k][1])
+        for k, g in enumerate(got):  # a block's own error (a local tier's run): its miss
+            if isinstance(g, Exception):
+                out[run[k]] = _Loaded(g, [])
         return out
 
     def _promote(self, entry: LowerEntry, ns: Namespace, fetched: Any, now: float

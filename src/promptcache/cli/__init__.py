@@ -16,8 +16,22 @@ from .. import __version__
 _COMMANDS = ("serve_cmd", "model_cmd", "cache_cmd", "bench_cmd")
 
 
+DESCRIPTION = """\
+A local OpenAI- and Anthropic-compatible server (MLX) whose prompt cache keeps every
+conversation's prefix in RAM, on the SSD and optionally in Redis, so each turn costs
+only its new tokens.
+
+  promptcache serve                      serve the embedded default model on :8080
+  promptcache serve --model PATH_OR_ID   serve an MLX model (a folder or a Hugging Face id)
+  promptcache cache stats                what the SSD cache holds
+  promptcache model prepare              fetch and convert the embedded default model
+
+`promptcache COMMAND --help` lists a command's options; docs/cli.md lists them all."""
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="promptcache", description=__doc__)
+    parser = argparse.ArgumentParser(prog="promptcache", description=DESCRIPTION,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)

@@ -195,6 +195,21 @@ class SSDTier:
         """The verified payload (None if absent); ``CorruptBlockError`` if damaged."""
         return self.reader.get(block_hash)
 
+    def get_many(self, block_hashes: Sequence[BlockHash], *, ns: Namespace | None = None
+                 ) -> list[tuple[bytes, list[str]] | TierError | None]:
+        """``(payload, sessions)`` of a chain's run of blocks (None where absent; a
+        block's own error, counted as ``get`` counts it, in its place), so the cache
+        makes their arrays at once. The files are read as ``get`` reads them, the next
+        blocks' reads ahead overlapping each one."""
+        out: list[tuple[bytes, list[str]] | TierError | None] = []
+        for h in block_hashes:
+            try:
+                data = self.get(h, ns=ns)
+                out.append(None if data is None else (data, self.sessions_of(h, ns=ns)))
+            except TierError as e:
+                out.append(e)
+        return out
+
     # -- writes (Writer) ------------------------------------------------------------------
 
     @tier_errors
