@@ -69,7 +69,7 @@ def _run(argv: list[str], cwd: Path, env: dict[str, str]) -> tuple[float, str, i
 
 def _stats(base: str) -> dict[str, Any]:
     with urllib.request.urlopen(base + "/v1/cache/stats", timeout=10) as r:
-        return dict(json.loads(r.read()))
+        return dict(json.loads(r.read())["cache"])
 
 
 def main() -> None:
