@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from ..blocks.tokens import common_prefix as common_prefix  # for the server's prompt diffs
 from ..cache.miss import CacheMiss as CacheMiss  # the engine's miss type (re-exported)
 from ..meta import DEFAULT_TENANT, ExtraKeySpan
 

@@ -50,6 +50,7 @@ from mlx_lm.models.cache import (
     trim_prompt_cache,
 )
 
+from ..blocks.tokens import common_prefix
 from ..hashing import BlockHash
 from ..meta import Namespace
 from . import adapters, mlx_compat
@@ -182,15 +183,6 @@ def _leaves(caches: Sequence[Any]) -> list[Any]:
     for c in caches:
         out.extend(_leaves(list(c.caches)) if isinstance(c, CacheList) else [c])
     return out
-
-
-def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
-    """The length of the longest common prefix of two token arrays."""
-    n = min(a.shape[0], b.shape[0])
-    if n == 0:
-        return 0
-    diff = np.flatnonzero(a[:n] != b[:n])
-    return int(diff[0]) if diff.size else n
 
 
 class LiveStates:

@@ -42,7 +42,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ...blocks.tokens import common_prefix
+from ...engine.api import common_prefix
 from ...engine.api import CacheMiss
 
 log = logging.getLogger(__name__)

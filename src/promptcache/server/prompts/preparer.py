@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 
 from fastapi import Request
 
-from ...blocks.tokens import common_prefix
+from ...engine.api import common_prefix
 from ...engine.api import GenerationResult, ImageInput, expand_placeholders, image_extra_keys
 from ...engine.chat_format import ChatFormat
 from ...engine.port import CachePrediction, EngineAPI

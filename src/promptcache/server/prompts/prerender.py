@@ -35,7 +35,7 @@ import threading
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from ...blocks.tokens import common_prefix
+from ...engine.api import common_prefix
 from ...engine.api import GenerationRequest, GenerationResult, SamplingParams
 from ...engine.port import EngineAPI, HandleAPI
 from ...errors import OverloadedError
