@@ -42,8 +42,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ...engine.api import common_prefix
-from ...engine.api import CacheMiss
+from ...engine.api import CacheMiss, common_prefix
 
 log = logging.getLogger(__name__)
 

@@ -27,8 +27,13 @@ from typing import Any, TypeVar
 
 from fastapi import Request
 
-from ...engine.api import common_prefix
-from ...engine.api import GenerationResult, ImageInput, expand_placeholders, image_extra_keys
+from ...engine.api import (
+    GenerationResult,
+    ImageInput,
+    common_prefix,
+    expand_placeholders,
+    image_extra_keys,
+)
 from ...engine.chat_format import ChatFormat
 from ...engine.port import CachePrediction, EngineAPI
 from ...errors import TemplateRenderError

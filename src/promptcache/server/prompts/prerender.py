@@ -35,8 +35,7 @@ import threading
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from ...engine.api import common_prefix
-from ...engine.api import GenerationRequest, GenerationResult, SamplingParams
+from ...engine.api import GenerationRequest, GenerationResult, SamplingParams, common_prefix
 from ...engine.port import EngineAPI, HandleAPI
 from ...errors import OverloadedError
 from ..ops.diagnostics import TurnKey
