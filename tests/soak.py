@@ -30,7 +30,7 @@ import httpx
 import psutil
 from serve_proc import PROMPTCACHE, stop, wait_healthy
 
-from promptcache.bench.systems import free_port
+from harness.systems import free_port
 
 WORDS = ("cache block token layer memory request server answer question value order "
          "result file function test build change update design number string list table "

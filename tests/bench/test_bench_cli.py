@@ -41,11 +41,33 @@ def test_bench_quick_s1_against_mlx_lm(tiny_llama_path: Path, tmp_path: Path,
 def test_max_tokens_the_flag_then_the_scenarios_own_then_the_default() -> None:
     import argparse
 
-    from promptcache.bench import scenarios
-    from promptcache.cli.bench_cmd import DEFAULT_MAX_TOKENS, max_tokens_for
+    from harness import scenarios
+    from harness.command import DEFAULT_MAX_TOKENS, max_tokens_for
 
     e1, s1 = scenarios.build("E1", quick=True), scenarios.build("S1", quick=True)
     given, not_given = argparse.Namespace(max_tokens=7), argparse.Namespace(max_tokens=None)
     assert [max_tokens_for(given, e1), max_tokens_for(given, s1), max_tokens_for(given)] == [7] * 3
     assert [max_tokens_for(not_given, e1), max_tokens_for(not_given, s1),
             max_tokens_for(not_given)] == [160, DEFAULT_MAX_TOKENS, DEFAULT_MAX_TOKENS]
+
+
+def test_the_launcher_finds_the_checkouts_harness(monkeypatch: pytest.MonkeyPatch) -> None:
+    from promptcache.cli import bench_cmd
+
+    monkeypatch.delenv(bench_cmd.BENCH_DIR_ENV, raising=False)
+    assert bench_cmd.bench_dir() == Path(__file__).resolve().parents[2] / "bench"
+
+
+@pytest.mark.parametrize("argv", [[], ["--quick", "--scenarios", "S1"], ["--help"]])
+def test_without_a_checkout_bench_says_so_in_one_line(
+        argv: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from promptcache.cli import bench_cmd
+
+    monkeypatch.setenv(bench_cmd.BENCH_DIR_ENV, str(tmp_path))  # no harness/ there
+    assert bench_cmd.bench_dir() is None
+    assert main(["bench", *argv]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == bench_cmd.MISSING + "\n"
+    assert captured.err.startswith("promptcache bench needs a source checkout")
