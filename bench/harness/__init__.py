@@ -7,6 +7,7 @@ command (``command``).
 - ``concurrent_plans``: the concurrent scenarios' requests (C1, C2, E2..E4).
 - ``concurrency``: runs them on every system, timed and summarized.
 - ``shared``: S6, two servers sharing one Redis.
+- ``soak``: the soak, agent sessions with churn for minutes, sampling what the server holds.
 - ``systems``: start / stop / kill each system under test on a free port, sample peak RSS.
 - ``redisproc``: redis-server processes and a delaying TCP proxy.
 - ``client``: streaming OpenAI / Anthropic clients measuring TTFT to the first content token.

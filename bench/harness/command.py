@@ -1,5 +1,5 @@
 """`promptcache bench`: replay S1..S5 (and E1, the edit; E2-E5, speculation's cases at 1
-and 8 streams) against ours and the peers, with the floor.
+and 8 streams) against ours and the peers, with the floor; or soak ours for minutes.
 
 Writes <out>/results.json, <out>/report.md and <out>/charts/*.png, printing progress as
 it goes. On Linux the command preloads OpenBLAS itself when it is installed (for the
@@ -22,7 +22,7 @@ from typing import Any
 
 from promptcache.cli.progress import progress_bar
 
-from . import concurrency, concurrent_plans, report, scenarios, systems
+from . import concurrency, concurrent_plans, redisproc, report, scenarios, soak, systems
 from .runner import run_scenario
 
 DEFAULT_MAX_TOKENS = 16
@@ -48,7 +48,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                         "(speculation's cases at 1 and 8 streams: edit, agentic replay with "
                         "tool calls, chat with nothing to copy, the edit's next turn; only "
                         "when named), S6 (two "
-                        "servers sharing one Redis; needs redis-server; only when named); "
+                        "servers sharing one Redis; needs redis-server; only when named), "
+                        "soak (agent sessions with churn for --minutes, sampling memory, "
+                        "MLX arrays, threads and fds; ours only; only when named); "
                         "default: all the others")
     p.add_argument("--systems", default=",".join(systems.SYSTEM_NAMES),
                    help="comma-separated, from ours,mlx_lm,vllm_mlx,nocache (default: all) "
@@ -68,6 +70,18 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                         "1,8)")
     p.add_argument("--floor-repeats", type=int, default=2, help="best of N floor timings")
     p.add_argument("--no-floor", action="store_true", help="skip the in-process floor")
+    p.add_argument("--minutes", type=float, default=30.0,
+                   help="soak: how long (default: 30)")
+    p.add_argument("--rounds", type=int, default=None,
+                   help="soak: a number of rounds instead of --minutes")
+    p.add_argument("--soak-streams", type=int, default=8,
+                   help="soak: sessions at once (default: 8)")
+    p.add_argument("--soak-ram-budget", default="64MB",
+                   help="soak: the server's --ram-budget, small so blocks go to the SSD "
+                        "tier and come back (default: 64MB)")
+    p.add_argument("--soak-redis", action="store_true",
+                   help="soak: a redis-server as the shared tier, and the SSD tier at the "
+                        "RAM tier's budget, so blocks come back from Redis too")
     p.set_defaults(func=run)
 
 
@@ -114,6 +128,12 @@ def _command(args: argparse.Namespace, model: str) -> str:
         parts += ["--max-tokens", str(args.max_tokens)]
     if getattr(args, "streams", None):
         parts += ["--streams", args.streams]
+    if "soak" in args.scenarios.lower():
+        parts += (["--rounds", str(args.rounds)] if args.rounds is not None
+                  else ["--minutes", f"{args.minutes:g}"])
+        parts += ["--soak-streams", str(args.soak_streams),
+                  "--soak-ram-budget", args.soak_ram_budget]
+        parts += ["--soak-redis"] if args.soak_redis else []
     return " ".join(p if p.startswith("LD_PRELOAD=") else shlex.quote(p) for p in parts)
 
 
@@ -125,13 +145,17 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _terminate)
     logging.getLogger("httpx").setLevel(logging.WARNING)
     parts = [p.strip().upper() for p in args.scenarios.split(",") if p.strip()]
-    want_s6 = "S6" in parts
+    want_s6, want_soak = "S6" in parts, "SOAK" in parts
     concurrent = [p for p in dict.fromkeys(parts) if p in concurrent_plans.CONCURRENT_NAMES]
-    rest = [p for p in parts if p != "S6" and p not in concurrent_plans.CONCURRENT_NAMES]
-    names = scenarios.parse_names(",".join(rest)) if rest or not (want_s6 or concurrent) else []
+    rest = [p for p in parts
+            if p not in ("S6", "SOAK") and p not in concurrent_plans.CONCURRENT_NAMES]
+    names = (scenarios.parse_names(",".join(rest))
+             if rest or not (want_s6 or want_soak or concurrent) else [])
     wanted = systems.parse_systems(args.systems)
     if args.max_tokens is not None and not 0 < args.max_tokens <= 4096:
         raise ValueError(f"--max-tokens must be in 1..4096, got {args.max_tokens}")
+    if want_soak:
+        _check_soak(args)
     model = _resolve_model(args.model)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -207,7 +231,8 @@ def run(args: argparse.Namespace) -> int:
                                       progress=_say)
         report.write_json(results, results_path)
         s6_md = "\n" + shared.markdown(results["s6"])
-    md = report.markdown(results, _command(args, model)) + s6_md + md_concurrent
+    soak_md = _run_soak(args, wanted, model, out, results, results_path) if want_soak else ""
+    md = report.markdown(results, _command(args, model)) + s6_md + md_concurrent + soak_md
     (out / "report.md").write_text(md)
     charts = report.write_charts(results, out / "charts")
     _say(f"wrote {results_path}, {out / 'report.md'}, {len(charts)} charts in {out / 'charts'}")
@@ -242,6 +267,45 @@ def _run_concurrent(args: argparse.Namespace, names: list[str], wanted: list[str
         report.write_json(results, results_path)
         md += "\n" + concurrency.markdown(name, plan.title, entry["runs"])
     return md
+
+
+def _check_soak(args: argparse.Namespace) -> None:
+    if args.rounds is not None and args.rounds < 1:
+        raise ValueError(f"--rounds must be >= 1, got {args.rounds}")
+    if args.rounds is None and not args.minutes > 0:
+        raise ValueError(f"--minutes must be > 0, got {args.minutes}")
+    if not 1 <= args.soak_streams <= 256:
+        raise ValueError(f"--soak-streams must be in 1..256, got {args.soak_streams}")
+    if args.soak_redis and redisproc.REDIS_SERVER is None:
+        raise ValueError("--soak-redis: redis-server (or valkey-server) is not installed")
+
+
+def _run_soak(args: argparse.Namespace, wanted: list[str], model: str, out: Path,
+              results: dict[str, Any], results_path: Path) -> str:
+    """The soak on each of ``wanted`` that is ours (it reads ``/v1/cache/stats``); its
+    samples in results.json, a chart per system, its Markdown."""
+    entry: dict[str, Any] = {"runs": {}, "skipped": {}}
+    results["soak"] = entry
+    for system in wanted:
+        if system not in systems.OURS:
+            entry["skipped"][system] = "the soak reads ours' /v1/cache/stats"
+            continue
+        length = (f"{args.rounds} rounds" if args.rounds is not None
+                  else f"{args.minutes:g} minutes")
+        _say(f"soak/{system}: {args.soak_streams} streams for {length}")
+        r = soak.run_soak(system, model, out / "work", out / "logs", streams=args.soak_streams,
+                          minutes=None if args.rounds is not None else args.minutes,
+                          rounds=args.rounds, max_tokens=max_tokens_for(args),
+                          ram_budget=args.soak_ram_budget, redis=args.soak_redis,
+                          progress=_say)
+        entry["runs"][system] = r
+        if r.get("error"):
+            _say(f"soak/{system}: ERROR {r['error']}")
+        else:
+            soak.chart([soak.Sample(**x) for x in r["samples"]],
+                       out / "charts" / f"soak_{system}.png")
+    report.write_json(results, results_path)
+    return "\n" + soak.markdown(entry["runs"], entry["skipped"], _command(args, model))
 
 
 def _num(v: float | None, unit: str) -> str:

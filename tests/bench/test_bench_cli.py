@@ -71,3 +71,55 @@ def test_without_a_checkout_bench_says_so_in_one_line(
     assert captured.out == ""
     assert captured.err == bench_cmd.MISSING + "\n"
     assert captured.err.startswith("promptcache bench needs a source checkout")
+
+
+def test_the_soak_is_a_listed_scenario(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["bench", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "soak (agent sessions with churn for --minutes" in out
+    for flag in ("--minutes", "--rounds", "--soak-streams", "--soak-ram-budget", "--soak-redis"):
+        assert flag in out
+
+
+def test_a_tiny_soak_writes_its_report(tiny_llama_path: Path, tmp_path: Path,
+                                       capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "out"
+    rc = main(["bench", "--scenarios", "soak", "--systems", "ours,mlx_lm", "--rounds", "3",
+               "--soak-streams", "2", "--soak-ram-budget", "8MB", "--max-tokens", "2",
+               "--model", str(tiny_llama_path), "--out", str(out)])
+    assert rc == 0
+    results = json.loads((out / "results.json").read_text())
+    assert results["config"]["scenarios"] == []  # no replayed scenario: no floor either
+    soak = results["soak"]
+    assert soak["skipped"] == {"mlx_lm": "the soak reads ours' /v1/cache/stats"}
+    run = soak["runs"]["ours"]
+    assert "error" not in run and run["streams"] == 2 and run["ram_budget"] == "8MB"
+    assert run["redis"] is False and set(run["hit_tokens_by_tier"]) <= {"ram", "ssd"}
+    assert [s["round"] for s in run["samples"]] == [0, 1, 2]
+    # each round: one turn per stream (one of them cancelled after its first chunk)
+    assert [s["requests"] for s in run["samples"]] == [2, 4, 6]
+    assert all(s["threads"] > 0 and s["fds"] > 0 and s["rss"] > 0 for s in run["samples"])
+    summary = run["summary"]
+    assert (summary["rounds"], summary["requests"], summary["errors_5xx"],
+            summary["refused"], summary["warmup_rounds"]) == (3, 6, 0, 0, 0)
+    md = (out / "report.md").read_text()
+    assert "## Soak: agent sessions with churn" in md
+    assert "| ours | 2 | 3 | " in md and "| mlx_lm | skipped: " in md
+    assert "--scenarios soak" in md and "--rounds 3 --soak-streams 2" in md
+    assert (out / "charts" / "soak_ours.png").stat().st_size > 5_000
+    assert "## Soak" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--rounds", "0"], "--rounds must be >= 1, got 0"),
+    (["--minutes", "0"], "--minutes must be > 0, got 0.0"),
+    (["--soak-streams", "0"], "--soak-streams must be in 1..256, got 0"),
+])
+def test_a_soak_with_bad_lengths_is_refused_before_anything_starts(
+        argv: list[str], message: str, tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "out"
+    assert main(["bench", "--scenarios", "soak", "--out", str(out), *argv]) == 2
+    assert capsys.readouterr().err == f"promptcache: error: {message}\n"
+    assert not out.exists()
