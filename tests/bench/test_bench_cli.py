@@ -123,3 +123,25 @@ def test_a_soak_with_bad_lengths_is_refused_before_anything_starts(
     assert main(["bench", "--scenarios", "soak", "--out", str(out), *argv]) == 2
     assert capsys.readouterr().err == f"promptcache: error: {message}\n"
     assert not out.exists()
+
+
+def test_a_harness_that_cannot_be_imported_leaves_the_other_commands_working(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    import sys
+
+    from promptcache.cli import bench_cmd
+
+    (tmp_path / "harness").mkdir()
+    (tmp_path / "harness" / "__init__.py").write_text("")  # no command.py
+    monkeypatch.setenv(bench_cmd.BENCH_DIR_ENV, str(tmp_path))
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    for name in [m for m in sys.modules if m == "harness" or m.startswith("harness.")]:
+        monkeypatch.delitem(sys.modules, name)
+    assert main(["bench", "--quick"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"promptcache bench: cannot import the harness in {tmp_path} (")
+    assert "harness.command" in err and err.count("\n") == 1
+    with pytest.raises(SystemExit) as done:  # serve still parses
+        main(["serve", "--help"])
+    assert done.value.code == 0

@@ -34,17 +34,27 @@ def bench_dir() -> Path | None:
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     folder = bench_dir()
     if folder is None:
-        # every argument, options and -h included, lands in `rest`: the one line answers
-        p = sub.add_parser("bench", help="benchmarks (needs a source checkout)",
-                           description=MISSING, prefix_chars="+", add_help=False)
-        p.add_argument("rest", nargs="*", help=argparse.SUPPRESS)
-        p.set_defaults(func=_missing)
+        _stub(sub, MISSING)
         return
     if str(folder) not in sys.path:
         sys.path.insert(0, str(folder))
-    cast(_Command, importlib.import_module("harness.command")).register(sub)
+    try:
+        command = cast(_Command, importlib.import_module("harness.command"))
+    except ImportError as e:  # a broken harness must not take `serve` down with it
+        _stub(sub, f"promptcache bench: cannot import the harness in {folder} "
+                   f"({type(e).__name__}: {e})")
+        return
+    command.register(sub)
 
 
-def _missing(_args: argparse.Namespace) -> int:
-    print(MISSING, file=sys.stderr)
+def _stub(sub: argparse._SubParsersAction, line: str) -> None:  # type: ignore[type-arg]
+    """`bench` that answers ``line`` on stderr, exit 2, whatever it is given (-h too)."""
+    p = sub.add_parser("bench", help="benchmarks (needs a source checkout)", description=line,
+                       prefix_chars="+", add_help=False)
+    p.add_argument("rest", nargs="*", help=argparse.SUPPRESS)
+    p.set_defaults(func=lambda _args: _say(line))
+
+
+def _say(line: str) -> int:
+    print(line, file=sys.stderr)
     return 2
