@@ -34,7 +34,7 @@ sys.path.insert(0, str(REPO / "tests"))  # models: the tiny test models
 
 from models.tiny_models import ensure_tiny_model  # noqa: E402
 
-from promptcache.bench.systems import free_port  # noqa: E402
+from harness.systems import free_port  # noqa: E402
 
 WORDS = ("the cache is warm and the model reads a long history of messages before it "
          "answers one more question about code files tests and servers").split()

@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT / "tests"))  # models: the tiny test models
 import trace_replay as R  # noqa: E402
 from real_engine import tiny_engine  # noqa: E402
 
-from promptcache.bench.systems import free_port  # noqa: E402
+from harness.systems import free_port  # noqa: E402
 from promptcache.serving_config import ServerConfig  # noqa: E402
 
 

@@ -53,7 +53,7 @@ from mlx_lm import load
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 from page_cache import drop_cache
 
-from promptcache.bench.systems import dir_bytes
+from harness.systems import dir_bytes
 from promptcache.cache import PromptCache
 from promptcache.config import CacheConfig, SSDConfig
 from promptcache.engine import adapters

@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     redis_srv = None
     rc = None
     if a.redis:
-        from promptcache.bench.redisproc import RedisServer
+        from harness.redisproc import RedisServer
 
         redis_srv = RedisServer(root / "redis").start()
         rc = RedisConfig(url=redis_srv.url, timeout_s=5.0, connect_timeout_s=1.0,

@@ -23,9 +23,7 @@ from pathlib import Path
 import httpx
 import psutil
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-
-from soak import WORDS, server  # noqa: E402
+from harness.soak import WORDS, server
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -39,8 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     tmp = Path(tempfile.mkdtemp(prefix="pc-memlimit-"))
     # a first server measures the idle footprint (the model loaded, warmed by a request)
-    base_args = ["--model", a.model, "--cache-dir", str(tmp / "blocks"), *a.serve_args]
-    with server([*base_args, "--memory-limit", "off"], tmp / "idle.log") as (base, pid):
+    with server(a.model, tmp / "idle.log", cache_dir=tmp / "blocks",
+                extra_args=[*a.serve_args, "--memory-limit", "off"]) as (base, pid):
         httpx.post(f"{base}/v1/completions", json={"model": "default", "prompt": "hello",
                                                      "max_tokens": 2}, timeout=300)
         idle = psutil.Process(pid).memory_info().rss
@@ -50,8 +48,9 @@ def main(argv: list[str] | None = None) -> int:
     words = " ".join(WORDS[i % len(WORDS)] for i in range(a.tokens))
     results: list[tuple[int, str | None, float]] = []
     lock = threading.Lock()
-    with server([*base_args, "--memory-limit", str(limit), "--max-queue", "256"],
-                tmp / "server.log") as (base, pid):
+    with server(a.model, tmp / "server.log", cache_dir=tmp / "blocks",
+                extra_args=[*a.serve_args, "--memory-limit", str(limit), "--max-queue", "256"]
+                ) as (base, pid):
         proc = psutil.Process(pid)
         peak = [0]
         done = threading.Event()

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from promptcache.bench.redisproc import RedisServer
+from harness.redisproc import RedisServer
 from promptcache.cache import PromptCache
 from promptcache.config import CacheConfig, RedisConfig, SSDConfig
 from promptcache.meta import Namespace

@@ -13,7 +13,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from promptcache.bench.redisproc import RedisServer
+from harness.redisproc import RedisServer
 from promptcache.config import RedisConfig
 from promptcache.errors import TierError
 from promptcache.meta import Namespace

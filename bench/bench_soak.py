@@ -1,10 +1,11 @@
-"""The soak (``tests/soak.py``) for minutes: a real ``promptcache serve`` on a model
+"""The soak (``harness/soak.py``) for minutes: a real ``promptcache serve`` on a model
 folder, ``--streams`` agent-like sessions at once with churn (new sessions, next turns,
 a cancelled stream and a hostile request every round), sampling after every round the
 server's resident memory, threads, file descriptors, the MLX arrays of its RAM tier and
 live states, MLX's active and cached bytes, and the 5xx and 429 / 529 seen.
+`promptcache bench --scenarios soak --minutes 30` runs the same soak into a bench report.
 
-    PYTHONPATH=src python bench/bench_soak.py --model DIR [--minutes 30] [--streams 8] \\
+    python bench/bench_soak.py --model DIR [--minutes 30] [--streams 8] \\
         [--ram-budget 64MB] [--out soak.json] [--chart soak.png] [-- extra serve args]
 
 Prints a summary (each figure's range after the first ``--warmup`` share of the run) and
@@ -17,39 +18,9 @@ import argparse
 import json
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-
-from soak import Sample, run, server  # noqa: E402
-
-
-def chart(samples: list[Sample], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    t = [s.t / 60 for s in samples]
-    fig, axes = plt.subplots(2, 2, figsize=(11, 6), sharex=True)
-    series = [("resident memory (MB)", [s.rss / 2**20 for s in samples]),
-              ("threads / file descriptors", None),
-              ("MLX arrays (RAM tier + live states)",
-               [s.ram_arrays + s.live_arrays for s in samples]),
-              ("MLX active MB", [s.mlx_active / 2**20 for s in samples])]
-    for ax, (title, ys) in zip(axes.flat, series, strict=True):
-        if ys is None:
-            ax.plot(t, [s.threads for s in samples], label="threads")
-            ax.plot(t, [s.fds for s in samples], label="fds")
-            ax.legend()
-        else:
-            ax.plot(t, ys)
-        ax.set_title(title)
-    for ax in axes[1]:
-        ax.set_xlabel("minutes")
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
+from harness.soak import Sample, chart, run_soak
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -65,35 +36,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("serve_args", nargs="*")
     a = ap.parse_args(argv)
     tmp = Path(tempfile.mkdtemp(prefix="pc-soak-"))
-    args = ["--model", a.model, "--cache-dir", str(tmp / "blocks"), "--ram-budget",
-            a.ram_budget, *a.serve_args]
-    t0 = time.monotonic()
-
-    def progress(s: Sample) -> None:
-        if s.round % 20 == 0:
-            print(f"[{time.monotonic() - t0:7.1f} s] round {s.round}: rss "
-                  f"{s.rss / 2**20:.0f} MB, threads {s.threads}, fds {s.fds}, arrays "
-                  f"{s.ram_arrays + s.live_arrays}, requests {s.requests}, 5xx "
-                  f"{s.errors_5xx}, refused {s.refused}", file=sys.stderr, flush=True)
-
-    with server(args, tmp / "server.log") as (base, pid):
-        samples = run(base, pid, streams=a.streams, minutes=a.minutes,
-                      max_tokens=a.max_tokens, on_sample=progress)
-    after = samples[int(len(samples) * a.warmup):]
-    rss = [s.rss for s in after]
-    mid = (max(rss) + min(rss)) / 2
-    print(f"{len(samples)} rounds, {samples[-1].requests} requests in {a.minutes} min, "
-          f"{samples[-1].errors_5xx} 5xx, {samples[-1].refused} refused (429 / 529)")
-    print(f"after warm-up: resident {min(rss) / 2**20:.0f}-{max(rss) / 2**20:.0f} MB "
-          f"(±{(max(rss) - mid) / mid:.1%}), threads {min(s.threads for s in after)}-"
-          f"{max(s.threads for s in after)}, fds {min(s.fds for s in after)}-"
-          f"{max(s.fds for s in after)}, arrays "
-          f"{min(s.ram_arrays + s.live_arrays for s in after)}-"
-          f"{max(s.ram_arrays + s.live_arrays for s in after)}")
+    r = run_soak("ours", a.model, tmp, tmp, streams=a.streams, minutes=a.minutes,
+                 max_tokens=a.max_tokens, ram_budget=a.ram_budget, extra_args=a.serve_args,
+                 warmup=a.warmup, progress=lambda m: print(m, file=sys.stderr, flush=True))
+    if r.get("error"):
+        print(f"soak failed: {r['error']} (log: {tmp / 'soak-ours.log'})", file=sys.stderr)
+        return 1
+    s = r["summary"]
+    print(f"{s['rounds']} rounds, {s['requests']} requests in {s['minutes']} min, "
+          f"{s['errors_5xx']} 5xx, {s['refused']} refused (429 / 529)")
+    print(f"after warm-up: resident {s['rss'][0] / 2**20:.0f}-{s['rss'][1] / 2**20:.0f} MB "
+          f"(±{s['rss_spread']:.1%}), threads {s['threads'][0]}-{s['threads'][1]}, fds "
+          f"{s['fds'][0]}-{s['fds'][1]}, arrays {s['arrays'][0]}-{s['arrays'][1]}")
     if a.out:
-        Path(a.out).write_text(json.dumps([s.as_dict() for s in samples]))
+        Path(a.out).write_text(json.dumps(r["samples"]))
     if a.chart:
-        chart(samples, Path(a.chart))
+        chart([Sample(**x) for x in r["samples"]], Path(a.chart))
     return 0
 
 

@@ -18,7 +18,7 @@ import threading
 import time
 from typing import Any
 
-from promptcache.bench.concurrent_plans import build
+from harness.concurrent_plans import build
 from promptcache.config import CacheConfig
 from promptcache.engine.api import GenerationRequest, GenerationResult, SamplingParams
 from promptcache.engine.engine import Engine

@@ -192,7 +192,7 @@ def mixed(edits: dict[str, Any], chats: dict[str, Any], n_edit: int, chat_tokens
 
 
 def record(scenario: str, streams: int, out: Path) -> None:
-    from promptcache.bench.concurrent_plans import build
+    from harness.concurrent_plans import build
     from promptcache.config import CacheConfig
     from promptcache.engine.api import GenerationRequest, SamplingParams
     from promptcache.engine.engine import Engine

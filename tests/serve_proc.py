@@ -14,7 +14,7 @@ from pathlib import Path
 
 import httpx
 
-from promptcache.bench.systems import free_port
+from harness.systems import free_port
 
 PROMPTCACHE = str(Path(sys.executable).parent / "promptcache")
 

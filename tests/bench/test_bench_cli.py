@@ -41,11 +41,107 @@ def test_bench_quick_s1_against_mlx_lm(tiny_llama_path: Path, tmp_path: Path,
 def test_max_tokens_the_flag_then_the_scenarios_own_then_the_default() -> None:
     import argparse
 
-    from promptcache.bench import scenarios
-    from promptcache.cli.bench_cmd import DEFAULT_MAX_TOKENS, max_tokens_for
+    from harness import scenarios
+    from harness.command import DEFAULT_MAX_TOKENS, max_tokens_for
 
     e1, s1 = scenarios.build("E1", quick=True), scenarios.build("S1", quick=True)
     given, not_given = argparse.Namespace(max_tokens=7), argparse.Namespace(max_tokens=None)
     assert [max_tokens_for(given, e1), max_tokens_for(given, s1), max_tokens_for(given)] == [7] * 3
     assert [max_tokens_for(not_given, e1), max_tokens_for(not_given, s1),
             max_tokens_for(not_given)] == [160, DEFAULT_MAX_TOKENS, DEFAULT_MAX_TOKENS]
+
+
+def test_the_launcher_finds_the_checkouts_harness(monkeypatch: pytest.MonkeyPatch) -> None:
+    from promptcache.cli import bench_cmd
+
+    monkeypatch.delenv(bench_cmd.BENCH_DIR_ENV, raising=False)
+    assert bench_cmd.bench_dir() == Path(__file__).resolve().parents[2] / "bench"
+
+
+@pytest.mark.parametrize("argv", [[], ["--quick", "--scenarios", "S1"], ["--help"]])
+def test_without_a_checkout_bench_says_so_in_one_line(
+        argv: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from promptcache.cli import bench_cmd
+
+    monkeypatch.setenv(bench_cmd.BENCH_DIR_ENV, str(tmp_path))  # no harness/ there
+    assert bench_cmd.bench_dir() is None
+    assert main(["bench", *argv]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == bench_cmd.MISSING + "\n"
+    assert captured.err.startswith("promptcache bench needs a source checkout")
+
+
+def test_the_soak_is_a_listed_scenario(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["bench", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "soak (agent sessions with churn for --minutes" in out
+    for flag in ("--minutes", "--rounds", "--soak-streams", "--soak-ram-budget", "--soak-redis"):
+        assert flag in out
+
+
+def test_a_tiny_soak_writes_its_report(tiny_llama_path: Path, tmp_path: Path,
+                                       capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "out"
+    rc = main(["bench", "--scenarios", "soak", "--systems", "ours,mlx_lm", "--rounds", "3",
+               "--soak-streams", "2", "--soak-ram-budget", "8MB", "--max-tokens", "2",
+               "--model", str(tiny_llama_path), "--out", str(out)])
+    assert rc == 0
+    results = json.loads((out / "results.json").read_text())
+    assert results["config"]["scenarios"] == []  # no replayed scenario: no floor either
+    soak = results["soak"]
+    assert soak["skipped"] == {"mlx_lm": "the soak reads ours' /v1/cache/stats"}
+    run = soak["runs"]["ours"]
+    assert "error" not in run and run["streams"] == 2 and run["ram_budget"] == "8MB"
+    assert run["redis"] is False and set(run["hit_tokens_by_tier"]) <= {"ram", "ssd"}
+    assert [s["round"] for s in run["samples"]] == [0, 1, 2]
+    # each round: one turn per stream (one of them cancelled after its first chunk)
+    assert [s["requests"] for s in run["samples"]] == [2, 4, 6]
+    assert all(s["threads"] > 0 and s["fds"] > 0 and s["rss"] > 0 for s in run["samples"])
+    summary = run["summary"]
+    assert (summary["rounds"], summary["requests"], summary["errors_5xx"],
+            summary["refused"], summary["warmup_rounds"]) == (3, 6, 0, 0, 0)
+    md = (out / "report.md").read_text()
+    assert "## Soak: agent sessions with churn" in md
+    assert "| ours | 2 | 3 | " in md and "| mlx_lm | skipped: " in md
+    assert "--scenarios soak" in md and "--rounds 3 --soak-streams 2" in md
+    assert (out / "charts" / "soak_ours.png").stat().st_size > 5_000
+    assert "## Soak" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--rounds", "0"], "--rounds must be >= 1, got 0"),
+    (["--minutes", "0"], "--minutes must be > 0, got 0.0"),
+    (["--soak-streams", "0"], "--soak-streams must be in 1..256, got 0"),
+])
+def test_a_soak_with_bad_lengths_is_refused_before_anything_starts(
+        argv: list[str], message: str, tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "out"
+    assert main(["bench", "--scenarios", "soak", "--out", str(out), *argv]) == 2
+    assert capsys.readouterr().err == f"promptcache: error: {message}\n"
+    assert not out.exists()
+
+
+def test_a_harness_that_cannot_be_imported_leaves_the_other_commands_working(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    import sys
+
+    from promptcache.cli import bench_cmd
+
+    (tmp_path / "harness").mkdir()
+    (tmp_path / "harness" / "__init__.py").write_text("")  # no command.py
+    monkeypatch.setenv(bench_cmd.BENCH_DIR_ENV, str(tmp_path))
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    for name in [m for m in sys.modules if m == "harness" or m.startswith("harness.")]:
+        monkeypatch.delitem(sys.modules, name)
+    assert main(["bench", "--quick"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"promptcache bench: cannot import the harness in {tmp_path} (")
+    assert "harness.command" in err and err.count("\n") == 1
+    with pytest.raises(SystemExit) as done:  # serve still parses
+        main(["serve", "--help"])
+    assert done.value.code == 0

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from promptcache.bench.client import (
+from harness.client import (
     SSEParser,
     StreamMeter,
     anthropic_body,

@@ -7,8 +7,8 @@ import re
 
 import pytest
 
-from promptcache.bench import concurrency, concurrent_plans
-from promptcache.bench.client import TurnResult
+from harness import concurrency, concurrent_plans
+from harness.client import TurnResult
 
 
 def test_plans_are_deterministic_and_shaped_as_described():

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from promptcache.bench import report
-from promptcache.bench.runner import bytes_held_from_stats
+from harness import report
+from harness.runner import bytes_held_from_stats
 
 
 def _turn(ttft: float, prompt: int, cached: int | None, ok: bool = True, before: str | None = None,

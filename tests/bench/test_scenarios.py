@@ -9,8 +9,8 @@ import re
 
 import pytest
 
-from promptcache.bench import scenarios
-from promptcache.bench.scenarios import THINK_CLOSE, THINK_OPEN, Scenario
+from harness import scenarios
+from harness.scenarios import THINK_CLOSE, THINK_OPEN, Scenario
 
 
 def _digest(s: Scenario) -> str:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from promptcache.bench import floor, systems
+from harness import floor, systems
 
 
 def test_build_command_per_system(tmp_path: Path) -> None:
@@ -102,7 +102,7 @@ def test_kv_bytes_per_token_from_config(tmp_path: Path) -> None:
 
 
 def test_floor_meter_on_the_tiny_model(tiny_llama_path: Path) -> None:
-    from promptcache.bench import scenarios
+    from harness import scenarios
 
     meter = floor.FloorMeter(str(tiny_llama_path), repeats=1)
     s = scenarios.build("S1", quick=True)

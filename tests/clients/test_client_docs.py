@@ -145,7 +145,7 @@ def test_the_sdks_work_from_the_documented_exports(served: tuple[str, str, str],
     import anthropic
     import openai
 
-    from promptcache.bench.systems import free_port
+    from harness.systems import free_port
 
     base = served[0]
     for name in [k for k in os.environ if k.startswith(("OPENAI_", "ANTHROPIC_"))]:

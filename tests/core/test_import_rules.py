@@ -35,12 +35,12 @@ def test_a_deliberate_violation_is_caught(tmp_path: Path) -> None:
     src = tmp_path / "src"
     shutil.copytree(ROOT / "src" / "promptcache", src / "promptcache",
                     ignore=shutil.ignore_patterns("__pycache__", "static"))
-    with (src / "promptcache" / "engine" / "floor.py").open("a") as f:
+    with (src / "promptcache" / "engine" / "__init__.py").open("a") as f:
         f.write("\nimport promptcache.server.api.errors  # noqa\n")
     with (src / "promptcache" / "cache" / "ops.py").open("a") as f:
         f.write("\nimport mlx.core  # noqa\n")
     done = _lint(src)
     assert done.returncode != 0
     assert "Contracts: 4 kept, 2 broken." in done.stdout, done.stdout
-    assert "promptcache.engine.floor -> promptcache.server.api.errors" in done.stdout
+    assert "promptcache.engine -> promptcache.server.api.errors" in done.stdout
     assert "promptcache.cache.ops -> mlx" in done.stdout

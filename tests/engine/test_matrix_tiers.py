@@ -42,7 +42,7 @@ from test_matrix import (
     _words,
 )
 
-from promptcache.bench.redisproc import REDIS_SERVER, RedisServer, wait_until
+from harness.redisproc import REDIS_SERVER, RedisServer, wait_until
 from promptcache.cli.wiring import build_cache
 from promptcache.config import CacheConfig, RedisConfig
 from promptcache.engine import adapters

@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import redis
 
-from promptcache.bench.redisproc import (  # noqa: F401 - re-exported for the tests
+from harness.redisproc import (  # noqa: F401 - re-exported for the tests
     REDIS_CLI,
     REDIS_SERVER,
     DelayProxy,

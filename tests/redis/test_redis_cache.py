@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 from redis_servers import RedisServer
 
-from promptcache.bench.redisproc import wait_until
+from harness.redisproc import wait_until
 from promptcache.cache import PromptCache
 from promptcache.config import CacheConfig, SSDConfig
 from promptcache.meta import Namespace

@@ -11,7 +11,7 @@ from typing import Any
 
 import uvicorn
 
-from promptcache.bench.systems import free_port
+from harness.systems import free_port
 
 
 def sse_events(text: str) -> list[tuple[str | None, Any]]:

@@ -18,7 +18,7 @@ import psutil  # type: ignore[import-untyped]
 import pytest
 from serve_proc import PROMPTCACHE, stop, wait_healthy
 
-from promptcache.bench.systems import free_port
+from harness.systems import free_port
 
 CHAT = {"model": "default", "messages": [{"role": "user", "content": "Hi"}],
         "max_tokens": 2, "temperature": 0}

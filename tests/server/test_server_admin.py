@@ -330,7 +330,7 @@ class _PathTier:
 
 def test_health_shows_no_paths_without_a_key_and_an_unreachable_redis(
         engine: FakeEngine) -> None:
-    from promptcache.bench.systems import free_port
+    from harness.systems import free_port
     from promptcache.config import RedisConfig
     from promptcache.tiers.redis import RedisTier
 

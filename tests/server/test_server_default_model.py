@@ -163,8 +163,8 @@ def test_a_chat_template_that_takes_tools_replaces_the_models(default_model_path
     names sorted), which ours renders unchanged; both parse the calls of a reply with
     mlx-lm's parser for that template."""
 
-    from promptcache.bench.concurrent_plans import build
-    from promptcache.bench.tool_template import TOOLS_TEMPLATE
+    from harness.concurrent_plans import build
+    from harness.tool_template import TOOLS_TEMPLATE
 
     plan = build("E3", quick=True)
     assert plan.chat_template == TOOLS_TEMPLATE

@@ -1,6 +1,6 @@
-"""A short soak (``tests/soak.py``) of a real server on the tiny llama: 8 streams of
-sessions with churn, a cancelled stream and a hostile request every round. After
-warm-up nothing the process holds grows past a stated bound: threads (at most
+"""A short soak (``bench/harness/soak.py``, also `promptcache bench --scenarios soak`) of
+a real server on the tiny llama: 8 streams of sessions with churn, a cancelled stream and
+a hostile request every round. After warm-up nothing the process holds grows past a stated bound: threads (at most
 ``THREAD_SLACK`` more than during warm-up: the event loop's worker threads start on
 demand and end when idle), file descriptors (``FD_SLACK``), the MLX arrays of the RAM
 tier (at its budget) and of the live states (at most --live-states of them), resident
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from soak import run, server
+from harness.soak import run, server
 
 STREAMS = 8
 ROUNDS = 36
@@ -23,11 +23,11 @@ FD_SLACK = 4
 
 
 def test_nothing_grows_after_warm_up(tiny_llama_path: Path, tmp_path: Path) -> None:
-    args = ["--model", str(tiny_llama_path), "--cache-dir", str(tmp_path / "blocks"),
-            "--ram-budget", "8MB", "--live-states", "4", "--no-prerender",
+    args = ["--ram-budget", "8MB", "--live-states", "4", "--no-prerender",
             # the draft pool (about 1 KB of Python objects per token) full within warm-up
             "--spec-pool-tokens", "4096"]
-    with server(args, tmp_path / "server.log") as (base, pid):
+    with server(str(tiny_llama_path), tmp_path / "server.log", cache_dir=tmp_path / "blocks",
+                extra_args=args) as (base, pid):
         samples = run(base, pid, streams=STREAMS, rounds=ROUNDS, max_tokens=6)
     assert len(samples) == ROUNDS
     last = samples[-1]

@@ -24,7 +24,7 @@ from fastapi.testclient import TestClient
 from real_engine import tiny_engine
 from serve_proc import PROMPTCACHE, wait_healthy
 
-from promptcache.bench.systems import free_port
+from harness.systems import free_port
 from promptcache.engine.engine import Engine
 from promptcache.engine.models.loader import load_model
 from promptcache.engine.templates import ChatTemplate

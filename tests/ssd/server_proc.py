@@ -14,7 +14,7 @@ from typing import Any
 
 import httpx
 
-from promptcache.bench.systems import free_port
+from harness.systems import free_port
 
 PROMPTCACHE = str(Path(sys.executable).parent / "promptcache")
 VOCAB = 1024  # the tiny models' vocabulary

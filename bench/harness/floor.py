@@ -11,8 +11,8 @@ Prompts are rendered with the model's own chat template from the OpenAI-format
 history (``tools`` passed through); the servers render theirs, so the token counts are
 recorded next to the ones the servers report.
 
-The mlx work itself is ``engine.floor.PrefillTimer`` (mlx stays under ``engine/``); it
-is imported lazily, so the rest of the harness (and its tests) never loads mlx.
+The mlx work itself is ``prefill.PrefillTimer``; it is imported lazily, so the rest of
+the harness (and its tests) never loads mlx.
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from ..blocks.tokens import common_prefix
+from promptcache.blocks.tokens import common_prefix
+
 from .scenarios import Scenario, Turn
 
 log = logging.getLogger(__name__)
@@ -98,7 +99,7 @@ class FloorMeter:
     def __init__(self, model_path: str, *, prefill_step: int = 2048, repeats: int = 2) -> None:
         if prefill_step <= 0 or repeats <= 0:
             raise ValueError("prefill_step and repeats must be > 0")
-        from ..engine.floor import PrefillTimer
+        from .prefill import PrefillTimer
 
         self.timer = PrefillTimer(model_path, prefill_step=prefill_step)
         self.tokenizer: Any = self.timer.tokenizer

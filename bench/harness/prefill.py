@@ -1,7 +1,7 @@
 """The physical floor of a turn: prefill only its new tokens on a warm KV cache.
 
-Used by the benchmarks (``promptcache.bench``) so that mlx stays under ``engine/``:
-an ideal prompt cache could not do better than this in the same process.
+The mlx half of ``floor``: an ideal prompt cache could not do better than this in the
+same process.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
-from .models.loader import load_model
+from promptcache.engine.models.loader import load_model
 
 
 class PrefillTimer:

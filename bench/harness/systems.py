@@ -55,7 +55,7 @@ def peers_dir() -> Path:
     env = os.environ.get(PEERS_DIR_ENV)
     if env:
         return Path(env)
-    return Path(__file__).resolve().parents[3] / ".peers"
+    return Path(__file__).resolve().parents[2] / ".peers"
 
 
 def vllm_mlx_binary() -> Path:
