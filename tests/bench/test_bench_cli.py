@@ -145,3 +145,16 @@ def test_a_harness_that_cannot_be_imported_leaves_the_other_commands_working(
     with pytest.raises(SystemExit) as done:  # serve still parses
         main(["serve", "--help"])
     assert done.value.code == 0
+
+
+def test_other_commands_start_without_the_harness() -> None:
+    """`serve` and the rest build their parser without importing bench/harness: only
+    `promptcache bench` imports it, when it runs."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from promptcache.cli import build_parser; build_parser(); "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'harness'))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
+    assert out == "[]\n"

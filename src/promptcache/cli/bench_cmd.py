@@ -3,7 +3,8 @@ checkout's ``bench/harness/`` (not in the installed package).
 
 The folder is ``$PROMPTCACHE_BENCH_DIR`` when set, else the ``bench/`` beside this
 package's ``src/`` (an editable install). The harness registers the command's options
-itself; without it, `promptcache bench` says in one line that it needs a checkout.
+itself, imported only when `promptcache bench` runs (every other command starts without
+it); without it, `promptcache bench` says in one line that it needs a checkout.
 """
 
 from __future__ import annotations
@@ -31,28 +32,52 @@ def bench_dir() -> Path | None:
     return folder if (folder / "harness" / "__init__.py").is_file() else None
 
 
+HELP = "benchmark S1..S5, E1 against mlx_lm.server / vllm-mlx (a source checkout)"
+
+
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """`bench` takes its arguments as they are and hands them to the harness's own
+    parser when it runs (``--help`` included)."""
+    p = sub.add_parser("bench", help=HELP, prefix_chars="+", add_help=False)
+    p.add_argument("rest", nargs="*", help=argparse.SUPPRESS)
+    p.set_defaults(func=_run)
+
+
+def full_parser() -> argparse.ArgumentParser | str:
+    """``promptcache`` with the harness's `bench` command registered, or the one line
+    that says why there is none."""
     folder = bench_dir()
     if folder is None:
-        _stub(sub, MISSING)
-        return
+        return MISSING
     if str(folder) not in sys.path:
         sys.path.insert(0, str(folder))
     try:
         command = cast(_Command, importlib.import_module("harness.command"))
     except ImportError as e:  # a broken harness must not take `serve` down with it
-        _stub(sub, f"promptcache bench: cannot import the harness in {folder} "
-                   f"({type(e).__name__}: {e})")
-        return
-    command.register(sub)
+        return (f"promptcache bench: cannot import the harness in {folder} "
+                f"({type(e).__name__}: {e})")
+    parser = argparse.ArgumentParser(prog="promptcache")
+    command.register(parser.add_subparsers(dest="command", required=True))
+    return parser
 
 
-def _stub(sub: argparse._SubParsersAction, line: str) -> None:  # type: ignore[type-arg]
-    """`bench` that answers ``line`` on stderr, exit 2, whatever it is given (-h too)."""
-    p = sub.add_parser("bench", help="benchmarks (needs a source checkout)", description=line,
-                       prefix_chars="+", add_help=False)
-    p.add_argument("rest", nargs="*", help=argparse.SUPPRESS)
-    p.set_defaults(func=lambda _args: _say(line))
+def bench_parser() -> argparse.ArgumentParser | None:
+    """The harness's `bench` parser (for docs/cli.md), None without a harness."""
+    parser = full_parser()
+    if isinstance(parser, str):
+        return None
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return cast(argparse.ArgumentParser, action.choices["bench"])
+    return None  # pragma: no cover - register always adds it
+
+
+def _run(args: argparse.Namespace) -> int:
+    parser = full_parser()
+    if isinstance(parser, str):
+        return _say(parser)
+    full = parser.parse_args(["bench", *args.rest])
+    return int(full.func(full) or 0)
 
 
 def _say(line: str) -> int:
