@@ -109,7 +109,7 @@ def claude_env(home: Path, base: str) -> dict[str, str]:
     return {"HOME": str(home), "DISABLE_TELEMETRY": "1",
             "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_AUTOUPDATER": "1",
             "DISABLE_ERROR_REPORTING": "1", "DISABLE_BUG_COMMAND": "1",
-            **documented_env(base, "ANTHROPIC_"),
+            **documented_env(base, "ANTHROPIC_"), **documented_env(base, "CLAUDE_"),
             # a random model would otherwise be allowed 32000 tokens
             "CLAUDE_CODE_MAX_OUTPUT_TOKENS": "64"}
 

@@ -69,6 +69,9 @@ def test_the_blocks_point_at_make_serve_and_a_served_name() -> None:
         "OPENAI_BASE_URL": f"{DOC_BASE}/v1", "OPENAI_API_KEY": "unused",
         "ANTHROPIC_BASE_URL": DOC_BASE, "ANTHROPIC_API_KEY": "unused",
         "ANTHROPIC_MODEL": "default", "ANTHROPIC_SMALL_FAST_MODEL": "default",
+        # Claude Code drops a stream with no content for 5 minutes (its minimum) and
+        # retries: a first prefill of its ~20K-token prompt takes longer on a small CPU
+        "CLAUDE_STREAM_IDLE_TIMEOUT_MS": "1800000",
         "PROMPTCACHE_API_KEY": "unused"}
     codex = tomllib.loads(documented("codex.toml"))
     provider = codex["model_providers"][codex["model_provider"]]
