@@ -76,7 +76,8 @@ def test_the_blocks_point_at_make_serve_and_a_served_name() -> None:
     codex = tomllib.loads(documented("codex.toml"))
     provider = codex["model_providers"][codex["model_provider"]]
     assert provider == {"name": "promptcache", "base_url": f"{DOC_BASE}/v1",
-                        "wire_api": "responses", "env_key": "PROMPTCACHE_API_KEY"}
+                        "wire_api": "responses", "env_key": "PROMPTCACHE_API_KEY",
+                        "stream_idle_timeout_ms": 1800000}
     assert provider["env_key"] in env
     opencode = json.loads(documented("opencode.json"))
     provider_id, model = opencode["model"].split("/")
