@@ -30,7 +30,7 @@ from ssd_helpers import make_tier
 
 from promptcache.cache import PromptCache
 from promptcache.cache.types import NumpyAdapter
-from promptcache.codec import checksum, decode, encode
+from promptcache.codec import decode, encode
 from promptcache.config import CacheConfig, SSDConfig
 from promptcache.hashing import hash_block
 from promptcache.meta import BlockMeta
@@ -180,13 +180,10 @@ def test_a_failed_batch_commits_no_row_and_leaves_no_file(tmp_path, monkeypatch,
         monkeypatch.setattr(ssd_files, "fsync_dir", fsync_dir)
     else:
         monkeypatch.setattr(index, "upsert", upsert)
-    fresh = []
     for p in items:
         p.taken = True
-        data = p.source.encode()
-        fresh.append((p, data, checksum(data)))
     with tier._write_lock:
-        alone = tier.writer._write_fresh(fresh)
+        alone = tier.writer._write_fresh(items)
     s = tier.stats()
     assert s["blocks_on_disk"] == 0 and s["spills"] == 0
     assert tier.rows() == []

@@ -233,20 +233,19 @@ class Writer:
                         continue
                     todo.append(p)
                 self.st.apply_touches()
-            prepared = [x for x in self._io().map(self._prepare, todo) if x is not None]
-            fresh: list[tuple[Pending, bytes, str]] = []
+            fresh: list[Pending] = []
             alone: list[Pending] = []
             try:
                 with self.st.lock:
-                    for p, data, digest in prepared:
+                    for p in todo:
                         if self.st.index.get(bytes(p.meta.block_hash)) is None:
-                            fresh.append((p, data, digest))
+                            fresh.append(p)
                         else:
                             alone.append(p)
             except sqlite3.Error as e:
                 with self.st.lock:
                     self.st.index_error(e)
-                    for p, _, _ in prepared:
+                    for p in todo:
                         self.st.forget(p)
                 return
             if fresh:
@@ -255,7 +254,7 @@ class Writer:
             self._write(p)
 
     def _prepare(self, p: Pending) -> tuple[Pending, bytes, str] | None:
-        """Encode and checksum (an I/O thread); None: dropped and counted."""
+        """Encode and checksum; None: dropped and counted."""
         try:
             data = p.source.encode()
         except Exception as e:
@@ -268,41 +267,53 @@ class Writer:
             return None
         return p, data, checksum(data)
 
-    def _write_fresh(self, fresh: list[tuple[Pending, bytes, str]]) -> list[Pending]:
+    def _temp_file(self, p: Pending) -> tuple[int, str, Path] | None:
+        """Encode (memoised), checksum, write and fsync the temp file of a block (an I/O
+        thread: one block's encoding overlaps another's disk write). Returns (size,
+        checksum, temp file); None: dropped and counted; raises OSError."""
+        prepared = self._prepare(p)
+        if prepared is None:
+            return None
+        _, data, digest = prepared
+        h = bytes(p.meta.block_hash).hex()
+        rel = files.block_rel_path(p.meta.namespace_key, p.meta.tenant, h)
+        tmp = files.write_temp(self.st.root / rel.rsplit("/", 1)[0], h + files.SUFFIX, data,
+                               fsync=self.st.config.fsync)
+        return len(data), digest, tmp
+
+    def _write_fresh(self, fresh: list[Pending]) -> list[Pending]:
         """Files, then rows, of blocks the index lacked (see ``_write_batch``). Returns
         the blocks to write alone (a write error: each meets it again by itself, and
         the disk-full and degraded rules of ``_write`` apply)."""
-        fsync = self.st.config.fsync
-
-        def temp(x: tuple[Pending, bytes, str]) -> Path:
-            h = bytes(x[0].meta.block_hash).hex()
-            rel = files.block_rel_path(x[0].meta.namespace_key, x[0].meta.tenant, h)
-            return files.write_temp(self.st.root / rel.rsplit("/", 1)[0], h + files.SUFFIX,
-                                    x[1], fsync=fsync)
-
-        temps = [self._io().submit(temp, x) for x in fresh]
+        futures = [self._io().submit(self._temp_file, p) for p in fresh]
+        written: list[tuple[Pending, int, str]] = []
         tmps: list[Path | None] = []
+        retry: list[Pending] = []
         error: OSError | None = None
-        for f in temps:
+        for p, f in zip(fresh, futures, strict=True):
             try:
-                tmps.append(f.result())
+                r = f.result()
             except OSError as e:
-                tmps.append(None)
                 error = error or e
+                retry.append(p)
+                continue
+            if r is not None:
+                written.append((p, r[0], r[1]))
+                tmps.append(r[2])
         published: list[tuple[Pending, int, str, str]] = []
         try:
             if error is not None:
                 raise error
             with self.st.dirlock.shared():
-                for i, (p, data, digest) in enumerate(fresh):
+                for i, (p, size, digest) in enumerate(written):
                     tmp = tmps[i]
                     assert tmp is not None
-                    h = bytes(p.meta.block_hash).hex()
-                    name = files.publish(tmp, files.block_names(h), fsync=False)
+                    name = files.publish(tmp, files.block_names(bytes(p.meta.block_hash).hex()),
+                                         fsync=False)
                     tmps[i] = None
                     folder = str(tmp.parent.relative_to(self.st.root))
-                    published.append((p, len(data), folder + "/" + name, digest))
-                if fsync:
+                    published.append((p, size, folder + "/" + name, digest))
+                if self.st.config.fsync:
                     folders = {self.st.root / rel.rsplit("/", 1)[0] for _, _, rel, _ in published}
                     list(self._io().map(files.fsync_dir, sorted(folders)))
                 self._commit_many(published, dedup=False, evict=True)
@@ -315,11 +326,12 @@ class Writer:
                     files.remove_file(path)
                 except OSError as err:  # left for reconcile (a temp, or an orphan)
                     log.warning("cannot remove %s: %s", path, err)
+            retry += [p for p, _, _ in written]
             log.info("ssd batch write failed (%s): writing its %d block(s) one by one", e,
-                     len(fresh))
-            return [p for p, _, _ in fresh]
-        last = bytes(fresh[-1][0].meta.block_hash)
-        self.st.enforce_capacity(keep=last)
+                     len(retry))
+            return [p for p in fresh if p in retry]
+        if written:
+            self.st.enforce_capacity(keep=bytes(written[-1][0].meta.block_hash))
         return []
 
     def _drop(self, p: Pending, reason: str | None = None, counter: str | None = None) -> None:
