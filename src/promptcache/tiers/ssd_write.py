@@ -41,6 +41,7 @@ log = logging.getLogger(__name__)
 
 STOP = object()
 BATCH_MAX = 16  # queued blocks written together (see ``Writer._write_batch``)
+BATCH_MAX_BYTES = 128 << 20  # ... and their bytes (a batch's blocks stay encoded until its commit)
 IO_THREADS = 4  # files encoded, written and fsynced at once within a batch
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 
@@ -169,8 +170,10 @@ class Writer:
                 self.queue.task_done()
                 return
             batch = [item] if isinstance(item, Pending) else []
+            size = item.nbytes if isinstance(item, Pending) else 0
             stop = False
-            while batch and len(batch) < BATCH_MAX:  # what else is queued joins the write
+            while batch and len(batch) < BATCH_MAX and size < BATCH_MAX_BYTES:
+                # what else is queued joins the write
                 more, nxt = self.queue.get(timeout=0)
                 if not more:
                     break
@@ -178,6 +181,7 @@ class Writer:
                     stop = True
                     break
                 batch.append(nxt)
+                size += nxt.nbytes
             try:
                 if len(batch) == 1:
                     self._write(batch[0])
