@@ -7,8 +7,10 @@ drained by one writer thread. With ``timeout=0`` (the request path) a full queue
 refuses at once (counted ``queue_full``; the cache keeps such a block in RAM and
 offers it again, see ``cache.lower``); a positive or None ``timeout`` waits for
 room (back-pressure). The write itself is in ``ssd_write``: temp file -> fsync ->
-publish under a free name -> fsync folder -> commit of the index row, so after a
-crash (even SIGKILL) every row names a complete file; reconcile at startup
+publish under a free name -> fsync folder -> commit of the index row (what is queued
+together, a shutdown's persist, is written together: files in parallel, each folder
+fsynced once, the rows in one transaction), so after a crash (even SIGKILL) every
+row names a complete file; reconcile at startup
 removes what a crash left behind (and only that: a live writer's temp files stay).
 ``get`` verifies size and checksum and quarantines a bad file. Metadata queries
 (``get_meta``, ``children``) read only the SQLite index (and the blocks queued).
@@ -395,6 +397,7 @@ class SSDTier:
             self.state.closed = True
         self._queue.put(STOP, force=True)
         self._thread.join()
+        self.writer.close()
         self.reader.ahead.close()
         with self.state.write_lock, self.state.lock:
             self.state.apply_touches()
