@@ -1,6 +1,7 @@
 """The import rules of ``[tool.importlinter]`` (pyproject.toml), run by ``make lint``:
 they hold on the tree, and they catch a deliberate violation (on a copy of the tree
-whose engine imports the server, and whose cache imports mlx)."""
+whose engine imports the server, whose cache imports mlx and whose server imports
+blocks/)."""
 
 from __future__ import annotations
 
@@ -39,8 +40,12 @@ def test_a_deliberate_violation_is_caught(tmp_path: Path) -> None:
         f.write("\nimport promptcache.server.api.errors  # noqa\n")
     with (src / "promptcache" / "cache" / "ops.py").open("a") as f:
         f.write("\nimport mlx.core  # noqa\n")
+    with (src / "promptcache" / "server" / "app.py").open("a") as f:
+        f.write("\nimport promptcache.blocks.tokens  # noqa\n")
     done = _lint(src)
     assert done.returncode != 0
-    assert "Contracts: 4 kept, 2 broken." in done.stdout, done.stdout
+    # broken: the layers, the engine's own rule, mlx outside engine/, the server's door
+    assert "Contracts: 4 kept, 4 broken." in done.stdout, done.stdout
+    assert "promptcache.server.app -> promptcache.blocks.tokens" in done.stdout
     assert "promptcache.engine -> promptcache.server.api.errors" in done.stdout
     assert "promptcache.cache.ops -> mlx" in done.stdout
