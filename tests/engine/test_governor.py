@@ -200,6 +200,9 @@ def test_an_engine_past_the_hard_watermark_refuses_and_serves_again(tiny_llama_p
         # refused at submit by its predicted peak (the footprint past the hard mark)
         assert (s["memory_level"], s["memory_refused_peaks"]) == ("ok", 1)
         assert s["memory_limit_bytes"] == 1 << 30 and not math.isnan(s["memory_peak_footprint"])
+        # the footprint the last check read (the dashboard's), the arrays and their cap
+        assert s["memory_footprint_bytes"] == 1 << 20
+        assert (s["ram_arrays"], s["max_arrays"]) == (eng.cache.pool.num_blocks, 400_000)
     finally:
         eng.close()
 

@@ -370,6 +370,8 @@ class Engine:
                 # MLX arrays the RAM tier holds (one buffer per block): Metal caps the
                 # buffers of a process (~499,000) whatever their bytes
                 "ram_arrays": self.cache.pool.num_blocks if self.cache is not None else 0,
+                # their cap (--max-arrays; None: no cap)
+                "max_arrays": self.cache.pool.max_blocks if self.cache is not None else None,
                 # mlx's own accounting: arrays alive (KV, RAM-tier blocks, weights), its
                 # buffer cache (freed buffers it keeps for reuse) and the peak
                 "mlx_active_bytes": int(mx.get_active_memory()),

@@ -216,6 +216,8 @@ class MemoryGovernor:
         st = self.stats
         return {"memory_limit_bytes": self.limit, "memory_soft_bytes": self.soft,
                 "memory_hard_bytes": self.hard, "memory_level": self.level,
+                # the footprint the last check left (after its releases)
+                "memory_footprint_bytes": self._history[-1][1] if self._history else 0,
                 "memory_checks": st.checks, "memory_reclaims": st.reclaims,
                 "memory_released_bytes": dict(st.released), "memory_paused": st.paused,
                 "memory_refused": st.refused, "memory_peak_footprint": st.peak_footprint,
