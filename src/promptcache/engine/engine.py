@@ -49,7 +49,7 @@ from .cache_port import CachePort, Namespaces
 from .calls import EngineCalls
 from .chat_format import ChatFormat, chat_format_of
 from .context import EngineContext, EngineCounters, LogitsHook
-from .governor import Holder, MemoryGovernor, process_footprint
+from .governor import Holder, MemoryGovernor, process_footprint, trim_heap
 from .handles import RequestHandle
 from .kv_size import kv_row_bytes, probe_caches
 from .live import LiveStates
@@ -386,9 +386,11 @@ class Engine:
         cache, live, cfg = self.cache, self._ctx.live, self.engine_config
 
         def mlx_pool(_: float) -> int:
-            held = int(mx.get_cache_memory())
+            # MLX's pool, then the C heap's free memory (glibc keeps what is freed)
+            before, held = footprint(), int(mx.get_cache_memory())
             mx.clear_cache()
-            return held
+            trim_heap()
+            return max(held, before - footprint())
 
         holders: list[Holder] = []
         if live is not None:
