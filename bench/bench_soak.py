@@ -39,7 +39,13 @@ def chart(samples: list[Sample], path: Path) -> None:
                [s.ram_arrays + s.live_arrays for s in samples]),
               ("MLX active MB", [s.mlx_active / 2**20 for s in samples])]
     for ax, (title, ys) in zip(axes.flat, series, strict=True):
-        if ys is None:
+        if title.startswith("resident") and samples[0].parts:
+            ax.plot(t, ys, label="total")  # and its parts (tests/soak.py memory_parts)
+            for part in samples[0].parts:
+                ax.plot(t, [s.parts.get(part, 0) / 2**20 for s in samples], label=part,
+                        linewidth=0.8)
+            ax.legend(fontsize="small", ncol=2)
+        elif ys is None:
             ax.plot(t, [s.threads for s in samples], label="threads")
             ax.plot(t, [s.fds for s in samples], label="fds")
             ax.legend()
@@ -72,24 +78,36 @@ def main(argv: list[str] | None = None) -> int:
     def progress(s: Sample) -> None:
         if s.round % 20 == 0:
             print(f"[{time.monotonic() - t0:7.1f} s] round {s.round}: rss "
-                  f"{s.rss / 2**20:.0f} MB, threads {s.threads}, fds {s.fds}, arrays "
+                  f"{s.rss / 2**20:.0f} MB ("
+                  + ", ".join(f"{k} {v / 2**20:.0f}" for k, v in s.parts.items())
+                  + f"), threads {s.threads}, fds {s.fds}, arrays "
                   f"{s.ram_arrays + s.live_arrays}, requests {s.requests}, 5xx "
                   f"{s.errors_5xx}, refused {s.refused}", file=sys.stderr, flush=True)
 
     with server(args, tmp / "server.log") as (base, pid):
         samples = run(base, pid, streams=a.streams, minutes=a.minutes,
                       max_tokens=a.max_tokens, on_sample=progress)
-    after = samples[int(len(samples) * a.warmup):]
+    cut = int(len(samples) * a.warmup)
+    after = samples[cut:]
     rss = [s.rss for s in after]
     mid = (max(rss) + min(rss)) / 2
     print(f"{len(samples)} rounds, {samples[-1].requests} requests in {a.minutes} min, "
           f"{samples[-1].errors_5xx} 5xx, {samples[-1].refused} refused (429 / 529)")
-    print(f"after warm-up: resident {min(rss) / 2**20:.0f}-{max(rss) / 2**20:.0f} MB "
-          f"(±{(max(rss) - mid) / mid:.1%}), threads {min(s.threads for s in after)}-"
+    print(f"warm-up: the first {a.warmup:.0%} of the run ({cut} rounds, "
+          f"{after[0].t / 60:.1f} min)")
+    print(f"RSS after warm-up: {min(rss) / 2**20:.0f}-{max(rss) / 2**20:.0f} MB, "
+          f"±{(max(rss) - mid) / mid:.1%} around {mid / 2**20:.0f} MB (target ±5%)")
+    if after[0].parts:
+        print("  by part: " + ", ".join(
+            f"{k} {min(s.parts[k] for s in after) / 2**20:.0f}-"
+            f"{max(s.parts[k] for s in after) / 2**20:.0f} MB" for k in after[0].parts))
+    print(f"after warm-up: threads {min(s.threads for s in after)}-"
           f"{max(s.threads for s in after)}, fds {min(s.fds for s in after)}-"
-          f"{max(s.fds for s in after)}, arrays "
+          f"{max(s.fds for s in after)}, MLX arrays (RAM tier + live states) "
           f"{min(s.ram_arrays + s.live_arrays for s in after)}-"
-          f"{max(s.ram_arrays + s.live_arrays for s in after)}")
+          f"{max(s.ram_arrays + s.live_arrays for s in after)}, MLX active "
+          f"{min(s.mlx_active for s in after) / 2**20:.0f}-"
+          f"{max(s.mlx_active for s in after) / 2**20:.0f} MB")
     if a.out:
         Path(a.out).write_text(json.dumps([s.as_dict() for s in samples]))
     if a.chart:
