@@ -21,6 +21,7 @@ import pytest
 from serve_proc import PROMPTCACHE, stop, wait_healthy
 
 from promptcache.bench.systems import free_port
+from promptcache.serving_config import EdgeLimits
 
 CHAT = {"model": "default", "messages": [{"role": "user", "content": "Hi"}],
         "max_tokens": 2, "temperature": 0}
@@ -331,3 +332,14 @@ def test_a_body_that_trickles_or_stops_is_a_408_in_the_api_error_shape(
         assert "Traceback" not in log and "Exception in ASGI application" not in log
         for sock in (stopped, anthropic, trickle, s):
             sock.close()
+
+
+@pytest.mark.parametrize("kw,message", [
+    ({"body_timeout_s": 0}, "body_timeout_s must be > 0, got 0"),
+    ({"header_timeout_s": -1.0}, "header_timeout_s must be > 0, got -1.0"),
+])
+def test_edge_limits_refuse_a_timeout_that_is_not_positive(kw: dict[str, float],
+                                                          message: str) -> None:
+    with pytest.raises(ValueError) as got:
+        EdgeLimits(**kw)  # type: ignore[arg-type]
+    assert str(got.value) == message
