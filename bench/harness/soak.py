@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -56,9 +56,39 @@ class Sample:
     requests: int
     errors_5xx: int
     refused: int  # 429 / 529 (the memory limit or the queue)
+    # resident memory by kind (``memory_parts``; {} where /proc has no smaps)
+    parts: dict[str, int] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def memory_parts(pid: int) -> dict[str, int]:
+    """The resident bytes of ``pid`` by the kind of mapping they are in (Linux
+    ``/proc/PID/smaps``): ``heap`` (glibc's main arena), ``arenas`` (glibc's other
+    arenas: 64 MB reservations, one per thread that allocates), ``pymalloc`` (Python's
+    1 MB object arenas), ``mmap`` (other anonymous mappings: allocations past glibc's
+    mmap threshold, MLX's and numpy's large buffers, thread stacks), ``file`` (mapped
+    files: libraries, the model's weights). Empty where there is no smaps."""
+    parts = {"heap": 0, "arenas": 0, "pymalloc": 0, "mmap": 0, "file": 0}
+    kind = "mmap"
+    try:
+        with open(f"/proc/{pid}/smaps") as f:
+            for line in f:
+                head = line.split(maxsplit=6)
+                if "-" in head[0] and len(head) >= 5 and ":" in head[3]:
+                    start, end = (int(x, 16) for x in head[0].split("-"))
+                    name = head[5].strip() if len(head) > 5 else ""
+                    size = end - start
+                    kind = ("heap" if name == "[heap]" else "file" if name.startswith("/")
+                            else "mmap" if name else
+                            "arenas" if start % (64 << 20) == 0  # glibc aligns them
+                            else "pymalloc" if size == 1 << 20 else "mmap")
+                elif line.startswith("Rss:"):
+                    parts[kind] += int(line.split()[1]) * 1024
+    except OSError:
+        return {}
+    return parts
 
 
 @contextmanager
@@ -162,7 +192,7 @@ def run(base: str, pid: int, *, streams: int = 8, rounds: int | None = None,
                                 int(e.get("live_states", 0)),
                                 int(e.get("mlx_active_bytes", 0)),
                                 int(e.get("mlx_cache_bytes", 0)), counts["requests"],
-                                counts["5xx"], counts["refused"])
+                                counts["5xx"], counts["refused"], memory_parts(proc.pid))
             out.append(sample)
             if on_sample is not None:
                 on_sample(sample)
@@ -245,7 +275,13 @@ def chart(samples: Sequence[Sample], path: Path) -> Path:
          [float(s.ram_arrays + s.live_arrays) for s in samples]),
         ("MLX active MB", [s.mlx_active / 2**20 for s in samples])]
     for ax, (title, ys) in zip(axes.flat, series, strict=True):
-        if ys is None:
+        if title.startswith("resident") and samples and samples[0].parts:
+            ax.plot(t, ys, label="total")  # and its parts (memory_parts)
+            for part in samples[0].parts:
+                ax.plot(t, [s.parts.get(part, 0) / 2**20 for s in samples], label=part,
+                        linewidth=0.8)
+            ax.legend(fontsize="small", ncol=2)
+        elif ys is None:
             ax.plot(t, [s.threads for s in samples], label="threads")
             ax.plot(t, [s.fds for s in samples], label="fds")
             ax.legend()

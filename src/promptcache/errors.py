@@ -37,7 +37,12 @@ class ContextLengthError(RequestError):
 
 class TemplateRenderError(PromptCacheError, RuntimeError):
     """The chat template itself failed (a syntax error, a render past its time limit, a
-    runaway recursion): the server's fault, not the request's (HTTP 500)."""
+    runaway recursion): the server's fault, not the request's (HTTP 500). ``cause``:
+    ``timeout``, ``recursion`` or ``syntax`` (counted in ``/metrics``)."""
+
+    def __init__(self, message: str, cause: str = "error") -> None:
+        super().__init__(message)
+        self.cause = cause
 
 
 class CancelledError(PromptCacheError):

@@ -187,6 +187,9 @@ class EdgeLimits:
     # a connection that has not sent a whole request head this many seconds after it
     # opened (or after the first byte of its next request) is closed
     header_timeout_s: float = 10.0
+    # a request whose body has not arrived in whole this many seconds after its head
+    # (plus a second per 64 KiB received: edge.BODY_MIN_RATE) is answered 408 and closed
+    body_timeout_s: float = 60.0
     # open connections at most; past it the idle keep-alive ones are closed first, then
     # the ones still sending a head (oldest first); with every one busy a new one is
     # answered 503 and closed. Sized to the fd limit at startup (edge.fit_to_fd_limit)
@@ -205,6 +208,8 @@ class EdgeLimits:
             raise ValueError(f"linger_s must be >= 0, got {self.linger_s}")
         if not self.header_timeout_s > 0:
             raise ValueError(f"header_timeout_s must be > 0, got {self.header_timeout_s}")
+        if not self.body_timeout_s > 0:
+            raise ValueError(f"body_timeout_s must be > 0, got {self.body_timeout_s}")
         if self.max_connections < 1:
             raise ValueError(f"max_connections must be >= 1, got {self.max_connections}")
 

@@ -3,6 +3,8 @@ references (Hypothesis), the pool's token budget, and tenant isolation."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -78,9 +80,27 @@ def test_pool_matches_the_reference_over_kept_sequences(seqs: list[list[int]],
         kept.insert(0, s)
         total += len(s)
     assert pool.num_tokens == total
+    # the index holds exactly the kept sequences' n-grams (none of the dropped ones)
+    assert pool.num_ngrams == len({tuple(s[i - n:i]) for s in kept for i in range(len(s))
+                                   for n in range(CFG.min_n, min(CFG.max_n, i) + 1)})
     got = pool.propose(tail, k)
     want, n = reference(kept, tail, min(k, CFG.max_k), CFG, own=False)
     assert (got.tokens, got.matched) == (want, n)
+
+
+def test_the_index_forgets_the_ngrams_of_evicted_sequences() -> None:
+    # its memory follows the pool's: 10 sequences of 30 through a 60-token pool leave the
+    # n-grams of the last two only (they were 441 entries, stale ones rebuilt away only
+    # past 4x the live size: the resident memory went up and down in steps)
+    rng = random.Random(1)
+    pool = TenantDrafts(CFG)
+    seqs = [[rng.randrange(6) for _ in range(30)] for _ in range(10)]
+    for seq in seqs:
+        pool.add(seq)
+    kept = seqs[-2:]
+    live = {tuple(s[i - n:i]) for s in kept for i in range(len(s))
+            for n in range(CFG.min_n, min(CFG.max_n, i) + 1)}
+    assert pool.num_tokens == 60 and pool.num_ngrams == len(live) == 135
 
 
 def test_pool_budget_evicts_oldest_sequences_whole() -> None:

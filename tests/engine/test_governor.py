@@ -5,15 +5,19 @@ the hard watermark and serves again once the footprint is back."""
 from __future__ import annotations
 
 import math
+import sys
 import time
 
+import mlx.core as mx
 import numpy as np
+import psutil  # type: ignore[import-untyped]
 import pytest
 from conftest import make_engine
 
+from promptcache.engine import engine as engine_module
 from promptcache.engine.admission import Admission, Ticket
 from promptcache.engine.api import GenerationRequest, SamplingParams
-from promptcache.engine.governor import PAUSE, REFUSE, Holder, MemoryGovernor
+from promptcache.engine.governor import PAUSE, REFUSE, Holder, MemoryGovernor, trim_heap
 from promptcache.errors import OverloadedError
 
 
@@ -200,6 +204,9 @@ def test_an_engine_past_the_hard_watermark_refuses_and_serves_again(tiny_llama_p
         # refused at submit by its predicted peak (the footprint past the hard mark)
         assert (s["memory_level"], s["memory_refused_peaks"]) == ("ok", 1)
         assert s["memory_limit_bytes"] == 1 << 30 and not math.isnan(s["memory_peak_footprint"])
+        # the footprint the last check read (the dashboard's), the arrays and their cap
+        assert s["memory_footprint_bytes"] == 1 << 20
+        assert (s["ram_arrays"], s["max_arrays"]) == (eng.cache.pool.num_blocks, 400_000)
     finally:
         eng.close()
 
@@ -297,5 +304,36 @@ def test_the_running_requests_kv_budget_fits_under_the_limit(tiny_llama_path):
         budget = eng.admission.kv_budget
         assert budget is not None and 0 < budget <= int(limit * 0.95) - before + 16 * 2**20
         assert eng.engine_stats()["kv_budget_bytes"] == budget
+    finally:
+        eng.close()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc_trim")
+def test_trim_heap_gives_back_what_glibc_keeps_after_a_free():
+    # 200 MB in 100 KB pieces (under glibc's mmap threshold: its heap), the last one kept
+    # so the heap's top cannot shrink on its own: freed, RSS stays; trimmed, it drops
+    rss = lambda: psutil.Process().memory_info().rss  # noqa: E731
+    pieces = [bytearray(100 * 1024) for _ in range(2048)]
+    keep = pieces.pop()
+    before = rss()
+    del pieces
+    freed = rss()
+    assert before - freed < 32 * 2**20  # glibc kept the memory
+    assert trim_heap() is True
+    assert before - rss() > 150 * 2**20
+    assert len(keep) == 100 * 1024
+
+
+def test_the_pool_release_trims_the_heap_and_reports_the_footprint_it_freed(
+        tiny_llama_path, monkeypatch):
+    eng = make_engine(tiny_llama_path)
+    try:
+        reads = iter([1000, 700])
+        trims: list[bool] = []
+        monkeypatch.setattr(engine_module, "trim_heap", lambda: trims.append(True) or True)
+        g = eng._governor(1 << 30, footprint=lambda: next(reads))
+        mx.clear_cache()  # MLX's pool holds nothing: what it frees is the trimmed heap
+        assert g._pool is not None and g._pool.release(math.inf) == 300
+        assert trims == [True]
     finally:
         eng.close()

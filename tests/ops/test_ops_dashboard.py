@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
@@ -96,3 +97,34 @@ def test_history_summary_exact() -> None:
     assert h.summary(tenant="b")["requests"] == 2
     with pytest.raises(ValueError):
         RequestHistory(capacity=0)
+
+
+class _ArraysEngine(FakeEngine):
+    """A fake engine that reports the arrays and the memory governor's numbers."""
+
+    STATS = {"active": 1, "queued": 2, "ram_arrays": 1234, "live_arrays": 56,
+             "max_arrays": 400_000, "memory_limit_bytes": 3 * 2**30,
+             "memory_footprint_bytes": 2**30, "memory_level": "ok"}
+
+    def engine_stats(self) -> dict[str, Any] | None:
+        return dict(self.STATS)
+
+
+def test_arrays_and_their_cap_are_in_the_data_the_page_and_metrics() -> None:
+    c = TestClient(create_app(_ArraysEngine(), ServerConfig()))
+    data = c.get("/v1/dashboard/data").json()
+    eng = data["stats"]["engine"]
+    assert (eng["ram_arrays"], eng["live_arrays"], eng["max_arrays"]) == (1234, 56, 400_000)
+    assert data["engine"] == {"active": 1, "queued": 2, "source": "engine"}
+    page = c.get("/dashboard").text
+    for el in ("arrays", "ram-arrays", "live-arrays", "max-arrays", "footprint",
+               "memory-limit", "memory-level"):
+        assert f'id="{el}"' in page
+    js = c.get("/dashboard/static/dashboard.js").text
+    for key in ("ram_arrays", "live_arrays", "max_arrays", "memory_footprint_bytes"):
+        assert f"es.{key}" in js
+    metrics = c.get("/metrics").text
+    for line in ("promptcache_engine_ram_arrays 1234.0", "promptcache_engine_live_arrays 56.0",
+                 "promptcache_engine_max_arrays 400000.0",
+                 "promptcache_engine_memory_footprint_bytes 1.073741824e+09"):
+        assert line in metrics.splitlines(), line

@@ -88,6 +88,12 @@ def test_dashboard_live_figures_equal_cache_stats(tiny_llama_path: Path, tmp_pat
             assert page.evaluate(f"document.querySelector({cell!r}).title") == f"{nbytes:,} B"
             blocks = f"#tier-{tier} td.blocks"
             assert int(page.evaluate(f"document.querySelector({blocks!r}).dataset.value")) == nblocks
+        # the MLX arrays held (RAM tier + live states) and the RAM tier's cap
+        eng = stats["engine"]
+        assert int(_value(page, "arrays")) == eng["ram_arrays"] + eng["live_arrays"] > 0
+        assert int(_value(page, "ram-arrays")) == eng["ram_arrays"]
+        assert int(_value(page, "live-arrays")) == eng["live_arrays"]
+        assert _text(page, "#max-arrays") == f"{eng['max_arrays']:,}"
         # one request counts for the alert (the new one is skipped): too few to judge yet
         assert _text(page, "#alert") == "hit rate: too few requests yet (1 of 10)"
         # the request panels: two requests of one session, TTFT of both kinds

@@ -177,6 +177,16 @@ def test_a_large_import_is_refused_in_bounded_memory(tiny_llama_path: Path,
         print(f"RSS {rss.start / 1e6:.0f} MB, grew {rss.grown / 1e6:.1f} MB while "
               f"{2 * total / 1e6:.0f} MB were posted")
         assert rss.grown < 64 * 1024**2
+        # /metrics: the three refusals by reason; their bytes: the Content-Length refused
+        # unread, and what arrived of the two streamed bodies before each was refused
+        # (the zeros at their first piece, the other once past 64 MB)
+        text = httpx.get(f"{srv.base}/metrics", timeout=30).text.splitlines()
+        assert 'promptcache_imports_refused_total{reason="invalid_pack"} 1.0' in text
+        assert 'promptcache_imports_refused_total{reason="too_large"} 2.0' in text
+        refused = float(next(line.split()[1] for line in text
+                             if line.startswith("promptcache_import_refused_bytes_total ")))
+        assert 10**10 + 64 * 1024**2 < refused <= 10**10 + 64 * 1024**2 + 2 * 1024**2 + (
+            len(pack) - 1024) + 1024**2
         wiped = httpx.delete(f"{srv.base}/v1/cache", headers=srv.headers, timeout=60).json()
         assert wiped["deleted_blocks"] > 0
         r = httpx.post(url, headers=srv.headers, content=pack, timeout=120)

@@ -1,10 +1,12 @@
 """The HTTP edge (server/edge.py) against a real ``promptcache serve`` (tiny llama, RAM
-cache): sockets that never finish a request, too many connections, oversized heads.
-Every case also asserts that a normal request beside the attack is still answered."""
+cache): sockets that never finish a request (head or body), too many connections,
+oversized heads. Every case also asserts that a normal request beside the attack is
+still answered, and the edge's counters in ``/metrics`` with exact values."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import resource
 import socket
 import subprocess
@@ -19,6 +21,8 @@ import pytest
 from serve_proc import PROMPTCACHE, stop, wait_healthy
 
 from harness.systems import free_port
+
+from promptcache.serving_config import EdgeLimits
 
 CHAT = {"model": "default", "messages": [{"role": "user", "content": "Hi"}],
         "max_tokens": 2, "temperature": 0}
@@ -58,6 +62,24 @@ def chat(base: str) -> tuple[int, float]:
     r = httpx.post(f"{base}/v1/chat/completions", json=CHAT, timeout=60)
     assert r.status_code != 200 or r.json()["choices"][0]["message"]["content"] is not None
     return r.status_code, time.monotonic() - t0
+
+
+def edge_events(base: str) -> dict[str, float]:
+    """``promptcache_edge_events_total`` from ``/metrics``, by event."""
+    text = httpx.get(f"{base}/metrics", timeout=30).text
+    out = {}
+    for line in text.splitlines():
+        if line.startswith('promptcache_edge_events_total{event="'):
+            name, value = line.removeprefix('promptcache_edge_events_total{event="').split(
+                '"} ')
+            out[name] = float(value)
+    return out
+
+
+def no_events(**got: int) -> dict[str, float]:
+    """Every edge event at 0 but ``got``."""
+    return {**{k: 0.0 for k in ("evicted", "refused", "head_timeouts", "oversized_heads",
+                                "body_timeouts")}, **{k: float(v) for k, v in got.items()}}
 
 
 def ensure_nofile(n: int) -> None:
@@ -164,6 +186,7 @@ def test_a_connection_without_a_whole_head_is_closed_after_the_header_timeout(
         s.sendall(SLOW_HEAD)
         assert is_closed(s, 10.0)
         assert "sent no request head within 1 s" in srv.log.read_text()
+        assert edge_events(srv.base) == no_events(head_timeouts=4)
         for sock in (silent, partial, trickle, s):
             sock.close()
 
@@ -194,12 +217,17 @@ def test_at_the_cap_idle_connections_go_first_and_busy_ones_are_kept(
                               b'"param": null, "code": "too_many_connections"}}')
         assert not any(is_closed(s, 0.3) for s in busy)
         busy[0].close()
+        refused_chats = 0
         for _ in range(50):  # once the server has seen it go, a normal request answers
             status = chat(srv.base)[0]
             if status != 503:
                 break
+            refused_chats += 1
             time.sleep(0.1)
         assert status == 200
+        # 3 + 1 idle ones, then 4 idle and 3 slow ones closed; the 9th connection refused,
+        # and the normal requests refused until the server saw busy[0] go
+        assert edge_events(srv.base) == no_events(evicted=11, refused=1 + refused_chats)
         for s in idle + slow + busy + [extra]:
             s.close()
 
@@ -248,3 +276,71 @@ def test_an_oversized_head_is_a_431_in_the_api_error_shape(tiny_llama_path: Path
         assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
         assert chat(srv.base)[0] == 200
         assert "refused a request head of more than 16384 bytes" in srv.log.read_text()
+        # the two clients' heads and the two one byte over, each sent whole and in pieces
+        assert edge_events(srv.base) == no_events(oversized_heads=4)
+
+
+def test_a_body_that_trickles_or_stops_is_a_408_in_the_api_error_shape(
+        tiny_llama_path: Path, tmp_path: Path) -> None:
+    """A client that sends a request head, then its body slowly or not at all, holds its
+    connection (and the handler waiting for the body) for at most --body-timeout: it is
+    answered 408 in its API's error shape and closed, while a normal request answers and
+    a body that arrives in pieces within the time is served."""
+    with serve(tiny_llama_path, tmp_path, "--body-timeout", "1") as srv:
+        stopped = connect(srv.port, BUSY_HEAD)  # 100 bytes announced, none sent
+        anthropic = connect(srv.port, BUSY_HEAD.replace(b"/v1/chat/completions",
+                                                        b"/v1/messages") + b'{"model"')
+        trickle = connect(srv.port, BUSY_HEAD)
+        t0 = time.monotonic()
+        got = b""
+        trickle.settimeout(0.2)
+        for _ in range(50):  # a byte every 0.2 s: 100 bytes would take 20 s
+            with contextlib.suppress(OSError):
+                trickle.sendall(b" ")
+            try:
+                got += trickle.recv(65536)
+            except TimeoutError:
+                continue
+            except OSError:
+                break
+            if got.endswith(b"}}"):
+                break
+        assert time.monotonic() - t0 < 5.0
+        assert chat(srv.base)[0] == 200  # beside them, a normal request answers
+        openai_408 = (b'{"error": {"message": "the request body did not arrive within 1 s", '
+                      b'"type": "invalid_request_error", "param": null, '
+                      b'"code": "request_timeout"}}')
+        assert got.startswith(b"HTTP/1.1 408 Request Timeout\r\n"), got
+        assert got.endswith(openai_408)
+        reply = read_all(stopped)
+        assert reply.startswith(b"HTTP/1.1 408 Request Timeout\r\n") and reply.endswith(
+            openai_408), reply
+        reply = read_all(anthropic)
+        assert reply.startswith(b"HTTP/1.1 408 ") and reply.endswith(
+            b'{"type": "error", "error": {"type": "invalid_request_error", "message": "the '
+            b'request body did not arrive within 1 s"}}'), reply
+        # a body sent in two pieces 0.5 s apart arrives within the time: served
+        body = json.dumps(CHAT).encode()
+        s = connect(srv.port, b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                    b"content-type: application/json\r\nconnection: close\r\n"
+                    b"content-length: %d\r\n\r\n%s" % (len(body), body[:10]))
+        time.sleep(0.5)
+        s.sendall(body[10:])
+        assert read_all(s).startswith(b"HTTP/1.1 200 OK\r\n")
+        assert edge_events(srv.base) == no_events(body_timeouts=3)
+        log = srv.log.read_text()
+        assert "request body did not arrive within 1 s" in log
+        assert "Traceback" not in log and "Exception in ASGI application" not in log
+        for sock in (stopped, anthropic, trickle, s):
+            sock.close()
+
+
+@pytest.mark.parametrize("kw,message", [
+    ({"body_timeout_s": 0}, "body_timeout_s must be > 0, got 0"),
+    ({"header_timeout_s": -1.0}, "header_timeout_s must be > 0, got -1.0"),
+])
+def test_edge_limits_refuse_a_timeout_that_is_not_positive(kw: dict[str, float],
+                                                          message: str) -> None:
+    with pytest.raises(ValueError) as got:
+        EdgeLimits(**kw)  # type: ignore[arg-type]
+    assert str(got.value) == message

@@ -4,7 +4,8 @@ a hostile request every round. After warm-up nothing the process holds grows pas
 ``THREAD_SLACK`` more than during warm-up: the event loop's worker threads start on
 demand and end when idle), file descriptors (``FD_SLACK``), the MLX arrays of the RAM
 tier (at its budget) and of the live states (at most --live-states of them), resident
-memory (``RSS_BOUND``); and no request got a 5xx."""
+memory (within ``RSS_SHARE``, ±5%, of the middle of its range: the issue's target, met
+since the draft pool's index forgets what the pool evicts); and no request got a 5xx."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ ROUNDS = 36
 # rounds before the RAM tier is at its budget (~13 rounds at 8MB) and every thread pool
 # started (the SSD tier's workers start once blocks are evicted: rounds 13-16 here)
 WARMUP = 20
-RSS_BOUND = 48 * 1024**2  # resident memory may move this much after warm-up (allocator)
+RSS_SHARE = 0.05  # after warm-up resident memory stays within ±5% of its range's middle
 THREAD_SLACK = 4
 FD_SLACK = 4
 
@@ -41,4 +42,7 @@ def test_nothing_grows_after_warm_up(tiny_llama_path: Path, tmp_path: Path) -> N
     assert max(s.ram_arrays for s in after) <= max(s.ram_arrays for s in warm) + 16
     assert max(s.live_arrays for s in after) <= max(s.live_arrays for s in warm)
     rss = [s.rss for s in after]
-    assert max(rss) - min(rss) <= RSS_BOUND, [r // 2**20 for r in rss]
+    mid = (max(rss) + min(rss)) / 2
+    print(f"RSS after warm-up {min(rss) / 2**20:.0f}-{max(rss) / 2**20:.0f} MB: "
+          f"±{(max(rss) - mid) / mid:.1%}")
+    assert max(rss) - mid <= RSS_SHARE * mid, [r // 2**20 for r in rss]

@@ -114,6 +114,14 @@ def test_a_template_that_loops_on_a_request_is_a_500_and_blocks_nothing(
     stuck.join(timeout=30)
     assert statuses == [500]
     _ok(client)
+    # each render past its limit counted in /metrics (chat, messages, the stuck one)
+    assert _template_errors(client) == {"timeout": 3.0}
+
+
+def _template_errors(client: TestClient) -> dict[str, float]:
+    prefix = 'promptcache_template_render_errors_total{cause="'
+    return {line.removeprefix(prefix).split('"')[0]: float(line.rsplit(" ", 1)[1])
+            for line in client.get("/metrics").text.splitlines() if line.startswith(prefix)}
 
 
 def test_a_template_syntax_error_per_request_is_a_500_not_a_400(
@@ -128,6 +136,7 @@ def test_a_template_syntax_error_per_request_is_a_500_not_a_400(
         "code": "template_error"}
     engine.templates.tokenizer.chat_template = LOOPS_ON_DEMAND
     _ok(client)
+    assert _template_errors(client) == {"syntax": 1.0}
 
 
 def _serve(args: list[str], timeout: float = 120) -> subprocess.CompletedProcess[str]:

@@ -167,6 +167,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="close a connection that has not sent a whole request head this "
                         "long after it opened (or after its next request began); default "
                         "%(default)s")
+    p.add_argument("--body-timeout", type=float, default=EdgeLimits.body_timeout_s,
+                   metavar="SECONDS",
+                   help="answer 408 and close a request whose body has not arrived in "
+                        "whole this long after its head, plus one second per 64 KiB "
+                        "received (a large upload on a slow link still arrives; a body "
+                        "that trickles or stops does not); default %(default)s")
     p.add_argument("--max-connections", type=int, default=EdgeLimits.max_connections,
                    help="open connections at most; past it idle keep-alive connections "
                         "are closed first, then the ones still sending a head (oldest "

@@ -159,9 +159,11 @@ def run(args: argparse.Namespace) -> int:
         print("\n".join(client_lines(args.host, args.port, names)), file=sys.stderr, flush=True)
         max_connections, backlog = fit_to_fd_limit(server_cfg.edge.max_connections)
         edge = dataclasses.replace(server_cfg.edge, max_connections=max_connections)
+        protocol = edge_protocol(edge)
+        app.state.pc.metrics.watch_edge(protocol.edge.counts)  # /metrics
         config = uvicorn.Config(app, host=args.host, port=args.port,
                                 log_level=args.log_level, timeout_graceful_shutdown=5,
-                                http=edge_protocol(edge), backlog=backlog, ws="none",
+                                http=protocol, backlog=backlog, ws="none",
                                 h11_max_incomplete_event_size=edge.max_header_bytes)
         with _terminate_raises():
             started = _serve_uvicorn(config)

@@ -121,6 +121,7 @@ def build_configs(args: argparse.Namespace) -> tuple[
                               session_ttl_s=session_ttl, auto_tune=args.auto_tune,
                               ram_budget_min_bytes=bounds[0], ram_budget_max_bytes=bounds[1],
                               edge=EdgeLimits(header_timeout_s=args.header_timeout,
+                                              body_timeout_s=args.body_timeout,
                                               max_connections=args.max_connections))
     return engine_cfg, cache_cfg, ssd_cfg, server_cfg
 

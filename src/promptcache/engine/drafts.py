@@ -213,13 +213,23 @@ class TenantDrafts:
             drop += 1
         if drop:
             end = self._ends[drop - 1]
+            # the index entries into the dropped sequences go with them (an n-gram seen
+            # again later points there and stays): the index holds the kept tokens'
+            # n-grams only, so its memory follows the pool's instead of growing stale
+            # entries and being rebuilt in steps
+            after = self._after
+            for first, last in zip(self._starts[:drop], self._ends[:drop], strict=True):
+                toks = self._tokens[first - self._offset:last - self._offset]
+                for i in range(len(toks)):
+                    for n in range(cfg.min_n, cfg.max_n + 1):
+                        if n > i:
+                            break
+                        gram = tuple(toks[i - n:i])
+                        if after.get(gram) == first + i:
+                            del after[gram]
             del self._tokens[:end - self._offset]
             del self._starts[:drop], self._ends[:drop]
             self._offset = end
-            # index entries into the dropped sequences are stale: skipped on lookup (the
-            # latest occurrence of an n-gram is never older than a dropped one)
-        if len(self._after) > 4 * max(1, len(self._tokens)) * (cfg.max_n - cfg.min_n + 1):
-            self._after = {g: p for g, p in self._after.items() if p >= self._offset}
 
     def propose(self, tail: Sequence[int], k: int) -> Draft:
         cfg = self.config

@@ -49,7 +49,7 @@ from .cache_port import CachePort, Namespaces
 from .calls import EngineCalls
 from .chat_format import ChatFormat, chat_format_of
 from .context import EngineContext, EngineCounters, LogitsHook
-from .governor import Holder, MemoryGovernor, process_footprint
+from .governor import Holder, MemoryGovernor, process_footprint, trim_heap
 from .handles import RequestHandle
 from .kv_size import kv_row_bytes, probe_caches
 from .live import LiveStates
@@ -375,6 +375,8 @@ class Engine:
                 # MLX arrays the RAM tier holds (one buffer per block): Metal caps the
                 # buffers of a process (~499,000) whatever their bytes
                 "ram_arrays": self.cache.pool.num_blocks if self.cache is not None else 0,
+                # their cap (--max-arrays; None: no cap)
+                "max_arrays": self.cache.pool.max_blocks if self.cache is not None else None,
                 # mlx's own accounting: arrays alive (KV, RAM-tier blocks, weights), its
                 # buffer cache (freed buffers it keeps for reuse) and the peak
                 "mlx_active_bytes": int(mx.get_active_memory()),
@@ -389,9 +391,11 @@ class Engine:
         cache, live, cfg = self.cache, self._ctx.live, self.engine_config
 
         def mlx_pool(_: float) -> int:
-            held = int(mx.get_cache_memory())
+            # MLX's pool, then the C heap's free memory (glibc keeps what is freed)
+            before, held = footprint(), int(mx.get_cache_memory())
             mx.clear_cache()
-            return held
+            trim_heap()
+            return max(held, before - footprint())
 
         holders: list[Holder] = []
         if live is not None:

@@ -8,7 +8,9 @@ governor does. It reads the footprint (``footprint()``: macOS ``phys_footprint``
 sees Metal buffers where RSS does not; Linux RSS) and, past the soft watermark, asks
 the holders to release, in order, until the footprint is back under it:
 
-1. MLX's buffer pool (``pool``: freed buffers kept for reuse; nothing is lost);
+1. MLX's buffer pool (``pool``: freed buffers kept for reuse; nothing is lost), and
+   the C heap's free memory with it (``trim_heap``: on Linux what is freed stays in
+   glibc's arenas, in RSS, until trimmed);
 2. the live session states (``engine/live.py``: the blocks hold the same state);
 3. the RAM tier (its budget shrinks; evicted blocks are demoted to the lower tiers as
    on any eviction, so what the SSD lacks is spilled, not dropped);
@@ -36,6 +38,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import logging
 import math
 import sys
@@ -216,6 +219,8 @@ class MemoryGovernor:
         st = self.stats
         return {"memory_limit_bytes": self.limit, "memory_soft_bytes": self.soft,
                 "memory_hard_bytes": self.hard, "memory_level": self.level,
+                # the footprint the last check left (after its releases)
+                "memory_footprint_bytes": self._history[-1][1] if self._history else 0,
                 "memory_checks": st.checks, "memory_reclaims": st.reclaims,
                 "memory_released_bytes": dict(st.released), "memory_paused": st.paused,
                 "memory_refused": st.refused, "memory_peak_footprint": st.peak_footprint,
@@ -223,6 +228,28 @@ class MemoryGovernor:
 
 
 # ---------------------------------------------------------------- the footprint
+
+def trim_heap() -> bool:
+    """Give the C heap's free memory back to the system: glibc's ``malloc_trim(0)``.
+    On Linux what MLX's CPU buffers and Python's objects free stays in glibc's arenas,
+    counted in RSS, until it is trimmed: clearing MLX's buffer pool alone leaves the
+    footprint where it was. True if memory was returned; False elsewhere (macOS: Metal
+    buffers go back when the pool is cleared) or when nothing was."""
+    trim = _malloc_trim()
+    return bool(trim(0)) if trim is not None else False
+
+
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(None).malloc_trim  # glibc (musl has none)
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes, fn.restype = [ctypes.c_size_t], ctypes.c_int
+    return fn
+
 
 def process_footprint() -> int:
     """The process's physical footprint in bytes: macOS ``phys_footprint`` (what jetsam

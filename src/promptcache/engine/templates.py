@@ -219,13 +219,14 @@ class ChatTemplate:
         except _OverBudget:
             raise TemplateRenderError(
                 f"the chat template did not finish rendering within {self.render_limit_s:g} "
-                "s (does it loop?)") from None
+                "s (does it loop?)", "timeout") from None
         except RecursionError:
             raise TemplateRenderError("the chat template recursed past Python's limit "
-                                      "(a recursive macro?)") from None
+                                      "(a recursive macro?)", "recursion") from None
         except Exception as e:
             if _is_syntax_error(e):
-                raise TemplateRenderError(f"the chat template is not valid Jinja: {e}") from e
+                raise TemplateRenderError(f"the chat template is not valid Jinja: {e}",
+                                          "syntax") from e
             raise
         if not isinstance(out, str):
             raise RequestError("the chat template did not render to text")

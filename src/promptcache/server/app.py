@@ -84,7 +84,8 @@ def create_app(engine: EngineAPI, server_config: ServerConfig | None = None, *,
                               lambda: admin.engine_stats_dict(engine)),
         aliases=frozenset(BASE_ALIASES) | frozenset(a for a in model_aliases if a),
     )
-    preparer = Preparer(engine, canon=Canon(parse_rules_off(config.canonicalize_off)))
+    preparer = Preparer(engine, canon=Canon(parse_rules_off(config.canonicalize_off)),
+                        on_template_error=state.metrics.template_error)
     if config.session_ttl_s is not None and engine.cache is not None:
         state.sessions = SessionReaper(engine.cache, config.session_ttl_s)
     cache = engine.tunable_cache

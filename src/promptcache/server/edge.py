@@ -14,6 +14,11 @@ finishes a request (issue 42).
   ``accept`` never fails with EMFILE.
 - **Head size.** A request head larger than ``max_header_bytes`` is answered 431, in
   the API's error shape, whatever the chunks it arrives in.
+- **Body timeout.** A request whose body has not arrived in whole within
+  ``body_timeout_s`` of its head, plus one second per ``BODY_MIN_RATE`` bytes received
+  (a large body on a slow link still arrives; one that trickles or stops does not), is
+  answered 408 in the API's error shape and closed; the app's handler sees a
+  disconnect, and what it answers is dropped.
 - **Lingering close.** An answer sent while the client is still sending (the 431, a
   413 in the middle of a body) half-closes the connection and drops what still arrives
   for up to ``linger_s``, so the client reads the answer instead of a reset.
@@ -44,6 +49,7 @@ from .api.errors import error_body
 log = logging.getLogger(__name__)
 
 FD_RESERVE = 256  # descriptors kept for the process's own files (model, SQLite, blocks)
+BODY_MIN_RATE = 64 * 1024  # bytes per second that earn a request body one more second
 MAX_BACKLOG = 2048  # uvicorn's default
 
 
@@ -67,6 +73,7 @@ class Connections:
         self.refused = 0  # new connections answered 503 (every other one busy)
         self.head_timeouts = 0
         self.oversized_heads = 0
+        self.body_timeouts = 0
 
     def __len__(self) -> int:
         return sum(len(d) for d in self._by_phase.values())
@@ -89,7 +96,8 @@ class Connections:
     def counts(self) -> dict[str, int]:
         return {"open": len(self), **{p.value: len(d) for p, d in self._by_phase.items()},
                 "evicted": self.evicted, "refused": self.refused,
-                "head_timeouts": self.head_timeouts, "oversized_heads": self.oversized_heads}
+                "head_timeouts": self.head_timeouts, "oversized_heads": self.oversized_heads,
+                "body_timeouts": self.body_timeouts}
 
 
 def _every(count: int) -> bool:
@@ -109,6 +117,9 @@ class EdgeProtocol(H11Protocol):
         self._timer: asyncio.TimerHandle | None = None
         self._inner: asyncio.Transport | None = None
         self._head = _HeadScan()
+        self._body_timer: asyncio.TimerHandle | None = None
+        self._body_start = 0.0
+        self._body_seen = 0
 
     # --- phases
 
@@ -134,8 +145,43 @@ class EdgeProtocol(H11Protocol):
                             self.edge.head_timeouts)
             self.close_now()
 
+    def _start_body(self) -> None:
+        self._body_start = self.loop.time()
+        self._body_seen = 0
+        self._body_timer = self.loop.call_later(self.edge.limits.body_timeout_s,
+                                                self._body_timed_out)
+
+    def _stop_body(self) -> None:
+        if self._body_timer is not None:
+            self._body_timer.cancel()
+            self._body_timer = None
+
+    def _body_timed_out(self) -> None:
+        self._body_timer = None
+        if self.phase is not Phase.BUSY or self.conn.their_state is not h11.SEND_BODY:
+            return
+        limit = self.edge.limits.body_timeout_s
+        deadline = self._body_start + limit + self._body_seen / BODY_MIN_RATE
+        if self.loop.time() < deadline:  # what arrived since bought it more time
+            self._body_timer = self.loop.call_at(deadline, self._body_timed_out)
+            return
+        self.edge.body_timeouts += 1
+        if _every(self.edge.body_timeouts):
+            log.warning("closed a connection whose request body did not arrive within "
+                        "%.3g s (%d so far; --body-timeout)", limit, self.edge.body_timeouts)
+        cycle = self.cycle
+        if cycle is None or cycle.response_started:
+            self.close_now()
+            return
+        # the handler waiting for the body gets a disconnect; its answer is dropped
+        cycle.disconnected = True
+        cycle.message_event.set()
+        self.refuse(408, f"the request body did not arrive within {limit:g} s",
+                    "request_timeout", self._head.path())
+
     def close_now(self) -> None:
         """Close at once (what is written is still flushed)."""
+        self._stop_body()
         self._set_phase(Phase.CLOSED)
         if self._inner is not None:
             self._inner.close()
@@ -184,6 +230,7 @@ class EdgeProtocol(H11Protocol):
             victim.close_now()
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self._stop_body()
         self._set_phase(Phase.CLOSED)
         super().connection_lost(exc)
 
@@ -192,6 +239,8 @@ class EdgeProtocol(H11Protocol):
             return
         if self.phase is Phase.IDLE:
             self._start_head()  # the next request's head must come in time too
+        if self._body_timer is not None:
+            self._body_seen += len(data)
         if self.phase is Phase.HEAD and not self._head.complete:
             size = self._head.feed(data)
             limit = self.edge.limits.max_header_bytes
@@ -212,6 +261,10 @@ class EdgeProtocol(H11Protocol):
         super().handle_events()
         if self.phase in (Phase.HEAD, Phase.IDLE) and self.conn.their_state is not h11.IDLE:
             self._set_phase(Phase.BUSY)  # a whole head came in: a request is running
+            if self.conn.their_state is h11.SEND_BODY:
+                self._start_body()  # its body must follow in time
+        if self._body_timer is not None and self.conn.their_state is not h11.SEND_BODY:
+            self._stop_body()  # the whole body is in
 
     def on_response_complete(self) -> None:
         if self.conn.their_state is h11.SEND_BODY:

@@ -147,6 +147,36 @@ class EngineStatsCollector(Collector):
                 yield labelled
 
 
+class EdgeCollector(Collector):
+    """The HTTP edge's connections (``server/edge.py``, ``Connections.counts()``) at
+    scrape time: ``promptcache_edge_connections{phase}`` (open now, by phase) and
+    ``promptcache_edge_events_total{event}``: ``refused`` (a new connection answered 503,
+    every other one busy), ``evicted`` (closed to make room under --max-connections),
+    ``head_timeouts`` (no whole request head within --header-timeout),
+    ``oversized_heads`` (431), ``body_timeouts`` (408: no whole body within
+    --body-timeout)."""
+
+    PHASES = ("head", "busy", "idle", "linger")
+
+    def __init__(self, counts: Callable[[], Mapping[str, int]]) -> None:
+        self._counts = counts
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        counts = self._counts()
+        open_ = GaugeMetricFamily("promptcache_edge_connections",
+                                  "open HTTP connections by phase", labels=["phase"])
+        events = CounterMetricFamily("promptcache_edge_events",
+                                     "connections the HTTP edge refused or closed",
+                                     labels=["event"])
+        for key, value in counts.items():
+            if key in self.PHASES:
+                open_.add_metric([key], float(value))
+            elif key != "open":
+                events.add_metric([key], float(value))
+        yield open_
+        yield events
+
+
 class ServerMetrics:
     def __init__(self, get_cache_stats: Callable[[], Mapping[str, Any] | None],
                  get_engine_stats: Callable[[], Mapping[str, Any] | None] | None = None
@@ -172,9 +202,31 @@ class ServerMetrics:
         self.queue_wait = Histogram("promptcache_queue_wait_seconds",
                                     "time a request waited for admission", buckets=_WAIT_BUCKETS,
                                     registry=r)
+        self.template_errors = Counter(
+            "promptcache_template_render_errors", "chat template renders that failed, by "
+            "cause: timeout (past --template-render-limit), recursion, syntax", ["cause"],
+            registry=r)
+        self.imports_refused = Counter(
+            "promptcache_imports_refused", "cache-pack imports refused, by reason: too_large "
+            "(--max-import-bytes), invalid_pack", ["reason"], registry=r)
+        self.import_refused_bytes = Counter(
+            "promptcache_import_refused_bytes", "bytes of refused cache-pack imports: the "
+            "body received before the refusal, or the Content-Length refused unread",
+            registry=r)
         r.register(CacheStatsCollector(get_cache_stats))
         if get_engine_stats is not None:
             r.register(EngineStatsCollector(get_engine_stats))
+
+    def watch_edge(self, counts: Callable[[], Mapping[str, int]]) -> None:
+        """Export the HTTP edge's connections and events (``EdgeCollector``)."""
+        self.registry.register(EdgeCollector(counts))
+
+    def template_error(self, cause: str) -> None:
+        self.template_errors.labels(cause=cause).inc()
+
+    def import_refused(self, reason: str, nbytes: int) -> None:
+        self.imports_refused.labels(reason=reason).inc()
+        self.import_refused_bytes.inc(nbytes)
 
     def observe_result(self, api: str, prompt_tokens: int, cached_by_tier: Mapping[str, int],
                        completion_tokens: int, ttft_s: float | None) -> None:

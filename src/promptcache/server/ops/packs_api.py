@@ -97,12 +97,19 @@ async def import_pack(request: Request) -> dict[str, Any]:
     _require_cache(request)
     limit = st.config.max_import_bytes
     length = request.headers.get("content-length")
+    refused = st.metrics.import_refused  # (reason, bytes): counted in /metrics
     if length is not None and length.isdigit() and int(length) > limit:
+        refused("too_large", int(length))
         raise _too_large(limit)
     fixed = st.auth.key_tenant(request)
     scope_tenant = request.state.pc_scope.tenant
     with tempfile.TemporaryFile(dir=st.config.import_dir, prefix=".import-") as f:
-        await _receive(request, f, limit)
+        seen = [0]
+        try:
+            await _receive(request, f, limit, seen)
+        except APIError as e:
+            refused("too_large" if e.status == 413 else "invalid_pack", seen[0])
+            raise
 
         def verify() -> packfile.Pack:
             return packfile.read_pack(f)
@@ -111,6 +118,7 @@ async def import_pack(request: Request) -> dict[str, Any]:
             pack = await run_in_threadpool(verify)
         except packfile.PackError as e:
             log.warning("pack import refused: %s", e)
+            refused("invalid_pack", seen[0])
             raise APIError(400, str(e), code="invalid_pack") from e
     tenant = pack.namespace.tenant
     if fixed is not None and tenant != fixed:
@@ -135,15 +143,15 @@ def _too_large(limit: int) -> APIError:
                          "(--max-import-bytes)", code="request_too_large")
 
 
-async def _receive(request: Request, f: IO[bytes], limit: int) -> None:
+async def _receive(request: Request, f: IO[bytes], limit: int, seen: list[int]) -> None:
     """The request's body into ``f``, in pieces written off the event loop: 413 once it
-    passes ``limit``, 400 as soon as it does not start like a pack."""
+    passes ``limit``, 400 as soon as it does not start like a pack. ``seen[0]``: the
+    bytes received so far."""
     start = packfile.PackStart()
-    seen = 0
     piece = bytearray()
     async for chunk in request.stream():
-        seen += len(chunk)
-        if seen > limit:
+        seen[0] += len(chunk)
+        if seen[0] > limit:
             raise _too_large(limit)
         try:
             start.feed(chunk)

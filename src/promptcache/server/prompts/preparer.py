@@ -86,8 +86,10 @@ class Preparer:
     """Renders prompts for one app in one worker thread (see the module docstring)."""
 
     def __init__(self, engine: EngineAPI, canon: Canon | None = None,
-                 turns: TurnStore | None = None) -> None:
+                 turns: TurnStore | None = None,
+                 on_template_error: Callable[[str], None] = lambda cause: None) -> None:
         self.engine = engine
+        self.on_template_error = on_template_error  # a failed render's cause (/metrics)
         self.canon = canon if canon is not None else Canon()
         self.turns = turns if turns is not None else TurnStore()
         self._pool: ThreadPoolExecutor | None = None
@@ -217,6 +219,7 @@ class Preparer:
         except (ValueError, APIError):
             raise
         except TemplateRenderError as e:  # the template's own fault (syntax, loop): ours
+            self.on_template_error(e.cause)
             raise APIError(500, f"cannot render the chat template: {e}",
                            code="template_error") from e
         except Exception as e:  # jinja TemplateError & co: caused by the request's messages

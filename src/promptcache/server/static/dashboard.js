@@ -110,6 +110,18 @@
     set("active", int(eng.active), eng.active);
     set("queued", eng.queued === null ? "n/a" : int(eng.queued), eng.queued);
     set("requests", int(req.requests), req.requests);
+    // MLX arrays held (Metal caps a process's buffers whatever their bytes) and the
+    // memory governor's footprint: the engine's stats (absent: an engine without them)
+    const es = stats.engine || {};
+    const arrays = es.ram_arrays === undefined ? undefined : es.ram_arrays + (es.live_arrays || 0);
+    set("arrays", int(arrays), arrays);
+    set("ram-arrays", int(es.ram_arrays), es.ram_arrays);
+    set("live-arrays", int(es.live_arrays), es.live_arrays);
+    set("max-arrays", es.max_arrays === null ? "no cap" : int(es.max_arrays), es.max_arrays);
+    const limited = es.memory_limit_bytes !== undefined;
+    set("footprint", limited ? human(es.memory_footprint_bytes) : "-", es.memory_footprint_bytes);
+    set("memory-limit", limited ? human(es.memory_limit_bytes) : "no limit", es.memory_limit_bytes);
+    set("memory-level", limited ? es.memory_level : "-", es.memory_level);
     const spec = data.speculation || {};
     set("spec-acceptance", pct(spec.acceptance_rate), spec.acceptance_rate);
     set("spec-tokens-per-forward", spec.tokens_per_forward === null || spec.tokens_per_forward === undefined ? "-" : spec.tokens_per_forward.toFixed(2), spec.tokens_per_forward);
