@@ -21,7 +21,6 @@ import pytest
 from serve_proc import PROMPTCACHE, stop, wait_healthy
 
 from harness.systems import free_port
-
 from promptcache.serving_config import EdgeLimits
 
 CHAT = {"model": "default", "messages": [{"role": "user", "content": "Hi"}],
