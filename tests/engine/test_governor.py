@@ -175,6 +175,39 @@ def test_admission_under_pause_serves_one_at_a_time_and_refuse_raises_with_retry
     assert (s["memory_pressure"], s["memory_refused_requests"], s["rejected"]) == ("ok", 1, 1)
 
 
+def test_a_queued_peak_fits_beside_the_running_ones_or_waits():
+    mem = Memory(100)
+    g, _ = governor(mem)  # limit 1000: hard 950
+    g.check()  # footprint 100
+    # the larger of (footprint - reclaimable) and (base + running peaks), plus the peak
+    assert g.fits(400, base=100, reclaimable=0, running=450)  # 550 + 400 = 950
+    assert not g.fits(401, base=100, reclaimable=0, running=450)
+    mem.base = 700
+    g.check()  # footprint 700: 650 of it reclaimable -> the running peaks decide
+    assert g.fits(400, base=100, reclaimable=650, running=450)
+    assert not g.fits(400, base=100, reclaimable=100, running=0)  # 600 + 400
+
+
+def test_admission_starts_a_queued_ticket_only_when_its_peak_fits_or_alone():
+    adm = _admission()
+    room = {"free": 100}
+    adm.memory_fits = lambda peak, running: running + peak <= room["free"]
+    a, b, c = Ticket("a", 10, peak=60), Ticket("b", 10, peak=60), Ticket("c", 10, peak=30)
+    adm.submit(a)
+    adm.submit(b)  # 60 + 60 > 100: waits although a slot and the KV budget are free
+    adm.submit(c)  # behind b in the queue (first come, first served)
+    assert (a.state, b.state, c.state) == ("admitted", "waiting", "waiting")
+    adm.release(a)
+    assert (b.state, c.state) == ("admitted", "admitted")  # 60, then 60 + 30
+    d = Ticket("d", 10, peak=500)
+    adm.submit(d)
+    assert d.state == "waiting"
+    adm.release(b)
+    adm.release(c)
+    assert d.state == "admitted"  # alone: a request always runs when nothing else does
+    assert adm.snapshot()["memory_waits"] == 2  # b and d, each counted once
+
+
 def test_an_engine_past_the_hard_watermark_refuses_and_serves_again(tiny_llama_path):
     eng = make_engine(tiny_llama_path, live_states=2)
     used = [0]

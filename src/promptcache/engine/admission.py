@@ -70,6 +70,8 @@ class Ticket:
     state: str = WAITING
     preempted: bool = False  # a background ticket asked to give its slot back
     admit_seq: int = 0  # admission order (ties of t_admit broken deterministically)
+    peak: int = 0  # its predicted memory peak in bytes (with a memory governor), else 0
+    memory_waited: bool = False  # it waited for memory at least once (counted once)
 
     @property
     def queue_s(self) -> float:
@@ -90,6 +92,7 @@ class AdmissionStats:
     background_admitted: int = 0
     background_rejected: int = 0
     background_preempted: int = 0
+    memory_waits: int = 0  # tickets that waited because their peak did not fit yet
 
     def to_dict(self) -> dict[str, float]:
         return dict(self.__dict__)
@@ -117,6 +120,9 @@ class Admission:
         self._admits = 0
         self._interactive_submits = 0  # interactive tickets ever submitted
         self._pressure = "ok"  # the memory governor's level: ok | pause | refuse
+        # with a memory governor: whether a waiting ticket's predicted peak fits beside
+        # the running tickets' (``MemoryGovernor.fits``); it starts when it does, or alone
+        self.memory_fits: Callable[[int, int], bool] | None = None
         self._pressure_retry = 1
         self.memory_refused = 0  # submits refused for memory
 
@@ -241,6 +247,12 @@ class Admission:
                     return  # under memory pressure: one at a time
                 if not self._fits(head):
                     return
+                if self._active and self.memory_fits is not None and not self.memory_fits(
+                        head.peak, sum(a.peak for a in self._active)):
+                    if not head.memory_waited:
+                        head.memory_waited = True
+                        self.stats.memory_waits += 1
+                    return  # its peak does not fit beside the running ones: it waits
                 q.popleft()
                 self._count_waiting(head, -1)
                 self._admit(head)

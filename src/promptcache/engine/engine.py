@@ -211,6 +211,8 @@ class Engine:
         self.weights_bytes = sum(int(v.nbytes) for _, v in tree_flatten(model.parameters()))
         self._heads = attention_heads(model)
         self.submission.memory_check = self._memory_check
+        if self.governor is not None:
+            self.admission.memory_fits = self._memory_fits
         self.loop = EngineLoop(cfg, self.scheduler, self.admission, self.calls, self._control,
                                self.shadow, fail_pending=self.submission.fail_pending,
                                died=self._died, governor=self.governor)
@@ -419,21 +421,31 @@ class Engine:
                               admission=self.admission.set_pressure,
                               regrow=regrow, soft=cfg.memory_soft, hard=cfg.memory_hard)
 
-    def _memory_check(self, n_prompt: int, length: int) -> None:
+    def _memory_check(self, n_prompt: int, length: int) -> int:
         """At submit, with a memory governor: the request's predicted peak (its KV at
         ``length``, the restored prefix's buffers, a prefill chunk's attention
-        workspace) against the limit (``MemoryGovernor.admit``)."""
+        workspace) against the limit (``MemoryGovernor.admit``); returns the peak."""
         g = self.governor
         if g is None:
-            return
+            return 0
         chunk = min(n_prompt, self.engine_config.prefill_chunk_tokens * 3 // 2)
         peak = (self.row_bytes(length) + self.row_bytes(n_prompt)
                 + workspace_bytes(1, chunk, n_prompt, self._heads))
+        g.admit(peak, self.weights_bytes, self._reclaimable())
+        return peak
+
+    def _reclaimable(self) -> int:
+        """What the memory governor's holders could release now: the live states, the
+        RAM tier, MLX's buffer pool."""
         live = self._ctx.live
-        reclaimable = ((live.nbytes if live is not None else 0)
-                       + (self.cache.pool.used_bytes if self.cache is not None else 0)
-                       + int(mx.get_cache_memory()))
-        g.admit(peak, self.weights_bytes, reclaimable)
+        return ((live.nbytes if live is not None else 0)
+                + (self.cache.pool.used_bytes if self.cache is not None else 0)
+                + int(mx.get_cache_memory()))
+
+    def _memory_fits(self, peak: int, running: int) -> bool:
+        """A queued request's peak beside the running ones' (``MemoryGovernor.fits``)."""
+        g = self.governor
+        return g is None or g.fits(peak, self.weights_bytes, self._reclaimable(), running)
 
     def release_live(self) -> int:
         """Release every live session state (what a memory governor asks first);

@@ -191,6 +191,14 @@ class MemoryGovernor:
                 f"{now / 1e9:.2f} GB of its {self.hard / 1e9:.2f} GB: retry in {retry}s",
                 retry_after_s=retry)
 
+    def fits(self, peak: int, base: int, reclaimable: int, running: int) -> bool:
+        """Whether a queued request whose peak is predicted at ``peak`` bytes fits now,
+        beside the running requests' predicted peaks (``running``): the larger of the
+        last footprint less what the holders can release and ``base`` (the weights) plus
+        ``running``, plus ``peak``, within the hard watermark."""
+        now = self._history[-1][1] if self._history else base
+        return max(now - reclaimable, base + running) + peak <= self.hard
+
     def _ask(self, holder: Holder, used: int, released: list[tuple[str, int]]) -> int:
         """Ask ``holder`` for what the footprint ``used`` is over the soft mark; the
         footprint read again when it released something."""

@@ -42,7 +42,7 @@ class Submission:
 
     def __init__(self, ctx: EngineContext, admission: Admission, control: Arrivals, *,
                  failure: Callable[[], str | None], closed: Callable[[], bool],
-                 memory_check: Callable[[int, int], None] | None = None) -> None:
+                 memory_check: Callable[[int, int], int] | None = None) -> None:
         self._ctx = ctx
         self._admission = admission
         self._control = control
@@ -76,9 +76,11 @@ class Submission:
         handle = RequestHandle(request, on_cancel=self._on_cancel)
         pending = _Pending(request, tokens, handle, processors, time.perf_counter())
         length = int(tokens.shape[0]) + (0 if request.prefill_only else request.sampling.max_tokens)
+        peak = 0
         if self.memory_check is not None:
-            self.memory_check(int(tokens.shape[0]), length)
-        ticket = Ticket(pending, length, background=request.priority == "background")
+            peak = self.memory_check(int(tokens.shape[0]), length)
+        ticket = Ticket(pending, length, background=request.priority == "background",
+                        peak=peak)
         handle.ticket = ticket
         self._admission.submit(ticket)
         dead = self._failure()
