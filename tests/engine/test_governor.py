@@ -188,6 +188,16 @@ def test_a_queued_peak_fits_beside_the_running_ones_or_waits():
     assert not g.fits(400, base=100, reclaimable=100, running=0)  # 600 + 400
 
 
+def test_a_peak_refused_under_the_soft_mark_retries_when_the_queue_says():
+    mem = Memory(500)
+    g, _ = governor(mem)  # soft 850, hard 950
+    g.check()
+    with pytest.raises(OverloadedError) as e:
+        g.admit(500, base=100, reclaimable=0, queue_retry_s=12)
+    assert e.value.retry_after_s == 12  # not draining: when the running ones are done
+    g.admit(450, base=100, reclaimable=0, queue_retry_s=12)  # 500 + 450 = 950 fits
+
+
 def test_admission_starts_a_queued_ticket_only_when_its_peak_fits_or_alone():
     adm = _admission()
     room = {"free": 100}

@@ -257,6 +257,11 @@ class Admission:
                 self._count_waiting(head, -1)
                 self._admit(head)
 
+    def retry_estimate(self) -> int:
+        """``retry_after_s`` for callers that do not hold the lock."""
+        with self._lock:
+            return self.retry_after_s()
+
     def retry_after_s(self) -> int:
         """Seconds a refused client should wait, from the measured queue: one service
         time (EWMA of admitted-to-release; before any finished, the age of the oldest

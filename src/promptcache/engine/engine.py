@@ -199,11 +199,13 @@ class Engine:
             cache.observers.append(self.shadow)
         self.governor = (self._governor(cfg.memory_limit_bytes)
                          if cfg.memory_limit_bytes is not None else None)
+        self._loaded_footprint = 0
         if self.governor is not None:
             # what the running requests' KV and prefill workspace may hold together: the
             # hard watermark less what the process holds now (the weights loaded), so a
             # burst of long prompts is admitted only as far as it fits under the limit
-            room = self.governor.hard - process_footprint()
+            self._loaded_footprint = process_footprint()
+            room = self.governor.hard - self._loaded_footprint
             budget = self.admission.kv_budget
             if room > 0 and (budget is None or room < budget):
                 self.admission.kv_budget = room
@@ -431,7 +433,8 @@ class Engine:
         chunk = min(n_prompt, self.engine_config.prefill_chunk_tokens * 3 // 2)
         peak = (self.row_bytes(length) + self.row_bytes(n_prompt)
                 + workspace_bytes(1, chunk, n_prompt, self._heads))
-        g.admit(peak, self.weights_bytes, self._reclaimable())
+        g.admit(peak, self.weights_bytes, self._reclaimable(),
+                queue_retry_s=self.admission.retry_estimate())
         return peak
 
     def _reclaimable(self) -> int:
@@ -443,9 +446,11 @@ class Engine:
                 + int(mx.get_cache_memory()))
 
     def _memory_fits(self, peak: int, running: int) -> bool:
-        """A queued request's peak beside the running ones' (``MemoryGovernor.fits``)."""
+        """A queued request's peak beside the running ones' (``MemoryGovernor.fits``),
+        over what the process held once loaded (weights, runtime, libraries)."""
         g = self.governor
-        return g is None or g.fits(peak, self.weights_bytes, self._reclaimable(), running)
+        base = max(self.weights_bytes, self._loaded_footprint)
+        return g is None or g.fits(peak, base, self._reclaimable(), running)
 
     def release_live(self) -> int:
         """Release every live session state (what a memory governor asks first);

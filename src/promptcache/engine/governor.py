@@ -167,12 +167,14 @@ class MemoryGovernor:
         self._admission(level, retry)
         return Decision(used, after, tuple(released), level, retry)
 
-    def admit(self, peak: int, base: int, reclaimable: int) -> None:
+    def admit(self, peak: int, base: int, reclaimable: int, queue_retry_s: int = 1) -> None:
         """Whether a request whose memory peak is predicted at ``peak`` bytes may start:
         ``RequestError`` when it can never fit (``base``, what the process holds that
         is never released, e.g. the weights, plus the peak pass the hard watermark),
         ``OverloadedError`` when it cannot fit now (the last footprint less what the
-        holders can release, ``reclaimable``, plus the peak pass it)."""
+        holders can release, ``reclaimable``, plus the peak pass it), with a Retry-After
+        from the footprint's drain rate past the soft watermark, else ``queue_retry_s``
+        (when the running requests are expected to be done: the admission's measure)."""
         from ..errors import OverloadedError, RequestError
 
         if base + peak > self.hard:
@@ -185,7 +187,7 @@ class MemoryGovernor:
         now = self._history[-1][1] if self._history else base
         if max(base, now - reclaimable) + peak > self.hard:
             self.stats.refused_peaks += 1
-            retry = self._retry_after(now) if now > self.soft else 1
+            retry = self._retry_after(now) if now > self.soft else max(1, queue_retry_s)
             raise OverloadedError(
                 f"this request needs about {peak / 1e9:.2f} GB at its peak; the server holds "
                 f"{now / 1e9:.2f} GB of its {self.hard / 1e9:.2f} GB: retry in {retry}s",
