@@ -209,6 +209,11 @@ class Engine:
             budget = self.admission.kv_budget
             if room > 0 and (budget is None or room < budget):
                 self.admission.kv_budget = room
+                # and MLX's buffer cache (refilled between the governor's checks) at
+                # most an eighth of that room, as of any KV budget
+                previous = mx.set_cache_limit(room // CACHE_LIMIT_SHARE)
+                if previous < room // CACHE_LIMIT_SHARE:
+                    mx.set_cache_limit(previous)
         # what the process holds that is never released (the memory governor's base)
         self.weights_bytes = sum(int(v.nbytes) for _, v in tree_flatten(model.parameters()))
         self._heads = attention_heads(model)
