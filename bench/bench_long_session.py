@@ -7,24 +7,46 @@ next turn (``--new`` new tokens, first token only) is timed
 - from the **SSD** after a clean shutdown and a restart (the page cache dropped),
 - from **Redis** (``--redis``: a new engine whose RAM and SSD are empty, a redis-server
   holding the blocks),
+- on **mlx_lm.server** (``harness.systems``: ``mlx_lm server`` from this venv, serving the
+  same model folder, its in-RAM prompt cache kept between the requests of the
+  conversation; ``--no-mlx-lm`` leaves it out): the same conversation grown the same way,
+  the same new tokens, one text completion of one token timed from sending to the answer
+  (its tokenizing of the whole prompt included, as for any client of it),
 
 beside the **floor** (mlx-lm alone: the prefill of only the new tokens on a cache that
-already holds the conversation), **one contiguous copy** of the bytes a restore writes,
-and **one sequential read** (``dd``, page cache dropped) of as many bytes from the SSD
-folder's file system. The targets of issue 41: live <= 1.05x the floor; RAM <= the
-floor + 1.2x the copy; SSD <= 1.2x (the read + the floor).
+already holds the conversation), a **cold prefill** (mlx-lm alone: the whole prompt on an
+empty cache, chunked as the engine does), **one contiguous copy** of the bytes a restore
+writes, and **one sequential read** (``dd``, page cache dropped) of as many bytes from the
+SSD folder's file system. The targets of issue 41: live <= 1.05x the floor; RAM <= the
+floor + 1.2x the copy; SSD <= 1.2x (the read + the floor) and never more than a cold
+prefill.
 
-The model: mlx-lm's own class with random float32 weights (a CPU has no fast bfloat16
-matmul), the embedded default's structure (``--shape smollm2``: 30 layers, 9 query /
-3 KV heads of 64) or a smaller one (``--shape small``: 8 layers, 4 / 2 heads of 64),
-both with a 128K window; the vocabulary is the embedded default's tokenizer's.
+The model (``--shape``):
+
+- ``small``: mlx-lm's llama class with random float32 weights (a CPU has no fast bfloat16
+  matmul), 8 layers, 4 query / 2 KV heads of 64, a 128K window;
+- ``smollm2``: the embedded default itself, the converted folder
+  ``~/.cache/promptcache/models/SmolLM2-135M-Instruct`` (its window widened to 32,768
+  by the conversion: YaRN, factor 4);
+- ``smollm2-random``: the default's structure (30 layers, 9 / 3 heads of 64) with random
+  weights and a 128K window.
+
+A random model is written to a folder first (config.json, safetensors, the default's
+tokenizer) so that mlx_lm.server and the engine load the same weights. The conversation
+is text: words of the default's tokenizer that are one token each (" word"), so the text
+mlx_lm.server tokenizes gives exactly the engine's tokens (checked at every size). Each
+turn is the conversation plus its new words; the one token answered is not appended
+(mlx_lm.server's answer would come back as text), for either system.
 
     PYTHONPATH=src:bench python bench/bench_long_session.py [--shape small] \\
-        [--sizes 8192,16384,32768] [--new 256] [--redis] [--gap 1] [--out FILE.json]
+        [--sizes 8192,16384,32768] [--new 256] [--redis] [--gap 1] \\
+        [--budget-min 15] [--out FILE.json]
 
 Each turn is sent ``--gap`` seconds after the previous one ended (an agent's tool call, a
 user's reading: what the previous request left running, its state's copy into a live
-state and its saves, is done by then).
+state and its saves, is done by then). A size whose estimated time (the previous size's,
+scaled by the square of the sizes' ratio) exceeds ``--budget-min`` is not measured: the
+table says so.
 
 Prints a markdown table (times in seconds) and, with ``--out``, the numbers as JSON.
 """
@@ -36,6 +58,7 @@ import importlib
 import json
 import os
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -48,12 +71,15 @@ import mlx.core as mx
 import mlx.nn as nn
 from page_cache import drop_cache
 
+from harness.long_session import complete_once, over_budget, table
+
 SHAPES: dict[str, dict[str, Any]] = {
-    "smollm2": dict(hidden_size=576, num_hidden_layers=30, intermediate_size=1536,
-                    num_attention_heads=9, num_key_value_heads=3, head_dim=64),
+    "smollm2-random": dict(hidden_size=576, num_hidden_layers=30, intermediate_size=1536,
+                           num_attention_heads=9, num_key_value_heads=3, head_dim=64),
     "small": dict(hidden_size=256, num_hidden_layers=8, intermediate_size=768,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=64),
 }
+REAL = "smollm2"  # the embedded default's converted folder
 T0 = time.perf_counter()
 
 
@@ -61,12 +87,17 @@ def log(msg: str) -> None:
     print(f"[{time.perf_counter() - T0:7.1f} s] {msg}", file=sys.stderr, flush=True)
 
 
-def build_model(shape: str, vocab: int, max_positions: int) -> Any:
+def write_random_model(shape: str, tokenizer_dir: Path, vocab: int, max_positions: int,
+                       out: Path) -> Path:
+    """mlx-lm's llama class of ``shape`` with random float32 weights, saved as a model
+    folder (config.json, model.safetensors, the tokenizer files of ``tokenizer_dir``)."""
+    from mlx.utils import tree_flatten
+
     module = importlib.import_module("mlx_lm.models.llama")
-    args = module.ModelArgs(model_type="llama", vocab_size=vocab, rms_norm_eps=1e-5,
-                            max_position_embeddings=max_positions, rope_theta=1e6,
-                            tie_word_embeddings=True, **SHAPES[shape])
-    model = module.Model(args)
+    config = dict(model_type="llama", vocab_size=vocab, rms_norm_eps=1e-5,
+                  max_position_embeddings=max_positions, rope_theta=1e6,
+                  tie_word_embeddings=True, **SHAPES[shape])
+    model = module.Model(module.ModelArgs.from_dict(config))
     mx.random.seed(0)
     for _, m in model.named_modules():
         for key, value in list(m.items()):
@@ -74,7 +105,23 @@ def build_model(shape: str, vocab: int, max_positions: int) -> Any:
                 m[key] = (mx.ones(value.shape) if isinstance(m, nn.RMSNorm)
                           else 0.02 * mx.random.normal(value.shape))
     mx.eval(model.parameters())
-    return model
+    out.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(out / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    (out / "config.json").write_text(json.dumps({**config, "torch_dtype": "float32"}, indent=1))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tokenizer_dir / name, out / name)
+    return out
+
+
+def word_tokens(tokenizer: Any) -> list[int]:
+    """The vocabulary's one-token words (" word", 2-10 lower-case letters) that encode
+    back to themselves: a text of them tokenizes to exactly its tokens."""
+    vocab = tokenizer._tokenizer.get_vocab()
+    out = [i for s, i in sorted(vocab.items()) if re.fullmatch("\u0120[a-z]{2,10}", s)]
+    out = [i for i in out if tokenizer.encode(tokenizer.decode([i])) == [i]]
+    if len(out) < 1000:
+        raise RuntimeError(f"only {len(out)} one-token words in the vocabulary")
+    return out
 
 
 def timed(fn: Any) -> float:
@@ -116,14 +163,17 @@ def read_time(folder: Path, nbytes: int) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--shape", choices=sorted(SHAPES), default="small")
+    ap.add_argument("--shape", choices=sorted([*SHAPES, REAL]), default="small")
     ap.add_argument("--sizes", default="8192,16384,32768")
     ap.add_argument("--new", type=int, default=256, help="new tokens of each next turn")
     ap.add_argument("--chunk", type=int, default=512, help="--prefill-chunk-tokens")
     ap.add_argument("--redis", action="store_true", help="also from a redis-server")
+    ap.add_argument("--no-mlx-lm", action="store_true", help="leave mlx_lm.server out")
     ap.add_argument("--repeats", type=int, default=3, help="the fastest of this many")
     ap.add_argument("--gap", type=float, default=1.0,
                     help="seconds before each turn (think time; the floor has none)")
+    ap.add_argument("--budget-min", type=float, default=15.0,
+                    help="a size estimated to take longer than this many minutes is skipped")
     ap.add_argument("--dir", default=None, help="folder for the SSD tier (default: a temp)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
@@ -137,21 +187,30 @@ def main(argv: list[str] | None = None) -> int:
     from promptcache.engine.api import GenerationRequest, SamplingParams
     from promptcache.engine.engine import Engine
     from promptcache.engine.models.gguf import ensure_default_model
+    from promptcache.engine.models.loader import load_model
     from promptcache.serving_config import EngineConfig
 
     sizes = [int(s) for s in a.sizes.split(",")]
     longest = max(sizes) + 4 * a.new + 64
-    tokenizer = load_tokenizer(ensure_default_model())
+    root = Path(a.dir or tempfile.mkdtemp(prefix="pc-long-"))
+    default_dir = ensure_default_model()
+    if a.shape == REAL:
+        folder = default_dir
+    else:
+        vocab0 = len(load_tokenizer(default_dir)._tokenizer)
+        folder = write_random_model(a.shape, default_dir, vocab0, 131072, root / "model")
+    model, tokenizer, info = load_model(folder)
     vocab = len(tokenizer._tokenizer)
-    model = build_model(a.shape, vocab, 131072)
+    if longest > info.context_length:
+        raise SystemExit(f"{longest} tokens exceed the model's window ({info.context_length})")
     probe = make_prompt_cache(model)
     mx.eval(model(mx.array([[1]]), cache=probe))
     per_token = sum(int(x.nbytes) // int(x.shape[2]) for _, x in adapters.state_arrays(probe))
     kv_max = per_token * longest
-    log(f"shape {a.shape}: {per_token} B of KV per token, {kv_max / 1e9:.2f} GB at "
+    log(f"shape {a.shape} ({folder}, window {info.context_length}, {info.dtype}): "
+        f"{per_token} B of KV per token, {kv_max / 1e9:.2f} GB at "
         f"{longest} tokens; mlx {mx.__version__} on {mx.default_device()}; "
         f"LD_PRELOAD={os.environ.get('LD_PRELOAD', '')}")
-    root = Path(a.dir or tempfile.mkdtemp(prefix="pc-long-"))
     ec = EngineConfig(speculation="off", prefill_chunk_tokens=a.chunk)
     cc = CacheConfig(ram_budget_bytes=max(1 << 30, 4 * kv_max))
     redis_srv = None
@@ -162,12 +221,22 @@ def main(argv: list[str] | None = None) -> int:
         redis_srv = RedisServer(root / "redis").start()
         rc = RedisConfig(url=redis_srv.url, timeout_s=5.0, connect_timeout_s=1.0,
                          policy="write_through")
+    peer = None
+    if not a.no_mlx_lm:
+        from harness.systems import ServerProcess
+
+        # mlx_lm.server lists the Hugging Face cache's models; it must exist
+        (Path.home() / ".cache" / "huggingface" / "hub").mkdir(parents=True, exist_ok=True)
+        peer = ServerProcess("mlx_lm", str(folder), root / "mlx_lm.log",
+                             ram_budget_bytes=max(1 << 30, 4 * kv_max))
+        log(f"mlx_lm.server started in {peer.start():.1f} s")
 
     def engine(ssd_dir: Path | None, with_redis: bool) -> Engine:
         ssd = (SSDConfig(path=ssd_dir, policy="write_back", fsync=False,
                          budget_bytes=max(1 << 30, 4 * kv_max))
                if ssd_dir is not None else None)
-        return Engine(model, tokenizer, model_id="random", fingerprint=f"long-{a.shape}",
+        return Engine(model, tokenizer, model_id=info.model_id,
+                      fingerprint=f"long-{a.shape}-{info.fingerprint}",
                       context_length=longest, vocab_size=vocab, engine_config=ec,
                       cache_config=cc,
                       cache=build_cache(cc, ssd, rc if with_redis else None))
@@ -183,28 +252,76 @@ def main(argv: list[str] | None = None) -> int:
             raise RuntimeError(r.error)
         return r
 
+    def ask_peer(tokens: list[int]) -> tuple[float, dict[str, Any]]:
+        assert peer is not None
+        time.sleep(a.gap)
+        took, usage = complete_once(peer.base_url, tokenizer.decode(tokens))
+        if usage.get("prompt_tokens") != len(tokens):
+            raise RuntimeError(f"mlx_lm.server counted {usage.get('prompt_tokens')} prompt "
+                               f"tokens, the engine {len(tokens)}")
+        return took, usage
+
+    def cold_prefill(tokens: list[int]) -> float:
+        """mlx-lm alone, the whole prompt on an empty cache, chunked as the engine
+        prefills (the chunks' caches, then the last token alone for its logits)."""
+        state = make_prompt_cache(model)
+        arr = mx.array(tokens)[None]
+
+        def run(state: Any = state) -> None:
+            for i in range(0, len(tokens) - 1, a.chunk):
+                model(arr[:, i:min(i + a.chunk, len(tokens) - 1)], cache=state)
+                mx.eval([x for _, x in adapters.state_arrays(state)])
+            mx.eval(model(arr[:, -1:], cache=state)[0, -1])
+        took = timed(run)
+        state.clear()
+        mx.clear_cache()
+        return took
+
     rng = random.Random(0)
+    vocab_words = word_tokens(tokenizer)
 
     def words(n: int) -> list[int]:
-        return [rng.randrange(10, vocab - 10) for _ in range(n)]
+        return [rng.choice(vocab_words) for _ in range(n)]
 
     eng = None
+    rows: list[dict[str, Any]] = []
+    skipped: list[str] = []
+    done: list[tuple[int, float]] = []
+    firsts: dict[str, float] = {}  # the first turn's prefill (nothing cached), per system
+
+    def dump() -> None:
+        if a.out:
+            Path(a.out).write_text(json.dumps({
+                "shape": a.shape, "model": str(folder), "window": info.context_length,
+                "new": a.new, "per_token_bytes": per_token, "first_prefill": firsts, "rows": rows,
+                "skipped": skipped}, indent=1))
+
     try:
         ssd_dir = root / "blocks"
         eng = engine(ssd_dir, a.redis)
         ns = eng.namespace()
         history = words(sizes[0])
-        cold = ask(eng, history)
-        log(f"cold prefill of {sizes[0]}: {cold.ttft_s:.2f} s")
-        history += list(cold.tokens)
-        rows: list[dict[str, Any]] = []
+        # a size's time includes the growing of the conversation to it (here from nothing)
+        t_size = time.perf_counter()
+        first = ask(eng, history)
+        firsts["engine_s"] = first.ttft_s
+        log(f"first prefill of {sizes[0]} (the engine, cold): {first.ttft_s:.2f} s")
+        if peer is not None:
+            firsts["mlx_lm_s"], _ = ask_peer(history)
+            log(f"first prefill of {sizes[0]} on mlx_lm.server (cold): "
+                f"{firsts['mlx_lm_s']:.2f} s")
         for n in sizes:
+            why = over_budget(done, n, a.budget_min)
+            if why is not None:
+                skipped.append(why)
+                log(f"skipped: {why}")
+                continue
             if len(history) < n:  # a turn that grows the conversation (from the live state)
-                add = words(n - len(history))
-                grown = ask(eng, history + add)
-                history += add + list(grown.tokens)
-            row: dict[str, Any] = {"size": len(history), "cold_s": cold.ttft_s,
-                                   "cold_size": sizes[0]}
+                history += words(n - len(history))
+                ask(eng, history)
+                if peer is not None:
+                    ask_peer(history)
+            row: dict[str, Any] = {"size": len(history)}
             # each next turn a.repeats times, the fastest (a turn after the first trims the
             # previous one's state back to the conversation: a retry with other new tokens)
             lives = [ask(eng, history + words(a.new)) for _ in range(a.repeats)]
@@ -260,40 +377,42 @@ def main(argv: list[str] | None = None) -> int:
                 red = ask(other, history + words(a.new))
                 row.update(redis_s=red.ttft_s, redis_by_tier=dict(red.usage.cached_by_tier))
                 other.close()
-            log(f"N={row['size']}: live {row['live_s']:.3f} s {row['live_by_tier']}, RAM {row['ram_s']:.3f} s, "
+            if peer is not None:  # the same next turns on mlx_lm.server
+                peers = [ask_peer(history + words(a.new)) for _ in range(a.repeats)]
+                took, usage = min(peers, key=lambda p: p[0])
+                row.update(mlx_lm_s=took, mlx_lm_cached=(usage.get("prompt_tokens_details")
+                                                         or {}).get("cached_tokens"))
+                # what its tokenizing of such a prompt takes in this process
+                prompt = tokenizer.decode(history + words(a.new))
+                t = time.perf_counter()
+                tokenizer.encode(prompt)
+                row["tokenize_s"] = time.perf_counter() - t
+            # a cold prefill of the next turn's whole prompt
+            row["cold_s"] = cold_prefill(history + words(a.new))
+            row["size_s"] = time.perf_counter() - t_size
+            done.append((n, row["size_s"]))
+            t_size = time.perf_counter()
+            log(f"N={row['size']} ({row['size_s']:.0f} s): live {row['live_s']:.3f} s "
+                f"{row['live_by_tier']}, RAM {row['ram_s']:.3f} s ({row['copies']} copies), "
                 f"SSD {row['ssd_s']:.3f} s, floor {row['floor_s']:.3f} s, copy "
                 f"{row['copy_s']:.3f} s ({copied / 1e6:.0f} MB), dd {row['read_s']:.3f} s "
-                f"({stored / 1e6:.0f} MB)"
-                + (f", Redis {row['redis_s']:.3f} s" if a.redis else ""))
+                f"({stored / 1e6:.0f} MB), cold {row['cold_s']:.2f} s"
+                + (f", Redis {row['redis_s']:.3f} s" if a.redis else "")
+                + (f", mlx_lm.server {row['mlx_lm_s']:.3f} s ({row['mlx_lm_cached']} cached; "
+                   f"tokenizing {row['tokenize_s']:.3f} s)" if peer is not None else ""))
             rows.append(row)
-            if a.out:
-                Path(a.out).write_text(json.dumps({"shape": a.shape, "new": a.new,
-                                                   "per_token_bytes": per_token,
-                                                   "rows": rows}, indent=1))
-        print(table(rows, a.redis))
+            dump()
+        dump()
+        print(table(rows, redis=a.redis, skipped=skipped))
     finally:
         if eng is not None:
             eng.close()
+        if peer is not None:
+            peer.stop()
         if redis_srv is not None:
             redis_srv.stop()
         shutil.rmtree(root, ignore_errors=True)
     return 0
-
-
-def table(rows: list[dict[str, Any]], redis: bool) -> str:
-    head = ("| tokens | floor | live | live / floor | RAM | (RAM - floor) / copy | copy "
-            "| SSD after restart | SSD / (dd + floor) | dd | " + ("Redis | " if redis else "")
-            + "cold prefill |")
-    lines = [head, "|" + "---|" * (head.count("|") - 1)]
-    for r in rows:
-        lines.append(
-            f"| {r['size']} | {r['floor_s']:.3f} | {r['live_s']:.3f} | "
-            f"{r['live_s'] / r['floor_s']:.2f} | {r['ram_s']:.3f} | "
-            f"{(r['ram_s'] - r['floor_s']) / r['copy_s']:.2f} | {r['copy_s']:.3f} | "
-            f"{r['ssd_s']:.3f} | {r['ssd_s'] / (r['read_s'] + r['floor_s']):.2f} | "
-            f"{r['read_s']:.3f} | " + (f"{r['redis_s']:.3f} | " if redis else "")
-            + f"{r['cold_s']:.2f} ({r['cold_size']}) |")
-    return "\n".join(lines)
 
 
 if __name__ == "__main__":
