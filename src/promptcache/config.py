@@ -10,8 +10,18 @@ from pathlib import Path
 MB = 1024**2
 GB = 1024**3
 
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*$", re.IGNORECASE)
+_UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 1024, "m": MB, "g": GB, "t": 1024**4}
+
+
+def parse_duration(text: str) -> float:
+    """``7d``, ``12h``, ``30m``, ``45s``, ``2w`` -> seconds. ValueError otherwise."""
+    m = _DURATION.match(text or "")
+    if not m:
+        raise ValueError(f"invalid duration {text!r} (use e.g. 7d, 12h, 30m)")
+    return float(m.group(1)) * _UNIT_S[m.group(2).lower()]
 
 
 def parse_size(text: str | int, *, total: int | None = None) -> int:

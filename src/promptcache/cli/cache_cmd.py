@@ -16,25 +16,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 import time
 from pathlib import Path
 
-from ..config import SSDConfig
+from ..config import SSDConfig, parse_duration
 from ..tiers.ssd import SSDTier
 from .progress import progress_bar
 
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*$", re.IGNORECASE)
-_UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
-
-
-def parse_duration(text: str) -> float:
-    """``7d``, ``12h``, ``30m``, ``45s``, ``2w`` -> seconds. ValueError otherwise."""
-    m = _DURATION.match(text or "")
-    if not m:
-        raise ValueError(f"invalid duration {text!r} (use e.g. 7d, 12h, 30m)")
-    return float(m.group(1)) * _UNIT_S[m.group(2).lower()]
+__all__ = ["parse_duration", "register", "run"]
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]

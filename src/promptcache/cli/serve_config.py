@@ -9,7 +9,7 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..config import CacheConfig, RedisConfig, SSDConfig, parse_size
+from ..config import CacheConfig, RedisConfig, SSDConfig, parse_duration, parse_size
 from ..serving_config import EdgeLimits, EngineConfig, ImageLimits, ServerConfig
 
 if TYPE_CHECKING:
@@ -42,7 +42,6 @@ def build_configs(args: argparse.Namespace) -> tuple[
         raise ValueError(f"--shutdown-persist-timeout must be >= 0, got {args.shutdown_persist_timeout}")
     if args.session_active_minutes < 0:
         raise ValueError(f"--session-active-minutes must be >= 0, got {args.session_active_minutes}")
-    from .cache_cmd import parse_duration
 
     ttl = parse_duration(args.ttl) if args.ttl is not None else None
     session_ttl = parse_duration(args.session_ttl) if args.session_ttl is not None else None
@@ -206,7 +205,6 @@ def build_redis_config(args: argparse.Namespace) -> RedisConfig | None:
         if args.redis_cluster:
             raise ValueError("--redis-cluster needs --redis-url")
         return None
-    from .cache_cmd import parse_duration
 
     ttl = parse_duration(args.redis_ttl)
     if args.redis_timeout_ms <= 0:
