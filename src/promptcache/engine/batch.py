@@ -25,13 +25,12 @@ speculator takes is one verify forward of every row's draft (``batch_verify``).
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 import mlx.core as mx
 
 from . import mlx_compat
-from .batch_verify import verify_step
 from .request import Request
 from .sampling import logprob_values
 
@@ -46,9 +45,13 @@ LogprobArrays = tuple[mx.array, ...]
 class DecodeBatch:
     """The rows decoding together and their batch caches."""
 
-    def __init__(self, model: Any, block_size: int) -> None:
+    def __init__(self, model: Any, block_size: int,
+                 verify: Callable[[DecodeBatch, Speculator], bool] | None = None) -> None:
         self.model = model
         self.block_size = block_size
+        # the speculator's verify step (``batch_verify.verify_step``, handed in by the
+        # scheduler): one forward of every row's draft; None decodes plainly
+        self.verify = verify
         self.rows: list[Request] = []
         self.cache: list[Any] = []
         # per row: the token to feed next (sampled last step, or the first token of a
@@ -196,14 +199,15 @@ class DecodeBatch:
     def step(self) -> None:
         """One batched forward (launched asynchronously), then the host work of the
         previous step's tokens; or, for a row the speculator takes, one verify forward
-        of its draft (``batch_verify.verify_step``)."""
+        of its draft (``self.verify``: ``batch_verify.verify_step``)."""
         if not self.rows or self._inputs is None:
             return
         spec = self.rows[0].ctx.speculator
-        if spec is not None and spec.eligible(self.rows, self.cache, self.model) \
+        if spec is not None and self.verify is not None \
+                and spec.eligible(self.rows, self.cache, self.model) \
                 and not spec.waiting(self.rows) \
                 and spec.presync(self.rows, self.cache, self.model, self._reported) \
-                and verify_step(self, spec):
+                and self.verify(self, spec):
             return
         rows = self.rows
         inputs = self._inputs

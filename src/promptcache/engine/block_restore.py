@@ -19,6 +19,7 @@ from mlx_lm.models.cache import (
     make_prompt_cache,
 )
 
+from ..errors import InvariantError
 from . import quant as _quant
 from .blockbuf import BlockPayload
 from .cache_kinds import (
@@ -360,7 +361,8 @@ def _whole_blocks_kv(blocks: list[_Used], name: str, n: int, reserve: int,
 def _rows_view(p: BlockPayload, key: str, count: int) -> mx.array:
     """Part ``key`` of ``count`` consecutive rows of ``p``'s slab from ``p.row`` on, as a
     strided ``(B, H, count, T, D)`` view (no copy)."""
-    assert p.slab is not None
+    if p.slab is None:
+        raise InvariantError("a slab view was asked of a block that is not a slab row")
     part = p.layout.parts[key]
     b, h, t, d = part.shape
     sb, sh, st, sd = part.strides

@@ -3,7 +3,7 @@
 ``Generation`` (``runner.py``) publishes a ``RequestFinished`` when the engine's final
 result arrives; every operation that accounts for finished requests subscribes to
 ``ServerState.finished`` instead of being called by hand. The standard subscribers, in
-order (``standard_subscribers``): the hit-rate monitor (alerts), the per-session /
+order (``runner.standard_subscribers``): the hit-rate monitor (alerts), the per-session /
 per-agent counts (``session_stats``), the session TTL's last use (``--session-ttl``),
 the dashboard's history, the Prometheus metrics (which read the monitor's rolling hit
 rate, so after it), and the request's log line. A subscriber that raises is logged and
@@ -15,14 +15,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from ..engine.api import GenerationResult, Usage
 from .api.auth import Scope
 from .ops.outcome import Outcome
-
-if TYPE_CHECKING:
-    from .replies.runner import ServerState
 
 log = logging.getLogger("promptcache.server.replies.runner")
 
@@ -68,49 +64,6 @@ def publish(subscribers: list[Subscriber], event: RequestFinished) -> None:
         except Exception:  # accounting must never break the response
             log.warning("request %s: a finished-request subscriber failed", event.request_id,
                         exc_info=True)
-
-
-def standard_subscribers(s: ServerState) -> list[Subscriber]:
-    """The operations' subscribers of one app, in the order they run."""
-
-    def monitor(ev: RequestFinished) -> None:
-        if ev.served:
-            s.monitor.record(ev.outcome)
-
-    def session_stats(ev: RequestFinished) -> None:
-        if ev.served:
-            s.session_stats.record(ev.scope, ev.usage.prompt_tokens, ev.usage.cached_tokens)
-
-    def session_ttl(ev: RequestFinished) -> None:
-        if s.sessions is not None and not ev.failed:
-            s.sessions.touch(ev.scope.tenant, ev.scope.session_id)
-
-    def history(ev: RequestFinished) -> None:
-        if ev.served:
-            miss = ev.result.miss
-            s.history.record(api=ev.api, tenant=ev.tenant, session=ev.scope.session_id,
-                             prompt_tokens=ev.usage.prompt_tokens,
-                             cached_tokens=ev.usage.cached_tokens, ttft_s=ev.ttft_s,
-                             cause=miss.cause if miss is not None else None,
-                             rolling_hit_rate=s.monitor.hit_rate())
-
-    def metrics(ev: RequestFinished) -> None:
-        m, u = s.metrics, ev.usage
-        m.queue_wait.observe(ev.result.queue_s)
-        if ev.failed:
-            m.observe_failure(ev.api, "error")
-            return
-        if ev.result.finish_reason == "cancelled":
-            m.observe_failure(ev.api, "cancelled")
-        else:
-            m.observe_result(ev.api, u.prompt_tokens, u.cached_by_tier, u.completion_tokens,
-                             ev.ttft_s)
-        rate = s.monitor.hit_rate()
-        if rate is not None:
-            m.rolling_hit_rate.set(rate)
-        m.alert.set(1 if s.monitor.alerting else 0)
-
-    return [monitor, session_stats, session_ttl, history, metrics, log_line]
 
 
 def log_line(ev: RequestFinished) -> None:

@@ -28,7 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ..codec import checksum
-from ..errors import TierError
+from ..errors import InvariantError, TierError
 from ..hashing import BlockHash
 from ..meta import BlockMeta, Namespace
 from . import ssd_files as files
@@ -311,7 +311,8 @@ class Writer:
             with self.st.dirlock.shared():
                 for i, (p, size, digest) in enumerate(written):
                     tmp = tmps[i]
-                    assert tmp is not None
+                    if tmp is None:
+                        raise InvariantError(f"ssd batch: block {i} has no temp file to publish")
                     name = files.publish(tmp, files.block_names(bytes(p.meta.block_hash).hex()),
                                          fsync=False)
                     tmps[i] = None

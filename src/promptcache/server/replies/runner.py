@@ -42,7 +42,7 @@ from ...serving_config import EngineConfig, ServerConfig
 from ...sessions import SessionReaper
 from ..api.auth import Authenticator, Scope
 from ..api.errors import APIError
-from ..finished import RequestFinished, Subscriber, publish, standard_subscribers
+from ..finished import RequestFinished, Subscriber, log_line, publish
 from ..ops.alerts import HitRateMonitor
 from ..ops.history import RequestHistory
 from ..ops.metrics import ServerMetrics
@@ -267,3 +267,46 @@ def state_of(request: Request) -> ServerState:
     """The app's ``ServerState``."""
     st: ServerState = request.app.state.pc
     return st
+
+
+def standard_subscribers(s: ServerState) -> list[Subscriber]:
+    """The operations' subscribers of one app, in the order they run."""
+
+    def monitor(ev: RequestFinished) -> None:
+        if ev.served:
+            s.monitor.record(ev.outcome)
+
+    def session_stats(ev: RequestFinished) -> None:
+        if ev.served:
+            s.session_stats.record(ev.scope, ev.usage.prompt_tokens, ev.usage.cached_tokens)
+
+    def session_ttl(ev: RequestFinished) -> None:
+        if s.sessions is not None and not ev.failed:
+            s.sessions.touch(ev.scope.tenant, ev.scope.session_id)
+
+    def history(ev: RequestFinished) -> None:
+        if ev.served:
+            miss = ev.result.miss
+            s.history.record(api=ev.api, tenant=ev.tenant, session=ev.scope.session_id,
+                             prompt_tokens=ev.usage.prompt_tokens,
+                             cached_tokens=ev.usage.cached_tokens, ttft_s=ev.ttft_s,
+                             cause=miss.cause if miss is not None else None,
+                             rolling_hit_rate=s.monitor.hit_rate())
+
+    def metrics(ev: RequestFinished) -> None:
+        m, u = s.metrics, ev.usage
+        m.queue_wait.observe(ev.result.queue_s)
+        if ev.failed:
+            m.observe_failure(ev.api, "error")
+            return
+        if ev.result.finish_reason == "cancelled":
+            m.observe_failure(ev.api, "cancelled")
+        else:
+            m.observe_result(ev.api, u.prompt_tokens, u.cached_by_tier, u.completion_tokens,
+                             ev.ttft_s)
+        rate = s.monitor.hit_rate()
+        if rate is not None:
+            m.rolling_hit_rate.set(rate)
+        m.alert.set(1 if s.monitor.alerting else 0)
+
+    return [monitor, session_stats, session_ttl, history, metrics, log_line]
