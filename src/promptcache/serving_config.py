@@ -21,6 +21,10 @@ class EngineConfig:
     message_snapshots: int = 16
     max_tokens_limit: int = 32768
     default_max_tokens: int = 512
+    # the repetition penalty (mlx-lm's, over the last repetition_context_size tokens) of
+    # a request that gives none: 1.0 = off
+    repetition_penalty: float = 1.0
+    repetition_context_size: int = 20
     # admission control: requests admitted at once (prefilling + decoding), requests
     # waiting beyond that (more are refused: 429 / 529 with Retry-After), and the bytes
     # of KV that admitted requests may hold (restored + growing, batch padding
@@ -104,6 +108,12 @@ class EngineConfig:
                              f"{self.template_render_limit_s}")
         if self.live_states < 0:
             raise ValueError(f"live_states must be >= 0, got {self.live_states}")
+        if not 0.0 < self.repetition_penalty <= 10.0:
+            raise ValueError(f"repetition_penalty must be in (0, 10], got "
+                             f"{self.repetition_penalty}")
+        if not 1 <= self.repetition_context_size <= 4096:
+            raise ValueError(f"repetition_context_size must be in [1, 4096], got "
+                             f"{self.repetition_context_size}")
         if self.speculation not in ("suffix", "off"):
             raise ValueError(f"speculation must be 'suffix' or 'off', got {self.speculation!r}")
         if not 1 <= self.spec_max_draft <= 64:

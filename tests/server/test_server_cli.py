@@ -197,3 +197,18 @@ def test_serve_an_unreachable_hub_model_is_one_line(tmp_path: Path) -> None:
         "not be downloaded from the Hugging Face hub (LocalEntryNotFoundError: ")
     assert last.endswith(")")
     assert [ln for ln in proc.stderr.splitlines() if "error" in ln.lower()] == [last]
+
+
+def test_serve_repetition_penalty_is_the_model_s_default() -> None:
+    eng, *_ = _configs("--no-ssd")  # the embedded default model: 1.1
+    assert (eng.repetition_penalty, eng.repetition_context_size) == (1.1, 20)
+    eng, *_ = _configs("--no-ssd", "--model", "default")
+    assert eng.repetition_penalty == 1.1
+    eng, *_ = _configs("--no-ssd", "--model", "/some/model")  # any other: off
+    assert eng.repetition_penalty == 1.0
+    eng, *_ = _configs("--no-ssd", "--repetition-penalty", "1.0",
+                       "--repetition-context-size", "64")
+    assert (eng.repetition_penalty, eng.repetition_context_size) == (1.0, 64)
+    for argv in (("--repetition-penalty", "0"), ("--repetition-context-size", "0")):
+        with pytest.raises(ValueError, match="repetition_"):
+            _configs("--no-ssd", *argv)

@@ -100,6 +100,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "or refused with --max-tokens-overflow error")
     p.add_argument("--default-max-tokens", type=int, default=EngineConfig.default_max_tokens,
                    help="max_tokens of a request that gives none (within the room left)")
+    p.add_argument("--repetition-penalty", type=float, default=None,
+                   help="the repetition penalty of a request that gives none (mlx-lm's; "
+                        "1.0 = off, the default; 1.1 for the embedded default model, "
+                        "which loops without one); a request's repetition_penalty wins")
+    p.add_argument("--repetition-context-size", type=int,
+                   default=EngineConfig.repetition_context_size,
+                   help="the last tokens the penalties look at, for a request that "
+                        "gives none")
     p.add_argument("--context-window", "--max-model-len", type=int, default=None,
                    help="the context window to enforce (default: the model's; may only "
                         "shrink it)")

@@ -82,6 +82,8 @@ def build_configs(args: argparse.Namespace) -> tuple[
     engine_cfg = EngineConfig(prefill_chunk_tokens=chunk,
                               max_tokens_limit=args.max_tokens_limit,
                               default_max_tokens=args.default_max_tokens,
+                              repetition_penalty=repetition_penalty(args),
+                              repetition_context_size=args.repetition_context_size,
                               max_active_requests=args.max_active,
                               max_queued_requests=args.max_queue,
                               active_kv_budget_bytes=kv_budget,
@@ -214,6 +216,17 @@ def build_redis_config(args: argparse.Namespace) -> RedisConfig | None:
 
 
 DEFAULT_MODEL = "default"  # --model default: the embedded default model, as no --model
+# a 135M model repeats a sentence until max_tokens without one (Ollama's and LM Studio's
+# default is the same 1.1)
+DEFAULT_MODEL_REPETITION_PENALTY = 1.1
+
+
+def repetition_penalty(args: argparse.Namespace) -> float:
+    """``--repetition-penalty``, or the model's default: 1.1 for the embedded default
+    model, 1.0 (off) for any other."""
+    if args.repetition_penalty is not None:
+        return float(args.repetition_penalty)
+    return DEFAULT_MODEL_REPETITION_PENALTY if model_of(args) in (None, DEFAULT_MODEL) else 1.0
 
 
 def resolve_model(model: str | None, steps: Steps) -> str:

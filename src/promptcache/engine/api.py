@@ -141,6 +141,13 @@ class SamplingParams:
     # sampling (mlx-lm's logits processor); the ids are checked against the vocabulary
     # at submit (``engine/context.py``)
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # mlx-lm's penalties over the last ``penalty_context`` tokens (prompt included):
+    # repetition (multiplicative, > 0, 1 = off; mlx_lm.server / vLLM ``repetition_penalty``),
+    # OpenAI's presence and frequency penalties (additive, in [-2, 2], 0 = off)
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    penalty_context: int = 20
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
@@ -178,6 +185,20 @@ class SamplingParams:
             if isinstance(bias, bool) or not isinstance(bias, (int, float)) \
                     or not -100.0 <= float(bias) <= 100.0:
                 raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {bias!r}")
+        if not 0.0 < float(self.repetition_penalty) <= 10.0:
+            raise ValueError(f"repetition_penalty must be in (0, 10], got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= float(getattr(self, name)) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if isinstance(self.penalty_context, bool) or not isinstance(self.penalty_context, int) \
+                or not 1 <= self.penalty_context <= 4096:
+            raise ValueError(f"repetition_context_size must be an integer in [1, 4096], got "
+                             f"{self.penalty_context!r}")
+
+    @property
+    def penalized(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 \
+            or self.frequency_penalty != 0.0
 
 
 ConstraintKind = Literal["json_schema", "regex", "lark"]

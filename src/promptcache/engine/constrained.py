@@ -251,10 +251,23 @@ class GrammarProcessor:
         return mx.where(mask, logits, mx.array(-float("inf"), dtype=logits.dtype))
 
 
+class TokenProcessor:
+    """An mlx-lm logits processor that is a pure function of the tokens so far (logit
+    bias, repetition / presence / frequency penalties): a verify applies it position
+    by position with the draft tokens before it, as decoding one at a time would."""
+
+    def __init__(self, fn: LogitsProcessor) -> None:
+        self.fn = fn
+
+    def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
+        return self.fn(tokens, logits)
+
+
 def speculates(processors: Sequence[object]) -> bool:
-    """Whether a row with these logits processors can verify drafts: only grammar
-    constraints (``GrammarProcessor``) are checked draft by draft."""
-    return all(isinstance(p, GrammarProcessor) for p in processors)
+    """Whether a row with these logits processors can verify drafts: grammar
+    constraints (``GrammarProcessor``) and pure ``TokenProcessor``s are checked draft by
+    draft."""
+    return all(isinstance(p, (GrammarProcessor, TokenProcessor)) for p in processors)
 
 
 def grammar_prefix(processors: Sequence[object], pending: int, draft: Sequence[int]) -> int:
@@ -263,6 +276,8 @@ def grammar_prefix(processors: Sequence[object], pending: int, draft: Sequence[i
     matcher that failed or processors that are not grammars."""
     n = len(draft)
     for p in processors:
+        if isinstance(p, TokenProcessor):
+            continue
         if not isinstance(p, GrammarProcessor) or p.failed:
             return 0
         ok = int(p.matcher.validate_tokens([int(pending), *(int(t) for t in draft[:n])]))

@@ -66,11 +66,18 @@ class Submission:
         if request.constraint is not None:
             processors.append(constrained.logits_processor(
                 request.constraint, ctx.tokenizer, ctx.vocab_size))
-        if request.sampling.logit_bias:
-            # after the grammar: a bias never revives a token the grammar masked out.
-            # Not a grammar: such a row decodes without speculation (Speculator.eligible)
-            processors.extend(make_logits_processors(
-                logit_bias=dict(request.sampling.logit_bias)))
+        sp = request.sampling
+        if sp.logit_bias or sp.penalized:
+            # after the grammar: a bias never revives a token the grammar masked out;
+            # pure functions of the tokens, so a verify checks drafts through them
+            processors.extend(constrained.TokenProcessor(fn) for fn in make_logits_processors(
+                logit_bias=dict(sp.logit_bias) or None,
+                repetition_penalty=sp.repetition_penalty if sp.repetition_penalty != 1.0 else None,
+                repetition_context_size=sp.penalty_context,
+                presence_penalty=sp.presence_penalty or None,
+                presence_context_size=sp.penalty_context,
+                frequency_penalty=sp.frequency_penalty or None,
+                frequency_context_size=sp.penalty_context))
         if not request.request_id:
             request = dataclasses.replace(request, request_id=f"req-{next(self._ids)}")
         handle = RequestHandle(request, on_cancel=self._on_cancel)

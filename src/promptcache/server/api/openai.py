@@ -206,7 +206,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     max_tokens = plan_max_tokens(st, "openai", len(prepared.tokens), requested, param)
     sampling = st.sampling(max_tokens=max_tokens, temperature=body.temperature,
                            top_p=body.top_p, seed=body.seed, stop=body.stop, logprobs=k,
-                           logit_bias=bias)
+                           logit_bias=bias, penalties=openai_params.penalties(body))
     gen = start(st, "openai", request, scope, prepared, sampling, turn)
 
     def on_reply(reply: list[dict[str, Any]]) -> None:
@@ -330,7 +330,7 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     max_tokens = plan_max_tokens(st, "openai", len(prompt), body.max_tokens)
     sampling = st.sampling(max_tokens=max_tokens, temperature=body.temperature,
                            top_p=body.top_p, seed=body.seed, stop=body.stop, logprobs=k,
-                           logit_bias=bias)
+                           logit_bias=bias, penalties=openai_params.penalties(body))
     decoder = (LogprobDecoder(st.engine.tokenizer, sampling.stop_token_ids)
                if k is not None else None)
     gen = st.start("openai", request, request.state.pc_scope, prompt, sampling)

@@ -10,7 +10,9 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from ..replies.runner import Penalties
 from .errors import APIError
+from .schemas import ResponsesRequest, _OAISampling
 
 MAX_COMPLETION_LOGPROBS = 5
 
@@ -82,3 +84,11 @@ def legacy_logprobs(entries: list[dict[str, Any]], offset: int) -> dict[str, Any
         offset += len(e["token"])
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top,
             "text_offset": offsets}
+
+
+def penalties(body: _OAISampling | ResponsesRequest) -> Penalties:
+    """The request's penalties (OpenAI's presence / frequency, mlx_lm.server's and
+    vLLM's repetition penalty and its context size); the ranges are checked by
+    ``SamplingParams`` (a 400 naming the field)."""
+    return Penalties(repetition=body.repetition_penalty, presence=body.presence_penalty,
+                     frequency=body.frequency_penalty, context=body.repetition_context_size)

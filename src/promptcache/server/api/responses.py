@@ -52,6 +52,7 @@ from ..replies.reply import (
 )
 from ..replies.runner import Generation, ServerState, state_of
 from ..replies.toolcalls import offered_tool_names
+from . import openai_params
 from .errors import APIError
 from .responses_events import ReplyItems, new_id, responses_usage
 from .responses_items import (
@@ -226,7 +227,8 @@ async def create_response(body: ResponsesRequest, request: Request) -> Any:
                                  "max_output_tokens")
     k = body.top_logprobs
     sampling = st.sampling(max_tokens=max_tokens, temperature=body.temperature,
-                           top_p=body.top_p, seed=None, stop=None, logprobs=k)
+                           top_p=body.top_p, seed=None, stop=None, logprobs=k,
+                           penalties=openai_params.penalties(body))
     gen = start(st, "responses", request, scope, prepared, sampling, turn)
     decoder = (LogprobDecoder(st.engine.tokenizer, sampling.stop_token_ids)
                if k is not None else None)

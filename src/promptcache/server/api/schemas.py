@@ -58,6 +58,11 @@ class _OAISampling(_Lenient):
     user: str | None = None
     # {"token id": bias in [-100, 100]}: checked in openai_params.py (a 400 naming it)
     logit_bias: Any = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    # mlx_lm.server's and vLLM's extensions
+    repetition_penalty: float | None = None
+    repetition_context_size: int | None = None
 
 
 class ChatCompletionRequest(_OAISampling):
@@ -147,6 +152,10 @@ class ResponsesRequest(_Lenient):
     temperature: float | None = None
     top_p: float | None = None
     top_logprobs: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    repetition_context_size: int | None = None
     reasoning: dict[str, Any] | None = None
     text: dict[str, Any] | None = None
     store: bool | None = None

@@ -59,6 +59,18 @@ DISCONNECT_POLL_S = 0.2
 BASE_ALIASES = ("default", "promptcache")
 
 
+@dataclass(frozen=True)
+class Penalties:
+    """A request's own penalties (None: the server's default; OpenAI's presence and
+    frequency penalties, mlx_lm.server's and vLLM's ``repetition_penalty`` and
+    ``repetition_context_size``)."""
+
+    repetition: float | None = None
+    presence: float | None = None
+    frequency: float | None = None
+    context: int | None = None
+
+
 @dataclass
 class ServerState:
     engine: EngineAPI
@@ -111,8 +123,10 @@ class ServerState:
     def sampling(self, *, max_tokens: int, temperature: float | None, top_p: float | None,
                  seed: int | None, stop: Sequence[str] | str | None, top_k: int | None = None,
                  logprobs: int | None = None,
-                 logit_bias: tuple[tuple[int, float], ...] = ()) -> SamplingParams:
+                 logit_bias: tuple[tuple[int, float], ...] = (),
+                 penalties: Penalties | None = None) -> SamplingParams:
         stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
+        pen = penalties or Penalties()
         if len(stops) > 16:
             raise APIError(400, "at most 16 stop sequences are supported", param="stop")
         return SamplingParams(
@@ -124,6 +138,12 @@ class ServerState:
             top_k=top_k or 0,
             logprobs=logprobs,
             logit_bias=logit_bias,
+            repetition_penalty=(self.engine_config.repetition_penalty
+                                if pen.repetition is None else float(pen.repetition)),
+            presence_penalty=float(pen.presence or 0.0),
+            frequency_penalty=float(pen.frequency or 0.0),
+            penalty_context=(self.engine_config.repetition_context_size
+                             if pen.context is None else pen.context),
         )
 
     def start(self, api: str, http_request: Request, scope: Scope, prompt: Sequence[int],
