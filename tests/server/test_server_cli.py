@@ -200,12 +200,12 @@ def test_serve_an_unreachable_hub_model_is_one_line(tmp_path: Path) -> None:
 
 
 def test_serve_repetition_penalty_is_the_model_s_default() -> None:
-    eng, *_ = _configs("--no-ssd")  # the embedded default model: 1.1
-    assert (eng.repetition_penalty, eng.repetition_context_size) == (1.1, 20)
+    eng, *_ = _configs("--no-ssd")  # the embedded default model: Ollama's defaults
+    assert (eng.repetition_penalty, eng.repetition_context_size) == (1.1, 64)
     eng, *_ = _configs("--no-ssd", "--model", "default")
-    assert eng.repetition_penalty == 1.1
+    assert (eng.repetition_penalty, eng.repetition_context_size) == (1.1, 64)
     eng, *_ = _configs("--no-ssd", "--model", "/some/model")  # any other: off
-    assert eng.repetition_penalty == 1.0
+    assert (eng.repetition_penalty, eng.repetition_context_size) == (1.0, 20)
     eng, *_ = _configs("--no-ssd", "--repetition-penalty", "1.0",
                        "--repetition-context-size", "64")
     assert (eng.repetition_penalty, eng.repetition_context_size) == (1.0, 64)

@@ -102,12 +102,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="max_tokens of a request that gives none (within the room left)")
     p.add_argument("--repetition-penalty", type=float, default=None,
                    help="the repetition penalty of a request that gives none (mlx-lm's; "
-                        "1.0 = off, the default; 1.1 for the embedded default model, "
-                        "which loops without one); a request's repetition_penalty wins")
-    p.add_argument("--repetition-context-size", type=int,
-                   default=EngineConfig.repetition_context_size,
+                        "default 1.0 = off; 1.1 on the embedded default model, which "
+                        "loops without one); a request's repetition_penalty wins")
+    p.add_argument("--repetition-context-size", type=int, default=None,
                    help="the last tokens the penalties look at, for a request that "
-                        "gives none")
+                        "gives none (default 20; 64 on the embedded default model)")
     p.add_argument("--context-window", "--max-model-len", type=int, default=None,
                    help="the context window to enforce (default: the model's; may only "
                         "shrink it)")

@@ -79,11 +79,12 @@ def build_configs(args: argparse.Namespace) -> tuple[
         raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
     kv_budget = max(MIN_KV_BUDGET, parse_size(args.kv_budget,
                                               total=psutil.virtual_memory().available))
+    penalty = repetition_penalty(args)
     engine_cfg = EngineConfig(prefill_chunk_tokens=chunk,
                               max_tokens_limit=args.max_tokens_limit,
                               default_max_tokens=args.default_max_tokens,
-                              repetition_penalty=repetition_penalty(args),
-                              repetition_context_size=args.repetition_context_size,
+                              repetition_penalty=penalty[0],
+                              repetition_context_size=penalty[1],
                               max_active_requests=args.max_active,
                               max_queued_requests=args.max_queue,
                               active_kv_budget_bytes=kv_budget,
@@ -216,17 +217,20 @@ def build_redis_config(args: argparse.Namespace) -> RedisConfig | None:
 
 
 DEFAULT_MODEL = "default"  # --model default: the embedded default model, as no --model
-# a 135M model repeats a sentence until max_tokens without one (Ollama's and LM Studio's
-# default is the same 1.1)
-DEFAULT_MODEL_REPETITION_PENALTY = 1.1
+# a 135M model repeats a sentence until max_tokens without one; Ollama's defaults
+# (repeat_penalty 1.1 over repeat_last_n 64) break the loops a coding agent's prompt
+# sends it into, where mlx-lm's 20 tokens are shorter than the loop
+DEFAULT_MODEL_PENALTY = (1.1, 64)
 
 
-def repetition_penalty(args: argparse.Namespace) -> float:
-    """``--repetition-penalty``, or the model's default: 1.1 for the embedded default
-    model, 1.0 (off) for any other."""
-    if args.repetition_penalty is not None:
-        return float(args.repetition_penalty)
-    return DEFAULT_MODEL_REPETITION_PENALTY if model_of(args) in (None, DEFAULT_MODEL) else 1.0
+def repetition_penalty(args: argparse.Namespace) -> tuple[float, int]:
+    """(``--repetition-penalty``, ``--repetition-context-size``), each given or the
+    model's default: (1.1, 64) for the embedded default model, (1.0: off, 20) for any
+    other."""
+    default = DEFAULT_MODEL_PENALTY if model_of(args) in (None, DEFAULT_MODEL) else (1.0, 20)
+    return (default[0] if args.repetition_penalty is None else float(args.repetition_penalty),
+            default[1] if args.repetition_context_size is None
+            else int(args.repetition_context_size))
 
 
 def resolve_model(model: str | None, steps: Steps) -> str:
