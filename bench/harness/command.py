@@ -50,8 +50,11 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                         "when named), S6 (two "
                         "servers sharing one Redis; needs redis-server; only when named), "
                         "soak (agent sessions with churn for --minutes, sampling memory, "
-                        "MLX arrays, threads and fds; ours only; only when named); "
-                        "default: all the others")
+                        "MLX arrays, threads and fds; ours only; only when named), "
+                        "long (one conversation grown to --long-sizes tokens, each size's "
+                        "next turn from the live state, the RAM tier, the SSD after a "
+                        "restart, Redis, beside the floor and mlx_lm.server; only when "
+                        "named); default: all the others")
     p.add_argument("--systems", default=",".join(systems.SYSTEM_NAMES),
                    help="comma-separated, from ours,mlx_lm,vllm_mlx,nocache (default: all) "
                         "and ours_kv8,ours_kv4 (ours with --kv-bits 8 / 4), ours_nospec "
@@ -82,7 +85,25 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--soak-redis", action="store_true",
                    help="soak: a redis-server as the shared tier, and the SSD tier at the "
                         "RAM tier's budget, so blocks come back from Redis too")
+    p.add_argument("--long-shape", default="small",
+                   help="long: the model (small, smollm2-random: random weights, a 128K "
+                        "window; smollm2: the embedded default, its window widened to 32K)")
+    p.add_argument("--long-sizes", default="8192,16384,32768",
+                   help="long: the conversation's sizes in tokens (comma-separated)")
+    p.add_argument("--long-new", type=int, default=256, help="long: new tokens per turn")
+    p.add_argument("--long-budget-min", type=float, default=15.0,
+                   help="long: a size estimated past this many minutes is not measured")
+    p.add_argument("--long-redis", action="store_true", help="long: also from Redis")
     p.set_defaults(func=run)
+
+
+def long_argv(args: argparse.Namespace, wanted: list[str], out: Path) -> list[str]:
+    """The long-session scenario's own arguments (``long_run.parser``)."""
+    argv = ["--shape", args.long_shape, "--sizes", args.long_sizes,
+            "--new", str(args.long_new), "--budget-min", f"{args.long_budget_min:g}",
+            "--out", str(out / "long_session.json")]
+    return (argv + (["--redis"] if args.long_redis else [])
+            + ([] if "mlx_lm" in wanted else ["--no-mlx-lm"]))
 
 
 def _streams(arg: str | None) -> list[int] | None:
@@ -134,6 +155,9 @@ def _command(args: argparse.Namespace, model: str) -> str:
         parts += ["--soak-streams", str(args.soak_streams),
                   "--soak-ram-budget", args.soak_ram_budget]
         parts += ["--soak-redis"] if args.soak_redis else []
+    if "long" in args.scenarios.lower():
+        parts += ["--long-shape", args.long_shape, "--long-sizes", args.long_sizes,
+                  "--long-new", str(args.long_new)] + (["--long-redis"] if args.long_redis else [])
     return " ".join(p if p.startswith("LD_PRELOAD=") else shlex.quote(p) for p in parts)
 
 
@@ -145,12 +169,12 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _terminate)
     logging.getLogger("httpx").setLevel(logging.WARNING)
     parts = [p.strip().upper() for p in args.scenarios.split(",") if p.strip()]
-    want_s6, want_soak = "S6" in parts, "SOAK" in parts
+    want_s6, want_soak, want_long = "S6" in parts, "SOAK" in parts, "LONG" in parts
     concurrent = [p for p in dict.fromkeys(parts) if p in concurrent_plans.CONCURRENT_NAMES]
     rest = [p for p in parts
-            if p not in ("S6", "SOAK") and p not in concurrent_plans.CONCURRENT_NAMES]
+            if p not in ("S6", "SOAK", "LONG") and p not in concurrent_plans.CONCURRENT_NAMES]
     names = (scenarios.parse_names(",".join(rest))
-             if rest or not (want_s6 or want_soak or concurrent) else [])
+             if rest or not (want_s6 or want_soak or want_long or concurrent) else [])
     wanted = systems.parse_systems(args.systems)
     if args.max_tokens is not None and not 0 < args.max_tokens <= 4096:
         raise ValueError(f"--max-tokens must be in 1..4096, got {args.max_tokens}")
@@ -232,7 +256,14 @@ def run(args: argparse.Namespace) -> int:
         report.write_json(results, results_path)
         s6_md = "\n" + shared.markdown(results["s6"])
     soak_md = _run_soak(args, wanted, model, out, results, results_path) if want_soak else ""
-    md = report.markdown(results, _command(args, model)) + s6_md + md_concurrent + soak_md
+    long_md = ""
+    if want_long:
+        from .long_run import run as run_long
+
+        long_md = (f"\n## Long sessions\n\n`{_command(args, model)}`\n\n"
+                   + run_long(long_argv(args, wanted, out)) + "\n")
+    md = (report.markdown(results, _command(args, model)) + s6_md + md_concurrent + soak_md
+          + long_md)
     (out / "report.md").write_text(md)
     charts = report.write_charts(results, out / "charts")
     _say(f"wrote {results_path}, {out / 'report.md'}, {len(charts)} charts in {out / 'charts'}")

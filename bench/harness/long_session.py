@@ -1,4 +1,4 @@
-"""The long-session scenario's pure parts (``bench/bench_long_session.py`` does the mlx
+"""The long-session scenario's pure parts (``long_run.py`` does the mlx
 work): the report table from the measured rows, the time estimate that decides whether
 a size still fits the run's budget, and one timed text completion on a peer server.
 

@@ -158,3 +158,21 @@ def test_other_commands_start_without_the_harness() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout
     assert out == "[]\n"
+
+
+def test_the_long_session_is_a_scenario(tmp_path: Path,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "out"
+    rc = main(["bench", "--scenarios", "long", "--systems", "ours", "--long-shape", "small",
+               "--long-sizes", "256", "--long-new", "16", "--out", str(out)])
+    assert rc == 0
+    result = json.loads((out / "long_session.json").read_text())
+    assert (result["shape"], result["new"], result["skipped"]) == ("small", 16, [])
+    (row,) = result["rows"]
+    assert row["size"] == 256 and row["live_by_tier"] == {"live": 256}
+    # 8 layers' K and V from two runs of blocks (slabs): 32 copies, not one per block
+    assert row["copies"] == 32
+    assert "mlx_lm_s" not in row  # mlx_lm not named
+    md = (out / "report.md").read_text()
+    assert "## Long sessions" in md and "\n| 256 | " in md
+    assert "--scenarios long" in md and "--long-sizes 256 --long-new 16" in md
