@@ -31,12 +31,13 @@ from __future__ import annotations
 
 import statistics
 import threading
-from collections import Counter, OrderedDict, deque
+from collections import Counter, deque
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from .hashing import BlockHash, hash_block
+from .lru import BoundedLRU
 from .meta import BlockMeta, ExtraKeySpan, Namespace, extra_keys_for
 
 MIB = 1024**2
@@ -67,8 +68,7 @@ class EvictionAdvisor:
         if ghost_entries < 1 or window < 1:
             raise ValueError("ghost_entries and window must be >= 1")
         self.cache = cache
-        self._ghost: OrderedDict[BlockHash, tuple[int, int]] = OrderedDict()
-        self._max_ghost = ghost_entries
+        self._ghost: BoundedLRU[BlockHash, tuple[int, int]] = BoundedLRU(ghost_entries)
         self._evicted_bytes = 0
         self._samples: deque[LookupSample] = deque(maxlen=window)
         self._lock = threading.Lock()
@@ -78,10 +78,7 @@ class EvictionAdvisor:
     def evicted(self, meta: BlockMeta) -> None:
         with self._lock:
             self._evicted_bytes += meta.nbytes
-            self._ghost[meta.block_hash] = (self._evicted_bytes, meta.nbytes)
-            self._ghost.move_to_end(meta.block_hash)
-            while len(self._ghost) > self._max_ghost:
-                self._ghost.popitem(last=False)
+            self._ghost.put(meta.block_hash, (self._evicted_bytes, meta.nbytes))
 
     def acquired(self, req: Any, ns: Namespace, spans: Sequence[ExtraKeySpan],
                  hit_tokens: int, miss: Any) -> None:
@@ -111,7 +108,7 @@ class EvictionAdvisor:
                 parent = hash_block(parent, tokens[start:start + bs], extra)
                 if b < first:
                     continue
-                g = self._ghost.get(parent)
+                g = self._ghost.peek(parent)
                 if g is None:
                     break
                 pushed = now - g[0]

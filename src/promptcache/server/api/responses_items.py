@@ -30,11 +30,11 @@ from __future__ import annotations
 
 import json
 import threading
-from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from ...lru import BoundedLRU
 from ..prompts.images import ImageCollector
 from ..prompts.prompt import check_tool_parameters, function_arguments, image_part
 from .errors import APIError
@@ -241,7 +241,7 @@ class ResponseStore:
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        self._items: OrderedDict[tuple[str, str], StoredResponse] = OrderedDict()
+        self._items: BoundedLRU[tuple[str, str], StoredResponse] = BoundedLRU(max(0, capacity))
         self._lock = threading.Lock()
 
     def scoped(self, tenant: str) -> TenantResponses:
@@ -251,21 +251,15 @@ class ResponseStore:
         if self.capacity <= 0:
             return
         with self._lock:
-            self._items[(tenant, rid)] = stored
-            self._items.move_to_end((tenant, rid))
-            while len(self._items) > self.capacity:
-                self._items.popitem(last=False)
+            self._items.put((tenant, rid), stored)
 
     def get(self, tenant: str, rid: str) -> StoredResponse | None:
         with self._lock:
-            stored = self._items.get((tenant, rid))
-            if stored is not None:
-                self._items.move_to_end((tenant, rid))
-            return stored
+            return self._items.get((tenant, rid))
 
     def delete(self, tenant: str, rid: str) -> bool:
         with self._lock:
-            return self._items.pop((tenant, rid), None) is not None
+            return self._items.pop((tenant, rid)) is not None
 
     def item(self, tenant: str, item_id: str) -> dict[str, Any] | None:
         """An output item of one of the tenant's stored responses, by its id."""

@@ -15,10 +15,10 @@ grow the server's memory or the stats response without limit.
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
+from ...lru import BoundedLRU
 from ..api.auth import Scope
 
 MAX_SESSIONS = 256
@@ -58,7 +58,7 @@ class SessionStats:
             raise ValueError("max_sessions must be >= 1 and max_agents >= 0")
         self.max_sessions = max_sessions
         self.max_agents = max_agents
-        self._sessions: OrderedDict[tuple[str, str], _Session] = OrderedDict()
+        self._sessions: BoundedLRU[tuple[str, str], _Session] = BoundedLRU(max_sessions)
         self._evicted = 0
         self._lock = threading.Lock()
 
@@ -70,12 +70,8 @@ class SessionStats:
         with self._lock:
             s = self._sessions.get(key)
             if s is None:
-                s = self._sessions[key] = _Session()
-                while len(self._sessions) > self.max_sessions:
-                    self._sessions.popitem(last=False)
-                    self._evicted += 1
-            else:
-                self._sessions.move_to_end(key)
+                s = _Session()
+                self._evicted += len(self._sessions.put(key, s))
             s.add(prompt_tokens, cached_tokens)
             if scope.agent_id is None:
                 return
