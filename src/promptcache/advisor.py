@@ -1,31 +1,9 @@
-"""Automated diagnosis: the dominant miss cause over a window and a concrete remedy,
-measured from the cache's own events (``PromptCache.observers``).
-
-``EvictionAdvisor`` watches two cache events:
-
-- ``evicted(meta)``: it remembers, for the last ``ghost_entries`` evicted blocks, the
-  running total of evicted bytes just after each one left RAM (a "ghost" list);
-- ``acquired(tokens, ns, spans, hit_tokens, miss)``: one sample per lookup (prompt and
-  hit tokens, the miss cause and position). For a miss on an evicted block it hashes the
-  request's remaining full blocks and finds the run of them in the ghost list: with LRU,
-  a block evicted when ``E0`` bytes had been evicted would still be in RAM now, when
-  ``E`` bytes have been, had the budget been larger by ``E - E0`` (every byte allocated
-  since pushed it one byte further down the LRU order). So the budget that would have
-  kept the whole run is ``budget + max(E - E0) + its size`` (an LRU stack-distance
-  estimate: exact for a full pool under LRU, conservative when the pool has free room).
-
-``diagnose(advisor.window(), stats)`` names the dominant cause by missed tokens (cold
-starts excluded: a cache cannot be expected to hit a prompt it never saw; the server
-passes the alert's own count, ``missed``, where new prompts are not counted at all) and
-its remedy: for ``evicted`` the RAM budget that would have kept every evicted-before-reuse
-run of the window (rounded up a little), for a prompt that changed (``diverged``, or a
-session's ``tools_changed`` / ``system_changed`` / ``messages_changed``) the
-canonical-prompt rules that are off (never one that is on), for
-``expired`` the TTL, for ``not_stored: <cause>`` the failed save's cause (the
-engine's ``store_errors_by_cause``), plus findings from the tiers (SSD writes over the daily write
-budget, a degraded SSD, an unhealthy shared tier). The server puts the result into the
-low-hit-rate log line, ``/v1/cache/stats`` (``diagnosis``) and the dashboard.
-"""
+"""Automated diagnosis: the dominant miss cause over a window and a concrete remedy, from the
+cache's own events. ``EvictionAdvisor`` keeps a ghost list of evicted blocks (the bytes
+evicted so far when each left): a miss on a run evicted at ``E0`` when ``E`` bytes have
+gone would have hit with ``E - E0`` more budget (an LRU stack distance). ``diagnose``
+names the cause by missed tokens and its remedy (a RAM budget, the canonical rules that
+are off, the TTL, a failed save's cause, tier findings)."""
 
 from __future__ import annotations
 

@@ -1,30 +1,7 @@
-"""OpenAI Responses API: request items and tools -> template messages; the response store.
-
-Input items (``input`` is a string or a list of items):
-- ``message`` (``type`` may be left out): roles ``user``, ``assistant``, ``system``,
-  ``developer`` (rendered as system); content a string or ``input_text`` /
-  ``output_text`` / ``refusal`` parts. Image, file and audio parts are a 400 (text-only
-  model).
-- ``function_call`` (``call_id``, ``name``, ``arguments`` as a JSON string, optional
-  ``namespace``) joins the assistant turn before it; ``function_call_output``
-  (``call_id``, ``output`` string or text parts) becomes a tool turn and must answer a
-  call of this conversation. ``custom_tool_call`` / ``custom_tool_call_output`` likewise
-  (the call's ``input`` string as the argument ``input``).
-- ``reasoning`` items are accepted and not replayed into the prompt (as Anthropic
-  ``thinking`` blocks). ``item_reference`` names an item of a stored response.
-- Any other item type is a 400.
-
-Tools: ``function`` tools (flat Responses format) are offered as they are; the functions
-of a ``namespace`` tool under their qualified names ``<namespace>__<name>`` (a call of one
-is returned with ``name`` and ``namespace`` apart); other tool types (``web_search``,
-``file_search``, ``custom``, ``mcp``, ... server-side tools the model cannot run) are
-accepted and left out.
-
+"""OpenAI Responses API: input items and tools -> template messages (the items and tool types
+accepted are in docs/api.md; others are a 400 or, for server-side tools, left out), and
 ``ResponseStore``: responses kept for ``previous_response_id`` and ``GET
-/v1/responses/{id}``, bounded (least recently used out), in memory, per tenant (one tenant never
-sees, continues or deletes another's); ``store: false``
-responses are not kept.
-"""
+/v1/responses/{id}``, bounded, in memory, per tenant (one tenant never sees another's)."""
 
 from __future__ import annotations
 

@@ -1,33 +1,9 @@
 """Miss diagnosis against the previous turn: Anthropic ``diagnostics`` and the log line.
-
-A turn of a conversation should find the previous turn's prompt + output in the cache.
-When it does not, this module says why, in the terms of Anthropic's cache diagnostics
-(beta ``cache-diagnosis-2026-04-07``) plus the cache's own causes:
-
-- ``tools_changed`` / ``system_changed`` / ``messages_changed``: the request diverges
-  from the previous turn's tokens before their end, and the first difference in the
-  request's structure is in the tools, the leading system prompt, or the messages
-  (a changed message, or the history rendered differently from what was generated:
-  reasoning stripped, a tool call re-rendered, text that re-tokenizes differently);
-- ``evicted`` / ``expired`` / ``not_restorable`` / ``not_stored`` / ``cold``: the
-  request repeats the previous turn, but the cache did not deliver it (blocks evicted,
-  past their TTL, a state that cannot be restored at that position, a save that
-  failed, or never stored);
-- ``previous_message_not_found`` (the ``diagnostics.previous_message_id`` is unknown)
-  and ``unavailable`` (the server runs without a cache).
-
-``cache_missed_input_tokens`` is the previous turn's reusable length (its prompt +
-output but the last token, capped at this prompt's length - 1) minus the tokens this
-request read from the cache. No miss (or no previous turn to compare with) is
-``None`` (Anthropic's ``"diagnostics": null``).
-
-The previous turn is the one named by ``previous_message_id``, else the last turn of
-the same tenant, session and agent (Claude Code subagents have agent ids of their own).
-``TurnStore`` keeps the turns (tokens and a structural fingerprint) in a bounded LRU.
-Everything that reads tokens (the comparison, the text around the divergence) runs in
-the preparation worker thread (``preparer.Preparer``); ``Divergence.diagnose`` is O(1)
-arithmetic, so it can run when the result arrives.
-"""
+The previous turn (by ``previous_message_id``, else the last of the tenant, session and
+agent, kept in ``TurnStore``) is compared with this request: a divergence is named by
+where it falls (``tools_changed`` / ``system_changed`` / ``messages_changed``), a repeat
+the cache did not deliver by the cache's cause (docs/api.md). Token work runs in the
+preparation thread; ``Divergence.diagnose`` is O(1), run when the result arrives."""
 
 from __future__ import annotations
 

@@ -1,16 +1,7 @@
-"""Per-session and per-agent request counts, bounded in cardinality.
-
-Every finished (not failed, not cancelled) request that names a session (``Scope``:
-a client session header or ``prompt_cache_key``) adds its prompt and cached tokens to
-its session's entry and, when the client named the (sub)agent (Claude Code's
-``x-claude-code-agent-id``, with ``x-claude-code-parent-agent-id``), to that agent's
-entry under the session. Shown as ``"sessions"`` in ``GET /v1/cache/stats``.
-
-Bounds: at most ``max_sessions`` sessions (the least recently active is dropped and
-counted in ``evicted_sessions``) and ``max_agents`` agents per session (a request of
-one more agent counts under ``other_agents``), so a client that makes up ids cannot
-grow the server's memory or the stats response without limit.
-"""
+"""Per-session and per-agent request counts (``"sessions"`` in ``GET /v1/cache/stats``),
+bounded: at most ``max_sessions`` sessions (the least recently active dropped and counted)
+and ``max_agents`` agents per session (more count under ``other_agents``), so made-up ids
+cannot grow the server's memory."""
 
 from __future__ import annotations
 
