@@ -1,42 +1,21 @@
-"""Automated diagnosis: the dominant miss cause over a window and a concrete remedy,
-measured from the cache's own events (``PromptCache.observers``).
-
-``EvictionAdvisor`` watches two cache events:
-
-- ``evicted(meta)``: it remembers, for the last ``ghost_entries`` evicted blocks, the
-  running total of evicted bytes just after each one left RAM (a "ghost" list);
-- ``acquired(tokens, ns, spans, hit_tokens, miss)``: one sample per lookup (prompt and
-  hit tokens, the miss cause and position). For a miss on an evicted block it hashes the
-  request's remaining full blocks and finds the run of them in the ghost list: with LRU,
-  a block evicted when ``E0`` bytes had been evicted would still be in RAM now, when
-  ``E`` bytes have been, had the budget been larger by ``E - E0`` (every byte allocated
-  since pushed it one byte further down the LRU order). So the budget that would have
-  kept the whole run is ``budget + max(E - E0) + its size`` (an LRU stack-distance
-  estimate: exact for a full pool under LRU, conservative when the pool has free room).
-
-``diagnose(advisor.window(), stats)`` names the dominant cause by missed tokens (cold
-starts excluded: a cache cannot be expected to hit a prompt it never saw; the server
-passes the alert's own count, ``missed``, where new prompts are not counted at all) and
-its remedy: for ``evicted`` the RAM budget that would have kept every evicted-before-reuse
-run of the window (rounded up a little), for a prompt that changed (``diverged``, or a
-session's ``tools_changed`` / ``system_changed`` / ``messages_changed``) the
-canonical-prompt rules that are off (never one that is on), for
-``expired`` the TTL, for ``not_stored: <cause>`` the failed save's cause (the
-engine's ``store_errors_by_cause``), plus findings from the tiers (SSD writes over the daily write
-budget, a degraded SSD, an unhealthy shared tier). The server puts the result into the
-low-hit-rate log line, ``/v1/cache/stats`` (``diagnosis``) and the dashboard.
-"""
+"""Automated diagnosis: the dominant miss cause over a window and a concrete remedy, from the
+cache's own events. ``EvictionAdvisor`` keeps a ghost list of evicted blocks (the bytes
+evicted so far when each left): a miss on a run evicted at ``E0`` when ``E`` bytes have
+gone would have hit with ``E - E0`` more budget (an LRU stack distance). ``diagnose``
+names the cause by missed tokens and its remedy (a RAM budget, the canonical rules that
+are off, the TTL, a failed save's cause, tier findings)."""
 
 from __future__ import annotations
 
 import statistics
 import threading
-from collections import Counter, OrderedDict, deque
+from collections import Counter, deque
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from .hashing import BlockHash, hash_block
+from .lru import BoundedLRU
 from .meta import BlockMeta, ExtraKeySpan, Namespace, extra_keys_for
 
 MIB = 1024**2
@@ -67,8 +46,7 @@ class EvictionAdvisor:
         if ghost_entries < 1 or window < 1:
             raise ValueError("ghost_entries and window must be >= 1")
         self.cache = cache
-        self._ghost: OrderedDict[BlockHash, tuple[int, int]] = OrderedDict()
-        self._max_ghost = ghost_entries
+        self._ghost: BoundedLRU[BlockHash, tuple[int, int]] = BoundedLRU(ghost_entries)
         self._evicted_bytes = 0
         self._samples: deque[LookupSample] = deque(maxlen=window)
         self._lock = threading.Lock()
@@ -78,10 +56,7 @@ class EvictionAdvisor:
     def evicted(self, meta: BlockMeta) -> None:
         with self._lock:
             self._evicted_bytes += meta.nbytes
-            self._ghost[meta.block_hash] = (self._evicted_bytes, meta.nbytes)
-            self._ghost.move_to_end(meta.block_hash)
-            while len(self._ghost) > self._max_ghost:
-                self._ghost.popitem(last=False)
+            self._ghost.put(meta.block_hash, (self._evicted_bytes, meta.nbytes))
 
     def acquired(self, req: Any, ns: Namespace, spans: Sequence[ExtraKeySpan],
                  hit_tokens: int, miss: Any) -> None:
@@ -111,7 +86,7 @@ class EvictionAdvisor:
                 parent = hash_block(parent, tokens[start:start + bs], extra)
                 if b < first:
                     continue
-                g = self._ghost.get(parent)
+                g = self._ghost.peek(parent)
                 if g is None:
                     break
                 pushed = now - g[0]

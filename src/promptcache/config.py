@@ -1,11 +1,15 @@
-"""Storage configuration: sizes and the cache and its tiers (RAM, SSD, Redis); ValueError if invalid."""
+"""Storage configuration: sizes and the cache and its tiers (RAM, SSD, Redis); ValueError
+if invalid. Fields declared with ``opt`` are `promptcache serve` flags (options.py)."""
 
 from __future__ import annotations
 
+import operator
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
+
+from .options import opt
 
 MB = 1024**2
 GB = 1024**3
@@ -50,6 +54,41 @@ def parse_size(text: str | int, *, total: int | None = None) -> int:
     return int(float(m.group(1)) * _UNITS[unit])
 
 
+def ram_share(text: str) -> int:
+    """A size, or a % of the RAM available now."""
+    import psutil  # type: ignore[import-untyped]
+
+    return parse_size(text, total=psutil.virtual_memory().available)
+
+
+MIN_KV_BUDGET = 256 * 1024**2
+
+
+def kv_budget(text: str) -> int:
+    """``--kv-budget``: a size or a % of the RAM available, at least ``MIN_KV_BUDGET``."""
+    return max(MIN_KV_BUDGET, ram_share(text))
+
+
+def memory_limit(value: str) -> int | None:
+    """``--memory-limit``: bytes (a size, or a % of physical memory), None for ``off``."""
+    import psutil
+
+    if value.strip().lower() == "off":
+        return None
+    limit = parse_size(value, total=psutil.virtual_memory().total)
+    if limit <= 0:
+        raise ValueError(f"must be > 0 (or off), got {value!r}")
+    return limit
+
+
+def parse_origins(value: str) -> tuple[str, ...]:
+    """``--allowed-origins``: a comma list of origins, or ``*`` (any origin)."""
+    origins = tuple(o.strip().rstrip("/") for o in value.split(","))
+    if not all(origins):
+        raise ValueError(f"an empty origin in {value!r}")
+    return origins
+
+
 def default_cache_dir() -> Path:
     base = os.environ.get("PROMPTCACHE_HOME") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "promptcache"
@@ -61,32 +100,51 @@ def default_cache_dir() -> Path:
 class CacheConfig:
     """The block cache and its RAM tier."""
 
-    block_size: int = 64
     # None = 20% of available RAM (psutil), at least ``min_ram_budget_bytes``.
-    ram_budget_bytes: int | None = None
+    ram_budget_bytes: int | None = opt(
+        "--ram-budget", default=None, parse=ram_share,
+        help="RAM tier budget: 512MB, 4GB or 20%% of available RAM (default 20%%)")
+    # MLX arrays the RAM tier may hold (None: no cap); the default leaves room for the
+    # model, the running requests and the live states
+    max_arrays: int | None = opt(
+        "--max-arrays", default=400_000, metavar="N",
+        help="MLX arrays the RAM tier may hold (one per block): Metal caps a process's "
+             "buffers at ~499,000 whatever their bytes (default %(default)s)")
+    block_size: int = opt("--block-size", default=64, help="tokens per cache block")
+    persist_timeout_s: float | None = opt(
+        "--shutdown-persist-timeout", default=120.0,
+        help="seconds a clean shutdown may spend writing the RAM blocks the SSD lacks "
+             "(default %(default)s; what is left is logged by name)")
+    # KV quantization of stored blocks (every tier), part of the namespace: one scale +
+    # bias per ``kv_group_size`` values
+    kv_bits: int | None = opt(
+        "--kv-bits", default=None, choices=(8, 4),
+        help="store cached blocks quantized to 8 or 4 bits (every tier; default: full "
+             "precision); dequantized on restore")
+    kv_group_size: int = opt("--kv-group-size", default=64, choices=(32, 64, 128),
+                             help="values per quantization scale/bias (default 64)")
+    kv_quant_min_tokens: int = opt(
+        "--kv-quant-min-tokens", default=256,
+        help="blocks starting before this token stay full precision (default 256)")
+    ttl_seconds: float | None = opt(
+        "--ttl", default=None, parse=parse_duration,
+        help="drop cached blocks unused for this long, in RAM and on the SSD (30m, 12h, "
+             "7d; default: kept until evicted)")
+    enabled: bool = opt("--no-cache", default=True, switch=True, parse=operator.not_,
+                        help="disable the prompt cache")
+    # (prompt_cache_key chains are protected too; the oldest protections give way)
+    protect_share: float = opt(
+        "--protect-share", default=0.25,
+        help="share of the RAM budget that cache_control breakpoints and prompt_cache_key "
+             "chains may keep from eviction (default 0.25)")
+    active_session_s: float | None = opt(
+        "--session-active-minutes", default=600.0, flag_default=10.0, type=float,
+        parse=lambda minutes: minutes * 60.0 or None,
+        help="a session's latest chain is evicted only after idle chains while it sent a "
+             "request in the last N minutes (default 10; 0: off)")
     min_ram_budget_bytes: int = 100 * MB
-    ttl_seconds: float | None = None
     # bounded memory of recent misses/evictions used to explain misses
     explain_history: int = 4096
-    enabled: bool = True
-    # a clean shutdown writes every RAM block the lower tiers lack within this time
-    persist_timeout_s: float | None = 120.0
-    # share of the RAM budget that protected blocks (cache_control breakpoints,
-    # prompt_cache_key chains) may take; the oldest protections give way beyond it
-    protect_share: float = 0.25
-    # a session's latest chain is evicted only after idle chains while the session
-    # sent a request in the last this many seconds (None: no session levels)
-    active_session_s: float | None = 600.0
-    # KV quantization of stored blocks (every tier): None = full precision, or 8 / 4 bits
-    # per value with one scale + bias per ``kv_group_size`` values; blocks starting
-    # before ``kv_quant_min_tokens`` stay at full precision. Part of the namespace.
-    kv_bits: int | None = None
-    kv_group_size: int = 64
-    kv_quant_min_tokens: int = 256
-    # MLX arrays the RAM tier may hold (one buffer per block; None: no cap). Metal caps a
-    # process's buffers (~499,000) whatever their bytes: the default leaves room for the
-    # model, the running requests and the live states
-    max_arrays: int | None = 400_000
 
     def __post_init__(self) -> None:
         if self.max_arrays is not None and (isinstance(self.max_arrays, bool)
@@ -115,7 +173,7 @@ class CacheConfig:
     def resolved_ram_budget(self) -> int:
         if self.ram_budget_bytes is not None:
             return self.ram_budget_bytes
-        import psutil  # type: ignore[import-untyped]
+        import psutil
 
         return max(self.min_ram_budget_bytes, int(psutil.virtual_memory().available * 0.20))
 
@@ -124,11 +182,21 @@ class CacheConfig:
 class SSDConfig:
     """The persistent SSD tier."""
 
-    path: Path = field(default_factory=lambda: default_cache_dir() / "blocks")
-    budget_bytes: int = 10 * GB
+    path: Path = opt("--cache-dir", factory=lambda: default_cache_dir() / "blocks",
+                     help="SSD tier folder (default: <promptcache home>/blocks)")
+    # (a % is of the free space of ``path``'s disk: serve_config.build_configs)
+    budget_bytes: int = opt("--ssd-budget", default=10 * GB, flag_default="10GB",
+                            parse=parse_size,
+                            help="SSD tier budget: 10GB, or a %% of the free disk space")
+    policy: str = opt(
+        "--ssd-policy", default="write_back", flag_default="write_through",
+        choices=("write_through", "write_back"),
+        help="write_through: persist blocks as they are stored (survives kill -9); "
+             "write_back: only evicted blocks, the rest at a clean shutdown")
+    queue_size: int = opt("--ssd-queue-size", default=64,
+                          help="blocks waiting for the SSD writer; more wait in RAM, never "
+                               "dropped (default %(default)s)")
     ttl_seconds: float | None = None
-    queue_size: int = 64
-    policy: str = "write_back"  # or "write_through"
     daily_write_budget_bytes: int | None = None
     admission_min_hits: int = 0  # persist only blocks hit at least this often
     admission_min_tokens: int = 0  # persist only sequences of at least this many tokens
@@ -156,13 +224,23 @@ _SAFE_PREFIX = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
 @dataclass(frozen=True)
 class RedisConfig:
-    """The shared Redis / Valkey tier (standalone or Cluster). Times in seconds."""
+    """The shared Redis / Valkey tier (standalone or Cluster)."""
 
-    url: str
-    cluster: bool = False  # also implied by a redis+cluster:// url
-    prefix: str = "promptcache"  # every key starts with "<prefix>:"
-    ttl_seconds: float = 24 * 3600.0  # on every key, counted from the last write
-    timeout_s: float = 0.05  # per socket operation (read / write)
+    url: str = opt("--redis-url", help="shared tier on Redis / Valkey: redis://, rediss://, "
+                   "unix:// or redis+cluster://HOST:PORT (several servers reuse each other's "
+                   "blocks)")
+    cluster: bool = opt("--redis-cluster", default=False, switch=True,  # or a +cluster url
+                        help="the --redis-url names a Redis Cluster node")
+    # on every key, counted from the last write
+    ttl_seconds: float = opt("--redis-ttl", default=24 * 3600.0, flag_default="24h",
+                             parse=parse_duration,
+                             help="TTL of every Redis key (24h, 7d, 3600)")
+    # per socket operation (read / write)
+    timeout_s: float = opt("--redis-timeout-ms", default=0.05, flag_default=50.0, type=float,
+                           parse=lambda ms: ms / 1000.0,
+                           help="per-operation timeout on the request path (default 50)")
+    # every key starts with "<prefix>:"
+    prefix: str = opt("--redis-prefix", default="promptcache", help="key prefix")
     connect_timeout_s: float = 0.1
     queue_size: int = 256  # blocks waiting for the writer thread; more wait in the cache's RAM
     policy: str = "write_through"  # or "write_back" (only blocks evicted from RAM)

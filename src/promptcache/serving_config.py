@@ -1,99 +1,119 @@
-"""Serving configuration: the engine's generation settings, image limits and the HTTP server."""
+"""Serving configuration: the engine's generation settings, image limits and the HTTP
+server. Fields declared with ``opt`` are `promptcache serve` flags (options.py)."""
 
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from .config import kv_budget, memory_limit, parse_duration, parse_origins, parse_size, ram_share
+from .options import opt
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Generation: prefill chunking and state snapshots."""
+    """Generation: admission, prefill, speculation and memory."""
 
     # a multiple of the block size; each completed chunk is stored (mid-prefill save)
     prefill_chunk_tokens: int = 256
-    # non-truncatable states (SSM/hybrid): snapshot every k blocks during prefill
+    # non-truncatable states (SSM/hybrid): snapshot every k blocks during prefill, and at
+    # message starts (where conversations branch): at most this many per prompt, the last
     snapshot_every_blocks: int = 4
-    # ... and at message starts (where conversations branch: a retry or an edit of the
-    # last user message, a subagent): at most this many per prompt, the last ones
-    # (each costs a prefill stop and one state's bytes; 0 = none)
     message_snapshots: int = 16
-    max_tokens_limit: int = 32768
-    default_max_tokens: int = 512
-    # the repetition penalty (mlx-lm's, over the last repetition_context_size tokens) of
-    # a request that gives none: 1.0 = off
-    repetition_penalty: float = 1.0
-    repetition_context_size: int = 20
-    # admission control: requests admitted at once (prefilling + decoding), requests
-    # waiting beyond that (more are refused: 429 / 529 with Retry-After), and the bytes
-    # of KV that admitted requests may hold (restored + growing, batch padding
-    # included; None = no byte limit). The RAM tier's budget is separate: the server
-    # may use ram_budget + active_kv_budget for KV.
-    max_active_requests: int = 16
-    max_queued_requests: int = 64
-    active_kv_budget_bytes: int | None = None
-    # decode rows in one batched forward (more wait at the next chunk boundary)
-    max_batch_size: int = 32
-    # shadow verification (engine/shadow.py): the fraction of cache hits recomputed in
-    # idle time and compared with the stored blocks (0 = off)
-    shadow_verify_fraction: float = 0.0
-    # batched prefill: requests prefilling at the same step share one forward per
-    # chunk; at most this many rows and this many tokens per step (each row feeds at
-    # most one chunk per step)
-    prefill_batch_size: int = 8
-    prefill_batch_tokens: int = 2048
-    # an idle engine woken by a request waits while more arrive within this many
-    # seconds of each other (at most 5x in all), so a burst prefills as one batch
-    batch_window_s: float = 0.01
-    # ... and while requests the server announced are still being prepared (one
-    # preparation at a time), up to this many seconds from the wake-up (arrivals.py)
-    burst_gather_max_s: float = 1.0
-    # a new request whose prompt shares at least this many tokens (whole blocks) not yet
-    # computed with a request being prefilled waits until that one has stored them,
-    # then restores them from the cache (0 = never wait: requests sent together each
-    # compute their shared prefix, e.g. parallel subagents' system prompt + tools)
-    share_prefix_min_tokens: int = 256
-    # speculative decoding drafted from the request's own history (engine/drafts.py,
-    # engine/speculate.py): "suffix" or "off"; at most this many draft tokens per verify
-    # forward, from a tail match of at least spec_min_match tokens
-    speculation: str = "suffix"
-    spec_max_draft: int = 8
-    spec_min_match: int = 3
-    # speculate while at most this many rows decode together (1: one stream only)
-    spec_max_rows: int = 8
-    # the per-tenant draft pool: a finished request's output (and the last
-    # spec_pool_prompt_tokens of its prompt) drafts for later requests of its tenant;
-    # at most spec_pool_tokens tokens over all tenants (0: no pool). About 1 KB of Python
-    # objects per pooled token (the n-gram index): the default holds ~64 MB
-    spec_pool_tokens: int = 65_536
-    spec_pool_prompt_tokens: int = 256
-    # what a verify forward of k draft tokens costs, for speculation's gate
-    # (engine/spec_cost.py): "auto" (or None): measured on the model at startup, then
-    # corrected by the verify forwards and decode steps timed while serving; a number
-    # ("0.3"): fixed, 1 + 0.3 k decode steps; a comma list ("1.4,1.6,2.1"): fixed, the
-    # cost at k = 1, 2, 3 in decode steps (the last slope continues); a tuple
-    # (overhead, per_token): fixed, a forward of rows x width positions costs
-    # overhead + per_token * rows * width
-    spec_verify_cost: str | tuple[float, float] | None = "auto"
-    # a verify may cost a row no more decode steps than its drafts saved it so far plus
-    # this fraction of the tokens it decoded (engine/spec_cost.py Credits): a row with
-    # nothing to copy decodes at most this much slower next to rows that copy
-    spec_max_slowdown: float = 0.0
-    # live session state (engine/live.py): the caches of at most this many finished turns
-    # stay as the model's own cache objects (counted in the RAM tier's budget, released
-    # before its active blocks), so a next turn that extends one restores nothing; 0: off
-    live_states: int = 8
-    # the memory governor (engine/governor.py): the process's footprint is kept under
-    # this many bytes (None: no governor); past soft x it, the holders release (MLX's
-    # buffer pool, live states, the RAM tier) and admission pauses; past hard x it, new
-    # requests are refused with 429 / 529
-    memory_limit_bytes: int | None = None
+    max_tokens_limit: int = opt(
+        "--max-tokens-limit", default=32768,
+        help="the largest max_tokens of a request (default %(default)s); a larger one is "
+             "clamped to it, or refused with --max-tokens-overflow error")
+    default_max_tokens: int = opt(
+        "--default-max-tokens", default=512,
+        help="max_tokens of a request that gives none (within the room left)")
+    repetition_penalty: float = opt(  # the default model's own: cli/serve_config.py
+        "--repetition-penalty", default=1.0, flag_default=None,
+        help="a request's repetition penalty when it gives none (mlx-lm's; 1.0 = off, the "
+             "default; 1.1 on the embedded default model, which loops without one)")
+    repetition_context_size: int = opt(
+        "--repetition-context-size", default=20, flag_default=None,
+        help="the last tokens the penalties look at (default 20; 64 on the default model)")
+    # admission control (engine/admission.py); the RAM tier's budget is separate
+    max_active_requests: int = opt("--max-active", default=16,
+                                   help="requests admitted at once (prefilling + decoding)")
+    max_queued_requests: int = opt(
+        "--max-queue", default=64,
+        help="requests waiting for admission; more get 429 / 529 + Retry-After")
+    active_kv_budget_bytes: int | None = opt(
+        "--kv-budget", default=None, flag_default="10%", parse=kv_budget,
+        help="bytes of KV the active requests may hold (batch padding included): 2GB or "
+             "a %% of available RAM (default 10%%; the RAM tier budget is separate, so KV "
+             "memory stays under ram-budget + kv-budget)")
+    # the memory governor (engine/governor.py): soft and hard watermarks of the limit
+    memory_limit_bytes: int | None = opt(
+        "--memory-limit", default=None, flag_default="75%", parse=memory_limit,
+        metavar="SIZE|%|off",
+        help="the process's footprint (macOS phys_footprint, Linux RSS) is kept under "
+             "this: past 85%% of it MLX's buffer pool, the live states and the RAM tier "
+             "give memory back and admission pauses, past 95%% new requests get 429 / 529 "
+             "with Retry-After; 8GB or a %% of physical memory (default 75%%; off: no "
+             "limit)")
     memory_soft: float = 0.85
     memory_hard: float = 0.95
-    # a chat template's render past this many seconds is stopped (engine/templates.py:
-    # a template that loops answers a 500 instead of holding the preparation thread)
-    template_render_limit_s: float = 5.0
+    # decode rows in one batched forward (more wait at the next chunk boundary)
+    max_batch_size: int = 32
+    shadow_verify_fraction: float = opt(
+        "--shadow-verify", default=0.0, metavar="FRACTION",
+        help="recompute this fraction of cache hits in idle time and compare them with "
+             "the stored blocks; a mismatch quarantines the chain (default 0: off)")
+    # batched prefill: one forward per chunk, at most this many rows and tokens
+    prefill_batch_size: int = 8
+    prefill_batch_tokens: int = 2048
+    # a woken engine gathers a burst: arrivals within this many s of each other (<= 5x)
+    batch_window_s: float = 0.01
+    # ... and announced requests still being prepared, up to this long (arrivals.py)
+    burst_gather_max_s: float = 1.0
+    # a request sharing this many uncomputed tokens with one being prefilled waits for
+    # its blocks, then restores them (0 = never wait)
+    share_prefix_min_tokens: int = 256
+    # speculative decoding (engine/drafts.py, engine/speculate.py), from a tail match of
+    # at least spec_min_match tokens, while at most spec_max_rows rows decode together
+    speculation: str = opt(
+        "--speculation", default="suffix", choices=["suffix", "off"],
+        help="speculative decoding drafted from the request's own history, then its "
+             "tenant's recent replies; a verify runs only where the gate expects it to "
+             "pay (default suffix)")
+    spec_max_draft: int = opt("--spec-max-draft", default=8,
+                              help="most draft tokens verified per forward (default 8)")
+    spec_min_match: int = 3
+    spec_max_rows: int = 8
+    spec_pool_tokens: int = opt(
+        "--spec-pool-tokens", default=65_536,
+        help="tokens of finished requests kept as drafts, over all tenants' pools (about "
+             "1 KB each; 0: no pool; default %(default)s)")
+    spec_pool_prompt_tokens: int = 256  # a pool also holds a prompt's last tokens
+    # engine/spec_cost.py; or (overhead, per_token): rows x width costs o + p * rows * width
+    spec_verify_cost: str | tuple[float, float] | None = opt(
+        "--spec-verify-cost", default="auto", type=str, metavar="auto|X|C1,C2,...",
+        help="what the speculation gate takes a verify forward of k draft tokens to "
+             "cost: 'auto' (measured at startup, corrected by the verify forwards timed "
+             "while serving), a number X (fixed: 1 + X*k decode steps) or a comma list "
+             "(fixed: the cost at k = 1, 2, ... in decode steps; the last slope "
+             "continues); default auto")
+    spec_max_slowdown: float = opt(
+        "--spec-max-slowdown", default=0.0, metavar="F",
+        help="how much slower a verify forward may make a row that gains nothing from it "
+             "(a request with nothing to copy, batched with rows that copy): beyond the "
+             "steps its own drafts saved it, at most F x the tokens it decoded (default "
+             "0: never slower; larger: more speculation for the rows that copy)")
+    live_states: int = opt(
+        "--live-states", default=8, metavar="N",
+        help="the caches of the last N finished turns stay as the model's own objects, "
+             "so a next turn that extends one restores nothing (counted in --ram-budget, "
+             "released before its active blocks; 0: off; default %(default)s)")
+    template_render_limit_s: float = opt(
+        "--template-render-limit", default=5.0, metavar="SECONDS",
+        help="a chat template's render that runs longer is stopped and its request "
+             "answered with a 500 (a template that loops); the startup test render too "
+             "(default %(default)s)")
 
     def __post_init__(self) -> None:
         if self.memory_limit_bytes is not None and self.memory_limit_bytes <= 0:
@@ -108,12 +128,6 @@ class EngineConfig:
                              f"{self.template_render_limit_s}")
         if self.live_states < 0:
             raise ValueError(f"live_states must be >= 0, got {self.live_states}")
-        if not 0.0 < self.repetition_penalty <= 10.0:
-            raise ValueError(f"repetition_penalty must be in (0, 10], got "
-                             f"{self.repetition_penalty}")
-        if not 1 <= self.repetition_context_size <= 4096:
-            raise ValueError(f"repetition_context_size must be in [1, 4096], got "
-                             f"{self.repetition_context_size}")
         if self.speculation not in ("suffix", "off"):
             raise ValueError(f"speculation must be 'suffix' or 'off', got {self.speculation!r}")
         if not 1 <= self.spec_max_draft <= 64:
@@ -166,6 +180,12 @@ class EngineConfig:
         if self.share_prefix_min_tokens < 0:
             raise ValueError(
                 f"share_prefix_min_tokens must be >= 0, got {self.share_prefix_min_tokens}")
+        if self.default_max_tokens < 1:
+            raise ValueError(f"default_max_tokens must be >= 1, got {self.default_max_tokens}")
+        if not (0.0 < self.repetition_penalty <= 10 and 1 <= self.repetition_context_size <= 4096):
+            raise ValueError(f"repetition_penalty must be in (0, 10] and repetition_context_size "
+                             f"in [1, 4096], got {self.repetition_penalty}, "
+                             f"{self.repetition_context_size}")
         if self.prefill_batch_tokens < 1:
             raise ValueError(
                 f"prefill_batch_tokens must be >= 1, got {self.prefill_batch_tokens}")
@@ -173,13 +193,19 @@ class EngineConfig:
 
 @dataclass(frozen=True)
 class ImageLimits:
-    """Image inputs of vision-language models (``server/prompts/images.py``)."""
+    """Images (vision-language models, promptcache[vlm])."""
 
-    max_bytes: int = 20 * 1024 * 1024  # encoded size of one image
-    max_pixels: int = 40_000_000  # width x height, checked from the header before decoding
-    max_images: int = 16  # per request (the whole conversation's images)
-    allow_local_files: bool = False  # absolute paths / file:// URLs
-    allow_urls: bool = False  # fetch http(s) URLs
+    allow_local_files: bool = opt(
+        "--allow-local-images", default=False, switch=True,
+        help="read image parts that name a local file (absolute path / file://)")
+    allow_urls: bool = opt(
+        "--allow-image-urls", default=False, switch=True,
+        help="fetch http(s) image URLs (within --max-image-bytes, 10 s timeout)")
+    max_images: int = opt("--max-images", default=16, help="images per request")
+    max_bytes: int = opt("--max-image-bytes", default=20 * 1024 * 1024, flag_default="20MB",
+                         parse=parse_size, help="encoded size of one image")
+    max_pixels: int = opt("--max-image-pixels", default=40_000_000,
+                          help="width x height of one image (checked before decoding)")
     fetch_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
@@ -191,24 +217,28 @@ class ImageLimits:
 
 @dataclass(frozen=True)
 class EdgeLimits:
-    """The HTTP edge (server/edge.py): what one connection may hold before it has sent
-    a request, and how many connections the server keeps open."""
+    """Connections (the HTTP edge, server/edge.py)."""
 
-    # a connection that has not sent a whole request head this many seconds after it
-    # opened (or after the first byte of its next request) is closed
-    header_timeout_s: float = 10.0
-    # a request whose body has not arrived in whole this many seconds after its head
-    # (plus a second per 64 KiB received: edge.BODY_MIN_RATE) is answered 408 and closed
-    body_timeout_s: float = 60.0
-    # open connections at most; past it the idle keep-alive ones are closed first, then
-    # the ones still sending a head (oldest first); with every one busy a new one is
-    # answered 503 and closed. Sized to the fd limit at startup (edge.fit_to_fd_limit)
-    max_connections: int = 1024
+    header_timeout_s: float = opt(
+        "--header-timeout", default=10.0, metavar="SECONDS",
+        help="close a connection that has not sent a whole request head this long after "
+             "it opened (or after its next request began); default %(default)s")
+    body_timeout_s: float = opt(  # the rate: edge.BODY_MIN_RATE
+        "--body-timeout", default=60.0, metavar="SECONDS",
+        help="answer 408 and close a request whose body has not arrived in whole this "
+             "long after its head, plus one second per 64 KiB received (a large upload on "
+             "a slow link still arrives; a body that trickles or stops does not); default "
+             "%(default)s")
+    max_connections: int = opt(  # edge.fit_to_fd_limit
+        "--max-connections", default=1024,
+        help="open connections at most; past it idle keep-alive connections are closed "
+             "first, then the ones still sending a head (oldest first), and with every one "
+             "busy a new one gets 503; lowered to fit the file descriptor limit (default "
+             "%(default)s)")
     # a request head larger than this is answered 431 (h11's default limit)
     max_header_bytes: int = 16 * 1024
-    # a refusal sent while the client still sends (431, a 413 mid-body) half-closes the
-    # connection and drops what still arrives for up to this many seconds, so the
-    # client reads the answer instead of a connection reset
+    # after a refusal sent mid-request (431, 413), what still arrives is dropped this
+    # long so the client reads the answer, not a reset
     linger_s: float = 2.0
 
     def __post_init__(self) -> None:
@@ -226,51 +256,92 @@ class EdgeLimits:
 
 @dataclass(frozen=True)
 class ServerConfig:
-    host: str = "127.0.0.1"
-    port: int = 8080
-    api_key: str | None = None
-    # optional JSON file mapping API keys to tenants
-    api_keys_file: Path | None = None
-    # browser origins allowed to call the server (CORS; "*": any); (): no CORS headers
-    allowed_origins: tuple[str, ...] = ()
-    hit_rate_window: int = 50
-    hit_rate_alert_threshold: float = 0.8
-    # the context window the server enforces (None: the model's own; may only shrink it)
-    context_window: int | None = None
-    # prompt + max_tokens past the window (or max_tokens past max_tokens_limit): "clamp"
-    # max_tokens to the room left (and the limit), or "error" (the APIs' own
-    # context-limit wordings, which clients act on)
-    max_tokens_overflow: str = "clamp"
-    # seconds between keep-alive events on a stream that has nothing else to send
-    keepalive_s: float = 10.0
-    # debug: write every /v1 request (secrets scrubbed) as a JSON file into this folder
-    log_requests_dir: Path | None = None
+    """The HTTP server."""
+
+    host: str = opt("--host", default="127.0.0.1")
+    port: int = opt("--port", default=8080)
+    api_key: str | None = opt("--api-key", default=None,
+                              help="require this key (Bearer or x-api-key)")
+    api_keys_file: Path | None = opt(
+        "--api-keys-file", default=None,
+        help='JSON object {"<key>": "<tenant>"}: keys that select a tenant')
+    allowed_origins: tuple[str, ...] = opt(
+        "--allowed-origins", default=(), flag_default=None, parse=parse_origins,
+        metavar="ORIGINS",
+        help="browser origins allowed to call the server (CORS): a comma list "
+             "(https://app.example.com,http://localhost:3000) or *; default: none (no CORS "
+             "headers)")
+    hit_rate_window: int = opt("--hit-rate-window", default=50,
+                               help="requests in the rolling hit-rate window")
+    hit_rate_alert_threshold: float = opt(
+        "--hit-rate-threshold", default=0.8,
+        help="warn when the rolling token hit rate drops below this")
+    context_window: int | None = opt(
+        "--context-window", "--max-model-len", default=None,
+        help="the context window to enforce (default: the model's; may only shrink it)")
+    max_tokens_overflow: str = opt(
+        "--max-tokens-overflow", default="clamp", choices=("clamp", "error"),
+        help="prompt + max_tokens past the window, or max_tokens past the limit: clamp "
+             "max_tokens to the room left (default), or answer with the APIs' "
+             "context-limit error")
+    # (server/prompts/canon.py; the rule names are checked in serve_config)
+    canonicalize_off: tuple[str, ...] = opt(
+        "--no-canonicalize", default=(), flag_default=[], append=True, metavar="RULE",
+        help="switch a canonical-prompt rule off (repeatable): billing_header, "
+             "tool_keys, tool_order, or all")
+    # server/prompts/prerender.py
+    prerender: bool = opt("--no-prerender", default=True, switch=True, parse=operator.not_,
+                          help="do not pre-render the next turn's prefix in idle time")
+    prerender_max_pending: int = opt(
+        "--prerender-max-pending", default=4,
+        help="next-turn pre-renders queued or running at once (default 4)")
+    prerender_max_suffix_tokens: int = 32768
+    log_requests_dir: Path | None = opt(
+        "--log-requests", default=None, metavar="DIR",
+        help="debug: write every /v1 request (secrets left out) as JSON into DIR")
+    session_ttl_s: float | None = opt(
+        "--session-ttl", default=None, parse=parse_duration,
+        help="delete sessions unused for this long from every tier (blocks shared with a "
+             "live session stay; 1h, 7d; default: kept)")
+    auto_tune: bool = opt(  # autotune.py
+        "--auto-tune", default=False, switch=True,
+        help="move the RAM budget within --ram-budget-min/max from memory pressure and "
+             "the evicted-before-reuse rate (logs every change)")
+    ram_budget_min_bytes: int | None = opt(
+        "--ram-budget-min", default=None, parse=ram_share,
+        help="auto-tune lower bound (512MB, 5%%; default: 100MB or the budget)")
+    ram_budget_max_bytes: int | None = opt(
+        "--ram-budget-max", default=None, parse=ram_share,
+        help="auto-tune upper bound (8GB, 40%%; default: twice the budget)")
+    max_body_bytes: int = opt(
+        "--max-body-bytes", default=32 * 1024 * 1024, flag_default="32MB", parse=parse_size,
+        help="largest /v1 request body; a larger one gets 413 before it is read (default "
+             "32MB, as the hosted APIs)")
+    # streamed to a temp file in import_dir (or the system's temp folder)
+    max_import_bytes: int = opt(
+        "--max-import-bytes", default=2 * 1024**3, flag_default="2GB", parse=parse_size,
+        help="largest cache pack POST /v1/cache/import accepts: streamed to a temp file "
+             "beside the SSD tier, refused with 413 once past it (default 2GB)")
+    import_dir: Path | None = None
+    keepalive_s: float = 10.0  # between keep-alive events on a stream with nothing to send
     # responses kept for previous_response_id / GET /v1/responses/{id} (bounded, in RAM)
     responses_store_size: int = 256
-    # canonical-prompt rules switched off (server/prompts/canon.py; "all" = every rule)
-    canonicalize_off: tuple[str, ...] = ()
-    # next-turn pre-render (server/prompts/prerender.py): on, at most this many at once, and
-    # only suffixes up to this many tokens
-    prerender: bool = True
-    prerender_max_pending: int = 4
-    prerender_max_suffix_tokens: int = 32768
     images: ImageLimits = field(default_factory=ImageLimits)
-    # sessions unused for this long are deleted from every tier (None: kept)
-    session_ttl_s: float | None = None
-    # --auto-tune: move the RAM budget within [min, max] (autotune.py)
-    auto_tune: bool = False
-    ram_budget_min_bytes: int | None = None
-    ram_budget_max_bytes: int | None = None
-    # bodies of /v1/* requests larger than this are refused with 413 before any work
-    max_body_bytes: int = 32 * 1024 * 1024
-    # POST /v1/cache/import: the largest pack accepted (streamed to a temp file in
-    # import_dir, or the system's temp folder; refused with 413 once past it)
-    max_import_bytes: int = 2 * 1024**3
-    import_dir: Path | None = None
-    # the HTTP edge: head timeout, connection cap (server/edge.py)
     edge: EdgeLimits = field(default_factory=EdgeLimits)
 
     def __post_init__(self) -> None:
+        if not 1 <= self.port <= 65535:
+            raise ValueError(f"port must be in 1..65535, got {self.port}")
+        if self.api_keys_file is not None and not self.api_keys_file.is_file():
+            raise ValueError(f"api_keys_file {self.api_keys_file} does not exist")
+        if self.hit_rate_window < 1:
+            raise ValueError(f"hit_rate_window must be >= 1, got {self.hit_rate_window}")
+        if not 0.0 <= self.hit_rate_alert_threshold <= 1.0:
+            raise ValueError("hit_rate_alert_threshold must be in [0, 1], got "
+                             f"{self.hit_rate_alert_threshold}")
+        if (self.ram_budget_min_bytes is not None or self.ram_budget_max_bytes is not None) \
+                and not self.auto_tune:
+            raise ValueError("ram_budget_min_bytes / ram_budget_max_bytes need auto_tune")
         for origin in self.allowed_origins:
             if origin != "*" and "://" not in origin:
                 raise ValueError(f"allowed_origins: {origin!r} is not '*' or an origin "

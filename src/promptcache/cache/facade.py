@@ -1,14 +1,7 @@
-"""PromptCache: the one policy module (lookup, store, promote, demote, protect, delete,
-TTL, stats), as one facade over its parts (listed in the package docstring).
-
-The facade owns the one re-entrant lock and the clock: each public method checks its
-arguments, takes the lock, reads the clock once (ending the claims past their time,
-``levels``) and hands ``now`` to the part doing the work. It builds and wires the
-parts; ``stats``, ``check``, ``flush`` and ``close`` are its own.
-
-Failure policy (``policy``): nothing a lower tier does fails a call, and no reference
-stays pinned. Bad input raises ``ValueError``. See docs/INTERFACES.md for the contract.
-"""
+"""PromptCache: the one policy module, as one facade over its parts (listed in the package
+docstring). It owns the one re-entrant lock and the clock: each public method checks its
+arguments, locks, reads the clock once and hands ``now`` to the part doing the work.
+Nothing a lower tier does fails a call (``policy``); bad input raises ``ValueError``."""
 
 from __future__ import annotations
 

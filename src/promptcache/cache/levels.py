@@ -1,33 +1,9 @@
-"""Which RAM blocks a client asked to keep: the eviction level of every block.
-
-``PromptCache`` owns one ``Levels``; every method runs under the cache lock. The pool
-evicts ``IDLE`` blocks first, ``ACTIVE`` ones only when no idle block is left, and
-never a ``PROTECTED`` one (``blocks.pool``). Levels come from two kinds of claims on
-chains of block hashes:
-
-* **Protections** (``protect``): an Anthropic ``cache_control`` breakpoint (the
-  chain up to the breakpoint, for its ``ttl``) or the latest chain of an OpenAI
-  ``prompt_cache_key``. A protection has a key: the same key again replaces the
-  chain and renews the ttl (a breakpoint's key is its namespace and its prefix: the
-  hash of the last whole block before it and the tokens after that, so a client that
-  reuses a breakpoint with another continuation renews it). Protected blocks take
-  at most ``share`` of the RAM budget: when a new protection does not fit, the
-  oldest protections (by their last renewal) give way, and if the new one alone is
-  too large only its head is protected. A protection ends ``ttl`` seconds after its
-  last renewal (on the cache's clock). Protected blocks are put into the lower
-  tiers at once (``persist``), before any eviction could need them there.
-* **Active sessions** (``mark_active``): the latest chain of each session (the
-  server's key: tenant, session, agent) that sent a request in the last
-  ``active_s`` seconds. When a session moves on, the blocks of its previous chain
-  that the new one does not share become idle; so do all its blocks once it has been
-  quiet for ``active_s`` seconds. Parallel subagents are separate keys: each keeps
-  its own tail above the shared prefix.
-
-A block's level is ``PROTECTED`` while any protection covers its hash, else
-``ACTIVE`` while any active chain does, else ``IDLE``. Claims are counted per hash,
-so a block that is not in RAM (evicted before the claim, promoted later) gets its
-level when it is allocated (``on_new_block``).
-"""
+"""Which RAM blocks a client asked to keep: every block's eviction level, under the cache
+lock. Protections (a ``cache_control`` breakpoint for its ttl, a ``prompt_cache_key``'s
+latest chain; the same key renews) make blocks ``PROTECTED`` within ``share`` of the RAM
+budget, oldest giving way; a session's latest chain while it sent a request in the last
+``active_s`` seconds is ``ACTIVE``; the rest ``IDLE``. Claims are counted per hash, so a
+block allocated later gets its level in ``on_new_block``."""
 
 from __future__ import annotations
 

@@ -1,33 +1,9 @@
-"""How ``PromptCache`` writes RAM blocks to its lower tiers without silent loss.
-
-Three paths, one rule: a block is handed over as a ``PayloadSource`` (encoded by
-the tier's writer thread, off the request path), and each block records which
-lower tiers hold it: flag bit ``IN_TIER << i`` for tier ``i``, set when tier ``i``
-accepts it (or when the block was promoted from tier ``i``); ``PERSISTED`` once
-every lower tier does. A block is never put twice into a tier that holds it, and
-session changes / discards reach exactly the tiers that hold it.
-
-* **Write-through** (``offer``, on the request path, never waits): only to the
-  *write-through tiers* (every tier when the cache is write-through; else the tiers
-  whose ``policy`` is ``"write_through"``, e.g. the shared Redis tier). A tier whose
-  write queue is full does not drop the block; it stays *unwritten* (its RAM copy
-  is the data) and a feeder thread offers it again as soon as the tier has room
-  (``Tier.has_room``), in the order the blocks were stored. A put refused while
-  the tier has room (admission rule, degraded disk, open circuit) is refused for
-  good and counted; the block is offered again only when it is evicted.
-* **Demotion** (``demote``, when the pool evicts a block not yet persisted): to
-  every tier that lacks it, with back-pressure instead of a drop — the put waits up
-  to ``demote_timeout_s`` for room, since the RAM copy is about to go.
-* **Persist** (``persist``, at a clean shutdown): every RAM block is put into every
-  tier that lacks it, with back-pressure within a bounded time; the tiers are
-  flushed, the blocks verified (one ``get_metas`` per tier and namespace), and what
-  did not reach a tier is counted and named in the log.
-
-Locking: every method except the feeder's wait runs under the cache lock (the
-caller holds it); the feeder waits for room without it, so requests never wait
-for the disk except through ``demote``. Tier writer threads never take the
-cache lock, so waiting for them under it cannot deadlock.
-"""
+"""How ``PromptCache`` writes RAM blocks to its lower tiers without silent loss: each block
+records which tiers hold it (``IN_TIER << i``; ``PERSISTED`` once all do), so nothing is
+put twice. Write-through (``offer``) never waits: a full queue leaves the block unwritten
+and the feeder offers it again when the tier has room; demotion (``demote``) and persist
+(``persist``, at shutdown) wait for room within a bound. All runs under the cache lock
+but the feeder's wait; tier writers never take it, so waiting for them cannot deadlock."""
 
 from __future__ import annotations
 

@@ -1,25 +1,9 @@
-"""Token-granular prefix matching over block storage (RAM pool + lower tiers).
-
-1. Walk the request's full blocks by chained hash; each hash is looked up in RAM
-   first, then in the lower tiers' metadata. Where RAM ends, the hashes of the next
-   ``LOWER_WINDOW`` full blocks are computed and each lower tier is asked once for all
-   of them (``get_metas``: one round trip for a remote tier), in tier order, each tier
-   only from the first block no earlier tier holds; if the whole window was found,
-   the rest of the chain is asked for the same way; the walk then takes, block by
-   block, RAM or the first tier holding it, and stops at the first block none
-   holds (only the leading run counts). A found block counts only if its stored
-   token ids, parent and start equal the request's (a hash collision is harmless).
-2. Among the children of the last matched block (RAM children index plus the
-   lower tiers' ``children``), take the one, full or partial, with the longest
-   common prefix with the rest of the request (its extra keys must equal the
-   request's for that range).
-3. The usable end is the furthest *restorable* position: inside a block only if
-   the state is truncatable, at a block's end only if ``restorable_at_end``;
-   never past ``len(tokens) - 1`` (the last token is recomputed for its logits).
-
-Step 2 and the explanation of a short match are ``branches``. Never changes the pool
-(a lookup is a pure query); ``now`` is the cache's clock, for the TTL.
-"""
+"""Token-granular prefix matching over block storage (RAM pool + lower tiers): walk the
+request's full blocks by chained hash (RAM first, then each lower tier asked once per
+window, ``get_metas``); a block counts only if its stored tokens, parent and start equal
+the request's (a hash collision is harmless); then the child with the longest common
+prefix (``branches``); the end is the furthest restorable position, never past the last
+token (recomputed for its logits). A pure query: the pool is never changed."""
 
 from __future__ import annotations
 

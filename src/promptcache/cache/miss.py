@@ -9,12 +9,12 @@ remembers the blocks that left RAM or were never stored, to explain a miss.
 from __future__ import annotations
 
 import bisect
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 from ..hashing import BlockHash
+from ..lru import BoundedLRU
 
 # Causes of a short match (CacheMiss.cause)
 COLD = "cold"
@@ -95,8 +95,8 @@ class GoneMemory:
 
     def __init__(self, capacity: int) -> None:
         self.capacity = max(0, capacity)
-        self._by_hash: OrderedDict[BlockHash, Reason] = OrderedDict()
-        self._by_parent: OrderedDict[BlockHash, Reason] = OrderedDict()
+        self._by_hash: BoundedLRU[BlockHash, Reason] = BoundedLRU(self.capacity)
+        self._by_parent: BoundedLRU[BlockHash, Reason] = BoundedLRU(self.capacity)
 
     def record(self, block_hash: BlockHash | None, parent: BlockHash | None, cause: str,
                store_error: str | None = None) -> None:
@@ -108,17 +108,14 @@ class GoneMemory:
         for mem, key in ((self._by_hash, block_hash), (self._by_parent, parent)):
             if key is None:
                 continue
-            mem[key] = (cause, store_error)
-            mem.move_to_end(key)
-            while len(mem) > self.capacity:
-                mem.popitem(last=False)
+            mem.put(key, (cause, store_error))
 
     def forget(self, block_hash: BlockHash) -> None:
-        self._by_hash.pop(block_hash, None)
+        self._by_hash.pop(block_hash)
 
     def by_hash(self, block_hash: BlockHash) -> Reason | None:
-        return self._by_hash.get(block_hash)
+        return self._by_hash.peek(block_hash)
 
     def by_parent(self, parent: BlockHash) -> Reason | None:
-        return self._by_parent.get(parent)
+        return self._by_parent.peek(parent)
 

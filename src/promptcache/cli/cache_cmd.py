@@ -1,16 +1,7 @@
-"""`promptcache cache stats | ls | check [--fix] | purge [--tenant T] [--older-than D]
-[--dry-run | --yes]` (and ``export`` / ``import``: ``pack_cmd.py``; ``sessions``:
-``sessions_cmd.py``).
-
-``--cache-dir DIR`` is the SSD tier's folder (``SSDConfig.path``; default
-``$PROMPTCACHE_HOME/blocks``). ``check`` exits with status 1 when it finds
-problems and ``--fix`` is not given, 2 when ``--fix`` could not repair (no folder
-lock, a folder it cannot write). ``stats``, ``ls`` and ``check`` without ``--fix``
-open the folder read-only: they change nothing on disk (a corrupt index is reported,
-not moved); ``check --fix`` and ``purge`` repair and delete only under the folder's
-exclusive lock. ``purge`` says what it would delete (blocks and bytes) and asks y/N on a
-terminal; off a terminal it deletes only with ``--yes``; ``--dry-run`` deletes nothing.
-"""
+"""`promptcache cache stats | ls | check [--fix] | purge` on an SSD folder (``export`` /
+``import``: ``pack_cmd.py``; ``sessions``: ``sessions_cmd.py``). Without ``--fix`` the
+folder is opened read-only and nothing on disk changes; ``check --fix`` and ``purge``
+work only under the folder's exclusive lock, and ``purge`` asks first (or ``--yes``)."""
 
 from __future__ import annotations
 

@@ -1,15 +1,8 @@
-"""OpenBLAS for mlx on Linux, however the ``promptcache`` command is started.
-
-mlx's CPU wheel ships a reference BLAS that is 12-34x slower for float32 matmul than
-Debian's OpenBLAS (``apt-get install libopenblas0-pthread``). The dynamic loader reads
-``LD_PRELOAD`` only when a process starts, so ``reexec_with_openblas`` (called first by
-the command's entry point) runs the same command line again, once, in the same process,
-with that library prepended to ``LD_PRELOAD``. It does nothing off Linux, when the
-library is not installed, already loaded or named in ``LD_PRELOAD``, when
-``PROMPTCACHE_NO_OPENBLAS=1``, or in the re-executed process (``PROMPTCACHE_OPENBLAS_REEXEC``
-marks it, so it never loops). OpenBLAS' own tuning variables are left to the user.
-``missing_warning`` is the line ``promptcache serve`` prints when it runs without it.
-"""
+"""OpenBLAS for mlx on Linux: mlx's CPU wheel ships a reference BLAS 12-34x slower for
+float32 matmul, and ``LD_PRELOAD`` is read only at process start, so
+``reexec_with_openblas`` runs the command again, once, with Debian's OpenBLAS preloaded
+(not off Linux, when missing or loaded, with ``PROMPTCACHE_NO_OPENBLAS=1``, nor in the
+re-executed process). ``missing_warning`` is serve's line when it runs without it."""
 
 from __future__ import annotations
 

@@ -1,20 +1,7 @@
-"""`promptcache cache export | import`: cache packs (``packs.py``) of an SSD folder.
-
-    promptcache cache export (--session S | --tenant T | --conversation FILE) -o PACK
-                             [--model M] [--block-size 64] [--cache-dir DIR]
-    promptcache cache import PACK [--model M] [--block-size 64] [--cache-dir DIR]
-
-``--model`` names the model the blocks belong to (its fingerprint and KV layout make
-the namespace), as ``serve`` takes it: without it, or with ``default``, the embedded
-default model. Only the model's identity is opened (``engine/identity.py``: the
-fingerprint, remembered once hashed; its structure and tokenizer, no weight read): no
-engine is built, nothing is measured.
-``--conversation FILE`` is JSON: ``{"messages": [...], "tools": [...]}`` (rendered with
-the model's chat template) or ``{"tokens": [...]}``. Import verifies the whole pack
-first and imports nothing when anything is wrong (exit status 2 with the reason). The
-folder may be in use by running servers (writes take the folder's shared lock); a
-running server's RAM is reached through ``POST /v1/cache/export`` / ``import``.
-"""
+"""`promptcache cache export | import`: cache packs (``packs.py``) of an SSD folder, for the
+model ``--model`` names as ``serve`` takes it. Only the model's identity is opened
+(``engine/identity.py``), no engine is built; import verifies the whole pack first and
+imports nothing when anything is wrong. A running server's RAM is reached over HTTP."""
 
 from __future__ import annotations
 

@@ -35,14 +35,13 @@ from collections.abc import Iterator
 from types import FrameType
 from typing import TYPE_CHECKING
 
+from ..config import MIN_KV_BUDGET, memory_limit  # noqa: F401 (re-exported)
 from .progress import StepLines
 from .serve_args import add_arguments
 from .serve_config import (  # noqa: F401 (re-exported: callers import them from here)
-    MIN_KV_BUDGET,
     build_configs,
     build_redis_config,
     build_vision_cache,
-    memory_limit,
     model_of,
     read_chat_template,
     resolve_model,

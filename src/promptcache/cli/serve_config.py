@@ -1,5 +1,5 @@
 """`promptcache serve`'s options into configs (``build_configs``; ValueError on a bad
-value) and the parts built from them (the Redis config, the vision cache)."""
+value) and the parts built from them (the Redis config, the vision cache, the model)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..config import CacheConfig, RedisConfig, SSDConfig, parse_duration, parse_size
+from ..config import CacheConfig, RedisConfig, SSDConfig, parse_size
+from ..options import from_args
 from ..serving_config import EdgeLimits, EngineConfig, ImageLimits, ServerConfig
 
 if TYPE_CHECKING:
@@ -19,47 +20,13 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-MIN_KV_BUDGET = 256 * 1024**2
-
-
 def build_configs(args: argparse.Namespace) -> tuple[
         EngineConfig, CacheConfig, SSDConfig | None, ServerConfig]:
-    """Validate the options into configs (ValueError on bad values)."""
-    import psutil  # type: ignore[import-untyped]
-
+    """The configs from the options (their flags: ``options.opt``); ValueError on a bad
+    value, in the words of its flag."""
     from ..server.prompts.canon import parse_rules_off
 
-    if not 1 <= args.port <= 65535:
-        raise ValueError(f"--port must be in 1..65535, got {args.port}")
-    if args.hit_rate_window < 1:
-        raise ValueError(f"--hit-rate-window must be >= 1, got {args.hit_rate_window}")
-    if not 0.0 <= args.hit_rate_threshold <= 1.0:
-        raise ValueError(f"--hit-rate-threshold must be in [0, 1], got {args.hit_rate_threshold}")
-    ram = None
-    if args.ram_budget is not None:
-        ram = parse_size(args.ram_budget, total=psutil.virtual_memory().available)
-    if args.shutdown_persist_timeout < 0:
-        raise ValueError(f"--shutdown-persist-timeout must be >= 0, got {args.shutdown_persist_timeout}")
-    if args.session_active_minutes < 0:
-        raise ValueError(f"--session-active-minutes must be >= 0, got {args.session_active_minutes}")
-
-    ttl = parse_duration(args.ttl) if args.ttl is not None else None
-    session_ttl = parse_duration(args.session_ttl) if args.session_ttl is not None else None
-    avail = psutil.virtual_memory().available
-    bounds = tuple(None if v is None else parse_size(v, total=avail)
-                   for v in (args.ram_budget_min, args.ram_budget_max))
-    if (bounds[0] is not None or bounds[1] is not None) and not args.auto_tune:
-        raise ValueError("--ram-budget-min / --ram-budget-max need --auto-tune")
-    if args.kv_quant_min_tokens < 0:
-        raise ValueError(f"--kv-quant-min-tokens must be >= 0, got {args.kv_quant_min_tokens}")
-    cache_cfg = CacheConfig(block_size=args.block_size, ram_budget_bytes=ram,
-                            enabled=not args.no_cache, ttl_seconds=ttl,
-                            persist_timeout_s=args.shutdown_persist_timeout,
-                            protect_share=args.protect_share,
-                            active_session_s=args.session_active_minutes * 60.0 or None,
-                            kv_bits=args.kv_bits, kv_group_size=args.kv_group_size,
-                            kv_quant_min_tokens=args.kv_quant_min_tokens,
-                            max_arrays=args.max_arrays)
+    cache_cfg = from_args(CacheConfig, args)
     ssd_cfg = None
     if not args.no_cache and not args.no_ssd:
         path = args.cache_dir if args.cache_dir is not None else SSDConfig().path
@@ -67,87 +34,21 @@ def build_configs(args: argparse.Namespace) -> tuple[
             path.mkdir(parents=True, exist_ok=True)
         except OSError as e:  # the tier will be off (SSDTier says why); serving goes on
             log.error("cannot create the SSD cache folder %s: %s", path, e)
-        budget = parse_size(args.ssd_budget, total=free_bytes(path))
-        ssd_cfg = SSDConfig(path=path, budget_bytes=budget, policy=args.ssd_policy,
-                            queue_size=args.ssd_queue_size, ttl_seconds=ttl)
-    chunk = max(args.block_size, (256 // args.block_size) * args.block_size)
-    if args.default_max_tokens < 1:
-        raise ValueError(f"--default-max-tokens must be >= 1, got {args.default_max_tokens}")
-    if args.max_active < 1:
-        raise ValueError(f"--max-active must be >= 1, got {args.max_active}")
-    if args.max_queue < 0:
-        raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
-    kv_budget = max(MIN_KV_BUDGET, parse_size(args.kv_budget,
-                                              total=psutil.virtual_memory().available))
-    penalty = repetition_penalty(args)
-    engine_cfg = EngineConfig(prefill_chunk_tokens=chunk,
-                              max_tokens_limit=args.max_tokens_limit,
-                              default_max_tokens=args.default_max_tokens,
-                              repetition_penalty=penalty[0],
-                              repetition_context_size=penalty[1],
-                              max_active_requests=args.max_active,
-                              max_queued_requests=args.max_queue,
-                              active_kv_budget_bytes=kv_budget,
-                              shadow_verify_fraction=args.shadow_verify,
-                              speculation=args.speculation,
-                              spec_max_draft=args.spec_max_draft,
-                              spec_pool_tokens=args.spec_pool_tokens,
-                              spec_verify_cost=args.spec_verify_cost,
-                              spec_max_slowdown=args.spec_max_slowdown,
-                              live_states=args.live_states,
-                              template_render_limit_s=args.template_render_limit,
-                              memory_limit_bytes=memory_limit(args.memory_limit))
-    if args.api_keys_file is not None and not args.api_keys_file.is_file():
-        raise ValueError(f"--api-keys-file {args.api_keys_file} does not exist")
-    server_cfg = ServerConfig(host=args.host, port=args.port, api_key=args.api_key,
-                              api_keys_file=args.api_keys_file,
-                              allowed_origins=parse_origins(args.allowed_origins),
-                              hit_rate_window=args.hit_rate_window,
-                              hit_rate_alert_threshold=args.hit_rate_threshold,
-                              context_window=args.context_window,
-                              max_tokens_overflow=args.max_tokens_overflow,
-                              log_requests_dir=args.log_requests,
-                              max_body_bytes=parse_size(args.max_body_bytes),
-                              max_import_bytes=parse_size(args.max_import_bytes),
-                              import_dir=ssd_cfg.path if ssd_cfg is not None else None,
-                              prerender=not args.no_prerender,
-                              prerender_max_pending=args.prerender_max_pending,
-                              canonicalize_off=tuple(sorted(
-                                  parse_rules_off(args.no_canonicalize))),
-                              images=ImageLimits(
-                                  max_bytes=parse_size(args.max_image_bytes),
-                                  max_pixels=args.max_image_pixels,
-                                  max_images=args.max_images,
-                                  allow_local_files=args.allow_local_images,
-                                  allow_urls=args.allow_image_urls),
-                              session_ttl_s=session_ttl, auto_tune=args.auto_tune,
-                              ram_budget_min_bytes=bounds[0], ram_budget_max_bytes=bounds[1],
-                              edge=EdgeLimits(header_timeout_s=args.header_timeout,
-                                              body_timeout_s=args.body_timeout,
-                                              max_connections=args.max_connections))
+        try:
+            budget = parse_size(args.ssd_budget, total=free_bytes(path))
+        except ValueError as e:
+            raise ValueError(f"--ssd-budget: {e}") from None
+        ssd_cfg = from_args(SSDConfig, args, path=path, budget_bytes=budget,
+                            ttl_seconds=cache_cfg.ttl_seconds)
+    chunk = max(cache_cfg.block_size, (256 // cache_cfg.block_size) * cache_cfg.block_size)
+    engine_cfg = from_args(EngineConfig, args, prefill_chunk_tokens=chunk,
+                           **model_defaults(args))
+    rules_off = tuple(sorted(parse_rules_off(args.no_canonicalize)))
+    server_cfg = from_args(ServerConfig, args, canonicalize_off=rules_off,
+                           import_dir=ssd_cfg.path if ssd_cfg is not None else None,
+                           images=from_args(ImageLimits, args),
+                           edge=from_args(EdgeLimits, args))
     return engine_cfg, cache_cfg, ssd_cfg, server_cfg
-
-
-def memory_limit(value: str) -> int | None:
-    """``--memory-limit``: bytes (a size, or a % of physical memory), None for ``off``."""
-    import psutil
-
-    if value.strip().lower() == "off":
-        return None
-    limit = parse_size(value, total=psutil.virtual_memory().total)
-    if limit <= 0:
-        raise ValueError(f"--memory-limit must be > 0 (or off), got {value!r}")
-    return limit
-
-
-def parse_origins(value: str | None) -> tuple[str, ...]:
-    """``--allowed-origins``: a comma list of origins, or ``*`` (any origin); None: ()."""
-    if value is None:
-        return ()
-    origins = tuple(o.strip().rstrip("/") for o in value.split(","))
-    if not all(origins):
-        raise ValueError(f"--allowed-origins: an empty origin in {value!r}")
-    return origins
 
 
 def read_chat_template(value: str | None) -> str | None:
@@ -209,28 +110,23 @@ def build_redis_config(args: argparse.Namespace) -> RedisConfig | None:
             raise ValueError("--redis-cluster needs --redis-url")
         return None
 
-    ttl = parse_duration(args.redis_ttl)
-    if args.redis_timeout_ms <= 0:
-        raise ValueError(f"--redis-timeout-ms must be > 0, got {args.redis_timeout_ms}")
-    return RedisConfig(url=args.redis_url, cluster=args.redis_cluster, prefix=args.redis_prefix,
-                       ttl_seconds=ttl, timeout_s=args.redis_timeout_ms / 1000.0)
+    return from_args(RedisConfig, args)
 
 
 DEFAULT_MODEL = "default"  # --model default: the embedded default model, as no --model
+
+
 # a 135M model repeats a sentence until max_tokens without one; Ollama's defaults
 # (repeat_penalty 1.1 over repeat_last_n 64) break the loops a coding agent's prompt
 # sends it into, where mlx-lm's 20 tokens are shorter than the loop
-DEFAULT_MODEL_PENALTY = (1.1, 64)
+DEFAULT_MODEL_SAMPLING = {"repetition_penalty": 1.1, "repetition_context_size": 64}
 
 
-def repetition_penalty(args: argparse.Namespace) -> tuple[float, int]:
-    """(``--repetition-penalty``, ``--repetition-context-size``), each given or the
-    model's default: (1.1, 64) for the embedded default model, (1.0: off, 20) for any
-    other."""
-    default = DEFAULT_MODEL_PENALTY if model_of(args) in (None, DEFAULT_MODEL) else (1.0, 20)
-    return (default[0] if args.repetition_penalty is None else float(args.repetition_penalty),
-            default[1] if args.repetition_context_size is None
-            else int(args.repetition_context_size))
+def model_defaults(args: argparse.Namespace) -> dict[str, float]:
+    """The embedded default model's own sampling defaults, where no flag sets them."""
+    if model_of(args) not in (None, DEFAULT_MODEL):
+        return {}
+    return {k: v for k, v in DEFAULT_MODEL_SAMPLING.items() if getattr(args, k) is None}
 
 
 def resolve_model(model: str | None, steps: Steps) -> str:

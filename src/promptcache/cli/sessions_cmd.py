@@ -1,15 +1,6 @@
-"""`promptcache cache sessions`: list sessions (sizes, last use) and delete one.
-
-    promptcache cache sessions [--tenant T] [--json]            # an SSD folder (--cache-dir)
-    promptcache cache sessions --delete S [--tenant T]
-    promptcache cache sessions --server URL [--api-key K] [--tenant T] [--delete S]
-
-On a folder the listing is the SSD index's (blocks, bytes, the last time a block of the
-session was used); ``--delete`` removes the session from the folder's blocks (blocks left
-without a session are deleted). ``--server`` asks a running server instead
-(``GET /v1/cache/sessions``, ``DELETE /v1/cache/sessions/{id}``): that reaches its RAM
-and every tier it has. Without ``--tenant`` a deletion acts in every tenant.
-"""
+"""`promptcache cache sessions`: list sessions (sizes, last use) and ``--delete`` one, on an
+SSD folder (its index) or, with ``--server URL``, on a running server (its RAM and every
+tier). Without ``--tenant`` a deletion acts in every tenant."""
 
 from __future__ import annotations
 

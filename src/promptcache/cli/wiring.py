@@ -1,14 +1,7 @@
-"""Building the prompt cache for an Engine: the caller's job (the engine never builds tiers).
-
-``build_cache`` returns the PromptCache over RAM plus the lower tiers the configs ask
-for (SSD, the shared Redis tier), with the engine's MLX payload adapter, or None when
-caching is off. Add a tier here (and only here) to make ``promptcache serve`` use it.
-
-A tier that cannot work never stops the server: an SSD folder that is read-only, not
-ours to write or unusable gives a tier that is ``off`` (every read a miss, every write
-refused and counted ``off``) or ``read_only``; it stays in the list so that
-``/v1/cache/stats`` (``tiers.ssd.mode``) and ``/health`` (``tiers``) say so.
-"""
+"""Building the prompt cache for an Engine (the engine never builds tiers): ``build_cache``
+gives the PromptCache over RAM plus the tiers the configs ask for, or None when caching
+is off; add a tier here to make ``serve`` use it. A tier that cannot work never stops the
+server: it stays in the list as ``off`` or ``read_only``, so stats and /health say so."""
 
 from __future__ import annotations
 

@@ -1,31 +1,8 @@
-"""The HTTP edge: uvicorn's h11 protocol with the limits a server facing untrusted
-clients needs, so that the server outlives a client that opens sockets and never
-finishes a request (issue 42).
-
-- **Head timeout.** A connection that has not sent a whole request head within
-  ``header_timeout_s`` of opening (or of the first byte of its next request on a
-  keep-alive connection) is closed. uvicorn's own ``timeout_keep_alive`` closes
-  connections idle between requests.
-- **Connection cap.** At most ``max_connections`` connections stay open. A connection
-  past the cap closes another: an idle keep-alive one first, else the one that has
-  waited longest for its head; a request in progress is never cut. With every other
-  connection busy, the new one is answered 503 and closed. ``fit_to_fd_limit`` sizes
-  the cap and uvicorn's accept batch (``backlog``) to the process's file descriptors, so
-  ``accept`` never fails with EMFILE.
-- **Head size.** A request head larger than ``max_header_bytes`` is answered 431, in
-  the API's error shape, whatever the chunks it arrives in.
-- **Body timeout.** A request whose body has not arrived in whole within
-  ``body_timeout_s`` of its head, plus one second per ``BODY_MIN_RATE`` bytes received
-  (a large body on a slow link still arrives; one that trickles or stops does not), is
-  answered 408 in the API's error shape and closed; the app's handler sees a
-  disconnect, and what it answers is dropped.
-- **Lingering close.** An answer sent while the client is still sending (the 431, a
-  413 in the middle of a body) half-closes the connection and drops what still arrives
-  for up to ``linger_s``, so the client reads the answer instead of a reset.
-
-``edge_protocol(limits)`` gives the protocol class uvicorn is handed (``http=``): one
-class per server, sharing its ``Connections``.
-"""
+"""The HTTP edge: uvicorn's h11 protocol with the limits a server facing untrusted clients
+needs (issue 42): a head timeout, a connection cap sized to the file descriptors
+(``fit_to_fd_limit``; idle connections close first, a request in progress is never cut),
+431 for a large head, a body timeout with a minimum rate (``BODY_MIN_RATE``) and a
+lingering close after a refusal. ``edge_protocol(limits)`` is the class uvicorn gets."""
 
 from __future__ import annotations
 

@@ -1,14 +1,7 @@
-"""``RequestFinished``: one event per request the engine answered, and its subscribers.
-
-``Generation`` (``runner.py``) publishes a ``RequestFinished`` when the engine's final
-result arrives; every operation that accounts for finished requests subscribes to
-``ServerState.finished`` instead of being called by hand. The standard subscribers, in
-order (``runner.standard_subscribers``): the hit-rate monitor (alerts), the per-session /
-per-agent counts (``session_stats``), the session TTL's last use (``--session-ttl``),
-the dashboard's history, the Prometheus metrics (which read the monitor's rolling hit
-rate, so after it), and the request's log line. A subscriber that raises is logged and
-never breaks the response, nor the subscribers after it.
-"""
+"""``RequestFinished``: one event per request the engine answered. Every operation that
+accounts for finished requests subscribes to ``ServerState.finished`` (in order:
+``runner.standard_subscribers``); a subscriber that raises is logged and breaks neither
+the response nor the subscribers after it."""
 
 from __future__ import annotations
 

@@ -1,32 +1,8 @@
-"""Anthropic-compatible endpoints: /v1/messages (streaming and not), /v1/messages/count_tokens.
-
-Requests as Claude Code sends them are accepted: ``role: "system"`` messages anywhere
-in ``messages`` (kept where they stand, see ``prompt.place_system_messages``),
-``thinking`` (``enabled`` / ``adaptive`` turn the template's reasoning switch on,
-``disabled`` off, where the template has one), ``tool_choice`` ``auto`` / ``any`` /
-``tool`` / ``none`` (``none`` leaves the tools out; ``any`` / ``tool`` are enforced by
-constrained decoding, ``structured.py``), ``cache_control`` on any block,
-``context_management``, ``output_config``, ``metadata``, ``service_tier``, ``?beta=true`` and the ``anthropic-beta`` header
-(accepted, ignored on purpose). Tools other than client tools (``web_search_*``,
-``bash_*`` … server tools the model cannot run) are left out. Reasoning the model marks
-streams back as ``thinking`` blocks.
-
-Usage accounting (all counts are prompt tokens of this request):
-- ``cache_read_input_tokens``: tokens restored from the cache;
-- ``cache_creation_input_tokens``: uncached tokens this request wrote to the cache
-  (its uncached prompt tokens when it saved prompt blocks, else 0);
-- ``input_tokens``: uncached tokens that were not written to the cache.
-The three are disjoint, as in Anthropic's API: ``input_tokens +
-cache_creation_input_tokens + cache_read_input_tokens == prompt tokens`` (clients such
-as Claude Code add them up to size the context).
-
-Streaming: ``message_start`` is sent at once; its usage is a prediction from a pure
-cache lookup (made off the event loop while the prompt is prepared; the engine reports
-exact numbers only at the end), by the same definition: a prompt the cache already
-holds whole writes nothing (its last token, always computed, is ``input_tokens``). The
-exact usage is in ``message_delta``, the same as the non-streamed reply's. While the
-stream has nothing else to send (a long prefill) it sends ``ping`` events.
-"""
+"""Anthropic-compatible endpoints: /v1/messages (streaming and not) and
+/v1/messages/count_tokens, accepting requests as Claude Code sends them (docs/api.md).
+Usage is disjoint as in Anthropic's API: ``input_tokens + cache_creation_input_tokens +
+cache_read_input_tokens`` is the prompt; ``message_start`` carries a prediction from a
+pure cache lookup, ``message_delta`` the exact usage."""
 
 from __future__ import annotations
 

@@ -1,26 +1,8 @@
-"""API keys and request scoping (tenant, session).
-
-Rules:
-- With no API key configured, every request is allowed; ``X-Tenant-Id`` picks the
-  tenant (validated like ``meta.validate_tenant``; default ``"default"``).
-- ``--api-key KEY``: a request must send ``Authorization: Bearer KEY`` or
-  ``x-api-key: KEY`` (401 otherwise); the tenant still comes from ``X-Tenant-Id``.
-- ``--api-keys-file F``: a JSON object ``{"<key>": "<tenant>", ...}``. A key from the
-  file authenticates *and* fixes the tenant; an ``X-Tenant-Id`` header naming another
-  tenant is refused (403). Both options may be combined.
-- The session (recorded on the blocks the request writes, so ``DELETE
-  /v1/cache/sessions/{id}``, TTL and the stats work per session) comes from the first of
-  these headers that is present: ``X-Session-Id`` (also what OpenCode sends),
-  ``X-Claude-Code-Session-Id`` (Claude Code), ``session-id`` (Codex CLI),
-  ``x-session-affinity`` (OpenCode); without one, a body field the endpoint passes to
-  ``Scope.with_session`` (``prompt_cache_key``: Codex, OpenAI SDKs). A session id is 1-256
-  printable ASCII characters: a bad ``X-Session-Id`` is a 400; a bad client header is
-  ignored (logged). ``x-claude-code-agent-id`` / ``x-claude-code-parent-agent-id`` name
-  the (sub)agent (same rules as a client session header): the agent is recorded on the
-  blocks the request stores, next to the session (``GenerationRequest.agent_id``), and
-  counted per session in the stats (``session_stats``); which header won and the agent
-  go into the request log line.
-"""
+"""API keys and request scoping (tenant, session, agent). No key configured: every request
+is allowed and ``X-Tenant-Id`` picks the tenant; ``--api-key``: Bearer or ``x-api-key``
+(401 otherwise); ``--api-keys-file``: a key also fixes the tenant (another tenant in the
+header is a 403). The session comes from the first session header present (the clients'
+own: ``SESSION_HEADERS``), else a body field (``prompt_cache_key``); docs/api.md."""
 
 from __future__ import annotations
 

@@ -1,15 +1,7 @@
-"""Request body size limit (``--max-body-bytes``), enforced before any work.
-
-``BodyLimit`` is an ASGI middleware around the app. For a ``/v1/*`` request with a
-body:
-- a ``Content-Length`` over the limit is answered 413 at once, in the API's own error
-  shape, without reading a byte of the body;
-- a body without a length (chunked) is counted as it is received; the chunk that
-  crosses the limit ends the request with the same 413, so at most one chunk more
-  than the limit is ever buffered.
-``/v1/cache/import`` (a cache pack, streamed to a file within its own
-``--max-import-bytes``: server/ops/packs_api.py) is exempt.
-"""
+"""Request body size limit (``--max-body-bytes``), enforced before any work: an ASGI
+middleware that answers a ``/v1/*`` body over the limit with 413 in the API's own shape,
+from its ``Content-Length`` or, chunked, at the chunk that crosses it.
+``/v1/cache/import`` has its own limit (``--max-import-bytes``)."""
 
 from __future__ import annotations
 

@@ -1,16 +1,7 @@
-"""OpenAI-compatible endpoints: /v1/chat/completions, /v1/completions, /v1/models.
-
-Chat replies: reasoning the model marks (``<think>``…) comes back as
-``message.reasoning_content`` (streamed as ``delta.reasoning_content``), tool calls (in
-the model's own format, parsed with mlx-lm's parser of it) as ``tool_calls``;
-``response_format`` ``json_object`` / ``json_schema`` and ``tool_choice`` ``required`` /
-a named function are enforced by constrained decoding (``structured.py``); with ``logprobs`` (and ``top_logprobs``) every token's log-probability
-in ``choices[0].logprobs.content``. A final assistant message is continued (prefill).
-``logit_bias`` (both endpoints) is applied by a logits processor; /v1/completions
-answers ``logprobs`` (0..5) in the legacy shape; the checks are in ``openai_params.py``.
-Streams send an SSE comment when they have nothing else to send for a while (a long
-prefill), so proxies and clients keep the connection.
-"""
+"""OpenAI-compatible endpoints: /v1/chat/completions, /v1/completions, /v1/models: reasoning
+as ``reasoning_content``, tool calls in the model's own format, constrained decoding for
+``response_format`` / forced ``tool_choice``, logprobs, ``logit_bias``, assistant prefill
+(the parameters' checks: ``openai_params.py``; docs/api.md)."""
 
 from __future__ import annotations
 

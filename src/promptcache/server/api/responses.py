@@ -1,26 +1,8 @@
-"""OpenAI Responses API: POST /v1/responses, GET / DELETE /v1/responses/{id}.
-
-What the request may hold is in ``responses_items.py`` (input items, tools). The
-conversation of ``previous_response_id`` comes from a bounded in-memory store
-(``--responses-store``-sized; ``store: false`` responses are not kept; an unknown id is
-a 404 in OpenAI's error shape). ``prompt_cache_key`` names the session when no session
-header does (Codex sends its session id there). ``reasoning.effort`` drives the
-template's thinking switch (``none`` / ``minimal``: off); reasoning the model emits is
-returned as ``reasoning`` items (``content`` of ``reasoning_text`` parts). ``text.format``
-``json_object`` / ``json_schema`` and ``tool_choice`` ``required`` / a named function /
-``allowed_tools`` in mode ``required`` are enforced by constrained decoding
-(``structured.py``).
-
-Output items: [reasoning?, message?, function_call...]; a reply cut by
-``max_output_tokens`` has ``status: "incomplete"``. Streaming sends the event sequence
-Codex consumes: ``response.created``, ``response.in_progress``, per item
-``response.output_item.added`` → (``response.content_part.added`` →
-``response.output_text.delta``… / ``response.reasoning_text.delta``… → ``….done`` →
-``response.content_part.done``) or ``response.function_call_arguments.delta`` /
-``.done`` → ``response.output_item.done``, and ``response.completed`` (or
-``response.incomplete`` / ``response.failed``) with usage
-(``input_tokens_details.cached_tokens``). SSE comments keep a silent stream alive.
-"""
+"""OpenAI Responses API: POST /v1/responses, GET / DELETE /v1/responses/{id}. The request's
+items are read by ``responses_items.py``; ``previous_response_id`` continues a stored
+response; ``prompt_cache_key`` names the session when no header does (Codex). Output
+items are [reasoning?, message?, function_call...]; streaming sends the event sequence
+Codex consumes (docs/api.md), with usage at ``response.completed``."""
 
 from __future__ import annotations
 

@@ -1,40 +1,17 @@
-"""OpenAI Responses API: request items and tools -> template messages; the response store.
-
-Input items (``input`` is a string or a list of items):
-- ``message`` (``type`` may be left out): roles ``user``, ``assistant``, ``system``,
-  ``developer`` (rendered as system); content a string or ``input_text`` /
-  ``output_text`` / ``refusal`` parts. Image, file and audio parts are a 400 (text-only
-  model).
-- ``function_call`` (``call_id``, ``name``, ``arguments`` as a JSON string, optional
-  ``namespace``) joins the assistant turn before it; ``function_call_output``
-  (``call_id``, ``output`` string or text parts) becomes a tool turn and must answer a
-  call of this conversation. ``custom_tool_call`` / ``custom_tool_call_output`` likewise
-  (the call's ``input`` string as the argument ``input``).
-- ``reasoning`` items are accepted and not replayed into the prompt (as Anthropic
-  ``thinking`` blocks). ``item_reference`` names an item of a stored response.
-- Any other item type is a 400.
-
-Tools: ``function`` tools (flat Responses format) are offered as they are; the functions
-of a ``namespace`` tool under their qualified names ``<namespace>__<name>`` (a call of one
-is returned with ``name`` and ``namespace`` apart); other tool types (``web_search``,
-``file_search``, ``custom``, ``mcp``, ... server-side tools the model cannot run) are
-accepted and left out.
-
+"""OpenAI Responses API: input items and tools -> template messages (the items and tool types
+accepted are in docs/api.md; others are a 400 or, for server-side tools, left out), and
 ``ResponseStore``: responses kept for ``previous_response_id`` and ``GET
-/v1/responses/{id}``, bounded (least recently used out), in memory, per tenant (one tenant never
-sees, continues or deletes another's); ``store: false``
-responses are not kept.
-"""
+/v1/responses/{id}``, bounded, in memory, per tenant (one tenant never sees another's)."""
 
 from __future__ import annotations
 
 import json
 import threading
-from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from ...lru import BoundedLRU
 from ..prompts.images import ImageCollector
 from ..prompts.prompt import check_tool_parameters, function_arguments, image_part
 from .errors import APIError
@@ -241,7 +218,7 @@ class ResponseStore:
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        self._items: OrderedDict[tuple[str, str], StoredResponse] = OrderedDict()
+        self._items: BoundedLRU[tuple[str, str], StoredResponse] = BoundedLRU(max(0, capacity))
         self._lock = threading.Lock()
 
     def scoped(self, tenant: str) -> TenantResponses:
@@ -251,21 +228,15 @@ class ResponseStore:
         if self.capacity <= 0:
             return
         with self._lock:
-            self._items[(tenant, rid)] = stored
-            self._items.move_to_end((tenant, rid))
-            while len(self._items) > self.capacity:
-                self._items.popitem(last=False)
+            self._items.put((tenant, rid), stored)
 
     def get(self, tenant: str, rid: str) -> StoredResponse | None:
         with self._lock:
-            stored = self._items.get((tenant, rid))
-            if stored is not None:
-                self._items.move_to_end((tenant, rid))
-            return stored
+            return self._items.get((tenant, rid))
 
     def delete(self, tenant: str, rid: str) -> bool:
         with self._lock:
-            return self._items.pop((tenant, rid), None) is not None
+            return self._items.pop((tenant, rid)) is not None
 
     def item(self, tenant: str, item_id: str) -> dict[str, Any] | None:
         """An output item of one of the tenant's stored responses, by its id."""

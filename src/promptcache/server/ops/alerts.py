@@ -1,18 +1,7 @@
 """Rolling reuse rate over the last N requests that repeat earlier traffic, and the
-low-hit-rate alert.
-
-What counts (``outcome.Outcome.counted``): a request that repeats earlier traffic, a
-session's next turn or a prompt whose prefix the cache held, with the tokens a working
-cache reuses of it (``shared``) and those it did reuse (``reused``). A request with
-nothing cached to share (``new``: a first turn, an unrelated one-shot question) is not
-counted: a cache cannot be expected to hit it, and a few of them must not raise the
-alert. Neither is a request served without a cache (``off``).
-
-The alert is evaluated once the window holds at least ``min_samples`` counted
-requests (``min(window, 10)`` by default). Entering the alert state logs a warning with
-the most common miss reasons in the window; while it lasts the warning is repeated
-once per ``window`` requests; leaving it logs an info line.
-"""
+low-hit-rate alert. ``new`` and ``off`` requests are not counted (a cache cannot be
+expected to hit them). The alert needs ``min_samples`` counted requests; entering it
+logs the common miss reasons, repeated once per window, leaving it an info line."""
 
 from __future__ import annotations
 

@@ -1,17 +1,7 @@
-"""``GET /dashboard``: one live page of the cache's health, served by the app.
-
-The page and its two assets (``static/dashboard.{html,js,css}``, package data: no CDN,
-no build step) hold no data. Every figure comes from ``GET /v1/dashboard/data``, which
-sits behind the same authentication as the rest of ``/v1`` (the page sends the key as
-``Authorization: Bearer``; open ``/dashboard#key=KEY``: a URL fragment never leaves the
-browser, or type the key into the page's form). The page polls every second
-(``?interval=MS`` changes it).
-
-``/v1/dashboard/data`` is ``{"stats": <the body of GET /v1/cache/stats>, "requests":
-RequestHistory.summary(), "engine": {active, queued}, "speculation": {...} (or None),
-"server": {...}, "diagnosis": ...}``.
-A key bound to a tenant sees only its own tenant's requests and sessions.
-"""
+"""``GET /dashboard``: one live page of the cache's health. The page and its assets
+(``static/``, no CDN, no build step) hold no data: they poll ``GET /v1/dashboard/data``
+behind the same authentication as ``/v1`` (``/dashboard#key=KEY``: a fragment never
+leaves the browser). A tenant-bound key sees only its own tenant."""
 
 from __future__ import annotations
 

@@ -1,33 +1,9 @@
 """Miss diagnosis against the previous turn: Anthropic ``diagnostics`` and the log line.
-
-A turn of a conversation should find the previous turn's prompt + output in the cache.
-When it does not, this module says why, in the terms of Anthropic's cache diagnostics
-(beta ``cache-diagnosis-2026-04-07``) plus the cache's own causes:
-
-- ``tools_changed`` / ``system_changed`` / ``messages_changed``: the request diverges
-  from the previous turn's tokens before their end, and the first difference in the
-  request's structure is in the tools, the leading system prompt, or the messages
-  (a changed message, or the history rendered differently from what was generated:
-  reasoning stripped, a tool call re-rendered, text that re-tokenizes differently);
-- ``evicted`` / ``expired`` / ``not_restorable`` / ``not_stored`` / ``cold``: the
-  request repeats the previous turn, but the cache did not deliver it (blocks evicted,
-  past their TTL, a state that cannot be restored at that position, a save that
-  failed, or never stored);
-- ``previous_message_not_found`` (the ``diagnostics.previous_message_id`` is unknown)
-  and ``unavailable`` (the server runs without a cache).
-
-``cache_missed_input_tokens`` is the previous turn's reusable length (its prompt +
-output but the last token, capped at this prompt's length - 1) minus the tokens this
-request read from the cache. No miss (or no previous turn to compare with) is
-``None`` (Anthropic's ``"diagnostics": null``).
-
-The previous turn is the one named by ``previous_message_id``, else the last turn of
-the same tenant, session and agent (Claude Code subagents have agent ids of their own).
-``TurnStore`` keeps the turns (tokens and a structural fingerprint) in a bounded LRU.
-Everything that reads tokens (the comparison, the text around the divergence) runs in
-the preparation worker thread (``preparer.Preparer``); ``Divergence.diagnose`` is O(1)
-arithmetic, so it can run when the result arrives.
-"""
+The previous turn (by ``previous_message_id``, else the last of the tenant, session and
+agent, kept in ``TurnStore``) is compared with this request: a divergence is named by
+where it falls (``tools_changed`` / ``system_changed`` / ``messages_changed``), a repeat
+the cache did not deliver by the cache's cause (docs/api.md). Token work runs in the
+preparation thread; ``Divergence.diagnose`` is O(1), run when the result arrives."""
 
 from __future__ import annotations
 
@@ -37,12 +13,12 @@ import json
 import logging
 import threading
 from array import array
-from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from ...engine.api import CacheMiss, common_prefix
+from ...lru import BoundedLRU
 
 log = logging.getLogger(__name__)
 
@@ -267,7 +243,7 @@ class TurnStore:
     def __init__(self, max_turns: int = 512, max_tokens: int = 4_000_000) -> None:
         self.max_turns = max_turns
         self.max_tokens = max_tokens
-        self._turns: OrderedDict[str, Turn] = OrderedDict()
+        self._turns: BoundedLRU[str, Turn] = BoundedLRU(max_turns)
         self._by_key: dict[TurnKey, str] = {}
         self._tokens = 0
         self._seq = 0
@@ -281,26 +257,28 @@ class TurnStore:
             if message_id is None:
                 self._seq += 1
                 message_id = f"turn-{self._seq}"
-            old = self._turns.pop(message_id, None)
+            old = self._turns.pop(message_id)
             if old is not None:
                 self._tokens -= len(old.tokens)
-            self._turns[message_id] = turn
             self._tokens += len(turn.tokens)
             if turn.key is not None:
                 self._by_key[turn.key] = message_id
-            while self._turns and (len(self._turns) > self.max_turns
-                                   or self._tokens > self.max_tokens):
-                mid, gone = self._turns.popitem(last=False)
-                self._tokens -= len(gone.tokens)
-                if gone.key is not None and self._by_key.get(gone.key) == mid:
-                    del self._by_key[gone.key]
+            for gone in self._turns.put(message_id, turn):
+                self._forget(*gone)
+            while self._turns and self._tokens > self.max_tokens:
+                self._forget(*self._turns.pop_oldest())
+
+    def _forget(self, message_id: str, turn: Turn) -> None:
+        self._tokens -= len(turn.tokens)
+        if turn.key is not None and self._by_key.get(turn.key) == message_id:
+            del self._by_key[turn.key]
 
     def replace_tokens(self, key: TurnKey, tokens: Sequence[int]) -> None:
         """The next turn of ``key`` is expected to start with ``tokens`` (the pre-render
         found what the client will send back): its reference from now on."""
         with self._lock:
             mid = self._by_key.get(key)
-            turn = self._turns.get(mid) if mid is not None else None
+            turn = self._turns.peek(mid) if mid is not None else None
             if turn is None:
                 return
             self._tokens -= len(turn.tokens)
@@ -311,16 +289,15 @@ class TurnStore:
         """The turn of that message id, if it is ``tenant``'s (another tenant's id is
         unknown here: never a prefix oracle across tenants)."""
         with self._lock:
-            turn = self._turns.get(message_id)
+            turn = self._turns.peek(message_id)
             if turn is None or turn.tenant != tenant:
                 return None
-            self._turns.move_to_end(message_id)
-            return turn
+            return self._turns.get(message_id)
 
     def last(self, key: TurnKey) -> Turn | None:
         with self._lock:
             mid = self._by_key.get(key)
-            return self._turns.get(mid) if mid is not None else None
+            return self._turns.peek(mid) if mid is not None else None
 
 
 def compare(prev: Turn | None, fingerprint: Fingerprint, tokens: Sequence[int],

@@ -1,15 +1,7 @@
-"""Recent requests, kept for the dashboard: a bounded ring of finished requests.
-
-``RequestHistory.record(...)`` is called once per finished (not cancelled, not failed)
-request by ``runner.Generation``; ``summary()`` turns the ring into what the dashboard
-draws: the per-request and rolling token hit rate over time, TTFT of requests with and
-without cached tokens, tokens and (estimated) seconds saved, and the busiest sessions
-and tenants. No CPU-heavy work: a few hundred samples are summed per call.
-
-Seconds saved is an estimate, stated as such: the cached tokens of the window times the
-mean prefill time per token of the window's uncached requests (TTFT / prompt tokens of
-requests that hit nothing). None until one uncached request has been seen.
-"""
+"""Recent requests for the dashboard: a bounded ring of finished requests; ``summary()``
+gives hit rates over time, TTFT with and without cached tokens, tokens and (estimated:
+cached tokens x the window's uncached prefill time per token) seconds saved, and the
+busiest sessions and tenants."""
 
 from __future__ import annotations
 

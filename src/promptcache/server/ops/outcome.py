@@ -1,32 +1,9 @@
-"""What the cache did for one request, in one word: ``new``, ``hit``, ``miss`` or ``off``.
-
-The request log line (``cache=...``), the hit-rate alert and its diagnosis read the same
-``Outcome``, made once per finished request by ``outcome_of``:
-
-- ``hit:<tiers>``: the request repeats earlier traffic and the cache served all of it:
-  a session's next turn that reused the whole previous turn (its prompt and reply), an
-  exact repeat, or a prompt that continues a stored one (``cold`` after a hit: its new
-  tokens were never seen). ``<tiers>`` names where the cached tokens came from
-  (``live``, ``ram``, ``ssd``, ``redis``).
-- ``new``: nothing cached to share: a first turn, an unrelated one-shot question (that
-  may share the chat template's first tokens with earlier prompts and then differs in
-  its own, last, message: ``diverged`` there is a new question, not a regression).
-- ``miss:<cause>``: the request repeats earlier traffic and the cache did not deliver
-  it. With a previous turn of the same session (``diagnostics.Divergence``) the cause is
-  where the client's prompt changed (``tools_changed`` / ``system_changed`` /
-  ``messages_changed``), else the cache's own cause (``evicted``, ``expired``,
-  ``not_stored: <why>``, ``not_restorable``, ``promotion_failed``, ``cache_error``,
-  ``restore_error``, or ``cold``: gone without a trace). Without a previous turn, a
-  cause by which the cache lost what it held, or ``diverged`` before the prompt's last
-  message (its history changed). A raw prompt (``/v1/completions``, no chat messages)
-  that goes on differently from a stored one is a ``hit`` of what they share.
-- ``off``: the server runs without a cache.
-
-``shared`` is what a working cache reuses of the request: the previous turn's reusable
-length for a session's turn, the prompt before its last message for a changed history,
-the whole prompt for a lost prefix, the cached tokens for a hit; 0 for ``new`` and
-``off``, which the alert does not count.
-"""
+"""What the cache did for one request, in one word (``outcome_of``): ``hit:<tiers>`` (the
+cache served all the request repeats), ``new`` (nothing cached to share),
+``miss:<cause>`` (it repeats earlier traffic and the cache did not deliver: where the
+client's prompt changed, or the cache's own cause) or ``off``; read by the request log
+line, the hit-rate alert and its diagnosis (docs/api.md). ``shared`` is what a working
+cache reuses of the request (0 for ``new`` and ``off``, which the alert does not count)."""
 
 from __future__ import annotations
 

@@ -1,21 +1,8 @@
-"""Admin endpoints for cache packs (``packs.py``): export and import over HTTP.
-
-- ``POST /v1/cache/export`` with a JSON body naming what to export: ``{"messages":
-  [...], "tools": [...]}`` (a conversation, rendered exactly as a chat request would
-  be), ``{"tokens": [...]}``, ``{"session_id": "S"}`` or ``{"all": true}`` (the whole
-  tenant). Answers the pack (``application/x-tar``).
-- ``POST /v1/cache/import`` with a pack as the body: streamed to a temp file (in the
-  SSD tier's folder, else the system's temp folder) within ``--max-import-bytes`` (a
-  ``Content-Length`` over it is a 413 before a byte is read, a body that passes it a 413
-  at once), its start checked as it arrives (a body that does not start like a pack is
-  a 400 at once: ``packfile.PackStart``), then verified completely from the file and
-  imported (``{"blocks", "added", "tokens", "tenant"}``); a bad pack is a 400 naming the
-  problem and imports nothing.
-
-The tenant is the caller's scope: a tenant-bound key's own (a pack of another tenant is
-a 403), else ``X-Tenant-Id`` (default ``default``). Packing and verification run in a
-worker thread, never on the event loop.
-"""
+"""Admin endpoints for cache packs (``packs.py``): ``POST /v1/cache/export`` (a
+conversation, tokens, a session or the whole tenant -> a pack) and ``POST
+/v1/cache/import`` (streamed to a temp file within ``--max-import-bytes``, checked as it
+arrives, verified whole, then imported; a bad pack imports nothing). The tenant is the
+caller's scope; the work runs in a worker thread, never on the event loop."""
 
 from __future__ import annotations
 

@@ -1,33 +1,8 @@
-"""``POST /v1/cache/probe``: what the cache holds for a request, without generating.
-
-The body is any chat completions, Messages or Responses request body (``?api=chat |
-messages | responses``; without it: a body with ``input`` / ``instructions`` /
-``previous_response_id`` is a Responses body, one sent with an ``anthropic-version``
-header or a top-level ``system`` a Messages body, anything else a chat body). It is
-parsed, canonicalized, rendered and tokenized exactly as a real turn (the same
-``ChatPrompt`` function of its API and the same ``Preparer``), under the request's
-tenant and session headers, and looked up in the cache (a pure query: nothing is
-promoted, stored or counted). The answer:
-
-- ``prompt_tokens``; ``cached_tokens`` (what a turn would restore now) and
-  ``cached_by_tier``; ``matched_tokens`` (the longest stored prefix, restorable or not);
-- ``divergence`` (null on a full hit): the first token the cache does not hold
-  (``token_index``), the chat message it falls in (``message_index``, ``role``, as
-  rendered), the request-body string that holds its text (``block``, e.g.
-  ``messages[3].content[1].text``; null when it falls in template markup), whether it
-  falls in the tokens the tools add (``in_tools``), and the text around it: shared
-  (``common_text``), the stored side (``cached_text``: the cached block that shares the
-  longest prefix; empty when nothing is stored there) and the request's
-  (``request_text``);
-- ``cause``: the cache's verdict (``cold`` nothing stored beyond, ``diverged`` stored
-  tokens differ, ``evicted``, ``expired``, ``not_restorable``, ``promotion_failed``),
-  and ``cache_miss_reason`` in Anthropic's terms (``tools_changed`` /
-  ``system_changed`` / ``messages_changed`` for a divergence in the tools, the leading
-  system prompt or the messages; else the cache's cause);
-- ``previous_turn``: this request against the previous turn of its session (the
-  comparison behind Anthropic ``diagnostics``; null without one);
-- with ``?tokens=true``: the rendered ``tokens`` and ``message_starts``.
-"""
+"""``POST /v1/cache/probe``: what the cache holds for a request, without generating. The
+body (chat, Messages or Responses; ``?api=`` or guessed) is prepared exactly as a real
+turn and looked up as a pure query (nothing promoted, stored or counted); the answer
+(docs/api.md) gives the cached tokens by tier, the first divergence and its cause, and
+the comparison with the session's previous turn."""
 
 from __future__ import annotations
 

@@ -1,17 +1,7 @@
-"""ASGI middleware: every 4xx logged with its reason, and (``--log-requests DIR``) every
-``/v1`` request written to a JSON file.
-
-A 4xx (or 5xx) response is logged at warning level with the method, path, status, the
-error message from its body and the request's session, e.g.
-``POST /v1/messages -> 400: messages[1].role: unknown role 'wizard' (session=... )``.
-
-Recorded requests are ``DIR/<seq>-<api>.json``: ``{"seq", "time", "method", "path",
-"query", "headers", "body", "status"}``. Headers that carry secrets (``authorization``,
-``x-api-key``, ``cookie``, ``proxy-authorization``) are left out. The file is written
-after the response ends, in a worker thread (never on the event loop). This is a
-debugging aid (and how the client fixtures in ``tests/fixtures/traffic`` were recorded):
-the bodies are the clients' prompts.
-"""
+"""ASGI middleware: every 4xx / 5xx logged with its reason and session, and (``--log-requests
+DIR``) every ``/v1`` request written to ``DIR/<seq>-<api>.json`` after its response, in a
+worker thread, with the secret headers left out. A debugging aid (the bodies are the
+clients' prompts; the fixtures in ``tests/fixtures/traffic`` were recorded so)."""
 
 from __future__ import annotations
 

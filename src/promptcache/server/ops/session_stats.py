@@ -1,24 +1,15 @@
-"""Per-session and per-agent request counts, bounded in cardinality.
-
-Every finished (not failed, not cancelled) request that names a session (``Scope``:
-a client session header or ``prompt_cache_key``) adds its prompt and cached tokens to
-its session's entry and, when the client named the (sub)agent (Claude Code's
-``x-claude-code-agent-id``, with ``x-claude-code-parent-agent-id``), to that agent's
-entry under the session. Shown as ``"sessions"`` in ``GET /v1/cache/stats``.
-
-Bounds: at most ``max_sessions`` sessions (the least recently active is dropped and
-counted in ``evicted_sessions``) and ``max_agents`` agents per session (a request of
-one more agent counts under ``other_agents``), so a client that makes up ids cannot
-grow the server's memory or the stats response without limit.
-"""
+"""Per-session and per-agent request counts (``"sessions"`` in ``GET /v1/cache/stats``),
+bounded: at most ``max_sessions`` sessions (the least recently active dropped and counted)
+and ``max_agents`` agents per session (more count under ``other_agents``), so made-up ids
+cannot grow the server's memory."""
 
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
+from ...lru import BoundedLRU
 from ..api.auth import Scope
 
 MAX_SESSIONS = 256
@@ -58,7 +49,7 @@ class SessionStats:
             raise ValueError("max_sessions must be >= 1 and max_agents >= 0")
         self.max_sessions = max_sessions
         self.max_agents = max_agents
-        self._sessions: OrderedDict[tuple[str, str], _Session] = OrderedDict()
+        self._sessions: BoundedLRU[tuple[str, str], _Session] = BoundedLRU(max_sessions)
         self._evicted = 0
         self._lock = threading.Lock()
 
@@ -70,12 +61,8 @@ class SessionStats:
         with self._lock:
             s = self._sessions.get(key)
             if s is None:
-                s = self._sessions[key] = _Session()
-                while len(self._sessions) > self.max_sessions:
-                    self._sessions.popitem(last=False)
-                    self._evicted += 1
-            else:
-                self._sessions.move_to_end(key)
+                s = _Session()
+                self._evicted += len(self._sessions.put(key, s))
             s.add(prompt_tokens, cached_tokens)
             if scope.agent_id is None:
                 return

@@ -1,36 +1,8 @@
-"""Canonical prompts: named rules that remove what carries no meaning before rendering.
-
-A prompt cache hits only on identical token prefixes; agentic clients change bytes that
-mean nothing to the model on every request. Each rule below is on by default and can be
-switched off with ``promptcache serve --no-canonicalize RULE`` (repeatable; ``all``
-switches every rule off). Nothing else is rewritten: a rule must never change what the
-model is told.
-
-- ``billing_header``: Claude Code's first system block,
-  ``x-anthropic-billing-header: cc_version=...; cc_entrypoint=...; [cch=...;]``, is
-  dropped. It is request metadata for Anthropic's billing (its value changes between
-  conversations and, in newer versions, per request), not an instruction; left in, it
-  makes every cached prefix miss at token ~1. A system block that is exactly such a
-  header is dropped (Anthropic ``system`` blocks), and so is a first line of that form
-  in a system message's text (clients that join the blocks with newlines).
-- ``tool_keys``: every tool definition is rendered with its JSON object keys in one
-  canonical order (recursively; lists keep their order). Clients re-serialise schemas
-  with another key order from turn to turn; the key order of a JSON object carries no
-  meaning, but the order a template prints is text the model reads. So the keys of the
-  tool, its function and its JSON Schema come in the order tools are written in the
-  OpenAI / Hugging Face convention that models are trained on (``STRUCTURE_ORDER``:
-  ``type``, ``function``, ``name``, ``description``, ``parameters``, ``properties``,
-  ``required``, ...), any other key after them, sorted, and the names of a
-  ``properties`` (or ``$defs``) map sorted; a key-sorted rendering
-  (``{"function": {"description": ..., "name": ..., "parameters": {"properties": ...,
-  "type": ...}}, "type": ...}``) is a layout models did not see in training.
-- ``tool_order``: tools are offered sorted by name (stable), so a client that reorders
-  its tools still hits.
-
-The rules run where the request becomes a prompt: ``billing_header`` on the Anthropic
-system blocks as they are parsed (a list filter), the rest in the preparation worker
-thread (``preparer.Preparer``), never on the event loop.
-"""
+"""Canonical prompts: named rules that remove what carries no meaning before rendering, so
+agentic clients' byte churn does not break the prefix (docs/api.md lists the rules;
+``--no-canonicalize RULE`` switches one off). A rule must never change what the model is
+told. ``billing_header`` runs as Anthropic system blocks are parsed, the rest in the
+preparation thread (``preparer.Preparer``), never on the event loop."""
 
 from __future__ import annotations
 

@@ -1,20 +1,7 @@
-"""Image inputs: sources from the three APIs, limits, decoding (Pillow) and digests.
-
-The API parsers (``prompt.py``, ``responses_items.py``) only *collect* image sources
-(``ImageCollector.add``: a data URL / base64 payload, a URL, a local file) and put the
-model's image token (e.g. ``<image>``) into the message text where the image stands;
-nothing is decoded on the event loop. ``ImageCollector.decode`` runs in the Preparer's
-worker thread: it reads each source within the limits (bytes; pixels checked from the
-header, before anything is decoded; images per request; formats), decodes to RGB
-pixels and computes each image's digest from the pixels and the model's preprocessing
-settings (``engine.api.image_digest``). Every failure is an ``APIError`` 400 whose
-message names the content part; nothing is stored (the request never reaches the
-engine). A text-only model has no collector: image parts stay the 400 they were.
-
-Local files are read only with ``--allow-local-images`` (absolute paths or
-``file://`` URLs); http(s) URLs are fetched only with ``--allow-image-urls``, with the
-byte limit and a timeout.
-"""
+"""Image inputs: sources from the three APIs, limits, decoding (Pillow) and digests. The API
+parsers only collect sources (``ImageCollector.add``) and put the model's image token in
+the text; ``ImageCollector.decode`` reads them in the Preparer's thread within the limits
+(``ImageLimits``), decodes and digests them. Every failure is a 400 naming the part."""
 
 from __future__ import annotations
 

@@ -1,18 +1,8 @@
-"""Preparation off the event loop: a ``ChatPrompt`` becomes a ``Prepared`` prompt.
-
-``Preparer.prepare(chat)`` is the one place where a parsed request (template messages,
-tools, thinking switch) becomes a prompt: canonicalization (``canon.py``), system-message
-placement and the tools fallback (``prompt.py``), the chat template, tokenization,
-message offsets, the cache breakpoints as token positions, the images' placeholders,
-the output constraint (``structured.py``), whether the prompt ends inside a reasoning
-block, the comparison with the session's previous turn (``diagnostics.py``), and (for a
-streamed usage prediction) the predicted cached tokens (``EngineAPI.predict_cached``:
-a lookup the engine thread runs; a failure predicts 0). All of it runs in one worker thread per app
-(one thread: the fast tokenizer is not safe to share between threads); the event loop
-only awaits it. The template's abilities (a system turn mid-conversation, rendering
-``tools``) are probed once per app, in that thread. ``preparer_of(request)``: the app's
-``Preparer``.
-"""
+"""Preparation off the event loop: ``Preparer.prepare(chat)`` is the one place a parsed
+request becomes a ``Prepared`` prompt (canonical rules, system placement, tools fallback,
+the template, tokens, breakpoints, images, the constraint, the previous-turn comparison,
+the predicted cached tokens). One worker thread per app (the fast tokenizer is not safe to
+share), which also probes the template's abilities once. ``preparer_of(request)``."""
 
 from __future__ import annotations
 

@@ -1,30 +1,9 @@
-"""Next-turn pre-render: prefill, in idle time, the history as the client will send it back.
-
-The cache stores each turn's prompt + generated tokens. The next request does not repeat
-those tokens: it carries the reply as its client sends it back, rendered by the chat
-template: reasoning dropped (Anthropic thinking blocks and OpenAI ``reasoning_content``
-are not replayed; templates such as Qwen3's strip ``<think>`` from earlier turns), tool
-calls as the template renders them (not as the model wrote them), text re-tokenized. From
-the first such difference on, every token of the next turn would be prefilled again.
-
-When a reply ends, the API module hands over the reply as template messages, exactly as
-its own parser will read the client's echo (``after_reply``). In the preparation worker
-thread the pre-renderer renders the conversation + that reply + a placeholder next user
-message with the same preparation as a real turn (canonical prompt, system placement,
-tools fallback, template), and cuts it where the placeholder message starts: the prefix
-the next request will begin with, found by the chat template itself (no per-model
-rules). It compares that prefix with what was stored (prompt + output); where they
-differ, it submits the prefix as a ``priority="background"``, ``prefill_only`` engine
-request: the engine restores the common part and prefills only the re-rendered suffix,
-in idle time (any interactive request preempts it at the next chunk boundary, and
-takes its admission slot when it needs one: ``engine/admission.py``), and stores its
-blocks. A submitted prefix also becomes the previous-turn reference of the
-session's miss diagnosis (``diagnostics.py``).
-
-Bounds: one pre-render per session (a newer one, or the session's next request, cancels
-the older; blocks it already saved stay); at most ``max_pending`` in the whole server
-(more are skipped and counted); a suffix longer than ``max_suffix_tokens`` is skipped.
-"""
+"""Next-turn pre-render: in idle time, prefill the history as the client will send it back
+(reasoning dropped, tool calls as the template renders them, text re-tokenized). The
+conversation + the reply + a placeholder user message is rendered as a real turn and cut
+where the placeholder starts; where that prefix differs from what was stored, it goes to
+the engine as a background ``prefill_only`` request (preempted by any interactive one).
+One per session, at most ``max_pending`` in all, suffixes up to ``max_suffix_tokens``."""
 
 from __future__ import annotations
 

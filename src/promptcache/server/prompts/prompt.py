@@ -1,26 +1,9 @@
-"""OpenAI / Anthropic messages -> the plain chat-template messages the engine renders.
-
-The template messages follow the Hugging Face convention: ``{"role", "content"}``,
-assistant ``tool_calls`` as ``[{"id", "type": "function", "function": {"name",
-"arguments": dict}}]``, and ``{"role": "tool", "tool_call_id", "content"}``. Tools are
-passed in the OpenAI function format (``{"type": "function", "function": {...}}``),
-which is what chat templates expect. Every mistake raises ``ValueError``.
-
-Two rewrites adapt a conversation to what the model's template can show (``preparer.py``
-finds out once per model by rendering probes, and applies them):
-
-- ``place_system_messages``: a system message in the middle of a conversation (Claude
-  Code puts them there) stays where it stands. When the template cannot render a system
-  turn there, it becomes a note, ``<system-message>...</system-message>``, at the same
-  position: prepended to the next user turn, else appended to the previous one, else a
-  user turn of its own. It is never hoisted to the top (that would move the cached
-  prefix). System messages before the first other message are joined into one.
-- ``tools_into_system``: when the template drops the ``tools`` it is given, the tools go
-  into the system turn in the Hermes format (``TOOLS_FALLBACK_FORMAT``: the signatures in
-  ``<tools></tools>``, calls asked for as ``<tool_call>{"name", "arguments"}</tool_call>``,
-  which ``toolcalls.py`` parses); earlier calls are shown the same way and tool results
-  as ``<tool_response>...</tool_response>`` in a user turn.
-"""
+"""OpenAI / Anthropic messages -> the Hugging Face convention's chat-template messages the
+engine renders (every mistake a ``ValueError``), and two rewrites for templates that
+cannot show a conversation as it is (``preparer.py`` probes each model once):
+``place_system_messages`` keeps a mid-conversation system message where it stands (as a
+``<system-message>`` note if need be; never hoisted, which would move the cached prefix);
+``tools_into_system`` puts dropped tools into the system turn in the Hermes format."""
 
 from __future__ import annotations
 

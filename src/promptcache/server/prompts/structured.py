@@ -1,33 +1,8 @@
-"""Structured output: request fields -> what must be enforced -> an engine ``Constraint``.
-
-What a request may ask for (parsed by each API module, before the prompt is prepared):
-
-- ``JsonOutput``: OpenAI ``response_format`` ``json_object`` / ``json_schema`` (chat),
-  Responses ``text.format`` ``json_object`` / ``json_schema``. The reply is one JSON value
-  matching the schema (``json_object``: any object).
-- ``ForcedCall``: OpenAI / Responses ``tool_choice`` ``required`` or a named function,
-  Anthropic ``tool_choice`` ``any`` / ``tool``. The reply is one tool call (several when
-  parallel calls are allowed) of the offered tools (or of the named one), written in the
-  model's own tool-call format (``tool_grammar.py``), arguments matching the tool's
-  parameters schema.
-
-``constraint_for`` (called while the prompt is prepared, off the event loop) turns that
-into a ``Constraint`` for the prompt as rendered:
-
-- the tool-call format is the one the model was asked for (its own, or the Hermes
-  fallback when the tools went into the system turn);
-- JSON with tools offered (``tool_choice`` auto): a call or the JSON answer;
-- reasoning: a constrained reply may first think when the prompt ends inside a reasoning
-  block (or thinking was asked for explicitly); the grammar lets it, up to the end marker.
-  Without an explicit switch the server turns the template's thinking off for such
-  requests (``thinking_for``), so the answer starts at once;
-- an assistant prefill the model continues: JSON constraints match prefill + output
-  (``Constraint.prefix``); a forced call follows the prefill.
-
-Schemas are compiled leniently (keywords llguidance does not implement are ignored);
-a schema that is still invalid, or a prefill the constraint rejects, is a 400 naming the
-field.
-"""
+"""Structured output: request fields (``JsonOutput``: ``response_format`` / ``text.format``;
+``ForcedCall``: a required or named ``tool_choice``) -> an engine ``Constraint`` for the
+prompt as rendered (``constraint_for``, off the event loop): in the model's own tool-call
+format, allowing a reasoning block first and continuing an assistant prefill. A schema
+still invalid after lenient compiling, or a prefill it rejects, is a 400 naming the field."""
 
 from __future__ import annotations
 

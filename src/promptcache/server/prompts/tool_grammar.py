@@ -1,34 +1,8 @@
-"""Grammars (llguidance's Lark dialect) that force a tool call in the model's own format.
-
-``calls_rule(fmt, tools, parallel, json_of)`` returns the rules of ``calls``: one call of
-one of ``tools`` (or several, one after the other, when ``parallel``), written the way
-``fmt`` (``engine.chat_format.ToolCallFormat``) writes it, so that mlx-lm's parser of that
-format reads it back. Markers that are one added token are named by id (``<[id]>``),
-others spelled out (``ToolCallFormat.token_of``). Per format:
-
-- ``hermes`` / ``json_tools``: ``<tool_call>\\n{"name": "N", "arguments": ARGS}\\n</tool_call>``
-  with ARGS the tool's parameters schema (calls separated by a newline);
-- ``qwen3_coder``: ``<tool_call>\\n<function=N>\\n`` then per parameter
-  ``<parameter=P>\\nVALUE\\n</parameter>\\n`` (required ones always, in the schema's
-  order) and ``</function>\\n</tool_call>``; a string VALUE is raw text (one of its
-  ``enum`` values if it has them), other types are JSON of the property's schema;
-- ``pythonic``: ``<|tool_call_start|>[N(P=VALUE, ...)]<|tool_call_end|>`` with JSON values
-  (mlx-lm's parser reads JSON literals);
-- ``mistral``: ``[TOOL_CALLS]N[ARGS]ARGS`` (templates that write ``[ARGS]``) or
-  ``[TOOL_CALLS][{"name": "N", "arguments": ARGS}]``;
-- ``deepseek``: ``<｜tool▁calls▁begin｜>`` then per call ``<｜tool▁call▁begin｜>N<｜tool▁sep｜>ARGS
-  <｜tool▁call▁end｜>`` (V3.1), then ``<｜tool▁calls▁end｜>``;
-- ``glm47``: ``<tool_call>N`` then per parameter ``<arg_key>P</arg_key><arg_value>VALUE
-  </arg_value>`` (required ones always, in the schema's order; VALUE as for
-  ``qwen3_coder``) and ``</tool_call>`` (GLM-4.7's layout, no newlines);
-- ``kimi_k2``: ``<|tool_calls_section_begin|>`` then per call ``<|tool_call_begin|>
-  functions.N:I<|tool_call_argument_begin|>ARGS<|tool_call_end|>`` (I: the call's index,
-  digits), then ``<|tool_calls_section_end|>``;
-- harmony (gpt-oss, ``harmony_rules``): ``<|channel|>commentary to=functions.N
-  <|constrain|>json<|message|>ARGS<|call|>``, one call (``<|call|>`` ends the turn);
-- any other format: the start marker, free text, the end marker: a call is forced, its
-  content is the model's (the name of a ``tool`` choice is not enforced there).
-"""
+"""Grammars (llguidance's Lark dialect) that force a tool call in the model's own format:
+``calls_rule(fmt, tools, parallel, json_of)`` writes one call (or several) the way ``fmt``
+(``engine.chat_format.ToolCallFormat``) writes it, so mlx-lm's parser reads it back; one
+rule per format (hermes, qwen3_coder, pythonic, mistral, deepseek, glm47, kimi_k2,
+harmony), and for any other the markers around free text."""
 
 from __future__ import annotations
 

@@ -1,15 +1,7 @@
-"""A turn's life: its max_tokens, its start, and what it leaves in the cache.
-
-- ``start``: submit a prepared turn to the engine; when it ends, the turn is remembered
-  for the next one's comparison, and what the cache did (``ops/outcome.py``: new, hit,
-  miss and its cause) goes to the request log and the alert, a miss with its facts.
-- ``after_reply``: a reply was sent: ``claim_chain`` tells the cache what the turn wants
-  kept (breakpoints, the prompt_cache_key chain, the session's latest chain) and the
-  next-turn pre-render is scheduled (``prerender.py``).
-- ``retention_of``: OpenAI ``prompt_cache_retention`` of a request.
-- **The context-window policy** (``plan_max_tokens``: a turn's max_tokens), in the
-  wordings clients parse.
-"""
+"""A turn's life: ``start`` (submit; when it ends, remember it for the next turn's comparison
+and report what the cache did), ``after_reply`` (claim what the turn wants kept, schedule
+the next-turn pre-render), ``retention_of`` and ``plan_max_tokens`` (the context-window
+policy, in the wordings clients parse)."""
 
 from __future__ import annotations
 

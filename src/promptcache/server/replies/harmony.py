@@ -1,26 +1,8 @@
-"""gpt-oss's harmony format: a reply as channels -> reasoning, answer text, tool calls.
-
-A harmony reply (the prompt ends with ``<|start|>assistant``) is a sequence of
-messages, each ``[<|start|>assistant][ to=RECIPIENT]<|channel|>CHANNEL[ to=RECIPIENT]
-[ <|constrain|>json]<|message|>BODY`` ended by ``<|end|>`` (more messages follow),
-``<|call|>`` (a tool call) or ``<|return|>`` (the reply's end; the engine usually
-stops on it, so it may be missing):
-- ``analysis``: reasoning (Anthropic ``thinking``, Responses ``reasoning``, chat
-  ``reasoning_content``); never content;
-- ``final``: the answer text;
-- ``commentary`` with ``to=functions.NAME``: a call of tool NAME whose arguments are
-  the JSON body; it counts when NAME was offered and the body is a JSON object,
-  else the body stays text (a malformed call is the model's text, never an error);
-- ``commentary`` without a recipient (a preamble to the user): text.
-A reply that does not start like a harmony header is plain text.
-
-``HarmonyParser`` is a ``ReplyParser`` (same ``feed`` / ``finish``, same pieces), so
-the three APIs stream and collect harmony replies exactly as any other; text is held
-back only while it may be the start of a marker. The ``openai-harmony`` package was
-evaluated: its encoding loads the o200k vocabulary from the network at first use,
-which an offline machine cannot do; the markers are plain text in the detokenized
-reply, so a text-level parser needs no vocabulary.
-"""
+"""gpt-oss's harmony format: a reply as channels -> reasoning (``analysis``), answer text
+(``final``) and tool calls (``commentary to=functions.NAME`` of an offered tool with a
+JSON object body; else text). ``HarmonyParser`` is a ``ReplyParser``, so the APIs stream
+it as any other. Not ``openai-harmony``: its encoding fetches a vocabulary at first use,
+and the markers are plain text in the reply."""
 
 from __future__ import annotations
 

@@ -1,19 +1,7 @@
 """A reply as the APIs return it: reasoning, answer text and tool calls.
-
-``ReasoningSplitter`` cuts the model's text at its reasoning markers (the chat format's
-``think_start`` / ``think_end``, e.g. ``<think>`` / ``</think>``): what stands between
-them is reasoning (Anthropic ``thinking`` blocks, Responses ``reasoning`` items, chat
-``reasoning_content``), the rest is the answer. A marker split across deltas is held
-back until it is complete; newlines right after a marker are dropped. When the prompt
-already opened a reasoning block (templates that end the generation prompt with
-``<think>``), the reply starts inside it (``in_reasoning=True``).
-
-``ReplyParser`` runs the answer part through the tool-call parser
-(``toolcalls.ToolCallStream``, in the model's tool-call format; ``calls_only`` for a
-reply whose calls were forced: its answer is calls, never text). Streaming and
-non-streaming replies go through the same machine (``parse_reply`` for a whole reply),
-so both agree exactly.
-"""
+``ReasoningSplitter`` cuts the text at the chat format's reasoning markers (a marker split
+across deltas is held back); ``ReplyParser`` runs the answer through the tool-call parser.
+Streamed and whole replies (``parse_reply``) go through the same machine, so they agree."""
 
 from __future__ import annotations
 

@@ -1,16 +1,7 @@
-"""A reply on its way out: the reply pump and the SSE framing.
-
-- ``reply_parser(prepared)``: the ``ReplyParser`` (reasoning / text / tool calls) for a
-  prepared prompt.
-- ``reply_events``: ``Piece``s, the ``TokenEvent``s with logprobs, ``KEEPALIVE`` ticks
-  and last ``Finished``; ``collect_reply`` for a non-streamed reply.
-- ``LogprobDecoder``: OpenAI logprob entries from ``TokenEvent``s.
-- **SSE**: ``sse_data`` / ``sse_event`` (one message: OpenAI ``data:`` lines, Anthropic
-  and Responses named events), ``SSE_HEADERS``, and ``with_keepalive``, which
-  interleaves ``KEEPALIVE`` ticks into an event stream that has been silent for
-  ``interval`` seconds (the APIs send an Anthropic ``ping`` or the SSE comment
-  ``SSE_COMMENT``); ``sleep_of(request)`` is the app's timer (tests set a fake clock).
-"""
+"""A reply on its way out: ``reply_parser`` (reasoning / text / tool calls),
+``reply_events`` / ``collect_reply`` (the pump), ``LogprobDecoder``, and the SSE framing
+(``sse_data`` / ``sse_event``, ``with_keepalive`` ticks on a silent stream;
+``sleep_of(request)`` is the app's timer, which tests fake)."""
 
 from __future__ import annotations
 

@@ -1,17 +1,8 @@
 """The shared request path of every API: checks, submit, event pump, accounting.
-
-``ServerState`` holds what the routers need (engine, config, metrics, hit-rate
-monitor, authenticator). ``ServerState.start(...)`` validates and submits a request
-and returns a ``Generation`` whose ``events()`` async iterator yields the engine's
-``TokenEvent``s and then the final ``GenerationResult``. While it runs, a watcher
-task polls ``request.is_disconnected()``; a disconnect (or the stream being
-cancelled/closed early) calls ``handle.cancel()``: the engine stops and keeps the
-blocks it already stored. Each finished request is published as one
-``RequestFinished`` event (``finished.py``) to ``ServerState.finished``, whose
-subscribers update the metrics, the rolling hit rate, the per-session / per-agent
-counts (``session_stats``), the history, and log one line. The engine is an
-``EngineAPI`` (``engine/port.py``).
-"""
+``ServerState`` holds what the routers need; ``ServerState.start(...)`` submits a request
+and returns a ``Generation`` whose ``events()`` yield the engine's events, cancelling the
+request when the client goes away (the blocks stored so far stay). Each finished request
+is published once as ``RequestFinished`` (``finished.py``)."""
 
 from __future__ import annotations
 

@@ -1,37 +1,10 @@
-"""Tool calls in the model's output -> structured calls (OpenAI ``tool_calls``,
-Anthropic ``tool_use``, Responses ``function_call``), for every chat format mlx-lm
-has a tool parser for.
-
-The format comes from the model (``engine.chat_format.ToolCallFormat``: the markers
-around a call and mlx-lm's parser for the text between them): Hermes / Qwen
-``<tool_call>{...}</tool_call>``, Qwen3-Coder ``<tool_call><function=...>``, pythonic
-``<|tool_call_start|>[f(x=1)]<|tool_call_end|>``, Mistral ``[TOOL_CALLS]f[ARGS]{...}``
-(no end marker: the call runs to the next start marker or the end of the reply), and
-the others mlx-lm ships. Models whose template mlx-lm does not recognise (and the tools
-fallback) use ``HERMES``, which also takes a reply that is one bare JSON call object (or
-a JSON list of them) as calls (Llama 3.x style).
-
-A reply may hold text before, between and after calls. A last block whose end marker
-never came (generation stopped at it) counts when the parser accepts it. Only names of
-offered tools count: a block that does not parse or names a tool that was not offered
-stays in the text verbatim (a malformed call is the model's text, never a server
-error). Without offered tools nothing is parsed.
-
-``ToolCallStream`` is the incremental parser for streaming: ``feed(delta)`` returns the
-text that is safe to send now (text before the start marker streams as normal; from the
-marker on, or for a reply that starts like a JSON value in ``bare_json`` formats, the
-rest is held back), and ``finish()`` returns the held-back text that turned out not to
-be a call plus the calls. ``parse_tool_calls`` runs the same machine over a whole reply,
-so a streamed reply and a non-streamed one agree: the content is exactly the
-concatenation of the streamed text. When calls are found, whitespace around them is
-dropped and text after them is joined with a blank line.
-
-A reply whose calls were forced (``calls_only``: ``tool_choice`` required / a named
-tool, decoded under the call grammar) is calls and nothing else: it sends no text, and
-a block that is not a call (the last one, cut by ``max_tokens``: a parallel reply goes
-on with another call until it stops) is dropped instead of becoming text, so no marker
-reaches the content.
-"""
+"""Tool calls in the model's output -> structured calls (OpenAI ``tool_calls``, Anthropic
+``tool_use``, Responses ``function_call``) in every format mlx-lm has a parser for
+(``engine.chat_format.ToolCallFormat``; unknown templates: ``HERMES``, which also takes a
+bare JSON call). Only offered tools count; a block that does not parse stays text, never
+an error. ``ToolCallStream`` holds back text from a start marker on, and
+``parse_tool_calls`` runs the same machine over a whole reply, so streamed and whole
+replies agree. Forced calls (``calls_only``) send no text at all."""
 
 from __future__ import annotations
 
