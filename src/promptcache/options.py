@@ -52,9 +52,13 @@ def _flags(cls: type) -> list[tuple[dataclasses.Field[Any], Flag]]:
     return [(f, f.metadata["flag"]) for f in dataclasses.fields(cls) if "flag" in f.metadata]
 
 
-def add_options(parser: argparse._ActionsContainer, cls: type) -> None:
-    """One argparse flag per field of ``cls`` declared with ``opt``, in field order."""
+def add_options(parser: argparse._ActionsContainer, cls: type,
+                only: Sequence[str] | None = None) -> None:
+    """One argparse flag per field of ``cls`` declared with ``opt`` (or of the fields
+    ``only`` names), in field order."""
     for f, flag in _flags(cls):
+        if only is not None and f.name not in only:
+            continue
         default = flag.default
         if default is _SAME:
             default = None if f.default is dataclasses.MISSING else f.default
@@ -75,7 +79,7 @@ def from_args(cls: type[T], args: argparse.Namespace, **given: Any) -> T:
     ValueError in the words of the flags."""
     kwargs: dict[str, Any] = {}
     for f, flag in _flags(cls):
-        value = getattr(args, flag.dest)
+        value = getattr(args, flag.dest, None)  # None: a flag the command lacks
         if f.name in given or value is None:
             continue
         try:

@@ -119,6 +119,30 @@ def test_export_import_round_trip_builds_no_engine(
     assert code == 0 and summary["blocks"] == 6, err
 
 
+def test_export_takes_the_kv_bits_of_the_blocks_namespace(
+        tiny_llama_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Blocks a server stored with ``--kv-bits 8`` are in their own namespace: the pack
+    commands take serve's flags for it (block size, bits, group size, min tokens)."""
+    ns8 = open_identity(tiny_llama_path, CacheConfig(block_size=BS, kv_bits=8)).namespace()
+    src = tmp_path / "src"
+    _fill(src, ns8)
+    _no_engine(monkeypatch)
+    common = ["--model", str(tiny_llama_path), "--block-size", str(BS), "--cache-dir", str(src)]
+    code, summary, err = _run(capsys, "export", "--tenant", "default", "-o",
+                              str(tmp_path / "kv8.pcpack"), *common, "--kv-bits", "8")
+    assert code == 0 and summary["blocks"] == 6, err
+    code, summary, err = _run(capsys, "export", "--tenant", "default", "-o",
+                              str(tmp_path / "full.pcpack"), *common)
+    assert (code, summary["blocks"]) == (0, 0), err  # full precision: another namespace
+    code, report, err = _run(capsys, "import", str(tmp_path / "kv8.pcpack"), "--cache-dir",
+                             str(tmp_path / "fresh"), "--model", str(tiny_llama_path),
+                             "--block-size", str(BS), "--kv-bits", "8")
+    assert code == 0 and report["added"] == 6, err
+    with pytest.raises(SystemExit):  # argparse: serve's choices
+        main(["cache", "export", "--tenant", "t", "-o", "x", "--kv-bits", "5"])
+
+
 def test_model_default_is_the_embedded_default_as_for_serve(
         tiny_llama_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         capsys: pytest.CaptureFixture[str]) -> None:

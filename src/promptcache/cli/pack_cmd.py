@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from .. import packfile, packs
 from ..config import CacheConfig, SSDConfig
 from ..meta import DEFAULT_TENANT
+from ..options import add_options, from_args
 from .progress import StepLines, progress_bar
 
 if TYPE_CHECKING:
@@ -37,18 +38,21 @@ def register(csub: Any, add: Callable[[str, str], argparse.ArgumentParser]) -> N
         p.add_argument("--model", default=None,
                        help="model folder (or repo id) of the blocks, as serve's --model "
                             "(default: the embedded default model)")
-        p.add_argument("--block-size", type=int, default=64)
+        # the settings that make the blocks' namespace, as serve takes them
+        add_options(p, CacheConfig, only=NAMESPACE_FIELDS)
         p.set_defaults(func=run)
 
 
-def open_model(model: str | None, block_size: int) -> ModelIdentity:
+NAMESPACE_FIELDS = ("block_size", "kv_bits", "kv_group_size", "kv_quant_min_tokens")
+
+
+def open_model(model: str | None, config: CacheConfig) -> ModelIdentity:
     """The identity of the blocks' model (``serve``'s resolution of ``--model``)."""
     from ..engine.identity import open_identity
     from .serve_config import resolve_model
 
     steps = StepLines()
-    return open_identity(resolve_model(model, steps), CacheConfig(block_size=block_size),
-                         steps=steps)
+    return open_identity(resolve_model(model, steps), config, steps=steps)
 
 
 def _conversation_tokens(path: Path, model: ModelIdentity) -> list[int]:
@@ -82,7 +86,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"cache folder {cache_dir} does not exist")
     tenant = pack.namespace.tenant if args.cache_command == "import" else (
         args.tenant or args.session_tenant)
-    model = open_model(args.model, args.block_size)
+    config = from_args(CacheConfig, args, ram_budget_bytes=0)
+    model = open_model(args.model, config)
     ns = model.namespace(tenant)
     tier = SSDTier(SSDConfig(path=cache_dir))
     if args.cache_command == "import":
@@ -93,8 +98,7 @@ def run(args: argparse.Namespace) -> int:
             tier.close()
         print(json.dumps({**report.to_dict(), "tenant": tenant}))
         return 0
-    cache = PromptCache(CacheConfig(block_size=args.block_size, ram_budget_bytes=0),
-                        lower=[tier])
+    cache = PromptCache(config, lower=[tier])
     try:
         tokens = _conversation_tokens(args.conversation, model) if args.conversation else None
         with progress_bar("collecting blocks") as bar:
