@@ -8,6 +8,7 @@ import io
 from pathlib import Path
 
 import httpx
+import pytest
 from PIL import Image
 from serve_proc import serve
 from vlm_helpers import image
@@ -54,3 +55,40 @@ def test_serve_a_vlm_folder(tiny_vlm_path, tmp_path):
     # written by the writer thread, flushed at shutdown at the latest
     files = list((tmp_path / "blocks-vision").glob("*/*.safetensors"))
     assert len(files) == 1
+
+
+@pytest.mark.parametrize("fixture", ["tiny_vlm_path", "tiny_qwen3_5_vlm_path"])
+def test_a_vlm_identity_reads_no_weight_and_is_the_engine_s(
+        fixture: str, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pack commands' identity of a vision-language model (mlx-vlm, lazily): no array
+    evaluated while it opens, the namespace and the chat rendering a serving engine's."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    from promptcache.config import CacheConfig
+    from promptcache.engine.engine import Engine
+    from promptcache.engine.identity import open_identity
+    from promptcache.serving_config import EngineConfig
+
+    path = request.getfixturevalue(fixture)
+    cc = CacheConfig(block_size=16)
+    evaluated: list[int] = []
+    real_eval = mx.eval
+    with monkeypatch.context() as m:
+        def counting(*args: object) -> None:  # a model's init may evaluate a rope table
+            evaluated.extend(int(a.nbytes) for _, a in tree_flatten(list(args))
+                             if isinstance(a, mx.array))
+            real_eval(*args)
+
+        m.setattr(mx, "eval", counting)
+        identity = open_identity(path, cc)
+    weights = sum(f.stat().st_size for f in Path(path).glob("*.safetensors"))
+    assert sum(evaluated) < weights / 100, (sum(evaluated), weights)
+    engine = Engine.load(path, EngineConfig(speculation="off"), cc)
+    try:
+        assert identity.namespace("alice") == engine.namespace("alice")
+        assert identity.kv_spec == engine.kv_spec
+        chat = [{"role": "user", "content": "What is in the picture?"}]
+        assert identity.render_chat(chat) == engine.render_chat(chat)
+    finally:
+        engine.close()

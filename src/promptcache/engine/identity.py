@@ -4,8 +4,8 @@
 file), builds its structure lazily (mlx-lm's ``lazy=True``: no weight is read), and
 gives the namespace of each tenant exactly as ``Engine.namespace`` would (fingerprint,
 block size, KV spec with the stored-block quantization) and the chat template's
-rendering. (A vision-language model is loaded whole, through mlx-vlm.) No engine thread, no speculation-cost fit: ``promptcache cache export`` /
-``import`` open this.
+rendering, a vision-language model's too (mlx-vlm, lazily). No engine thread, no
+speculation-cost fit: ``promptcache cache export`` / ``import`` open this.
 """
 
 from __future__ import annotations

@@ -113,7 +113,7 @@ def load_model_or_vlm(path_or_repo: str | os.PathLike[str], *, float32_on_cpu: b
     ``text_config`` and drops the vision weights) is loaded text-only; a log line says
     which path was taken and why. A family neither supports is refused by
     ``vlm.load_vlm``. ``chat_template``: a Jinja chat template that replaces the
-    checkpoint's (``promptcache serve --chat-template``). ``lazy``: a text model's
+    checkpoint's (``promptcache serve --chat-template``). ``lazy``: the
     weights are not read (its structure, dtype and tokenizer are there: what a cache
     namespace needs); ``steps`` names the long steps (fingerprint, weight load)."""
     folder, model_id = resolve_model_path(path_or_repo)
@@ -146,9 +146,9 @@ def load_model_or_vlm(path_or_repo: str | os.PathLike[str], *, float32_on_cpu: b
         return model, tokenizer, dataclasses.replace(info, model_id=model_id), None
     with steps("fingerprinting the weights"):
         fingerprint = model_fingerprint(folder)
-    with steps("loading the weights"):
+    with steps("opening the model" if lazy else "loading the weights"):
         model, tokenizer, tower = vlm.load_vlm(folder, config, float32_on_cpu=float32_on_cpu,
-                                               chat_template=chat_template)
+                                               chat_template=chat_template, lazy=lazy)
     info = ModelInfo(
         model_id=model_id, path=folder, fingerprint=fingerprint,
         model_type=str(config.get("model_type", "unknown")),

@@ -244,8 +244,10 @@ def _mlx_lm_text_model(folder: Path, config: dict[str, Any], vlm: Any) -> Any:
 
 
 def load_vlm(folder: Path, config: dict[str, Any], *, float32_on_cpu: bool = True,
-             chat_template: str | None = None) -> tuple[VLMTextModel, Any, VisionTower]:
-    """``(text_model, tokenizer, vision)`` of a VLM folder (mlx-vlm + mlx-lm's tokenizer)."""
+             chat_template: str | None = None, lazy: bool = False
+             ) -> tuple[VLMTextModel, Any, VisionTower]:
+    """``(text_model, tokenizer, vision)`` of a VLM folder (mlx-vlm + mlx-lm's tokenizer);
+    ``lazy``: the weights are not read (a cache namespace needs only the structure)."""
     model_type = str(config.get("model_type"))
     if model_type not in SUPPORTED_TYPES:
         raise ValueError(f"vision-language model type {model_type!r} is not supported yet "
@@ -261,7 +263,8 @@ def load_vlm(folder: Path, config: dict[str, Any], *, float32_on_cpu: bool = Tru
     vlm = vlm_load_model(folder, lazy=True)
     if float32_on_cpu and mx.default_device() == mx.cpu:
         vlm.set_dtype(mx.float32)
-    mx.eval(vlm.parameters())
+    if not lazy:
+        mx.eval(vlm.parameters())
     extra = {"chat_template": chat_template} if chat_template is not None else None
     tokenizer = load_tokenizer(folder, extra, eos_token_ids=config.get("eos_token_id"))
     image_processor = AutoImageProcessor.from_pretrained(str(folder), backend="pil")
