@@ -1,29 +1,10 @@
-"""mlx-lm cache objects <-> block payloads.
+"""mlx-lm cache objects <-> block payloads, through each cache's public ``state``.
 
-Every per-layer cache object of mlx-lm 0.32 exposes its full state through the
-public ``state`` property (KVCache: keys, values, offset; RotatingKVCache: keys,
-values, offset, keep, max_size, idx; QuantizedKVCache: (wq, scales, biases) x 2,
-offset, group_size, bits; ArraysCache: arrays, left_padding, lengths; CacheList:
-a list of sub-states). ``extract_block`` reads a token range out of a live cache
-list; ``restore`` builds fresh cache objects from the payloads of consecutive
-blocks. Payload names follow docs/INTERFACES.md:
-
-- ``"<layer>.k"`` / ``"<layer>.v"``: KV of the block's tokens, ``[B, heads, n, dim]``
-- ``"<layer>.k.<i>"`` / ``"<layer>.v.<i>"``: part ``i`` of a quantized KV slice
-- ``"<layer>.s.<i>"``: array ``i`` of a non-KV state (SSM) snapshot at the block's end
-
-A ``CacheList`` at layer ``L`` names its sub-caches ``"L.0"``, ``"L.1"``, ...
-
-A payload is one ``BlockPayload`` (``blockbuf``): every array of the block packed
-into one evaluated ``uint8`` buffer (a copy: a lazy slice would pin the whole cache
-buffer in memory), readable by the names above. With a ``KVQuant`` spec
-(``quant``), ``extract_block`` stores the KV of blocks from ``min_tokens`` on
-quantized (packed values, scales, biases per group); ``restore`` dequantizes them
-into the template's own cache kind, or fills a ``QuantizedKVCache`` directly.
-``restore`` also accepts plain ``name -> array`` mappings (older payloads).
-
-The supported kinds and the walk over a layer list live in ``cache_kinds``, ``restore``
-in ``block_restore``; both are re-exported here.
+``extract_block`` reads a token range of a live cache list into one ``BlockPayload`` (one evaluated
+uint8 buffer: a copy, a lazy slice would pin the cache). Names (docs/INTERFACES.md): ``<layer>.k`` /
+``.v`` KV, ``.k.<i>`` quantized parts, ``.s.<i>`` a non-KV (SSM) snapshot; a ``CacheList`` at ``L``
+has sub-layers ``L.0``... With a ``KVQuant`` spec, KV from ``min_tokens`` on is stored quantized.
+``restore`` (``block_restore``) and the cache kinds (``cache_kinds``) are re-exported.
 """
 
 from __future__ import annotations
@@ -89,13 +70,8 @@ __all__ = [
 
 
 def _rotating_segments(c: RotatingKVCache, start: int, end: int) -> list[tuple[int, int]]:
-    """Raw buffer index ranges holding the tokens ``[start, end)``, in order.
-
-    The temporal order of the buffer is derived from the public state
-    (keys, values, offset, keep, max_size, idx), mirroring mlx-lm's own rule:
-    - idx == len(buffer): the buffer is in temporal order;
-    - idx < offset: rotated: buffer[:keep], buffer[idx:], buffer[keep:idx];
-    - otherwise: buffer[:idx] holds tokens 0..offset.
+    """Raw buffer index ranges holding tokens ``[start, end)``, in order, by mlx-lm's rule: idx == len:
+    in order; idx < offset: buffer[:keep], [idx:], [keep:idx]; else buffer[:idx].
     """
     keys, _, offset, keep, _max_size, idx = c.state
     length = keys.shape[2]
@@ -107,8 +83,8 @@ def _rotating_segments(c: RotatingKVCache, start: int, end: int) -> list[tuple[i
         order = [(0, idx)]
     order = [(a, b) for a, b in order if b > a]
     total = sum(b - a for a, b in order)
-    # temporal index -> token position: [0, keep) are tokens 0..keep-1 when tokens were
-    # dropped; the rest are the last (total - keep) tokens before ``offset``.
+    # temporal index -> token position: [0, keep) are tokens 0..keep-1; the rest the last tokens
+    # before offset
     if total == offset:
         first_tail = 0
         tail_start_index = 0
@@ -157,7 +133,6 @@ def _slice_rotating(c: RotatingKVCache, start: int, end: int) -> tuple[mx.array,
     return k, v
 
 
-# ---------------------------------------------------------------- extract
 
 
 @functools.lru_cache(maxsize=64)
@@ -169,10 +144,9 @@ def _warn_unquantizable(head_dim: int, group_size: int) -> None:
 
 def _kv_entry(name: str, k: mx.array, v: mx.array, quant: KVQuant | None,
               start: int) -> tuple[Item, list[mx.array]]:
-    """The block item of one KV layer: quantized if the spec says so for this block.
-
-    Keys and values may differ in width (MLA: the latent and the rope key); a quantized
-    item uses one group size that divides both."""
+    """One KV layer's block item, quantized if the spec says so (one group size dividing both K and V
+    widths: MLA).
+    """
     if v.dtype != k.dtype:
         raise ValueError(f"layer {name}: keys are {k.dtype}, values {v.dtype}; a block "
                          "stores KV of one dtype")
@@ -193,22 +167,16 @@ def _kv_entry(name: str, k: mx.array, v: mx.array, quant: KVQuant | None,
 
 def extract_block(caches: Sequence[Any], start: int, end: int, snapshot: bool, *,
                   quant: KVQuant | None = None) -> BlockPayload:
-    """The payload of the block ``[start, end)`` from live cache objects: one buffer.
-
-    KV slices are taken for every attention layer; a non-KV state (ArraysCache)
-    is included only when ``snapshot`` is True, and then ``end`` must equal the
-    current position of the cache (a state exists only for "now").
-    ``quant``: store the KV quantized (blocks from ``quant.min_tokens`` on; a
-    QuantizedKVCache layer is stored as it is, quantized with its own bits).
+    """The payload of block ``[start, end)`` from live caches; a non-KV state only with ``snapshot``
+    (then ``end`` must be the cache's position).
     """
     return pack(_entries(caches, start, end, snapshot, quant))
 
 
 def extract_run(caches: Sequence[Any], start: int, block_size: int, n: int, *,
                 quant: KVQuant | None = None) -> list[BlockPayload]:
-    """The payloads of ``n`` full blocks from ``start`` (no snapshots) as rows of one
-    slab (``blockbuf.pack_rows``): each equal to ``extract_block``'s, one copy per layer
-    array for the run. ``quant`` must treat every block of the run alike."""
+    """The payloads of ``n`` full blocks from ``start`` as rows of one slab (``blockbuf.pack_rows``).
+    """
     if n < 1 or block_size < 1:
         raise ValueError(f"a run needs n >= 1 blocks of >= 1 token, got {n} x {block_size}")
     end = start + n * block_size
@@ -271,8 +239,7 @@ def payload_arrays(payload: Mapping[str, Any]) -> int:
 
 
 def _state_list(c: Any, num_tokens: int) -> list[mx.array | None]:
-    """A leaf cache's arrays from its public ``state``; KV arrays cut to their first
-    ``num_tokens`` tokens (a live KV buffer has room for more)."""
+    """A leaf cache's state arrays; KV cut to ``num_tokens`` (a live buffer has room for more)."""
     if isinstance(c, ArraysCache):
         return list(c.cache)
     out: list[mx.array | None] = []
@@ -285,16 +252,11 @@ def _state_list(c: Any, num_tokens: int) -> list[mx.array | None]:
 
 def check_storable(model_or_caches: Any, probed: Sequence[Any], num_tokens: int, *,
                    quant: KVQuant | None = None) -> None:
-    """Raise ValueError, naming the layer and the reason, if the state of ``probed``
-    (fresh cache objects after a forward of ``num_tokens`` tokens) does not survive a
-    round trip through one block: stored with ``extract_block``, restored with
-    ``restore`` into the same cache types, offsets and arrays (bit for bit at full
-    precision; shapes and dtypes where ``quant`` stores the block quantized).
+    """Raise ValueError (naming the layer) if ``probed``'s state does not survive a block round trip.
 
-    Run when a model is loaded, so a model whose cache cannot be stored is refused
-    there with this message instead of failing every save of every request. With a
-    ``quant`` spec both kinds of blocks are checked: full precision (blocks before its
-    ``min_tokens``) and quantized."""
+    Run at model load, so an unstorable model is refused once; with ``quant`` both full and
+    quantized blocks are checked.
+    """
     _check_round_trip(model_or_caches, probed, num_tokens, None)
     if quant is not None:
         _check_round_trip(model_or_caches, probed, num_tokens,

