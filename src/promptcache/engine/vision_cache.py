@@ -1,16 +1,8 @@
-"""The vision-embedding cache: image digest -> the vision tower's features.
+"""The vision-embedding cache: image digest -> the vision tower's features (engine thread only).
 
-A repeated image (the same pixels under the same preprocessing: ``api.image_digest``)
-skips the vision tower. RAM holds features up to a byte budget (LRU; sizes from shape
-x dtype); with a folder, features are also persisted as one safetensors file per
-digest (``<folder>/<digest hex>.safetensors``, a sha256 of the data in its header,
-written to a temporary file, fsynced and renamed) by a writer thread behind a bounded
-queue (full: the write is dropped and counted; the engine thread never waits for the
-disk), so a restarted server does not re-encode. ``flush()`` waits for the queue;
-``close()`` flushes and stops the writer.
-A file that fails to read or verify is removed and counted as a miss: the cache only
-ever costs a vision tower call, never a request. Keys are per model: the engine puts
-the model fingerprint into the folder name (``bind_model``). Engine thread only.
+RAM holds features up to a byte budget (LRU); with a folder they persist as ``<digest>.safetensors``
+(sha256 in the header) through a bounded writer queue (full: dropped, counted). A file that fails to
+verify is removed and read as a miss. Keys are per model (``bind_model``).
 """
 
 from __future__ import annotations
@@ -73,10 +65,9 @@ class VisionCache:
         self.counters = VisionCacheStats(budget_bytes=self.budget_bytes)
 
     def bind_model(self, fingerprint: str) -> None:
-        """Features are per model: the folder becomes ``<base>/<fingerprint[:32]>``
-        (the engine calls this when it loads the model). A folder that cannot be
-        created (a read-only or not-ours cache folder) leaves the cache in RAM only,
-        counted ``ssd_errors`` and logged: it never stops the model from loading."""
+        """The folder becomes ``<base>/<fingerprint[:32]>``; one that cannot be created leaves the
+        cache RAM-only (``ssd_errors``).
+        """
         if self.base is not None:
             folder = self.base / fingerprint[:32]
             try:
@@ -96,7 +87,6 @@ class VisionCache:
         c.entries, c.bytes = len(self._ram), self._bytes
         return c
 
-    # ------------------------------------------------------------------ lookup
 
     def get(self, digest: bytes) -> mx.array | None:
         """The features of ``digest`` (RAM, then the folder), or None (a miss)."""
@@ -141,7 +131,6 @@ class VisionCache:
         self._ram.clear()
         self._bytes = 0
 
-    # ------------------------------------------------------------------ the folder
 
     def _path(self, digest: bytes) -> Path:
         if self.folder is None:
