@@ -1,9 +1,6 @@
-"""Chained block hashes and namespace roots.
-
-``hash(block) = sha256(parent_hash || token ids || extra keys)``: equal hash chains
-mean equal prefixes. Every value here is deterministic across processes and
-machines (never Python ``hash()``, never a random seed), because SSD entries must
-survive restarts and be shared.
+"""Chained block hashes and namespace roots: ``sha256(parent || token ids || extra keys)``,
+deterministic across processes and machines (never ``hash()``), since entries survive restarts and
+are shared.
 """
 
 from __future__ import annotations
@@ -18,9 +15,8 @@ import numpy as np
 BlockHash = NewType("BlockHash", bytes)
 """A 32-byte sha256 digest identifying a block and (through the chain) its whole prefix."""
 
-# Part of every namespace root (and of the Redis key prefix): blocks of another version
-# are never looked up, so a new process ignores old data instead of misreading it.
-# 2: KV items with values shaped unlike their keys (MLA: ``KSHAPE,VSHAPE`` layouts).
+# part of every namespace root: a new version ignores old data instead of misreading it (2: MLA
+# layouts)
 CACHE_FORMAT_VERSION = 2
 MAX_TOKEN_ID = 2**32 - 1
 
@@ -29,10 +25,8 @@ _BLOCK_TAG = b"promptcache/block/v1\x00"
 
 
 def validate_tokens(tokens: Any, *, allow_empty: bool = False) -> tuple[int, ...]:
-    """Return ``tokens`` as a tuple of ints, or raise ``ValueError`` with a clear message.
-
-    Accepts a sequence of Python ints or a 1-D integer numpy array. Rejects floats,
-    bools, negative ids and ids that do not fit in 32 bits.
+    """``tokens`` as a tuple of ints (sequence or 1-D integer array); ValueError for floats, bools,
+    negatives, >= 2**32.
     """
     if isinstance(tokens, (str, bytes)):
         raise ValueError("token ids must be a sequence of integers, not a string")
@@ -75,11 +69,8 @@ def namespace_root(
     tenant: str,
     format_version: int = CACHE_FORMAT_VERSION,
 ) -> BlockHash:
-    """The root of every hash chain in one namespace.
-
-    Two requests can share blocks only when all of these agree: the model weights
-    and config (fingerprint), the cache format, the block size, the KV dtype /
-    quantization, and the tenant.
+    """The root of every hash chain of one namespace: fingerprint, cache format, block size, KV spec,
+    tenant.
     """
     h = hashlib.sha256(_ROOT_TAG)
     for part in (str(format_version), model_fingerprint, str(block_size), kv_spec, tenant):
@@ -112,10 +103,8 @@ def chain_hashes(
     block_size: int,
     extra_keys_for: Any = None,
 ) -> list[BlockHash]:
-    """Hashes of the full blocks of ``token_ids`` (a partial tail is not included).
-
-    ``extra_keys_for(start, end)`` returns the extra keys of the block covering
-    ``[start, end)`` (e.g. digests of images whose placeholders fall in it).
+    """Hashes of the full blocks of ``token_ids``; ``extra_keys_for(start, end)`` gives each block's
+    extra keys.
     """
     out: list[BlockHash] = []
     parent = root
