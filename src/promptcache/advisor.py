@@ -99,8 +99,7 @@ class EvictionAdvisor:
 
     def recommended_budget(self) -> int | None:
         """The RAM budget that would have kept every evicted-before-reuse run of the window (None:
-        none).
-        """
+        none)."""
         needed = [s.needed_budget for s in self.window() if s.needed_budget is not None]
         return round_up(max(needed)) if needed else None
 
@@ -142,8 +141,8 @@ def diagnose(samples: Sequence[LookupSample], stats: Mapping[str, Any] | None = 
              *, recommended_budget: int | None = None,
              missed: Mapping[str, int] | None = None,
              canonical_off: Collection[str] = ()) -> dict[str, Any]:
-    """The dominant miss cause (by missed tokens, cold excluded), its share, a summary with remedy, and
-    tier findings.
+    """The dominant miss cause (by missed tokens, cold excluded), its share, a summary with remedy,
+    and tier findings.
 
     ``missed``: missed tokens by cause of repeating traffic (None: from ``samples``);
     ``canonical_off``: rules switched off, the only ones advised back on.

@@ -31,8 +31,7 @@ _KEYS = (BLOCK_HASH_KEY, LAYOUT_KEY, "pc.ns", "pc.tenant", "pc.parent", "pc.toke
 
 @dataclass(frozen=True)
 class Description:
-    """A block as its header describes it: metadata, sessions when encoded, layout, buffer xxh3-128.
-    """
+    """A block as its header describes it: metadata, sessions, layout, buffer xxh3-128."""
 
     meta: BlockMeta
     sessions: tuple[str, ...]
@@ -88,8 +87,7 @@ def describe(desc: Description) -> dict[str, str]:
 
 
 def read_description(header: Mapping[str, str]) -> Description | None:
-    """The description in a block's header; None for format 1, 2 or unknown; ValueError if malformed.
-    """
+    """The description in a block's header; None for format 1, 2 or unknown; ValueError if bad."""
     if header.get(VERSION_KEY) != FORMAT_VERSION:
         return None
     missing = [k for k in _KEYS if k not in header]

@@ -72,8 +72,7 @@ def _as_uint8(buffer: np.ndarray | Buffer) -> np.ndarray:
 def encode(meta: BlockMeta, sessions: Iterable[str], layout: str,
            buffer: np.ndarray | Buffer) -> bytes:
     """The stored form of one block: header (``meta``, ``sessions``, ``layout``, checksum) + buffer;
-    ValueError if not 1-d uint8.
-    """
+    ValueError if not 1-d uint8."""
     body = _as_uint8(buffer)
     view = body.data.cast("B")
     desc = Description(meta, tuple(sorted(str(s) for s in sessions)), layout,
@@ -87,8 +86,7 @@ def encode(meta: BlockMeta, sessions: Iterable[str], layout: str,
 
 
 def read_header(data: Buffer) -> dict[str, str]:
-    """The header's string entries without touching the buffer (any format); ``CorruptBlockError``.
-    """
+    """The header's string entries, buffer unread (any format); ``CorruptBlockError``."""
     return _metadata(_header(_as_bytes_view(data))[0])
 
 
@@ -122,8 +120,7 @@ def decode(data: Buffer, *, verify: bool = False) -> Decoded:
     meanwhile).
 
     ``verify``: also check the buffer's checksum and the chain hash (no trusted index). Raises
-    ``UnsupportedFormatError`` (another format) or ``CorruptBlockError``.
-    """
+    ``UnsupportedFormatError`` (another format) or ``CorruptBlockError``."""
     mv = _as_bytes_view(data)
     header, base = _header(mv)
     meta = _metadata(header)
@@ -157,8 +154,7 @@ def decode(data: Buffer, *, verify: bool = False) -> Decoded:
 
 def _other_format(meta: dict[str, str]) -> str | None:
     """None if ``meta`` is of this format, else the format it is of; ``CorruptBlockError`` if no
-    block's.
-    """
+    block's."""
     v = meta.get(VERSION_KEY)
     if v == FORMAT_VERSION:
         return None

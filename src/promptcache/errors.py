@@ -20,8 +20,7 @@ class CorruptBlockError(TierError):
 
 
 class UnsupportedFormatError(CorruptBlockError):
-    """A block of an older format: not damaged, not read; counted as a miss (``old_format_blocks``).
-    """
+    """A block of an older format: not damaged, not read; a counted miss (``old_format_blocks``)."""
 
 
 class RequestError(PromptCacheError, ValueError):
@@ -34,8 +33,7 @@ class ContextLengthError(RequestError):
 
 class TemplateRenderError(PromptCacheError, RuntimeError):
     """The chat template failed (syntax, time limit, recursion: ``cause``): the server's fault (HTTP
-    500).
-    """
+    500)."""
 
     def __init__(self, message: str, cause: str = "error") -> None:
         super().__init__(message)

@@ -162,8 +162,7 @@ def model_fingerprint(path: str | os.PathLike[str], *,
     """Hex sha256 of a model folder's config and every byte of its weights.
 
     ``memo=False`` hashes everything and remembers nothing; ValueError for a folder that is not a
-    model.
-    """
+    model."""
     folder = Path(path)
     config_file = folder / "config.json"
     if not config_file.is_file():

@@ -26,8 +26,7 @@ _BLOCK_TAG = b"promptcache/block/v1\x00"
 
 def validate_tokens(tokens: Any, *, allow_empty: bool = False) -> tuple[int, ...]:
     """``tokens`` as a tuple of ints (sequence or 1-D integer array); ValueError for floats, bools,
-    negatives, >= 2**32.
-    """
+    negatives, >= 2**32."""
     if isinstance(tokens, (str, bytes)):
         raise ValueError("token ids must be a sequence of integers, not a string")
     if isinstance(tokens, np.ndarray):
@@ -69,9 +68,8 @@ def namespace_root(
     tenant: str,
     format_version: int = CACHE_FORMAT_VERSION,
 ) -> BlockHash:
-    """The root of every hash chain of one namespace: fingerprint, cache format, block size, KV spec,
-    tenant.
-    """
+    """The root of every hash chain of one namespace: fingerprint, cache format, block size, KV
+    spec, tenant."""
     h = hashlib.sha256(_ROOT_TAG)
     for part in (str(format_version), model_fingerprint, str(block_size), kv_spec, tenant):
         data = part.encode("utf-8")
@@ -104,8 +102,7 @@ def chain_hashes(
     extra_keys_for: Any = None,
 ) -> list[BlockHash]:
     """Hashes of the full blocks of ``token_ids``; ``extra_keys_for(start, end)`` gives each block's
-    extra keys.
-    """
+    extra keys."""
     out: list[BlockHash] = []
     parent = root
     for start in range(0, len(token_ids) - block_size + 1, block_size):

@@ -78,9 +78,8 @@ class Namespace:
 
 @dataclass(frozen=True, slots=True)
 class ExtraKeySpan:
-    """Extra hash input for tokens ``[start, end)`` (an image digest); every overlapping block includes
-    it.
-    """
+    """Extra hash input for tokens ``[start, end)`` (an image digest); every overlapping block
+    includes it."""
 
     start: int
     end: int
@@ -104,8 +103,7 @@ class BlockMeta:
 
     ``start``: tokens in all ancestor blocks. A partial block is always a tail with no children. Not
     ``truncatable``: restorable only at its end, and only with a ``snapshot`` (the non-KV state
-    after its last token).
-    """
+    after its last token)."""
 
     block_hash: BlockHash
     parent_hash: BlockHash

@@ -118,8 +118,7 @@ def _add(tar: tarfile.TarFile, name: str, data: bytes, mtime: int) -> None:
 def write_pack(out: Path | IO[bytes], ns: Namespace, blocks: Sequence[PackBlock],
                selection: dict[str, Any], *, progress: Progress | None = None,
                clock: Callable[[], float] = time.time) -> dict[str, Any]:
-    """Write a pack (a path: atomically via a temp file); returns ``{"blocks", "tokens", "bytes"}``.
-    """
+    """Write a pack (to a path atomically); returns ``{"blocks", "tokens", "bytes"}``."""
     blocks = order_blocks(blocks)
     created = round(clock(), 3)
     manifest = json.dumps(manifest_of(ns, blocks, selection, created), sort_keys=True,
@@ -183,8 +182,7 @@ def _zeros(f: IO[bytes], start: int, end: int | None) -> bool:
 
 
 def _read_members(f: IO[bytes]) -> dict[str, bytes]:
-    """The members of a tar whose every byte is accounted for; only member data is held in memory.
-    """
+    """The members of a tar whose every byte is accounted for (only member data in memory)."""
     f.seek(0)
     try:
         tar = tarfile.open(fileobj=f, mode="r:")
@@ -322,8 +320,7 @@ def _verify(members: dict[str, bytes], progress: Progress | None) -> Pack:
 
 class PackStart:
     """Checks an upload's first bytes: ``manifest.json`` first, naming a format version this build
-    reads; ``feed`` raises ``PackError`` early (``read_pack`` still verifies all).
-    """
+    reads; ``feed`` raises ``PackError`` early (``read_pack`` still verifies all)."""
 
     def __init__(self) -> None:
         self._head = b""

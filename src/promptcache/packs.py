@@ -1,5 +1,5 @@
-"""Cache packs: export a cache's blocks (a conversation, a session or a tenant, parents included) into
-a pack and import a verified pack into a cache or one lower tier. The archive format is
+"""Cache packs: export a cache's blocks (a conversation, a session or a tenant, parents included)
+into a pack and import a verified pack into a cache or one lower tier. The archive format is
 ``packfile.py``.
 """
 
@@ -55,8 +55,7 @@ def collect(cache: _Cache, ns: Namespace, *, tokens: Sequence[int] | None = None
             session_id: str | None = None, progress: Progress | None = None
             ) -> list[PackBlock]:
     """The blocks of a conversation (``tokens``), a session, or else the whole tenant, parents
-    included.
-    """
+    included."""
     if tokens is not None:
         match = cache.lookup(list(tokens), ns)
         wanted = [m.block_hash for m in match.blocks]

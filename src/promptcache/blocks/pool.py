@@ -130,9 +130,8 @@ class BlockPool:
         return list(self._queues[level])
 
     def set_level(self, block: Block, level: int) -> None:
-        """Set a block's eviction level; an unreferenced block enters the new queue as most recent if
-        raised, least recent if lowered.
-        """
+        """Set a block's eviction level; an unreferenced block enters the new queue as most recent
+        if raised, least recent if lowered."""
         if level not in LEVELS:
             raise ValueError(f"level must be one of {LEVELS}, got {level!r}")
         old = block.level
@@ -149,8 +148,7 @@ class BlockPool:
         block.level = level
 
     def can_allocate(self, nbytes: int, nblocks: int = 1) -> bool:
-        """Whether the blocks fit after evicting every unreferenced block and reclaiming outside bytes.
-        """
+        """Whether the blocks fit after evicting every unreferenced block and outside bytes."""
         outside = 0 if self.reclaim_outside is not None else self.outside_bytes
         if self.max_blocks is not None:
             evictable = len(self._queues[IDLE]) + len(self._queues[ACTIVE])
@@ -162,8 +160,7 @@ class BlockPool:
 
     def make_room(self, nbytes: int, nblocks: int = 1) -> bool:
         """Evict (``shrink_to``'s order) until ``nblocks`` blocks of ``nbytes`` fit; False (nothing
-        evicted) if impossible.
-        """
+        evicted) if impossible."""
         if not self.can_allocate(nbytes, nblocks):
             return False
         self.shrink_to(self.budget_bytes - nbytes)
@@ -173,9 +170,8 @@ class BlockPool:
         return True
 
     def shrink_to(self, target: int) -> int:
-        """Free bytes (idle, outside, active) until at most ``target`` are used; returns the bytes used
-        then.
-        """
+        """Free bytes (idle, outside, active) until at most ``target`` are used; returns the bytes
+        used then."""
         while self.used_bytes + self.outside_bytes > target:
             if self._queues[IDLE].peekleft() is not None:
                 self.evict()
@@ -191,8 +187,7 @@ class BlockPool:
         return self.used_bytes + self.outside_bytes
 
     def hold_outside(self, nbytes: int) -> bool:
-        """Count ``nbytes`` held outside in the budget, making room first; False if they cannot fit.
-        """
+        """Count ``nbytes`` held outside in the budget, making room first; False if no fit."""
         if nbytes < 0:
             raise ValueError(f"nbytes must be >= 0, got {nbytes}")
         if not self.make_room(nbytes, 0):
@@ -249,8 +244,7 @@ class BlockPool:
 
     def unref(self, block: Block) -> None:
         """Drop a reference; at zero the block becomes most recent in the LRU, or is discarded if
-        private.
-        """
+        private."""
         if block.ref_cnt <= 0:
             raise InvariantError(f"unref of an unreferenced block {block!r}")
         block.ref_cnt -= 1
@@ -280,8 +274,7 @@ class BlockPool:
         return block
 
     def remove(self, block: Block) -> bool:
-        """Delete a block without demotion (a referenced one goes private); True if it was in the map.
-        """
+        """Delete a block without demotion (a referenced one goes private); True if it was in."""
         if block.block_hash is None or self._map.get(block.block_hash) is not block:
             return False
         if block.ref_cnt == 0:
@@ -320,8 +313,7 @@ class BlockPool:
         self.num_blocks -= 1
 
     def replace_payload(self, block: Block, payload: Any, nbytes: int, flags: int) -> bool:
-        """Swap the payload of a referenced block; False (nothing changed) if the bytes cannot fit.
-        """
+        """Swap a referenced block's payload; False (nothing changed) if the bytes cannot fit."""
         if block.ref_cnt <= 0:
             raise InvariantError("replace_payload needs a referenced block")
         extra = nbytes - block.nbytes
@@ -335,8 +327,7 @@ class BlockPool:
 
     def copy_on_write(self, block: Block, copy_payload: Callable[[Any], Any], now: float) -> Block | None:
         """A block the caller may modify: a private unshared one as is, else a private copy (the
-        caller's reference moves to it); None if it does not fit.
-        """
+        caller's reference moves to it); None if it does not fit."""
         if block.ref_cnt <= 0:
             raise InvariantError("copy_on_write needs a referenced block")
         if block.block_hash is None and block.ref_cnt == 1:

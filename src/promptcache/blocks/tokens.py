@@ -21,8 +21,7 @@ _FAST_LIST = array("I").itemsize == 4 and sys.byteorder == "little"
 
 class RequestTokens:
     """Validated token ids: ``arr`` (uint32, hashing input) and ``buf`` (its bytes, compared with
-    blocks).
-    """
+    blocks)."""
 
     __slots__ = ("arr", "buf", "n")
 

@@ -70,9 +70,8 @@ __all__ = [
 
 
 def _rotating_segments(c: RotatingKVCache, start: int, end: int) -> list[tuple[int, int]]:
-    """Raw buffer index ranges holding tokens ``[start, end)``, in order, by mlx-lm's rule: idx == len:
-    in order; idx < offset: buffer[:keep], [idx:], [keep:idx]; else buffer[:idx].
-    """
+    """Raw buffer index ranges holding tokens ``[start, end)``, in order, by mlx-lm's rule: idx ==
+    len: in order; idx < offset: buffer[:keep], [idx:], [keep:idx]; else buffer[:idx]."""
     keys, _, offset, keep, _max_size, idx = c.state
     length = keys.shape[2]
     if idx == length:
@@ -144,9 +143,8 @@ def _warn_unquantizable(head_dim: int, group_size: int) -> None:
 
 def _kv_entry(name: str, k: mx.array, v: mx.array, quant: KVQuant | None,
               start: int) -> tuple[Item, list[mx.array]]:
-    """One KV layer's block item, quantized if the spec says so (one group size dividing both K and V
-    widths: MLA).
-    """
+    """One KV layer's block item, quantized if the spec says so (one group size dividing both K and
+    V widths: MLA)."""
     if v.dtype != k.dtype:
         raise ValueError(f"layer {name}: keys are {k.dtype}, values {v.dtype}; a block "
                          "stores KV of one dtype")
@@ -168,15 +166,13 @@ def _kv_entry(name: str, k: mx.array, v: mx.array, quant: KVQuant | None,
 def extract_block(caches: Sequence[Any], start: int, end: int, snapshot: bool, *,
                   quant: KVQuant | None = None) -> BlockPayload:
     """The payload of block ``[start, end)`` from live caches; a non-KV state only with ``snapshot``
-    (then ``end`` must be the cache's position).
-    """
+    (then ``end`` must be the cache's position)."""
     return pack(_entries(caches, start, end, snapshot, quant))
 
 
 def extract_run(caches: Sequence[Any], start: int, block_size: int, n: int, *,
                 quant: KVQuant | None = None) -> list[BlockPayload]:
-    """The payloads of ``n`` full blocks from ``start`` as rows of one slab (``blockbuf.pack_rows``).
-    """
+    """The payloads of ``n`` full blocks from ``start`` as rows of one slab (``pack_rows``)."""
     if n < 1 or block_size < 1:
         raise ValueError(f"a run needs n >= 1 blocks of >= 1 token, got {n} x {block_size}")
     end = start + n * block_size
@@ -252,7 +248,8 @@ def _state_list(c: Any, num_tokens: int) -> list[mx.array | None]:
 
 def check_storable(model_or_caches: Any, probed: Sequence[Any], num_tokens: int, *,
                    quant: KVQuant | None = None) -> None:
-    """Raise ValueError (naming the layer) if ``probed``'s state does not survive a block round trip.
+    """Raise ValueError (naming the layer) if ``probed``'s state does not survive a block round
+    trip.
 
     Run at model load, so an unstorable model is refused once; with ``quant`` both full and
     quantized blocks are checked.

@@ -100,9 +100,8 @@ class Admission:
         return len(lengths) * self.row_bytes(max(lengths)) if lengths else 0
 
     def room(self) -> int | None:
-        """KV bytes the reservations leave free (None: no budget); the batched prefill's workspace must
-        fit in it.
-        """
+        """KV bytes the reservations leave free (None: no budget); the batched prefill's workspace
+        must fit in it."""
         if self.kv_budget is None:
             return None
         with self._lock:
@@ -128,9 +127,8 @@ class Admission:
             self._num_waiting += delta
 
     def _preemptions(self) -> list[Ticket]:
-        """Background tickets (newest first, marked ``preempted``) the first waiting interactive ticket
-        needs gone; none if it fits without more or not even without all.
-        """
+        """Background tickets (newest first, marked ``preempted``) the first waiting interactive
+        ticket needs gone; none if it fits without more or not even without all."""
         head = next((t for t in self._waiting[0] if t.state == WAITING), None)
         if head is None:
             return []
@@ -153,8 +151,7 @@ class Admission:
         return []
 
     def _covered(self) -> int:
-        """How many waiting interactive tickets (in order) fit once the preempted ones are released.
-        """
+        """How many waiting interactive tickets (in order) fit once the preempted ones go."""
         gone = {a for a in self._active if a.preempted}
         if not gone:
             return 0
@@ -230,9 +227,9 @@ class Admission:
             return self.retry_after_s()
 
     def retry_after_s(self) -> int:
-        """Seconds a refused client should wait: one service time (EWMA) per round of the active slots
-        ahead, at least the recent queue wait; 1..``MAX_RETRY_AFTER_S``. Caller holds the lock.
-        """
+        """Seconds a refused client should wait: one service time (EWMA) per round of the active
+        slots ahead, at least the recent queue wait; 1..``MAX_RETRY_AFTER_S``. Caller holds the
+        lock."""
         now = self.clock()
         service = self.stats.recent_service_s
         if service == 0:
@@ -244,9 +241,8 @@ class Admission:
 
 
     def submit(self, t: Ticket) -> None:
-        """Admit or queue ``t``; ``OverloadedError`` when the queue is full, ``RequestError`` when it
-        alone exceeds the KV budget.
-        """
+        """Admit or queue ``t``; ``OverloadedError`` when the queue is full, ``RequestError`` when
+        it alone exceeds the KV budget."""
         if self.kv_budget is not None and self.row_bytes(t.length) > self.kv_budget:
             raise RequestError(
                 f"prompt + max_tokens ({t.length} tokens) need {self.row_bytes(t.length)} "
@@ -346,8 +342,7 @@ class Admission:
 
     def set_pressure(self, level: str, retry_after_s: int = 1) -> None:
         """Set the memory governor's level (``ok`` | ``pause`` | ``refuse``) and a refusal's
-        Retry-After.
-        """
+        Retry-After."""
         if level not in ("ok", "pause", "refuse"):
             raise ValueError(f"pressure level must be ok, pause or refuse, got {level!r}")
         with self._lock:

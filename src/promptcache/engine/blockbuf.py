@@ -52,8 +52,7 @@ class BlockPayload(Mapping[str, mx.array]):
 
     def arrays(self) -> dict[str, mx.array]:
         """Every part as a view, with one typed view per dtype and one ``mx.split`` per run (fewer
-        graph nodes).
-        """
+        graph nodes)."""
         typed: dict[mx.Dtype, mx.array] = {}
         out: dict[str, mx.array] = {}
         for head, names in self.layout.runs:
@@ -114,9 +113,8 @@ def pack(entries: Sequence[tuple[Item, Sequence[mx.array]]]) -> BlockPayload:
 
 def pack_rows(entries: Sequence[tuple[Item, Sequence[mx.array]]], n: int
               ) -> list[BlockPayload]:
-    """``n`` consecutive blocks as rows of one evaluated slab (arrays span all ``n * T`` tokens); row
-    ``i`` equals ``pack`` of block ``i``.
-    """
+    """``n`` consecutive blocks as rows of one evaluated slab (arrays span all ``n * T`` tokens);
+    row ``i`` equals ``pack`` of block ``i``."""
     if n < 1:
         raise ValueError(f"a slab holds at least one block, got {n}")
     items = [item for item, _ in entries]
@@ -153,8 +151,7 @@ def pack_rows(entries: Sequence[tuple[Item, Sequence[mx.array]]], n: int
 
 
 def rows_from_host(buffers: Sequence[object], layout: Layout) -> list[BlockPayload]:
-    """Blocks of one layout from host ``uint8`` buffers as rows of one slab (one array for the run).
-    """
+    """Blocks of one layout from host ``uint8`` buffers as rows of one slab (one array)."""
     arrs = [np.asarray(b) for b in buffers]
     if not arrs or any(a.dtype != np.uint8 or a.shape != (layout.nbytes,) for a in arrs):
         raise ValueError(f"block buffers must be uint8 ({layout.nbytes},) each")

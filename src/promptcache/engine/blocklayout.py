@@ -42,9 +42,8 @@ def dtype_name(dtype: mx.Dtype) -> str:
 
 @dataclass(frozen=True, slots=True)
 class Item:
-    """One layer's entry: ``kind`` "kv", "q" (bits, group_size), "s" (index) or "raw"; ``vshape`` the
-    values' shape when it differs (MLA), else None.
-    """
+    """One layer's entry: ``kind`` "kv", "q" (bits, group_size), "s" (index) or "raw"; ``vshape``
+    the values' shape when it differs (MLA), else None."""
 
     name: str
     kind: str

@@ -56,8 +56,7 @@ def _check_supported(c: Any) -> None:
 
 
 def is_truncatable(caches: Sequence[Any]) -> bool:
-    """True if the state can be restored at any token (an ArraysCache anywhere: only at snapshots).
-    """
+    """True if the state can be restored at any token (with an ArraysCache: only at snapshots)."""
     for _, c in _leaves(caches):
         _check_supported(c)
         if isinstance(c, ArraysCache):
@@ -76,8 +75,7 @@ def _model_dtype(model: Any) -> str:
 
 def kv_spec(model: Any, caches: Sequence[Any] | None = None, quant: KVQuant | None = None) -> str:
     """The namespace string of the KV representation (dtype, quantization, layer kinds, ``quant``):
-    blocks are shared only where it agrees.
-    """
+    blocks are shared only where it agrees."""
     if caches is None:
         caches = make_prompt_cache(model)
     kinds = []
@@ -145,8 +143,7 @@ def min_window(caches: Sequence[Any]) -> int | None:
 
 
 def min_sliding_tokens(caches: Sequence[Any]) -> int | None:
-    """The fewest tokens a sliding window holds past its kept ones (``max_size - keep``), or None.
-    """
+    """The fewest tokens a sliding window holds past its kept ones (``max_size - keep``) or None."""
     sizes = [c.max_size - c.keep for _, c in _leaves(caches) if isinstance(c, RotatingKVCache)]
     return min(sizes) if sizes else None
 

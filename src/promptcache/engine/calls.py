@@ -36,8 +36,7 @@ class _Call:
 
 class EngineCalls:
     """The queue of ``Engine.call``s, run in order on the engine thread; ``refusal``: why none are
-    taken now (None: taken).
-    """
+    taken now (None: taken)."""
 
     def __init__(self, thread: threading.Thread, wake: threading.Event,
                  refusal: Callable[[], str | None]) -> None:
@@ -54,8 +53,8 @@ class EngineCalls:
         return bool(self._calls)
 
     def call(self, fn: Callable[[], T], timeout: float | None = ENGINE_CALL_TIMEOUT_S) -> T:
-        """Run ``fn()`` on the engine thread between steps and return its result (at once on the engine
-        thread).
+        """Run ``fn()`` on the engine thread between steps and return its result (at once on the
+        engine thread).
 
         Raises what it raised, ``EngineCallTimeout`` past ``timeout`` (dropped), ``EngineDeadError``
         once the thread is gone.
@@ -79,8 +78,7 @@ class EngineCalls:
 
     def degrade(self, what: str, fn: Callable[[], T], default: T,
                  timeout: float | None = ENGINE_CALL_TIMEOUT_S) -> T:
-        """``call(fn)``, or ``default`` (logged, counted) on failure: a request never fails for it.
-        """
+        """``call(fn)``, or ``default`` (logged, counted) on failure: never fails a request."""
         try:
             value = self.call(fn, timeout)
         except EngineCallTimeout:

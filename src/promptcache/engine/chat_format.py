@@ -68,8 +68,7 @@ def _as_call(obj: Any) -> ToolCall:
 
 @dataclass(frozen=True)
 class ToolCallFormat:
-    """How a model writes tool calls: ``start`` + body + ``end`` (``""``: to the end of the reply).
-    """
+    """How a model writes tool calls: ``start`` + body + ``end`` (``""``: to the reply's end)."""
 
     # the mlx-lm parser module ("json_tools", "qwen3_coder", ...) or "hermes" (the fallback)
     name: str
@@ -179,8 +178,7 @@ class ChatFormat:
 
     def tools_format(self, template_renders_tools: bool) -> ToolCallFormat:
         """The model's own tool format when the template renders tools and mlx-lm knows it, else
-        ``HERMES``.
-        """
+        ``HERMES``."""
         if template_renders_tools and self.tool_format is not None:
             return self.tool_format
         return HERMES
@@ -196,9 +194,8 @@ def _template_source(tokenizer: Any) -> str:
 
 
 def _special_id(tokenizer: Any, ids: Any) -> int | None:
-    """The id when ``ids`` is one added token, special or not: llguidance treats every added token as
-    special, so grammars must name it by id (Qwen's ``<tool_call>`` is not marked special).
-    """
+    """The id when ``ids`` is one added token, special or not: llguidance treats every added token
+    as special, so grammars must name it by id (Qwen's ``<tool_call>`` is not marked special)."""
     if not isinstance(ids, (tuple, list)) or len(ids) != 1:
         return None
     decoder = getattr(tokenizer, "added_tokens_decoder", None)

@@ -30,8 +30,7 @@ MAX_RETRY_AFTER_S = 600
 
 @dataclass(frozen=True)
 class Holder:
-    """One part that can give memory back: ``release(nbytes)`` (``math.inf``: all) returns bytes freed.
-    """
+    """A part that can give memory back: ``release(nbytes)`` (inf: all) returns bytes freed."""
 
     name: str
     release: Callable[[float], int]
@@ -92,8 +91,7 @@ class MemoryGovernor:
     @property
     def idle_wait_s(self) -> float | None:
         """How long an idle engine may wait: ``interval_s`` while admission is held back, else no
-        limit.
-        """
+        limit."""
         return self._interval if self.level != OK else None
 
     def maybe_check(self) -> Decision | None:
@@ -142,10 +140,9 @@ class MemoryGovernor:
         return Decision(used, after, tuple(released), level, retry)
 
     def admit(self, peak: int, base: int, reclaimable: int, queue_retry_s: int = 1) -> None:
-        """Whether a request with predicted ``peak`` may start: ``RequestError`` if ``base`` + peak can
-        never fit under the hard watermark, ``OverloadedError`` (with a Retry-After) if it cannot
-        fit now.
-        """
+        """Whether a request with predicted ``peak`` may start: ``RequestError`` if ``base`` + peak
+        can never fit under the hard watermark, ``OverloadedError`` (with a Retry-After) if it
+        cannot fit now."""
         from ..errors import OverloadedError, RequestError
 
         if base + peak > self.hard:
@@ -165,16 +162,14 @@ class MemoryGovernor:
                 retry_after_s=retry)
 
     def fits(self, peak: int, base: int, reclaimable: int, running: int) -> bool:
-        """Whether a queued request's ``peak`` fits now beside the ``running`` peaks, within the hard
-        watermark.
-        """
+        """Whether a queued request's ``peak`` fits now beside the ``running`` peaks, within the
+        hard watermark."""
         now = self._history[-1][1] if self._history else base
         return max(now - reclaimable, base + running) + peak <= self.hard
 
     def _ask(self, holder: Holder, used: int, released: list[tuple[str, int]]) -> int:
         """Ask ``holder`` for what ``used`` is over the soft mark; re-read the footprint if it
-        released.
-        """
+        released."""
         try:
             freed = int(holder.release(used - self.soft))
         except Exception:
@@ -187,8 +182,7 @@ class MemoryGovernor:
 
     def _retry_after(self, used: int) -> int:
         """Seconds until back under the soft watermark at the last 30 s drain rate (1 s if not
-        draining).
-        """
+        draining)."""
         if len(self._history) < 2:
             return 1
         (t0, f0), (t1, f1) = self._history[0], self._history[-1]
@@ -211,9 +205,8 @@ class MemoryGovernor:
 
 
 def trim_heap() -> bool:
-    """glibc's ``malloc_trim(0)``: on Linux freed memory stays in RSS until trimmed. True if memory was
-    returned.
-    """
+    """glibc's ``malloc_trim(0)``: on Linux freed memory stays in RSS until trimmed. True if memory
+    was returned."""
     trim = _malloc_trim()
     return bool(trim(0)) if trim is not None else False
 
@@ -231,9 +224,8 @@ def _malloc_trim() -> Callable[[int], int] | None:
 
 
 def process_footprint() -> int:
-    """Physical footprint in bytes: macOS ``phys_footprint`` (Metal included, what jetsam counts), else
-    RSS.
-    """
+    """Physical footprint in bytes: macOS ``phys_footprint`` (Metal included, what jetsam counts),
+    else RSS."""
     if sys.platform == "darwin":
         got = _darwin_phys_footprint()
         if got is not None:

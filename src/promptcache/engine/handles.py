@@ -1,5 +1,6 @@
-"""The caller's side of one request: ``TokenEvent``s then one ``GenerationResult``, read once blocking
-(``events()``) or from asyncio (``aevents()``, no thread per stream); ``cancel()`` from any thread.
+"""The caller's side of one request: ``TokenEvent``s then one ``GenerationResult``, read once
+blocking (``events()``) or from asyncio (``aevents()``, no thread per stream); ``cancel()`` from any
+thread.
 """
 
 from __future__ import annotations

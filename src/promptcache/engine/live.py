@@ -77,8 +77,7 @@ def _round_up(n: int, step: int) -> int:
 
 def _detach(caches: Sequence[Any], pos: int, private: bool) -> list[Any] | None:
     """Caches with buffers of their own holding exactly the state after ``pos`` tokens; None when a
-    layer cannot get there.
-    """
+    layer cannot get there."""
     out: list[Any] = []
     for c in caches:
         if isinstance(c, CacheList):
@@ -128,8 +127,7 @@ def _padded(a: mx.array, n: int, cap: int) -> mx.array:
 
 
 def grow(caches: Sequence[Any], total: int) -> None:
-    """Room for ``total`` positions in every plain KV layer, so the following prefill writes in place.
-    """
+    """Room for ``total`` positions in every plain KV layer (the prefill then writes in place)."""
     for c in _leaves(caches):
         if type(c) is not KVCache or c.keys is None or c.keys.shape[2] >= total:
             continue
@@ -139,9 +137,8 @@ def grow(caches: Sequence[Any], total: int) -> None:
 
 
 def keep_position(caches: Sequence[Any], pos: int, valid: int) -> int:
-    """Where to keep a finished state: ``pos``, or up to ``valid`` when a full sliding window already
-    holds the last output token (a window cannot give a token back).
-    """
+    """Where to keep a finished state: ``pos``, or up to ``valid`` when a full sliding window
+    already holds the last output token (a window cannot give a token back)."""
     leaves = _leaves(caches)
     if any(isinstance(c, ArraysCache) for c in leaves):
         return pos
@@ -160,8 +157,7 @@ def _leaves(caches: Sequence[Any]) -> list[Any]:
 
 
 class LiveStates:
-    """The kept live states of one engine (thread-safe: the reclaim hook runs under the cache lock).
-    """
+    """The kept live states of one engine (thread-safe; reclaim runs under the cache lock)."""
 
     def __init__(self, max_states: int, hold: Callable[[int], bool],
                  drop: Callable[[int], None], *, clock: Callable[[], float] = lambda: 0.0,
@@ -197,9 +193,8 @@ class LiveStates:
 
     def keep(self, ns: Namespace, tokens: np.ndarray, caches: Sequence[Any], *,
              private: bool, session: str | None = None) -> bool:
-        """Keep the state after ``tokens`` (views of a batch row, or own objects if ``private``); False
-        if not kept.
-        """
+        """Keep the state after ``tokens`` (views of a batch row, or own objects if ``private``);
+        False if not kept."""
         if self.max_states == 0 or tokens.shape[0] == 0:
             return False
         try:
@@ -236,8 +231,7 @@ class LiveStates:
              session: str | None = None) -> tuple[list[Any], int] | None:
         """Take (out of the store) the state of ``ns`` serving most of ``prompt`` (all but its last
         token), trimmed, when it serves at least ``blocks`` tokens and extends exactly, keeps half
-        of itself, or is the same session's; else None.
-        """
+        of itself, or is the same session's; else None."""
         limit = int(prompt.shape[0]) - 1
         best: tuple[int, int] | None = None  # (tokens served, key)
         expired = 0
@@ -276,9 +270,8 @@ class LiveStates:
         return state.caches, n
 
     def reclaim(self, nbytes: int) -> int:
-        """The RAM tier's hook: release least recently kept states until ``nbytes`` are freed; returns
-        bytes released.
-        """
+        """The RAM tier's hook: release least recently kept states until ``nbytes`` are freed;
+        returns bytes released."""
         freed = 0
         with self._lock:
             while self._states and freed < nbytes:
@@ -295,8 +288,7 @@ class LiveStates:
 
     def forget(self, tenant: str | None, session: str | None) -> int:
         """The cache's hook on deleting a tenant's (None: all) or a session's blocks: release their
-        states; returns bytes.
-        """
+        states; returns bytes."""
         freed = 0
         with self._lock:
             for key in [k for k, s in self._states.items()

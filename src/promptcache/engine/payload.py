@@ -45,8 +45,7 @@ class MLXPayloadAdapter:
 
     def from_buffer(self, buffer: np.ndarray, layout: str) -> BlockPayload:
         """One evaluated ``mx.array`` (a copy of ``buffer``); ValueError if it does not match its
-        layout.
-        """
+        layout."""
         parsed = parse_layout(layout)
         if buffer.dtype != np.uint8 or buffer.ndim != 1 or buffer.size != parsed.nbytes:
             raise ValueError(f"block buffer is {buffer.dtype}{buffer.shape}, its layout needs "
@@ -58,8 +57,7 @@ class MLXPayloadAdapter:
 
     def from_buffers(self, items: Sequence[tuple[np.ndarray, str]]) -> list[BlockPayload]:
         """``from_buffer`` of a run: blocks of one layout become rows of one slab; ValueError on a
-        mismatch.
-        """
+        mismatch."""
         out: list[BlockPayload] = []
         i = 0
         while i < len(items):
@@ -82,8 +80,7 @@ class MLXPayloadAdapter:
 
 def ram_census(cache: Any, quant: Any = None) -> dict[str, Any]:
     """What ``cache``'s RAM tier holds by payload (blocks, tokens, arrays, bytes, quantized);
-    O(blocks), for stats.
-    """
+    O(blocks), for stats."""
     pool = getattr(cache, "pool", None)
     blocks = pool.blocks() if pool is not None else []
     arrays = tokens = nbytes = quantized = 0

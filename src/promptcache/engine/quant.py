@@ -1,4 +1,5 @@
-"""KV quantization of cached blocks (``--kv-bits``): the spec, and quantize / dequantize of KV slices.
+"""KV quantization of cached blocks (``--kv-bits``): the spec, and quantize / dequantize of KV
+slices.
 
 ``mx.quantize`` affine groups along ``head_dim``: mlx-lm's ``QuantizedKVCache`` layout, filled
 directly, else dequantized on restore. Live caches are never quantized. Blocks before ``min_tokens``
@@ -47,8 +48,7 @@ class KVQuant:
 
     def group_for(self, head_dim: int) -> int | None:
         """The group size for ``head_dim``: the configured one if it divides it, else the largest
-        smaller that does; None: full precision.
-        """
+        smaller that does; None: full precision."""
         for g in sorted(GROUP_SIZES, reverse=True):
             if g <= self.group_size and head_dim % g == 0:
                 return g
@@ -76,8 +76,7 @@ def quantize(x: mx.array, bits: int, group_size: int) -> tuple[mx.array, mx.arra
 
 def dequantize(parts: Sequence[mx.array], bits: int, group_size: int) -> mx.array:
     """The inverse of ``quantize`` (in the scales' dtype); on CPU, byte-aligned widths unpack
-    elementwise (bit-identical, twice as fast).
-    """
+    elementwise (bit-identical, twice as fast)."""
     wq, scales, biases = parts  # packed values, scales, biases
     if 8 % bits or mx.default_device().type != mx.DeviceType.cpu:
         return mx.dequantize(wq, scales, biases, group_size=group_size, bits=bits)

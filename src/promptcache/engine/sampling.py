@@ -82,8 +82,7 @@ def logprob_values(arrays: Sequence[mx.array]) -> tuple[float, tuple[tuple[int, 
 
 class Detokenizer:
     """Incremental text from token ids, never a partial UTF-8 character (mlx-lm's streaming
-    detokenizer, else a short decode window).
-    """
+    detokenizer, else a short decode window)."""
 
     def __init__(self, tokenizer: Any) -> None:
         stream: Any = None
@@ -138,9 +137,8 @@ class Detokenizer:
 
 
 class StopStrings:
-    """Finds stop strings in streamed text (earliest wins; ties: first listed), holding back a partial
-    match.
-    """
+    """Finds stop strings in streamed text (earliest wins; ties: first listed), holding back a
+    partial match."""
 
     def __init__(self, stops: Sequence[str]) -> None:
         self.stops = tuple(stops)

@@ -181,9 +181,8 @@ class ShadowVerifier:
         return problems
 
     def _compare(self, job: _Job, seq: np.ndarray) -> None:
-        """Compare every block (K/V, last snapshot) with the fresh caches, then the logits; the first
-        differing block (else the last) is the culprit.
-        """
+        """Compare every block (K/V, last snapshot) with the fresh caches, then the logits; the
+        first differing block (else the last) is the culprit."""
         last = job.block
         if last is None or job.caches is None:
             return

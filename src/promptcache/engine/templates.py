@@ -31,15 +31,13 @@ CHECK_MESSAGES = ({"role": "user", "content": "Hello"},)
 
 
 class _OverBudget(BaseException):
-    """Raised past the deadline (a BaseException: a template's ``except Exception`` cannot swallow it).
-    """
+    """Raised past the deadline (a BaseException: ``except Exception`` cannot swallow it)."""
 
 
 @contextlib.contextmanager
 def render_budget(limit_s: float) -> Iterator[None]:
     """Trace this thread: every call and template line checks the deadline (the previous tracer is
-    restored).
-    """
+    restored)."""
     deadline = time.monotonic() + limit_s
 
     def check() -> None:
@@ -165,8 +163,7 @@ class ChatTemplate:
 
     def _check_length(self, text: str) -> None:
         """Raise ``ContextLengthError`` if ``text`` surely exceeds ``token_limit`` (bounded prefix;
-        caller holds the lock).
-        """
+        caller holds the lock)."""
         limit = self.token_limit
         if limit is None:
             return
@@ -214,8 +211,7 @@ class ChatTemplate:
         template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[int]:
         """Prompt token ids of a chat (``continue_final_message``: the last assistant message left
-        open).
-        """
+        open)."""
         validate_messages(messages)
         text = self._render_text(messages, tools, add_generation_prompt,
                                  continue_final_message, template_kwargs)
@@ -225,8 +221,7 @@ class ChatTemplate:
 
     def check(self) -> None:
         """The startup test render; ``TemplateRenderError`` if the template fails to parse, loops or
-        recurses.
-        """
+        recurses."""
         try:
             self._render_text(CHECK_MESSAGES, None, True, False, None)
         except TemplateRenderError:
@@ -237,8 +232,7 @@ class ChatTemplate:
 
     def encode(self, text: str) -> list[int]:
         """Token ids of a plain prompt (special tokens added as ``tokenizer.encode`` does),
-        length-checked.
-        """
+        length-checked."""
         with self._lock:
             self._check_length(text)
             return [int(t) for t in self.tokenizer.encode(text)]

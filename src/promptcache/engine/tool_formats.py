@@ -1,4 +1,5 @@
-"""Tool-call parsers of our own, where mlx-lm's loses calls or has none (Qwen3-Coder, GLM, DeepSeek).
+"""Tool-call parsers of our own, where mlx-lm's loses calls or has none (Qwen3-Coder, GLM,
+DeepSeek).
 
 mlx-lm 0.32's qwen3_coder parser cuts a value containing ``</parameter>``, turns the string "null"
 into None and drops calls through ``ast.literal_eval``. Here a parameter ends at a ``</parameter>``
@@ -32,8 +33,7 @@ def _schema_of(name: str, tools: Sequence[Mapping[str, Any]] | None) -> dict[str
 
 
 def _types(schema: Any) -> list[str]:
-    """The JSON types a property allows (``type``, a list, ``anyOf`` / ``oneOf``); empty: unknown.
-    """
+    """The JSON types a property allows (``type``, a list, ``anyOf`` / ``oneOf``); empty: any."""
     if not isinstance(schema, Mapping):
         return []
     kind = schema.get("type")
@@ -77,8 +77,7 @@ def _as_type(text: str, kind: str) -> tuple[bool, Any]:
 
 def _convert(value: str, schema: Any) -> Any:
     """A parameter's text as the value its schema asks for; the text itself when a string fits or
-    nothing converts.
-    """
+    nothing converts."""
     types = _types(schema)
     text = value.strip()
     if not types:  # no schema: a JSON object / array if it is one, else text
@@ -190,8 +189,7 @@ _FENCE = re.compile(r"^\s*```(?:json)?\s*\n?(.*?)\n?```\s*$", re.DOTALL)
 def parse_deepseek(body: str, tools: Sequence[Mapping[str, Any]] | None = None
                    ) -> list[dict[str, Any]]:
     """The calls between DeepSeek's tool-call markers (``NAME<｜tool▁sep｜>ARGS``, V3.1;
-    ``function<｜tool▁sep｜>NAME`` + a json fence, V3); ValueError otherwise.
-    """
+    ``function<｜tool▁sep｜>NAME`` + a json fence, V3); ValueError otherwise."""
     calls: list[dict[str, Any]] = []
     pos = 0
     while True:
@@ -236,8 +234,7 @@ _NEXT_ARG = re.compile(r"(?:\s|\\n)*(?:<arg_key>|$)")
 def parse_glm47(body: str, tools: Sequence[Mapping[str, Any]] | None = None
                 ) -> list[dict[str, Any]]:
     """The call in GLM's ``NAME<arg_key>K</arg_key><arg_value>V</arg_value>...`` format; strings are
-    kept exactly (mlx-lm strips them), other values converted by JSON per the schema.
-    """
+    kept exactly (mlx-lm strips them), other values converted by JSON per the schema."""
     at = body.find(_ARG_KEY)
     name = (body if at < 0 else body[:at]).strip()
     if not name or any(c in name for c in "<>\n{}"):

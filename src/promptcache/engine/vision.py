@@ -56,8 +56,7 @@ class VisionEncoder:
 
 def validate_images(images: Sequence[ImageInput], prompt: np.ndarray,
                     info: VisionInfo | None) -> None:
-    """Every image covers exactly its placeholders, in order, and nothing else; else ``RequestError``.
-    """
+    """Every image covers exactly its placeholders, in order, and no more; else ``RequestError``."""
     if not images:
         if info is not None and bool(np.any(prompt == info.placeholder_id)):
             raise RequestError(f"the prompt contains the image token {info.image_token!r} "
@@ -107,9 +106,8 @@ class ImagePrefill:
 
     def embeddings(self, model: Any, tokens: mx.array, start: int, end: int
                    ) -> mx.array | None:
-        """``[1, end - start, hidden]`` for the chunk at ``[start, end)``, or None if no image overlaps
-        it.
-        """
+        """``[1, end - start, hidden]`` for the chunk at ``[start, end)``, or None if no image
+        overlaps it."""
         emb, _ = self._merge(model, tokens, start, end)
         return emb
 
@@ -137,8 +135,7 @@ class ImagePrefill:
     def forward(self, model: Any, tokens: mx.array, caches: list[Any], start: int, end: int
                 ) -> mx.array:
         """The chunk at ``[start, end)`` through ``model`` (lazy logits), with image rows, M-RoPE
-        positions and deepstack features.
-        """
+        positions and deepstack features."""
         emb, deep = self._merge(model, tokens, start, end)
         if bool(getattr(model, "mrope", False)):
             pos, delta = model.positions(self.images, start, end)

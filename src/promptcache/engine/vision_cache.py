@@ -66,8 +66,7 @@ class VisionCache:
 
     def bind_model(self, fingerprint: str) -> None:
         """The folder becomes ``<base>/<fingerprint[:32]>``; one that cannot be created leaves the
-        cache RAM-only (``ssd_errors``).
-        """
+        cache RAM-only (``ssd_errors``)."""
         if self.base is not None:
             folder = self.base / fingerprint[:32]
             try:

@@ -28,8 +28,7 @@ class PayloadSource(Protocol):
 
     def encode(self) -> bytes:
         """The encoded bytes, memoised (one thread encodes, others wait); raises whatever encoding
-        raises.
-        """
+        raises."""
 
 
 class LazyPayload:
@@ -126,18 +125,15 @@ class Tier(Protocol):
         closed).
 
         ``timeout``: wait for room in a full queue (0: never, the request path; None: no limit).
-        ``hits``: reuse count (for admission). A put under an existing hash replaces it.
-        """
+        ``hits``: reuse count (for admission). A put under an existing hash replaces it."""
 
     def has_room(self, timeout: float | None = 0.0) -> bool:
         """True if a non-waiting ``put`` would find queue room now (waiting up to ``timeout``).
-        Optional: a put refused with room was refused for good; one without room may be retried.
-        """
+        Optional: a put refused with room was refused for good; one without room may be retried."""
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every accepted put is stored or failed; True if done within ``timeout``.
-        Optional.
-        """
+        Optional."""
 
     def sessions_of(self, block_hash: BlockHash, *, ns: Namespace | None = None) -> list[str]:
         """The sessions recorded on a stored block."""
@@ -150,14 +146,12 @@ class Tier(Protocol):
         """Delete these blocks (e.g. partial tails a longer sibling now covers)."""
 
     def delete_session(self, session_id: str, tenant: str | None = None) -> int:
-        """Remove the session from ``tenant``'s blocks (None: every tenant) and delete those left with
-        no session; returns the number deleted.
-        """
+        """Remove the session from ``tenant``'s blocks (None: every tenant) and delete those left
+        with no session; returns the number deleted."""
 
     def delete_session_blocks(self, session_id: str, tenant: str | None = None
                               ) -> set[bytes]:
-        """``delete_session``, returning the deleted hashes. Optional (else counted by the number).
-        """
+        """``delete_session`` returning the deleted hashes. Optional."""
 
     def delete_tenant(self, tenant: str | None) -> int:
         """Delete every block of a tenant (None: all). Returns the count."""

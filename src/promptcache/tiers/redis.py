@@ -35,9 +35,8 @@ _F = TypeVar("_F", bound=Callable[..., Any])
 
 
 def _boundary(fn: _F) -> _F:
-    """The tier boundary: only ``TierError`` / ``ValueError`` leave; anything else is logged, counted
-    (``unexpected_errors``) and raised as ``TierError``.
-    """
+    """The tier boundary: only ``TierError`` / ``ValueError`` leave; anything else is logged,
+    counted (``unexpected_errors``) and raised as ``TierError``."""
 
     @functools.wraps(fn)
     def wrapper(self: RedisTier, *args: Any, **kwargs: Any) -> Any:
@@ -54,8 +53,7 @@ def _boundary(fn: _F) -> _F:
 
 
 class RedisTier:
-    """``clock`` drives the circuit breaker; ``start_threads=False`` leaves the prober off (tests).
-    """
+    """``clock`` drives the circuit breaker; ``start_threads=False``: no prober (tests)."""
 
     name = "redis"
 
@@ -121,8 +119,7 @@ class RedisTier:
     @_boundary
     def get_many(self, block_hashes: Sequence[BlockHash], *, ns: Namespace | None = None
                  ) -> list[tuple[bytes, list[str]] | None]:
-        """``(payload, sessions)`` of many blocks in one round trip (None where absent or damaged).
-        """
+        """``(payload, sessions)`` of many blocks in one round trip (None: absent or damaged)."""
         return [g if isinstance(g, tuple) else None
                 for g in self.reads.fetch([bytes(h) for h in block_hashes], ns)]
 

@@ -149,8 +149,7 @@ def redact(url: str) -> str:
 
 def make_client(config: RedisConfig, timeout_s: float) -> Client:
     """A redis-py client for ``config.url`` without retries (a cluster one connects here and may
-    raise).
-    """
+    raise)."""
     url = config.url.replace("+cluster://", "://", 1)
     opts: dict[str, Any] = {
         "socket_timeout": timeout_s,

@@ -46,8 +46,7 @@ class Deleter:
 
     def delete_session(self, session_id: str, tenant: str | None) -> set[bytes]:
         """Remove ``session_id`` from its blocks (of ``tenant`` or all) and delete those left with
-        none; returns their hashes.
-        """
+        none; returns their hashes."""
         if not isinstance(session_id, str) or not session_id:
             raise ValueError("session_id must be a non-empty string")
         if tenant is not None:
@@ -92,8 +91,7 @@ class Deleter:
             return deleted | cancelled
 
     def delete_tenant(self, tenant: str | None) -> int:
-        """Delete every key of ``tenant`` (None: of the tier); returns the number of blocks deleted.
-        """
+        """Delete every key of ``tenant`` (None: of the tier); returns the blocks deleted."""
         if tenant is not None:
             validate_tenant(tenant)
         keys = self.keys

@@ -120,8 +120,7 @@ def _field(obj: dict[str, Any], name: str, kind: type | tuple[type, ...]) -> Any
 
 def decode_record(data: bytes, *, block_hash: bytes, ns_key: str, tenant: str) -> Record:
     """Parse and verify a record read under ``block_hash``; ``CorruptBlockError`` if malformed or
-    another block's.
-    """
+    another block's."""
     try:
         obj = json.loads(data)
     except (UnicodeDecodeError, json.JSONDecodeError, TypeError) as e:

@@ -177,8 +177,7 @@ class Reads:
 
     def fetch(self, hs: list[bytes], ns: Namespace | None) -> list[Fetched]:
         """``(payload, sessions)`` per block, None where absent, the ``CorruptBlockError`` where
-        damaged.
-        """
+        damaged."""
         out: list[Fetched] = [None] * len(hs)
         if ns is None or not hs:
             return out

@@ -52,8 +52,7 @@ def _estimate(payload: Any) -> int:
 
 
 class Writer:
-    """The writer thread's work: batches off ``writes`` sent over ``remote``, ``lock`` held per batch.
-    """
+    """The writer thread's work: batches off ``writes`` sent over ``remote`` under ``lock``."""
 
     def __init__(self, remote: Remote, keys: KeySpace, writes: WriteQueue, tally: Tally,
                  ttl: int) -> None:
@@ -138,9 +137,8 @@ class Writer:
             return list(pipe.execute())
 
         def write(c: Client, existing: dict[str, list[str]]) -> list[Any]:
-            """Puts and discards in one pipeline, then the session scripts (a Cluster pipeline cannot
-            run scripts).
-            """
+            """Puts and discards in one pipeline, then the session scripts (a Cluster pipeline
+            cannot run scripts)."""
             pipe = c.pipeline(transaction=False)
             scripts: list[tuple[str, list[bytes]]] = []
             for it, data in work:

@@ -29,8 +29,7 @@ def cache_leaves(caches: Sequence[Any]) -> list[Any]:
 
 def can_batch(caches: Sequence[Any]) -> bool:
     """True if mlx-lm can merge these caches into batch caches (plain KV, windows without ``keep``,
-    arrays, lists of those).
-    """
+    arrays, lists of those)."""
     for c in cache_leaves(caches):
         if type(c) is KVCache or type(c) is ArraysCache:
             continue
@@ -55,10 +54,9 @@ def model_module(model: Any) -> str:
 
 
 def can_batch_prefill(caches: Sequence[Any], model: Any = None) -> bool:
-    """True if these caches can be prefilled with others' right-padded chunks exactly as alone: plain
-    KV (MLA too), windows without ``keep``, arrays of a module in ``RIGHT_PADDED_STATE_MODULES``,
-    lists of those.
-    """
+    """True if these caches can be prefilled with others' right-padded chunks exactly as alone:
+    plain KV (MLA too), windows without ``keep``, arrays of a module in
+    ``RIGHT_PADDED_STATE_MODULES``, lists of those."""
     if not caches:
         return False
     states_ok = model is not None and model_module(model) in RIGHT_PADDED_STATE_MODULES
@@ -74,9 +72,8 @@ def can_batch_prefill(caches: Sequence[Any], model: Any = None) -> bool:
 
 
 def prefill_width(batch: Sequence[Any], lengths: Sequence[int]) -> int:
-    """The width of a right-padded prefill of chunks of ``lengths``: at least two when one token meets
-    an empty row (a one-token forward writes a window in place, with no room for a pad).
-    """
+    """The width of a right-padded prefill of chunks of ``lengths``: at least two when one token
+    meets an empty row (a one-token forward writes a window in place, with no room for a pad)."""
     width = max(lengths)
     if width == 1 and min(lengths) == 0 and any(
             isinstance(c, BatchRotatingKVCache) for c in cache_leaves(batch)):
@@ -91,8 +88,7 @@ def merge_requests(caches: Sequence[Sequence[Any]]) -> list[Any]:
 
 def prepare_right_padded(batch: Sequence[Any], lengths: Sequence[int],
                          width: int | None = None) -> None:
-    """Before a forward of right-padded inputs: row ``i`` has ``lengths[i]`` real tokens of ``width``.
-    """
+    """Before a right-padded forward: row ``i`` has ``lengths[i]`` real tokens of ``width``."""
     width = max(lengths) if width is None else width
     right = [width - n for n in lengths]
     for c in batch:
@@ -147,8 +143,7 @@ def filter_rows(batch: Any, keep: Sequence[int]) -> None:
 class RowMoves:
     """Where a decode row's first positions went (``drop_row_tails`` moves them into its rejected
     tail), the same in every KV layer; counted from the row's first position, unchanged by filter /
-    extend / trim.
-    """
+    extend / trim."""
 
     __slots__ = ("shift", "keys")
 
@@ -158,8 +153,7 @@ class RowMoves:
 
     def moved(self, pad: int, end: int, n: int) -> None:
         """The ``n`` positions after the padding ``pad`` were copied to the ``n`` before ``end``;
-        padding grows by ``n``.
-        """
+        padding grows by ``n``."""
         origin = pad - self.shift
         dst = end - n - origin
         for j in range(n):
@@ -194,8 +188,7 @@ def _row_kv(c: BatchKVCache, idx: int, pads: list[int], moves: RowMoves | None) 
 
 
 def copy_array(x: mx.array) -> mx.array:
-    """A copy with its own buffer (``mx.contiguous`` may return a slice pinning the whole source).
-    """
+    """A copy with its own buffer (``mx.contiguous`` may return a slice pinning its source)."""
     return mx.array(x)
 
 
@@ -211,8 +204,7 @@ def row_caches(batch: Sequence[Any], idx: int, ssm_states: list[list[Any]] | Non
     """Per-layer cache objects of row ``idx`` of a batch, for reading blocks out of it.
 
     Plain KV: lazy views (copy what you slice); windows: ``extract``-ed copies; array states: copies
-    (from ``ssm_states`` when given). Nothing shares a buffer the batch later writes in place.
-    """
+    (from ``ssm_states`` when given). Nothing shares a buffer the batch later writes in place."""
     states = iter(ssm_states) if ssm_states is not None else None
     pad_cache: dict[int, list[int]] = {}
 

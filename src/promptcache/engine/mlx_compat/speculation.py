@@ -12,10 +12,9 @@ from .batch_caches import RowMoves, cache_leaves, ssm_states
 
 
 def speculation_kind(batch: Sequence[Any]) -> str | None:
-    """How a batch's caches take a verify forward's rejected positions back: ``"kv"`` (all plain KV /
-    windows: ``drop_row_tails``), ``"state"`` (arrays with plain KV: restore the states and feed the
-    accepted tokens again), None (anything else).
-    """
+    """How a batch's caches take a verify forward's rejected positions back: ``"kv"`` (all plain KV
+    / windows: ``drop_row_tails``), ``"state"`` (arrays with plain KV: restore the states and feed
+    the accepted tokens again), None (anything else)."""
     leaves = cache_leaves(batch)
     if not leaves:
         return None
@@ -39,9 +38,8 @@ def states_take_lengths(model: Any) -> bool:
 
 
 def before_verify(batch: Sequence[Any]) -> list[list[Any]] | None:
-    """Before a verify forward: windows put in temporal order (so mask and update agree); returns the
-    array states (pre-verify references) or None.
-    """
+    """Before a verify forward: windows put in temporal order (so mask and update agree); returns
+    the array states (pre-verify references) or None."""
     for c in cache_leaves(batch):
         if isinstance(c, BatchRotatingKVCache) and c.keys is not None:
             c._temporal_order()
@@ -56,8 +54,7 @@ def drop_row_tails(batch: Sequence[Any], counts: Sequence[int],
 
     Windows have the common tail also sliced off the buffer (``trim`` alone leaves it in the
     window), so the next single-token update keeps the last ``max_size`` tokens as decoding one at a
-    time does.
-    """
+    time does."""
     leaves = cache_leaves(batch)
     common = min(counts)
     for c in leaves:
@@ -87,8 +84,7 @@ def drop_row_tails(batch: Sequence[Any], counts: Sequence[int],
 def _move_heads(leaves: Sequence[Any], rest: Sequence[int], moves: Sequence[RowMoves]
                 ) -> bool:
     """Move row ``i``'s first ``rest[i]`` positions into its rejected tail in every leaf; False
-    (nothing done) unless all plain KV and rows hold twice what moves.
-    """
+    (nothing done) unless all plain KV and rows hold twice what moves."""
     if not leaves or not all(type(c) is BatchKVCache and c.keys is not None for c in leaves):
         return False
     pads = [int(p) for p in leaves[0].left_padding.tolist()]
@@ -114,9 +110,8 @@ def _move_heads(leaves: Sequence[Any], rest: Sequence[int], moves: Sequence[RowM
 
 
 def finalize_refeed(batch: Sequence[Any], moves: Sequence[RowMoves]) -> None:
-    """After the refeed of a ``"state"`` batch: arrays finalize; KV rows' pad tails become left padding
-    by ``_move_heads`` (recorded in ``moves``), else ``BatchKVCache.finalize``'s roll.
-    """
+    """After the refeed of a ``"state"`` batch: arrays finalize; KV rows' pad tails become left
+    padding by ``_move_heads`` (recorded in ``moves``), else ``BatchKVCache.finalize``'s roll."""
     leaves = cache_leaves(batch)
     kv = [c for c in leaves if isinstance(c, BatchKVCache)]
     pads = kv[0]._right_padding if kv else None
@@ -134,8 +129,7 @@ def finalize_refeed(batch: Sequence[Any], moves: Sequence[RowMoves]) -> None:
 
 def restore_before_verify(batch: Sequence[Any], states: Sequence[Sequence[Any]],
                           width: int) -> None:
-    """Undo a verify forward of ``width`` on a ``"state"`` batch: states back, KV trimmed by ``width``.
-    """
+    """Undo a verify forward of ``width`` on a ``"state"`` batch (states back, KV trimmed)."""
     it = iter(states)
     for c in cache_leaves(batch):
         if isinstance(c, ArraysCache):

@@ -21,8 +21,7 @@ def _window_held(c: RotatingKVCache) -> int:
 
 def window_floor(caches: Sequence[Any]) -> int:
     """The first token past ``keep`` every sliding window of these caches still holds (0: none
-    dropped).
-    """
+    dropped)."""
     return max((_floor_now(c) for c in cache_leaves(caches) if isinstance(c, RotatingKVCache)),
                default=0)
 
@@ -36,8 +35,7 @@ def window_floor_after(caches: Sequence[Any], n_new: int) -> int:
     """``window_floor`` after ONE forward of ``n_new`` more tokens.
 
     mlx-lm 0.32: a single token is written in place (the window keeps ``keep`` + the last ``max_size
-    - keep``); several are concatenated after the last ``max_size - 1 - keep`` held.
-    """
+    - keep``); several are concatenated after the last ``max_size - 1 - keep`` held."""
     if n_new < 1:
         raise ValueError(f"n_new must be >= 1, got {n_new}")
     floor = 0

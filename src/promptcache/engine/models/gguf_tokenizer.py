@@ -1,5 +1,6 @@
-"""Rebuild a Hugging Face ``tokenizer.json`` from GGUF tokenizer metadata (model ``gpt2``: byte-level
-BPE, as SmolLM2, Llama 3, Qwen). Control and user-defined tokens become special added tokens.
+"""Rebuild a Hugging Face ``tokenizer.json`` from GGUF tokenizer metadata (model ``gpt2``:
+byte-level BPE, as SmolLM2, Llama 3, Qwen). Control and user-defined tokens become special added
+tokens.
 """
 
 from __future__ import annotations

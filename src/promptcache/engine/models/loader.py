@@ -52,9 +52,8 @@ class ModelInfo:
 
 
 def resolve_model_path(path_or_repo: str | os.PathLike[str]) -> tuple[Path, str]:
-    """``(folder, model_id)``: a local folder, or a HF repo id downloaded into the HF cache; ValueError
-    (one line) otherwise.
-    """
+    """``(folder, model_id)``: a local folder, or a HF repo id downloaded into the HF cache;
+    ValueError (one line) otherwise."""
     text = os.fspath(path_or_repo).strip()
     if not text:
         raise ValueError("model path or repo id is empty")
@@ -97,8 +96,7 @@ def load_model_or_vlm(path_or_repo: str | os.PathLike[str], *, float32_on_cpu: b
     (``models/vlm.py``).
 
     A VLM family the vision path lacks but mlx-lm has is loaded text-only (logged).
-    ``chat_template`` replaces the checkpoint's; ``lazy``: a text model's weights are not read.
-    """
+    ``chat_template`` replaces the checkpoint's; ``lazy``: a text model's weights are not read."""
     folder, model_id = resolve_model_path(path_or_repo)
     try:
         config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
@@ -175,8 +173,7 @@ def load_model(
     path_or_repo: str | os.PathLike[str], *, float32_on_cpu: bool = True,
     chat_template: str | None = None, lazy: bool = False, steps: Steps = no_steps,
 ) -> tuple[Any, Any, ModelInfo]:
-    """``(model, tokenizer, info)`` with mlx-lm (``lazy``: weights not read, only shapes and dtypes).
-    """
+    """``(model, tokenizer, info)`` with mlx-lm (``lazy``: only shapes and dtypes, no weights)."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
     from mlx_lm import load

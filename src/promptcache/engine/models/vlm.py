@@ -39,8 +39,7 @@ class VisionTower:
     """Preprocessing and the vision encoder of one VLM (engine thread only).
 
     ``encode``: one image's features ``[tokens_per_image, hidden]`` (with deepstack: ``hidden * (1 +
-    layers)``, main first), the rows mlx-vlm writes over the placeholders.
-    """
+    layers)``, main first), the rows mlx-vlm writes over the placeholders."""
 
     vlm: Any
     image_processor: Any
@@ -180,8 +179,7 @@ _FAMILIES = {"llava": _llava, "gemma3": _gemma3, "qwen3_vl": _qwen3_vl, "qwen3_5
 
 def _mlx_lm_text_model(folder: Path, config: dict[str, Any], vlm: Any) -> Any:
     """mlx-lm's text model of a Qwen3.5 checkpoint sharing the VLM's weight arrays (quantized alike
-    first).
-    """
+    first)."""
     from mlx.nn.layers.base import Module
     from mlx.nn.layers.quantized import quantize
     from mlx.utils import tree_flatten

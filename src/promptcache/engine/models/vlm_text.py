@@ -15,8 +15,7 @@ from ..api import ImageInput
 
 
 def _mlx_lm_caches(language_model: Any) -> list[Any]:
-    """mlx-lm cache objects of the kinds the model asks for (the engine stores and batches mlx-lm's).
-    """
+    """mlx-lm cache objects of the kinds the model asks for (the engine batches mlx-lm's)."""
     if not hasattr(language_model, "make_cache"):
         return [KVCache() for _ in language_model.layers]
     out: list[Any] = []
@@ -67,8 +66,8 @@ class VLMTextModel:
 
 def mrope_positions(images: Sequence[ImageInput], grid: tuple[int, int, int], start: int,
                     end: int) -> tuple[np.ndarray, int]:
-    """Qwen's 3-D rotary positions ``[3, end - start]`` of tokens ``[start, end)`` and the delta after
-    ``end``.
+    """Qwen's 3-D rotary positions ``[3, end - start]`` of tokens ``[start, end)`` and the delta
+    after ``end``.
 
     A function of the image spans and the LLM grid ``(t, h, w)`` only, so a restored prefix
     continues exactly; each image adds ``max(t, h, w) - t * h * w`` to the delta
@@ -103,8 +102,7 @@ class MRopeTextModel(VLMTextModel):
 
     The last cache is an ``ArraysCache`` holding each row's position delta (int32 ``[B, 1]``), moved
     with the request's state everywhere, so restored prefixes continue at the right positions.
-    Price: the model is not truncatable (restores at snapshot positions only).
-    """
+    Price: the model is not truncatable (restores at snapshot positions only)."""
 
     mrope = True
 
@@ -128,8 +126,7 @@ class MRopeTextModel(VLMTextModel):
                  visual_mask: mx.array | None = None,
                  deepstack: list[mx.array] | None = None) -> mx.array:
         """``positions`` ``[3, L]`` (batch 1) with ``delta`` after them; else cache offset + stored
-        delta.
-        """
+        delta."""
         b, n = inputs.shape[0], inputs.shape[1]
         if cache is None:
             cache = self.make_cache()
@@ -167,8 +164,7 @@ class HybridMRopeTextModel(MRopeTextModel):
 
     mlx-vlm's model keeps its own batch state on the caches, so each layer runs as its cache kind's
     library runs it: linear layers are mlx-lm's (shared weights) on mlx-lm's ``ArraysCache``,
-    attention layers mlx-vlm's with M-RoPE on ``KVCache``. No deepstack.
-    """
+    attention layers mlx-vlm's with M-RoPE on ``KVCache``. No deepstack."""
 
     def __init__(self, vlm: Any, grid: tuple[int, int, int], text: Any) -> None:
         self.text = text  # mlx-lm's qwen3_5 TextModel (the VLM's weights)

@@ -57,8 +57,7 @@ def urlopen(url: str) -> IO[bytes]:
 
 
 def wheel_url(release: WheelRelease, doc: Any) -> str:
-    """The wheel's URL from PyPI's JSON (FetchError when missing or its digest is not the pinned one).
-    """
+    """The wheel's URL from PyPI's JSON (FetchError if missing or not the pinned digest)."""
     doc = doc if isinstance(doc, dict) else {}
     files = (doc.get("releases") or {}).get(release.version)
     if files is None and (doc.get("info") or {}).get("version") == release.version:
