@@ -1,8 +1,5 @@
-"""Automated diagnosis: the dominant miss cause over a window and a concrete remedy.
-
-``EvictionAdvisor`` keeps a ghost list of evicted blocks: a miss on a run evicted at ``E0`` when
-``E`` bytes have gone would have hit with ``E - E0`` more budget (LRU stack distance).
-"""
+"""Automated diagnosis: the dominant miss cause over a window and a concrete remedy. A ghost list of
+evicted blocks gives the budget that would have hit (LRU stack distance)."""
 
 from __future__ import annotations
 
@@ -98,8 +95,8 @@ class EvictionAdvisor:
             return list(self._samples)
 
     def recommended_budget(self) -> int | None:
-        """The RAM budget that would have kept every evicted-before-reuse run of the window (None:
-        none)."""
+        """The RAM budget that would have kept every evicted-before-reuse run of the window, or
+        None."""
         needed = [s.needed_budget for s in self.window() if s.needed_budget is not None]
         return round_up(max(needed)) if needed else None
 
@@ -141,12 +138,8 @@ def diagnose(samples: Sequence[LookupSample], stats: Mapping[str, Any] | None = 
              *, recommended_budget: int | None = None,
              missed: Mapping[str, int] | None = None,
              canonical_off: Collection[str] = ()) -> dict[str, Any]:
-    """The dominant miss cause (by missed tokens, cold excluded), its share, a summary with remedy,
-    and tier findings.
-
-    ``missed``: missed tokens by cause of repeating traffic (None: from ``samples``);
-    ``canonical_off``: rules switched off, the only ones advised back on.
-    """
+    """The dominant miss cause (by missed tokens, cold excluded), its share, a remedy and tier
+    findings; ``canonical_off``: the only rules advised back on."""
     stats = stats or {}
     if missed is None:
         counted: Counter[str] = Counter()

@@ -1,10 +1,5 @@
-"""``--auto-tune``: move the RAM budget within ``[min, max]`` from memory pressure and the
-evicted-before-reuse rate, logging every change.
-
-Under pressure (available below ``pressure_fraction``) shrink by ``shrink_step``; else, when
-``grow_miss_rate`` of prompt tokens were lost to early evictions, grow toward the advisor's budget
-within available memory.
-"""
+"""``--auto-tune``: move the RAM budget within ``[min, max]``, logging every change: shrink under
+memory pressure, grow toward the advisor's budget when early evictions cost ``grow_miss_rate``."""
 
 from __future__ import annotations
 

@@ -1,11 +1,5 @@
-"""Self-describing blocks: a tier index's knowledge of a block, in its own header (``codec``), so a
-lost index can be rebuilt (``check --fix``).
-
-Format 3 entries: ``block_hash``, ``layout``, ``pc.ns``, ``pc.tenant``, ``pc.parent``, ``pc.tokens``
-(hex LE uint32), ``pc.start``, ``pc.extra``, ``pc.nbytes``, ``pc.flags``, ``pc.sessions`` (at
-encoding; the index stays the truth) and ``pc.xxh3``. A description is trusted only if ``verify``
-holds. No I/O, no MLX.
-"""
+"""Self-describing blocks: a tier index's row in the block's own header (``codec``), so a lost index
+can be rebuilt (``check --fix``). Trusted only if ``verify`` holds. No I/O, no MLX."""
 
 from __future__ import annotations
 

@@ -1,11 +1,10 @@
-"""Block format 3: one raw buffer per block behind a small self-describing header, plus the checksum
-every tier verifies.
+"""Block format 3: one raw buffer behind a small self-describing header, and the checksum tiers
+verify.
 
-Layout: u64 LE header length, a JSON header padded to ``ALIGN``, the buffer (a valid safetensors
-file with one uint8 tensor ``"block"``). The header's metadata is the block's description
-(``blockdesc``), so a lost index can be rebuilt. Decoding copies nothing. Checksums are xxh3-128
-(damage detection; the chain hash stays sha256). Formats 1 and 2 decode to
-``UnsupportedFormatError`` (a counted miss). No pickle.
+u64 LE header length, a JSON header padded to ``ALIGN``, the buffer: a valid safetensors file with
+one uint8 tensor ``"block"``. The header holds the block's description (``blockdesc``). Checksums
+are xxh3-128 (the chain hash stays sha256). Older formats decode to ``UnsupportedFormatError``. No
+pickle.
 """
 
 from __future__ import annotations
@@ -71,8 +70,7 @@ def _as_uint8(buffer: np.ndarray | Buffer) -> np.ndarray:
 
 def encode(meta: BlockMeta, sessions: Iterable[str], layout: str,
            buffer: np.ndarray | Buffer) -> bytes:
-    """The stored form of one block: header (``meta``, ``sessions``, ``layout``, checksum) + buffer;
-    ValueError if not 1-d uint8."""
+    """The stored form of one block: header + buffer; ValueError if the buffer is not 1-d uint8."""
     body = _as_uint8(buffer)
     view = body.data.cast("B")
     desc = Description(meta, tuple(sorted(str(s) for s in sessions)), layout,
@@ -116,11 +114,11 @@ def _metadata(header: dict[str, object]) -> dict[str, str]:
 
 
 def decode(data: Buffer, *, verify: bool = False) -> Decoded:
-    """The description and a zero-copy read-only uint8 view of the buffer (``data`` must not change
+    """The description and a zero-copy read-only view of the buffer (``data`` must not change
     meanwhile).
 
-    ``verify``: also check the buffer's checksum and the chain hash (no trusted index). Raises
-    ``UnsupportedFormatError`` (another format) or ``CorruptBlockError``."""
+    ``verify``: check the buffer's checksum and the chain hash too. Raises
+    ``UnsupportedFormatError`` or ``CorruptBlockError``."""
     mv = _as_bytes_view(data)
     header, base = _header(mv)
     meta = _metadata(header)
@@ -153,8 +151,7 @@ def decode(data: Buffer, *, verify: bool = False) -> Decoded:
 
 
 def _other_format(meta: dict[str, str]) -> str | None:
-    """None if ``meta`` is of this format, else the format it is of; ``CorruptBlockError`` if no
-    block's."""
+    """None if ``meta`` is of this format, else its format; ``CorruptBlockError`` if no block's."""
     v = meta.get(VERSION_KEY)
     if v == FORMAT_VERSION:
         return None

@@ -1,6 +1,4 @@
-"""The project's exception types. Bad input raises ``ValueError``; a failing tier's ``TierError``
-becomes a counted miss, never reaching a request.
-"""
+"""The project's exception types. A failing tier's ``TierError`` becomes a counted miss."""
 
 
 class PromptCacheError(Exception):
@@ -32,8 +30,7 @@ class ContextLengthError(RequestError):
 
 
 class TemplateRenderError(PromptCacheError, RuntimeError):
-    """The chat template failed (syntax, time limit, recursion: ``cause``): the server's fault (HTTP
-    500)."""
+    """The chat template failed (syntax, time limit, recursion: ``cause``): HTTP 500."""
 
     def __init__(self, message: str, cause: str = "error") -> None:
         super().__init__(message)

@@ -1,10 +1,8 @@
-"""The exact model fingerprint: sha256 of a version tag, the canonical ``config.json`` and each
-safetensors file's name, size and content digest (part of every cache namespace).
+"""The exact model fingerprint: sha256 of the canonical ``config.json`` and each safetensors file's
+name, size and xxh3-128 (part of every cache namespace).
 
-Content digests (xxh3-128, whole file) are memoised in ``fingerprints.json`` by path, size, mtime,
-ctime, inode and device, so a restart reads no weights; a HF hub blob's own sha256 name is used
-without reading it.
-"""
+Digests are memoised in ``fingerprints.json`` by path, size, times, inode and device; a HF hub
+blob's sha256 name is used without reading it."""
 
 from __future__ import annotations
 
@@ -159,9 +157,7 @@ def file_digest(path: Path, memo: _Memo) -> str:
 
 def model_fingerprint(path: str | os.PathLike[str], *,
                       memo_dir: str | os.PathLike[str] | None = None, memo: bool = True) -> str:
-    """Hex sha256 of a model folder's config and every byte of its weights.
-
-    ``memo=False`` hashes everything and remembers nothing; ValueError for a folder that is not a
+    """Hex sha256 of a model folder's config and weights (``memo=False``: no memo); ValueError if no
     model."""
     folder = Path(path)
     config_file = folder / "config.json"

@@ -1,7 +1,5 @@
-"""Chained block hashes and namespace roots: ``sha256(parent || token ids || extra keys)``,
-deterministic across processes and machines (never ``hash()``), since entries survive restarts and
-are shared.
-"""
+"""Chained block hashes (``sha256(parent || token ids || extra keys)``) and namespace roots,
+deterministic across processes and machines."""
 
 from __future__ import annotations
 
@@ -15,8 +13,7 @@ import numpy as np
 BlockHash = NewType("BlockHash", bytes)
 """A 32-byte sha256 digest identifying a block and (through the chain) its whole prefix."""
 
-# part of every namespace root: a new version ignores old data instead of misreading it (2: MLA
-# layouts)
+# part of every namespace root: a new version ignores old data (2: MLA layouts)
 CACHE_FORMAT_VERSION = 2
 MAX_TOKEN_ID = 2**32 - 1
 
@@ -25,8 +22,7 @@ _BLOCK_TAG = b"promptcache/block/v1\x00"
 
 
 def validate_tokens(tokens: Any, *, allow_empty: bool = False) -> tuple[int, ...]:
-    """``tokens`` as a tuple of ints (sequence or 1-D integer array); ValueError for floats, bools,
-    negatives, >= 2**32."""
+    """``tokens`` as a tuple of ints; ValueError for floats, bools, negatives, >= 2**32."""
     if isinstance(tokens, (str, bytes)):
         raise ValueError("token ids must be a sequence of integers, not a string")
     if isinstance(tokens, np.ndarray):
@@ -68,8 +64,8 @@ def namespace_root(
     tenant: str,
     format_version: int = CACHE_FORMAT_VERSION,
 ) -> BlockHash:
-    """The root of every hash chain of one namespace: fingerprint, cache format, block size, KV
-    spec, tenant."""
+    """The root of every hash chain of a namespace: fingerprint, format, block size, KV spec,
+    tenant."""
     h = hashlib.sha256(_ROOT_TAG)
     for part in (str(format_version), model_fingerprint, str(block_size), kv_spec, tenant):
         data = part.encode("utf-8")
@@ -101,8 +97,7 @@ def chain_hashes(
     block_size: int,
     extra_keys_for: Any = None,
 ) -> list[BlockHash]:
-    """Hashes of the full blocks of ``token_ids``; ``extra_keys_for(start, end)`` gives each block's
-    extra keys."""
+    """Hashes of the full blocks of ``token_ids``, each with ``extra_keys_for(start, end)``."""
     out: list[BlockHash] = []
     parent = root
     for start in range(0, len(token_ids) - block_size + 1, block_size):

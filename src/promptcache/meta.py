@@ -1,6 +1,4 @@
-"""Plain data shared by the cache policy and every tier: namespaces and block metadata (payloads are
-opaque here).
-"""
+"""Plain data shared by the cache policy and every tier: namespaces and block metadata."""
 
 from __future__ import annotations
 
@@ -78,8 +76,7 @@ class Namespace:
 
 @dataclass(frozen=True, slots=True)
 class ExtraKeySpan:
-    """Extra hash input for tokens ``[start, end)`` (an image digest); every overlapping block
-    includes it."""
+    """Extra hash input for tokens ``[start, end)`` (an image digest), in overlapping blocks."""
 
     start: int
     end: int
@@ -101,9 +98,8 @@ def extra_keys_for(spans: Sequence[ExtraKeySpan], start: int, end: int) -> tuple
 class BlockMeta:
     """What every tier knows about a stored block without reading its payload.
 
-    ``start``: tokens in all ancestor blocks. A partial block is always a tail with no children. Not
-    ``truncatable``: restorable only at its end, and only with a ``snapshot`` (the non-KV state
-    after its last token)."""
+    A partial block is always a tail. Not ``truncatable``: restorable only at its end, with a
+    ``snapshot``."""
 
     block_hash: BlockHash
     parent_hash: BlockHash

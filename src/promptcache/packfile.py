@@ -1,11 +1,9 @@
 """The pack archive format: write, read and verify a portable tar of cached blocks (no pickle).
 
-A pack is a plain POSIX tar: ``manifest.json`` (format, namespace, per-block hash, parent, tokens,
-flags, file, size, sha256), ``manifest.sha256``, then ``blocks/<hash>.safetensors`` (``codec`` block
-format 3). ``read_pack`` verifies every byte (tar checksums, digests, zero padding, block headers,
-the hash chain) before anything is imported and fails closed with ``PackError``; ``check_target``
-refuses another model, block size, KV spec or cache format.
-"""
+``manifest.json``, ``manifest.sha256``, then ``blocks/<hash>.safetensors`` (``codec``).
+``read_pack`` verifies every byte (tar checksums, digests, padding, block headers, hash chain)
+before any import and fails closed (``PackError``); ``check_target`` refuses another model or
+format."""
 
 from __future__ import annotations
 
@@ -319,8 +317,8 @@ def _verify(members: dict[str, bytes], progress: Progress | None) -> Pack:
 
 
 class PackStart:
-    """Checks an upload's first bytes: ``manifest.json`` first, naming a format version this build
-    reads; ``feed`` raises ``PackError`` early (``read_pack`` still verifies all)."""
+    """Checks an upload's first bytes (``manifest.json`` first, a known version); ``PackError``
+    early."""
 
     def __init__(self) -> None:
         self._head = b""

@@ -1,7 +1,5 @@
-"""Cache packs: export a cache's blocks (a conversation, a session or a tenant, parents included)
-into a pack and import a verified pack into a cache or one lower tier. The archive format is
-``packfile.py``.
-"""
+"""Cache packs: export a conversation's, session's or tenant's blocks (parents included) into a pack
+(``packfile``); import a verified pack into a cache or one lower tier."""
 
 from __future__ import annotations
 
@@ -54,8 +52,7 @@ def _lower_hashes(cache: _Cache, ns: Namespace, session_id: str | None) -> list[
 def collect(cache: _Cache, ns: Namespace, *, tokens: Sequence[int] | None = None,
             session_id: str | None = None, progress: Progress | None = None
             ) -> list[PackBlock]:
-    """The blocks of a conversation (``tokens``), a session, or else the whole tenant, parents
-    included."""
+    """The blocks of a conversation (``tokens``), a session, or the tenant, parents included."""
     if tokens is not None:
         match = cache.lookup(list(tokens), ns)
         wanted = [m.block_hash for m in match.blocks]

@@ -1,8 +1,5 @@
-"""Session TTL (``--session-ttl``): delete the sessions nobody used for ``ttl`` seconds.
-
-A session's last use is the latest of ``touch`` (request start and end) and what a tier that lists
-sessions reports (so pre-restart sessions expire too). ``sweep`` runs every ``interval_s`` in a
-daemon thread; wall-clock seconds.
+"""Session TTL (``--session-ttl``): delete the sessions nobody used for ``ttl`` seconds, by what
+this process saw and what tiers report (pre-restart sessions expire too).
 """
 
 from __future__ import annotations

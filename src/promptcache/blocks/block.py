@@ -1,8 +1,4 @@
-"""One cached block in RAM: identity, payload, the pool's bookkeeping, flags and eviction levels.
-
-The pool owns the index fields (``kids``) and the levels; ``pack_tokens`` / ``unpack_tokens`` store
-token ids as little-endian uint32 bytes.
-"""
+"""One cached block in RAM: identity, payload, the pool's bookkeeping, flags and eviction levels."""
 
 from __future__ import annotations
 
@@ -20,8 +16,8 @@ TRUNCATABLE = 1
 SNAPSHOT = 2
 PERSISTED = 4  # a copy is known to be in the lower tiers: no demotion needed
 
-# Eviction levels of an unreferenced block: idle first, then the latest chain of an active session;
-# protected (a cache breakpoint within its ttl) never.
+# Eviction levels: idle first, then an active session's latest chain; protected (a breakpoint)
+# never.
 IDLE = 0
 ACTIVE = 1
 PROTECTED = 2

@@ -1,9 +1,6 @@
-"""An intrusive doubly linked queue (links in the nodes: O(1) append / popleft / remove, no
-allocation).
+"""An intrusive doubly linked queue (O(1) append / popleft / remove, no allocation): the pool's LRU.
 
-The pool's LRU of unreferenced blocks: head least recent. A node is queued iff its ``prev_free`` is
-not None.
-"""
+A node is queued iff its ``prev_free`` is not None."""
 
 from __future__ import annotations
 

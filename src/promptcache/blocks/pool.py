@@ -1,11 +1,8 @@
 """The RAM block pool: ref-counted blocks under a byte budget, a hash map, a children index.
 
-Unreferenced blocks sit in one LRU free queue per eviction level: ``IDLE`` ones are evicted first
-(through ``on_evict``: demotion), then bytes held outside the pool (``outside_bytes``, via
-``reclaim_outside``), then ``ACTIVE`` ones; ``PROTECTED`` never. Children whose parent is not in the
-map are kept in ``_detached`` by parent hash; start offsets and byte sizes are interned (about 280 B
-per block, see BENCHMARKS.md).
-"""
+One LRU free queue per eviction level: ``IDLE`` blocks are evicted first (``on_evict``: demotion),
+then outside bytes (``reclaim_outside``), then ``ACTIVE``; ``PROTECTED`` never. About 280 B per
+block (BENCHMARKS.md). The invariants are checked in ``pool_check``."""
 
 from __future__ import annotations
 
@@ -130,8 +127,8 @@ class BlockPool:
         return list(self._queues[level])
 
     def set_level(self, block: Block, level: int) -> None:
-        """Set a block's eviction level; an unreferenced block enters the new queue as most recent
-        if raised, least recent if lowered."""
+        """Set a block's eviction level (an unreferenced one: raised, most recent; lowered, least
+        recent)."""
         if level not in LEVELS:
             raise ValueError(f"level must be one of {LEVELS}, got {level!r}")
         old = block.level
@@ -159,8 +156,7 @@ class BlockPool:
         )
 
     def make_room(self, nbytes: int, nblocks: int = 1) -> bool:
-        """Evict (``shrink_to``'s order) until ``nblocks`` blocks of ``nbytes`` fit; False (nothing
-        evicted) if impossible."""
+        """Evict until ``nblocks`` blocks of ``nbytes`` fit; False (none evicted) if impossible."""
         if not self.can_allocate(nbytes, nblocks):
             return False
         self.shrink_to(self.budget_bytes - nbytes)
@@ -170,8 +166,7 @@ class BlockPool:
         return True
 
     def shrink_to(self, target: int) -> int:
-        """Free bytes (idle, outside, active) until at most ``target`` are used; returns the bytes
-        used then."""
+        """Free bytes (idle, outside, active) until at most ``target`` are used; returns bytes used."""
         while self.used_bytes + self.outside_bytes > target:
             if self._queues[IDLE].peekleft() is not None:
                 self.evict()
@@ -243,7 +238,7 @@ class BlockPool:
             block.last_access = now
 
     def unref(self, block: Block) -> None:
-        """Drop a reference; at zero the block becomes most recent in the LRU, or is discarded if
+        """Drop a reference; at zero the block joins the LRU (most recent), or is discarded if
         private."""
         if block.ref_cnt <= 0:
             raise InvariantError(f"unref of an unreferenced block {block!r}")
@@ -326,8 +321,8 @@ class BlockPool:
         return True
 
     def copy_on_write(self, block: Block, copy_payload: Callable[[Any], Any], now: float) -> Block | None:
-        """A block the caller may modify: a private unshared one as is, else a private copy (the
-        caller's reference moves to it); None if it does not fit."""
+        """A block the caller may modify: itself if private and unshared, else a private copy (or
+        None)."""
         if block.ref_cnt <= 0:
             raise InvariantError("copy_on_write needs a referenced block")
         if block.block_hash is None and block.ref_cnt == 1:

@@ -1,7 +1,5 @@
-"""The block pool's invariants (``BlockPool.check``; tests, the admin check).
-
-free + used == num_blocks, used_bytes <= budget, and the hash map, the children index and the
-blocks agree both ways. Private blocks (``block_hash is None``) are not in the map.
+"""The block pool's invariants (``BlockPool.check``): counts, bytes, and map / children index /
+blocks agreeing both ways (private blocks are not in the map).
 """
 
 from __future__ import annotations

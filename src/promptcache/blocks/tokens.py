@@ -1,7 +1,5 @@
-"""Request token ids: fast validation into a compact little-endian uint32 array.
-
-``array('I')`` validates lists in C (~1 ms for 128K ids, vs ~30 ms for ``hashing.validate_tokens``);
-anything rejected falls back to ``validate_tokens``, which words the error.
+"""Request token ids: fast validation into a little-endian uint32 array (``array('I')`` in C, ~1 ms
+for 128K ids); rejects fall back to ``hashing.validate_tokens``, which words the error.
 """
 
 from __future__ import annotations
@@ -20,8 +18,7 @@ _FAST_LIST = array("I").itemsize == 4 and sys.byteorder == "little"
 
 
 class RequestTokens:
-    """Validated token ids: ``arr`` (uint32, hashing input) and ``buf`` (its bytes, compared with
-    blocks)."""
+    """Validated token ids: ``arr`` (uint32, hashing input) and ``buf`` (its bytes)."""
 
     __slots__ = ("arr", "buf", "n")
 

@@ -1,11 +1,8 @@
 """mlx-lm cache objects <-> block payloads, through each cache's public ``state``.
 
-``extract_block`` reads a token range of a live cache list into one ``BlockPayload`` (one evaluated
-uint8 buffer: a copy, a lazy slice would pin the cache). Names (docs/INTERFACES.md): ``<layer>.k`` /
-``.v`` KV, ``.k.<i>`` quantized parts, ``.s.<i>`` a non-KV (SSM) snapshot; a ``CacheList`` at ``L``
-has sub-layers ``L.0``... With a ``KVQuant`` spec, KV from ``min_tokens`` on is stored quantized.
-``restore`` (``block_restore``) and the cache kinds (``cache_kinds``) are re-exported.
-"""
+A payload is one evaluated ``BlockPayload`` buffer (a copy: a lazy slice would pin the cache), named
+as in docs/INTERFACES.md. With a ``KVQuant`` spec, KV from ``min_tokens`` on is stored quantized.
+``restore`` and the cache kinds are re-exported."""
 
 from __future__ import annotations
 
@@ -70,8 +67,7 @@ __all__ = [
 
 
 def _rotating_segments(c: RotatingKVCache, start: int, end: int) -> list[tuple[int, int]]:
-    """Raw buffer index ranges holding tokens ``[start, end)``, in order, by mlx-lm's rule: idx ==
-    len: in order; idx < offset: buffer[:keep], [idx:], [keep:idx]; else buffer[:idx]."""
+    """Raw buffer index ranges holding tokens ``[start, end)``, in temporal order."""
     keys, _, offset, keep, _max_size, idx = c.state
     length = keys.shape[2]
     if idx == length:
@@ -82,8 +78,7 @@ def _rotating_segments(c: RotatingKVCache, start: int, end: int) -> list[tuple[i
         order = [(0, idx)]
     order = [(a, b) for a, b in order if b > a]
     total = sum(b - a for a, b in order)
-    # temporal index -> token position: [0, keep) are tokens 0..keep-1; the rest the last tokens
-    # before offset
+    # temporal index -> token: [0, keep) are tokens 0..keep-1, the rest the last ones before offset
     if total == offset:
         first_tail = 0
         tail_start_index = 0
@@ -103,14 +98,12 @@ def _rotating_segments(c: RotatingKVCache, start: int, end: int) -> list[tuple[i
             )
         return tail_start_index + pos - first_tail
 
-    # split [start, end) into the keep part and the window part
     ranges: list[tuple[int, int]] = []
     if total != offset and start < keep:
         ranges.append((temporal_index(start), temporal_index(min(end, keep) - 1) + 1))
         start = min(end, keep)
     if start < end:
         ranges.append((temporal_index(start), temporal_index(end - 1) + 1))
-    # map temporal ranges onto raw buffer ranges
     out: list[tuple[int, int]] = []
     for t0, t1 in ranges:
         base = 0
@@ -143,8 +136,8 @@ def _warn_unquantizable(head_dim: int, group_size: int) -> None:
 
 def _kv_entry(name: str, k: mx.array, v: mx.array, quant: KVQuant | None,
               start: int) -> tuple[Item, list[mx.array]]:
-    """One KV layer's block item, quantized if the spec says so (one group size dividing both K and
-    V widths: MLA)."""
+    """One KV layer's block item, quantized if the spec says so (a group size dividing K and V
+    widths)."""
     if v.dtype != k.dtype:
         raise ValueError(f"layer {name}: keys are {k.dtype}, values {v.dtype}; a block "
                          "stores KV of one dtype")
@@ -165,8 +158,7 @@ def _kv_entry(name: str, k: mx.array, v: mx.array, quant: KVQuant | None,
 
 def extract_block(caches: Sequence[Any], start: int, end: int, snapshot: bool, *,
                   quant: KVQuant | None = None) -> BlockPayload:
-    """The payload of block ``[start, end)`` from live caches; a non-KV state only with ``snapshot``
-    (then ``end`` must be the cache's position)."""
+    """The payload of block ``[start, end)``; a state only with ``snapshot`` (``end`` = now)."""
     return pack(_entries(caches, start, end, snapshot, quant))
 
 
@@ -248,12 +240,8 @@ def _state_list(c: Any, num_tokens: int) -> list[mx.array | None]:
 
 def check_storable(model_or_caches: Any, probed: Sequence[Any], num_tokens: int, *,
                    quant: KVQuant | None = None) -> None:
-    """Raise ValueError (naming the layer) if ``probed``'s state does not survive a block round
-    trip.
-
-    Run at model load, so an unstorable model is refused once; with ``quant`` both full and
-    quantized blocks are checked.
-    """
+    """Raise ValueError (naming the layer) if ``probed``'s state does not survive a block round trip
+    (at model load; with ``quant``, both kinds of block)."""
     _check_round_trip(model_or_caches, probed, num_tokens, None)
     if quant is not None:
         _check_round_trip(model_or_caches, probed, num_tokens,

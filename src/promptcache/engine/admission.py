@@ -1,13 +1,9 @@
 """Admission control: how many requests run at once and how much KV they may hold (thread-safe).
 
-A ticket is admitted when ``max_active`` and ``kv_budget`` allow, else it waits in a bounded FIFO
-(``OverloadedError`` with a Retry-After when full). KV is charged as ``n x row_bytes(longest)``
-(``footprint``): mlx-lm pads every batch row to the longest. Background tickets (pre-render, shadow)
-have their own queue and counters, never take the last free slot, wait while an interactive ticket
-waits, and are preempted (newest first, ``on_preempt``) when that frees room for one
-(docs/INTERFACES.md). Under memory ``pause`` / ``refuse`` a waiting ticket starts only with nothing
-else active; ``refuse`` also rejects new submits.
-"""
+Admitted within ``max_active`` and ``kv_budget`` (charged ``n x row_bytes(longest)``: mlx-lm pads
+batch rows), else queued FIFO (full: ``OverloadedError``). Background tickets queue apart, never
+take the last slot, and are preempted (newest first) for interactive ones (docs/INTERFACES.md).
+Under memory ``pause`` / ``refuse`` a ticket starts only alone; ``refuse`` rejects submits."""
 
 from __future__ import annotations
 
@@ -100,8 +96,8 @@ class Admission:
         return len(lengths) * self.row_bytes(max(lengths)) if lengths else 0
 
     def room(self) -> int | None:
-        """KV bytes the reservations leave free (None: no budget); the batched prefill's workspace
-        must fit in it."""
+        """KV bytes the reservations leave free (None: no budget); the prefill workspace must fit in
+        it."""
         if self.kv_budget is None:
             return None
         with self._lock:
@@ -127,8 +123,8 @@ class Admission:
             self._num_waiting += delta
 
     def _preemptions(self) -> list[Ticket]:
-        """Background tickets (newest first, marked ``preempted``) the first waiting interactive
-        ticket needs gone; none if it fits without more or not even without all."""
+        """Background tickets (newest first) the first waiting interactive ticket needs gone, marked
+        ``preempted``."""
         head = next((t for t in self._waiting[0] if t.state == WAITING), None)
         if head is None:
             return []
@@ -227,9 +223,8 @@ class Admission:
             return self.retry_after_s()
 
     def retry_after_s(self) -> int:
-        """Seconds a refused client should wait: one service time (EWMA) per round of the active
-        slots ahead, at least the recent queue wait; 1..``MAX_RETRY_AFTER_S``. Caller holds the
-        lock."""
+        """Seconds a refused client should wait (from service-time and queue-wait EWMAs); caller
+        holds the lock."""
         now = self.clock()
         service = self.stats.recent_service_s
         if service == 0:
@@ -241,8 +236,8 @@ class Admission:
 
 
     def submit(self, t: Ticket) -> None:
-        """Admit or queue ``t``; ``OverloadedError`` when the queue is full, ``RequestError`` when
-        it alone exceeds the KV budget."""
+        """Admit or queue ``t``: ``OverloadedError`` if the queue is full, ``RequestError`` if over
+        budget alone."""
         if self.kv_budget is not None and self.row_bytes(t.length) > self.kv_budget:
             raise RequestError(
                 f"prompt + max_tokens ({t.length} tokens) need {self.row_bytes(t.length)} "
@@ -341,8 +336,7 @@ class Admission:
             return out
 
     def set_pressure(self, level: str, retry_after_s: int = 1) -> None:
-        """Set the memory governor's level (``ok`` | ``pause`` | ``refuse``) and a refusal's
-        Retry-After."""
+        """Set the memory governor's level (``ok`` | ``pause`` | ``refuse``) and its Retry-After."""
         if level not in ("ok", "pause", "refuse"):
             raise ValueError(f"pressure level must be ok, pause or refuse, got {level!r}")
         with self._lock:

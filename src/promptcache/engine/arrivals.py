@@ -1,10 +1,7 @@
 """The engine thread's wake-up, stop flag and the gathering of a burst of arrivals.
 
-Requests sent together reach the engine one by one (prepared in one worker thread); an idle engine
-woken by the first would prefill it alone. So it ``gather``s: waits while requests arrive within one
-``window`` of each other (at most 5), and while announced requests are still being prepared (at most
-``max_s``).
-"""
+Requests sent together arrive one by one; so an idle engine waits while more arrive within a
+``window`` and while announced ones are being prepared, to prefill them as one batch."""
 
 from __future__ import annotations
 
@@ -48,8 +45,8 @@ class Arrivals:
 
     def gather(self, window: float, max_s: float,
                on_wake: Callable[[], None] | None = None) -> int:
-        """Wait for a burst (engine thread, woken from idle); returns the number of waits.
-        ``on_wake`` runs at each wake-up."""
+        """Wait for a burst (woken from idle); returns the number of waits; ``on_wake`` at each
+        wake-up."""
         if window <= 0:
             return 0
         start = self._clock()

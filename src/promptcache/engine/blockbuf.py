@@ -1,9 +1,8 @@
-"""One buffer per block: a block's arrays packed into one contiguous ``uint8`` array.
+"""One buffer per block: a block's arrays packed into one contiguous ``uint8`` array, since Metal
+caps a process's buffer count (per-layer arrays hit it near 200k tokens).
 
-Metal caps a process's buffer count: one array per layer per block hits it near 200k tokens with a
-48-layer model. A ``BlockPayload`` is the buffer plus its ``Layout`` (``blocklayout``), a read-only
-``Mapping`` of payload names to views. Blocks saved together (``pack_rows``) share one 2-d slab, one
-row each, so restore copies a layer across a run at once.
+A ``BlockPayload`` is a read-only ``Mapping`` of payload names to views of it; blocks saved together
+share one 2-d slab (``pack_rows``).
 """
 
 from __future__ import annotations
@@ -51,8 +50,8 @@ class BlockPayload(Mapping[str, mx.array]):
         return mx.as_strided(self.buffer.view(p.dtype), p.shape, p.strides, p.elem_offset)
 
     def arrays(self) -> dict[str, mx.array]:
-        """Every part as a view, with one typed view per dtype and one ``mx.split`` per run (fewer
-        graph nodes)."""
+        """Every part as a view (one typed view per dtype, one ``mx.split`` per run: fewer graph
+        nodes)."""
         typed: dict[mx.Dtype, mx.array] = {}
         out: dict[str, mx.array] = {}
         for head, names in self.layout.runs:
@@ -113,8 +112,8 @@ def pack(entries: Sequence[tuple[Item, Sequence[mx.array]]]) -> BlockPayload:
 
 def pack_rows(entries: Sequence[tuple[Item, Sequence[mx.array]]], n: int
               ) -> list[BlockPayload]:
-    """``n`` consecutive blocks as rows of one evaluated slab (arrays span all ``n * T`` tokens);
-    row ``i`` equals ``pack`` of block ``i``."""
+    """``n`` consecutive blocks as rows of one evaluated slab; row ``i`` equals ``pack`` of block
+    ``i``."""
     if n < 1:
         raise ValueError(f"a slab holds at least one block, got {n}")
     items = [item for item, _ in entries]

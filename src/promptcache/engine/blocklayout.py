@@ -1,11 +1,8 @@
-"""Block layouts: the short text (``Layout.text``) saying where each of a block's arrays lies in its
-buffer.
+"""Block layouts: the short text (``Layout.text``) saying where each of a block's arrays lies.
 
-Items ``NAMES=KIND:DTYPE:SHAPE`` joined by ``;`` (e.g. ``"0-29=kv:bfloat16:1x3x64x64"``), NAMES a
-layer or range, KIND ``kv``, ``q<bits>g<group>``, ``s<i>`` or ``raw``; MLA writes ``KSHAPE,VSHAPE``.
-Parts start at multiples of ``ALIGN`` grouped by class (arrays, scales, biases, snapshots); equal
-neighbours form runs restored with one ``mx.split``. Layouts are parsed once and shared.
-"""
+Items ``NAMES=KIND:DTYPE:SHAPE`` joined by ``;`` (e.g. ``"0-29=kv:bfloat16:1x3x64x64"``; MLA:
+``KSHAPE,VSHAPE``). Parts are ``ALIGN``-ed, grouped by class; equal neighbours form runs restored
+with one ``mx.split``."""
 
 from __future__ import annotations
 
@@ -42,8 +39,8 @@ def dtype_name(dtype: mx.Dtype) -> str:
 
 @dataclass(frozen=True, slots=True)
 class Item:
-    """One layer's entry: ``kind`` "kv", "q" (bits, group_size), "s" (index) or "raw"; ``vshape``
-    the values' shape when it differs (MLA), else None."""
+    """One layer's entry: ``kind`` "kv", "q", "s" or "raw"; ``vshape`` the values' shape if unlike K
+    (MLA)."""
 
     name: str
     kind: str
@@ -124,7 +121,7 @@ class Layout:
     # KV / quantized-KV items by layer name, snapshot items by layer name
     kv_items: Mapping[str, Item]
     num_tokens: int | None  # tokens of the block (the KV's axis 2), None without KV
-    # maximal sequences of adjacent parts with one dtype and shape: (first part, names)
+    # maximal runs of adjacent parts of one dtype and shape: (first part, names)
     runs: tuple[tuple[Part, tuple[str, ...]], ...] = ()
 
     @property

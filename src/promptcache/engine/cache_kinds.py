@@ -1,6 +1,5 @@
-"""What the block adapters know about mlx-lm's cache objects: supported kinds, the layer walk
-(``CacheList`` sub-caches ``"L.0"``...), truncatability, the namespace KV spec, sizes and windows.
-"""
+"""What the block adapters know about mlx-lm's cache objects: kinds, the layer walk, truncation, KV
+spec."""
 
 from __future__ import annotations
 
@@ -74,8 +73,7 @@ def _model_dtype(model: Any) -> str:
 
 
 def kv_spec(model: Any, caches: Sequence[Any] | None = None, quant: KVQuant | None = None) -> str:
-    """The namespace string of the KV representation (dtype, quantization, layer kinds, ``quant``):
-    blocks are shared only where it agrees."""
+    """The namespace string of the KV representation: blocks are shared only where it agrees."""
     if caches is None:
         caches = make_prompt_cache(model)
     kinds = []

@@ -36,7 +36,7 @@ class _Call:
 
 class EngineCalls:
     """The queue of ``Engine.call``s, run in order on the engine thread; ``refusal``: why none are
-    taken now (None: taken)."""
+    taken."""
 
     def __init__(self, thread: threading.Thread, wake: threading.Event,
                  refusal: Callable[[], str | None]) -> None:
@@ -53,12 +53,8 @@ class EngineCalls:
         return bool(self._calls)
 
     def call(self, fn: Callable[[], T], timeout: float | None = ENGINE_CALL_TIMEOUT_S) -> T:
-        """Run ``fn()`` on the engine thread between steps and return its result (at once on the
-        engine thread).
-
-        Raises what it raised, ``EngineCallTimeout`` past ``timeout`` (dropped), ``EngineDeadError``
-        once the thread is gone.
-        """
+        """Run ``fn()`` on the engine thread between steps; its result, or ``EngineCallTimeout`` /
+        ``EngineDeadError``."""
         if threading.current_thread() is self._thread:
             return fn()
         refused = self._refusal()

@@ -1,10 +1,6 @@
-"""What the server needs to know about a model's chat format, as typed data, read from mlx-lm's
-``TokenizerWrapper`` (public properties) and the template source.
-
-Thinking markers (and their ids when one added token: grammars name them by id), the template's
-thinking switch when it reads one, and the tool-call format (``ToolCallFormat``: markers +
-``parse(body, tools)``). ``HERMES`` is the fallback for models mlx-lm does not recognise (plus one
-bare JSON call, Llama 3.x style).
+"""What the server needs to know about a model's chat format, read from mlx-lm's
+``TokenizerWrapper`` and the template: thinking markers and switch, and the tool-call format
+(``HERMES`` when mlx-lm does not recognise it).
 """
 
 from __future__ import annotations
@@ -32,8 +28,7 @@ _ENABLE_THINKING = re.compile(r"\benable_thinking\b")
 # templates (e.g. DeepSeek V3.1) that read a bare ``thinking`` variable
 _BARE_THINKING = re.compile(r"\bthinking\s+is\s+(?:not\s+)?defined\b|\bif\s+(?:not\s+)?thinking\b")
 
-# mlx-lm's ``parse_tool_call(text, tools)``: dict(s) with "name" and "arguments"; raises on a
-# non-call
+# mlx-lm's ``parse_tool_call(text, tools)``: dict(s) with "name" and "arguments"; raises otherwise
 ToolParser = Callable[[str, Any], Any]
 
 
@@ -77,7 +72,7 @@ class ToolCallFormat:
     parser: ToolParser = field(repr=False, compare=False)
     # a reply that is one JSON call object (or a JSON list of them) counts as calls
     bare_json: bool = False
-    # the ids of the markers when each is one added token (grammars name them)
+    # ids of the markers when each is one added token (grammars name them)
     start_token: int | None = None
     end_token: int | None = None
     # what a grammar needs from the template (mistral: "args" for ``name[ARGS]{...}``, "json")
@@ -144,7 +139,6 @@ INNER_MARKERS: dict[str, tuple[str, ...]] = {
     "kimi_k2": ("<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"),
     "deepseek": (DEEPSEEK_CALL_BEGIN, DEEPSEEK_SEP, DEEPSEEK_CALL_END),
 }
-# gpt-oss's harmony markers
 HARMONY_MARKERS = ("<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>",
                    "<|return|>", "<|call|>")
 
@@ -177,7 +171,7 @@ class ChatFormat:
         return {self.thinking_kwarg: bool(enabled)}
 
     def tools_format(self, template_renders_tools: bool) -> ToolCallFormat:
-        """The model's own tool format when the template renders tools and mlx-lm knows it, else
+        """The model's own tool format if the template renders tools and mlx-lm knows it, else
         ``HERMES``."""
         if template_renders_tools and self.tool_format is not None:
             return self.tool_format
@@ -194,8 +188,8 @@ def _template_source(tokenizer: Any) -> str:
 
 
 def _special_id(tokenizer: Any, ids: Any) -> int | None:
-    """The id when ``ids`` is one added token, special or not: llguidance treats every added token
-    as special, so grammars must name it by id (Qwen's ``<tool_call>`` is not marked special)."""
+    """The id when ``ids`` is one added token: llguidance treats every added token as special (by
+    id)."""
     if not isinstance(ids, (tuple, list)) or len(ids) != 1:
         return None
     decoder = getattr(tokenizer, "added_tokens_decoder", None)

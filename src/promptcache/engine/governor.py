@@ -1,12 +1,9 @@
 """The memory governor: one memory limit, enforced on the process's real footprint.
 
-On a Mac running out of unified memory is a kernel panic or a jetsam kill, and the parts' budgets do
-not bound their sum. Past the soft watermark the governor asks holders to release, in order: MLX's
-buffer pool (and the C heap: ``trim_heap``), the live session states, the RAM tier (evictions
-demote). Between soft and hard watermarks new requests wait (``pause``); past the hard one they are
-refused with a Retry-After (``refuse``). Requests are checked before admission against their
-predicted peak (``admit``). ``check`` runs on the engine thread between steps.
-"""
+On a Mac, running out of unified memory is a kernel panic, and the parts' budgets do not bound their
+sum. Past the soft watermark holders release in order: MLX's buffer pool (and C heap), live states,
+the RAM tier. Between soft and hard, new requests wait; past hard, they are refused with a
+Retry-After."""
 
 from __future__ import annotations
 
@@ -90,8 +87,8 @@ class MemoryGovernor:
 
     @property
     def idle_wait_s(self) -> float | None:
-        """How long an idle engine may wait: ``interval_s`` while admission is held back, else no
-        limit."""
+        """How long an idle engine may wait: ``interval_s`` while admission is held back, else
+        forever."""
         return self._interval if self.level != OK else None
 
     def maybe_check(self) -> Decision | None:
@@ -140,9 +137,8 @@ class MemoryGovernor:
         return Decision(used, after, tuple(released), level, retry)
 
     def admit(self, peak: int, base: int, reclaimable: int, queue_retry_s: int = 1) -> None:
-        """Whether a request with predicted ``peak`` may start: ``RequestError`` if ``base`` + peak
-        can never fit under the hard watermark, ``OverloadedError`` (with a Retry-After) if it
-        cannot fit now."""
+        """Whether a request of predicted ``peak`` may start: ``RequestError`` if it never fits,
+        ``OverloadedError`` if not now."""
         from ..errors import OverloadedError, RequestError
 
         if base + peak > self.hard:
@@ -162,8 +158,8 @@ class MemoryGovernor:
                 retry_after_s=retry)
 
     def fits(self, peak: int, base: int, reclaimable: int, running: int) -> bool:
-        """Whether a queued request's ``peak`` fits now beside the ``running`` peaks, within the
-        hard watermark."""
+        """Whether a queued ``peak`` fits now beside the ``running`` peaks, within the hard
+        watermark."""
         now = self._history[-1][1] if self._history else base
         return max(now - reclaimable, base + running) + peak <= self.hard
 
@@ -181,8 +177,7 @@ class MemoryGovernor:
         return int(self._footprint()) if freed else used
 
     def _retry_after(self, used: int) -> int:
-        """Seconds until back under the soft watermark at the last 30 s drain rate (1 s if not
-        draining)."""
+        """Seconds until back under the soft mark at the last 30 s drain rate (1 s if none)."""
         if len(self._history) < 2:
             return 1
         (t0, f0), (t1, f1) = self._history[0], self._history[-1]
@@ -205,8 +200,8 @@ class MemoryGovernor:
 
 
 def trim_heap() -> bool:
-    """glibc's ``malloc_trim(0)``: on Linux freed memory stays in RSS until trimmed. True if memory
-    was returned."""
+    """glibc's ``malloc_trim(0)`` (Linux: freed memory stays in RSS until trimmed); True if any
+    returned."""
     trim = _malloc_trim()
     return bool(trim(0)) if trim is not None else False
 
@@ -224,8 +219,7 @@ def _malloc_trim() -> Callable[[int], int] | None:
 
 
 def process_footprint() -> int:
-    """Physical footprint in bytes: macOS ``phys_footprint`` (Metal included, what jetsam counts),
-    else RSS."""
+    """Physical footprint: macOS ``phys_footprint`` (Metal included), else RSS."""
     if sys.platform == "darwin":
         got = _darwin_phys_footprint()
         if got is not None:

@@ -1,7 +1,4 @@
-"""The caller's side of one request: ``TokenEvent``s then one ``GenerationResult``, read once
-blocking (``events()``) or from asyncio (``aevents()``, no thread per stream); ``cancel()`` from any
-thread.
-"""
+"""The caller's side of one request: events (blocking or asyncio), cancel, result."""
 
 from __future__ import annotations
 

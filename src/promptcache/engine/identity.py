@@ -1,7 +1,5 @@
-"""A model's cache identity without an engine (``cache export`` / ``import``): its fingerprint, lazy
-structure (no weight read), each tenant's namespace as ``Engine.namespace`` gives it, and the chat
-template.
-"""
+"""A model's cache identity without an engine (``cache export`` / ``import``): fingerprint, lazy
+structure, namespaces, chat template."""
 
 from __future__ import annotations
 

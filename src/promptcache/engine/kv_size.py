@@ -22,8 +22,8 @@ def probe_caches(model: Any) -> list[Any]:
 
 
 def kv_row_bytes(model: Any, probed: Sequence[Any] | None = None) -> Callable[[int], int]:
-    """An upper bound of one request's cache bytes at ``n`` tokens from a 1-token probe: KV per
-    token plus one 256-token growth step, windows capped, arrays constant."""
+    """An upper bound of a request's cache bytes at ``n`` tokens (KV + one growth step, windows
+    capped)."""
     caches = list(probed) if probed is not None else probe_caches(model)
     per_token = 0
     windows: list[tuple[int, int]] = []  # (bytes per token, window)

@@ -1,13 +1,9 @@
 """Live session state: a finished turn's caches kept as the model's own cache objects, so the next
 request extending them trims to the common prefix and prefills only what is new.
 
-``keep`` copies plain KV out of the decode batch (with an eighth of room to grow in place); ``take``
-finds the state of the namespace with the longest common prefix, whole (never shared). Trimming
-needs every layer trimmable; SSM states and full windows serve only exact extensions. The blocks
-stay the source of truth. Each state's bytes count in the RAM tier's budget (``hold_outside``),
-reclaimed after idle blocks (``reclaim``), on memory pressure (``clear``) or with its tenant /
-session (``forget``). Image requests neither keep nor take.
-"""
+A state is taken whole (never shared); SSM states and full windows serve only exact extensions; the
+blocks stay the source of truth. State bytes count in the RAM tier's budget (``hold_outside``) and
+go after idle blocks (``reclaim``). Image requests neither keep nor take."""
 
 from __future__ import annotations
 
@@ -76,8 +72,7 @@ def _round_up(n: int, step: int) -> int:
 
 
 def _detach(caches: Sequence[Any], pos: int, private: bool) -> list[Any] | None:
-    """Caches with buffers of their own holding exactly the state after ``pos`` tokens; None when a
-    layer cannot get there."""
+    """Caches with own buffers holding exactly the state after ``pos``; None if impossible."""
     out: list[Any] = []
     for c in caches:
         if isinstance(c, CacheList):
@@ -101,7 +96,6 @@ def _detach(caches: Sequence[Any], pos: int, private: bool) -> list[Any] | None:
             out.append(fresh)
             continue
         if isinstance(c, (QuantizedKVCache, RotatingKVCache)):
-            # private objects (decoding alone) or copies (a window extracted from a row)
             if c.offset > pos:
                 if not c.is_trimmable():
                     return None
@@ -137,8 +131,8 @@ def grow(caches: Sequence[Any], total: int) -> None:
 
 
 def keep_position(caches: Sequence[Any], pos: int, valid: int) -> int:
-    """Where to keep a finished state: ``pos``, or up to ``valid`` when a full sliding window
-    already holds the last output token (a window cannot give a token back)."""
+    """Where to keep a finished state: ``pos``, or up to ``valid`` when a full window holds the last
+    token."""
     leaves = _leaves(caches)
     if any(isinstance(c, ArraysCache) for c in leaves):
         return pos
@@ -193,8 +187,8 @@ class LiveStates:
 
     def keep(self, ns: Namespace, tokens: np.ndarray, caches: Sequence[Any], *,
              private: bool, session: str | None = None) -> bool:
-        """Keep the state after ``tokens`` (views of a batch row, or own objects if ``private``);
-        False if not kept."""
+        """Keep the state after ``tokens`` (``private``: the request's own objects); False if not
+        kept."""
         if self.max_states == 0 or tokens.shape[0] == 0:
             return False
         try:
@@ -229,9 +223,8 @@ class LiveStates:
 
     def take(self, ns: Namespace, prompt: np.ndarray, blocks: int,
              session: str | None = None) -> tuple[list[Any], int] | None:
-        """Take (out of the store) the state of ``ns`` serving most of ``prompt`` (all but its last
-        token), trimmed, when it serves at least ``blocks`` tokens and extends exactly, keeps half
-        of itself, or is the same session's; else None."""
+        """Take the state of ``ns`` serving most of ``prompt``, trimmed, if worth more than the
+        ``blocks``; else None."""
         limit = int(prompt.shape[0]) - 1
         best: tuple[int, int] | None = None  # (tokens served, key)
         expired = 0
@@ -270,8 +263,7 @@ class LiveStates:
         return state.caches, n
 
     def reclaim(self, nbytes: int) -> int:
-        """The RAM tier's hook: release least recently kept states until ``nbytes`` are freed;
-        returns bytes released."""
+        """The RAM tier's hook: release least recently kept states until ``nbytes`` are freed."""
         freed = 0
         with self._lock:
             while self._states and freed < nbytes:
@@ -287,8 +279,8 @@ class LiveStates:
         return freed
 
     def forget(self, tenant: str | None, session: str | None) -> int:
-        """The cache's hook on deleting a tenant's (None: all) or a session's blocks: release their
-        states; returns bytes."""
+        """The cache's hook on deleting a tenant's (None: all) or session's blocks: release their
+        states."""
         freed = 0
         with self._lock:
             for key in [k for k, s in self._states.items()

@@ -1,6 +1,6 @@
-"""The engine thread's body (``EngineLoop``): calls, then one scheduler step, per turn; idle, a
-chunk of shadow verification or a wait, then burst gathering (``arrivals.py``). An exception
-escaping a step kills the thread: ``died`` first, then every request ends with that error.
+"""The engine thread's body (``EngineLoop``): calls, then one scheduler step; idle, shadow
+verification or a wait, then burst gathering. An escaping exception kills the thread and fails every
+request.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ logger = logging.getLogger(__name__)
 
 
 class EngineLoop:
-    """What the engine thread runs; ``fail_pending`` answers unstarted tickets, ``died`` records the
+    """What the engine thread runs; ``fail_pending`` answers unstarted tickets, ``died`` records
     death."""
 
     def __init__(self, config: EngineConfig, scheduler: Scheduler, admission: Admission,
@@ -92,8 +92,7 @@ class EngineLoop:
                 self._gather_burst()
 
     def _gather_burst(self) -> None:
-        """Woken by an arrival: wait for the rest of a burst, so requests sent together prefill as
-        one batch."""
+        """Woken by an arrival: wait for the rest of a burst, to prefill it as one batch."""
         cfg = self._config
         self._control.gather(cfg.batch_window_s, cfg.burst_gather_max_s, self._calls.run)
         self._gathered = self._admission.interactive_submits

@@ -1,6 +1,5 @@
-"""The MLX ``PayloadAdapter``: block payloads <-> one byte buffer for the lower tiers (sizes from
-metadata, never evaluating). A ``BlockPayload``'s buffer travels as is with its layout string; a
-plain ``dict[str, mx.array]`` is packed first.
+"""The MLX ``PayloadAdapter``: block payloads <-> one byte buffer (and its layout) for the lower
+tiers.
 """
 
 from __future__ import annotations
@@ -56,8 +55,7 @@ class MLXPayloadAdapter:
 
 
     def from_buffers(self, items: Sequence[tuple[np.ndarray, str]]) -> list[BlockPayload]:
-        """``from_buffer`` of a run: blocks of one layout become rows of one slab; ValueError on a
-        mismatch."""
+        """``from_buffer`` of a run (rows of one slab); ValueError on a mismatch."""
         out: list[BlockPayload] = []
         i = 0
         while i < len(items):
@@ -79,8 +77,8 @@ class MLXPayloadAdapter:
 
 
 def ram_census(cache: Any, quant: Any = None) -> dict[str, Any]:
-    """What ``cache``'s RAM tier holds by payload (blocks, tokens, arrays, bytes, quantized);
-    O(blocks), for stats."""
+    """What ``cache``'s RAM tier holds by payload (blocks, tokens, arrays, bytes); O(blocks), for
+    stats."""
     pool = getattr(cache, "pool", None)
     blocks = pool.blocks() if pool is not None else []
     arrays = tokens = nbytes = quantized = 0

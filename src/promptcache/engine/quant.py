@@ -1,10 +1,6 @@
-"""KV quantization of cached blocks (``--kv-bits``): the spec, and quantize / dequantize of KV
-slices.
-
-``mx.quantize`` affine groups along ``head_dim``: mlx-lm's ``QuantizedKVCache`` layout, filled
-directly, else dequantized on restore. Live caches are never quantized. Blocks before ``min_tokens``
-stay full precision (system prompt, attention sinks exact). The spec is part of the namespace.
-"""
+"""KV quantization of cached blocks (``--kv-bits``): mlx-lm's ``QuantizedKVCache`` layout, filled
+directly or dequantized on restore. Live caches are never quantized; blocks before ``min_tokens``
+stay exact."""
 
 from __future__ import annotations
 
@@ -47,8 +43,8 @@ class KVQuant:
         return f"q{self.bits}g{self.group_size}m{self.min_tokens}"
 
     def group_for(self, head_dim: int) -> int | None:
-        """The group size for ``head_dim``: the configured one if it divides it, else the largest
-        smaller that does; None: full precision."""
+        """The group size for ``head_dim`` (the configured one, else the largest smaller divisor);
+        None: full."""
         for g in sorted(GROUP_SIZES, reverse=True):
             if g <= self.group_size and head_dim % g == 0:
                 return g
@@ -75,8 +71,8 @@ def quantize(x: mx.array, bits: int, group_size: int) -> tuple[mx.array, mx.arra
 
 
 def dequantize(parts: Sequence[mx.array], bits: int, group_size: int) -> mx.array:
-    """The inverse of ``quantize`` (in the scales' dtype); on CPU, byte-aligned widths unpack
-    elementwise (bit-identical, twice as fast)."""
+    """The inverse of ``quantize``; on CPU byte-aligned widths unpack elementwise (same bits, twice
+    as fast)."""
     wq, scales, biases = parts  # packed values, scales, biases
     if 8 % bits or mx.default_device().type != mx.DeviceType.cpu:
         return mx.dequantize(wq, scales, biases, group_size=group_size, bits=bits)

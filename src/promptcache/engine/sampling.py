@@ -1,9 +1,5 @@
-"""Sampling with a per-request PRNG key, streaming detokenization, stop strings.
-
-Each request draws with its own key (split every step), so batched rows never disturb each other and
-a seeded request is reproducible; ``temperature == 0`` is greedy. ``StopStrings`` scans only the new
-tail (O(delta) per token).
-"""
+"""Sampling with a per-request PRNG key (batched rows never disturb each other; seeds reproduce),
+streaming detokenization, and stop strings scanned on the new tail only."""
 
 from __future__ import annotations
 
@@ -81,8 +77,7 @@ def logprob_values(arrays: Sequence[mx.array]) -> tuple[float, tuple[tuple[int, 
 
 
 class Detokenizer:
-    """Incremental text from token ids, never a partial UTF-8 character (mlx-lm's streaming
-    detokenizer, else a short decode window)."""
+    """Incremental text from token ids, never a partial UTF-8 character."""
 
     def __init__(self, tokenizer: Any) -> None:
         stream: Any = None
@@ -137,8 +132,7 @@ class Detokenizer:
 
 
 class StopStrings:
-    """Finds stop strings in streamed text (earliest wins; ties: first listed), holding back a
-    partial match."""
+    """Finds stop strings in streamed text (earliest wins), holding back a partial match."""
 
     def __init__(self, stops: Sequence[str]) -> None:
         self.stops = tuple(stops)
@@ -149,7 +143,6 @@ class StopStrings:
         self._cut: int | None = None
         self.emitted = 0
         self.stopped = False
-        # which stop string cut the text
         self.matched: str | None = None
 
     @property

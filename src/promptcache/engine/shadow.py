@@ -1,12 +1,9 @@
 """Shadow verification: recompute restored blocks in idle time and compare (a checksum cannot see a
 valid payload swapped for another).
 
-A ``PromptCache`` observer samples restoring hits (``fraction``); ``step()`` runs one prefill chunk
-of a job only while the engine is idle. A job re-prefills the last restored block's chain and
-compares K/V, snapshots and next-token logits within ``atol + rtol * max|ref|``; a mismatch
-quarantines the chain from the first differing block in every tier, counts, logs and raises the
-alert. Prompts with images are skipped.
-"""
+Samples restoring hits (``fraction``); one prefill chunk per idle ``step()``. A mismatch in K/V,
+snapshots or next-token logits (beyond ``atol + rtol * max|ref|``) quarantines the chain from the
+first differing block, counts, logs and raises the alert. Image prompts are skipped."""
 
 from __future__ import annotations
 
@@ -181,8 +178,8 @@ class ShadowVerifier:
         return problems
 
     def _compare(self, job: _Job, seq: np.ndarray) -> None:
-        """Compare every block (K/V, last snapshot) with the fresh caches, then the logits; the
-        first differing block (else the last) is the culprit."""
+        """Compare each block, then the logits, with the fresh caches; the culprit is the first
+        differing block (else the last)."""
         last = job.block
         if last is None or job.caches is None:
             return

@@ -1,11 +1,9 @@
 """Chat templates: messages -> prompt token ids (+ where each message starts), one render and one
 tokenization.
 
-Thread-safe: tokenization holds one lock (HF fast tokenizers are not shareable), rendering none. A
-render runs under a trace deadline (``render_budget``), so a looping template raises
-``TemplateRenderError``. With a ``token_limit`` an overlong text is tokenized only up to a bound
-before ``ContextLengthError``.
-"""
+Tokenization holds one lock (HF fast tokenizers are not shareable). A render runs under a trace
+deadline (``render_budget``: a looping template raises ``TemplateRenderError``); an overlong text is
+tokenized only up to a bound (``ContextLengthError``)."""
 
 from __future__ import annotations
 
@@ -36,8 +34,7 @@ class _OverBudget(BaseException):
 
 @contextlib.contextmanager
 def render_budget(limit_s: float) -> Iterator[None]:
-    """Trace this thread: every call and template line checks the deadline (the previous tracer is
-    restored)."""
+    """Trace this thread: every call and template line checks the deadline."""
     deadline = time.monotonic() + limit_s
 
     def check() -> None:
@@ -162,8 +159,8 @@ class ChatTemplate:
         return self._max_token_chars
 
     def _check_length(self, text: str) -> None:
-        """Raise ``ContextLengthError`` if ``text`` surely exceeds ``token_limit`` (bounded prefix;
-        caller holds the lock)."""
+        """Raise ``ContextLengthError`` if ``text`` surely exceeds ``token_limit`` (caller holds the
+        lock)."""
         limit = self.token_limit
         if limit is None:
             return
@@ -210,8 +207,7 @@ class ChatTemplate:
         add_generation_prompt: bool = True, *, continue_final_message: bool = False,
         template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[int]:
-        """Prompt token ids of a chat (``continue_final_message``: the last assistant message left
-        open)."""
+        """Prompt token ids of a chat (``continue_final_message``: the last message left open)."""
         validate_messages(messages)
         text = self._render_text(messages, tools, add_generation_prompt,
                                  continue_final_message, template_kwargs)
@@ -220,7 +216,7 @@ class ChatTemplate:
             return [int(t) for t in self.tokenizer.encode(text, add_special_tokens=False)]
 
     def check(self) -> None:
-        """The startup test render; ``TemplateRenderError`` if the template fails to parse, loops or
+        """The startup test render; ``TemplateRenderError`` if the template fails, loops or
         recurses."""
         try:
             self._render_text(CHECK_MESSAGES, None, True, False, None)
@@ -231,7 +227,7 @@ class ChatTemplate:
                         type(e).__name__, e)
 
     def encode(self, text: str) -> list[int]:
-        """Token ids of a plain prompt (special tokens added as ``tokenizer.encode`` does),
+        """Token ids of a plain prompt (special tokens as ``tokenizer.encode`` adds them),
         length-checked."""
         with self._lock:
             self._check_length(text)

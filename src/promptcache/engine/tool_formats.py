@@ -1,11 +1,8 @@
-"""Tool-call parsers of our own, where mlx-lm's loses calls or has none (Qwen3-Coder, GLM,
-DeepSeek).
+"""Tool-call parsers where mlx-lm's loses calls or has none (Qwen3-Coder, GLM, DeepSeek).
 
-mlx-lm 0.32's qwen3_coder parser cuts a value containing ``</parameter>``, turns the string "null"
-into None and drops calls through ``ast.literal_eval``. Here a parameter ends at a ``</parameter>``
-followed by the next parameter or ``</function>``, and values convert by JSON per the schema's
-type(s), else stay text. A body without a complete function raises ValueError.
-"""
+mlx-lm 0.32's qwen3_coder cuts values containing ``</parameter>``, turns "null" strings into None
+and drops calls via ``ast.literal_eval``. Here a value ends at a ``</parameter>`` followed by the
+next parameter or ``</function>``; values convert by JSON per the schema, else stay text."""
 
 from __future__ import annotations
 
@@ -76,8 +73,8 @@ def _as_type(text: str, kind: str) -> tuple[bool, Any]:
 
 
 def _convert(value: str, schema: Any) -> Any:
-    """A parameter's text as the value its schema asks for; the text itself when a string fits or
-    nothing converts."""
+    """A parameter's text as its schema's value; the text itself when a string fits or nothing
+    converts."""
     types = _types(schema)
     text = value.strip()
     if not types:  # no schema: a JSON object / array if it is one, else text
@@ -142,7 +139,6 @@ def _function_end(body: str, start: int) -> int:
             return -1
         if p is None or f < p.start():
             return f
-        # skip the parameter's value (its end as ``_parameters`` finds it)
         search = p.end()
         while True:
             at = body.find(_PARAM_END, search)
@@ -188,8 +184,7 @@ _FENCE = re.compile(r"^\s*```(?:json)?\s*\n?(.*?)\n?```\s*$", re.DOTALL)
 
 def parse_deepseek(body: str, tools: Sequence[Mapping[str, Any]] | None = None
                    ) -> list[dict[str, Any]]:
-    """The calls between DeepSeek's tool-call markers (``NAME<｜tool▁sep｜>ARGS``, V3.1;
-    ``function<｜tool▁sep｜>NAME`` + a json fence, V3); ValueError otherwise."""
+    """The calls between DeepSeek V3 / V3.1 tool-call markers; ValueError otherwise."""
     calls: list[dict[str, Any]] = []
     pos = 0
     while True:
@@ -224,8 +219,7 @@ def parse_deepseek(body: str, tools: Sequence[Mapping[str, Any]] | None = None
 
 _ARG_KEY, _ARG_KEY_END = "<arg_key>", "</arg_key>"
 _ARG_VALUE, _ARG_VALUE_END = "<arg_value>", "</arg_value>"
-# between a key and its value: whitespace, or the two characters backslash-n some
-# templates write
+# between a key and its value: whitespace, or the two characters backslash-n some templates write
 _GAP = re.compile(r"(?:\s|\\n)*")
 # after a value's end: the next key or the end of the call
 _NEXT_ARG = re.compile(r"(?:\s|\\n)*(?:<arg_key>|$)")
@@ -233,8 +227,8 @@ _NEXT_ARG = re.compile(r"(?:\s|\\n)*(?:<arg_key>|$)")
 
 def parse_glm47(body: str, tools: Sequence[Mapping[str, Any]] | None = None
                 ) -> list[dict[str, Any]]:
-    """The call in GLM's ``NAME<arg_key>K</arg_key><arg_value>V</arg_value>...`` format; strings are
-    kept exactly (mlx-lm strips them), other values converted by JSON per the schema."""
+    """The call in GLM's ``NAME<arg_key>K</arg_key><arg_value>V</arg_value>...`` format (strings
+    exact)."""
     at = body.find(_ARG_KEY)
     name = (body if at < 0 else body[:at]).strip()
     if not name or any(c in name for c in "<>\n{}"):

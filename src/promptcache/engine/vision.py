@@ -1,9 +1,5 @@
-"""Images in a prompt's prefill: features from the vision-embedding cache or the tower.
-
-``ImagePrefill`` builds a chunk's input embeddings with each image's features over its placeholders;
-a chunk or restored prefix may end inside an image, and chunks without image tokens prefill from ids
-(a cached image makes no vision call).
-"""
+"""Images in a prompt's prefill: features from the vision-embedding cache or the tower, written over
+each image's placeholders; chunks without image tokens prefill from ids."""
 
 from __future__ import annotations
 
@@ -107,7 +103,7 @@ class ImagePrefill:
     def embeddings(self, model: Any, tokens: mx.array, start: int, end: int
                    ) -> mx.array | None:
         """``[1, end - start, hidden]`` for the chunk at ``[start, end)``, or None if no image
-        overlaps it."""
+        overlaps."""
         emb, _ = self._merge(model, tokens, start, end)
         return emb
 
@@ -134,8 +130,8 @@ class ImagePrefill:
 
     def forward(self, model: Any, tokens: mx.array, caches: list[Any], start: int, end: int
                 ) -> mx.array:
-        """The chunk at ``[start, end)`` through ``model`` (lazy logits), with image rows, M-RoPE
-        positions and deepstack features."""
+        """The chunk at ``[start, end)`` through ``model`` (lazy logits), with image rows and
+        positions."""
         emb, deep = self._merge(model, tokens, start, end)
         if bool(getattr(model, "mrope", False)):
             pos, delta = model.positions(self.images, start, end)

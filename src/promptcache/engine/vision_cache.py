@@ -1,8 +1,5 @@
-"""The vision-embedding cache: image digest -> the vision tower's features (engine thread only).
-
-RAM holds features up to a byte budget (LRU); with a folder they persist as ``<digest>.safetensors``
-(sha256 in the header) through a bounded writer queue (full: dropped, counted). A file that fails to
-verify is removed and read as a miss. Keys are per model (``bind_model``).
+"""The vision-embedding cache: image digest -> the tower's features (engine thread only), in RAM
+(LRU) and optionally as verified safetensors files via a bounded writer queue; a bad file is a miss.
 """
 
 from __future__ import annotations
@@ -65,8 +62,8 @@ class VisionCache:
         self.counters = VisionCacheStats(budget_bytes=self.budget_bytes)
 
     def bind_model(self, fingerprint: str) -> None:
-        """The folder becomes ``<base>/<fingerprint[:32]>``; one that cannot be created leaves the
-        cache RAM-only (``ssd_errors``)."""
+        """The folder becomes ``<base>/<fingerprint[:32]>`` (if it cannot be created: RAM only,
+        ``ssd_errors``)."""
         if self.base is not None:
             folder = self.base / fingerprint[:32]
             try:

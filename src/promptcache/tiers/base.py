@@ -1,12 +1,8 @@
 """The protocol every lower tier (SSD, Redis) implements, and ``PayloadSource``.
 
-Lower tiers store encoded payloads (``codec``) and answer metadata queries without reading them.
-Methods naming a block take its namespace as ``ns=``. Only ``TierError`` leaves a public method (the
-cache counts it as a miss); ``get`` raises ``CorruptBlockError`` on a bad checksum. A
-``PayloadSource`` encodes itself (memoised, thread-safe) on the tier's writer thread, never under
-the cache lock. ``policy = "write_through"`` gets every new block; other tiers get a block when it
-leaves RAM.
-"""
+Tiers answer metadata queries without reading payloads; methods naming a block take ``ns=``. Only
+``TierError`` leaves a public method (the cache counts a miss). A ``PayloadSource`` encodes on the
+tier's writer thread, never under the cache lock."""
 
 from __future__ import annotations
 
@@ -27,8 +23,7 @@ class PayloadSource(Protocol):
         """An estimate of the encoded size (the in-memory size of the arrays)."""
 
     def encode(self) -> bytes:
-        """The encoded bytes, memoised (one thread encodes, others wait); raises whatever encoding
-        raises."""
+        """The encoded bytes, memoised and thread-safe; raises whatever encoding raises."""
 
 
 class LazyPayload:
@@ -116,24 +111,20 @@ class Tier(Protocol):
     def get(self, block_hash: BlockHash, *, ns: Namespace | None = None) -> bytes | None:
         """The payload bytes (checksum verified), or None if absent."""
 
-    # Optional (a remote tier): ``get_many(block_hashes, *, ns=None)`` -> ``(payload, sessions)`` or
-    # None each, in one round trip; the cache reserves RAM for all first.
+    # Optional: ``get_many(block_hashes, *, ns=None)``, ``(payload, sessions)`` or None each in one
+    # round trip.
 
     def put(self, meta: BlockMeta, payload: bytes | PayloadSource, sessions: Iterable[str] = (),
             hits: int | None = None, *, timeout: float | None = 0.0) -> bool:
-        """Store (possibly asynchronously); False: refused (queue full, budget, admission, degraded,
-        closed).
-
-        ``timeout``: wait for room in a full queue (0: never, the request path; None: no limit).
-        ``hits``: reuse count (for admission). A put under an existing hash replaces it."""
+        """Store (possibly asynchronously); False: refused. ``timeout``: wait for queue room (0:
+        never; None: no limit)."""
 
     def has_room(self, timeout: float | None = 0.0) -> bool:
-        """True if a non-waiting ``put`` would find queue room now (waiting up to ``timeout``).
-        Optional: a put refused with room was refused for good; one without room may be retried."""
+        """True if a non-waiting ``put`` would find queue room (waiting up to ``timeout``).
+        Optional."""
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Wait until every accepted put is stored or failed; True if done within ``timeout``.
-        Optional."""
+        """Wait until every accepted put is stored or failed; True if within ``timeout``."""
 
     def sessions_of(self, block_hash: BlockHash, *, ns: Namespace | None = None) -> list[str]:
         """The sessions recorded on a stored block."""
@@ -146,8 +137,8 @@ class Tier(Protocol):
         """Delete these blocks (e.g. partial tails a longer sibling now covers)."""
 
     def delete_session(self, session_id: str, tenant: str | None = None) -> int:
-        """Remove the session from ``tenant``'s blocks (None: every tenant) and delete those left
-        with no session; returns the number deleted."""
+        """Remove the session from ``tenant``'s blocks (None: all), deleting those left with none;
+        returns count."""
 
     def delete_session_blocks(self, session_id: str, tenant: str | None = None
                               ) -> set[bytes]:

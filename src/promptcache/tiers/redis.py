@@ -1,12 +1,8 @@
-"""The shared Redis / Valkey tier (standalone or Cluster): the ``Tier`` facade over its parts:
-``redis_keys`` (key layout), ``redis_client`` (connections, breaker), ``redis_queue`` (write queue),
-``redis_reads``, ``redis_writes`` (writer thread) and ``redis_delete``.
+"""The shared Redis / Valkey tier (standalone or Cluster): the ``Tier`` facade over ``redis_keys``,
+``redis_client``, ``redis_queue``, ``redis_reads``, ``redis_writes`` and ``redis_delete``.
 
-Fail open: every read is one pipelined round trip with a short timeout; any fault ends as a counted
-miss. Writes are queued for one writer thread; ``put(timeout=0)`` never waits. Reads verify the
-record's hash and the payload's size and checksum (damaged: deleted, counted ``corrupt``). TTL is
-set at every write; reads do not extend it.
-"""
+Fail open: any fault ends as a counted miss, never an error or a stall. TTL is set at every write;
+reads do not extend it."""
 
 from __future__ import annotations
 
@@ -35,8 +31,8 @@ _F = TypeVar("_F", bound=Callable[..., Any])
 
 
 def _boundary(fn: _F) -> _F:
-    """The tier boundary: only ``TierError`` / ``ValueError`` leave; anything else is logged,
-    counted (``unexpected_errors``) and raised as ``TierError``."""
+    """The tier boundary: anything but ``TierError`` / ``ValueError`` is logged, counted, raised as
+    ``TierError``."""
 
     @functools.wraps(fn)
     def wrapper(self: RedisTier, *args: Any, **kwargs: Any) -> Any:
@@ -75,7 +71,6 @@ class RedisTier:
         self.writer = Writer(self.remote, self.keys, self.writes, self.tally, ttl)
         self.reads = Reads(self.remote, self.keys, self.writes, self.tally)
         self.deleter = Deleter(self.remote, self.keys, self.writes, self.tally, self.writer.lock)
-        # (tests hold the writer's lock and watch the queue and the pending puts)
         self._write_lock, self._queue, self._pending = (
             self.writer.lock, self.writes.queue, self.writes.pending)
         self._thread = threading.Thread(target=self.writer.run,

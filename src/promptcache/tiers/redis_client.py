@@ -1,11 +1,8 @@
 """The Redis tier's connection side: clients, fail-fast calls, the circuit breaker, the prober.
 
-A read client (request path, short timeout) and a write client (writer thread, longer timeout) share
-one breaker; redis-py retries are off (a retry is a stall). ``Remote.call`` skips while the circuit
-is open, times, classifies and counts each call; failures raise ``TierError`` (OOM and command
-errors do not open the circuit). Open, the prober pings after a doubling backoff; half-open, its
-result closes or reopens the circuit.
-"""
+A read client (short timeout) and a write client (longer) share one breaker; redis-py retries are
+off (a retry is a stall). OOM and command errors do not open the circuit. While open, the prober
+pings after a doubling backoff."""
 
 from __future__ import annotations
 
@@ -148,8 +145,7 @@ def redact(url: str) -> str:
 
 
 def make_client(config: RedisConfig, timeout_s: float) -> Client:
-    """A redis-py client for ``config.url`` without retries (a cluster one connects here and may
-    raise)."""
+    """A redis-py client for ``config.url`` without retries (a cluster one connects here)."""
     url = config.url.replace("+cluster://", "://", 1)
     opts: dict[str, Any] = {
         "socket_timeout": timeout_s,
@@ -307,7 +303,6 @@ class Remote:
             self._ping()
         except (RedisError, RedisClusterException, OSError) as e:
             with self.lock:
-                # counted as any call's failure is (the tier's stats say what happened)
                 self.counts["timeouts" if isinstance(e, RedisTimeoutError)
                             else "connection_errors"] += 1
                 self.counts["errors"] += 1

@@ -1,9 +1,5 @@
-"""The Redis tier's deletions by session and by tenant (admin operations, synchronous).
-
-Both cancel matching pending puts first and run under the write lock between batches. A session's
-blocks come from its SET; a one-key Lua script drops the session field and deletes a block left with
-none. A tenant's keys are SCANned and UNLINKed in batches.
-"""
+"""The Redis tier's deletions by session and by tenant (admin, synchronous, under the write lock
+between batches; matching pending puts cancelled first)."""
 
 from __future__ import annotations
 
@@ -45,8 +41,8 @@ class Deleter:
         self.write_lock = write_lock
 
     def delete_session(self, session_id: str, tenant: str | None) -> set[bytes]:
-        """Remove ``session_id`` from its blocks (of ``tenant`` or all) and delete those left with
-        none; returns their hashes."""
+        """Remove ``session_id`` from its blocks, deleting those left with none; returns their
+        hashes."""
         if not isinstance(session_id, str) or not session_id:
             raise ValueError("session_id must be a non-empty string")
         if tenant is not None:

@@ -1,10 +1,8 @@
 """The Redis tier's key layout and block records (pure: no redis import, no I/O).
 
-Keys start ``<prefix>:v<format>:<tenant>:`` (one SCAN per tenant). Per block: ``<ns>:b:<hash>`` a
-HASH (``m`` record, ``p`` payload, ``s:<session>`` fields); ``<ns>:k:<parent>`` the children index;
-``s:<session digest>`` a SET of the session's blocks. A record (JSON) holds the payload's length and
-checksum and is verified by recomputing the block hash.
-"""
+Keys start ``<prefix>:v<format>:<tenant>:``. Per block ``<ns>:b:<hash>`` (a HASH: ``m`` record,
+``p`` payload, ``s:<session>``), ``<ns>:k:<parent>`` the children index, ``s:<session digest>`` the
+session's blocks. Records are verified by recomputing the block hash."""
 
 from __future__ import annotations
 
@@ -119,8 +117,7 @@ def _field(obj: dict[str, Any], name: str, kind: type | tuple[type, ...]) -> Any
 
 
 def decode_record(data: bytes, *, block_hash: bytes, ns_key: str, tenant: str) -> Record:
-    """Parse and verify a record read under ``block_hash``; ``CorruptBlockError`` if malformed or
-    another block's."""
+    """Parse and verify a record read under ``block_hash``; else ``CorruptBlockError``."""
     try:
         obj = json.loads(data)
     except (UnicodeDecodeError, json.JSONDecodeError, TypeError) as e:

@@ -1,9 +1,5 @@
-"""The Redis tier's write queue (the request path's side).
-
-A queued put is *pending* (by hash) until its batch is sent: reads answer from it, a newer put
-supersedes it (keeping its sessions), a deletion cancels it. ``put(timeout=0)`` never waits (full:
-refused, ``queue_full``); a positive or None ``timeout`` waits for room.
-"""
+"""The Redis tier's write queue. A queued put is *pending* until sent: reads answer from it, a newer
+put supersedes it, a deletion cancels it. ``put(timeout=0)`` never waits."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""The Redis tier's read path: chain lookups, children, sessions, payload reads.
-
-One pipelined round trip on the read client per read, answered first from the pending puts; an open
-circuit answers "absent" at once. A damaged block is deleted (best effort), counted ``corrupt`` and
-read as a miss.
+"""The Redis tier's read path: one pipelined round trip per read, answered first from pending puts.
+A damaged block is deleted, counted ``corrupt`` and read as a miss.
 """
 
 from __future__ import annotations
@@ -176,8 +173,7 @@ class Reads:
         return _sessions(fields)
 
     def fetch(self, hs: list[bytes], ns: Namespace | None) -> list[Fetched]:
-        """``(payload, sessions)`` per block, None where absent, the ``CorruptBlockError`` where
-        damaged."""
+        """``(payload, sessions)`` per block; None if absent, ``CorruptBlockError`` if damaged."""
         out: list[Fetched] = [None] * len(hs)
         if ns is None or not hs:
             return out

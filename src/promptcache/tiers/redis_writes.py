@@ -1,10 +1,5 @@
-"""The Redis tier's writer thread and what one batch sends.
-
-A batch (up to ``MAX_BATCH_ITEMS`` items or ``batch_bytes``) is written under the write lock in two
-pipelined round trips: the existing blocks' session fields (so their TTLs are refreshed together),
-then every put, session and discard in queue order. Sessions go on an existing block through a
-one-key Lua script (Cluster-safe).
-"""
+"""The Redis tier's writer thread: each batch in two pipelined round trips under the write lock
+(existing blocks' sessions, then puts, sessions and discards in order)."""
 
 from __future__ import annotations
 
@@ -137,8 +132,8 @@ class Writer:
             return list(pipe.execute())
 
         def write(c: Client, existing: dict[str, list[str]]) -> list[Any]:
-            """Puts and discards in one pipeline, then the session scripts (a Cluster pipeline
-            cannot run scripts)."""
+            """Puts and discards in one pipeline, then the session scripts (not allowed in a Cluster
+            pipeline)."""
             pipe = c.pipeline(transaction=False)
             scripts: list[tuple[str, list[bytes]]] = []
             for it, data in work:

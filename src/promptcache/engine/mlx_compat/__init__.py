@@ -1,13 +1,7 @@
-"""The one place that knows mlx-lm's internals (tested against mlx-lm 0.32.x; pyproject pins the
-range).
+"""The one place that knows mlx-lm's internals (tested against 0.32.x; pyproject pins the range).
 
-Private APIs used: model classes by ``model_type``; the HF tokenizer inside ``TokenizerWrapper``
-(offsets, fast tokenizer); the batch caches' fields (``left_padding``, ``_idx``, ``offset``,
-``keys``, ``values``, ``_temporal_order``, ``_right_padding``) for row views, padding trims,
-right-padded prefill and speculative-decoding repair; ``RotatingKVCache``'s window rule;
-``dynamic_roll``. Callers import from ``mlx_compat`` itself (re-exported from ``models``,
-``batch_caches``, ``speculation``, ``windows``).
-"""
+Private fields of the batch caches, ``TokenizerWrapper._tokenizer``, model modules and
+``RotatingKVCache``'s window rule are used only here; callers import from ``mlx_compat`` itself."""
 
 from __future__ import annotations
 

@@ -28,8 +28,7 @@ def cache_leaves(caches: Sequence[Any]) -> list[Any]:
 
 
 def can_batch(caches: Sequence[Any]) -> bool:
-    """True if mlx-lm can merge these caches into batch caches (plain KV, windows without ``keep``,
-    arrays, lists of those)."""
+    """True if mlx-lm can merge these caches (plain KV, windows without ``keep``, arrays, lists)."""
     for c in cache_leaves(caches):
         if type(c) is KVCache or type(c) is ArraysCache:
             continue
@@ -39,10 +38,8 @@ def can_batch(caches: Sequence[Any]) -> bool:
     return True
 
 
-# Model modules whose recurrent layers honour ``ArraysCache.lengths`` in a right-padded forward, so
-# a padded row's state equals its state alone (checked per family:
-# tests/engine/test_batch_prefill_kinds.py). Not ``nemotron_h``: its Mamba2 scan gets the mask but
-# not the lengths (BENCHMARKS.md "Batched prefill by cache kind").
+# Modules whose recurrent layers honour ``ArraysCache.lengths`` in a right-padded forward (checked
+# per family: tests/engine/test_batch_prefill_kinds.py; not ``nemotron_h``, see BENCHMARKS.md).
 RIGHT_PADDED_STATE_MODULES = frozenset({
     "qwen3_5", "qwen3_5_moe", "qwen3_next", "falcon_h1", "kimi_linear",
 })
@@ -54,9 +51,7 @@ def model_module(model: Any) -> str:
 
 
 def can_batch_prefill(caches: Sequence[Any], model: Any = None) -> bool:
-    """True if these caches can be prefilled with others' right-padded chunks exactly as alone:
-    plain KV (MLA too), windows without ``keep``, arrays of a module in
-    ``RIGHT_PADDED_STATE_MODULES``, lists of those."""
+    """True if these caches can be prefilled right-padded beside others exactly as alone."""
     if not caches:
         return False
     states_ok = model is not None and model_module(model) in RIGHT_PADDED_STATE_MODULES
@@ -72,8 +67,8 @@ def can_batch_prefill(caches: Sequence[Any], model: Any = None) -> bool:
 
 
 def prefill_width(batch: Sequence[Any], lengths: Sequence[int]) -> int:
-    """The width of a right-padded prefill of chunks of ``lengths``: at least two when one token
-    meets an empty row (a one-token forward writes a window in place, with no room for a pad)."""
+    """The width of a right-padded prefill of ``lengths`` (two, not one, beside an empty row: no pad
+    room)."""
     width = max(lengths)
     if width == 1 and min(lengths) == 0 and any(
             isinstance(c, BatchRotatingKVCache) for c in cache_leaves(batch)):
@@ -141,9 +136,8 @@ def filter_rows(batch: Any, keep: Sequence[int]) -> None:
 
 
 class RowMoves:
-    """Where a decode row's first positions went (``drop_row_tails`` moves them into its rejected
-    tail), the same in every KV layer; counted from the row's first position, unchanged by filter /
-    extend / trim."""
+    """Where a decode row's first positions went (moved into its rejected tail), the same in every
+    KV layer."""
 
     __slots__ = ("shift", "keys")
 
@@ -152,8 +146,8 @@ class RowMoves:
         self.keys: dict[int, int] = {}  # u of a moved-to slot -> the u it held first
 
     def moved(self, pad: int, end: int, n: int) -> None:
-        """The ``n`` positions after the padding ``pad`` were copied to the ``n`` before ``end``;
-        padding grows by ``n``."""
+        """The ``n`` positions after ``pad`` were copied to the ``n`` before ``end``; padding grows
+        by ``n``."""
         origin = pad - self.shift
         dst = end - n - origin
         for j in range(n):
@@ -201,10 +195,8 @@ def _row_arrays(c: ArraysCache, idx: int, states: list[Any] | None) -> ArraysCac
 
 def row_caches(batch: Sequence[Any], idx: int, ssm_states: list[list[Any]] | None = None,
                moves: RowMoves | None = None) -> list[Any]:
-    """Per-layer cache objects of row ``idx`` of a batch, for reading blocks out of it.
-
-    Plain KV: lazy views (copy what you slice); windows: ``extract``-ed copies; array states: copies
-    (from ``ssm_states`` when given). Nothing shares a buffer the batch later writes in place."""
+    """Per-layer cache objects of row ``idx`` of a batch, for reading blocks out of it: KV as lazy
+    views, the rest copies; nothing shares a buffer the batch writes in place."""
     states = iter(ssm_states) if ssm_states is not None else None
     pad_cache: dict[int, list[int]] = {}
 

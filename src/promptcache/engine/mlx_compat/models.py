@@ -32,8 +32,7 @@ def fast_tokenizer(tokenizer: object) -> PreTrainedTokenizerFast | None:
 
 
 def encode_with_offsets(tokenizer: Any, text: str) -> tuple[list[int], list[tuple[int, int]]] | None:
-    """Token ids of ``text`` (no specials) and their character spans, one fast-tokenizer call; None
-    without offsets."""
+    """Token ids of ``text`` (no specials) and their character spans; None without offsets."""
     hf = getattr(tokenizer, "_tokenizer", tokenizer)
     if not callable(hf) or not getattr(hf, "is_fast", False):
         return None

@@ -12,9 +12,8 @@ from .batch_caches import RowMoves, cache_leaves, ssm_states
 
 
 def speculation_kind(batch: Sequence[Any]) -> str | None:
-    """How a batch's caches take a verify forward's rejected positions back: ``"kv"`` (all plain KV
-    / windows: ``drop_row_tails``), ``"state"`` (arrays with plain KV: restore the states and feed
-    the accepted tokens again), None (anything else)."""
+    """How a batch takes a verify forward's rejected positions back: ``"kv"``, ``"state"`` (restore
+    and refeed) or None."""
     leaves = cache_leaves(batch)
     if not leaves:
         return None
@@ -26,8 +25,8 @@ def speculation_kind(batch: Sequence[Any]) -> str | None:
     return "kv"
 
 
-# model types whose array-state layers honour ``ArraysCache.lengths`` (not nemotron_h: its Mamba2
-# gets no lengths); checked by tests/engine/test_speculation_kinds.py
+# model types whose array-state layers honour ``ArraysCache.lengths``
+# (tests/engine/test_speculation_kinds.py)
 _STATES_TAKE_LENGTHS = frozenset({"qwen3_5", "qwen3_5_moe", "qwen3_next", "falcon_h1",
                                   "kimi_linear"})
 
@@ -38,8 +37,8 @@ def states_take_lengths(model: Any) -> bool:
 
 
 def before_verify(batch: Sequence[Any]) -> list[list[Any]] | None:
-    """Before a verify forward: windows put in temporal order (so mask and update agree); returns
-    the array states (pre-verify references) or None."""
+    """Before a verify forward: windows in temporal order; returns the pre-verify array states (or
+    None)."""
     for c in cache_leaves(batch):
         if isinstance(c, BatchRotatingKVCache) and c.keys is not None:
             c._temporal_order()
@@ -49,12 +48,11 @@ def before_verify(batch: Sequence[Any]) -> list[list[Any]] | None:
 
 def drop_row_tails(batch: Sequence[Any], counts: Sequence[int],
                    moves: Sequence[RowMoves] | None = None) -> None:
-    """Drop the last ``counts[i]`` positions of row ``i`` after a verify forward: the common part is
-    trimmed, the rest becomes left padding.
+    """Drop the last ``counts[i]`` positions of row ``i`` after a verify forward (the rest becomes
+    left padding).
 
-    Windows have the common tail also sliced off the buffer (``trim`` alone leaves it in the
-    window), so the next single-token update keeps the last ``max_size`` tokens as decoding one at a
-    time does."""
+    Windows have the common tail sliced off the buffer too (``trim`` leaves it in the window).
+    """
     leaves = cache_leaves(batch)
     common = min(counts)
     for c in leaves:
@@ -83,8 +81,7 @@ def drop_row_tails(batch: Sequence[Any], counts: Sequence[int],
 
 def _move_heads(leaves: Sequence[Any], rest: Sequence[int], moves: Sequence[RowMoves]
                 ) -> bool:
-    """Move row ``i``'s first ``rest[i]`` positions into its rejected tail in every leaf; False
-    (nothing done) unless all plain KV and rows hold twice what moves."""
+    """Move row ``i``'s first ``rest[i]`` positions into its rejected tail; False if impossible."""
     if not leaves or not all(type(c) is BatchKVCache and c.keys is not None for c in leaves):
         return False
     pads = [int(p) for p in leaves[0].left_padding.tolist()]
@@ -110,8 +107,8 @@ def _move_heads(leaves: Sequence[Any], rest: Sequence[int], moves: Sequence[RowM
 
 
 def finalize_refeed(batch: Sequence[Any], moves: Sequence[RowMoves]) -> None:
-    """After the refeed of a ``"state"`` batch: arrays finalize; KV rows' pad tails become left
-    padding by ``_move_heads`` (recorded in ``moves``), else ``BatchKVCache.finalize``'s roll."""
+    """After a ``"state"`` refeed: arrays finalize; KV pad tails become left padding
+    (``_move_heads``)."""
     leaves = cache_leaves(batch)
     kv = [c for c in leaves if isinstance(c, BatchKVCache)]
     pads = kv[0]._right_padding if kv else None

@@ -32,10 +32,8 @@ def _floor_now(c: RotatingKVCache) -> int:
 
 
 def window_floor_after(caches: Sequence[Any], n_new: int) -> int:
-    """``window_floor`` after ONE forward of ``n_new`` more tokens.
-
-    mlx-lm 0.32: a single token is written in place (the window keeps ``keep`` + the last ``max_size
-    - keep``); several are concatenated after the last ``max_size - 1 - keep`` held."""
+    """``window_floor`` after ONE forward of ``n_new`` tokens (mlx-lm 0.32: one token writes in
+    place, several concatenate)."""
     if n_new < 1:
         raise ValueError(f"n_new must be >= 1, got {n_new}")
     floor = 0

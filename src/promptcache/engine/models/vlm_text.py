@@ -1,5 +1,5 @@
-"""A VLM's language model behind mlx-lm's calling convention: ``VLMTextModel``, ``MRopeTextModel``
-(Qwen3-VL's M-RoPE), ``HybridMRopeTextModel`` (Qwen3.5).
+"""A VLM's language model behind mlx-lm's calling convention (plain, Qwen3-VL M-RoPE, Qwen3.5
+hybrid).
 """
 
 from __future__ import annotations
@@ -66,13 +66,10 @@ class VLMTextModel:
 
 def mrope_positions(images: Sequence[ImageInput], grid: tuple[int, int, int], start: int,
                     end: int) -> tuple[np.ndarray, int]:
-    """Qwen's 3-D rotary positions ``[3, end - start]`` of tokens ``[start, end)`` and the delta
-    after ``end``.
+    """Qwen's 3-D rotary positions of tokens ``[start, end)`` and the delta after ``end``.
 
-    A function of the image spans and the LLM grid ``(t, h, w)`` only, so a restored prefix
-    continues exactly; each image adds ``max(t, h, w) - t * h * w`` to the delta
-    (``get_rope_index``).
-    """
+    A function of the image spans and the LLM grid only, so a restored prefix continues exactly
+    (``get_rope_index``)."""
     t, h, w = grid
     n, adv = t * h * w, max(t, h, w) - t * h * w
     idx = np.arange(start, end, dtype=np.int64)
@@ -100,9 +97,8 @@ def mrope_positions(images: Sequence[ImageInput], grid: tuple[int, int, int], st
 class MRopeTextModel(VLMTextModel):
     """A language model with Qwen's multimodal rotary positions (``qwen3_vl``).
 
-    The last cache is an ``ArraysCache`` holding each row's position delta (int32 ``[B, 1]``), moved
-    with the request's state everywhere, so restored prefixes continue at the right positions.
-    Price: the model is not truncatable (restores at snapshot positions only)."""
+    The last cache, an ``ArraysCache``, holds each row's position delta and moves with the request's
+    state; so the model is not truncatable (restores at snapshots only)."""
 
     mrope = True
 
@@ -125,8 +121,7 @@ class MRopeTextModel(VLMTextModel):
                  positions: np.ndarray | None = None, delta: int = 0,
                  visual_mask: mx.array | None = None,
                  deepstack: list[mx.array] | None = None) -> mx.array:
-        """``positions`` ``[3, L]`` (batch 1) with ``delta`` after them; else cache offset + stored
-        delta."""
+        """``positions`` ``[3, L]`` with ``delta`` after them; else cache offset + stored delta."""
         b, n = inputs.shape[0], inputs.shape[1]
         if cache is None:
             cache = self.make_cache()
@@ -160,11 +155,9 @@ class MRopeTextModel(VLMTextModel):
 
 
 class HybridMRopeTextModel(MRopeTextModel):
-    """Qwen3.5: gated-delta-net and full-attention layers with M-RoPE.
-
-    mlx-vlm's model keeps its own batch state on the caches, so each layer runs as its cache kind's
-    library runs it: linear layers are mlx-lm's (shared weights) on mlx-lm's ``ArraysCache``,
-    attention layers mlx-vlm's with M-RoPE on ``KVCache``. No deepstack."""
+    """Qwen3.5: each layer runs as its cache kind's library runs it (mlx-vlm keeps batch state on
+    caches): linear layers mlx-lm's on ``ArraysCache``, attention mlx-vlm's with M-RoPE on
+    ``KVCache``."""
 
     def __init__(self, vlm: Any, grid: tuple[int, int, int], text: Any) -> None:
         self.text = text  # mlx-lm's qwen3_5 TextModel (the VLM's weights)

