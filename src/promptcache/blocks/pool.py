@@ -166,7 +166,7 @@ class BlockPool:
         return True
 
     def shrink_to(self, target: int) -> int:
-        """Free bytes (idle, outside, active) until at most ``target`` are used; returns those used."""
+        """Free bytes (idle, outside, active) down to at most ``target``; returns the bytes used."""
         while self.used_bytes + self.outside_bytes > target:
             if self._queues[IDLE].peekleft() is not None:
                 self.evict()
