@@ -106,7 +106,8 @@ def content_spans(text: str, messages: Sequence[Mapping[str, Any]]) -> list[tupl
 
 def message_starts(text: str, offsets: Sequence[tuple[int, int]],
                    messages: Sequence[Mapping[str, Any]]) -> tuple[int, ...]:
-    """Token index where each message starts (see the module docstring)."""
+    """Token index where each message starts: the token holding the first character after the
+    previous message's content (the markers between two messages count to the later one)."""
     spans = content_spans(text, messages)
     starts: list[int] = [0]
     tok = 0
