@@ -95,8 +95,7 @@ class EvictionAdvisor:
             return list(self._samples)
 
     def recommended_budget(self) -> int | None:
-        """The RAM budget that would have kept every evicted-before-reuse run of the window, or
-        None."""
+        """The RAM budget that would have kept every run evicted before reuse (None: none)."""
         needed = [s.needed_budget for s in self.window() if s.needed_budget is not None]
         return round_up(max(needed)) if needed else None
 

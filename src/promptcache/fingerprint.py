@@ -157,8 +157,7 @@ def file_digest(path: Path, memo: _Memo) -> str:
 
 def model_fingerprint(path: str | os.PathLike[str], *,
                       memo_dir: str | os.PathLike[str] | None = None, memo: bool = True) -> str:
-    """Hex sha256 of a model folder's config and weights (``memo=False``: no memo); ValueError if no
-    model."""
+    """Hex sha256 of a model folder's config and weights; ValueError if not a model."""
     folder = Path(path)
     config_file = folder / "config.json"
     if not config_file.is_file():

@@ -64,8 +64,7 @@ def namespace_root(
     tenant: str,
     format_version: int = CACHE_FORMAT_VERSION,
 ) -> BlockHash:
-    """The root of every hash chain of a namespace: fingerprint, format, block size, KV spec,
-    tenant."""
+    """Root of a namespace's hash chains: fingerprint, format, block size, KV spec, tenant."""
     h = hashlib.sha256(_ROOT_TAG)
     for part in (str(format_version), model_fingerprint, str(block_size), kv_spec, tenant):
         data = part.encode("utf-8")

@@ -317,8 +317,7 @@ def _verify(members: dict[str, bytes], progress: Progress | None) -> Pack:
 
 
 class PackStart:
-    """Checks an upload's first bytes (``manifest.json`` first, a known version); ``PackError``
-    early."""
+    """Checks an upload's first bytes (``manifest.json``, a known version): ``PackError`` early."""
 
     def __init__(self) -> None:
         self._head = b""

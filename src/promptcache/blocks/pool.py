@@ -127,8 +127,7 @@ class BlockPool:
         return list(self._queues[level])
 
     def set_level(self, block: Block, level: int) -> None:
-        """Set a block's eviction level (an unreferenced one: raised, most recent; lowered, least
-        recent)."""
+        """Set a block's eviction level (unreferenced: raised, most recent; lowered, least)."""
         if level not in LEVELS:
             raise ValueError(f"level must be one of {LEVELS}, got {level!r}")
         old = block.level
@@ -238,8 +237,7 @@ class BlockPool:
             block.last_access = now
 
     def unref(self, block: Block) -> None:
-        """Drop a reference; at zero the block joins the LRU (most recent), or is discarded if
-        private."""
+        """Drop a reference; at zero the block joins the LRU, or is discarded if private."""
         if block.ref_cnt <= 0:
             raise InvariantError(f"unref of an unreferenced block {block!r}")
         block.ref_cnt -= 1
@@ -321,8 +319,7 @@ class BlockPool:
         return True
 
     def copy_on_write(self, block: Block, copy_payload: Callable[[Any], Any], now: float) -> Block | None:
-        """A block the caller may modify: itself if private and unshared, else a private copy (or
-        None)."""
+        """A block the caller may modify: itself if private and unshared, else a copy (or None)."""
         if block.ref_cnt <= 0:
             raise InvariantError("copy_on_write needs a referenced block")
         if block.block_hash is None and block.ref_cnt == 1:

@@ -136,8 +136,7 @@ def _warn_unquantizable(head_dim: int, group_size: int) -> None:
 
 def _kv_entry(name: str, k: mx.array, v: mx.array, quant: KVQuant | None,
               start: int) -> tuple[Item, list[mx.array]]:
-    """One KV layer's block item, quantized if the spec says so (a group size dividing K and V
-    widths)."""
+    """One KV layer's block item, quantized if the spec says so (MLA: one group for K and V)."""
     if v.dtype != k.dtype:
         raise ValueError(f"layer {name}: keys are {k.dtype}, values {v.dtype}; a block "
                          "stores KV of one dtype")

@@ -96,8 +96,7 @@ class Admission:
         return len(lengths) * self.row_bytes(max(lengths)) if lengths else 0
 
     def room(self) -> int | None:
-        """KV bytes the reservations leave free (None: no budget); the prefill workspace must fit in
-        it."""
+        """KV bytes the reservations leave free (None: no budget), for the prefill workspace."""
         if self.kv_budget is None:
             return None
         with self._lock:
@@ -123,8 +122,7 @@ class Admission:
             self._num_waiting += delta
 
     def _preemptions(self) -> list[Ticket]:
-        """Background tickets (newest first) the first waiting interactive ticket needs gone, marked
-        ``preempted``."""
+        """Background tickets (newest first) a waiting interactive one needs gone (marked)."""
         head = next((t for t in self._waiting[0] if t.state == WAITING), None)
         if head is None:
             return []
@@ -223,8 +221,7 @@ class Admission:
             return self.retry_after_s()
 
     def retry_after_s(self) -> int:
-        """Seconds a refused client should wait (from service-time and queue-wait EWMAs); caller
-        holds the lock."""
+        """Seconds a refused client should wait (service and queue-wait EWMAs); lock held."""
         now = self.clock()
         service = self.stats.recent_service_s
         if service == 0:
@@ -236,8 +233,7 @@ class Admission:
 
 
     def submit(self, t: Ticket) -> None:
-        """Admit or queue ``t``: ``OverloadedError`` if the queue is full, ``RequestError`` if over
-        budget alone."""
+        """Admit or queue ``t``; ``OverloadedError`` (queue full), ``RequestError`` (too big)."""
         if self.kv_budget is not None and self.row_bytes(t.length) > self.kv_budget:
             raise RequestError(
                 f"prompt + max_tokens ({t.length} tokens) need {self.row_bytes(t.length)} "

@@ -45,8 +45,7 @@ class Arrivals:
 
     def gather(self, window: float, max_s: float,
                on_wake: Callable[[], None] | None = None) -> int:
-        """Wait for a burst (woken from idle); returns the number of waits; ``on_wake`` at each
-        wake-up."""
+        """Wait for a burst (woken from idle); returns the waits; ``on_wake`` at each wake-up."""
         if window <= 0:
             return 0
         start = self._clock()

@@ -50,8 +50,7 @@ class BlockPayload(Mapping[str, mx.array]):
         return mx.as_strided(self.buffer.view(p.dtype), p.shape, p.strides, p.elem_offset)
 
     def arrays(self) -> dict[str, mx.array]:
-        """Every part as a view (one typed view per dtype, one ``mx.split`` per run: fewer graph
-        nodes)."""
+        """Every part as a view (one view per dtype, one ``mx.split`` per run: fewer nodes)."""
         typed: dict[mx.Dtype, mx.array] = {}
         out: dict[str, mx.array] = {}
         for head, names in self.layout.runs:
@@ -112,8 +111,7 @@ def pack(entries: Sequence[tuple[Item, Sequence[mx.array]]]) -> BlockPayload:
 
 def pack_rows(entries: Sequence[tuple[Item, Sequence[mx.array]]], n: int
               ) -> list[BlockPayload]:
-    """``n`` consecutive blocks as rows of one evaluated slab; row ``i`` equals ``pack`` of block
-    ``i``."""
+    """``n`` consecutive blocks as rows of one evaluated slab (row ``i`` = ``pack`` of ``i``)."""
     if n < 1:
         raise ValueError(f"a slab holds at least one block, got {n}")
     items = [item for item, _ in entries]

@@ -39,8 +39,7 @@ def dtype_name(dtype: mx.Dtype) -> str:
 
 @dataclass(frozen=True, slots=True)
 class Item:
-    """One layer's entry: ``kind`` "kv", "q", "s" or "raw"; ``vshape`` the values' shape if unlike K
-    (MLA)."""
+    """One layer's entry: ``kind`` "kv", "q", "s" or "raw"; ``vshape``: V's shape if unlike K."""
 
     name: str
     kind: str

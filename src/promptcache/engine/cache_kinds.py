@@ -1,5 +1,4 @@
-"""What the block adapters know about mlx-lm's cache objects: kinds, the layer walk, truncation, KV
-spec."""
+"""What the block adapters know of mlx-lm's caches: kinds, layer walk, truncation, KV spec."""
 
 from __future__ import annotations
 

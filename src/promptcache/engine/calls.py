@@ -35,8 +35,7 @@ class _Call:
 
 
 class EngineCalls:
-    """The queue of ``Engine.call``s, run in order on the engine thread; ``refusal``: why none are
-    taken."""
+    """The queue of ``Engine.call``s run in order on the engine thread (``refusal``: why not)."""
 
     def __init__(self, thread: threading.Thread, wake: threading.Event,
                  refusal: Callable[[], str | None]) -> None:

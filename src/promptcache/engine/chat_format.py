@@ -188,8 +188,7 @@ def _template_source(tokenizer: Any) -> str:
 
 
 def _special_id(tokenizer: Any, ids: Any) -> int | None:
-    """The id when ``ids`` is one added token: llguidance treats every added token as special (by
-    id)."""
+    """The id when ``ids`` is one added token (llguidance treats all added tokens as special)."""
     if not isinstance(ids, (tuple, list)) or len(ids) != 1:
         return None
     decoder = getattr(tokenizer, "added_tokens_decoder", None)

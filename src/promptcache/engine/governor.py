@@ -87,8 +87,7 @@ class MemoryGovernor:
 
     @property
     def idle_wait_s(self) -> float | None:
-        """How long an idle engine may wait: ``interval_s`` while admission is held back, else
-        forever."""
+        """How long an idle engine may wait: ``interval_s`` while admission is held, else always."""
         return self._interval if self.level != OK else None
 
     def maybe_check(self) -> Decision | None:
@@ -158,14 +157,12 @@ class MemoryGovernor:
                 retry_after_s=retry)
 
     def fits(self, peak: int, base: int, reclaimable: int, running: int) -> bool:
-        """Whether a queued ``peak`` fits now beside the ``running`` peaks, within the hard
-        watermark."""
+        """Whether a queued ``peak`` fits now beside the ``running`` peaks, under the hard mark."""
         now = self._history[-1][1] if self._history else base
         return max(now - reclaimable, base + running) + peak <= self.hard
 
     def _ask(self, holder: Holder, used: int, released: list[tuple[str, int]]) -> int:
-        """Ask ``holder`` for what ``used`` is over the soft mark; re-read the footprint if it
-        released."""
+        """Ask ``holder`` for what ``used`` is over the soft mark; re-read the footprint after."""
         try:
             freed = int(holder.release(used - self.soft))
         except Exception:
@@ -200,8 +197,7 @@ class MemoryGovernor:
 
 
 def trim_heap() -> bool:
-    """glibc's ``malloc_trim(0)`` (Linux: freed memory stays in RSS until trimmed); True if any
-    returned."""
+    """glibc's ``malloc_trim(0)`` (freed memory stays in RSS until trimmed); True if any freed."""
     trim = _malloc_trim()
     return bool(trim(0)) if trim is not None else False
 

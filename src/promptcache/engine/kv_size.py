@@ -22,8 +22,7 @@ def probe_caches(model: Any) -> list[Any]:
 
 
 def kv_row_bytes(model: Any, probed: Sequence[Any] | None = None) -> Callable[[int], int]:
-    """An upper bound of a request's cache bytes at ``n`` tokens (KV + one growth step, windows
-    capped)."""
+    """An upper bound of a request's cache bytes at ``n`` tokens (KV + a growth step)."""
     caches = list(probed) if probed is not None else probe_caches(model)
     per_token = 0
     windows: list[tuple[int, int]] = []  # (bytes per token, window)

@@ -131,8 +131,7 @@ def grow(caches: Sequence[Any], total: int) -> None:
 
 
 def keep_position(caches: Sequence[Any], pos: int, valid: int) -> int:
-    """Where to keep a finished state: ``pos``, or up to ``valid`` when a full window holds the last
-    token."""
+    """Where to keep a finished state: ``pos``, or up to ``valid`` if a full window has it."""
     leaves = _leaves(caches)
     if any(isinstance(c, ArraysCache) for c in leaves):
         return pos
@@ -187,8 +186,7 @@ class LiveStates:
 
     def keep(self, ns: Namespace, tokens: np.ndarray, caches: Sequence[Any], *,
              private: bool, session: str | None = None) -> bool:
-        """Keep the state after ``tokens`` (``private``: the request's own objects); False if not
-        kept."""
+        """Keep the state after ``tokens`` (``private``: own objects); False if not kept."""
         if self.max_states == 0 or tokens.shape[0] == 0:
             return False
         try:
@@ -279,8 +277,7 @@ class LiveStates:
         return freed
 
     def forget(self, tenant: str | None, session: str | None) -> int:
-        """The cache's hook on deleting a tenant's (None: all) or session's blocks: release their
-        states."""
+        """The cache's hook on deleting a tenant's or session's blocks: release their states."""
         freed = 0
         with self._lock:
             for key in [k for k, s in self._states.items()

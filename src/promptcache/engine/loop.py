@@ -23,8 +23,7 @@ logger = logging.getLogger(__name__)
 
 
 class EngineLoop:
-    """What the engine thread runs; ``fail_pending`` answers unstarted tickets, ``died`` records
-    death."""
+    """What the engine thread runs; ``fail_pending`` answers unstarted tickets."""
 
     def __init__(self, config: EngineConfig, scheduler: Scheduler, admission: Admission,
                  calls: EngineCalls, control: Arrivals, shadow: ShadowVerifier | None, *,

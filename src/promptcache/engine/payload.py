@@ -43,8 +43,7 @@ class MLXPayloadAdapter:
         return view, payload.layout.text
 
     def from_buffer(self, buffer: np.ndarray, layout: str) -> BlockPayload:
-        """One evaluated ``mx.array`` (a copy of ``buffer``); ValueError if it does not match its
-        layout."""
+        """One evaluated ``mx.array`` (a copy of ``buffer``); ValueError if unlike its layout."""
         parsed = parse_layout(layout)
         if buffer.dtype != np.uint8 or buffer.ndim != 1 or buffer.size != parsed.nbytes:
             raise ValueError(f"block buffer is {buffer.dtype}{buffer.shape}, its layout needs "
@@ -77,8 +76,7 @@ class MLXPayloadAdapter:
 
 
 def ram_census(cache: Any, quant: Any = None) -> dict[str, Any]:
-    """What ``cache``'s RAM tier holds by payload (blocks, tokens, arrays, bytes); O(blocks), for
-    stats."""
+    """What ``cache``'s RAM tier holds by payload (blocks, tokens, arrays, bytes), for stats."""
     pool = getattr(cache, "pool", None)
     blocks = pool.blocks() if pool is not None else []
     arrays = tokens = nbytes = quantized = 0

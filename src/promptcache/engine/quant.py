@@ -43,8 +43,7 @@ class KVQuant:
         return f"q{self.bits}g{self.group_size}m{self.min_tokens}"
 
     def group_for(self, head_dim: int) -> int | None:
-        """The group size for ``head_dim`` (the configured one, else the largest smaller divisor);
-        None: full."""
+        """The group size for ``head_dim`` (the configured one, else a smaller divisor) or None."""
         for g in sorted(GROUP_SIZES, reverse=True):
             if g <= self.group_size and head_dim % g == 0:
                 return g
@@ -71,8 +70,7 @@ def quantize(x: mx.array, bits: int, group_size: int) -> tuple[mx.array, mx.arra
 
 
 def dequantize(parts: Sequence[mx.array], bits: int, group_size: int) -> mx.array:
-    """The inverse of ``quantize``; on CPU byte-aligned widths unpack elementwise (same bits, twice
-    as fast)."""
+    """The inverse of ``quantize``; on CPU byte-aligned widths unpack elementwise (faster)."""
     wq, scales, biases = parts  # packed values, scales, biases
     if 8 % bits or mx.default_device().type != mx.DeviceType.cpu:
         return mx.dequantize(wq, scales, biases, group_size=group_size, bits=bits)

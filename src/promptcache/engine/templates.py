@@ -160,8 +160,7 @@ class ChatTemplate:
         return self._max_token_chars
 
     def _check_length(self, text: str) -> None:
-        """Raise ``ContextLengthError`` if ``text`` surely exceeds ``token_limit`` (caller holds the
-        lock)."""
+        """Raise ``ContextLengthError`` if ``text`` surely exceeds ``token_limit`` (lock held)."""
         limit = self.token_limit
         if limit is None:
             return
@@ -217,8 +216,7 @@ class ChatTemplate:
             return [int(t) for t in self.tokenizer.encode(text, add_special_tokens=False)]
 
     def check(self) -> None:
-        """The startup test render; ``TemplateRenderError`` if the template fails, loops or
-        recurses."""
+        """The startup test render; ``TemplateRenderError`` if it fails, loops or recurses."""
         try:
             self._render_text(CHECK_MESSAGES, None, True, False, None)
         except TemplateRenderError:
@@ -228,8 +226,7 @@ class ChatTemplate:
                         type(e).__name__, e)
 
     def encode(self, text: str) -> list[int]:
-        """Token ids of a plain prompt (special tokens as ``tokenizer.encode`` adds them),
-        length-checked."""
+        """Token ids of a plain prompt (special tokens as ``tokenizer.encode`` adds them)."""
         with self._lock:
             self._check_length(text)
             return [int(t) for t in self.tokenizer.encode(text)]

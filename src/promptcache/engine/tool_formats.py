@@ -73,8 +73,7 @@ def _as_type(text: str, kind: str) -> tuple[bool, Any]:
 
 
 def _convert(value: str, schema: Any) -> Any:
-    """A parameter's text as its schema's value; the text itself when a string fits or nothing
-    converts."""
+    """A parameter's text as its schema's value; the text itself if a string fits or none does."""
     types = _types(schema)
     text = value.strip()
     if not types:  # no schema: a JSON object / array if it is one, else text
@@ -227,8 +226,7 @@ _NEXT_ARG = re.compile(r"(?:\s|\\n)*(?:<arg_key>|$)")
 
 def parse_glm47(body: str, tools: Sequence[Mapping[str, Any]] | None = None
                 ) -> list[dict[str, Any]]:
-    """The call in GLM's ``NAME<arg_key>K</arg_key><arg_value>V</arg_value>...`` format (strings
-    exact)."""
+    """The call in GLM's ``NAME<arg_key>K</arg_key><arg_value>V</arg_value>`` format."""
     at = body.find(_ARG_KEY)
     name = (body if at < 0 else body[:at]).strip()
     if not name or any(c in name for c in "<>\n{}"):

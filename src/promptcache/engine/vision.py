@@ -102,8 +102,7 @@ class ImagePrefill:
 
     def embeddings(self, model: Any, tokens: mx.array, start: int, end: int
                    ) -> mx.array | None:
-        """``[1, end - start, hidden]`` for the chunk at ``[start, end)``, or None if no image
-        overlaps."""
+        """``[1, end - start, hidden]`` for the chunk ``[start, end)``; None if it has no image."""
         emb, _ = self._merge(model, tokens, start, end)
         return emb
 
@@ -130,8 +129,7 @@ class ImagePrefill:
 
     def forward(self, model: Any, tokens: mx.array, caches: list[Any], start: int, end: int
                 ) -> mx.array:
-        """The chunk at ``[start, end)`` through ``model`` (lazy logits), with image rows and
-        positions."""
+        """The chunk ``[start, end)`` through ``model`` (lazy logits), image rows included."""
         emb, deep = self._merge(model, tokens, start, end)
         if bool(getattr(model, "mrope", False)):
             pos, delta = model.positions(self.images, start, end)

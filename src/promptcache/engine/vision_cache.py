@@ -62,8 +62,7 @@ class VisionCache:
         self.counters = VisionCacheStats(budget_bytes=self.budget_bytes)
 
     def bind_model(self, fingerprint: str) -> None:
-        """The folder becomes ``<base>/<fingerprint[:32]>`` (if it cannot be created: RAM only,
-        ``ssd_errors``)."""
+        """The folder becomes ``<base>/<fingerprint[:32]>`` (uncreatable: RAM only, counted)."""
         if self.base is not None:
             folder = self.base / fingerprint[:32]
             try:

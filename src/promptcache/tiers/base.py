@@ -120,8 +120,7 @@ class Tier(Protocol):
         never; None: no limit)."""
 
     def has_room(self, timeout: float | None = 0.0) -> bool:
-        """True if a non-waiting ``put`` would find queue room (waiting up to ``timeout``).
-        Optional."""
+        """True if a non-waiting ``put`` would find queue room (waiting ``timeout``). Optional."""
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every accepted put is stored or failed; True if within ``timeout``."""
@@ -137,8 +136,7 @@ class Tier(Protocol):
         """Delete these blocks (e.g. partial tails a longer sibling now covers)."""
 
     def delete_session(self, session_id: str, tenant: str | None = None) -> int:
-        """Remove the session from ``tenant``'s blocks (None: all), deleting those left with none;
-        returns count."""
+        """Remove the session from ``tenant``'s blocks (None: all), deleting those left without."""
 
     def delete_session_blocks(self, session_id: str, tenant: str | None = None
                               ) -> set[bytes]:

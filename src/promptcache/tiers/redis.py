@@ -31,8 +31,7 @@ _F = TypeVar("_F", bound=Callable[..., Any])
 
 
 def _boundary(fn: _F) -> _F:
-    """The tier boundary: anything but ``TierError`` / ``ValueError`` is logged, counted, raised as
-    ``TierError``."""
+    """The tier boundary: anything but TierError / ValueError is logged, counted, re-raised."""
 
     @functools.wraps(fn)
     def wrapper(self: RedisTier, *args: Any, **kwargs: Any) -> Any:

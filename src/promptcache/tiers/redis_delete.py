@@ -41,8 +41,7 @@ class Deleter:
         self.write_lock = write_lock
 
     def delete_session(self, session_id: str, tenant: str | None) -> set[bytes]:
-        """Remove ``session_id`` from its blocks, deleting those left with none; returns their
-        hashes."""
+        """Remove ``session_id`` from its blocks, deleting those left without; their hashes."""
         if not isinstance(session_id, str) or not session_id:
             raise ValueError("session_id must be a non-empty string")
         if tenant is not None:

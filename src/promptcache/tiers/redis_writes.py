@@ -132,8 +132,7 @@ class Writer:
             return list(pipe.execute())
 
         def write(c: Client, existing: dict[str, list[str]]) -> list[Any]:
-            """Puts and discards in one pipeline, then the session scripts (not allowed in a Cluster
-            pipeline)."""
+            """Puts and discards in one pipeline, then the session scripts (not in Cluster ones)."""
             pipe = c.pipeline(transaction=False)
             scripts: list[tuple[str, list[bytes]]] = []
             for it, data in work:

@@ -67,8 +67,7 @@ def can_batch_prefill(caches: Sequence[Any], model: Any = None) -> bool:
 
 
 def prefill_width(batch: Sequence[Any], lengths: Sequence[int]) -> int:
-    """The width of a right-padded prefill of ``lengths`` (two, not one, beside an empty row: no pad
-    room)."""
+    """The width of a right-padded prefill of ``lengths`` (two beside an empty row)."""
     width = max(lengths)
     if width == 1 and min(lengths) == 0 and any(
             isinstance(c, BatchRotatingKVCache) for c in cache_leaves(batch)):
@@ -136,8 +135,7 @@ def filter_rows(batch: Any, keep: Sequence[int]) -> None:
 
 
 class RowMoves:
-    """Where a decode row's first positions went (moved into its rejected tail), the same in every
-    KV layer."""
+    """Where a decode row's first positions went (into its rejected tail), in every KV layer."""
 
     __slots__ = ("shift", "keys")
 
@@ -146,8 +144,7 @@ class RowMoves:
         self.keys: dict[int, int] = {}  # u of a moved-to slot -> the u it held first
 
     def moved(self, pad: int, end: int, n: int) -> None:
-        """The ``n`` positions after ``pad`` were copied to the ``n`` before ``end``; padding grows
-        by ``n``."""
+        """The ``n`` positions after ``pad`` were copied to the ``n`` before ``end``."""
         origin = pad - self.shift
         dst = end - n - origin
         for j in range(n):

@@ -37,8 +37,7 @@ def states_take_lengths(model: Any) -> bool:
 
 
 def before_verify(batch: Sequence[Any]) -> list[list[Any]] | None:
-    """Before a verify forward: windows in temporal order; returns the pre-verify array states (or
-    None)."""
+    """Before a verify forward: windows in temporal order; the pre-verify array states or None."""
     for c in cache_leaves(batch):
         if isinstance(c, BatchRotatingKVCache) and c.keys is not None:
             c._temporal_order()
@@ -107,8 +106,7 @@ def _move_heads(leaves: Sequence[Any], rest: Sequence[int], moves: Sequence[RowM
 
 
 def finalize_refeed(batch: Sequence[Any], moves: Sequence[RowMoves]) -> None:
-    """After a ``"state"`` refeed: arrays finalize; KV pad tails become left padding
-    (``_move_heads``)."""
+    """After a ``"state"`` refeed: arrays finalize, KV pad tails become left padding."""
     leaves = cache_leaves(batch)
     kv = [c for c in leaves if isinstance(c, BatchKVCache)]
     pads = kv[0]._right_padding if kv else None

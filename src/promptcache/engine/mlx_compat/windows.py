@@ -20,8 +20,7 @@ def _window_held(c: RotatingKVCache) -> int:
 
 
 def window_floor(caches: Sequence[Any]) -> int:
-    """The first token past ``keep`` every sliding window of these caches still holds (0: none
-    dropped)."""
+    """The first token past ``keep`` that every sliding window still holds (0: none dropped)."""
     return max((_floor_now(c) for c in cache_leaves(caches) if isinstance(c, RotatingKVCache)),
                default=0)
 

@@ -1,5 +1,4 @@
-"""Rebuild a HF ``tokenizer.json`` from GGUF tokenizer metadata (``gpt2`` byte-level BPE: SmolLM2,
-Llama 3, Qwen)."""
+"""Rebuild a HF ``tokenizer.json`` from GGUF metadata (``gpt2`` byte-level BPE: SmolLM2, Qwen)."""
 
 from __future__ import annotations
 

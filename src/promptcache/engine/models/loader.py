@@ -51,8 +51,7 @@ class ModelInfo:
 
 
 def resolve_model_path(path_or_repo: str | os.PathLike[str]) -> tuple[Path, str]:
-    """``(folder, model_id)``: a local folder, or a HF repo id fetched into the HF cache; else
-    ValueError."""
+    """``(folder, model_id)``: a local folder, or a HF repo id fetched into the HF cache."""
     text = os.fspath(path_or_repo).strip()
     if not text:
         raise ValueError("model path or repo id is empty")

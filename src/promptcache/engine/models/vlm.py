@@ -174,8 +174,7 @@ _FAMILIES = {"llava": _llava, "gemma3": _gemma3, "qwen3_vl": _qwen3_vl, "qwen3_5
 
 
 def _mlx_lm_text_model(folder: Path, config: dict[str, Any], vlm: Any) -> Any:
-    """mlx-lm's text model of a Qwen3.5 checkpoint sharing the VLM's (likewise quantized) weight
-    arrays."""
+    """mlx-lm's text model of a Qwen3.5 checkpoint, sharing the VLM's weight arrays."""
     from mlx.nn.layers.base import Module
     from mlx.nn.layers.quantized import quantize
     from mlx.utils import tree_flatten
