@@ -1,9 +1,5 @@
-"""Automated diagnosis: the dominant miss cause over a window and a concrete remedy, from the
-cache's own events. ``EvictionAdvisor`` keeps a ghost list of evicted blocks (the bytes
-evicted so far when each left): a miss on a run evicted at ``E0`` when ``E`` bytes have
-gone would have hit with ``E - E0`` more budget (an LRU stack distance). ``diagnose``
-names the cause by missed tokens and its remedy (a RAM budget, the canonical rules that
-are off, the TTL, a failed save's cause, tier findings)."""
+"""Automated diagnosis: the dominant miss cause over a window and a concrete remedy. A ghost list of
+evicted blocks gives the budget that would have hit (LRU stack distance)."""
 
 from __future__ import annotations
 
@@ -22,8 +18,7 @@ MIB = 1024**2
 
 
 def round_up(n: int) -> int:
-    """Round a byte figure up to about 1/16 of its power of two (a readable budget:
-    150 KB, 6.5 GB), never down."""
+    """Round a byte figure up to about 1/16 of its power of two (150 KB, 6.5 GB)."""
     unit = 1 << max(0, n.bit_length() - 5)
     return -(-n // unit) * unit
 
@@ -39,8 +34,7 @@ class LookupSample:
 
 
 class EvictionAdvisor:
-    """A ``PromptCache`` observer; thread-safe (its methods run under the cache lock,
-    ``window`` from any thread)."""
+    """A ``PromptCache`` observer (under the cache lock; ``window`` from any thread)."""
 
     def __init__(self, cache: Any, *, ghost_entries: int = 65536, window: int = 200) -> None:
         if ghost_entries < 1 or window < 1:
@@ -52,7 +46,6 @@ class EvictionAdvisor:
         self._lock = threading.Lock()
         self.num_lookups = 0
 
-    # ---- cache events (under the cache lock)
     def evicted(self, meta: BlockMeta) -> None:
         with self._lock:
             self._evicted_bytes += meta.nbytes
@@ -97,14 +90,12 @@ class EvictionAdvisor:
             return None, 0
         return int(self.cache.pool.budget_bytes) + worst + run_bytes, recoverable
 
-    # ---- reading
     def window(self) -> list[LookupSample]:
         with self._lock:
             return list(self._samples)
 
     def recommended_budget(self) -> int | None:
-        """The RAM budget that would have kept every evicted-before-reuse run of the
-        window, rounded up (``round_up``; None: no such miss in the window)."""
+        """The RAM budget that would have kept every run evicted before reuse (None: none)."""
         needed = [s.needed_budget for s in self.window() if s.needed_budget is not None]
         return round_up(max(needed)) if needed else None
 
@@ -146,15 +137,8 @@ def diagnose(samples: Sequence[LookupSample], stats: Mapping[str, Any] | None = 
              *, recommended_budget: int | None = None,
              missed: Mapping[str, int] | None = None,
              canonical_off: Collection[str] = ()) -> dict[str, Any]:
-    """The dominant miss cause (by missed tokens, cold excluded), its share, a one-line
-    summary with the remedy, and findings from the tiers' stats.
-
-    ``missed``: the missed tokens by cause of the requests that repeat earlier traffic
-    (the alert's window, ``HitRateMonitor.missed_by_cause``: new prompts are not in it,
-    and a session's turn names where its prompt changed); None: counted from
-    ``samples``, every lookup's. ``canonical_off``: the canonical-prompt rules switched
-    off (``--no-canonicalize``); a prompt that changed is advised to switch those back
-    on, never a rule that is on."""
+    """The dominant miss cause (by missed tokens, cold excluded), its share, a remedy and tier
+    findings; ``canonical_off``: the only rules advised back on."""
     stats = stats or {}
     if missed is None:
         counted: Counter[str] = Counter()

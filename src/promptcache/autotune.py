@@ -1,20 +1,5 @@
-"""``--auto-tune``: move the RAM budget within ``[min, max]`` from memory pressure and
-the evicted-before-reuse rate, and log every change.
-
-Every ``interval_s`` seconds ``AutoTuner.step()`` reads the machine's memory
-(``psutil.virtual_memory()``; tests pass a double) and the advisor (``advisor.py``):
-
-- **memory pressure** (available memory below ``pressure_fraction`` of the total):
-  shrink the budget by ``shrink_step`` (25%), never below ``min_bytes``. Shrinking
-  evicts (demotes to the lower tiers) the least recently used blocks.
-- otherwise, when at least ``grow_miss_rate`` of the window's prompt tokens were lost to
-  blocks evicted before reuse and the advisor's budget that would have kept them is
-  above the current one: grow towards it, by no more than the memory available above
-  the pressure line, never above ``max_bytes``.
-
-The budget never leaves ``[min_bytes, max_bytes]`` (a budget outside them at start is
-moved in); each change is logged with its reason and kept in ``changes``.
-"""
+"""``--auto-tune``: move the RAM budget within ``[min, max]``, logging every change: shrink under
+memory pressure, grow toward the advisor's budget when early evictions cost ``grow_miss_rate``."""
 
 from __future__ import annotations
 

@@ -1,21 +1,5 @@
-"""Self-describing blocks: what a tier's index knows about a block, in the block's own
-header (``codec``), so a lost or corrupt index can be rebuilt from the block files
-(``SSDTier``: ``check --fix``) instead of losing them.
-
-Block format 3 (``pc.v`` = ``"3"``): the header's string entries are ``block_hash``
-(hex), ``layout`` (where each array sits in the buffer: the adapter's layout string),
-``pc.ns`` (namespace key), ``pc.tenant``, ``pc.parent`` (hex), ``pc.tokens`` (hex of
-little-endian uint32 token ids), ``pc.start``, ``pc.extra`` (hex of the
-length-prefixed extra keys), ``pc.nbytes``, ``pc.flags`` (``t``: truncatable, ``s``:
-snapshot), ``pc.sessions`` (JSON list: the sessions the block had when it was
-encoded; the index stays the truth for later ones) and ``pc.xxh3`` (the xxh3-128 of
-the block's buffer). Format 2 had the same entries with a sha256 over the arrays of a
-one-tensor-per-array payload; ``read_description`` says None for formats 1 and 2
-(and a later one). A description is trusted only if ``verify`` holds: the chained
-block hash re-derived from parent, tokens and extra keys, and the buffer's xxh3-128.
-
-Pure Python + numpy: no I/O, no tier, no MLX.
-"""
+"""Self-describing blocks: a tier index's row in the block's own header (``codec``), so a lost index
+can be rebuilt (``check --fix``). Trusted only if ``verify`` holds. No I/O, no MLX."""
 
 from __future__ import annotations
 
@@ -41,8 +25,7 @@ _KEYS = (BLOCK_HASH_KEY, LAYOUT_KEY, "pc.ns", "pc.tenant", "pc.parent", "pc.toke
 
 @dataclass(frozen=True)
 class Description:
-    """A block as its header describes it: the index row's metadata, the sessions it
-    had when encoded, its layout and the xxh3-128 (hex) of its buffer."""
+    """A block as its header describes it: metadata, sessions, layout, buffer xxh3-128."""
 
     meta: BlockMeta
     sessions: tuple[str, ...]
@@ -98,8 +81,7 @@ def describe(desc: Description) -> dict[str, str]:
 
 
 def read_description(header: Mapping[str, str]) -> Description | None:
-    """The description in a block's header entries; None for a block of format 1 or 2
-    (or a later format this build does not know). Raises ValueError if malformed."""
+    """The description in a block's header; None for format 1, 2 or unknown; ValueError if bad."""
     if header.get(VERSION_KEY) != FORMAT_VERSION:
         return None
     missing = [k for k in _KEYS if k not in header]
@@ -128,7 +110,6 @@ def read_description(header: Mapping[str, str]) -> Description | None:
 
 
 def verify(desc: Description, buffer: np.ndarray | bytes) -> bool:
-    """True if the description's hash chain link holds and ``buffer`` (the block's
-    bytes) matches its xxh3-128."""
+    """True if the hash chain link holds and ``buffer`` matches its xxh3-128."""
     data = np.ascontiguousarray(buffer).data.cast("B") if isinstance(buffer, np.ndarray) else buffer
     return desc.chain_holds() and xxhash.xxh3_128_hexdigest(data) == desc.checksum

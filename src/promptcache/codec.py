@@ -1,31 +1,10 @@
-"""Block format 3: one raw buffer per block behind a small self-describing header,
-plus the checksum every tier verifies.
+"""Block format 3: one raw buffer behind a small self-describing header, and the checksum tiers
+verify.
 
-A block file (and a Redis payload, and a pack member) is::
-
-    u64 little-endian  n: the header's length
-    n bytes            the header: JSON, padded with spaces so the buffer starts at a
-                       multiple of ``ALIGN`` bytes
-    the buffer         the block's bytes exactly as the engine holds them in RAM
-                       (``engine.blockbuf``: one contiguous uint8 buffer per block)
-
-which is also a valid safetensors file holding one ``uint8`` tensor named ``"block"``
-(so the files keep their ``.safetensors`` name and any safetensors reader can open
-them). The header's ``__metadata__`` is the block's description (``blockdesc``:
-namespace, tenant, block and parent hash, token ids, start, extra keys, sizes,
-flags, sessions, the layout that says where each array sits in the buffer, and the
-xxh3-128 of the buffer), so a lost index can be rebuilt from the files.
-
-Decoding copies nothing: the buffer comes back as a read-only numpy view over the
-bytes read (``mx.array(view)`` in the engine is the one copy). The tiers verify a
-whole file or payload against the xxh3-128 their index recorded (``checksum``); the
-buffer's own xxh3-128 in the header is checked where there is no index to trust
-(``decode(..., verify=True)``: rebuilding an index, packs, the shadow check). The
-chain hash (``hashing``) stays sha256: it names blocks, this only detects damage.
-
-Older block formats (1 and 2: one safetensors tensor per array, sha256 digests)
-decode to ``UnsupportedFormatError``: a clean, counted miss, never a misread. No
-pickle anywhere.
+u64 LE header length, a JSON header padded to ``ALIGN``, the buffer: a valid safetensors file with
+one uint8 tensor ``"block"``. The header holds the block's description (``blockdesc``). Checksums
+are xxh3-128 (the chain hash stays sha256). Older formats decode to ``UnsupportedFormatError``. No
+pickle.
 """
 
 from __future__ import annotations
@@ -48,8 +27,7 @@ CHECKSUM_ALGORITHM = "xxh3_128"
 BLOCK_TENSOR = "block"
 ALIGN = 64  # the buffer starts at a multiple of this many bytes (as in RAM: blocklayout.ALIGN)
 _HEADER_LEN = struct.Struct("<Q")
-# A header lists one tensor and a block's description (a 64-token block: ~1 KB); a
-# larger one is not ours.
+# a header lists one tensor and a description (~1 KB for 64 tokens); a larger one is not ours
 _MAX_HEADER_BYTES = 16 * 1024 * 1024
 
 Buffer = bytes | bytearray | memoryview
@@ -66,10 +44,7 @@ def checksum(data: Buffer) -> str:
 
 
 def checksum_matches(data: Buffer, digest: str) -> bool:
-    """True if ``data`` hashes to ``digest``: an xxh3-128 (32 hex digits), or the sha256
-    (64) an index row or record of an older cache holds, so old rows are verified
-    rather than taken for damage (their payloads then decode to
-    ``UnsupportedFormatError``)."""
+    """True if ``data`` hashes to ``digest``: xxh3-128 (32 hex), or an older cache's sha256 (64)."""
     if len(digest) == 64:
         return hashlib.sha256(data).hexdigest() == digest
     return checksum(data) == digest
@@ -95,9 +70,7 @@ def _as_uint8(buffer: np.ndarray | Buffer) -> np.ndarray:
 
 def encode(meta: BlockMeta, sessions: Iterable[str], layout: str,
            buffer: np.ndarray | Buffer) -> bytes:
-    """The stored form of one block: header (``meta``, ``sessions``, ``layout``, the
-    buffer's xxh3-128) + the buffer's bytes. Raises ValueError for a buffer that is
-    not 1-d uint8 or a description that cannot be written."""
+    """The stored form of one block: header + buffer; ValueError if the buffer is not 1-d uint8."""
     body = _as_uint8(buffer)
     view = body.data.cast("B")
     desc = Description(meta, tuple(sorted(str(s) for s in sessions)), layout,
@@ -111,8 +84,7 @@ def encode(meta: BlockMeta, sessions: Iterable[str], layout: str,
 
 
 def read_header(data: Buffer) -> dict[str, str]:
-    """The header's string entries (``__metadata__``) without touching the buffer, of
-    any block format (1 and 2 included). Raises ``CorruptBlockError``."""
+    """The header's string entries, buffer unread (any format); ``CorruptBlockError``."""
     return _metadata(_header(_as_bytes_view(data))[0])
 
 
@@ -142,13 +114,11 @@ def _metadata(header: dict[str, object]) -> dict[str, str]:
 
 
 def decode(data: Buffer, *, verify: bool = False) -> Decoded:
-    """Inverse of ``encode``: the description and a read-only uint8 view of the buffer
-    (zero-copy; it keeps ``data`` alive, and ``data`` must not change while it is in
-    use). ``verify``: also check the buffer against the header's xxh3-128 and the
-    chain hash against parent, tokens and extra keys (callers without a tier index
-    that already verified the bytes). Raises ``UnsupportedFormatError`` for a block
-    of another format (an older cache's) and ``CorruptBlockError`` for anything
-    malformed."""
+    """The description and a zero-copy read-only view of the buffer (``data`` must not change
+    meanwhile).
+
+    ``verify``: check the buffer's checksum and the chain hash too. Raises
+    ``UnsupportedFormatError`` or ``CorruptBlockError``."""
     mv = _as_bytes_view(data)
     header, base = _header(mv)
     meta = _metadata(header)
@@ -181,9 +151,7 @@ def decode(data: Buffer, *, verify: bool = False) -> Decoded:
 
 
 def _other_format(meta: dict[str, str]) -> str | None:
-    """None if ``meta`` claims this block format, else the format it is of (a header
-    without a version is format 1 if it names its block). Raises CorruptBlockError
-    for a header that is no block's."""
+    """None if ``meta`` is of this format, else its format; ``CorruptBlockError`` if no block's."""
     v = meta.get(VERSION_KEY)
     if v == FORMAT_VERSION:
         return None

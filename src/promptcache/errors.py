@@ -1,9 +1,4 @@
-"""The project's exception types.
-
-Bad input raises ``ValueError`` (or a subclass of it); a broken invariant raises
-``InvariantError``. A failing cache tier raises ``TierError`` internally, which the
-cache policy turns into a counted miss: it never reaches a request.
-"""
+"""The project's exception types. A failing tier's ``TierError`` becomes a counted miss."""
 
 
 class PromptCacheError(Exception):
@@ -23,8 +18,7 @@ class CorruptBlockError(TierError):
 
 
 class UnsupportedFormatError(CorruptBlockError):
-    """A stored block of another block format (an older cache's): not damaged, but not
-    read by this version; the cache counts it as a miss (``old_format_blocks``)."""
+    """A block of an older format: not damaged, not read; a counted miss (``old_format_blocks``)."""
 
 
 class RequestError(PromptCacheError, ValueError):
@@ -36,9 +30,7 @@ class ContextLengthError(RequestError):
 
 
 class TemplateRenderError(PromptCacheError, RuntimeError):
-    """The chat template itself failed (a syntax error, a render past its time limit, a
-    runaway recursion): the server's fault, not the request's (HTTP 500). ``cause``:
-    ``timeout``, ``recursion`` or ``syntax`` (counted in ``/metrics``)."""
+    """The chat template failed (syntax, time limit, recursion: ``cause``): HTTP 500."""
 
     def __init__(self, message: str, cause: str = "error") -> None:
         super().__init__(message)
@@ -50,8 +42,7 @@ class CancelledError(PromptCacheError):
 
 
 class OverloadedError(PromptCacheError):
-    """The engine is at its admission limits and its wait queue is full (HTTP 429 for
-    OpenAI, 529 ``overloaded_error`` for Anthropic, both with ``Retry-After``)."""
+    """Admission limits and wait queue full (429 OpenAI, 529 Anthropic, with ``Retry-After``)."""
 
     def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
         super().__init__(message)

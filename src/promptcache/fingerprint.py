@@ -1,22 +1,8 @@
-"""The exact model fingerprint: a digest of the config and of every byte of the weights.
+"""The exact model fingerprint: sha256 of the canonical ``config.json`` and each safetensors file's
+name, size and xxh3-128 (part of every cache namespace).
 
-The fingerprint is part of every cache namespace, so two models whose weights differ
-anywhere (two fine-tunes with equal configs, one changed byte) never share cached
-blocks. It is the sha256 of a version tag, the canonical ``config.json`` and, for
-every ``*.safetensors`` file (by name), its name, size and content digest.
-
-Content digests are xxh3-128 over the whole file (several GB/s, so a first start
-costs about one read of the weights), remembered in ``<memo dir>/fingerprints.json``
-keyed by the file's resolved path together with its size, mtime, ctime, inode and
-device: a later start with unchanged files reads no weights at all, and any change
-to a file (even one that keeps its size and mtime: ctime moves) hashes it again. A
-file changed in the last ``RECENT_NS`` is not remembered (file times are coarse).
-A file in a Hugging Face hub cache is a link to ``blobs/<sha256 of the content>``:
-that digest (the hub's own, per revision) is used as is, without reading the file.
-
-Pure Python (no mlx): ``engine/models/loader.py`` calls ``model_fingerprint`` and the CLI
-shows it (``promptcache model info``).
-"""
+Digests are memoised in ``fingerprints.json`` by path, size, times, inode and device; a HF hub
+blob's sha256 name is used without reading it."""
 
 from __future__ import annotations
 
@@ -45,8 +31,7 @@ MEMO_MAX_ENTRIES = 512
 CHUNK_BYTES = 8 << 20
 _MAX_HEADER_BYTES = 100 * 1024 * 1024
 _HF_BLOB = re.compile(r"^[0-9a-f]{64}$")
-# File times come from a coarse kernel clock: a file changed this recently could change
-# again without its stamp moving, so its digest is used but not remembered.
+# file times are coarse: a file changed this recently is hashed but not remembered
 RECENT_NS = 2_000_000_000
 _memo_lock = threading.Lock()  # one process: read-modify-write of the memo file
 
@@ -95,8 +80,7 @@ def _stamp(st: os.stat_result) -> list[int]:
 
 
 class _Memo:
-    """``fingerprints.json``: resolved path -> {stamp, digest, used}. Best effort: an
-    unreadable memo is ignored, a failed write only costs a re-hash next time."""
+    """``fingerprints.json``: resolved path -> {stamp, digest, used}; best effort."""
 
     def __init__(self, folder: Path | None) -> None:
         self.path = None if folder is None else folder / MEMO_NAME
@@ -173,12 +157,7 @@ def file_digest(path: Path, memo: _Memo) -> str:
 
 def model_fingerprint(path: str | os.PathLike[str], *,
                       memo_dir: str | os.PathLike[str] | None = None, memo: bool = True) -> str:
-    """Hex sha256 identifying a model folder's config and every byte of its weights.
-
-    ``memo_dir``: where ``fingerprints.json`` lives (default: the promptcache home,
-    ``config.default_cache_dir()``); ``memo=False`` hashes everything again and
-    remembers nothing. Raises ValueError for a folder that is not a model (no
-    config.json, invalid JSON, no or broken safetensors)."""
+    """Hex sha256 of a model folder's config and weights; ValueError if not a model."""
     folder = Path(path)
     config_file = folder / "config.json"
     if not config_file.is_file():

@@ -1,10 +1,5 @@
-"""Chained block hashes and namespace roots.
-
-``hash(block) = sha256(parent_hash || token ids || extra keys)``: equal hash chains
-mean equal prefixes. Every value here is deterministic across processes and
-machines (never Python ``hash()``, never a random seed), because SSD entries must
-survive restarts and be shared.
-"""
+"""Chained block hashes (``sha256(parent || token ids || extra keys)``) and namespace roots,
+deterministic across processes and machines."""
 
 from __future__ import annotations
 
@@ -18,9 +13,7 @@ import numpy as np
 BlockHash = NewType("BlockHash", bytes)
 """A 32-byte sha256 digest identifying a block and (through the chain) its whole prefix."""
 
-# Part of every namespace root (and of the Redis key prefix): blocks of another version
-# are never looked up, so a new process ignores old data instead of misreading it.
-# 2: KV items with values shaped unlike their keys (MLA: ``KSHAPE,VSHAPE`` layouts).
+# part of every namespace root: a new version ignores old data (2: MLA layouts)
 CACHE_FORMAT_VERSION = 2
 MAX_TOKEN_ID = 2**32 - 1
 
@@ -29,11 +22,7 @@ _BLOCK_TAG = b"promptcache/block/v1\x00"
 
 
 def validate_tokens(tokens: Any, *, allow_empty: bool = False) -> tuple[int, ...]:
-    """Return ``tokens`` as a tuple of ints, or raise ``ValueError`` with a clear message.
-
-    Accepts a sequence of Python ints or a 1-D integer numpy array. Rejects floats,
-    bools, negative ids and ids that do not fit in 32 bits.
-    """
+    """``tokens`` as a tuple of ints; ValueError for floats, bools, negatives, >= 2**32."""
     if isinstance(tokens, (str, bytes)):
         raise ValueError("token ids must be a sequence of integers, not a string")
     if isinstance(tokens, np.ndarray):
@@ -75,12 +64,7 @@ def namespace_root(
     tenant: str,
     format_version: int = CACHE_FORMAT_VERSION,
 ) -> BlockHash:
-    """The root of every hash chain in one namespace.
-
-    Two requests can share blocks only when all of these agree: the model weights
-    and config (fingerprint), the cache format, the block size, the KV dtype /
-    quantization, and the tenant.
-    """
+    """Root of a namespace's hash chains: fingerprint, format, block size, KV spec, tenant."""
     h = hashlib.sha256(_ROOT_TAG)
     for part in (str(format_version), model_fingerprint, str(block_size), kv_spec, tenant):
         data = part.encode("utf-8")
@@ -112,11 +96,7 @@ def chain_hashes(
     block_size: int,
     extra_keys_for: Any = None,
 ) -> list[BlockHash]:
-    """Hashes of the full blocks of ``token_ids`` (a partial tail is not included).
-
-    ``extra_keys_for(start, end)`` returns the extra keys of the block covering
-    ``[start, end)`` (e.g. digests of images whose placeholders fall in it).
-    """
+    """Hashes of the full blocks of ``token_ids``, each with ``extra_keys_for(start, end)``."""
     out: list[BlockHash] = []
     parent = root
     for start in range(0, len(token_ids) - block_size + 1, block_size):

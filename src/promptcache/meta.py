@@ -1,8 +1,4 @@
-"""Plain data shared by the cache policy and every tier: namespaces and block metadata.
-
-No I/O and no MLX here. A block's *payload* (the arrays) is opaque to everything
-except ``codec`` (bytes) and ``engine`` (MLX arrays); this module only describes it.
-"""
+"""Plain data shared by the cache policy and every tier: namespaces and block metadata."""
 
 from __future__ import annotations
 
@@ -80,8 +76,7 @@ class Namespace:
 
 @dataclass(frozen=True, slots=True)
 class ExtraKeySpan:
-    """Extra hash input for the tokens ``[start, end)``: e.g. an image's digest over
-    the image placeholder tokens. Every block that overlaps the span includes it."""
+    """Extra hash input for tokens ``[start, end)`` (an image digest), in overlapping blocks."""
 
     start: int
     end: int
@@ -103,16 +98,8 @@ def extra_keys_for(spans: Sequence[ExtraKeySpan], start: int, end: int) -> tuple
 class BlockMeta:
     """What every tier knows about a stored block without reading its payload.
 
-    ``start`` is the position of the block's first token in its sequence
-    (= number of tokens in all ancestor blocks). A *partial* block has fewer
-    than ``block_size`` tokens; it is always the tail of a stored sequence and
-    never has children.
-
-    ``truncatable``: the state may be restored at any position inside the block
-    (pure KV caches). Otherwise it can be restored only at the block's end, and
-    only if ``snapshot`` is True (the payload holds the non-KV state, e.g. SSM
-    arrays, as it was after the block's last token).
-    """
+    A partial block is always a tail. Not ``truncatable``: restorable only at its end, with a
+    ``snapshot``."""
 
     block_hash: BlockHash
     parent_hash: BlockHash

@@ -1,25 +1,9 @@
-"""The pack archive format: write, read and verify a portable tar of cached blocks.
+"""The pack archive format: write, read and verify a portable tar of cached blocks (no pickle).
 
-A pack is an uncompressed POSIX tar (``tar tf pack`` lists it) holding, in order:
-
-- ``manifest.json``: format tag and version, the namespace (model fingerprint, block
-  size, KV spec, tenant, cache format version), what was selected, and per block its
-  hash, parent, start, token ids, extra keys, flags, sessions, file name, size and
-  sha256;
-- ``manifest.sha256``: the hex sha256 of ``manifest.json``'s bytes;
-- ``blocks/<hash>.safetensors``: each block as the tiers store it (``codec``, block
-  format 3: its header and its buffer).
-
-``read_pack`` verifies everything before anything is imported and fails closed
-(``PackError``, a ValueError, with a message naming what is wrong): every byte of the
-archive is covered (tar headers by their checksums, member data by the digests, the
-padding and the end of the archive must be zeros), the manifest's digest, each block
-file's sha256 and its header (the block's own hash and buffer digest), the chain
-(each hash recomputed from its parent, tokens and extra keys; each parent is the
-namespace root or an earlier block ending where it starts). ``check_target`` compares
-the pack's namespace with the one of the cache it goes into (another model, block size,
-KV spec or cache format is refused). Nothing here uses pickle.
-"""
+``manifest.json``, ``manifest.sha256``, then ``blocks/<hash>.safetensors`` (``codec``).
+``read_pack`` verifies every byte (tar checksums, digests, padding, block headers, hash chain)
+before any import and fails closed (``PackError``); ``check_target`` refuses another model or
+format."""
 
 from __future__ import annotations
 
@@ -92,7 +76,6 @@ class ImportReport:
         return {"blocks": self.blocks, "added": self.added, "tokens": self.tokens}
 
 
-# ---------------------------------------------------------------- writing
 
 def _ns_dict(ns: Namespace) -> dict[str, Any]:
     return {"model_fingerprint": ns.model_fingerprint, "block_size": ns.block_size,
@@ -133,8 +116,7 @@ def _add(tar: tarfile.TarFile, name: str, data: bytes, mtime: int) -> None:
 def write_pack(out: Path | IO[bytes], ns: Namespace, blocks: Sequence[PackBlock],
                selection: dict[str, Any], *, progress: Progress | None = None,
                clock: Callable[[], float] = time.time) -> dict[str, Any]:
-    """Write a pack (to a path: atomically, via a temp file in the same folder).
-    Returns ``{"blocks", "tokens", "bytes"}``."""
+    """Write a pack (to a path atomically); returns ``{"blocks", "tokens", "bytes"}``."""
     blocks = order_blocks(blocks)
     created = round(clock(), 3)
     manifest = json.dumps(manifest_of(ns, blocks, selection, created), sort_keys=True,
@@ -164,7 +146,6 @@ def write_pack(out: Path | IO[bytes], ns: Namespace, blocks: Sequence[PackBlock]
             "bytes": sum(len(b.data) for b in blocks)}
 
 
-# ---------------------------------------------------------------- reading + verification
 
 def _fail(msg: str) -> PackError:
     return PackError(f"refusing the pack: {msg}")
@@ -185,8 +166,7 @@ def _manifest(data: bytes) -> dict[str, Any]:
 
 
 def _zeros(f: IO[bytes], start: int, end: int | None) -> bool:
-    """Whether the bytes of ``f`` from ``start`` to ``end`` (None: its end) are zeros
-    (read in bounded chunks)."""
+    """Whether ``f``'s bytes from ``start`` to ``end`` (None: its end) are zeros."""
     f.seek(start)
     left = -1 if end is None else end - start
     while left != 0:
@@ -200,8 +180,7 @@ def _zeros(f: IO[bytes], start: int, end: int | None) -> bool:
 
 
 def _read_members(f: IO[bytes]) -> dict[str, bytes]:
-    """The members of a tar whose every byte is accounted for (see module docstring),
-    read from a seekable file: only the members' data is held in memory."""
+    """The members of a tar whose every byte is accounted for (only member data in memory)."""
     f.seek(0)
     try:
         tar = tarfile.open(fileobj=f, mode="r:")
@@ -247,8 +226,7 @@ def _field(d: dict[str, Any], name: str, kind: type | tuple[type, ...]) -> Any:
 
 
 def read_pack(source: Path | bytes | IO[bytes], *, progress: Progress | None = None) -> Pack:
-    """Read and verify a pack completely (``PackError`` on any problem): a file, its
-    bytes, or a seekable binary file object."""
+    """Read and verify a pack completely (``PackError``): a path, bytes, or a seekable file."""
     if isinstance(source, bytes):
         members = _read_members(io.BytesIO(source))
     elif isinstance(source, Path):
@@ -339,11 +317,7 @@ def _verify(members: dict[str, bytes], progress: Progress | None) -> Pack:
 
 
 class PackStart:
-    """Checks a pack's first bytes as they arrive (an upload): the archive's first
-    member is ``manifest.json`` (a valid tar header) and the manifest, once in (up to
-    ``MANIFEST_CHECK_BYTES``), names the format and a version this build reads.
-    ``feed`` raises ``PackError`` at once on a body that does not start like a pack;
-    ``read_pack`` still verifies everything."""
+    """Checks an upload's first bytes (``manifest.json``, a known version): ``PackError`` early."""
 
     def __init__(self) -> None:
         self._head = b""

@@ -1,10 +1,5 @@
-"""Cache packs: export a cache's blocks into a pack and import a pack into a cache or tier.
-
-``collect`` gathers the blocks of a conversation (its tokens), a session or a tenant
-from a ``PromptCache`` (RAM and lower tiers), parents included; ``import_into`` adds a
-verified pack to a cache, ``import_into_tier`` to one lower tier (the CLI's SSD folder).
-The archive itself (``write_pack``, ``read_pack``, ``check_target``) is ``packfile.py``.
-"""
+"""Cache packs: export a conversation's, session's or tenant's blocks (parents included) into a pack
+(``packfile``); import a verified pack into a cache or one lower tier."""
 
 from __future__ import annotations
 
@@ -57,8 +52,7 @@ def _lower_hashes(cache: _Cache, ns: Namespace, session_id: str | None) -> list[
 def collect(cache: _Cache, ns: Namespace, *, tokens: Sequence[int] | None = None,
             session_id: str | None = None, progress: Progress | None = None
             ) -> list[PackBlock]:
-    """The blocks of a conversation (``tokens``: its cached prefix), of a session, or
-    (neither) of the whole tenant of ``ns``, with every parent up to the root."""
+    """The blocks of a conversation (``tokens``), a session, or the tenant, parents included."""
     if tokens is not None:
         match = cache.lookup(list(tokens), ns)
         wanted = [m.block_hash for m in match.blocks]
@@ -92,8 +86,7 @@ def collect(cache: _Cache, ns: Namespace, *, tokens: Sequence[int] | None = None
 
 def import_into(cache: _Cache, pack: Pack, target: Namespace,
                 progress: Progress | None = None) -> ImportReport:
-    """Import a verified pack (``read_pack``) into a cache whose namespace for the
-    pack's tenant is ``target`` (``check_target`` is applied first)."""
+    """Import a verified pack into a cache whose namespace for the pack's tenant is ``target``."""
     check_target(pack, target)
     added = 0
     for i, b in enumerate(pack.blocks):

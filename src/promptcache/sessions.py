@@ -1,14 +1,5 @@
-"""Session TTL: delete the sessions nobody used for ``ttl`` seconds (``--session-ttl``).
-
-``SessionReaper(cache, ttl_s, clock=time.time)``: the server calls ``touch(tenant,
-session)`` when a request of a session starts and when it ends; ``sweep()`` deletes
-(``cache.delete_session(session, tenant)``: every tier; blocks shared with a live
-session stay) each session whose last use is older than ``ttl_s``. A session's last use
-is the latest of what this process saw (``touch``) and what a lower tier that lists
-sessions reports (``SSDTier.sessions``: the latest access of its blocks, so sessions
-written before a restart expire too). ``start()`` runs ``sweep`` in a daemon thread every
-``interval_s`` (default ``min(ttl / 4, 60)`` seconds); tests call ``sweep`` with their
-own clock. The clock is wall-clock seconds, like the SSD index's.
+"""Session TTL (``--session-ttl``): delete the sessions nobody used for ``ttl`` seconds, by what
+this process saw and what tiers report (pre-restart sessions expire too).
 """
 
 from __future__ import annotations
@@ -94,7 +85,6 @@ class SessionReaper:
         return {"ttl_s": self.ttl_s, "tracked": tracked, "reaped_sessions": self.num_reaped,
                 "reaped_blocks": self.blocks_reaped}
 
-    # ---- the background thread
     def start(self) -> None:
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="promptcache-session-ttl",

@@ -1,16 +1,4 @@
-"""One cached block in RAM (``Block``): its flags, its eviction level, its packed tokens.
-
-``Block`` carries a block's identity (hash, parent hash, packed token ids, start,
-extra keys, namespace), its payload and byte size, and the bookkeeping the pool and
-the cache policy keep on it: reference count, last access, sessions, agents, hits,
-the children index (``kids``) and the eviction level (``level``). The pool
-(``pool.py``) owns the index fields and the levels; nothing here touches another
-block.
-
-- Flags: ``TRUNCATABLE``, ``SNAPSHOT``, ``PERSISTED`` (a copy is in the lower tiers).
-- Eviction levels: ``IDLE`` < ``ACTIVE`` < ``PROTECTED`` (``LEVELS``).
-- ``pack_tokens`` / ``unpack_tokens``: token ids as little-endian uint32 bytes.
-"""
+"""One cached block in RAM: identity, payload, the pool's bookkeeping, flags and eviction levels."""
 
 from __future__ import annotations
 
@@ -28,9 +16,8 @@ TRUNCATABLE = 1
 SNAPSHOT = 2
 PERSISTED = 4  # a copy is known to be in the lower tiers: no demotion needed
 
-# Eviction levels of an unreferenced block: idle blocks go first, then blocks on the
-# latest chain of an active session; protected blocks (a client's cache breakpoint
-# within its ttl) are not evicted at all. The cache policy sets them (``set_level``).
+# Eviction levels: idle first, then an active session's latest chain; protected (a breakpoint)
+# never.
 IDLE = 0
 ACTIVE = 1
 PROTECTED = 2

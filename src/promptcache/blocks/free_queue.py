@@ -1,14 +1,6 @@
-"""An intrusive doubly linked queue with sentinel head and tail.
+"""An intrusive doubly linked queue (O(1) append / popleft / remove, no allocation): the pool's LRU.
 
-The links live in the nodes themselves (``prev_free`` / ``next_free``), so
-``append``, ``popleft`` and ``remove`` of an arbitrary node are O(1) and the queue
-allocates nothing. The block pool keeps its unreferenced blocks here in LRU
-order: the head is the least recently used block (evicted first), the tail the
-most recent one.
-
-Invariant relied on by the pool: a node is in the queue if and only if its
-``prev_free`` is not None (sentinels excepted).
-"""
+A node is queued iff its ``prev_free`` is not None."""
 
 from __future__ import annotations
 

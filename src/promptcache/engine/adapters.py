@@ -1,30 +1,8 @@
-"""mlx-lm cache objects <-> block payloads.
+"""mlx-lm cache objects <-> block payloads, through each cache's public ``state``.
 
-Every per-layer cache object of mlx-lm 0.32 exposes its full state through the
-public ``state`` property (KVCache: keys, values, offset; RotatingKVCache: keys,
-values, offset, keep, max_size, idx; QuantizedKVCache: (wq, scales, biases) x 2,
-offset, group_size, bits; ArraysCache: arrays, left_padding, lengths; CacheList:
-a list of sub-states). ``extract_block`` reads a token range out of a live cache
-list; ``restore`` builds fresh cache objects from the payloads of consecutive
-blocks. Payload names follow docs/INTERFACES.md:
-
-- ``"<layer>.k"`` / ``"<layer>.v"``: KV of the block's tokens, ``[B, heads, n, dim]``
-- ``"<layer>.k.<i>"`` / ``"<layer>.v.<i>"``: part ``i`` of a quantized KV slice
-- ``"<layer>.s.<i>"``: array ``i`` of a non-KV state (SSM) snapshot at the block's end
-
-A ``CacheList`` at layer ``L`` names its sub-caches ``"L.0"``, ``"L.1"``, ...
-
-A payload is one ``BlockPayload`` (``blockbuf``): every array of the block packed
-into one evaluated ``uint8`` buffer (a copy: a lazy slice would pin the whole cache
-buffer in memory), readable by the names above. With a ``KVQuant`` spec
-(``quant``), ``extract_block`` stores the KV of blocks from ``min_tokens`` on
-quantized (packed values, scales, biases per group); ``restore`` dequantizes them
-into the template's own cache kind, or fills a ``QuantizedKVCache`` directly.
-``restore`` also accepts plain ``name -> array`` mappings (older payloads).
-
-The supported kinds and the walk over a layer list live in ``cache_kinds``, ``restore``
-in ``block_restore``; both are re-exported here.
-"""
+A payload is one evaluated ``BlockPayload`` buffer (a copy: a lazy slice would pin the cache), named
+as in docs/INTERFACES.md. With a ``KVQuant`` spec, KV from ``min_tokens`` on is stored quantized.
+``restore`` and the cache kinds are re-exported."""
 
 from __future__ import annotations
 
@@ -89,14 +67,7 @@ __all__ = [
 
 
 def _rotating_segments(c: RotatingKVCache, start: int, end: int) -> list[tuple[int, int]]:
-    """Raw buffer index ranges holding the tokens ``[start, end)``, in order.
-
-    The temporal order of the buffer is derived from the public state
-    (keys, values, offset, keep, max_size, idx), mirroring mlx-lm's own rule:
-    - idx == len(buffer): the buffer is in temporal order;
-    - idx < offset: rotated: buffer[:keep], buffer[idx:], buffer[keep:idx];
-    - otherwise: buffer[:idx] holds tokens 0..offset.
-    """
+    """Raw buffer index ranges holding tokens ``[start, end)``, in temporal order."""
     keys, _, offset, keep, _max_size, idx = c.state
     length = keys.shape[2]
     if idx == length:
@@ -107,8 +78,7 @@ def _rotating_segments(c: RotatingKVCache, start: int, end: int) -> list[tuple[i
         order = [(0, idx)]
     order = [(a, b) for a, b in order if b > a]
     total = sum(b - a for a, b in order)
-    # temporal index -> token position: [0, keep) are tokens 0..keep-1 when tokens were
-    # dropped; the rest are the last (total - keep) tokens before ``offset``.
+    # temporal index -> token: [0, keep) are tokens 0..keep-1, the rest the last ones before offset
     if total == offset:
         first_tail = 0
         tail_start_index = 0
@@ -128,14 +98,12 @@ def _rotating_segments(c: RotatingKVCache, start: int, end: int) -> list[tuple[i
             )
         return tail_start_index + pos - first_tail
 
-    # split [start, end) into the keep part and the window part
     ranges: list[tuple[int, int]] = []
     if total != offset and start < keep:
         ranges.append((temporal_index(start), temporal_index(min(end, keep) - 1) + 1))
         start = min(end, keep)
     if start < end:
         ranges.append((temporal_index(start), temporal_index(end - 1) + 1))
-    # map temporal ranges onto raw buffer ranges
     out: list[tuple[int, int]] = []
     for t0, t1 in ranges:
         base = 0
@@ -157,7 +125,6 @@ def _slice_rotating(c: RotatingKVCache, start: int, end: int) -> tuple[mx.array,
     return k, v
 
 
-# ---------------------------------------------------------------- extract
 
 
 @functools.lru_cache(maxsize=64)
@@ -169,10 +136,7 @@ def _warn_unquantizable(head_dim: int, group_size: int) -> None:
 
 def _kv_entry(name: str, k: mx.array, v: mx.array, quant: KVQuant | None,
               start: int) -> tuple[Item, list[mx.array]]:
-    """The block item of one KV layer: quantized if the spec says so for this block.
-
-    Keys and values may differ in width (MLA: the latent and the rope key); a quantized
-    item uses one group size that divides both."""
+    """One KV layer's block item, quantized if the spec says so (MLA: one group for K and V)."""
     if v.dtype != k.dtype:
         raise ValueError(f"layer {name}: keys are {k.dtype}, values {v.dtype}; a block "
                          "stores KV of one dtype")
@@ -193,22 +157,13 @@ def _kv_entry(name: str, k: mx.array, v: mx.array, quant: KVQuant | None,
 
 def extract_block(caches: Sequence[Any], start: int, end: int, snapshot: bool, *,
                   quant: KVQuant | None = None) -> BlockPayload:
-    """The payload of the block ``[start, end)`` from live cache objects: one buffer.
-
-    KV slices are taken for every attention layer; a non-KV state (ArraysCache)
-    is included only when ``snapshot`` is True, and then ``end`` must equal the
-    current position of the cache (a state exists only for "now").
-    ``quant``: store the KV quantized (blocks from ``quant.min_tokens`` on; a
-    QuantizedKVCache layer is stored as it is, quantized with its own bits).
-    """
+    """The payload of block ``[start, end)``; a state only with ``snapshot`` (``end`` = now)."""
     return pack(_entries(caches, start, end, snapshot, quant))
 
 
 def extract_run(caches: Sequence[Any], start: int, block_size: int, n: int, *,
                 quant: KVQuant | None = None) -> list[BlockPayload]:
-    """The payloads of ``n`` full blocks from ``start`` (no snapshots) as rows of one
-    slab (``blockbuf.pack_rows``): each equal to ``extract_block``'s, one copy per layer
-    array for the run. ``quant`` must treat every block of the run alike."""
+    """The payloads of ``n`` full blocks from ``start`` as rows of one slab (``pack_rows``)."""
     if n < 1 or block_size < 1:
         raise ValueError(f"a run needs n >= 1 blocks of >= 1 token, got {n} x {block_size}")
     end = start + n * block_size
@@ -271,8 +226,7 @@ def payload_arrays(payload: Mapping[str, Any]) -> int:
 
 
 def _state_list(c: Any, num_tokens: int) -> list[mx.array | None]:
-    """A leaf cache's arrays from its public ``state``; KV arrays cut to their first
-    ``num_tokens`` tokens (a live KV buffer has room for more)."""
+    """A leaf cache's state arrays; KV cut to ``num_tokens`` (a live buffer has room for more)."""
     if isinstance(c, ArraysCache):
         return list(c.cache)
     out: list[mx.array | None] = []
@@ -285,16 +239,8 @@ def _state_list(c: Any, num_tokens: int) -> list[mx.array | None]:
 
 def check_storable(model_or_caches: Any, probed: Sequence[Any], num_tokens: int, *,
                    quant: KVQuant | None = None) -> None:
-    """Raise ValueError, naming the layer and the reason, if the state of ``probed``
-    (fresh cache objects after a forward of ``num_tokens`` tokens) does not survive a
-    round trip through one block: stored with ``extract_block``, restored with
-    ``restore`` into the same cache types, offsets and arrays (bit for bit at full
-    precision; shapes and dtypes where ``quant`` stores the block quantized).
-
-    Run when a model is loaded, so a model whose cache cannot be stored is refused
-    there with this message instead of failing every save of every request. With a
-    ``quant`` spec both kinds of blocks are checked: full precision (blocks before its
-    ``min_tokens``) and quantized."""
+    """Raise ValueError (naming the layer) if ``probed``'s state does not survive a block round trip
+    (at model load; with ``quant``, both kinds of block)."""
     _check_round_trip(model_or_caches, probed, num_tokens, None)
     if quant is not None:
         _check_round_trip(model_or_caches, probed, num_tokens,

@@ -1,44 +1,9 @@
-"""Admission control: how many requests run at once and how much KV they may hold.
+"""Admission control: how many requests run at once and how much KV they may hold (thread-safe).
 
-Pure Python and thread-safe (``submit`` / ``cancel`` run on the callers' threads,
-``take`` / ``release`` on the engine thread). A submitted ``Ticket`` is admitted at
-once when the limits allow, else it waits in a bounded FIFO queue (interactive
-before background); when the queue is full ``submit`` raises ``OverloadedError``
-with a ``Retry-After`` estimate. Limits:
-
-- ``max_active``: admitted requests (prefilling, decoding, waiting to join the batch);
-- ``kv_budget``: bytes of KV the admitted requests may grow to. A request is charged
-  for its prompt + ``max_tokens``; since mlx-lm's batch caches pad every row to the
-  longest one, the charge of the whole set is ``n x row_bytes(longest)``
-  (``footprint``), which bounds the real batch from above.
-
-Background work (next-turn pre-render, shadow verification) is the lowest priority
-and never costs an interactive request a slot or a queue position:
-
-- background tickets wait in a queue of their own, bounded by ``max_queued`` apart
-  from the interactive one: a waiting background ticket is never counted against an
-  interactive request (nor in its Retry-After), and the interactive counters
-  (``admitted``, ``rejected``, ``queued_total``, ``active``, ``queued``) count
-  interactive tickets only (``background_*`` count the others);
-- a background ticket is admitted only when no interactive ticket waits, and never into
-  the last free slot (``max_active > 1``);
-- when an interactive ticket waits and would fit without some admitted background
-  tickets, the newest of those are *preempted*: ``on_preempt(ticket)`` is called once
-  for each (the engine cancels the request; the slot and its KV come back when the
-  scheduler drops it, at its next step) and the interactive ticket is admitted on that
-  release. Blocks a preempted pre-render already saved stay in the cache.
-
-A ticket is never admitted past a waiting one of its class (FIFO, no starvation of long
-requests).
-
-Memory pressure (``set_pressure``, from the memory governor, ``governor.py``): under
-``pause`` or ``refuse`` a waiting ticket is admitted only while no other request is
-active (the running ones finish and give their memory back; an idle engine still serves
-one at a time: a footprint that does not come down, as RSS often does not after a free,
-never holds the queue forever); under ``refuse`` every new submit also raises
-``OverloadedError`` with the governor's Retry-After (``memory_refused``). Back to
-``ok``, the queue moves as usual.
-"""
+Admitted within ``max_active`` and ``kv_budget`` (charged ``n x row_bytes(longest)``: mlx-lm pads
+batch rows), else queued FIFO (full: ``OverloadedError``). Background tickets queue apart, never
+take the last slot, and are preempted (newest first) for interactive ones (docs/INTERFACES.md).
+Under memory ``pause`` / ``refuse`` a ticket starts only alone; ``refuse`` rejects submits."""
 
 from __future__ import annotations
 
@@ -106,8 +71,7 @@ class Admission:
     row_bytes: Callable[[int], int]
     clock: Callable[[], float] = time.monotonic
     stats: AdmissionStats = field(default_factory=AdmissionStats)
-    # called (outside the lock) for each admitted background ticket that must give its
-    # slot back to a waiting interactive one; None: nobody is told (tests)
+    # called outside the lock for each background ticket preempted for an interactive one
     on_preempt: Callable[[Ticket], None] | None = None
 
     def __post_init__(self) -> None:
@@ -120,22 +84,19 @@ class Admission:
         self._admits = 0
         self._interactive_submits = 0  # interactive tickets ever submitted
         self._pressure = "ok"  # the memory governor's level: ok | pause | refuse
-        # with a memory governor: whether a waiting ticket's predicted peak fits beside
-        # the running tickets' (``MemoryGovernor.fits``); it starts when it does, or alone
+        # with a memory governor: whether a waiting ticket's predicted peak fits beside the running
+        # ones
         self.memory_fits: Callable[[int, int], bool] | None = None
         self._pressure_retry = 1
         self.memory_refused = 0  # submits refused for memory
 
-    # ---------------------------------------------------------------- accounting
 
     def footprint(self, lengths: list[int]) -> int:
         """KV bytes of a batch of rows with these lengths (every row padded to the longest)."""
         return len(lengths) * self.row_bytes(max(lengths)) if lengths else 0
 
     def room(self) -> int | None:
-        """KV bytes the admitted requests' reservations leave free in the budget (None:
-        no budget). The batched prefill's attention workspace must fit in it
-        (``Scheduler._fill_group``), so reserved KV + workspace stays within the budget."""
+        """KV bytes the reservations leave free (None: no budget), for the prefill workspace."""
         if self.kv_budget is None:
             return None
         with self._lock:
@@ -161,9 +122,7 @@ class Admission:
             self._num_waiting += delta
 
     def _preemptions(self) -> list[Ticket]:
-        """Admitted background tickets the first waiting interactive ticket needs gone
-        (newest first, marked ``preempted``); none when it will fit once the ones
-        already preempted are released, or would not fit even without all of them."""
+        """Background tickets (newest first) a waiting interactive one needs gone (marked)."""
         head = next((t for t in self._waiting[0] if t.state == WAITING), None)
         if head is None:
             return []
@@ -186,8 +145,7 @@ class Admission:
         return []
 
     def _covered(self) -> int:
-        """How many waiting interactive tickets (from the head, in order) fit once the
-        preempted background tickets are released."""
+        """How many waiting interactive tickets (in order) fit once the preempted ones go."""
         gone = {a for a in self._active if a.preempted}
         if not gone:
             return 0
@@ -263,11 +221,7 @@ class Admission:
             return self.retry_after_s()
 
     def retry_after_s(self) -> int:
-        """Seconds a refused client should wait, from the measured queue: one service
-        time (EWMA of admitted-to-release; before any finished, the age of the oldest
-        active request) per full round of the active slots ahead of it, and at least
-        what queued requests recently waited (EWMA). At least 1, at most
-        ``MAX_RETRY_AFTER_S``. Caller holds the lock."""
+        """Seconds a refused client should wait (service and queue-wait EWMAs); lock held."""
         now = self.clock()
         service = self.stats.recent_service_s
         if service == 0:
@@ -277,11 +231,9 @@ class Admission:
         estimate = max(service * rounds, self.stats.recent_wait_s)
         return int(min(MAX_RETRY_AFTER_S, max(1, math.ceil(estimate))))
 
-    # ---------------------------------------------------------------- callers
 
     def submit(self, t: Ticket) -> None:
-        """Admit or queue ``t``; raise ``OverloadedError`` when the queue is full and
-        ``RequestError`` when the request alone exceeds the KV budget."""
+        """Admit or queue ``t``; ``OverloadedError`` (queue full), ``RequestError`` (too big)."""
         if self.kv_budget is not None and self.row_bytes(t.length) > self.kv_budget:
             raise RequestError(
                 f"prompt + max_tokens ({t.length} tokens) need {self.row_bytes(t.length)} "
@@ -308,8 +260,7 @@ class Admission:
             if t.state != WAITING:
                 return
             preempt = [] if t.background else self._preemptions()
-            # interactive tickets that only wait for preempted background ones to go
-            # hold no queue position
+            # interactive tickets waiting only for preempted ones hold no queue position
             waiting = self._bg_waiting if t.background else self._num_waiting - self._covered()
             if waiting > self.max_queued:
                 q.pop()  # t is the last of its queue: _admit_waiting pops from the left
@@ -341,7 +292,6 @@ class Admission:
         self._tell_preempted(preempt)
         return True
 
-    # ---------------------------------------------------------------- engine thread
 
     def take(self) -> list[Ticket]:
         """Admitted tickets the engine has not started yet (in admission order)."""
@@ -382,9 +332,7 @@ class Admission:
             return out
 
     def set_pressure(self, level: str, retry_after_s: int = 1) -> None:
-        """The memory governor's level (``ok`` | ``pause`` | ``refuse``) and the
-        Retry-After of a refusal; back to ``ok`` (or to ``pause`` with nothing active)
-        the waiting tickets are admitted as they fit."""
+        """Set the memory governor's level (``ok`` | ``pause`` | ``refuse``) and its Retry-After."""
         if level not in ("ok", "pause", "refuse"):
             raise ValueError(f"pressure level must be ok, pause or refuse, got {level!r}")
         with self._lock:
@@ -400,8 +348,7 @@ class Admission:
 
     @property
     def interactive_submits(self) -> int:
-        """Interactive tickets submitted so far (accepted or refused): the engine
-        gathers a burst once per new arrival (``loop.py``)."""
+        """Interactive tickets submitted so far (the engine gathers a burst per new arrival)."""
         return self._interactive_submits
 
     def snapshot(self) -> dict[str, Any]:

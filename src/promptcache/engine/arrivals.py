@@ -1,22 +1,7 @@
 """The engine thread's wake-up, stop flag and the gathering of a burst of arrivals.
 
-Requests a client sends together reach the engine one after the other: the server
-prepares them (template, tokenization) in one worker thread, one at a time. An idle
-engine woken by the first would prefill it alone and the others as a second batch
-after it -- the first stream's decode then waits for their prefill, and the last
-stream's first token for both. So an idle engine woken by an arrival ``gather``s:
-
-- it waits while more requests arrive, each within one ``window`` of the last (at
-  most 5 windows in all, as before announcements existed);
-- the server ``announce``s every generation request when it starts preparing it and
-  releases the announcement when the preparation ends (just before its ``submit``):
-  while announced requests are still being prepared the engine keeps waiting (at most
-  ``max_s`` from the wake-up), and after each release one more window, for its submit.
-
-A request that arrives alone, with nothing else being prepared, waits one window.
-Announcements are counted whether the engine is idle or not; only an idle engine
-waits for them (a busy one takes new requests at its next step).
-"""
+Requests sent together arrive one by one; so an idle engine waits while more arrive within a
+``window`` and while announced ones are being prepared, to prefill them as one batch."""
 
 from __future__ import annotations
 
@@ -41,8 +26,7 @@ class Arrivals:
         return self._incoming
 
     def announce(self) -> Callable[[], None]:
-        """One request is being prepared; returns its release (idempotent: call it
-        when the preparation ends, whether or not the request is submitted)."""
+        """One request is being prepared; returns its (idempotent) release."""
         with self._lock:
             self._incoming += 1
         done = False
@@ -61,10 +45,7 @@ class Arrivals:
 
     def gather(self, window: float, max_s: float,
                on_wake: Callable[[], None] | None = None) -> int:
-        """Called by the engine thread woken from idle; returns the number of waits
-        (see the module docstring). ``window <= 0``: no gathering. ``on_wake`` runs at
-        every wake-up meanwhile (the engine runs the calls made of it: a request being
-        prepared may wait for one, ``Engine.call``)."""
+        """Wait for a burst (woken from idle); returns the waits; ``on_wake`` at each wake-up."""
         if window <= 0:
             return 0
         start = self._clock()

@@ -1,24 +1,8 @@
-"""One buffer per block: a block's arrays packed into one contiguous ``uint8`` array.
+"""One buffer per block: a block's arrays packed into one contiguous ``uint8`` array, since Metal
+caps a process's buffer count (per-layer arrays hit it near 200k tokens).
 
-On Apple GPUs every ``mx.array`` is a Metal buffer and Metal caps the number of
-buffers a process may hold, independently of their bytes (mlx-vlm caps its block
-pool at 450,000 tensors for that reason). Two arrays per layer per block (six when
-quantized) reach that ceiling with a 48-layer model near 200k cached tokens at
-64-token blocks; one array per block is 96 (288) times further away.
-
-A ``BlockPayload`` is that buffer plus a ``Layout``: the block's items (one per
-layer: full-precision KV, quantized KV, or an array of a state snapshot), each
-part's offset, dtype and shape. It is a read-only ``Mapping`` from the payload
-names of docs/INTERFACES.md (``"<layer>.k"``, ``"<layer>.k.<i>"``, ``"<layer>.s.<i>"``)
-to views sliced from the buffer, so code that indexes payloads keeps working.
-
-The layout (``blocklayout.py``) travels as one short string (``Layout.text``), parsed
-once and shared.
-
-A run of consecutive blocks saved together (``pack_rows``) shares one 2-d slab, one
-row per block (``BlockPayload.slab`` / ``row``): restore reads a layer across a run of
-rows with one strided copy instead of one copy per block, and a Metal process holds
-one buffer for the run. A slab's memory returns when the last of its blocks goes.
+A ``BlockPayload`` is a read-only ``Mapping`` of payload names to views of it; blocks saved together
+share one 2-d slab (``pack_rows``).
 """
 
 from __future__ import annotations
@@ -66,9 +50,7 @@ class BlockPayload(Mapping[str, mx.array]):
         return mx.as_strided(self.buffer.view(p.dtype), p.shape, p.strides, p.elem_offset)
 
     def arrays(self) -> dict[str, mx.array]:
-        """Every part as a view, ``{name: payload[name]}``, built with one typed view
-        per dtype and one ``mx.split`` per run of equal neighbours (restore takes the
-        parts of thousands of blocks: fewer graph nodes)."""
+        """Every part as a view (one view per dtype, one ``mx.split`` per run: fewer nodes)."""
         typed: dict[mx.Dtype, mx.array] = {}
         out: dict[str, mx.array] = {}
         for head, names in self.layout.runs:
@@ -129,10 +111,7 @@ def pack(entries: Sequence[tuple[Item, Sequence[mx.array]]]) -> BlockPayload:
 
 def pack_rows(entries: Sequence[tuple[Item, Sequence[mx.array]]], n: int
               ) -> list[BlockPayload]:
-    """``n`` consecutive blocks as rows of one evaluated slab. ``entries`` hold KV items
-    shaped for one block (``T`` tokens) with their arrays over all ``n`` blocks' tokens
-    (axis 2 holds ``n * T``); row ``i`` is byte for byte what ``pack`` makes of block
-    ``i``'s slices. One copy per array of the run, not one per block."""
+    """``n`` consecutive blocks as rows of one evaluated slab (row ``i`` = ``pack`` of ``i``)."""
     if n < 1:
         raise ValueError(f"a slab holds at least one block, got {n}")
     items = [item for item, _ in entries]
@@ -169,9 +148,7 @@ def pack_rows(entries: Sequence[tuple[Item, Sequence[mx.array]]], n: int
 
 
 def rows_from_host(buffers: Sequence[object], layout: Layout) -> list[BlockPayload]:
-    """Blocks of one layout read from host memory (numpy ``uint8`` buffers of
-    ``layout.nbytes``) as rows of one slab: one array made from host memory for the
-    run, not one per block."""
+    """Blocks of one layout from host ``uint8`` buffers as rows of one slab (one array)."""
     arrs = [np.asarray(b) for b in buffers]
     if not arrs or any(a.dtype != np.uint8 or a.shape != (layout.nbytes,) for a in arrs):
         raise ValueError(f"block buffers must be uint8 ({layout.nbytes},) each")
@@ -183,8 +160,7 @@ def rows_from_host(buffers: Sequence[object], layout: Layout) -> list[BlockPaylo
 
 
 def pack_named(arrays: Mapping[str, mx.array]) -> BlockPayload:
-    """Pack a legacy ``name -> array`` payload into one buffer (one ``raw`` item per
-    array; restore reads them by name as before)."""
+    """Pack a legacy ``name -> array`` payload into one buffer (one ``raw`` item per array)."""
     entries: list[tuple[Item, Sequence[mx.array]]] = []
     for name, a in arrays.items():
         if not isinstance(name, str) or not NAME_RE.match(name):

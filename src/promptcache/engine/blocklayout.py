@@ -1,23 +1,8 @@
-"""Block layouts: the text that says where each of a block's arrays lies in its buffer.
+"""Block layouts: the short text (``Layout.text``) saying where each of a block's arrays lies.
 
-The layout travels as one short string (``Layout.text``), e.g.
-``"0-29=kv:bfloat16:1x3x64x64"`` or ``"0-29=q8g64:float32:1x3x64x64"``: items
-``NAMES=KIND:DTYPE:SHAPE`` separated by ``;``, where ``NAMES`` is a layer name or a
-range ``a-b`` of consecutive top-level layers with the same item, and ``KIND`` is
-``kv`` (parts ``.k``, ``.v``), ``q<bits>g<group>`` (parts ``.k.0-2``, ``.v.0-2``:
-packed uint32, scales, biases; DTYPE and SHAPE are those of the unquantized KV),
-``s<i>`` (part ``.s.<i>``) or ``raw`` (one part named NAMES). A KV item whose values
-are shaped differently from its keys writes ``KSHAPE,VSHAPE``: MLA (multi-head latent
-attention: DeepSeek-V2/V3, GLM-4 MoE Lite, Kimi Linear) caches the compressed latent
-as the keys and the rope key as the values, e.g. ``"0-60=kv:bfloat16:1x1x64x512,1x1x64x64"``
-(the batch and token axes always agree). Each part starts at a
-multiple of ``ALIGN`` bytes; parts are grouped by class, in item order within a
-class: KV, packed quantized values and raw arrays first, then all scales, then all
-biases, then state snapshots. Equal neighbours (same dtype and shape, no gap) form
-runs that restore cuts with one ``mx.split`` instead of one view per array (fewer
-graph nodes: a 30-layer block is 3 nodes, not 60). Layouts are parsed once and shared
-(blocks of one model have a handful of distinct layouts).
-"""
+Items ``NAMES=KIND:DTYPE:SHAPE`` joined by ``;`` (e.g. ``"0-29=kv:bfloat16:1x3x64x64"``; MLA:
+``KSHAPE,VSHAPE``). Parts are ``ALIGN``-ed, grouped by class; equal neighbours form runs restored
+with one ``mx.split``."""
 
 from __future__ import annotations
 
@@ -41,8 +26,7 @@ _DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 NAME_RE = re.compile(r"^[A-Za-z0-9_]+(\.[A-Za-z0-9_]+)*$")
 _KIND_RE = re.compile(r"^(kv|raw|s(\d+)|q(\d+)g(\d+))$")
 _RANGE_RE = re.compile(r"^(\d+)-(\d+)$")
-# bit widths a quantized item may have: what mx.quantize (affine) packs, so the KV of a
-# model running mlx-lm's QuantizedKVCache with any of them can be stored as it is
+# bit widths mx.quantize (affine) packs: mlx-lm's QuantizedKVCache KV is stored as it is
 _LAYOUT_BITS = (1, 2, 3, 4, 5, 6, 8)
 
 
@@ -55,10 +39,7 @@ def dtype_name(dtype: mx.Dtype) -> str:
 
 @dataclass(frozen=True, slots=True)
 class Item:
-    """One layer's entry: ``kind`` is "kv", "q" (bits, group_size), "s" (index) or "raw".
-
-    ``shape`` is the keys' shape; ``vshape`` the values' where it differs (MLA), else
-    None (a ``vshape`` equal to ``shape`` is stored as None: one item, one text)."""
+    """One layer's entry: ``kind`` "kv", "q", "s" or "raw"; ``vshape``: V's shape if unlike K."""
 
     name: str
     kind: str
@@ -139,7 +120,7 @@ class Layout:
     # KV / quantized-KV items by layer name, snapshot items by layer name
     kv_items: Mapping[str, Item]
     num_tokens: int | None  # tokens of the block (the KV's axis 2), None without KV
-    # maximal sequences of adjacent parts with one dtype and shape: (first part, names)
+    # maximal runs of adjacent parts of one dtype and shape: (first part, names)
     runs: tuple[tuple[Part, tuple[str, ...]], ...] = ()
 
     @property
@@ -239,8 +220,7 @@ def _parse_item(names: str, code: str) -> list[Item]:
 
 @functools.lru_cache(maxsize=4096)
 def parse_layout(text: str) -> Layout:
-    """The ``Layout`` of a layout string (cached: equal strings share one object).
-    Raises ValueError for a malformed string."""
+    """The ``Layout`` of a layout string (cached); ValueError if malformed."""
     if not isinstance(text, str):
         raise ValueError("a block layout must be a string")
     items: list[Item] = []

@@ -1,8 +1,4 @@
-"""What the block adapters know about mlx-lm's cache objects: which kinds are supported,
-how a layer list is walked (``CacheList`` sub-caches named ``"L.0"``, ``"L.1"``, ...),
-which states can be truncated, the KV spec that goes into a namespace, and the sizes,
-offsets and windows of a live cache list. Shared by ``adapters`` (blocks out of a
-cache) and ``block_restore`` (cache objects out of blocks)."""
+"""What the block adapters know of mlx-lm's caches: kinds, layer walk, truncation, KV spec."""
 
 from __future__ import annotations
 
@@ -58,11 +54,7 @@ def _check_supported(c: Any) -> None:
 
 
 def is_truncatable(caches: Sequence[Any]) -> bool:
-    """True if the state can be restored at any token position (KV caches only).
-
-    An ArraysCache (SSM / linear attention state) anywhere makes the model
-    non-truncatable: it can be restored only where a snapshot was stored.
-    """
+    """True if the state can be restored at any token (with an ArraysCache: only at snapshots)."""
     for _, c in _leaves(caches):
         _check_supported(c)
         if isinstance(c, ArraysCache):
@@ -80,13 +72,7 @@ def _model_dtype(model: Any) -> str:
 
 
 def kv_spec(model: Any, caches: Sequence[Any] | None = None, quant: KVQuant | None = None) -> str:
-    """A namespace string for the KV representation: dtype, quantization, layer kinds,
-    and how blocks are stored (``quant``: e.g. ``;q8g64m256``; nothing for full precision).
-
-    Two processes share blocks only if they agree on this (plus the model
-    fingerprint, block size and tenant in the namespace root), so a full-precision
-    block is never served where quantized ones are expected, or the reverse.
-    """
+    """The namespace string of the KV representation: blocks are shared only where it agrees."""
     if caches is None:
         caches = make_prompt_cache(model)
     kinds = []
@@ -114,7 +100,6 @@ def kv_spec(model: Any, caches: Sequence[Any] | None = None, quant: KVQuant | No
     return f"{_model_dtype(model)}{live_quant};{','.join(parts)}{stored}"
 
 
-# ---------------------------------------------------------------- rotating cache
 
 
 def state_arrays(caches: Sequence[Any]) -> Iterator[tuple[str, mx.array]]:
@@ -135,8 +120,7 @@ def state_arrays(caches: Sequence[Any]) -> Iterator[tuple[str, mx.array]]:
 
 
 def snapshot_nbytes(caches: Sequence[Any]) -> int:
-    """Bytes of a state snapshot of ``caches`` (every non-KV state array, what
-    ``extract_block(..., snapshot=True)`` adds to a block), from shape x dtype."""
+    """Bytes of a state snapshot of ``caches`` (every non-KV state array), from shape x dtype."""
     return sum(int(a.nbytes) for _, c in _leaves(caches) if isinstance(c, ArraysCache)
                for a in c.cache if a is not None)
 
@@ -156,8 +140,7 @@ def min_window(caches: Sequence[Any]) -> int | None:
 
 
 def min_sliding_tokens(caches: Sequence[Any]) -> int | None:
-    """The fewest tokens a sliding window holds past its kept ones (``max_size - keep``,
-    the most a block may have to be stored whole while in the window), or None."""
+    """The fewest tokens a sliding window holds past its kept ones (``max_size - keep``) or None."""
     sizes = [c.max_size - c.keep for _, c in _leaves(caches) if isinstance(c, RotatingKVCache)]
     return min(sizes) if sizes else None
 

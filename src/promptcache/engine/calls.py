@@ -35,9 +35,7 @@ class _Call:
 
 
 class EngineCalls:
-    """The queue of ``Engine.call``s: callers wait (bounded) while the engine thread
-    runs them in order (``run``) or answers them when it ends (``fail``). ``refusal``
-    says why the engine takes no calls now (dead or closed), None when it does."""
+    """The queue of ``Engine.call``s run in order on the engine thread (``refusal``: why not)."""
 
     def __init__(self, thread: threading.Thread, wake: threading.Event,
                  refusal: Callable[[], str | None]) -> None:
@@ -54,11 +52,8 @@ class EngineCalls:
         return bool(self._calls)
 
     def call(self, fn: Callable[[], T], timeout: float | None = ENGINE_CALL_TIMEOUT_S) -> T:
-        """Run ``fn()`` on the engine thread (between two steps, in order with the other
-        calls) and return its result; raises what it raised, ``EngineCallTimeout`` when
-        the engine thread did not run it within ``timeout`` seconds (it is then dropped),
-        ``EngineDeadError`` once the engine thread is gone. On the engine thread itself
-        ``fn`` runs at once."""
+        """Run ``fn()`` on the engine thread between steps; its result, or ``EngineCallTimeout`` /
+        ``EngineDeadError``."""
         if threading.current_thread() is self._thread:
             return fn()
         refused = self._refusal()
@@ -78,8 +73,7 @@ class EngineCalls:
 
     def degrade(self, what: str, fn: Callable[[], T], default: T,
                  timeout: float | None = ENGINE_CALL_TIMEOUT_S) -> T:
-        """``call(fn)``, or ``default`` (logged and counted) when it fails or times out:
-        an engine-thread call made for a request never fails the request."""
+        """``call(fn)``, or ``default`` (logged, counted) on failure: never fails a request."""
         try:
             value = self.call(fn, timeout)
         except EngineCallTimeout:

@@ -1,27 +1,6 @@
-"""What the server needs to know about a model's chat format, as typed data.
-
-``chat_format_of(tokenizer)`` reads it from mlx-lm's ``TokenizerWrapper`` (public
-properties only) and the chat template's source:
-
-- ``think_start`` / ``think_end``: the markers around the reasoning the model emits
-  (``<think>`` / ``</think>`` and the other pairs mlx-lm recognises); ``None`` when the
-  tokenizer has none. ``think_start_token`` / ``think_end_token``: their ids when a
-  marker is one added token (a grammar must name it as a token, not spell it).
-- ``thinking_kwarg``: the template variable that switches reasoning on or off
-  (``enable_thinking``, or ``thinking`` for templates that read that name), when the
-  template actually reads it; ``None`` otherwise (passing the switch would change
-  nothing).
-- ``tool_format``: how the model writes tool calls (``ToolCallFormat``), when mlx-lm
-  recognises the template (``TokenizerWrapper.tool_parser`` / ``tool_call_start`` /
-  ``tool_call_end``, inferred by mlx-lm from the template or set by the checkpoint's
-  ``tool_parser_type``); ``None`` otherwise.
-
-``ToolCallFormat`` wraps one of mlx-lm's tool parsers (``mlx_lm.tool_parsers.<name>``):
-the markers around a call and ``parse(body, tools)``, which returns typed ``ToolCall``s
-or raises ``ValueError``. ``HERMES`` is the format for models mlx-lm does not recognise
-(and for the tools fallback, which asks the model for it in the system turn):
-``<tool_call>{"name", "arguments"}</tool_call>`` parsed with mlx-lm's ``json_tools``
-parser, plus a reply that is one bare JSON call (Llama 3.x style).
+"""What the server needs to know about a model's chat format, read from mlx-lm's
+``TokenizerWrapper`` and the template: thinking markers and switch, and the tool-call format
+(``HERMES`` when mlx-lm does not recognise it).
 """
 
 from __future__ import annotations
@@ -49,8 +28,7 @@ _ENABLE_THINKING = re.compile(r"\benable_thinking\b")
 # templates (e.g. DeepSeek V3.1) that read a bare ``thinking`` variable
 _BARE_THINKING = re.compile(r"\bthinking\s+is\s+(?:not\s+)?defined\b|\bif\s+(?:not\s+)?thinking\b")
 
-# mlx-lm's ``parse_tool_call(text, tools)``: a dict or a list of dicts with "name" and
-# "arguments" (an object, or a JSON string of one); raises on text that is not a call
+# mlx-lm's ``parse_tool_call(text, tools)``: dict(s) with "name" and "arguments"; raises otherwise
 ToolParser = Callable[[str, Any], Any]
 
 
@@ -85,29 +63,25 @@ def _as_call(obj: Any) -> ToolCall:
 
 @dataclass(frozen=True)
 class ToolCallFormat:
-    """How a model writes tool calls: ``start`` + body + ``end`` (``end == ""``: the
-    call runs to the end of the reply, as in Mistral's ``[TOOL_CALLS]...``)."""
+    """How a model writes tool calls: ``start`` + body + ``end`` (``""``: to the reply's end)."""
 
-    # the mlx-lm parser module ("json_tools", "qwen3_coder", "pythonic", "mistral", ...)
-    # or "hermes" (the fallback)
+    # the mlx-lm parser module ("json_tools", "qwen3_coder", ...) or "hermes" (the fallback)
     name: str
     start: str
     end: str
     parser: ToolParser = field(repr=False, compare=False)
     # a reply that is one JSON call object (or a JSON list of them) counts as calls
     bare_json: bool = False
-    # the ids of the markers when each is one added token (grammars name them)
+    # ids of the markers when each is one added token (grammars name them)
     start_token: int | None = None
     end_token: int | None = None
-    # format details a grammar needs, read from the template (mistral: "args" when the
-    # template writes ``name[ARGS]{...}``, "json" for ``[{"name", "arguments"}]``)
+    # what a grammar needs from the template (mistral: "args" for ``name[ARGS]{...}``, "json")
     variant: str = ""
     # the format's inner markers (``INNER_MARKERS``) that are one added token: (text, id)
     markers: tuple[tuple[str, int], ...] = ()
 
     def token_of(self, text: str) -> int | None:
-        """The id of marker ``text`` when it is one added token of the model (a grammar
-        names it by id), else None (a grammar spells it out)."""
+        """The id of marker ``text`` when it is one added token, else None."""
         if text == self.start and self.start_token is not None:
             return self.start_token
         if text == self.end and self.end_token is not None:
@@ -116,8 +90,7 @@ class ToolCallFormat:
 
     def parse(self, body: str, tools: Sequence[Mapping[str, Any]] | None = None
               ) -> tuple[ToolCall, ...]:
-        """The calls in ``body`` (the text between the markers). Raises ValueError when
-        it is not a (complete) call in this format."""
+        """The calls in ``body`` (between the markers); ValueError when not a complete call."""
         try:
             parsed = self.parser(body, list(tools) if tools else None)
         except Exception as e:  # each mlx-lm parser fails in its own way on non-calls
@@ -144,8 +117,7 @@ def _parser_module(name: str) -> Any:
 
 def tool_call_format(name: str, *, start_token: int | None = None,
                      end_token: int | None = None, variant: str = "") -> ToolCallFormat:
-    """The format of mlx-lm's tool parser ``name`` (``mlx_lm.tool_parsers.<name>``), or
-    one of ours (``deepseek``)."""
+    """The format of mlx-lm's tool parser ``name``, or one of ours (``deepseek``)."""
     own = OWN_FORMATS.get(name)
     if own is not None:
         return own
@@ -167,7 +139,6 @@ INNER_MARKERS: dict[str, tuple[str, ...]] = {
     "kimi_k2": ("<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"),
     "deepseek": (DEEPSEEK_CALL_BEGIN, DEEPSEEK_SEP, DEEPSEEK_CALL_END),
 }
-# gpt-oss's harmony markers
 HARMONY_MARKERS = ("<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>",
                    "<|return|>", "<|call|>")
 
@@ -180,8 +151,7 @@ class ChatFormat:
     think_start_token: int | None = None
     think_end_token: int | None = None
     tool_format: ToolCallFormat | None = None
-    # gpt-oss's harmony format (channels ``analysis`` / ``commentary`` / ``final``,
-    # calls as ``to=functions.NAME``): the reply is parsed by ``server/replies/harmony.py``
+    # gpt-oss's harmony format: parsed by ``server/replies/harmony.py``
     harmony: bool = False
     # harmony markers that are one added token of the model: (text, id)
     harmony_tokens: tuple[tuple[str, int], ...] = ()
@@ -195,16 +165,14 @@ class ChatFormat:
         return bool(self.think_start) and bool(self.think_end)
 
     def thinking_kwargs(self, enabled: bool | None) -> dict[str, bool]:
-        """Template variables for a request's thinking switch (empty: leave the
-        template's default, or the template has no switch)."""
+        """Template variables for a request's thinking switch (empty: the template's default)."""
         if enabled is None or self.thinking_kwarg is None:
             return {}
         return {self.thinking_kwarg: bool(enabled)}
 
     def tools_format(self, template_renders_tools: bool) -> ToolCallFormat:
-        """The format the model is asked to call tools in: its own when the template
-        renders the tools and mlx-lm knows the format, else ``HERMES`` (the tools
-        fallback in the system turn asks for that one)."""
+        """The model's own tool format if the template renders tools and mlx-lm knows it, else
+        ``HERMES``."""
         if template_renders_tools and self.tool_format is not None:
             return self.tool_format
         return HERMES
@@ -220,10 +188,7 @@ def _template_source(tokenizer: Any) -> str:
 
 
 def _special_id(tokenizer: Any, ids: Any) -> int | None:
-    """The id when ``ids`` is one token that the tokenizer adds (``added_tokens_decoder``),
-    special or not: llguidance's matcher treats every added token as special (it never
-    matches text), so a grammar must name such a marker by id (Qwen's ``<tool_call>`` and
-    ``<think>`` are added tokens that are not marked special)."""
+    """The id when ``ids`` is one added token (llguidance treats all added tokens as special)."""
     if not isinstance(ids, (tuple, list)) or len(ids) != 1:
         return None
     decoder = getattr(tokenizer, "added_tokens_decoder", None)
@@ -299,8 +264,7 @@ def _detected_format(tokenizer: Any, source: str) -> ToolCallFormat | None:
 
 
 def chat_format_of(tokenizer: Any) -> ChatFormat:
-    """The chat format of an mlx-lm ``TokenizerWrapper`` (or anything with the same
-    public properties); unknown attributes read as "none"."""
+    """The chat format of a ``TokenizerWrapper`` (or alike); unknown attributes read as "none"."""
     start = getattr(tokenizer, "think_start", None)
     end = getattr(tokenizer, "think_end", None)
     source = _template_source(tokenizer)

@@ -1,38 +1,9 @@
 """The memory governor: one memory limit, enforced on the process's real footprint.
 
-On a Mac the model, the running requests' KV, the live session states, the RAM tier,
-MLX's buffer pool and the page cache share one unified memory, and running out of it
-is a kernel panic or a jetsam kill, not an exception. The budgets of the parts
-(``--ram-budget``, ``--kv-budget``, MLX's cache limit) do not bound their sum; the
-governor does. It reads the footprint (``footprint()``: macOS ``phys_footprint``, which
-sees Metal buffers where RSS does not; Linux RSS) and, past the soft watermark, asks
-the holders to release, in order, until the footprint is back under it:
-
-1. MLX's buffer pool (``pool``: freed buffers kept for reuse; nothing is lost), and
-   the C heap's free memory with it (``trim_heap``: on Linux what is freed stays in
-   glibc's arenas, in RSS, until trimmed);
-2. the live session states (``engine/live.py``: the blocks hold the same state);
-3. the RAM tier (its budget shrinks; evicted blocks are demoted to the lower tiers as
-   on any eviction, so what the SSD lacks is spilled, not dropped);
-
-and the pool again after each holder that released something (what an array frees goes
-to the pool, not back to the system, until the pool is cleared).
-
-Before a request is admitted, its predicted peak (its KV at prompt + max_tokens, the
-restored prefix's buffers, the attention workspace of a prefill chunk) is checked
-(``admit``): one that can never fit beside the weights gets a 400 naming the numbers,
-one that cannot fit now (what the holders could release counted) gets 429 / 529.
-
-What is left decides admission: under the soft watermark, as usual; between the soft
-and the hard one, new requests wait (``pause``); past the hard one, new requests are
-refused with 429 / 529 and a Retry-After from the measured drain rate (``refuse``).
-Nothing acknowledged is dropped and no running request is stopped. When the footprint
-is back under the soft watermark by a margin, the RAM tier's budget grows back toward
-its configured size (growing evicts nothing).
-
-``check`` runs on the engine thread between steps (at most every ``interval_s``); the
-holders are plain callables, so a test drives it with injected footprints.
-"""
+On a Mac, running out of unified memory is a kernel panic, and the parts' budgets do not bound their
+sum. Past the soft watermark holders release in order: MLX's buffer pool (and C heap), live states,
+the RAM tier. Between soft and hard, new requests wait; past hard, they are refused with a
+Retry-After."""
 
 from __future__ import annotations
 
@@ -56,8 +27,7 @@ MAX_RETRY_AFTER_S = 600
 
 @dataclass(frozen=True)
 class Holder:
-    """One part that can give memory back: ``release(nbytes)`` frees up to about
-    ``nbytes`` (``math.inf``: everything it can) and returns the bytes freed."""
+    """A part that can give memory back: ``release(nbytes)`` (inf: all) returns bytes freed."""
 
     name: str
     release: Callable[[float], int]
@@ -117,9 +87,7 @@ class MemoryGovernor:
 
     @property
     def idle_wait_s(self) -> float | None:
-        """How long an idle engine may wait before the next check: ``interval_s`` while
-        admission is held back (nothing else would wake it to admit what waits), else
-        no limit."""
+        """How long an idle engine may wait: ``interval_s`` while admission is held, else always."""
         return self._interval if self.level != OK else None
 
     def maybe_check(self) -> Decision | None:
@@ -168,13 +136,8 @@ class MemoryGovernor:
         return Decision(used, after, tuple(released), level, retry)
 
     def admit(self, peak: int, base: int, reclaimable: int, queue_retry_s: int = 1) -> None:
-        """Whether a request whose memory peak is predicted at ``peak`` bytes may start:
-        ``RequestError`` when it can never fit (``base``, what the process holds that
-        is never released, e.g. the weights, plus the peak pass the hard watermark),
-        ``OverloadedError`` when it cannot fit now (the last footprint less what the
-        holders can release, ``reclaimable``, plus the peak pass it), with a Retry-After
-        from the footprint's drain rate past the soft watermark, else ``queue_retry_s``
-        (when the running requests are expected to be done: the admission's measure)."""
+        """Whether a request of predicted ``peak`` may start: ``RequestError`` if it never fits,
+        ``OverloadedError`` if not now."""
         from ..errors import OverloadedError, RequestError
 
         if base + peak > self.hard:
@@ -194,16 +157,12 @@ class MemoryGovernor:
                 retry_after_s=retry)
 
     def fits(self, peak: int, base: int, reclaimable: int, running: int) -> bool:
-        """Whether a queued request whose peak is predicted at ``peak`` bytes fits now,
-        beside the running requests' predicted peaks (``running``): the larger of the
-        last footprint less what the holders can release and ``base`` (the weights) plus
-        ``running``, plus ``peak``, within the hard watermark."""
+        """Whether a queued ``peak`` fits now beside the ``running`` peaks, under the hard mark."""
         now = self._history[-1][1] if self._history else base
         return max(now - reclaimable, base + running) + peak <= self.hard
 
     def _ask(self, holder: Holder, used: int, released: list[tuple[str, int]]) -> int:
-        """Ask ``holder`` for what the footprint ``used`` is over the soft mark; the
-        footprint read again when it released something."""
+        """Ask ``holder`` for what ``used`` is over the soft mark; re-read the footprint after."""
         try:
             freed = int(holder.release(used - self.soft))
         except Exception:
@@ -215,8 +174,7 @@ class MemoryGovernor:
         return int(self._footprint()) if freed else used
 
     def _retry_after(self, used: int) -> int:
-        """Seconds until the footprint is back under the soft watermark at the drain
-        rate of the last 30 s (1 s when it is not draining: ask again soon)."""
+        """Seconds until back under the soft mark at the last 30 s drain rate (1 s if none)."""
         if len(self._history) < 2:
             return 1
         (t0, f0), (t1, f1) = self._history[0], self._history[-1]
@@ -237,14 +195,9 @@ class MemoryGovernor:
                 "memory_refused_peaks": st.refused_peaks}
 
 
-# ---------------------------------------------------------------- the footprint
 
 def trim_heap() -> bool:
-    """Give the C heap's free memory back to the system: glibc's ``malloc_trim(0)``.
-    On Linux what MLX's CPU buffers and Python's objects free stays in glibc's arenas,
-    counted in RSS, until it is trimmed: clearing MLX's buffer pool alone leaves the
-    footprint where it was. True if memory was returned; False elsewhere (macOS: Metal
-    buffers go back when the pool is cleared) or when nothing was."""
+    """glibc's ``malloc_trim(0)`` (freed memory stays in RSS until trimmed); True if any freed."""
     trim = _malloc_trim()
     return bool(trim(0)) if trim is not None else False
 
@@ -262,8 +215,7 @@ def _malloc_trim() -> Callable[[int], int] | None:
 
 
 def process_footprint() -> int:
-    """The process's physical footprint in bytes: macOS ``phys_footprint`` (what jetsam
-    counts, Metal buffers included), elsewhere the resident set size."""
+    """Physical footprint: macOS ``phys_footprint`` (Metal included), else RSS."""
     if sys.platform == "darwin":
         got = _darwin_phys_footprint()
         if got is not None:

@@ -1,10 +1,4 @@
-"""The caller's side of one request: its events, cancellation and final result.
-
-The engine thread emits ``TokenEvent``s and then exactly one ``GenerationResult``
-through ``emit``; a consumer reads them once, either blocking (``events()``) or from
-asyncio (``aevents()``, delivered with ``call_soon_threadsafe``: no worker thread is
-held per stream). ``cancel()`` may be called from any thread.
-"""
+"""The caller's side of one request: events (blocking or asyncio), cancel, result."""
 
 from __future__ import annotations
 
@@ -42,7 +36,6 @@ class RequestHandle:
         # the admission ticket while the request waits for or holds a slot (engine side)
         self.ticket: Ticket | None = None
 
-    # ------------------------------------------------------------------ engine side
 
     def emit(self, ev: Event) -> None:
         """Deliver an event (engine thread); nothing after the one result."""
@@ -65,7 +58,6 @@ class RequestHandle:
     def cancel_requested(self) -> bool:
         return self._cancelled.is_set()
 
-    # ------------------------------------------------------------------ caller side
 
     def cancel(self) -> None:
         """Stop the request (e.g. client disconnect). Blocks already saved stay saved."""

@@ -1,12 +1,5 @@
-"""A model's cache identity without an engine: what a pack needs of a model.
-
-``open_identity(model, cache_config)`` reads the model's fingerprint (remembered per
-file), builds its structure lazily (mlx-lm's ``lazy=True``: no weight is read), and
-gives the namespace of each tenant exactly as ``Engine.namespace`` would (fingerprint,
-block size, KV spec with the stored-block quantization) and the chat template's
-rendering, a vision-language model's too (mlx-vlm, lazily). No engine thread, no
-speculation-cost fit: ``promptcache cache export`` / ``import`` open this.
-"""
+"""A model's cache identity without an engine (``cache export`` / ``import``): fingerprint, lazy
+structure (a vision-language model's too), namespaces, chat template."""
 
 from __future__ import annotations
 
@@ -44,8 +37,7 @@ class ModelIdentity:
 
 def open_identity(model: str | os.PathLike[str], cache_config: CacheConfig,
                   *, steps: Steps = no_steps) -> ModelIdentity:
-    """The identity of a model folder or Hugging Face repo id (ValueError, one line,
-    for a name that is neither, as ``Engine.load``)."""
+    """The identity of a model folder or HF repo id (ValueError, one line, otherwise)."""
     from .models.loader import load_model_or_vlm
 
     loaded, tokenizer, info, _ = load_model_or_vlm(model, lazy=True, steps=steps)

@@ -22,10 +22,7 @@ def probe_caches(model: Any) -> list[Any]:
 
 
 def kv_row_bytes(model: Any, probed: Sequence[Any] | None = None) -> Callable[[int], int]:
-    """An upper bound of one request's cache bytes at ``n`` tokens, from a 1-token
-    probe (``probed``: ``probe_caches(model)`` if given): full-attention KV grows per
-    token (plus up to one growth step of unused room: mlx-lm's caches grow 256 tokens
-    at a time), sliding windows stop at their size, array states (SSM) are constant."""
+    """An upper bound of a request's cache bytes at ``n`` tokens (KV + a growth step)."""
     caches = list(probed) if probed is not None else probe_caches(model)
     per_token = 0
     windows: list[tuple[int, int]] = []  # (bytes per token, window)

@@ -1,33 +1,9 @@
-"""Live session state: the caches of a finished turn kept as the model's own cache
-objects, so that the next request extending them (the usual agent or chat turn)
-restores nothing from blocks: it trims them to the common prefix and prefills only
-what is new.
+"""Live session state: a finished turn's caches kept as the model's own cache objects, so the next
+request extending them trims to the common prefix and prefills only what is new.
 
-A request that finishes (a reply, a cancelled stream, a prefill-only pre-render)
-hands its caches to ``LiveStates.keep``: plain KV is copied out of the decode batch
-into its own buffers (one copy per layer, with room for an eighth more tokens: the next
-turn writes its new tokens in place), private caches are kept as they are. A
-new request's ``take`` finds the state of its namespace (tenant, model, cache
-format) with the longest common prefix; the caller uses it instead of the blocks
-when it reaches at least as far as the blocks would (``request_saves``; ``take`` says
-when a state that would be trimmed to less than half of itself is left alone). A state is
-taken whole (the request writes into it), so two requests never share one: requests
-of one session that overlap take it once, the other restores from blocks. A branch
-(or a retry) trims a state whose every layer can be trimmed (plain, MLA, quantized
-KV, windows not yet full); array (SSM) states and full windows are used only when
-the new prompt extends them exactly, otherwise the blocks serve. Another server has
-no live state: the blocks (SSD, Redis) serve it, as they do every other path; the
-blocks stay the source of truth, the live state is only a faster copy.
-
-Bytes: each state is counted in the RAM tier's budget (``PromptCache.hold_outside``)
-and released after the idle blocks and before the active ones when the tier needs
-room (``reclaim``, the pool's hook), or when a memory governor asks (``clear``); a
-deleted tenant's or session's states go with its blocks (``forget``). At
-most ``max_states`` states are kept (least recently kept dropped first).
-
-Requests with image embeddings (their extra keys are not in the token ids) neither
-keep nor take a live state.
-"""
+A state is taken whole (never shared); SSM states and full windows serve only exact extensions; the
+blocks stay the source of truth. State bytes count in the RAM tier's budget (``hold_outside``) and
+go after idle blocks (``reclaim``). Image requests neither keep nor take."""
 
 from __future__ import annotations
 
@@ -57,8 +33,7 @@ from . import adapters, mlx_compat
 
 logger = logging.getLogger(__name__)
 
-# a kept plain-KV state has room for this share of its tokens more (its next turn's new
-# tokens are written in place up to there; past it, ``grow`` copies it once)
+# room for this share more tokens, written in place by the next turn (past it ``grow`` copies once)
 ROOM_SHARE = 8
 
 
@@ -97,9 +72,7 @@ def _round_up(n: int, step: int) -> int:
 
 
 def _detach(caches: Sequence[Any], pos: int, private: bool) -> list[Any] | None:
-    """Caches holding exactly the state after ``pos`` tokens, with buffers of their own
-    (``caches`` may be views of a decode-batch row: plain KV is copied then); None when
-    a layer cannot be brought to ``pos``."""
+    """Caches with own buffers holding exactly the state after ``pos``; None if impossible."""
     out: list[Any] = []
     for c in caches:
         if isinstance(c, CacheList):
@@ -115,8 +88,6 @@ def _detach(caches: Sequence[Any], pos: int, private: bool) -> list[Any] | None:
                 c.offset = pos  # its own buffers: trimming is moving the offset
                 out.append(c)
                 continue
-            # room for the next turn's new tokens (an eighth of the state, at least one
-            # growth step), so the turn that takes it writes in place: no copy then
             cap = _round_up(pos + max(KVCache.step, pos // ROOM_SHARE), KVCache.step)
             fresh = KVCache()
             fresh.keys = _padded(c.keys, pos, cap)
@@ -125,7 +96,6 @@ def _detach(caches: Sequence[Any], pos: int, private: bool) -> list[Any] | None:
             out.append(fresh)
             continue
         if isinstance(c, (QuantizedKVCache, RotatingKVCache)):
-            # private objects (decoding alone) or copies (a window extracted from a row)
             if c.offset > pos:
                 if not c.is_trimmable():
                     return None
@@ -142,8 +112,7 @@ def _detach(caches: Sequence[Any], pos: int, private: bool) -> list[Any] | None:
 
 
 def _padded(a: mx.array, n: int, cap: int) -> mx.array:
-    """The first ``n`` positions of ``a`` (axis 2) in a buffer of its own holding
-    ``cap`` positions."""
+    """The first ``n`` positions of ``a`` (axis 2) in a buffer of its own of ``cap`` positions."""
     head = a[..., :n, :]
     if cap == n:
         return mlx_compat.copy_array(head)
@@ -152,9 +121,7 @@ def _padded(a: mx.array, n: int, cap: int) -> mx.array:
 
 
 def grow(caches: Sequence[Any], total: int) -> None:
-    """Room for ``total`` positions in every plain KV layer (one copy of a layer whose
-    buffer is smaller, rounded up to mlx-lm's growth step), so that the prefill that
-    follows writes in place instead of copying the whole KV at every chunk."""
+    """Room for ``total`` positions in every plain KV layer (the prefill then writes in place)."""
     for c in _leaves(caches):
         if type(c) is not KVCache or c.keys is None or c.keys.shape[2] >= total:
             continue
@@ -164,10 +131,7 @@ def grow(caches: Sequence[Any], total: int) -> None:
 
 
 def keep_position(caches: Sequence[Any], pos: int, valid: int) -> int:
-    """Where to keep a finished request's state: ``pos`` (prompt + output[:-1], as the
-    end-of-generation save), or past it, up to ``valid`` tokens, when a full sliding
-    window already holds the last output token (fed by the step in flight: a window
-    cannot give a token back) and no array state was taken from before that step."""
+    """Where to keep a finished state: ``pos``, or up to ``valid`` if a full window has it."""
     leaves = _leaves(caches)
     if any(isinstance(c, ArraysCache) for c in leaves):
         return pos
@@ -186,8 +150,7 @@ def _leaves(caches: Sequence[Any]) -> list[Any]:
 
 
 class LiveStates:
-    """The kept live states of one engine (thread-safe: the engine thread keeps and
-    takes, the RAM tier's hook may reclaim from any thread holding the cache lock)."""
+    """The kept live states of one engine (thread-safe; reclaim runs under the cache lock)."""
 
     def __init__(self, max_states: int, hold: Callable[[int], bool],
                  drop: Callable[[int], None], *, clock: Callable[[], float] = lambda: 0.0,
@@ -204,7 +167,6 @@ class LiveStates:
         self._next = 0
         self.counters = LiveCounters()
 
-    # ---- queries ----------------------------------------------------------------
     def __len__(self) -> int:
         with self._lock:
             return len(self._states)
@@ -222,11 +184,9 @@ class LiveStates:
                     "live_arrays": sum(s.narrays for s in self._states.values()),
                     **{f"live_{k}": int(v) for k, v in c.__dict__.items()}}
 
-    # ---- keep / take ------------------------------------------------------------
     def keep(self, ns: Namespace, tokens: np.ndarray, caches: Sequence[Any], *,
              private: bool, session: str | None = None) -> bool:
-        """Keep the state after ``tokens`` (``caches``: views of a batch row, or the
-        request's own objects when ``private``). False when it is not kept."""
+        """Keep the state after ``tokens`` (``private``: own objects); False if not kept."""
         if self.max_states == 0 or tokens.shape[0] == 0:
             return False
         try:
@@ -261,14 +221,8 @@ class LiveStates:
 
     def take(self, ns: Namespace, prompt: np.ndarray, blocks: int,
              session: str | None = None) -> tuple[list[Any], int] | None:
-        """The live state of ``ns`` that serves the most of ``prompt`` (at most all but
-        its last token, which runs again for its logits), trimmed to that, when it
-        serves at least the ``blocks`` tokens the blocks would restore and either
-        extends exactly, or keeps at least half of itself (a retry, an edit of the last
-        message), or is the same session's. Another conversation that shares only a
-        system prompt (or a first token) does not take it: its state stays for its own
-        next turn, and the blocks serve the shared prefix. None when none serves. The
-        state leaves the store."""
+        """Take the state of ``ns`` serving most of ``prompt``, trimmed, if worth more than the
+        ``blocks``; else None."""
         limit = int(prompt.shape[0]) - 1
         best: tuple[int, int] | None = None  # (tokens served, key)
         expired = 0
@@ -306,11 +260,8 @@ class LiveStates:
         self.counters.tokens += n
         return state.caches, n
 
-    # ---- releasing ----------------------------------------------------------------
     def reclaim(self, nbytes: int) -> int:
-        """The RAM tier's hook: release the least recently kept states until at least
-        ``nbytes`` are freed (or none is left); returns the bytes released. Does not
-        call back into the cache."""
+        """The RAM tier's hook: release least recently kept states until ``nbytes`` are freed."""
         freed = 0
         with self._lock:
             while self._states and freed < nbytes:
@@ -319,18 +270,14 @@ class LiveStates:
         return freed
 
     def release(self, nbytes: float) -> int:
-        """Release the least recently kept states until at least ``nbytes`` are freed
-        (the memory governor, not under the cache lock); returns the bytes released."""
+        """``reclaim`` for the memory governor (not under the cache lock)."""
         freed = self.reclaim(int(min(nbytes, 1 << 62)))
         if freed:
             self._drop(freed)
         return freed
 
     def forget(self, tenant: str | None, session: str | None) -> int:
-        """The cache's hook when a tenant's blocks (None: everyone's) or one session of
-        theirs are deleted: release the matching states (a state of an unnamed session
-        goes with its tenant only); returns the bytes released. Does not call back into
-        the cache."""
+        """The cache's hook on deleting a tenant's or session's blocks: release their states."""
         freed = 0
         with self._lock:
             for key in [k for k, s in self._states.items()

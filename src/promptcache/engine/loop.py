@@ -1,16 +1,6 @@
-"""The engine thread's body (``EngineLoop``): scheduler steps, calls, shadow
-verification in idle time, gathering a burst; and its death.
-
-Each turn runs the calls waiting for the engine thread (``calls.py``), then one
-scheduler step. Idle, it runs one chunk of shadow verification if there is one, else
-it waits for a wake-up: a call, or an arrival, after which it gathers the rest of a
-burst (``arrivals.py``). Before each step the memory governor checks the footprint (at
-most every ``interval_s``; ``governor.py``). A burst that arrives while the engine runs only background
-work (next-turn pre-renders) is gathered the same way before the step that would take
-its first request: one request would otherwise start alone and the others prefill
-while it decodes. An exception that escapes a step kills the thread: ``died``
-is told why first (so a submit racing with it answers its own ticket), then every
-active and pending request ends with that error.
+"""The engine thread's body (``EngineLoop``): calls, then one scheduler step; idle, shadow
+verification or a wait, then burst gathering. An escaping exception kills the thread and fails every
+request.
 """
 
 from __future__ import annotations
@@ -33,9 +23,7 @@ logger = logging.getLogger(__name__)
 
 
 class EngineLoop:
-    """What the engine thread runs (``run``). ``fail_pending(error)`` answers the
-    tickets never started (error None: cancelled on close); ``died(reason)`` records
-    the thread's death."""
+    """What the engine thread runs; ``fail_pending`` answers unstarted tickets."""
 
     def __init__(self, config: EngineConfig, scheduler: Scheduler, admission: Admission,
                  calls: EngineCalls, control: Arrivals, shadow: ShadowVerifier | None, *,
@@ -69,8 +57,8 @@ class EngineLoop:
         finally:
             self._calls.fail(f"the engine thread died: {dead}" if dead
                              else "the engine was closed")
-            # mlx keeps per-thread streams; destroy them before the thread ends, or the
-            # process may abort at exit ("terminate called without an active exception")
+            # destroy mlx's per-thread streams before the thread ends, or the process may abort at
+            # exit
             mx.synchronize()
             mx.clear_streams()
 
@@ -88,13 +76,11 @@ class EngineLoop:
             if self._burst_behind_background():
                 self._gather_burst()
             if not sched.step():
-                # idle: one chunk of shadow verification, then look for requests again
-                # (a request that arrives waits at most that chunk)
+                # idle: one chunk of shadow verification (an arrival waits at most that)
                 shadow = self._shadow
                 if shadow is not None and shadow.pending and shadow.step():
                     continue
-                # under memory pressure the governor keeps checking while idle: the
-                # requests it holds back are admitted once the footprint is down
+                # under memory pressure keep checking while idle, to admit what is held back
                 g = self._governor
                 control.wake.wait(g.idle_wait_s if g is not None else None)
                 control.wake.clear()
@@ -105,18 +91,13 @@ class EngineLoop:
                 self._gather_burst()
 
     def _gather_burst(self) -> None:
-        """Woken from idle by an arrival: wait for the rest of a burst (``arrivals.py``:
-        arrivals within ``batch_window_s`` of each other, and requests the server has
-        announced and is still preparing, at most ``burst_gather_max_s``), so that
-        requests sent together prefill as one batch instead of the first one alone and
-        the rest after it."""
+        """Woken by an arrival: wait for the rest of a burst, to prefill it as one batch."""
         cfg = self._config
         self._control.gather(cfg.batch_window_s, cfg.burst_gather_max_s, self._calls.run)
         self._gathered = self._admission.interactive_submits
 
     def _burst_behind_background(self) -> bool:
-        """An interactive request arrived since the last gathering while the engine
-        runs only background work: gather as an idle engine would (once per arrival)."""
+        """An interactive arrival while only background work runs: gather as if idle."""
         submits = self._admission.interactive_submits
         if submits == self._gathered:
             return False

@@ -1,13 +1,5 @@
-"""The MLX ``PayloadAdapter``: block payloads <-> one byte buffer, for the lower tiers.
-
-The cache core keeps payloads opaque and asks the adapter only for sizes (from
-metadata, never evaluating) and for a block's bytes when it goes to a lower tier
-(``codec`` puts them behind the block's header, block format 3).
-
-A payload is a ``BlockPayload`` (``blockbuf``: one ``uint8`` buffer per block): its
-buffer travels as it is, with its layout string; ``from_buffer`` makes it one
-``mx.array`` again (the one copy out of the decoded bytes). A plain
-``dict[str, mx.array]`` (tests, tools) is packed into one buffer first.
+"""The MLX ``PayloadAdapter``: block payloads <-> one byte buffer (and its layout) for the lower
+tiers.
 """
 
 from __future__ import annotations
@@ -41,8 +33,7 @@ class MLXPayloadAdapter:
         return 1 if isinstance(payload, BlockPayload) else len(payload)
 
     def to_buffer(self, payload: Mapping[str, Any]) -> tuple[np.ndarray, str]:
-        """The block's buffer as a read-only numpy view (no copy) and its layout text;
-        a plain dict of ``mx.array`` is packed into one buffer first."""
+        """The block's buffer as a read-only numpy view (no copy) and its layout text."""
         if not isinstance(payload, BlockPayload):
             if not all(isinstance(a, mx.array) for a in payload.values()):
                 raise ValueError("a payload is a BlockPayload or a dict of mx.array")
@@ -52,8 +43,7 @@ class MLXPayloadAdapter:
         return view, payload.layout.text
 
     def from_buffer(self, buffer: np.ndarray, layout: str) -> BlockPayload:
-        """Inverse of ``to_buffer``: one evaluated ``mx.array`` (a copy of ``buffer``).
-        Raises ValueError for a buffer that does not match its layout."""
+        """One evaluated ``mx.array`` (a copy of ``buffer``); ValueError if unlike its layout."""
         parsed = parse_layout(layout)
         if buffer.dtype != np.uint8 or buffer.ndim != 1 or buffer.size != parsed.nbytes:
             raise ValueError(f"block buffer is {buffer.dtype}{buffer.shape}, its layout needs "
@@ -64,10 +54,7 @@ class MLXPayloadAdapter:
 
 
     def from_buffers(self, items: Sequence[tuple[np.ndarray, str]]) -> list[BlockPayload]:
-        """``from_buffer`` of a run of blocks: consecutive blocks of one layout become
-        rows of one slab (one array made from host memory for them, restored with one
-        strided copy per layer array). Raises ValueError for any buffer that does not
-        match its layout."""
+        """``from_buffer`` of a run (rows of one slab); ValueError on a mismatch."""
         out: list[BlockPayload] = []
         i = 0
         while i < len(items):
@@ -89,10 +76,7 @@ class MLXPayloadAdapter:
 
 
 def ram_census(cache: Any, quant: Any = None) -> dict[str, Any]:
-    """What the RAM tier of ``cache`` holds, by payload: blocks, tokens, arrays (Metal
-    buffers on Apple GPUs), bytes, quantized blocks; per cached token. ``quant`` (a
-    ``KVQuant`` or None) is reported as the store's spec. A snapshot walk over the
-    pool's blocks (O(blocks); for stats, not for a hot path)."""
+    """What ``cache``'s RAM tier holds by payload (blocks, tokens, arrays, bytes), for stats."""
     pool = getattr(cache, "pool", None)
     blocks = pool.blocks() if pool is not None else []
     arrays = tokens = nbytes = quantized = 0

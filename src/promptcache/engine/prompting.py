@@ -17,8 +17,7 @@ _SAMPLING_FIELDS = frozenset(SamplingParams.__dataclass_fields__)
 
 
 class Prompting:
-    """Prompts from chats or text through the chat template (thread-safe) and
-    ``generate`` (through ``submit``)."""
+    """Prompts from chats or text through the chat template (thread-safe) and ``generate``."""
 
     def __init__(self, templates: ChatTemplate,
                  submit: Callable[[GenerationRequest], RequestHandle]) -> None:
@@ -36,8 +35,7 @@ class Prompting:
                                       template_kwargs=template_kwargs)
 
     def encode_prompt(self, text: str) -> list[int]:
-        """Token ids of a plain-text prompt (``/v1/completions``); a text that surely
-        exceeds the context is refused after a bounded tokenization; thread-safe."""
+        """Token ids of a plain-text prompt (``/v1/completions``), length-checked; thread-safe."""
         return self._templates.encode(text)
 
     def render_chat_with_offsets(

@@ -1,20 +1,6 @@
-"""KV quantization of cached blocks: the spec, and quantize / dequantize of KV slices.
-
-``--kv-bits 8|4`` stores the KV of cached blocks with ``mx.quantize`` (affine: packed
-``uint32`` values + one scale and one bias per group of ``group_size`` values along
-``head_dim``, scales and biases in the KV's own dtype): the layout of mlx-lm's
-``QuantizedKVCache``, so a model that runs with quantized KV is filled directly, and
-any other model gets the KV dequantized into its own cache kind on restore. The live
-cache a request decodes with is never quantized (quantize on store, dequantize on
-restore), so batched decode works unchanged.
-
-Blocks that start before ``min_tokens`` stay at full precision: a short sequence is
-never quantized and a long one keeps its first tokens (system prompt, attention
-sinks) exact. A layer whose ``head_dim`` no supported group size divides is stored at
-full precision. All of this is deterministic for a model and a spec, and the spec is
-part of the namespace (``spec``), so a block is only ever served to requests that
-store blocks the same way.
-"""
+"""KV quantization of cached blocks (``--kv-bits``): mlx-lm's ``QuantizedKVCache`` layout, filled
+directly or dequantized on restore. Live caches are never quantized; blocks before ``min_tokens``
+stay exact."""
 
 from __future__ import annotations
 
@@ -57,8 +43,7 @@ class KVQuant:
         return f"q{self.bits}g{self.group_size}m{self.min_tokens}"
 
     def group_for(self, head_dim: int) -> int | None:
-        """The group size used for a ``head_dim``: the configured one if it divides it,
-        else the largest smaller supported one that does; None: keep full precision."""
+        """The group size for ``head_dim`` (the configured one, else a smaller divisor) or None."""
         for g in sorted(GROUP_SIZES, reverse=True):
             if g <= self.group_size and head_dim % g == 0:
                 return g
@@ -85,12 +70,7 @@ def quantize(x: mx.array, bits: int, group_size: int) -> tuple[mx.array, mx.arra
 
 
 def dequantize(parts: Sequence[mx.array], bits: int, group_size: int) -> mx.array:
-    """The inverse of ``quantize`` (in the dtype of the scales: the KV's dtype).
-
-    On the CPU, widths that pack whole values into bytes (1, 2, 4, 8 bits) are unpacked
-    with elementwise ops: the same values as ``mx.dequantize`` (the tests compare them
-    bit for bit) in about half the time of its CPU kernel. On a GPU ``mx.dequantize``.
-    """
+    """The inverse of ``quantize``; on CPU byte-aligned widths unpack elementwise (faster)."""
     wq, scales, biases = parts  # packed values, scales, biases
     if 8 % bits or mx.default_device().type != mx.DeviceType.cpu:
         return mx.dequantize(wq, scales, biases, group_size=group_size, bits=bits)

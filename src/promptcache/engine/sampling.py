@@ -1,18 +1,5 @@
-"""Sampling with a per-request PRNG key, streaming detokenization, stop strings.
-
-- ``Sampler``: mlx-lm's own filters (``apply_top_k``, ``apply_top_p`` from
-  ``mlx_lm.sample_utils``) on the log-probabilities, then a categorical draw with the
-  request's own key (``mx.random.key(seed)``, split at every step), so batched rows
-  never disturb each other's random streams and a seeded request is reproducible
-  whatever else runs. ``temperature == 0`` is greedy. Optional log-probabilities of
-  the chosen token and the top-k alternatives (``SamplingParams.logprobs``).
-- ``Detokenizer``: mlx-lm's streaming detokenizer of the tokenizer
-  (``TokenizerWrapper.detokenizer``: BPE / SPM / naive), with a windowed fallback for
-  plain tokenizers; never emits a partial UTF-8 character.
-- ``StopStrings``: finds stop strings in the streamed text by scanning only the new
-  tail (the last ``max(len(stop)) - 1`` characters plus the delta), so a long output
-  costs O(delta) per token; holds back a possible partial match.
-"""
+"""Sampling with a per-request PRNG key (batched rows never disturb each other; seeds reproduce),
+streaming detokenization, and stop strings scanned on the new tail only."""
 
 from __future__ import annotations
 
@@ -90,12 +77,7 @@ def logprob_values(arrays: Sequence[mx.array]) -> tuple[float, tuple[tuple[int, 
 
 
 class Detokenizer:
-    """Incremental text from token ids, never emitting a partial UTF-8 character.
-
-    Uses mlx-lm's streaming detokenizer when the tokenizer provides one; otherwise
-    decodes a short window ``tokens[prefix:]`` per step and emits what it adds over
-    ``tokens[prefix:read]``, so the work per token stays small.
-    """
+    """Incremental text from token ids, never a partial UTF-8 character."""
 
     def __init__(self, tokenizer: Any) -> None:
         stream: Any = None
@@ -150,11 +132,7 @@ class Detokenizer:
 
 
 class StopStrings:
-    """Finds stop strings in streamed text and holds back a possible partial match.
-
-    The earliest match wins (ties: the first listed). Each ``feed`` scans only the
-    tail a new match can lie in: the last ``longest - 1`` characters plus the delta.
-    """
+    """Finds stop strings in streamed text (earliest wins), holding back a partial match."""
 
     def __init__(self, stops: Sequence[str]) -> None:
         self.stops = tuple(stops)
@@ -165,7 +143,6 @@ class StopStrings:
         self._cut: int | None = None
         self.emitted = 0
         self.stopped = False
-        # which stop string cut the text (the earliest match; ties: the first listed)
         self.matched: str | None = None
 
     @property

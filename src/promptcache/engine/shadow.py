@@ -1,31 +1,9 @@
-"""Shadow verification: recompute restored blocks in idle time and compare.
+"""Shadow verification: recompute restored blocks in idle time and compare (a checksum cannot see a
+valid payload swapped for another).
 
-A checksum proves only that a block's bytes are the ones written; it cannot see a
-payload that was replaced by another valid one (a bug in a tier, a foreign writer, an
-attack on a shared Redis). ``ShadowVerifier`` is a ``PromptCache`` observer: after
-each ``acquire`` that restored anything it samples the hit with probability
-``fraction`` and remembers the prompt (a bounded queue). The engine thread calls
-``step()`` only while it has nothing else to do (no request prefilling, decoding or
-waiting for admission); each call advances one job by one prefill chunk, so a request
-that arrives waits at most one chunk.
-
-A job recomputes, from scratch, the last block the hit restored: a fresh prefill of the
-chain's tokens ``[0, end)``, then
-
-- the K/V of every block of the chain (and the last block's state snapshot, if it has
-  one) from the fresh caches against the stored payloads (read from the cache now: RAM,
-  else the lower tier), and
-- the next-token logits after the last block: the fresh prefill's against those of the
-  stored chain restored to ``end - 1`` plus one forward of the last token,
-
-each within ``atol + rtol * max|reference|`` (defaults: 1e-3 / 1e-3 for float32
-states, 3e-2 / 3e-2 for 16-bit ones; quantized KV parts are compared through the
-logits only). A mismatch quarantines the chain from the first block that differs (the
-last one when only the logits differ) on, in every tier
-(``PromptCache.quarantine_chain``), is counted, logs an error and raises the alert
-(``alerting`` stays on until ``alert_window`` clean checks have passed). Prompts with
-extra keys (images) are skipped: they cannot be recomputed from tokens alone.
-"""
+Samples restoring hits (``fraction``); one prefill chunk per idle ``step()``. A mismatch in K/V,
+snapshots or next-token logits (beyond ``atol + rtol * max|ref|``) quarantines the chain from the
+first differing block, counts, logs and raises the alert. Image prompts are skipped."""
 
 from __future__ import annotations
 
@@ -84,11 +62,9 @@ class ShadowVerifier:
         self.counts = {"sampled": 0, "checked": 0, "matched": 0, "mismatches": 0,
                        "quarantined_blocks": 0, "skipped": 0, "dropped": 0, "chunks": 0, "deferred": 0}
         self.last_mismatch: dict[str, Any] | None = None
-        # True while the engine has requests (prefilling, decoding or waiting): step()
-        # then does nothing
+        # True while the engine has requests: step() then does nothing
         self.busy = busy
 
-    # ---- the cache observer (engine thread, under the cache lock)
     def evicted(self, meta: BlockMeta) -> None:
         return None
 
@@ -105,7 +81,6 @@ class ShadowVerifier:
                 self.counts["dropped"] += 1
             self._queue.append(_Job(ns, np.array(req.arr[:hit_tokens], dtype=np.uint32)))
 
-    # ---- the engine thread, idle time
     @property
     def pending(self) -> bool:
         with self._lock:
@@ -116,8 +91,7 @@ class ShadowVerifier:
         return self._clean_since_mismatch < self.alert_window
 
     def step(self) -> bool:
-        """Advance the current job by one chunk (or finish it). False: nothing to do,
-        or the engine is busy (``busy()``): verification never runs while requests wait."""
+        """Advance the current job by one chunk; False: nothing to do, or the engine is busy."""
         if self.busy is not None and self.busy():
             self.counts["deferred"] += 1
             return False
@@ -204,9 +178,8 @@ class ShadowVerifier:
         return problems
 
     def _compare(self, job: _Job, seq: np.ndarray) -> None:
-        """Every block of the chain against the fresh caches (K/V; the last block's state
-        snapshot too), then the next-token logits through the stored chain. The first
-        block that differs (else the last one, if only the logits differ) is the culprit."""
+        """Compare each block, then the logits, with the fresh caches; the culprit is the first
+        differing block (else the last)."""
         last = job.block
         if last is None or job.caches is None:
             return

@@ -1,33 +1,9 @@
-"""Chat templates: messages -> prompt token ids (+ where each message starts), one pass.
-
-``ChatTemplate.render_with_offsets`` renders the chat template once to text and
-tokenizes that text once with character offsets; a message's start is the token
-that holds the first character after the previous message's content (the
-template's closing / header markers between two messages count to the later one).
-Nothing is rendered per message, so a 200-message chat costs one render and one
+"""Chat templates: messages -> prompt token ids (+ where each message starts), one render and one
 tokenization.
 
-Thread-safe: the server calls it from worker threads while the engine thread may
-use the tokenizer; Hugging Face fast tokenizers are not safe to share between
-threads (their padding / truncation state is mutated per call), so every
-tokenization holds one lock (a render, Jinja only, holds none).
-
-Bounded time: a render runs under a trace budget (``render_budget``): the template's
-own code (Jinja compiles it to Python, file ``<template>``) and every Python call it
-makes check a deadline (``render_limit_s``), so a template that loops (a recursive
-macro, nested ``range`` loops) ends with ``TemplateRenderError`` instead of holding
-the preparation thread; so do a syntax error and a recursion past Python's limit.
-The render holds no lock (only the tokenization does), so a slow render never delays
-another request's tokenization. ``check()`` renders a one-message chat (the startup
-test render: a template that fails or loops refuses to start).
-
-Bounded work: with a ``token_limit`` (the model's context length), a rendered text
-longer than ``(limit + 1) * longest token`` characters is first tokenized only up to
-that length; if that prefix alone has more than ``limit`` tokens (plus a margin for
-the word cut at its end) the prompt cannot fit, and ``ContextLengthError`` is raised
-without tokenizing the rest (a 50 MB body costs one bounded tokenization, not 26M
-tokens).
-"""
+Tokenization holds one lock (HF fast tokenizers are not shareable). A render runs under a trace
+deadline (``render_budget``: a looping template raises ``TemplateRenderError``); an overlong text is
+tokenized only up to a bound (``ContextLengthError``)."""
 
 from __future__ import annotations
 
@@ -45,8 +21,7 @@ from . import mlx_compat
 
 log = logging.getLogger(__name__)
 
-# A chat template's render takes milliseconds (a few hundred for a very long agent
-# conversation); past this it is a template that loops.
+# a render takes milliseconds (a few hundred for a very long chat); past this the template loops
 RENDER_LIMIT_S = 5.0
 # what Jinja names the code of a template compiled from a string
 TEMPLATE_FILE = "<template>"
@@ -54,15 +29,12 @@ CHECK_MESSAGES = ({"role": "user", "content": "Hello"},)
 
 
 class _OverBudget(BaseException):
-    """Raised inside a render past its deadline (a BaseException: a template's or a
-    library's ``except Exception`` cannot swallow it)."""
+    """Raised past the deadline (a BaseException: ``except Exception`` cannot swallow it)."""
 
 
 @contextlib.contextmanager
 def render_budget(limit_s: float) -> Iterator[None]:
-    """Run the body with this thread traced: every Python call, and every line of a
-    template's own code, checks the deadline and raises ``_OverBudget`` past it.
-    The previous trace function (a debugger, coverage) is restored after."""
+    """Trace this thread: every call and template line checks the deadline."""
     deadline = time.monotonic() + limit_s
 
     def check() -> None:
@@ -110,8 +82,7 @@ def _text_pieces(message: Mapping[str, Any]) -> list[str]:
 
 
 def content_spans(text: str, messages: Sequence[Mapping[str, Any]]) -> list[tuple[int, int] | None]:
-    """Per message, the character span of its content in the rendered ``text``
-    (searched in order, each after the previous), or None if it cannot be located."""
+    """Per message, its content's character span in ``text`` (in order), or None if not found."""
     spans: list[tuple[int, int] | None] = []
     cursor = 0
     for m in messages:
@@ -135,7 +106,8 @@ def content_spans(text: str, messages: Sequence[Mapping[str, Any]]) -> list[tupl
 
 def message_starts(text: str, offsets: Sequence[tuple[int, int]],
                    messages: Sequence[Mapping[str, Any]]) -> tuple[int, ...]:
-    """Token index where each message starts (see the module docstring)."""
+    """Token index where each message starts: the token holding the first character after the
+    previous message's content (the markers between two messages count to the later one)."""
     spans = content_spans(text, messages)
     starts: list[int] = [0]
     tok = 0
@@ -174,8 +146,7 @@ class ChatTemplate:
         self._max_token_chars: int | None = None
 
     def _longest_token_chars(self) -> int:
-        """Characters of the longest vocabulary entry (an upper bound on the text one
-        token covers; byte-level and byte-fallback spellings only overestimate)."""
+        """Characters of the longest vocabulary entry (an upper bound on one token's text)."""
         if self._max_token_chars is None:
             vocab: Any = None
             get_vocab = getattr(self.tokenizer, "get_vocab", None)
@@ -189,8 +160,7 @@ class ChatTemplate:
         return self._max_token_chars
 
     def _check_length(self, text: str) -> None:
-        """Raise ``ContextLengthError`` if ``text`` surely has more than ``token_limit``
-        tokens, tokenizing a bounded prefix only (caller holds the lock)."""
+        """Raise ``ContextLengthError`` if ``text`` surely exceeds ``token_limit`` (lock held)."""
         limit = self.token_limit
         if limit is None:
             return
@@ -237,9 +207,7 @@ class ChatTemplate:
         add_generation_prompt: bool = True, *, continue_final_message: bool = False,
         template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[int]:
-        """Prompt token ids of a chat (``continue_final_message``: the last assistant
-        message is left open; ``template_kwargs``: extra template variables such as
-        ``enable_thinking``)."""
+        """Prompt token ids of a chat (``continue_final_message``: the last message left open)."""
         validate_messages(messages)
         text = self._render_text(messages, tools, add_generation_prompt,
                                  continue_final_message, template_kwargs)
@@ -248,9 +216,7 @@ class ChatTemplate:
             return [int(t) for t in self.tokenizer.encode(text, add_special_tokens=False)]
 
     def check(self) -> None:
-        """The startup test render: a one-message chat. ``TemplateRenderError`` for a
-        template that fails to parse, loops or recurses; any other failure (the
-        template refusing this chat, e.g. one that needs a system message) only logs."""
+        """The startup test render; ``TemplateRenderError`` if it fails, loops or recurses."""
         try:
             self._render_text(CHECK_MESSAGES, None, True, False, None)
         except TemplateRenderError:
@@ -260,9 +226,7 @@ class ChatTemplate:
                         type(e).__name__, e)
 
     def encode(self, text: str) -> list[int]:
-        """Token ids of a plain prompt (the tokenizer's own special tokens, e.g. BOS,
-        added as ``tokenizer.encode`` does), with the same bounded length check as a
-        rendered chat."""
+        """Token ids of a plain prompt (special tokens as ``tokenizer.encode`` adds them)."""
         with self._lock:
             self._check_length(text)
             return [int(t) for t in self.tokenizer.encode(text)]

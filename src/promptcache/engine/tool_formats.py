@@ -1,23 +1,8 @@
-"""Tool-call parsers of our own, where mlx-lm's loses calls or has none (Qwen3-Coder, GLM,
-DeepSeek).
+"""Tool-call parsers where mlx-lm's loses calls or has none (Qwen3-Coder, GLM, DeepSeek).
 
-``parse_qwen3_coder(body, tools)``: the Qwen3-Coder XML format
-(``<function=NAME>`` then ``<parameter=P>value</parameter>`` per argument, then
-``</function>``), the format of the leading local coding models. mlx-lm 0.32's parser
-(``mlx_lm.tool_parsers.qwen3_coder``) drops or corrupts exactly the calls agents make
-most, long file writes:
-- a value that contains ``</parameter>`` (code that writes this very format, a test
-  file) is cut at the first one; here a parameter ends at the ``</parameter>`` that is
-  followed by the next ``<parameter=`` or by ``</function>``;
-- a string parameter whose value is ``null`` became ``None``; a string stays a string;
-- a schema type that is a list (``["string", "null"]``) or missing sends code through
-  ``ast.literal_eval`` (``{[]: 1}`` raised TypeError and dropped the call); here
-  values are converted by JSON only, by the schema's type(s), and a value that does not
-  convert stays the model's text;
-- an integer that is not one raised and dropped the call; here it stays text.
-Several ``<function=`` blocks in one call body give several calls. A body without a
-complete ``<function=...>...</function>`` raises ValueError (not a call).
-"""
+mlx-lm 0.32's qwen3_coder cuts values containing ``</parameter>``, turns "null" strings into None
+and drops calls via ``ast.literal_eval``. Here a value ends at a ``</parameter>`` followed by the
+next parameter or ``</function>``; values convert by JSON per the schema, else stay text."""
 
 from __future__ import annotations
 
@@ -45,8 +30,7 @@ def _schema_of(name: str, tools: Sequence[Mapping[str, Any]] | None) -> dict[str
 
 
 def _types(schema: Any) -> list[str]:
-    """The JSON types a property allows (``type``, a list of types, ``anyOf`` /
-    ``oneOf`` members); empty: unknown."""
+    """The JSON types a property allows (``type``, a list, ``anyOf`` / ``oneOf``); empty: any."""
     if not isinstance(schema, Mapping):
         return []
     kind = schema.get("type")
@@ -89,9 +73,7 @@ def _as_type(text: str, kind: str) -> tuple[bool, Any]:
 
 
 def _convert(value: str, schema: Any) -> Any:
-    """A parameter's text as the value its schema asks for; the text itself when the
-    schema allows a string and the text is not exactly a value of another allowed
-    type, or when it converts to none of them."""
+    """A parameter's text as its schema's value; the text itself if a string fits or none does."""
     types = _types(schema)
     text = value.strip()
     if not types:  # no schema: a JSON object / array if it is one, else text
@@ -147,8 +129,7 @@ def _parameters(body: str, schema: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _function_end(body: str, start: int) -> int:
-    """Where the function that starts at ``start`` ends: the first ``</function>`` not
-    inside a parameter value."""
+    """Where the function starting at ``start`` ends: the first ``</function>`` not in a value."""
     pos = start
     while True:
         p = _PARAMETER.search(body, pos)
@@ -157,7 +138,6 @@ def _function_end(body: str, start: int) -> int:
             return -1
         if p is None or f < p.start():
             return f
-        # skip the parameter's value (its end as ``_parameters`` finds it)
         search = p.end()
         while True:
             at = body.find(_PARAM_END, search)
@@ -192,7 +172,6 @@ def parse_qwen3_coder(body: str, tools: Sequence[Mapping[str, Any]] | None = Non
     return calls
 
 
-# --- DeepSeek V3 / V3.1 -------------------------------------------------------------------
 
 DEEPSEEK_CALLS_BEGIN = "<｜tool▁calls▁begin｜>"
 DEEPSEEK_CALLS_END = "<｜tool▁calls▁end｜>"
@@ -204,10 +183,7 @@ _FENCE = re.compile(r"^\s*```(?:json)?\s*\n?(.*?)\n?```\s*$", re.DOTALL)
 
 def parse_deepseek(body: str, tools: Sequence[Mapping[str, Any]] | None = None
                    ) -> list[dict[str, Any]]:
-    """The calls between ``<｜tool▁calls▁begin｜>`` and ``<｜tool▁calls▁end｜>`` (mlx-lm
-    has no parser for DeepSeek): each ``<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>ARGS
-    <｜tool▁call▁end｜>`` (V3.1: ARGS is JSON) or ``...begin｜>function<｜tool▁sep｜>NAME
-    \\n```json\\nARGS\\n```<｜tool▁call▁end｜>`` (V3). Raises ValueError on anything else."""
+    """The calls between DeepSeek V3 / V3.1 tool-call markers; ValueError otherwise."""
     calls: list[dict[str, Any]] = []
     pos = 0
     while True:
@@ -239,12 +215,10 @@ def parse_deepseek(body: str, tools: Sequence[Mapping[str, Any]] | None = None
     return calls
 
 
-# --- GLM-4.5 / 4.6 / 4.7 ------------------------------------------------------------------
 
 _ARG_KEY, _ARG_KEY_END = "<arg_key>", "</arg_key>"
 _ARG_VALUE, _ARG_VALUE_END = "<arg_value>", "</arg_value>"
-# between a key and its value: whitespace, or the two characters backslash-n some
-# templates write
+# between a key and its value: whitespace, or the two characters backslash-n some templates write
 _GAP = re.compile(r"(?:\s|\\n)*")
 # after a value's end: the next key or the end of the call
 _NEXT_ARG = re.compile(r"(?:\s|\\n)*(?:<arg_key>|$)")
@@ -252,12 +226,7 @@ _NEXT_ARG = re.compile(r"(?:\s|\\n)*(?:<arg_key>|$)")
 
 def parse_glm47(body: str, tools: Sequence[Mapping[str, Any]] | None = None
                 ) -> list[dict[str, Any]]:
-    """The call between ``<tool_call>`` and ``</tool_call>`` in GLM's format:
-    ``NAME<arg_key>K</arg_key><arg_value>V</arg_value>...``. Ours rather than mlx-lm's,
-    which strips every value (a file argument loses its final newline) and reads values
-    through ``ast.literal_eval``: a string parameter keeps its text exactly; other
-    values are converted by JSON per the schema's type(s), else kept as text. A value
-    ends at the ``</arg_value>`` followed by the next ``<arg_key>`` or the end."""
+    """The call in GLM's ``NAME<arg_key>K</arg_key><arg_value>V</arg_value>`` format."""
     at = body.find(_ARG_KEY)
     name = (body if at < 0 else body[:at]).strip()
     if not name or any(c in name for c in "<>\n{}"):

@@ -1,14 +1,5 @@
-"""Images in a prompt's prefill: features from the vision-embedding cache or the tower.
-
-``VisionEncoder`` (one per engine; engine thread only) gives an image's features:
-from the ``VisionCache`` when its digest is known, else one vision tower call (then
-cached). ``ImagePrefill`` (one per request with images) builds the input embeddings
-of a prefill chunk: the text model's token embeddings with each image's features
-written over its placeholder tokens; a chunk may start or end inside an image (chunk
-and block boundaries do not care about images), and a restored prefix may end inside
-one. Chunks without image tokens are prefilled from token ids as usual, so a turn
-whose images are all in the cached prefix makes no vision call at all.
-"""
+"""Images in a prompt's prefill: features from the vision-embedding cache or the tower, written over
+each image's placeholders; chunks without image tokens prefill from ids."""
 
 from __future__ import annotations
 
@@ -61,8 +52,7 @@ class VisionEncoder:
 
 def validate_images(images: Sequence[ImageInput], prompt: np.ndarray,
                     info: VisionInfo | None) -> None:
-    """Every image covers exactly its placeholder tokens, in order, and every
-    placeholder token belongs to an image; raise ``RequestError`` otherwise."""
+    """Every image covers exactly its placeholders, in order, and no more; else ``RequestError``."""
     if not images:
         if info is not None and bool(np.any(prompt == info.placeholder_id)):
             raise RequestError(f"the prompt contains the image token {info.image_token!r} "
@@ -96,8 +86,7 @@ def validate_images(images: Sequence[ImageInput], prompt: np.ndarray,
 
 
 class ImagePrefill:
-    """The input embeddings (and, for M-RoPE models, positions) of one request's
-    prefill chunks."""
+    """The input embeddings (and M-RoPE positions) of one request's prefill chunks."""
 
     def __init__(self, encoder: VisionEncoder, images: Sequence[ImageInput]) -> None:
         self.encoder = encoder
@@ -113,15 +102,13 @@ class ImagePrefill:
 
     def embeddings(self, model: Any, tokens: mx.array, start: int, end: int
                    ) -> mx.array | None:
-        """``[1, end - start, hidden]`` for the chunk ``tokens`` at ``[start, end)``, or
-        None if no image overlaps it (prefill from token ids)."""
+        """``[1, end - start, hidden]`` for the chunk ``[start, end)``; None if it has no image."""
         emb, _ = self._merge(model, tokens, start, end)
         return emb
 
     def _merge(self, model: Any, tokens: mx.array, start: int, end: int
                ) -> tuple[mx.array | None, list[mx.array] | None]:
-        """The chunk's embeddings and, for a model with deepstack layers, each such
-        layer's features of the chunk's image rows (in order)."""
+        """The chunk's embeddings and, with deepstack, each layer's features of its image rows."""
         hits = [(i, im) for i, im in enumerate(self.images) if im.start < end and im.end > start]
         if not hits:
             return None, None
@@ -142,10 +129,7 @@ class ImagePrefill:
 
     def forward(self, model: Any, tokens: mx.array, caches: list[Any], start: int, end: int
                 ) -> mx.array:
-        """The chunk ``tokens`` at ``[start, end)`` through ``model`` on ``caches`` (lazy
-        logits): image rows from the features; for an M-RoPE model (``model.mrope``)
-        every chunk gets its positions from the image spans, and a deepstack model the
-        image rows' extra features."""
+        """The chunk ``[start, end)`` through ``model`` (lazy logits), image rows included."""
         emb, deep = self._merge(model, tokens, start, end)
         if bool(getattr(model, "mrope", False)):
             pos, delta = model.positions(self.images, start, end)

@@ -1,16 +1,5 @@
-"""The vision-embedding cache: image digest -> the vision tower's features.
-
-A repeated image (the same pixels under the same preprocessing: ``api.image_digest``)
-skips the vision tower. RAM holds features up to a byte budget (LRU; sizes from shape
-x dtype); with a folder, features are also persisted as one safetensors file per
-digest (``<folder>/<digest hex>.safetensors``, a sha256 of the data in its header,
-written to a temporary file, fsynced and renamed) by a writer thread behind a bounded
-queue (full: the write is dropped and counted; the engine thread never waits for the
-disk), so a restarted server does not re-encode. ``flush()`` waits for the queue;
-``close()`` flushes and stops the writer.
-A file that fails to read or verify is removed and counted as a miss: the cache only
-ever costs a vision tower call, never a request. Keys are per model: the engine puts
-the model fingerprint into the folder name (``bind_model``). Engine thread only.
+"""The vision-embedding cache: image digest -> the tower's features (engine thread only), in RAM
+(LRU) and optionally as verified safetensors files via a bounded writer queue; a bad file is a miss.
 """
 
 from __future__ import annotations
@@ -73,10 +62,7 @@ class VisionCache:
         self.counters = VisionCacheStats(budget_bytes=self.budget_bytes)
 
     def bind_model(self, fingerprint: str) -> None:
-        """Features are per model: the folder becomes ``<base>/<fingerprint[:32]>``
-        (the engine calls this when it loads the model). A folder that cannot be
-        created (a read-only or not-ours cache folder) leaves the cache in RAM only,
-        counted ``ssd_errors`` and logged: it never stops the model from loading."""
+        """The folder becomes ``<base>/<fingerprint[:32]>`` (uncreatable: RAM only, counted)."""
         if self.base is not None:
             folder = self.base / fingerprint[:32]
             try:
@@ -96,7 +82,6 @@ class VisionCache:
         c.entries, c.bytes = len(self._ram), self._bytes
         return c
 
-    # ------------------------------------------------------------------ lookup
 
     def get(self, digest: bytes) -> mx.array | None:
         """The features of ``digest`` (RAM, then the folder), or None (a miss)."""
@@ -141,7 +126,6 @@ class VisionCache:
         self._ram.clear()
         self._bytes = 0
 
-    # ------------------------------------------------------------------ the folder
 
     def _path(self, digest: bytes) -> Path:
         if self.folder is None:

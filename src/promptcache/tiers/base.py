@@ -1,30 +1,8 @@
-"""The protocol every lower tier (SSD, Redis, ...) implements, and ``PayloadSource``.
+"""The protocol every lower tier (SSD, Redis) implements, and ``PayloadSource``.
 
-The RAM tier is the block pool itself (``blocks``); lower tiers store encoded
-payload bytes (see ``codec``) and answer metadata queries without reading them,
-so a lookup never touches the disk to decide whether a block is there.
-
-Namespaces: every method that names a block by hash takes the block's namespace as
-``ns=`` (keyword). A tier whose keys carry the namespace (Redis: tenant + namespace
-key in every key) needs it; a tier with a local index (SSD) may ignore it.
-
-Payloads handed to ``put`` are ``bytes`` or a ``PayloadSource``: an object that
-encodes itself (``encode() -> bytes``, memoised and thread-safe, so several tiers
-may share one) and estimates its size (``nbytes``) without encoding. The cache
-hands a source over, so the encoding (the block buffer behind its header) runs on the
-tier's writer thread, never on the request path under the cache lock.
-
-Write policy: a tier may have ``policy = "write_through"`` (it gets every new block
-when it is stored) or anything else / none (it gets a block when the block leaves
-RAM, or at shutdown); the cache records per block which tiers hold it, so a block
-is never put twice into a tier and ``add_sessions`` / ``discard`` reach exactly the
-tiers that hold it.
-
-Error contract: every public method lets only ``TierError`` out (never
-``sqlite3.Error``, ``OSError``, ...); the cache policy catches it, counts it, and
-treats the block as a miss. ``get`` verifies the checksum and raises
-``CorruptBlockError`` (a ``TierError``, after quarantining) on a mismatch.
-"""
+Tiers answer metadata queries without reading payloads; methods naming a block take ``ns=``. Only
+``TierError`` leaves a public method (the cache counts a miss). A ``PayloadSource`` encodes on the
+tier's writer thread, never under the cache lock."""
 
 from __future__ import annotations
 
@@ -45,9 +23,7 @@ class PayloadSource(Protocol):
         """An estimate of the encoded size (the in-memory size of the arrays)."""
 
     def encode(self) -> bytes:
-        """The encoded bytes. Memoised: every call returns the same object; safe to
-        call from several threads at once (one of them encodes, the others wait).
-        Raises whatever encoding raises (the tier counts it as a failed write)."""
+        """The encoded bytes, memoised and thread-safe; raises whatever encoding raises."""
 
 
 class LazyPayload:
@@ -126,8 +102,7 @@ class Tier(Protocol):
 
     def get_metas(self, block_hashes: Sequence[BlockHash], *, ns: Namespace | None = None
                   ) -> list[BlockMeta | None]:
-        """``get_meta`` of many blocks at once (a chain: one round trip for a remote
-        tier). None where a block is absent, expired or damaged."""
+        """``get_meta`` of many blocks in one round trip; None where absent, expired or damaged."""
 
     def children(self, parent_hash: BlockHash, *, ns: Namespace | None = None
                  ) -> list[BlockMeta]:
@@ -136,35 +111,19 @@ class Tier(Protocol):
     def get(self, block_hash: BlockHash, *, ns: Namespace | None = None) -> bytes | None:
         """The payload bytes (checksum verified), or None if absent."""
 
-    # Optional (a remote tier): ``get_many(block_hashes, *, ns=None) ->
-    # list[tuple[bytes, list[str]] | None]``, the payloads and sessions of many blocks
-    # in one round trip (None where absent or damaged; a transport failure raises
-    # TierError). The cache reserves RAM for all of them first.
+    # Optional: ``get_many(block_hashes, *, ns=None)``, ``(payload, sessions)`` or None each in one
+    # round trip.
 
     def put(self, meta: BlockMeta, payload: bytes | PayloadSource, sessions: Iterable[str] = (),
             hits: int | None = None, *, timeout: float | None = 0.0) -> bool:
-        """Store (possibly asynchronously). True: accepted (a write queued or done).
-        False: refused (queue full, budget, admission rule, degraded, closed).
-
-        ``timeout``: how long to wait for room in a full write queue. 0 (the default,
-        the request path) never waits; a number waits up to that many seconds
-        (back-pressure: ``persist`` at shutdown and the demotion of an evicted block
-        use it); None waits as long as it takes. A tier without a queue ignores it.
-        ``hits``: how often the block was reused (for an admission rule). A block
-        put again under the same hash replaces the stored copy (e.g. upgraded with a
-        snapshot)."""
+        """Store (possibly asynchronously); False: refused. ``timeout``: wait for queue room (0:
+        never; None: no limit)."""
 
     def has_room(self, timeout: float | None = 0.0) -> bool:
-        """True if a ``put`` that does not wait would find room in the write queue now
-        (waiting up to ``timeout`` seconds for it, None: as long as it takes). A put
-        refused while there is room was refused for good (admission, budget,
-        degraded); one refused without room may be offered again later. A tier
-        without a queue returns True. Optional: the cache treats a tier without it
-        as one that always has room."""
+        """True if a non-waiting ``put`` would find queue room (waiting ``timeout``). Optional."""
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Wait until every accepted put is stored (or failed). True if done within
-        ``timeout`` seconds (None: no limit). Optional for synchronous tiers."""
+        """Wait until every accepted put is stored or failed; True if within ``timeout``."""
 
     def sessions_of(self, block_hash: BlockHash, *, ns: Namespace | None = None) -> list[str]:
         """The sessions recorded on a stored block."""
@@ -177,17 +136,11 @@ class Tier(Protocol):
         """Delete these blocks (e.g. partial tails a longer sibling now covers)."""
 
     def delete_session(self, session_id: str, tenant: str | None = None) -> int:
-        """Remove the session from the blocks of ``tenant`` (None: of every tenant);
-        delete those blocks left with no session that had at least one. A block
-        belongs to one tenant (the tenant is in its root hash), so two tenants using
-        the same session id never touch each other's blocks. Returns the number of
-        blocks deleted."""
+        """Remove the session from ``tenant``'s blocks (None: all), deleting those left without."""
 
     def delete_session_blocks(self, session_id: str, tenant: str | None = None
                               ) -> set[bytes]:
-        """``delete_session``, returning the hashes of the blocks deleted (the cache
-        counts a block held by several tiers once). Optional: the cache counts a tier
-        without it by ``delete_session``'s number."""
+        """``delete_session`` returning the deleted hashes. Optional."""
 
     def delete_tenant(self, tenant: str | None) -> int:
         """Delete every block of a tenant (None: all). Returns the count."""

@@ -1,35 +1,8 @@
-"""The shared Redis / Valkey tier (standalone or Cluster): several servers reuse
-each other's blocks. This module is the facade (the ``Tier`` protocol, the tier's
-stats and lifecycle) composing the parts, each given its collaborators: ``redis_keys``
-(key layout and records), ``redis_client`` (``Remote``: connections, timeouts, the
-circuit breaker and the prober), ``redis_queue`` (``WriteQueue``: the write queue and
-the pending puts), ``redis_reads`` (``Reads``: the read path), ``redis_writes``
-(``Writer``: the writer thread's batches) and ``redis_delete`` (``Deleter``: deletion
-by session and tenant).
+"""The shared Redis / Valkey tier (standalone or Cluster): the ``Tier`` facade over ``redis_keys``,
+``redis_client``, ``redis_queue``, ``redis_reads``, ``redis_writes`` and ``redis_delete``.
 
-Fail open: every read is one pipelined round trip with a per-operation timeout (tens
-of ms); any fault (down, slow, restarted, full, errors, a damaged value) ends as a
-counted miss, never as an error or a stall of a request. Every public method lets
-only ``TierError`` out (``tiers.base``; bad input raises ``ValueError``). Writes are
-asynchronous: a bounded queue drained by one writer thread that pipelines whole
-batches. ``put(..., timeout=0)`` (the request path) never waits: a full queue
-refuses it (counted ``queue_full``; the cache keeps the block in RAM and offers it
-again when ``has_room``); a positive or None ``timeout`` waits for room
-(back-pressure). An open circuit or an oversized block refuses the put (counted).
-
-Reads verify everything: the record must hash to its key (parent + tokens + extra
-keys), the payload must have the recorded size and checksum; a damaged block is
-deleted and counted (``corrupt``), and reads as a miss.
-
-Namespaces: keys carry the tenant and the namespace key, so every method that names a
-block by hash takes the namespace (``ns=``); without it the tier answers nothing.
-TTL (``ttl_seconds``) is set on every key at every write (put, new session), so a
-block written or reused by a server within the TTL stays; reads do not extend it.
-Sessions and tenants: ``delete_session`` removes the session from its blocks (a block
-left without sessions that had one is deleted); ``delete_tenant`` deletes every key
-of the tenant (SCAN over each master). Payloads are bytes or a ``PayloadSource``
-(``tiers.base``: encoded on the writer thread).
-"""
+Fail open: any fault ends as a counted miss, never an error or a stall. TTL is set at every write;
+reads do not extend it."""
 
 from __future__ import annotations
 
@@ -58,9 +31,7 @@ _F = TypeVar("_F", bound=Callable[..., Any])
 
 
 def _boundary(fn: _F) -> _F:
-    """The tier boundary: only ``TierError`` (and ``ValueError`` for bad input) leaves
-    a public method; anything else (a bug must not fail a request) is logged, counted
-    (``unexpected_errors``) and raised as a ``TierError``."""
+    """The tier boundary: anything but TierError / ValueError is logged, counted, re-raised."""
 
     @functools.wraps(fn)
     def wrapper(self: RedisTier, *args: Any, **kwargs: Any) -> Any:
@@ -77,8 +48,7 @@ def _boundary(fn: _F) -> _F:
 
 
 class RedisTier:
-    """See the module docstring. ``clock`` drives the circuit breaker (tests fake
-    it); ``start_threads=False`` leaves the prober off (tests call ``probe()``)."""
+    """``clock`` drives the circuit breaker; ``start_threads=False``: no prober (tests)."""
 
     name = "redis"
 
@@ -100,7 +70,6 @@ class RedisTier:
         self.writer = Writer(self.remote, self.keys, self.writes, self.tally, ttl)
         self.reads = Reads(self.remote, self.keys, self.writes, self.tally)
         self.deleter = Deleter(self.remote, self.keys, self.writes, self.tally, self.writer.lock)
-        # (tests hold the writer's lock and watch the queue and the pending puts)
         self._write_lock, self._queue, self._pending = (
             self.writer.lock, self.writes.queue, self.writes.pending)
         self._thread = threading.Thread(target=self.writer.run,
@@ -116,7 +85,6 @@ class RedisTier:
     def config(self, config: RedisConfig) -> None:
         self.writes.config = config
 
-    # -- metadata queries (Reads) ---------------------------------------------------
     @_boundary
     def get_meta(self, block_hash: BlockHash, *, ns: Namespace | None = None) -> BlockMeta | None:
         return self.reads.get_metas([bytes(block_hash)], ns)[0]
@@ -135,7 +103,6 @@ class RedisTier:
     def sessions_of(self, block_hash: BlockHash, *, ns: Namespace | None = None) -> list[str]:
         return self.reads.sessions_of(bytes(block_hash), ns)
 
-    # -- payload reads (Reads) ------------------------------------------------------
     @_boundary
     def get(self, block_hash: BlockHash, *, ns: Namespace | None = None) -> bytes | None:
         got = self.reads.fetch([bytes(block_hash)], ns)[0]
@@ -146,24 +113,19 @@ class RedisTier:
     @_boundary
     def get_many(self, block_hashes: Sequence[BlockHash], *, ns: Namespace | None = None
                  ) -> list[tuple[bytes, list[str]] | None]:
-        """``(payload, sessions)`` of many blocks in one round trip (None where absent
-        or damaged: a damaged block is deleted and counted)."""
+        """``(payload, sessions)`` of many blocks in one round trip (None: absent or damaged)."""
         return [g if isinstance(g, tuple) else None
                 for g in self.reads.fetch([bytes(h) for h in block_hashes], ns)]
 
-    # -- writes (queued: WriteQueue; sent by the writer thread: Writer) -------------
     @_boundary
     def put(self, meta: BlockMeta, payload: bytes | PayloadSource, sessions: Iterable[str] = (),
             hits: int | None = None, *, timeout: float | None = 0.0) -> bool:
-        """Queue a block for writing; False if refused (counted by reason).
-        ``timeout``: how long to wait for room in a full queue (0: never wait, the
-        request path; None: as long as it takes)."""
+        """Queue a block for writing; False if refused (counted by reason)."""
         return self.writes.put(meta, payload, sessions, timeout)
 
     @_boundary
     def has_room(self, timeout: float | None = 0.0) -> bool:
-        """Whether a put that does not wait would find room in the queue now (waiting
-        up to ``timeout`` seconds for it; None: as long as it takes)."""
+        """Whether a non-waiting put would find queue room now (waiting up to ``timeout``)."""
         return self.writes.has_room(timeout)
 
     @_boundary
@@ -173,17 +135,14 @@ class RedisTier:
 
     @_boundary
     def discard(self, block_hashes: Iterable[BlockHash], *, ns: Namespace | None = None) -> int:
-        """Delete these blocks (asynchronously, in queue order). Returns how many were
-        queued or cancelled."""
+        """Delete these blocks asynchronously; returns how many were queued or cancelled."""
         return self.writes.discard((bytes(h) for h in block_hashes), ns)
 
     @_boundary
     def flush(self, timeout: float | None = None) -> bool:
-        """Wait until every queued write was sent (or dropped). True if done within
-        ``timeout`` seconds (None: no limit)."""
+        """Wait until every queued write was sent or dropped; True if within ``timeout``."""
         return self.writes.flush(timeout)
 
-    # -- deletion (Deleter) ----------------------------------------------------------
     @_boundary
     def delete_session(self, session_id: str, tenant: str | None = None) -> int:
         return len(self.deleter.delete_session(session_id, tenant))
@@ -197,7 +156,6 @@ class RedisTier:
     def delete_tenant(self, tenant: str | None) -> int:
         return self.deleter.delete_tenant(tenant)
 
-    # -- health, stats, lifecycle -------------------------------------------------------------
     def probe(self) -> bool | None:
         """Run a health probe now if one is due (the prober thread does this)."""
         return self.remote.probe()
@@ -213,8 +171,7 @@ class RedisTier:
                 "reason": None if remote.healthy else remote.last_error}
 
     def check_reachable(self) -> bool:
-        """One ping (at startup); False: unreachable, the tier skipped until a probe
-        succeeds, ``health()`` says so."""
+        """One ping at startup; False: unreachable (skipped until a probe succeeds)."""
         return self.remote.check_reachable()
 
     def stats(self) -> dict[str, Any]:

@@ -1,25 +1,8 @@
-"""The Redis tier's connection side: clients, fail-fast calls, the breaker, the prober.
+"""The Redis tier's connection side: clients, fail-fast calls, the circuit breaker, the prober.
 
-Two clients share one circuit breaker: the *read* client (the request path: lookups
-and promotions) with the per-operation timeout (tens of ms), and the *write* client
-(the writer thread and admin deletions) with a longer one, since sending a batch of
-megabyte values takes longer than a lookup and never holds up a request. redis-py's
-own retries are off (a retry is a stall); reconnection is redis-py's: a connection
-that failed or timed out is dropped and the next command opens a new one.
-
-Every call goes through ``Remote.call``: skipped at once while the circuit is open,
-timed, classified (timeout / unavailable / out of memory / error) and counted; a
-failure raises ``TierError``. Out-of-memory and plain command errors do not open the
-circuit (Redis is up; it refuses one write). While the circuit is open the prober
-thread pings Redis every ``probe_interval_s`` once the backoff has passed; a request
-never waits for a probe.
-
-The breaker (``CircuitBreaker``: pure logic, injected clock; callers hold their lock):
-closed, every operation is attempted and ``failures`` consecutive failures open it;
-open, operations are skipped at once (counted) until ``retry_at``, then one probe is
-due (``begin_probe``: half-open); half-open, still skipped, the probe's result closes
-the circuit (backoff reset) or opens it again with the backoff doubled, up to the max.
-"""
+A read client (short timeout) and a write client (longer) share one breaker; redis-py retries are
+off (a retry is a stall). OOM and command errors do not open the circuit. While open, the prober
+pings after a doubling backoff."""
 
 from __future__ import annotations
 
@@ -162,9 +145,7 @@ def redact(url: str) -> str:
 
 
 def make_client(config: RedisConfig, timeout_s: float) -> Client:
-    """A redis-py client for ``config.url`` (cluster for ``redis+cluster://`` or
-    ``config.cluster``), without retries. A cluster client connects (and may raise)
-    here; a standalone one on its first command."""
+    """A redis-py client for ``config.url`` without retries (a cluster one connects here)."""
     url = config.url.replace("+cluster://", "://", 1)
     opts: dict[str, Any] = {
         "socket_timeout": timeout_s,
@@ -219,7 +200,6 @@ class Remote:
                                             daemon=True)
             self._prober.start()
 
-    # -- clients ----------------------------------------------------------------------
     def client(self, kind: str) -> Client:
         """The ``read`` or ``write`` client, created on first use."""
         with self.lock:
@@ -245,7 +225,6 @@ class Remote:
             except Exception:  # closing a broken client must not raise
                 log.debug("closing a redis client failed", exc_info=True)
 
-    # -- calls ------------------------------------------------------------------------
     def call(self, what: str, fn: Callable[[Client], T], *, kind: str = "read") -> T:
         """Run ``fn(client)`` fail-fast; raises ``Skipped`` or ``TierError``."""
         with self.lock:
@@ -289,10 +268,8 @@ class Remote:
                                 self.last_error, self.breaker.backoff)
         raise TierError(f"redis {what} failed: {type(e).__name__}: {e}") from e
 
-    # -- health -----------------------------------------------------------------------
     def probe(self) -> bool | None:
-        """One health probe if one is due (None if not). Runs on the prober thread, or
-        in tests with an injected clock."""
+        """One health probe if due (None if not); on the prober thread."""
         with self.lock:
             if not self.breaker.begin_probe():
                 return None
@@ -321,13 +298,11 @@ class Remote:
             c.ping()
 
     def check_reachable(self) -> bool:
-        """One ping at startup: False (the circuit opened, ``last_error`` set, the
-        prober retrying) when the server does not answer."""
+        """One ping at startup; False when the server does not answer (the prober retries)."""
         try:
             self._ping()
         except (RedisError, RedisClusterException, OSError) as e:
             with self.lock:
-                # counted as any call's failure is (the tier's stats say what happened)
                 self.counts["timeouts" if isinstance(e, RedisTimeoutError)
                             else "connection_errors"] += 1
                 self.counts["errors"] += 1

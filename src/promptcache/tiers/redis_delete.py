@@ -1,13 +1,5 @@
-"""The Redis tier's deletions by session and by tenant (admin operations, synchronous).
-
-``delete_session`` removes the session from its blocks: it walks the session's SET
-(``redis_keys``: one per tenant; without a tenant, SCAN finds them on every master)
-and runs a one-key Lua script per block that drops the session field and deletes the
-block if no session is left (then its children-index entry). ``delete_tenant`` SCANs
-every key of the tenant (or of the tier) and UNLINKs them in pipelined batches. Both
-first cancel the matching pending puts, and run under the tier's write lock, after
-the batch in flight (the writer cannot write a cancelled block back meanwhile).
-"""
+"""The Redis tier's deletions by session and by tenant (admin, synchronous, under the write lock
+between batches; matching pending puts cancelled first)."""
 
 from __future__ import annotations
 
@@ -38,8 +30,7 @@ def _tenant_of_key(keys: KeySpace, key: str) -> str:
 
 
 class Deleter:
-    """Deletions by session and tenant over ``remote``, cancelling ``writes``' pending
-    puts, under the writer's ``write_lock`` (see the module docstring)."""
+    """Deletions by session and tenant over ``remote``, under the writer's ``write_lock``."""
 
     def __init__(self, remote: Remote, keys: KeySpace, writes: WriteQueue, tally: Tally,
                  write_lock: threading.RLock) -> None:
@@ -50,8 +41,7 @@ class Deleter:
         self.write_lock = write_lock
 
     def delete_session(self, session_id: str, tenant: str | None) -> set[bytes]:
-        """Remove ``session_id`` from its blocks (of ``tenant``, or of every tenant); a block
-        left without sessions is deleted. Returns the hashes of the blocks deleted."""
+        """Remove ``session_id`` from its blocks, deleting those left without; their hashes."""
         if not isinstance(session_id, str) or not session_id:
             raise ValueError("session_id must be a non-empty string")
         if tenant is not None:
@@ -96,8 +86,7 @@ class Deleter:
             return deleted | cancelled
 
     def delete_tenant(self, tenant: str | None) -> int:
-        """Delete every key of ``tenant`` (None: every key of the tier). Returns the number
-        of blocks deleted (queued ones included)."""
+        """Delete every key of ``tenant`` (None: of the tier); returns the blocks deleted."""
         if tenant is not None:
             validate_tenant(tenant)
         keys = self.keys

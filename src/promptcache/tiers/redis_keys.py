@@ -1,24 +1,8 @@
 """The Redis tier's key layout and block records (pure: no redis import, no I/O).
 
-Every key starts with ``<prefix>:v<cache format>:<tenant>:``, so one SCAN pattern
-finds every key of a tenant (tenant deletion) and a new cache format never reads an
-old one. Per block, under the namespace key ``ns`` (``Namespace.key``: a digest of
-model fingerprint, block size, KV spec, tenant and format):
-
-* ``...:<tenant>:<ns>:b:<hash>`` -- a Redis HASH: ``m`` the block's metadata record,
-  ``p`` the payload bytes (``codec``: the block's header and buffer, block format 3), ``s:<session id>`` one
-  field per session that wrote or reused the block;
-* ``...:<tenant>:<ns>:k:<parent hash>`` -- a HASH ``child hash (hex) -> metadata
-  record``: the children index (partial tails and diverging siblings);
-* ``...:<tenant>:s:<digest of session id>`` -- a SET of ``<ns>:<hash>:<parent>``:
-  the blocks a session touched (session deletion).
-
-The metadata record is JSON with the payload's length and xxh3-128 (``codec.checksum``;
-an older cache's records hold a sha256), so a reader checks
-the payload's size and checksum; the record itself is checked by recomputing the
-block hash from its parent, token ids and extra keys (a damaged record is detected,
-not trusted).
-"""
+Keys start ``<prefix>:v<format>:<tenant>:``. Per block ``<ns>:b:<hash>`` (a HASH: ``m`` record,
+``p`` payload, ``s:<session>``), ``<ns>:k:<parent>`` the children index, ``s:<session digest>`` the
+session's blocks. Records are verified by recomputing the block hash."""
 
 from __future__ import annotations
 
@@ -133,8 +117,7 @@ def _field(obj: dict[str, Any], name: str, kind: type | tuple[type, ...]) -> Any
 
 
 def decode_record(data: bytes, *, block_hash: bytes, ns_key: str, tenant: str) -> Record:
-    """Parse and verify a record read under ``block_hash`` in ``(tenant, ns_key)``.
-    Raises ``CorruptBlockError`` when it is malformed or belongs to another block."""
+    """Parse and verify a record read under ``block_hash``; else ``CorruptBlockError``."""
     try:
         obj = json.loads(data)
     except (UnicodeDecodeError, json.JSONDecodeError, TypeError) as e:

@@ -1,15 +1,5 @@
-"""The Redis tier's write queue: what is queued and how (the request path's side).
-
-Writes are asynchronous: a bounded queue drained by one writer thread that pipelines
-whole batches (``redis_writes``). A queued put is *pending* (``WriteQueue.pending``,
-by hash) until its batch was sent: reads answer from it, a newer put under the same
-hash supersedes it (keeping its sessions), a deletion cancels it.
-
-``put(..., timeout=0)`` (the request path) never waits: a full queue refuses it
-(counted ``queue_full``; the cache keeps the block in RAM and offers it again when
-``has_room``); a positive or None ``timeout`` waits for room (back-pressure). A closed
-tier, an open circuit or an oversized block refuses the put (counted by reason).
-"""
+"""The Redis tier's write queue. A queued put is *pending* until sent: reads answer from it, a newer
+put supersedes it, a deletion cancels it. ``put(timeout=0)`` never waits."""
 
 from __future__ import annotations
 
@@ -63,8 +53,7 @@ class Discard:
 
 
 class WriteQueue:
-    """The bounded queue, the pending puts and the dropped-write counters, under the
-    tier's ``lock``; ``healthy`` says whether the circuit is closed."""
+    """The bounded queue, the pending puts and the drop counters, under the tier's ``lock``."""
 
     def __init__(self, config: RedisConfig, lock: threading.RLock,
                  healthy: Callable[[], bool]) -> None:
@@ -196,8 +185,7 @@ class WriteQueue:
         return n
 
     def forget(self, item: Put) -> None:
-        """Drop ``item`` from the pending puts (if it is still the one for its hash);
-        the caller holds ``lock``."""
+        """Drop ``item`` from the pending puts if still current; the caller holds ``lock``."""
         h = bytes(item.meta.block_hash)
         if self.pending.get(h) is item:
             del self.pending[h]

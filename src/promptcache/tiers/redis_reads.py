@@ -1,14 +1,5 @@
-"""The Redis tier's read path: chain lookups, children, sessions, payload reads.
-
-Every read is one pipelined round trip on the read client (the request path; the
-per-operation timeout of ``redis_client``), answered first from the writer's pending
-puts (a block queued but not yet sent is already visible). An open circuit answers
-"absent" at once (``Skipped``); a transport failure raises ``TierError``.
-
-Reads verify everything: the record must hash to its key (parent + tokens + extra
-keys), the payload must have the recorded size and checksum; a damaged block is
-deleted (best effort) and counted (``corrupt``), and reads as a miss. Payload reads
-return the block's sessions with it, so a promoted block keeps them.
+"""The Redis tier's read path: one pipelined round trip per read, answered first from pending puts.
+A damaged block is deleted, counted ``corrupt`` and read as a miss.
 """
 
 from __future__ import annotations
@@ -44,7 +35,7 @@ def _sessions(fields: Any) -> list[str]:
 
 
 class Reads:
-    """The read path over the ``remote``, answering first from ``writes``' pending puts."""
+    """The read path over ``remote``, answering first from ``writes``' pending puts."""
 
     def __init__(self, remote: Remote, keys: KeySpace, writes: WriteQueue, tally: Tally) -> None:
         self.remote = remote
@@ -111,8 +102,7 @@ class Reads:
         return out
 
     def children(self, parent: bytes, ns: Namespace | None) -> list[BlockMeta]:
-        """The children of ``parent`` (pending ones included), by hash; a damaged index
-        entry or one whose block is gone (TTL, maxmemory eviction) is removed."""
+        """The children of ``parent`` by hash; stale or damaged index entries are removed."""
         if ns is None:
             return []
         kids_key = self.keys.kids(ns.tenant, ns.key, parent)
@@ -183,8 +173,7 @@ class Reads:
         return _sessions(fields)
 
     def fetch(self, hs: list[bytes], ns: Namespace | None) -> list[Fetched]:
-        """``(payload, sessions)`` per block (one round trip for those not pending), None
-        where absent, the ``CorruptBlockError`` where damaged (the block is deleted)."""
+        """``(payload, sessions)`` per block; None if absent, ``CorruptBlockError`` if damaged."""
         out: list[Fetched] = [None] * len(hs)
         if ns is None or not hs:
             return out

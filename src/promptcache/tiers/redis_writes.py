@@ -1,14 +1,5 @@
-"""The Redis tier's writer thread and what one batch sends.
-
-The writer takes a batch off the queue (``redis_queue``; up to ``MAX_BATCH_ITEMS``
-items or ``batch_bytes``), writes it under the tier's write lock (so an admin
-deletion runs between batches, never inside one) and forgets its pending puts.
-A batch is written in two pipelined round trips on the write client: (1) the session
-fields already on the target blocks (so their session sets' TTLs are refreshed with
-the block's, and session deletion can still find the block), (2) every put, new
-session and discard of the batch, in queue order. Recording sessions on an existing
-block (and only if it exists) is a one-key Lua script, so it is safe on a Cluster.
-"""
+"""The Redis tier's writer thread: each batch in two pipelined round trips under the write lock
+(existing blocks' sessions, then puts, sessions and discards in order)."""
 
 from __future__ import annotations
 
@@ -56,8 +47,7 @@ def _estimate(payload: Any) -> int:
 
 
 class Writer:
-    """The writer thread's work (see the module docstring): takes batches off
-    ``writes``, sends them over ``remote``; ``lock`` is held around each batch."""
+    """The writer thread's work: batches off ``writes`` sent over ``remote`` under ``lock``."""
 
     def __init__(self, remote: Remote, keys: KeySpace, writes: WriteQueue, tally: Tally,
                  ttl: int) -> None:
@@ -69,8 +59,7 @@ class Writer:
         self.lock = threading.RLock()  # the writer's batches vs admin deletions
 
     def run(self) -> None:
-        """The writer thread: take a batch (up to ``MAX_BATCH_ITEMS`` items or
-        ``batch_bytes``), write it under the write lock, forget its puts; until ``STOP``."""
+        """The writer thread: take, write and forget batches until ``STOP``."""
         q = self.writes.queue
         while True:
             item = q.get()
@@ -143,8 +132,7 @@ class Writer:
             return list(pipe.execute())
 
         def write(c: Client, existing: dict[str, list[str]]) -> list[Any]:
-            """Puts and discards in one pipeline (queue order), then the session scripts
-            (a Cluster pipeline cannot run scripts); returns the scripts' replies."""
+            """Puts and discards in one pipeline, then the session scripts (not in Cluster ones)."""
             pipe = c.pipeline(transaction=False)
             scripts: list[tuple[str, list[bytes]]] = []
             for it, data in work:

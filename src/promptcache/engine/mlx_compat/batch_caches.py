@@ -28,9 +28,7 @@ def cache_leaves(caches: Sequence[Any]) -> list[Any]:
 
 
 def can_batch(caches: Sequence[Any]) -> bool:
-    """True if mlx-lm can merge these per-request caches into batch caches: plain KV,
-    sliding-window KV without kept tokens (``BatchRotatingKVCache`` has no ``keep``),
-    SSM / arrays state, and lists of those. Quantized KV and others cannot."""
+    """True if mlx-lm can merge these caches (plain KV, windows without ``keep``, arrays, lists)."""
     for c in cache_leaves(caches):
         if type(c) is KVCache or type(c) is ArraysCache:
             continue
@@ -40,15 +38,8 @@ def can_batch(caches: Sequence[Any]) -> bool:
     return True
 
 
-# Model modules whose recurrent layers honour ``ArraysCache.lengths`` in a right-padded
-# forward (mlx-lm 0.32: the conv state is taken at each row's last real token and the
-# scan / delta rule leaves the state untouched at pad positions), so a row's state after
-# a padded chunk equals its state alone. Checked family by family against each request
-# prefilled alone (tests/engine/test_batch_prefill_kinds.py). Not here: ``nemotron_h``,
-# whose Mamba2 scan gets the mask but not the lengths (it takes the decay at the padded
-# last position, 0: a padded row's SSM state keeps none of the chunk; see that test and
-# BENCHMARKS.md "Batched prefill by cache kind"), and the recurrent models that take
-# neither (mamba, jamba, rwkv7, recurrent_gemma, ...).
+# Modules whose recurrent layers honour ``ArraysCache.lengths`` in a right-padded forward (checked
+# per family: tests/engine/test_batch_prefill_kinds.py; not ``nemotron_h``, see BENCHMARKS.md).
 RIGHT_PADDED_STATE_MODULES = frozenset({
     "qwen3_5", "qwen3_5_moe", "qwen3_next", "falcon_h1", "kimi_linear",
 })
@@ -60,13 +51,7 @@ def model_module(model: Any) -> str:
 
 
 def can_batch_prefill(caches: Sequence[Any], model: Any = None) -> bool:
-    """True if these per-request caches can be prefilled in one forward with others'
-    right-padded chunks exactly as alone: plain KV (MLA included: its K and V widths
-    differ but it is a plain ``KVCache``), sliding windows without kept tokens
-    (``BatchRotatingKVCache`` rolls a row's pad tokens out of its window), array / SSM
-    states of ``model``'s module when it honours the padding
-    (``RIGHT_PADDED_STATE_MODULES``), and ``CacheList``s of those. Quantized KV and
-    windows with ``keep`` prefill on the per-request path."""
+    """True if these caches can be prefilled right-padded beside others exactly as alone."""
     if not caches:
         return False
     states_ok = model is not None and model_module(model) in RIGHT_PADDED_STATE_MODULES
@@ -82,12 +67,7 @@ def can_batch_prefill(caches: Sequence[Any], model: Any = None) -> bool:
 
 
 def prefill_width(batch: Sequence[Any], lengths: Sequence[int]) -> int:
-    """The width of a right-padded prefill forward of chunks of ``lengths`` tokens.
-
-    A one-token forward writes a sliding window in place (no room for a pad token:
-    ``BatchRotatingKVCache`` refuses it once padding is prepared), so when the longest
-    chunk is one token and some row has none, the forward is two wide (each row's pad
-    is then rolled out of its window as any other)."""
+    """The width of a right-padded prefill of ``lengths`` (two beside an empty row)."""
     width = max(lengths)
     if width == 1 and min(lengths) == 0 and any(
             isinstance(c, BatchRotatingKVCache) for c in cache_leaves(batch)):
@@ -96,15 +76,13 @@ def prefill_width(batch: Sequence[Any], lengths: Sequence[int]) -> int:
 
 
 def merge_requests(caches: Sequence[Sequence[Any]]) -> list[Any]:
-    """Per-layer batch caches of several requests' per-layer caches (copies: rows
-    are left-padded to the longest)."""
+    """Per-layer batch caches of several requests' caches (copies, left-padded to the longest)."""
     return [merge([c[layer] for c in caches]) for layer in range(len(caches[0]))]
 
 
 def prepare_right_padded(batch: Sequence[Any], lengths: Sequence[int],
                          width: int | None = None) -> None:
-    """Before a forward of right-padded inputs: row ``i`` has ``lengths[i]`` real tokens
-    of ``width`` (default ``max(lengths)``)."""
+    """Before a right-padded forward: row ``i`` has ``lengths[i]`` real tokens of ``width``."""
     width = max(lengths) if width is None else width
     right = [width - n for n in lengths]
     for c in batch:
@@ -118,8 +96,7 @@ def finalize_right_padded(batch: Sequence[Any]) -> None:
 
 
 def trim_common_padding(batch: Sequence[Any]) -> None:
-    """Drop the left padding all rows share (views: nothing is copied). Prefilling rows
-    gain left padding whenever a chunk is shorter than the longest of its step."""
+    """Drop the left padding all rows share (views, nothing copied)."""
     kv = [c for c in batch if isinstance(c, BatchKVCache) and c.keys is not None]
     if not kv:
         return
@@ -134,8 +111,7 @@ def trim_common_padding(batch: Sequence[Any]) -> None:
 
 
 def copy_row(batch: Sequence[Any], idx: int) -> list[Any]:
-    """Private per-layer caches of row ``idx`` with their own buffers (a request that
-    leaves a prefill batch and waits for a decode row)."""
+    """Private caches of row ``idx`` with their own buffers (leaving a prefill batch for decode)."""
     out = row_caches(batch, idx)
     for c in cache_leaves(out):  # KV views (in a CacheList too); the rest are copies
         if isinstance(c, KVCache) and c.keys is not None:
@@ -159,11 +135,7 @@ def filter_rows(batch: Any, keep: Sequence[int]) -> None:
 
 
 class RowMoves:
-    """Where a decode-batch row's first positions went (``speculation.drop_row_tails``
-    moves them into the row's rejected tail instead of shifting the whole row), the same
-    in every KV layer of the batch. Positions are counted from where the row's first
-    position was (``u``: physical index - (left padding - ``shift``)), which filtering,
-    extending and trimming the batch's common padding leave unchanged."""
+    """Where a decode row's first positions went (into its rejected tail), in every KV layer."""
 
     __slots__ = ("shift", "keys")
 
@@ -172,8 +144,7 @@ class RowMoves:
         self.keys: dict[int, int] = {}  # u of a moved-to slot -> the u it held first
 
     def moved(self, pad: int, end: int, n: int) -> None:
-        """The ``n`` positions after the row's left padding ``pad`` were copied to the
-        ``n`` before ``end`` (the batch's write index); the padding grows by ``n``."""
+        """The ``n`` positions after ``pad`` were copied to the ``n`` before ``end``."""
         origin = pad - self.shift
         dst = end - n - origin
         for j in range(n):
@@ -191,9 +162,7 @@ class RowMoves:
 
 
 def _row_kv(c: BatchKVCache, idx: int, pads: list[int], moves: RowMoves | None) -> KVCache:
-    """A KVCache whose arrays are lazy views of row ``idx`` (nothing copied): the
-    caller slices the blocks it needs and copies those. A row whose positions were moved
-    (``moves``) is gathered in temporal order (a copy of the row)."""
+    """A KVCache of lazy views of row ``idx`` (moved rows gathered in temporal order: a copy)."""
     pad = pads[idx]
     out = KVCache()
     end = int(c._idx)
@@ -210,8 +179,7 @@ def _row_kv(c: BatchKVCache, idx: int, pads: list[int], moves: RowMoves | None) 
 
 
 def copy_array(x: mx.array) -> mx.array:
-    """A copy with its own buffer (``mx.contiguous`` returns a contiguous slice as is,
-    sharing -- and pinning -- the whole source buffer)."""
+    """A copy with its own buffer (``mx.contiguous`` may return a slice pinning its source)."""
     return mx.array(x)
 
 
@@ -224,15 +192,8 @@ def _row_arrays(c: ArraysCache, idx: int, states: list[Any] | None) -> ArraysCac
 
 def row_caches(batch: Sequence[Any], idx: int, ssm_states: list[list[Any]] | None = None,
                moves: RowMoves | None = None) -> list[Any]:
-    """Per-layer cache objects of row ``idx`` of a batch, for reading blocks out of it.
-
-    Plain KV layers are lazy views of the row (slice what you need and copy it);
-    sliding-window layers are ``extract``-ed (a copy of one window); array states are
-    copies, taken from ``ssm_states`` (the states before the last step, in leaf order)
-    when given; ``moves``: where the row's positions were moved (``RowMoves``). Nothing
-    returned shares a buffer that the batch later writes in place without also being a
-    view the caller copies from.
-    """
+    """Per-layer cache objects of row ``idx`` of a batch, for reading blocks out of it: KV as lazy
+    views, the rest copies; nothing shares a buffer the batch writes in place."""
     states = iter(ssm_states) if ssm_states is not None else None
     pad_cache: dict[int, list[int]] = {}
 
@@ -255,8 +216,7 @@ def row_caches(batch: Sequence[Any], idx: int, ssm_states: list[list[Any]] | Non
 
 
 def ssm_states(batch: Sequence[Any]) -> list[list[Any]]:
-    """The current array states of every ArraysCache leaf (references: the batch
-    replaces them with new arrays at each step, so these stay the pre-step state)."""
+    """The current array states of every ArraysCache leaf (references: stay the pre-step state)."""
     return [list(c.cache) for c in cache_leaves(batch) if isinstance(c, ArraysCache)]
 
 

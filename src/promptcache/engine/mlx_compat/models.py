@@ -10,11 +10,7 @@ if TYPE_CHECKING:
 
 
 def model_classes(model_type: str) -> tuple[Any, Any]:
-    """``(Model, ModelArgs)`` of an mlx-lm architecture, e.g. ``"llama"``.
-
-    Every module in ``mlx_lm.models`` defines these two names; we import the module
-    directly instead of calling mlx-lm's private class lookup.
-    """
+    """``(Model, ModelArgs)`` of an mlx-lm architecture (its module imported directly)."""
     if not model_type.replace("_", "").isalnum():
         raise ValueError(f"invalid model_type {model_type!r}")
     try:
@@ -25,9 +21,7 @@ def model_classes(model_type: str) -> tuple[Any, Any]:
 
 
 def fast_tokenizer(tokenizer: object) -> PreTrainedTokenizerFast | None:
-    """The Hugging Face fast tokenizer (``tokenizer.json``, a Rust backend) inside
-    mlx-lm's ``TokenizerWrapper``; None for anything else (a slow tokenizer, a test's
-    stand-in)."""
+    """The HF fast tokenizer inside mlx-lm's ``TokenizerWrapper``; None for anything else."""
     from mlx_lm.tokenizer_utils import TokenizerWrapper
     from transformers import PreTrainedTokenizerFast
 
@@ -38,8 +32,7 @@ def fast_tokenizer(tokenizer: object) -> PreTrainedTokenizerFast | None:
 
 
 def encode_with_offsets(tokenizer: Any, text: str) -> tuple[list[int], list[tuple[int, int]]] | None:
-    """Token ids of ``text`` (no special tokens added) and each token's character span,
-    from one call of the Hugging Face fast tokenizer; None if it has no offsets."""
+    """Token ids of ``text`` (no specials) and their character spans; None without offsets."""
     hf = getattr(tokenizer, "_tokenizer", tokenizer)
     if not callable(hf) or not getattr(hf, "is_fast", False):
         return None

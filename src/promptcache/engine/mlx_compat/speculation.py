@@ -12,16 +12,8 @@ from .batch_caches import RowMoves, cache_leaves, ssm_states
 
 
 def speculation_kind(batch: Sequence[Any]) -> str | None:
-    """How a batch's caches take a verify forward's rejected positions back:
-
-    - ``"kv"``: every leaf is a ``BatchKVCache`` or a ``BatchRotatingKVCache`` (plain
-      KV, MLA, sliding windows): the rejected tail of each row is dropped
-      (``drop_row_tails``);
-    - ``"state"``: ``ArraysCache`` leaves (SSM / linear attention state, which absorbs
-      every position fed) with ``BatchKVCache`` leaves: the states are put back as they
-      were before the verify and the accepted tokens are fed again
-      (``restore_before_verify`` + a right-padded forward);
-    - None: anything else (quantized KV; array states next to sliding windows)."""
+    """How a batch takes a verify forward's rejected positions back: ``"kv"``, ``"state"`` (restore
+    and refeed) or None."""
     leaves = cache_leaves(batch)
     if not leaves:
         return None
@@ -33,11 +25,8 @@ def speculation_kind(batch: Sequence[Any]) -> str | None:
     return "kv"
 
 
-# model types whose array-state layers honour ``ArraysCache.lengths`` in mlx-lm 0.32 (a
-# right-padded position never reaches their conv or recurrent state). nemotron_h's
-# Mamba2 masks the padding but passes no lengths to ``ssm_update``: the state after a
-# right-padded chunk loses the real tokens. Each entry is checked by
-# tests/engine/test_speculation_kinds.py (rows of different lengths fed again).
+# model types whose array-state layers honour ``ArraysCache.lengths``
+# (tests/engine/test_speculation_kinds.py)
 _STATES_TAKE_LENGTHS = frozenset({"qwen3_5", "qwen3_5_moe", "qwen3_next", "falcon_h1",
                                   "kimi_linear"})
 
@@ -48,12 +37,7 @@ def states_take_lengths(model: Any) -> bool:
 
 
 def before_verify(batch: Sequence[Any]) -> list[list[Any]] | None:
-    """Before a verify forward (several positions per row): sliding windows are put in
-    temporal order (what ``BatchRotatingKVCache``'s concatenating update does first
-    anyway; done before the model builds its mask from the cache, so that the mask and
-    the update agree on the window's first column), and the array states are returned
-    (references: the forward replaces them, so these stay the pre-verify state; None
-    when there are none)."""
+    """Before a verify forward: windows in temporal order; the pre-verify array states or None."""
     for c in cache_leaves(batch):
         if isinstance(c, BatchRotatingKVCache) and c.keys is not None:
             c._temporal_order()
@@ -63,18 +47,11 @@ def before_verify(batch: Sequence[Any]) -> list[list[Any]] | None:
 
 def drop_row_tails(batch: Sequence[Any], counts: Sequence[int],
                    moves: Sequence[RowMoves] | None = None) -> None:
-    """Drop the last ``counts[i]`` positions of row ``i`` (rejected draft tokens and
-    right padding) after a verify forward: what all rows drop is trimmed; the rest of a
-    row's tail becomes its left padding (mlx-lm's right-padding path: the tail is rolled
-    to the left, where the mask excludes it).
+    """Drop the last ``counts[i]`` positions of row ``i`` after a verify forward (the rest becomes
+    left padding).
 
-    Sliding windows (``BatchRotatingKVCache``) after the concatenating update of a
-    verify forward hold, in temporal order, the last ``max_size - 1`` tokens from
-    before it and every position it fed. Their common tail is trimmed AND sliced off
-    the buffer (``trim`` alone leaves it in the buffer, where the next single-token
-    update would keep it in the window): the state is then the one a forward of only
-    the kept positions would have left, and the next single-token update keeps the
-    last ``max_size`` tokens of each row, as decoding one token at a time does."""
+    Windows have the common tail sliced off the buffer too (``trim`` leaves it in the window).
+    """
     leaves = cache_leaves(batch)
     common = min(counts)
     for c in leaves:
@@ -103,9 +80,7 @@ def drop_row_tails(batch: Sequence[Any], counts: Sequence[int],
 
 def _move_heads(leaves: Sequence[Any], rest: Sequence[int], moves: Sequence[RowMoves]
                 ) -> bool:
-    """Row ``i``'s first ``rest[i]`` positions into its last ``rest[i]`` (rejected)
-    ones, in every leaf; False (nothing done) unless every leaf is plain KV and every
-    row holds at least twice what it moves."""
+    """Move row ``i``'s first ``rest[i]`` positions into its rejected tail; False if impossible."""
     if not leaves or not all(type(c) is BatchKVCache and c.keys is not None for c in leaves):
         return False
     pads = [int(p) for p in leaves[0].left_padding.tolist()]
@@ -115,8 +90,7 @@ def _move_heads(leaves: Sequence[Any], rest: Sequence[int], moves: Sequence[RowM
     heads = [(c, i, n, mx.array(c.keys[i : i + 1, :, pads[i] : pads[i] + n]),
               mx.array(c.values[i : i + 1, :, pads[i] : pads[i] + n]))
              for c in leaves for i, n in enumerate(rest) if n]
-    # the heads are copies with their own buffers before the writes: the writes then
-    # update the caches' buffers in place (nothing else holds them)
+    # the heads are copied first, so the writes update the buffers in place
     mx.eval([h[3] for h in heads] + [h[4] for h in heads])
     for c, i, n, k, v in heads:
         c.keys[i : i + 1, :, end - n : end] = k
@@ -132,12 +106,7 @@ def _move_heads(leaves: Sequence[Any], rest: Sequence[int], moves: Sequence[RowM
 
 
 def finalize_refeed(batch: Sequence[Any], moves: Sequence[RowMoves]) -> None:
-    """After the right-padded forward that feeds a ``"state"`` batch's kept positions
-    again (``prepare_right_padded``): the array leaves finalize (their lengths are
-    done); in the KV leaves each row's pad tail (``max(kept) - kept[i]`` positions)
-    becomes left padding by moving the row's first positions into it (``_move_heads``,
-    recorded in ``moves``) instead of rolling every row of every layer
-    (``BatchKVCache.finalize``), which stays the fallback for a row too short to move."""
+    """After a ``"state"`` refeed: arrays finalize, KV pad tails become left padding."""
     leaves = cache_leaves(batch)
     kv = [c for c in leaves if isinstance(c, BatchKVCache)]
     pads = kv[0]._right_padding if kv else None
@@ -155,8 +124,7 @@ def finalize_refeed(batch: Sequence[Any], moves: Sequence[RowMoves]) -> None:
 
 def restore_before_verify(batch: Sequence[Any], states: Sequence[Sequence[Any]],
                           width: int) -> None:
-    """Undo a verify forward of ``width`` positions on a ``"state"`` batch: array states
-    back to ``states`` (``before_verify``), KV leaves trimmed by ``width``."""
+    """Undo a verify forward of ``width`` on a ``"state"`` batch (states back, KV trimmed)."""
     it = iter(states)
     for c in cache_leaves(batch):
         if isinstance(c, ArraysCache):

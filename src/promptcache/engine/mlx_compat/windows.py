@@ -20,9 +20,7 @@ def _window_held(c: RotatingKVCache) -> int:
 
 
 def window_floor(caches: Sequence[Any]) -> int:
-    """The first token (past the ``keep`` tokens) that every sliding window of these
-    per-request caches holds now: tokens from ``keep`` up to it are gone. 0 when no
-    window dropped a token yet."""
+    """The first token past ``keep`` that every sliding window still holds (0: none dropped)."""
     return max((_floor_now(c) for c in cache_leaves(caches) if isinstance(c, RotatingKVCache)),
                default=0)
 
@@ -33,15 +31,8 @@ def _floor_now(c: RotatingKVCache) -> int:
 
 
 def window_floor_after(caches: Sequence[Any], n_new: int) -> int:
-    """The first token (past the ``keep`` tokens) that every sliding window of these
-    per-request caches still holds after ONE forward of ``n_new`` more tokens: tokens
-    from ``keep`` up to it are gone then. 0 when no window drops a token.
-
-    mlx-lm 0.32's ``RotatingKVCache.update_and_fetch``: a single token is written in
-    place, after which the window holds its ``keep`` tokens and the last
-    ``max_size - keep``; several tokens are concatenated, all of them kept, after the
-    last ``max_size - 1 - keep`` tokens held before (so a long chunk keeps every one of
-    its tokens until the next forward; a single token slides the window)."""
+    """``window_floor`` after ONE forward of ``n_new`` tokens (mlx-lm 0.32: one token writes in
+    place, several concatenate)."""
     if n_new < 1:
         raise ValueError(f"n_new must be >= 1, got {n_new}")
     floor = 0

@@ -1,4 +1,1 @@
-"""Model preparation: loading + fingerprint (``loader``), the vision-language wrapper
-(``vlm``) and GGUF conversion of the embedded default model (``gguf``,
-``gguf_tokenizer``). Nothing here generates; the engine imports ``loader`` only. The
-tiny random-weight test models live with the tests (``tests/models/``)."""
+"""Model preparation: loading and fingerprint, the VLM wrapper, GGUF conversion (no generation)."""

