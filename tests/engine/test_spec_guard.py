@@ -1,4 +1,4 @@
-"""Speculation's whole-step guard (engine/spec_guard.py): per batch size, verify steps
+"""Speculation's whole-step guard (engine/spec/guard.py): per batch size, verify steps
 that deliver fewer tokens per second than decode steps turn speculation off for a
 while. Decisions from scripted seconds, never from timing."""
 
@@ -7,11 +7,11 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from conftest import speculating
+from conftest import counts, speculating
 
 from promptcache.engine.api import GenerationRequest, SamplingParams
-from promptcache.engine.spec_cost import FREE, OnlineCost
-from promptcache.engine.spec_guard import (
+from promptcache.engine.spec.cost import FREE, OnlineCost
+from promptcache.engine.spec.guard import (
     GATED_OFF_STEPS,
     MAX_GATED_OFF_STEPS,
     MAX_IDLE_OFF_STEPS,
@@ -111,7 +111,7 @@ def test_the_engine_stops_speculating_when_whole_steps_lose(tiny_llama_path: Any
         got = eng.submit(GenerationRequest(prompt_tokens=toks, sampling=SamplingParams(
             max_tokens=60))).result(timeout=300)
         assert got.tokens == want
-        c = eng.counters
+        c = counts(eng._ctx)
         assert c.spec_accepted == c.spec_drafted
         if step_s > 1.0:
             # the first token from the prefill; 4 verifies of 2 + 4 + 4 + 4 drafts give

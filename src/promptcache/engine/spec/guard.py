@@ -1,35 +1,7 @@
-"""Never slower, measured: speculation's last word per batch size (``StepGuard``).
-
-The gate (``spec_cost.plan``) decides each step from a cost model and each row's
-acceptance; what it cannot see is everything a verify step costs beside its forward
-(drafting every row, the sync that ends the decode pipeline, accepting the drafted
-tokens, trimming or repairing the caches), which grows with the rows of the batch: on a
-2-core CPU at 8 rows a verify step can give more tokens per forward and still fewer per
-second than plain decoding. So the guard compares what the two paths deliver, per batch
-size (rows): the tokens per second of the last ``WINDOW`` verify steps of ``rows`` rows,
-each timed whole (``observe_step``: from before the drafts to after the caches are
-repaired), against ``rows`` tokens per plain decode step of ``rows`` rows over the
-window's last context (its pipelined wall time, ``OnlineCost.decode_seconds``). When
-verifying delivers less than ``1 - SLACK`` of decoding, speculation is off for batches
-of that size for ``OFF_STEPS`` decode steps (decode as without speculation, pipelined,
-no drafting), then it probes again; each failed probe doubles the pause, up to
-``MAX_OFF_STEPS``; a window that pays resets it.
-
-A step whose rows have drafts but whose verify the gate does not take (``spec_gated``),
-or whose rows found no draft at all, costs too: it reads the pending tokens (the sync
-that ends the decode pipeline: the host work of the step no longer overlaps the
-forward) and drafts every row for nothing (measured at 8 chat streams: 0.93x the
-tokens per second of decoding without speculation, with no verify at all). ``GATED_RUN``
-such steps in a row pause the size for ``GATED_OFF_STEPS`` steps, doubling while the
-next probe is gated again, up to ``MAX_GATED_OFF_STEPS`` (``MAX_IDLE_OFF_STEPS`` when no
-row found a draft); a verify resets it. Most such steps never get here: the gate is
-first asked before the sync (``Speculator.presync``), with the drafts the rows'
-sequences give one token ahead, and a step it declines there stays pipelined; what
-reaches the guard is a step whose drafts, looked up after the sync, differ from those.
-
-Only with the measured cost (``--spec-verify-cost auto``): a fixed cost means the
-operator decided. Engine thread only.
-"""
+"""Never slower, measured (``StepGuard``): per batch size, the tokens per second of the
+last ``WINDOW`` verify steps, each timed whole, against plain decode steps; a size that
+delivers less than ``1 - SLACK`` of decoding, or keeps being gated, decodes without
+speculation for a while, doubling on each failed probe. Only with the measured cost."""
 
 from __future__ import annotations
 
