@@ -13,11 +13,11 @@ import mlx.core as mx
 import numpy as np
 
 from ..blocks.tokens import to_request_tokens
-from ..cache import PromptCache
 from ..errors import ContextLengthError, InvariantError, RequestError, TierError
 from ..meta import Namespace
 from ..serving_config import EngineConfig
 from .api import GenerationRequest, SamplingParams
+from .cache_like import RequestCache
 from .quant import KVQuant
 from .vision import validate_images
 
@@ -91,7 +91,7 @@ class EngineContext:
     context_length: int
     vocab_size: int
     eos_token_ids: frozenset[int]
-    cache: PromptCache | None = None
+    cache: RequestCache | None = None  # PromptCache, or a fake (tests)
     namespace_for: Callable[[str], Namespace] | None = None
     block_size: int = 64
     counters: EngineCounters = field(default_factory=EngineCounters)
