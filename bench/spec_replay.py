@@ -1,8 +1,8 @@
 """Speculation's gate replayed offline: many runs of one 8-stream round in seconds.
 
 A round of ``promptcache bench`` at 8 streams takes minutes and its ratio moves by
-±0.15 from run to run on this machine, so a change to the gate (``engine/spec/speculator.py``,
-``engine/spec/cost.py``) cannot be judged from one run. This replays a round instead:
+±0.15 from run to run on this machine, so a change to the gate (``engine/speculation/speculator.py``,
+``engine/speculation/cost.py``) cannot be judged from one run. This replays a round instead:
 the greedy replies of its streams (recorded once with speculation off: the replies do
 not depend on speculation) go through the engine's own ``Speculator`` (drafts from each
 request's history, the gate, the credits, ``OnlineCost`` with the startup fit), and each
@@ -41,8 +41,8 @@ from typing import Any
 
 import numpy as np
 
-from promptcache.engine.spec.cost import OnlineCost, VerifyCost
-from promptcache.engine.spec.speculator import Speculator
+from promptcache.engine.speculation.cost import OnlineCost, VerifyCost
+from promptcache.engine.speculation.speculator import Speculator
 from promptcache.serving_config import EngineConfig
 
 OUT = Path(__file__).parent / "out" / "spec_replay.json"

@@ -1,4 +1,4 @@
-"""Speculation's gate (engine/spec/cost.py): decisions from injected costs and
+"""Speculation's gate (engine/speculation/cost.py): decisions from injected costs and
 acceptance, never from timing."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from promptcache.engine.api import GenerationRequest, SamplingParams
-from promptcache.engine.spec.cost import (
+from promptcache.engine.speculation.cost import (
     ALPHA,
     FIT_WEIGHT,
     FREE,
@@ -23,7 +23,7 @@ from promptcache.engine.spec.cost import (
     VerifyCost,
     context_bucket,
 )
-from promptcache.engine.spec.gate import (
+from promptcache.engine.speculation.gate import (
     Acceptance,
     Credits,
     expected_tokens,
@@ -246,7 +246,7 @@ def test_the_cost_is_measured_at_startup_without_a_configured_one(tiny_llama_pat
                                                                   ) -> None:
     """No spec_verify_cost: the engine fits one from forwards of its model (the numbers
     are timings: only their form is checked)."""
-    from promptcache.engine.spec.cost import measure_verify_cost
+    from promptcache.engine.speculation.cost import measure_verify_cost
 
     eng = make_engine(tiny_llama_path, use_cache=False, speculation="suffix",
                       spec_verify_cost=None)
@@ -453,7 +453,7 @@ class ScriptedCost(OnlineCost):
 
     def observe_step(self, rows: int, width: int, tokens: int, seconds: float,
                      context: int = 0) -> None:
-        pass  # the whole-step guard (engine/spec/guard.py) is tested on its own
+        pass  # the whole-step guard (engine/speculation/guard.py) is tested on its own
 
 
 @pytest.mark.parametrize("verify", ["expensive", "cheap"])
@@ -639,7 +639,7 @@ def test_a_verify_charges_its_rows_the_price_it_was_planned_at() -> None:
 
     from mlx_lm.models.cache import BatchKVCache
 
-    from promptcache.engine.spec.speculator import Speculator
+    from promptcache.engine.speculation.speculator import Speculator
     from promptcache.serving_config import EngineConfig
 
     cost = ScriptedCost(lambda width: 2.0)
@@ -678,7 +678,7 @@ def test_a_verify_credits_each_row_the_steps_the_others_save_it() -> None:
 
     from mlx_lm.models.cache import BatchKVCache
 
-    from promptcache.engine.spec.speculator import Speculator
+    from promptcache.engine.speculation.speculator import Speculator
     from promptcache.serving_config import EngineConfig
 
     def row(name: str, seq: list[int], max_tokens: int) -> Any:
@@ -723,7 +723,7 @@ def test_a_row_with_nothing_to_copy_looks_for_drafts_less_often() -> None:
     (the steps between wait: the batch stays pipelined); a match drafts at once."""
     from types import SimpleNamespace
 
-    from promptcache.engine.spec.speculator import EMPTY_RUN, EMPTY_SKIP, Speculator
+    from promptcache.engine.speculation.speculator import EMPTY_RUN, EMPTY_SKIP, Speculator
     from promptcache.serving_config import EngineConfig
 
     spec = Speculator(EngineConfig(speculation="suffix", spec_min_match=2))
@@ -754,7 +754,7 @@ def test_a_new_request_starts_at_the_engines_recent_rate_and_probes_until_cut_sh
     least PROBE_RATE, then as it is."""
     from types import SimpleNamespace
 
-    from promptcache.engine.spec.speculator import PROBE_RATE, Speculator
+    from promptcache.engine.speculation.speculator import PROBE_RATE, Speculator
     from promptcache.serving_config import EngineConfig
 
     recent = Acceptance()

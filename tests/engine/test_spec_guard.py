@@ -1,4 +1,4 @@
-"""Speculation's whole-step guard (engine/spec/guard.py): per batch size, verify steps
+"""Speculation's whole-step guard (engine/speculation/guard.py): per batch size, verify steps
 that deliver fewer tokens per second than decode steps turn speculation off for a
 while. Decisions from scripted seconds, never from timing."""
 
@@ -10,8 +10,8 @@ import pytest
 from conftest import counts, speculating
 
 from promptcache.engine.api import GenerationRequest, SamplingParams
-from promptcache.engine.spec.cost import FREE, OnlineCost
-from promptcache.engine.spec.guard import (
+from promptcache.engine.speculation.cost import FREE, OnlineCost
+from promptcache.engine.speculation.guard import (
     GATED_OFF_STEPS,
     MAX_GATED_OFF_STEPS,
     MAX_IDLE_OFF_STEPS,

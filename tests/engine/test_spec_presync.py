@@ -9,8 +9,8 @@ from typing import Any
 
 import numpy as np
 
-from promptcache.engine.spec.cost import FREE, OnlineCost, VerifyCost
-from promptcache.engine.spec.speculator import PROBE_STEPS, Speculator
+from promptcache.engine.speculation.cost import FREE, OnlineCost, VerifyCost
+from promptcache.engine.speculation.speculator import PROBE_STEPS, Speculator
 from promptcache.serving_config import EngineConfig
 
 X = list(range(100, 130))  # 30 tokens, none repeated
@@ -87,7 +87,7 @@ def test_a_pause_that_ends_on_a_declined_step_still_probes() -> None:
     waiting): its probe is not spent there, so its next draft is judged at the probe's
     optimistic rate. Before, the decline spent every row's probe, and a row whose own
     rate does not pay paused again, twice as long, without ever probing."""
-    from promptcache.engine.spec.gate import Acceptance
+    from promptcache.engine.speculation.gate import Acceptance
 
     # a verify of k drafts costs (3 + k) / 3 decode steps: at the probe's rate (0.9) one
     # draft token pays, at the row's own rate (0.3) none does

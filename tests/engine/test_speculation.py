@@ -1,4 +1,4 @@
-"""Speculative decoding (engine/spec/speculator.py): greedy output with speculation equals
+"""Speculative decoding (engine/speculation/speculator.py): greedy output with speculation equals
 decoding one token at a time, whatever the drafts are (right, wrong, half right, the
 request's own history), stop strings and max_tokens inside an accepted draft stop
 exactly where they would, and what is saved restores the same next turn."""
@@ -12,7 +12,7 @@ import pytest
 from conftest import counts, make_engine
 
 from promptcache.engine.api import Constraint, GenerationRequest, SamplingParams
-from promptcache.engine.spec.speculator import Speculator
+from promptcache.engine.speculation.speculator import Speculator
 
 N_PROMPTS = 3
 

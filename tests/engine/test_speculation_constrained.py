@@ -14,7 +14,7 @@ import pytest
 from conftest import counts, make_engine
 
 from promptcache.engine.api import Constraint, GenerationRequest, SamplingParams
-from promptcache.engine.spec.speculator import Speculator
+from promptcache.engine.speculation.speculator import Speculator
 
 DIGITS = Constraint("regex", "[0-9]{1,200}")
 SCHEMA = {"type": "object", "properties": {

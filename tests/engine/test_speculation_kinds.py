@@ -29,7 +29,7 @@ from stepper import Run, Stepper
 
 from promptcache.engine.api import TokenEvent
 from promptcache.engine.engine import Engine
-from promptcache.engine.spec.speculator import Speculator
+from promptcache.engine.speculation.speculator import Speculator
 
 # family -> the cache kind it stands for
 KINDS = {
@@ -320,7 +320,7 @@ def test_the_startup_cost_fit_on_every_cache_kind(name: str, models_root: Path) 
     are timings: only their form is checked."""
     from mlx_lm.utils import load_model
 
-    from promptcache.engine.spec.cost import MEASURE_CONTEXT, measure_verify_cost
+    from promptcache.engine.speculation.cost import MEASURE_CONTEXT, measure_verify_cost
 
     model, _ = load_model(ensure_family_model(name, models_root))
     cost = measure_verify_cost(model, 1000, repeats=1)

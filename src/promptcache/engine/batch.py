@@ -19,8 +19,8 @@ live batch, which ``filter`` / ``extend`` rebuild and later steps write.
 
 ``decode_alone`` is the per-request path for caches mlx-lm cannot batch (quantized
 KV, sliding windows that keep tokens): one forward per request per step. A step the
-speculator takes is one verify forward of every row's draft (``spec.plan_verify``, the
-forward, ``spec.apply_verify``).
+speculator takes is one verify forward of every row's draft (``speculation.plan_verify``, the
+forward, ``speculation.apply_verify``).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import mlx.core as mx
 from . import mlx_compat
 from .request import Request
 from .sampling import logprob_values
-from .spec import apply_verify, plan_verify
+from .speculation import apply_verify, plan_verify
 
 logger = logging.getLogger(__name__)
 

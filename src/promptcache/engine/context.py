@@ -23,7 +23,7 @@ from .vision import validate_images
 
 if TYPE_CHECKING:
     from .live import LiveStates
-    from .spec import Speculator
+    from .speculation import Speculator
 
 
 LogitsHook = Callable[[str, int, np.ndarray], None]
@@ -98,7 +98,7 @@ class EngineContext:
     logits_hook: LogitsHook | None = None
     vision: Any | None = None  # vision.VisionEncoder of a vision-language model
     kv_quant: KVQuant | None = None  # how stored blocks are quantized (None: full precision)
-    speculator: Speculator | None = None  # --speculation suffix (engine/spec/)
+    speculator: Speculator | None = None  # --speculation suffix (engine/speculation/)
     live: LiveStates | None = None  # the last turns' states (engine/live.py)
 
 

@@ -60,7 +60,7 @@ from .prompting import Prompting
 from .quant import from_config as _kv_quant_of
 from .scheduler import Scheduler
 from .shadow import ShadowVerifier
-from .spec import make_speculator, spec_stats
+from .speculation import make_speculator, spec_stats
 from .steps import Steps, no_steps
 from .submission import Submission, preempt
 from .templates import ChatTemplate

@@ -16,6 +16,7 @@ DECAY = 0.9
 PRIOR_ACCEPTED = 2.0
 PRIOR_REJECTED = 1.0
 
+
 class Acceptance:
     """One request's decayed counts: draft tokens accepted, drafts cut short."""
 
@@ -71,14 +72,9 @@ def row_tokens(rates: Sequence[float], lengths: Sequence[int], cut: int, *,
 
 
 def row_share(cost: CostModel, rows: int, context: int = 0) -> float:
-    """What one row of ``rows`` adds to a decode step of the batch, as a share of that
-    step: ``1 - step(rows - 1) / step(rows)`` of the startup fit (``VerifyCost.step``
-    over ``context`` tokens; 0 for one row, and for a fixed cost, which says nothing of
-    rows). Each step sooner a row leaves the batch, every row still in it decodes that
-    share of a step faster (``shared_tokens``). The fit's share, not the measured steps':
-    it is taken at one row and is below what rows add on a loaded CPU (0.055 of a step
-    at 8 rows against 0.08 measured for SmolLM2 here), so the bound stays on the safe
-    side."""
+    """What one row of ``rows`` adds to a decode step, as a share of it: ``1 -
+    step(rows - 1) / step(rows)`` of the startup fit (0 for one row or a fixed cost).
+    The fit's share is below what rows add on a loaded CPU: the bound stays safe."""
     fit = cost.prior if isinstance(cost, OnlineCost) else cost
     if rows < 2 or not isinstance(fit, VerifyCost):
         return 0.0
@@ -87,13 +83,9 @@ def row_share(cost: CostModel, rows: int, context: int = 0) -> float:
 
 def shared_tokens(per_row: Sequence[float], share: float, left: Sequence[int]
                   ) -> list[float]:
-    """What a verify is worth to each row in decode steps of the batch: its own expected
-    tokens (``per_row``) plus ``share`` x the tokens beyond one that the verify is
-    expected to give each other row with no more tokens ``left`` to decode than it
-    (``max_tokens`` less its output): such a row leaves the batch that many steps
-    sooner, while this one still decodes in it, and each of those steps is ``share``
-    cheaper (``row_share``). A row expected to finish first gets nothing from the
-    others' gains."""
+    """What a verify is worth to each row, in decode steps: its own expected tokens plus
+    ``share`` x the tokens beyond one it gives each row with no more tokens ``left``
+    (such a row leaves the batch that many steps sooner, each step ``share`` cheaper)."""
     if share <= 0.0:
         return list(per_row)
     # tokens left -> the gains of every row with no more left (ascending: the last
@@ -110,16 +102,11 @@ def plan(rates: Sequence[float], lengths: Sequence[int], cost: CostModel, *,
          state: bool = False, uniform: bool = False,
          allowance: Sequence[float] | None = None, share: float = 0.0,
          left: Sequence[int] | None = None) -> int:
-    """How many draft tokens each row keeps (its draft cut to that), 0 for no verify.
-
-    ``rates``: each row's acceptance rate; ``lengths``: its draft's length; ``state``:
-    array states, fed the kept positions again when a row rejects part of its draft;
-    ``uniform``: every row keeps as many positions as the shortest. A cut must beat
-    decoding by ``MARGIN`` over all rows; with ``allowance`` (per row, in decode steps:
-    ``Credits.allowance``), also no row may expect to lose more than its allowance (a
-    row with no draft gets 1 token for the verify's price: the bystander bound), its
-    tokens counted with what the other rows' gains save it (``shared_tokens`` with
-    ``share`` and each row's tokens ``left``)."""
+    """How many draft tokens each row keeps (its draft cut to that), 0 for no verify: a
+    cut must beat decoding by ``MARGIN`` over all rows (``state``: array states, fed
+    again after a rejection; ``uniform``: every row keeps as many as the shortest), and
+    no row may expect to lose more than its ``allowance`` (``Credits``), its worth
+    counted with what the others' gains save it (``shared_tokens``)."""
     rows = len(rates)
     best, best_gain = 0, 1.0 + MARGIN
     for cut in range(1, max(lengths, default=0) + 1):
@@ -153,22 +140,11 @@ def verify_price(rates: Sequence[float], lengths: Sequence[int], cut: int, cost:
 
 
 class Credits:
-    """Per request, the decode steps speculation saved it so far (``balance``): a verify
-    of price ``P`` decode steps (``verify_price``, as the gate priced it when it planned
-    the verify) expected to be worth ``t`` tokens to a row adds ``t - P`` (decoding
-    would have taken ``t`` steps for them): its own expected tokens, plus the steps the
-    verify saves it by letting rows that finish before it leave the batch sooner
-    (``shared_tokens``). A balance never falls below ``-max_slowdown`` x the tokens
-    decoded, since the gate planned the verify within the allowance at that price
-    (priced after the verify, with the cost re-measured by it, a row could end in debt
-    that no later verify at its own rate repays, and the batch would never verify
-    again). A row with no draft of its own in a verify (a bystander) loses ``P - 1``,
-    less what the others' gains save it. The gate lets a verify slow a row only by what
-    the row has in hand (``allowance``: its balance plus ``max_slowdown`` x the tokens
-    it has decoded), so a row that never gains from a draft (a chat next to copying
-    rows) is expected to decode at most ``max_slowdown`` slower than without
-    speculation over its whole reply, the steps it decodes in a smaller batch because
-    copying rows due to finish before it finished sooner counted. Engine thread only."""
+    """Per request, the decode steps speculation saved it (``balance``): a verify of
+    price ``P`` (as planned, not re-measured: no debt no later verify repays) worth ``t``
+    tokens to a row adds ``t - P``. A verify may slow a row only by its ``allowance``
+    (balance + ``max_slowdown`` x its tokens): a row that never gains from a draft is
+    at most ``max_slowdown`` slower over its reply. Engine thread only."""
 
     def __init__(self, max_slowdown: float) -> None:
         if not (math.isfinite(max_slowdown) and max_slowdown >= 0.0):

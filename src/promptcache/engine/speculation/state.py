@@ -1,12 +1,12 @@
 """What speculation keeps: a request as it sees it (``Row``), a request's own state
-(``RowState``), the fills' acceptance (``Fills``), its counters (``SpecCounters``) and
-its stats (``spec_stats``). docs/architecture.md says how they are used."""
+(``RowState``), the fills' acceptance (``Fills``) and its counters (``SpecCounters``).
+docs/architecture.md says how they are used."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import mlx.core as mx
 import numpy as np
@@ -15,9 +15,6 @@ from ..api import GenerationRequest, Usage
 from ..sampling import Sampler
 from .drafts import DraftConfig, SequenceDrafts
 from .gate import Acceptance
-
-if TYPE_CHECKING:
-    from .speculator import Speculator
 
 # history indexed per request: the last this many tokens of prompt + output
 HISTORY_TOKENS = 32768
@@ -164,21 +161,3 @@ class Fills:
         c.spec_fill_accepted += accepted
         r.usage.spec_drafted += drafted
         r.usage.spec_accepted += accepted
-
-
-def spec_stats(spec: Speculator | None) -> dict[str, Any]:
-    """The counters, the draft pool's size, acceptance rate (accepted / drafted), mean
-    accepted length (accepted / verify forwards) and tokens per verify forward."""
-    c = spec.counters if spec is not None else SpecCounters()
-    v, d, a = c.spec_verifies, c.spec_drafted, c.spec_accepted
-    relative = ({f"k{k}": round(spec.cost.relative(1, k + 1), 3) for k in (1, 2, 4, 8, 16)}
-                if spec is not None else {})
-    return {**c.__dict__,
-            "spec_pool_tokens": spec.pools.num_tokens() if spec is not None else 0,
-            # one stream's verify forward of k drafts, in decode steps
-            "spec_verify_cost": relative,
-            "spec_pool_ngrams": spec.pools.num_ngrams() if spec is not None else 0,
-            "spec_acceptance_rate": round(a / d, 4) if d else None,
-            "spec_mean_accepted": round(a / v, 4) if v else None,
-            "spec_tokens_per_forward": round(1 + a / v, 4) if v else None}
-
