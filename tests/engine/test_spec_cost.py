@@ -453,7 +453,7 @@ class ScriptedCost(OnlineCost):
 
     def observe_step(self, rows: int, width: int, tokens: int, seconds: float,
                      context: int = 0) -> None:
-        pass  # the whole-step guard (engine/speculation/guard.py) is tested on its own
+        pass  # the whole-step guard (StepGuard) is tested on its own
 
 
 @pytest.mark.parametrize("verify", ["expensive", "cheap"])

@@ -1,6 +1,6 @@
-"""Speculation's whole-step guard (engine/speculation/guard.py): per batch size, verify steps
-that deliver fewer tokens per second than decode steps turn speculation off for a
-while. Decisions from scripted seconds, never from timing."""
+"""Speculation's whole-step guard (``StepGuard``, engine/speculation/cost.py): per batch
+size, verify steps that deliver fewer tokens per second than decode steps turn
+speculation off for a while. Decisions from scripted seconds, never from timing."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pytest
 from conftest import counts, speculating
 
 from promptcache.engine.api import GenerationRequest, SamplingParams
-from promptcache.engine.speculation.cost import FREE, OnlineCost
-from promptcache.engine.speculation.guard import (
+from promptcache.engine.speculation.cost import (
+    FREE,
     GATED_OFF_STEPS,
     MAX_GATED_OFF_STEPS,
     MAX_IDLE_OFF_STEPS,
@@ -19,6 +19,7 @@ from promptcache.engine.speculation.guard import (
     OFF_STEPS,
     SLACK,
     WINDOW,
+    OnlineCost,
     StepGuard,
 )
 
