@@ -3,7 +3,7 @@
 1. **the verify cost of speculation**: a forward of k + 1 positions per row (k = 1, 2,
    4, 8, 16) in decode steps of the same rows, at 1 and 8 rows over ``--verify-context``
    tokens per row (fastest of ``--repeats``, the cache trimmed back after each), beside
-   the gate's startup fit (``engine/spec_cost.measure_verify_cost``, what the server
+   the gate's startup fit (``engine/speculation/cost.measure_verify_cost``, what the server
    prices verifies with before it has timed any);
 2. **restore vs prefill** through the engine and the cache (RAM tier + SSD tier, no
    speculation): for each context N, the time to first token of an N-token prompt with
@@ -125,7 +125,7 @@ def verify_cost(model: Any, vocab: int, rows_list: list[int], context: int,
 
     from mlx_lm.models.cache import make_prompt_cache
 
-    from promptcache.engine.spec_cost import measure_verify_cost
+    from promptcache.engine.speculation.cost import measure_verify_cost
 
     ks = (1, 2, 4, 8, 16)
     fitted = measure_verify_cost(model, vocab)

@@ -10,7 +10,7 @@ whether the tokens equal those of the run without speculation.
 ``--verify-cost``: instead, the cost of one verify forward of k = 1..16 draft tokens
 (a forward of k + 1 positions, one stream, over the edit prompt's KV) in decode steps
 (a forward of 1 position): the fastest of ``--repeats`` each, the cache trimmed back
-after each; and the engine's fitted model (engine/spec_cost.py) beside it.
+after each; and the engine's fitted model (engine/speculation/cost.py) beside it.
 
 ``--verify-cost --rows 1,2,4,8``: the same for a batch: a verify forward of ``rows`` rows
 at k = 1, 2, 4, 8, 16 over a 1,000-token context per row, in decode steps of the same rows
@@ -31,9 +31,9 @@ import inspect
 from typing import Any
 
 from promptcache.config import CacheConfig
-from promptcache.engine import drafts as drafts_module
 from promptcache.engine.engine import Engine
 from promptcache.engine.models.gguf import ensure_default_model
+from promptcache.engine.speculation import drafts as drafts_module
 from promptcache.serving_config import EngineConfig
 
 
@@ -115,7 +115,7 @@ def verify_cost(path: Any, repeats: int) -> None:
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
-    from promptcache.engine.spec_cost import measure_verify_cost
+    from promptcache.engine.speculation.cost import measure_verify_cost
 
     eng = Engine.load(path, EngineConfig(), CacheConfig(), cache=None)
     try:

@@ -1,8 +1,8 @@
 """Speculation's gate replayed offline: many runs of one 8-stream round in seconds.
 
 A round of ``promptcache bench`` at 8 streams takes minutes and its ratio moves by
-±0.15 from run to run on this machine, so a change to the gate (``engine/speculate.py``,
-``engine/spec_cost.py``) cannot be judged from one run. This replays a round instead:
+±0.15 from run to run on this machine, so a change to the gate (``engine/speculation/speculator.py``,
+``engine/speculation/cost.py``) cannot be judged from one run. This replays a round instead:
 the greedy replies of its streams (recorded once with speculation off: the replies do
 not depend on speculation) go through the engine's own ``Speculator`` (drafts from each
 request's history, the gate, the credits, ``OnlineCost`` with the startup fit), and each
@@ -41,9 +41,8 @@ from typing import Any
 
 import numpy as np
 
-from promptcache.engine.context import EngineCounters
-from promptcache.engine.spec_cost import OnlineCost, VerifyCost
-from promptcache.engine.speculate import Speculator
+from promptcache.engine.speculation.cost import OnlineCost, VerifyCost
+from promptcache.engine.speculation.speculator import Speculator
 from promptcache.serving_config import EngineConfig
 
 OUT = Path(__file__).parent / "out" / "spec_replay.json"
@@ -134,7 +133,7 @@ def replay(prompts: list[list[int]], replies: list[list[int]], *, speculate: boo
     cache = [BatchKVCache([0] * len(rows))]
     table, fits = COSTS[cost_of]
     cost = OnlineCost(fits[seed % len(fits)])
-    spec = Speculator(EngineConfig(speculation="suffix"), EngineCounters(), cost=cost)
+    spec = Speculator(EngineConfig(speculation="suffix"), cost=cost)
     now = [0.0]
     spec.clock = lambda: now[0]
     while rows:

@@ -1,7 +1,7 @@
 """The import rules of ``[tool.importlinter]`` (pyproject.toml), run by ``make lint``:
 they hold on the tree, and they catch a deliberate violation (on a copy of the tree
-whose engine imports the server, whose cache imports mlx and whose server imports
-blocks/)."""
+whose engine imports the server, whose cache imports mlx, whose server imports
+blocks/ and whose decode batch imports a module inside engine/speculation/)."""
 
 from __future__ import annotations
 
@@ -42,10 +42,14 @@ def test_a_deliberate_violation_is_caught(tmp_path: Path) -> None:
         f.write("\nimport mlx.core  # noqa\n")
     with (src / "promptcache" / "server" / "app.py").open("a") as f:
         f.write("\nimport promptcache.blocks.tokens  # noqa\n")
+    with (src / "promptcache" / "engine" / "batch.py").open("a") as f:
+        f.write("\nimport promptcache.engine.speculation.drafts  # noqa\n")
     done = _lint(src)
     assert done.returncode != 0
-    # broken: the layers, the engine's own rule, mlx outside engine/, the server's door
-    assert "Contracts: 4 kept, 4 broken." in done.stdout, done.stdout
+    # broken: the layers, the engine's own rule, mlx outside engine/, the server's door,
+    # speculation's door
+    assert "Contracts: 4 kept, 5 broken." in done.stdout, done.stdout
+    assert "promptcache.engine.batch -> promptcache.engine.speculation.drafts" in done.stdout
     assert "promptcache.server.app -> promptcache.blocks.tokens" in done.stdout
     assert "promptcache.engine -> promptcache.server.api.errors" in done.stdout
     assert "promptcache.cache.ops -> mlx" in done.stdout

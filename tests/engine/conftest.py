@@ -65,6 +65,19 @@ def plain_tokens(path, prompt, max_tokens=60):
         plain.close()
 
 
+class counts:
+    """An engine context's counters and its speculator's (``spec_*``), read live."""
+
+    def __init__(self, ctx):
+        self._ctx = ctx
+
+    def __getattr__(self, name):
+        spec = self._ctx.speculator
+        if name.startswith("spec_") and spec is not None:
+            return getattr(spec.counters, name)
+        return getattr(self._ctx.counters, name)
+
+
 def speculating(path, seed, n, max_draft, cost):
     """A random ``n``-token prompt, the tokens decoding one at a time gives for it
     (``plain_tokens``), and an engine that speculates with drafts of up to ``max_draft``

@@ -1,4 +1,4 @@
-"""Draft sources for speculative decoding (engine/drafts.py) against brute-force
+"""Draft sources for speculative decoding (engine/speculation/drafts.py) against brute-force
 references (Hypothesis), the pool's token budget, and tenant isolation."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from promptcache.engine.drafts import (
+from promptcache.engine.speculation.drafts import (
     NO_DRAFT,
     Draft,
     DraftConfig,

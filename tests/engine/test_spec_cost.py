@@ -1,4 +1,4 @@
-"""Speculation's gate (engine/spec_cost.py): decisions from injected costs and
+"""Speculation's gate (engine/speculation/cost.py): decisions from injected costs and
 acceptance, never from timing."""
 
 from __future__ import annotations
@@ -7,23 +7,25 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import make_engine, speculating
+from conftest import counts, make_engine, speculating
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from promptcache.engine.api import GenerationRequest, SamplingParams
-from promptcache.engine.spec_cost import (
+from promptcache.engine.speculation.cost import (
     ALPHA,
     FIT_WEIGHT,
     FREE,
     MEASURE_CONTEXT,
     OUTLIERS_IN_A_ROW,
-    Acceptance,
-    Credits,
     OnlineCost,
     TableCost,
     VerifyCost,
     context_bucket,
+)
+from promptcache.engine.speculation.gate import (
+    Acceptance,
+    Credits,
     expected_tokens,
     plan,
     row_share,
@@ -228,7 +230,7 @@ def test_a_chat_turn_with_nothing_to_copy_decodes_without_verifies(tiny_llama_pa
         got = eng.submit(GenerationRequest(prompt_tokens=toks, sampling=SamplingParams(
             max_tokens=80))).result(timeout=300)
         assert got.tokens == want
-        c = eng.counters
+        c = counts(eng._ctx)
         # the prior (1/2) pays for drafts; each rejection lowers the rate (and pauses
         # drafting for 1, 2, 4, 8, 16 steps); after the seventh (test_acceptance_rate...)
         # the gate decodes as usual
@@ -244,7 +246,7 @@ def test_the_cost_is_measured_at_startup_without_a_configured_one(tiny_llama_pat
                                                                   ) -> None:
     """No spec_verify_cost: the engine fits one from forwards of its model (the numbers
     are timings: only their form is checked)."""
-    from promptcache.engine.spec_cost import measure_verify_cost
+    from promptcache.engine.speculation.cost import measure_verify_cost
 
     eng = make_engine(tiny_llama_path, use_cache=False, speculation="suffix",
                       spec_verify_cost=None)
@@ -451,7 +453,7 @@ class ScriptedCost(OnlineCost):
 
     def observe_step(self, rows: int, width: int, tokens: int, seconds: float,
                      context: int = 0) -> None:
-        pass  # the whole-step guard (engine/spec_guard.py) is tested on its own
+        pass  # the whole-step guard (StepGuard) is tested on its own
 
 
 @pytest.mark.parametrize("verify", ["expensive", "cheap"])
@@ -476,7 +478,7 @@ def test_the_gate_follows_the_measured_cost(tiny_llama_path: Any, verify: str,
         got = eng.submit(GenerationRequest(prompt_tokens=toks, sampling=SamplingParams(
             max_tokens=60))).result(timeout=300)
         assert got.tokens == want
-        c = eng.counters
+        c = counts(eng._ctx)
         assert spec.cost.verify_samples == c.spec_verifies > 0
         if drafts == "right":
             assert c.spec_accepted == c.spec_drafted
@@ -542,7 +544,7 @@ def test_the_gate_is_per_row_in_a_batch(tiny_llama_path: Any) -> None:
 
         got = decode_together(eng, prompts, want, source)
         good, bad = got
-        c = eng.counters
+        c = counts(eng._ctx)
         assert good.usage.spec_accepted == good.usage.spec_drafted >= 40
         # a few drafts of 2 (k falls to MIN_K after a rejection), then paused; while
         # paused, its padding in the good row's verifies takes its (wrong) drafts as fills
@@ -571,7 +573,7 @@ def test_a_row_that_drafts_nothing_fills_the_verify_padding(tiny_llama_path: Any
             return [(t + shift) % 1000 for t in want[p][len(r.output):len(r.output) + k]]
 
         got = decode_together(eng, prompts, want, source)
-        c = eng.counters
+        c = counts(eng._ctx)
         assert c.max_batch == 2 and c.spec_multirow >= 1
         assert c.spec_fill_accepted == c.spec_fill_drafted >= 1
         # only the first draft (k starts at spec_max_draft // 2) was wrong
@@ -593,12 +595,12 @@ def test_a_short_draft_goes_on_into_the_verify_padding(tiny_llama_path: Any) -> 
     plan = spec.plan
 
     def spy(rows: Any, drafts: Any, cache: Any, model: Any) -> int:
-        ks = {r.request_id: spec._k.get(r.request_id, 0) for r in rows}
+        ks = {r.request_id: (spec.row(r).k or 0) for r in rows}
         cut = plan(rows, drafts, cache, model)
         for r, d in zip(rows, drafts, strict=True):
             if cut and d and tuple(r.req.prompt_tokens) == prompts[1]:
                 fed.append((len(d[:cut]), ks[r.request_id],
-                            r.request_id in spec._fills.rows))
+                            spec.row(r).fill))
         return cut
 
     spec.plan = spy
@@ -614,7 +616,7 @@ def test_a_short_draft_goes_on_into_the_verify_padding(tiny_llama_path: Any) -> 
             return out
 
         got = decode_together(eng, prompts, want, source)
-        c = eng.counters
+        c = counts(eng._ctx)
         assert c.max_batch == 2 and c.spec_multirow >= 1
         # B's first draft: 4 tokens (spec_max_draft // 2), the last wrong; then k = 4
         assert fed[0] == (4, 4, False) and fed[1][1] == 4
@@ -637,12 +639,11 @@ def test_a_verify_charges_its_rows_the_price_it_was_planned_at() -> None:
 
     from mlx_lm.models.cache import BatchKVCache
 
-    from promptcache.engine.context import EngineCounters
-    from promptcache.engine.speculate import Speculator
+    from promptcache.engine.speculation.speculator import Speculator
     from promptcache.serving_config import EngineConfig
 
     cost = ScriptedCost(lambda width: 2.0)
-    spec = Speculator(EngineConfig(speculation="suffix"), EngineCounters(), cost=cost)
+    spec = Speculator(EngineConfig(speculation="suffix"), cost=cost)
 
     def row(name: str, seq: list[int]) -> Any:
         r = SimpleNamespace(request_id=name, n_prompt=len(seq) - 4, output=seq[-4:],
@@ -677,8 +678,7 @@ def test_a_verify_credits_each_row_the_steps_the_others_save_it() -> None:
 
     from mlx_lm.models.cache import BatchKVCache
 
-    from promptcache.engine.context import EngineCounters
-    from promptcache.engine.speculate import Speculator
+    from promptcache.engine.speculation.speculator import Speculator
     from promptcache.serving_config import EngineConfig
 
     def row(name: str, seq: list[int], max_tokens: int) -> Any:
@@ -693,7 +693,7 @@ def test_a_verify_credits_each_row_the_steps_the_others_save_it() -> None:
     # due to finish first, and alone its fill pays it up to a cut of 2 (1.44 tokens for
     # 14/12 steps; 1.48 for 16/12 at 3)
     for other_left, want_cut in ((60, 4), (20, 2)):
-        spec = Speculator(EngineConfig(speculation="suffix"), EngineCounters(), cost=CPU)
+        spec = Speculator(EngineConfig(speculation="suffix"), cost=CPU)
         copying = row("copy", [5, 6, 7, 8, 9] * 4, 64)
         other = row("other", [1, 2, 3, 4, 100, 101, 102, 1, 2, 3, 4], other_left + 4)
         rows = [copying, other]
@@ -723,12 +723,10 @@ def test_a_row_with_nothing_to_copy_looks_for_drafts_less_often() -> None:
     (the steps between wait: the batch stays pipelined); a match drafts at once."""
     from types import SimpleNamespace
 
-    from promptcache.engine.context import EngineCounters
-    from promptcache.engine.speculate import EMPTY_RUN, EMPTY_SKIP, Speculator
+    from promptcache.engine.speculation.speculator import EMPTY_RUN, EMPTY_SKIP, Speculator
     from promptcache.serving_config import EngineConfig
 
-    spec = Speculator(EngineConfig(speculation="suffix", spec_min_match=2),
-                      EngineCounters())
+    spec = Speculator(EngineConfig(speculation="suffix", spec_min_match=2))
     seq = list(range(100, 140))  # no token repeats: nothing to copy
     r = SimpleNamespace(request_id="r", n_prompt=20, output=seq[20:], processors=[],
                         req=SimpleNamespace(tenant="t"))
@@ -756,8 +754,7 @@ def test_a_new_request_starts_at_the_engines_recent_rate_and_probes_until_cut_sh
     least PROBE_RATE, then as it is."""
     from types import SimpleNamespace
 
-    from promptcache.engine.context import EngineCounters
-    from promptcache.engine.speculate import PROBE_RATE, Speculator
+    from promptcache.engine.speculation.speculator import PROBE_RATE, Speculator
     from promptcache.serving_config import EngineConfig
 
     recent = Acceptance()
@@ -765,7 +762,7 @@ def test_a_new_request_starts_at_the_engines_recent_rate_and_probes_until_cut_sh
     prior = recent.prior()
     assert prior.rate == pytest.approx(recent.rate) and prior.updates == 0
     assert prior.accepted + prior.rejected == pytest.approx(3.0)
-    spec = Speculator(EngineConfig(speculation="suffix"), EngineCounters())
+    spec = Speculator(EngineConfig(speculation="suffix"))
     rows = [SimpleNamespace(request_id=n, usage=SimpleNamespace(spec_drafted=0,
                                                                 spec_accepted=0))
             for n in ("a", "b")]

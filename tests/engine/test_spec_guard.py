@@ -1,17 +1,17 @@
-"""Speculation's whole-step guard (engine/spec_guard.py): per batch size, verify steps
-that deliver fewer tokens per second than decode steps turn speculation off for a
-while. Decisions from scripted seconds, never from timing."""
+"""Speculation's whole-step guard (``StepGuard``, engine/speculation/cost.py): per batch
+size, verify steps that deliver fewer tokens per second than decode steps turn
+speculation off for a while. Decisions from scripted seconds, never from timing."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import pytest
-from conftest import speculating
+from conftest import counts, speculating
 
 from promptcache.engine.api import GenerationRequest, SamplingParams
-from promptcache.engine.spec_cost import FREE, OnlineCost
-from promptcache.engine.spec_guard import (
+from promptcache.engine.speculation.cost import (
+    FREE,
     GATED_OFF_STEPS,
     MAX_GATED_OFF_STEPS,
     MAX_IDLE_OFF_STEPS,
@@ -19,6 +19,7 @@ from promptcache.engine.spec_guard import (
     OFF_STEPS,
     SLACK,
     WINDOW,
+    OnlineCost,
     StepGuard,
 )
 
@@ -111,7 +112,7 @@ def test_the_engine_stops_speculating_when_whole_steps_lose(tiny_llama_path: Any
         got = eng.submit(GenerationRequest(prompt_tokens=toks, sampling=SamplingParams(
             max_tokens=60))).result(timeout=300)
         assert got.tokens == want
-        c = eng.counters
+        c = counts(eng._ctx)
         assert c.spec_accepted == c.spec_drafted
         if step_s > 1.0:
             # the first token from the prefill; 4 verifies of 2 + 4 + 4 + 4 drafts give

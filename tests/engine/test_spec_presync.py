@@ -9,9 +9,8 @@ from typing import Any
 
 import numpy as np
 
-from promptcache.engine.context import EngineCounters
-from promptcache.engine.spec_cost import FREE, OnlineCost, VerifyCost
-from promptcache.engine.speculate import PROBE_STEPS, Speculator
+from promptcache.engine.speculation.cost import FREE, OnlineCost, VerifyCost
+from promptcache.engine.speculation.speculator import PROBE_STEPS, Speculator
 from promptcache.serving_config import EngineConfig
 
 X = list(range(100, 130))  # 30 tokens, none repeated
@@ -27,8 +26,7 @@ def row(seq: list[int], n_prompt: int = 20, rid: str = "r") -> Any:
 
 
 def speculator(cost: Any) -> Speculator:
-    return Speculator(EngineConfig(speculation="suffix", spec_min_match=2),
-                      EngineCounters(), cost=cost)
+    return Speculator(EngineConfig(speculation="suffix", spec_min_match=2), cost=cost)
 
 
 def test_the_draft_ahead_starts_after_the_pending_token() -> None:
@@ -46,17 +44,17 @@ def test_a_repeating_sequence_syncs_and_nothing_is_counted() -> None:
     assert spec.presync([r], [], None, [False])
     c = spec.counters
     assert (c.spec_presync_gated, c.spec_gated, c.spec_paused) == (0, 0, 0)
-    assert spec._pause == {} and spec.cost.guard.paused() == {}
+    assert all(st.pause == (0, 0) for st in spec._state.values()) and spec.cost.guard.paused() == {}
 
 
 def test_nothing_to_copy_decodes_pipelined_and_counts_the_rows_cool_down() -> None:
     spec = speculator(OnlineCost(FREE))
     cooling, fresh = row(X + X[:5], rid="cooling"), row(X, rid="fresh")
-    spec._cool["cooling"] = (2, 2)  # its draft would pay, but it cools down
+    spec.row("cooling").cool = (2, 2)  # its draft would pay, but it cools down
     assert not spec.presync([cooling, fresh], [], None, [False, False])
     c = spec.counters
     assert (c.spec_presync_gated, c.spec_gated, c.spec_paused) == (1, 0, 0)
-    assert spec._cool["cooling"] == (1, 2)  # the step counted for its cool-down
+    assert spec.row("cooling").cool == (1, 2)  # the step counted for its cool-down
     assert spec.cost.guard.paused() == {}  # the guard saw no gated step
 
 
@@ -68,7 +66,7 @@ def test_drafts_that_do_not_pay_pause_their_row_without_a_sync() -> None:
         assert not spec.presync([r], [], None, [False])
     c = spec.counters
     assert (c.spec_presync_gated, c.spec_gated, c.spec_paused) == (3, 0, 1)
-    assert spec._pause["r"] == (PROBE_STEPS - 2, PROBE_STEPS)
+    assert spec.row("r").pause == (PROBE_STEPS - 2, PROBE_STEPS)
     assert spec.cost.guard.paused() == {}
 
 
@@ -89,20 +87,20 @@ def test_a_pause_that_ends_on_a_declined_step_still_probes() -> None:
     waiting): its probe is not spent there, so its next draft is judged at the probe's
     optimistic rate. Before, the decline spent every row's probe, and a row whose own
     rate does not pay paused again, twice as long, without ever probing."""
-    from promptcache.engine.spec_cost import Acceptance
+    from promptcache.engine.speculation.gate import Acceptance
 
     # a verify of k drafts costs (3 + k) / 3 decode steps: at the probe's rate (0.9) one
     # draft token pays, at the row's own rate (0.3) none does
     spec = speculator(OnlineCost(VerifyCost(2.0, 1.0)))
     r = row(X + X[:5])
-    spec._acc["r"] = Acceptance(0.3, 0.7)
-    spec._acc["r"].updates = spec._acc["r"].cut_short = 3
-    spec._pause["r"] = (1, PROBE_STEPS)  # the last step of its pause
+    acc = spec.row("r").acc = Acceptance(0.3, 0.7)
+    acc.updates = acc.cut_short = 3
+    spec.row("r").pause = (1, PROBE_STEPS)  # the last step of its pause
     assert not spec.presync([r], [], None, [False])  # waiting: nothing drafted
-    assert spec._pause["r"] == (0, PROBE_STEPS) and "r" in spec._probing
+    assert spec.row("r").pause == (0, PROBE_STEPS) and spec.row("r").probing
     assert spec.presync([r], [], None, [False])  # the probe: verified
     assert spec.counters.spec_paused == 0
     # without the probe the same draft is declined and the row pauses twice as long
-    spec._probing.discard("r")
+    spec.row("r").probing = False
     assert not spec.presync([r], [], None, [False])
-    assert spec._pause["r"] == (2 * PROBE_STEPS, 2 * PROBE_STEPS)
+    assert spec.row("r").pause == (2 * PROBE_STEPS, 2 * PROBE_STEPS)

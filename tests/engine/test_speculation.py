@@ -1,4 +1,4 @@
-"""Speculative decoding (engine/speculate.py): greedy output with speculation equals
+"""Speculative decoding (engine/speculation/speculator.py): greedy output with speculation equals
 decoding one token at a time, whatever the drafts are (right, wrong, half right, the
 request's own history), stop strings and max_tokens inside an accepted draft stop
 exactly where they would, and what is saved restores the same next turn."""
@@ -9,10 +9,10 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import make_engine
+from conftest import counts, make_engine
 
 from promptcache.engine.api import Constraint, GenerationRequest, SamplingParams
-from promptcache.engine.speculate import Speculator
+from promptcache.engine.speculation.speculator import Speculator
 
 N_PROMPTS = 3
 
@@ -68,7 +68,7 @@ def test_greedy_output_equals_decoding_one_token_at_a_time(tiny_llama_path: Any,
         for toks, want in reference.items():
             got = run(eng, toks)
             assert got.tokens == want, kind
-        c = eng.counters
+        c = counts(eng._ctx)
         assert c.spec_verifies > 0
         if kind == "right":
             # every verify forward accepted its whole draft: ~k+1 tokens per forward
@@ -97,7 +97,7 @@ def test_stops_inside_an_accepted_draft(tiny_llama_path: Any, reference: Any) ->
             got = run(spec_eng, toks, **sp)
             assert (got.tokens, got.text, got.finish_reason) == \
                 (want.tokens, want.text, want.finish_reason)
-        assert spec_eng.counters.spec_accepted > 0
+        assert counts(spec_eng._ctx).spec_accepted > 0
     finally:
         plain.close()
         spec_eng.close()
@@ -139,7 +139,7 @@ def test_constrained_drafts_the_grammar_rejects_are_never_verified(tiny_llama_pa
         eng._ctx.speculator.source = lambda r, k: [bad] * k
         eng.submit(GenerationRequest(prompt_tokens=prompt(2), sampling=SamplingParams(
             max_tokens=8), constraint=DIGITS)).result(timeout=300)  # a constraint
-        assert eng.counters.spec_verifies == 0 and eng.counters.spec_grammar_cut > 0
+        assert counts(eng._ctx).spec_verifies == 0 and counts(eng._ctx).spec_grammar_cut > 0
     finally:
         eng.close()
 
@@ -168,7 +168,7 @@ def test_logprobs_equal_decoding_one_token_at_a_time(tiny_llama_path: Any, refer
                 assert [t for t, _ in g.top_logprobs] == [t for t, _ in w.top_logprobs]
                 assert [v for _, v in g.top_logprobs] == pytest.approx(
                     [v for _, v in w.top_logprobs], abs=1e-4)
-        assert spec_eng.counters.spec_accepted > 0
+        assert counts(spec_eng._ctx).spec_accepted > 0
     finally:
         plain.close()
         spec_eng.close()
@@ -200,7 +200,7 @@ def test_sampled_output_equals_decoding_one_token_at_a_time(tiny_llama_path: Any
         eng._ctx.speculator.source = source_of(kind, ref)
         for toks, want in ref.items():
             assert run(eng, toks, **sp).tokens == want, kind
-        c = eng.counters
+        c = counts(eng._ctx)
         assert c.spec_verifies > 0
         if kind == "right":
             assert c.spec_accepted == c.spec_drafted
@@ -240,7 +240,7 @@ def test_batched_rows_with_mixed_drafts_equal_decoding_alone(tiny_llama_path: An
         eng._ctx.speculator.source = lambda r, k: sources[tuple(r.req.prompt_tokens)](r, k)
         got = run_many(eng, prompts, max_tokens=24)
         assert [g.tokens for g in got] == [ref[p] for p in prompts]
-        c = eng.counters
+        c = counts(eng._ctx)
         assert c.spec_verifies > 0 and c.max_batch >= 2
         assert c.decode_rows > c.decode_steps  # verify forwards ran over several rows
         assert 0 < c.spec_accepted < c.spec_drafted
@@ -271,7 +271,7 @@ def test_batched_speculation_saves_what_restores_the_same_next_turn(tiny_llama_p
         first = [run_many(e, prompts, max_tokens=32) for e in (plain, spec_eng)]
         assert [g.tokens for g in first[1]] == [g.tokens for g in first[0]] \
             == [ref[p] for p in prompts]
-        c = spec_eng.counters
+        c = counts(spec_eng._ctx)
         assert c.spec_multirow > 0 and 0 < c.spec_accepted < c.spec_drafted
         spec_eng._ctx.speculator.source = None
         nxt = [p + tuple(g.tokens) + tuple(range(5, 15)) for p, g in zip(prompts, first[0],
@@ -323,7 +323,7 @@ def test_the_tenant_pool_drafts_for_its_own_tenant_only(tiny_llama_path: Any) ->
                       spec_pool_prompt_tokens=16)
     try:
         eng._ctx.logits_hook = None
-        c = eng.counters
+        c = counts(eng._ctx)
 
         def go(tenant: str) -> Any:
             return eng.submit(GenerationRequest(prompt_tokens=toks, tenant=tenant,
@@ -441,7 +441,7 @@ def test_a_restarted_engine_drafts_from_the_token_ids_the_ssd_stores(tiny_llama_
     with Engine.load(tiny_llama_path, ec, cc, cache=build_cache(cc, ssd)) as first:
         assert go(first, "a").tokens == want
     with Engine.load(tiny_llama_path, ec, cc, cache=build_cache(cc, ssd)) as second:
-        c = second.counters
+        c = counts(second._ctx)
         got = go(second, "a")
         assert got.tokens == want
         # the prompt and the reply but its last token (end-of-generation save point)

@@ -11,10 +11,10 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import make_engine
+from conftest import counts, make_engine
 
 from promptcache.engine.api import Constraint, GenerationRequest, SamplingParams
-from promptcache.engine.speculate import Speculator
+from promptcache.engine.speculation.speculator import Speculator
 
 DIGITS = Constraint("regex", "[0-9]{1,200}")
 SCHEMA = {"type": "object", "properties": {
@@ -85,7 +85,7 @@ def test_constrained_greedy_output_equals_decoding_one_token_at_a_time(
             assert eng.submit(request(p, constraint)).result(timeout=300).tokens == want[p]
         handles = [eng.submit(request(p, constraint)) for p in prompts]
         assert [h.result(timeout=300).tokens for h in handles] == [want[p] for p in prompts]
-        c = eng.counters
+        c = counts(eng._ctx)
         if kind == "right":
             assert c.spec_verifies > 0 and c.spec_accepted == c.spec_drafted > 0
             assert c.spec_grammar_cut == 0
@@ -121,6 +121,6 @@ def test_constrained_sampled_output_and_logprobs_equal_decoding_one_at_a_time(
         for g, w in zip(got, want, strict=True):
             assert g.logprob == pytest.approx(w.logprob, abs=1e-4)
             assert [t for t, _ in g.top_logprobs] == [t for t, _ in w.top_logprobs]
-        assert eng.counters.spec_accepted > 0
+        assert counts(eng._ctx).spec_accepted > 0
     finally:
         eng.close()

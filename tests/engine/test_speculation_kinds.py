@@ -22,14 +22,14 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import make_engine
+from conftest import counts, make_engine
 from models.tiny_families import ensure_family_model
 from models.tiny_models import ensure_built
 from stepper import Run, Stepper
 
 from promptcache.engine.api import TokenEvent
 from promptcache.engine.engine import Engine
-from promptcache.engine.speculate import Speculator
+from promptcache.engine.speculation.speculator import Speculator
 
 # family -> the cache kind it stands for
 KINDS = {
@@ -80,7 +80,7 @@ def stepper(eng: Engine, sources: dict[tuple[int, ...], Source] | None) -> Stepp
     drafts come from them (keyed by prompt)."""
     st = Stepper(eng)
     if sources is not None:
-        st.ctx.speculator = Speculator(st.ctx.config, st.ctx.counters,
+        st.ctx.speculator = Speculator(st.ctx.config,
                                        source=lambda r, k: sources[tuple(r.req.prompt_tokens)](r, k))
     return st
 
@@ -142,7 +142,7 @@ def test_greedy_rows_equal_decoding_without_speculation(family: Family, rows: in
     got = run_all(st, prompts, use_cache=False)
     assert [g.tokens for g in got] == [w.tokens for w in want]
     assert [g.result.finish_reason for g in got] == ["length"] * rows  # type: ignore[union-attr]
-    c = st.ctx.counters
+    c = counts(st.ctx)
     assert c.spec_verifies > 0 and c.spec_drafted > 0
     # array states are fed the kept positions again after a verify with rejections
     assert (c.spec_recomputes > 0) == (family.name in STATEFUL)
@@ -186,7 +186,7 @@ def test_logprobs_and_samples_equal_decoding_without_speculation(family: Family)
     st = stepper(family.eng, sources)
     got = run_all(st, prompts[:2], use_cache=False, **sp)
     assert [g.tokens for g in got] == [w.tokens for w in want]
-    assert st.ctx.counters.spec_accepted > 0
+    assert counts(st.ctx).spec_accepted > 0
 
 
 @pytest.mark.parametrize("family", families(), indirect=True)
@@ -206,7 +206,7 @@ def test_stops_inside_a_draft_and_the_next_turn(family: Family) -> None:
         assert got.result is not None and want.result is not None
         assert (got.tokens, got.result.text, got.result.finish_reason) == \
             (want.tokens, want.result.text, want.result.finish_reason)
-        assert st.ctx.counters.spec_accepted > 0
+        assert counts(st.ctx).spec_accepted > 0
     # cache on: the speculating row's save points, then the next turn from them
     first = prompt(800)
     ref1 = family.reference([first])[0]
@@ -266,7 +266,7 @@ def test_quantized_stored_kv_rows_equal_decoding_without_speculation(
     for g, p in zip(got, plain, strict=True):
         assert g.result is not None and p.result is not None
         assert g.result.usage.cached_tokens == p.result.usage.cached_tokens >= 32
-    assert st.ctx.counters.spec_accepted > 0
+    assert counts(st.ctx).spec_accepted > 0
 
 
 # array states that take right-padded rows: their refeed moves KV heads (finalize_refeed)
@@ -299,7 +299,7 @@ def test_hybrid_rows_refed_move_their_heads_and_restore_the_same_next_turn(
     st = stepper(family.eng, sources)
     got = run_all(st, prompts)
     assert [g.tokens for g in got] == [w.tokens for w in want]
-    c = st.ctx.counters
+    c = counts(st.ctx)
     assert c.spec_multirow > 0 and c.spec_recomputes == len(moved) > 0
     assert any(n > 0 for n in moved)  # heads moved instead of rows rolled
     nxt = [p + tuple(w.tokens) + prompt(1200 + i, n=8) for i, (p, w) in
@@ -320,7 +320,7 @@ def test_the_startup_cost_fit_on_every_cache_kind(name: str, models_root: Path) 
     are timings: only their form is checked."""
     from mlx_lm.utils import load_model
 
-    from promptcache.engine.spec_cost import MEASURE_CONTEXT, measure_verify_cost
+    from promptcache.engine.speculation.cost import MEASURE_CONTEXT, measure_verify_cost
 
     model, _ = load_model(ensure_family_model(name, models_root))
     cost = measure_verify_cost(model, 1000, repeats=1)

@@ -15,10 +15,10 @@ import pytest
 from promptcache.cache import PromptCache
 from promptcache.cli import main
 from promptcache.config import CacheConfig, SSDConfig
-from promptcache.engine import spec_cost
 from promptcache.engine.engine import Engine
 from promptcache.engine.identity import open_identity
 from promptcache.engine.models import gguf
+from promptcache.engine.speculation import cost as spec_cost
 from promptcache.meta import Namespace
 from promptcache.serving_config import EngineConfig
 from promptcache.tiers.ssd import SSDTier

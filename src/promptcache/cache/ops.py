@@ -131,7 +131,7 @@ class Ops:
                 self.faults.tier_error(tier, e)
         return count
 
-    # ---- token history (speculative decoding's draft pool, ``engine/speculate.py``) --
+    # ---- token history (speculative decoding's draft pool, ``engine/speculation/``) --
     def token_history(self, ns: Namespace, max_tokens: int, overlap: int = 16
                       ) -> list[tuple[int, ...]]:
         if max_tokens <= 0:

@@ -19,23 +19,23 @@ live batch, which ``filter`` / ``extend`` rebuild and later steps write.
 
 ``decode_alone`` is the per-request path for caches mlx-lm cannot batch (quantized
 KV, sliding windows that keep tokens): one forward per request per step. A step the
-speculator takes is one verify forward of every row's draft (``batch_verify``).
+speculator takes is one verify forward of every row's draft (``speculation.plan_verify``, the
+forward, ``speculation.apply_verify``).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, cast
+import time
+from collections.abc import Sequence
+from typing import Any, cast
 
 import mlx.core as mx
 
 from . import mlx_compat
 from .request import Request
 from .sampling import logprob_values
-
-if TYPE_CHECKING:
-    from .speculate import Speculator
+from .speculation import apply_verify, plan_verify
 
 logger = logging.getLogger(__name__)
 
@@ -45,13 +45,9 @@ LogprobArrays = tuple[mx.array, ...]
 class DecodeBatch:
     """The rows decoding together and their batch caches."""
 
-    def __init__(self, model: Any, block_size: int,
-                 verify: Callable[[DecodeBatch, Speculator], bool] | None = None) -> None:
+    def __init__(self, model: Any, block_size: int) -> None:
         self.model = model
         self.block_size = block_size
-        # the speculator's verify step (``batch_verify.verify_step``, handed in by the
-        # scheduler): one forward of every row's draft; None decodes plainly
-        self.verify = verify
         self.rows: list[Request] = []
         self.cache: list[Any] = []
         # per row: the token to feed next (sampled last step, or the first token of a
@@ -61,9 +57,10 @@ class DecodeBatch:
         self._lps: list[LogprobArrays | None] = []
         self._logits: list[mx.array | None] = []  # for the logits hook (tests)
         self.non_truncatable = False
-        # speculation's online cost (Speculator.observe_*): when the last plain step read
-        # its fed tokens (the forward before it done) and how many rows its forward had
+        # speculation's online cost: when the last plain step read its fed tokens (the
+        # forward before it done), its rows and context; and the last step's timing
         self._synced: tuple[float, int, int] | None = None
+        self._timed: tuple[int, float, int] | None = None
         # request id -> where a verify's repair moved its row's first positions
         self._moves: dict[str, mlx_compat.RowMoves] = {}
 
@@ -74,6 +71,11 @@ class DecodeBatch:
     def pending(self) -> mx.array | None:
         """Per row, the token it feeds next (None: no rows)."""
         return self._inputs
+
+    @property
+    def reported(self) -> list[bool]:
+        """Per row, whether its pending token was reported already."""
+        return self._reported
 
     def take_unreported(self, i: int) -> tuple[LogprobArrays | None, mx.array | None] | None:
         """Row ``i``'s pending token is reported now (by the caller): its logprobs and
@@ -157,9 +159,6 @@ class DecodeBatch:
         """Take rows ``drop`` (indexes) out of the batch and its caches."""
         for i in drop:
             self._moves.pop(self.rows[i].request_id, None)
-            spec = self.rows[i].ctx.speculator
-            if spec is not None:
-                spec.forget(self.rows[i])
         keep = [i for i in range(len(self.rows)) if i not in drop]
         if not keep:
             self.rows, self.cache, self._inputs = [], [], None
@@ -198,17 +197,18 @@ class DecodeBatch:
 
     def step(self) -> None:
         """One batched forward (launched asynchronously), then the host work of the
-        previous step's tokens; or, for a row the speculator takes, one verify forward
-        of its draft (``self.verify``: ``batch_verify.verify_step``)."""
+        previous step's tokens; or, when the speculator plans one, a verify forward of
+        every row's draft."""
         if not self.rows or self._inputs is None:
             return
         spec = self.rows[0].ctx.speculator
-        if spec is not None and self.verify is not None \
-                and spec.eligible(self.rows, self.cache, self.model) \
-                and not spec.waiting(self.rows) \
-                and spec.presync(self.rows, self.cache, self.model, self._reported) \
-                and self.verify(self, spec):
-            return
+        if spec is not None:
+            plan = plan_verify(spec, self)
+            if plan is not None:
+                apply_verify(spec, self, plan, self.model(plan.x, cache=self.cache))
+                return
+            if not self.rows:  # every row stopped at its reported token
+                return
         rows = self.rows
         inputs = self._inputs
         before = mlx_compat.ssm_states(self.cache) if self.non_truncatable else None
@@ -234,7 +234,7 @@ class DecodeBatch:
         # host work for the tokens fed in this step (sampled in the previous one)
         fed = cast(list[int], inputs.tolist())
         if spec is not None:
-            self._time_decode(spec)
+            self._time_decode()
         prev_lps, prev_logits, prev_reported = self._lps, self._logits, self._reported
         finished: list[tuple[int, str]] = []
         for i, r in enumerate(rows):
@@ -254,15 +254,20 @@ class DecodeBatch:
         (speculation's online cost compares steps over as many)."""
         return max(r.pos for r in self.rows)
 
-    def _time_decode(self, spec: Speculator) -> None:
+    def _time_decode(self) -> None:
         """The forward launched by the previous plain step is done when this one reads
         its tokens: the time since the previous read is one decode step (pipelined: the
         host work overlaps it) of that step's rows, over its ``context``."""
-        now = spec.clock()
+        now = time.perf_counter()
         if self._synced is not None:
             at, n, context = self._synced
-            spec.observe_decode(n, now - at, context)
+            self._timed = (n, now - at, context)
         self._synced = (now, len(self.rows), self.context())
+
+    def take_decode_timing(self) -> tuple[int, float, int] | None:
+        """The last plain step's (rows, seconds, context), once."""
+        timed, self._timed = self._timed, None
+        return timed
 
     def _after_step(self, finished: list[tuple[int, str]], before: list[list[Any]] | None
                     ) -> None:

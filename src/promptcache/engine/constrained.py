@@ -32,7 +32,7 @@ has its own processor, applied to its own row of the batch's logits only.
 - ``logits_processor(constraint, tokenizer, vocab_size)``: a fresh processor with its
   own matcher state.
 
-Speculative decoding (engine/speculate.py) drafts for constrained rows too:
+Speculative decoding (engine/speculation/) drafts for constrained rows too:
 ``grammar_prefix`` cuts a draft at the first token the grammar would reject (llguidance's
 ``validate_tokens``: the matcher unchanged), and the verify step applies the processor
 position by position, feeding it a draft token only once it is accepted, so the matcher

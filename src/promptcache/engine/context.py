@@ -13,17 +13,17 @@ import mlx.core as mx
 import numpy as np
 
 from ..blocks.tokens import to_request_tokens
-from ..cache import PromptCache
 from ..errors import ContextLengthError, InvariantError, RequestError, TierError
 from ..meta import Namespace
 from ..serving_config import EngineConfig
 from .api import GenerationRequest, SamplingParams
+from .cache_like import RequestCache
 from .quant import KVQuant
 from .vision import validate_images
 
 if TYPE_CHECKING:
     from .live import LiveStates
-    from .speculate import Speculator
+    from .speculation import Speculator
 
 
 LogitsHook = Callable[[str, int, np.ndarray], None]
@@ -57,44 +57,6 @@ class EngineCounters:
     # saves given up: a request's next unsaved block had already left its sliding window
     # (a block before it could not be stored, e.g. no room), so nothing after it can be
     window_gaps: int = 0
-    # speculative decoding (engine/speculate.py): verify forwards, draft tokens fed,
-    # draft tokens accepted
-    spec_verifies: int = 0
-    spec_drafted: int = 0
-    spec_accepted: int = 0
-    # of those, the drafts from the tenant's pool (other requests' outputs)
-    spec_pool_drafted: int = 0
-    spec_pool_accepted: int = 0
-    # drafts of rows that drafted nothing themselves, in positions a verify pads anyway
-    # (included in spec_drafted / spec_accepted)
-    spec_fill_drafted: int = 0
-    spec_fill_accepted: int = 0
-    # tokens the pools took from the cache's stored token ids (a tenant's first request
-    # in this process: its history in RAM / SSD / Redis)
-    spec_pool_seeded: int = 0
-    # forwards that fed accepted tokens again after a verify (array / SSM states cannot
-    # drop rejected positions: they go back to before the verify and take the kept ones)
-    spec_recomputes: int = 0
-    spec_multirow: int = 0  # verify forwards over several rows
-    # steps with drafts where the gate (engine/spec_cost.py) decoded as usual: the
-    # verify forward was not expected to pay for itself
-    spec_gated: int = 0
-    # steps where the gate declined before reading the pending tokens (``presync``): the
-    # drafts the rows' sequences gave without them would not pay; the step stayed pipelined
-    spec_presync_gated: int = 0
-    # rows whose drafts did not pay at the measured cost: they stopped drafting for a
-    # while (speculate.PROBE_STEPS, doubling), then probed again
-    spec_paused: int = 0
-    # batch sizes whose verify steps, timed whole, gave fewer tokens per second than
-    # their decode steps: speculation off for that size for a while (engine/spec_guard.py)
-    spec_guard_off: int = 0
-    # draft tokens of constrained rows cut because the grammar would reject them (the
-    # first rejected one and everything after it)
-    spec_grammar_cut: int = 0
-    # rows of several whose array states cannot take right-padded tokens (all rows keep
-    # as many positions as the shortest) that stopped inside a draft before the others'
-    # end: their state holds more than their output, so their reply was not stored
-    spec_unsaved: int = 0
     # non-truncatable states (SSM / hybrid): state snapshots taken for block payloads,
     # those taken at message starts (where a conversation branches), their bytes, and the
     # bytes of the last one (a snapshot's size is fixed by the model: memory per snapshot)
@@ -129,14 +91,14 @@ class EngineContext:
     context_length: int
     vocab_size: int
     eos_token_ids: frozenset[int]
-    cache: PromptCache | None = None
+    cache: RequestCache | None = None  # PromptCache, or a fake (tests)
     namespace_for: Callable[[str], Namespace] | None = None
     block_size: int = 64
     counters: EngineCounters = field(default_factory=EngineCounters)
     logits_hook: LogitsHook | None = None
     vision: Any | None = None  # vision.VisionEncoder of a vision-language model
     kv_quant: KVQuant | None = None  # how stored blocks are quantized (None: full precision)
-    speculator: Speculator | None = None  # --speculation suffix (engine/speculate.py)
+    speculator: Speculator | None = None  # --speculation suffix (engine/speculation/)
     live: LiveStates | None = None  # the last turns' states (engine/live.py)
 
 

@@ -60,9 +60,7 @@ from .prompting import Prompting
 from .quant import from_config as _kv_quant_of
 from .scheduler import Scheduler
 from .shadow import ShadowVerifier
-from .spec_cost import cost_from_config
-from .spec_rows import spec_stats
-from .speculate import Speculator
+from .speculation import make_speculator, spec_stats
 from .steps import Steps, no_steps
 from .submission import Submission, preempt
 from .templates import ChatTemplate
@@ -150,12 +148,9 @@ class Engine:
             namespace_for=self.namespaces if cache is not None else None, block_size=bs,
             counters=self.counters, logits_hook=logits_hook, vision=vision,
             kv_quant=self.kv_quant,
-            speculator=Speculator(cfg, self.counters,
-                                  history=(lambda t: port.token_history(t, cfg.spec_pool_tokens))
-                                  if cache is not None else None,
-                                  cost=cost_from_config(cfg.spec_verify_cost, model,
-                                                        vocab_size, steps=steps))
-            if cfg.speculation == "suffix" else None,
+            speculator=make_speculator(cfg, model, vocab_size, (
+                lambda t: port.token_history(t, cfg.spec_pool_tokens))
+                if cache is not None else None, steps=steps),
         )
         if cache is not None and cfg.live_states > 0 and hasattr(cache, "hold_outside"):
             # the last turns' states, counted in the RAM tier's budget (engine/live.py)
@@ -378,7 +373,7 @@ class Engine:
         return {**self.counters.to_dict(), **self.admission.snapshot(),
                 "alive": self.alive, "batch_size": len(self.scheduler.batch),
                 **self.calls.stats,
-                **spec_stats(self._ctx.speculator, self.counters),
+                **spec_stats(self._ctx.speculator),
                 **(self._ctx.live.stats() if self._ctx.live is not None else {}),
                 **(self.governor.snapshot() if self.governor is not None else {}),
                 # MLX arrays the RAM tier holds (one buffer per block): Metal caps the

@@ -379,9 +379,11 @@ class Request:
             keep_live(self, reason, caches, state_pos)
         self.usage.completion_tokens = len(self.output)
         spec = self.ctx.speculator
-        if spec is not None and reason != "error":
+        if spec is not None:
+            spec.forget(self)
             try:  # the output drafts for the tenant's next requests
-                spec.remember(self)
+                if reason != "error":
+                    spec.remember(self)
             except Exception:
                 logger.exception("the draft pool failed to take a finished request")
         self.phase = "done"

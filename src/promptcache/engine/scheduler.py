@@ -61,7 +61,6 @@ from ..blocks.tokens import common_prefix
 from . import adapters, mlx_compat
 from .admission import Admission, Ticket
 from .batch import DecodeBatch, cancel_alone, decode_alone
-from .batch_verify import verify_step
 from .context import EngineContext
 from .prefill import PrefillBatch, Prefilled, attention_heads, workspace_bytes
 from .request import Request
@@ -88,7 +87,7 @@ class Scheduler:
         self._solo: set[Request] = set()  # interactive, on the per-request prefill path
         self.ready: list[Request] = []  # prefill done, waiting for a batch row
         self.alone: list[Request] = []  # decoding outside the batch
-        self.batch = DecodeBatch(ctx.model, ctx.block_size, verify_step)
+        self.batch = DecodeBatch(ctx.model, ctx.block_size)
         self._live: list[tuple[Request, Ticket]] = []
         self.steps = 0
         self.last_prefilled: Request | None = None  # which request got this step's chunk
@@ -376,7 +375,7 @@ class Scheduler:
         self.prefilling, self.ready, self.alone = [], [], []
         self._solo = set()
         self.group = PrefillBatch(self.ctx.model)
-        self.batch = DecodeBatch(self.ctx.model, self.ctx.block_size, verify_step)
+        self.batch = DecodeBatch(self.ctx.model, self.ctx.block_size)
         for _, t in self._live:
             self.admission.release(t)
         self._live = []

@@ -1,34 +1,7 @@
-"""Draft tokens from history, for speculative decoding (prompt lookup / suffix matching).
-
-What an agent writes is largely already in its context: the file a tool just read,
-rewritten with a change; paths, identifiers and tool-call JSON from earlier turns. A
-draft is the continuation of the longest recent n-gram match of the sequence's tail:
-
-- ``SequenceDrafts``: one request's own tokens (prompt + output, appended as they are
-  generated). An index from each n-gram (``min_n`` .. ``max_n`` tokens) to the position
-  after its latest occurrence, updated in O(max_n) per appended token, so a proposal is
-  ``max_n`` dict lookups: the longest n whose last n tokens occurred before proposes
-  the tokens that followed that occurrence (up to ``k``).
-- The copy cursor (``SequenceDrafts.cursor``): where in the sequence the last verified
-  draft stopped being accepted. A reply that copies its context with changes (a file
-  returned with an identifier renamed) leaves the copy at each change and comes back to
-  it a few tokens later; the latest occurrence of a short tail is then often elsewhere
-  (the request's own text that asked for the change). So the first place within
-  ``cursor_window`` tokens after the cursor whose preceding tokens match the tail's
-  last ``cursor_min_n`` or more (the longest match there, the earliest of those) is
-  proposed before the index is asked.
-- A draft from the sequence itself that reaches its end goes on over what it copied
-  (``copy``: a repeat continues with its period), so a reply caught in a loop drafts
-  ``k`` tokens.
-- ``TenantDrafts``: a bounded pool of recent sequences (prompts and outputs of every
-  session) of ONE tenant, the same n-gram index over all of them (the latest
-  occurrence wins), least recently added sequences out past ``max_tokens``. A request
-  asks its own sequence first and the pool of its own tenant second: a draft never
-  comes from another tenant's text (``DraftPools.pool(tenant)`` keeps them apart).
-
-Pure Python over token ids: no MLX, no I/O. The verifier decides what is accepted;
-a draft only costs a wider forward, never correctness.
-"""
+"""Draft tokens from history (prompt lookup / suffix matching): a request's own sequence
+(``SequenceDrafts``: an n-gram index, a copy cursor that re-syncs after a change, copies
+that run on over a loop) first, then its tenant's pool (``TenantDrafts``; ``DraftPools``
+keeps tenants apart). Pure Python over token ids; a draft only costs a wider forward."""
 
 from __future__ import annotations
 
