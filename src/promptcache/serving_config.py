@@ -80,6 +80,9 @@ class EngineConfig:
     # stay as the model's own cache objects (counted in the RAM tier's budget, released
     # before its active blocks), so a next turn that extends one restores nothing; 0: off
     live_states: int = 8
+    # restore or recompute a matched prefix's lower-tier blocks (engine/planner.py):
+    # "auto" (the measured rates decide), "load" or "recompute" (forced)
+    restore_plan: str = "auto"
     # the memory governor (engine/governor.py): the process's footprint is kept under
     # this many bytes (None: no governor); past soft x it, the holders release (MLX's
     # buffer pool, live states, the RAM tier) and admission pauses; past hard x it, new
@@ -102,6 +105,9 @@ class EngineConfig:
                 and self.template_render_limit_s > 0):
             raise ValueError(f"template_render_limit_s must be a number > 0, got "
                              f"{self.template_render_limit_s}")
+        if self.restore_plan not in ("auto", "load", "recompute"):
+            raise ValueError(f"restore_plan must be auto, load or recompute, got "
+                             f"{self.restore_plan!r}")
         if self.live_states < 0:
             raise ValueError(f"live_states must be >= 0, got {self.live_states}")
         if self.speculation not in ("suffix", "off"):

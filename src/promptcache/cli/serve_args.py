@@ -155,6 +155,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "objects, so a next turn that extends one restores nothing "
                         "(counted in --ram-budget, released before its active blocks; "
                         f"0: off; default {EngineConfig.live_states})")
+    p.add_argument("--restore-plan", choices=("auto", "load", "recompute"), default="auto",
+                   help="a cached prefix's SSD / Redis blocks: loaded, or prefilled again "
+                        "from their tokens when the measured prefill rate beats the tier's "
+                        "measured bandwidth (auto, the default), or always one (load, "
+                        "recompute: for tests and benchmarks)")
     p.add_argument("--max-body-bytes", default="32MB",
                    help="largest /v1 request body; a larger one gets 413 before it is "
                         "read (default 32MB, as the hosted APIs)")

@@ -91,7 +91,7 @@ def build_configs(args: argparse.Namespace) -> tuple[
                               spec_pool_tokens=args.spec_pool_tokens,
                               spec_verify_cost=args.spec_verify_cost,
                               spec_max_slowdown=args.spec_max_slowdown,
-                              live_states=args.live_states,
+                              live_states=args.live_states, restore_plan=args.restore_plan,
                               template_render_limit_s=args.template_render_limit,
                               memory_limit_bytes=memory_limit(args.memory_limit))
     if args.api_keys_file is not None and not args.api_keys_file.is_file():

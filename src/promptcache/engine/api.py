@@ -257,6 +257,8 @@ class Usage:
     # speculative decoding: draft tokens verified, and accepted, for this request
     spec_drafted: int = 0
     spec_accepted: int = 0
+    # the restore-or-recompute plan taken (``Plan.describe``; "" when none was needed)
+    restore_plan: str = ""
 
     @property
     def prefilled_tokens(self) -> int:

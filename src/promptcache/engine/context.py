@@ -18,6 +18,7 @@ from ..errors import ContextLengthError, InvariantError, RequestError, TierError
 from ..meta import Namespace
 from ..serving_config import EngineConfig
 from .api import GenerationRequest, SamplingParams
+from .planner import Planner
 from .quant import KVQuant
 from .vision import validate_images
 
@@ -108,6 +109,14 @@ class EngineCounters:
     restored_blocks: int = 0
     restore_copies: int = 0
     restore_copy_bytes: int = 0
+    # the restore-or-recompute planner (engine/planner.py): its plans by kind (load |
+    # recompute | split) and by why (auto | forced | stateful | unmeasured), the cached
+    # tokens prefilled again by its plans, and the samples its rates were fed
+    restore_plans: dict[str, int] = field(default_factory=dict)
+    restore_plan_whys: dict[str, int] = field(default_factory=dict)
+    recomputed_tokens: int = 0
+    rate_prefill_samples: int = 0
+    rate_read_samples: int = 0
     decode_steps: int = 0
     decode_rows: int = 0  # sum of batch sizes over decode steps
     solo_steps: int = 0  # decode steps of requests mlx-lm cannot batch
@@ -138,6 +147,14 @@ class EngineContext:
     kv_quant: KVQuant | None = None  # how stored blocks are quantized (None: full precision)
     speculator: Speculator | None = None  # --speculation suffix (engine/speculate.py)
     live: LiveStates | None = None  # the last turns' states (engine/live.py)
+    planner: Planner = field(default_factory=Planner)  # restore or recompute (planner.py)
+
+    def timed_prefill(self, chunks: list[tuple[int, int]], seconds: float) -> float:
+        """A prefill forward over ``(first position, tokens)`` chunks took ``seconds``:
+        the planner's prefill rate learns it; returns ``seconds``."""
+        self.planner.rates.record_prefill(chunks, seconds)
+        self.counters.rate_prefill_samples += 1
+        return seconds
 
 
 def validate_request(req: GenerationRequest, ctx: EngineContext) -> np.ndarray:

@@ -54,6 +54,7 @@ from .handles import RequestHandle
 from .kv_size import kv_row_bytes, probe_caches
 from .live import LiveStates
 from .loop import EngineLoop, stop_thread
+from .planner import Planner
 from .port import ENGINE_CALL_TIMEOUT_S, CachePrediction, CacheProbe, EngineAPI, TunableCacheAPI
 from .prefill import attention_heads, workspace_bytes
 from .prompting import Prompting
@@ -142,14 +143,17 @@ class Engine:
         self._thread = threading.Thread(target=self._run, name="promptcache-engine", daemon=True)
         # calls to run on the engine thread (``call``) and how they went
         self.calls = EngineCalls(self._thread, self._control.wake, self._refusal)
-        self.cache_port = CachePort(cache, self.calls, self.namespaces, self.kv_quant)
+        self.planner = Planner(cfg.restore_plan, adapters.is_truncatable(template)
+                               and not adapters.has_sliding_window(template))
+        self.cache_port = CachePort(cache, self.calls, self.namespaces, self.kv_quant,
+                                    self.planner)
         port = self.cache_port
         self._ctx = EngineContext(
             model=model, tokenizer=tokenizer, config=cfg, context_length=context_length,
             vocab_size=vocab_size, eos_token_ids=frozenset(int(t) for t in eos), cache=cache,
             namespace_for=self.namespaces if cache is not None else None, block_size=bs,
             counters=self.counters, logits_hook=logits_hook, vision=vision,
-            kv_quant=self.kv_quant,
+            kv_quant=self.kv_quant, planner=self.planner,
             speculator=Speculator(cfg, self.counters,
                                   history=(lambda t: port.token_history(t, cfg.spec_pool_tokens))
                                   if cache is not None else None,
@@ -380,6 +384,7 @@ class Engine:
                 **self.calls.stats,
                 **spec_stats(self._ctx.speculator, self.counters),
                 **(self._ctx.live.stats() if self._ctx.live is not None else {}),
+                "restore_rates": self.planner.rates.snapshot(),
                 **(self.governor.snapshot() if self.governor is not None else {}),
                 # MLX arrays the RAM tier holds (one buffer per block): Metal caps the
                 # buffers of a process (~499,000) whatever their bytes

@@ -199,7 +199,7 @@ class Request:
     def prefill_chunk(self) -> bool:
         """Run one chunk on the private caches; True once the prompt is done (then the
         first token was emitted, or the request finished)."""
-        t = time.perf_counter()
+        t, p0 = time.perf_counter(), self.pos
         n = self.n_prompt
         end = self.chunk_end()
         split = end >= n and end - self.pos > 1 and self.images is None
@@ -221,7 +221,7 @@ class Request:
             mx.eval(last, *states)
         else:
             mx.eval(*states)
-        self.prefill_s += time.perf_counter() - t
+        self.prefill_s += self.ctx.timed_prefill([(p0, end - p0)], time.perf_counter() - t)
         if not self.chunk_done(end):
             return False
         self.end_prefill(self.first_token(last))

@@ -25,6 +25,7 @@ from . import adapters, mlx_compat
 from .blockbuf import BlockPayload
 from .context import store_error_cause
 from .live import grow, keep_position
+from .planner import Plan
 
 if TYPE_CHECKING:
     from .request import Request
@@ -51,10 +52,18 @@ def lookup_and_restore(req: Request) -> None:
     if cache is None or ns is None:  # pragma: no cover - use_cache implies both
         return
     n_prompt = req.n_prompt
+    planner = req.ctx.planner
+    plans: list[Plan | None] = []
+
+    def decide(match: Any) -> int:
+        p = planner.decide(match, n_prompt - 1)
+        plans.append(p)
+        return int(match.num_tokens) if p is None else p.keep
+
     t = time.perf_counter()
     try:
         hit = cache.acquire(req.seq[:n_prompt], ns, extra_keys=req.extra_keys,
-                            session_id=req.req.session_id)
+                            session_id=req.req.session_id, plan=decide)
     except Exception:
         logger.exception("cache lookup failed; prefilling the whole prompt")
         req.ctx.counters.cache_errors += 1
@@ -62,6 +71,10 @@ def lookup_and_restore(req: Request) -> None:
         req.timings["lookup_s"] = time.perf_counter() - t
         return
     req.timings["lookup_s"] = time.perf_counter() - t
+    c = req.ctx.counters
+    for r in hit.reads:
+        planner.rates.record_read(r.tier, 1, r.nbytes, r.seconds)
+        c.rate_read_samples += 1
     t = time.perf_counter()
     try:
         miss: CacheMiss | None = hit.miss
@@ -72,14 +85,19 @@ def lookup_and_restore(req: Request) -> None:
             if n < req.pos:
                 req.miss = None  # the live state went past where the blocks stop
             return
+        if plans and plans[0] is not None:
+            _count_plan(req, plans[0])
         if n > 0:
             blocks = hit.blocks
             tally = adapters.RestoreTally()
+            t_restore = time.perf_counter()
             req.caches = adapters.restore(req.ctx.model, blocks, n,
                                           reserve=n_prompt - n + 1, tally=tally)
-            c = req.ctx.counters
+            used = [m for m, _ in blocks if m.start < n]
+            planner.rates.restore.add(len(used), sum(m.nbytes for m in used),
+                                      time.perf_counter() - t_restore)
             c.restores += 1
-            c.restored_blocks += sum(1 for m, _ in blocks if m.start < n)
+            c.restored_blocks += len(used)
             c.restore_copies += tally.copies
             c.restore_copy_bytes += tally.bytes
             req.pos = n
@@ -104,6 +122,15 @@ def lookup_and_restore(req: Request) -> None:
             logger.exception("cache release failed")
             req.ctx.counters.cache_errors += 1
         req.timings["restore_s"] = time.perf_counter() - t
+
+
+def _count_plan(req: Request, plan: Plan) -> None:
+    """A plan taken (restoring from blocks): counted, and named in the request's usage."""
+    c = req.ctx.counters
+    c.restore_plans[plan.kind] = c.restore_plans.get(plan.kind, 0) + 1
+    c.restore_plan_whys[plan.why] = c.restore_plan_whys.get(plan.why, 0) + 1
+    c.recomputed_tokens += plan.split - plan.head
+    req.usage.restore_plan = plan.describe()
 
 
 def _continue_live(req: Request, at_least: int, metas: Sequence[BlockMeta]) -> bool:

@@ -19,6 +19,8 @@ promoted, stored or counted). The answer:
   (``common_text``), the stored side (``cached_text``: the cached block that shares the
   longest prefix; empty when nothing is stored there) and the request's
   (``request_text``);
+- ``restore_plan``: the restore-or-recompute plan a turn would take now
+  (``engine/planner.py`` ``Plan.to_dict``; null when every matched block is in RAM);
 - ``cause``: the cache's verdict (``cold`` nothing stored beyond, ``diverged`` stored
   tokens differ, ``evicted``, ``expired``, ``not_restorable``, ``promotion_failed``),
   and ``cache_miss_reason`` in Anthropic's terms (``tools_changed`` /
@@ -113,7 +115,7 @@ def analyse(prep: Preparer, prepared: Prepared, tenant: str, source: Any) -> dic
     n = len(tokens)
     out: dict[str, Any] = {"prompt_tokens": n, "cached_tokens": 0, "cached_by_tier": {},
                            "matched_tokens": 0, "divergence": None, "cause": None,
-                           "cache_miss_reason": None,
+                           "cache_miss_reason": None, "restore_plan": None,
                            "previous_turn": _previous(prepared.divergence)}
     extra = image_extra_keys(prepared.images)
     match = engine.probe_cache(tokens, tenant, extra, CONTEXT_TOKENS) \
@@ -130,7 +132,8 @@ def analyse(prep: Preparer, prepared: Prepared, tenant: str, source: Any) -> dic
             by_tier[str(tier)] = take
         left -= take
     out.update(cached_tokens=cached, cached_by_tier=by_tier,
-               matched_tokens=int(match.matched_tokens))
+               matched_tokens=int(match.matched_tokens),
+               restore_plan=dict(match.restore_plan) if match.restore_plan else None)
     miss = match.miss
     if miss is None:
         return out
