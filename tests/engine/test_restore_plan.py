@@ -43,7 +43,8 @@ def test_a_slow_ssd_is_recomputed_and_the_tokens_equal_a_full_prefill(tiny_llama
     assert r.usage.cached_tokens == 0 and r.usage.cached_by_tier == {}
     assert r.usage.restore_plan.startswith("recompute/auto[0:29:29],load=")
     e = stats["engine"]
-    assert e["restore_plans"] == {"recompute": 1} and e["restore_plan_whys"] == {"auto": 1}
+    assert e["restore_plans_by_kind"] == {"recompute": 1}
+    assert e["restore_plans_by_why"] == {"auto": 1}
     assert e["recomputed_tokens"] == 29 and e["restores"] == 0
     assert stats["cache"]["promotions"] == 0  # nothing read from the SSD
 
@@ -60,7 +61,7 @@ def test_a_fast_ssd_is_loaded_and_its_read_measured(tiny_llama_path, tmp_path):
     assert r.usage.cached_by_tier == {"ssd": 29}
     assert r.usage.restore_plan.startswith("load/auto[0:0:29],load=")
     e = stats["engine"]
-    assert e["restore_plans"] == {"load": 1} and e["recomputed_tokens"] == 0
+    assert e["restore_plans_by_kind"] == {"load": 1} and e["recomputed_tokens"] == 0
     assert e["rate_read_samples"] == 1 and stats["cache"]["promotions"] == 4
 
 
@@ -74,7 +75,7 @@ def test_unmeasured_rates_load_then_learn_from_the_read_and_the_prefill(tiny_lla
         e = eng.engine_stats()
     assert r.tokens == want and r.usage.cached_by_tier == {"ssd": 29}
     assert r.usage.restore_plan == "load/unmeasured[0:0:29]"
-    assert e["restore_plan_whys"] == {"unmeasured": 1}
+    assert e["restore_plans_by_why"] == {"unmeasured": 1}
     # one SSD read, one restore and the prompt's last token's chunk were measured
     assert e["rate_read_samples"] == 1 and e["rate_prefill_samples"] >= 1
     snap = e["restore_rates"]

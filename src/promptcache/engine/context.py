@@ -112,8 +112,8 @@ class EngineCounters:
     # the restore-or-recompute planner (engine/planner.py): its plans by kind (load |
     # recompute | split) and by why (auto | forced | stateful | unmeasured), the cached
     # tokens prefilled again by its plans, and the samples its rates were fed
-    restore_plans: dict[str, int] = field(default_factory=dict)
-    restore_plan_whys: dict[str, int] = field(default_factory=dict)
+    restore_plans_by_kind: dict[str, int] = field(default_factory=dict)
+    restore_plans_by_why: dict[str, int] = field(default_factory=dict)
     recomputed_tokens: int = 0
     rate_prefill_samples: int = 0
     rate_read_samples: int = 0

@@ -127,8 +127,8 @@ def lookup_and_restore(req: Request) -> None:
 def _count_plan(req: Request, plan: Plan) -> None:
     """A plan taken (restoring from blocks): counted, and named in the request's usage."""
     c = req.ctx.counters
-    c.restore_plans[plan.kind] = c.restore_plans.get(plan.kind, 0) + 1
-    c.restore_plan_whys[plan.why] = c.restore_plan_whys.get(plan.why, 0) + 1
+    c.restore_plans_by_kind[plan.kind] = c.restore_plans_by_kind.get(plan.kind, 0) + 1
+    c.restore_plans_by_why[plan.why] = c.restore_plans_by_why.get(plan.why, 0) + 1
     c.recomputed_tokens += plan.split - plan.head
     req.usage.restore_plan = plan.describe()
 
