@@ -88,6 +88,11 @@ def test_the_split_meets_in_the_middle_when_the_engine_can_run_it():
     assert p.load_s == pytest.approx(0.64) and p.recompute_s == pytest.approx(0.64)
     assert p.keep == 0
     # without a concurrent engine only load-only and recompute-only are candidates
+    # a tail of two tiers: the split only inside the last tier's run
+    mixed = plan(blocks(*["redis"] * 7, *["ssd"] * 3), rates(
+        1e-3, reads={"ssd": (0.0, 64e-6), "redis": (0.0, 64e-6)}), concurrent=True)
+    assert mixed is not None and (mixed.kind, mixed.split) == ("split", 448)
+    assert mixed.split_s == pytest.approx(0.448)
     q = plan(spans, rates(1e-3, reads={"ssd": (0.0, 63e-6)}))
     assert q is not None and (q.kind, q.split, q.split_s) == ("load", 0, None)
     q = plan(spans, rates(1e-3, reads={"ssd": (0.0, 65e-6)}))
@@ -199,5 +204,8 @@ def test_the_chosen_plan_is_never_predicted_slower_than_load_or_recompute_alone(
     assert p.head in starts and p.split in starts and p.head <= p.split <= p.end
     assert all(s.tier == "ram" for s in spans if s.end <= p.head)
     assert (p.kind == "split") == (p.head < p.split < p.end and concurrent)
+    if p.kind == "split":  # the tail is one lower tier's blocks
+        assert len({s.tier for s in spans if s.start >= p.split}) == 1
+        assert spans[-1].tier != "ram"
     if not concurrent:
         assert p.split_s is None

@@ -114,3 +114,70 @@ def test_a_hybrid_model_always_loads(tiny_hybrid_path, tmp_path):
 def test_engine_config_checks_the_policy():
     with pytest.raises(ValueError, match="restore_plan must be auto, load or recompute"):
         EngineConfig(restore_plan="fast")
+
+
+def _split_rates(eng, prompt):
+    """Prefill 10 ms a token, the SSD 80 ms a block of 8 (the stored reply filled the
+    last one): for 29 cached tokens load-only takes 0.32 s, recompute-only 0.29 s, the
+    split at 16 0.16 s (16 tokens prefilled while 2 blocks load)."""
+    m = eng.cache.lookup(prompt, eng.namespaces())
+    per_byte = 0.08 / m.blocks[0].nbytes
+    assert {b.nbytes for b in m.blocks} == {m.blocks[0].nbytes} and len(m.blocks) == 4
+    return rates(0.01, reads={"ssd": (0.0, per_byte)})
+
+
+def test_the_split_prefills_the_head_while_the_tail_loads(tiny_llama_path, tmp_path):
+    prompt = _prompt(26)
+    ssd, want = _write(tiny_llama_path, tmp_path, prompt)
+    with Engine.load(tiny_llama_path, EngineConfig(prefill_chunk_tokens=16), CC,
+                     cache=build_cache(CC, ssd)) as eng:
+        assert eng.planner.concurrent
+        eng.planner.rates = _split_rates(eng, prompt)
+        r = eng.generate(prompt, max_tokens=6)
+        ref = eng.generate(prompt, max_tokens=6, use_cache=False)
+        stats = eng.stats()
+    assert r.tokens == ref.tokens == want
+    assert r.usage.restore_plan == "split/auto[0:16:29],load=0.320s,recompute=0.290s,split=0.160s"
+    assert r.usage.cached_tokens == 13 and r.usage.cached_by_tier == {"ssd": 13}
+    e = stats["engine"]
+    assert (e["splices"], e["spliced_tokens"], e["splices_late"], e["splices_given_up"]) \
+        == (1, 13, 0, 0)
+    assert e["restore_plans_by_kind"] == {"split": 1} and e["recomputed_tokens"] == 16
+    assert stats["cache"]["promotions"] == 0  # the tail was read apart from the cache
+
+
+def test_a_failed_or_late_tail_read_is_prefilled(tiny_llama_path, tmp_path):
+    import threading
+
+    from promptcache.errors import TierError
+
+    prompt = _prompt(27)
+    ssd, want = _write(tiny_llama_path, tmp_path, prompt)
+    release = threading.Event()
+    with Engine.load(tiny_llama_path, EngineConfig(prefill_chunk_tokens=16), CC,
+                     cache=build_cache(CC, ssd)) as eng:
+        eng.planner.rates = _split_rates(eng, prompt)
+        tier = eng.cache.lower[0]
+
+        def broken(hashes, *, ns=None):
+            raise TierError("the disk went away")
+
+        tier.get_many = broken
+        failed = eng.generate(prompt, max_tokens=6)
+        e1 = eng.engine_stats()
+
+        def stuck(hashes, *, ns=None):
+            release.wait(30)
+            return []
+
+        tier.get_many = stuck
+        eng.cache.evict()  # drop the RAM copies the first request stored
+        late = eng.generate(prompt, max_tokens=6)
+        e2 = eng.engine_stats()
+        release.set()
+    assert failed.tokens == late.tokens == want
+    assert failed.usage.restore_plan.startswith("split/auto[0:16:29]")
+    assert late.usage.restore_plan.startswith("split/auto[0:16:29]")
+    assert failed.usage.cached_tokens == late.usage.cached_tokens == 0
+    assert (e1["splices"], e1["splices_given_up"], e1["splices_late"]) == (0, 1, 0)
+    assert (e2["splices"], e2["splices_given_up"], e2["splices_late"]) == (0, 1, 1)

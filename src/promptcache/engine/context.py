@@ -115,6 +115,12 @@ class EngineCounters:
     restore_plans_by_kind: dict[str, int] = field(default_factory=dict)
     restore_plans_by_why: dict[str, int] = field(default_factory=dict)
     recomputed_tokens: int = 0
+    # splits run (engine/splice.py): tails spliced in and their tokens, reads not in
+    # at the split point (the head prefilled on), tails given up (prefilled instead)
+    splices: int = 0
+    spliced_tokens: int = 0
+    splices_late: int = 0
+    splices_given_up: int = 0
     rate_prefill_samples: int = 0
     rate_read_samples: int = 0
     decode_steps: int = 0

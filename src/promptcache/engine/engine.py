@@ -54,7 +54,6 @@ from .handles import RequestHandle
 from .kv_size import kv_row_bytes, probe_caches
 from .live import LiveStates
 from .loop import EngineLoop, stop_thread
-from .planner import Planner
 from .port import ENGINE_CALL_TIMEOUT_S, CachePrediction, CacheProbe, EngineAPI, TunableCacheAPI
 from .prefill import attention_heads, workspace_bytes
 from .prompting import Prompting
@@ -64,6 +63,7 @@ from .shadow import ShadowVerifier
 from .spec_cost import cost_from_config
 from .spec_rows import spec_stats
 from .speculate import Speculator
+from .splice import planner_for
 from .steps import Steps, no_steps
 from .submission import Submission, preempt
 from .templates import ChatTemplate
@@ -143,8 +143,7 @@ class Engine:
         self._thread = threading.Thread(target=self._run, name="promptcache-engine", daemon=True)
         # calls to run on the engine thread (``call``) and how they went
         self.calls = EngineCalls(self._thread, self._control.wake, self._refusal)
-        self.planner = Planner(cfg.restore_plan, adapters.is_truncatable(template)
-                               and not adapters.has_sliding_window(template))
+        self.planner = planner_for(cfg.restore_plan, template, cache)
         self.cache_port = CachePort(cache, self.calls, self.namespaces, self.kv_quant,
                                     self.planner)
         port = self.cache_port

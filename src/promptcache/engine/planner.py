@@ -185,8 +185,8 @@ def plan(spans: Sequence[Span], rates: Rates, *, policy: str = "auto",
          qualifies: bool = True, concurrent: bool = False) -> Plan | None:
     """The plan for a matched prefix (None: every block is in RAM, nothing to decide).
     ``qualifies``: the cache is plain or quantized KV attention (else: load-only);
-    ``concurrent``: the engine can prefill the head while the tail loads (else only
-    load-only and recompute-only are candidates). Chooses the least predicted time,
+    ``concurrent``: the engine can prefill the head while the tail, one lower tier's
+    blocks, loads (else only load-only and recompute-only are candidates). Chooses the least predicted time,
     load on a tie; never a plan predicted slower than load-only or recompute-only."""
     if policy not in POLICIES:
         raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}")
@@ -209,8 +209,11 @@ def plan(spans: Sequence[Span], rates: Rates, *, policy: str = "auto",
     rec_s = ram_s + pre
     best = ("load", head, load_s) if load_s <= rec_s else ("recompute", end, rec_s)
     split_s, where = None, end
-    if concurrent:
-        for i in range(h + 1, len(spans)):
+    if concurrent:  # the tail: one lower tier's blocks (read with one get_many)
+        first = len(spans)
+        while first > h and spans[first - 1].tier == spans[-1].tier != RAM:
+            first -= 1
+        for i in range(max(h + 1, first), len(spans)):
             at = spans[i].start
             head_s = rates.prefill_s(head, at) or 0.0
             read_s, restore_s = times[i - h]

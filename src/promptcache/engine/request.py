@@ -50,8 +50,6 @@ from . import adapters, mlx_compat
 from .api import GenerationRequest, GenerationResult, TokenEvent, Usage
 from .context import (
     EngineContext,
-    EngineCounters,
-    LogitsHook,
     Processor,
     store_error_cause,
     validate_request,
@@ -59,13 +57,13 @@ from .context import (
 from .handles import Event
 from .request_saves import keep_live, lookup_and_restore, save_mid_prefill, store
 from .sampling import Detokenizer, Sampler, StopStrings, logprob_values
+from .splice import Splice, splice_due
 from .vision import ImagePrefill
 
 logger = logging.getLogger(__name__)
 
 # the context names stay importable from here (they lived here before context.py)
-__all__ = ["EngineContext", "EngineCounters", "LogitsHook", "Processor", "Request",
-           "store_error_cause", "validate_request"]
+__all__ = ["EngineContext", "Processor", "Request", "store_error_cause", "validate_request"]
 
 
 class Request:
@@ -97,6 +95,7 @@ class Request:
         self.result: GenerationResult | None = None
         self.caches: list[Any] = []  # private caches (prefill, or decoding alone)
         self.pos = 0  # tokens whose state is in the caches (private or a batch row)
+        self.splice: Splice | None = None  # a tail read while the head prefills (splice.py)
         self.phase = "new"  # new -> prefill -> decode -> done
         self._t0 = t_submit if t_submit is not None else time.perf_counter()
         self.queue_s = queue_s
@@ -194,11 +193,12 @@ class Request:
             i = bisect.bisect_right(self.snap_at, self.pos)
             if i < len(self.snap_at) and self.snap_at[i] < end:
                 end = self.snap_at[i]
-        return end
+        return end if self.splice is None else self.splice.cap(end, self.pos)
 
     def prefill_chunk(self) -> bool:
         """Run one chunk on the private caches; True once the prompt is done (then the
         first token was emitted, or the request finished)."""
+        splice_due(self)
         t, p0 = time.perf_counter(), self.pos
         n = self.n_prompt
         end = self.chunk_end()

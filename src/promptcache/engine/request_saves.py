@@ -26,6 +26,7 @@ from .blockbuf import BlockPayload
 from .context import store_error_cause
 from .live import grow, keep_position
 from .planner import Plan
+from .splice import Splice
 
 if TYPE_CHECKING:
     from .request import Request
@@ -53,11 +54,11 @@ def lookup_and_restore(req: Request) -> None:
         return
     n_prompt = req.n_prompt
     planner = req.ctx.planner
-    plans: list[Plan | None] = []
+    plans: list[tuple[Plan | None, Any]] = []
 
     def decide(match: Any) -> int:
         p = planner.decide(match, n_prompt - 1)
-        plans.append(p)
+        plans.append((p, match))
         return int(match.num_tokens) if p is None else p.keep
 
     t = time.perf_counter()
@@ -85,8 +86,9 @@ def lookup_and_restore(req: Request) -> None:
             if n < req.pos:
                 req.miss = None  # the live state went past where the blocks stop
             return
-        if plans and plans[0] is not None:
-            _count_plan(req, plans[0])
+        plan, match = plans[0] if plans else (None, None)
+        if plan is not None:
+            _count_plan(req, plan)
         if n > 0:
             blocks = hit.blocks
             tally = adapters.RestoreTally()
@@ -105,6 +107,8 @@ def lookup_and_restore(req: Request) -> None:
             req.usage.cached_by_tier = cut_by_tier(hit.tokens_by_tier, n)
             if req.ns is not None:
                 req.cursor = ChainCursor.after_hit(req.ns, [m for m, _ in blocks], n)
+        if plan is not None and plan.kind == "split" and req.pos == plan.head:
+            req.splice = _splice_of(req, plan, match)
     except Exception:
         logger.exception("restoring cached blocks failed; prefilling the whole prompt")
         req.ctx.counters.restore_errors += 1
@@ -115,6 +119,7 @@ def lookup_and_restore(req: Request) -> None:
         req.miss = CacheMiss(RESTORE_ERROR, 0, 0, n_prompt).at_message(
             req.req.message_starts)
         req.cursor = ChainCursor(req.ns) if req.ns is not None else None
+        req.splice = None
     finally:
         try:
             cache.release(hit)
@@ -131,6 +136,18 @@ def _count_plan(req: Request, plan: Plan) -> None:
     c.restore_plans_by_why[plan.why] = c.restore_plans_by_why.get(plan.why, 0) + 1
     c.recomputed_tokens += plan.split - plan.head
     req.usage.restore_plan = plan.describe()
+
+
+def _splice_of(req: Request, plan: Plan, match: Any) -> Splice | None:
+    """The tail read of a split plan, started (``engine/splice.py``)."""
+    tail = [(m, t) for m, t in zip(match.blocks, match.tiers, strict=True)
+            if plan.split <= m.start < plan.end]
+    lower = {t.name: t for t in req.ctx.cache.lower} if req.ctx.cache is not None else {}
+    tier = lower.get(tail[0][1]) if tail else None
+    if tier is None or req.ns is None or getattr(tier, "get_many", None) is None:
+        return None
+    return Splice(tier, [m for m, _ in tail], req.ns, plan.split, plan.end,
+                  plan.split_s or 0.0)
 
 
 def _continue_live(req: Request, at_least: int, metas: Sequence[BlockMeta]) -> bool:
