@@ -146,6 +146,24 @@ def test_the_split_prefills_the_head_while_the_tail_loads(tiny_llama_path, tmp_p
     assert stats["cache"]["promotions"] == 0  # the tail was read apart from the cache
 
 
+def test_the_split_on_an_mla_model(tiny_llama_path, models_root, tmp_path):
+    """MLA (deepseek_v3): the latent as keys, the rope key as values, of two widths."""
+    from models.mla_models import ensure_tiny_mla
+
+    path = ensure_tiny_mla("deepseek_v3", tiny_llama_path, models_root)
+    prompt = _prompt(28)
+    ssd, want = _write(path, tmp_path, prompt)
+    with Engine.load(path, EngineConfig(prefill_chunk_tokens=16), CC,
+                     cache=build_cache(CC, ssd)) as eng:
+        eng.planner.rates = _split_rates(eng, prompt)
+        r = eng.generate(prompt, max_tokens=6)
+        ref = eng.generate(prompt, max_tokens=6, use_cache=False)
+        e = eng.engine_stats()
+    assert r.tokens == ref.tokens == want
+    assert r.usage.restore_plan.startswith("split/auto[0:16:29]")
+    assert (e["splices"], e["spliced_tokens"]) == (1, 13)
+
+
 def test_a_failed_or_late_tail_read_is_prefilled(tiny_llama_path, tmp_path):
     import threading
 
