@@ -41,6 +41,7 @@ def test_a_slow_ssd_is_recomputed_and_the_tokens_equal_a_full_prefill(tiny_llama
         stats = eng.stats()
     assert r.tokens == ref.tokens == want
     assert r.usage.cached_tokens == 0 and r.usage.cached_by_tier == {}
+    assert r.usage.recomputed_tokens == 29
     assert r.usage.restore_plan.startswith("recompute/auto[0:29:29],load=")
     e = stats["engine"]
     assert e["restore_plans_by_kind"] == {"recompute": 1}
@@ -139,6 +140,8 @@ def test_the_split_prefills_the_head_while_the_tail_loads(tiny_llama_path, tmp_p
     assert r.tokens == ref.tokens == want
     assert r.usage.restore_plan == "split/auto[0:16:29],load=0.320s,recompute=0.290s,split=0.160s"
     assert r.usage.cached_tokens == 13 and r.usage.cached_by_tier == {"ssd": 13}
+    assert r.usage.recomputed_tokens == 16
+    assert r.usage.served_by_tier == {"ssd": 13, "recompute": 16}
     e = stats["engine"]
     assert (e["splices"], e["spliced_tokens"], e["splices_late"], e["splices_given_up"]) \
         == (1, 13, 0, 0)
@@ -197,5 +200,6 @@ def test_a_failed_or_late_tail_read_is_prefilled(tiny_llama_path, tmp_path):
     assert failed.usage.restore_plan.startswith("split/auto[0:16:29]")
     assert late.usage.restore_plan.startswith("split/auto[0:16:29]")
     assert failed.usage.cached_tokens == late.usage.cached_tokens == 0
+    assert failed.usage.recomputed_tokens == late.usage.recomputed_tokens == 29
     assert (e1["splices"], e1["splices_given_up"], e1["splices_late"]) == (0, 1, 0)
     assert (e2["splices"], e2["splices_given_up"], e2["splices_late"]) == (0, 1, 1)

@@ -188,6 +188,7 @@ def test_the_restore_plan_is_probed_and_logged(tiny_llama_path: Path, tmp_path: 
             r = client.post("/v1/chat/completions", json=chat_body(), headers=HEADERS)
         assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
         assert f"plan=recompute/forced[0:{n}:{n}]" in caplog.text
+        assert "cache=hit:recompute" in caplog.text  # a planned recompute is no miss
         assert engine.engine_stats()["restore_plans_by_kind"] == {"recompute": 1}
         metrics = client.get("/metrics").text
         assert 'promptcache_engine_restore_plans_by_kind_total{kind="recompute"} 1.0' in metrics

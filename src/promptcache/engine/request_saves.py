@@ -136,13 +136,15 @@ def _count_plan(req: Request, plan: Plan) -> None:
     c.restore_plans_by_why[plan.why] = c.restore_plans_by_why.get(plan.why, 0) + 1
     c.recomputed_tokens += plan.split - plan.head
     req.usage.restore_plan = plan.describe()
+    # a split's tail counts as recomputed until it is spliced in (splice.py)
+    req.usage.recomputed_tokens = (plan.end if plan.kind == "split" else plan.split) - plan.head
 
 
 def _splice_of(req: Request, plan: Plan, match: Any) -> Splice | None:
     """The tail read of a split plan, started (``engine/splice.py``)."""
     tail = [(m, t) for m, t in zip(match.blocks, match.tiers, strict=True)
             if plan.split <= m.start < plan.end]
-    lower = {t.name: t for t in req.ctx.cache.lower} if req.ctx.cache is not None else {}
+    lower = {t.name: t for t in getattr(req.ctx.cache, "lower", ())}
     tier = lower.get(tail[0][1]) if tail else None
     if tier is None or req.ns is None or getattr(tier, "get_many", None) is None:
         return None

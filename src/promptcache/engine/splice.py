@@ -36,7 +36,7 @@ def planner_for(policy: str, template: Sequence[Any], cache: Any) -> Planner:
     return Planner(policy, adapters.is_truncatable(template)
                    and not adapters.has_sliding_window(template),
                    concurrent=cache is not None and all(
-                       hasattr(t, "get_many") for t in cache.lower))
+                       hasattr(t, "get_many") for t in getattr(cache, "lower", ())))
 
 
 def _read(tier: Any, metas: Sequence[BlockMeta], ns: Namespace,
@@ -136,5 +136,6 @@ def _splice(req: Request, sp: Splice) -> bool:
     req.pos = n
     u = req.usage
     u.cached_tokens += n - pos
+    u.recomputed_tokens -= n - pos
     u.cached_by_tier[sp.tier_name] = u.cached_by_tier.get(sp.tier_name, 0) + n - pos
     return True
