@@ -149,15 +149,18 @@ def test_the_split_prefills_the_head_while_the_tail_loads(tiny_llama_path, tmp_p
     assert stats["cache"]["promotions"] == 0  # the tail was read apart from the cache
 
 
-def test_the_split_on_an_mla_model(tiny_llama_path, models_root, tmp_path):
-    """MLA (deepseek_v3): the latent as keys, the rope key as values, of two widths."""
+@pytest.mark.parametrize("kind", ["deepseek_v3", "glm4_moe_lite", "deepseek_v32"])
+def test_the_split_on_mla_models(tiny_llama_path, models_root, tmp_path, kind):
+    """MLA: the latent as keys, the rope key as values, of two widths (deepseek_v32: a
+    CacheList per layer)."""
     from models.mla_models import ensure_tiny_mla
 
-    path = ensure_tiny_mla("deepseek_v3", tiny_llama_path, models_root)
+    path = ensure_tiny_mla(kind, tiny_llama_path, models_root)
     prompt = _prompt(28)
     ssd, want = _write(path, tmp_path, prompt)
     with Engine.load(path, EngineConfig(prefill_chunk_tokens=16), CC,
                      cache=build_cache(CC, ssd)) as eng:
+        assert eng.planner.qualifies
         eng.planner.rates = _split_rates(eng, prompt)
         r = eng.generate(prompt, max_tokens=6)
         ref = eng.generate(prompt, max_tokens=6, use_cache=False)
