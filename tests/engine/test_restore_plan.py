@@ -96,13 +96,16 @@ def test_a_forced_policy_is_taken_whatever_the_rates(tiny_llama_path, tmp_path, 
     assert r.usage.cached_by_tier == ({"ssd": 29} if policy == "load" else {})
 
 
-def test_a_hybrid_model_always_loads(tiny_hybrid_path, tmp_path):
+@pytest.mark.parametrize("kind", ["hybrid", "gemma3_text"])
+def test_a_hybrid_or_sliding_window_model_always_loads(tiny_model_path, tmp_path, kind):
     """State snapshots: a head recomputed under a loaded tail would not be the state the
-    tail's snapshot continues, so a hybrid (SSM + KV) model's plan is load-only."""
+    tail's snapshot continues, so a hybrid (SSM + KV) model's plan is load-only; so is a
+    sliding window's (its restored window is the tail's alone)."""
+    path = tiny_model_path(kind)
     prompt = _prompt(25, 40)
-    ssd, want = _write(tiny_hybrid_path, tmp_path, prompt)
-    with Engine.load(tiny_hybrid_path, EngineConfig(prefill_chunk_tokens=16,
-                                                    restore_plan="recompute"), CC,
+    ssd, want = _write(path, tmp_path, prompt)
+    with Engine.load(path, EngineConfig(prefill_chunk_tokens=16,
+                                        restore_plan="recompute"), CC,
                      cache=build_cache(CC, ssd)) as eng:
         assert eng.planner.qualifies is False
         eng.planner.rates = rates(1e-9, reads={"ssd": (1.0, 1.0)})
