@@ -18,8 +18,7 @@ class EngineConfig:
 
     # a multiple of the block size; each completed chunk is stored (mid-prefill save)
     prefill_chunk_tokens: int = 256
-    # non-truncatable states (SSM/hybrid): snapshot every k blocks during prefill, and at
-    # message starts (where conversations branch): at most this many per prompt, the last
+    # SSM/hybrid states: a snapshot every k blocks, and at the last N message starts
     snapshot_every_blocks: int = 4
     message_snapshots: int = 16
     max_tokens_limit: int = opt(
@@ -71,11 +70,9 @@ class EngineConfig:
     batch_window_s: float = 0.01
     # ... and announced requests still being prepared, up to this long (arrivals.py)
     burst_gather_max_s: float = 1.0
-    # a request sharing this many uncomputed tokens with one being prefilled waits for
-    # its blocks, then restores them (0 = never wait)
+    # a request sharing this many uncomputed tokens with a prefill waits for its blocks
     share_prefix_min_tokens: int = 256
-    # speculative decoding (engine/drafts.py, engine/speculate.py), from a tail match of
-    # at least spec_min_match tokens, while at most spec_max_rows rows decode together
+    # speculation (engine/speculation/): a tail match of spec_min_match, <= spec_max_rows rows
     speculation: str = opt(
         "--speculation", default="suffix", choices=["suffix", "off"],
         help="speculative decoding drafted from the request's own history, then its "
@@ -90,7 +87,7 @@ class EngineConfig:
         help="tokens of finished requests kept as drafts, over all tenants' pools (about "
              "1 KB each; 0: no pool; default %(default)s)")
     spec_pool_prompt_tokens: int = 256  # a pool also holds a prompt's last tokens
-    # engine/spec_cost.py; or (overhead, per_token): rows x width costs o + p * rows * width
+    # speculation/cost.py; or (overhead, per_token): rows x width costs o + p*rows*width
     spec_verify_cost: str | tuple[float, float] | None = opt(
         "--spec-verify-cost", default="auto", type=str, metavar="auto|X|C1,C2,...",
         help="what the speculation gate takes a verify forward of k draft tokens to "
@@ -109,6 +106,11 @@ class EngineConfig:
         help="the caches of the last N finished turns stay as the model's own objects, "
              "so a next turn that extends one restores nothing (counted in --ram-budget, "
              "released before its active blocks; 0: off; default %(default)s)")
+    restore_plan: str = opt(  # engine/planner.py
+        "--restore-plan", default="auto", choices=("auto", "load", "recompute"),
+        help="a cached prefix's SSD / Redis blocks: loaded, or prefilled again from their "
+             "tokens when the measured prefill rate beats the tier's measured bandwidth "
+             "(auto, the default), or always one (load, recompute: tests, benchmarks)")
     template_render_limit_s: float = opt(
         "--template-render-limit", default=5.0, metavar="SECONDS",
         help="a chat template's render that runs longer is stopped and its request "
@@ -126,6 +128,9 @@ class EngineConfig:
                 and self.template_render_limit_s > 0):
             raise ValueError(f"template_render_limit_s must be a number > 0, got "
                              f"{self.template_render_limit_s}")
+        if self.restore_plan not in ("auto", "load", "recompute"):
+            raise ValueError(f"restore_plan must be auto, load or recompute, got "
+                             f"{self.restore_plan!r}")
         if self.live_states < 0:
             raise ValueError(f"live_states must be >= 0, got {self.live_states}")
         if self.speculation not in ("suffix", "off"):
@@ -235,10 +240,8 @@ class EdgeLimits:
              "first, then the ones still sending a head (oldest first), and with every one "
              "busy a new one gets 503; lowered to fit the file descriptor limit (default "
              "%(default)s)")
-    # a request head larger than this is answered 431 (h11's default limit)
-    max_header_bytes: int = 16 * 1024
-    # after a refusal sent mid-request (431, 413), what still arrives is dropped this
-    # long so the client reads the answer, not a reset
+    max_header_bytes: int = 16 * 1024  # a larger request head: 431 (h11's limit)
+    # after a refusal mid-request (431, 413) input is dropped this long (no reset)
     linger_s: float = 2.0
 
     def __post_init__(self) -> None:
@@ -284,12 +287,10 @@ class ServerConfig:
         help="prompt + max_tokens past the window, or max_tokens past the limit: clamp "
              "max_tokens to the room left (default), or answer with the APIs' "
              "context-limit error")
-    # (server/prompts/canon.py; the rule names are checked in serve_config)
     canonicalize_off: tuple[str, ...] = opt(
         "--no-canonicalize", default=(), flag_default=[], append=True, metavar="RULE",
         help="switch a canonical-prompt rule off (repeatable): billing_header, "
              "tool_keys, tool_order, or all")
-    # server/prompts/prerender.py
     prerender: bool = opt("--no-prerender", default=True, switch=True, parse=operator.not_,
                           help="do not pre-render the next turn's prefix in idle time")
     prerender_max_pending: int = opt(
@@ -323,9 +324,8 @@ class ServerConfig:
         help="largest cache pack POST /v1/cache/import accepts: streamed to a temp file "
              "beside the SSD tier, refused with 413 once past it (default 2GB)")
     import_dir: Path | None = None
-    keepalive_s: float = 10.0  # between keep-alive events on a stream with nothing to send
-    # responses kept for previous_response_id / GET /v1/responses/{id} (bounded, in RAM)
-    responses_store_size: int = 256
+    keepalive_s: float = 10.0  # between keep-alive events on a silent stream
+    responses_store_size: int = 256  # for previous_response_id (bounded, in RAM)
     images: ImageLimits = field(default_factory=ImageLimits)
     edge: EdgeLimits = field(default_factory=EdgeLimits)
 

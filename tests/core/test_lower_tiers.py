@@ -3,6 +3,7 @@
 import dataclasses
 
 import numpy as np
+import pytest
 from core_helpers import BYTES_PER_TOKEN, FakeTier, make_cache, ns_of, payload_for
 
 from promptcache.cache import PromptCache
@@ -185,4 +186,45 @@ def test_promoted_block_keeps_its_sessions_for_deletion():
     assert cache.delete_session("s1") >= 3
     assert cache.lookup(SEQ, NS).num_tokens == 0
     assert tier.blocks == {}
+    cache.check()
+
+
+def test_a_plan_cuts_the_match_before_promotion_and_reads_are_timed():
+    """``acquire(plan=)``: the engine's restore planner sees the match (tiers, blocks)
+    and takes its first tokens; the blocks past the cut are neither promoted nor
+    referenced. A run read with ``get_many`` is timed into ``hit.reads``."""
+
+    class ManyTier(FakeTier):
+        def get_many(self, hashes, *, ns=None):
+            return [(self.get(h, ns=ns), self.sessions_of(h, ns=ns)) for h in hashes]
+
+    tier = ManyTier()
+    cache = make_cache(budget=3 * BLOCK, lower=[tier])
+    cache.store(NS, SEQ, 12, payload_for, snapshot_at_end=False)
+    cache.evict()
+    assert cache.store(NS, SEQ, 4, payload_for, snapshot_at_end=False) == 1
+    seen = []
+
+    def recompute_lower(match):
+        seen.append((match.tiers, match.num_tokens))
+        return 4
+
+    hit = cache.acquire(SEQ, NS, plan=recompute_lower)
+    assert seen == [(["ram", "ssd", "ssd"], 11)]
+    assert (hit.num_tokens, hit.tokens_by_tier, hit.tiers, hit.reads) == (4, {"ram": 4}, ["ram"], ())
+    assert cache.stats().promotions == 0
+    cache.release(hit)
+    with pytest.raises(ValueError, match="only at a block's end"):
+        cache.acquire(SEQ, NS, plan=lambda m: 6)
+    cache.check()
+    assert all(b.ref_cnt == 0 for b in cache.pool.blocks())
+    hit = cache.acquire(SEQ, NS, plan=lambda m: m.num_tokens)
+    assert hit.num_tokens == 11 and hit.tokens_by_tier == {"ram": 4, "ssd": 7}
+    (read,) = hit.reads
+    assert (read.tier, read.blocks, read.nbytes) == ("ssd", 2, 2 * BLOCK) and read.seconds >= 0
+    cache.release(hit)
+    # every block in RAM now: the plan is not asked
+    hit = cache.acquire(SEQ, NS, plan=lambda m: pytest.fail("asked"))
+    assert hit.num_tokens == 11
+    cache.release(hit)
     cache.check()

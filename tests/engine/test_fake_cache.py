@@ -23,13 +23,14 @@ class FakeCache:
         self.released = 0
         self.saves: list[tuple[str, int]] = []  # (save point, tokens)
         self.blocks: dict[tuple[int, int], Any] = {}
+        self.adapter = None  # no lower tier: nothing to splice
 
     def lookup(self, tokens: Any, ns: Namespace, extra_keys: Sequence[ExtraKeySpan] = (),
                explain: bool = False) -> Match:
         return Match([], 0, 0, None)
 
     def acquire(self, tokens: Any, ns: Namespace, extra_keys: Sequence[ExtraKeySpan] = (),
-                session_id: str | None = None) -> Hit:
+                session_id: str | None = None, plan: Any = None) -> Hit:
         self.acquired.append(tuple(int(t) for t in tokens))
         return Hit([], 0, len(tokens), {}, [], None)
 

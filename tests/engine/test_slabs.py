@@ -112,6 +112,25 @@ def test_restore_from_slabs_equals_restore_from_blocks_with_fewer_copies(kind):
         assert t1.bytes == t2.bytes
 
 
+@pytest.mark.parametrize("rows", [False, True])
+def test_a_wide_head_block_before_narrower_blocks_restores_exactly(rows):
+    """A head of 16 tokens as one block (a split: the head prefilled, engine/splice.py)
+    before blocks of 8 (slab rows or not): only the last block may be narrower than the
+    first, so this takes the general path and the KV is the caches' own."""
+    caches = _caches("plain")
+    head = (BlockSpan(0, 16), extract_block(caches, 0, 16, False))
+    tail = (_spans(extract_run(caches, 16, BS, 3), 16) if rows else
+            [(BlockSpan(s, s + BS), extract_block(caches, s, s + BS, False))
+             for s in range(16, 40, BS)])
+    last = (BlockSpan(40, N), extract_block(caches, 40, N, False))
+    for n in (N, 35):
+        got = restore(caches, [head, *tail, last], n)
+        for c, ref in zip(got, caches, strict=True):
+            assert c.offset == n
+            for x, r in zip(c.state[:2], ref.state[:2], strict=True):
+                assert np.array_equal(np.asarray(x[..., :n, :]), np.asarray(r[..., :n, :]))
+
+
 def test_rotating_and_quantized_layers_keep_their_own_path():
     for kind in ("rotating", "quantized"):
         caches = _caches(kind)

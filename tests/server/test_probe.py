@@ -159,6 +159,44 @@ def test_evicted(served: Served) -> None:
     assert got["divergence"]["token_index"] == 0
 
 
+def test_the_restore_plan_is_probed_and_logged(tiny_llama_path: Path, tmp_path: Path,
+                                               caplog: pytest.LogCaptureFixture) -> None:
+    """Blocks on the SSD only: the probe reports the plan a turn would take (here forced:
+    --restore-plan recompute), the turn takes it and its log line names it."""
+    from promptcache.config import SSDConfig
+    from promptcache.tiers.ssd import SSDTier
+
+    cache = make_cache(lower=[SSDTier(SSDConfig(path=tmp_path, fsync=False))],
+                       write_through=True)
+    engine = tiny_engine(tiny_llama_path, cache, restore_plan="recompute")
+    client = TestClient(create_app(engine, ServerConfig()))
+    try:
+        r = client.post("/v1/chat/completions", json=chat_body(), headers=HEADERS)
+        assert r.status_code == 200
+        got = client.post("/v1/cache/probe", json=chat_body(), headers=HEADERS).json()
+        n = got["cached_tokens"]
+        assert got["cached_by_tier"] == {"ram": n} and got["restore_plan"] is None
+        assert cache.flush(10.0)
+        cache.evict()
+        got = client.post("/v1/cache/probe", json=chat_body(), headers=HEADERS).json()
+        assert got["cached_by_tier"] == {"ssd": n}
+        assert got["restore_plan"] == {
+            "kind": "recompute", "why": "forced", "load_tokens": 0, "recompute": [0, n],
+            "tail_load": [n, n], "predicted_s": {"load": None, "recompute": None,
+                                                 "split": None}}
+        with caplog.at_level("INFO", logger="promptcache.server.replies.runner"):
+            r = client.post("/v1/chat/completions", json=chat_body(), headers=HEADERS)
+        assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        assert f"plan=recompute/forced[0:{n}:{n}]" in caplog.text
+        assert "cache=hit:recompute" in caplog.text  # a planned recompute is no miss
+        assert engine.engine_stats()["restore_plans_by_kind"] == {"recompute": 1}
+        metrics = client.get("/metrics").text
+        assert 'promptcache_engine_restore_plans_by_kind_total{kind="recompute"} 1.0' in metrics
+        assert 'promptcache_engine_restore_plans_by_why_total{why="forced"} 1.0' in metrics
+    finally:
+        engine.close()
+
+
 def test_expired(served: Served) -> None:
     served.turn(chat_body())
     served.clock.advance(61.0)

@@ -121,11 +121,13 @@ class PromptCache:
             return self._matcher.stored_after(req, ns, spans, position, limit, self._clock())
 
     def acquire(self, tokens: Any, ns: Namespace, extra_keys: Sequence[ExtraKeySpan] = (),
-                session_id: str | None = None) -> Hit:
-        """Lookup + promote lower-tier blocks into RAM + reference the blocks."""
+                session_id: str | None = None, plan: Callable[[Match], int] | None = None
+                ) -> Hit:
+        """Lookup + promote lower-tier blocks into RAM + reference the blocks; ``plan``:
+        given the match (lower-tier blocks in it), the tokens to take (a block's end)."""
         req, spans = check_request(tokens, ns, extra_keys, self.config.block_size)
         with self._lock:
-            return self._lookup.acquire(req, ns, spans, self._tick())
+            return self._lookup.acquire(req, ns, spans, self._tick(), plan)
 
     def release(self, hit: Hit) -> None:
         """Unreference a hit's blocks (tail-first); they become evictable. Idempotent."""
@@ -243,8 +245,7 @@ class PromptCache:
                 self._forget_outside(None, None)
             return self._ops.evict(num_blocks)
 
-    def now(self) -> float:
-        """The cache's clock (what its TTL is counted in)."""
+    def now(self) -> float:  # the cache's clock (what its TTL is counted in)
         return self._clock()
 
     def delete_session(self, session_id: str, tenant: str | None = None) -> int:
@@ -376,8 +377,7 @@ class PromptCache:
                 ram_free_blocks=pool.num_free_blocks, unwritten_blocks=self._writer.num_unwritten(),
                 tiers=tier_stats(self.lower))
 
-    def check(self) -> None:
-        """Verify the pool's invariants (tests, admin); raises InvariantError."""
+    def check(self) -> None:  # the pool's invariants (tests, admin): InvariantError
         with self._lock:
             self.pool.check()
 

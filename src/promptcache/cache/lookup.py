@@ -2,12 +2,15 @@
 promote the lower-tier ones into RAM (a remote tier's run of blocks read in one
 ``get_many`` after reserving RAM for all of them), cutting the hit at the last
 restorable position before a failed promotion. Nothing stays pinned on an error.
+A ``plan`` (the engine's restore-or-recompute planner) may cut the match first: the
+blocks past its cut are neither promoted nor referenced (they are prefilled again).
 """
 
 from __future__ import annotations
 
+import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -18,14 +21,14 @@ from ..hashing import BlockHash
 from ..meta import ExtraKeySpan, Namespace
 from ..stats import Counters
 from ..tiers.base import Tier
-from .entries import Entry, LowerEntry, entry_tier
+from .entries import Entry, LowerEntry, RawMatch, entry_tier
 from .levels import Levels
 from .lower import mark_in_tier
 from .matcher import Matcher
 from .miss import PROMOTION_FAILED, CacheMiss, GoneMemory
 from .payloads import Payloads, allocate_stored
 from .policy import Expiry, Faults, notify
-from .types import Hit
+from .types import Hit, Match, TierRead
 
 # A chain's blocks in one remote tier are read in batches of at most this many bytes
 # (RAM is reserved for a whole batch before it is read).
@@ -58,11 +61,15 @@ class Lookup:
     observers: list[Any]
 
     def acquire(self, req: RequestTokens, ns: Namespace, spans: tuple[ExtraKeySpan, ...],
-                now: float) -> Hit:
+                now: float, plan: Callable[[Match], int] | None = None) -> Hit:
         self.expiry.sweep(now)
         raw = self.matcher.match(req, ns, spans, now)
+        if plan is not None and any(isinstance(e, LowerEntry) for e in raw.entries):
+            raw = _cut(raw, plan(Match(raw.entries, raw.num_tokens, raw.matched_tokens,
+                                       raw.miss)))
         sources = [entry_tier(e) for e in raw.entries]
-        held, num = self._take(raw.entries, raw.num_tokens, ns, req.n, now)
+        reads: list[TierRead] = []
+        held, num = self._take(raw.entries, raw.num_tokens, ns, req.n, now, reads)
         sources = sources[: len(held)]
         miss = raw.miss
         if num < raw.num_tokens:
@@ -80,10 +87,10 @@ class Lookup:
             c.misses_by_cause[miss.cause] += 1
         if self.observers:
             notify(self.observers, "acquired", req, ns, spans, num, miss)
-        return Hit(held, num, req.n, dict(by_tier), sources, miss)
+        return Hit(held, num, req.n, dict(by_tier), sources, miss, reads)
 
-    def _take(self, entries: list[Entry], num_tokens: int, ns: Namespace, n: int, now: float
-              ) -> tuple[list[Block], int]:
+    def _take(self, entries: list[Entry], num_tokens: int, ns: Namespace, n: int, now: float,
+              reads: list[TierRead]) -> tuple[list[Block], int]:
         """Reference RAM entries, then promote lower ones in order; on a failed
         promotion cut the hit at the last restorable position before it. On any
         exception every reference taken here is given back before it propagates
@@ -103,7 +110,7 @@ class Lookup:
                     held.append(e)
                     continue
                 if i not in fetched and getattr(e.source, "get_many", None) is not None:
-                    fetched = self._fetch_run(entries, i, ns)
+                    fetched = self._fetch_run(entries, i, ns, reads)
                 block = self._promote(e, ns, fetched.pop(i, _UNFETCHED), now)
                 if block is None:
                     cut = i
@@ -129,12 +136,14 @@ class Lookup:
         self.pool.release_chain(held[len(keep) :])
         return keep, num
 
-    def _fetch_run(self, entries: list[Entry], i: int, ns: Namespace) -> dict[int, Any]:
+    def _fetch_run(self, entries: list[Entry], i: int, ns: Namespace,
+                   reads: list[TierRead]) -> dict[int, Any]:
         """Read the run of entries from ``i`` on that live in the same remote tier with
         one ``get_many`` (one round trip), after reserving RAM for all of them; the run
         ends at another tier, at ``PROMOTE_BATCH_BYTES`` or where RAM cannot hold more.
         Returns ``{index: _Loaded | None | _FAILED}`` (``get_many`` may return a
-        block's own exception in its place: that block fails as its ``get`` would)."""
+        block's own exception in its place: that block fails as its ``get`` would).
+        A successful read is timed into ``reads`` (bytes in, payloads made)."""
         src = entries[i].source  # type: ignore[union-attr]
         get_many = getattr(src, "get_many", None)
         run: list[int] = []
@@ -154,6 +163,7 @@ class Lookup:
             total += e.meta.nbytes
         if get_many is None or not run or not self.pool.make_room(total, len(run)):  # RAM first
             return {}
+        t = time.perf_counter()
         try:
             got = get_many(hashes, ns=ns)
         except Exception as e:  # a tier breaking its contract is a tier failure too
@@ -167,6 +177,7 @@ class Lookup:
                    and isinstance(g[0], (bytes, bytearray, memoryview))]
         loaded = self.payloads.load_many(
             [(bytes(got[k][0]), hashes[k]) for k in present])
+        reads.append(TierRead(src.name, len(run), total, time.perf_counter() - t))
         out: dict[int, Any] = dict(zip(run, got, strict=True))
         for k, res in zip(present, loaded, strict=True):
             out[run[k]] = _Loaded(res, got[k][1])
@@ -241,3 +252,13 @@ class Lookup:
         self.gone.forget(meta.block_hash)
         c.promotions += 1
         return block
+
+
+def _cut(raw: RawMatch, keep: int) -> RawMatch:
+    """The match up to ``keep`` tokens (an entry's end, or 0)."""
+    if keep >= raw.num_tokens:
+        return raw
+    k = sum(1 for e in raw.entries if e.end <= keep)
+    if keep < 0 or (k == 0 and keep != 0) or (k and raw.entries[k - 1].end != keep):
+        raise ValueError(f"a plan may cut a match only at a block's end, not at {keep}")
+    return RawMatch(raw.entries[:k], keep, raw.matched_tokens, raw.miss)

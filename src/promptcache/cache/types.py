@@ -8,7 +8,7 @@ import math
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from functools import cached_property
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
@@ -152,14 +152,27 @@ class Match:
         return f"Match(num_tokens={self.num_tokens}, blocks={len(self._entries)}, miss={self.miss})"
 
 
+class TierRead(NamedTuple):
+    """One batched read of a lower tier during a promotion (its bytes made into
+    payloads): the engine's measured tier rates (``engine/planner.py``)."""
+
+    tier: str
+    blocks: int
+    nbytes: int
+    seconds: float
+
+
 class Hit:
     """Blocks referenced for a request (``acquire``); give them back with ``release``.
     ``blocks`` are ``(BlockMeta, payload)`` in order; the last one may extend past
-    ``num_tokens`` and must be truncated by the engine."""
+    ``num_tokens`` and must be truncated by the engine. ``reads``: the tier reads the
+    promotion made."""
 
     def __init__(self, held: list[Block], num_tokens: int, num_prompt_tokens: int,
-                 tokens_by_tier: dict[str, int], tiers: list[str], miss: CacheMiss | None) -> None:
+                 tokens_by_tier: dict[str, int], tiers: list[str], miss: CacheMiss | None,
+                 reads: Sequence[TierRead] = ()) -> None:
         self._held = held
+        self.reads = tuple(reads)
         self.num_tokens = num_tokens
         self.num_prompt_tokens = num_prompt_tokens
         self.tokens_by_tier = tokens_by_tier

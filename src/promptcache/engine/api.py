@@ -278,10 +278,21 @@ class Usage:
     # speculative decoding: draft tokens verified, and accepted, for this request
     spec_drafted: int = 0
     spec_accepted: int = 0
+    # the restore-or-recompute plan taken (``Plan.describe``; "" when none was needed),
+    # and the cached tokens it prefilled again instead of loading them
+    restore_plan: str = ""
+    recomputed_tokens: int = 0
 
     @property
     def prefilled_tokens(self) -> int:
         return self.prompt_tokens - self.cached_tokens
+
+    @property
+    def served_by_tier(self) -> dict[str, int]:
+        """What the cache served: its tiers' tokens, and those it chose to recompute
+        (``recompute``): the request's outcome (a planned recompute is no miss)."""
+        extra = {"recompute": self.recomputed_tokens} if self.recomputed_tokens else {}
+        return {**self.cached_by_tier, **extra}
 
     def to_dict(self) -> dict[str, Any]:
         return {

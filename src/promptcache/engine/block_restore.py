@@ -304,6 +304,8 @@ def _whole_blocks_kv(blocks: list[_Used], name: str, n: int, reserve: int,
     never aliases a stored block)."""
     first = blocks[0]
     width = first.end - first.start
+    if any(u.end - u.start != width for u in blocks[:-1]) or blocks[-1].end - blocks[-1].start > width:
+        return None  # only the last block may be narrower (a partial block)
     pieces: dict[str, list[mx.array]] = {"k": [], "v": []}
     viewed = False  # a piece is a strided view of a slab (its reshape copies)
     i = 0

@@ -7,16 +7,20 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from ..cache.types import ChainCursor, Hit, Match
+from ..cache.types import ChainCursor, Hit, Match, PayloadAdapter
 from ..meta import ExtraKeySpan, Namespace
 
 
 class RequestCache(Protocol):
+    @property
+    def adapter(self) -> PayloadAdapter | None: ...  # a tier's bytes -> payload (splice.py)
+
     def lookup(self, tokens: Any, ns: Namespace, extra_keys: Sequence[ExtraKeySpan] = (),
                explain: bool = False) -> Match: ...
 
     def acquire(self, tokens: Any, ns: Namespace, extra_keys: Sequence[ExtraKeySpan] = (),
-                session_id: str | None = None) -> Hit: ...
+                session_id: str | None = None,
+                plan: Callable[[Match], int] | None = None) -> Hit: ...
 
     def release(self, hit: Hit) -> None: ...
 

@@ -13,6 +13,7 @@ from ..cache import PromptCache
 from ..meta import DEFAULT_TENANT, ExtraKeySpan, Namespace, validate_tenant
 from .calls import EngineCalls
 from .payload import ram_census
+from .planner import Planner
 from .port import CachePrediction, CacheProbe, TunableCacheAPI
 from .quant import KVQuant
 
@@ -46,8 +47,10 @@ class CachePort:
     model; ``kv_quant``: how stored blocks are quantized (None: full precision)."""
 
     def __init__(self, cache: PromptCache | None, calls: EngineCalls,
-                 namespace: Callable[[str], Namespace], kv_quant: KVQuant | None) -> None:
+                 namespace: Callable[[str], Namespace], kv_quant: KVQuant | None,
+                 planner: Planner | None = None) -> None:
         self.cache = cache
+        self.planner = planner
         self.calls = calls
         self.namespace = namespace
         self.kv_quant = kv_quant
@@ -113,9 +116,11 @@ class CachePort:
                 position = min(int(miss.position), len(toks))
                 stored = tuple(cache.stored_after(toks, ns, position, context_tokens,
                                                   extra_keys=extra))
+            plan = (self.planner.decide(match, len(toks) - 1)
+                    if self.planner is not None else None)
             return CacheProbe(int(match.num_tokens), int(match.matched_tokens),
                               {str(k): int(v) for k, v in dict(match.tokens_by_tier).items()},
-                              miss, stored)
+                              miss, stored, plan.to_dict() if plan is not None else None)
 
         return self.calls.degrade("the cache probe's lookup", probe, None)
 

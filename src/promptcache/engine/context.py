@@ -18,6 +18,7 @@ from ..meta import Namespace
 from ..serving_config import EngineConfig
 from .api import GenerationRequest, SamplingParams
 from .cache_like import RequestCache
+from .planner import Planner
 from .quant import KVQuant
 from .vision import validate_images
 
@@ -70,6 +71,20 @@ class EngineCounters:
     restored_blocks: int = 0
     restore_copies: int = 0
     restore_copy_bytes: int = 0
+    # the restore-or-recompute planner (engine/planner.py): its plans by kind (load |
+    # recompute | split) and by why (auto | forced | stateful | unmeasured), the cached
+    # tokens prefilled again by its plans, and the samples its rates were fed
+    restore_plans_by_kind: dict[str, int] = field(default_factory=dict)
+    restore_plans_by_why: dict[str, int] = field(default_factory=dict)
+    recomputed_tokens: int = 0
+    # splits run (engine/splice.py): tails spliced in and their tokens, reads not in
+    # at the split point (the head prefilled on), tails given up (prefilled instead)
+    splices: int = 0
+    spliced_tokens: int = 0
+    splices_late: int = 0
+    splices_given_up: int = 0
+    rate_prefill_samples: int = 0
+    rate_read_samples: int = 0
     decode_steps: int = 0
     decode_rows: int = 0  # sum of batch sizes over decode steps
     solo_steps: int = 0  # decode steps of requests mlx-lm cannot batch
@@ -100,6 +115,14 @@ class EngineContext:
     kv_quant: KVQuant | None = None  # how stored blocks are quantized (None: full precision)
     speculator: Speculator | None = None  # --speculation suffix (engine/speculation/)
     live: LiveStates | None = None  # the last turns' states (engine/live.py)
+    planner: Planner = field(default_factory=Planner)  # restore or recompute (planner.py)
+
+    def timed_prefill(self, chunks: list[tuple[int, int]], seconds: float) -> float:
+        """A prefill forward over ``(first position, tokens)`` chunks took ``seconds``:
+        the planner's prefill rate learns it; returns ``seconds``."""
+        self.planner.rates.record_prefill(chunks, seconds)
+        self.counters.rate_prefill_samples += 1
+        return seconds
 
 
 def validate_request(req: GenerationRequest, ctx: EngineContext) -> np.ndarray:

@@ -61,6 +61,7 @@ from .quant import from_config as _kv_quant_of
 from .scheduler import Scheduler
 from .shadow import ShadowVerifier
 from .speculation import make_speculator, spec_stats
+from .splice import planner_for
 from .steps import Steps, no_steps
 from .submission import Submission, preempt
 from .templates import ChatTemplate
@@ -140,14 +141,16 @@ class Engine:
         self._thread = threading.Thread(target=self._run, name="promptcache-engine", daemon=True)
         # calls to run on the engine thread (``call``) and how they went
         self.calls = EngineCalls(self._thread, self._control.wake, self._refusal)
-        self.cache_port = CachePort(cache, self.calls, self.namespaces, self.kv_quant)
+        self.planner = planner_for(cfg.restore_plan, template, cache)
+        self.cache_port = CachePort(cache, self.calls, self.namespaces, self.kv_quant,
+                                    self.planner)
         port = self.cache_port
         self._ctx = EngineContext(
             model=model, tokenizer=tokenizer, config=cfg, context_length=context_length,
             vocab_size=vocab_size, eos_token_ids=frozenset(int(t) for t in eos), cache=cache,
             namespace_for=self.namespaces if cache is not None else None, block_size=bs,
             counters=self.counters, logits_hook=logits_hook, vision=vision,
-            kv_quant=self.kv_quant,
+            kv_quant=self.kv_quant, planner=self.planner,
             speculator=make_speculator(cfg, model, vocab_size, (
                 lambda t: port.token_history(t, cfg.spec_pool_tokens))
                 if cache is not None else None, steps=steps),
@@ -375,6 +378,7 @@ class Engine:
                 **self.calls.stats,
                 **spec_stats(self._ctx.speculator),
                 **(self._ctx.live.stats() if self._ctx.live is not None else {}),
+                "restore_rates": self.planner.rates.snapshot(),
                 **(self.governor.snapshot() if self.governor is not None else {}),
                 # MLX arrays the RAM tier holds (one buffer per block): Metal caps the
                 # buffers of a process (~499,000) whatever their bytes

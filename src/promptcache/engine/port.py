@@ -58,6 +58,9 @@ class CacheProbe:
     tokens_by_tier: Mapping[str, int] = field(default_factory=dict)
     miss: CacheMiss | None = None
     stored_after: tuple[int, ...] = ()
+    # the restore-or-recompute plan a turn would take (``Plan.to_dict``; None: no
+    # lower-tier block in the match, nothing to decide)
+    restore_plan: Mapping[str, Any] | None = None
 
 
 class TokenizerAPI(Protocol):

@@ -166,11 +166,14 @@ class PrefillBatch:
             inputs = np.zeros((len(rows), width), dtype=np.uint32)
             for i, (r, n) in enumerate(zip(rows, lengths, strict=True)):
                 inputs[i, :n] = r.seq[r.pos : r.pos + n]
+            t_fwd = time.perf_counter()
             mlx_compat.prepare_right_padded(self.cache, lengths, width)
             self.model(mx.array(inputs), cache=self.cache)  # logits never evaluated
             mlx_compat.finalize_right_padded(self.cache)
             mlx_compat.trim_common_padding(self.cache)
             mx.eval(*[a for _, a in adapters.state_arrays(self.cache)])
+            rows[0].ctx.timed_prefill([(r.pos, n) for r, n in zip(rows, lengths, strict=True)],
+                                      time.perf_counter() - t_fwd)
         c = rows[0].ctx.counters
         c.prefill_batches += 1
         c.max_prefill_batch = max(c.max_prefill_batch, len(rows))

@@ -50,8 +50,6 @@ from . import adapters, mlx_compat
 from .api import GenerationRequest, GenerationResult, TokenEvent, Usage
 from .context import (
     EngineContext,
-    EngineCounters,
-    LogitsHook,
     Processor,
     store_error_cause,
     validate_request,
@@ -59,13 +57,13 @@ from .context import (
 from .handles import Event
 from .request_saves import keep_live, lookup_and_restore, save_mid_prefill, store
 from .sampling import Detokenizer, Sampler, StopStrings, logprob_values
+from .splice import Splice, splice_due
 from .vision import ImagePrefill
 
 logger = logging.getLogger(__name__)
 
 # the context names stay importable from here (they lived here before context.py)
-__all__ = ["EngineContext", "EngineCounters", "LogitsHook", "Processor", "Request",
-           "store_error_cause", "validate_request"]
+__all__ = ["EngineContext", "Processor", "Request", "store_error_cause", "validate_request"]
 
 
 class Request:
@@ -97,6 +95,7 @@ class Request:
         self.result: GenerationResult | None = None
         self.caches: list[Any] = []  # private caches (prefill, or decoding alone)
         self.pos = 0  # tokens whose state is in the caches (private or a batch row)
+        self.splice: Splice | None = None  # a tail read while the head prefills (splice.py)
         self.phase = "new"  # new -> prefill -> decode -> done
         self._t0 = t_submit if t_submit is not None else time.perf_counter()
         self.queue_s = queue_s
@@ -194,12 +193,13 @@ class Request:
             i = bisect.bisect_right(self.snap_at, self.pos)
             if i < len(self.snap_at) and self.snap_at[i] < end:
                 end = self.snap_at[i]
-        return end
+        return end if self.splice is None else self.splice.cap(end, self.pos)
 
     def prefill_chunk(self) -> bool:
         """Run one chunk on the private caches; True once the prompt is done (then the
         first token was emitted, or the request finished)."""
-        t = time.perf_counter()
+        splice_due(self)
+        t, p0 = time.perf_counter(), self.pos
         n = self.n_prompt
         end = self.chunk_end()
         split = end >= n and end - self.pos > 1 and self.images is None
@@ -221,7 +221,7 @@ class Request:
             mx.eval(last, *states)
         else:
             mx.eval(*states)
-        self.prefill_s += time.perf_counter() - t
+        self.prefill_s += self.ctx.timed_prefill([(p0, end - p0)], time.perf_counter() - t)
         if not self.chunk_done(end):
             return False
         self.end_prefill(self.first_token(last))

@@ -25,6 +25,8 @@ from . import adapters, mlx_compat
 from .blockbuf import BlockPayload
 from .context import store_error_cause
 from .live import grow, keep_position
+from .planner import Plan
+from .splice import Splice
 
 if TYPE_CHECKING:
     from .request import Request
@@ -51,10 +53,18 @@ def lookup_and_restore(req: Request) -> None:
     if cache is None or ns is None:  # pragma: no cover - use_cache implies both
         return
     n_prompt = req.n_prompt
+    planner = req.ctx.planner
+    plans: list[tuple[Plan | None, Any]] = []
+
+    def decide(match: Any) -> int:
+        p = planner.decide(match, n_prompt - 1)
+        plans.append((p, match))
+        return int(match.num_tokens) if p is None else p.keep
+
     t = time.perf_counter()
     try:
         hit = cache.acquire(req.seq[:n_prompt], ns, extra_keys=req.extra_keys,
-                            session_id=req.req.session_id)
+                            session_id=req.req.session_id, plan=decide)
     except Exception:
         logger.exception("cache lookup failed; prefilling the whole prompt")
         req.ctx.counters.cache_errors += 1
@@ -62,6 +72,10 @@ def lookup_and_restore(req: Request) -> None:
         req.timings["lookup_s"] = time.perf_counter() - t
         return
     req.timings["lookup_s"] = time.perf_counter() - t
+    c = req.ctx.counters
+    for r in hit.reads:
+        planner.rates.record_read(r.tier, 1, r.nbytes, r.seconds)
+        c.rate_read_samples += 1
     t = time.perf_counter()
     try:
         miss: CacheMiss | None = hit.miss
@@ -72,14 +86,20 @@ def lookup_and_restore(req: Request) -> None:
             if n < req.pos:
                 req.miss = None  # the live state went past where the blocks stop
             return
+        plan, match = plans[0] if plans else (None, None)
+        if plan is not None:
+            _count_plan(req, plan)
         if n > 0:
             blocks = hit.blocks
             tally = adapters.RestoreTally()
+            t_restore = time.perf_counter()
             req.caches = adapters.restore(req.ctx.model, blocks, n,
                                           reserve=n_prompt - n + 1, tally=tally)
-            c = req.ctx.counters
+            used = [m for m, _ in blocks if m.start < n]
+            planner.rates.restore.add(len(used), sum(m.nbytes for m in used),
+                                      time.perf_counter() - t_restore)
             c.restores += 1
-            c.restored_blocks += sum(1 for m, _ in blocks if m.start < n)
+            c.restored_blocks += len(used)
             c.restore_copies += tally.copies
             c.restore_copy_bytes += tally.bytes
             req.pos = n
@@ -87,6 +107,8 @@ def lookup_and_restore(req: Request) -> None:
             req.usage.cached_by_tier = cut_by_tier(hit.tokens_by_tier, n)
             if req.ns is not None:
                 req.cursor = ChainCursor.after_hit(req.ns, [m for m, _ in blocks], n)
+        if plan is not None and plan.kind == "split" and req.pos == plan.head:
+            req.splice = _splice_of(req, plan, match)
     except Exception:
         logger.exception("restoring cached blocks failed; prefilling the whole prompt")
         req.ctx.counters.restore_errors += 1
@@ -97,6 +119,7 @@ def lookup_and_restore(req: Request) -> None:
         req.miss = CacheMiss(RESTORE_ERROR, 0, 0, n_prompt).at_message(
             req.req.message_starts)
         req.cursor = ChainCursor(req.ns) if req.ns is not None else None
+        req.splice = None
     finally:
         try:
             cache.release(hit)
@@ -104,6 +127,29 @@ def lookup_and_restore(req: Request) -> None:
             logger.exception("cache release failed")
             req.ctx.counters.cache_errors += 1
         req.timings["restore_s"] = time.perf_counter() - t
+
+
+def _count_plan(req: Request, plan: Plan) -> None:
+    """A plan taken (restoring from blocks): counted, and named in the request's usage."""
+    c = req.ctx.counters
+    c.restore_plans_by_kind[plan.kind] = c.restore_plans_by_kind.get(plan.kind, 0) + 1
+    c.restore_plans_by_why[plan.why] = c.restore_plans_by_why.get(plan.why, 0) + 1
+    c.recomputed_tokens += plan.split - plan.head
+    req.usage.restore_plan = plan.describe()
+    # a split's tail counts as recomputed until it is spliced in (splice.py)
+    req.usage.recomputed_tokens = (plan.end if plan.kind == "split" else plan.split) - plan.head
+
+
+def _splice_of(req: Request, plan: Plan, match: Any) -> Splice | None:
+    """The tail read of a split plan, started (``engine/splice.py``)."""
+    tail = [(m, t) for m, t in zip(match.blocks, match.tiers, strict=True)
+            if plan.split <= m.start < plan.end]
+    lower = {t.name: t for t in getattr(req.ctx.cache, "lower", ())}
+    tier = lower.get(tail[0][1]) if tail else None
+    if tier is None or req.ns is None or getattr(tier, "get_many", None) is None:
+        return None
+    return Splice(tier, [m for m, _ in tail], req.ns, plan.split, plan.end,
+                  plan.split_s or 0.0)
 
 
 def _continue_live(req: Request, at_least: int, metas: Sequence[BlockMeta]) -> bool:

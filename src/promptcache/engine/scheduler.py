@@ -203,7 +203,7 @@ class Scheduler:
                 self._guard([r], r.start, on_error=r.fail)
                 if r.done:
                     continue
-            if (r.images is not None
+            if (r.images is not None or r.splice is not None
                     or not mlx_compat.can_batch_prefill(r.caches, self.ctx.model)
                     or not mlx_compat.can_batch(r.caches)):
                 self._solo.add(r)

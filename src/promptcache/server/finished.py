@@ -68,6 +68,7 @@ def log_line(ev: RequestFinished) -> None:
     tiers = " ".join(f"{k}={v}" for k, v in sorted(u.cached_by_tier.items())) or "-"
     # speculative decoding: draft tokens accepted / verified (only when it drafted)
     spec = f" spec={u.spec_accepted}/{u.spec_drafted}" if u.spec_drafted else ""
+    spec += f" plan={u.restore_plan}" if u.restore_plan else ""
     log.info(
         "request %s api=%s tenant=%s %s prompt=%d cached=%d (%s) completion=%d "
         "ttft=%.3fs decode=%.1f tok/s finish=%s%s cache=%s%s", ev.request_id, ev.api,

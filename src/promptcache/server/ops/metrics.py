@@ -117,7 +117,8 @@ class EngineStatsCollector(Collector):
     counter for the monotonic ones (``store_errors_by_cause`` ->
     ``promptcache_engine_store_errors_by_cause_total{cause="layout"}``), else a gauge."""
 
-    COUNTERS = frozenset({"store_errors_by_cause"})
+    COUNTERS = frozenset({"store_errors_by_cause", "restore_plans_by_kind",
+                          "restore_plans_by_why"})
 
     def __init__(self, get_stats: Callable[[], Mapping[str, Any] | None]) -> None:
         self._get_stats = get_stats

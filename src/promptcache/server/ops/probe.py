@@ -1,8 +1,9 @@
 """``POST /v1/cache/probe``: what the cache holds for a request, without generating. The
 body (chat, Messages or Responses; ``?api=`` or guessed) is prepared exactly as a real
 turn and looked up as a pure query (nothing promoted, stored or counted); the answer
-(docs/api.md) gives the cached tokens by tier, the first divergence and its cause, and
-the comparison with the session's previous turn."""
+(docs/api.md) gives the cached tokens by tier, the first divergence and its cause, the
+restore-or-recompute plan a turn would take now, and the comparison with the session's
+previous turn."""
 
 from __future__ import annotations
 
@@ -88,7 +89,7 @@ def analyse(prep: Preparer, prepared: Prepared, tenant: str, source: Any) -> dic
     n = len(tokens)
     out: dict[str, Any] = {"prompt_tokens": n, "cached_tokens": 0, "cached_by_tier": {},
                            "matched_tokens": 0, "divergence": None, "cause": None,
-                           "cache_miss_reason": None,
+                           "cache_miss_reason": None, "restore_plan": None,
                            "previous_turn": _previous(prepared.divergence)}
     extra = image_extra_keys(prepared.images)
     match = engine.probe_cache(tokens, tenant, extra, CONTEXT_TOKENS) \
@@ -105,7 +106,8 @@ def analyse(prep: Preparer, prepared: Prepared, tenant: str, source: Any) -> dic
             by_tier[str(tier)] = take
         left -= take
     out.update(cached_tokens=cached, cached_by_tier=by_tier,
-               matched_tokens=int(match.matched_tokens))
+               matched_tokens=int(match.matched_tokens),
+               restore_plan=dict(match.restore_plan) if match.restore_plan else None)
     miss = match.miss
     if miss is None:
         return out

@@ -53,8 +53,8 @@ def start(st: ServerState, api: str, request: Request, scope: Scope, prepared: P
     def on_result(result: GenerationResult) -> tuple[Outcome, str | None]:
         prep.record_turn(prepared, turn, message_id, result)
         u = result.usage
-        outcome = outcome_of(u.prompt_tokens, u.cached_tokens, result.miss,
-                             cached_by_tier=u.cached_by_tier, caching=cache_on,
+        outcome = outcome_of(u.prompt_tokens, u.cached_tokens + u.recomputed_tokens, result.miss,
+                             cached_by_tier=u.served_by_tier, caching=cache_on,
                              divergence=prepared.divergence,
                              last_message_start=prepared.message_starts[-1]
                              if prepared.message_starts else None)

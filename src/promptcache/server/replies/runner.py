@@ -253,8 +253,8 @@ def plain_outcome(result: GenerationResult, caching: bool) -> tuple[Outcome, str
     """What the cache did for a request with no previous turn to compare with (a raw
     completions prompt), and its miss note (the engine's ``miss_reason`` of a miss)."""
     u = result.usage
-    outcome = outcome_of(u.prompt_tokens, u.cached_tokens, result.miss,
-                         cached_by_tier=u.cached_by_tier, caching=caching)
+    outcome = outcome_of(u.prompt_tokens, u.cached_tokens + u.recomputed_tokens, result.miss,
+                         cached_by_tier=u.served_by_tier, caching=caching)
     return outcome, result.miss_reason if outcome.word == MISS else None
 
 
