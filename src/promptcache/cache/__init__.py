@@ -1,9 +1,6 @@
-"""The prompt cache: ``PromptCache`` (``facade``), one facade over plain parts it builds
-and wires, each given only what it needs (no mixins, no shared state object):
-``matcher`` + ``branches`` (the longest restorable prefix; ``entries``, ``miss``),
-``lookup`` (acquire + promotion), ``store``, ``protect`` + ``levels``, ``ops``,
-``lower`` + ``persist`` (writes to the lower tiers), ``payloads`` (the codec side)
-and ``policy`` (tier failures, the TTL, observers); ``types``: the API's types."""
+"""The prompt cache: ``PromptCache`` (``facade``) over plain parts it builds and wires
+(matcher + branches, lookup, store, protect + levels, ops, lower + persist, payloads,
+policy; no mixins, no shared state object); ``types``: the API's types."""
 
 from ..stats import CacheStats
 from .entries import RAM

@@ -17,8 +17,7 @@ from ..meta import ExtraKeySpan, Namespace, extra_keys_for
 from .entries import Entry, LowerEntry, MetaSource, entry_meta
 from .miss import COLD, DIVERGED, EXPIRED, NOT_RESTORABLE, CacheMiss, GoneMemory, Reason
 
-# Snapshots inside walked blocks (``Branches.inner_snapshot``): the lower tiers are asked
-# for the siblings of at most this many walked blocks (one call each), RAM for all.
+# lower tiers are asked for the siblings of at most this many walked blocks (RAM: all)
 INNER_LOWER_BLOCKS = 16
 
 # a child: (entry, its packed tokens, extra keys, truncatable, restorable at its end)
@@ -75,13 +74,9 @@ class Branches:
     def inner_snapshot(self, walked: list[Entry], best: int, cap: int, req: RequestTokens,
                        ns: Namespace, spans: Sequence[ExtraKeySpan], now: float
                        ) -> tuple[int, int, Entry] | None:
-        """The furthest restorable position past ``best`` (and at most ``cap``) inside
-        the walked full blocks: a shorter sibling of walked block ``k`` (a child of the
-        same parent, RAM or a lower tier) whose tokens the request starts with there and
-        whose state is restorable at its end. Returns ``(position, k, sibling)``; the
-        scan goes back from the last walked block and stops where no sibling could beat
-        ``best`` (a few blocks: the regular snapshots are ``snapshot_every_blocks``
-        apart). The lower tiers are asked for the last ``INNER_LOWER_BLOCKS`` only."""
+        """The furthest restorable ``(position, k, sibling)`` past ``best`` (at most ``cap``):
+        a shorter sibling of walked block ``k`` the request starts with, restorable at its
+        end; lower tiers are asked for the last ``INNER_LOWER_BLOCKS`` blocks only."""
         buf = req.buf
         for k in range(len(walked) - 1, -1, -1):
             start = walked[k].start
@@ -108,9 +103,7 @@ class Branches:
 
     def stored_after(self, req: RequestTokens, ns: Namespace, parent: BlockHash, start: int,
                      position: int, limit: int, now: float) -> list[int]:
-        """Up to ``limit`` stored token ids after ``req[:position]`` in the child of
-        ``parent`` (the block before ``start``) sharing the longest prefix with the
-        request there, continued into that block's first stored child."""
+        """Up to ``limit`` stored ids after ``req[:position]``, from ``parent``'s closest child."""
         bs = ns.block_size
         rest = req.buf[start * 4:]
         best: tuple[int, Entry, bytes] | None = None

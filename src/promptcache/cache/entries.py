@@ -28,8 +28,6 @@ class MetaSource(Protocol):
 
 
 class LowerEntry:
-    """A matched block that lives in a lower tier."""
-
     __slots__ = ("meta", "source")
 
     def __init__(self, meta: BlockMeta, source: MetaSource) -> None:
@@ -58,8 +56,7 @@ def entry_meta(entry: Entry) -> BlockMeta:
 
 @dataclass(slots=True)
 class RawMatch:
-    """The matcher's result: ``entries`` cover ``[0, num_tokens)`` (the last one may
-    extend past it and is then truncated by the engine)."""
+    """``entries`` cover ``[0, num_tokens)`` (the last may extend past it: truncated)."""
 
     entries: list[Entry]
     num_tokens: int

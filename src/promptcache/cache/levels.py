@@ -1,9 +1,6 @@
-"""Which RAM blocks a client asked to keep: every block's eviction level, under the cache
-lock. Protections (a ``cache_control`` breakpoint for its ttl, a ``prompt_cache_key``'s
-latest chain; the same key renews) make blocks ``PROTECTED`` within ``share`` of the RAM
-budget, oldest giving way; a session's latest chain while it sent a request in the last
-``active_s`` seconds is ``ACTIVE``; the rest ``IDLE``. Claims are counted per hash, so a
-block allocated later gets its level in ``on_new_block``."""
+"""Every RAM block's eviction level, under the cache lock: ``PROTECTED`` (a breakpoint or a
+``prompt_cache_key``'s latest chain, within ``share`` of the budget, oldest giving way),
+``ACTIVE`` (a session's latest chain within ``active_s``), else ``IDLE``; claims per hash."""
 
 from __future__ import annotations
 
@@ -29,8 +26,6 @@ class _Claim:
 
 
 class Levels:
-    """The claims (see the module docstring) and the levels they give the pool's blocks."""
-
     def __init__(self, pool: BlockPool, *, share: float = DEFAULT_PROTECT_SHARE,
                  active_s: float | None = DEFAULT_ACTIVE_S,
                  persist: Callable[[list[Block]], None] | None = None) -> None:
@@ -53,7 +48,6 @@ class Levels:
         self.expired = 0  # protections that reached their ttl
         self.sessions_idle = 0  # sessions quiet for active_s
 
-    # ---- queries -------------------------------------------------------------
     @property
     def limit_bytes(self) -> int:
         return int(self.pool.budget_bytes * self.share)
@@ -91,12 +85,9 @@ class Levels:
             "active_blocks": len(self._acount), "sessions_idle": self.sessions_idle,
         }
 
-    # ---- claims ----------------------------------------------------------------
     def protect(self, key: ClaimKey, hashes: Iterable[BlockHash], ttl_s: float, now: float,
                 *, persist: bool = True) -> int:
-        """Protect the chain ``hashes`` under ``key`` until ``now + ttl_s`` (replacing
-        the key's previous chain); returns the number of blocks protected (the head
-        that fits the share)."""
+        """Protect ``hashes`` under ``key`` till ``now + ttl_s``; returns the blocks protected."""
         if not ttl_s > 0:
             raise ValueError(f"ttl_s must be > 0, got {ttl_s!r}")
         chain = tuple(hashes)
@@ -122,9 +113,7 @@ class Levels:
         return len(claim.hashes)
 
     def _enforce(self) -> list[BlockHash]:
-        """Keep the protected bytes within the share: the oldest protections give way;
-        the last one left, if still too large, keeps the head of its chain that fits.
-        Returns the hashes that lost a protection."""
+        """Keep protected bytes within the share; returns the hashes that lost a protection."""
         touched: list[BlockHash] = []
         if not self._prot:
             return touched
@@ -155,8 +144,7 @@ class Levels:
         return touched
 
     def supersede(self, old: BlockHash, new: Block) -> None:
-        """A partial block gave way to a longer sibling (``Store._drop_superseded``):
-        the claims on the old block's hash move to the new block."""
+        """A partial block gave way to a longer sibling: its claims move to the new block."""
         h = new.block_hash
         if h is None or (old not in self._pcount and old not in self._acount):
             return
@@ -215,8 +203,7 @@ class Levels:
             self.pool.set_level(block, self.level_of(h))
 
     def drop(self, which: Callable[[ClaimKey], bool]) -> int:
-        """End every claim whose key ``which`` selects (a tenant's data was deleted);
-        returns how many."""
+        """End every claim whose key ``which`` selects; returns how many."""
         touched: list[BlockHash] = []
         n = 0
         for claims, counts in ((self._prot, self._pcount), (self._sessions, self._acount)):
@@ -228,7 +215,6 @@ class Levels:
         self._apply(touched)
         return n
 
-    # ---- helpers -----------------------------------------------------------------
     def _nbytes(self, h: BlockHash) -> int:
         block = self.pool.get(h)
         return block.nbytes if block is not None else 0
@@ -248,10 +234,8 @@ class Levels:
                 counts.pop(h, None)
 
     def _apply(self, hashes: Iterable[BlockHash]) -> None:
-        """Set the levels of the blocks of ``hashes`` (chains, head first). Lowered
-        blocks enter their queue at the evict-first end, so they go head first (the
-        tail ends up evicted first); raised ones at the evict-last end, so they go
-        tail first (the head ends up kept longest): a chain loses its tail first."""
+        """Set the levels of the chains ``hashes`` (head first) so that a chain loses its
+        tail first: lowered blocks enter at the evict-first end, raised ones at the end."""
         lowered: list[Block] = []
         raised: list[Block] = []
         for h in dict.fromkeys(hashes):

@@ -1,9 +1,7 @@
 """How ``PromptCache`` writes RAM blocks to its lower tiers without silent loss: each block
-records which tiers hold it (``IN_TIER << i``; ``PERSISTED`` once all do), so nothing is
-put twice. Write-through (``offer``) never waits: a full queue leaves the block unwritten
-and the feeder offers it again when the tier has room; demotion (``demote``) and persist
-(``persist``, at shutdown) wait for room within a bound. All runs under the cache lock
-but the feeder's wait; tier writers never take it, so waiting for them cannot deadlock."""
+records the tiers holding it (``IN_TIER << i``; ``PERSISTED`` once all do). Write-through
+(``offer``) never waits (the feeder retries when a tier has room); ``demote`` and
+``persist`` wait within a bound. Tier writers never take the cache lock: no deadlock."""
 
 from __future__ import annotations
 
@@ -81,7 +79,6 @@ class LowerWriter:
         self._closing = False
         self.last_persist: PersistReport | None = None
 
-    # ---- one put to a set of tiers ---------------------------------------------------
     def _has_room(self, tier: Tier, timeout: float | None = 0.0) -> bool:
         fn = getattr(tier, "has_room", None)
         if fn is None:
@@ -93,14 +90,12 @@ class LowerWriter:
             return True  # a broken tier: treat its refusal as final
 
     def _lacking(self, block: Block, targets: Iterable[int]) -> set[int]:
-        """The tiers of ``targets`` that do not hold ``block`` yet."""
         have = set(in_tiers(block, len(self.tiers)))
         return {i for i in targets if i not in have}
 
     def _put(self, block: Block, targets: Iterable[int], timeout: float | None
              ) -> tuple[set[int], set[int], set[int]]:
-        """Put ``block`` into the tiers ``targets`` (each accepting one is recorded on
-        the block); returns (accepted, no room, refused)."""
+        """Put ``block`` into ``targets`` (recorded on it); returns (accepted, no room, refused)."""
         meta = block.meta()
         source = self._source_of(block)
         accepted: set[int] = set()
@@ -108,9 +103,8 @@ class LowerWriter:
         refused: set[int] = set()
         for i in sorted(targets):
             tier = self.tiers[i]
-            # Every put of this cache runs under its lock and a tier's writer only makes
-            # room, so room seen here is still there for the put: a full queue is never
-            # tried (the tier would count a drop), and a refusal despite room is final.
+            # puts run under the cache lock and a tier's writer only makes room, so room
+            # seen here stays: a full queue is never tried, a refusal despite room is final
             if timeout == 0 and not self._has_room(tier):
                 full.add(i)
                 continue
@@ -133,10 +127,8 @@ class LowerWriter:
     def _all(self) -> set[int]:
         return set(range(len(self.tiers)))
 
-    # ---- write-through ---------------------------------------------------------
     def offer(self, block: Block) -> None:
-        """Write-through of a new (or upgraded) block to the write-through tiers that
-        lack it; never waits. Lock held."""
+        """A new or upgraded block to the write-through tiers lacking it; never waits, lock held."""
         if block.block_hash is None or not self.write_through:
             return
         left = self._lacking(block, self.write_through)
@@ -156,10 +148,8 @@ class LowerWriter:
             self._wake()
 
     def offer_first(self, blocks: Sequence[Block]) -> None:
-        """Protected blocks (a client's cache breakpoint, ``levels``), head first:
-        each is put into every lower tier that lacks it now, whatever the write policy;
-        for a tier without room they wait first, in their order, ahead of the
-        write-through blocks already waiting. Never waits. Lock held."""
+        """Protected blocks, head first, into every lower tier lacking them (any policy);
+        without room they wait ahead of the write-through backlog. Never waits; lock held."""
         if not self.tiers:
             return
         waiting: dict[BlockHash, _Unwritten] = {}
@@ -248,8 +238,7 @@ class LowerWriter:
         return ok
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Wait until no block waits for room (lock held: it is released while
-        waiting), then flush the tiers. False if not done within ``timeout``."""
+        """Wait (lock released meanwhile) until no block waits for room, then flush the tiers."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while self._unwritten:
             if self._thread is None or not self._thread.is_alive():
@@ -260,10 +249,8 @@ class LowerWriter:
             self._cond.wait(left)
         return self._flush_tiers(deadline) and not self._unwritten
 
-    # ---- demotion ------------------------------------------------------------------
     def demote(self, block: Block) -> tuple[int, int]:
-        """An evicted block not yet persisted: put it into every tier that lacks it,
-        waiting for room (back-pressure). Returns (accepted, failed). Lock held."""
+        """An evicted unpersisted block into the tiers lacking it (back-pressure); lock held."""
         if block.block_hash is not None:
             entry = self._unwritten.get(block.block_hash)
             if entry is not None and entry.block is block:
@@ -272,10 +259,8 @@ class LowerWriter:
                                          self.demote_timeout_s)
         return len(accepted), len(refused)
 
-    # ---- persist at shutdown ---------------------------------------------------------
     def persist(self, blocks: list[Block], timeout: float | None) -> PersistReport:
-        """Put every block (not persisted) into the tiers that lack it, waiting for
-        room, then flush; at most ``timeout`` seconds (None: no limit). Lock held."""
+        """Put every unpersisted block into the tiers lacking it, then flush; lock held."""
         t0 = time.monotonic()
         deadline = None if timeout is None else t0 + timeout
         report = PersistReport(blocks=len(blocks))
@@ -333,10 +318,8 @@ class LowerWriter:
             logger.info("persisted %d RAM blocks in %.1f s", report.written, report.seconds)
         return report
 
-    # ---- lifecycle -------------------------------------------------------------------
     def stop(self) -> None:
-        """Stop the feeder (call without the cache lock; what it had not written yet
-        stays for ``persist``)."""
+        """Stop the feeder, without the cache lock (what it had not written stays for persist)."""
         with self._cond:
             self._closing = True
             self._cond.notify_all()

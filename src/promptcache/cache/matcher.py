@@ -1,9 +1,7 @@
-"""Token-granular prefix matching over block storage (RAM pool + lower tiers): walk the
-request's full blocks by chained hash (RAM first, then each lower tier asked once per
-window, ``get_metas``); a block counts only if its stored tokens, parent and start equal
-the request's (a hash collision is harmless); then the child with the longest common
-prefix (``branches``); the end is the furthest restorable position, never past the last
-token (recomputed for its logits). A pure query: the pool is never changed."""
+"""Token-granular prefix matching over RAM + lower tiers (a pure query): walk the request's
+full blocks by chained hash (lower tiers asked once per window); a block counts only if its
+tokens, parent and start equal the request's (collisions are harmless); then the longest
+child (``branches``); the end is restorable and never past the last token."""
 
 from __future__ import annotations
 
@@ -20,8 +18,7 @@ from ..meta import BlockMeta, ExtraKeySpan, Namespace, extra_keys_for
 from .branches import Branches, lcp_tokens
 from .entries import Entry, LowerEntry, MetaSource, RawMatch
 
-# Where RAM ends, the lower tiers are asked for this many blocks at once, then (if all
-# of them were found) for the rest of the chain: at most two calls per tier per lookup.
+# lower tiers are asked for this many blocks, then the rest only if all were found
 LOWER_WINDOW = 256
 
 
@@ -32,8 +29,6 @@ def block_hash(parent: BlockHash, token_ids: Any, extra_keys: tuple[bytes, ...])
 
 @dataclass(eq=False)
 class Matcher:
-    """Finds the longest restorable prefix of a request (see the module docstring)."""
-
     pool: BlockPool
     lower: Sequence[MetaSource]
     branches: Branches
@@ -65,12 +60,9 @@ class Matcher:
     def _lower_chain(self, req: RequestTokens, ns: Namespace, spans: Sequence[ExtraKeySpan],
                      pos: int, parent: BlockHash, h: BlockHash
                      ) -> tuple[dict[int, BlockHash], dict[int, LowerEntry]]:
-        """Hashes of the full blocks from ``pos`` on (``h`` is the first) and the lower
-        tier entries found for them (see the module docstring): the first
-        ``LOWER_WINDOW`` blocks are asked for with one ``get_metas`` per tier, and the
-        rest of the chain with one more only if the whole window was found (a cold
-        prompt costs a window of hashes, not its whole length). Returns
-        ``({start: hash}, {start: entry})`` for the hashes computed."""
+        """Hashes of the full blocks from ``pos`` on (``h`` first) and their lower tier
+        entries, as ``({start: hash}, {start: entry})``: one ``get_metas`` per tier for
+        the first ``LOWER_WINDOW`` blocks, one more for the rest only if all were found."""
         bs, n, arr, buf = ns.block_size, req.n, req.arr, req.buf
         starts = list(range(pos, n - bs + 1, bs))
         hashes = [h]
@@ -135,8 +127,7 @@ class Matcher:
             end = pos + bs
             extra = extra_keys_for(spans, pos, end) if spans else ()
             want = buf[pos * 4 : end * 4]
-            # RAM first, by content: the child of `parent` holding exactly these tokens
-            # (its hash is by construction hash_block(parent, want, extra): no hashing).
+            # RAM first, by content (its hash is hash_block(parent, want, extra))
             if prev is None:
                 block = find_child(parent, want)
             else:  # a block in the pool's map keeps its children index itself
@@ -201,8 +192,7 @@ class Matcher:
                     continue
                 c_end = pos + c_len
                 if c_extra != (extra_keys_for(spans, pos, c_end) if spans else ()):
-                    # other extra keys (another image): usable only before the first
-                    # span whose key the stored block does not share
+                    # other extra keys: usable only before the first unshared span
                     lcp = min(lcp, _extra_key_limit(spans, pos, c_end, c_extra) - pos)
                     if lcp <= 0:
                         continue
@@ -221,8 +211,7 @@ class Matcher:
             entries.append(child_best[1])
             best_len = len(entries)
         if best < min(matched, cap) and walked:
-            # a state that cannot be truncated: a snapshot may end inside a walked block
-            # (a partial block stored at a message start, where conversations branch)
+            # a snapshot may end inside a walked block (a partial block at a message start)
             inner = self.branches.inner_snapshot(entries[:walked], best, cap, req, ns, spans,
                                                  now)
             if inner is not None:
@@ -238,10 +227,7 @@ class Matcher:
 
     def stored_after(self, req: RequestTokens, ns: Namespace, spans: Sequence[ExtraKeySpan],
                      position: int, limit: int, now: float) -> list[int]:
-        """Up to ``limit`` stored token ids that follow ``req[:position]`` in the stored
-        block (RAM or a lower tier) that shares the longest prefix with the request
-        there, continued into that block's first stored child (the other side of a
-        divergence, for miss explanations). Empty when nothing is stored there."""
+        """Up to ``limit`` stored ids after ``req[:position]`` (the cached side of a divergence)."""
         bs = ns.block_size
         if not 0 <= position <= req.n or limit <= 0:
             return []
@@ -255,12 +241,9 @@ class Matcher:
 
 def _extra_key_limit(spans: Sequence[ExtraKeySpan], start: int, end: int,
                      stored: tuple[bytes, ...]) -> int:
-    """Where a stored block over ``[start, end)`` whose extra keys differ from the
-    request's stops being reusable. Keys pair up by rank (both lists are in position
-    order). Reusable: the tokens before the request's first span whose key the stored
-    block does not have at that rank (e.g. the first placeholder token of a different
-    image); when the request's spans all agree but the stored block has more keys
-    (their positions are unknown here), only up to the end of the last shared span."""
+    """Where a stored block over ``[start, end)`` with other extra keys stops being
+    reusable: before the request's first span (paired by rank) whose key the block lacks;
+    when all the request's spans agree but the block has more, the end of the last one."""
     rank = 0
     last_end = start
     for s in spans:

@@ -1,10 +1,7 @@
-"""Why a request's prompt was not (fully) served from the cache, as data.
-
-``CacheMiss`` and its causes are pure values (no pool, no tier): the matcher makes them,
-the engine makes its own (``cache_error``, ``restore_error``), and the stats, the
-alert, the advisor, the diagnostics and the request log read them. ``GoneMemory``
-remembers the blocks that left RAM or were never stored, to explain a miss.
-"""
+"""Why a request's prompt was not (fully) served from the cache, as data: ``CacheMiss``
+(pure values, made by the matcher or the engine, read by stats, alert, advisor,
+diagnostics and request log) and ``GoneMemory`` (blocks that left RAM or were never
+stored)."""
 
 from __future__ import annotations
 
@@ -23,8 +20,7 @@ EXPIRED = "expired"
 DIVERGED = "diverged"
 NOT_RESTORABLE = "not_restorable"
 PROMOTION_FAILED = "promotion_failed"
-# a save of these blocks failed (``CacheMiss.store_error``: the engine's cause name,
-# layout | tier | budget | invariant | other), recorded by ``PromptCache.note_not_stored``
+# a save failed (``store_error``: layout | tier | budget | invariant | other)
 NOT_STORED = "not_stored"
 # the engine's: the lookup failed / restoring the blocks failed (both prefill everything)
 CACHE_ERROR = "cache_error"
@@ -36,16 +32,11 @@ Reason = tuple[str, str | None]
 
 @dataclass(frozen=True, slots=True)
 class CacheMiss:
-    """Why a request's prompt was not (fully) served from the cache, as data: made by
-    the matcher (or the engine), read as it is by the stats, the alert, the advisor,
-    the diagnostics, the probe and the request log (never parsed back from text).
+    """A miss as data (never parsed back from text).
 
-    ``kind``: cold | evicted | expired | diverged | not_restorable | promotion_failed
-    | not_stored (``store_error`` says why that save failed: layout | tier | budget |
-    invariant | other) | cache_error | restore_error; ``cause`` is how the stats count
-    it (``not_stored: layout``, else the kind). ``position``: the first prompt token
-    not found in any stored block; ``restorable``: where the state can be restored;
-    ``message_index``: the chat message ``position`` falls in (``at_message``).
+    ``kind``: one of the constants above (``store_error``: why a ``not_stored`` save
+    failed). ``position``: the first prompt token in no stored block; ``restorable``:
+    where the state can be restored; ``message_index``: the chat message of ``position``.
     """
 
     kind: str
@@ -89,9 +80,7 @@ class CacheMiss:
 
 
 class GoneMemory:
-    """A bounded memory of blocks that left RAM (evicted or expired) or were never
-    stored (a failed save), keyed by the block hash and by its parent hash, used to
-    explain misses."""
+    """A bounded memory, by block and parent hash, of blocks gone from RAM or never stored."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = max(0, capacity)
@@ -100,9 +89,7 @@ class GoneMemory:
 
     def record(self, block_hash: BlockHash | None, parent: BlockHash | None, cause: str,
                store_error: str | None = None) -> None:
-        """Remember ``cause`` (and a failed save's ``store_error``) for the block
-        ``block_hash`` and for the children of ``parent`` (either may be None: not
-        recorded under that key)."""
+        """Remember ``cause`` for ``block_hash`` and ``parent``'s children (either may be None)."""
         if not self.capacity:
             return
         for mem, key in ((self._by_hash, block_hash), (self._by_parent, parent)):

@@ -17,8 +17,7 @@ from .types import DecodeFn, EncodeFn, NumpyAdapter, PayloadAdapter
 
 
 class Payloads:
-    """The payload adapter (default: ``NumpyAdapter``) and the codec (``encode`` /
-    ``decode`` replace ``codec``'s)."""
+    """The payload adapter (default ``NumpyAdapter``) and the codec (``encode`` / ``decode``)."""
 
     def __init__(self, adapter: PayloadAdapter | None = None, encode: EncodeFn | None = None,
                  decode: DecodeFn | None = None) -> None:
@@ -27,11 +26,9 @@ class Payloads:
         self._decode = decode
 
     def source(self, block: Block) -> LazyPayload:
-        """The block's payload as a ``PayloadSource``: encoded (the adapter's buffer and
-        layout behind a self-describing header) by the first tier writer that needs the
-        bytes, off the request path, once for every tier. The header carries what an
-        index row holds, so a lost index can be rebuilt from the files; the sessions are
-        those the block has now (taken here, under the cache's lock)."""
+        """The block's payload as a ``PayloadSource``, encoded (self-describing header, so
+        a lost index can be rebuilt) once, by the first tier writer that needs it, off the
+        request path; the sessions are taken now, under the cache lock."""
         adapter, payload, bm = self.adapter, block.payload, block.meta()
         sessions: Sequence[str] = tuple(sorted(block.sessions))
 
@@ -43,8 +40,7 @@ class Payloads:
 
     def load(self, data: bytes, expect: BlockHash) -> tuple[Any, int] | None:
         """``(payload, nbytes)`` of stored bytes; None when they belong to another block
-        than ``expect``. Raises CorruptBlockError (``UnsupportedFormatError`` for an
-        older block format) or the adapter's ValueError."""
+        than ``expect``. Raises CorruptBlockError / UnsupportedFormatError / ValueError."""
         dec = (self._decode or codec.decode)(data)
         if dec.desc.meta.block_hash != expect:
             return None
@@ -54,10 +50,8 @@ class Payloads:
 
     def load_many(self, items: Sequence[tuple[bytes, BlockHash]]
                   ) -> list[tuple[Any, int] | Exception | None]:
-        """``load`` of a run of stored blocks, each result in place (an exception a
-        block's own ``load`` would raise is returned, not raised). Where the adapter has
-        ``from_buffers``, the run's payloads are made with one call (the MLX adapter
-        builds one array for consecutive blocks of one layout)."""
+        """``load`` of a run of blocks, each result in place (a block's exception is
+        returned); with ``from_buffers`` the run's payloads are made in one call."""
         out: list[tuple[Any, int] | Exception | None] = [None] * len(items)
         todo: list[tuple[int, np.ndarray, str]] = []
         for i, (data, expect) in enumerate(items):

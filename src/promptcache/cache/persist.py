@@ -16,8 +16,7 @@ NAMED_FAILURES = 10  # failed blocks named in the persist log line
 
 @dataclass
 class PersistReport:
-    """The outcome of one ``persist``: blocks to write, written, and the ones that did
-    not reach every lower tier (``failed_names``: the first few, for the log)."""
+    """One ``persist``: blocks to write, written, and those missing in some lower tier."""
 
     blocks: int = 0
     written: int = 0

@@ -1,11 +1,6 @@
-"""The policies every part of ``PromptCache`` applies: tier failures (``Faults``),
-the TTL (``Expiry``) and the observers (``notify``).
-
-Failure policy: any exception from a lower tier (``TierError``, or a tier breaking its
-contract) and undecodable bytes are counted and treated as a miss; nothing a tier does
-fails a call of the cache. A block of an older block format is a miss too
-(``old_format_blocks``): it is recomputed and its new copy replaces the old one.
-"""
+"""The policies every part of ``PromptCache`` applies: tier failures (``Faults``: any
+tier exception or undecodable bytes is counted and is a miss, never a failed call; an
+older block format too, recomputed and replaced), the TTL (``Expiry``), observers."""
 
 from __future__ import annotations
 
@@ -71,9 +66,7 @@ class Faults:
 
 @dataclass(eq=False)
 class Expiry:
-    """The TTL: a RAM block unused for ``ttl_s`` seconds (None: never) is expired; it
-    is no hit and is removed when met (remembered as ``expired`` for miss
-    explanations). ``now`` is the cache's clock, read once per call by the facade."""
+    """The TTL: a RAM block unused for ``ttl_s`` s (None: never) is no hit; removed when met."""
 
     ttl_s: float | None
     pool: BlockPool

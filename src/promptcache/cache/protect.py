@@ -1,8 +1,5 @@
-"""Protection and session levels: which RAM blocks a cache breakpoint, a
-``prompt_cache_key`` or an active session keeps (``PromptCache.protect`` /
-``mark_active``). The bookkeeping is ``levels.Levels``; this part finds the chain's
-RAM blocks and pins it in the lower tiers that can pin.
-"""
+"""Protection and session levels (``PromptCache.protect`` / ``mark_active``): finds a
+chain's RAM blocks for ``levels.Levels`` and pins it in the lower tiers that can pin."""
 
 from __future__ import annotations
 
@@ -46,8 +43,6 @@ def full_hashes(req: RequestTokens, ns: Namespace, spans: tuple[ExtraKeySpan, ..
 
 @dataclass(eq=False)
 class Protect:
-    """Claims on RAM chains: protections and active sessions (see the module docstring)."""
-
     pool: BlockPool
     lower: Sequence[Tier]
     levels: Levels
@@ -89,11 +84,9 @@ class Protect:
 
     def _ram_chain(self, req: RequestTokens, ns: Namespace, spans: tuple[ExtraKeySpan, ...],
                    end: int, full: list[BlockHash]) -> list[BlockHash]:
-        """The hashes of the RAM blocks that hold ``req`` up to ``end`` (blocks starting
-        before ``end``), head first; stops at the first position RAM does not hold.
-        ``full``: ``full_hashes``. Where no whole block matches, the stored child
-        holding the most of the request's tokens there (a partial tail, or a longer
-        truncatable block)."""
+        """Hashes of the RAM blocks holding ``req`` up to ``end``, head first, stopping
+        where RAM holds nothing; past the whole blocks, the child holding the most of
+        the request there. ``full``: ``full_hashes``."""
         bs, parent, out = ns.block_size, ns.root, []
         for i, start in enumerate(range(0, end, bs)):
             stop = min(start + bs, req.n)

@@ -1,10 +1,6 @@
-"""Storing blocks: the save points' ``store`` and the chain walk behind it.
-
-``store`` creates the blocks of a token sequence that are not stored yet (resuming
-at a ``ChainCursor``), deduplicates against stored ones (recording the session,
-upgrading a block with a snapshot payload), drops partial tails a longer block
-supersedes, and hands new blocks to the write-through tiers.
-"""
+"""Storing blocks: ``store`` creates the blocks of a token sequence not stored yet (from a
+``ChainCursor``), dedups against stored ones (session recorded, snapshot upgrade), drops
+partial tails a longer block supersedes, and hands new blocks to write-through tiers."""
 
 from __future__ import annotations
 
@@ -33,8 +29,7 @@ def check_store(ns: Namespace, tokens: Any, num_tokens: int, payload_for: Any,
                 extra_keys: Sequence[ExtraKeySpan], session_id: str | None,
                 agent_id: str | None, save_point: str, cursor: ChainCursor | None,
                 block_size: int) -> tuple[RequestTokens, tuple[ExtraKeySpan, ...], int]:
-    """``store``'s arguments checked (ValueError): the tokens from the cursor on, the
-    extra-key spans and the cursor's start."""
+    """``store``'s arguments checked (ValueError): tokens from the cursor, spans, cursor start."""
     check_ns(ns, block_size)
     if isinstance(num_tokens, bool) or not isinstance(num_tokens, int):
         raise ValueError(f"num_tokens must be an integer, got {num_tokens!r}")
@@ -66,9 +61,8 @@ def check_store(ns: Namespace, tokens: Any, num_tokens: int, payload_for: Any,
 def first_unstored(ns: Namespace, tokens: Any, num_tokens: int, cursor: ChainCursor | None,
                    cause: str, extra_keys: Sequence[ExtraKeySpan], block_size: int
                    ) -> tuple[BlockHash | None, BlockHash | None] | None:
-    """``note_not_stored``'s arguments checked (ValueError) and its keys: the hash of the
-    first block not stored (a full block) and the cursor's block; None when nothing
-    after the cursor was left unsaved."""
+    """``note_not_stored``'s arguments checked (ValueError) and its keys (first unstored
+    full block, the cursor's block); None when nothing after the cursor was unsaved."""
     check_ns(ns, block_size)
     if not isinstance(cause, str) or not cause:
         raise ValueError(f"cause must be a non-empty string, got {cause!r}")
@@ -89,8 +83,6 @@ def first_unstored(ns: Namespace, tokens: Any, num_tokens: int, cursor: ChainCur
 
 @dataclass(eq=False)
 class Store:
-    """Stores a token sequence's blocks (every save point calls ``PromptCache.store``)."""
-
     pool: BlockPool
     lower: Sequence[Tier]
     writer: LowerWriter
@@ -106,8 +98,7 @@ class Store:
                session_id: str | None, truncatable: bool, snapshot_at_end: bool,
                include_partial: bool, offset: int = 0, cursor: ChainCursor | None = None,
                agent_id: str | None = None, *, now: float) -> int:
-        """``req`` holds the tokens from ``offset`` (a cursor's start) on; ``num_tokens``
-        counts from there too; block positions below are absolute."""
+        """``req``, ``num_tokens`` count from ``offset`` (a cursor start); positions absolute."""
         pool, c, bs = self.pool, self.counters, ns.block_size
         held: list[Block] = []
         created: list[Block] = []
@@ -192,9 +183,7 @@ class Store:
         return None
 
     def _drop_superseded(self, block: Block) -> None:
-        """Remove unreferenced partial siblings whose tokens are a prefix of ``block``'s
-        (e.g. the end-of-prefill tail once the end-of-generation block exists): the
-        longer block restores every position they could. Their sessions move over."""
+        """Remove unreferenced partial siblings that prefix ``block``; their sessions move over."""
         bs = block.ns.block_size
         for sib in self.pool.children(block.parent_hash):
             if (sib is not block and sib.ref_cnt == 0 and sib.truncatable
@@ -222,9 +211,7 @@ class Store:
 
     def _touch_existing(self, block: Block, session_id: str | None, snap: bool, start: int,
                         end: int, payload_for: Callable[[int, int, bool], Any]) -> bool:
-        """A store found ``block`` already there: record the session (in RAM and in the
-        lower tiers that hold it); upgrade it with a snapshot payload if one is wanted.
-        True if the payload was upgraded."""
+        """``block`` exists: record the session; upgrade to a snapshot if wanted (True)."""
         if session_id is not None and block.add_session(session_id):
             for tier in (self.lower[i] for i in in_tiers(block, len(self.lower))):
                 try:

@@ -1,8 +1,5 @@
-"""`promptcache serve | bench | cache ... | model ...`.
-
-Each subcommand lives in its own module with ``register(subparsers)``; this
-module only wires them together.
-"""
+"""`promptcache serve | bench | cache ... | model ...`: wires the subcommands, each a
+module with ``register(subparsers)``."""
 
 from __future__ import annotations
 
@@ -42,9 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run a command; ``argv=None`` means this process's own command line (the console
-    script, ``python -m promptcache.cli``), which on Linux is first re-executed once with
-    OpenBLAS preloaded (``openblas.py``)."""
+    """Run a command; ``argv=None``: this process's (re-executed with OpenBLAS on Linux)."""
     if argv is None:
         from .openblas import reexec_with_openblas
 

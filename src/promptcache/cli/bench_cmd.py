@@ -1,11 +1,6 @@
-"""`promptcache bench`: a launcher for the benchmark harness, which lives in a source
-checkout's ``bench/harness/`` (not in the installed package).
-
-The folder is ``$PROMPTCACHE_BENCH_DIR`` when set, else the ``bench/`` beside this
-package's ``src/`` (an editable install). The harness registers the command's options
-itself, imported only when `promptcache bench` runs (every other command starts without
-it); without it, `promptcache bench` says in one line that it needs a checkout.
-"""
+"""`promptcache bench`: a launcher for the benchmark harness in a source checkout's
+``bench/harness/`` (``$PROMPTCACHE_BENCH_DIR``, else the ``bench/`` beside ``src/``),
+imported only when the command runs; without it, one line says a checkout is needed."""
 
 from __future__ import annotations
 
@@ -36,16 +31,14 @@ HELP = "benchmark S1..S5, E1 against mlx_lm.server / vllm-mlx (a source checkout
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    """`bench` takes its arguments as they are and hands them to the harness's own
-    parser when it runs (``--help`` included)."""
+    """`bench` hands its arguments as they are to the harness's parser (``--help`` too)."""
     p = sub.add_parser("bench", help=HELP, prefix_chars="+", add_help=False)
     p.add_argument("rest", nargs="*", help=argparse.SUPPRESS)
     p.set_defaults(func=_run)
 
 
 def full_parser() -> argparse.ArgumentParser | str:
-    """``promptcache`` with the harness's `bench` command registered, or the one line
-    that says why there is none."""
+    """``promptcache`` with the harness's `bench` registered, or the line saying why not."""
     folder = bench_dir()
     if folder is None:
         return MISSING

@@ -1,7 +1,6 @@
-"""`promptcache cache stats | ls | check [--fix] | purge` on an SSD folder (``export`` /
-``import``: ``pack_cmd.py``; ``sessions``: ``sessions_cmd.py``). Without ``--fix`` the
-folder is opened read-only and nothing on disk changes; ``check --fix`` and ``purge``
-work only under the folder's exclusive lock, and ``purge`` asks first (or ``--yes``)."""
+"""`promptcache cache stats | ls | check [--fix] | purge` on an SSD folder: read-only
+without ``--fix``; ``check --fix`` and ``purge`` (asks first, or ``--yes``) take the
+folder's exclusive lock."""
 
 from __future__ import annotations
 

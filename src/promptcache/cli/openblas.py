@@ -1,8 +1,6 @@
-"""OpenBLAS for mlx on Linux: mlx's CPU wheel ships a reference BLAS 12-34x slower for
-float32 matmul, and ``LD_PRELOAD`` is read only at process start, so
-``reexec_with_openblas`` runs the command again, once, with Debian's OpenBLAS preloaded
-(not off Linux, when missing or loaded, with ``PROMPTCACHE_NO_OPENBLAS=1``, nor in the
-re-executed process). ``missing_warning`` is serve's line when it runs without it."""
+"""OpenBLAS for mlx on Linux: mlx's CPU wheel ships a BLAS 12-34x slower for float32 matmul
+and ``LD_PRELOAD`` is read only at start, so ``reexec_with_openblas`` re-runs the command
+once with Debian's OpenBLAS preloaded (``PROMPTCACHE_NO_OPENBLAS=1``: never)."""
 
 from __future__ import annotations
 
@@ -23,7 +21,6 @@ def library_path(machine: str | None = None) -> Path:
 
 
 def is_mapped(library: Path, maps: Path = Path("/proc/self/maps")) -> bool:
-    """Whether this process has ``library`` (its resolved file) mapped."""
     try:
         return os.path.realpath(library) in maps.read_text()
     except OSError:
@@ -33,8 +30,7 @@ def is_mapped(library: Path, maps: Path = Path("/proc/self/maps")) -> bool:
 def preload_environment(environ: Mapping[str, str], *, library: Path | None = None,
                         system: str = sys.platform, loaded: bool | None = None
                         ) -> dict[str, str] | None:
-    """The environment to re-execute with (``LD_PRELOAD`` with the library first, the
-    marker set), or None when there is nothing to do."""
+    """The environment to re-execute with (``LD_PRELOAD``, marker set), or None."""
     library = library if library is not None else library_path()
     if system != "linux" or environ.get(OPT_OUT, "") not in ("", "0") or MARKER in environ:
         return None
@@ -52,8 +48,7 @@ def preload_environment(environ: Mapping[str, str], *, library: Path | None = No
 
 
 def reexec_with_openblas() -> None:
-    """Replace this process by the same command line with OpenBLAS preloaded (see the
-    module docstring); returns only when that is not needed or not possible."""
+    """Re-execute this command with OpenBLAS preloaded; returns only when not needed/possible."""
     env = preload_environment(os.environ)
     if env is None or not sys.executable or not sys.orig_argv:
         return

@@ -1,7 +1,6 @@
-"""`promptcache cache export | import`: cache packs (``packs.py``) of an SSD folder, for the
-model ``--model`` names as ``serve`` takes it. Only the model's identity is opened
-(``engine/identity.py``), no engine is built; import verifies the whole pack first and
-imports nothing when anything is wrong. A running server's RAM is reached over HTTP."""
+"""`promptcache cache export | import`: cache packs (``packs.py``) of an SSD folder for
+``--model``; only the model's identity is opened, and import verifies the whole pack
+first (a running server's RAM: over HTTP)."""
 
 from __future__ import annotations
 

@@ -1,12 +1,7 @@
-"""Progress bars for long command-line operations (rich), quiet when not on a terminal.
-
-``with progress_bar("importing") as bar: work(progress=bar)``: ``bar(done, total)`` is
-the callback the library functions take (``packs``, ``SSDTier.check``, the model
-preparation, the bench). On a terminal (stderr is a TTY) it draws a rich progress bar
-on stderr; otherwise (pipes, CI, log files) it does nothing, so machine-readable stdout
-and logs stay clean. ``PROMPTCACHE_PROGRESS=0`` / ``1`` forces it off / on.
-``StepLines``: a line when a long step starts and when it ends (``serve``'s startup).
-"""
+"""Progress bars for long command-line operations (rich) on stderr, only on a terminal
+(``PROMPTCACHE_PROGRESS=0`` / ``1`` forces off / on), so stdout and logs stay clean:
+``with progress_bar("importing") as bar: work(progress=bar)``, ``bar(done, total)``.
+``StepLines``: a line when a long step starts and ends (``serve``'s startup)."""
 
 from __future__ import annotations
 
@@ -61,9 +56,8 @@ def progress_bar(description: str, stream: IO[str] | None = None) -> Iterator[Ca
 
 
 class StepLines:
-    """``engine.steps.Steps`` as lines on stderr: ``promptcache: <step> ...`` when a
-    step starts and ``promptcache: <step>: done in 1.2s`` (or ``failed after``) when it
-    ends, on a terminal or not, so a long startup is never silent. ``clock``: seconds."""
+    """``engine.steps.Steps`` as lines on stderr, terminal or not (``promptcache: <step>
+    ...``, then ``done in 1.2s`` or ``failed after``). ``clock``: seconds."""
 
     def __init__(self, stream: IO[str] | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:

@@ -1,7 +1,5 @@
-"""docs/cli.md's reference section, generated from the argument parser: the help of
-``promptcache`` and of every subcommand, at a fixed width (so it does not depend on the
-terminal). ``python -m promptcache.cli.reference docs/cli.md`` rewrites the section
-between its markers; ``tests/core/test_cli_reference.py`` checks it is current."""
+"""docs/cli.md's reference section, generated from the parser at a fixed width:
+``python -m promptcache.cli.reference docs/cli.md`` rewrites it (a test checks it)."""
 
 from __future__ import annotations
 

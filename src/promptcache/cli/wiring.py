@@ -1,7 +1,5 @@
-"""Building the prompt cache for an Engine (the engine never builds tiers): ``build_cache``
-gives the PromptCache over RAM plus the tiers the configs ask for, or None when caching
-is off; add a tier here to make ``serve`` use it. A tier that cannot work never stops the
-server: it stays in the list as ``off`` or ``read_only``, so stats and /health say so."""
+"""``build_cache``: the PromptCache over RAM plus the tiers the configs ask for (None when
+off); a tier that cannot work stays listed as ``off`` / ``read_only``, never stops serve."""
 
 from __future__ import annotations
 
@@ -16,8 +14,7 @@ log = logging.getLogger(__name__)
 
 def build_cache(cache_config: CacheConfig, ssd_config: SSDConfig | None = None,
                 redis_config: RedisConfig | None = None) -> PromptCache | None:
-    """PromptCache over RAM (+ SSD, + Redis when their configs are given); None if
-    disabled."""
+    """PromptCache over RAM (+ SSD, + Redis when configured); None if disabled."""
     if not cache_config.enabled:
         return None
     from ..engine.payload import MLXPayloadAdapter

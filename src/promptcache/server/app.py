@@ -1,12 +1,6 @@
-"""The FastAPI app factory: ``create_app(engine, server_config)``.
-
-Wiring only: routers (openai, responses, anthropic, admin), exception handlers, the
-authentication/scoping middleware, the dashboard (``dashboard.py``), the request log (every 4xx with its reason;
-``--log-requests``), ``HEAD /`` / ``GET /`` (Claude Code sends ``HEAD /`` before its
-requests), and per app one ``ServerState`` (its own metrics registry, hit-rate monitor
-and authenticator: no global state), one ``Preparer`` (prompt rendering off the event
-loop) and one Responses store.
-"""
+"""``create_app(engine, server_config)``: wiring only (routers, exception handlers, auth
+middleware, dashboard, request log, ``HEAD /`` for Claude Code), with per app one
+``ServerState`` (no global state), one ``Preparer`` and one Responses store."""
 
 from __future__ import annotations
 
@@ -46,8 +40,7 @@ _OPEN_PATHS = ("/health", "/metrics", "/docs", "/openapi.json", "/redoc")
 
 
 class ScopeMiddleware:
-    """Authenticates ``/v1/*`` requests and resolves their tenant/session scope into
-    ``request.state.pc_scope`` before routing (so a 401 wins over a body error)."""
+    """Authenticates ``/v1/*`` and sets ``request.state.pc_scope`` before routing (401 first)."""
 
     def __init__(self, app: ASGIApp, auth: Authenticator) -> None:
         self.app = app
@@ -70,7 +63,6 @@ class ScopeMiddleware:
 def create_app(engine: EngineAPI, server_config: ServerConfig | None = None, *,
                engine_config: EngineConfig | None = None,
                model_aliases: Iterable[str] = ()) -> FastAPI:
-    """Build the app around a loaded engine (see docs/INTERFACES.md for its API)."""
     config = server_config or ServerConfig()
     keys = load_api_keys(config.api_keys_file) if config.api_keys_file else None
     auth = Authenticator(config.api_key, keys)
@@ -93,8 +85,7 @@ def create_app(engine: EngineAPI, server_config: ServerConfig | None = None, *,
         advisor = EvictionAdvisor(cache)
         cache.observers.append(advisor)
         state.advisor = advisor
-        # the alert's log line runs on the event loop: no cache lock, no tier stats there,
-        # only the advisor's own window (a few hundred samples) and the budget in force
+        # runs on the event loop: no cache lock, only the advisor's window and the budget
         state.monitor.explain = lambda missed: diagnose(
             advisor.window(), {"ram_budget_bytes": int(cache.pool.budget_bytes)},
             recommended_budget=advisor.recommended_budget(), missed=missed,
@@ -145,12 +136,10 @@ def create_app(engine: EngineAPI, server_config: ServerConfig | None = None, *,
     log_dir = config.log_requests_dir
     app.add_middleware(RequestLog, directory=log_dir,
                        first_seq=first_sequence_number(log_dir) if log_dir else 1)
-    # outermost: an oversized body is refused before anything (the request log
-    # included) reads it
+    # outermost: an oversized body is refused before anything reads it
     app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
     if config.allowed_origins:
-        # outermost: a browser's preflight (OPTIONS, no credentials) is answered before
-        # the API key is asked for, and every answer (413s included) carries the headers
+        # outermost: preflight answered before the API key is asked, headers on every answer
         app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins),
                            allow_methods=["*"], allow_headers=["*"],
                            expose_headers=["Retry-After"])

@@ -1,8 +1,6 @@
-"""The HTTP edge: uvicorn's h11 protocol with the limits a server facing untrusted clients
-needs (issue 42): a head timeout, a connection cap sized to the file descriptors
-(``fit_to_fd_limit``; idle connections close first, a request in progress is never cut),
-431 for a large head, a body timeout with a minimum rate (``BODY_MIN_RATE``) and a
-lingering close after a refusal. ``edge_protocol(limits)`` is the class uvicorn gets."""
+"""The HTTP edge (uvicorn's h11 protocol, ``edge_protocol(limits)``): a head timeout, a
+connection cap sized to the file descriptors (idle ones close first, a request in progress
+never), 431 for a large head, a body timeout with ``BODY_MIN_RATE``, lingering close."""
 
 from __future__ import annotations
 
@@ -39,8 +37,7 @@ class Phase(enum.Enum):
 
 
 class Connections:
-    """The open connections of one server by phase, each phase in the order its
-    connections entered it (the oldest first), and the edge's counters."""
+    """The open connections by phase (oldest first in each) and the edge's counters."""
 
     def __init__(self, limits: EdgeLimits) -> None:
         self.limits = limits
@@ -62,9 +59,8 @@ class Connections:
             self._by_phase[new][conn] = None
 
     def victim(self) -> EdgeProtocol | None:
-        """The connection to close when one too many is open: one already answered and
-        closing, else the longest idle, else the one waiting longest for its head; None
-        when every one is busy."""
+        """The connection to close when one too many is open: one answered and closing,
+        else the longest idle, else the longest waiting for its head; None if all busy."""
         for phase in (Phase.LINGER, Phase.IDLE, Phase.HEAD):
             for conn in self._by_phase[phase]:
                 return conn
@@ -97,8 +93,6 @@ class EdgeProtocol(H11Protocol):
         self._body_timer: asyncio.TimerHandle | None = None
         self._body_start = 0.0
         self._body_seen = 0
-
-    # --- phases
 
     def _set_phase(self, new: Phase) -> None:
         if self._timer is not None:
@@ -164,8 +158,7 @@ class EdgeProtocol(H11Protocol):
             self._inner.close()
 
     def _close_requested(self) -> None:
-        """``transport.close()`` by uvicorn or by this class: linger while the client
-        is still sending its request, else close."""
+        """``transport.close()``: linger while the client is still sending, else close."""
         if self.phase is Phase.LINGER:
             return  # the client's EOF or the linger timer ends it
         sending = (self.phase is Phase.HEAD and self._head.seen > 0) or (
@@ -179,8 +172,6 @@ class EdgeProtocol(H11Protocol):
         inner.write_eof()  # after what is written: the client reads the answer, then EOF
         inner.resume_reading()
         self._timer = self.loop.call_later(self.edge.limits.linger_s, self.close_now)
-
-    # --- asyncio.Protocol
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         self._inner = transport
@@ -232,8 +223,6 @@ class EdgeProtocol(H11Protocol):
                 return
         super().data_received(data)
 
-    # --- uvicorn's H11Protocol
-
     def handle_events(self) -> None:
         super().handle_events()
         if self.phase in (Phase.HEAD, Phase.IDLE) and self.conn.their_state is not h11.IDLE:
@@ -252,11 +241,8 @@ class EdgeProtocol(H11Protocol):
         if self.phase is Phase.IDLE and self.conn.trailing_data[0]:
             self._start_head()  # part of a pipelined next request is here
 
-    # --- answers the app never sees
-
     def refuse(self, status: int, message: str, code: str, path: str = "/v1/") -> None:
-        """Answer ``status`` in the API's error shape (OpenAI's, or Anthropic's for
-        ``/v1/messages``) and close."""
+        """Answer ``status`` in the API's error shape and close."""
         body = json.dumps(error_body(path, status, message, code)).encode()
         reason = HTTPStatus(status).phrase.encode()
         self.transport.write(
@@ -266,8 +252,7 @@ class EdgeProtocol(H11Protocol):
 
 
 class _HeadScan:
-    """Counts a request head's bytes as they arrive, in any chunks: the head ends at
-    its first blank line."""
+    """Counts a request head's bytes in any chunks: it ends at its first blank line."""
 
     def __init__(self) -> None:
         self.seen = 0
@@ -297,8 +282,7 @@ class _HeadScan:
 
 
 class _EdgeTransport(asyncio.Transport):
-    """The connection's transport as uvicorn sees it: ``close()`` goes through the
-    protocol (which may linger); the rest is the real transport's."""
+    """The transport uvicorn sees: ``close()`` goes through the protocol (may linger)."""
 
     def __init__(self, inner: asyncio.Transport, protocol: EdgeProtocol) -> None:
         super().__init__()
@@ -359,8 +343,7 @@ class _EdgeTransport(asyncio.Transport):
 
 
 def edge_protocol(limits: EdgeLimits) -> type[EdgeProtocol]:
-    """The protocol class for one server (uvicorn's ``http=``), with its own
-    ``Connections``."""
+    """The protocol class for one server (uvicorn's ``http=``), with its own ``Connections``."""
 
     class ServerEdgeProtocol(EdgeProtocol):
         edge = Connections(limits)
@@ -369,11 +352,9 @@ def edge_protocol(limits: EdgeLimits) -> type[EdgeProtocol]:
 
 
 def fit_to_fd_limit(wanted: int) -> tuple[int, int]:
-    """``(max_connections, backlog)`` for a cap of ``wanted`` connections: the open
-    connections, one accept batch (``backlog``: asyncio accepts up to that many sockets
-    before any closes) and ``FD_RESERVE`` must fit the process's RLIMIT_NOFILE. The
-    soft limit is raised toward the hard one when short; what still does not fit lowers
-    the cap (logged)."""
+    """``(max_connections, backlog)`` for a cap of ``wanted``: open connections, one
+    accept batch (``backlog``) and ``FD_RESERVE`` must fit RLIMIT_NOFILE; the soft limit
+    is raised toward the hard one, and what still does not fit lowers the cap (logged)."""
     need = 2 * wanted + FD_RESERVE
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft != resource.RLIM_INFINITY and soft < need:

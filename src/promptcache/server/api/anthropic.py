@@ -1,8 +1,6 @@
-"""Anthropic-compatible endpoints: /v1/messages (streaming and not) and
-/v1/messages/count_tokens, accepting requests as Claude Code sends them (docs/api.md).
-Usage is disjoint as in Anthropic's API: ``input_tokens + cache_creation_input_tokens +
-cache_read_input_tokens`` is the prompt; ``message_start`` carries a prediction from a
-pure cache lookup, ``message_delta`` the exact usage."""
+"""Anthropic-compatible /v1/messages and /v1/messages/count_tokens (docs/api.md). Usage is
+disjoint as in Anthropic's API; ``message_start`` carries a prediction from a pure cache
+lookup, ``message_delta`` the exact usage."""
 
 from __future__ import annotations
 
@@ -80,9 +78,8 @@ def _ttl(cache_control: Any, where: str) -> float | None:
 
 def breakpoints_of(body: MessagesRequest | CountTokensRequest, msgs: list[dict[str, Any]],
                    images: ImageCollector | None = None) -> tuple[Breakpoint, ...]:
-    """The request's ``cache_control`` breakpoints, on the template messages ``msgs``:
-    system blocks and tools mark the end of the system prompt; a message's blocks the
-    end of that message; a top-level ``cache_control`` the end of the last one."""
+    """The request's ``cache_control`` breakpoints on the template messages ``msgs``
+    (system blocks and tools: the end of the system prompt; top-level: the last message)."""
     out: list[Breakpoint] = []
     for i, block in enumerate(body.system if isinstance(body.system, list) else ()):
         ttl = _ttl(block.get("cache_control"), f"system[{i}]")
@@ -212,8 +209,7 @@ class _Blocks:
 
 
 def echo_messages(text: str, uses: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """A reply as the next request will carry it: the client's echo of the content blocks
-    (thinking is not replayed), read by this API's own parser."""
+    """A reply as the next request carries it (thinking not replayed), read by this parser."""
     blocks: list[dict[str, Any]] = [{"type": "text", "text": text}, *uses]
     return anthropic_messages([AnthropicMessage(role="assistant", content=blocks)], None)
 
@@ -222,13 +218,11 @@ async def _stream(gen: Generation, st: ServerState, parser: ReplyParser, msg_id:
                   model: str, prepared: Prepared, cache_on: bool, sleep: Sleep,
                   diagnose: bool, on_reply: Callable[[list[dict[str, Any]]], None]
                   ) -> AsyncIterator[str]:
-    """The event sequence. A plain reply (no tools offered, no reasoning markers) opens
-    its text block at once; otherwise blocks open as their first piece arrives, and
-    tool_use blocks follow at the end. ``diagnostics`` (when asked) rides on
-    ``message_start``, from the same cache lookup as its usage."""
+    """The event sequence: a plain reply opens its text block at once, else blocks open
+    as their first piece arrives, tool_use blocks last; ``diagnostics`` rides on
+    ``message_start`` (the same lookup as its usage)."""
     prompt_len, predicted = len(prepared.tokens), prepared.predicted_cached
-    # the final usage's definition: the uncached tokens when the request stores prompt
-    # blocks, else 0 (a prompt the cache holds whole stores none)
+    # a prompt the cache holds whole stores no blocks: no cache creation
     writes = cache_on and not prepared.predicted_whole
     created, split = creation(prompt_len, predicted, prepared.breakpoints) if writes \
         else (0, {"ephemeral_5m_input_tokens": 0, "ephemeral_1h_input_tokens": 0})

@@ -16,10 +16,9 @@ _TTL_KEYS = {300.0: "ephemeral_5m_input_tokens", 3600.0: "ephemeral_1h_input_tok
 
 def creation(prompt_len: int, cached: int, breakpoints: tuple[tuple[int, float], ...]
              ) -> tuple[int, dict[str, int]]:
-    """``cache_creation_input_tokens`` and its ``cache_creation`` split by ttl: the
-    prompt tokens after the cached ones up to the last breakpoint (without breakpoints,
-    up to the end: the cache keeps every prefix), each counted under the ttl of the
-    first breakpoint at or after it."""
+    """``cache_creation_input_tokens`` and its split by ttl: the tokens after the cached
+    ones up to the last breakpoint (none: the end), each under the ttl of the first
+    breakpoint at or after it."""
     split = {"ephemeral_5m_input_tokens": 0, "ephemeral_1h_input_tokens": 0}
     marks = breakpoints or ((prompt_len, TTLS["5m"]),)
     start = cached
@@ -47,7 +46,6 @@ def anthropic_usage(result: GenerationResult,
 
 
 def stop_fields(result: GenerationResult, calls: tuple[ToolCall, ...] = ()) -> dict[str, Any]:
-    """``stop_reason`` and ``stop_sequence`` of a finished reply."""
     if calls:
         return {"stop_reason": "tool_use", "stop_sequence": None}
     if result.finish_reason == "length":
@@ -69,8 +67,7 @@ def signature(thinking: str) -> str:
 
 def content_blocks(reasoning: str, text: str, calls: tuple[ToolCall, ...]
                    ) -> list[dict[str, Any]]:
-    """[thinking?, text?, tool_use...]: the text block is left out when empty and there
-    are calls or reasoning."""
+    """[thinking?, text?, tool_use...]; an empty text block is left out beside the others."""
     blocks: list[dict[str, Any]] = []
     if reasoning:
         blocks.append({"type": "thinking", "thinking": reasoning,

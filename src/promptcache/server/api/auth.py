@@ -1,8 +1,7 @@
-"""API keys and request scoping (tenant, session, agent). No key configured: every request
-is allowed and ``X-Tenant-Id`` picks the tenant; ``--api-key``: Bearer or ``x-api-key``
-(401 otherwise); ``--api-keys-file``: a key also fixes the tenant (another tenant in the
-header is a 403). The session comes from the first session header present (the clients'
-own: ``SESSION_HEADERS``), else a body field (``prompt_cache_key``); docs/api.md."""
+"""API keys and request scoping (tenant, session, agent): no key, ``--api-key`` (Bearer or
+``x-api-key``, else 401) or ``--api-keys-file`` (a key fixes the tenant; another in the
+header is a 403); the session from the first ``SESSION_HEADERS`` header, else a body
+field (``prompt_cache_key``). docs/api.md."""
 
 from __future__ import annotations
 
@@ -62,15 +61,13 @@ def _valid_session(value: str | None) -> bool:
 class Scope:
     tenant: str = DEFAULT_TENANT
     session_id: str | None = None
-    # where the session id came from: a header name, or a body field such as
-    # "prompt_cache_key" (None: no session)
+    # a header name or a body field such as "prompt_cache_key" (None: no session)
     session_source: str | None = None
     agent_id: str | None = None
     parent_agent_id: str | None = None
 
     def with_session(self, value: str | None, source: str) -> Scope:
-        """Fill the session from a body field when no header named one (an invalid
-        value is ignored, as for client headers)."""
+        """The session from a body field when no header named one (invalid: ignored)."""
         if self.session_id is not None or value is None:
             return self
         if not _valid_session(value):
@@ -126,9 +123,8 @@ class Authenticator:
         raise APIError(401, "invalid API key", code="invalid_api_key")
 
     def query_tenant(self, request: Request, tenant: str | None, action: str) -> str | None:
-        """The tenant an admin request acts on (None: every tenant): ``tenant`` (a
-        ``?tenant=``; 400 when invalid), or the tenant fixed by the key — which may not
-        name another (403: "this API key may only <action>")."""
+        """The tenant an admin request acts on (None: every tenant): ``?tenant=`` (400 when
+        invalid), or the key's own tenant, which may not name another (403)."""
         if tenant is not None:
             try:
                 validate_tenant(tenant)
@@ -142,10 +138,8 @@ class Authenticator:
         return fixed
 
     def deletion_tenant(self, request: Request, tenant: str | None) -> str | None:
-        """The tenant a deletion by session acts in (None: every tenant). A key bound
-        to a tenant deletes only there (naming another: 403); otherwise ``tenant``
-        (the ``?tenant=`` of a global admin), else the ``X-Tenant-Id`` the caller
-        works in, else every tenant. Raises 400 for an invalid tenant."""
+        """The tenant a deletion by session acts in (None: every tenant): a tenant-bound
+        key's own (another: 403), else ``?tenant=``, else ``X-Tenant-Id``. 400 if invalid."""
         fixed = self.key_tenant(request)
         header = request.headers.get("x-tenant-id")
         for what, value in (("tenant", tenant), ("X-Tenant-Id", header)):

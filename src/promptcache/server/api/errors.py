@@ -1,11 +1,6 @@
-"""Error bodies in the caller's dialect, and the exception handlers of the app.
-
-Paths under ``/v1/messages`` get Anthropic-shaped errors
-(``{"type": "error", "error": {"type", "message"}}``); everything else gets the
-OpenAI shape (``{"error": {"message", "type", "param", "code"}}``). Client mistakes
-(bad JSON, failed validation, ``ValueError`` from the engine's checks) are 4xx;
-only genuine server faults are 5xx.
-"""
+"""Error bodies in the caller's dialect and the app's exception handlers: Anthropic's shape
+under ``/v1/messages``, OpenAI's elsewhere; client mistakes (bad JSON, validation,
+``ValueError``) are 4xx, only server faults 5xx."""
 
 from __future__ import annotations
 
@@ -59,9 +54,7 @@ class APIError(Exception):
 
 
 class BodyTooLarge(StarletteHTTPException):
-    """The body passed ``--max-body-bytes`` while it was being received (raised by
-    ``limits.BodyLimit``; an HTTPException so that a route's body parsing passes it
-    through unchanged)."""
+    """The body passed ``--max-body-bytes`` (an HTTPException: body parsing passes it on)."""
 
     def __init__(self, message: str) -> None:
         super().__init__(413, message)
@@ -109,8 +102,7 @@ def error_response(request: Request, status: int, message: str, code: str | None
 
 
 def overloaded_response(request: Request, exc: OverloadedError) -> JSONResponse:
-    """At capacity: OpenAI 429 ``rate_limit_error``, Anthropic 529 ``overloaded_error``,
-    both with ``Retry-After`` (whole seconds)."""
+    """At capacity: OpenAI 429, Anthropic 529, both with ``Retry-After`` (whole seconds)."""
     status = 529 if is_anthropic_path(request.url.path) else 429
     retry = str(max(1, int(round(exc.retry_after_s))))
     return error_response(request, status, str(exc), "overloaded", None,

@@ -1,7 +1,5 @@
-"""Request body size limit (``--max-body-bytes``), enforced before any work: an ASGI
-middleware that answers a ``/v1/*`` body over the limit with 413 in the API's own shape,
-from its ``Content-Length`` or, chunked, at the chunk that crosses it.
-``/v1/cache/import`` has its own limit (``--max-import-bytes``)."""
+"""``--max-body-bytes``: an ASGI middleware answering a larger ``/v1/*`` body with 413 in
+the API's shape (from ``Content-Length`` or at the chunk crossing it)."""
 
 from __future__ import annotations
 
@@ -67,8 +65,7 @@ class BodyLimit:
         try:
             await self.app(scope, limited, tracked)
         except BodyTooLarge:
-            # raised where no exception handler of the app answers it (a middleware
-            # reading the body): answer here
+            # no exception handler answers a middleware's raise: answer here
             if started:
                 raise
             await _send_413(path, limit, send)

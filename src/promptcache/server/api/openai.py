@@ -116,9 +116,7 @@ def _logprobs_k(logprobs: bool | None, top: int | None) -> int | None:
 
 def echo_messages(text: str, calls: tuple[ToolCall, ...], ids: list[str]
                   ) -> list[dict[str, Any]]:
-    """A reply as the next request will carry it: the client's assistant message
-    (content and tool_calls; reasoning_content is not replayed), read by this API's
-    parser."""
+    """A reply as the next request carries it (no reasoning_content), read by this parser."""
     msg = OAIMessage(role="assistant", content=text or None,
                      tool_calls=[OAIToolCall.model_validate(t)
                                  for t in tool_call_dicts(calls, ids)] or None)
@@ -363,8 +361,7 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
 
 
 def model_card(st: ServerState, model_id: str) -> dict[str, Any]:
-    """One model, readable by OpenAI and Anthropic clients alike: the context window
-    under the names clients look for, and the largest max_tokens accepted."""
+    """One model for OpenAI and Anthropic clients: the context window and max_tokens limit."""
     window = context_window(st)
     created = int(st.started_at)
     return {

@@ -1,9 +1,6 @@
-"""OpenAI request parameters checked as OpenAI checks them, each a 400 naming the
-parameter: ``logit_bias`` (token ids in the vocabulary, biases in [-100, 100]), the
-legacy ``logprobs`` of /v1/completions (an integer in [0, 5]) and ``best_of`` (only 1:
-one completion is generated per request). Also the legacy logprobs object of a
-completion choice (``{tokens, token_logprobs, top_logprobs, text_offset}``) built from
-the chat API's logprob entries."""
+"""OpenAI request parameters checked as OpenAI checks them, each a 400 naming it
+(``logit_bias``, legacy ``logprobs``, ``best_of``), and the legacy logprobs object of a
+completion choice built from chat logprob entries."""
 
 from __future__ import annotations
 
@@ -44,9 +41,7 @@ def logit_bias(raw: Any, vocab_size: int) -> tuple[tuple[int, float], ...]:
 
 
 def completion_logprobs(raw: Any, echo: bool) -> int | None:
-    """The legacy ``logprobs`` of /v1/completions: None (off) or an integer in [0, 5]
-    (how many alternatives per token). The prompt's own logprobs (with ``echo``) are
-    not computed: that combination is a 400."""
+    """/v1/completions ``logprobs``: None or an int in [0, 5]; with ``echo`` a 400."""
     if raw is None:
         return None
     if isinstance(raw, bool) or not isinstance(raw, int) \
@@ -66,10 +61,9 @@ def best_of(raw: Any) -> None:
 
 
 def legacy_logprobs(entries: list[dict[str, Any]], offset: int) -> dict[str, Any]:
-    """A completion choice's ``logprobs`` from chat logprob entries (``LogprobDecoder``):
-    per token its text, its logprob, ``{text: logprob}`` of the alternatives plus the
-    chosen token (up to k + 1 entries, as OpenAI's), and the character offset of the token
-    in the reply's text, starting at ``offset``."""
+    """A completion choice's ``logprobs`` from chat logprob entries: per token its text,
+    logprob, up to k + 1 alternatives (with the chosen one, as OpenAI's) and its
+    character offset from ``offset``."""
     tokens: list[str] = []
     token_logprobs: list[float] = []
     top: list[dict[str, float]] = []
@@ -87,8 +81,6 @@ def legacy_logprobs(entries: list[dict[str, Any]], offset: int) -> dict[str, Any
 
 
 def penalties(body: _OAISampling | ResponsesRequest) -> Penalties:
-    """The request's penalties (OpenAI's presence / frequency, mlx_lm.server's and
-    vLLM's repetition penalty and its context size); the ranges are checked by
-    ``SamplingParams`` (a 400 naming the field)."""
+    """The request's penalties (ranges checked by ``SamplingParams``: a 400 naming the field)."""
     return Penalties(repetition=body.repetition_penalty, presence=body.presence_penalty,
                      frequency=body.frequency_penalty, context=body.repetition_context_size)

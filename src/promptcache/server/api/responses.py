@@ -1,8 +1,6 @@
-"""OpenAI Responses API: POST /v1/responses, GET / DELETE /v1/responses/{id}. The request's
-items are read by ``responses_items.py``; ``previous_response_id`` continues a stored
-response; ``prompt_cache_key`` names the session when no header does (Codex). Output
-items are [reasoning?, message?, function_call...]; streaming sends the event sequence
-Codex consumes (docs/api.md), with usage at ``response.completed``."""
+"""OpenAI Responses API: POST /v1/responses, GET / DELETE /v1/responses/{id} (docs/api.md):
+``previous_response_id`` continues a stored response, ``prompt_cache_key`` names the session
+when no header does; output [reasoning?, message?, function_call...], usage at the end."""
 
 from __future__ import annotations
 
@@ -93,8 +91,6 @@ def _response(rid: str, body: ResponsesRequest, model: str, created: int, *,
 
 
 class _Call:
-    """What one POST /v1/responses needs after preparation."""
-
     def __init__(self, st: ServerState, body: ResponsesRequest, model: str,
                  conv: Conversation, offered: OfferedTools, store: TenantResponses,
                  decoder: LogprobDecoder | None) -> None:
@@ -123,16 +119,14 @@ class _Call:
         if self.keep:
             self.store.put(self.rid, StoredResponse(response, conv))
         if self.on_reply is not None:
-            # the client sends the output items back (or names this response): either way
-            # the conversation grows by exactly these messages
+            # sent back or named, the conversation grows by exactly these messages
             self.on_reply(conv.messages[len(self.conv.messages):])
         return response
 
 
 async def _events(call: _Call, gen: Generation, reply: ReplyItems, parser: ReplyParser,
                   sleep: Sleep | None = None) -> AsyncIterator[str]:
-    """The stream; a non-streamed request runs the same machine and keeps
-    ``call.response`` (or ``call.failure``)."""
+    """The stream; a non-streamed request runs it too and keeps ``call.response``."""
     yield reply.event("response.created", response=call.base("in_progress", []))
     yield reply.event("response.in_progress", response=call.base("in_progress", []))
     interval = call.st.config.keepalive_s if sleep is not None else None
@@ -166,9 +160,7 @@ async def _events(call: _Call, gen: Generation, reply: ReplyItems, parser: Reply
 def chat_prompt(body: ResponsesRequest, store: TenantResponses,
                 images: ImageCollector | None = None
                 ) -> tuple[Conversation, OfferedTools, ChatPrompt]:
-    """The request's conversation (``previous_response_id`` + ``input``), the offered
-    tools and the ``ChatPrompt`` (also what ``/v1/cache/probe`` renders). ``images``:
-    the server's collector for a vision-language model (None: text only)."""
+    """The conversation, the tools and the ``ChatPrompt`` (also for ``/v1/cache/probe``)."""
     json_output = responses_text_format(body.text)
     if body.input is None and body.previous_response_id is None:
         raise APIError(400, "input is required", param="input")

@@ -27,8 +27,7 @@ def responses_usage(result: GenerationResult, reasoning_tokens: int) -> dict[str
 
 
 class ReplyItems:
-    """Builds the output items of one reply, and (streaming) the events that announce
-    them; ``sequence_number`` counts every event."""
+    """Output items of one reply and (streaming) their events; ``sequence_number``: every event."""
 
     def __init__(self, offered: OfferedTools, decoder: LogprobDecoder | None) -> None:
         self.offered = offered
@@ -44,8 +43,6 @@ class ReplyItems:
         payload = {"type": etype, "sequence_number": self.seq, **data}
         self.seq += 1
         return sse_event(etype, payload)
-
-    # ---- items
 
     def _item_id(self) -> str:
         return str(self.output[-1]["id"])

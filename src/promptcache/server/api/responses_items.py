@@ -212,9 +212,8 @@ class StoredResponse:
 
 
 class ResponseStore:
-    """Bounded LRU of stored responses of every tenant (thread-safe). Reached only
-    through ``scoped(tenant)``: a response is visible, usable and deletable by the
-    tenant that created it and nobody else."""
+    """Bounded LRU of stored responses (thread-safe), reached only through
+    ``scoped(tenant)``: only the creating tenant sees, uses or deletes one."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity

@@ -1,10 +1,6 @@
-"""Request bodies of the OpenAI and Anthropic endpoints (pydantic).
-
-The models are deliberately lenient about fields we do not use (``extra="allow"``:
-clients send many vendor options) and strict about the ones we do. Semantic checks
-(roles, empty messages, limits) live in ``prompt.py`` and the routers, so that they
-produce the API's own error shape.
-"""
+"""Request bodies of the OpenAI and Anthropic endpoints (pydantic): lenient about fields
+not used (``extra="allow"``), strict about those used; semantic checks live in
+``prompt.py`` and the routers, so they answer in the API's own error shape."""
 
 from __future__ import annotations
 
@@ -15,9 +11,6 @@ from pydantic import BaseModel, ConfigDict, Field
 
 class _Lenient(BaseModel):
     model_config = ConfigDict(extra="allow")
-
-
-# --- OpenAI ---------------------------------------------------------------------------
 
 
 class OAIFunctionCall(_Lenient):
@@ -83,13 +76,9 @@ class ChatCompletionRequest(_OAISampling):
 class CompletionRequest(_OAISampling):
     prompt: str | list[str] | list[int]
     echo: bool = False
-    # the legacy integer (alternatives per token, 0..5) and best_of (only 1): checked in
-    # openai_params.py
+    # checked in openai_params.py
     logprobs: Any = None
     best_of: Any = None
-
-
-# --- Anthropic ------------------------------------------------------------------------
 
 
 class AnthropicMessage(_Lenient):
@@ -99,8 +88,7 @@ class AnthropicMessage(_Lenient):
 
 class AnthropicTool(_Lenient):
     name: str
-    # None / "custom": a client tool; anything else (web_search_*, bash_*, ...) is an
-    # Anthropic server or built-in tool, which a local model cannot run: left out
+    # None / "custom": a client tool; others are server tools a local model cannot run
     type: str | None = None
     description: str | None = None
     input_schema: dict[str, Any] = Field(default_factory=dict)
@@ -136,9 +124,6 @@ class CountTokensRequest(_Lenient):
     tools: list[AnthropicTool] | None = None
     tool_choice: dict[str, Any] | None = None
     thinking: dict[str, Any] | None = None
-
-
-# --- OpenAI Responses -------------------------------------------------------------------
 
 
 class ResponsesRequest(_Lenient):

@@ -1,10 +1,6 @@
-"""Admin endpoints: cache stats and deletion, health, Prometheus metrics.
-
-``/health`` and ``/metrics`` need no API key; ``/v1/cache*`` does (when keys are
-configured). A key bound to a tenant (``--api-keys-file``) can only see the stats and
-delete the blocks of its own tenant scope: ``DELETE /v1/cache`` with such a key deletes
-that tenant's blocks, never everything.
-"""
+"""Admin endpoints: cache stats and deletion, health, Prometheus metrics. ``/health`` and
+``/metrics`` need no API key; ``/v1/cache*`` does, and a tenant-bound key sees and
+deletes only its own tenant (``DELETE /v1/cache`` then deletes that tenant's blocks)."""
 
 from __future__ import annotations
 
@@ -29,14 +25,12 @@ router = APIRouter()
 
 
 def cache_stats_dict(engine: EngineAPI) -> dict[str, Any] | None:
-    """The cache's stats with its levels (protections and active sessions); None
-    without a cache."""
+    """The cache's stats with its levels; None without a cache."""
     return engine.cache_stats()
 
 
 def kv_stats_dict(engine: EngineAPI) -> dict[str, Any] | None:
-    """Arrays and bytes per cached token, the stored KV quantization (if the engine
-    reports them)."""
+    """Arrays and bytes per cached token, the KV quantization (if the engine reports them)."""
     got = engine.kv_stats()
     return dict(got) if got is not None else None
 
@@ -67,10 +61,8 @@ def _has_valid_key(st: ServerState, request: Request) -> bool:
 
 @router.get("/health", response_model=None)
 async def health(request: Request) -> dict[str, Any] | JSONResponse:
-    """Liveness: 200 while the engine thread runs, 503 once it has died (every
-    request then fails). Reads two attributes: no lock, no engine call. Free text
-    (a tier's reason, the engine's failure: they may name paths) only for a caller
-    with a valid API key; anyone else sees the modes and flags."""
+    """Liveness: 200 while the engine thread runs, 503 once it died. No lock, no engine
+    call. Free text (may name paths) only for a caller with a valid API key."""
     st = state_of(request)
     detail = _has_valid_key(st, request)
     body: dict[str, Any] = {
@@ -97,9 +89,8 @@ async def metrics(request: Request) -> Response:
 
 
 def stats_payload(st: ServerState, tenant: str | None = None) -> dict[str, Any]:
-    """The body of ``GET /v1/cache/stats`` (also what the dashboard shows); runs in a
-    worker thread (the cache's stats take its lock). ``tenant``: the tenant of a
-    tenant-bound key, whose view lists only its own sessions."""
+    """The body of ``GET /v1/cache/stats`` (and the dashboard's), in a worker thread (the
+    stats take the cache lock). ``tenant``: a tenant-bound key's, its sessions only."""
     try:
         stats = cache_stats_dict(st.engine)
         kv = kv_stats_dict(st.engine)
@@ -173,9 +164,7 @@ async def delete_cache(request: Request, tenant: str | None = None) -> dict[str,
 @router.delete("/v1/cache/sessions/{session_id}")
 async def delete_session(session_id: str, request: Request,
                          tenant: str | None = None) -> dict[str, Any]:
-    """Delete one session's blocks within one tenant (``Authenticator.deletion_tenant``:
-    a tenant-bound key's own; else ``?tenant=`` or the caller's ``X-Tenant-Id``; a
-    global caller naming neither: every tenant)."""
+    """Delete one session's blocks within one tenant (``Authenticator.deletion_tenant``)."""
     st = state_of(request)
     try:
         validate_session_id(session_id)

@@ -1,7 +1,6 @@
-"""Rolling reuse rate over the last N requests that repeat earlier traffic, and the
-low-hit-rate alert. ``new`` and ``off`` requests are not counted (a cache cannot be
-expected to hit them). The alert needs ``min_samples`` counted requests; entering it
-logs the common miss reasons, repeated once per window, leaving it an info line."""
+"""Rolling reuse rate over the last N requests that repeat earlier traffic (``new`` and
+``off`` not counted) and the low-hit-rate alert (after ``min_samples``; logs the common
+miss reasons once per window)."""
 
 from __future__ import annotations
 
@@ -39,8 +38,7 @@ class HitRateMonitor:
         self.alerting = False
         self.num_skipped_new = 0
         self._since_warning = 0
-        # the automated diagnosis added to the warning, given the window's missed tokens
-        # by cause (the app sets it: advisor.py)
+        # the diagnosis added to the warning, from missed tokens by cause (advisor.py)
         self.explain: Callable[[dict[str, int]], str | None] | None = None
 
     def record(self, outcome: Outcome) -> None:

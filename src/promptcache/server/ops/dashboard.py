@@ -29,8 +29,7 @@ def _asset(name: str) -> bytes:
 
 
 def engine_load(st: ServerState) -> dict[str, Any]:
-    """Active and queued requests: from the engine's admission control when it has one
-    (``engine_stats()`` not None), else the requests in flight (queued unknown: None)."""
+    """Active and queued requests: admission control's, else those in flight (queued: None)."""
     try:
         es = st.engine.engine_stats()
         if es is not None:
@@ -50,8 +49,7 @@ SPEC_KEYS = ("spec_verifies", "spec_drafted", "spec_accepted", "spec_pool_drafte
 
 
 def speculation_panel(engine: Any) -> dict[str, Any] | None:
-    """The speculation card: the engine's ``spec_*`` numbers without the prefix (None: an
-    engine without them)."""
+    """The engine's ``spec_*`` numbers without the prefix (None: the engine has none)."""
     if not isinstance(engine, dict) or "spec_verifies" not in engine:
         return None
     return {k.removeprefix("spec_"): engine.get(k) for k in SPEC_KEYS}

@@ -1,9 +1,7 @@
-"""Miss diagnosis against the previous turn: Anthropic ``diagnostics`` and the log line.
-The previous turn (by ``previous_message_id``, else the last of the tenant, session and
-agent, kept in ``TurnStore``) is compared with this request: a divergence is named by
-where it falls (``tools_changed`` / ``system_changed`` / ``messages_changed``), a repeat
-the cache did not deliver by the cache's cause (docs/api.md). Token work runs in the
-preparation thread; ``Divergence.diagnose`` is O(1), run when the result arrives."""
+"""Miss diagnosis against the previous turn (``TurnStore``; Anthropic ``diagnostics`` and
+the log line): a divergence is named by where it falls (tools / system / messages), a
+repeat the cache did not deliver by the cache's cause (docs/api.md). Token work runs in
+the preparation thread; ``Divergence.diagnose`` is O(1)."""
 
 from __future__ import annotations
 
@@ -89,9 +87,7 @@ class TurnKey:
 
     @property
     def activity(self) -> str:
-        """The cache's session key of this turn (``PromptCache.mark_active``): the
-        session and, for a subagent, its agent id, so parallel subagents keep their
-        own tails."""
+        """This turn's session key for ``mark_active`` (a subagent's includes its agent id)."""
         return self.session_id if self.agent_id is None else f"{self.session_id}\x1f{self.agent_id}"
 
 
@@ -135,8 +131,7 @@ class Divergence:
 
     def diagnose(self, restored: int, cache_cause: str | None, caching: bool = True
                  ) -> Diagnosis | None:
-        """The diagnosis once the number of restored tokens (and the cache's cause of
-        a short match) is known; None when nothing was missed."""
+        """The diagnosis once the restored tokens (and the cause) are known; None if no miss."""
         if self.not_found:
             return Diagnosis(NOT_FOUND)
         if not caching:
@@ -184,12 +179,8 @@ def message_at(position: int, starts: Sequence[int]) -> int | None:
     return i if i >= 0 else None
 
 
-# --- where in the request body a text falls ---------------------------------------------
-
-
 def body_texts(body: Any, path: str = "") -> list[tuple[str, str]]:
-    """Every string in a request body (a dict, or a pydantic model) with its path
-    (``messages[2].content[0].text``), in document order."""
+    """Every string in a body (dict or pydantic model) with its path, in document order."""
     dump = getattr(body, "model_dump", None)
     if callable(dump):
         body = dump(exclude_none=True)
@@ -206,9 +197,8 @@ def body_texts(body: Any, path: str = "") -> list[tuple[str, str]]:
 
 
 def locate(before: str, after: str, texts: Sequence[tuple[str, str]]) -> str | None:
-    """The path of the body string that holds the text at a divergence: the longest
-    window around the divergence point (``before`` + | + ``after``) found in one string
-    (at least 4 characters, at least one of them after the point)."""
+    """The path of the body string holding the text at a divergence: the longest window
+    around the point found in one string (>= 4 characters, one after the point)."""
     best: tuple[int, str] | None = None
     b, a = before[-24:], after[:24]
     # every window of >= 4 characters with >= 1 after the point holds one of these
@@ -233,12 +223,8 @@ def locate(before: str, after: str, texts: Sequence[tuple[str, str]]) -> str | N
     return best[1] if best else None
 
 
-# --- the turn store ---------------------------------------------------------------------
-
-
 class TurnStore:
-    """Bounded memory of finished turns: by message id (Anthropic ``previous_message_id``)
-    and by (tenant, session, agent). LRU past ``max_turns`` or ``max_tokens``."""
+    """Finished turns by message id and by (tenant, session, agent); LRU past the limits."""
 
     def __init__(self, max_turns: int = 512, max_tokens: int = 4_000_000) -> None:
         self.max_turns = max_turns
@@ -274,8 +260,7 @@ class TurnStore:
             del self._by_key[turn.key]
 
     def replace_tokens(self, key: TurnKey, tokens: Sequence[int]) -> None:
-        """The next turn of ``key`` is expected to start with ``tokens`` (the pre-render
-        found what the client will send back): its reference from now on."""
+        """The pre-render found what ``key``'s next turn starts with: its reference now."""
         with self._lock:
             mid = self._by_key.get(key)
             turn = self._turns.peek(mid) if mid is not None else None
@@ -286,8 +271,7 @@ class TurnStore:
             self._tokens += len(turn.tokens)
 
     def by_id(self, message_id: str, tenant: str | None) -> Turn | None:
-        """The turn of that message id, if it is ``tenant``'s (another tenant's id is
-        unknown here: never a prefix oracle across tenants)."""
+        """The turn of that message id if it is ``tenant``'s (no oracle across tenants)."""
         with self._lock:
             turn = self._turns.peek(message_id)
             if turn is None or turn.tenant != tenant:

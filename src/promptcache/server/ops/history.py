@@ -1,7 +1,5 @@
-"""Recent requests for the dashboard: a bounded ring of finished requests; ``summary()``
-gives hit rates over time, TTFT with and without cached tokens, tokens and (estimated:
-cached tokens x the window's uncached prefill time per token) seconds saved, and the
-busiest sessions and tenants."""
+"""Recent requests for the dashboard: a bounded ring; ``summary()`` gives hit rates, TTFT
+with and without cached tokens, tokens and estimated seconds saved, the busiest sessions."""
 
 from __future__ import annotations
 
@@ -84,8 +82,7 @@ class RequestHistory:
             return list(self._ring)
 
     def summary(self, tenant: str | None = None, points: int = 200) -> dict[str, Any]:
-        """What the dashboard shows; ``tenant`` restricts the window to one tenant
-        (a tenant-bound API key sees only its own requests)."""
+        """What the dashboard shows; ``tenant``: that tenant's requests only."""
         with self._lock:
             ring = [s for s in self._ring if tenant is None or s.tenant == tenant]
             totals = (self.num_requests, self.prompt_tokens, self.cached_tokens)

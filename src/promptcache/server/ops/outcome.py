@@ -1,9 +1,7 @@
-"""What the cache did for one request, in one word (``outcome_of``): ``hit:<tiers>`` (the
-cache served all the request repeats), ``new`` (nothing cached to share),
-``miss:<cause>`` (it repeats earlier traffic and the cache did not deliver: where the
-client's prompt changed, or the cache's own cause) or ``off``; read by the request log
-line, the hit-rate alert and its diagnosis (docs/api.md). ``shared`` is what a working
-cache reuses of the request (0 for ``new`` and ``off``, which the alert does not count)."""
+"""What the cache did for one request, in one word (``outcome_of``; docs/api.md):
+``hit:<tiers>``, ``new`` (nothing cached to share), ``miss:<cause>`` (it repeats earlier
+traffic and the cache did not deliver) or ``off``; read by the request log, the hit-rate
+alert and its diagnosis. ``shared``: what a working cache reuses (0 for new / off)."""
 
 from __future__ import annotations
 
@@ -58,10 +56,9 @@ def outcome_of(prompt_tokens: int, cached_tokens: int, miss: CacheMiss | None, *
                cached_by_tier: Mapping[str, int] | None = None, caching: bool = True,
                divergence: Divergence | None = None,
                last_message_start: int | None = None) -> Outcome:
-    """The outcome of a request that read ``cached_tokens`` of its ``prompt_tokens``
-    from the cache, with the cache's ``miss``; ``divergence``: the comparison with the
-    session's previous turn; ``last_message_start``: where the prompt's last chat
-    message starts (None: unknown, a ``diverged`` miss is then ``new``)."""
+    """The outcome of a request that read ``cached_tokens`` of ``prompt_tokens`` from the
+    cache; ``divergence``: vs the session's previous turn; ``last_message_start``: where
+    the last chat message starts (None: unknown, a ``diverged`` miss is then ``new``)."""
     if not caching:
         return Outcome(OFF)
     tiers = tiers_of(cached_by_tier or {})
@@ -83,7 +80,6 @@ def outcome_of(prompt_tokens: int, cached_tokens: int, miss: CacheMiss | None, *
             return Outcome(MISS, miss.cause, last_message_start, cached_tokens, tiers)
         return Outcome(NEW, tiers=tiers)  # a new question after a shared preamble
     if miss.kind == "diverged" and cached_tokens > 0:
-        # a raw prompt (no chat messages) that goes on differently from a stored one:
-        # the cache served all they share
+        # a raw prompt that goes on differently: the cache served all they share
         return Outcome(HIT, None, cached_tokens, cached_tokens, tiers)
     return Outcome(NEW, tiers=tiers)

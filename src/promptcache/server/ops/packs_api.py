@@ -1,8 +1,6 @@
-"""Admin endpoints for cache packs (``packs.py``): ``POST /v1/cache/export`` (a
-conversation, tokens, a session or the whole tenant -> a pack) and ``POST
-/v1/cache/import`` (streamed to a temp file within ``--max-import-bytes``, checked as it
-arrives, verified whole, then imported; a bad pack imports nothing). The tenant is the
-caller's scope; the work runs in a worker thread, never on the event loop."""
+"""Admin endpoints for cache packs (``packs.py``): ``POST /v1/cache/export`` and ``POST
+/v1/cache/import`` (streamed to a temp file within ``--max-import-bytes``, verified whole
+before anything is imported), in the caller's tenant scope, in a worker thread."""
 
 from __future__ import annotations
 
@@ -131,9 +129,8 @@ def _too_large(limit: int) -> APIError:
 
 
 async def _receive(request: Request, f: IO[bytes], limit: int, seen: list[int]) -> None:
-    """The request's body into ``f``, in pieces written off the event loop: 413 once it
-    passes ``limit``, 400 as soon as it does not start like a pack. ``seen[0]``: the
-    bytes received so far."""
+    """The body into ``f``, written off the event loop: 413 past ``limit``, 400 once it
+    does not start like a pack. ``seen[0]``: bytes received."""
     start = packfile.PackStart()
     piece = bytearray()
     async for chunk in request.stream():

@@ -1,7 +1,6 @@
-"""ASGI middleware: every 4xx / 5xx logged with its reason and session, and (``--log-requests
-DIR``) every ``/v1`` request written to ``DIR/<seq>-<api>.json`` after its response, in a
-worker thread, with the secret headers left out. A debugging aid (the bodies are the
-clients' prompts; the fixtures in ``tests/fixtures/traffic`` were recorded so)."""
+"""ASGI middleware: every 4xx / 5xx logged with its reason and session, and with
+``--log-requests DIR`` every ``/v1`` request written to ``DIR/<seq>-<api>.json`` (secret
+headers left out) in a worker thread."""
 
 from __future__ import annotations
 
@@ -48,8 +47,7 @@ def _write(path: Path, record: dict[str, Any]) -> None:
 
 
 def first_sequence_number(directory: Path) -> int:
-    """Create ``directory``; the number after the highest one recorded there (call it
-    when the app is built, not on the event loop)."""
+    """Create ``directory``; the next sequence number there (not on the event loop)."""
     directory.mkdir(parents=True, exist_ok=True)
     existing = [int(p.name.split("-")[0]) for p in directory.glob("*-*.json")
                 if p.name.split("-")[0].isdigit()]

@@ -1,7 +1,6 @@
 """Per-session and per-agent request counts (``"sessions"`` in ``GET /v1/cache/stats``),
-bounded: at most ``max_sessions`` sessions (the least recently active dropped and counted)
-and ``max_agents`` agents per session (more count under ``other_agents``), so made-up ids
-cannot grow the server's memory."""
+bounded by ``max_sessions`` (least recently active dropped) and ``max_agents`` per session
+(more under ``other_agents``), so made-up ids cannot grow memory."""
 
 from __future__ import annotations
 
@@ -77,9 +76,7 @@ class SessionStats:
             a.add(prompt_tokens, cached_tokens)
 
     def snapshot(self, tenant_scope: str | None = None) -> dict[str, Any]:
-        """``{"tracked", "max_sessions", "max_agents", "evicted_sessions", "by_session":
-        [...]}``, the most recently active session first; ``tenant_scope``: only that
-        tenant's sessions (what a tenant-bound API key may see)."""
+        """The stats, most recent session first; ``tenant_scope``: that tenant's only."""
         with self._lock:
             rows = []
             for (tenant, sid), s in reversed(self._sessions.items()):

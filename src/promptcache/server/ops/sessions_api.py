@@ -1,12 +1,6 @@
-"""``GET /v1/cache/sessions[?tenant=T]``: the sessions that have cached blocks.
-
-Each row: ``tenant``, ``session_id``, per tier ``{"blocks", "bytes"}`` (and the lower
-tier's ``last_use``), and ``last_use`` overall (wall-clock seconds: the latest of this
-server's own record, kept when ``--session-ttl`` is on, and the tiers'; None if unknown),
-plus ``expires_at`` under ``--session-ttl``. A tenant-bound key lists its own tenant
-only (naming another is a 403); a global caller lists ``?tenant=`` or every tenant.
-Deletion is ``DELETE /v1/cache/sessions/{id}`` (``admin.py``).
-"""
+"""``GET /v1/cache/sessions[?tenant=T]``: the sessions with cached blocks (docs/api.md):
+per tier ``{"blocks", "bytes"}``, ``last_use`` (wall-clock; None if unknown) and, under
+``--session-ttl``, ``expires_at``. A tenant-bound key lists its own tenant only."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
-"""Canonical prompts: named rules that remove what carries no meaning before rendering, so
-agentic clients' byte churn does not break the prefix (docs/api.md lists the rules;
-``--no-canonicalize RULE`` switches one off). A rule must never change what the model is
-told. ``billing_header`` runs as Anthropic system blocks are parsed, the rest in the
-preparation thread (``preparer.Preparer``), never on the event loop."""
+"""Canonical prompts: named rules that remove meaningless byte churn before rendering, never
+changing what the model is told (docs/api.md; ``--no-canonicalize RULE``). They run in the
+preparation thread, but ``billing_header`` also as Anthropic system blocks are parsed."""
 
 from __future__ import annotations
 
@@ -24,14 +22,12 @@ RULES: dict[str, str] = {
 ALL = "all"
 
 # "x-anthropic-billing-header: cc_version=2.1.197.3bb; cc_entrypoint=sdk-cli; cch=ab12;"
-# (only ``key=value;`` pairs: a line that goes on with prose is not a header)
 _PAIR = r"\s*[\w.-]+=[^;\n]*"
 _HEADER_RE = re.compile(rf"^x-anthropic-billing-header:(?:{_PAIR};)*(?:{_PAIR})?\s*$")
 
 
 def parse_rules_off(names: Iterable[str]) -> frozenset[str]:
-    """The rules named by ``--no-canonicalize`` (``all`` = every rule); ValueError on
-    an unknown name."""
+    """The rules named by ``--no-canonicalize`` (``all``: every rule); ValueError if unknown."""
     off: set[str] = set()
     for name in names:
         key = name.strip().lower().replace("-", "_")
@@ -50,10 +46,8 @@ def is_billing_header(text: str) -> bool:
     return bool(_HEADER_RE.match(text.strip()))
 
 
-# the keys of an OpenAI tool, its function and a JSON Schema, in the order the
-# convention writes them (``{"type": "function", "function": {"name", "description",
-# "parameters": {"type": "object", "properties": {...}, "required": [...]}}}``, a
-# property ``{"type", "description", "enum"}``); other keys follow, sorted
+# the keys of an OpenAI tool, its function and a JSON Schema in the convention's order;
+# other keys follow, sorted
 STRUCTURE_ORDER = ("type", "function", "name", "title", "description", "parameters",
                    "input_schema", "properties", "items", "enum", "default", "required",
                    "additionalProperties", "strict")
@@ -63,9 +57,8 @@ _NAME_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions
 
 
 def canonical_keys(value: Any, *, names: bool = False) -> Any:
-    """``value`` with every JSON object's keys in canonical order (``STRUCTURE_ORDER``
-    first, then the rest sorted; ``names``: a map of names, all sorted); lists keep
-    their order."""
+    """``value`` with every JSON object's keys in canonical order (``STRUCTURE_ORDER``,
+    then sorted; ``names``: a map of names, all sorted); lists keep their order."""
     if isinstance(value, Mapping):
         order = sorted(value, key=str) if names else sorted(
             value, key=lambda k: (_RANK.get(k, len(_RANK)), str(k)))
@@ -84,8 +77,6 @@ def _tool_name(tool: Mapping[str, Any]) -> str:
 
 @dataclass(frozen=True)
 class Canon:
-    """The active rules (all of them unless some are switched off)."""
-
     off: frozenset[str] = frozenset()
 
     def on(self, rule: str) -> bool:
@@ -94,8 +85,6 @@ class Canon:
     @property
     def active(self) -> tuple[str, ...]:
         return tuple(r for r in RULES if r not in self.off)
-
-    # ---- billing_header
 
     def system_blocks(self, blocks: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         """Anthropic ``system`` blocks without the billing-header block."""
@@ -106,8 +95,7 @@ class Canon:
                         and is_billing_header(b["text"]))]
 
     def system_text(self, text: str) -> str:
-        """A system message's text without a leading billing-header line (when that
-        line is followed by a newline or is the whole text)."""
+        """The text without a leading billing-header line (followed by a newline or alone)."""
         if not self.on(BILLING_HEADER) or not text.startswith("x-anthropic-billing-header:"):
             return text
         first, nl, rest = text.partition("\n")
@@ -116,8 +104,7 @@ class Canon:
         return rest.lstrip("\n") if nl else ""
 
     def messages(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """Template messages with the billing-header line dropped from the leading
-        system message(s); a system message left empty is dropped."""
+        """The billing-header line dropped from leading system messages (empty ones go)."""
         if not self.on(BILLING_HEADER):
             return messages
         out: list[dict[str, Any]] = []
@@ -133,10 +120,7 @@ class Canon:
             out.append(m)
         return out
 
-    # ---- tool_keys, tool_order
-
     def tools(self, tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
-        """Tools (OpenAI function format) in canonical form."""
         if not tools:
             return tools
         out = [canonical_keys(t) for t in tools] if self.on(TOOL_KEYS) else list(tools)

@@ -45,8 +45,6 @@ def _bad(message: str, param: str) -> APIError:
 
 @dataclass
 class ImageCollector:
-    """The images of one request, in prompt order (see the module docstring)."""
-
     info: VisionInfo
     limits: ImageLimits
     sources: list[ImageSource] = field(default_factory=list)
@@ -78,8 +76,6 @@ class ImageCollector:
 
     def copy(self) -> ImageCollector:
         return ImageCollector(self.info, self.limits, list(self.sources))
-
-    # ---- the worker thread
 
     def decode(self) -> list[tuple[bytes, np.ndarray]]:
         """``(digest, pixels)`` of every image, in order; APIError 400 on any problem."""
@@ -127,8 +123,7 @@ class ImageCollector:
 
 
 def decode_pixels(raw: bytes, src: ImageSource, limits: ImageLimits) -> np.ndarray:
-    """Encoded image -> RGB uint8 ``[H, W, 3]``; the size is checked from the header
-    before the pixels are decoded."""
+    """Encoded image -> RGB uint8 ``[H, W, 3]``; the size checked from the header first."""
     from PIL import Image, ImageOps
 
     if len(raw) > limits.max_bytes:

@@ -1,12 +1,7 @@
-"""What a request is before and after preparation (``preparer.py`` does the work).
-
-- ``ChatPrompt``: a parsed chat request, before the template (template messages, tools,
-  thinking switch, images, output structure, cache breakpoints, retention).
-- ``Breakpoint``: a client's cache breakpoint (Anthropic ``cache_control``).
-- ``TurnContext``: who asks, for the comparison with the previous turn.
-- ``Prepared``: the prompt as the engine gets it (tokens, message offsets, images,
-  constraint) and what the reply parser and the diagnostics need to know about it.
-"""
+"""What a request is before and after preparation (``preparer.py`` does the work):
+``ChatPrompt`` (parsed, before the template), ``Breakpoint`` (Anthropic ``cache_control``),
+``TurnContext`` (who asks, for the previous-turn comparison) and ``Prepared`` (what the
+engine, the reply parser and the diagnostics get)."""
 
 from __future__ import annotations
 
@@ -27,27 +22,23 @@ class ChatPrompt:
 
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]] | None = None
-    # the request's reasoning switch (Anthropic ``thinking``, Responses ``reasoning``):
-    # None = the template's default
+    # Anthropic ``thinking`` / Responses ``reasoning``; None: the template's default
     thinking: bool | None = None
     # the images of a vision-language prompt (decoded in the worker thread), else None
     images: ImageCollector | None = None
     # what the reply must be (structured.py: a JSON schema, a forced tool call)
     structure: OutputSpec | None = None
-    # the request body as sent (miss explanations name the part of it a divergence
-    # falls in); never rendered
+    # the body as sent, never rendered (miss explanations name its parts)
     source: Any = field(default=None, compare=False, repr=False)
     # the client's cache breakpoints (Anthropic cache_control)
     breakpoints: tuple[Breakpoint, ...] = ()
-    # OpenAI prompt_cache_key was sent: keep the turn's chain, ``in_memory`` (RAM) or
-    # ``24h`` (RAM + written to the lower tiers at once); None: no such request
+    # prompt_cache_retention: ``in_memory`` | ``24h`` (also the lower tiers at once); None
     retention: str | None = None
 
 
 @dataclass(frozen=True)
 class Breakpoint:
-    """A client's cache breakpoint: keep the prefix up to the end of the leading system
-    prompt (``message=None``: ``cache_control`` on a system block or a tool) or of
+    """Keep the prefix up to the end of the leading system prompt (``message=None``) or of
     template message ``message``, for ``ttl_s`` seconds."""
 
     message: int | None
@@ -59,8 +50,7 @@ class TurnContext:
     """Who asks, for the comparison with the previous turn (``diagnostics.py``)."""
 
     key: TurnKey | None = None
-    # Anthropic ``diagnostics.previous_message_id`` (``named_previous``: the field was
-    # sent, possibly null)
+    # Anthropic ``diagnostics.previous_message_id`` (``named_previous``: sent, maybe null)
     previous_message_id: str | None = None
     named_previous: bool = False
     # the requester's tenant: a message id names a turn of this tenant only
@@ -98,13 +88,11 @@ class Prepared:
     tools: list[dict[str, Any]] | None = None
     # constrained decoding for the request's ``structure`` (compiled, checked)
     constraint: Constraint | None = None
-    # ``constraint`` forces tool calls (``tool_choice`` required / a named tool): the
-    # answer is calls only, never text
+    # tool_choice required / a named tool: calls only, never text
     forced_call: bool = False
     # the template messages as rendered (after system placement and the tools fallback)
     messages: list[dict[str, Any]] = field(default_factory=list)
-    # the messages before the tools fallback, and the template variables (to render
-    # the same prompt without its tools: ``Preparer.tools_span``)
+    # before the tools fallback, with the template variables (``Preparer.tools_span``)
     plain_messages: list[dict[str, Any]] = field(default_factory=list)
     template_kwargs: dict[str, Any] = field(default_factory=dict)
     fingerprint: Fingerprint | None = None

@@ -1,8 +1,6 @@
-"""Preparation off the event loop: ``Preparer.prepare(chat)`` is the one place a parsed
-request becomes a ``Prepared`` prompt (canonical rules, system placement, tools fallback,
-the template, tokens, breakpoints, images, the constraint, the previous-turn comparison,
-the predicted cached tokens). One worker thread per app (the fast tokenizer is not safe to
-share), which also probes the template's abilities once. ``preparer_of(request)``."""
+"""``Preparer.prepare(chat)``: the one place a parsed request becomes a ``Prepared`` prompt
+(rules, template, tokens, breakpoints, images, constraint, comparison, prediction), in one
+worker thread per app (the fast tokenizer is not thread-safe). ``preparer_of(request)``."""
 
 from __future__ import annotations
 
@@ -73,8 +71,6 @@ _PROBE_TEXT = "promptcache-probe-7d1f"
 
 
 class Preparer:
-    """Renders prompts for one app in one worker thread (see the module docstring)."""
-
     def __init__(self, engine: EngineAPI, canon: Canon | None = None,
                  turns: TurnStore | None = None,
                  on_template_error: Callable[[str], None] = lambda cause: None) -> None:
@@ -102,21 +98,16 @@ class Preparer:
             return self._pool
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
-        """Run ``fn(*args)`` in the worker thread."""
         return await asyncio.get_running_loop().run_in_executor(self._executor(), fn, *args)
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> None:
-        """Queue ``fn(*args)`` on the worker thread without waiting (in order with the
-        preparations queued after it)."""
+        """Queue ``fn(*args)`` on the worker thread (in order with later preparations)."""
         future = self._executor().submit(fn, *args)
         future.add_done_callback(_log_failure)
 
     async def prepare(self, chat: ChatPrompt, *, predict_tenant: str | None = None,
                       turn: TurnContext | None = None, generate: bool = False) -> Prepared:
-        """``generate``: the caller submits the prompt to the engine as soon as this
-        returns; the engine is told (``Engine.announce``) while it is being prepared,
-        so that a burst of requests prepared one after the other prefills as one batch
-        (``engine/arrivals.py``)."""
+        """``generate``: the engine is told meanwhile, so a burst prefills as one batch."""
         release = self.engine.announce() if generate else None
         try:
             return await self.run(self._prepare, chat, predict_tenant, turn)
@@ -126,8 +117,7 @@ class Preparer:
 
     def record_turn(self, prepared: Prepared, turn: TurnContext, message_id: str | None,
                     result: GenerationResult) -> None:
-        """Remember a finished turn (prompt + output) for the next turn's comparison;
-        queued on the worker thread, before any later preparation."""
+        """Remember a finished turn for the next one's comparison (queued on the worker)."""
         if prepared.fingerprint is None or result.finish_reason in ("error", "cancelled"):
             return
         if turn.key is None and message_id is None:
@@ -144,8 +134,6 @@ class Preparer:
     async def count(self, chat: ChatPrompt) -> int:
         prepared = await self.prepare(chat)
         return len(prepared.tokens)
-
-    # ---- the worker thread
 
     def _render(self, messages: list[dict[str, Any]], tools: Any, *, cont: bool = False,
                 kwargs: dict[str, Any] | None = None, offsets: bool = False
@@ -185,8 +173,7 @@ class Preparer:
 
     def _prepare(self, chat: ChatPrompt, predict_tenant: str | None,
                  turn: TurnContext | None = None, *, light: bool = False) -> Prepared:
-        """``light``: tokens only (no message offsets, no lookup, no comparison): what
-        the next-turn pre-render needs."""
+        """``light``: tokens only (no offsets, lookup or comparison), for the pre-render."""
         if not chat.messages:
             raise APIError(400, "messages must not be empty", param="messages")
         ab = self.abilities()
@@ -260,10 +247,9 @@ class Preparer:
     def _positions(self, chat: ChatPrompt, canonical: list[dict[str, Any]], dropped: int,
                    tokens: list[int], starts: list[int], rendered: list[dict[str, Any]]
                    ) -> tuple[tuple[int, float], ...]:
-        """Token positions of the breakpoints (worker thread). The end of the system
-        prompt is where rendered message 1 starts; the end of the last message is the
-        prompt's end; another message's end is where the prompt leaves a rendering of
-        the messages up to it + a placeholder message."""
+        """Token positions of the breakpoints (worker thread): the system prompt ends
+        where message 1 starts, the last message at the prompt's end, another message
+        where the prompt leaves a rendering of the messages up to it + a placeholder."""
         out: dict[int, float] = {}
         last = len(canonical) - 1
         for bp in chat.breakpoints:
@@ -284,17 +270,14 @@ class Preparer:
 
     def _message_end(self, chat: ChatPrompt, head: list[dict[str, Any]],
                      tokens: list[int]) -> int:
-        """Where the prompt leaves the rendering of ``head`` + a placeholder message:
-        the end of ``head``'s last message as this template renders it (one light
-        render)."""
+        """Where the prompt leaves the rendering of ``head`` + a placeholder (a light render)."""
         nxt = ChatPrompt([*head, {"role": "user", "content": "Alpha (the next message)"}],
                          chat.tools, chat.thinking)
         return common_prefix(self._prepare(nxt, None, None, light=True).tokens, tokens)
 
     def tools_span(self, prepared: Prepared) -> tuple[int, int] | None:
-        """``[start, end)`` of the tokens the tools add to ``prepared`` (worker thread):
-        the prompt rendered without tools shares a prefix and a suffix with it; what
-        lies between is theirs. None without tools."""
+        """``[start, end)`` of the tokens the tools add (worker thread): what lies between
+        the prefix and suffix shared with the prompt rendered without tools. None without."""
         if not prepared.tool_names:
             return None
         without, _ = self._render(prepared.plain_messages, None, cont=prepared.continues,
@@ -343,10 +326,9 @@ class Preparer:
 
     def _predict(self, tokens: list[int], tenant: str | None,
                  images: tuple[ImageInput, ...] = ()) -> CachePrediction:
-        """The predicted cached tokens (a lookup on the engine thread), the miss's
-        cause and whether the whole prompt is stored; nothing cached without a cache or
-        when the lookup failed or timed out (a prediction only: it never fails the
-        request)."""
+        """Predicted cached tokens (a lookup on the engine thread), the miss's cause and
+        whether the whole prompt is stored; nothing cached without a cache or when the
+        lookup fails or times out (never fails the request)."""
         if tenant is None or self.engine.cache is None:
             return CachePrediction(0)
         try:
@@ -362,8 +344,7 @@ class Preparer:
 
 def _shift_past_images(positions: tuple[tuple[int, float], ...],
                        images: tuple[ImageInput, ...]) -> tuple[tuple[int, float], ...]:
-    """Breakpoint positions found in the rendered prompt (one token per image) ->
-    positions in the expanded prompt (``ImageInput.length`` placeholders per image)."""
+    """Breakpoints in the rendered prompt (one token per image) -> in the expanded prompt."""
     if not images:
         return positions
     # each image's token position in the rendered prompt, and how much it grew

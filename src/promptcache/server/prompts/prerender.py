@@ -1,9 +1,7 @@
 """Next-turn pre-render: in idle time, prefill the history as the client will send it back
-(reasoning dropped, tool calls as the template renders them, text re-tokenized). The
-conversation + the reply + a placeholder user message is rendered as a real turn and cut
-where the placeholder starts; where that prefix differs from what was stored, it goes to
-the engine as a background ``prefill_only`` request (preempted by any interactive one).
-One per session, at most ``max_pending`` in all, suffixes up to ``max_suffix_tokens``."""
+(conversation + reply + a placeholder user message, rendered as a real turn and cut where
+the placeholder starts) as a background ``prefill_only`` request where it differs from what
+is stored. One per session, at most ``max_pending``, suffixes up to ``max_suffix_tokens``."""
 
 from __future__ import annotations
 
@@ -23,8 +21,7 @@ from .preparer import Preparer
 
 log = logging.getLogger(__name__)
 
-# two placeholder next messages that differ from their first character (ASCII, so no
-# shared byte): where their renderings part is where the next message's content starts
+# the renderings of these two part where the next message's content starts (ASCII)
 PLACEHOLDERS = ("Alpha (the next message)", "Zulu (the next message)")
 
 
@@ -62,8 +59,6 @@ class PreRenderer:
         self._tasks: set[asyncio.Task[None]] = set()
         self._ids = itertools.count(1)
 
-    # ---- the event loop side
-
     def after_reply(self, key: TurnKey | None, tenant: str, session_id: str | None,
                     chat: ChatPrompt, reply: list[dict[str, Any]], prepared: Prepared,
                     result: GenerationResult) -> None:
@@ -73,8 +68,7 @@ class PreRenderer:
         slot: object = key if key is not None else object()  # no session: a slot of its own
         images = chat.images
         if images is not None and images.sources:
-            # a light render carries no images (their placeholders and digests come
-            # with a real turn's preparation): not pre-rendered
+            # a light render carries no images: not pre-rendered
             with self._lock:
                 self.stats.skipped_images += 1
             return
@@ -112,11 +106,8 @@ class PreRenderer:
             return self._lock.wait_for(lambda: not self._queued and not self._pending,
                                        timeout)
 
-    # ---- the worker thread
-
     def next_prefix(self, chat: ChatPrompt, reply: list[dict[str, Any]]) -> list[int]:
-        """The tokens the next request will start with: the conversation + ``reply``,
-        cut where a placeholder next user message starts (worker thread)."""
+        """The tokens the next request starts with: conversation + ``reply`` (worker thread)."""
         renders: list[list[int]] = []
         for text in PLACEHOLDERS:
             nxt = type(chat)(list(chat.messages) + list(reply) + [{"role": "user",
@@ -185,8 +176,6 @@ class PreRenderer:
     def _mark_active(self, key: TurnKey, req: GenerationRequest) -> None:
         """The next turn's prefix is the session's latest chain (on the engine thread)."""
         self.engine.mark_active(req.prompt_tokens, req.tenant, key.activity)
-
-    # ---- back on the loop
 
     def _watch(self, slot: object, handle: HandleAPI) -> None:
         task = asyncio.ensure_future(self._await(slot, handle))

@@ -1,9 +1,7 @@
-"""OpenAI / Anthropic messages -> the Hugging Face convention's chat-template messages the
-engine renders (every mistake a ``ValueError``), and two rewrites for templates that
-cannot show a conversation as it is (``preparer.py`` probes each model once):
-``place_system_messages`` keeps a mid-conversation system message where it stands (as a
-``<system-message>`` note if need be; never hoisted, which would move the cached prefix);
-``tools_into_system`` puts dropped tools into the system turn in the Hermes format."""
+"""OpenAI / Anthropic messages -> chat-template messages (mistakes are ``ValueError``), and
+two rewrites for templates that cannot show a conversation as it is:
+``place_system_messages`` (a mid-conversation system message stays where it stands, never
+hoisted) and ``tools_into_system`` (dropped tools go into the system turn, Hermes format)."""
 
 from __future__ import annotations
 
@@ -20,8 +18,7 @@ IMAGE_PARTS = ("image_url", "image", "input_image")
 
 
 def image_part(part: dict[str, Any], where: str, images: ImageCollector, param: str) -> str:
-    """Collect the image of an OpenAI ``image_url``, Anthropic ``image`` or Responses
-    ``input_image`` part; returns the text that stands for it (the image token)."""
+    """Collect the image of an image part (any API); returns its text (the image token)."""
     ptype = part.get("type")
     if ptype == "image_url":
         url = part.get("image_url")
@@ -84,8 +81,7 @@ def function_arguments(value: str | dict[str, Any], where: str) -> dict[str, Any
 
 def openai_messages(messages: list[OAIMessage], images: ImageCollector | None = None
                     ) -> list[dict[str, Any]]:
-    """``images``: the request's image collector (a vision-language model), else None
-    (image parts are a 400)."""
+    """``images``: the image collector of a vision-language model, else None (a 400)."""
     if not messages:
         raise ValueError("messages must not be empty")
     out: list[dict[str, Any]] = []
@@ -121,10 +117,8 @@ def openai_messages(messages: list[OAIMessage], images: ImageCollector | None = 
 
 
 def check_tool_parameters(params: Any, where: str) -> None:
-    """The JSON Schema of a tool's arguments, checked the same way in all three APIs
-    (chat ``function.parameters``, Responses ``parameters``, Messages
-    ``input_schema``): an object schema whose ``properties`` are schemas and whose
-    ``required`` names strings. Raises ValueError (a 400) naming the field."""
+    """A tool's arguments schema, checked alike in all three APIs: an object schema whose
+    ``properties`` are schemas and ``required`` names strings (ValueError naming it)."""
     if not isinstance(params, dict):
         raise ValueError(f"{where} must be a JSON Schema object, got {type(params).__name__}")
     kind = params.get("type")
@@ -180,9 +174,7 @@ def _tool_result_text(block: dict[str, Any], where: str,
 def anthropic_messages(messages: list[AnthropicMessage],
                        system: str | list[dict[str, Any]] | None,
                        images: ImageCollector | None = None) -> list[dict[str, Any]]:
-    """Anthropic Messages -> template messages. ``role: "system"`` messages may stand
-    anywhere in ``messages`` (the ``mid-conversation-system`` beta); they keep their
-    place (see ``place_system_messages``)."""
+    """Anthropic Messages -> template messages (system messages keep their place)."""
     if not messages:
         raise ValueError("messages must not be empty")
     out: list[dict[str, Any]] = []
@@ -238,8 +230,7 @@ def anthropic_messages(messages: list[AnthropicMessage],
 
 
 def anthropic_tools(tools: list[AnthropicTool] | None) -> list[dict[str, Any]] | None:
-    """Client tools in the OpenAI function format; Anthropic server / built-in tools
-    (any other ``type``: ``web_search_*``, ``bash_*``, ...) are left out."""
+    """Client tools in the OpenAI function format; server / built-in tools are left out."""
     out = []
     for i, t in enumerate(tools or ()):
         if t.type not in (None, "custom"):
@@ -253,8 +244,6 @@ def anthropic_tools(tools: list[AnthropicTool] | None) -> list[dict[str, Any]] |
     return out or None
 
 
-# --- adapting a conversation to the template ------------------------------------------
-
 SYSTEM_NOTE_FORMAT = "<system-message>\n{text}\n</system-message>"
 
 
@@ -264,8 +253,7 @@ def _note(text: str) -> str:
 
 def place_system_messages(messages: list[dict[str, Any]], mid_system_ok: bool
                           ) -> list[dict[str, Any]]:
-    """Leading system messages joined into one; later ones kept where they stand, as
-    system turns (``mid_system_ok``) or as notes in the neighbouring user turn."""
+    """Leading system messages joined; later ones stay (system turns or user-turn notes)."""
     out: list[dict[str, Any]] = []
     i = 0
     while i < len(messages) and messages[i]["role"] == "system":
@@ -332,9 +320,8 @@ def _call_text(call: dict[str, Any]) -> str:
 
 def tools_into_system(messages: list[dict[str, Any]], tools: list[dict[str, Any]]
                       ) -> list[dict[str, Any]]:
-    """For templates that drop ``tools``: the tools block joins the leading system turn
-    (one is created), earlier calls become ``<tool_call>`` text of their assistant turn,
-    tool results ``<tool_response>`` text of a user turn (consecutive ones share one)."""
+    """For templates that drop ``tools``: the tools block joins the leading system turn,
+    calls become ``<tool_call>`` text, results ``<tool_response>`` text of a user turn."""
     block = tools_text(tools)
     out: list[dict[str, Any]] = []
     for m in messages:

@@ -1,8 +1,6 @@
-"""Structured output: request fields (``JsonOutput``: ``response_format`` / ``text.format``;
-``ForcedCall``: a required or named ``tool_choice``) -> an engine ``Constraint`` for the
-prompt as rendered (``constraint_for``, off the event loop): in the model's own tool-call
-format, allowing a reasoning block first and continuing an assistant prefill. A schema
-still invalid after lenient compiling, or a prefill it rejects, is a 400 naming the field."""
+"""Structured output: ``JsonOutput`` (``response_format`` / ``text.format``) and
+``ForcedCall`` (``tool_choice``) -> an engine ``Constraint`` for the rendered prompt, in the
+model's own tool-call format; an invalid schema or prefill is a 400 naming the field."""
 
 from __future__ import annotations
 
@@ -64,9 +62,6 @@ def _schema(value: Any, param: str) -> dict[str, Any]:
     return dict(value)
 
 
-# --- request fields -> OutputSpec ---------------------------------------------------------
-
-
 def openai_response_format(value: Any) -> JsonOutput | None:
     """Chat ``response_format``: ``text`` | ``json_object`` | ``json_schema``."""
     if value is None:
@@ -122,10 +117,7 @@ def _needs_tools(offered: frozenset[str], param: str) -> None:
 
 def openai_tool_choice(choice: Any, offered: frozenset[str], parallel: bool | None,
                        *, responses: bool = False) -> ForcedCall | None:
-    """OpenAI chat / Responses ``tool_choice``: ``auto`` / ``none`` (nothing to enforce),
-    ``required``, a named function (chat ``{"type": "function", "function": {"name"}}``,
-    Responses ``{"type": "function", "name"}``), Responses ``allowed_tools`` with mode
-    ``required``."""
+    """OpenAI chat / Responses ``tool_choice`` (``auto`` / ``none``: nothing to enforce)."""
     param = "tool_choice"
     if choice is None or choice in ("auto", "none"):
         return None
@@ -156,8 +148,7 @@ def openai_tool_choice(choice: Any, offered: frozenset[str], parallel: bool | No
 
 def anthropic_tool_choice(choice: Mapping[str, Any] | None, offered: frozenset[str]
                           ) -> ForcedCall | None:
-    """Anthropic ``tool_choice``: ``any`` / ``tool`` are enforced (``auto`` / ``none``:
-    nothing to enforce); ``disable_parallel_tool_use`` limits them to one call."""
+    """Anthropic ``tool_choice`` (``any`` / ``tool`` enforced; ``disable_parallel_tool_use``)."""
     if choice is None:
         return None
     kind = choice.get("type")
@@ -171,12 +162,8 @@ def anthropic_tool_choice(choice: Mapping[str, Any] | None, offered: frozenset[s
     return None
 
 
-# --- OutputSpec -> Constraint ---------------------------------------------------------------
-
-
 def thinking_for(spec: OutputSpec | None, requested: bool | None) -> bool | None:
-    """The template's thinking switch for a request: off for constrained replies unless
-    the request asked for thinking explicitly."""
+    """The thinking switch: off for constrained replies unless the request asked for it."""
     if spec is not None and requested is None:
         return False
     return requested
@@ -265,10 +252,9 @@ def constraint_for(spec: OutputSpec, shape: PromptShape) -> Constraint | None:
 
 
 def _harmony_constraint(spec: OutputSpec, shape: PromptShape) -> Constraint | None:
-    """gpt-oss (the prompt ends with ``<|start|>assistant``): a forced call is one
-    commentary message to ``functions.N`` ending with ``<|call|>``; a JSON answer is the
-    final channel's message (or, with tools offered, a call). No analysis message first:
-    the reply starts with the call or the answer."""
+    """gpt-oss (prompt ends with ``<|start|>assistant``): a forced call is one commentary
+    message to ``functions.N`` ending with ``<|call|>``; a JSON answer the final channel's
+    message (or a call, with tools). No analysis message first."""
     cf = shape.chat_format
     if shape.prefill:
         log.info("harmony format: a reply that continues a prefill is not enforced")
@@ -295,9 +281,7 @@ def _json_of(schema: Mapping[str, Any]) -> str:
 
 
 def check_constraint(constraint: Constraint, engine: EngineAPI, param: str) -> None:
-    """Compile ``constraint`` for the engine's tokenizer (so submitting it is cheap), or
-    check the grammar alone when the engine has no tokenizer bridge; 400 naming
-    ``param`` when it is invalid. Runs in the preparation thread."""
+    """Compile ``constraint`` (preparation thread); 400 naming ``param`` when invalid."""
     tokenizer, vocab = engine.tokenizer, engine.vocab_size
     try:
         # the engine's own (mlx-lm wrapping a fast Hugging Face) tokenizer: compile

@@ -1,8 +1,6 @@
 """Grammars (llguidance's Lark dialect) that force a tool call in the model's own format:
-``calls_rule(fmt, tools, parallel, json_of)`` writes one call (or several) the way ``fmt``
-(``engine.chat_format.ToolCallFormat``) writes it, so mlx-lm's parser reads it back; one
-rule per format (hermes, qwen3_coder, pythonic, mistral, deepseek, glm47, kimi_k2,
-harmony), and for any other the markers around free text."""
+``calls_rule(fmt, tools, parallel, json_of)``, one rule per ``ToolCallFormat`` (else the
+markers around free text), so mlx-lm's parser reads the call back."""
 
 from __future__ import annotations
 
@@ -142,9 +140,8 @@ def _sectioned_calls(fmt: ToolCallFormat, names: list[str], parallel: bool) -> l
 
 def _value(sub: Mapping[str, Any], name: str, close: str, json_of: JsonOf
            ) -> tuple[str, list[str]]:
-    """(the value's expression, extra rules) of one XML-style parameter that ends with
-    ``close`` (a Lark expression): raw text for strings (one of their ``enum`` values if
-    they have them), else JSON of the property's schema."""
+    """(expression, extra rules) of one XML-style parameter ending with ``close``: raw
+    text for strings (or one of their ``enum``), else JSON of the property's schema."""
     enum = sub.get("enum")
     if _is_string(sub) and isinstance(enum, list) and enum \
             and all(isinstance(e, str) and e for e in enum):
@@ -184,14 +181,12 @@ _SEPARATOR = {"hermes": lit("\n"), "json_tools": lit("\n"), "qwen3_coder": lit("
 
 
 def enforces_arguments(fmt: ToolCallFormat) -> bool:
-    """Whether the grammar of ``fmt`` enforces the tool's name and arguments (else only
-    that a call is made)."""
+    """Whether ``fmt``'s grammar enforces the name and arguments (else only that a call is made)."""
     return fmt.name in _BUILDERS
 
 
 def calls_rule(fmt: ToolCallFormat, tools: list[ToolSpec], parallel: bool,
                json_of: JsonOf) -> list[str]:
-    """The rules defining ``calls`` (see the module docstring)."""
     build = _BUILDERS.get(fmt.name)
     if build is None:
         rules = _generic_call(fmt)
@@ -210,16 +205,13 @@ def calls_rule(fmt: ToolCallFormat, tools: list[ToolSpec], parallel: bool,
     return rules
 
 
-# --- harmony (gpt-oss) ---------------------------------------------------------------------
-
 HarmonyToken = Callable[[str], int | None]
 
 
 def harmony_calls_rule(tools: list[ToolSpec], token: HarmonyToken, json_of: JsonOf
                        ) -> list[str]:
-    """The rules defining ``calls`` in harmony: one message on the commentary channel to
-    ``functions.N``, its JSON arguments, ``<|call|>`` (the turn ends there, so one call).
-    ``token(marker)``: the marker's id when it is an added token."""
+    """``calls`` in harmony: one commentary message to ``functions.N``, its JSON
+    arguments, ``<|call|>`` (one call). ``token(marker)``: an added token's id."""
     def m(text: str) -> str:
         return marker(text, token(text))
 

@@ -1,8 +1,6 @@
-"""gpt-oss's harmony format: a reply as channels -> reasoning (``analysis``), answer text
-(``final``) and tool calls (``commentary to=functions.NAME`` of an offered tool with a
-JSON object body; else text). ``HarmonyParser`` is a ``ReplyParser``, so the APIs stream
-it as any other. Not ``openai-harmony``: its encoding fetches a vocabulary at first use,
-and the markers are plain text in the reply."""
+"""gpt-oss's harmony format: channels -> reasoning (``analysis``), text (``final``) and
+tool calls (``commentary to=functions.NAME``). Not ``openai-harmony``: its encoding fetches
+a vocabulary at first use, and the markers are plain text in the reply."""
 
 from __future__ import annotations
 
@@ -25,7 +23,6 @@ _HEADER_STARTS = (START, CHANNEL, "assistant", " to=", "to=")
 
 
 def is_harmony_template(source: str) -> bool:
-    """The chat template writes harmony (gpt-oss)."""
     return CHANNEL in source and MESSAGE in source
 
 
@@ -50,8 +47,6 @@ class HarmonyParser(ReplyParser):
     @property
     def in_reasoning(self) -> bool:
         return self._header is None and self._kind == "reasoning"
-
-    # ------------------------------------------------------------------ the machine
 
     def _emit(self, kind: str, text: str) -> list[Piece]:
         if not text:

@@ -30,8 +30,6 @@ def _partial_suffix(text: str, marker: str) -> int:
 
 
 class ReasoningSplitter:
-    """Incremental reasoning / answer splitter of one reply (see the module docstring)."""
-
     def __init__(self, start: str | None, end: str | None, *, in_reasoning: bool = False
                  ) -> None:
         self.start = start if start and end else None
@@ -74,8 +72,6 @@ class ReasoningSplitter:
 
 
 class ReplyParser:
-    """Reasoning split + tool-call parsing of one reply."""
-
     def __init__(self, think_start: str | None = None, think_end: str | None = None, *,
                  in_reasoning: bool = False, tool_names: Collection[str] = (),
                  tool_format: ToolCallFormat = HERMES,

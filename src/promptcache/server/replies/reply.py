@@ -1,7 +1,5 @@
-"""A reply on its way out: ``reply_parser`` (reasoning / text / tool calls),
-``reply_events`` / ``collect_reply`` (the pump), ``LogprobDecoder``, and the SSE framing
-(``sse_data`` / ``sse_event``, ``with_keepalive`` ticks on a silent stream;
-``sleep_of(request)`` is the app's timer, which tests fake)."""
+"""A reply on its way out: ``reply_parser``, the pump (``reply_events`` /
+``collect_reply``), ``LogprobDecoder`` and SSE framing with keep-alive ticks."""
 
 from __future__ import annotations
 
@@ -24,8 +22,6 @@ from .runner import Generation, unstreamed_tail
 from .toolcalls import ToolCall
 
 T = TypeVar("T")
-
-# --- SSE --------------------------------------------------------------------------------
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 SSE_COMMENT = ": keep-alive\n\n"
@@ -57,10 +53,7 @@ KEEPALIVE = _KeepAlive()
 
 async def with_keepalive(events: AsyncIterator[T], interval: float,
                          sleep: Sleep = asyncio.sleep) -> AsyncIterator[T | _KeepAlive]:
-    """``events``, with ``KEEPALIVE`` after every ``interval`` seconds without one.
-
-    ``sleep`` is the timer (a test passes a controllable clock). The source iterator is
-    advanced by one task at a time and closed when this generator is."""
+    """``events`` with ``KEEPALIVE`` after ``interval`` silent seconds (``sleep``: the timer)."""
     source = events.__aiter__()
     nxt: asyncio.Task[T] | None = None
     try:
@@ -94,9 +87,6 @@ async def with_keepalive(events: AsyncIterator[T], interval: float,
             await aclose()
 
 
-# --- the reply pump ---------------------------------------------------------------------
-
-
 def reply_parser(prepared: Prepared) -> ReplyParser:
     cf = prepared.chat_format
     if cf.harmony:
@@ -109,8 +99,7 @@ def reply_parser(prepared: Prepared) -> ReplyParser:
 
 @dataclass(frozen=True)
 class Finished:
-    """The end of a reply: the engine's result, the tool calls, the whole reasoning and
-    answer text (exactly what was streamed)."""
+    """The end of a reply: the engine's result, tool calls, reasoning and text as streamed."""
 
     result: GenerationResult
     tool_calls: tuple[ToolCall, ...]
@@ -130,9 +119,7 @@ ReplyEvent = Piece | TokenEvent | Finished | _KeepAlive
 async def reply_events(gen: Generation, parser: ReplyParser, *,
                        keepalive_s: float | None = None, sleep: Sleep = asyncio.sleep
                        ) -> AsyncIterator[ReplyEvent]:
-    """One reply as the APIs send it: ``Piece``s (reasoning / text, as safe to send),
-    the ``TokenEvent``s that carry logprobs, ``KEEPALIVE`` ticks (with ``keepalive_s``),
-    and last ``Finished``. Streaming and non-streaming handlers both consume this."""
+    """One reply: ``Piece``s, ``TokenEvent``s with logprobs, ``KEEPALIVE`` ticks, ``Finished``."""
     streamed: list[str] = []
     thinking = 0
     events: AsyncIterator[Any] = gen.events()
@@ -177,10 +164,8 @@ async def collect_reply(gen: Generation, parser: ReplyParser
 
 
 class LogprobDecoder:
-    """OpenAI logprob entries (``{"token", "logprob", "bytes", "top_logprobs"}``) from
-    ``TokenEvent``s; token strings are decoded in a worker thread (memoised). The token
-    that ended the reply (EOS or a requested stop token id) is not content and has no
-    entry, as in OpenAI's API."""
+    """OpenAI logprob entries from ``TokenEvent``s, tokens decoded in a worker thread
+    (memoised); the token that ended the reply has no entry, as in OpenAI's API."""
 
     def __init__(self, tokenizer: TokenizerAPI, stop_token_ids: Sequence[int] = ()) -> None:
         self.tokenizer = tokenizer
@@ -207,8 +192,7 @@ class LogprobDecoder:
         out = []
         for ev in events:
             lp = ev.logprob if ev.logprob is not None else 0.0
-            # JSON has no -inf: a token a constraint masked out is left out of the
-            # alternatives (OpenAI writes -9999.0 for a probability of zero)
+            # JSON has no -inf: masked-out alternatives are left out (OpenAI: -9999.0)
             entry = self._entry(ev.token_id, lp if math.isfinite(lp) else -9999.0)
             entry["top_logprobs"] = [self._entry(t, alt) for t, alt in ev.top_logprobs
                                      if math.isfinite(alt)]

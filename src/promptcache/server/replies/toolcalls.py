@@ -1,10 +1,6 @@
-"""Tool calls in the model's output -> structured calls (OpenAI ``tool_calls``, Anthropic
-``tool_use``, Responses ``function_call``) in every format mlx-lm has a parser for
-(``engine.chat_format.ToolCallFormat``; unknown templates: ``HERMES``, which also takes a
-bare JSON call). Only offered tools count; a block that does not parse stays text, never
-an error. ``ToolCallStream`` holds back text from a start marker on, and
-``parse_tool_calls`` runs the same machine over a whole reply, so streamed and whole
-replies agree. Forced calls (``calls_only``) send no text at all."""
+"""Tool calls in the model's output -> structured calls, in every format mlx-lm parses
+(unknown templates: ``HERMES``, or a bare JSON call); only offered tools count, what does not
+parse stays text. Streamed (``ToolCallStream``) and whole replies share one machine."""
 
 from __future__ import annotations
 
@@ -87,8 +83,6 @@ def _partial_marker_len(text: str, marker: str) -> int:
 
 
 class ToolCallStream:
-    """Incremental tool-call parser of one reply; see the module docstring."""
-
     def __init__(self, names: Collection[str], fmt: ToolCallFormat = HERMES,
                  tools: Tools | None = None, *, calls_only: bool = False) -> None:
         self.names = frozenset(names)
@@ -165,8 +159,7 @@ class ToolCallStream:
 
 def parse_tool_calls(text: str, names: Collection[str], fmt: ToolCallFormat = HERMES,
                      tools: Tools | None = None, *, calls_only: bool = False) -> ParsedReply:
-    """Tool calls of a whole reply (the same result as streaming it through
-    ``ToolCallStream``)."""
+    """Tool calls of a whole reply (as streaming it through ``ToolCallStream`` gives)."""
     stream = ToolCallStream(names, fmt, tools, calls_only=calls_only)
     head = stream.feed(text)
     tail, calls = stream.finish()
