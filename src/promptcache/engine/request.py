@@ -56,8 +56,9 @@ from .context import (
 )
 from .handles import Event
 from .request_saves import keep_live, lookup_and_restore, save_mid_prefill, store
+from .row import Splice
 from .sampling import Detokenizer, Sampler, StopStrings, logprob_values
-from .splice import Splice, splice_due
+from .splice import splice_due
 from .vision import ImagePrefill
 
 logger = logging.getLogger(__name__)

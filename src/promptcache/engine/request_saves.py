@@ -14,7 +14,7 @@ import bisect
 import logging
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from mlx_lm.models.cache import make_prompt_cache
 
@@ -26,10 +26,7 @@ from .blockbuf import BlockPayload
 from .context import store_error_cause
 from .live import grow, keep_position
 from .planner import Plan
-from .splice import Splice
-
-if TYPE_CHECKING:
-    from .request import Request
+from .row import SavingRow, Splice
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +43,7 @@ def cut_by_tier(by_tier: Any, n: int) -> dict[str, int]:
     return out
 
 
-def lookup_and_restore(req: Request) -> None:
+def lookup_and_restore(req: SavingRow) -> None:
     """Lookup + restore at the start (a miss is kept as data: ``req.miss``); any cache
     exception turns into a miss."""
     cache, ns = req.ctx.cache, req.ns
@@ -129,7 +126,7 @@ def lookup_and_restore(req: Request) -> None:
         req.timings["restore_s"] = time.perf_counter() - t
 
 
-def _count_plan(req: Request, plan: Plan) -> None:
+def _count_plan(req: SavingRow, plan: Plan) -> None:
     """A plan taken (restoring from blocks): counted, and named in the request's usage."""
     c = req.ctx.counters
     c.restore_plans_by_kind[plan.kind] = c.restore_plans_by_kind.get(plan.kind, 0) + 1
@@ -140,7 +137,7 @@ def _count_plan(req: Request, plan: Plan) -> None:
     req.usage.recomputed_tokens = (plan.end if plan.kind == "split" else plan.split) - plan.head
 
 
-def _splice_of(req: Request, plan: Plan, match: Any) -> Splice | None:
+def _splice_of(req: SavingRow, plan: Plan, match: Any) -> Splice | None:
     """The tail read of a split plan, started (``engine/splice.py``)."""
     tail = [(m, t) for m, t in zip(match.blocks, match.tiers, strict=True)
             if plan.split <= m.start < plan.end]
@@ -152,7 +149,7 @@ def _splice_of(req: Request, plan: Plan, match: Any) -> Splice | None:
                   plan.split_s or 0.0)
 
 
-def _continue_live(req: Request, at_least: int, metas: Sequence[BlockMeta]) -> bool:
+def _continue_live(req: SavingRow, at_least: int, metas: Sequence[BlockMeta]) -> bool:
     """Continue from a live state of the request's namespace serving at least the
     ``at_least`` tokens the blocks would (``LiveStates.take`` says which it takes) (``engine/live.py``): its caches become the
     request's, trimmed to the common prefix, with room for the prompt; nothing is
@@ -180,7 +177,7 @@ def _continue_live(req: Request, at_least: int, metas: Sequence[BlockMeta]) -> b
     return True
 
 
-def keep_live(req: Request, reason: str, caches: Sequence[Any] | None,
+def keep_live(req: SavingRow, reason: str, caches: Sequence[Any] | None,
               state_pos: int | None) -> None:
     """At the request's end: keep its state as a live state (``engine/live.py``): a
     reply's (prompt + output[:-1], as the end-of-generation save), a prefill-only
@@ -206,7 +203,7 @@ def keep_live(req: Request, reason: str, caches: Sequence[Any] | None,
               session=req.req.session_id)
 
 
-def save_mid_prefill(req: Request, caches: Sequence[Any] | None = None) -> None:
+def save_mid_prefill(req: SavingRow, caches: Sequence[Any] | None = None) -> None:
     """Save point 1. A non-truncatable state is snapshotted once a chunk reaches a
     multiple of ``snapshot_every_blocks`` blocks, and at every message start (a
     partial block ending there carries it when the start is inside a block)."""
@@ -228,7 +225,7 @@ def save_mid_prefill(req: Request, caches: Sequence[Any] | None = None) -> None:
         req.last_snapshot = req.pos
 
 
-def store(req: Request, num_tokens: int, save_point: str, *, include_partial: bool,
+def store(req: SavingRow, num_tokens: int, save_point: str, *, include_partial: bool,
           snapshot_at_end: bool, caches: Sequence[Any] | None = None) -> None:
     """One save through the request's ``ChainCursor``: blocks of ``req.seq`` up to
     ``num_tokens`` from ``caches`` (default the private ones); never raises."""
@@ -325,7 +322,7 @@ class _Rows:
         return self.ready.pop(start)
 
 
-def _note_not_stored(req: Request, num_tokens: int, cause: str) -> None:
+def _note_not_stored(req: SavingRow, num_tokens: int, cause: str) -> None:
     """Tell the cache which blocks a failed save left out (the next lookup stopping
     there says ``not_stored: <cause>``, not ``cold``); never fails the request."""
     note = getattr(req.ctx.cache, "note_not_stored", None)
@@ -338,11 +335,11 @@ def _note_not_stored(req: Request, num_tokens: int, cause: str) -> None:
         req.ctx.counters.cache_errors += 1
 
 
-def _cursor_start(req: Request) -> int:
+def _cursor_start(req: SavingRow) -> int:
     return req.cursor.start if req.cursor is not None else 0
 
 
-def _window_gap(req: Request, caches: Sequence[Any]) -> bool:
+def _window_gap(req: SavingRow, caches: Sequence[Any]) -> bool:
     """The next block to store has left a sliding window (it can no longer be read;
     the chain cannot go past it). Never the case while every block is stored in
     time; it follows a block that was not stored (dropped: no room)."""

@@ -8,27 +8,17 @@ or failed read leaves the head prefilling on (the tail recomputed, the output th
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .. import codec
-from ..meta import BlockMeta, Namespace
 from . import adapters
 from .cache_kinds import BlockSpan
 from .planner import Planner
-
-if TYPE_CHECKING:
-    from .request import Request
+from .row import SavingRow, Splice
 
 logger = logging.getLogger(__name__)
-
-# the engine thread waits for the read at the split point at most this long (or twice
-# the plan's predicted time, if longer)
-MIN_WAIT_S, MAX_WAIT_S = 0.25, 2.0
-
 
 def planner_for(policy: str, template: Sequence[Any], cache: Any) -> Planner:
     """The engine's planner: its model qualifies with plain or quantized KV (no state
@@ -39,36 +29,7 @@ def planner_for(policy: str, template: Sequence[Any], cache: Any) -> Planner:
                        hasattr(t, "get_many") for t in getattr(cache, "lower", ())))
 
 
-def _read(tier: Any, metas: Sequence[BlockMeta], ns: Namespace,
-          out: Future[tuple[list[Any], float]]) -> None:
-    """The background thread: the tier's bytes (``get_many``) and how long they took."""
-    t = time.perf_counter()
-    try:
-        got = list(tier.get_many([m.block_hash for m in metas], ns=ns))
-    except BaseException as e:
-        out.set_exception(e)
-        return
-    out.set_result((got, time.perf_counter() - t))
-
-
-class Splice:
-    """A tail ``metas`` (``[at, end)``, one lower tier) being read for a request."""
-
-    def __init__(self, tier: Any, metas: Sequence[BlockMeta], ns: Namespace, at: int,
-                 end: int, predicted_s: float) -> None:
-        self.tier_name = str(tier.name)
-        self.metas, self.at, self.end = list(metas), at, end
-        self.wait_s = min(MAX_WAIT_S, max(MIN_WAIT_S, 2 * predicted_s))
-        self.future: Future[tuple[list[Any], float]] = Future()
-        threading.Thread(target=_read, args=(tier, self.metas, ns, self.future),
-                         name="promptcache-tail", daemon=True).start()
-
-    def cap(self, end: int, pos: int) -> int:
-        """A chunk ending at ``end`` stops at the split point instead."""
-        return min(end, self.at) if pos < self.at else end
-
-
-def splice_due(req: Request) -> None:
+def splice_due(req: SavingRow) -> None:
     """At a chunk boundary past the split point (``req.splice``): splice the tail in
     once its read is done (waiting at most ``wait_s`` at the split point itself);
     give it up at the tail's end or when the read failed."""
@@ -99,7 +60,7 @@ def splice_due(req: Request) -> None:
         c.splices_given_up += 1
 
 
-def _splice(req: Request, sp: Splice) -> bool:
+def _splice(req: SavingRow, sp: Splice) -> bool:
     got, read_s = sp.future.result()
     pos = req.pos
     first = next((i for i, m in enumerate(sp.metas) if m.start == pos), None)
