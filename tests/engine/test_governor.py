@@ -14,7 +14,7 @@ import psutil  # type: ignore[import-untyped]
 import pytest
 from conftest import make_engine
 
-from promptcache.engine import engine as engine_module
+from promptcache.engine import memory as memory_module
 from promptcache.engine.admission import Admission, Ticket
 from promptcache.engine.api import GenerationRequest, SamplingParams
 from promptcache.engine.governor import PAUSE, REFUSE, Holder, MemoryGovernor, trim_heap
@@ -222,8 +222,8 @@ def test_an_engine_past_the_hard_watermark_refuses_and_serves_again(tiny_llama_p
     eng = make_engine(tiny_llama_path, live_states=2)
     used = [0]
     try:
-        g = eng._governor(1 << 30, footprint=lambda: used[0])
-        eng.governor = g
+        g = eng.memory.build(1 << 30, footprint=lambda: used[0])
+        eng.memory.governor = g
         prompt = tuple(int(t) for t in np.random.default_rng(3).integers(3, 1000, size=30))
         req = GenerationRequest(prompt_tokens=prompt, sampling=SamplingParams(max_tokens=3))
         first = eng.submit(req).result(timeout=120)
@@ -286,20 +286,20 @@ def test_admission_predicts_the_peak_never_fits_is_a_400_not_now_a_429(tiny_llam
         prompt = tuple(int(t) for t in np.random.default_rng(4).integers(3, 1000, size=30))
         req = GenerationRequest(prompt_tokens=prompt, sampling=SamplingParams(max_tokens=3))
         # a limit whose hard watermark the weights alone nearly fill: no request fits, ever
-        eng.governor = eng._governor(int(eng.weights_bytes / 0.95) + 1, footprint=lambda: 0)
+        eng.memory.governor = eng.memory.build(int(eng.memory.weights_bytes / 0.95) + 1, footprint=lambda: 0)
         with pytest.raises(RequestError, match=r"needs about .* GB at its peak .* weights"):
             eng.submit(req)
         # room for it, but the process holds all of the limit and has nothing to release
         limit = 1 << 30
-        eng.governor = g = eng._governor(limit, footprint=lambda: limit)
+        eng.memory.governor = g = eng.memory.build(limit, footprint=lambda: limit)
         mx.clear_cache()
         g.check()  # the footprint seen: at the limit, past the hard watermark
         with pytest.raises(OverloadedError, match="needs about"):
             eng.submit(req)
         assert g.stats.refused_peaks == 1
         # the footprint back down: served, and the server went on all along
-        eng.governor = eng._governor(limit, footprint=lambda: 0)
-        eng.governor.check()
+        eng.memory.governor = eng.memory.build(limit, footprint=lambda: 0)
+        eng.memory.governor.check()
         r = eng.submit(req).result(timeout=120)
         assert r.error is None and len(r.tokens) == 3
     finally:
@@ -315,8 +315,8 @@ def test_an_idle_engine_keeps_checking_so_it_stops_refusing(tiny_llama_path):
     used = [0]
     limit = 1 << 30
     try:
-        g = eng._governor(limit, footprint=lambda: used[0])
-        eng.governor = g
+        g = eng.memory.build(limit, footprint=lambda: used[0])
+        eng.memory.governor = g
         eng.loop._governor = g  # the loop's checks (between steps and while idle)
         prompt = tuple(int(t) for t in np.random.default_rng(5).integers(3, 1000, size=20))
         req = GenerationRequest(prompt_tokens=prompt, sampling=SamplingParams(max_tokens=2))
@@ -377,8 +377,8 @@ def test_the_pool_release_trims_the_heap_and_reports_the_footprint_it_freed(
     try:
         reads = iter([1000, 700])
         trims: list[bool] = []
-        monkeypatch.setattr(engine_module, "trim_heap", lambda: trims.append(True) or True)
-        g = eng._governor(1 << 30, footprint=lambda: next(reads))
+        monkeypatch.setattr(memory_module, "trim_heap", lambda: trims.append(True) or True)
+        g = eng.memory.build(1 << 30, footprint=lambda: next(reads))
         mx.clear_cache()  # MLX's pool holds nothing: what it frees is the trimmed heap
         assert g._pool is not None and g._pool.release(math.inf) == 300
         assert trims == [True]

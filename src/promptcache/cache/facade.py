@@ -100,7 +100,6 @@ class PromptCache:
         self.levels.tick(now)
         return now
 
-    # ---- lookup / acquire / release ------------------------------------------
     def lookup(self, tokens: Any, ns: Namespace, extra_keys: Sequence[ExtraKeySpan] = (),
                explain: bool = False) -> Match:
         """The longest restorable cached prefix of ``tokens`` (a pure query: no LRU
@@ -139,25 +138,17 @@ class PromptCache:
             hit.released = True
             self.pool.release_chain(hit._held)
 
-    # ---- store -----------------------------------------------------------------
     def store(self, ns: Namespace, tokens: Any, num_tokens: int,
               payload_for: Callable[[int, int, bool], Any], *,
               extra_keys: Sequence[ExtraKeySpan] = (), session_id: str | None = None,
               agent_id: str | None = None, truncatable: bool = True,
               snapshot_at_end: bool = True, include_partial: bool = True,
               save_point: str = "mid_prefill", cursor: ChainCursor | None = None) -> int:
-        """Store the blocks of ``tokens[:num_tokens]`` that are not stored yet; returns
-        the number of blocks created. ``payload_for(start, end, snapshot)`` is called
-        only for blocks that must be created (or upgraded with a snapshot).
-
-        ``cursor``: resume the walk at ``cursor.start`` (a block boundary whose parent
-        hash it knows) instead of re-hashing the chain from the root, and move it to
-        the end of the last full block stored or found; only ``tokens[cursor.start:
-        num_tokens]`` is read, so repeated saves of a growing sequence cost only their
-        new blocks.
-
-        ``session_id`` / ``agent_id``: recorded on every block stored or found (the
-        agent, a client's subagent id, in RAM only)."""
+        """Store the blocks of ``tokens[:num_tokens]`` not stored yet (returns how many);
+        ``payload_for(start, end, snapshot)`` is called only for blocks to create or
+        upgrade with a snapshot. ``cursor`` resumes the walk at ``cursor.start`` and
+        moves to the last full block, so a growing sequence's saves cost only its new
+        blocks. ``session_id`` / ``agent_id`` (RAM only) are recorded on every block."""
         req, spans, offset = check_store(ns, tokens, num_tokens, payload_for, extra_keys,
                                          session_id, agent_id, save_point, cursor,
                                          self.config.block_size)
@@ -185,7 +176,6 @@ class PromptCache:
             with self._lock:
                 self.gone.record(keys[0], keys[1], NOT_STORED, cause)
 
-    # ---- levels: protection (cache breakpoints, prompt_cache_key), active sessions --
     def protect(self, tokens: Any, ns: Namespace, num_tokens: int, ttl_s: float, *,
                 key: str | None = None, persist: bool = True, pin_s: float | None = None,
                 extra_keys: Sequence[ExtraKeySpan] = ()) -> int:
@@ -234,7 +224,6 @@ class PromptCache:
             self._tick()
             return self.levels.snapshot()
 
-    # ---- eviction, deletion, export / import (``ops``) ------------------------------
     def evict(self, num_blocks: int | None = None) -> int:
         """Evict (demote) up to ``num_blocks`` LRU unreferenced blocks (None: all, and
         every state held outside the pool)."""
@@ -290,7 +279,6 @@ class PromptCache:
         with self._lock:
             return self._ops.resize_ram(budget_bytes)
 
-    # ---- bytes held outside the pool (the engine's live session state) ----------
     def set_outside_holder(self, reclaim: Callable[[int], int] | None,
                            forget: Callable[[str | None, str | None], int] | None = None
                            ) -> None:
@@ -367,7 +355,6 @@ class PromptCache:
         with self._lock:
             return self._ops.import_block(meta, data, sessions, ns, self._clock())
 
-    # ---- stats, flush, persist, close --------------------------------------------
     def stats(self) -> CacheStats:
         with self._lock:
             pool = self.pool

@@ -1,26 +1,12 @@
 """The Engine: one thread owns the model; requests are submitted from any thread.
 
-``submit`` validates a request (fast token validation, a constraint compiled into a
-logits processor), takes an admission ticket (``admission.py``: active requests,
-active KV bytes, a bounded wait queue; ``OverloadedError`` past it) and returns a
-``RequestHandle`` at once. The engine thread runs the ``Scheduler``: every step one
-batched decode forward over all decoding requests plus at most one prefill chunk.
-The prompt cache is built by the caller and handed in (the engine never constructs
-tiers); the engine closes it in ``close()``.
-
-If the engine thread dies (a bug, not a model failure of one request, which only
-ends that request), every pending request ends with an error, ``alive`` turns
-False and ``submit`` raises ``EngineDeadError``.
-
-The Engine implements the server's port (``port.EngineAPI``). ``call(fn)`` runs a
-function on the engine thread between two steps (or while it gathers a burst) and
-waits for it, bounded (``calls.py``); the cache operations the server asks for a
-request (``cache_port.py``) are such calls and degrade (None / 0, counted in
-``engine_stats``) instead of failing the request. Its parts are plain objects it
-builds and holds, each given only what it needs: request intake ``submission``
-(``submission.py``), the chat-template surface ``prompting`` (``prompting.py``), the
-cache operations ``cache_port`` and the tenants' ``namespaces`` (``cache_port.py``); the
-port's methods are short delegates to them. The KV sizing probe is ``kv_size.py``.
+``submit`` validates and takes an admission ticket (``submission.py``,
+``admission.py``); the engine thread runs the ``Scheduler``. The caller builds the
+prompt cache and hands it in; ``close()`` closes it. If the engine thread dies, every
+pending request ends with an error and ``submit`` raises ``EngineDeadError``. The Engine
+implements the server's port (``port.EngineAPI``) as short delegates to plain parts it
+builds: ``submission``, ``prompting``, ``cache_port`` (cache calls run on the engine
+thread through ``call``: bounded, degrading to None / 0), ``memory`` (the governor).
 """
 
 from __future__ import annotations
@@ -49,13 +35,13 @@ from .cache_port import CachePort, Namespaces
 from .calls import EngineCalls
 from .chat_format import ChatFormat, chat_format_of
 from .context import EngineContext, EngineCounters, LogitsHook
-from .governor import Holder, MemoryGovernor, process_footprint, trim_heap
 from .handles import RequestHandle
 from .kv_size import kv_row_bytes, probe_caches
 from .live import LiveStates
 from .loop import EngineLoop, stop_thread
+from .memory import CACHE_LIMIT_SHARE, EngineMemory, cap_mlx_cache
 from .port import ENGINE_CALL_TIMEOUT_S, CachePrediction, CacheProbe, EngineAPI, TunableCacheAPI
-from .prefill import attention_heads, workspace_bytes
+from .prefill import attention_heads
 from .prompting import Prompting
 from .quant import from_config as _kv_quant_of
 from .scheduler import Scheduler
@@ -72,8 +58,6 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-# mlx's buffer cache is limited to 1 / CACHE_LIMIT_SHARE of the KV budget
-CACHE_LIMIT_SHARE = 8
 
 
 class Engine:
@@ -129,8 +113,7 @@ class Engine:
             raise ValueError(f"model {model_id}: {e}") from e
         self.templates = ChatTemplate(tokenizer, token_limit=context_length,
                                       render_limit_s=cfg.template_render_limit_s)
-        # the startup test render: a template that does not parse, loops or recurses
-        # refuses to start (TemplateRenderError) instead of failing every request
+        # a template that does not parse, loops or recurses refuses to start
         self.templates.check()
         eos = getattr(tokenizer, "eos_token_ids", None) or []
         self.counters = EngineCounters()
@@ -176,18 +159,12 @@ class Engine:
                                      failure=lambda: self._dead, closed=lambda: self._closed)
         self.prompting = Prompting(self.templates, self.submission.submit)
         self.scheduler = Scheduler(self._ctx, self.admission, self.submission.make_request)
-        if cfg.active_kv_budget_bytes is not None:
-            # mlx keeps freed buffers for reuse (its buffer cache; unbounded by default
-            # on Metal): at most an eighth of the KV budget (the smallest over engines)
-            limit = cfg.active_kv_budget_bytes // CACHE_LIMIT_SHARE
-            previous = mx.set_cache_limit(limit)
-            if previous < limit:
-                mx.set_cache_limit(previous)
+        if cfg.active_kv_budget_bytes is not None:  # mlx's buffer cache: 1/8 of the KV budget
+            cap_mlx_cache(cfg.active_kv_budget_bytes // CACHE_LIMIT_SHARE)
         # shadow verification of cache hits in idle time (engine/shadow.py)
         self.shadow: ShadowVerifier | None = None
         if cfg.shadow_verify_fraction > 0 and self.kv_quant is not None:
-            # a quantized block differs from its recomputation by the quantization error,
-            # far past the verifier's tolerance: every hit would look corrupt
+            # a quantized block differs from its recomputation past the tolerance
             raise ValueError("shadow verification does not support quantized KV blocks "
                              "(--kv-bits) yet: use one or the other")
         if cache is not None and cfg.shadow_verify_fraction > 0 and hasattr(cache, "observers"):
@@ -195,57 +172,25 @@ class Engine:
                                          chunk_tokens=cfg.prefill_chunk_tokens,
                                          busy=lambda: not self.scheduler.idle)
             cache.observers.append(self.shadow)
-        self.governor = (self._governor(cfg.memory_limit_bytes)
-                         if cfg.memory_limit_bytes is not None else None)
-        self._loaded_footprint = 0
-        if self.governor is not None:
-            # what the running requests' KV and prefill workspace may hold together: the
-            # hard watermark less what the process holds now (the weights loaded), so a
-            # burst of long prompts is admitted only as far as it fits under the limit
-            self._loaded_footprint = process_footprint()
-            room = self.governor.hard - self._loaded_footprint
-            budget = self.admission.kv_budget
-            if room > 0 and (budget is None or room < budget):
-                self.admission.kv_budget = room
-                # and MLX's buffer cache (refilled between the governor's checks) at
-                # most an eighth of that room, as of any KV budget
-                previous = mx.set_cache_limit(room // CACHE_LIMIT_SHARE)
-                if previous < room // CACHE_LIMIT_SHARE:
-                    mx.set_cache_limit(previous)
-        # what the process holds that is never released (the memory governor's base)
-        self.weights_bytes = sum(int(v.nbytes) for _, v in tree_flatten(model.parameters()))
-        self._heads = attention_heads(model)
-        self.submission.memory_check = self._memory_check
-        if self.governor is not None:
-            self.admission.memory_fits = self._memory_fits
+        self.memory = EngineMemory(cfg, cache, self._ctx.live, self.admission, self.row_bytes,
+                                   sum(int(v.nbytes) for _, v in tree_flatten(model.parameters())),
+                                   attention_heads(model))
+        self.submission.memory_check = self.memory.check
         self.loop = EngineLoop(cfg, self.scheduler, self.admission, self.calls, self._control,
                                self.shadow, fail_pending=self.submission.fail_pending,
-                               died=self._died, governor=self.governor)
+                               died=self._died, governor=self.memory.governor)
         self._thread.start()
         # stop the engine thread at interpreter exit even if close() was never called
         self._finalizer = weakref.finalize(self, stop_thread, self._control, self._thread)
 
-    # ------------------------------------------------------------------ construction
 
     @classmethod
-    def load(
-        cls,
-        model_path: str | Path,
-        engine_config: EngineConfig | None = None,
-        cache_config: CacheConfig | None = None,
-        *,
-        cache: PromptCache | None = None,
-        logits_hook: LogitsHook | None = None,
-        vision_cache: VisionCache | None = None,
-        chat_template: str | None = None,
-        steps: Steps = no_steps,
-    ) -> Engine:
-        """Load a model folder or Hugging Face repo id. ``cache``: a PromptCache built
-        by the caller (with ``engine.payload.MLXPayloadAdapter``), or None. A
-        vision-language model folder (config with ``vision_config``) is loaded through
-        mlx-vlm (``models/vlm.py``); ``vision_cache`` then caches its image features.
-        ``chat_template``: a Jinja chat template that replaces the checkpoint's.
-        ``steps`` names the long steps (fingerprint, weight load, speculation-cost fit)."""
+    def load(cls, model_path: str | Path, engine_config: EngineConfig | None = None,
+             cache_config: CacheConfig | None = None, *, cache: PromptCache | None = None,
+             logits_hook: LogitsHook | None = None, vision_cache: VisionCache | None = None,
+             chat_template: str | None = None, steps: Steps = no_steps) -> Engine:
+        """Load a model folder or repo id (a VLM through mlx-vlm; ``vision_cache`` caches
+        its image features); ``cache``: built by the caller (MLXPayloadAdapter) or None."""
         from .models.loader import load_model_or_vlm
 
         model, tokenizer, info, tower = load_model_or_vlm(model_path, chat_template=chat_template,
@@ -263,8 +208,6 @@ class Engine:
             engine_config=engine_config, cache_config=cache_config, cache=cache,
             logits_hook=logits_hook, vision=vision, steps=steps,
         )
-
-    # ------------------------------------------------------------------ the port's delegates
 
     def namespace(self, tenant: str = DEFAULT_TENANT) -> Namespace:
         return self.namespaces(tenant)
@@ -359,7 +302,6 @@ class Engine:
     def tier_health(self) -> dict[str, Any]:
         return self.cache_port.tier_health()
 
-    # ------------------------------------------------------------------ the engine's own
 
     @property
     def alive(self) -> bool:
@@ -379,82 +321,15 @@ class Engine:
                 **spec_stats(self._ctx.speculator),
                 **(self._ctx.live.stats() if self._ctx.live is not None else {}),
                 "restore_rates": self.planner.rates.snapshot(),
-                **(self.governor.snapshot() if self.governor is not None else {}),
-                # MLX arrays the RAM tier holds (one buffer per block): Metal caps the
-                # buffers of a process (~499,000) whatever their bytes
+                **(self.memory.governor.snapshot() if self.memory.governor is not None
+                   else {}),
+                # the RAM tier's MLX arrays (one per block; Metal caps ~499,000)
                 "ram_arrays": self.cache.pool.num_blocks if self.cache is not None else 0,
-                # their cap (--max-arrays; None: no cap)
                 "max_arrays": self.cache.pool.max_blocks if self.cache is not None else None,
-                # mlx's own accounting: arrays alive (KV, RAM-tier blocks, weights), its
-                # buffer cache (freed buffers it keeps for reuse) and the peak
+                # mlx's own accounting: alive, its buffer cache, the peak
                 "mlx_active_bytes": int(mx.get_active_memory()),
                 "mlx_cache_bytes": int(mx.get_cache_memory()),
                 "mlx_peak_bytes": int(mx.get_peak_memory())}
-
-    def _governor(self, limit: int, footprint: Callable[[], int] = process_footprint
-                  ) -> MemoryGovernor:
-        """The memory governor over this engine's holders (``governor.py``): MLX's
-        buffer pool (first, and after each holder that released), the live states,
-        the RAM tier."""
-        cache, live, cfg = self.cache, self._ctx.live, self.engine_config
-
-        def mlx_pool(_: float) -> int:
-            # MLX's pool, then the C heap's free memory (glibc keeps what is freed)
-            before, held = footprint(), int(mx.get_cache_memory())
-            mx.clear_cache()
-            trim_heap()
-            return max(held, before - footprint())
-
-        holders: list[Holder] = []
-        if live is not None:
-            holders.append(Holder("live", live.release))
-        regrow: Callable[[], None] = lambda: None  # noqa: E731
-        if cache is not None:
-            shrunk: list[int] = []  # the budget before the governor first shrank it
-
-            def shrink_ram(nbytes: float) -> int:
-                if not shrunk:
-                    shrunk.append(cache.pool.budget_bytes)
-                return cache.shrink_ram(nbytes)
-
-            def regrow_ram() -> None:  # only what the governor took (--auto-tune moves
-                if shrunk:             # the budget on its own)
-                    cache.resize_ram(max(shrunk.pop(), cache.pool.budget_bytes))
-
-            holders.append(Holder("ram", shrink_ram))
-            regrow = regrow_ram
-        return MemoryGovernor(limit, footprint, holders, pool=Holder("mlx_cache", mlx_pool),
-                              admission=self.admission.set_pressure,
-                              regrow=regrow, soft=cfg.memory_soft, hard=cfg.memory_hard)
-
-    def _memory_check(self, n_prompt: int, length: int) -> int:
-        """At submit, with a memory governor: the request's predicted peak (its KV at
-        ``length``, the restored prefix's buffers, a prefill chunk's attention
-        workspace) against the limit (``MemoryGovernor.admit``); returns the peak."""
-        g = self.governor
-        if g is None:
-            return 0
-        chunk = min(n_prompt, self.engine_config.prefill_chunk_tokens * 3 // 2)
-        peak = (self.row_bytes(length) + self.row_bytes(n_prompt)
-                + workspace_bytes(1, chunk, n_prompt, self._heads))
-        g.admit(peak, self.weights_bytes, self._reclaimable(),
-                queue_retry_s=self.admission.retry_estimate())
-        return peak
-
-    def _reclaimable(self) -> int:
-        """What the memory governor's holders could release now: the live states, the
-        RAM tier, MLX's buffer pool."""
-        live = self._ctx.live
-        return ((live.nbytes if live is not None else 0)
-                + (self.cache.pool.used_bytes if self.cache is not None else 0)
-                + int(mx.get_cache_memory()))
-
-    def _memory_fits(self, peak: int, running: int) -> bool:
-        """A queued request's peak beside the running ones' (``MemoryGovernor.fits``),
-        over what the process held once loaded (weights, runtime, libraries)."""
-        g = self.governor
-        base = max(self.weights_bytes, self._loaded_footprint)
-        return g is None or g.fits(peak, base, self._reclaimable(), running)
 
     def release_live(self) -> int:
         """Release every live session state (what a memory governor asks first);

@@ -1,34 +1,12 @@
-"""One request's state on the engine thread: prompt, output, sampling, stops, usage,
-and its three cache save points.
+"""One request's state on the engine thread: prompt, output, sampling, stops, usage.
 
-    start: cache.acquire -> restore -> release (a miss is kept as data: CacheMiss)
-    -> chunked prefill; chunks end at absolute multiples of the chunk size (a
-       multiple of the block size), so every save lands on a block boundary
-       -> after each completed chunk: store (save point 1, "mid_prefill"). A state
-          that cannot be truncated (SSM / hybrid) is snapshotted every
-          ``snapshot_every_blocks`` blocks; its chunks also end at the prompt's last
-          ``message_snapshots`` message starts, for a snapshot there (in a partial
-          block when the start is inside one): a conversation branching at a message
-          restores up to its start
-    -> end of prompt: first token, then store incl. the partial tail (save point 2,
-       "end_prefill"); a prefill-only request ends here ("prefilled"). Sliding windows:
-       before a forward that would push whole unsaved blocks out of a window (the
-       prompt's last token runs alone and slides it), those blocks are stored first
-       (``save_before_slide``), so every block is saved while its tokens are in it
-    -> decode (in the scheduler's batch or alone): ``accept`` each token (stop ids,
-       stop strings, max_tokens), streaming TokenEvents; sliding-window models store
-       output blocks as they complete
-    -> end: store prompt + output[:-1], the tokens whose state is in the cache
-       (save point 3, "end_generation")
-
-Every save goes through one ``ChainCursor``: a save hashes and reads only the blocks
-after the last one this request stored. The token sequence lives in one
-preallocated uint32 buffer (prompt + output), so no save copies the prompt. Any
-exception from the cache is logged and counted and turns into a miss (or a skipped
-save): it never fails the request. A failed save is counted by cause
-(``store_error_cause``) and the cache is told which blocks it left out, so the next
-request that would have hit them misses as ``not_stored: <cause>``, not ``cold``.
-The cache side (lookup + restore, the stores) is ``request_saves.py``.
+start (lookup + restore, or the live state) -> chunked prefill, chunks ending on block
+boundaries, each stored ("mid_prefill"; SSM / hybrid states snapshotted every k blocks
+and at message starts; sliding windows store blocks before they slide out) -> the first
+token and "end_prefill" -> decode (``accept``: stop ids, stop strings, max_tokens) ->
+"end_generation" (prompt + output[:-1]). Saves go through one ``ChainCursor`` over one
+preallocated uint32 buffer; a cache error is counted and becomes a miss or a skipped
+save, never a failed request. The cache side is ``request_saves.py`` (docs/cache.md).
 """
 
 from __future__ import annotations
@@ -122,7 +100,6 @@ class Request:
         self.images = (ImagePrefill(ctx.vision, request.images)
                        if request.images and ctx.vision is not None else None)
 
-    # ------------------------------------------------------------------ state
 
     @property
     def request_id(self) -> str:
@@ -148,7 +125,6 @@ class Request:
     def prefill_done(self) -> bool:
         return self.pos >= self.n_prompt
 
-    # ------------------------------------------------------------------ start
 
     def start(self) -> None:
         """Lookup + restore (the request's private caches start at ``self.pos``)."""
@@ -167,7 +143,6 @@ class Request:
         self.last_snapshot = self.pos
         self.phase = "prefill"
 
-    # ------------------------------------------------------------------ prefill
 
     def chunk_end(self) -> int:
         """Where this request's next chunk ends: the next absolute multiple of the
@@ -296,7 +271,6 @@ class Request:
             return False
         return held - self.cursor.start >= self.ctx.block_size
 
-    # ------------------------------------------------------------------ sampling
 
     def process(self, logits: mx.array, fed: mx.array | None) -> mx.array:
         """Apply the request's logits processors (a constraint) to ``[vocab]`` logits.
@@ -353,7 +327,6 @@ class Request:
         text = self.stops.feed(self.detok.flush())
         return text if self.stops.stopped else text + self.stops.flush()
 
-    # ------------------------------------------------------------------ saves
 
     def store_decoded_block(self, caches: Sequence[Any]) -> None:
         """Sliding-window models: store the output block that just completed (its
@@ -361,7 +334,6 @@ class Request:
         store(self, self.pos, "end_generation", include_partial=False, snapshot_at_end=False,
               caches=caches)
 
-    # ------------------------------------------------------------------ finish
 
     def finish(self, reason: str, caches: Sequence[Any] | None = None, *,
                state_pos: int | None = None, error: str | None = None) -> None:
