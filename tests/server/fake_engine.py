@@ -1,4 +1,4 @@
-"""A tokenizer-free stand-in for the Engine (docs/INTERFACES.md), for fast protocol tests.
+"""A tokenizer-free stand-in Engine (docs/INTERFACES.md, the port) for fast protocol tests.
 
 ``FakeEngine`` implements ``promptcache.engine.port.EngineAPI``: mypy checks it (this
 file is in pyproject's mypy ``files``; see ``_implements_the_port`` at the end), so it

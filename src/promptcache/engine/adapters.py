@@ -1,7 +1,7 @@
 """mlx-lm cache objects <-> block payloads, through each cache's public ``state``.
 
 A payload is one evaluated ``BlockPayload`` buffer (a copy: a lazy slice would pin the cache), named
-as in docs/INTERFACES.md. With a ``KVQuant`` spec, KV from ``min_tokens`` on is stored quantized.
+as in docs/INTERFACES.md (block payloads). ``KVQuant``: KV from ``min_tokens`` on stored quantized.
 ``restore`` and the cache kinds are re-exported."""
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Admitted within ``max_active`` and ``kv_budget`` (charged ``n x row_bytes(longest)``: mlx-lm pads
 batch rows), else queued FIFO (full: ``OverloadedError``). Background tickets queue apart, never
-take the last slot, and are preempted (newest first) for interactive ones (docs/INTERFACES.md).
+take the last slot, and are preempted (newest first) for interactive ones (INTERFACES.md, the port).
 Under memory ``pause`` / ``refuse`` a ticket starts only alone; ``refuse`` rejects submits."""
 
 from __future__ import annotations
