@@ -136,8 +136,13 @@ class SSDConfig:
     # free space the tier leaves on its disk: the budget in use is capped by the bytes
     # stored + the disk's free bytes - this reserve (None: 5% of the disk, at most 1 GB)
     disk_reserve_bytes: int | None = None
+    # > 0: new blocks are appended to segment files of about this size (tiers/ssd_segments);
+    # 0: one file per block. Folders of either layout are read by both.
+    segment_bytes: int = 0
 
     def __post_init__(self) -> None:
+        if self.segment_bytes < 0:
+            raise ValueError(f"segment_bytes must be >= 0, got {self.segment_bytes}")
         if self.policy not in ("write_back", "write_through"):
             raise ValueError(f"policy must be 'write_back' or 'write_through', got {self.policy!r}")
         if self.queue_size < 1:

@@ -45,6 +45,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ssd-queue-size", type=int, default=SSDConfig.queue_size,
                    help="blocks waiting for the SSD writer; more wait in RAM, never dropped "
                         "(default %(default)s)")
+    p.add_argument("--ssd-segment-mb", type=int, default=SSDConfig.segment_bytes >> 20,
+                   help="append new SSD blocks to segment files of about this many MB "
+                        "(read in runs); 0: one file per block (default %(default)s)")
     p.add_argument("--shutdown-persist-timeout", type=float,
                    default=CacheConfig.persist_timeout_s,
                    help="seconds a clean shutdown may spend writing the RAM blocks the SSD "

@@ -69,7 +69,8 @@ def build_configs(args: argparse.Namespace) -> tuple[
             log.error("cannot create the SSD cache folder %s: %s", path, e)
         budget = parse_size(args.ssd_budget, total=free_bytes(path))
         ssd_cfg = SSDConfig(path=path, budget_bytes=budget, policy=args.ssd_policy,
-                            queue_size=args.ssd_queue_size, ttl_seconds=ttl)
+                            queue_size=args.ssd_queue_size, ttl_seconds=ttl,
+                            segment_bytes=args.ssd_segment_mb << 20)
     chunk = max(args.block_size, (256 // args.block_size) * args.block_size)
     if args.default_max_tokens < 1:
         raise ValueError(f"--default-max-tokens must be >= 1, got {args.default_max_tokens}")

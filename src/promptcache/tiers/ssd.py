@@ -179,20 +179,11 @@ class SSDTier:
         """The verified payload (None if absent); ``CorruptBlockError`` if damaged."""
         return self.reader.get(block_hash)
 
+    @tier_errors
     def get_many(self, block_hashes: Sequence[BlockHash], *, ns: Namespace | None = None
-                 ) -> list[tuple[bytes, list[str]] | TierError | None]:
-        """``(payload, sessions)`` of a chain's run of blocks (None where absent; a
-        block's own error, counted as ``get`` counts it, in its place), so the cache
-        makes their arrays at once. The files are read as ``get`` reads them, the next
-        blocks' reads ahead overlapping each one."""
-        out: list[tuple[bytes, list[str]] | TierError | None] = []
-        for h in block_hashes:
-            try:
-                data = self.get(h, ns=ns)
-                out.append(None if data is None else (data, self.sessions_of(h, ns=ns)))
-            except TierError as e:
-                out.append(e)
-        return out
+                 ) -> list[tuple[bytes | bytearray, list[str]] | TierError | None]:
+        """``(payload, sessions)`` of a chain's run (see ``Reader.get_many``)."""
+        return self.reader.get_many(block_hashes)
 
     # -- writes (Writer) ------------------------------------------------------------------
 
@@ -355,7 +346,7 @@ class SSDTier:
         self.queued.queue.put(STOP, force=True)
         self._thread.join()
         self.writer.close()
-        self.reader.ahead.close()
+        self.reader.close()
         with self.catalog.write_lock, self.status.lock:
             self.catalog.apply_touches()
             self.catalog.index.close()

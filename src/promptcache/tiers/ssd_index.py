@@ -294,6 +294,10 @@ class SSDIndex:
         for r in self._db.execute(sql, params).fetchall():
             yield row_to_index_row(r)
 
+    def names_segment(self, seg: str) -> bool:
+        q = "SELECT 1 FROM blocks WHERE file_name >= ? AND file_name < ? LIMIT 1"  # <seg>@<offset>
+        return self._db.execute(q, (seg + "@", seg + "A")).fetchone() is not None
+
     def files(self) -> list[tuple[bytes, str, int]]:
         """(hash, file name, file bytes) of every row."""
         rows = self._db.execute("SELECT hash, file_name, file_bytes FROM blocks").fetchall()

@@ -10,12 +10,15 @@ import os
 import sqlite3
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 from ..codec import checksum_matches
 from ..errors import CorruptBlockError, TierError
 from ..hashing import BlockHash
 from ..meta import BlockMeta
 from . import ssd_files as files
+from . import ssd_segments as segments
 from .ssd_ahead import ReadAhead
 from .ssd_queue import Queued
 from .ssd_schema import IndexRow
@@ -39,6 +42,7 @@ class Reader:
         self.status, self.cat, self.queued = status, cat, queued
         self.latency = [0] * (len(LATENCY_BUCKETS_MS) + 1)
         self.latency_sum_ms = 0.0
+        self.pool: ThreadPoolExecutor | None = None  # segment reads (``get_many``)
         self.read_ahead_blocks = read_ahead_blocks
         self.ahead = ReadAhead(workers=min(max(1, read_ahead_blocks), READ_WORKERS),
                                max_blocks=max(1, read_ahead_blocks))
@@ -163,10 +167,7 @@ class Reader:
                 self._record_hit(h, now, (time.perf_counter() - t0) * 1000.0)
                 return ahead
             try:
-                with open(path, "rb", buffering=0) as f:
-                    if files.FADV_WILLNEED is not None:  # the whole file in one go
-                        os.posix_fadvise(f.fileno(), 0, 0, files.FADV_WILLNEED)
-                    data = f.read()
+                data = _read(self.cat.root, row.file_name, row.file_bytes)
             except FileNotFoundError:
                 again = self._reread_row(h, row)
                 if again is not row:
@@ -191,6 +192,52 @@ class Reader:
             return data
         raise TierError(f"ssd block {h.hex()[:16]} kept changing while being read")
 
+    def get_many(self, block_hashes: Sequence[BlockHash]
+                 ) -> list[tuple[bytes | bytearray, list[str]] | TierError | None]:
+        """``(payload, sessions)`` of a chain's run (None where absent, a block's own
+        error in its place): the blocks of segments read together (``read_many``:
+        adjacent records in one read, runs in parallel); the rest, and any block
+        whose read failed there, as ``get`` reads it (which judges the failure)."""
+        hs = [bytes(h) for h in block_hashes]
+        t0, now = time.perf_counter(), self.status.clock()
+        rows: dict[int, IndexRow] = {}
+        with self.status.lock:
+            try:
+                for i, h in enumerate(hs):
+                    row = None if self.queued.find(h) is not None else self.cat.index.get(h)
+                    if row is not None and segments.is_segment(row.file_name) and \
+                            self.cat.live(row, now):
+                        rows[i] = row
+            except sqlite3.Error as e:
+                self.status.index_error(e)
+                rows = {}
+        if len(rows) > 1:
+            if self.pool is None:
+                self.pool = ThreadPoolExecutor(segments.READERS,
+                                               thread_name_prefix="promptcache-ssd-seg")
+            wants = [(i, r.file_name, r.file_bytes, r.checksum) for i, r in rows.items()]
+            got = segments.read_many(self.cat.root, wants, self.pool)
+        else:
+            got = {}
+        out: list[tuple[bytes | bytearray, list[str]] | TierError | None] = []
+        for i, h in enumerate(hs):
+            try:
+                data = got.get(i)
+                if isinstance(data, (bytes, bytearray)):
+                    self._record_hit(h, now, (time.perf_counter() - t0) * 1000.0)
+                else:
+                    data = self.get(BlockHash(h))
+                out.append(None if data is None else (data, self.sessions_of(BlockHash(h))))
+            except TierError as e:
+                out.append(e)
+        return out
+
+    def close(self) -> None:
+        self.ahead.close()
+        if self.pool is not None:
+            self.pool.shutdown(wait=True)
+            self.pool = None
+
     def _prefetch_children(self, h: bytes, now: float) -> None:
         """A restore walks a chain: along it (while a block has exactly one live
         child), read and verify the next ``read_ahead_blocks`` blocks on worker
@@ -206,6 +253,8 @@ class Reader:
                         self._willneed(kid[0], kid[1])
                     return
                 kh, rel, size, digest, _expiry = kids[0]
+                if segments.is_segment(rel):  # a run of a segment: read by ``get_many``
+                    return
                 if depth < self.read_ahead_blocks:
                     if kh not in self.ahead:
                         self.ahead.schedule(kh, self.cat.root / rel, rel, size, digest)
@@ -280,7 +329,7 @@ class Reader:
                 return
             if reason is None:
                 self.status.counts["missing_files"] += 1
-            else:
+            elif not segments.is_segment(row.file_name):  # (a segment's other blocks are fine)
                 files.quarantine(self.cat.root, self.cat.root / row.file_name, h.hex(), reason)
                 self.status.counts["quarantined"] += 1
             self.status.counts["corrupt"] += 1
@@ -293,3 +342,19 @@ class Reader:
             self.cat.touch(h, now)
             self.latency[bisect.bisect_left(LATENCY_BUCKETS_MS, ms)] += 1
             self.latency_sum_ms += ms
+
+
+def _read(root: Path, rel: str, size: int) -> bytes:
+    """A block file's bytes, or a segment record's ``size`` bytes (``<seg>@<offset>``).
+    Raises FileNotFoundError (a missing file) or OSError."""
+    if segments.is_segment(rel):
+        seg, offset = segments.split_ref(rel)
+        fd = os.open(root / seg, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            return os.pread(fd, size, offset)
+        finally:
+            os.close(fd)
+    with open(root / rel, "rb", buffering=0) as f:
+        if files.FADV_WILLNEED is not None:  # the whole file in one go
+            os.posix_fadvise(f.fileno(), 0, 0, files.FADV_WILLNEED)
+        return f.read()

@@ -18,13 +18,14 @@ import sqlite3
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, TypeVar
 
 from ..config import SSDConfig
 from ..errors import TierError
 from . import ssd_files as files
+from . import ssd_segments as segments
 from .ssd_index import SSDIndex
 from .ssd_schema import IndexRow, is_corruption
 
@@ -235,12 +236,27 @@ class Catalog:
             self.blocks, self.bytes_stored = self.index.totals()
         return victims
 
-    def remove_files(self, rels: Any) -> None:
+    def remove_files(self, rels: Iterable[str]) -> None:
+        """Unlink the block files of deleted rows; a segment only once no row names it
+        and no writer holds it (its other bytes are dead until then)."""
+        segs = set()
         for rel in rels:
+            if segments.is_segment(rel):
+                segs.add(segments.split_ref(rel)[0])
+                continue
             try:
                 files.remove_file(self.root / rel)
             except OSError as e:  # left for reconcile as an orphan
                 log.warning("cannot remove %s: %s", rel, e)
+        for seg in sorted(segs):
+            try:
+                with self.status.lock:
+                    named = self.index.names_segment(seg)
+                if not named and not segments.in_use(self.root / seg):
+                    files.remove_file(self.root / seg)
+                    self.status.counts["segments_removed"] += 1
+            except (OSError, sqlite3.Error) as e:  # left for reconcile as an orphan
+                log.warning("cannot remove %s: %s", seg, e)
 
     def enforce_capacity(self, keep: bytes | None = None, budget: int | None = None) -> int:
         """Delete blocks (of every process) until the folder fits ``budget`` (default

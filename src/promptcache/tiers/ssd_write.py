@@ -19,8 +19,9 @@ from ..errors import InvariantError, TierError
 from ..hashing import BlockHash
 from ..meta import Namespace
 from . import ssd_files as files
+from .ssd_commit import Committer
 from .ssd_queue import Pending, Queued
-from .ssd_schema import IndexRow
+from .ssd_segments import SegmentWriter
 from .ssd_store import Catalog, Status
 
 log = logging.getLogger(__name__)
@@ -40,6 +41,9 @@ class Writer:
                  maintain: Callable[[], object], poll_s: float) -> None:
         self.status, self.cat, self.queued = status, cat, queued
         self.queue = queued.queue
+        self.rows = Committer(status, cat, queued)
+        self.segs = SegmentWriter(cat.root, max_bytes=cat.config.segment_bytes,
+                                  fsync=cat.config.fsync)
         self.maintain = maintain
         self.poll_s = poll_s
         self._pool: ThreadPoolExecutor | None = None
@@ -88,7 +92,9 @@ class Writer:
                 batch.append(nxt)
                 size += nxt.nbytes
             try:
-                if len(batch) == 1:
+                if batch and self.cat.config.segment_bytes > 0:
+                    self._write_segments(batch)
+                elif len(batch) == 1:
                     self._write(batch[0])
                 elif batch:
                     self._write_batch(batch)
@@ -109,6 +115,7 @@ class Writer:
 
     def close(self) -> None:
         """Stop the I/O threads (after the writer thread has stopped)."""
+        self.segs.close()
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
@@ -128,19 +135,7 @@ class Writer:
         complete file. A block the index already has (a rewrite, a dedup), and every
         block of a batch that meets a write error, goes through ``_write`` alone."""
         with self.cat.write_lock:
-            todo: list[Pending] = []
-            with self.status.lock:
-                for p in batch:
-                    if p.cancelled:
-                        self.queued.forget(p)
-                        continue
-                    p.taken = True
-                    if self.status.backing_off():
-                        self.queued.drops["degraded"] += 1
-                        self.queued.forget(p)
-                        continue
-                    todo.append(p)
-                self.cat.apply_touches()
+            todo = self._take(batch)
             fresh: list[Pending] = []
             alone: list[Pending] = []
             try:
@@ -160,6 +155,70 @@ class Writer:
                 alone.extend(self._write_fresh(fresh))
         for p in alone:
             self._write(p)
+
+    def _take(self, batch: list[Pending]) -> list[Pending]:
+        """The blocks still to write (cancelled ones, and all while degraded, dropped)."""
+        todo: list[Pending] = []
+        with self.status.lock:
+            for p in batch:
+                if p.cancelled:
+                    self.queued.forget(p)
+                    continue
+                p.taken = True
+                if self.status.backing_off():
+                    self.queued.drops["degraded"] += 1
+                    self.queued.forget(p)
+                    continue
+                todo.append(p)
+            self.cat.apply_touches()
+        return todo
+
+    def _write_segments(self, batch: list[Pending]) -> None:
+        """Append the blocks to this process's segment (one write, one fdatasync), then
+        commit their rows in one transaction (the budget enforced in it); a block whose
+        bytes the index already has commits its sessions only. A crash before the
+        commit leaves a torn tail no row names (cut by the next repair)."""
+        with self.cat.write_lock:
+            todo = self._take(batch)
+            fresh: list[tuple[Pending, bytes, str]] = []
+            one = len(todo) == 1  # (encoded here, on the writer thread)
+            for prepared in map(self._prepare, todo) if one else self._io().map(self._prepare, todo):
+                if prepared is None:
+                    continue
+                p, data, digest = prepared
+                try:
+                    with self.status.lock:
+                        cur = self.cat.index.get(bytes(p.meta.block_hash))
+                    if cur is not None and cur.checksum == digest:
+                        with self.cat.dirlock.shared():
+                            if self.rows.commit(p, len(data), cur.file_name, digest, dedup=True):
+                                continue
+                except sqlite3.Error as e:
+                    self.status.index_error(e)
+                    self.queued.drop(p)
+                    continue
+                fresh.append((p, data, digest))
+            if not fresh:
+                return
+            keep = bytes(fresh[-1][0].meta.block_hash)
+            for attempt in (0, 1):
+                try:
+                    self.segs.max_bytes = self.cat.config.segment_bytes
+                    refs = self.segs.append([(d, g) for _, d, g in fresh], self.cat.dirlock)
+                    with self.cat.dirlock.shared():
+                        self.rows.commit_many([(p, len(d), ref, g) for (p, d, g), ref
+                                               in zip(fresh, refs, strict=True)],
+                                              dedup=False, evict=True)
+                except OSError as e:
+                    need = sum(len(d) for _, d, _ in fresh)
+                    if attempt == 0 and e.errno in _DISK_FULL and self.cat.make_room(keep, need):
+                        continue  # the disk filled up (from outside): room made, once more
+                    for p, _, _ in fresh:
+                        self.queued.drop(p, reason="degraded", counter="write_errors")
+                    self.status.degrade(f"write failed: {e}")
+                    return
+                break
+        self.cat.enforce_capacity(keep=keep)
 
     def _prepare(self, p: Pending) -> tuple[Pending, bytes, str] | None:
         """Encode and checksum; None: dropped and counted."""
@@ -225,7 +284,7 @@ class Writer:
                 if self.cat.config.fsync:
                     folders = {self.cat.root / rel.rsplit("/", 1)[0] for _, _, rel, _ in published}
                     list(self._io().map(files.fsync_dir, sorted(folders)))
-                self._commit_many(published, dedup=False, evict=True)
+                self.rows.commit_many(published, dedup=False, evict=True)
                 published = []
         except OSError as e:
             leftovers = [t for t in tmps if t is not None]
@@ -272,7 +331,7 @@ class Writer:
                         existing = self.cat.index.get(h)
                     if existing is not None and existing.checksum == digest:
                         with self.cat.dirlock.shared():  # the same bytes are stored: sessions only
-                            if self._commit(p, len(data), existing.file_name, digest, dedup=True):
+                            if self.rows.commit(p, len(data), existing.file_name, digest, dedup=True):
                                 return
                     primary = files.block_rel_path(p.meta.namespace_key, p.meta.tenant, h.hex())
                     folder = self.cat.root / primary.rsplit("/", 1)[0]
@@ -282,7 +341,7 @@ class Writer:
                         name = files.publish(tmp, files.block_names(h.hex()),
                                              fsync=self.cat.config.fsync)
                         rel = primary.rsplit("/", 1)[0] + "/" + name
-                        self._commit(p, len(data), rel, digest, dedup=False)
+                        self.rows.commit(p, len(data), rel, digest, dedup=False)
                 except sqlite3.Error as e:
                     with self.status.lock:
                         self.status.index_error(e)
@@ -296,100 +355,3 @@ class Writer:
                     return
                 break
             self.cat.enforce_capacity(keep=h)
-
-    def _commit(self, p: Pending, size: int, rel: str, digest: str, *, dedup: bool) -> bool:
-        """Commit the row of a published file ``rel`` (``dedup``: of the file the row
-        names; False if that row changed meanwhile). Caller holds the shared ``DirLock``."""
-        return self._commit_many([(p, size, rel, digest)], dedup=dedup)
-
-    def _commit_many(self, entries: list[tuple[Pending, int, str, str]], *,
-                     dedup: bool, evict: bool = False) -> bool:
-        """``_commit`` of several published files in one transaction (all rows or
-        none); ``dedup`` with one entry only. ``evict``: the same transaction deletes
-        the least recently used other blocks past the byte budget (their files are
-        unlinked after it), so a crash right after a batch leaves the folder over its
-        budget by no more than one block, as after a single write."""
-        now = self.status.clock()
-        ttl = self.cat.config.ttl_seconds
-        replaced: list[str] = []
-        victims: list[tuple[bytes, str, int]] = []
-        pinned = 0
-        with self.status.lock:
-            live = []
-            for p, size, rel, digest in entries:
-                if p.cancelled:
-                    self.queued.forget(p)
-                    if not dedup:
-                        files.remove_file(self.cat.root / rel)
-                else:
-                    live.append((p, size, rel, digest))
-            if not live:
-                return True
-            done: list[tuple[Pending, IndexRow | None, str]] = []
-            try:
-                self.cat.index.begin()
-                for p, size, rel, digest in live:
-                    h = bytes(p.meta.block_hash)
-                    cur = self.cat.index.get(h)
-                    if dedup and (cur is None or cur.file_name != rel or cur.checksum != digest):
-                        self.cat.index.rollback()
-                        return False
-                    row = IndexRow(
-                        meta=p.meta,
-                        file_name=rel,
-                        file_bytes=size,
-                        checksum=digest,
-                        created=cur.created if cur is not None else now,
-                        last_access=now,
-                        expiry=None if ttl is None else now + ttl,
-                        hits=cur.hits if cur is not None else 0,
-                        had_session=p.had_session or (cur is not None and cur.had_session),
-                    )
-                    self.cat.index.upsert(row)
-                    pin = max(self.cat.pins.get(h, 0.0),
-                              cur.pinned_until if cur is not None and cur.pinned_until else 0.0)
-                    if pin > now:  # a pin asked before the row existed, or the row's own
-                        self.cat.index.pin([h], pin)
-                    self.cat.index.add_sessions(h, p.sessions)
-                    if not dedup:
-                        self.cat.add_written(size)
-                    done.append((p, cur, rel))
-                if evict:
-                    keep = {bytes(p.meta.block_hash) for p, _, _ in done}
-                    excess = self.cat.index.totals()[1] - self.cat.budget()
-                    if excess > 0:
-                        for h, old, size, is_pinned in self.cat.index.lru(len(keep) + 256, now):
-                            if excess <= 0:
-                                break
-                            if h not in keep:
-                                victims.append((h, old, size))
-                                excess -= size
-                                pinned += is_pinned
-                        self.cat.index.delete(h for h, _, _ in victims)
-                self.cat.index.commit()
-            except sqlite3.Error as e:
-                self.cat.index.rollback()
-                self.status.index_error(e)
-                for p, _, rel, _ in live:
-                    self.queued.forget(p)
-                    if not dedup:
-                        files.remove_file(self.cat.root / rel)
-                return True
-            for p, cur, rel in done:
-                self.queued.forget(p)
-                self.cat.pins.pop(bytes(p.meta.block_hash), None)
-                self.status.counts["dedup" if dedup else "spills"] += 1
-                if cur is not None and cur.file_name != rel:
-                    replaced.append(cur.file_name)
-            if victims:
-                self.status.counts[self.cat.eviction_counter()] += len(victims)
-                self.status.counts["evictions_pinned"] += pinned
-                replaced.extend(rel for _, rel, _ in victims)
-            self.cat.blocks, self.cat.bytes_stored = self.cat.index.totals()
-            self.status.recovered()
-        for old in replaced:  # still under the shared DirLock: no repair in between
-            try:
-                files.remove_file(self.cat.root / old)
-            except OSError as e:  # left for reconcile as an orphan
-                log.warning("cannot remove %s: %s", old, e)
-        return True
