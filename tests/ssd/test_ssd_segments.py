@@ -268,3 +268,97 @@ def test_sigkill_mid_append_20_times(tmp_path, seg_bytes):
         finally:
             tier.close()
     assert seen > 0
+
+
+def test_an_unwritable_folder_of_segments_is_served_read_only(tmp_path, monkeypatch):
+    import errno
+
+    from promptcache.tiers import ssd_files
+
+    tier, ms = stored(tmp_path, 3)
+    tier.close()
+    [seg] = segs(tmp_path)
+    with open(seg, "ab") as f:  # a torn tail: a read-only tier leaves it as it is
+        f.write(b"x" * 10)
+
+    def refuse(root: Path) -> None:
+        raise OSError(errno.EROFS, "Read-only file system", str(root))
+
+    monkeypatch.setattr(ssd_files, "probe_writable", refuse)
+    tier = seg_tier(tmp_path)
+    assert tier.mode == "read_only"
+    assert [bytes(g[0]) for g in tier.get_many([m.block_hash for m in ms])] == [
+        payload_for(i) for i in range(3)]
+    assert not tier.put(chain(NS, 4)[3], payload_for(3))
+    s = tier.stats()
+    assert (s["hits"], s["dropped_spills"]["read_only"], s["blocks_on_disk"]) == (3, 1, 3)
+    assert seg.stat().st_size == 3 * REC + 10
+    tier.close()
+
+
+ACK_CHILD = """
+import sys, time
+sys.path.insert(0, {here!r})
+from crash_writer import crash_meta, crash_payload
+from promptcache.config import SSDConfig
+from promptcache.tiers.ssd import SSDTier
+tier = SSDTier(SSDConfig(path={root!r}, fsync=True, segment_bytes=1 << 20, queue_size=8))
+for i in range(20):
+    tier.put(crash_meta(i), crash_payload(i, 0), timeout=None)
+tier.flush()
+print("flushed", flush=True)
+i = 20
+while True:  # appends go on until the kill
+    tier.put(crash_meta(i), crash_payload(i, 0), timeout=None)
+    i += 1
+"""
+
+
+def test_a_flushed_block_survives_kill_9_mid_append(tmp_path):
+    root = tmp_path / "cache"
+    code = ACK_CHILD.format(here=str(Path(__file__).parent), root=str(root))
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == b"flushed\n"
+        time.sleep(0.2)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=10)
+    tier = make_tier(root, segment_bytes=1 << 20)
+    got = tier.get_many([crash_meta(i).block_hash for i in range(20)])
+    assert [bytes(g[0]) for g in got] == [crash_payload(i, 0) for i in range(20)]
+    assert tier.check(fix=False).problems == 0 and tier.stats()["corrupt"] == 0
+    tier.close()
+
+
+def test_without_the_folder_lock_segments_are_served_and_nothing_is_cut(tmp_path, monkeypatch):
+    import errno
+
+    from promptcache.tiers import ssd_files
+
+    tier, ms = stored(tmp_path, 3)
+    tier.close()
+    [seg] = segs(tmp_path)
+    with open(seg, "ab") as f:  # a torn tail a repair would cut
+        f.write(b"x" * 10)
+    with open(seg, "r+b") as f:  # and block 2 damaged
+        f.seek(2 * REC + HEAD.size + 1)
+        f.write(b"\xff\xff")
+
+    def refuse(path: Path, *, create: bool) -> int:
+        raise OSError(errno.EACCES, "Permission denied", str(path))
+
+    monkeypatch.setattr(ssd_files, "open_lock_fd", refuse)
+    before = seg.read_bytes()
+    tier = seg_tier(tmp_path)
+    assert tier.mode == "read_only" and tier.startup_report is None
+    got = tier.get_many([m.block_hash for m in ms])
+    assert [bytes(g[0]) for g in got[:2]] == [payload_for(0), payload_for(1)]
+    assert isinstance(got[2], CorruptBlockError)
+    rep = tier.check(fix=True)
+    assert (rep.fixed, rep.torn_tails) == (False, 1)  # found, not repaired
+    s = tier.stats()
+    assert (s["hits"], s["corrupt"], s["quarantined"], s["blocks_on_disk"]) == (2, 1, 0, 3)
+    tier.close()
+    assert seg.read_bytes() == before
