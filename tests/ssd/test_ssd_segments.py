@@ -362,3 +362,25 @@ def test_without_the_folder_lock_segments_are_served_and_nothing_is_cut(tmp_path
     assert (s["hits"], s["corrupt"], s["quarantined"], s["blocks_on_disk"]) == (2, 1, 0, 3)
     tier.close()
     assert seg.read_bytes() == before
+
+
+def test_a_half_dead_segment_is_compacted_into_the_current_one(tmp_path):
+    tier = seg_tier(tmp_path, segment_bytes=2 * REC)  # two records, then a new segment
+    a, b, c = chain(NS, 3)
+    for i, m in enumerate((a, b, c)):
+        tier.put(m, payload_for(i))
+        tier.flush()
+    first, second = segs(tmp_path)
+    assert (first.stat().st_size, second.stat().st_size) == (2 * REC, REC)
+    assert tier.sweep() == 0  # nothing dead yet
+    assert tier.discard([a.block_hash]) == 1  # first: half its bytes dead
+    assert tier.sweep() == 1  # b moved
+    assert segs(tmp_path) == [second] and second.stat().st_size == 2 * REC
+    row = {bytes(r.meta.block_hash): r for r in tier.rows()}[bytes(b.block_hash)]
+    assert row.file_name == f"{SEG_DIR}/{second.name}@{REC + HEAD.size}"
+    got = tier.get_many([b.block_hash, c.block_hash])
+    assert [bytes(g[0]) for g in got] == [payload_for(1), payload_for(2)]
+    s = tier.stats()
+    assert (s["compacted_blocks"], s["blocks_on_disk"], s["bytes_on_disk"]) == (1, 2, 2 * SIZE)
+    assert tier.check(fix=False).problems == 0
+    tier.close()

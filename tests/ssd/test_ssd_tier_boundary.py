@@ -24,7 +24,7 @@ INDEX_METHODS = [
     "upsert", "delete", "touch", "totals", "recount", "add_written", "written", "iter_rows",
     "files", "lru", "expired", "select_files", "add_sessions", "remove_session",
     "sessions_of", "sessions", "tenants", "pin", "pinned", "count", "quick_check",
-    "names_segment",
+    "names_segment", "segment_use", "move",
 ]
 FILE_FUNCTIONS = ["ensure_dir", "write_temp", "publish", "fsync_dir", "remove_file",
                   "quarantine", "scan", "read_verified"]

@@ -66,6 +66,7 @@ from .ssd_open import Opened, open_index
 from .ssd_queue import Queued
 from .ssd_read import LATENCY_BUCKETS_MS, Reader
 from .ssd_schema import IndexRow
+from .ssd_segments import SegmentWriter
 from .ssd_store import Catalog, DiskUsage, Status, tier_errors
 from .ssd_write import STOP, Writer
 
@@ -106,8 +107,9 @@ class SSDTier:
                                      disk_usage=disk_usage)
         self.queued = Queued(st, cat, config.queue_size)
         self.reader = Reader(st, cat, self.queued, read_ahead_blocks=read_ahead_blocks)
+        segs = SegmentWriter(cat.root, max_bytes=config.segment_bytes, fsync=config.fsync)
         self.maint = Maintenance(st, cat, self.queued, sweep_interval_s=sweep_interval_s,
-                                 index_check_interval_s=index_check_interval_s)
+                                 index_check_interval_s=index_check_interval_s, segs=segs)
         try:
             with st.lock:
                 cat.refresh_totals()
@@ -122,7 +124,7 @@ class SSDTier:
             except TierError as e:  # counted and degraded by check; serving goes on
                 log.error("ssd startup check failed: %s", e)
             cat.enforce_capacity()  # a smaller budget, or a fuller disk, than last time
-        self.writer = Writer(st, cat, self.queued, maintain=self._maintain,
+        self.writer = Writer(st, cat, self.queued, segs, maintain=self._maintain,
                              poll_s=max(0.05, sweep_interval_s / 4))
         self.maint.last_sweep = time.monotonic()
         self._thread = threading.Thread(target=self.writer.run, name="promptcache-ssd-writer",
@@ -270,7 +272,7 @@ class SSDTier:
                     "hits", "misses", "corrupt", "quarantined", "missing_files", "read_errors",
                     "write_errors", "encode_errors", "unexpected_errors", "index_errors",
                     "index_corrupt", "io_errors", "evictions_capacity", "evictions_disk",
-                    "disk_full", "evictions_ttl", "evictions_pinned")},
+                    "disk_full", "evictions_ttl", "evictions_pinned", "compacted_blocks")},
                 "pinned_blocks": pinned[0], "pinned_bytes": pinned[1],
                 "blocks_on_disk": cat.blocks, "bytes_on_disk": cat.bytes_stored,
                 "budget_bytes": cat.budget(), "config_budget_bytes": cat.config.budget_bytes,

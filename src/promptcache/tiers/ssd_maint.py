@@ -1,5 +1,5 @@
 """The SSD tier's maintenance: the periodic sweep (batched
-accesses, TTL, capacity, the index check), pins, and deletion by block, session,
+accesses, TTL, capacity, segment compaction, the index check), pins, and deletion by block, session,
 tenant and age. Locking rules: see ``ssd.py``."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterable
 from ..errors import TierError
 from ..hashing import BlockHash
 from . import ssd_files as files
+from . import ssd_segments as segments
 from .ssd_index import SSDIndex
 from .ssd_queue import Queued
 from .ssd_schema import IndexCorruptError, IndexOpenError
@@ -25,8 +26,9 @@ class Maintenance:
     verifies the index file every ``index_check_interval_s``."""
 
     def __init__(self, status: Status, cat: Catalog, queued: Queued, *,
-                 sweep_interval_s: float, index_check_interval_s: float) -> None:
-        self.status, self.cat, self.queued = status, cat, queued
+                 sweep_interval_s: float, index_check_interval_s: float,
+                 segs: segments.SegmentWriter | None = None) -> None:
+        self.status, self.cat, self.queued, self.segs = status, cat, queued, segs
         self.sweep_interval = sweep_interval_s
         self.index_check_interval = index_check_interval_s
         self.last_sweep = self.last_index_check = time.monotonic()
@@ -74,11 +76,55 @@ class Maintenance:
                 self.status.counts["evictions_ttl"] += len(expired)
                 self.cat.refresh_totals()
                 self.cat.refresh_disk_cap()
-            return len(expired) + self.cat.enforce_capacity()
+            return len(expired) + self.cat.enforce_capacity() + self.compact()
         except sqlite3.Error as e:
             with self.status.lock:
                 self.status.index_error(e)
             return 0
+
+    def compact(self) -> int:
+        """Segments no writer holds whose rows name at most half their bytes: their
+        blocks (verified) are appended to this process's segment and the rows that
+        still name the old bytes moved in one transaction, so the segment goes.
+        Returns the blocks moved; raises sqlite3.Error."""
+        if self.segs is None or self.cat.config.segment_bytes <= 0 or not self.status.writable():
+            return 0
+        moved = 0
+        with self.cat.write_lock:
+            with self.status.lock:
+                use = self.cat.index.segment_use()
+            for seg, live in use:
+                path = self.cat.root / seg
+                try:
+                    if (live * 2 > path.stat().st_size or seg == self.segs.rel
+                            or segments.in_use(path)):
+                        continue
+                    with self.status.lock:
+                        rows = list(self.cat.index.iter_rows(
+                            "WHERE file_name >= ? AND file_name < ?", (seg + "@", seg + "A")))
+                    got = segments.read_many(self.cat.root, [
+                        (i, r.file_name, r.file_bytes, r.checksum) for i, r in enumerate(rows)], None)
+                    good = [(rows[i], bytes(d)) for i, d in sorted(got.items())
+                            if isinstance(d, (bytes, bytearray))]
+                    if not good:
+                        continue
+                    refs = self.segs.append([(d, r.checksum) for r, d in good], self.cat.dirlock)
+                except OSError as e:
+                    log.warning("ssd: cannot compact %s: %s", seg, e)
+                    continue
+                with self.cat.dirlock.shared(), self.status.lock:
+                    self.cat.index.begin()
+                    try:
+                        self.cat.index.move([(bytes(r.meta.block_hash), r.file_name, ref)
+                                             for (r, _), ref in zip(good, refs, strict=True)])
+                        self.cat.index.commit()
+                    except BaseException:
+                        self.cat.index.rollback()
+                        raise
+                    self.cat.remove_files([r.file_name for r in rows])
+                moved += len(good)
+                self.status.counts["compacted_blocks"] += len(good)
+        return moved
 
     def pin(self, block_hashes: Iterable[BlockHash], seconds: float) -> int:
         """Retain these blocks for ``seconds`` from now (``prompt_cache_retention:

@@ -16,7 +16,7 @@ import secrets
 import struct
 import time
 from collections.abc import Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from ..codec import checksum_matches
@@ -193,13 +193,25 @@ def _willneed(root: Path, planned: list[tuple[str, list[tuple[int, int, int, str
             os.close(fd)
 
 
-def read_many(root: Path, wants: Sequence[Want], pool: ThreadPoolExecutor
+def _now(path: Path, run: list[tuple[int, int, int, str]]
+         ) -> Future[list[tuple[int, bytearray | bytes | None]]]:
+    fut: Future[list[tuple[int, bytearray | bytes | None]]] = Future()
+    try:
+        fut.set_result(_read_run(path, run))
+    except OSError as e:
+        fut.set_exception(e)
+    return fut
+
+
+def read_many(root: Path, wants: Sequence[Want], pool: ThreadPoolExecutor | None
               ) -> dict[int, bytearray | bytes | None | OSError]:
     """The verified bytes of each wanted block (None: damaged or cut short; an
-    ``OSError``: its segment could not be read), runs read in parallel on ``pool``."""
+    ``OSError``: its segment could not be read), runs read in parallel on ``pool``
+    (None: here, one after the other)."""
     planned = runs(wants)
     _willneed(root, planned)
-    jobs = [(run, pool.submit(_read_run, root / rel, run)) for rel, run in planned]
+    jobs = [(run, pool.submit(_read_run, root / rel, run) if pool is not None
+             else _now(root / rel, run)) for rel, run in planned]
     out: dict[int, bytearray | bytes | None | OSError] = {}
     for run, fut in jobs:
         try:

@@ -37,13 +37,12 @@ class Writer:
     """The writer thread (``run``) over the blocks ``queued``; it calls ``maintain``
     (the periodic sweep) at least every ``poll_s`` seconds."""
 
-    def __init__(self, status: Status, cat: Catalog, queued: Queued, *,
+    def __init__(self, status: Status, cat: Catalog, queued: Queued, segs: SegmentWriter, *,
                  maintain: Callable[[], object], poll_s: float) -> None:
         self.status, self.cat, self.queued = status, cat, queued
         self.queue = queued.queue
         self.rows = Committer(status, cat, queued)
-        self.segs = SegmentWriter(cat.root, max_bytes=cat.config.segment_bytes,
-                                  fsync=cat.config.fsync)
+        self.segs = segs
         self.maintain = maintain
         self.poll_s = poll_s
         self._pool: ThreadPoolExecutor | None = None
