@@ -3,7 +3,6 @@ segment, rows naming ``<segment>@<offset>``; runs read together; torn tails cut,
 damaged records a corrupt miss, segments removed once no row names them and no
 writer holds them; folders of one file per block still read."""
 
-import os
 import random
 import signal
 import subprocess
@@ -57,24 +56,25 @@ def test_a_chain_is_appended_to_one_segment_at_exact_offsets(tmp_path):
     tier.close()
 
 
-def test_get_many_reads_a_run_with_one_preadv_and_serves_exact_bytes(tmp_path, monkeypatch):
+def test_get_many_reads_adjacent_records_as_one_run_and_serves_exact_bytes(tmp_path, monkeypatch):
     tier, ms = stored(tmp_path, 5)
-    calls: list[int] = []
-    real = os.preadv
+    runs: list[list[int]] = []
+    real = ssd_segments._read_run
 
-    def counting(fd, bufs, offset):
-        calls.append(offset)
-        return real(fd, bufs, offset)
+    def recording(path, run):
+        runs.append([off for _i, off, _n, _d in run])
+        return real(path, run)
 
-    monkeypatch.setattr(ssd_segments.os, "preadv", counting)
+    monkeypatch.setattr(ssd_segments, "_read_run", recording)
     got = tier.get_many([m.block_hash for m in ms])
-    assert [bytes(g[0]) for g in got] == [payload_for(i) for i in range(5)]
-    assert calls == [HEAD.size]  # one read from the first block's offset
-    assert [len(decode(g[0]).buffer) for g in got] == [len(decode(payload_for(0)).buffer)] * 5
+    assert [g[0] for g in got] == [payload_for(i) for i in range(5)]
+    assert all(type(g[0]) is bytes for g in got)  # (the cache takes them without a copy)
+    assert runs == [[HEAD.size + k * REC for k in range(5)]]  # one run, every block in order
     monkeypatch.setattr(ssd_segments, "RUN_BYTES", 2 * REC)  # runs of two blocks
-    calls.clear()
-    tier.get_many([m.block_hash for m in ms])
-    assert sorted(calls) == [HEAD.size, HEAD.size + 2 * REC, HEAD.size + 4 * REC]
+    runs.clear()
+    tier.get_many([m.block_hash for m in reversed(ms)])
+    assert sorted(runs) == [[HEAD.size, HEAD.size + REC], [HEAD.size + 2 * REC, HEAD.size + 3 * REC],
+                            [HEAD.size + 4 * REC]]
     assert tier.stats()["hits"] == 10
     tier.close()
 

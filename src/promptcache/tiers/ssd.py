@@ -183,7 +183,7 @@ class SSDTier:
 
     @tier_errors
     def get_many(self, block_hashes: Sequence[BlockHash], *, ns: Namespace | None = None
-                 ) -> list[tuple[bytes | bytearray, list[str]] | TierError | None]:
+                 ) -> list[tuple[bytes, list[str]] | TierError | None]:
         """``(payload, sessions)`` of a chain's run (see ``Reader.get_many``)."""
         return self.reader.get_many(block_hashes)
 

@@ -4,8 +4,9 @@ its bytes as ``segments/<name>.seg@<offset>`` (``file_bytes`` and ``checksum`` a
 for a block file). A writer holds an exclusive ``flock`` on the segment it appends
 to, so every process knows which segments are in use: only a segment no one holds
 has its torn tail (bytes past its last row: a crash mid-append) truncated, or is
-removed once no row names it. Runs of a chain are read with one ``preadv`` per run
-of adjacent records, runs in parallel (``read_many``)."""
+removed once no row names it. A chain's blocks are read in runs of adjacent records
+(hinted to the kernel at once, read in order on one descriptor), runs in parallel
+(``read_many``)."""
 
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ SUFFIX = ".seg"
 MAGIC = b"PCS1"
 HEAD = struct.Struct("<4sQ16s")  # magic, data length, xxh3-128 digest of the data
 RUN_BYTES = 8 << 20  # a coalesced read stops growing past this (runs read in parallel)
-RUN_BLOCKS = 400  # ... and this many blocks (a preadv takes at most IOV_MAX buffers)
+RUN_BLOCKS = 400  # ... and this many blocks
 READERS = 4
 
 
@@ -147,23 +148,16 @@ def runs(wants: Sequence[Want]) -> list[tuple[str, list[tuple[int, int, int, str
     return out
 
 
-def _read_run(path: Path, run: list[tuple[int, int, int, str]]
-              ) -> list[tuple[int, bytearray | bytes | None]]:
-    """One ``preadv`` into a buffer per block (the headers between them skipped);
-    each verified: None for a short read or a checksum mismatch. Raises OSError."""
-    bufs: list[bytearray] = []
-    for k, (_i, _off, length, _d) in enumerate(run):
-        if k:
-            bufs.append(bytearray(HEAD.size))
-        bufs.append(bytearray(length))
-    out: list[tuple[int, bytearray | bytes | None]] = []
+def _read_run(path: Path, run: list[tuple[int, int, int, str]]) -> list[tuple[int, bytes | None]]:
+    """A run's blocks, one ``pread`` each in order on one descriptor (one stream the
+    kernel reads ahead, hinted whole by ``_willneed``; each block lands in its own
+    ``bytes``: no zero-fill, no copy after), each verified: None for a short read or
+    a checksum mismatch. Raises OSError."""
+    out: list[tuple[int, bytes | None]] = []
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
-        end = run[0][1] + os.preadv(fd, bufs, run[0][1])
-        for k, (i, off, length, digest) in enumerate(run):
-            data: bytearray | bytes = bufs[2 * k]
-            if off + length > end:  # a short read: this block alone, once more
-                data = os.pread(fd, length, off)
+        for i, off, length, digest in run:
+            data = os.pread(fd, length, off)
             out.append((i, data if len(data) == length and checksum_matches(data, digest)
                         else None))
     finally:
@@ -193,9 +187,8 @@ def _willneed(root: Path, planned: list[tuple[str, list[tuple[int, int, int, str
             os.close(fd)
 
 
-def _now(path: Path, run: list[tuple[int, int, int, str]]
-         ) -> Future[list[tuple[int, bytearray | bytes | None]]]:
-    fut: Future[list[tuple[int, bytearray | bytes | None]]] = Future()
+def _now(path: Path, run: list[tuple[int, int, int, str]]) -> Future[list[tuple[int, bytes | None]]]:
+    fut: Future[list[tuple[int, bytes | None]]] = Future()
     try:
         fut.set_result(_read_run(path, run))
     except OSError as e:
@@ -204,7 +197,7 @@ def _now(path: Path, run: list[tuple[int, int, int, str]]
 
 
 def read_many(root: Path, wants: Sequence[Want], pool: ThreadPoolExecutor | None
-              ) -> dict[int, bytearray | bytes | None | OSError]:
+              ) -> dict[int, bytes | None | OSError]:
     """The verified bytes of each wanted block (None: damaged or cut short; an
     ``OSError``: its segment could not be read), runs read in parallel on ``pool``
     (None: here, one after the other)."""
@@ -212,7 +205,7 @@ def read_many(root: Path, wants: Sequence[Want], pool: ThreadPoolExecutor | None
     _willneed(root, planned)
     jobs = [(run, pool.submit(_read_run, root / rel, run) if pool is not None
              else _now(root / rel, run)) for rel, run in planned]
-    out: dict[int, bytearray | bytes | None | OSError] = {}
+    out: dict[int, bytes | None | OSError] = {}
     for run, fut in jobs:
         try:
             for i, data in fut.result():
