@@ -230,6 +230,12 @@ class Reader:
                 out.append(None if data is None else (data, self.sessions_of(BlockHash(h))))
             except TierError as e:
                 out.append(e)
+            except sqlite3.Error as e:  # this block's miss, counted as ``tier_errors`` would
+                self.status.index_error(e)
+                out.append(TierError(f"ssd block {h.hex()[:16]}: index error: {e}"))
+            except OSError as e:
+                self.status.degrade(f"get_many failed: {e}")
+                out.append(TierError(f"ssd block {h.hex()[:16]}: {e}"))
         return out
 
     def close(self) -> None:
