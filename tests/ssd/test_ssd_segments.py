@@ -384,3 +384,20 @@ def test_a_half_dead_segment_is_compacted_into_the_current_one(tmp_path):
     assert (s["compacted_blocks"], s["blocks_on_disk"], s["bytes_on_disk"]) == (1, 2, 2 * SIZE)
     assert tier.check(fix=False).problems == 0
     tier.close()
+
+
+def test_an_index_error_in_get_many_is_each_blocks_own_tier_error(tmp_path):
+    from test_ssd_tier_boundary import FailingIndex
+
+    from promptcache.errors import TierError
+
+    tier, ms = stored(tmp_path, 3)
+    real = tier.catalog.index
+    tier.catalog.index = FailingIndex(real, "sessions_of")  # type: ignore[assignment]
+    got = tier.get_many([m.block_hash for m in ms])
+    assert [type(g) for g in got] == [TierError] * 3
+    assert tier.health()["index_errors"] == 3
+    tier.catalog.index = real
+    assert [bytes(g[0]) for g in tier.get_many([m.block_hash for m in ms])] == [
+        payload_for(i) for i in range(3)]
+    tier.close()
