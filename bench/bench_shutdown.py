@@ -212,7 +212,7 @@ def main() -> None:
         shut = time.perf_counter() - t
         rep = cache.last_persist
         assert rep is not None
-        written = ssd.state.bytes_written
+        written = ssd.catalog.bytes_written
         gb = written / 1e9
         dd_fsync = dd(work / "dd.bin", written, "conv=fsync")
         dd_direct = dd(work / "dd.bin", written, "oflag=direct")

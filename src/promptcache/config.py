@@ -178,6 +178,12 @@ class CacheConfig:
         return max(self.min_ram_budget_bytes, int(psutil.virtual_memory().available * 0.20))
 
 
+def megabytes(mb: int) -> int:
+    if mb < 0:
+        raise ValueError(f"must be >= 0 MB, got {mb}")
+    return mb << 20
+
+
 @dataclass(frozen=True)
 class SSDConfig:
     """The persistent SSD tier."""
@@ -204,8 +210,15 @@ class SSDConfig:
     # free space the tier leaves on its disk: the budget in use is capped by the bytes
     # stored + the disk's free bytes - this reserve (None: 5% of the disk, at most 1 GB)
     disk_reserve_bytes: int | None = None
+    segment_bytes: int = opt(  # folders of either layout are read by both
+        "--ssd-segment-mb", default=0, flag_default=0, parse=lambda mb: megabytes(int(mb)),
+        type=int, metavar="MB",
+        help="append new SSD blocks to segment files of about this many MB, one write and "
+             "fsync per batch, runs read in parallel (default 0: one file per block)")
 
     def __post_init__(self) -> None:
+        if self.segment_bytes < 0:
+            raise ValueError(f"segment_bytes must be >= 0, got {self.segment_bytes}")
         if self.policy not in ("write_back", "write_through"):
             raise ValueError(f"policy must be 'write_back' or 'write_through', got {self.policy!r}")
         if self.queue_size < 1:

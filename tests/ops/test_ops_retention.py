@@ -59,12 +59,12 @@ def test_a_pinned_chain_outlives_the_ttl_on_the_ssd(tmp_path: Path) -> None:
     assert cache.flush(30)
     hashes = [b.block_hash for b in cache.lookup(PINNED, NS).blocks]
     plain = [b.block_hash for b in cache.lookup(PLAIN, NS).blocks]
-    rows = [ssd._index.get(bytes(h)) for h in hashes]
+    rows = [ssd.catalog.index.get(bytes(h)) for h in hashes]
     assert [r.pinned_until if r else "missing" for r in rows] == [t0 + DAY] * 3
-    assert [ssd._index.get(bytes(h)) for h in plain] == [None, None]  # not written yet
+    assert [ssd.catalog.index.get(bytes(h)) for h in plain] == [None, None]  # not written yet
     cache.evict()  # the plain chain (not protected) is demoted, unpinned
     assert cache.flush(30)
-    assert all(ssd._index.get(bytes(h)).pinned_until is None for h in plain)  # type: ignore[union-attr]
+    assert all(ssd.catalog.index.get(bytes(h)).pinned_until is None for h in plain)  # type: ignore[union-attr]
     clock.t = t0 + 10 * TTL
     assert ssd.sweep() == 2  # the plain chain expired; the pinned one did not
     assert hit(cache, PINNED + [1]) == (12, {"ssd": 12})

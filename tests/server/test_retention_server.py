@@ -64,7 +64,7 @@ class Served:
     def pins(self, chain: tuple[BlockHash, ...]) -> list[float | None]:
         out = []
         for h in chain:
-            row = self.ssd._index.get(bytes(h))
+            row = self.ssd.catalog.index.get(bytes(h))
             assert row is not None, h.hex()  # on the SSD (write-through)
             out.append(row.pinned_until)
         return out
@@ -100,13 +100,13 @@ def test_24h_pins_the_chain_on_the_ssd_and_in_memory_does_not(served: Served) ->
     # an SSD eviction storm (the budget shrunk to exactly the pinned chain's bytes)
     # takes every unpinned block (the oldest of them were written before the pinned
     # chain's later turns), never a pinned one
-    rows = list(served.ssd._index.iter_rows())
+    rows = list(served.ssd.catalog.index.iter_rows())
     unpinned = {BlockHash(bytes(r.meta.block_hash)) for r in rows} - set(pinned)
     assert set(plain) <= unpinned
     budget = sum(r.file_bytes for r in rows if r.meta.block_hash in set(pinned))
     served.ssd.config = dataclasses.replace(served.ssd.config, budget_bytes=budget)
     assert served.ssd.sweep() == len(unpinned)
-    on_ssd = {BlockHash(bytes(r.meta.block_hash)) for r in served.ssd._index.iter_rows()}
+    on_ssd = {BlockHash(bytes(r.meta.block_hash)) for r in served.ssd.catalog.index.iter_rows()}
     assert on_ssd == set(pinned)
     assert served.ssd.stats()["evictions_pinned"] == 0
     # a day after the request the pin is over: the storm takes them too

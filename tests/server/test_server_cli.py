@@ -212,3 +212,12 @@ def test_serve_repetition_penalty_is_the_model_s_default() -> None:
     for argv in (("--repetition-penalty", "0"), ("--repetition-context-size", "0")):
         with pytest.raises(ValueError, match="--repetition-penalty must be in"):
             _configs("--no-ssd", *argv)
+
+
+def test_serve_ssd_segments_flag(tmp_path: Path) -> None:
+    _, _, ssd, _ = _configs("--cache-dir", str(tmp_path))
+    assert ssd is not None and ssd.segment_bytes == 0  # one file per block
+    _, _, ssd, _ = _configs("--cache-dir", str(tmp_path), "--ssd-segment-mb", "64")
+    assert ssd is not None and ssd.segment_bytes == 64 << 20
+    with pytest.raises(ValueError, match="--ssd-segment-mb: must be >= 0 MB, got -1"):
+        _configs("--cache-dir", str(tmp_path), "--ssd-segment-mb", "-1")

@@ -1,6 +1,6 @@
 """Crash-test child: store blocks continuously until killed.
 
-usage: crash_writer.py ROOT FIRST_INDEX BUDGET_BYTES
+usage: crash_writer.py ROOT FIRST_INDEX BUDGET_BYTES [SEGMENT_BYTES]
 
 Block ``i`` has tokens ``(i, i, i, i)`` under the test namespace and its payload
 is ``crash_payload(i, version)``: the parent recomputes both to verify what it
@@ -37,7 +37,9 @@ def crash_payload(i: int, version: int) -> bytes:
 
 def main() -> None:
     root, first, budget = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
-    tier = SSDTier(SSDConfig(path=root, budget_bytes=budget, queue_size=8, fsync=True))
+    seg = int(sys.argv[4]) if len(sys.argv) > 4 else 0
+    tier = SSDTier(SSDConfig(path=root, budget_bytes=budget, queue_size=8, fsync=True,
+                             segment_bytes=seg))
     print("ready", flush=True)
     i = first
     while True:

@@ -89,7 +89,7 @@ def test_verify_runs_only_when_due(tmp_path):
     tier.verify_index = lambda: calls.append(1) or True  # type: ignore[method-assign]
     tier.sweep()
     assert calls == []
-    tier._index_check_interval = 0.0
+    tier.maint.index_check_interval = 0.0
     tier.sweep()
     assert calls == [1]
     tier.close()
@@ -108,15 +108,15 @@ def test_damage_is_noticed_by_the_sweeps_own_queries_too(tmp_path):
 
 def test_corruption_seen_by_a_query_makes_the_tier_read_only(tmp_path):
     tier, ms = stored(tmp_path)
-    real = tier._index
-    tier._index = FailingIndex(real, "get", malformed())  # type: ignore[assignment]
+    real = tier.catalog.index
+    tier.catalog.index = FailingIndex(real, "get", malformed())  # type: ignore[assignment]
     assert tier.get_meta(ms[0].block_hash) is None  # a miss, never an exception
     s = tier.stats()
     assert (s["index_errors"], s["index_corrupt"], s["mode"], s["degraded"]) == (
         1, 1, "read_only", True)
     assert tier.put(chain(NS, 4)[-1], payload_for(3)) is False
     assert tier.stats()["dropped_spills"]["read_only"] == 1
-    tier._index = real  # type: ignore[assignment]
+    tier.catalog.index = real  # type: ignore[assignment]
     assert tier.get(ms[1].block_hash) == payload_for(1)  # reads go on, checksummed
     tier.close()
 
@@ -127,13 +127,13 @@ def test_other_index_errors_degrade_and_recover(tmp_path):
     ms = chain(NS, 3)
     tier.put(ms[0], payload_for(0))
     tier.flush()
-    real = tier._index
-    tier._index = FailingIndex(real, "get", sqlite3.OperationalError("disk I/O error"))  # type: ignore[assignment]
+    real = tier.catalog.index
+    tier.catalog.index = FailingIndex(real, "get", sqlite3.OperationalError("disk I/O error"))  # type: ignore[assignment]
     assert tier.get_meta(ms[0].block_hash) is None
     s = tier.stats()
     assert (s["index_errors"], s["index_corrupt"], s["mode"], s["degraded"]) == (
         1, 0, "read_write", True)
-    tier._index = real  # type: ignore[assignment]
+    tier.catalog.index = real  # type: ignore[assignment]
     clock.advance(6)
     assert tier.put(ms[1], payload_for(1)) is True
     tier.flush()
@@ -144,9 +144,9 @@ def test_other_index_errors_degrade_and_recover(tmp_path):
 
 def test_read_ahead_index_error_is_counted_not_silent(tmp_path):
     tier, ms = stored(tmp_path, read_ahead_blocks=2)
-    real = tier._index
-    tier._index = FailingIndex(real, "child_reads", sqlite3.OperationalError("disk I/O error"))  # type: ignore[assignment]
+    real = tier.catalog.index
+    tier.catalog.index = FailingIndex(real, "child_reads", sqlite3.OperationalError("disk I/O error"))  # type: ignore[assignment]
     assert tier.get(ms[0].block_hash) == payload_for(0)  # the hint failed, the read did not
     assert tier.stats()["index_errors"] == 1
-    tier._index = real  # type: ignore[assignment]
+    tier.catalog.index = real  # type: ignore[assignment]
     tier.close()

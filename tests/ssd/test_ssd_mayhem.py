@@ -92,6 +92,7 @@ def test_reconcile_on_restart_finds_every_kind_of_damage(tmp_path):
     assert report.to_dict() == {
         "temp_files": 1, "missing_files": 1, "wrong_size": 1, "orphan_files": 1,
         "index_rebuilt": False, "blocks": 4, "bytes": 4 * SIZE, "fixed": False, "problems": 4,
+        "torn_tails": 0,
         "index_corrupt": False, "unindexed_files": 0, "set_aside_files": 0, "refused": None,
         "recovered_blocks": 0,
     }

@@ -33,7 +33,7 @@ def put_all(tier: SSDTier, metas: list, clock: FakeClock, sessions: tuple[str, .
 
 
 def pinned_until(tier: SSDTier, meta) -> float | None:  # type: ignore[no-untyped-def]
-    row = tier._index.get(bytes(meta.block_hash))
+    row = tier.catalog.index.get(bytes(meta.block_hash))
     assert row is not None
     return row.pinned_until
 
@@ -102,7 +102,7 @@ def test_ttl_shorter_than_the_pin_does_not_expire_pinned_blocks(tmp_path: Path) 
     assert tier.get(pinned[0].block_hash) == payload_for(0)
     # a read refreshes the TTL, and never below the pin
     tier.sweep()
-    row = tier._index.get(bytes(pinned[0].block_hash))
+    row = tier.catalog.index.get(bytes(pinned[0].block_hash))
     assert row is not None and row.expiry == t_pin + DAY
     clock.t = t_pin + DAY - 1
     assert tier.sweep() == 0 and live(tier, pinned) == [0, 1]
@@ -141,7 +141,7 @@ def test_a_pin_before_the_write_is_applied_when_the_row_is_committed(tmp_path: P
     clock.advance(5)
     put_all(tier, ms, clock)
     assert [pinned_until(tier, m) for m in ms] == [t0 + DAY] * 2
-    assert tier._pins == {}
+    assert tier.catalog.pins == {}
     tier.close()
 
 

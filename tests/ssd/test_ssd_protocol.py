@@ -124,7 +124,7 @@ def test_a_queued_source_is_served_before_it_is_written(tmp_path):
     tier = make_tier(tmp_path)
     m = chain(NS, 1)[0]
     src = RecordingSource(payload_for(0))
-    with tier._write_lock:  # the writer cannot write while we hold it
+    with tier.catalog.write_lock:  # the writer cannot write while we hold it
         tier.put(m, src)
         assert tier.get(m.block_hash) == payload_for(0)
         assert src.threads == [threading.current_thread().name]
@@ -137,9 +137,9 @@ def test_back_pressure_put_waits_for_room_and_flush_has_a_timeout(tmp_path):
     tier = make_tier(tmp_path, queue_size=2)
     ms = chain(NS, 5)
     result: list[bool] = []
-    with tier._write_lock:
+    with tier.catalog.write_lock:
         assert tier.put(ms[0], payload_for(0)) is True
-        wait_until(lambda: tier._queue.qsize() == 0, "the writer to take the first block")
+        wait_until(lambda: tier.queued.queue.qsize() == 0, "the writer to take the first block")
         assert tier.put(ms[1], payload_for(1)) and tier.put(ms[2], payload_for(2))
         assert tier.has_room() is False and tier.has_room(timeout=0.01) is False
         assert tier.put(ms[3], payload_for(3)) is False  # timeout 0: refused at once
@@ -162,9 +162,9 @@ def test_back_pressure_put_waits_for_room_and_flush_has_a_timeout(tmp_path):
 def test_a_put_waiting_for_room_gives_up_after_its_timeout(tmp_path):
     tier = make_tier(tmp_path, queue_size=1)
     ms = chain(NS, 3)
-    with tier._write_lock:
+    with tier.catalog.write_lock:
         tier.put(ms[0], payload_for(0))
-        wait_until(lambda: tier._queue.qsize() == 0, "the writer to take the first block")
+        wait_until(lambda: tier.queued.queue.qsize() == 0, "the writer to take the first block")
         assert tier.put(ms[1], payload_for(1)) is True
         assert tier.put(ms[2], payload_for(2), timeout=0.01) is False
         assert tier.get_meta(ms[2].block_hash) is None
@@ -194,7 +194,7 @@ def test_delete_session_within_one_tenant(tmp_path):
 def test_delete_session_within_one_tenant_reaches_queued_blocks(tmp_path):
     tier = make_tier(tmp_path)
     a, b = chain(NS, 1)[0], chain(NS_BOB, 1)[0]
-    with tier._write_lock:
+    with tier.catalog.write_lock:
         tier.put(a, payload_for(0), ["conv"])
         tier.put(b, payload_for(1), ["conv"])
         assert tier.delete_session("conv", tenant="bob") == 1

@@ -42,7 +42,7 @@ def test_a_chain_is_read_ahead_and_served_from_the_read_ahead(tmp_path):
     tier, ms = stored(tmp_path, 7, read_ahead_blocks=3)
     assert tier.get(ms[0].block_hash) == payload_for(0)
     assert ahead(tier) == {"scheduled": 3, "used": 0, "discarded": 0}  # blocks 1, 2, 3
-    tier._ahead.wait()
+    tier.reader.ahead.wait()
     for i in range(1, 7):
         assert tier.get(ms[i].block_hash) == payload_for(i)
     # each get tops the window up to 3 blocks ahead: 4, 5, 6 join; the last has no child
@@ -69,7 +69,7 @@ def test_a_file_modified_just_before_the_read_ahead_is_not_trusted(tmp_path):
     now = time.time()
     os.utime(path_of(tmp_path, ms[1]), (now, now))  # within the coarse-clock margin
     tier.get(ms[0].block_hash)
-    tier._ahead.wait()
+    tier.reader.ahead.wait()
     assert tier.get(ms[1].block_hash) == payload_for(1)  # read again by get itself
     assert ahead(tier) == {"scheduled": 1, "used": 0, "discarded": 1}
     tier.close()
@@ -78,7 +78,7 @@ def test_a_file_modified_just_before_the_read_ahead_is_not_trusted(tmp_path):
 def test_a_file_damaged_after_the_read_ahead_is_still_quarantined(tmp_path):
     tier, ms = stored(tmp_path, 3, read_ahead_blocks=2)
     tier.get(ms[0].block_hash)
-    tier._ahead.wait()  # blocks 1 and 2 were read and verified intact
+    tier.reader.ahead.wait()  # blocks 1 and 2 were read and verified intact
     p = path_of(tmp_path, ms[1])
     data = bytearray(p.read_bytes())
     data[-1] ^= 0xFF
@@ -101,7 +101,7 @@ def test_a_file_damaged_before_the_read_ahead_is_quarantined_by_get(tmp_path):
     p.write_bytes(p.read_bytes()[:-4])
     os.utime(p, (OLD, OLD))
     tier.get(ms[0].block_hash)
-    tier._ahead.wait()
+    tier.reader.ahead.wait()
     assert tier.get(ms[1].block_hash) == payload_for(1)
     with pytest.raises(CorruptBlockError, match="size mismatch"):
         tier.get(ms[2].block_hash)
@@ -113,7 +113,7 @@ def test_a_file_damaged_before_the_read_ahead_is_quarantined_by_get(tmp_path):
 def test_a_deleted_file_after_the_read_ahead_is_a_missing_file(tmp_path):
     tier, ms = stored(tmp_path, 2, read_ahead_blocks=1)
     tier.get(ms[0].block_hash)
-    tier._ahead.wait()
+    tier.reader.ahead.wait()
     path_of(tmp_path, ms[1]).unlink()
     with pytest.raises(CorruptBlockError, match="missing"):
         tier.get(ms[1].block_hash)
@@ -125,7 +125,7 @@ def test_a_deleted_file_after_the_read_ahead_is_a_missing_file(tmp_path):
 def test_a_block_rewritten_after_the_read_ahead_serves_the_new_payload(tmp_path):
     tier, ms = stored(tmp_path, 2, read_ahead_blocks=1)
     tier.get(ms[0].block_hash)
-    tier._ahead.wait()
+    tier.reader.ahead.wait()
     assert tier.put(ms[1], payload_for(9))  # a new file and a new row checksum
     tier.flush()
     assert tier.get(ms[1].block_hash) == payload_for(9)

@@ -19,6 +19,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from crash_writer import crash_meta, crash_payload
 from ssd_helpers import make_tier, payload_for
 
@@ -28,18 +29,19 @@ BUDGET = 40 * len(payload_for(0, 112))
 MAX_BLOCK = len(payload_for(0, 112))
 
 
-def start_writer(root: Path, first: int) -> subprocess.Popen[bytes]:
-    proc = subprocess.Popen([sys.executable, str(WRITER), str(root), str(first), str(BUDGET)],
+def start_writer(root: Path, first: int, seg: int = 0) -> subprocess.Popen[bytes]:
+    proc = subprocess.Popen([sys.executable, str(WRITER), str(root), str(first), str(BUDGET),
+                             str(seg)],
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
     assert proc.stdout is not None
     assert proc.stdout.readline() == b"ready\n"
     return proc
 
 
-def read_all(root: Path) -> tuple[int, int]:
+def read_all(root: Path, seg: int = 0) -> tuple[int, int]:
     """Open the folder as another server would (startup repair included) and read
     every block: each one has exactly the bytes some writer wrote for it."""
-    tier = make_tier(root, budget_bytes=BUDGET)
+    tier = make_tier(root, budget_bytes=BUDGET, segment_bytes=seg)
     try:
         served = 0
         for row in tier.rows():
@@ -57,24 +59,25 @@ def read_all(root: Path) -> tuple[int, int]:
         tier.close()
 
 
-def test_two_writers_one_killed_again_and_again(tmp_path):
+@pytest.mark.parametrize("seg", [0, 1 << 20])  # one file per block; segments of 1 MB
+def test_two_writers_one_killed_again_and_again(tmp_path, seg):
     rng = random.Random(99)
     root = tmp_path / "cache"
-    steady = start_writer(root, 0)
+    steady = start_writer(root, 0, seg)
     served = 0
     try:
         for cycle in range(CYCLES):
-            victim = start_writer(root, 0 if cycle % 2 else 5_000)  # overlapping, then not
+            victim = start_writer(root, 0 if cycle % 2 else 5_000, seg)  # overlapping, then not
             time.sleep(rng.uniform(0.02, 0.25))
             victim.send_signal(signal.SIGKILL)
             victim.wait(timeout=30)
-            n, _ = read_all(root)
+            n, _ = read_all(root, seg)
             served += n
         assert steady.poll() is None  # the other writer lived through it all
     finally:
         steady.send_signal(signal.SIGKILL)
         steady.wait(timeout=30)
-    tier = make_tier(root, budget_bytes=BUDGET)  # the repair after the last kill
+    tier = make_tier(root, budget_bytes=BUDGET, segment_bytes=seg)  # the repair after the kill
     try:
         assert tier.check(fix=False).problems == 0
         tier.sweep()  # enforces the budget a killed writer may have left exceeded

@@ -37,7 +37,7 @@ from promptcache.meta import BlockMeta
 from promptcache.tiers import ssd_files
 from promptcache.tiers.base import as_source
 from promptcache.tiers.ssd import SSDTier
-from promptcache.tiers.ssd_store import Pending
+from promptcache.tiers.ssd_queue import Pending
 
 CHILD = Path(__file__).parent / "shutdown_child.py"
 
@@ -92,16 +92,16 @@ def _pending(tier: SSDTier, n: int, first: int = 0) -> list[Pending]:
         buffer, layout = NumpyAdapter().to_buffer({"0.k": arr, "0.v": -arr})
         data = encode(meta, (), layout, buffer)
         p = Pending(meta, as_source(data), len(data), {"s"}, True, queued=True)
-        with tier.state.lock:
-            tier.state.pending[bytes(meta.block_hash)] = p
-            tier.state.pending_bytes += p.nbytes
+        with tier.status.lock:
+            tier.queued.pending[bytes(meta.block_hash)] = p
+            tier.queued.bytes += p.nbytes
         out.append(p)
     return out
 
 
 def _count(monkeypatch: pytest.MonkeyPatch, tier: SSDTier) -> dict[str, int]:
     calls = {"commit": 0, "fsync_dir": 0}
-    index = tier.state.index
+    index = tier.catalog.index
     real_commit, real_fsync_dir = index.commit, ssd_files.fsync_dir
 
     def commit() -> None:
@@ -144,11 +144,11 @@ def test_a_batch_is_one_transaction_with_each_folder_fsynced_once(tmp_path, monk
 def test_the_writer_thread_writes_what_is_queued_together(tmp_path, monkeypatch):
     tier = make_tier(tmp_path, fsync=True, queue_size=32)
     metas = [p.meta for p in _pending(tier, 9)]
-    with tier.state.lock:
-        datas = [tier.state.pending.pop(bytes(m.block_hash)).source.encode() for m in metas]
-        tier.state.pending_bytes = 0
+    with tier.status.lock:
+        datas = [tier.queued.pending.pop(bytes(m.block_hash)).source.encode() for m in metas]
+        tier.queued.bytes = 0
     calls = _count(monkeypatch, tier)
-    with tier._write_lock:  # the writer waits: the puts queue up behind it
+    with tier.catalog.write_lock:  # the writer waits: the puts queue up behind it
         for m, d in zip(metas, datas, strict=True):
             assert tier.put(m, d)
     assert tier.flush()
@@ -163,7 +163,7 @@ def test_the_writer_thread_writes_what_is_queued_together(tmp_path, monkeypatch)
 def test_a_failed_batch_commits_no_row_and_leaves_no_file(tmp_path, monkeypatch, fail):
     tier = make_tier(tmp_path, fsync=True)
     items = _pending(tier, 6)
-    real_fsync_dir, index = ssd_files.fsync_dir, tier.state.index
+    real_fsync_dir, index = ssd_files.fsync_dir, tier.catalog.index
     real_upsert = index.upsert
     upserts = [0]
 
@@ -182,7 +182,7 @@ def test_a_failed_batch_commits_no_row_and_leaves_no_file(tmp_path, monkeypatch,
         monkeypatch.setattr(index, "upsert", upsert)
     for p in items:
         p.taken = True
-    with tier._write_lock:
+    with tier.catalog.write_lock:
         alone = tier.writer._write_fresh(items)
     s = tier.stats()
     assert s["blocks_on_disk"] == 0 and s["spills"] == 0

@@ -78,7 +78,7 @@ def test_survives_reopen_and_counts_bytes_written(tmp_path):
 def test_queued_blocks_are_visible_before_they_are_written(tmp_path):
     tier = make_tier(tmp_path)
     ms = chain(NS, 2)
-    with tier._write_lock:  # the writer cannot write while we hold it
+    with tier.catalog.write_lock:  # the writer cannot write while we hold it
         tier.put(ms[0], payload_for(0))
         tier.put(ms[1], payload_for(1))
         assert tier.get_meta(ms[1].block_hash) == ms[1]
@@ -160,7 +160,7 @@ def test_block_without_sessions_survives_session_deletes(tmp_path):
 def test_delete_session_cancels_queued_blocks(tmp_path):
     tier = make_tier(tmp_path)
     a, b = chain(NS, 2)
-    with tier._write_lock:
+    with tier.catalog.write_lock:
         tier.put(a, payload_for(0), ["gone"])
         tier.put(b, payload_for(1), ["gone", "kept"])
         assert tier.delete_session("gone") == 1
@@ -251,10 +251,10 @@ def test_ttl_expires_unused_blocks(tmp_path):
 def test_full_queue_drops_and_counts(tmp_path):
     tier = make_tier(tmp_path, queue_size=2)
     ms = chain(NS, 5)
-    with tier._write_lock:
+    with tier.catalog.write_lock:
         assert tier.put(ms[0], payload_for(0)) is True
         deadline = time.monotonic() + 5
-        while tier._queue.qsize() and time.monotonic() < deadline:  # writer took ms[0]
+        while tier.queued.queue.qsize() and time.monotonic() < deadline:  # writer took ms[0]
             time.sleep(0.005)
         results = [tier.put(m, payload_for(i + 1)) for i, m in enumerate(ms[1:])]
     assert results == [True, True, False, False]
@@ -273,10 +273,10 @@ def test_put_never_blocks_while_the_writer_is_stuck(tmp_path):
     tier = make_tier(tmp_path, queue_size=4)
     ms = chain(NS, 50)
     results: list[bool] = []
-    with tier._write_lock:
+    with tier.catalog.write_lock:
         assert tier.put(ms[0], payload_for(0))
         deadline = time.monotonic() + 30
-        while tier._queue.qsize() and time.monotonic() < deadline:  # the writer took ms[0]
+        while tier.queued.queue.qsize() and time.monotonic() < deadline:  # the writer took ms[0]
             time.sleep(0.005)
         putter = threading.Thread(
             target=lambda: results.extend(tier.put(m, payload_for(i + 1)) for i, m in enumerate(ms[1:])))

@@ -24,6 +24,7 @@ INDEX_METHODS = [
     "upsert", "delete", "touch", "totals", "recount", "add_written", "written", "iter_rows",
     "files", "lru", "expired", "select_files", "add_sessions", "remove_session",
     "sessions_of", "sessions", "tenants", "pin", "pinned", "count", "quick_check",
+    "names_segment", "segment_use", "move",
 ]
 FILE_FUNCTIONS = ["ensure_dir", "write_temp", "publish", "fsync_dir", "remove_file",
                   "quarantine", "scan", "read_verified"]
@@ -96,10 +97,10 @@ def stored_tier(tmp_path):  # type: ignore[no-untyped-def]
 @pytest.mark.parametrize("method", INDEX_METHODS)
 def test_an_index_failure_leaves_only_tier_errors(tmp_path, method):
     tier, ms = stored_tier(tmp_path)
-    real = tier._index
-    tier._index = FailingIndex(real, method)  # type: ignore[assignment]
+    real = tier.catalog.index
+    tier.catalog.index = FailingIndex(real, method)  # type: ignore[assignment]
     exercise(tier, ms)
-    tier._index = real
+    tier.catalog.index = real
     tier.flush(timeout=30)  # the writer thread survived it
     assert tier._thread.is_alive()
     tier.close()
@@ -140,11 +141,11 @@ def test_a_locked_index_during_promotion_is_a_miss_that_pins_nothing(tmp_path, m
     cache.store(ns, toks, len(toks), np_payload, session_id="s")
     cache.evict()
     tier.flush()
-    real = tier._index
-    tier._index = FailingIndex(real, method)  # type: ignore[assignment]
+    real = tier.catalog.index
+    tier.catalog.index = FailingIndex(real, method)  # type: ignore[assignment]
     hit = cache.acquire(toks + [0], ns)
     cache.release(hit)
-    tier._index = real
+    tier.catalog.index = real
     assert cache.pool.num_used_blocks == 0
     cache.check()
     if method in ("sessions_of", "get"):  # (children: only the partial tail needs it)

@@ -31,17 +31,17 @@ are left as they are). A corrupt index is rebuilt only under the exclusive lock,
 the block files it described are set aside in quarantine, never deleted.
 ``read_only=True`` (the CLI's inspections) opens the folder without changing it.
 
-Composition: ``SSDTier`` holds an ``SSDState`` (``ssd_store``: the index, the locks,
-the pending blocks, the counters and the mode) opened by ``ssd_open``, and the parts
-that work on it, each given it explicitly: a ``Reader`` (``ssd_read``), a ``Writer``
-(``ssd_write``: ``put`` and the writer thread) and a ``Maintenance`` (``ssd_maint``:
-sweeps, pins, deletions); the tier delegates to them at its boundary (``tier_errors``).
+Composition: each part owns its state and is given its collaborators explicitly:
+``Status`` and ``Catalog`` (``ssd_store``: mode, counters and the lock; the index and
+the folder), the opener (``ssd_open``: lock, index, what a repair found), ``Queued``
+(``ssd_queue``: ``put`` and the blocks not written yet), ``Writer`` (``ssd_write``),
+``Reader`` (``ssd_read``) and ``Maintenance`` (``ssd_maint``); ``SSDTier`` wires them
+and keeps the ``Tier`` methods as short delegates behind ``tier_errors``.
 
 Thread safety: every public method may be called from any thread. Lock order:
-``write_lock`` (serializes file writes, deletions, sweeps and checks), then the
-folder's ``DirLock`` (shared for changes, exclusive for repair and purge, across
-processes), then ``lock`` (guards the index connection, the pending map and the
-counters).
+``Catalog.write_lock`` (file writes, deletions, sweeps, checks), then the folder's
+``DirLock`` (shared for changes, exclusive for repair and purge, across processes),
+then ``Status.lock`` (the index connection, the queued blocks, the counters).
 """
 
 from __future__ import annotations
@@ -61,13 +61,13 @@ from ..hashing import BlockHash
 from ..meta import BlockMeta, Namespace
 from .base import PayloadSource
 from .ssd_check import CheckReport, reconcile
-from .ssd_index import SSDIndex
 from .ssd_maint import Maintenance
-from .ssd_open import open_index
-from .ssd_queue import WriteQueue
-from .ssd_read import Reader
+from .ssd_open import Opened, open_index
+from .ssd_queue import Queued
+from .ssd_read import LATENCY_BUCKETS_MS, Reader
 from .ssd_schema import IndexRow
-from .ssd_store import LATENCY_BUCKETS_MS, DiskUsage, SSDState, tier_errors
+from .ssd_segments import SegmentWriter
+from .ssd_store import Catalog, DiskUsage, Status, tier_errors
 from .ssd_write import STOP, Writer
 
 log = logging.getLogger(__name__)
@@ -100,30 +100,31 @@ class SSDTier:
             raise ValueError(f"read_ahead_blocks must be >= 0, got {read_ahead_blocks}")
         self.policy = config.policy
         self.root = Path(config.path)
-        st = self.state = SSDState(config, clock=clock, degraded_backoff_s=degraded_backoff_s,
-                                   disk_usage=disk_usage)
-        self.reader = Reader(st, read_ahead_blocks=read_ahead_blocks)
-        self.maint = Maintenance(st, sweep_interval_s=sweep_interval_s,
-                                 index_check_interval_s=index_check_interval_s)
-        # (tests hold the write lock, and read the early pins and the read-ahead)
-        self._write_lock, self._pins, self._ahead = st.write_lock, st.pins, self.reader.ahead
-        st.index = open_index(st, read_only)
+        st = self.status = Status(clock=clock, degraded_backoff_s=degraded_backoff_s)
+        self.opened = Opened(config, st)
+        index = open_index(self.opened, read_only)
+        cat = self.catalog = Catalog(config, st, index, self.opened.dirlock,
+                                     disk_usage=disk_usage)
+        self.queued = Queued(st, cat, config.queue_size)
+        self.reader = Reader(st, cat, self.queued, read_ahead_blocks=read_ahead_blocks)
+        segs = SegmentWriter(cat.root, max_bytes=config.segment_bytes, fsync=config.fsync)
+        self.maint = Maintenance(st, cat, self.queued, sweep_interval_s=sweep_interval_s,
+                                 index_check_interval_s=index_check_interval_s, segs=segs)
         try:
             with st.lock:
-                st.refresh_totals()
+                cat.refresh_totals()
         except sqlite3.Error as e:
             st.index_error(e)
         if st.mode != "off":
-            st.refresh_disk_cap()
+            cat.refresh_disk_cap()
         self.startup_report: CheckReport | None = None
         if reconcile_on_open and st.mode == "read_write":
             try:
                 self.startup_report = self.check(fix=True)
             except TierError as e:  # counted and degraded by check; serving goes on
                 log.error("ssd startup check failed: %s", e)
-            st.enforce_capacity()  # a smaller budget, or a fuller disk, than last time
-        self._queue = WriteQueue(config.queue_size)
-        self.writer = Writer(st, self._queue, maintain=self._maintain,
+            cat.enforce_capacity()  # a smaller budget, or a fuller disk, than last time
+        self.writer = Writer(st, cat, self.queued, segs, maintain=self._maintain,
                              poll_s=max(0.05, sweep_interval_s / 4))
         self.maint.last_sweep = time.monotonic()
         self._thread = threading.Thread(target=self.writer.run, name="promptcache-ssd-writer",
@@ -133,28 +134,11 @@ class SSDTier:
     @property
     def config(self) -> SSDConfig:
         """The configuration in use (replacing it, e.g. a smaller budget, takes effect)."""
-        return self.state.config
+        return self.catalog.config
 
     @config.setter
     def config(self, config: SSDConfig) -> None:
-        self.state.config = config
-
-    # (tests swap the index for a failing one, and shorten the index check interval)
-    @property
-    def _index(self) -> SSDIndex:
-        return self.state.index
-
-    @_index.setter
-    def _index(self, index: SSDIndex) -> None:
-        self.state.index = index
-
-    @property
-    def _index_check_interval(self) -> float:
-        return self.maint.index_check_interval
-
-    @_index_check_interval.setter
-    def _index_check_interval(self, seconds: float) -> None:
-        self.maint.index_check_interval = seconds
+        self.catalog.config = config
 
     # -- reads (Reader) -------------------------------------------------------------------
 
@@ -197,32 +181,23 @@ class SSDTier:
         """The verified payload (None if absent); ``CorruptBlockError`` if damaged."""
         return self.reader.get(block_hash)
 
+    @tier_errors
     def get_many(self, block_hashes: Sequence[BlockHash], *, ns: Namespace | None = None
                  ) -> list[tuple[bytes, list[str]] | TierError | None]:
-        """``(payload, sessions)`` of a chain's run of blocks (None where absent; a
-        block's own error, counted as ``get`` counts it, in its place), so the cache
-        makes their arrays at once. The files are read as ``get`` reads them, the next
-        blocks' reads ahead overlapping each one."""
-        out: list[tuple[bytes, list[str]] | TierError | None] = []
-        for h in block_hashes:
-            try:
-                data = self.get(h, ns=ns)
-                out.append(None if data is None else (data, self.sessions_of(h, ns=ns)))
-            except TierError as e:
-                out.append(e)
-        return out
+        """``(payload, sessions)`` of a chain's run (see ``Reader.get_many``)."""
+        return self.reader.get_many(block_hashes)
 
     # -- writes (Writer) ------------------------------------------------------------------
 
     @tier_errors
     def put(self, meta: BlockMeta, payload: bytes | PayloadSource, sessions: Iterable[str] = (),
             hits: int | None = None, *, timeout: float | None = 0.0) -> bool:
-        return self.writer.put(meta, payload, sessions, hits, timeout=timeout)
+        return self.queued.put(meta, payload, sessions, hits, timeout=timeout)
 
     @tier_errors
     def has_room(self, timeout: float | None = 0.0) -> bool:
         """True if a put that does not wait would find room in the write queue."""
-        return self.writer.has_room(timeout)
+        return self.queued.queue.wait_for_room(timeout)
 
     @tier_errors
     def add_sessions(self, block_hash: BlockHash, sessions: Iterable[str], *,
@@ -231,7 +206,7 @@ class SSDTier:
 
     def budget(self) -> int:
         """The byte budget in use: ``config.budget_bytes`` capped by the disk."""
-        return self.state.budget()
+        return self.catalog.budget()
 
     # -- maintenance (Maintenance) --------------------------------------------------------
 
@@ -278,85 +253,60 @@ class SSDTier:
 
     @tier_errors
     def stats(self) -> dict[str, Any]:
-        st = self.state
+        st, cat = self.status, self.catalog
         with st.lock:
-            if not st.closed:
-                try:
-                    st.refresh_totals()  # every process's blocks, not only ours
-                except sqlite3.Error as e:
-                    st.index_error(e)
             pinned = (0, 0)
             if not st.closed:
                 try:
-                    pinned = st.index.pinned(st.clock())
+                    cat.refresh_totals()  # every process's blocks, not only ours
+                    pinned = cat.index.pinned(st.clock())
                 except sqlite3.Error as e:
                     st.index_error(e)
-            c = st.counts
+            c, drops = st.counts, self.queued.drops
+            lat = self.reader.latency
             return {
-                "name": self.name,
-                "policy": self.policy,
-                "spills": c["spills"],
-                "dedup_writes": c["dedup"],
-                "dropped_spills": dict(st.drops),
-                "dropped_spills_total": sum(st.drops.values()),
-                "hits": c["hits"],
-                "misses": c["misses"],
-                "corrupt": c["corrupt"],
-                "quarantined": c["quarantined"],
-                "missing_files": c["missing_files"],
-                "read_errors": c["read_errors"],
-                "write_errors": c["write_errors"],
-                "encode_errors": c["encode_errors"],
-                "unexpected_errors": c["unexpected_errors"],
-                "index_errors": c["index_errors"],
-                "index_corrupt": c["index_corrupt"],
-                "io_errors": c["io_errors"],
-                "evictions_capacity": c["evictions_capacity"],
-                "evictions_disk": c["evictions_disk"],
-                "disk_full": c["disk_full"],
-                "evictions_ttl": c["evictions_ttl"],
-                "evictions_pinned": c["evictions_pinned"],
-                "pinned_blocks": pinned[0],
-                "pinned_bytes": pinned[1],
-                "blocks_on_disk": st.blocks,
-                "bytes_on_disk": st.bytes_stored,
-                "budget_bytes": st.budget(),
-                "config_budget_bytes": st.config.budget_bytes,
-                "disk_free_bytes": st.disk_free,
-                "disk_reserve_bytes": st.disk_reserve,
-                "bytes_written": st.bytes_written,
-                "bytes_written_today": st.today_bytes(),
-                "queue_depth": len(st.pending),
+                "name": self.name, "policy": self.policy,
+                "spills": c["spills"], "dedup_writes": c["dedup"],
+                "dropped_spills": dict(drops), "dropped_spills_total": sum(drops.values()),
+                **{k: c[k] for k in (
+                    "hits", "misses", "corrupt", "quarantined", "missing_files", "read_errors",
+                    "write_errors", "encode_errors", "unexpected_errors", "index_errors",
+                    "index_corrupt", "io_errors", "evictions_capacity", "evictions_disk",
+                    "disk_full", "evictions_ttl", "evictions_pinned", "compacted_blocks")},
+                "pinned_blocks": pinned[0], "pinned_bytes": pinned[1],
+                "blocks_on_disk": cat.blocks, "bytes_on_disk": cat.bytes_stored,
+                "budget_bytes": cat.budget(), "config_budget_bytes": cat.config.budget_bytes,
+                "disk_free_bytes": cat.disk_free, "disk_reserve_bytes": cat.disk_reserve,
+                "bytes_written": cat.bytes_written, "bytes_written_today": cat.today_bytes(),
+                "queue_depth": len(self.queued.pending),
                 "read_ahead": dict(self.reader.ahead.counts),
                 "degraded": st.degraded_reason is not None,
                 "degraded_reason": st.degraded_reason,
-                "mode": st.mode,
-                "mode_reason": st.mode_reason,
+                "mode": st.mode, "mode_reason": st.mode_reason,
                 "reload_latency_ms": {
-                    "buckets": list(LATENCY_BUCKETS_MS),
-                    "counts": list(st.latency),
-                    "count": sum(st.latency),
-                    "sum": round(st.latency_sum_ms, 3),
+                    "buckets": list(LATENCY_BUCKETS_MS), "counts": list(lat),
+                    "count": sum(lat), "sum": round(self.reader.latency_sum_ms, 3),
                 },
             }
 
     @property
     def mode(self) -> str:
-        """``read_write``, ``read_only`` or ``off`` (see ``SSDState.set_mode``)."""
-        return self.state.mode
+        """``read_write``, ``read_only`` or ``off`` (see ``Status.set_mode``)."""
+        return self.status.mode
 
     def health(self) -> dict[str, Any]:
         """Cheap (no lock, no I/O): the mode and why the tier is not fully working."""
-        return {"mode": self.state.mode, "degraded": self.state.degraded_reason is not None,
-                "reason": self.state.mode_reason or self.state.degraded_reason,
-                "index_errors": self.state.counts["index_errors"]}
+        st = self.status
+        return {"mode": st.mode, "degraded": st.degraded_reason is not None,
+                "reason": st.mode_reason or st.degraded_reason,
+                "index_errors": st.counts["index_errors"]}
 
     @tier_errors
     def check(self, fix: bool = False,
               progress: Callable[[int, int], None] | None = None) -> CheckReport:
         """Compare index and files (see ``ssd_check``). Waits for queued writes first.
         ``progress(done, total)`` follows the index rows checked."""
-        st = self.state
+        st, cat, op = self.status, self.catalog, self.opened
         if not st.closed and hasattr(self, "_thread"):
             self.flush()
         refused = None
@@ -364,19 +314,19 @@ class SSDTier:
             refused = f"no repair: the tier is {st.mode.replace('_', '-')} ({st.mode_reason})"
             log.error("ssd check: %s", refused)
             fix = False
-        with st.write_lock, st.dirlock.exclusive(), st.lock:
+        with cat.write_lock, cat.dirlock.exclusive(), st.lock:
             try:
-                report = reconcile(st.root, st.index, fix=fix, progress=progress,
+                report = reconcile(cat.root, cat.index, fix=fix, progress=progress,
                                    trust_index=st.mode != "off")
                 if st.mode != "off":
-                    st.refresh_totals()
+                    cat.refresh_totals()
             except sqlite3.Error as e:
                 st.index_error(e)
                 raise TierError(f"ssd check failed: {e}") from e
-            report.index_rebuilt, st.index_rebuilt = st.index_rebuilt, False
-            report.set_aside_files, st.set_aside = st.set_aside, 0
-            report.recovered_blocks, st.recovered = st.recovered, 0
-            report.index_corrupt = st.index_corrupt
+            report.index_rebuilt, op.index_rebuilt = op.index_rebuilt, False
+            report.set_aside_files, op.set_aside = op.set_aside, 0
+            report.recovered_blocks, op.recovered = op.recovered, 0
+            report.index_corrupt = op.index_corrupt
             report.refused = refused
         return report
 
@@ -384,25 +334,25 @@ class SSDTier:
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every queued block is written (or dropped); apply batched accesses.
         False if the queue did not drain within ``timeout`` seconds (None: no limit)."""
-        if not self._queue.join(timeout):
+        if not self.queued.queue.join(timeout):
             return False
-        with self.state.write_lock, self.state.lock:
-            self.state.apply_touches()
+        with self.catalog.write_lock, self.status.lock:
+            self.catalog.apply_touches()
         return True
 
     def close(self) -> None:
-        with self.state.lock:
-            if self.state.closed:
+        with self.status.lock:
+            if self.status.closed:
                 return
-            self.state.closed = True
-        self._queue.put(STOP, force=True)
+            self.status.closed = True
+        self.queued.queue.put(STOP, force=True)
         self._thread.join()
         self.writer.close()
-        self.reader.ahead.close()
-        with self.state.write_lock, self.state.lock:
-            self.state.apply_touches()
-            self.state.index.close()
-            self.state.dirlock.close()
+        self.reader.close()
+        with self.catalog.write_lock, self.status.lock:
+            self.catalog.apply_touches()
+            self.catalog.index.close()
+            self.catalog.dirlock.close()
 
     def __enter__(self) -> SSDTier:
         return self

@@ -22,10 +22,12 @@ Without ``fix`` nothing on disk changes (the index is only read).
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from . import ssd_segments as segments
 from .ssd_files import quarantine, remove_file, scan, temp_is_stale
 from .ssd_index import SSDIndex
 
@@ -47,6 +49,7 @@ class CheckReport:
     set_aside_files: int = 0  # ... moved to quarantine/unindexed.<time>/ by a rebuild
     recovered_blocks: int = 0  # rows a rebuild took back from self-describing files
     refused: str | None = None  # why a repair was not done (no folder lock, ...)
+    torn_tails: int = 0  # segments with bytes past their last row (cut)
 
     @property
     def problems(self) -> int:
@@ -58,6 +61,7 @@ class CheckReport:
             + int(self.index_rebuilt)
             + int(self.index_corrupt)
             + self.unindexed_files
+            + self.torn_tails
         )
 
     def to_dict(self) -> dict[str, int | bool | str | None]:
@@ -90,9 +94,13 @@ def reconcile(root: Path, index: SSDIndex, *, fix: bool, trust_index: bool = Tru
     referenced: set[str] = set()
     drop: list[bytes] = []
     rows = list(index.files())
+    seg_rows: list[tuple[bytes, str, int]] = []
     for i, (block_hash, rel, nbytes) in enumerate(rows):
         if progress is not None and i % 1024 == 0:
             progress(i, len(rows))
+        if segments.is_segment(rel):
+            seg_rows.append((block_hash, rel, nbytes))
+            continue
         found = on_disk.get(rel)
         if found is None:
             report.missing_files += 1
@@ -111,6 +119,7 @@ def reconcile(root: Path, index: SSDIndex, *, fix: bool, trust_index: bool = Tru
             )
             if fix:
                 quarantine(root, root / rel, block_hash.hex(), "size")
+    _check_segments(root, seg_rows, drop, report, fix=fix, trust_index=trust_index)
     if fix and drop:
         index.begin()
         try:
@@ -145,3 +154,40 @@ def reconcile(root: Path, index: SSDIndex, *, fix: bool, trust_index: bool = Tru
     if report.problems:
         log.info("ssd check (fix=%s): %s", fix, report.to_dict())
     return report
+
+
+def _check_segments(root: Path, rows: list[tuple[bytes, str, int]], drop: list[bytes],
+                    report: CheckReport, *, fix: bool, trust_index: bool) -> None:
+    """Rows whose segment is missing or too short are dropped (``drop``); a segment
+    no writer holds loses its torn tail (bytes past its last row), or goes if no
+    row names it; a live writer's segment is left as it is."""
+    sizes = dict(segments.segment_files(root))
+    ends: dict[str, int] = {}
+    for block_hash, ref, nbytes in rows:
+        seg, offset = segments.split_ref(ref)
+        size = sizes.get(seg)
+        if size is None or offset + nbytes > size:
+            drop.append(block_hash)
+            if size is None:
+                report.missing_files += 1
+            else:
+                report.wrong_size += 1
+            log.warning("ssd check: block %s: %s lacks its bytes", block_hash.hex()[:16], ref)
+            continue
+        ends[seg] = max(ends.get(seg, 0), offset + nbytes)
+    for seg, size in sizes.items():
+        end = ends.get(seg, 0)
+        if (0 < end and size <= end) or segments.in_use(root / seg):
+            continue
+        if end == 0 and not trust_index:
+            report.unindexed_files += 1
+        elif end == 0:
+            report.orphan_files += 1
+            if fix:
+                remove_file(root / seg)
+        else:
+            report.torn_tails += 1
+            if fix:
+                with open(root / seg, "r+b") as f:
+                    f.truncate(end)
+                    os.fsync(f.fileno())

@@ -1,12 +1,6 @@
-"""The SQLite index of the SSD tier (one ``index.sqlite`` in WAL mode).
-
-The index answers every metadata question (``get_meta``, ``children``, LRU and
-TTL victims, sessions, tenants) without touching a block file. A row is
-committed only after its file is durably in place, so a row always names a
-complete file; files without a row are garbage that reconcile removes.
-
-This class is not thread-safe: the tier serializes every call with its lock.
-"""
+"""The SQLite index of the SSD tier (one ``index.sqlite`` in WAL mode): every
+metadata question answered without touching a block; a row is committed only after
+its bytes are durably in place. Not thread-safe: the tier serializes every call."""
 
 from __future__ import annotations
 
@@ -36,10 +30,8 @@ from .ssd_schema import (
 log = logging.getLogger(__name__)
 
 def _connect_read_only(path: Path) -> sqlite3.Connection:
-    """A read-only connection: ``mode=ro`` first (it sees other processes' commits);
-    where SQLite cannot open the WAL index beside it (a folder it cannot write),
-    ``immutable=1`` (no locks, no ``-shm``: the rows of the last checkpoint; a row
-    naming a file gone since is a miss when read)."""
+    """``mode=ro`` (it sees other processes' commits), or, where SQLite cannot open
+    the WAL index beside it, ``immutable=1`` (the rows of the last checkpoint)."""
     try:
         return _connect(path, "mode=ro")
     except sqlite3.Error as e:
@@ -61,10 +53,8 @@ def _connect(path: Path, query: str) -> sqlite3.Connection:
 
 
 class SSDIndex:
-    """``read_only``: opened with ``mode=ro`` (no schema change, no write; SQLite may
-    still create its ``-wal`` / ``-shm`` files beside it), or, where it cannot (a
-    read-only folder without them), ``immutable`` (what the last checkpoint holds); a
-    missing file raises ``IndexOpenError`` instead of being created."""
+    """``read_only``: opened ``mode=ro`` or ``immutable`` (no schema change, no write);
+    a missing file raises ``IndexOpenError`` instead of being created."""
 
     def __init__(self, path: Path, *, durable: bool = True, read_only: bool = False) -> None:
         self.path = path
@@ -182,13 +172,9 @@ class SSDIndex:
         what a read-ahead needs, without decoding whole rows."""
         rows = self._db.execute(
             "SELECT hash, file_name, file_bytes, checksum, expiry FROM blocks WHERE parent=? "
-            "ORDER BY hash LIMIT ?",
-            (bytes(parent_hash), limit),
-        ).fetchall()
-        return [
-            (bytes(r[0]), str(r[1]), int(r[2]), str(r[3]), None if r[4] is None else float(r[4]))
-            for r in rows
-        ]
+            "ORDER BY hash LIMIT ?", (bytes(parent_hash), limit)).fetchall()
+        return [(bytes(r[0]), str(r[1]), int(r[2]), str(r[3]),
+                 None if r[4] is None else float(r[4])) for r in rows]
 
     def upsert(self, row: IndexRow) -> None:
         m = row.meta
@@ -293,6 +279,22 @@ class SSDIndex:
         sql = f"SELECT {SELECT} FROM blocks {where}"
         for r in self._db.execute(sql, params).fetchall():
             yield row_to_index_row(r)
+
+    def names_segment(self, seg: str) -> bool:
+        q = "SELECT 1 FROM blocks WHERE file_name >= ? AND file_name < ? LIMIT 1"  # <seg>@<offset>
+        return self._db.execute(q, (seg + "@", seg + "A")).fetchone() is not None
+
+    def segment_use(self) -> list[tuple[str, int]]:
+        """(segment, bytes its rows name) of every segment some row names."""
+        return [(str(r[0]), int(r[1])) for r in self._db.execute(
+            "SELECT substr(file_name, 1, instr(file_name, '@') - 1) AS seg, SUM(file_bytes) "
+            "FROM blocks WHERE file_name >= 'segments/' AND file_name < 'segments0' "
+            "GROUP BY seg")]
+
+    def move(self, moves: Iterable[tuple[bytes, str, str]]) -> None:
+        """Rows that still name ``old`` name ``new`` now: ``(hash, old, new)``."""
+        self._db.executemany("UPDATE blocks SET file_name=? WHERE hash=? AND file_name=?",
+                             [(new, h, old) for h, old, new in moves])
 
     def files(self) -> list[tuple[bytes, str, int]]:
         """(hash, file name, file bytes) of every row."""

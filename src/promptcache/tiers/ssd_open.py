@@ -1,5 +1,5 @@
 """Opening the SSD tier's folder: its lock, then its index (``SSDTier``'s first
-step, ``open_index``, on its ``SSDState``; see ``ssd.py`` for the modes).
+step, ``open_index``; see ``ssd.py`` for the modes).
 
 Repairs need the folder's exclusive lock: without a lock the tier serves what the
 index holds, read-only; so does a folder that cannot be written (a read-only file
@@ -19,11 +19,12 @@ import sqlite3
 import time
 from pathlib import Path
 
+from ..config import SSDConfig
 from . import ssd_files as files
 from .ssd_index import SSDIndex
 from .ssd_recover import recover_from_files
 from .ssd_schema import IndexCorruptError, IndexOpenError
-from .ssd_store import SSDState
+from .ssd_store import Status
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +32,23 @@ log = logging.getLogger(__name__)
 READ_ONLY_ERRNOS = (errno.EROFS, errno.EACCES, errno.EPERM)
 
 
-def open_index(st: SSDState, read_only: bool) -> SSDIndex:
+class Opened:
+    """What opening the folder found: its lock, and what a repair did on the way
+    (reported once by the next ``check``; see ``ssd_check.Repair``)."""
+
+    def __init__(self, config: SSDConfig, status: Status) -> None:
+        self.config, self.status = config, status
+        self.root = Path(config.path)
+        self.dirlock = files.DirLock(None)
+        self.index_rebuilt = False
+        self.index_corrupt = False  # the CLI's read-only open found the index unusable
+        self.set_aside = self.recovered = 0
+
+    def set_mode(self, mode: str, reason: str, *, degraded: bool = True) -> None:
+        self.status.set_mode(mode, reason, degraded=degraded)
+
+
+def open_index(st: Opened, read_only: bool) -> SSDIndex:
     """Open the folder: its lock, then its index. Repairs (rebuilding a corrupt
     index, reconcile) need the folder's exclusive lock: without a lock, or in a
     folder it cannot write, the tier serves what the index holds, read-only; without
@@ -90,17 +107,17 @@ def open_index(st: SSDState, read_only: bool) -> SSDIndex:
                 return _off(st, f"cannot rebuild the lost index from the files: {e}")
     return index
 
-def _recover(st: SSDState, index: SSDIndex) -> None:
+def _recover(st: Opened, index: SSDIndex) -> None:
     """Rows back for the self-describing block files without one; the others set
     aside (``ssd_recover``). Caller holds the exclusive folder lock."""
-    got = recover_from_files(st.root, index, now=st.clock(),
+    got = recover_from_files(st.root, index, now=st.status.clock(),
                              ttl=st.config.ttl_seconds, stamp=int(time.time() * 1000))
     st.recovered += got.recovered
     st.set_aside += got.set_aside
     if got.recovered or got.set_aside:
         st.index_rebuilt = True
 
-def _open_read_only(st: SSDState, path: Path, unwritable: str | None = None) -> SSDIndex:
+def _open_read_only(st: Opened, path: Path, unwritable: str | None = None) -> SSDIndex:
     """The index opened read-only: asked for (the CLI's inspections, ``unwritable``
     None), or a folder that cannot be written (``unwritable`` says why: the tier
     serves read-only, reported as degraded). A folder without a usable index is off."""
@@ -128,7 +145,7 @@ def _open_read_only(st: SSDState, path: Path, unwritable: str | None = None) -> 
                                  "writes, no repairs)")
     return index
 
-def _rebuild_index(st: SSDState, path: Path, durable: bool) -> SSDIndex:
+def _rebuild_index(st: Opened, path: Path, durable: bool) -> SSDIndex:
     """Caller holds the exclusive folder lock. The old index goes to quarantine;
     the new one gets the rows of the self-describing block files back, the other
     files are set aside (``quarantine/unindexed.<time>/``), never deleted: nothing
@@ -153,6 +170,6 @@ def _rebuild_index(st: SSDState, path: Path, durable: bool) -> SSDIndex:
     except (OSError, sqlite3.Error, IndexCorruptError, IndexOpenError) as e:
         return _off(st, f"cannot rebuild the index: {e}")
 
-def _off(st: SSDState, reason: str) -> SSDIndex:
+def _off(st: Opened, reason: str) -> SSDIndex:
     st.set_mode("off", reason)
     return SSDIndex(Path(":memory:"), durable=False)

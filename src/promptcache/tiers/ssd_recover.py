@@ -1,4 +1,5 @@
-"""Rebuilding the SSD tier's index from its block files (a lost or corrupt index).
+"""Rebuilding the SSD tier's index from its block files and the records of its
+segments (a lost or corrupt index).
 
 Block files written by the cache describe themselves (``blockdesc``, block format
 3): each block file without a row is read, decoded and verified (the chained block
@@ -23,6 +24,7 @@ from pathlib import Path
 from ..codec import checksum, decode
 from ..errors import CorruptBlockError, UnsupportedFormatError
 from . import ssd_files as files
+from . import ssd_segments as segments
 from .ssd_index import SSDIndex
 from .ssd_schema import IndexRow
 
@@ -45,6 +47,13 @@ def _describe(root: Path, rel: str, now: float, ttl: float | None
     except OSError as e:
         log.warning("ssd recover: cannot read %s: %s", rel, e)
         return None
+    return _row(data, rel, mtime, now, ttl, placed=True)
+
+
+def _row(data: bytes, rel: str, mtime: float, now: float, ttl: float | None, *, placed: bool
+         ) -> tuple[IndexRow, tuple[str, ...]] | None:
+    """The row of a verified self-describing block (``placed``: a block file, which
+    must sit where its namespace, tenant and hash say)."""
     try:
         desc = decode(data, verify=True).desc
     except UnsupportedFormatError as e:
@@ -60,7 +69,7 @@ def _describe(root: Path, rel: str, now: float, ttl: float | None
     except ValueError:
         return None
     folder, _, name = rel.rpartition("/")
-    if folder != where or not name.startswith(hx):
+    if placed and (folder != where or not name.startswith(hx)):
         log.warning("ssd recover: %s is not where its description puts it", rel)
         return None
     row = IndexRow(meta=m, file_name=rel, file_bytes=len(data), checksum=checksum(data),
@@ -88,6 +97,18 @@ def recover_from_files(root: Path, index: SSDIndex, *, now: float, ttl: float | 
             continue
         seen.add(bytes(got[0].meta.block_hash))
         rows.append(got)
+    for seg, _size in segments.segment_files(root):  # every intact record of a segment
+        if segments.in_use(root / seg):
+            continue
+        mtime = os.stat(root / seg).st_mtime
+        for offset, data in segments.records(root / seg):
+            ref = f"{seg}@{offset}"
+            got = None if ref in have else _row(data, ref, mtime, now, ttl, placed=False)
+            if got is None or bytes(got[0].meta.block_hash) in seen or index.get(
+                    bytes(got[0].meta.block_hash)) is not None:
+                continue  # (bytes no row names: dead, cut or removed by the next check)
+            seen.add(bytes(got[0].meta.block_hash))
+            rows.append(got)
     if rows:
         index.begin()
         try:

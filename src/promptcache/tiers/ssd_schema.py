@@ -42,6 +42,7 @@ CREATE TABLE IF NOT EXISTS blocks (
 CREATE INDEX IF NOT EXISTS blocks_parent ON blocks(parent);
 CREATE INDEX IF NOT EXISTS blocks_last_access ON blocks(last_access);
 CREATE INDEX IF NOT EXISTS blocks_tenant ON blocks(tenant);
+CREATE INDEX IF NOT EXISTS blocks_file ON blocks(file_name);
 CREATE INDEX IF NOT EXISTS blocks_expiry ON blocks(expiry) WHERE expiry IS NOT NULL;
 CREATE TABLE IF NOT EXISTS sessions (
     session TEXT NOT NULL,
@@ -113,7 +114,7 @@ class IndexOpenError(Exception):
 @dataclass(frozen=True, slots=True)
 class IndexRow:
     meta: BlockMeta
-    file_name: str  # relative to the tier root
+    file_name: str  # relative to the tier root; a segment's bytes: "<segment>@<offset>"
     file_bytes: int
     checksum: str
     created: float

@@ -1,18 +1,13 @@
-"""The SSD tier's shared state (``SSDState``): the index, the locks, the pending
-blocks, the counters, the mode, and what every part needs of them: degrading,
-deleting rows and their files, capacity (LRU) and the batched accesses.
+"""Two parts of the SSD tier that the others are given explicitly: ``Status`` (the
+mode, degradation, counters and the lock that guards them, the index connection and
+the queued blocks) and ``Catalog`` (the index and the folder it describes: totals,
+the byte budget, deletion, capacity, batched accesses, early pins).
 
-The budget in use (``budget()``) is the configured ``budget_bytes`` capped by the
-disk: the bytes stored + the disk's free bytes - ``disk_reserve_bytes`` (asked at
-open, at each sweep and after a write found the disk full), so a disk filled from
-outside makes the tier evict its least recently used blocks (``evictions_disk``)
-instead of failing its writes. ``SSDTier`` (``ssd.py``) composes the state with
-its reader, writer and maintenance. Locking rules: see ``ssd.py``.
-
-Several processes may share one folder: block and byte totals live in the index
-(kept by triggers), so the byte budget is enforced on everyone's blocks together;
-each deletion selects and deletes its rows in one transaction, and unlinks the
-files only after the commit, holding the folder's shared ``DirLock`` meanwhile.
+The budget in use is ``budget_bytes`` capped by the disk (bytes stored + free -
+``disk_reserve_bytes``), so a disk filled from outside makes the tier evict
+(``evictions_disk``) instead of failing writes. Several processes may share one
+folder: the totals live in the index (kept by triggers); a deletion deletes its rows
+in one transaction and unlinks the files after the commit under the shared ``DirLock``.
 """
 
 from __future__ import annotations
@@ -23,65 +18,42 @@ import sqlite3
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, TypeVar
 
 from ..config import SSDConfig
 from ..errors import TierError
-from ..meta import BlockMeta
 from . import ssd_files as files
-from .base import PayloadSource
+from . import ssd_segments as segments
 from .ssd_index import SSDIndex
 from .ssd_schema import IndexRow, is_corruption
 
 log = logging.getLogger(__name__)
 
-LATENCY_BUCKETS_MS = (0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 250.0, 500.0, 1000.0)
 MAX_EARLY_PINS = 1 << 16  # pins kept for blocks that have no row yet
 MAX_DISK_RESERVE = 1 << 30  # the default reserve: 5% of the disk, at most this
 
 # ``shutil.disk_usage``'s (total, used, free) bytes of the file system holding a path
 DiskUsage = tuple[int, int, int]
-DROP_REASONS = ("queue_full", "budget", "admission", "degraded", "write_budget", "closed",
-                "read_only", "off")
-
-
-@dataclass(eq=False)
-class Pending:
-    """A block accepted by ``put`` and not written yet. ``source`` is encoded by the
-    writer thread; ``nbytes`` is its size estimate until then."""
-
-    meta: BlockMeta
-    source: PayloadSource
-    nbytes: int
-    sessions: set[str] = field(default_factory=set)
-    had_session: bool = False
-    queued: bool = False  # in the write queue (False: a put is waiting for room)
-    taken: bool = False  # the writer is writing it
-    cancelled: bool = False
-
+Victim = tuple[bytes, str, int]  # (hash, file, bytes) of a deleted row
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
 
 def tier_errors(fn: _F) -> _F:
-    """The tier boundary: a public method lets only ``TierError`` out. An index or
-    I/O error that the method did not turn into a degraded answer itself (or any
-    other unexpected exception: a bug must not fail a request either) becomes a
-    ``TierError`` and is counted; bad input still raises ``ValueError``."""
+    """The tier boundary: a public method lets only ``TierError`` out (bad input still
+    raises ``ValueError``); an index or I/O error, or a bug, is counted and degrades."""
 
     @functools.wraps(fn)
     def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
-        st: SSDState = self.state
+        st: Status = self.status
         try:
             return fn(self, *args, **kwargs)
         except (TierError, ValueError):
             raise
         except sqlite3.Error as e:
-            with st.lock:
-                st.index_error(e)
+            st.index_error(e)
             raise TierError(f"ssd {fn.__name__} failed: index error: {e}") from e
         except OSError as e:
             st.degrade(f"{fn.__name__} failed: {e}")
@@ -95,97 +67,20 @@ def tier_errors(fn: _F) -> _F:
     return wrapper  # type: ignore[return-value]
 
 
-class SSDState:
-    """What the SSD tier's parts share (see the module docstring). ``index`` is set by
-    the opener (``ssd_open``); the totals are the last ones read from the index
-    (every process's blocks), with the shared write counters."""
+class Status:
+    """The mode (``read_write`` | ``read_only`` | ``off``), degradation and counters.
+    ``lock`` guards them, the index connection and the queued blocks."""
 
-    index: SSDIndex
-
-    def __init__(self, config: SSDConfig, *, clock: Callable[[], float],
-                 degraded_backoff_s: float, disk_usage: Callable[[Path], DiskUsage]) -> None:
-        self.config = config
-        self.root = Path(config.path)
+    def __init__(self, *, clock: Callable[[], float], degraded_backoff_s: float) -> None:
         self.clock = clock
         self.backoff = degraded_backoff_s
-        self.disk_usage = disk_usage
         self.lock = threading.RLock()
-        self.write_lock = threading.RLock()
-        self.dirlock = files.DirLock(None)
-        self.pending: dict[bytes, Pending] = {}
-        self.pending_bytes = 0
-        self.touches: dict[bytes, tuple[float, int]] = {}
-        self.pins: dict[bytes, float] = {}  # pins of blocks not in the index yet (applied at commit)
         self.counts: Counter[str] = Counter()
-        self.drops: Counter[str] = Counter({r: 0 for r in DROP_REASONS})
-        self.latency = [0] * (len(LATENCY_BUCKETS_MS) + 1)
-        self.latency_sum_ms = 0.0
         self.degraded_reason: str | None = None
         self.retry_at = 0.0
         self.closed = False
-        self.mode = "read_write"  # read_write | read_only | off (see set_mode)
+        self.mode = "read_write"
         self.mode_reason: str | None = None
-        self.blocks = self.bytes_stored = self.bytes_written = self.day_bytes = 0
-        self.day = ""
-        self.disk_cap: int | None = None  # None: not known (the disk could not be asked)
-        self.disk_free: int | None = None
-        self.disk_reserve = 0
-        self.index_rebuilt = False
-        self.index_corrupt = False  # the CLI's read-only open found the index unusable
-        self.set_aside = 0
-        self.recovered = 0
-
-    def live(self, row: IndexRow | None, now: float) -> bool:
-        return row is not None and (row.expiry is None or row.expiry > now)
-
-    def today(self) -> str:
-        return time.strftime("%Y-%m-%d", time.gmtime(self.clock()))
-
-    def today_bytes(self) -> int:
-        """Bytes written today (as of this process's last commit: a cheap estimate for
-        the daily write budget, never a query on the request path)."""
-        day = self.today()
-        if day != self.day:
-            self.day, self.day_bytes = day, 0
-        return self.day_bytes
-
-    def refresh_totals(self) -> None:
-        """Re-read the shared totals and write counters (caller holds ``_lock``)."""
-        self.blocks, self.bytes_stored = self.index.totals()
-        day = self.today()
-        self.bytes_written, self.day_bytes = self.index.written(day)
-        self.day = day
-
-    def budget(self) -> int:
-        """The byte budget in use: ``config.budget_bytes`` capped by the disk."""
-        cap = self.disk_cap
-        return self.config.budget_bytes if cap is None else min(self.config.budget_bytes, cap)
-
-    def refresh_disk_cap(self) -> None:
-        """Ask the disk (``statvfs``): cap = bytes stored + free - reserve. Caller holds
-        ``_lock`` (the stored bytes are the last totals read). Never raises."""
-        try:
-            total, _used, free = self.disk_usage(self.root)
-        except OSError as e:
-            log.debug("ssd: cannot read the disk usage of %s: %s", self.root, e)
-            return
-        reserve = self.config.disk_reserve_bytes
-        if reserve is None:
-            reserve = min(MAX_DISK_RESERVE, int(total) // 20)
-        self.disk_reserve = reserve
-        self.disk_free = int(free)
-        cap = max(0, self.bytes_stored + int(free) - reserve)
-        if cap < self.config.budget_bytes and (self.disk_cap is None
-                                               or self.disk_cap >= self.config.budget_bytes):
-            log.warning("ssd budget capped by the disk: %d bytes (configured %d; %d free, "
-                        "%d kept free)", cap, self.config.budget_bytes, free, reserve)
-        self.disk_cap = cap
-
-    def forget(self, p: Pending) -> None:
-        h = bytes(p.meta.block_hash)
-        if self.pending.get(h) is p:
-            del self.pending[h]
-            self.pending_bytes -= p.nbytes
 
     def degrade(self, reason: str) -> None:
         with self.lock:
@@ -195,6 +90,15 @@ class SSDState:
             self.degraded_reason = reason
             if self.retry_at != float("inf"):
                 self.retry_at = self.clock() + self.backoff
+
+    def backing_off(self) -> bool:
+        return self.degraded_reason is not None and self.clock() < self.retry_at
+
+    def recovered(self) -> None:
+        """A write committed: a degradation that was not for good ends."""
+        if self.degraded_reason is not None and self.retry_at != float("inf"):
+            log.info("ssd tier recovered (was: %s)", self.degraded_reason)
+            self.degraded_reason = None
 
     def writable(self) -> bool:
         """False in the read-only and off modes: nothing may change the folder."""
@@ -206,10 +110,9 @@ class SSDState:
                             f"({self.mode_reason})")
 
     def index_error(self, e: sqlite3.Error) -> None:
-        """Every SQLite error is counted (``index_errors``) and degrades the tier; one
-        that says the index file is damaged turns the tier read-only for good (a
-        restart, or ``promptcache cache check --fix``, rebuilds the index under the
-        folder lock)."""
+        """Counted (``index_errors``); degrades the tier, or, if the index file is
+        damaged, turns it read-only for good (a restart or ``cache check --fix``
+        rebuilds it under the folder lock)."""
         with self.lock:
             self.counts["index_errors"] += 1
         if is_corruption(e):
@@ -227,9 +130,8 @@ class SSDState:
                            "rebuilds it")
 
     def set_mode(self, mode: str, reason: str, *, degraded: bool = True) -> None:
-        """``read_only``: reads only (no write, no deletion, no repair); ``off``: an
-        empty index in memory, every read a miss. Never changes back while open.
-        ``degraded=False``: asked for (the CLI's inspection), not a failure."""
+        """``read_only``: reads only; ``off``: an empty index in memory, every read a
+        miss. Never changes back while open. ``degraded=False``: asked for."""
         self.mode, self.mode_reason = mode, reason
         if degraded:
             log.error("ssd tier %s: %s", "is off" if mode == "off" else "serves read-only",
@@ -237,12 +139,87 @@ class SSDState:
             self.degraded_reason = reason
             self.retry_at = float("inf")
 
-    # -- deletion, capacity, TTL --------------------------------------------------------
 
-    def delete_where(self, select: Callable[[], list[tuple[bytes, str, int]]], *,
-                      unlink: bool = True) -> list[tuple[bytes, str, int]]:
+class Catalog:
+    """The index and the folder it describes (``root``, the cross-process ``dirlock``).
+    ``write_lock`` serializes file writes, deletions, sweeps and checks; the totals are
+    the last read from the index (every process's blocks)."""
+
+    def __init__(self, config: SSDConfig, status: Status, index: SSDIndex,
+                 dirlock: files.DirLock, *, disk_usage: Callable[[Path], DiskUsage]) -> None:
+        self.config = config
+        self.status = status
+        self.index = index
+        self.dirlock = dirlock
+        self.root = Path(config.path)
+        self.disk_usage = disk_usage
+        self.write_lock = threading.RLock()
+        self.touches: dict[bytes, tuple[float, int]] = {}
+        self.pins: dict[bytes, float] = {}  # pins of blocks not in the index yet
+        self.blocks = self.bytes_stored = self.bytes_written = self.day_bytes = 0
+        self.day = ""
+        self.disk_cap: int | None = None  # None: not known (the disk could not be asked)
+        self.disk_free: int | None = None
+        self.disk_reserve = 0
+
+    def live(self, row: IndexRow | None, now: float) -> bool:
+        return row is not None and (row.expiry is None or row.expiry > now)
+
+    def today(self) -> str:
+        return time.strftime("%Y-%m-%d", time.gmtime(self.status.clock()))
+
+    def today_bytes(self) -> int:
+        """Bytes written today as of this process's last commit (the daily write
+        budget's cheap estimate: never a query on the request path)."""
+        day = self.today()
+        if day != self.day:
+            self.day, self.day_bytes = day, 0
+        return self.day_bytes
+
+    def add_written(self, size: int) -> None:
+        day = self.today()
+        self.bytes_written, self.day_bytes = self.index.add_written(size, day)
+        self.day = day
+
+    def refresh_totals(self) -> None:
+        """Re-read the shared totals and write counters (caller holds the lock)."""
+        self.blocks, self.bytes_stored = self.index.totals()
+        day = self.today()
+        self.bytes_written, self.day_bytes = self.index.written(day)
+        self.day = day
+
+    def budget(self) -> int:
+        """The byte budget in use: ``config.budget_bytes`` capped by the disk."""
+        cap = self.disk_cap
+        return self.config.budget_bytes if cap is None else min(self.config.budget_bytes, cap)
+
+    def refresh_disk_cap(self) -> None:
+        """Ask the disk: cap = bytes stored + free - reserve. Never raises."""
+        try:
+            total, _used, free = self.disk_usage(self.root)
+        except OSError as e:
+            log.debug("ssd: cannot read the disk usage of %s: %s", self.root, e)
+            return
+        reserve = self.config.disk_reserve_bytes
+        if reserve is None:
+            reserve = min(MAX_DISK_RESERVE, int(total) // 20)
+        self.disk_reserve = reserve
+        self.disk_free = int(free)
+        cap = max(0, self.bytes_stored + int(free) - reserve)
+        if cap < self.config.budget_bytes and (self.disk_cap is None
+                                               or self.disk_cap >= self.config.budget_bytes):
+            log.warning("ssd budget capped by the disk: %d bytes (configured %d; %d free, "
+                        "%d kept free)", cap, self.config.budget_bytes, free, reserve)
+        self.disk_cap = cap
+
+    def eviction_counter(self) -> str:
+        return ("evictions_capacity" if self.budget() >= self.config.budget_bytes
+                else "evictions_disk")
+
+    def delete_where(self, select: Callable[[], list[Victim]], *,
+                     unlink: bool = True) -> list[Victim]:
         """Select victims and delete their rows in one transaction, then unlink their
-        files. Caller holds ``write_lock``, the shared ``DirLock`` and ``lock``.
+        files. Caller holds ``write_lock``, the shared ``dirlock`` and the lock.
         Raises sqlite3.Error (rolled back)."""
         self.index.begin()
         try:
@@ -254,43 +231,55 @@ class SSDState:
             self.index.rollback()
             raise
         if victims:
-            self.unlink(victims, unlink=unlink)
+            if unlink:
+                self.remove_files(rel for _h, rel, _n in victims)
+            self.blocks, self.bytes_stored = self.index.totals()
         return victims
 
-    def unlink(self, victims: list[tuple[bytes, str, int]], *, unlink: bool) -> None:
-        for _h, rel, _nbytes in victims:
-            if unlink:
-                try:
-                    files.remove_file(self.root / rel)
-                except OSError as e:  # left for reconcile as an orphan
-                    log.warning("cannot remove %s: %s", rel, e)
-        self.blocks, self.bytes_stored = self.index.totals()
+    def remove_files(self, rels: Iterable[str]) -> None:
+        """Unlink the block files of deleted rows; a segment only once no row names it
+        and no writer holds it (its other bytes are dead until then)."""
+        segs = set()
+        for rel in rels:
+            if segments.is_segment(rel):
+                segs.add(segments.split_ref(rel)[0])
+                continue
+            try:
+                files.remove_file(self.root / rel)
+            except OSError as e:  # left for reconcile as an orphan
+                log.warning("cannot remove %s: %s", rel, e)
+        for seg in sorted(segs):
+            try:
+                with self.status.lock:
+                    named = self.index.names_segment(seg)
+                if not named and not segments.in_use(self.root / seg):
+                    files.remove_file(self.root / seg)
+                    self.status.counts["segments_removed"] += 1
+            except (OSError, sqlite3.Error) as e:  # left for reconcile as an orphan
+                log.warning("cannot remove %s: %s", seg, e)
 
     def enforce_capacity(self, keep: bytes | None = None, budget: int | None = None) -> int:
-        """Delete blocks (of every process) until the folder's bytes fit ``budget``
-        (default ``budget()``): least recently used unpinned blocks first; pinned
-        blocks (``pin``) only when no unpinned block is left, the pin that ends first
-        first (a pin never makes a write fail; counted ``evictions_pinned``). Counted
-        ``evictions_disk`` when the disk, not ``budget_bytes``, set the budget. Never
-        raises (an index error degrades the tier)."""
-        evicted = 0
-        if not self.writable():
+        """Delete blocks (of every process) until the folder fits ``budget`` (default
+        ``budget()``): least recently used unpinned blocks first, pinned ones (the pin
+        that ends first first, counted ``evictions_pinned``) only when none is left.
+        Never raises (an index error degrades the tier)."""
+        st = self.status
+        if not st.writable():
             return 0
         if budget is None:
             budget = self.budget()
         counter = ("evictions_capacity" if budget >= self.config.budget_bytes
                    else "evictions_disk")
-        now = self.clock()
+        now = st.clock()
+        evicted = 0
         pinned_victims = [0]  # pinned blocks in the last victim batch
 
-        def victims() -> list[tuple[bytes, str, int]]:
+        def victims() -> list[Victim]:
             _, total = self.index.totals()
-            out: list[tuple[bytes, str, int]] = []
+            out: list[Victim] = []
             excess = total - budget
-            if excess <= 0:
-                return out
             pinned = 0
-            for h, rel, size, is_pinned in self.index.lru(64, now):
+            for h, rel, size, is_pinned in self.index.lru(64, now) if excess > 0 else ():
                 if excess <= 0:
                     break
                 if h != keep:
@@ -300,7 +289,7 @@ class SSDState:
             pinned_victims[0] = pinned
             return out
 
-        with self.write_lock, self.dirlock.shared(), self.lock:
+        with self.write_lock, self.dirlock.shared(), st.lock:
             try:
                 while True:
                     pinned_victims[0] = 0
@@ -308,16 +297,44 @@ class SSDState:
                     if not gone:
                         break
                     evicted += len(gone)
-                    self.counts["evictions_pinned"] += pinned_victims[0]
+                    st.counts["evictions_pinned"] += pinned_victims[0]
             except sqlite3.Error as e:
-                self.index_error(e)
-            self.counts[counter] += evicted
+                st.index_error(e)
+            st.counts[counter] += evicted
         return evicted
+
+    def make_room(self, keep: bytes, need: int) -> bool:
+        """A write found the disk full (ENOSPC / EDQUOT, counted ``disk_full``): re-read
+        the disk's free space (the budget in use shrinks to what the disk holds) and,
+        if the disk really lacks the bytes, evict least recently used blocks until this
+        block's ``need`` bytes fit (``evictions_disk``). True if something was evicted
+        (worth one more try); False leaves the tier to degrade as for any write error."""
+        with self.status.lock:
+            self.status.counts["disk_full"] += 1
+            try:
+                self.blocks, self.bytes_stored = self.index.totals()
+            except sqlite3.Error as e:
+                self.status.index_error(e)
+                return False
+            self.refresh_disk_cap()
+            free = self.disk_free
+            if free is None or free >= need + self.disk_reserve:
+                return False  # the disk has the bytes (inodes, quota?): evicting won't help
+            target = max(0, min(self.budget(), self.bytes_stored - need))
+        evicted = self.enforce_capacity(keep=keep, budget=target)
+        log.warning("ssd disk full: %d block(s) evicted to make room for %d bytes",
+                    evicted, need)
+        return evicted > 0
+
+    def touch(self, h: bytes, now: float) -> None:
+        """Remember a hit (caller holds the lock); written by ``apply_touches``."""
+        prev = self.touches.get(h)
+        self.touches[h] = (now, (prev[1] if prev else 0) + 1)
 
     def apply_touches(self) -> None:
         if not self.touches:
             return
-        if not self.writable():
+        if not self.status.writable():
             self.touches.clear()
             return
         batch = [(h, when, n, self.config.ttl_seconds) for h, (when, n) in self.touches.items()]
@@ -328,15 +345,14 @@ class SSDState:
             self.index.commit()
         except sqlite3.Error as e:
             self.index.rollback()
-            self.index_error(e)
+            self.status.index_error(e)
 
-    def cancel_pending(self, match: Callable[[Pending], bool]) -> set[bytes]:
-        out = set()
-        for h, p in list(self.pending.items()):
-            if not p.cancelled and match(p):
-                p.cancelled = True
-                self.pins.pop(h, None)
-                out.add(h)
-                if not p.taken:
-                    self.forget(p)
-        return out
+    def add_pin(self, h: bytes, until: float) -> None:
+        """A pin of a block with no row yet, applied when its row is committed."""
+        self.pins[h] = max(self.pins.get(h, 0.0), until)
+        if len(self.pins) > MAX_EARLY_PINS:  # blocks that never came: oldest go
+            now = self.status.clock()
+            for k, t in sorted(self.pins.items(), key=lambda kv: kv[1]):
+                if len(self.pins) <= MAX_EARLY_PINS // 2 and t > now:
+                    break
+                del self.pins[k]
