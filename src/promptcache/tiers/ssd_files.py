@@ -1,24 +1,8 @@
-"""On-disk layout of the SSD tier and its crash-safe file operations.
-
-Layout under the tier root::
-
-    index.sqlite                                   (+ -wal / -shm)
-    lock                                           (the advisory lock, see DirLock)
-    quarantine/<hash hex>.<unix time>.<reason>.safetensors
-    <namespace key>/<tenant>/blocks/<2 hex>/<hash hex>.safetensors
-    <namespace key>/<tenant>/blocks/<2 hex>/<hash hex>.<tag>.safetensors   (see below)
-
-Files are content-addressed by block hash. A block file is written to a temp file
-in its destination folder (``.tmp-<name>.<pid>.<random>``: the writer's pid, so a
-repair can tell a dead writer's leftovers from a live one's), fsynced, and then
-published under a name nobody else holds: ``os.link`` creates the primary name
-only if it does not exist, so two processes writing the same block never clobber
-each other's file. If the primary name is taken (the block is being rewritten,
-e.g. upgraded with a state snapshot, or another process holds it) the file goes
-to ``<hash>.1.safetensors``, and if that is taken too, to a name with a random
-tag. The old file stays valid until the new index row is committed and only then
-is removed.
-"""
+"""The SSD tier's on-disk layout and crash-safe file operations (docs/cache.md):
+``index.sqlite``, ``lock`` (DirLock), ``quarantine/``, and content-addressed block files
+``<namespace>/<tenant>/blocks/<2 hex>/<hash hex>[.<tag>].safetensors``, each written to a
+temp file (its writer's pid in the name), fsynced and published with ``os.link`` under a
+name nobody holds; an old file stays valid until the new index row is committed."""
 
 from __future__ import annotations
 
@@ -49,8 +33,7 @@ _SAFE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _BLOCK_FILE = re.compile(r"^[0-9a-f]{64}(\.[0-9a-z]{1,16})?\.safetensors$")
 _TEMP_FILE = re.compile(r"^\.tmp-.*\.(\d+)\.[0-9a-f]+$")
 LOCK_NAME = "lock"
-# A temp file lives for the milliseconds of one write: one older than this is a
-# leftover even if its pid now names a live process (pids are reused).
+# a temp file older than this is a leftover even if its pid is alive (pids are reused)
 STALE_TEMP_S = 3600.0
 
 
@@ -102,11 +85,8 @@ def ensure_dir(path: Path, *, fsync: bool) -> None:
         raise NotADirectoryError(errno.ENOTDIR, "not a directory", str(path))
 
 
-# With ``fsync``, a file of at least this many bytes is written with ``O_DIRECT`` where
-# the OS and the file system have it (Linux): its bytes must reach the disk anyway, and
-# writing them around the page cache runs at the disk's speed instead of the page
-# cache's writeback (10x slower on a VM: bench/bench_shutdown.py) and leaves no dirty
-# pages behind. Anywhere else (no O_DIRECT, a file system without it: tmpfs), buffered.
+# with fsync, files this large go around the page cache (O_DIRECT, where the file system
+# has it): disk speed instead of writeback (10x slower on a VM: bench/bench_shutdown.py)
 DIRECT_MIN_BYTES = 1 << 20
 DIRECT_ALIGN = 4096  # the memory, offset and length alignment O_DIRECT asks for
 DIRECT_KEEP_BYTES = 64 << 20  # each writing thread keeps its aligned buffer up to this size
@@ -149,10 +129,8 @@ def write_temp(folder: Path, name: str, data: bytes, *, fsync: bool) -> Path:
 
 
 def _write_direct(path: Path, data: bytes) -> bool:
-    """Write ``data`` to the new file ``path`` with ``O_DIRECT`` (from a page-aligned
-    copy padded to ``DIRECT_ALIGN``, then truncated to its length) and fsync it.
-    False, with no file left, where O_DIRECT is refused (the caller writes buffered);
-    raises any other OSError."""
+    """``data`` to the new file ``path`` with O_DIRECT (a padded page-aligned copy, then
+    truncated) and fsynced; False, no file left, where O_DIRECT is refused."""
     flag = getattr(os, "O_DIRECT", 0)
     if not flag:
         return False
@@ -194,10 +172,8 @@ def _write_direct(path: Path, data: bytes) -> bool:
 
 
 def publish(tmp: Path, names: list[str], *, fsync: bool) -> str:
-    """Give the temp file ``tmp`` the first of ``names`` (in its folder) that does not
-    exist, atomically and without ever replacing an existing file (``os.link``); if
-    all are taken (or the file system has no hard links) a fresh random name.
-    Returns the name used. The temp file is gone afterwards; raises OSError."""
+    """Give ``tmp`` the first free name of ``names`` (``os.link``: never replacing a
+    file), else a fresh random one; returns the name used (raises OSError)."""
     folder = tmp.parent
     used = None
     try:
@@ -261,12 +237,9 @@ def temp_is_stale(path: Path, *, now: float | None = None, max_age_s: float = ST
 
 
 class DirLock:
-    """The tier folder's advisory lock (``flock`` on ``<root>/lock``): every change
-    to the index and the files (a write between publishing its file and committing
-    its row, a deletion between committing and unlinking) holds it shared; a repair
-    (reconcile), ``purge`` and ``cache check --fix`` hold it exclusively, so they
-    never see another live process's half-done change. One descriptor per tier:
-    the tier uses it only under its write lock. ``path=None``: a no-op lock."""
+    """``flock`` on ``<root>/lock``: every change to the index and files holds it shared;
+    repair, ``purge`` and ``cache check --fix`` exclusively, so they never see another
+    live process's half-done change. ``path=None``: a no-op lock."""
 
     def __init__(self, path: Path | None, *, create: bool = True) -> None:
         self.path = path
@@ -325,10 +298,8 @@ def probe_writable(root: Path) -> None:
 
 
 def set_aside(root: Path, rels: list[str], stamp: int) -> int:
-    """Move these files (relative to ``root``) under ``quarantine/unindexed.<stamp>/``,
-    keeping their relative paths: files an index no longer describes are not proven
-    orphans, so they are kept (an operator, or a later rebuild, decides). Returns the
-    number moved."""
+    """Move these files under ``quarantine/unindexed.<stamp>/`` (not proven orphans: kept
+    for an operator or a rebuild to decide); returns how many moved."""
     dest_root = root / QUARANTINE_DIR / f"unindexed.{stamp}"
     moved = 0
     for rel in rels:
@@ -372,12 +343,8 @@ def quarantine(root: Path, path: Path, hash_hex: str, reason: str) -> Path | Non
 
 
 def scan(root: Path) -> Iterator[tuple[str, int, str]]:
-    """Every file under the namespace folders: (relative path, size, kind).
-
-    kind is ``"block"`` (a well-named block file), ``"temp"`` (a leftover temp file)
-    or ``"other"`` (anything else inside a ``blocks`` folder). Files outside the
-    ``blocks`` folders are not ours and are not listed.
-    """
+    """(relative path, size, kind) of every file in a ``blocks`` folder; kind: ``block``,
+    ``temp`` (a leftover) or ``other``."""
     if not root.is_dir():
         return
     for ns_dir in sorted(root.iterdir()):
@@ -403,7 +370,6 @@ def scan(root: Path) -> Iterator[tuple[str, int, str]]:
                 yield rel, size, kind
 
 
-# -- verified reads (the read-ahead's, ``ssd_ahead``) ------------------------------------------------------------
 
 FADV_WILLNEED: int | None = getattr(os, "POSIX_FADV_WILLNEED", None)
 FileStamp = tuple[int, int, int]  # (st_ino, st_size, st_mtime_ns)
@@ -413,9 +379,7 @@ def stamp_of(st: os.stat_result) -> FileStamp:
     return (st.st_ino, st.st_size, st.st_mtime_ns)
 
 
-# File timestamps come from a coarse clock (one kernel tick): a file modified less
-# than this long before it was read could be modified again without its mtime
-# changing, so its stamp proves nothing and the read-ahead copy is not used.
+# mtimes tick coarsely: a file modified this recently may change again unseen
 STAMP_MARGIN_NS = 100_000_000
 
 
