@@ -56,7 +56,9 @@ def serve(args: Sequence[str], log_path: Path, *, timeout: float = 90.0,
     last ``log_tail`` characters of its log are printed (shown by pytest on failure)."""
     port = free_port()
     with open(log_path, "w") as log:
-        proc = subprocess.Popen([PROMPTCACHE, "serve", "--port", str(port), *args],
+        # the restore planner pinned: tests never depend on timing
+        plan = [] if "--restore-plan" in args else ["--restore-plan", "load"]
+        proc = subprocess.Popen([PROMPTCACHE, "serve", "--port", str(port), *args, *plan],
                                 stdout=log, stderr=subprocess.STDOUT,
                                 env=None if env is None else dict(env))
     try:

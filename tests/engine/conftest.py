@@ -38,6 +38,8 @@ def make_cache(budget=64 * 1024**2, block_size=BLOCK, lower=(), write_through=Fa
 def make_engine(path, *, snapshot_every_blocks=1, use_cache=True, budget=64 * 1024**2, **cfg):
     # speculation's gate from a fixed cost (a verify costs a decode step), never timed
     cfg.setdefault("spec_verify_cost", (1.0, 0.0))
+    # the restore planner pinned too: tests never depend on timing (test_restore_plan: auto)
+    cfg.setdefault("restore_plan", "load")
     rec = LogitsRecorder()
     cache_config = CacheConfig(block_size=BLOCK, ram_budget_bytes=budget)
     eng = Engine.load(

@@ -52,7 +52,7 @@ def falcon_path(tiny_llama_path: Path, models_root: Path) -> Path:
 
 
 def _engine(path: Path, cache: PromptCache) -> Engine:
-    return Engine.load(path, EngineConfig(prefill_chunk_tokens=16, snapshot_every_blocks=1), CC,
+    return Engine.load(path, EngineConfig(restore_plan="load", prefill_chunk_tokens=16, snapshot_every_blocks=1), CC,
                        cache=cache)
 
 

@@ -12,7 +12,7 @@ from promptcache.serving_config import EngineConfig
 
 def test_restarted_engine_hits_ssd_blocks(tiny_llama_path, tmp_path):
     ssd = SSDConfig(path=tmp_path / "blocks", policy="write_through", fsync=False)
-    ec, cc = EngineConfig(prefill_chunk_tokens=16), CacheConfig(block_size=8, ram_budget_bytes=64 * 1024**2)
+    ec, cc = EngineConfig(restore_plan="load", prefill_chunk_tokens=16), CacheConfig(block_size=8, ram_budget_bytes=64 * 1024**2)
     prompt = [int(t) for t in np.random.default_rng(5).integers(3, 1000, size=30)]
     with Engine.load(tiny_llama_path, ec, cc, cache=build_cache(cc, ssd)) as first:
         r1 = first.generate(prompt, max_tokens=4)
@@ -31,7 +31,7 @@ def test_a_run_read_from_the_ssd_is_one_array_and_one_copy_per_layer(tiny_llama_
     from promptcache.engine.blockbuf import BlockPayload
 
     ssd = SSDConfig(path=tmp_path / "blocks", policy="write_through", fsync=False)
-    ec, cc = EngineConfig(prefill_chunk_tokens=16), CacheConfig(block_size=8, ram_budget_bytes=64 * 1024**2)
+    ec, cc = EngineConfig(restore_plan="load", prefill_chunk_tokens=16), CacheConfig(block_size=8, ram_budget_bytes=64 * 1024**2)
     prompt = [int(t) for t in np.random.default_rng(6).integers(3, 1000, size=41)]
     with Engine.load(tiny_llama_path, ec, cc, cache=build_cache(cc, ssd)) as first:
         r1 = first.generate(prompt, max_tokens=4)
@@ -92,7 +92,7 @@ def test_engine_close_persists_every_ram_block_under_write_back(tiny_llama_path,
     the SSD lacks (durability: a clean close keeps the whole cache), through a writer
     queue of 2 (back-pressure, nothing dropped); a restarted engine hits all of it."""
     ssd = SSDConfig(path=tmp_path / "blocks", policy="write_back", fsync=False, queue_size=2)
-    ec = EngineConfig(prefill_chunk_tokens=16)
+    ec = EngineConfig(restore_plan="load", prefill_chunk_tokens=16)
     cc = CacheConfig(block_size=4, ram_budget_bytes=64 * 1024**2)
     prompt = [int(t) for t in np.random.default_rng(11).integers(3, 1000, size=400)]
     first = Engine.load(tiny_llama_path, ec, cc, cache=build_cache(cc, ssd))
@@ -126,7 +126,7 @@ def test_a_corrupt_index_rebuilt_by_check_fix_restores_output_equal_to_a_full_pr
 
     folder = tmp_path / "blocks"
     ssd = SSDConfig(path=folder, policy="write_through", fsync=False)
-    ec = EngineConfig(prefill_chunk_tokens=16)
+    ec = EngineConfig(restore_plan="load", prefill_chunk_tokens=16)
     cc = CacheConfig(block_size=8, ram_budget_bytes=64 * 1024**2)
     prompt = [int(t) for t in np.random.default_rng(11).integers(3, 1000, size=30)]
     with Engine.load(tiny_llama_path, ec, cc, cache=build_cache(cc, ssd)) as first:

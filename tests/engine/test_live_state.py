@@ -106,7 +106,7 @@ def test_memory_pressure_releases_live_states_before_active_blocks(tiny_llama_pa
     cc = CacheConfig(block_size=BLOCK, ram_budget_bytes=64 * 1024**2)
     cache = build_cache(cc, SSDConfig(path=tmp_path / "blocks", policy="write_back",
                                       fsync=False))
-    eng = Engine.load(tiny_llama_path, EngineConfig(prefill_chunk_tokens=16,
+    eng = Engine.load(tiny_llama_path, EngineConfig(restore_plan="load", prefill_chunk_tokens=16,
                                                     spec_verify_cost=(1.0, 0.0)), cc,
                       cache=cache, logits_hook=LogitsRecorder())
     eng.recorder = eng._ctx.logits_hook
@@ -174,7 +174,7 @@ def test_another_server_restores_from_the_shared_tier_and_the_first_goes_on(
     state of turn 1, so they are restored instead."""
     cc = CacheConfig(block_size=BLOCK, ram_budget_bytes=64 * 1024**2)
     ssd = SSDConfig(path=tmp_path / "blocks", policy="write_through", fsync=False)
-    ec = EngineConfig(prefill_chunk_tokens=16, spec_verify_cost=(1.0, 0.0))
+    ec = EngineConfig(restore_plan="load", prefill_chunk_tokens=16, spec_verify_cost=(1.0, 0.0))
     rec = LogitsRecorder
     a = Engine.load(tiny_llama_path, ec, cc, cache=build_cache(cc, ssd), logits_hook=rec())
     b = Engine.load(tiny_llama_path, ec, cc, cache=build_cache(cc, ssd), logits_hook=rec())
@@ -280,7 +280,7 @@ def test_a_state_older_than_the_cache_ttl_is_not_used(tiny_llama_path):
     cache = PromptCache(CacheConfig(block_size=BLOCK, ram_budget_bytes=64 * 1024**2,
                                     ttl_seconds=60.0),
                         adapter=MLXPayloadAdapter(), clock=lambda: now[0])
-    eng = Engine.load(tiny_llama_path, EngineConfig(prefill_chunk_tokens=16,
+    eng = Engine.load(tiny_llama_path, EngineConfig(restore_plan="load", prefill_chunk_tokens=16,
                                                     spec_verify_cost=(1.0, 0.0)),
                       CacheConfig(block_size=BLOCK), cache=cache, logits_hook=LogitsRecorder())
     eng.recorder = eng._ctx.logits_hook

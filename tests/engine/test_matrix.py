@@ -190,7 +190,7 @@ def _engine(path: Path, ssd: Path) -> Engine:
     cc = CacheConfig(block_size=BLOCK, ram_budget_bytes=64 * 1024**2)
     sc = SSDConfig(path=ssd, policy="write_back", fsync=False)
     rec = _Logits()
-    eng = Engine.load(path, EngineConfig(prefill_chunk_tokens=CHUNK, snapshot_every_blocks=1),
+    eng = Engine.load(path, EngineConfig(restore_plan="load", prefill_chunk_tokens=CHUNK, snapshot_every_blocks=1),
                       cc, cache=build_cache(cc, sc), logits_hook=rec)
     eng.matrix_logits = rec  # type: ignore[attr-defined]
     return eng

@@ -67,7 +67,7 @@ def _errors(eng: Engine) -> tuple[int, ...]:
 def _engine(path: Path, cc: CacheConfig, cache: Any) -> Engine:
     rec = _Logits()
     # each tier's blocks are what these tests restore: no live state
-    eng = Engine.load(path, EngineConfig(prefill_chunk_tokens=CHUNK, snapshot_every_blocks=1,
+    eng = Engine.load(path, EngineConfig(restore_plan="load", prefill_chunk_tokens=CHUNK, snapshot_every_blocks=1,
                                          live_states=0),
                       cc, cache=cache, logits_hook=rec)
     eng.matrix_logits = rec  # type: ignore[attr-defined]

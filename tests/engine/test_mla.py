@@ -63,7 +63,7 @@ def make_cache() -> PromptCache:
 
 def _engine(path: Path, cache: PromptCache | None = None) -> Engine:
     # the blocks' layouts are what these tests restore: no live state
-    return Engine.load(path, EngineConfig(prefill_chunk_tokens=16, snapshot_every_blocks=1,
+    return Engine.load(path, EngineConfig(restore_plan="load", prefill_chunk_tokens=16, snapshot_every_blocks=1,
                                           live_states=0),
                        CacheConfig(block_size=BLOCK, ram_budget_bytes=64 * 1024**2),
                        cache=cache if cache is not None else make_cache())
@@ -382,7 +382,7 @@ def test_kv_bits_on_an_mla_model_checks_both_block_kinds(tiny_llama_path, models
     cc = CacheConfig(block_size=BLOCK, ram_budget_bytes=64 * 1024**2, kv_bits=8,
                      kv_quant_min_tokens=0)
     prompt = _prompt("deepseek_v3", seed=6)
-    with Engine.load(path, EngineConfig(prefill_chunk_tokens=16), cc,
+    with Engine.load(path, EngineConfig(restore_plan="load", prefill_chunk_tokens=16), cc,
                      cache=PromptCache(cc, adapter=MLXPayloadAdapter())) as eng:
         r1 = eng.generate(prompt, max_tokens=MAX_TOKENS)
         r2 = eng.generate(prompt, max_tokens=MAX_TOKENS)

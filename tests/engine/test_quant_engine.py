@@ -40,7 +40,7 @@ def _engine(path, kv_bits=None, min_tokens=0, ssd_dir=None):
     def hook(request_id, step, logits):
         rec[request_id].append(logits)
 
-    eng = Engine.load(path, EngineConfig(prefill_chunk_tokens=CHUNK), cc,
+    eng = Engine.load(path, EngineConfig(restore_plan="load", prefill_chunk_tokens=CHUNK), cc,
                       cache=build_cache(cc, ssd), logits_hook=hook)
     eng.recorded = rec
     return eng

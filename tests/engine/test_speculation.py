@@ -180,7 +180,7 @@ def test_config_is_checked() -> None:
     for kw in ({"speculation": "ngram"}, {"spec_max_draft": 0}, {"spec_min_match": 0},
                {"spec_pool_tokens": -1}, {"spec_pool_prompt_tokens": -1}):
         with pytest.raises(ValueError):
-            EngineConfig(**kw)
+            EngineConfig(restore_plan="load", **kw)
 
 
 @pytest.mark.parametrize("kind", ["right", "wrong", "half"])
@@ -430,7 +430,7 @@ def test_a_restarted_engine_drafts_from_the_token_ids_the_ssd_stores(tiny_llama_
         plain.close()
     ssd = SSDConfig(path=tmp_path / "blocks", policy="write_through", fsync=False)
     cc = CacheConfig(block_size=8, ram_budget_bytes=64 * 1024**2)
-    ec = EngineConfig(prefill_chunk_tokens=16, speculation="suffix",
+    ec = EngineConfig(restore_plan="load", prefill_chunk_tokens=16, speculation="suffix",
                       spec_verify_cost=(1.0, 0.0))
 
     def go(eng: Engine, tenant: str) -> Any:

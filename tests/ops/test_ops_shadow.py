@@ -48,7 +48,8 @@ def _engine(path: Path, *, fraction: float = 0.0, ssd: Path | None = None):  # t
     cfg = CacheConfig(block_size=BS, ram_budget_bytes=64 * 1024**2)
     ssd_cfg = SSDConfig(path=ssd, fsync=False, policy="write_through") if ssd else None
     # shadow verification checks hits of blocks: no live state serves the next turns
-    return Engine.load(path, EngineConfig(prefill_chunk_tokens=16,
+    # the restore planner pinned (tests never depend on timing): hits are loaded, checked
+    return Engine.load(path, EngineConfig(prefill_chunk_tokens=16, restore_plan="load",
                                           shadow_verify_fraction=fraction, live_states=0),
                        cfg, cache=build_cache(cfg, ssd_cfg))
 

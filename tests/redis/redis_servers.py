@@ -84,6 +84,11 @@ PROMPTCACHE_ARGV = [sys.executable, "-c",
                     "import sys; from promptcache.cli import main; sys.exit(main())"]
 
 
+def pinned_plan(args: tuple[str, ...] | list[str]) -> list[str]:
+    """``args`` with ``--restore-plan load`` unless they name one (the restore planner's choice is pinned: tests never depend on timing (test_restore_plan tests auto))."""
+    return [*args] if "--restore-plan" in args else [*args, "--restore-plan", "load"]
+
+
 class ServeProcess:
     """A real ``promptcache serve`` subprocess on a free port (stopped by PID)."""
 
@@ -92,7 +97,7 @@ class ServeProcess:
         workdir.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
         self.argv = [*PROMPTCACHE_ARGV, "serve", "--model", str(model), "--port", str(self.port),
-                     "--log-level", "warning", *args]
+                     "--log-level", "warning", *pinned_plan(args)]
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property

@@ -32,7 +32,7 @@ def _engine(path: Path, url: str, kv_bits: int | None) -> Engine:
     cc = CacheConfig(block_size=BLOCK, ram_budget_bytes=64 * 1024**2, kv_bits=kv_bits,
                      kv_quant_min_tokens=0)
     cache = build_cache(cc, None, RedisConfig(url=url, timeout_s=2.0, connect_timeout_s=2.0))
-    return Engine.load(path, EngineConfig(prefill_chunk_tokens=CHUNK), cc, cache=cache)
+    return Engine.load(path, EngineConfig(restore_plan="load", prefill_chunk_tokens=CHUNK), cc, cache=cache)
 
 
 def _run(eng: Engine, tokens: list[int], use_cache: bool = True):  # type: ignore[no-untyped-def]

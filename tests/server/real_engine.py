@@ -40,6 +40,7 @@ def tiny_engine(path: Path, cache: PromptCache | None, *, block_size: int = 8,
                 chunk: int = 16, snapshot_every_blocks: int = 1, **engine_cfg: Any) -> Engine:
     model, tokenizer, info = load_model(path)
     cfg = info.config
+    engine_cfg.setdefault("restore_plan", "load")  # the planner pinned: no timing in tests
     vocab = cfg.get("vocab_size") or (cfg.get("text_config") or {}).get("vocab_size")
     return Engine(model, tokenizer, model_id=info.model_id, fingerprint=info.fingerprint,
                   context_length=info.context_length, vocab_size=int(vocab or 2**32),

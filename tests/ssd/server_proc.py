@@ -35,7 +35,9 @@ class Server:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen(
             [PROMPTCACHE, "serve", "--model", str(model), "--port", str(self.port),
-             "--cache-dir", str(cache_dir), "--log-level", "info", *args],
+             "--cache-dir", str(cache_dir), "--log-level", "info", *args,
+             # the restore planner pinned: tests never depend on timing
+             *([] if "--restore-plan" in args else ["--restore-plan", "load"])],
             stdout=self._log, stderr=subprocess.STDOUT, env=env)
         if ready:
             self.wait_ready(timeout)

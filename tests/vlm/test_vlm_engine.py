@@ -24,7 +24,7 @@ def make(path, *, cache=True, vision=True, ssd=None, vision_dir=None, budget=64 
          chunk=CHUNK):
     cc = CacheConfig(block_size=BLOCK, ram_budget_bytes=budget)
     rec = LogitsRecorder()
-    eng = Engine.load(path, EngineConfig(prefill_chunk_tokens=chunk), cc,
+    eng = Engine.load(path, EngineConfig(restore_plan="load", prefill_chunk_tokens=chunk), cc,
                       cache=build_cache(cc, ssd) if cache else None, logits_hook=rec,
                       vision_cache=VisionCache(8 << 20, vision_dir) if vision else None)
     eng.recorder = rec  # type: ignore[attr-defined]

@@ -55,7 +55,7 @@ def text(name: str) -> str:
 def make(path: Path, *, cache: bool = True, vision: bool = True, chunk: int = CHUNK) -> Engine:
     cc = CacheConfig(block_size=BLOCK, ram_budget_bytes=64 << 20)
     rec = LogitsRecorder()
-    eng = Engine.load(path, EngineConfig(prefill_chunk_tokens=chunk, snapshot_every_blocks=1),
+    eng = Engine.load(path, EngineConfig(restore_plan="load", prefill_chunk_tokens=chunk, snapshot_every_blocks=1),
                       cc, cache=build_cache(cc) if cache else None, logits_hook=rec,
                       vision_cache=VisionCache(8 << 20) if vision else None)
     eng.recorder = rec  # type: ignore[attr-defined]
@@ -458,7 +458,7 @@ def test_turn2_after_a_restart_restores_from_ssd(family, reference, tmp_path):
 
     def load() -> Engine:
         rec = LogitsRecorder()
-        eng = Engine.load(path, EngineConfig(prefill_chunk_tokens=CHUNK,
+        eng = Engine.load(path, EngineConfig(restore_plan="load", prefill_chunk_tokens=CHUNK,
                                              snapshot_every_blocks=1),
                           cc, cache=build_cache(cc, ssd), logits_hook=rec)
         eng.recorder = rec  # type: ignore[attr-defined]
