@@ -209,3 +209,32 @@ def test_the_chosen_plan_is_never_predicted_slower_than_load_or_recompute_alone(
         assert spans[-1].tier != "ram"
     if not concurrent:
         assert p.split_s is None
+
+
+def test_a_load_re_measures_the_tier_after_sixteen_recomputes_in_a_row():
+    """Recompute keeps winning, so the tier is never read and its rate never updated:
+    every 17th decision in a row is a load (``probe``), then the count starts again; a
+    load or split chosen on its own merits resets it too."""
+    from promptcache.engine.planner import PROBE_EVERY
+
+    class Meta:
+        def __init__(self, start: int, end: int) -> None:
+            self.start, self.end, self.nbytes = start, end, 1000
+
+    class M:
+        num_tokens = 192
+        blocks = [Meta(0, 64), Meta(64, 128), Meta(128, 192)]
+        tiers = ["ram", "ssd", "ssd"]
+
+    pl = Planner("auto")
+    pl.rates = rates(1e-3, reads={"ssd": (0.01, 1e-3)})  # the SSD: 2.01 s, recompute 0.128 s
+    kinds = [(p.kind, p.why, p.split) for p in (pl.decide(M()) for _ in range(2 * PROBE_EVERY + 2))
+             if p is not None]
+    want = [("recompute", "auto", 192)] * PROBE_EVERY + [("load", "probe", 64)]
+    assert kinds == want * 2
+    assert pl.recomputes == 0
+    pl.decide(M())
+    assert pl.recomputes == 1
+    pl.rates = rates(1e-3, reads={"ssd": (0.001, 1e-7)})  # now a load wins on its merits
+    p = pl.decide(M())
+    assert p is not None and (p.kind, p.why) == ("load", "auto") and pl.recomputes == 0

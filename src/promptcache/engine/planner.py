@@ -6,6 +6,7 @@ Pure Python: the engine feeds the rates and executes the plan (``request_saves.p
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -14,6 +15,9 @@ from typing import Any, Protocol
 RAM = "ram"
 POLICIES = ("auto", "load", "recompute")
 KINDS = ("load", "recompute", "split")
+# after this many recomputes in a row, one load re-measures the tiers (their read rates
+# would otherwise go stale while recompute keeps winning)
+PROBE_EVERY = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,7 +106,8 @@ class Plan:
     """Tokens ``[0, head)`` load from RAM, ``[head, split)`` are prefilled from tokens,
     ``[split, end)`` load (in the background while the head prefills, for a split).
     ``why``: auto | forced | stateful (the cache cannot take a head recomputed
-    under a loaded tail) | unmeasured (a rate is not known yet). Predicted seconds of
+    under a loaded tail) | unmeasured (a rate is not known yet) | probe (a load after
+    ``PROBE_EVERY`` recomputes in a row, re-measuring the tier). Predicted seconds of
     each choice (None: unknown; ``split_s`` None where no split was considered)."""
 
     kind: str
@@ -171,14 +176,25 @@ class Planner:
                              f"got {policy!r}")
         self.policy, self.qualifies, self.concurrent = policy, qualifies, concurrent
         self.rates = Rates()
+        self.recomputes = 0  # auto recomputes in a row (PROBE_EVERY)
 
     def decide(self, match: MatchView, num_tokens: int | None = None) -> Plan | None:
         """The plan for ``match``'s first ``num_tokens`` tokens (default all of it)."""
         n = match.num_tokens if num_tokens is None else min(num_tokens, match.num_tokens)
         spans = [Span(t, m.start, min(m.end, n), m.nbytes)
                  for m, t in zip(match.blocks, match.tiers, strict=True) if m.start < n]
-        return plan(spans, self.rates, policy=self.policy, qualifies=self.qualifies,
-                    concurrent=self.concurrent)
+        p = plan(spans, self.rates, policy=self.policy, qualifies=self.qualifies,
+                 concurrent=self.concurrent)
+        if p is None or p.why != "auto":
+            return p
+        if p.kind != "recompute":
+            self.recomputes = 0
+            return p
+        self.recomputes += 1
+        if self.recomputes <= PROBE_EVERY:
+            return p
+        self.recomputes = 0
+        return dataclasses.replace(p, kind="load", why="probe", split=p.head)
 
 
 def plan(spans: Sequence[Span], rates: Rates, *, policy: str = "auto",
