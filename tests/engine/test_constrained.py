@@ -312,3 +312,26 @@ def test_reasoning_markers_that_are_special_tokens_are_named_by_id() -> None:
     assert lines[0] == "start: (<[7]> think think_gap?)? (answer_json)"
     assert "think: /(?s:.*)/ <[8]>" in lines
     constrained.validate(c)
+
+
+def test_penalties_spare_the_end_of_turn_tokens() -> None:
+    """Every earlier chat turn ends with an end-of-turn token, so a repetition penalty
+    over the context would push a reply away from ending (a 135M model then writes to
+    its token limit): the penalties leave those tokens' logits as they were."""
+    from mlx_lm.sample_utils import make_logits_processors
+
+    rep, pres, freq = make_logits_processors(repetition_penalty=2.0, presence_penalty=0.5,
+                                             frequency_penalty=0.25, repetition_context_size=8,
+                                             presence_context_size=8, frequency_context_size=8)
+    context = mx.array([5, 2, 7, 5, 2], dtype=mx.uint32)  # 2: the end-of-turn token
+    logits = mx.array([[1.0, 1.0, 4.0, 1.0, 1.0, 3.0, 1.0, -2.0]])
+    got = constrained.sparing(rep, {2})(context, mx.array(logits))
+    assert got.tolist() == [[1.0, 1.0, 4.0, 1.0, 1.0, 1.5, 1.0, -4.0]]
+    got = constrained.sparing(pres, {2})(context, mx.array(logits))
+    assert got.tolist() == [[1.0, 1.0, 4.0, 1.0, 1.0, 2.5, 1.0, -2.5]]
+    got = constrained.sparing(freq, [2, 3])(context, mx.array(logits))
+    assert got.tolist() == [[1.0, 1.0, 4.0, 1.0, 1.0, 2.5, 1.0, -2.25]]
+    # unspared, the same penalty lowers the end-of-turn token too
+    assert rep(context, mx.array(logits)).tolist()[0][2] == 2.0
+    # nothing to spare: the penalty itself
+    assert constrained.sparing(rep, ()) is rep

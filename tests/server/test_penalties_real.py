@@ -1,6 +1,6 @@
 """Repetition, presence and frequency penalties on a real engine (tiny llama, greedy):
-the tokens are mlx-lm's own ``generate_step`` with ``make_logits_processors`` over the
-same prompt tokens, with or without speculation (a penalized row verifies drafts position
+the tokens are mlx-lm's own ``generate_step`` with ``make_logits_processors`` (the
+end-of-turn tokens spared) over the same prompt tokens, with or without speculation (a penalized row verifies drafts position
 by position); the server's ``--repetition-penalty`` applies to a request that gives none
 (Anthropic's API has no such field); out-of-range values are a 400 naming the field."""
 
@@ -17,6 +17,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_logits_processors
 from real_engine import tiny_engine
 
+from promptcache.engine import constrained
 from promptcache.engine.engine import Engine
 from promptcache.server import create_app
 from promptcache.serving_config import EngineConfig, ServerConfig
@@ -48,7 +49,9 @@ def _tokens(client: TestClient, body: dict[str, Any], path: str = "/v1/chat/comp
 
 def _reference(engine: Engine, **penalties: Any) -> list[int]:
     prompt = engine.render_chat(MESSAGES)
-    procs = make_logits_processors(**penalties)
+    # the end-of-turn tokens spared, as the engine does (``constrained.sparing``)
+    procs = [constrained.sparing(p, engine._ctx.eos_token_ids)
+             for p in make_logits_processors(**penalties)]
     out: list[int] = []
     for t, _ in generate_step(mx.array(prompt), engine._ctx.model, logits_processors=procs,
                               max_tokens=N):

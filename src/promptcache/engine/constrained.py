@@ -50,7 +50,7 @@ import logging
 import threading
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import mlx.core as mx
@@ -261,6 +261,22 @@ class TokenProcessor:
 
     def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
         return self.fn(tokens, logits)
+
+
+def sparing(fn: LogitsProcessor, ids: Iterable[int]) -> LogitsProcessor:
+    """``fn`` (a repetition / presence / frequency penalty) leaving the logits of
+    ``ids`` (the end-of-turn tokens) as they were: every earlier turn of a chat ends
+    with one, so a penalty over the context would keep a reply from ending."""
+    keep = mx.array(sorted(ids), dtype=mx.int32)
+    if keep.size == 0:
+        return fn
+
+    def spared(tokens: mx.array, logits: mx.array) -> mx.array:
+        before = logits[:, keep]  # (``fn`` may assign into ``logits``)
+        out = fn(tokens, logits)
+        out[:, keep] = before
+        return out
+    return spared
 
 
 def speculates(processors: Sequence[object]) -> bool:
