@@ -97,7 +97,7 @@ def main() -> None:
             work.mkdir(parents=True)
             if name == "claude":
                 env = {**claude_env(home, base), "API_TIMEOUT_MS": str(TURN_TIMEOUT_S * 1000),
-                       "CLAUDE_CODE_MAX_OUTPUT_TOKENS": "256"}
+                       "CLAUDE_CODE_MAX_OUTPUT_TOKENS": "1024"}
                 turns = [[str(exe), "-p", "say hi", "--output-format", "json"],
                          [str(exe), "-p", "--continue", "and now?", "--output-format", "json"]]
             elif name == "codex":
