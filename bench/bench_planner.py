@@ -18,7 +18,8 @@ size, which depends on the tier's and the CPU's speeds, not much on the shape).
     PYTHONPATH=src:bench python bench/bench_planner.py [--sizes 256,512,768,1024] \\
         [--shape wide] [--repeats 5] [--out FILE.json]
 
-Prints a Markdown table (seconds) and, with ``--out``, the numbers as JSON.
+Prints a Markdown table (seconds; "auto / best": of the medians; "per round": the
+median of each round's auto / its better of load and recompute) and, with ``--out``, the numbers as JSON.
 """
 
 from __future__ import annotations
@@ -94,14 +95,23 @@ def parser() -> argparse.ArgumentParser:
 def table(rows: list[dict[str, Any]]) -> str:
     """The Markdown table of ``rows`` (one per size)."""
     out = ["| prefix tokens | load s | recompute s | recompute / load | auto s "
-           "| auto / best | auto's plans | identical |", "|" + "---|" * 8]
+           "| auto / best | per round | auto's plans | identical |", "|" + "---|" * 9]
     for r in rows:
         best = min(r["load_s"], r["recompute_s"])
         plans = ", ".join(f"{k} x{n}" for k, n in sorted(r["auto_plans"].items()))
         out.append(f"| {r['size']} | {r['load_s']:.3f} | {r['recompute_s']:.3f} "
                    f"| {r['recompute_s'] / r['load_s']:.2f} | {r['auto_s']:.3f} "
-                   f"| {r['auto_s'] / best:.2f} | {plans} | {r['identical']} |")
+                   f"| {r['auto_s'] / best:.2f} | {per_round(r):.2f} | {plans} "
+                   f"| {r['identical']} |")
     return "\n".join(out)
+
+
+def per_round(row: dict[str, Any]) -> float:
+    """The median over rounds of auto / the better of load and recompute in that round
+    (a round's three requests ran one after the other, under the same load)."""
+    t = row["times"]
+    return statistics.median(x / min(lo, re) for x, lo, re in
+                             zip(t["auto"], t["load"], t["recompute"], strict=True))
 
 
 def run(argv: list[str] | None = None) -> dict[str, Any]:

@@ -36,7 +36,14 @@ def test_bench_planner_tiny(tiny_llama_path: Path, tmp_path: Path,
     assert e["restore_rates"]["reads"]["ssd"]["samples"] >= 6
     md = capsys.readouterr().out.splitlines()
     assert md[0] == ("| prefix tokens | load s | recompute s | recompute / load | auto s "
-                     "| auto / best | auto's plans | identical |")
-    assert md[1] == "|" + "---|" * 8
+                     "| auto / best | per round | auto's plans | identical |")
+    assert md[1] == "|" + "---|" * 9
     assert [line.split(" | ")[0] for line in md[2:]] == ["| 128", "| 192"]
     assert all(line.endswith("| True |") for line in md[2:])
+
+
+def test_per_round_is_the_median_of_each_rounds_ratio() -> None:
+    row = {"times": {"load": [1.0, 2.0, 4.0], "recompute": [2.0, 1.0, 8.0],
+                     "auto": [0.5, 1.5, 2.0]}}
+    # rounds: 0.5 / 1.0, 1.5 / 1.0, 2.0 / 4.0
+    assert bench_planner.per_round(row) == 0.5
