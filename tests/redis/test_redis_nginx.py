@@ -81,8 +81,10 @@ def front(tiny_llama_path: Path, tmp_path_factory: pytest.TempPathFactory
     servers = [ServeProcess(tmp / f"s{i}", tiny_llama_path, *args) for i in range(2)]
     started: list[Any] = []
     try:
+        for s in servers:  # launched side by side, then each waited for
+            started.append(s.launch())
         for s in servers:
-            started.append(s.start())
+            s.wait_ready()
         nginx = Nginx(tmp, [s.port for s in servers])
         started.append(nginx.start())
         yield {"nginx": nginx, "servers": servers, "redis": redis_srv}

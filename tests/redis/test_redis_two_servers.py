@@ -82,8 +82,10 @@ def env(tiny_llama_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
     }
     started: list[ServeProcess] = []
     try:
-        for p in procs.values():
-            started.append(p.start())
+        for p in procs.values():  # launched side by side, then each waited for
+            started.append(p.launch())
+        for p in started:
+            p.wait_ready()
         yield {"redis": redis_srv, "proxy": proxy, **procs}
     finally:
         for p in started:

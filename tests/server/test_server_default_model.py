@@ -43,10 +43,14 @@ def spy_submits(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> list[Any]:
     return submitted
 
 
+# speculation's gate from a fixed cost, not measured at each start (seconds on this model)
+PINNED = EngineConfig(spec_verify_cost=(1.0, 0.0))
+
+
 @pytest.fixture(scope="module")
 def smol(default_model_path: Path) -> Iterator[tuple[Engine, TestClient]]:
     cc = CacheConfig(block_size=16, ram_budget_bytes=256 * 1024**2)
-    engine = Engine.load(default_model_path, EngineConfig(), cc, cache=build_cache(cc))
+    engine = Engine.load(default_model_path, PINNED, cc, cache=build_cache(cc))
     try:
         with TestClient(create_app(engine, ServerConfig())) as client:
             yield engine, client
@@ -170,7 +174,7 @@ def test_a_chat_template_that_takes_tools_replaces_the_models(default_model_path
     assert plan.chat_template == TOOLS_TEMPLATE
     assert build("E5", quick=True).chat_template is None
     job = plan.rounds[0][0][1]  # the report turn: read, write and test calls in its history
-    engine = Engine.load(default_model_path, EngineConfig(), None,
+    engine = Engine.load(default_model_path, PINNED, None,
                          chat_template=TOOLS_TEMPLATE)
     try:
         # mlx-lm infers its json_tools parser from the template: replies' calls are parsed

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import httpx
 import pytest
@@ -57,7 +58,9 @@ async def _fire(app, n):
 def _hold_engine_until_submitted(eng, n):
     """The engine thread starts no step until ``n`` submits have returned (admitted,
     queued or refused), so how many are refused does not depend on how fast the
-    engine runs compared with the event loop: exactly ``max_queued`` wait."""
+    engine runs compared with the event loop: exactly ``max_queued`` wait. The calls
+    queued for the engine thread (the preparer's cache lookups) still run meanwhile,
+    or each would wait out its timeout before its request is submitted."""
     gate, lock, done = threading.Event(), threading.Lock(), [0]
     real_submit, real_step = eng.submit, eng.scheduler.step
 
@@ -71,7 +74,9 @@ def _hold_engine_until_submitted(eng, n):
                     gate.set()
 
     def step():
-        gate.wait(timeout=120)  # a deadlock guard only: the assertions tell what went wrong
+        deadline = time.monotonic() + 120  # a deadlock guard only: the assertions tell
+        while not gate.wait(0.002) and time.monotonic() < deadline:  # what went wrong
+            eng.calls.run()
         return real_step()
 
     eng.submit, eng.scheduler.step = submit, step
@@ -105,6 +110,7 @@ def test_64_concurrent_requests_against_a_limit_of_8(tiny_llama_path):
         assert 0 < e["peak_active_kv_bytes"] <= e["kv_budget_bytes"]
         assert stats["cache"]["ram_bytes"] <= RAM_BUDGET
         assert e["errors"] == 0 and e["active"] == 0 and e["queued"] == 0
+        assert e["engine_calls_timed_out"] == 0 and e["engine_calls_failed"] == 0
     finally:
         eng.close()
 
