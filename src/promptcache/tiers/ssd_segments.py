@@ -5,10 +5,10 @@ for a block file). A writer holds an exclusive ``flock`` on the segment it appen
 to, so every process knows which segments are in use: only a segment no one holds
 has its torn tail (bytes past its last row: a crash mid-append) truncated, or is
 removed once no row names it. A chain's blocks are served as verified views of the
-mapped segment, runs of adjacent records hinted to the kernel at once and faulted in
-(``MADV_POPULATE_READ``: an error, not a SIGBUS) in parallel (``read_many``). A view
-stays valid after an unlink, not after a cut (only bytes past a segment's last row
-are cut): callers copy what they keep."""
+mapped segment, runs of adjacent records faulted in (``MADV_POPULATE_READ``: an
+error, not a SIGBUS) in parallel (``read_many``). A view stays valid after an unlink,
+not after a cut (only bytes past a segment's last row are cut): callers copy what
+they keep."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import os
 import secrets
 import struct
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -200,25 +200,16 @@ def _view_run(path: Path, m: mmap.mmap | None, run: list[tuple[int, int, int, st
     return out
 
 
-def _mapped(root: Path, planned: list[tuple[str, list[tuple[int, int, int, str]]]]
-            ) -> dict[str, mmap.mmap | None]:
-    """Each segment mapped (None: empty or unmappable: ``pread`` judges it), every
-    run asked for at once (``MADV_WILLNEED``: the disk gets them all queued, not one
-    per reader thread)."""
+def _mapped(root: Path, rels: Iterable[str]) -> dict[str, mmap.mmap | None]:
+    """Each segment mapped (None: empty or unmappable: ``pread`` judges it). No
+    ``MADV_WILLNEED``: it costs three times the CPU of the read (measured), and the
+    runs populated in parallel keep the disk busy."""
     maps: dict[str, mmap.mmap | None] = {}
-    for rel, run in planned:
-        if rel not in maps:
-            try:
-                maps[rel] = _map(root / rel)
-            except OSError:
-                maps[rel] = None
-        m = maps[rel]
-        start, end = run[0][1] - run[0][1] % mmap.PAGESIZE, run[-1][1] + run[-1][2]
-        if m is not None and end <= len(m):
-            try:
-                m.madvise(mmap.MADV_WILLNEED, start, end - start)
-            except (OSError, ValueError):  # a hint only
-                pass
+    for rel in rels:
+        try:
+            maps[rel] = _map(root / rel)
+        except OSError:
+            maps[rel] = None
     return maps
 
 
@@ -239,7 +230,7 @@ def read_many(root: Path, wants: Sequence[Want], pool: ThreadPoolExecutor | None
     ``OSError``: its segment could not be read), runs read in parallel on ``pool``
     (None: here, one after the other)."""
     planned = runs(wants)
-    maps = _mapped(root, planned)
+    maps = _mapped(root, {rel for rel, _ in planned})
     jobs = [(run, pool.submit(_view_run, root / rel, maps[rel], run) if pool is not None
              else _now(root / rel, maps[rel], run)) for rel, run in planned]
     out: dict[int, Payload | None | OSError] = {}
