@@ -132,3 +132,30 @@ def test_views_stay_valid_after_their_segment_is_compacted_away(tmp_path):
     assert [bytes(g[0]) for g in got] == [payload_for(0), payload_for(1)]
     assert decode(got[1][0]).buffer.tobytes() == decode(payload_for(1)).buffer.tobytes()
     tier.close()
+
+
+def test_a_promoted_block_owns_its_bytes_not_a_view_of_the_segment(tmp_path):
+    import numpy as np
+
+    from promptcache.cache import PromptCache
+    from promptcache.config import CacheConfig
+    from promptcache.meta import Namespace
+
+    def payload(start, end, _snapshot):
+        return {"0.k": np.arange(start, end, dtype=np.float32).reshape(-1, 1).repeat(2, axis=1)}
+
+    ns, seq = Namespace("test-model", 4), list(range(1, 13))
+    tier = seg_tier(tmp_path)
+    cache = PromptCache(CacheConfig(block_size=4, ram_budget_bytes=10**6), lower=[tier])
+    cache.store(ns, seq, 12, payload, snapshot_at_end=False)
+    assert cache.evict() == 3 and tier.flush()
+    hit = cache.acquire(seq, ns)  # promoted through one get_many: views of the segment
+    assert hit.num_tokens == 11 and hit.tiers == ["ssd"] * 3
+    for (_meta, got), start in zip(hit.blocks, (0, 4, 8), strict=True):
+        np.testing.assert_array_equal(got["0.k"], payload(start, start + 4, False)["0.k"])
+        base = got["0.k"]
+        while getattr(base, "base", None) is not None:
+            base = base.base
+        assert type(base) is memoryview and type(base.obj) is bytes  # copied at promotion: RAM pins no segment mapping
+    cache.release(hit)
+    cache.close()
