@@ -78,6 +78,24 @@ def _cut(seg: Path, size: int) -> None:
         f.truncate(size)
 
 
+def test_each_run_is_populated_by_a_call_that_releases_the_gil(tmp_path, monkeypatch):
+    import ctypes
+
+    tier, ms = stored(tmp_path, 3)
+    real, calls = ssd_segments._madvise, []
+    assert not real._flags_ & ctypes._FUNCFLAG_PYTHONAPI  # a CDLL call: the GIL released
+
+    def recording(addr, length, advice):
+        calls.append((length, advice))
+        return real(addr, length, advice)
+
+    monkeypatch.setattr(ssd_segments, "_madvise", recording)
+    got = tier.get_many([m.block_hash for m in ms])
+    assert [bytes(g[0]) for g in got] == [payload_for(i) for i in range(3)]
+    assert calls == [(3 * REC, 22)]  # one run from the segment's first page
+    tier.close()
+
+
 def test_a_record_past_a_cut_end_is_a_corrupt_miss_not_a_crash(tmp_path):
     tier, ms = stored(tmp_path, 3)
     [seg] = segs(tmp_path)

@@ -196,9 +196,9 @@ class Reader:
                  ) -> list[tuple[segments.Payload, list[str]] | TierError | None]:
         """``(payload, sessions)`` of a chain's run (None where absent, a block's own
         error in its place): the blocks of segments read together (``read_many``:
-        runs of adjacent records, runs in parallel, each block a view of its mapped
-        segment); the rest, and any block
-        whose read failed there, as ``get`` reads it (which judges the failure)."""
+        runs of adjacent records, each block a view of its mapped segment); the
+        rest, and any block whose read failed there, as ``get`` reads it (which
+        judges the failure)."""
         hs = [bytes(h) for h in block_hashes]
         t0, now = time.perf_counter(), self.status.clock()
         rows: dict[int, IndexRow] = {}

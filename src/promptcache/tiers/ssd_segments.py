@@ -5,23 +5,27 @@ for a block file). A writer holds an exclusive ``flock`` on the segment it appen
 to, so every process knows which segments are in use: only a segment no one holds
 has its torn tail (bytes past its last row: a crash mid-append) truncated, or is
 removed once no row names it. A chain's blocks are served as verified views of the
-mapped segment, runs of adjacent records faulted in (``MADV_POPULATE_READ``: an
-error, not a SIGBUS) in parallel (``read_many``). A view stays valid after an unlink,
+mapped segment, runs of adjacent records faulted in in turn (``MADV_POPULATE_READ``:
+an error, not a SIGBUS; ``read_many``). A view stays valid after an unlink,
 not after a cut (only bytes past a segment's last row are cut): callers copy what
 they keep."""
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import fcntl
 import mmap
 import os
 import secrets
 import struct
+import sys
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+
+import numpy as np
 
 from ..codec import checksum_matches
 from . import ssd_files as files
@@ -30,10 +34,15 @@ SEG_DIR = "segments"
 SUFFIX = ".seg"
 MAGIC = b"PCS1"
 HEAD = struct.Struct("<4sQ16s")  # magic, data length, xxh3-128 digest of the data
-RUN_BYTES = 8 << 20  # a coalesced read stops growing past this (runs read in parallel)
+RUN_BYTES = 8 << 20  # a coalesced read stops growing past this
 RUN_BLOCKS = 400  # ... and this many blocks
-READERS = 4
-MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux 5.14+
+READERS = 4  # pread threads, for a segment that is not mapped
+# Linux 5.14+ (an older kernel refuses it: pread); called through libc, as ctypes releases
+# the GIL and mmap.madvise holds it through the disk read, stalling every other thread
+MADV_POPULATE_READ = 22 if sys.platform == "linux" else None
+_madvise = ctypes.CDLL(None, use_errno=True).madvise
+_madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+_madvise.restype = ctypes.c_int
 Payload = bytes | memoryview  # a block read: its bytes, or a view of its mapped segment
 
 
@@ -183,14 +192,13 @@ def _view_run(path: Path, m: mmap.mmap | None, run: list[tuple[int, int, int, st
               ) -> list[tuple[int, Payload | None]]:
     """A run's blocks as verified views of the mapped segment: no copy, no fresh
     memory. Only a run wholly inside the map is touched, after ``MADV_POPULATE_READ``
-    has faulted it in (a read error, or a file cut since it was mapped, is an
-    ``OSError`` there, not a SIGBUS); otherwise it is read with ``pread``."""
+    has faulted it in (a read error, or a file cut since it was mapped, fails it with
+    EFAULT, not a SIGBUS); otherwise it is read with ``pread``."""
     start, end = run[0][1] - run[0][1] % mmap.PAGESIZE, run[-1][1] + run[-1][2]
-    if m is None or end > len(m):
+    if m is None or end > len(m) or MADV_POPULATE_READ is None:
         return _read_run(path, run)
-    try:
-        m.madvise(MADV_POPULATE_READ, start, end - start)
-    except (OSError, ValueError):
+    if _madvise(np.frombuffer(m, np.uint8).ctypes.data + start, end - start,
+                MADV_POPULATE_READ) != 0:
         return _read_run(path, run)
     mv = memoryview(m)
     out: list[tuple[int, Payload | None]] = []
@@ -202,8 +210,7 @@ def _view_run(path: Path, m: mmap.mmap | None, run: list[tuple[int, int, int, st
 
 def _mapped(root: Path, rels: Iterable[str]) -> dict[str, mmap.mmap | None]:
     """Each segment mapped (None: empty or unmappable: ``pread`` judges it). No
-    ``MADV_WILLNEED``: it costs three times the CPU of the read (measured), and the
-    runs populated in parallel keep the disk busy."""
+    ``MADV_WILLNEED``: it cost three times the CPU of the read (measured)."""
     maps: dict[str, mmap.mmap | None] = {}
     for rel in rels:
         try:
@@ -227,12 +234,16 @@ def read_many(root: Path, wants: Sequence[Want], pool: ThreadPoolExecutor | None
               ) -> dict[int, Payload | None | OSError]:
     """The verified bytes of each wanted block (a read-only view of the mapped
     segment, valid after the segment is unlinked; None: damaged or cut short; an
-    ``OSError``: its segment could not be read), runs read in parallel on ``pool``
-    (None: here, one after the other)."""
+    ``OSError``: its segment could not be read); a segment that is not mapped is read
+    with pread on ``pool`` (None: here)."""
     planned = runs(wants)
     maps = _mapped(root, {rel for rel, _ in planned})
-    jobs = [(run, pool.submit(_view_run, root / rel, maps[rel], run) if pool is not None
-             else _now(root / rel, maps[rel], run)) for rel, run in planned]
+    # runs of a mapped segment one after the other here (threads only convoy on the GIL
+    # that each populate and hash lets go); the others read with pread on ``pool``
+    jobs = [(run, pool.submit(_read_run, root / rel, run)) for rel, run in planned
+            if maps[rel] is None and pool is not None]
+    jobs += [(run, _now(root / rel, maps[rel], run)) for rel, run in planned
+             if maps[rel] is not None or pool is None]
     out: dict[int, Payload | None | OSError] = {}
     for run, fut in jobs:
         try:
