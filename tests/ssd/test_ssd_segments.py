@@ -56,29 +56,6 @@ def test_a_chain_is_appended_to_one_segment_at_exact_offsets(tmp_path):
     tier.close()
 
 
-def test_get_many_reads_adjacent_records_as_one_run_and_serves_exact_bytes(tmp_path, monkeypatch):
-    tier, ms = stored(tmp_path, 5)
-    runs: list[list[int]] = []
-    real = ssd_segments._read_run
-
-    def recording(path, run):
-        runs.append([off for _i, off, _n, _d in run])
-        return real(path, run)
-
-    monkeypatch.setattr(ssd_segments, "_read_run", recording)
-    got = tier.get_many([m.block_hash for m in ms])
-    assert [g[0] for g in got] == [payload_for(i) for i in range(5)]
-    assert all(type(g[0]) is bytes for g in got)  # (the cache takes them without a copy)
-    assert runs == [[HEAD.size + k * REC for k in range(5)]]  # one run, every block in order
-    monkeypatch.setattr(ssd_segments, "RUN_BYTES", 2 * REC)  # runs of two blocks
-    runs.clear()
-    tier.get_many([m.block_hash for m in reversed(ms)])
-    assert sorted(runs) == [[HEAD.size, HEAD.size + REC], [HEAD.size + 2 * REC, HEAD.size + 3 * REC],
-                            [HEAD.size + 4 * REC]]
-    assert tier.stats()["hits"] == 10
-    tier.close()
-
-
 def test_a_full_segment_makes_a_new_one(tmp_path):
     tier = seg_tier(tmp_path, segment_bytes=1)
     for i, m in enumerate(chain(NS, 3)):
@@ -86,25 +63,6 @@ def test_a_full_segment_makes_a_new_one(tmp_path):
         tier.flush()
     assert [p.stat().st_size for p in segs(tmp_path)] == [REC] * 3
     assert sorted(r.file_name.rpartition("@")[2] for r in tier.rows()) == [str(HEAD.size)] * 3
-    tier.close()
-
-
-def test_a_flipped_byte_is_a_corrupt_miss_never_served(tmp_path):
-    tier, ms = stored(tmp_path, 3)
-    [seg] = segs(tmp_path)
-    with open(seg, "r+b") as f:  # one byte inside block 1
-        f.seek(REC + HEAD.size + SIZE // 2)
-        b = f.read(1)
-        f.seek(-1, 1)
-        f.write(bytes([b[0] ^ 0xFF]))
-    got = tier.get_many([m.block_hash for m in ms])
-    assert bytes(got[0][0]) == payload_for(0) and bytes(got[2][0]) == payload_for(2)
-    assert isinstance(got[1], CorruptBlockError)
-    s = tier.stats()
-    assert (s["hits"], s["corrupt"], s["misses"], s["quarantined"], s["blocks_on_disk"]) == (
-        2, 1, 1, 0, 2)
-    assert tier.get(ms[1].block_hash) is None  # its row is gone: a miss from now on
-    assert seg.stat().st_size == 3 * REC  # the other blocks' segment is kept
     tier.close()
 
 
@@ -383,21 +341,4 @@ def test_a_half_dead_segment_is_compacted_into_the_current_one(tmp_path):
     s = tier.stats()
     assert (s["compacted_blocks"], s["blocks_on_disk"], s["bytes_on_disk"]) == (1, 2, 2 * SIZE)
     assert tier.check(fix=False).problems == 0
-    tier.close()
-
-
-def test_an_index_error_in_get_many_is_each_blocks_own_tier_error(tmp_path):
-    from test_ssd_tier_boundary import FailingIndex
-
-    from promptcache.errors import TierError
-
-    tier, ms = stored(tmp_path, 3)
-    real = tier.catalog.index
-    tier.catalog.index = FailingIndex(real, "sessions_of")  # type: ignore[assignment]
-    got = tier.get_many([m.block_hash for m in ms])
-    assert [type(g) for g in got] == [TierError] * 3
-    assert tier.health()["index_errors"] == 3
-    tier.catalog.index = real
-    assert [bytes(g[0]) for g in tier.get_many([m.block_hash for m in ms])] == [
-        payload_for(i) for i in range(3)]
     tier.close()

@@ -66,7 +66,7 @@ from .ssd_open import Opened, open_index
 from .ssd_queue import Queued
 from .ssd_read import LATENCY_BUCKETS_MS, Reader
 from .ssd_schema import IndexRow
-from .ssd_segments import SegmentWriter
+from .ssd_segments import Payload, SegmentWriter
 from .ssd_store import Catalog, DiskUsage, Status, tier_errors
 from .ssd_write import STOP, Writer
 
@@ -183,7 +183,7 @@ class SSDTier:
 
     @tier_errors
     def get_many(self, block_hashes: Sequence[BlockHash], *, ns: Namespace | None = None
-                 ) -> list[tuple[bytes, list[str]] | TierError | None]:
+                 ) -> list[tuple[Payload, list[str]] | TierError | None]:
         """``(payload, sessions)`` of a chain's run (see ``Reader.get_many``)."""
         return self.reader.get_many(block_hashes)
 

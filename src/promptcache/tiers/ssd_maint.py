@@ -104,7 +104,7 @@ class Maintenance:
                             "WHERE file_name >= ? AND file_name < ?", (seg + "@", seg + "A")))
                     got = segments.read_many(self.cat.root, [
                         (i, r.file_name, r.file_bytes, r.checksum) for i, r in enumerate(rows)], None)
-                    good = [(rows[i], d) for i, d in sorted(got.items()) if isinstance(d, bytes)]
+                    good = [(rows[i], d) for i, d in sorted(got.items()) if isinstance(d, (bytes, memoryview))]
                     if not good:
                         continue
                     refs = self.segs.append([(d, r.checksum) for r, d in good], self.cat.dirlock)

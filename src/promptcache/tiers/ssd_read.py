@@ -193,11 +193,12 @@ class Reader:
         raise TierError(f"ssd block {h.hex()[:16]} kept changing while being read")
 
     def get_many(self, block_hashes: Sequence[BlockHash]
-                 ) -> list[tuple[bytes, list[str]] | TierError | None]:
+                 ) -> list[tuple[segments.Payload, list[str]] | TierError | None]:
         """``(payload, sessions)`` of a chain's run (None where absent, a block's own
         error in its place): the blocks of segments read together (``read_many``:
-        runs of adjacent records, runs in parallel); the rest, and any block
-        whose read failed there, as ``get`` reads it (which judges the failure)."""
+        runs of adjacent records, each block a view of its mapped segment); the
+        rest, and any block whose read failed there, as ``get`` reads it (which
+        judges the failure)."""
         hs = [bytes(h) for h in block_hashes]
         t0, now = time.perf_counter(), self.status.clock()
         rows: dict[int, IndexRow] = {}
@@ -219,11 +220,11 @@ class Reader:
             got = segments.read_many(self.cat.root, wants, self.pool)
         else:
             got = {}
-        out: list[tuple[bytes, list[str]] | TierError | None] = []
+        out: list[tuple[segments.Payload, list[str]] | TierError | None] = []
         for i, h in enumerate(hs):
             try:
-                data = got.get(i)
-                if isinstance(data, bytes):
+                data: segments.Payload | None | OSError = got.get(i)
+                if isinstance(data, (bytes, memoryview)):
                     self._record_hit(h, now, (time.perf_counter() - t0) * 1000.0)
                 else:
                     data = self.get(BlockHash(h))

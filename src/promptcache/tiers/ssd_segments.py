@@ -4,21 +4,28 @@ its bytes as ``segments/<name>.seg@<offset>`` (``file_bytes`` and ``checksum`` a
 for a block file). A writer holds an exclusive ``flock`` on the segment it appends
 to, so every process knows which segments are in use: only a segment no one holds
 has its torn tail (bytes past its last row: a crash mid-append) truncated, or is
-removed once no row names it. A chain's blocks are read in runs of adjacent records
-(hinted to the kernel at once, read in order on one descriptor), runs in parallel
-(``read_many``)."""
+removed once no row names it. A chain's blocks are served as verified views of the
+mapped segment, runs of adjacent records faulted in in turn (``MADV_POPULATE_READ``:
+an error, not a SIGBUS; ``read_many``). A view stays valid after an unlink,
+not after a cut (only bytes past a segment's last row are cut): callers copy what
+they keep."""
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import fcntl
+import mmap
 import os
 import secrets
 import struct
+import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+
+import numpy as np
 
 from ..codec import checksum_matches
 from . import ssd_files as files
@@ -27,9 +34,16 @@ SEG_DIR = "segments"
 SUFFIX = ".seg"
 MAGIC = b"PCS1"
 HEAD = struct.Struct("<4sQ16s")  # magic, data length, xxh3-128 digest of the data
-RUN_BYTES = 8 << 20  # a coalesced read stops growing past this (runs read in parallel)
+RUN_BYTES = 8 << 20  # a coalesced read stops growing past this
 RUN_BLOCKS = 400  # ... and this many blocks
-READERS = 4
+READERS = 4  # pread threads, for a segment that is not mapped
+# Linux 5.14+ (an older kernel refuses it: pread); called through libc, as ctypes releases
+# the GIL and mmap.madvise holds it through the disk read, stalling every other thread
+MADV_POPULATE_READ = 22 if sys.platform == "linux" else None
+_madvise = ctypes.CDLL(None, use_errno=True).madvise
+_madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+_madvise.restype = ctypes.c_int
+Payload = bytes | memoryview  # a block read: its bytes, or a view of its mapped segment
 
 
 def is_segment(rel: str) -> bool:
@@ -82,7 +96,7 @@ class SegmentWriter:
                 files.fsync_dir(folder)
         self.fd, self.rel, self.size = fd, f"{SEG_DIR}/{name}", 0
 
-    def append(self, blocks: Sequence[tuple[bytes, str]], dirlock: files.DirLock) -> list[str]:
+    def append(self, blocks: Sequence[tuple[Payload, str]], dirlock: files.DirLock) -> list[str]:
         """Append ``(data, xxh3 hex)`` records, fsynced; returns each block's row name.
         On an error the segment is cut back to where it was (raises OSError)."""
         if self.fd is None or self.size >= self.max_bytes:
@@ -115,7 +129,7 @@ class SegmentWriter:
             self.fd = None
 
 
-def _pwrite_all(fd: int, parts: list[bytes], offset: int) -> None:
+def _pwrite_all(fd: int, parts: list[Payload], offset: int) -> None:
     for part in parts:
         view = memoryview(part)
         while view:
@@ -148,12 +162,11 @@ def runs(wants: Sequence[Want]) -> list[tuple[str, list[tuple[int, int, int, str
     return out
 
 
-def _read_run(path: Path, run: list[tuple[int, int, int, str]]) -> list[tuple[int, bytes | None]]:
-    """A run's blocks, one ``pread`` each in order on one descriptor (one stream the
-    kernel reads ahead, hinted whole by ``_willneed``; each block lands in its own
-    ``bytes``: no zero-fill, no copy after), each verified: None for a short read or
+def _read_run(path: Path, run: list[tuple[int, int, int, str]]) -> list[tuple[int, Payload | None]]:
+    """A run's blocks read with one ``pread`` each (a segment that cannot be
+    mapped, or a run it cannot populate), each verified: None for a short read or
     a checksum mismatch. Raises OSError."""
-    out: list[tuple[int, bytes | None]] = []
+    out: list[tuple[int, Payload | None]] = []
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
         for i, off, length, digest in run:
@@ -165,47 +178,73 @@ def _read_run(path: Path, run: list[tuple[int, int, int, str]]) -> list[tuple[in
     return out
 
 
-def _willneed(root: Path, planned: list[tuple[str, list[tuple[int, int, int, str]]]]) -> None:
-    """Ask the kernel to start reading every run at once (the disk gets them all
-    queued, not one per reader thread). A hint only."""
-    if files.FADV_WILLNEED is None:
-        return
-    by_seg: dict[str, list[tuple[int, int]]] = {}
-    for rel, run in planned:
-        by_seg.setdefault(rel, []).append((run[0][1], run[-1][1] + run[-1][2] - run[0][1]))
-    for rel, ranges in by_seg.items():
-        try:
-            fd = os.open(root / rel, os.O_RDONLY | os.O_CLOEXEC)
-        except OSError:
-            continue
-        try:
-            for start, length in ranges:
-                os.posix_fadvise(fd, start, length, files.FADV_WILLNEED)
-        except OSError:
-            pass
-        finally:
-            os.close(fd)
-
-
-def _now(path: Path, run: list[tuple[int, int, int, str]]) -> Future[list[tuple[int, bytes | None]]]:
-    fut: Future[list[tuple[int, bytes | None]]] = Future()
+def _map(path: Path) -> mmap.mmap | None:
+    """``path`` mapped read-only up to its current size (None: empty). Raises OSError."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
-        fut.set_result(_read_run(path, run))
+        size = os.fstat(fd).st_size
+        return mmap.mmap(fd, size, access=mmap.ACCESS_READ) if size else None
+    finally:
+        os.close(fd)  # (the map keeps its own)
+
+
+def _view_run(path: Path, m: mmap.mmap | None, run: list[tuple[int, int, int, str]]
+              ) -> list[tuple[int, Payload | None]]:
+    """A run's blocks as verified views of the mapped segment: no copy, no fresh
+    memory. Only a run wholly inside the map is touched, after ``MADV_POPULATE_READ``
+    has faulted it in (a read error, or a file cut since it was mapped, fails it with
+    EFAULT, not a SIGBUS); otherwise it is read with ``pread``."""
+    start, end = run[0][1] - run[0][1] % mmap.PAGESIZE, run[-1][1] + run[-1][2]
+    if m is None or end > len(m) or MADV_POPULATE_READ is None:
+        return _read_run(path, run)
+    if _madvise(np.frombuffer(m, np.uint8).ctypes.data + start, end - start,
+                MADV_POPULATE_READ) != 0:
+        return _read_run(path, run)
+    mv = memoryview(m)
+    out: list[tuple[int, Payload | None]] = []
+    for i, off, length, digest in run:
+        view = mv[off:off + length]
+        out.append((i, view if checksum_matches(view, digest) else None))
+    return out
+
+
+def _mapped(root: Path, rels: Iterable[str]) -> dict[str, mmap.mmap | None]:
+    """Each segment mapped (None: empty or unmappable: ``pread`` judges it). No
+    ``MADV_WILLNEED``: it cost three times the CPU of the read (measured)."""
+    maps: dict[str, mmap.mmap | None] = {}
+    for rel in rels:
+        try:
+            maps[rel] = _map(root / rel)
+        except OSError:
+            maps[rel] = None
+    return maps
+
+
+def _now(path: Path, m: mmap.mmap | None, run: list[tuple[int, int, int, str]]
+         ) -> Future[list[tuple[int, Payload | None]]]:
+    fut: Future[list[tuple[int, Payload | None]]] = Future()
+    try:
+        fut.set_result(_view_run(path, m, run))
     except OSError as e:
         fut.set_exception(e)
     return fut
 
 
 def read_many(root: Path, wants: Sequence[Want], pool: ThreadPoolExecutor | None
-              ) -> dict[int, bytes | None | OSError]:
-    """The verified bytes of each wanted block (None: damaged or cut short; an
-    ``OSError``: its segment could not be read), runs read in parallel on ``pool``
-    (None: here, one after the other)."""
+              ) -> dict[int, Payload | None | OSError]:
+    """The verified bytes of each wanted block (a read-only view of the mapped
+    segment, valid after the segment is unlinked; None: damaged or cut short; an
+    ``OSError``: its segment could not be read); a segment that is not mapped is read
+    with pread on ``pool`` (None: here)."""
     planned = runs(wants)
-    _willneed(root, planned)
-    jobs = [(run, pool.submit(_read_run, root / rel, run) if pool is not None
-             else _now(root / rel, run)) for rel, run in planned]
-    out: dict[int, bytes | None | OSError] = {}
+    maps = _mapped(root, {rel for rel, _ in planned})
+    # runs of a mapped segment one after the other here (threads only convoy on the GIL
+    # that each populate and hash lets go); the others read with pread on ``pool``
+    jobs = [(run, pool.submit(_read_run, root / rel, run)) for rel, run in planned
+            if maps[rel] is None and pool is not None]
+    jobs += [(run, _now(root / rel, maps[rel], run)) for rel, run in planned
+             if maps[rel] is not None or pool is None]
+    out: dict[int, Payload | None | OSError] = {}
     for run, fut in jobs:
         try:
             for i, data in fut.result():
