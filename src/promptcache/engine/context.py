@@ -18,7 +18,8 @@ from ..meta import Namespace
 from ..serving_config import EngineConfig
 from .api import GenerationRequest, SamplingParams
 from .cache_like import RequestCache
-from .models.vision import validate_images
+from .mlx_compat import LanguageModel, Tokenizer
+from .models.vision import VisionEncoder, validate_images
 from .payload.planner import Planner
 from .payload.quant import KVQuant
 
@@ -100,8 +101,8 @@ class EngineCounters:
 class EngineContext:
     """What every request of one engine shares: the model, the tokenizer, the cache."""
 
-    model: Any
-    tokenizer: Any
+    model: LanguageModel
+    tokenizer: Tokenizer
     config: EngineConfig
     context_length: int
     vocab_size: int
@@ -111,7 +112,7 @@ class EngineContext:
     block_size: int = 64
     counters: EngineCounters = field(default_factory=EngineCounters)
     logits_hook: LogitsHook | None = None
-    vision: Any | None = None  # vision.VisionEncoder of a vision-language model
+    vision: VisionEncoder | None = None  # of a vision-language model
     kv_quant: KVQuant | None = None  # how stored blocks are quantized (None: full precision)
     speculator: Speculator | None = None  # --speculation suffix (engine/speculation/)
     live: LiveStates | None = None  # the last turns' states (engine/payload/live.py)

@@ -203,7 +203,7 @@ class Request:
         inputs = mx.array(self.seq[start:end])[None]
         if self.images is not None:
             return self.images.forward(self.ctx.model, inputs, self.caches, start, end)
-        return cast(mx.array, self.ctx.model(inputs, cache=self.caches))
+        return self.ctx.model(inputs, cache=self.caches)
 
     @property
     def prefill_s(self) -> float:
