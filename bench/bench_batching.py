@@ -37,8 +37,8 @@ from mlx_lm.models.cache import KVCache
 
 from promptcache.cache import ChainCursor, PromptCache
 from promptcache.config import CacheConfig
-from promptcache.engine import adapters
-from promptcache.engine.payload import MLXPayloadAdapter
+from promptcache.engine.payload import adapters
+from promptcache.engine.payload.payload import MLXPayloadAdapter
 from promptcache.meta import Namespace
 
 CHUNK = 256
@@ -121,10 +121,10 @@ def _prompts(n: int, length: int, seed: int) -> list[list[int]]:
 
 def _ours(model, tok, prompts, max_tokens) -> tuple[float, float, int]:
     """(total s, decode tok/s once every stream started, tokens) through our scheduler."""
-    from promptcache.engine.admission import Admission, Ticket
     from promptcache.engine.api import GenerationRequest, SamplingParams
-    from promptcache.engine.request import EngineContext, Request, validate_request
-    from promptcache.engine.scheduler import Scheduler
+    from promptcache.engine.requests.admission import Admission, Ticket
+    from promptcache.engine.requests.request import EngineContext, Request, validate_request
+    from promptcache.engine.requests.scheduler import Scheduler
     from promptcache.serving_config import EngineConfig
 
     cfg = EngineConfig(prefill_chunk_tokens=CHUNK)
@@ -247,10 +247,10 @@ def bench_scheduler(model_path: str, batches: list[int], max_tokens: int, long_p
 def _ours_steps(model, tok, prompts, max_tokens, profiler=None):
     """Our scheduler on a burst: (s until every stream had its first token, per decode
     step s after that); ``profiler`` (cProfile) runs during those decode steps."""
-    from promptcache.engine.admission import Admission, Ticket
     from promptcache.engine.api import GenerationRequest, SamplingParams
-    from promptcache.engine.request import EngineContext, Request, validate_request
-    from promptcache.engine.scheduler import Scheduler
+    from promptcache.engine.requests.admission import Admission, Ticket
+    from promptcache.engine.requests.request import EngineContext, Request, validate_request
+    from promptcache.engine.requests.scheduler import Scheduler
     from promptcache.serving_config import EngineConfig
 
     ctx = EngineContext(model=model, tokenizer=tok, config=EngineConfig(prefill_chunk_tokens=CHUNK),
@@ -356,8 +356,8 @@ def bench_profile(model_path: str, batch: int, prompt_len: int, max_tokens: int,
 
 
 def bench_render(model_path: str, n_messages: int) -> None:
+    from promptcache.engine.formats.templates import ChatTemplate
     from promptcache.engine.models.loader import load_model
-    from promptcache.engine.templates import ChatTemplate
 
     _, tok, _ = load_model(model_path)
     rng = random.Random(0)

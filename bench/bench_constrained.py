@@ -1,4 +1,4 @@
-"""What constrained decoding costs per generated token (engine/constrained.py).
+"""What constrained decoding costs per generated token (engine/formats/constrained.py).
 
 First ("lockstep"), two greedy decodes of the default model (SmolLM2-135M-Instruct),
 one of them under a JSON-schema logits processor, advanced one token each in turn, so
@@ -18,7 +18,7 @@ each request gets.
 
 ``--rounds 0``: the lockstep decodes and the processor alone only.
 
-``--engine``: the same schema through the batched engine (engine/scheduler.py): batches
+``--engine``: the same schema through the batched engine (engine/requests/scheduler.py): batches
 of 4 requests with 0, 2 or 4 rows constrained (the mask of one row is computed while
 the batch's forward pass runs; other rows are untouched).
 """
@@ -42,8 +42,8 @@ import mlx.core as mx  # noqa: E402
 from mlx_lm import load  # noqa: E402
 from mlx_lm.generate import generate_step  # noqa: E402
 
-from promptcache.engine import constrained  # noqa: E402
 from promptcache.engine.api import Constraint  # noqa: E402
+from promptcache.engine.formats import constrained  # noqa: E402
 from promptcache.engine.models.gguf import ensure_default_model  # noqa: E402
 
 # a schema whose answer is long enough to measure: 24 short strings

@@ -8,7 +8,7 @@
 2. **restore vs prefill** through the engine and the cache (RAM tier + SSD tier, no
    speculation): for each context N, the time to first token of an N-token prompt with
    nothing cached (prefill), of the same prompt + 16 new tokens served from the live state
-   (engine/live.py), of the prompt + 16 other new tokens served from the RAM tier (the
+   (engine/payload/live.py), of the prompt + 16 other new tokens served from the RAM tier (the
    live state released first),
    and, after a clean shutdown and a new cache over the same SSD folder (a restart), of
    the prompt + 16 other new tokens served from the SSD tier (the page cache dropped

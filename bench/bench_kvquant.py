@@ -56,10 +56,10 @@ from page_cache import drop_cache
 from harness.systems import dir_bytes
 from promptcache.cache import PromptCache
 from promptcache.config import CacheConfig, SSDConfig
-from promptcache.engine import adapters
-from promptcache.engine.adapters import BlockSpan, extract_block, restore
-from promptcache.engine.payload import MLXPayloadAdapter, ram_census
-from promptcache.engine.quant import KVQuant
+from promptcache.engine.payload import adapters
+from promptcache.engine.payload.adapters import BlockSpan, extract_block, restore
+from promptcache.engine.payload.payload import MLXPayloadAdapter, ram_census
+from promptcache.engine.payload.quant import KVQuant
 from promptcache.meta import Namespace
 from promptcache.tiers.ssd import SSDTier
 

@@ -8,7 +8,7 @@ work is timed), one model per family of ``tiny_families`` (the architecture matr
 structure: sliding windows, gated delta nets, Mamba2, MLA, ``CacheList``, MoE, 4-bit):
 
 - batched: the 4 prompts are submitted together; the engine prefills them in one
-  forward per chunk (``engine/prefill.py``) when ``mlx_compat.can_batch_prefill``
+  forward per chunk (``engine/requests/prefill.py``) when ``mlx_compat.can_batch_prefill``
   allows it (every family but nemotron_h), else one chunk per step each;
 - one at a time: each prompt submitted after the previous one finished (the
   per-request path, what these families got before).

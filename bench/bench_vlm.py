@@ -38,7 +38,7 @@ from promptcache.engine.api import (
     image_digest,
 )
 from promptcache.engine.engine import Engine
-from promptcache.engine.vision_cache import VisionCache
+from promptcache.engine.models.vision_cache import VisionCache
 from promptcache.serving_config import EngineConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the tiny test models

@@ -1,7 +1,7 @@
 """Long sessions: one conversation grown to 8K, 16K, 32K, ... tokens; at each size the
 next turn (``--new`` new tokens, first token only) is timed
 
-- from the **live state** (``engine/live.py``: the previous turn's caches, nothing
+- from the **live state** (``engine/payload/live.py``: the previous turn's caches, nothing
   restored),
 - from the **RAM tier** (the live state released first, as under memory pressure),
 - from the **SSD** after a clean shutdown and a restart (the page cache dropped),
@@ -189,11 +189,11 @@ def run(argv: list[str] | None = None) -> str:
 
     from promptcache.cli.wiring import build_cache
     from promptcache.config import CacheConfig, RedisConfig, SSDConfig
-    from promptcache.engine import adapters
     from promptcache.engine.api import GenerationRequest, SamplingParams
     from promptcache.engine.engine import Engine
     from promptcache.engine.models.gguf import ensure_default_model
     from promptcache.engine.models.loader import load_model
+    from promptcache.engine.payload import adapters
     from promptcache.serving_config import EngineConfig
 
     sizes = [int(s) for s in a.sizes.split(",")]

@@ -35,7 +35,7 @@ class EngineConfig:
     repetition_context_size: int = opt(
         "--repetition-context-size", default=20, flag_default=None,
         help="the last tokens the penalties look at (default 20; 64 on the default model)")
-    # admission control (engine/admission.py); the RAM tier's budget is separate
+    # admission control (engine/requests/admission.py); the RAM tier's budget is separate
     max_active_requests: int = opt("--max-active", default=16,
                                    help="requests admitted at once (prefilling + decoding)")
     max_queued_requests: int = opt(
@@ -106,7 +106,7 @@ class EngineConfig:
         help="the caches of the last N finished turns stay as the model's own objects, "
              "so a next turn that extends one restores nothing (counted in --ram-budget, "
              "released before its active blocks; 0: off; default %(default)s)")
-    restore_plan: str = opt(  # engine/planner.py
+    restore_plan: str = opt(  # engine/payload/planner.py
         "--restore-plan", default="auto", choices=("auto", "load", "recompute"),
         help="a cached prefix's SSD / Redis blocks: loaded, or prefilled again from their "
              "tokens when the measured prefill rate beats the tier's measured bandwidth "

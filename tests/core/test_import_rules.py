@@ -42,14 +42,14 @@ def test_a_deliberate_violation_is_caught(tmp_path: Path) -> None:
         f.write("\nimport mlx.core  # noqa\n")
     with (src / "promptcache" / "server" / "app.py").open("a") as f:
         f.write("\nimport promptcache.blocks.tokens  # noqa\n")
-    with (src / "promptcache" / "engine" / "batch.py").open("a") as f:
+    with (src / "promptcache" / "engine" / "requests" / "batch.py").open("a") as f:
         f.write("\nimport promptcache.engine.speculation.drafts  # noqa\n")
     done = _lint(src)
     assert done.returncode != 0
     # broken: the layers, the engine's own rule, mlx outside engine/, the server's door,
     # speculation's door
     assert "Contracts: 4 kept, 5 broken." in done.stdout, done.stdout
-    assert "promptcache.engine.batch -> promptcache.engine.speculation.drafts" in done.stdout
+    assert "promptcache.engine.requests.batch -> promptcache.engine.speculation.drafts" in done.stdout
     assert "promptcache.server.app -> promptcache.blocks.tokens" in done.stdout
     assert "promptcache.engine -> promptcache.server.api.errors" in done.stdout
     assert "promptcache.cache.ops -> mlx" in done.stdout

@@ -10,7 +10,7 @@ import pytest
 from promptcache.cache import PromptCache
 from promptcache.config import CacheConfig
 from promptcache.engine.engine import Engine
-from promptcache.engine.payload import MLXPayloadAdapter
+from promptcache.engine.payload.payload import MLXPayloadAdapter
 from promptcache.serving_config import EngineConfig
 
 BLOCK = 8

@@ -48,7 +48,8 @@ def family_row(family: str) -> dict[str, str]:
     from mlx_lm.models.cache import make_prompt_cache
     from models import tiny_families as tf
 
-    from promptcache.engine import adapters, mlx_compat
+    from promptcache.engine import mlx_compat
+    from promptcache.engine.payload import adapters
 
     config = tf.family_config(family)
     model_cls, args_cls = mlx_compat.model_classes(config["model_type"])

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from promptcache.engine.admission import Admission, Ticket
 from promptcache.engine.api import GenerationRequest, GenerationResult, SamplingParams, TokenEvent
-from promptcache.engine.request import EngineContext, Request, validate_request
-from promptcache.engine.scheduler import Scheduler
+from promptcache.engine.requests.admission import Admission, Ticket
+from promptcache.engine.requests.request import EngineContext, Request, validate_request
+from promptcache.engine.requests.scheduler import Scheduler
 from promptcache.serving_config import EngineConfig
 
 

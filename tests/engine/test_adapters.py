@@ -15,7 +15,7 @@ from mlx_lm.models.cache import (
     make_prompt_cache,
 )
 
-from promptcache.engine.adapters import (
+from promptcache.engine.payload.adapters import (
     BlockSpan,
     extract_block,
     is_truncatable,
@@ -23,7 +23,7 @@ from promptcache.engine.adapters import (
     payload_nbytes,
     restore,
 )
-from promptcache.engine.payload import MLXPayloadAdapter
+from promptcache.engine.payload.payload import MLXPayloadAdapter
 from promptcache.errors import InvariantError
 
 BS = 8

@@ -7,7 +7,14 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from promptcache.engine.admission import ADMITTED, CANCELLED, TAKEN, WAITING, Admission, Ticket
+from promptcache.engine.requests.admission import (
+    ADMITTED,
+    CANCELLED,
+    TAKEN,
+    WAITING,
+    Admission,
+    Ticket,
+)
 from promptcache.errors import OverloadedError, RequestError
 
 
@@ -55,7 +62,7 @@ def test_admit_queue_then_refuse_with_retry_after():
 def test_retry_after_follows_the_measured_queue():
     """Before any request finished: the age of the oldest active one; then at least
     what queued requests recently waited; bounded by MAX_RETRY_AFTER_S."""
-    from promptcache.engine.admission import MAX_RETRY_AFTER_S
+    from promptcache.engine.requests.admission import MAX_RETRY_AFTER_S
 
     clock = Clock()
     a = _adm(max_active=1, max_queued=1, clock=clock)

@@ -1,4 +1,4 @@
-"""Burst gathering (engine/arrivals.py) on a scripted clock and wake-up event: arrivals
+"""Burst gathering (engine/requests/arrivals.py) on a scripted clock and wake-up event: arrivals
 within a window of each other, at most 5 windows; announced preparations hold the
 gathering until they end (plus one window for the submit), at most ``max_s``."""
 
@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import pytest
 
-from promptcache.engine.arrivals import Arrivals
+from promptcache.engine.requests.arrivals import Arrivals
 
 W = 2.0**-7  # a window (a power of two: the scripted times add up exactly)
 

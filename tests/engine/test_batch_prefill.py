@@ -1,4 +1,4 @@
-"""Batched prefill (engine/prefill.py): requests prefilling at the same step share one
+"""Batched prefill (engine/requests/prefill.py): requests prefilling at the same step share one
 forward per chunk, and that changes nothing a request sees or stores.
 
 Driven step by step through a Stepper (no engine thread, no timing). Greedy tokens
@@ -312,7 +312,7 @@ def test_the_prefill_workspace_stays_within_the_kv_budget(tiny_llama_path, engin
     tensors) must fit in what the admitted requests' KV reservations leave of the KV
     budget: with room for exactly two rows' workspace, four prompts prefill two by two
     (each waiting one counted), and each still gets what it gets alone."""
-    from promptcache.engine.prefill import attention_heads, workspace_bytes
+    from promptcache.engine.requests.prefill import attention_heads, workspace_bytes
 
     eng = engine_factory(tiny_llama_path)
     assert attention_heads(eng._ctx.model) == 4

@@ -27,8 +27,9 @@ from models.tiny_families import FAMILIES, ensure_family_model
 from stepper import Stepper
 
 from promptcache.config import CacheConfig
-from promptcache.engine import adapters, mlx_compat
+from promptcache.engine import mlx_compat
 from promptcache.engine.engine import Engine
+from promptcache.engine.payload import adapters
 from promptcache.serving_config import EngineConfig
 
 TOL = 1e-4  # |batched - alone| / max(1, |alone|), logits and stored arrays

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 from stepper import Stepper
 
-from promptcache.engine import constrained, mlx_compat
+from promptcache.engine import mlx_compat
+from promptcache.engine.formats import constrained
 
 N_PROMPTS = 20
 TOL = 1e-4

@@ -17,7 +17,7 @@ from promptcache.cache import PromptCache
 from promptcache.cli.wiring import build_cache
 from promptcache.config import CacheConfig, SSDConfig
 from promptcache.engine.engine import Engine
-from promptcache.engine.payload import MLXPayloadAdapter
+from promptcache.engine.payload.payload import MLXPayloadAdapter
 from promptcache.serving_config import EngineConfig
 
 CONFIG = {

@@ -1,4 +1,4 @@
-"""engine/chat_format.py: the tool-call format read from mlx-lm's TokenizerWrapper (as
+"""engine/formats/chat_format.py: the tool-call format read from mlx-lm's TokenizerWrapper (as
 mlx-lm infers it from the template, or as the checkpoint names it), the special-token
 ids of the markers, and ToolCallFormat.parse over mlx-lm's parsers."""
 
@@ -13,7 +13,7 @@ import pytest
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 from models.tiny_models import CHATML_TEMPLATE
 
-from promptcache.engine.chat_format import (
+from promptcache.engine.formats.chat_format import (
     HERMES,
     OUR_PARSERS,
     ChatFormat,
@@ -73,7 +73,7 @@ def test_format_inferred_from_the_template(tiny_llama_path: Path, tmp_path: Path
     assert fmt is not None
     assert (fmt.name, fmt.start, fmt.end, fmt.variant) == (name, start, end, variant)
     assert (fmt.start_token, fmt.end_token, fmt.bare_json) == (None, None, False)
-    # ours where mlx-lm's loses calls (engine/tool_formats.py), else mlx-lm's own
+    # ours where mlx-lm's loses calls (engine/formats/tool_formats.py), else mlx-lm's own
     assert fmt.parser is OUR_PARSERS.get(name, tok.tool_parser)
 
 

@@ -1,4 +1,4 @@
-"""engine/constrained.py: llguidance grammars as mlx-lm logits processors.
+"""engine/formats/constrained.py: llguidance grammars as mlx-lm logits processors.
 
 Exact masks on the tiny tokenizer; generation through mlx-lm's own ``generate_step``
 (``logits_processors=[...]``) on the tiny random-weight llama, whose output only the
@@ -18,9 +18,14 @@ import pytest
 from mlx_lm import load
 from mlx_lm.generate import generate_step
 
-from promptcache.engine import constrained
 from promptcache.engine.api import Constraint
-from promptcache.engine.chat_format import HERMES, ChatFormat, ToolCallFormat, tool_call_format
+from promptcache.engine.formats import constrained
+from promptcache.engine.formats.chat_format import (
+    HERMES,
+    ChatFormat,
+    ToolCallFormat,
+    tool_call_format,
+)
 from promptcache.errors import RequestError
 from promptcache.server.prompts.structured import (
     ForcedCall,

@@ -20,10 +20,11 @@ import numpy as np
 import pytest
 from stepper import Run, Stepper
 
-from promptcache.engine import constrained, mlx_compat
-from promptcache.engine.admission import Ticket
+from promptcache.engine import mlx_compat
 from promptcache.engine.api import Constraint
-from promptcache.engine.request import Request, validate_request
+from promptcache.engine.formats import constrained
+from promptcache.engine.requests.admission import Ticket
+from promptcache.engine.requests.request import Request, validate_request
 
 TOL = 1e-4
 SCHEMA = {"type": "object", "properties": {

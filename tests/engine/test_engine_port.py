@@ -12,8 +12,8 @@ import pytest
 from conftest import make_engine
 
 from promptcache.engine.api import GenerationRequest, SamplingParams
-from promptcache.engine.calls import EngineCallTimeout
 from promptcache.engine.port import CachePrediction, EngineAPI
+from promptcache.engine.requests.calls import EngineCallTimeout
 from promptcache.errors import EngineDeadError
 
 

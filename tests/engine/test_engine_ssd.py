@@ -28,7 +28,7 @@ def test_restarted_engine_hits_ssd_blocks(tiny_llama_path, tmp_path):
 
 
 def test_a_run_read_from_the_ssd_is_one_array_and_one_copy_per_layer(tiny_llama_path, tmp_path):
-    from promptcache.engine.blockbuf import BlockPayload
+    from promptcache.engine.payload.blockbuf import BlockPayload
 
     ssd = SSDConfig(path=tmp_path / "blocks", policy="write_through", fsync=False)
     ec, cc = EngineConfig(restore_plan="load", prefill_chunk_tokens=16), CacheConfig(block_size=8, ram_budget_bytes=64 * 1024**2)
@@ -56,7 +56,7 @@ def test_bfloat16_blocks_come_back_from_ssd_as_bfloat16(tmp_path):
     import mlx.core as mx
 
     from promptcache.cache import PromptCache
-    from promptcache.engine.payload import MLXPayloadAdapter
+    from promptcache.engine.payload.payload import MLXPayloadAdapter
     from promptcache.meta import Namespace
     from promptcache.tiers.ssd import SSDTier
 

@@ -74,7 +74,7 @@ def test_cached_generation_equals_full_prefill(kind, tiny_model_path, engine_fac
         hits["prefix"] += r.usage.cached_tokens > 0
         if kind != "hybrid":
             # the live state of a full sliding window holds the reply's last token too
-            # (engine/live.py keep_position): it serves one token more than the blocks
+            # (engine/payload/live.py keep_position): it serves one token more than the blocks
             full = kind == "gemma3_text" and n + len(first.tokens) >= WINDOW
             assert r.usage.cached_tokens == n + len(first.tokens) - 1 + int(full)
         # exact match: the same prompt again (re-runs the last token)

@@ -11,7 +11,7 @@ from conftest import BLOCK
 from stepper import Stepper
 
 from promptcache.cache.types import ChainCursor, Hit, Match
-from promptcache.engine.blockbuf import BlockPayload
+from promptcache.engine.payload.blockbuf import BlockPayload
 from promptcache.meta import ExtraKeySpan, Namespace
 
 

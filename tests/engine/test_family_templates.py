@@ -15,7 +15,7 @@ import pytest
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 from models import tiny_families as tf
 
-from promptcache.engine.chat_format import ChatFormat, chat_format_of
+from promptcache.engine.formats.chat_format import ChatFormat, chat_format_of
 
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "Weather of a city",

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from conftest import make_engine
 
-from promptcache.engine import request as request_mod
 from promptcache.engine.api import GenerationRequest, SamplingParams
+from promptcache.engine.requests import request as request_mod
 
 
 def _req(seed: int, n: int = 40, max_tokens: int = 4) -> GenerationRequest:

@@ -15,9 +15,9 @@ import pytest
 from conftest import make_engine
 
 from promptcache.engine import memory as memory_module
-from promptcache.engine.admission import Admission, Ticket
 from promptcache.engine.api import GenerationRequest, SamplingParams
 from promptcache.engine.governor import PAUSE, REFUSE, Holder, MemoryGovernor, trim_heap
+from promptcache.engine.requests.admission import Admission, Ticket
 from promptcache.errors import OverloadedError
 
 

@@ -1,4 +1,4 @@
-"""Live session state (engine/live.py): a next turn continues from the previous turn's
+"""Live session state (engine/payload/live.py): a next turn continues from the previous turn's
 caches, kept as the model's own objects, and its output equals a full prefill; what a
 retry, a hybrid's branch, memory pressure, an overlap and another server do with it.
 
@@ -204,8 +204,8 @@ def test_another_server_restores_from_the_shared_tier_and_the_first_goes_on(
 
 
 def test_live_states_off_restores_from_blocks_and_counts_the_copies(tiny_llama_path):
-    from promptcache.engine import adapters
-    from promptcache.engine.kv_size import probe_caches
+    from promptcache.engine.payload import adapters
+    from promptcache.engine.payload.kv_size import probe_caches
 
     eng = make_engine(tiny_llama_path, live_states=0)
     try:
@@ -274,7 +274,7 @@ def test_deleting_a_session_or_a_tenant_or_evicting_all_drops_its_states(tiny_ll
 
 def test_a_state_older_than_the_cache_ttl_is_not_used(tiny_llama_path):
     from promptcache.cache import PromptCache
-    from promptcache.engine.payload import MLXPayloadAdapter
+    from promptcache.engine.payload.payload import MLXPayloadAdapter
 
     now = [0.0]
     cache = PromptCache(CacheConfig(block_size=BLOCK, ram_budget_bytes=64 * 1024**2,

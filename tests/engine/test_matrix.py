@@ -11,7 +11,7 @@ an engine over RAM + an SSD tier (write-back: the close persists every RAM block
 - a restart: a fresh engine over the same SSD folder runs the sequential chat's 4th turn.
 
 The next turns of the sequential chat and of the concurrent conversations continue from
-their live state (``engine/live.py``: the previous turn's caches, kept as the model's own
+their live state (``engine/payload/live.py``: the previous turn's caches, kept as the model's own
 objects; nothing restored), and so does the branch where every layer can be trimmed; the
 repeat and the restart restore from blocks.
 
@@ -50,7 +50,7 @@ from promptcache.config import CacheConfig, SSDConfig
 from promptcache.engine import mlx_compat
 from promptcache.engine.api import GenerationRequest, SamplingParams
 from promptcache.engine.engine import Engine
-from promptcache.engine.templates import message_starts
+from promptcache.engine.formats.templates import message_starts
 from promptcache.serving_config import EngineConfig
 
 BLOCK = 8
@@ -199,7 +199,7 @@ def _engine(path: Path, ssd: Path) -> Engine:
 def _run_family(family: str, path: Path, ssd: Path) -> Run:
     from mlx_lm.models.cache import make_prompt_cache
 
-    from promptcache.engine import adapters
+    from promptcache.engine.payload import adapters
 
     rng = random.Random(f"matrix-{family}")
     eng = _engine(path, ssd)

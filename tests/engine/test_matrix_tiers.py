@@ -45,9 +45,9 @@ from test_matrix import (
 from harness.redisproc import REDIS_SERVER, RedisServer, wait_until
 from promptcache.cli.wiring import build_cache
 from promptcache.config import CacheConfig, RedisConfig
-from promptcache.engine import adapters
-from promptcache.engine.blockbuf import BlockPayload
 from promptcache.engine.engine import Engine
+from promptcache.engine.payload import adapters
+from promptcache.engine.payload.blockbuf import BlockPayload
 from promptcache.serving_config import EngineConfig
 
 # one family per cache kind
@@ -210,7 +210,7 @@ def test_eight_bit_mla_of_rope_width_8_is_stored_at_full_precision(
     """No group size divides both MLA widths (latent 32, rope key 8): the engine loads,
     warns once, and stores those layers at full precision; restores are then exact."""
     adapters._warn_unquantizable.cache_clear()
-    with caplog.at_level(logging.WARNING, logger="promptcache.engine.adapters"), \
+    with caplog.at_level(logging.WARNING, logger="promptcache.engine.payload.adapters"), \
             _quant_engine(quant_model("deepseek_v3")) as eng:
         assert eng.kv_spec.endswith(";q8g64m0")
         first, msgs = _two_turns(eng, "deepseek_v3")

@@ -23,12 +23,12 @@ from stepper import Stepper
 from promptcache.cache import PromptCache
 from promptcache.cli.wiring import build_cache
 from promptcache.config import CacheConfig, SSDConfig
-from promptcache.engine import adapters
-from promptcache.engine.blockbuf import BlockPayload, pack
-from promptcache.engine.blocklayout import Item, format_layout, parse_layout
 from promptcache.engine.engine import Engine
-from promptcache.engine.payload import MLXPayloadAdapter
-from promptcache.engine.quant import KVQuant
+from promptcache.engine.payload import adapters
+from promptcache.engine.payload.blockbuf import BlockPayload, pack
+from promptcache.engine.payload.blocklayout import Item, format_layout, parse_layout
+from promptcache.engine.payload.payload import MLXPayloadAdapter
+from promptcache.engine.payload.quant import KVQuant
 from promptcache.hashing import CACHE_FORMAT_VERSION
 from promptcache.meta import Namespace
 from promptcache.serving_config import EngineConfig

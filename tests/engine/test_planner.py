@@ -1,4 +1,4 @@
-"""The restore-or-recompute planner (engine/planner.py) with injected rates: exact block
+"""The restore-or-recompute planner (engine/payload/planner.py) with injected rates: exact block
 boundaries and predicted times, the stateful rule, forced policies, the online fits."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from promptcache.engine.planner import Fit, Plan, Planner, Rates, Span, plan
+from promptcache.engine.payload.planner import Fit, Plan, Planner, Rates, Span, plan
 
 
 class Fixed(Fit):
@@ -215,7 +215,7 @@ def test_a_load_re_measures_the_tier_after_sixteen_recomputes_in_a_row():
     """Recompute keeps winning, so the tier is never read and its rate never updated:
     every 17th decision in a row is a load (``probe``), then the count starts again; a
     load or split chosen on its own merits resets it too."""
-    from promptcache.engine.planner import PROBE_EVERY
+    from promptcache.engine.payload.planner import PROBE_EVERY
 
     class Meta:
         def __init__(self, start: int, end: int) -> None:

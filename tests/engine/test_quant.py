@@ -19,8 +19,8 @@ from models.quant_models import ensure_tiny_llama_hd64
 
 from promptcache import codec
 from promptcache.config import CacheConfig
-from promptcache.engine import blocklayout
-from promptcache.engine.adapters import (
+from promptcache.engine.payload import blocklayout
+from promptcache.engine.payload.adapters import (
     BlockSpan,
     extract_block,
     kv_spec,
@@ -28,10 +28,10 @@ from promptcache.engine.adapters import (
     payload_nbytes,
     restore,
 )
-from promptcache.engine.blockbuf import BlockPayload, pack
-from promptcache.engine.blocklayout import Item, format_layout, parse_layout
-from promptcache.engine.payload import MLXPayloadAdapter
-from promptcache.engine.quant import KVQuant, from_config
+from promptcache.engine.payload.blockbuf import BlockPayload, pack
+from promptcache.engine.payload.blocklayout import Item, format_layout, parse_layout
+from promptcache.engine.payload.payload import MLXPayloadAdapter
+from promptcache.engine.payload.quant import KVQuant, from_config
 from promptcache.hashing import hash_block
 from promptcache.meta import BlockMeta, Namespace
 
@@ -251,7 +251,7 @@ def test_min_tokens_keeps_the_first_blocks_full_precision(hd64):
 
 def test_head_dim_without_a_group_stays_full_precision(llama, caplog):
     caches = _prefilled(llama, _tokens(8))
-    with caplog.at_level("WARNING", logger="promptcache.engine.adapters"):
+    with caplog.at_level("WARNING", logger="promptcache.engine.payload.adapters"):
         p = extract_block(caches, 0, 8, False, quant=KVQuant(8, 32, 0))  # head_dim 16 < 32
     assert "head_dim 16 cannot be quantized" in caplog.text
     assert p.layout.text == "0-1=kv:float32:1x2x8x16" and not p.layout.quantized
@@ -359,7 +359,7 @@ def test_plain_dict_payloads_are_packed_into_one_buffer(hd64):
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
 @pytest.mark.parametrize("bits,group", [(8, 64), (8, 32), (4, 64), (4, 128), (2, 32), (1, 64)])
 def test_cpu_dequantize_equals_mx_dequantize_bit_for_bit(dtype, bits, group):
-    from promptcache.engine import quant
+    from promptcache.engine.payload import quant
 
     mx.random.seed(bits * group)
     x = (mx.random.normal((1, 3, 10, 128)) * 3 + 1).astype(dtype)

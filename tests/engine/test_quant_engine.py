@@ -18,8 +18,8 @@ from promptcache.cli.serve_cmd import build_configs
 from promptcache.cli.wiring import build_cache
 from promptcache.config import CacheConfig, SSDConfig
 from promptcache.engine.api import GenerationRequest, SamplingParams
-from promptcache.engine.blockbuf import BlockPayload
 from promptcache.engine.engine import Engine
+from promptcache.engine.payload.blockbuf import BlockPayload
 from promptcache.serving_config import EngineConfig
 
 BLOCK, CHUNK = 8, 16

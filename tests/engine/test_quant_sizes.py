@@ -19,10 +19,10 @@ CHILD = textwrap.dedent(
     import mlx.core as mx
     from promptcache.cache import PromptCache
     from promptcache.config import CacheConfig
-    from promptcache.engine.blockbuf import BlockPayload
-    from promptcache.engine.blocklayout import parse_layout
-    from promptcache.engine.payload import MLXPayloadAdapter, ram_census
-    from promptcache.engine.quant import KVQuant
+    from promptcache.engine.payload.blockbuf import BlockPayload
+    from promptcache.engine.payload.blocklayout import parse_layout
+    from promptcache.engine.payload.payload import MLXPayloadAdapter, ram_census
+    from promptcache.engine.payload.quant import KVQuant
     from promptcache.meta import Namespace
 
     huge = mx.zeros((1 << 24, 1 << 24), dtype=mx.uint8)  # 2**48 bytes: never allocatable

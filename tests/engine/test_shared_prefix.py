@@ -1,5 +1,5 @@
 """Requests sent together that share a long prompt prefix compute it once
-(engine/scheduler.py ``_not_waiting_for_a_prefix``): the first prefills it and stores
+(engine/requests/scheduler.py ``_not_waiting_for_a_prefix``): the first prefills it and stores
 its blocks as it goes; the others wait until it has passed the shared blocks, then
 restore them. Without it (``share_prefix_min_tokens=0``) they are prefilled as one
 batch and each computes the prefix again -- the shape of parallel subagents (one

@@ -9,16 +9,16 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache
 
-from promptcache.engine.adapters import (
+from promptcache.engine.payload.adapters import (
     BlockSpan,
     RestoreTally,
     extract_block,
     extract_run,
     restore,
 )
-from promptcache.engine.blockbuf import BlockPayload, rows_from_host
-from promptcache.engine.payload import MLXPayloadAdapter
-from promptcache.engine.quant import KVQuant
+from promptcache.engine.payload.blockbuf import BlockPayload, rows_from_host
+from promptcache.engine.payload.payload import MLXPayloadAdapter
+from promptcache.engine.payload.quant import KVQuant
 
 BS = 8
 N = 44  # 5 full blocks and 4 tokens
@@ -114,7 +114,7 @@ def test_restore_from_slabs_equals_restore_from_blocks_with_fewer_copies(kind):
 
 @pytest.mark.parametrize("rows", [False, True])
 def test_a_wide_head_block_before_narrower_blocks_restores_exactly(rows):
-    """A head of 16 tokens as one block (a split: the head prefilled, engine/splice.py)
+    """A head of 16 tokens as one block (a split: the head prefilled, engine/requests/splice.py)
     before blocks of 8 (slab rows or not): only the last block may be narrower than the
     first, so this takes the general path and the KV is the caches' own."""
     caches = _caches("plain")

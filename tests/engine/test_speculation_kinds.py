@@ -233,7 +233,7 @@ def quant_engine(models_root: Path) -> Iterator[Engine]:
                         lambda tmp: build_family_model("llama", tmp, {"head_dim": 64}))
     from promptcache.cache import PromptCache
     from promptcache.config import CacheConfig
-    from promptcache.engine.payload import MLXPayloadAdapter
+    from promptcache.engine.payload.payload import MLXPayloadAdapter
     from promptcache.serving_config import EngineConfig
 
     cc = CacheConfig(block_size=8, ram_budget_bytes=64 * 1024**2, kv_bits=8,

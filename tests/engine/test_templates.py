@@ -8,8 +8,8 @@ import threading
 
 import pytest
 
+from promptcache.engine.formats.templates import ChatTemplate, content_spans
 from promptcache.engine.models.loader import load_model
-from promptcache.engine.templates import ChatTemplate, content_spans
 from promptcache.errors import RequestError
 
 

@@ -1,4 +1,4 @@
-"""Our Qwen3-Coder XML parser (engine/tool_formats.py) on what agents write: long
+"""Our Qwen3-Coder XML parser (engine/formats/tool_formats.py) on what agents write: long
 multi-line files, code that contains the format's own closing tags, nested JSON,
 nullable and union types, several calls in one block."""
 
@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from promptcache.engine.chat_format import ToolCall, tool_call_format
-from promptcache.engine.tool_formats import parse_qwen3_coder
+from promptcache.engine.formats.chat_format import ToolCall, tool_call_format
+from promptcache.engine.formats.tool_formats import parse_qwen3_coder
 
 WRITE = {"type": "function", "function": {"name": "write_file", "parameters": {
     "type": "object", "properties": {
@@ -98,7 +98,7 @@ def glm(name: str, **params: str) -> str:
 
 
 def test_glm_values_keep_their_text_and_convert_by_schema() -> None:
-    from promptcache.engine.tool_formats import parse_glm47
+    from promptcache.engine.formats.tool_formats import parse_glm47
 
     content = big_file() + "\n  </arg_value> inside a string\n"
     calls = parse_glm47(glm("write_file", path="a.py", content=content, lines="12",
@@ -118,7 +118,7 @@ def test_glm_values_keep_their_text_and_convert_by_schema() -> None:
     "write_file<arg_key>path</arg_key><arg_value>a</arg_value> trailing text",
 ])
 def test_a_broken_glm_call_is_not_a_call(body: str) -> None:
-    from promptcache.engine.tool_formats import parse_glm47
+    from promptcache.engine.formats.tool_formats import parse_glm47
 
     with pytest.raises(ValueError):
         parse_glm47(body, TOOLS)

@@ -21,7 +21,7 @@ from promptcache.cache import PromptCache
 from promptcache.config import CacheConfig
 from promptcache.engine.engine import Engine
 from promptcache.engine.models.loader import load_model_or_vlm
-from promptcache.engine.payload import MLXPayloadAdapter
+from promptcache.engine.payload.payload import MLXPayloadAdapter
 from promptcache.serving_config import EngineConfig
 
 TEXT_CONFIG = {

@@ -30,9 +30,10 @@ from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
 from stepper import Stepper
 
 from promptcache.config import CacheConfig
-from promptcache.engine import adapters, mlx_compat
+from promptcache.engine import mlx_compat
 from promptcache.engine.engine import Engine
 from promptcache.engine.models.loader import load_model_or_vlm
+from promptcache.engine.payload import adapters
 from promptcache.errors import InvariantError
 from promptcache.serving_config import EngineConfig
 

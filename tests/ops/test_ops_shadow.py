@@ -66,7 +66,7 @@ def _drain(verifier) -> int:  # type: ignore[no-untyped-def]
 
 
 def test_shadow_catches_a_swapped_valid_payload(tiny_llama_path: Path) -> None:
-    from promptcache.engine.shadow import ShadowVerifier
+    from promptcache.engine.payload.shadow import ShadowVerifier
 
     eng = _engine(tiny_llama_path)
     try:
@@ -104,7 +104,7 @@ def test_shadow_catches_a_swapped_valid_payload(tiny_llama_path: Path) -> None:
 
 
 def test_correct_hits_pass_for_every_cache_kind(tiny_kind_and_path) -> None:  # type: ignore[no-untyped-def]
-    from promptcache.engine.shadow import ShadowVerifier
+    from promptcache.engine.payload.shadow import ShadowVerifier
 
     kind, path = tiny_kind_and_path
     eng = _engine(path)
@@ -132,7 +132,7 @@ def test_in_the_engine_a_swapped_ssd_payload_is_caught_in_idle_time_only(
 
     from promptcache import codec
     from promptcache.engine.api import GenerationRequest, SamplingParams
-    from promptcache.engine.payload import MLXPayloadAdapter
+    from promptcache.engine.payload.payload import MLXPayloadAdapter
 
     eng = _engine(tiny_llama_path, fraction=1.0, ssd=tmp_path / "ssd")
     try:

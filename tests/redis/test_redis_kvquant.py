@@ -15,8 +15,8 @@ from promptcache import codec
 from promptcache.cli.wiring import build_cache
 from promptcache.config import CacheConfig, RedisConfig
 from promptcache.engine.api import GenerationRequest, SamplingParams
-from promptcache.engine.blockbuf import BlockPayload
 from promptcache.engine.engine import Engine
+from promptcache.engine.payload.blockbuf import BlockPayload
 from promptcache.serving_config import EngineConfig
 
 BLOCK, CHUNK = 8, 16

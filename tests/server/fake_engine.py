@@ -41,7 +41,7 @@ from promptcache.engine.api import (
     TokenEvent,
     Usage,
 )
-from promptcache.engine.chat_format import ChatFormat
+from promptcache.engine.formats.chat_format import ChatFormat
 from promptcache.engine.port import CachePrediction, CacheProbe, EngineAPI, TunableCacheAPI
 from promptcache.meta import DEFAULT_TENANT, ExtraKeySpan, Namespace
 from promptcache.packfile import ImportReport, Pack, PackError

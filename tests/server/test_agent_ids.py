@@ -18,7 +18,7 @@ from fastapi.testclient import TestClient
 from promptcache.cache import PromptCache
 from promptcache.config import CacheConfig
 from promptcache.engine.engine import Engine
-from promptcache.engine.payload import MLXPayloadAdapter
+from promptcache.engine.payload.payload import MLXPayloadAdapter
 from promptcache.server import create_app
 from promptcache.server.api.auth import Scope
 from promptcache.server.ops.session_stats import SessionStats

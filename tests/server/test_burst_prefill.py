@@ -1,7 +1,7 @@
 """A burst of requests prepared one after the other by the server still prefills as one
 batch: every generation request is announced to the engine while it is being prepared
 (``Preparer.prepare(generate=True)`` -> ``Engine.announce``), and an idle engine woken
-by the first submit waits for the announced ones (engine/arrivals.py).
+by the first submit waits for the announced ones (engine/requests/arrivals.py).
 
 Driven by steps, not by timing: every preparation is held until all eight requests are
 announced; then the test lets them finish ONE at a time, the next only after the

@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 from server_helpers import assert_streamed_equals_whole
 from test_server_structured import ANT_TOOLS, HI, OAI_TOOLS, RESP_TOOLS, WANT, _app
 
-from promptcache.engine.chat_format import DEEPSEEK, ChatFormat, ToolCall, chat_format_of
-from promptcache.engine.tool_formats import parse_deepseek
+from promptcache.engine.formats.chat_format import DEEPSEEK, ChatFormat, ToolCall, chat_format_of
+from promptcache.engine.formats.tool_formats import parse_deepseek
 from promptcache.server.replies.toolcalls import parse_tool_calls
 
 B, E = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"

@@ -30,7 +30,7 @@ from models import tiny_families as tf
 from real_engine import tiny_engine
 from sse_checks import anthropic_stream, chat_stream, responses_stream
 
-from promptcache.engine.chat_format import chat_format_of
+from promptcache.engine.formats.chat_format import chat_format_of
 from promptcache.server import create_app
 from promptcache.serving_config import EngineConfig, ServerConfig
 

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from server_helpers import assert_streamed_equals_whole
 from test_server_structured import _app
 
-from promptcache.engine.chat_format import ChatFormat, tool_call_format
+from promptcache.engine.formats.chat_format import ChatFormat, tool_call_format
 
 WRITE = {"type": "function", "function": {"name": "write_file", "parameters": {
     "type": "object", "properties": {"path": {"type": "string"},

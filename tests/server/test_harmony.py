@@ -13,7 +13,7 @@ from fake_engine import FakeEngine
 from fastapi.testclient import TestClient
 from sse_checks import anthropic_stream, chat_stream, responses_stream
 
-from promptcache.engine.chat_format import ChatFormat, ToolCall
+from promptcache.engine.formats.chat_format import ChatFormat, ToolCall
 from promptcache.server import create_app
 from promptcache.server.replies.harmony import HarmonyParser
 from promptcache.server.replies.reasoning import parse_reply
@@ -153,7 +153,7 @@ def test_a_final_answer_never_carries_the_reasoning() -> None:
 
 
 def test_harmony_is_recognised_from_the_template() -> None:
-    from promptcache.engine.chat_format import chat_format_of
+    from promptcache.engine.formats.chat_format import chat_format_of
 
     class Tok:
         chat_template = ("{{- '<|start|>assistant<|channel|>final<|message|>' }}"

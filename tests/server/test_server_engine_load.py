@@ -16,7 +16,7 @@ from fastapi.testclient import TestClient
 from promptcache.cache import PromptCache
 from promptcache.config import CacheConfig
 from promptcache.engine.engine import Engine
-from promptcache.engine.payload import MLXPayloadAdapter
+from promptcache.engine.payload.payload import MLXPayloadAdapter
 from promptcache.server import create_app
 from promptcache.serving_config import EngineConfig, ServerConfig
 

@@ -31,8 +31,8 @@ from hypothesis import strategies as st
 from server_helpers import assert_streamed_equals_whole
 
 from promptcache.engine.api import Constraint
-from promptcache.engine.chat_format import ChatFormat, tool_call_format
-from promptcache.engine.constrained import JSON_OPTIONS
+from promptcache.engine.formats.chat_format import ChatFormat, tool_call_format
+from promptcache.engine.formats.constrained import JSON_OPTIONS
 from promptcache.server import create_app
 from promptcache.server.replies.toolcalls import ParsedReply, ToolCall, parse_tool_calls
 from promptcache.serving_config import EngineConfig, ServerConfig

@@ -15,7 +15,7 @@ from fastapi.testclient import TestClient
 from real_engine import make_cache, tiny_engine
 
 from promptcache.engine.api import GenerationRequest, SamplingParams
-from promptcache.engine.request import store_error_cause
+from promptcache.engine.requests.request import store_error_cause
 from promptcache.errors import InvariantError, TierError
 from promptcache.server import create_app
 from promptcache.serving_config import ServerConfig

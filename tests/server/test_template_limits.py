@@ -26,8 +26,8 @@ from serve_proc import PROMPTCACHE, wait_healthy
 
 from harness.systems import free_port
 from promptcache.engine.engine import Engine
+from promptcache.engine.formats.templates import ChatTemplate
 from promptcache.engine.models.loader import load_model
-from promptcache.engine.templates import ChatTemplate
 from promptcache.errors import TemplateRenderError
 from promptcache.server import create_app
 from promptcache.serving_config import ServerConfig

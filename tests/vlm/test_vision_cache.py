@@ -6,7 +6,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from promptcache.engine.vision_cache import VisionCache
+from promptcache.engine.models.vision_cache import VisionCache
 
 D1, D2, D3 = (bytes([i]) * 32 for i in (1, 2, 3))
 
@@ -61,7 +61,7 @@ def test_a_full_writer_queue_drops_and_counts(tmp_path, monkeypatch):
     """The engine thread never waits for the disk: past the queue, writes are dropped."""
     import threading
 
-    from promptcache.engine import vision_cache
+    from promptcache.engine.models import vision_cache
 
     monkeypatch.setattr(vision_cache, "WRITE_QUEUE", 1)
     gate, taken = threading.Event(), threading.Event()

@@ -11,7 +11,7 @@ from promptcache.cli.wiring import build_cache
 from promptcache.config import CacheConfig, SSDConfig
 from promptcache.engine.api import GenerationRequest, ImageInput, image_digest
 from promptcache.engine.engine import Engine
-from promptcache.engine.vision_cache import VisionCache
+from promptcache.engine.models.vision_cache import VisionCache
 from promptcache.errors import RequestError
 from promptcache.serving_config import EngineConfig
 
@@ -269,7 +269,7 @@ def test_a_prefix_that_ends_inside_an_image(tiny_vlm_path, reference):
     """A request stopped after two prefill chunks (32 + 32 tokens: both boundaries
     inside the image at 12..76) leaves blocks up to 64; the next request restores them
     and prefills the rest of the image from the features' matching rows."""
-    from promptcache.engine.request import Request, validate_request
+    from promptcache.engine.requests.request import Request, validate_request
 
     msgs = [{"role": "user", "content": "Look at this picture <image> and tell me."}]
     eng = make(tiny_vlm_path)

@@ -23,8 +23,8 @@ from promptcache.cli.wiring import build_cache
 from promptcache.config import CacheConfig
 from promptcache.engine.engine import Engine
 from promptcache.engine.models.loader import load_model_or_vlm
+from promptcache.engine.models.vision_cache import VisionCache
 from promptcache.engine.models.vlm_text import HybridMRopeTextModel, mrope_positions
-from promptcache.engine.vision_cache import VisionCache
 from promptcache.serving_config import EngineConfig
 
 BLOCK, CHUNK = 16, 32
@@ -343,7 +343,7 @@ def test_turn2_keeping_the_image_makes_no_tower_call(family, reference):
 def test_a_prefix_that_ends_inside_an_image(family, reference):
     """A request stopped after its first prefill chunk (its end inside the image) leaves
     blocks up to 32; the next one restores them and prefills the rest of the image."""
-    from promptcache.engine.request import Request, validate_request
+    from promptcache.engine.requests.request import Request, validate_request
 
     name, path = family
     msgs = [{"role": "user", "content": f"A picture {text(name)} here."}]

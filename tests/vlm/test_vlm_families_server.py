@@ -16,7 +16,7 @@ from test_vlm_server import data_url, encoded, oai_user
 from promptcache.cli.wiring import build_cache
 from promptcache.config import CacheConfig
 from promptcache.engine.engine import Engine
-from promptcache.engine.vision_cache import VisionCache
+from promptcache.engine.models.vision_cache import VisionCache
 from promptcache.server.app import create_app
 from promptcache.serving_config import EngineConfig, ImageLimits, ServerConfig
 

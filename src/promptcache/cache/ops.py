@@ -2,7 +2,7 @@
 passes), deletion, quarantine, the RAM budget, session listing, persist, export / import.
 
 What the admin endpoints and the ops modules (``sessions.py``, ``autotune.py``,
-``packs.py``, ``engine/shadow.py``) do to the cache besides a request's lookup and
+``packs.py``, ``engine/payload/shadow.py``) do to the cache besides a request's lookup and
 store.
 """
 
@@ -173,7 +173,7 @@ class Ops:
                 stack.append((h, (tail + toks)[-overlap:], at))
         return [tuple(s) for s in seqs if s]
 
-    # ---- quarantine (``engine/shadow.py``: a block that failed verification) ------
+    # ---- quarantine (``engine/payload/shadow.py``: a block that failed verification) ------
     def quarantine_chain(self, block_hash: BlockHash, ns: Namespace) -> int:
         doomed: list[BlockHash] = []
         seen: set[BlockHash] = set()

@@ -154,7 +154,7 @@ class Match:
 
 class TierRead(NamedTuple):
     """One batched read of a lower tier during a promotion (its bytes made into
-    payloads): the engine's measured tier rates (``engine/planner.py``)."""
+    payloads): the engine's measured tier rates (``engine/payload/planner.py``)."""
 
     tier: str
     blocks: int

@@ -52,8 +52,8 @@ if TYPE_CHECKING:
 
     from ..config import CacheConfig, RedisConfig, SSDConfig
     from ..engine.engine import Engine
+    from ..engine.models.vision_cache import VisionCache
     from ..engine.steps import Steps
-    from ..engine.vision_cache import VisionCache
     from ..serving_config import EngineConfig
 
 log = logging.getLogger(__name__)

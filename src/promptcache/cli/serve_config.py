@@ -14,8 +14,8 @@ from ..options import from_args
 from ..serving_config import EdgeLimits, EngineConfig, ImageLimits, ServerConfig
 
 if TYPE_CHECKING:
+    from ..engine.models.vision_cache import VisionCache
     from ..engine.steps import Steps
-    from ..engine.vision_cache import VisionCache
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +95,7 @@ def build_vision_cache(args: argparse.Namespace, ssd_cfg: SSDConfig | None
     budget = parse_size(args.vision_cache_budget)
     if args.no_cache or budget <= 0:
         return None
-    from ..engine.vision_cache import VisionCache
+    from ..engine.models.vision_cache import VisionCache
 
     folder = args.vision_cache_dir
     if folder is None and ssd_cfg is not None:

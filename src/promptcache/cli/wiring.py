@@ -17,7 +17,7 @@ def build_cache(cache_config: CacheConfig, ssd_config: SSDConfig | None = None,
     """PromptCache over RAM (+ SSD, + Redis when configured); None if disabled."""
     if not cache_config.enabled:
         return None
-    from ..engine.payload import MLXPayloadAdapter
+    from ..engine.payload.payload import MLXPayloadAdapter
 
     lower: list[Tier] = []
     if ssd_config is not None:

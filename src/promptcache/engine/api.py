@@ -212,7 +212,7 @@ class Constraint:
     for OpenAI ``json_object``); ``regex``: a regular expression; ``lark``: a Lark
     grammar (llguidance dialect: it may embed ``%json{...}`` schemas), e.g. a forced
     tool call in the model's own tool-call format. The engine turns it into a logits
-    processor (``engine/constrained.py``). ``prefix``: text the reply already holds (an
+    processor (``engine/formats/constrained.py``). ``prefix``: text the reply already holds (an
     assistant prefill the model continues); prefix + output must match.
     """
 

@@ -11,11 +11,11 @@ from typing import Any
 from .. import packfile, packs
 from ..cache import PromptCache
 from ..meta import DEFAULT_TENANT, ExtraKeySpan, Namespace, validate_tenant
-from .calls import EngineCalls
-from .payload import ram_census
-from .planner import Planner
+from .payload.payload import ram_census
+from .payload.planner import Planner
+from .payload.quant import KVQuant
 from .port import CachePrediction, CacheProbe, TunableCacheAPI
-from .quant import KVQuant
+from .requests.calls import EngineCalls
 
 logger = logging.getLogger(__name__)
 

@@ -18,12 +18,13 @@ from ..meta import Namespace
 from ..serving_config import EngineConfig
 from .api import GenerationRequest, SamplingParams
 from .cache_like import RequestCache
-from .planner import Planner
-from .quant import KVQuant
-from .vision import validate_images
+from .mlx_compat import LanguageModel, Tokenizer
+from .models.vision import VisionEncoder, validate_images
+from .payload.planner import Planner
+from .payload.quant import KVQuant
 
 if TYPE_CHECKING:
-    from .live import LiveStates
+    from .payload.live import LiveStates
     from .speculation import Speculator
 
 
@@ -47,7 +48,7 @@ class EngineCounters:
     errors: int = 0
     prefilled: int = 0
     prefill_chunks: int = 0
-    prefill_batches: int = 0  # batched prefill forwards (engine/prefill.py)
+    prefill_batches: int = 0  # batched prefill forwards (engine/requests/prefill.py)
     max_prefill_batch: int = 0  # most rows in one of them
     # a request that waited a step because the prefill batch's attention workspace
     # would not fit in the KV budget next to the admitted requests' reservations
@@ -71,13 +72,13 @@ class EngineCounters:
     restored_blocks: int = 0
     restore_copies: int = 0
     restore_copy_bytes: int = 0
-    # the restore-or-recompute planner (engine/planner.py): its plans by kind (load |
+    # the restore-or-recompute planner (engine/payload/planner.py): its plans by kind (load |
     # recompute | split) and by why (auto | forced | stateful | unmeasured), the cached
     # tokens prefilled again by its plans, and the samples its rates were fed
     restore_plans_by_kind: dict[str, int] = field(default_factory=dict)
     restore_plans_by_why: dict[str, int] = field(default_factory=dict)
     recomputed_tokens: int = 0
-    # splits run (engine/splice.py): tails spliced in and their tokens, reads not in
+    # splits run (engine/requests/splice.py): tails spliced in and their tokens, reads not in
     # at the split point (the head prefilled on), tails given up (prefilled instead)
     splices: int = 0
     spliced_tokens: int = 0
@@ -100,8 +101,8 @@ class EngineCounters:
 class EngineContext:
     """What every request of one engine shares: the model, the tokenizer, the cache."""
 
-    model: Any
-    tokenizer: Any
+    model: LanguageModel
+    tokenizer: Tokenizer
     config: EngineConfig
     context_length: int
     vocab_size: int
@@ -111,10 +112,10 @@ class EngineContext:
     block_size: int = 64
     counters: EngineCounters = field(default_factory=EngineCounters)
     logits_hook: LogitsHook | None = None
-    vision: Any | None = None  # vision.VisionEncoder of a vision-language model
+    vision: VisionEncoder | None = None  # of a vision-language model
     kv_quant: KVQuant | None = None  # how stored blocks are quantized (None: full precision)
     speculator: Speculator | None = None  # --speculation suffix (engine/speculation/)
-    live: LiveStates | None = None  # the last turns' states (engine/live.py)
+    live: LiveStates | None = None  # the last turns' states (engine/payload/live.py)
     planner: Planner = field(default_factory=Planner)  # restore or recompute (planner.py)
 
     def timed_prefill(self, chunks: list[tuple[int, int]], seconds: float) -> float:

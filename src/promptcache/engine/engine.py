@@ -27,32 +27,32 @@ from ..cache import PromptCache
 from ..config import CacheConfig
 from ..meta import DEFAULT_TENANT, ExtraKeySpan, Namespace
 from ..serving_config import EngineConfig
-from . import adapters
-from .admission import Admission
 from .api import GenerationRequest, GenerationResult, VisionInfo
-from .arrivals import Arrivals
 from .cache_port import CachePort, Namespaces
-from .calls import EngineCalls
-from .chat_format import ChatFormat, chat_format_of
 from .context import EngineContext, EngineCounters, LogitsHook
-from .handles import RequestHandle
-from .kv_size import kv_row_bytes, probe_caches
-from .live import LiveStates
-from .loop import EngineLoop, stop_thread
+from .formats.chat_format import ChatFormat, chat_format_of
+from .formats.templates import ChatTemplate
 from .memory import CACHE_LIMIT_SHARE, EngineMemory, cap_mlx_cache
+from .models.vision import VisionEncoder
+from .models.vision_cache import VisionCache
+from .payload import adapters
+from .payload.kv_size import kv_row_bytes, probe_caches
+from .payload.live import LiveStates
+from .payload.quant import from_config as _kv_quant_of
+from .payload.shadow import ShadowVerifier
 from .port import ENGINE_CALL_TIMEOUT_S, CachePrediction, CacheProbe, EngineAPI, TunableCacheAPI
-from .prefill import attention_heads
 from .prompting import Prompting
-from .quant import from_config as _kv_quant_of
-from .scheduler import Scheduler
-from .shadow import ShadowVerifier
+from .requests.admission import Admission
+from .requests.arrivals import Arrivals
+from .requests.calls import EngineCalls
+from .requests.handles import RequestHandle
+from .requests.loop import EngineLoop, stop_thread
+from .requests.prefill import attention_heads
+from .requests.scheduler import Scheduler
+from .requests.splice import planner_for
+from .requests.submission import Submission, preempt
 from .speculation import make_speculator, spec_stats
-from .splice import planner_for
 from .steps import Steps, no_steps
-from .submission import Submission, preempt
-from .templates import ChatTemplate
-from .vision import VisionEncoder
-from .vision_cache import VisionCache
 
 logger = logging.getLogger(__name__)
 
@@ -139,7 +139,7 @@ class Engine:
                 if cache is not None else None, steps=steps),
         )
         if cache is not None and cfg.live_states > 0 and hasattr(cache, "hold_outside"):
-            # the last turns' states, counted in the RAM tier's budget (engine/live.py)
+            # the last turns' states, counted in the RAM tier's budget (engine/payload/live.py)
             live = LiveStates(cfg.live_states, cache.hold_outside, cache.drop_outside,
                               clock=cache.now, ttl_s=cache.config.ttl_seconds)
             cache.set_outside_holder(live.reclaim, live.forget)
@@ -161,7 +161,7 @@ class Engine:
         self.scheduler = Scheduler(self._ctx, self.admission, self.submission.make_request)
         if cfg.active_kv_budget_bytes is not None:  # mlx's buffer cache: 1/8 of the KV budget
             cap_mlx_cache(cfg.active_kv_budget_bytes // CACHE_LIMIT_SHARE)
-        # shadow verification of cache hits in idle time (engine/shadow.py)
+        # shadow verification of cache hits in idle time (engine/payload/shadow.py)
         self.shadow: ShadowVerifier | None = None
         if cfg.shadow_verify_fraction > 0 and self.kv_quant is not None:
             # a quantized block differs from its recomputation past the tolerance
@@ -214,7 +214,7 @@ class Engine:
 
     @property
     def chat_format(self) -> ChatFormat:
-        """Reasoning markers and the template's thinking switch (engine/chat_format.py)."""
+        """Reasoning markers and the template's thinking switch (engine/formats/chat_format.py)."""
         return chat_format_of(self.tokenizer)
 
     @property

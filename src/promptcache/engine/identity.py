@@ -12,11 +12,11 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from ..config import CacheConfig
 from ..meta import DEFAULT_TENANT, Namespace
-from . import adapters
 from .cache_port import Namespaces
-from .quant import from_config as kv_quant_of
+from .formats.templates import ChatTemplate
+from .payload import adapters
+from .payload.quant import from_config as kv_quant_of
 from .steps import Steps, no_steps
-from .templates import ChatTemplate
 
 
 @dataclass(frozen=True)

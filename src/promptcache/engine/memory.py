@@ -12,10 +12,10 @@ import mlx.core as mx
 
 from ..cache import PromptCache
 from ..serving_config import EngineConfig
-from .admission import Admission
 from .governor import Holder, MemoryGovernor, process_footprint, trim_heap
-from .live import LiveStates
-from .prefill import workspace_bytes
+from .payload.live import LiveStates
+from .requests.admission import Admission
+from .requests.prefill import workspace_bytes
 
 # mlx's buffer cache is limited to 1 / CACHE_LIMIT_SHARE of the KV budget
 CACHE_LIMIT_SHARE = 8

@@ -27,7 +27,7 @@ from ..meta import ExtraKeySpan, Namespace
 from ..packfile import ImportReport, Pack
 from ..serving_config import EngineConfig
 from .api import CacheMiss, GenerationRequest, GenerationResult, TokenEvent, VisionInfo
-from .chat_format import ChatFormat
+from .formats.chat_format import ChatFormat
 
 # seconds a server call waits for the engine thread (the engine runs it between two
 # steps: a step is one decode forward plus at most one prefill chunk)
@@ -70,7 +70,7 @@ class TokenizerAPI(Protocol):
 
 
 class HandleAPI(Protocol):
-    """A submitted request (``engine/handles.py``): its events, then one result."""
+    """A submitted request (``engine/requests/handles.py``): its events, then one result."""
 
     @property
     def request(self) -> GenerationRequest: ...
@@ -81,7 +81,7 @@ class HandleAPI(Protocol):
 
 
 class ShadowAPI(Protocol):
-    """Shadow verification of cache hits (``engine/shadow.py``)."""
+    """Shadow verification of cache hits (``engine/payload/shadow.py``)."""
 
     @property
     def alerting(self) -> bool: ...

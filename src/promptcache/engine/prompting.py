@@ -8,10 +8,10 @@ from typing import TYPE_CHECKING, Any
 from ..errors import RequestError
 from ..meta import DEFAULT_TENANT
 from .api import GenerationRequest, GenerationResult, SamplingParams
-from .templates import ChatTemplate
+from .formats.templates import ChatTemplate
 
 if TYPE_CHECKING:
-    from .handles import RequestHandle
+    from .requests.handles import RequestHandle
 
 _SAMPLING_FIELDS = frozenset(SamplingParams.__dataclass_fields__)
 

@@ -1,12 +1,25 @@
-"""mlx-lm's model modules and the tokenizer inside its wrapper (model classes, offsets)."""
+"""mlx-lm's model modules and the tokenizer inside its wrapper (model classes, offsets);
+``LanguageModel`` and ``Tokenizer``, the engine's types for mlx-lm's untyped objects."""
 
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
+    import mlx.core as mx
     from transformers import PreTrainedTokenizerFast
+
+
+class LanguageModel(Protocol):
+    """An mlx-lm model (or a VLM's text model): logits of ``inputs`` over its caches."""
+    def __call__(self, inputs: mx.array, cache: list[Any] | None = None) -> mx.array: ...
+
+
+class Tokenizer(Protocol):
+    """mlx-lm's ``TokenizerWrapper`` as the engine uses it: text <-> token ids."""
+    def encode(self, text: str) -> list[int]: ...
+    def decode(self, ids: list[int]) -> str: ...
 
 
 def model_classes(model_type: str) -> tuple[Any, Any]:

@@ -1,7 +1,6 @@
 """The speculator: per request, drafts (``drafts``), the gate (``gate``, priced by
-``cost``) and the acceptance that adapts both; the verify step itself is ``verify``.
-docs/architecture.md tells the whole story (draft lengths, cool-downs, pauses and
-probes, fills, credits, the guard)."""
+``cost``) and the acceptance that adapts both; the verify step is ``verify``.
+The whole story (draft lengths, cool-downs, probes, fills, credits): docs/architecture.md."""
 
 from __future__ import annotations
 
@@ -11,7 +10,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ...serving_config import EngineConfig
-from .. import constrained, mlx_compat
+from .. import mlx_compat
+from ..formats import constrained
 from . import gate
 from .cost import FREE, CostModel, OnlineCost
 from .drafts import DraftConfig, DraftPools, TenantDrafts, propose

@@ -30,7 +30,7 @@ class HasHook(Protocol):
 
 
 class Row(Protocol):
-    """A decoding request as speculation sees it (``engine.request.Request``)."""
+    """A decoding request as speculation sees it (``engine.requests.request.Request``)."""
 
     pos: int
     sliding: bool

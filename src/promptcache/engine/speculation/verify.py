@@ -22,7 +22,7 @@ LogprobArrays = tuple[mx.array, ...]
 
 
 class Batch(Protocol):
-    """What the verify step uses of the decode batch (``engine.batch.DecodeBatch``)."""
+    """What the verify step uses of the decode batch (``engine.requests.batch.DecodeBatch``)."""
 
     @property
     def rows(self) -> Sequence[Row]: ...

@@ -115,7 +115,7 @@ def stats_payload(st: ServerState, tenant: str | None = None) -> dict[str, Any]:
     if vision is not None:  # a vision-language model: the vision-embedding cache's line
         out["vision"] = vision
     shadow = st.engine.shadow
-    if shadow is not None:  # engine/shadow.py: a mismatch raises the alert too
+    if shadow is not None:  # engine/payload/shadow.py: a mismatch raises the alert too
         out["shadow"] = shadow.snapshot()
         out["alert"]["shadow_mismatch"] = bool(shadow.alerting)
         out["alert"]["active"] = bool(out["alert"]["active"] or shadow.alerting)

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ...engine.api import Constraint, ImageInput
-from ...engine.chat_format import ChatFormat, ToolCallFormat
+from ...engine.formats.chat_format import ChatFormat, ToolCallFormat
 from ..api.auth import Scope
 from ..ops.diagnostics import NO_PREVIOUS, Divergence, Fingerprint, TurnKey
 from .images import ImageCollector

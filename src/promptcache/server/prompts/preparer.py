@@ -22,7 +22,7 @@ from ...engine.api import (
     expand_placeholders,
     image_extra_keys,
 )
-from ...engine.chat_format import ChatFormat
+from ...engine.formats.chat_format import ChatFormat
 from ...engine.port import CachePrediction, EngineAPI
 from ...errors import TemplateRenderError
 from ..api.errors import APIError

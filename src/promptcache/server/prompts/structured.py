@@ -10,10 +10,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ...engine import constrained
 from ...engine.api import Constraint
-from ...engine.chat_format import ChatFormat, ToolCallFormat
-from ...engine.constrained import JSON_OPTIONS
+from ...engine.formats import constrained
+from ...engine.formats.chat_format import ChatFormat, ToolCallFormat
+from ...engine.formats.constrained import JSON_OPTIONS
 from ...engine.port import EngineAPI
 from ...errors import RequestError
 from ..api.errors import APIError

@@ -9,7 +9,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ...engine.chat_format import ToolCallFormat
+from ...engine.formats.chat_format import ToolCallFormat
 
 JsonOf = Callable[[Mapping[str, Any]], str]
 

@@ -9,7 +9,7 @@ import re
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
-from ...engine.chat_format import ToolCall
+from ...engine.formats.chat_format import ToolCall
 from .reasoning import Piece, ReplyParser, _partial_suffix
 
 START, CHANNEL, MESSAGE = "<|start|>", "<|channel|>", "<|message|>"

@@ -9,7 +9,7 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ...engine.chat_format import HERMES, ToolCall, ToolCallFormat
+from ...engine.formats.chat_format import HERMES, ToolCall, ToolCallFormat
 
 log = logging.getLogger(__name__)
 

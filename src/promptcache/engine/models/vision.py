@@ -9,8 +9,8 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from ..errors import RequestError
-from .api import ImageInput, VisionInfo
+from ...errors import RequestError
+from ..api import ImageInput, VisionInfo
 from .vision_cache import VisionCache
 
 

@@ -12,14 +12,14 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from ..cache.miss import CacheMiss
-from ..cache.types import ChainCursor
-from ..meta import BlockMeta, ExtraKeySpan, Namespace
-from .api import GenerationRequest, Usage
-from .context import EngineContext
+from ...cache.miss import CacheMiss
+from ...cache.types import ChainCursor
+from ...meta import BlockMeta, ExtraKeySpan, Namespace
+from ..api import GenerationRequest, Usage
+from ..context import EngineContext
 
 if TYPE_CHECKING:
-    from .vision import ImagePrefill
+    from ..models.vision import ImagePrefill
 
 # the engine thread waits for the read at the split point at most this long (or twice
 # the plan's predicted time, if longer)

@@ -11,12 +11,12 @@ from collections.abc import Callable
 import numpy as np
 from mlx_lm.sample_utils import make_logits_processors
 
-from ..errors import EngineDeadError
-from . import constrained
+from ...errors import EngineDeadError
+from ..api import GenerationRequest, GenerationResult, Usage
+from ..context import EngineContext, Processor, validate_request
+from ..formats import constrained
 from .admission import Admission, Ticket
-from .api import GenerationRequest, GenerationResult, Usage
 from .arrivals import Arrivals
-from .context import EngineContext, Processor, validate_request
 from .handles import RequestHandle
 from .request import Request
 

@@ -1,5 +1,4 @@
 """Batched prefill: requests that prefill at the same step share one forward per chunk.
-
 ``PrefillBatch`` holds the rows being prefilled together and their batch caches
 (mlx-lm's ``BatchKVCache``, one per layer: each row's restored prefix left-padded to
 the longest when it joins, as mlx-lm's ``BatchGenerator`` merges the caches it is
@@ -46,7 +45,8 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from . import adapters, mlx_compat
+from .. import mlx_compat
+from ..payload import adapters
 from .request import Request
 
 logger = logging.getLogger(__name__)

@@ -20,7 +20,7 @@ from mlx_lm.models.cache import (
     RotatingKVCache,
 )
 
-from ..errors import InvariantError
+from ...errors import InvariantError
 from . import quant as _quant
 from .block_restore import RestoreTally, restore
 from .blockbuf import BlockPayload, pack, pack_rows

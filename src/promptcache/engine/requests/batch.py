@@ -32,10 +32,10 @@ from typing import Any, cast
 
 import mlx.core as mx
 
-from . import mlx_compat
+from .. import mlx_compat
+from ..sampling import logprob_values
+from ..speculation import apply_verify, plan_verify
 from .request import Request
-from .sampling import logprob_values
-from .speculation import apply_verify, plan_verify
 
 logger = logging.getLogger(__name__)
 

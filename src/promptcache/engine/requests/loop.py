@@ -11,13 +11,13 @@ from collections.abc import Callable
 
 import mlx.core as mx
 
-from ..serving_config import EngineConfig
+from ...serving_config import EngineConfig
+from ..governor import MemoryGovernor
+from ..payload.shadow import ShadowVerifier
 from .admission import Admission
 from .arrivals import Arrivals
 from .calls import EngineCalls
-from .governor import MemoryGovernor
 from .scheduler import Scheduler
-from .shadow import ShadowVerifier
 
 logger = logging.getLogger(__name__)
 

@@ -26,10 +26,11 @@ from mlx_lm.models.cache import (
     trim_prompt_cache,
 )
 
-from ..blocks.tokens import common_prefix
-from ..hashing import BlockHash
-from ..meta import Namespace
-from . import adapters, mlx_compat
+from ...blocks.tokens import common_prefix
+from ...hashing import BlockHash
+from ...meta import Namespace
+from .. import mlx_compat
+from . import adapters
 
 logger = logging.getLogger(__name__)
 

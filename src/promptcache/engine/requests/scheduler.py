@@ -1,16 +1,10 @@
 """The scheduler: one step = one batched decode forward + batched prefill chunks.
-
-Why our own scheduler over mlx-lm's batch caches rather than mlx-lm's
-``BatchGenerator`` (measured, see BENCHMARKS.md "Batched decode"): both decode
-through the same batch caches, so a decode step costs the same; but
-``BatchGenerator`` reaches a running request's state only through
-``extract_cache`` -- a copy of the request's whole KV -- which makes the mid-prefill
-save point quadratic in the prompt length, and it has no notion of priority. Here
-the save points read only the new blocks, from a request's private caches or from
-lazy views of its row in a batch cache.
+Not mlx-lm's ``BatchGenerator`` (same decode step): its ``extract_cache`` copies a request's
+whole KV, making the mid-prefill save quadratic, and it has no priorities; ours reads only the
+new blocks (docs/benchmarks-history.md, "Batched decode: our scheduler vs ...").
 
 Prefill has two paths:
-- batched (``engine/prefill.py``): interactive requests whose caches mlx-lm batches
+- batched (``engine/requests/prefill.py``): interactive requests whose caches mlx-lm batches
   exactly (``mlx_compat.can_batch_prefill``: plain / MLA KV, sliding windows, the array
   states of the modules that honour right padding) and no images that prefill at the
   same step share one forward per chunk (``PrefillBatch``;
@@ -57,16 +51,16 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from ..blocks.tokens import common_prefix
-from . import adapters, mlx_compat
+from ...blocks.tokens import common_prefix
+from .. import mlx_compat
+from ..context import EngineContext
+from ..payload import adapters
 from .admission import Admission, Ticket
 from .batch import DecodeBatch, cancel_alone, decode_alone
-from .context import EngineContext
 from .prefill import PrefillBatch, Prefilled, attention_heads, workspace_bytes
 from .request import Request
 
 logger = logging.getLogger(__name__)
-
 
 
 # builds the Request of an admitted ticket (None: it could not start and was answered)

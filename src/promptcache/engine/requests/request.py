@@ -1,5 +1,4 @@
-"""One request's state on the engine thread: prompt, output, sampling, stops, usage.
-
+"""One request's state on the engine thread: prompt, output, sampling, stops, usage:
 start (lookup + restore, or the live state) -> chunked prefill, chunks ending on block
 boundaries, each stored ("mid_prefill"; SSM / hybrid states snapshotted every k blocks
 and at message starts; sliding windows store blocks before they slide out) -> the first
@@ -21,23 +20,19 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import TokenBuffer, make_prompt_cache
 
-from ..cache.miss import CacheMiss
-from ..cache.types import ChainCursor
-from ..meta import Namespace
-from . import adapters, mlx_compat
-from .api import GenerationRequest, GenerationResult, TokenEvent, Usage
-from .context import (
-    EngineContext,
-    Processor,
-    store_error_cause,
-    validate_request,
-)
+from ...cache.miss import CacheMiss
+from ...cache.types import ChainCursor
+from ...meta import Namespace
+from .. import mlx_compat
+from ..api import GenerationRequest, GenerationResult, TokenEvent, Usage
+from ..context import EngineContext, Processor, store_error_cause, validate_request
+from ..models.vision import ImagePrefill
+from ..payload import adapters
+from ..sampling import Detokenizer, Sampler, StopStrings, logprob_values
 from .handles import Event
 from .request_saves import keep_live, lookup_and_restore, save_mid_prefill, store
 from .row import Splice
-from .sampling import Detokenizer, Sampler, StopStrings, logprob_values
 from .splice import splice_due
-from .vision import ImagePrefill
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +62,7 @@ class Request:
         self.detok = Detokenizer(ctx.tokenizer)
         self.stops = StopStrings(sp.stop)
         self.stop_ids = frozenset(sp.stop_token_ids) | ctx.eos_token_ids
-        # logits processors (a constraint: engine/constrained.py), built at submit
+        # logits processors (a constraint: engine/formats/constrained.py), built at submit
         self.processors: list[Processor] = list(processors)
         self._context: TokenBuffer | None = None
         self.usage = Usage(prompt_tokens=self.n_prompt)
@@ -208,7 +203,7 @@ class Request:
         inputs = mx.array(self.seq[start:end])[None]
         if self.images is not None:
             return self.images.forward(self.ctx.model, inputs, self.caches, start, end)
-        return cast(mx.array, self.ctx.model(inputs, cache=self.caches))
+        return self.ctx.model(inputs, cache=self.caches)
 
     @property
     def prefill_s(self) -> float:

@@ -9,7 +9,7 @@ import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import TYPE_CHECKING
 
-from .api import GenerationRequest, GenerationResult, TokenEvent
+from ..api import GenerationRequest, GenerationResult, TokenEvent
 
 if TYPE_CHECKING:
     from .admission import Ticket

@@ -12,10 +12,10 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from .. import codec
-from . import adapters
-from .cache_kinds import BlockSpan
-from .planner import Planner
+from ... import codec
+from ..payload import adapters
+from ..payload.cache_kinds import BlockSpan
+from ..payload.planner import Planner
 from .row import SavingRow, Splice
 
 logger = logging.getLogger(__name__)

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import OverloadedError, RequestError
+from ...errors import OverloadedError, RequestError
 
 # the longest Retry-After we send (a client should come back within ten minutes)
 MAX_RETRY_AFTER_S = 600

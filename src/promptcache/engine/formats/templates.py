@@ -16,8 +16,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from types import FrameType
 from typing import Any
 
-from ..errors import ContextLengthError, RequestError, TemplateRenderError
-from . import mlx_compat
+from ...errors import ContextLengthError, RequestError, TemplateRenderError
+from .. import mlx_compat
 
 log = logging.getLogger(__name__)
 

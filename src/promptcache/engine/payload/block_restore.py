@@ -19,7 +19,7 @@ from mlx_lm.models.cache import (
     make_prompt_cache,
 )
 
-from ..errors import InvariantError
+from ...errors import InvariantError
 from . import quant as _quant
 from .blockbuf import BlockPayload
 from .cache_kinds import (

@@ -9,8 +9,8 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any, TypeVar, cast
 
-from ..errors import EngineDeadError
-from .port import ENGINE_CALL_TIMEOUT_S
+from ...errors import EngineDeadError
+from ..port import ENGINE_CALL_TIMEOUT_S
 
 logger = logging.getLogger(__name__)
 

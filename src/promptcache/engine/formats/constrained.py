@@ -56,9 +56,9 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from ..errors import RequestError
-from . import mlx_compat
-from .api import Constraint
+from ...errors import RequestError
+from .. import mlx_compat
+from ..api import Constraint
 
 logger = logging.getLogger(__name__)
 

@@ -1,5 +1,4 @@
 """A request's cache side: lookup + restore at its start, and the stores of its save points.
-
 ``Request`` (``request.py``) calls these: ``lookup_and_restore`` at ``start``,
 ``save_mid_prefill`` after each prompt chunk (save point 1), ``store`` at the end of
 the prompt (2), as sliding windows move and at the end of generation (3). Every save goes
@@ -18,14 +17,15 @@ from typing import Any
 
 from mlx_lm.models.cache import make_prompt_cache
 
-from ..cache.miss import CACHE_ERROR, RESTORE_ERROR, CacheMiss
-from ..cache.types import ChainCursor
-from ..meta import BlockMeta
-from . import adapters, mlx_compat
-from .blockbuf import BlockPayload
-from .context import store_error_cause
-from .live import grow, keep_position
-from .planner import Plan
+from ...cache.miss import CACHE_ERROR, RESTORE_ERROR, CacheMiss
+from ...cache.types import ChainCursor
+from ...meta import BlockMeta
+from .. import mlx_compat
+from ..context import store_error_cause
+from ..payload import adapters
+from ..payload.blockbuf import BlockPayload
+from ..payload.live import grow, keep_position
+from ..payload.planner import Plan
 from .row import SavingRow, Splice
 
 logger = logging.getLogger(__name__)
@@ -138,7 +138,7 @@ def _count_plan(req: SavingRow, plan: Plan) -> None:
 
 
 def _splice_of(req: SavingRow, plan: Plan, match: Any) -> Splice | None:
-    """The tail read of a split plan, started (``engine/splice.py``)."""
+    """The tail read of a split plan, started (``engine/requests/splice.py``)."""
     tail = [(m, t) for m, t in zip(match.blocks, match.tiers, strict=True)
             if plan.split <= m.start < plan.end]
     lower = {t.name: t for t in getattr(req.ctx.cache, "lower", ())}
@@ -151,7 +151,7 @@ def _splice_of(req: SavingRow, plan: Plan, match: Any) -> Splice | None:
 
 def _continue_live(req: SavingRow, at_least: int, metas: Sequence[BlockMeta]) -> bool:
     """Continue from a live state of the request's namespace serving at least the
-    ``at_least`` tokens the blocks would (``LiveStates.take`` says which it takes) (``engine/live.py``): its caches become the
+    ``at_least`` tokens the blocks would (``LiveStates.take`` says which it takes) (``engine/payload/live.py``): its caches become the
     request's, trimmed to the common prefix, with room for the prompt; nothing is
     restored. The cursor stands behind the hit's blocks up to there (the saves store
     what the blocks lack from these caches). False (nothing changed) when none serves."""
@@ -179,7 +179,7 @@ def _continue_live(req: SavingRow, at_least: int, metas: Sequence[BlockMeta]) ->
 
 def keep_live(req: SavingRow, reason: str, caches: Sequence[Any] | None,
               state_pos: int | None) -> None:
-    """At the request's end: keep its state as a live state (``engine/live.py``): a
+    """At the request's end: keep its state as a live state (``engine/payload/live.py``): a
     reply's (prompt + output[:-1], as the end-of-generation save), a prefill-only
     request's (the prompt), a prefill cancelled between chunks (its private caches)."""
     live = req.ctx.live

@@ -19,9 +19,9 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
-from .. import codec
-from ..cache import PromptCache
-from ..meta import BlockMeta, ExtraKeySpan, Namespace
+from ... import codec
+from ...cache import PromptCache
+from ...meta import BlockMeta, ExtraKeySpan, Namespace
 from . import adapters
 from .payload import MLXPayloadAdapter
 

@@ -1,0 +1,1 @@
+"""Text formats: chat templates, tool-call and reasoning formats, constrained decoding."""

@@ -1,0 +1,1 @@
+"""The payload stack: cache objects <-> block payloads, layouts, quantization, restore, live states."""
