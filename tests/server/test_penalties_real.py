@@ -17,8 +17,8 @@ from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_logits_processors
 from real_engine import tiny_engine
 
-from promptcache.engine import constrained
 from promptcache.engine.engine import Engine
+from promptcache.engine.formats import constrained
 from promptcache.server import create_app
 from promptcache.serving_config import EngineConfig, ServerConfig
 
