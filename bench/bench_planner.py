@@ -34,8 +34,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import mlx.core as mx
-import mlx.nn as nn
 from page_cache import drop_files
 
 MODES = ("load", "recompute", "auto")
@@ -60,17 +58,11 @@ def random_llama(shape: str, vocab: int, window: int) -> Any:
     """mlx-lm's llama class of ``shape``, random float32 weights (seed 0)."""
     from mlx_lm.models import llama
 
-    model = llama.Model(llama.ModelArgs.from_dict(dict(
+    from harness.long_run import randomize
+
+    return randomize(llama.Model(llama.ModelArgs.from_dict(dict(
         model_type="llama", vocab_size=vocab, rms_norm_eps=1e-5, rope_theta=1e6,
-        max_position_embeddings=window, tie_word_embeddings=True, **SHAPES[shape])))
-    mx.random.seed(0)
-    for _, m in model.named_modules():
-        for key, value in list(m.items()):
-            if isinstance(value, mx.array):
-                m[key] = (mx.ones(value.shape) if isinstance(m, nn.RMSNorm)  # type: ignore[attr-defined]
-                          else 0.02 * mx.random.normal(value.shape))
-    mx.eval(model.parameters())
-    return model
+        max_position_embeddings=window, tie_word_embeddings=True, **SHAPES[shape]))))
 
 
 def parser() -> argparse.ArgumentParser:

@@ -88,6 +88,18 @@ def log(msg: str) -> None:
     print(f"[{time.perf_counter() - T0:7.1f} s] {msg}", file=sys.stderr, flush=True)
 
 
+def randomize(model: Any) -> Any:
+    """``model`` with random weights (seed 0): norms 1, the rest N(0, 0.02)."""
+    mx.random.seed(0)
+    for _, m in model.named_modules():
+        for key, value in list(m.items()):
+            if isinstance(value, mx.array):
+                m[key] = (mx.ones(value.shape) if isinstance(m, nn.RMSNorm)  # type: ignore[attr-defined]
+                          else 0.02 * mx.random.normal(value.shape))
+    mx.eval(model.parameters())
+    return model
+
+
 def write_random_model(shape: str, tokenizer_dir: Path, vocab: int, max_positions: int,
                        out: Path) -> Path:
     """mlx-lm's llama class of ``shape`` with random float32 weights, saved as a model
@@ -98,14 +110,7 @@ def write_random_model(shape: str, tokenizer_dir: Path, vocab: int, max_position
     config = dict(model_type="llama", vocab_size=vocab, rms_norm_eps=1e-5,
                   max_position_embeddings=max_positions, rope_theta=1e6,
                   tie_word_embeddings=True, **SHAPES[shape])
-    model = module.Model(module.ModelArgs.from_dict(config))
-    mx.random.seed(0)
-    for _, m in model.named_modules():
-        for key, value in list(m.items()):
-            if isinstance(value, mx.array):
-                m[key] = (mx.ones(value.shape) if isinstance(m, nn.RMSNorm)  # type: ignore[attr-defined]
-                          else 0.02 * mx.random.normal(value.shape))
-    mx.eval(model.parameters())
+    model = randomize(module.Model(module.ModelArgs.from_dict(config)))
     out.mkdir(parents=True, exist_ok=True)
     mx.save_safetensors(str(out / "model.safetensors"), dict(tree_flatten(model.parameters())))
     (out / "config.json").write_text(json.dumps({**config, "torch_dtype": "float32"}, indent=1))
