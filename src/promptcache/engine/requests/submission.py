@@ -70,18 +70,17 @@ class Submission:
         if sp.logit_bias or sp.penalized:
             # after the grammar: a bias never revives a token the grammar masked out;
             # pure functions of the tokens, so a verify checks drafts through them
-            fns = make_logits_processors(
-                logit_bias=dict(sp.logit_bias) or None,
+            bias = make_logits_processors(logit_bias=dict(sp.logit_bias) or None)
+            penalties = make_logits_processors(
                 repetition_penalty=sp.repetition_penalty if sp.repetition_penalty != 1.0 else None,
                 repetition_context_size=sp.penalty_context,
                 presence_penalty=sp.presence_penalty or None,
                 presence_context_size=sp.penalty_context,
                 frequency_penalty=sp.frequency_penalty or None,
                 frequency_context_size=sp.penalty_context)
-            bias = fns[:1] if sp.logit_bias else []
             processors.extend(constrained.TokenProcessor(fn) for fn in bias)
             processors.extend(constrained.TokenProcessor(constrained.sparing(fn, ctx.eos_token_ids))
-                              for fn in fns[len(bias):])
+                              for fn in penalties)
         if not request.request_id:
             request = dataclasses.replace(request, request_id=f"req-{next(self._ids)}")
         handle = RequestHandle(request, on_cancel=self._on_cancel)
