@@ -211,10 +211,10 @@ class SSDConfig:
     # stored + the disk's free bytes - this reserve (None: 5% of the disk, at most 1 GB)
     disk_reserve_bytes: int | None = None
     segment_bytes: int = opt(  # folders of either layout are read by both
-        "--ssd-segment-mb", default=0, flag_default=0, parse=lambda mb: megabytes(int(mb)),
+        "--ssd-segment-mb", default=0, flag_default=256, parse=lambda mb: megabytes(int(mb)),
         type=int, metavar="MB",
         help="append new SSD blocks to segment files of about this many MB, one write and "
-             "fsync per batch, runs read in parallel (default 0: one file per block)")
+             "fsync per batch, runs read in parallel (default %(default)s; 0: one file per block)")
 
     def __post_init__(self) -> None:
         if self.segment_bytes < 0:

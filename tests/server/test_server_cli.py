@@ -216,6 +216,8 @@ def test_serve_repetition_penalty_is_the_model_s_default() -> None:
 
 def test_serve_ssd_segments_flag(tmp_path: Path) -> None:
     _, _, ssd, _ = _configs("--cache-dir", str(tmp_path))
+    assert ssd is not None and ssd.segment_bytes == 256 << 20  # segment files by default
+    _, _, ssd, _ = _configs("--cache-dir", str(tmp_path), "--ssd-segment-mb", "0")
     assert ssd is not None and ssd.segment_bytes == 0  # one file per block
     _, _, ssd, _ = _configs("--cache-dir", str(tmp_path), "--ssd-segment-mb", "64")
     assert ssd is not None and ssd.segment_bytes == 64 << 20
