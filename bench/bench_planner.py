@@ -218,6 +218,8 @@ def run(argv: list[str] | None = None) -> dict[str, Any]:
     result = {"shape": a.shape, "tier": a.tier, "kv_bytes_per_token": kv_per_token(a.shape),
               "block": a.block, "chunk": a.chunk, "new": a.new, "repeats": a.repeats,
               "rows": rows, "engine": {k: stats[k] for k in keys}}
+    rates = stats["restore_rates"]
+    log(f"the planner's fits: reads {rates['reads']}, split {rates.get('split')}")
     print(table(rows))
     if a.out:
         Path(a.out).write_text(json.dumps(result, indent=1))

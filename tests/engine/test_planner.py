@@ -26,10 +26,12 @@ class Fixed(Fit):
 
 
 def rates(per_token: float, per_pos: float = 0.0, reads: dict[str, tuple[float, float]]
-          | None = None, restore: tuple[float, float] = (0.0, 0.0)) -> Rates:
+          | None = None, restore: tuple[float, float] = (0.0, 0.0),
+          split: dict[str, tuple[float, float]] | None = None) -> Rates:
     return Rates(prefill=Fixed(per_token, per_pos),
                  reads={t: Fixed(*ab) for t, ab in (reads or {}).items()},
-                 restore=Fixed(*restore))
+                 restore=Fixed(*restore),
+                 split={t: Fixed(*ab) for t, ab in (split or {}).items()})
 
 
 def blocks(*tiers: str, size: int = 64, nbytes: int = 1000) -> list[Span]:
@@ -85,6 +87,7 @@ def test_the_split_meets_in_the_middle_when_the_engine_can_run_it():
     p = plan(spans, r, concurrent=True)
     assert p is not None and (p.kind, p.head, p.split, p.end) == ("split", 0, 320, 640)
     assert p.split_s == pytest.approx(0.32)
+    assert p.overlap == (pytest.approx(0.32), pytest.approx(0.32))  # (min, max + restore)
     assert p.load_s == pytest.approx(0.64) and p.recompute_s == pytest.approx(0.64)
     assert p.keep == 0
     # without a concurrent engine only load-only and recompute-only are candidates
@@ -97,6 +100,61 @@ def test_the_split_meets_in_the_middle_when_the_engine_can_run_it():
     assert q is not None and (q.kind, q.split, q.split_s) == ("load", 0, None)
     q = plan(spans, rates(1e-3, reads={"ssd": (0.0, 65e-6)}))
     assert q is not None and (q.kind, q.split, q.split_s) == ("recompute", 640, None)
+
+
+def test_the_splits_measured_overlap_decides_whether_it_is_taken():
+    """A split's time: contention * min(head, read) + scale * (max(head, read) + restore)
+    of the tail's tier (injected here): 10 SSD blocks, prefill 64 ms a block, the SSD
+    63 ms: load-only 0.63 s, recompute-only 0.64 s, a free split at block 5 0.32 s."""
+    spans = blocks(*["ssd"] * 10)
+
+    def with_split(split: dict[str, tuple[float, float]]) -> Plan | None:
+        return plan(spans, rates(1e-3, reads={"ssd": (0.0, 63e-6)}, split=split),
+                    concurrent=True)
+
+    # half the overlap lost: the middle still wins, 0.32 + 0.5 * 0.315
+    p = with_split({"ssd": (0.5, 1.0)})
+    assert p is not None and (p.kind, p.split) == ("split", 320)
+    assert p.split_s == pytest.approx(0.4775)
+    assert p.overlap == (pytest.approx(0.315), pytest.approx(0.32))
+    # one after the other: 0.631 s at best (split at 64), slower than load-only
+    p = with_split({"ssd": (1.0, 1.0)})
+    assert p is not None and (p.kind, p.split, p.overlap) == ("load", 0, None)
+    assert p.load_s == pytest.approx(0.63) and p.split_s == pytest.approx(0.631)
+    # the rest twice as slow as predicted: the best split 0.64 s, slower too
+    p = with_split({"ssd": (0.0, 2.0)})
+    assert p is not None and p.kind == "load" and p.split_s == pytest.approx(0.64)
+    # another tier's fit does not apply to the SSD's tail
+    p = with_split({"redis": (1.0, 1.0)})
+    assert p is not None and (p.kind, p.split_s) == ("split", pytest.approx(0.32))
+
+
+def test_the_overlap_is_learned_from_measured_splits():
+    r = Rates()
+    assert r.split_s("ssd", 0.2, 0.3, 0.1) == pytest.approx(0.4)  # unmeasured: free
+    # one sample: the measured / predicted ratio scales the whole prediction
+    r.record_split("ssd", (0.2, 0.4), 0.6)
+    assert r.split["ssd"].coef() == (0.0, pytest.approx(1.5))
+    assert r.split_s("ssd", 0.2, 0.3, 0.1) == pytest.approx(0.6)
+    # splits that ran one after the other (min + max + restore), of several shapes:
+    # contention 1, scale 1 exactly once they can be told apart
+    s = Rates()
+    for lo, hi in ((0.1, 0.5), (0.3, 0.4), (0.05, 0.9)):
+        s.record_split("redis", (lo, hi), lo + hi)
+    assert s.split["redis"].coef() == (pytest.approx(1.0), pytest.approx(1.0))
+    assert s.split_s("redis", 0.2, 0.3, 0.1) == pytest.approx(0.6)
+    assert s.snapshot()["split"] == {"redis": {"samples": 3, "contention": pytest.approx(1.0),
+                                               "scale": pytest.approx(1.0)}}
+    # learned online, the planner stops choosing a split that lost to load-only
+    spans = blocks(*["ssd"] * 10)
+    learned = rates(1e-3, reads={"ssd": (0.0, 63e-6)})  # load-only 0.63 s
+    first = plan(spans, learned, concurrent=True)
+    assert first is not None and (first.kind, first.split_s) == ("split", pytest.approx(0.32))
+    assert first.overlap is not None
+    learned.record_split("ssd", first.overlap, 0.70)  # measured: slower than load-only
+    again = plan(spans, learned, concurrent=True)
+    assert again is not None and again.kind == "load"
+    assert again.split_s == pytest.approx(0.70)  # the same split, scaled by 0.70 / 0.32
 
 
 def test_stateful_caches_load_only_whatever_the_rates_or_policy():
@@ -187,10 +245,12 @@ TIERS = st.sampled_from(["ram", "ssd", "redis"])
        ssd=st.tuples(st.floats(0, 0.1), st.floats(1e-12, 1e-6)),
        redis=st.tuples(st.floats(0, 0.1), st.floats(1e-12, 1e-6)),
        restore=st.tuples(st.floats(0, 1e-3), st.floats(0, 1e-8)),
+       split=st.one_of(st.none(), st.tuples(st.floats(0, 2), st.floats(0.1, 3))),
        concurrent=st.booleans())
 def test_the_chosen_plan_is_never_predicted_slower_than_load_or_recompute_alone(
-        tiers, nbytes, per_token, per_pos, ssd, redis, restore, concurrent):
-    r = rates(per_token, per_pos, {"ssd": ssd, "redis": redis}, restore)
+        tiers, nbytes, per_token, per_pos, ssd, redis, restore, split, concurrent):
+    r = rates(per_token, per_pos, {"ssd": ssd, "redis": redis}, restore,
+              split={"ssd": split, "redis": split} if split else None)
     spans = blocks(*tiers, nbytes=nbytes)
     p = plan(spans, r, concurrent=concurrent)
     if all(t == "ram" for t in tiers):
@@ -209,6 +269,7 @@ def test_the_chosen_plan_is_never_predicted_slower_than_load_or_recompute_alone(
         assert spans[-1].tier != "ram"
     if not concurrent:
         assert p.split_s is None
+    assert (p.overlap is not None) == (p.kind == "split")
 
 
 def test_a_load_re_measures_the_tier_after_sixteen_recomputes_in_a_row():

@@ -150,6 +150,8 @@ def test_the_split_prefills_the_head_while_the_tail_loads(tiny_llama_path, tmp_p
         == (1, 13, 0, 0)
     assert e["restore_plans_by_kind"] == {"split": 1} and e["recomputed_tokens"] == 16
     assert stats["cache"]["promotions"] == 0  # the tail was read apart from the cache
+    # the split's measured time fitted against its parts (contention, scale)
+    assert e["restore_rates"]["split"]["ssd"]["samples"] == 1
 
 
 @pytest.mark.parametrize("kind", ["deepseek_v3", "glm4_moe_lite", "deepseek_v32"])
@@ -208,4 +210,49 @@ def test_a_failed_or_late_tail_read_is_prefilled(tiny_llama_path, tmp_path):
     assert failed.usage.cached_tokens == late.usage.cached_tokens == 0
     assert failed.usage.recomputed_tokens == late.usage.recomputed_tokens == 29
     assert (e1["splices"], e1["splices_given_up"], e1["splices_late"]) == (0, 1, 0)
-    assert (e2["splices"], e2["splices_given_up"], e2["splices_late"]) == (0, 1, 1)
+    assert (e2["splices"], e2["splices_given_up"], e2["splices_late"]) == (0, 2, 1)
+    # a failed read says nothing of the overlap; a late one cost the whole tail's prefill
+    assert e1["restore_rates"]["split"] == {}
+    assert e2["restore_rates"]["split"]["ssd"]["samples"] == 1
+
+
+def test_the_tail_is_made_into_payloads_on_the_read_thread():
+    """``read_tail``: a mapped segment's view goes to an adapter that copies as it is
+    (no ``bytes`` copy first), to one that keeps views as a copy; a block absent,
+    another block's or of a wrong count is None / a TierError."""
+    from types import SimpleNamespace
+
+    from promptcache.engine.requests.splice import read_tail
+    from promptcache.errors import TierError
+    from promptcache.hashing import BlockHash
+
+    metas = [SimpleNamespace(block_hash=BlockHash(bytes([i]) * 32)) for i in range(3)]
+    data = [memoryview(b"one"), memoryview(b"two")]
+
+    class Payloads:
+        def __init__(self, copies: bool) -> None:
+            self.adapter = SimpleNamespace(copies_buffers=copies)
+            self.items: list[tuple[object, BlockHash]] = []
+
+        def load_many(self, items):
+            self.items = list(items)
+            return [(bytes(b), 3) if h == metas[0].block_hash else None for b, h in items]
+
+    class Tier:
+        def get_many(self, hashes, *, ns=None):
+            assert hashes == [m.block_hash for m in metas]
+            return [(data[0], []), (data[1], []), None]
+
+    for copies in (True, False):
+        p = Payloads(copies)
+        got = read_tail(Tier(), metas, None, p)
+        assert got == [(b"one", 3), None, None]
+        assert [type(b) for b, _ in p.items] == [memoryview if copies else bytes] * 2
+        assert [b == d for (b, _), d in zip(p.items, data, strict=True)] == [True, True]
+
+    class Short(Tier):
+        def get_many(self, hashes, *, ns=None):
+            return [None]
+
+    with pytest.raises(TierError, match="wrong number"):
+        read_tail(Short(), metas, None, Payloads(True))

@@ -175,8 +175,10 @@ class Lookup:
         # the run's payloads made at once (the adapter may build one array for a run)
         present = [k for k, g in enumerate(got) if isinstance(g, tuple) and len(g) == 2
                    and isinstance(g[0], (bytes, bytearray, memoryview))]
+        # a view of a mapped segment is decoded in place where the adapter copies it
+        view_ok = getattr(self.payloads.adapter, "copies_buffers", False)
         loaded = self.payloads.load_many(
-            [(bytes(got[k][0]), hashes[k]) for k in present])
+            [(got[k][0] if view_ok else bytes(got[k][0]), hashes[k]) for k in present])
         reads.append(TierRead(src.name, len(run), total, time.perf_counter() - t))
         out: dict[int, Any] = dict(zip(run, got, strict=True))
         for k, res in zip(present, loaded, strict=True):

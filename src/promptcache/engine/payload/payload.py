@@ -21,6 +21,7 @@ class MLXPayloadAdapter:
     """Payload adapter for ``BlockPayload`` (and plain ``dict[str, mx.array]``) payloads."""
 
     name = "mlx"
+    copies_buffers = True  # from_buffer(s) copy: a mapped segment's view is read in place
 
     def nbytes(self, payload: Mapping[str, Any]) -> int:
         """Bytes from shape x dtype metadata (``mx.array.nbytes`` does not evaluate)."""

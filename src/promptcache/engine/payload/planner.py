@@ -73,11 +73,15 @@ class Rates:
     ``prefill``: seconds = a*tokens + b*(sum of their positions) (attention grows with
     the position); ``reads[tier]``: seconds = latency*reads + bytes/bandwidth of one
     tier's reads (promotion: tier bytes to payloads); ``restore``: seconds per copy and
-    per byte of a restore into the model's caches (every loaded block, RAM ones too)."""
+    per byte of a restore into the model's caches (every loaded block, RAM ones too);
+    ``split[tier]``: a split's measured seconds = a*min(head, read) + b*(max(head, read)
+    + restore) (a: the contention of the head's prefill and the tail's read, 0 when
+    they overlap for free, 1 when they run one after the other; b: the rest's scale)."""
 
     prefill: Fit = field(default_factory=lambda: Fit(0))
     reads: dict[str, Fit] = field(default_factory=dict)
     restore: Fit = field(default_factory=lambda: Fit(1))
+    split: dict[str, Fit] = field(default_factory=dict)
 
     def record_prefill(self, chunks: Sequence[tuple[int, int]], seconds: float) -> None:
         """One forward over ``(first position, tokens)`` chunks (a batch's rows)."""
@@ -86,6 +90,17 @@ class Rates:
 
     def record_read(self, tier: str, reads: int, nbytes: int, seconds: float) -> None:
         self.reads.setdefault(tier, Fit(1)).add(reads, nbytes, seconds)
+
+    def record_split(self, tier: str, overlap: tuple[float, float], seconds: float) -> None:
+        """A split took ``seconds`` where ``plan`` predicted ``overlap`` (``Plan.overlap``)."""
+        self.split.setdefault(tier, Fit(1)).add(*overlap, seconds)
+
+    def split_s(self, tier: str, head_s: float, read_s: float, restore_s: float) -> float:
+        """A split's seconds from its parts (unmeasured: a free overlap)."""
+        lo, hi = min(head_s, read_s), max(head_s, read_s) + restore_s
+        fit = self.split.get(tier)
+        t = fit(lo, hi) if fit is not None else None
+        return hi if t is None else t
 
     def prefill_s(self, start: int, end: int) -> float | None:
         n = end - start
@@ -98,7 +113,9 @@ class Rates:
         return {"prefill": one(self.prefill, ("s_per_token", "s_per_token_position")),
                 "restore": one(self.restore, ("s_per_copy", "s_per_byte")),
                 "reads": {t: one(f, ("s_per_read", "s_per_byte"))
-                          for t, f in sorted(self.reads.items())}}
+                          for t, f in sorted(self.reads.items())},
+                "split": {t: one(f, ("contention", "scale"))
+                          for t, f in sorted(self.split.items())}}
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,7 +125,9 @@ class Plan:
     ``why``: auto | forced | stateful (the cache cannot take a head recomputed
     under a loaded tail) | unmeasured (a rate is not known yet) | probe (a load after
     ``PROBE_EVERY`` recomputes in a row, re-measuring the tier). Predicted seconds of
-    each choice (None: unknown; ``split_s`` None where no split was considered)."""
+    each choice (None: unknown; ``split_s`` None where no split was considered);
+    ``overlap``: a chosen split's ``(min(head, read), max(head, read) + restore)``
+    seconds, which its measured time is fitted against (``Rates.split``)."""
 
     kind: str
     why: str
@@ -118,6 +137,7 @@ class Plan:
     load_s: float | None = None
     recompute_s: float | None = None
     split_s: float | None = None
+    overlap: tuple[float, float] | None = None
 
     @property
     def keep(self) -> int:
@@ -224,7 +244,7 @@ def plan(spans: Sequence[Span], rates: Rates, *, policy: str = "auto",
     load_s = ram_s + times[0][0] + times[0][1]
     rec_s = ram_s + pre
     best = ("load", head, load_s) if load_s <= rec_s else ("recompute", end, rec_s)
-    split_s, where = None, end
+    split_s, where, overlap = None, end, None
     if concurrent:  # the tail: one lower tier's blocks (read with one get_many)
         first = len(spans)
         while first > h and spans[first - 1].tier == spans[-1].tier != RAM:
@@ -233,12 +253,14 @@ def plan(spans: Sequence[Span], rates: Rates, *, policy: str = "auto",
             at = spans[i].start
             head_s = rates.prefill_s(head, at) or 0.0
             read_s, restore_s = times[i - h]
-            t = ram_s + max(head_s, read_s) + restore_s
+            t = ram_s + rates.split_s(spans[-1].tier, head_s, read_s, restore_s)
             if split_s is None or t < split_s:
                 split_s, where = t, at
+                overlap = (min(head_s, read_s), max(head_s, read_s) + restore_s)
         if split_s is not None and split_s < best[2]:
             best = ("split", where, split_s)
-    return Plan(best[0], "auto", head, best[1], end, load_s, rec_s, split_s)
+    return Plan(best[0], "auto", head, best[1], end, load_s, rec_s, split_s,
+                overlap if best[0] == "split" else None)
 
 
 def _restore_s(spans: Sequence[Span], rates: Rates) -> float:

@@ -195,6 +195,7 @@ class Request:
         self.prefill_s += self.ctx.timed_prefill([(p0, end - p0)], time.perf_counter() - t)
         if not self.chunk_done(end):
             return False
+        splice_due(self)  # a tail still unread is given up (and timed)
         self.end_prefill(self.first_token(last))
         return True
 

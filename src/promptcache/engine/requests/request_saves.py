@@ -26,7 +26,8 @@ from ..payload import adapters
 from ..payload.blockbuf import BlockPayload
 from ..payload.live import grow, keep_position
 from ..payload.planner import Plan
-from .row import SavingRow, Splice
+from .row import SavingRow
+from .splice import start_splice
 
 logger = logging.getLogger(__name__)
 
@@ -105,7 +106,7 @@ def lookup_and_restore(req: SavingRow) -> None:
             if req.ns is not None:
                 req.cursor = ChainCursor.after_hit(req.ns, [m for m, _ in blocks], n)
         if plan is not None and plan.kind == "split" and req.pos == plan.head:
-            req.splice = _splice_of(req, plan, match)
+            req.splice = start_splice(req, plan, match)
     except Exception:
         logger.exception("restoring cached blocks failed; prefilling the whole prompt")
         req.ctx.counters.restore_errors += 1
@@ -135,18 +136,6 @@ def _count_plan(req: SavingRow, plan: Plan) -> None:
     req.usage.restore_plan = plan.describe()
     # a split's tail counts as recomputed until it is spliced in (splice.py)
     req.usage.recomputed_tokens = (plan.end if plan.kind == "split" else plan.split) - plan.head
-
-
-def _splice_of(req: SavingRow, plan: Plan, match: Any) -> Splice | None:
-    """The tail read of a split plan, started (``engine/requests/splice.py``)."""
-    tail = [(m, t) for m, t in zip(match.blocks, match.tiers, strict=True)
-            if plan.split <= m.start < plan.end]
-    lower = {t.name: t for t in getattr(req.ctx.cache, "lower", ())}
-    tier = lower.get(tail[0][1]) if tail else None
-    if tier is None or req.ns is None or getattr(tier, "get_many", None) is None:
-        return None
-    return Splice(tier, [m for m, _ in tail], req.ns, plan.split, plan.end,
-                  plan.split_s or 0.0)
 
 
 def _continue_live(req: SavingRow, at_least: int, metas: Sequence[BlockMeta]) -> bool:

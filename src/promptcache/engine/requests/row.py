@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -26,12 +26,12 @@ if TYPE_CHECKING:
 MIN_WAIT_S, MAX_WAIT_S = 0.25, 2.0
 
 
-def _read(tier: Any, metas: Sequence[BlockMeta], ns: Namespace,
-          out: Future[tuple[list[Any], float]]) -> None:
-    """The background thread: the tier's bytes (``get_many``) and how long they took."""
+def _run(work: Callable[[], list[Any]], out: Future[tuple[list[Any], float]]) -> None:
+    """The background thread: ``work()`` (the tail read and made into payloads) and how
+    long it took."""
     t = time.perf_counter()
     try:
-        got = list(tier.get_many([m.block_hash for m in metas], ns=ns))
+        got = work()
     except BaseException as e:
         out.set_exception(e)
         return
@@ -39,15 +39,19 @@ def _read(tier: Any, metas: Sequence[BlockMeta], ns: Namespace,
 
 
 class Splice:
-    """A tail ``metas`` (``[at, end)``, one lower tier) being read for a request."""
+    """A tail ``metas`` (``[at, end)``, one lower tier) being read for a request by
+    ``work`` on a background thread; ``overlap``: the plan's (``Plan.overlap``), timed
+    against the split's measured seconds from ``started`` on."""
 
-    def __init__(self, tier: Any, metas: Sequence[BlockMeta], ns: Namespace, at: int,
-                 end: int, predicted_s: float) -> None:
-        self.tier_name = str(tier.name)
+    def __init__(self, tier_name: str, metas: Sequence[BlockMeta], at: int, end: int,
+                 predicted_s: float, overlap: tuple[float, float] | None,
+                 work: Callable[[], list[Any]]) -> None:
+        self.tier_name, self.overlap = tier_name, overlap
         self.metas, self.at, self.end = list(metas), at, end
         self.wait_s = min(MAX_WAIT_S, max(MIN_WAIT_S, 2 * predicted_s))
         self.future: Future[tuple[list[Any], float]] = Future()
-        threading.Thread(target=_read, args=(tier, self.metas, ns, self.future),
+        self.started = time.perf_counter()
+        threading.Thread(target=_run, args=(work, self.future),
                          name="promptcache-tail", daemon=True).start()
 
     def cap(self, end: int, pos: int) -> int:
