@@ -1,13 +1,7 @@
 """The Engine: one thread owns the model; requests are submitted from any thread.
-
-``submit`` validates and takes an admission ticket (``submission.py``,
-``admission.py``); the engine thread runs the ``Scheduler``. The caller builds the
-prompt cache and hands it in; ``close()`` closes it. If the engine thread dies, every
-pending request ends with an error and ``submit`` raises ``EngineDeadError``. The Engine
-implements the server's port (``port.EngineAPI``) as short delegates to plain parts it
-builds: ``submission``, ``prompting``, ``cache_port`` (cache calls run on the engine
-thread through ``call``: bounded, degrading to None / 0), ``memory`` (the governor).
-"""
+The caller builds the prompt cache and hands it in; ``close()`` closes it. If the engine thread
+dies, pending requests end with an error and ``submit`` raises ``EngineDeadError``. The port's
+methods are short delegates to the parts built here (submission, prompting, cache_port, memory)."""
 
 from __future__ import annotations
 

@@ -1,21 +1,8 @@
 """The typed port between the server and the engine: ``EngineAPI`` and ``CacheAPI``.
-
-The server (``promptcache.server``) holds an ``EngineAPI`` and nothing else of the
-engine: ``Engine`` implements it, and so do the tests' fakes (``tests/server/
-fake_engine.py``, type-checked against it by mypy). Optional capabilities are typed
-as Optional (``cache`` is None without a prompt cache, ``shadow`` without shadow
-verification, ``vision`` for a text-only model), never discovered with ``getattr``.
-
-Everything that reads or changes the prompt cache's chains for a request (the
-predicted cached tokens of a prompt, the probe's lookup, a breakpoint's protection, a
-session's latest chain) runs on the engine thread, the thread that owns the model and
-stores the blocks: ``predict_cached``, ``probe_cache``, ``protect`` and ``mark_active``
-are calls the engine executes there (``Engine.call``); they wait at most a bounded
-time and degrade (None / 0, counted in the engine's ``engine_calls_failed`` /
-``engine_calls_timed_out``) rather than fail the request. Administrative reads and
-deletions (stats, session lists, ``DELETE /v1/cache``) stay thread-safe calls on the
-cache (``CacheAPI``) from the server's worker threads.
-"""
+The server holds an ``EngineAPI`` and nothing else of the engine (``Engine`` and the tests' fakes
+implement it, checked by mypy); optional parts are Optional, never found with ``getattr``.
+Calls on the cache's chains for a request run on the engine thread (``Engine.call``: bounded,
+degrading to None / 0); admin reads and deletions are thread-safe ``CacheAPI`` calls."""
 
 from __future__ import annotations
 
