@@ -1,9 +1,6 @@
-"""``POST /v1/cache/probe``: what the cache holds for a request, without generating. The
-body (chat, Messages or Responses; ``?api=`` or guessed) is prepared exactly as a real
-turn and looked up as a pure query (nothing promoted, stored or counted); the answer
-(docs/api.md) gives the cached tokens by tier, the first divergence and its cause, the
-restore-or-recompute plan a turn would take now, and the comparison with the session's
-previous turn."""
+"""``POST /v1/cache/probe``: what the cache holds for a request, without generating. The body is
+prepared exactly as a real turn and looked up as a pure query (nothing promoted, stored or
+counted); the answer is described in docs/api.md."""
 
 from __future__ import annotations
 
