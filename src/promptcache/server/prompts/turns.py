@@ -106,6 +106,7 @@ def claim_chain(request: Request, tenant: str, key: TurnKey | None, prepared: Pr
     engine: EngineAPI = request.app.state.pc.engine
     if engine.cache is None:
         return
+    port = engine.cache_port
     breakpoints = list(prepared.breakpoints)
     if not breakpoints and key is None:
         return
@@ -114,13 +115,13 @@ def claim_chain(request: Request, tenant: str, key: TurnKey | None, prepared: Pr
 
     def apply() -> None:
         for pos, ttl in breakpoints:
-            engine.protect(tokens, tenant, min(pos, len(tokens)), ttl, extra_keys=extra)
+            port.protect(tokens, tenant, min(pos, len(tokens)), ttl, extra_keys=extra)
         if chat.retention is not None and key is not None:
-            engine.protect(tokens, tenant, len(tokens), KEY_PROTECT_S, key=key.activity,
-                           persist=chat.retention == "24h", extra_keys=extra,
-                           pin_s=86400.0 if chat.retention == "24h" else None)
+            port.protect(tokens, tenant, len(tokens), KEY_PROTECT_S, key=key.activity,
+                         persist=chat.retention == "24h", extra_keys=extra,
+                         pin_s=86400.0 if chat.retention == "24h" else None)
         if key is not None:
-            engine.mark_active(tokens, tenant, key.activity, extra_keys=extra)
+            port.mark_active(tokens, tenant, key.activity, extra_keys=extra)
 
     preparer_of(request).submit(apply)
 
