@@ -35,9 +35,6 @@ from .replies.runner import BASE_ALIASES, ServerState
 
 log = logging.getLogger(__name__)
 
-# paths that need neither a key nor a scope
-_OPEN_PATHS = ("/health", "/metrics", "/docs", "/openapi.json", "/redoc")
-
 
 class ScopeMiddleware:
     """Authenticates ``/v1/*`` and sets ``request.state.pc_scope`` before routing (401 first)."""
