@@ -3,20 +3,15 @@
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \\
         .venv/bin/python bench/bench_batching.py {save,scheduler,render,profile} [--model PATH]
 
-- ``save``: storing a long prompt chunk by chunk (the mid-prefill save point) through
-  PromptCache.store + adapters.extract_block, as the engine does: before (the token
-  list re-validated and the chain re-hashed from the root at every save) and now
-  (one uint32 buffer + a ChainCursor). Synthetic KV (no model), 256-token chunks.
-- ``scheduler``: our scheduler vs mlx-lm's BatchGenerator on the same prompts: decode
-  throughput at batch sizes 1/4/8, and the cost of reading a request's state at every
-  chunk boundary (BatchGenerator.extract_cache copies the whole KV so far; we read
-  only the new blocks out of the request's own caches).
-- ``profile``: where a step's time goes at one batch size (C1's shape: ~225-token
-  prompts arriving together): the bare batched decode forward of the model (the floor),
-  our scheduler's decode steps and BatchGenerator's, the prefill of the burst in both,
-  and a cProfile of our decode steps (host work vs waiting for the forward).
-- ``render``: the chat template for a long chat: one render + one tokenization with
-  offsets (now) vs one render per message (before).
+- ``save``: storing a long prompt chunk by chunk (the mid-prefill save point) as the engine
+  does: before (the tokens re-validated and the chain re-hashed at every save) and now (one
+  uint32 buffer + a ChainCursor). Synthetic KV, 256-token chunks.
+- ``scheduler``: our scheduler vs mlx-lm's BatchGenerator: decode throughput at batch sizes
+  1/4/8, and reading a request's state at every chunk boundary (extract_cache copies the whole
+  KV; we read only the new blocks).
+- ``profile``: where a step's time goes for a burst of ~225-token prompts: the bare batched
+  forward (the floor), both schedulers' prefill and decode steps, a cProfile of ours.
+- ``render``: a long chat's template: one render with offsets (now) vs one per message (before).
 """
 
 from __future__ import annotations
@@ -119,31 +114,36 @@ def _prompts(n: int, length: int, seed: int) -> list[list[int]]:
     return [[int(t) for t in rng.integers(3, 1000, size=length)] for _ in range(n)]
 
 
-def _ours(model, tok, prompts, max_tokens) -> tuple[float, float, int]:
-    """(total s, decode tok/s once every stream started, tokens) through our scheduler."""
+def _our_scheduler(model, tok, prompts, max_tokens, on_event):
+    """Our scheduler with ``prompts`` submitted (greedy, no cache); ``on_event`` per event."""
     from promptcache.engine.api import GenerationRequest, SamplingParams
     from promptcache.engine.requests.admission import Admission, Ticket
     from promptcache.engine.requests.request import EngineContext, Request, validate_request
     from promptcache.engine.requests.scheduler import Scheduler
     from promptcache.serving_config import EngineConfig
 
-    cfg = EngineConfig(prefill_chunk_tokens=CHUNK)
-    ctx = EngineContext(model=model, tokenizer=tok, config=cfg, context_length=1 << 20,
-                        vocab_size=1 << 20, eos_token_ids=frozenset())
+    ctx = EngineContext(model=model, tokenizer=tok, config=EngineConfig(prefill_chunk_tokens=CHUNK),
+                        context_length=1 << 20, vocab_size=1 << 20, eos_token_ids=frozenset())
     adm = Admission(64, 64, None, lambda n: n)
-    stamps: list[float] = []
 
     def make(t: Ticket) -> Request:
         req: GenerationRequest = t.item
-        return Request(ctx, req, validate_request(req, ctx),
-                       lambda ev: stamps.append(time.perf_counter()))
+        return Request(ctx, req, validate_request(req, ctx), on_event)
 
     sched = Scheduler(ctx, adm, make)
-    t0 = time.perf_counter()
     for p in prompts:
-        req = GenerationRequest(prompt_tokens=tuple(p), sampling=SamplingParams(max_tokens=max_tokens),
-                                use_cache=False)
-        adm.submit(Ticket(req, len(p) + max_tokens))
+        adm.submit(Ticket(GenerationRequest(prompt_tokens=tuple(p), use_cache=False,
+                                            sampling=SamplingParams(max_tokens=max_tokens)),
+                          len(p) + max_tokens))
+    return sched
+
+
+def _ours(model, tok, prompts, max_tokens) -> tuple[float, float, int]:
+    """(total s, decode tok/s once every stream started, tokens) through our scheduler."""
+    stamps: list[float] = []
+    sched = _our_scheduler(model, tok, prompts, max_tokens,
+                           lambda ev: stamps.append(time.perf_counter()))
+    t0 = time.perf_counter()
     first_all = None
     while sched.step():
         if first_all is None and len(sched.batch) == len(prompts):
@@ -247,25 +247,7 @@ def bench_scheduler(model_path: str, batches: list[int], max_tokens: int, long_p
 def _ours_steps(model, tok, prompts, max_tokens, profiler=None):
     """Our scheduler on a burst: (s until every stream had its first token, per decode
     step s after that); ``profiler`` (cProfile) runs during those decode steps."""
-    from promptcache.engine.api import GenerationRequest, SamplingParams
-    from promptcache.engine.requests.admission import Admission, Ticket
-    from promptcache.engine.requests.request import EngineContext, Request, validate_request
-    from promptcache.engine.requests.scheduler import Scheduler
-    from promptcache.serving_config import EngineConfig
-
-    ctx = EngineContext(model=model, tokenizer=tok, config=EngineConfig(prefill_chunk_tokens=CHUNK),
-                        context_length=1 << 20, vocab_size=1 << 20, eos_token_ids=frozenset())
-    adm = Admission(64, 64, None, lambda n: n)
-
-    def make(t: Ticket) -> Request:
-        req: GenerationRequest = t.item
-        return Request(ctx, req, validate_request(req, ctx), lambda ev: None)
-
-    sched = Scheduler(ctx, adm, make)
-    for p in prompts:
-        adm.submit(Ticket(GenerationRequest(prompt_tokens=tuple(p), use_cache=False,
-                                            sampling=SamplingParams(max_tokens=max_tokens)),
-                          len(p) + max_tokens))
+    sched = _our_scheduler(model, tok, prompts, max_tokens, lambda ev: None)
     t0 = time.perf_counter()
     while len(sched.batch) < len(prompts):
         sched.step()

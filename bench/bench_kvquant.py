@@ -1,30 +1,16 @@
 """KV quantization of cached blocks: bytes per token, quality, SSD restore (a script,
-not a test).
+not a test). Parts (``--parts``, default all), full precision vs ``--kv-bits 8`` vs ``4``:
 
-Parts (``--parts``, default all):
+* ``bytes``: bytes and arrays per cached token of one stored 64-token block (SmolLM2 as
+  served and cast to float16, the tiny test llamas);
+* ``quality``: chat prompts restored and continued: max |dlogits| of the first token and
+  top-1 agreement over ``--steps`` teacher-forced steps (the full-precision restore is the
+  method's noise floor);
+* ``ppl``: perplexity of a text read in 256-token turns, each restored from the blocks so far;
+* ``ssd``: the ~200 MB prefix of ``bench/bench_ssd.py`` restored from the SSD (cold, warm) and
+  from RAM; bytes on disk.
 
-* ``bytes``: bytes per cached token of one stored 64-token block, full precision vs
-  ``--kv-bits 8`` vs ``4`` (group 64), for SmolLM2 as served (float32), SmolLM2 cast to
-  float16, and the tiny test llamas (head_dim 64 and 16); arrays per block and per
-  cached token, one buffer per block vs one array per tensor.
-* ``quality``: ``--prompts`` chat prompts (Python standard-library module docs, fixed
-  for a Python version), each prefilled at full precision, stored as blocks, restored
-  (full precision / 8-bit / 4-bit) and continued. max |dlogits| of the first generated
-  token against the full-precision prefill, and top-1 agreement over ``--steps`` decode
-  steps: the full-precision greedy continuation is fed to every restored cache (teacher
-  forcing) and each step's argmax is compared with it. The full-precision restore is the
-  noise floor of the method (a prefill of another shape differs in float rounding).
-* ``ppl``: perplexity of a fixed text (``--ppl-tokens`` tokens of the same docs) read
-  turn by turn in 256-token chunks, each chunk's context restored from the blocks
-  stored so far (full precision / 8-bit / 4-bit), as a multi-turn conversation would.
-* ``ssd``: the ~200 MB SmolLM2-shaped float32 prefix of ``bench/bench_ssd.py`` (4,352
-  tokens, random KV) stored through PromptCache + SSDTier, then restored into a fresh
-  cache (page cache dropped): promotion from the SSD (read + sha256 + decode) plus
-  ``adapters.restore`` into KVCache, full precision vs ``--kv-bits 8`` vs ``4``
-  (default min tokens 256); bytes on disk.
-
-Quantization settings: group 64; ``min_tokens`` 0 (every block quantized: the worst
-case) unless the row says m256 (the server's default).
+Group 64; ``min_tokens`` 0 (every block quantized) unless the row says m256 (the default).
 
 usage: LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \\
     python bench/bench_kvquant.py [--parts bytes,quality,ppl,ssd] [--model DIR]
@@ -38,10 +24,8 @@ import json
 import math
 import os
 import platform
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -50,18 +34,11 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 from mlx_lm import load
-from mlx_lm.models.cache import KVCache, make_prompt_cache
-from page_cache import drop_cache
+from mlx_lm.models.cache import make_prompt_cache
 
-from harness.systems import dir_bytes
-from promptcache.cache import PromptCache
-from promptcache.config import CacheConfig, SSDConfig
 from promptcache.engine.payload import adapters
 from promptcache.engine.payload.adapters import BlockSpan, extract_block, restore
-from promptcache.engine.payload.payload import MLXPayloadAdapter, ram_census
 from promptcache.engine.payload.quant import KVQuant
-from promptcache.meta import Namespace
-from promptcache.tiers.ssd import SSDTier
 
 BLOCK = 64
 CHUNK = 256
@@ -221,11 +198,7 @@ def part_quality(args: argparse.Namespace, smol: Path) -> dict[str, Any]:
     say(f"quality: {len(ps)} prompts, {min(lens)}-{max(lens)} tokens (median {statistics.median(lens)}), "
         f"{args.steps} steps, variants {list(variants)}; load {load_avg()}")
     rows: dict[int, dict[str, Any]] = {}
-    if args.rows is not None and args.rows.exists():
-        for line in args.rows.read_text().splitlines():
-            r = json.loads(line)
-            if r["steps"] == args.steps and set(r["variants"]) == set(variants):
-                rows[r["index"]] = r
+    _read_rows(args, variants, rows)
     t0 = time.perf_counter()
     for i, p in enumerate(ps):
         if i in rows or i < args.first:
@@ -239,12 +212,17 @@ def part_quality(args: argparse.Namespace, smol: Path) -> dict[str, Any]:
         if len(rows) % 10 == 0:
             say(f"  {len(rows)}/{len(ps)} prompts ({time.perf_counter() - t0:.0f} s, load {load_avg()}): "
                 + ", ".join(f"{v} top-1 {100 * _agreement(rows.values(), v):.2f}%" for v in variants))
-    if args.rows is not None:  # rows other workers wrote meanwhile
+    _read_rows(args, variants, rows)  # and the rows other workers wrote meanwhile
+    return summarize_quality(list(rows.values()), variants, len(ps), time.perf_counter() - t0)
+
+
+def _read_rows(args: argparse.Namespace, variants: Any, rows: dict[int, dict[str, Any]]) -> None:
+    """Add the ``--rows`` file's rows of this run's steps and variants (measured ones kept)."""
+    if args.rows is not None and args.rows.exists():
         for line in args.rows.read_text().splitlines():
             r = json.loads(line)
             if r["steps"] == args.steps and set(r["variants"]) == set(variants):
                 rows.setdefault(r["index"], r)
-    return summarize_quality(list(rows.values()), variants, len(ps), time.perf_counter() - t0)
 
 
 def _agreement(rows: Any, v: str) -> float:
@@ -298,97 +276,6 @@ def part_ppl(args: argparse.Namespace, smol: Path) -> dict[str, Any]:
     for v in out:
         out[v]["change"] = out[v]["ppl"] / base - 1
     return {"tokens": len(ids), "variants": out}
-
-
-# ---------------------------------------------------------------- SSD restore
-
-
-def _restore_all(cache: PromptCache, ns: Namespace, tokens: list[int], layers: int) -> float:
-    t = time.perf_counter()
-    hit = cache.acquire(tokens, ns)
-    restored = restore([KVCache() for _ in range(layers)], hit.blocks, hit.num_tokens, reserve=1)
-    mx.eval([c.keys for c in restored])
-    elapsed = time.perf_counter() - t
-    if hit.num_tokens != len(tokens) - 1:
-        raise RuntimeError(f"restored {hit.num_tokens} of {len(tokens) - 1} tokens: {hit}")
-    cache.release(hit)
-    return elapsed
-
-
-def part_ssd(args: argparse.Namespace) -> dict[str, Any]:
-    """Store the prefix once per variant, then per repeat and variant (interleaved, so
-    the machine's load swings hit every variant alike): a cold restore from the SSD
-    (page cache dropped, fresh RAM tier), a warm one (page-cached files, fresh RAM
-    tier), and one from RAM (the blocks the warm restore promoted)."""
-    layers, heads, dim = 30, 3, 64
-    n_tokens = 68 * BLOCK
-    mx.random.seed(0)
-    live = []
-    for _ in range(layers):
-        c = KVCache()
-        x = mx.random.normal((1, heads, n_tokens, dim))
-        c.update_and_fetch(x, -x)
-        live.append(c)
-    mx.eval([c.keys for c in live])
-    tokens = list(range(n_tokens + 1))
-    work = Path(tempfile.mkdtemp(prefix="bench-kvq-", dir=args.dir))
-    cfg = CacheConfig(block_size=BLOCK, ram_budget_bytes=2 * 1024**3)
-    variants = {"fp": None, "q8 m256": KVQuant(8), "q4 m256": KVQuant(4)}
-    out: dict[str, Any] = {"tokens": n_tokens, "variants": {}}
-
-    def open_cache(ssd_dir: Path) -> PromptCache:
-        tier = SSDTier(SSDConfig(path=ssd_dir, queue_size=256, fsync=True))
-        return PromptCache(cfg, adapter=MLXPayloadAdapter(), lower=[tier])
-
-    try:
-        setup = {}
-        for v, quant in variants.items():
-            ssd_dir = work / v.replace(" ", "_")
-            ns = Namespace("bench-kvquant", BLOCK,
-                           kv_spec=f"float32;kv*{layers}" + (f";{quant.spec}" if quant else ""))
-            tier = SSDTier(SSDConfig(path=ssd_dir, queue_size=256, fsync=True, policy="write_through"))
-            cache = PromptCache(cfg, adapter=MLXPayloadAdapter(), lower=[tier], write_through=True)
-            t = time.perf_counter()
-            cache.store(ns, tokens, n_tokens,
-                        lambda s, e, snap, q=quant: extract_block(live, s, e, snap, quant=q),
-                        include_partial=False)
-            tier.flush()
-            store_s = time.perf_counter() - t
-            census = ram_census(cache, quant)
-            cache.close(persist=False)
-            files = [p for p in ssd_dir.rglob("*.safetensors") if "quarantine" not in p.parts]
-            setup[v] = (ssd_dir, ns, files)
-            out["variants"][v] = {
-                "disk_bytes": dir_bytes(ssd_dir), "block_files_bytes": sum(f.stat().st_size for f in files),
-                "payload_bytes_per_token": census["bytes_per_cached_token"],
-                "arrays_per_cached_token": census["arrays_per_cached_token"], "store_s": store_s,
-                "runs": {"cold": [], "warm": [], "ram": []},
-            }
-        live.clear()  # free the source KV before the restores
-        method = ""
-        for _ in range(args.repeat):
-            for v, (ssd_dir, ns, files) in setup.items():
-                runs = out["variants"][v]["runs"]
-                method = drop_cache(files)
-                cache = open_cache(ssd_dir)
-                runs["cold"].append(_restore_all(cache, ns, tokens, layers))
-                cache.close(persist=False)
-                cache = open_cache(ssd_dir)
-                runs["warm"].append(_restore_all(cache, ns, tokens, layers))
-                runs["ram"].append(_restore_all(cache, ns, tokens, layers))
-                cache.close(persist=False)
-        for v, r in out["variants"].items():
-            runs = r["runs"]
-            r.update({f"{k}_restore_s": statistics.median(x) for k, x in runs.items()})
-            r.update({f"{k}_best_s": min(x) for k, x in runs.items()})
-            r["drop_method"] = method
-            say(f"ssd {v}: {r['block_files_bytes'] / 1e6:.1f} MB in block files; restore median (best) "
-                f"cold {r['cold_restore_s']:.3f} ({r['cold_best_s']:.3f}) s, warm {r['warm_restore_s']:.3f} "
-                f"({r['warm_best_s']:.3f}) s, from RAM {r['ram_restore_s']:.3f} ({r['ram_best_s']:.3f}) s")
-        say(f"ssd: load {load_avg()}, page cache dropped with {method}")
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    return out
 
 
 def main() -> None:
@@ -445,6 +332,8 @@ def main() -> None:
         for v, r in results["ppl"]["variants"].items():
             say(f"ppl {v}: {r['ppl']:.4f} ({100 * r['change']:+.3f}%)")
     if "ssd" in parts:
+        from kvquant_ssd import part_ssd
+
         results["ssd"] = part_ssd(args)
     results["load_end"] = load_avg()
     say(f"load at the end: {results['load_end']}")

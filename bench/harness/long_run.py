@@ -1,55 +1,32 @@
 """Long sessions: one conversation grown to 8K, 16K, 32K, ... tokens; at each size the
 next turn (``--new`` new tokens, first token only) is timed
 
-- from the **live state** (``engine/payload/live.py``: the previous turn's caches, nothing
-  restored),
-- from the **RAM tier** (the live state released first, as under memory pressure),
-- from the **SSD** after a clean shutdown and a restart (the page cache dropped),
-- from **Redis** (``--redis``: a new engine whose RAM and SSD are empty, a redis-server
-  holding the blocks),
-- on **mlx_lm.server** (``harness.systems``: ``mlx_lm server`` from this venv, serving the
-  same model folder, its in-RAM prompt cache kept between the requests of the
-  conversation; ``--no-mlx-lm`` leaves it out): the same conversation grown the same way,
-  the same new tokens, one text completion of one token timed from sending to the answer
-  (its tokenizing of the whole prompt included, as for any client of it),
+- from the **live state** (``engine/payload/live.py``: nothing restored), the **RAM tier**
+  (the live state released first), the **SSD** (after a clean restart, page cache dropped)
+  and **Redis** (``--redis``: a new engine with empty RAM and SSD);
+- on **mlx_lm.server** (``harness.systems``, the same model folder, its in-RAM prompt cache
+  kept; ``--no-mlx-lm`` leaves it out): one text completion of one token, timed from sending;
 
-beside the **floor** (mlx-lm alone: the prefill of only the new tokens on a cache that
-already holds the conversation), a **cold prefill** (mlx-lm alone: the whole prompt on an
-empty cache, chunked as the engine does), **one contiguous copy** of the bytes a restore
-writes, and **one sequential read** (``dd``, page cache dropped) of as many bytes from the
-SSD folder's file system. The targets of issue 41: live <= 1.05x the floor; RAM <= the
-floor + 1.2x the copy; SSD <= 1.2x (the read + the floor) and never more than a cold
-prefill.
+beside the **floor** (mlx-lm prefilling only the new tokens on a cache holding the rest), a
+**cold prefill** of the whole prompt, **one contiguous copy** of the bytes a restore writes
+and **one sequential read** (``dd``, page cache dropped) of as many bytes. Issue 41's targets:
+live <= 1.05x the floor; RAM <= the floor + 1.2x the copy; SSD <= 1.2x (the read + the floor)
+and never more than a cold prefill.
 
-The model (``--shape``):
-
-- ``small``: mlx-lm's llama class with random float32 weights (a CPU has no fast bfloat16
-  matmul), 8 layers, 4 query / 2 KV heads of 64, a 128K window;
-- ``smollm2``: the embedded default itself, the converted folder
-  ``~/.cache/promptcache/models/SmolLM2-135M-Instruct`` (its window widened to 32,768
-  by the conversion: YaRN, factor 4);
-- ``smollm2-random``: the default's structure (30 layers, 9 / 3 heads of 64) with random
-  weights and a 128K window.
-
-A random model is written to a folder first (config.json, safetensors, the default's
-tokenizer) so that mlx_lm.server and the engine load the same weights. The conversation
-is text: words of the default's tokenizer that are one token each (" word"), so the text
-mlx_lm.server tokenizes gives exactly the engine's tokens (checked at every size). Each
-turn is the conversation plus its new words; the one token answered is not appended
-(mlx_lm.server's answer would come back as text), for either system.
+``--shape``: ``small`` (mlx-lm's llama, random float32 weights, 8 layers, 4 / 2 heads of 64,
+a 128K window), ``smollm2`` (the embedded default, its window widened to 32,768 by YaRN) or
+``smollm2-random`` (the default's structure, random weights, a 128K window). A random model is
+written to a folder first so that mlx_lm.server and the engine load the same weights. The text
+is one-token words, so mlx_lm.server's tokenizing gives exactly the engine's tokens (checked).
 
     promptcache bench --scenarios long [--long-shape small] [--long-sizes ...]
     PYTHONPATH=src:bench python bench/bench_long_session.py [--shape small] \\
         [--sizes 8192,16384,32768] [--new 256] [--redis] [--gap 1] \\
         [--budget-min 15] [--out FILE.json]
 
-Each turn is sent ``--gap`` seconds after the previous one ended (an agent's tool call, a
-user's reading: what the previous request left running, its state's copy into a live
-state and its saves, is done by then). A size whose estimated time (the previous size's,
-scaled by the square of the sizes' ratio) exceeds ``--budget-min`` is not measured: the
-table says so.
-
-Prints a markdown table (times in seconds) and, with ``--out``, the numbers as JSON.
+Each turn is sent ``--gap`` seconds after the previous one ended. A size whose estimated time
+(the previous size's, scaled by the square of the sizes' ratio) exceeds ``--budget-min`` is
+skipped. Prints a markdown table (seconds) and, with ``--out``, the numbers as JSON.
 """
 
 from __future__ import annotations
@@ -140,12 +117,7 @@ def copy_time(nbytes: int) -> float:
     """One contiguous copy of ``nbytes`` (read + write once), the fastest of 3."""
     a = mx.zeros((max(1, nbytes // 4),), dtype=mx.float32)
     mx.eval(a)
-    best = float("inf")
-    for _ in range(3):
-        def run() -> None:
-            mx.eval(a + 0)
-        best = min(best, timed(run))
-    return best
+    return min(timed(lambda: mx.eval(a + 0)) for _ in range(3))
 
 
 def read_time(folder: Path, nbytes: int) -> float:
@@ -159,10 +131,8 @@ def read_time(folder: Path, nbytes: int) -> float:
         f.flush()
         os.fsync(f.fileno())
     drop_cache([path])
-    t = time.perf_counter()
-    subprocess.run(["dd", f"if={path}", "of=/dev/null", "bs=8M"], check=True,
-                   capture_output=True)
-    took = time.perf_counter() - t
+    took = timed(lambda: subprocess.run(["dd", f"if={path}", "of=/dev/null", "bs=8M"],
+                                        check=True, capture_output=True))
     path.unlink()
     return took
 

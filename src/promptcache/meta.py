@@ -57,17 +57,6 @@ class Namespace:
         """A short stable id of the namespace (hex), e.g. for folder names."""
         return self.root.hex()[:16]
 
-    @property
-    def model_key(self) -> str:
-        """The namespace minus the tenant: one folder per model/format on disk."""
-        return namespace_root(
-            model_fingerprint=self.model_fingerprint,
-            block_size=self.block_size,
-            kv_spec=self.kv_spec,
-            tenant="",
-            format_version=self.format_version,
-        ).hex()[:16]
-
     def with_tenant(self, tenant: str) -> Namespace:
         return Namespace(
             self.model_fingerprint, self.block_size, self.kv_spec, tenant, self.format_version

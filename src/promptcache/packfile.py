@@ -1,9 +1,6 @@
 """The pack archive format: write, read and verify a portable tar of cached blocks (no pickle).
-
-``manifest.json``, ``manifest.sha256``, then ``blocks/<hash>.safetensors`` (``codec``).
 ``read_pack`` verifies every byte (tar checksums, digests, padding, block headers, hash chain)
-before any import and fails closed (``PackError``); ``check_target`` refuses another model or
-format."""
+before any import and fails closed (``PackError``); ``check_target`` refuses another model."""
 
 from __future__ import annotations
 

@@ -30,7 +30,7 @@ def engine(tiny_llama_path):  # type: ignore[no-untyped-def]
 
 def test_a_call_runs_on_the_engine_thread_and_returns_or_raises(engine) -> None:  # type: ignore[no-untyped-def]
     port: EngineAPI = engine
-    assert port.cache is not None and port.tunable_cache is engine.cache
+    assert port.cache is not None and port.cache_port.tunable_cache is engine.cache
     assert engine.call(lambda: threading.current_thread().name) == "promptcache-engine"
     with pytest.raises(KeyError):
         engine.call(lambda: {}["missing"])
@@ -39,26 +39,26 @@ def test_a_call_runs_on_the_engine_thread_and_returns_or_raises(engine) -> None:
 
 def test_predict_probe_protect_and_mark_active_go_through_the_engine_thread(engine) -> None:  # type: ignore[no-untyped-def]
     toks = _tokens(40, seed=1)
-    cold = engine.predict_cached(toks, "t-port")
+    cold = engine.cache_port.predict_cached(toks, "t-port")
     assert cold == CachePrediction(0, "cold")
     res = engine.submit(GenerationRequest(prompt_tokens=tuple(toks), tenant="t-port",
                                           sampling=SamplingParams(max_tokens=2))).result(60)
     assert res.finish_reason in ("stop", "length")
-    hit = engine.predict_cached(toks, "t-port")
+    hit = engine.cache_port.predict_cached(toks, "t-port")
     # all of it but the last token; every prompt token is stored (nothing to write)
     assert hit == CachePrediction(39, None, whole=True)
     # a prompt that diverges from the stored chain after 32 tokens
-    probe = engine.probe_cache(toks[:33] + [1] * 16, "t-port", context_tokens=8)
+    probe = engine.cache_port.probe_cache(toks[:33] + [1] * 16, "t-port", context_tokens=8)
     assert probe is not None and probe.miss is not None
     assert (probe.num_tokens, probe.matched_tokens, dict(probe.tokens_by_tier)) == \
         (33, 33, {"ram": 33})
     assert (probe.miss.kind, probe.miss.position) == ("diverged", 33)
     # what the cache holds from there: the prompt's last 7 tokens, then the output
     assert len(probe.stored_after) == 8 and probe.stored_after[:7] == tuple(toks[33:])
-    assert engine.protect(toks, "t-port", 32, 60.0) >= 1
-    assert engine.mark_active(toks, "t-port", "s1") >= 1
+    assert engine.cache_port.protect(toks, "t-port", 32, 60.0) >= 1
+    assert engine.cache_port.mark_active(toks, "t-port", "s1") >= 1
     # another tenant sees nothing
-    assert engine.predict_cached(toks, "other") == CachePrediction(0, "cold")
+    assert engine.cache_port.predict_cached(toks, "other") == CachePrediction(0, "cold")
 
 
 def test_a_failing_or_late_call_degrades_and_is_counted(engine) -> None:  # type: ignore[no-untyped-def]
@@ -86,8 +86,8 @@ def test_a_failing_or_late_call_degrades_and_is_counted(engine) -> None:  # type
 
 def test_calls_on_a_closed_engine_raise_at_once(tiny_llama_path) -> None:  # type: ignore[no-untyped-def]
     eng = make_engine(tiny_llama_path, use_cache=False)
-    assert eng.predict_cached([1, 2, 3], "t") is None  # no cache: no prediction
-    assert eng.protect([1, 2, 3], "t", 3, 1.0) == 0 and eng.cache_stats() is None
+    assert eng.cache_port.predict_cached([1, 2, 3], "t") is None  # no cache: no prediction
+    assert eng.cache_port.protect([1, 2, 3], "t", 3, 1.0) == 0 and eng.cache_port.cache_stats() is None
     eng.close()
     with pytest.raises(EngineDeadError):
         eng.call(lambda: 1)

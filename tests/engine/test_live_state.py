@@ -117,7 +117,7 @@ def test_memory_pressure_releases_live_states_before_active_blocks(tiny_llama_pa
         p = _prompt(5, 40)
         first, _, _ = _run(eng, p, "t1", session="s")
         # the server marks the session's latest chain active after each reply
-        assert eng.mark_active(p + first[:-1], "default", "s") > 0
+        assert eng.cache_port.mark_active(p + first[:-1], "default", "s") > 0
         live_bytes = eng.engine_stats()["live_bytes"]
         ram_bytes = cache.stats().ram_bytes - idle_bytes
         assert eng.engine_stats()["live_states"] == 2

@@ -291,6 +291,11 @@ class FakeEngine:
         cache: Any = self.cache
         return cache if hasattr(cache, "observers") else None
 
+    @property
+    def cache_port(self) -> FakeEngine:
+        """The fake's cache calls are its own methods (``CachePortAPI``)."""
+        return self
+
     def namespace(self, tenant: str = DEFAULT_TENANT) -> Namespace:
         return Namespace("fake-model", 16, tenant=tenant)
 

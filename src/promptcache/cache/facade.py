@@ -179,18 +179,11 @@ class PromptCache:
     def protect(self, tokens: Any, ns: Namespace, num_tokens: int, ttl_s: float, *,
                 key: str | None = None, persist: bool = True, pin_s: float | None = None,
                 extra_keys: Sequence[ExtraKeySpan] = ()) -> int:
-        """Keep the RAM blocks holding ``tokens[:num_tokens]`` from eviction for
-        ``ttl_s`` seconds (``levels``): a cache breakpoint (``key`` None: renewed
-        when the same prefix is protected again, whatever follows it; the block that
-        holds the breakpoint is protected too, as a truncatable state restores inside
-        it) or the latest chain of ``key`` (it
-        replaces the key's previous chain). With ``persist`` the blocks are put into
-        the lower tiers at once. Protected blocks take at most ``protect_share`` of
-        the RAM budget (oldest protections give way). With ``pin_s`` (OpenAI
-        ``prompt_cache_retention: 24h``) the whole chain is also pinned in every lower
-        tier that can pin (``pin(hashes, seconds)``: the SSD tier) for ``pin_s``
-        seconds, outside the cache lock; a pin only ever grows. Returns the blocks
-        protected."""
+        """Keep the RAM blocks holding ``tokens[:num_tokens]`` from eviction for ``ttl_s``
+        seconds, within ``protect_share`` of the RAM budget (oldest give way): a breakpoint
+        (``key`` None; the block holding it too) or ``key``'s latest chain (replacing its
+        previous one). ``persist``: put into the lower tiers at once; ``pin_s``: also pinned
+        in the tiers that can pin, outside the lock. Returns the blocks protected."""
         req, spans = check_request(tokens, ns, extra_keys, self.config.block_size)
         check_protect(num_tokens, ttl_s, key, pin_s)
         end = min(num_tokens, req.n)

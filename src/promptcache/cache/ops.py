@@ -1,10 +1,5 @@
-"""Operations on the stored blocks: eviction (and the demotion hook every evicted block
-passes), deletion, quarantine, the RAM budget, session listing, persist, export / import.
-
-What the admin endpoints and the ops modules (``sessions.py``, ``autotune.py``,
-``packs.py``, ``engine/payload/shadow.py``) do to the cache besides a request's lookup and
-store.
-"""
+"""Operations on the stored blocks besides a request's lookup and store: eviction (and the demotion
+hook), deletion, quarantine, the RAM budget, session listing, persist, export / import."""
 
 from __future__ import annotations
 

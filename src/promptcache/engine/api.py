@@ -1,9 +1,5 @@
-"""Plain data that crosses the engine boundary (no MLX here).
-
-The server builds a ``GenerationRequest``, calls ``Engine.submit`` and consumes
-the ``RequestHandle``'s events: ``TokenEvent`` as tokens are generated, then one
-final ``GenerationResult``. See ``engine/engine.py`` for the Engine itself.
-"""
+"""Plain data that crosses the engine boundary (no MLX here): the server submits a
+``GenerationRequest`` and reads ``TokenEvent``s, then one ``GenerationResult``, from its handle."""
 
 from __future__ import annotations
 

@@ -1,13 +1,8 @@
 """The Engine: one thread owns the model; requests are submitted from any thread.
-
-``submit`` validates and takes an admission ticket (``submission.py``,
-``admission.py``); the engine thread runs the ``Scheduler``. The caller builds the
-prompt cache and hands it in; ``close()`` closes it. If the engine thread dies, every
-pending request ends with an error and ``submit`` raises ``EngineDeadError``. The Engine
-implements the server's port (``port.EngineAPI``) as short delegates to plain parts it
-builds: ``submission``, ``prompting``, ``cache_port`` (cache calls run on the engine
-thread through ``call``: bounded, degrading to None / 0), ``memory`` (the governor).
-"""
+The caller builds the prompt cache and hands it in; ``close()`` closes it. If the engine thread
+dies, pending requests end with an error and ``submit`` raises ``EngineDeadError``. The port's
+methods are short delegates to the parts built here (submission, prompting, memory); its cache
+calls are ``cache_port``'s."""
 
 from __future__ import annotations
 
@@ -22,10 +17,9 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import make_prompt_cache
 
-from .. import packfile
 from ..cache import PromptCache
 from ..config import CacheConfig
-from ..meta import DEFAULT_TENANT, ExtraKeySpan, Namespace
+from ..meta import DEFAULT_TENANT, Namespace
 from ..serving_config import EngineConfig
 from .api import GenerationRequest, GenerationResult, VisionInfo
 from .cache_port import CachePort, Namespaces
@@ -40,7 +34,7 @@ from .payload.kv_size import kv_row_bytes, probe_caches
 from .payload.live import LiveStates
 from .payload.quant import from_config as _kv_quant_of
 from .payload.shadow import ShadowVerifier
-from .port import ENGINE_CALL_TIMEOUT_S, CachePrediction, CacheProbe, EngineAPI, TunableCacheAPI
+from .port import ENGINE_CALL_TIMEOUT_S, EngineAPI
 from .prompting import Prompting
 from .requests.admission import Admission
 from .requests.arrivals import Arrivals
@@ -257,50 +251,9 @@ class Engine:
     def announce(self) -> Callable[[], None]:
         return self.submission.announce()
 
-    @property
-    def tunable_cache(self) -> TunableCacheAPI | None:
-        return self.cache_port.tunable_cache
-
-    def predict_cached(self, tokens: Sequence[int], tenant: str,
-                       extra_keys: Sequence[ExtraKeySpan] = ()) -> CachePrediction | None:
-        return self.cache_port.predict_cached(tokens, tenant, extra_keys)
-
-    def probe_cache(self, tokens: Sequence[int], tenant: str,
-                    extra_keys: Sequence[ExtraKeySpan] = (),
-                    context_tokens: int = 0) -> CacheProbe | None:
-        return self.cache_port.probe_cache(tokens, tenant, extra_keys, context_tokens)
-
-    def protect(self, tokens: Sequence[int], tenant: str, num_tokens: int, ttl_s: float, *,
-                key: str | None = None, persist: bool = True, pin_s: float | None = None,
-                extra_keys: Sequence[ExtraKeySpan] = ()) -> int:
-        return self.cache_port.protect(tokens, tenant, num_tokens, ttl_s, key=key,
-                                       persist=persist, pin_s=pin_s, extra_keys=extra_keys)
-
-    def mark_active(self, tokens: Sequence[int], tenant: str, session: str, *,
-                    extra_keys: Sequence[ExtraKeySpan] = ()) -> int:
-        return self.cache_port.mark_active(tokens, tenant, session, extra_keys=extra_keys)
-
-    def export_pack(self, tenant: str, selection: dict[str, Any], *,
-                    tokens: Sequence[int] | None = None,
-                    session_id: str | None = None) -> tuple[bytes, dict[str, Any]]:
-        return self.cache_port.export_pack(tenant, selection, tokens=tokens,
-                                           session_id=session_id)
-
-    def import_pack(self, pack: packfile.Pack) -> packfile.ImportReport:
-        return self.cache_port.import_pack(pack)
-
-    def kv_stats(self) -> dict[str, Any] | None:
-        return self.cache_port.kv_stats()
-
-    def cache_stats(self) -> dict[str, Any] | None:
-        return self.cache_port.cache_stats()
-
     def vision_stats(self) -> dict[str, Any] | None:
         """The vision-embedding cache's line; None for a text-only model."""
         return self.vision_encoder.stats() if self.vision_encoder is not None else None
-
-    def tier_health(self) -> dict[str, Any]:
-        return self.cache_port.tier_health()
 
 
     @property
@@ -345,7 +298,7 @@ class Engine:
                 out["cache"] = self.cache.stats().to_dict()
             except Exception:
                 logger.exception("cache stats failed")
-            out["kv"] = self.kv_stats()
+            out["kv"] = self.cache_port.kv_stats()
         return out
 
     def call(self, fn: Callable[[], T], timeout: float | None = ENGINE_CALL_TIMEOUT_S) -> T:

@@ -1,9 +1,6 @@
-"""The memory governor: one memory limit, enforced on the process's real footprint.
-
-On a Mac, running out of unified memory is a kernel panic, and the parts' budgets do not bound their
-sum. Past the soft watermark holders release in order: MLX's buffer pool (and C heap), live states,
-the RAM tier. Between soft and hard, new requests wait; past hard, they are refused with a
-Retry-After."""
+"""The memory governor: one memory limit on the process's real footprint (on a Mac, running out of
+unified memory panics the kernel). Past the soft watermark MLX's buffer pool, live states and the
+RAM tier release, in that order, and new requests wait; past the hard one they get a Retry-After."""
 
 from __future__ import annotations
 

@@ -1,21 +1,8 @@
 """The typed port between the server and the engine: ``EngineAPI`` and ``CacheAPI``.
-
-The server (``promptcache.server``) holds an ``EngineAPI`` and nothing else of the
-engine: ``Engine`` implements it, and so do the tests' fakes (``tests/server/
-fake_engine.py``, type-checked against it by mypy). Optional capabilities are typed
-as Optional (``cache`` is None without a prompt cache, ``shadow`` without shadow
-verification, ``vision`` for a text-only model), never discovered with ``getattr``.
-
-Everything that reads or changes the prompt cache's chains for a request (the
-predicted cached tokens of a prompt, the probe's lookup, a breakpoint's protection, a
-session's latest chain) runs on the engine thread, the thread that owns the model and
-stores the blocks: ``predict_cached``, ``probe_cache``, ``protect`` and ``mark_active``
-are calls the engine executes there (``Engine.call``); they wait at most a bounded
-time and degrade (None / 0, counted in the engine's ``engine_calls_failed`` /
-``engine_calls_timed_out``) rather than fail the request. Administrative reads and
-deletions (stats, session lists, ``DELETE /v1/cache``) stay thread-safe calls on the
-cache (``CacheAPI``) from the server's worker threads.
-"""
+The server holds an ``EngineAPI`` and nothing else of the engine (``Engine`` and the tests' fakes
+implement it, checked by mypy); optional parts are Optional, never found with ``getattr``.
+Calls on the cache's chains for a request run on the engine thread (``Engine.call``: bounded,
+degrading to None / 0); admin reads and deletions are thread-safe ``CacheAPI`` calls."""
 
 from __future__ import annotations
 
@@ -123,6 +110,42 @@ class TunableCacheAPI(CacheAPI, Protocol):
     def pool(self) -> PoolAPI: ...
 
 
+class CachePortAPI(Protocol):
+    """The engine's calls on its prompt cache (``engine/cache_port.py``; None / 0 / {} without
+    a cache)."""
+
+    @property
+    def tunable_cache(self) -> TunableCacheAPI | None: ...
+
+    # ---- the cache, on the engine thread (degrade: None / 0 on a failure or timeout)
+    def predict_cached(self, tokens: Sequence[int], tenant: str,
+                       extra_keys: Sequence[ExtraKeySpan] = ()) -> CachePrediction | None: ...
+
+    def probe_cache(self, tokens: Sequence[int], tenant: str,
+                    extra_keys: Sequence[ExtraKeySpan] = (),
+                    context_tokens: int = 0) -> CacheProbe | None: ...
+
+    def protect(self, tokens: Sequence[int], tenant: str, num_tokens: int, ttl_s: float, *,
+                key: str | None = None, persist: bool = True, pin_s: float | None = None,
+                extra_keys: Sequence[ExtraKeySpan] = ()) -> int: ...
+
+    def mark_active(self, tokens: Sequence[int], tenant: str, session: str, *,
+                    extra_keys: Sequence[ExtraKeySpan] = ()) -> int: ...
+
+    # ---- packs (worker threads)
+    def export_pack(self, tenant: str, selection: dict[str, Any], *,
+                    tokens: Sequence[int] | None = None,
+                    session_id: str | None = None) -> tuple[bytes, dict[str, Any]]: ...
+
+    def import_pack(self, pack: Pack) -> ImportReport: ...
+
+    def kv_stats(self) -> dict[str, Any] | None: ...
+
+    def cache_stats(self) -> dict[str, Any] | None: ...
+
+    def tier_health(self) -> dict[str, Any]: ...
+
+
 class EngineAPI(Protocol):
     """Everything the server uses of an engine (see the module docstring)."""
 
@@ -159,10 +182,10 @@ class EngineAPI(Protocol):
     def cache(self) -> CacheAPI | None: ...
 
     @property
-    def tunable_cache(self) -> TunableCacheAPI | None: ...
+    def shadow(self) -> ShadowAPI | None: ...
 
     @property
-    def shadow(self) -> ShadowAPI | None: ...
+    def cache_port(self) -> CachePortAPI: ...
 
     def namespace(self, tenant: str = ...) -> Namespace: ...
 
@@ -185,35 +208,7 @@ class EngineAPI(Protocol):
 
     def announce(self) -> Callable[[], None]: ...
 
-    # ---- the cache, on the engine thread (degrade: None / 0 on a failure or timeout)
-    def predict_cached(self, tokens: Sequence[int], tenant: str,
-                       extra_keys: Sequence[ExtraKeySpan] = ()) -> CachePrediction | None: ...
-
-    def probe_cache(self, tokens: Sequence[int], tenant: str,
-                    extra_keys: Sequence[ExtraKeySpan] = (),
-                    context_tokens: int = 0) -> CacheProbe | None: ...
-
-    def protect(self, tokens: Sequence[int], tenant: str, num_tokens: int, ttl_s: float, *,
-                key: str | None = None, persist: bool = True, pin_s: float | None = None,
-                extra_keys: Sequence[ExtraKeySpan] = ()) -> int: ...
-
-    def mark_active(self, tokens: Sequence[int], tenant: str, session: str, *,
-                    extra_keys: Sequence[ExtraKeySpan] = ()) -> int: ...
-
-    # ---- packs (worker threads)
-    def export_pack(self, tenant: str, selection: dict[str, Any], *,
-                    tokens: Sequence[int] | None = None,
-                    session_id: str | None = None) -> tuple[bytes, dict[str, Any]]: ...
-
-    def import_pack(self, pack: Pack) -> ImportReport: ...
-
     # ---- stats (None: the engine does not report them)
     def engine_stats(self) -> dict[str, Any] | None: ...
 
-    def kv_stats(self) -> dict[str, Any] | None: ...
-
-    def cache_stats(self) -> dict[str, Any] | None: ...
-
     def vision_stats(self) -> dict[str, Any] | None: ...
-
-    def tier_health(self) -> dict[str, Any]: ...

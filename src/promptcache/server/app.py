@@ -35,9 +35,6 @@ from .replies.runner import BASE_ALIASES, ServerState
 
 log = logging.getLogger(__name__)
 
-# paths that need neither a key nor a scope
-_OPEN_PATHS = ("/health", "/metrics", "/docs", "/openapi.json", "/redoc")
-
 
 class ScopeMiddleware:
     """Authenticates ``/v1/*`` and sets ``request.state.pc_scope`` before routing (401 first)."""
@@ -80,7 +77,7 @@ def create_app(engine: EngineAPI, server_config: ServerConfig | None = None, *,
                         on_template_error=state.metrics.template_error)
     if config.session_ttl_s is not None and engine.cache is not None:
         state.sessions = SessionReaper(engine.cache, config.session_ttl_s)
-    cache = engine.tunable_cache
+    cache = engine.cache_port.tunable_cache
     if cache is not None:
         advisor = EvictionAdvisor(cache)
         cache.observers.append(advisor)

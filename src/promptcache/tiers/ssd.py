@@ -1,48 +1,8 @@
-"""The SSD tier: a crash-safe, persistent, content-addressed block store that
-several live processes may share.
-
-``put(meta, payload, sessions=(), hits=None, *, timeout=0.0)`` enqueues the block
-(bytes, or a ``PayloadSource`` the writer thread encodes) on a bounded queue
-drained by one writer thread. With ``timeout=0`` (the request path) a full queue
-refuses at once (counted ``queue_full``; the cache keeps such a block in RAM and
-offers it again, see ``cache.lower``); a positive or None ``timeout`` waits for
-room (back-pressure). The write itself is in ``ssd_write``: temp file -> fsync ->
-publish under a free name -> fsync folder -> commit of the index row (what is queued
-together, a shutdown's persist, is written together: files in parallel, each folder
-fsynced once, the rows in one transaction), so after a crash (even SIGKILL) every
-row names a complete file; reconcile at startup
-removes what a crash left behind (and only that: a live writer's temp files stay).
-``get`` verifies size and checksum and quarantines a bad file. Metadata queries
-(``get_meta``, ``children``) read only the SQLite index (and the blocks queued).
-
-Failures degrade, they never propagate: every public method lets only
-``TierError`` out (``ssd_store.tier_errors``); an ``OSError`` while writing marks
-the tier degraded (``stats()["degraded"]``) and puts are refused until a backoff
-has passed; ``get`` raises only ``TierError`` / ``CorruptBlockError``. ``hits`` is
-the block's hit count as the policy knows it, used by the ``admission_min_hits``
-rule (None counts as 0).
-
-Repairs only under the folder's exclusive lock: a folder whose ``lock`` cannot be
-opened, or that cannot be written (a read-only file system, permissions), is served
-read-only (``mode`` ``read_only``: reads, no write (refused and counted), no deletion,
-no reconcile); a folder that cannot be created, or whose index cannot be opened (or is
-corrupt while the lock is missing), is ``off`` (an empty index in memory; the files
-are left as they are). A corrupt index is rebuilt only under the exclusive lock, and
-the block files it described are set aside in quarantine, never deleted.
-``read_only=True`` (the CLI's inspections) opens the folder without changing it.
-
-Composition: each part owns its state and is given its collaborators explicitly:
-``Status`` and ``Catalog`` (``ssd_store``: mode, counters and the lock; the index and
-the folder), the opener (``ssd_open``: lock, index, what a repair found), ``Queued``
-(``ssd_queue``: ``put`` and the blocks not written yet), ``Writer`` (``ssd_write``),
-``Reader`` (``ssd_read``) and ``Maintenance`` (``ssd_maint``); ``SSDTier`` wires them
-and keeps the ``Tier`` methods as short delegates behind ``tier_errors``.
-
-Thread safety: every public method may be called from any thread. Lock order:
-``Catalog.write_lock`` (file writes, deletions, sweeps, checks), then the folder's
-``DirLock`` (shared for changes, exclusive for repair and purge, across processes),
-then ``Status.lock`` (the index connection, the queued blocks, the counters).
-"""
+"""The SSD tier: a crash-safe, persistent, content-addressed block store that several live
+processes may share (docs/cache.md). ``SSDTier`` wires parts that own their state (``ssd_store``,
+``ssd_open``, ``ssd_queue``, ``ssd_write``, ``ssd_read``, ``ssd_maint``). Failures degrade to
+counted misses: only ``TierError`` (and ``get``'s ``CorruptBlockError``) leaves a public method.
+A folder it cannot lock or write is served read-only; one it cannot open is off."""
 
 from __future__ import annotations
 
@@ -79,7 +39,9 @@ INDEX_CHECK_INTERVAL_S = 300.0
 
 
 class SSDTier:
-    """See the module docstring. ``clock`` returns wall-clock seconds (tests fake it)."""
+    """Any thread may call any public method. Lock order: ``Catalog.write_lock``, then the
+    folder's ``DirLock`` (shared for changes, exclusive for repair), then ``Status.lock``.
+    ``read_only=True`` never changes the folder; ``clock``: wall-clock seconds (tests fake it)."""
 
     name = "ssd"
 
@@ -192,6 +154,8 @@ class SSDTier:
     @tier_errors
     def put(self, meta: BlockMeta, payload: bytes | PayloadSource, sessions: Iterable[str] = (),
             hits: int | None = None, *, timeout: float | None = 0.0) -> bool:
+        """Queue a block for the writer; ``timeout=0`` refuses at once when the queue is full
+        (counted ``queue_full``), else waits for room. ``hits``: for ``admission_min_hits``."""
         return self.queued.put(meta, payload, sessions, hits, timeout=timeout)
 
     @tier_errors

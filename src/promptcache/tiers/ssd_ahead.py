@@ -41,18 +41,10 @@ class _Ahead:
 
 
 class ReadAhead:
-    """Reads and verifies the next blocks of a chain on worker threads while the
-    caller uses the current one (``read`` and xxh3 release the GIL, so reading,
-    hashing and the caller's decode overlap on separate cores).
-
-    ``take`` hands a block over only if it was read from the file the index row
-    names now, hashed to the row's checksum, and the file's (inode, size, mtime)
-    has not changed since it was read; otherwise it returns None and the caller
-    reads the file itself (and quarantines it if it is bad). So every byte served
-    was verified against the current row, and a file damaged after the read-ahead
-    is still caught by the get that follows. Memory is bounded by ``max_blocks``
-    and ``max_bytes``; a block not taken within ``ttl_s`` is dropped.
-    """
+    """Reads and verifies the next blocks of a chain on worker threads while the caller
+    uses the current one. ``take`` hands a block over only if it was read from the file the
+    row names now, matched its checksum and the file is unchanged since; else None (the caller
+    reads it itself). Bounded by ``max_blocks`` and ``max_bytes``; untaken blocks go after ``ttl_s``."""
 
     def __init__(self, *, workers: int = 2, max_blocks: int = 4, max_bytes: int = 256 << 20,
                  ttl_s: float = 5.0, clock: Callable[[], float] = time.monotonic) -> None:

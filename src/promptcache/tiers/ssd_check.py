@@ -1,23 +1,7 @@
-"""Reconcile the SSD tier's index with its files (startup recovery and test oracle).
-
-Rules (a row is committed only after its file is complete, so these are safe):
-- temp files of writers that are gone (their pid is not alive, or older than
-  ``STALE_TEMP_S``) are leftovers of interrupted writes: removed; a live writer's
-  temp file (another server on the same folder) is left alone and not a problem;
-- a row whose file is missing: the row is dropped;
-- a row whose file has the wrong size: the file is quarantined, the row dropped;
-- a file with no row (written, but the process died before the commit, or an
-  eviction died after its commit): removed;
-- byte and block totals are recomputed from the index.
-
-The caller holds the tier's write lock and the folder's exclusive ``DirLock``, so
-no write or deletion of this or any other process is between its file step and its
-index step: a file without a row really is an orphan. Only then: a repair needs
-that lock (``SSDTier.check`` refuses ``fix`` without it, ``refused`` says why), and
-with ``trust_index=False`` (the index is not the folder's: in memory, unreadable,
-corrupt) files without a row are only counted (``unindexed_files``), never removed.
-Without ``fix`` nothing on disk changes (the index is only read).
-"""
+"""Reconcile the SSD tier's index with its files (startup recovery and test oracle): dead writers'
+temp files removed, rows without a file dropped, wrong-size files quarantined, files without a
+row removed (only with ``trust_index``; else counted), totals recomputed. The caller holds the
+write lock and the exclusive ``DirLock``; without ``fix`` nothing on disk changes."""
 
 from __future__ import annotations
 

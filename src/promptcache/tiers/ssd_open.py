@@ -1,15 +1,6 @@
-"""Opening the SSD tier's folder: its lock, then its index (``SSDTier``'s first
-step, ``open_index``; see ``ssd.py`` for the modes).
-
-Repairs need the folder's exclusive lock: without a lock the tier serves what the
-index holds, read-only; so does a folder that cannot be written (a read-only file
-system or permissions: its index opened ``mode=ro``, or ``immutable`` where SQLite
-cannot share it); without a usable index it is off (an empty index in memory, never
-reconciled against the files). A corrupt index is
-rebuilt, and a lost one recovered, from the self-describing block files
-(``ssd_recover``), under that lock only; the files that cannot say what they are are
-set aside, never deleted.
-"""
+"""Opening the SSD tier's folder: its lock, then its index (``open_index``). Without the lock, or on
+a folder that cannot be written, the tier is read-only; without a usable index it is off. A
+corrupt or lost index is rebuilt from the block files (``ssd_recover``) under that lock only."""
 
 from __future__ import annotations
 
@@ -49,12 +40,8 @@ class Opened:
 
 
 def open_index(st: Opened, read_only: bool) -> SSDIndex:
-    """Open the folder: its lock, then its index. Repairs (rebuilding a corrupt
-    index, reconcile) need the folder's exclusive lock: without a lock, or in a
-    folder it cannot write, the tier serves what the index holds, read-only; without
-    a usable index (or folder) it is off (an empty index in memory, never reconciled against the files).
-    ``read_only`` (``cache check`` without ``--fix``, ``ls``, ``stats``): create,
-    move or repair nothing."""
+    """Open the folder: its lock, then its index (modes: see the module docstring).
+    ``read_only`` (``cache check`` without ``--fix``, ``ls``, ``stats``): change nothing."""
     path = st.root / files.INDEX_NAME
     if read_only:
         return _open_read_only(st, path)

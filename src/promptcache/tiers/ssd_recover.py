@@ -1,18 +1,7 @@
-"""Rebuilding the SSD tier's index from its block files and the records of its
-segments (a lost or corrupt index).
-
-Block files written by the cache describe themselves (``blockdesc``, block format
-3): each block file without a row is read, decoded and verified (the chained block
-hash re-derived from its parent, tokens and extra keys; the buffer's xxh3-128; the
-file sits where its namespace, tenant and hash say), and its row is committed again
-with the sessions it recorded. Anything else (files of an older block format,
-damaged or misplaced files, a second file of a hash already recovered) is set aside
-in ``quarantine/unindexed.<time>/``: never deleted, since nothing proves it an
-orphan.
-
-The caller holds the folder's exclusive lock (no other process is between a file
-step and an index step) and the tier's write lock.
-"""
+"""Rebuilding the SSD tier's index from its self-describing block files and segment records: each
+verified file (hash re-derived, xxh3-128, its place) gets its row again; anything else is set
+aside in ``quarantine/unindexed.<time>/``, never deleted. The caller holds the folder's
+exclusive lock and the tier's write lock."""
 
 from __future__ import annotations
 

@@ -1,14 +1,7 @@
-"""Two parts of the SSD tier that the others are given explicitly: ``Status`` (the
-mode, degradation, counters and the lock that guards them, the index connection and
-the queued blocks) and ``Catalog`` (the index and the folder it describes: totals,
-the byte budget, deletion, capacity, batched accesses, early pins).
-
-The budget in use is ``budget_bytes`` capped by the disk (bytes stored + free -
-``disk_reserve_bytes``), so a disk filled from outside makes the tier evict
-(``evictions_disk``) instead of failing writes. Several processes may share one
-folder: the totals live in the index (kept by triggers); a deletion deletes its rows
-in one transaction and unlinks the files after the commit under the shared ``DirLock``.
-"""
+"""Two parts of the SSD tier the others are given: ``Status`` (mode, degradation, counters, the
+lock over them, the index connection, the queued blocks) and ``Catalog`` (the index and its
+folder: totals kept by triggers, the byte budget capped by the disk, deletion, capacity,
+batched accesses, early pins)."""
 
 from __future__ import annotations
 

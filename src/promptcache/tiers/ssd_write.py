@@ -1,9 +1,6 @@
-"""The SSD tier's writer thread and the crash-safe, multi-process-safe write of a
-block: temp file -> fsync -> publish under a free name -> fsync folder -> commit the
-row (re-read in the transaction) -> remove the file a replaced row named, the last
-three under the shared ``DirLock``. Blocks queued together (a shutdown's persist)
-are written together: files in parallel, each folder fsynced once, one transaction
-(see docs/architecture.md)."""
+"""The SSD tier's writer thread and the crash-safe, multi-process-safe write of a block: temp file
+-> fsync -> publish under a free name -> fsync folder -> commit the row; blocks queued together
+are written together (files in parallel, each folder fsynced once, one transaction)."""
 
 from __future__ import annotations
 

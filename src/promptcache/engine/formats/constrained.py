@@ -1,47 +1,8 @@
-"""Constrained decoding: a ``Constraint`` (engine/api.py) -> an mlx-lm logits processor.
-
-A logits processor has mlx-lm's signature ``processor(tokens, logits) -> logits``:
-``tokens`` is the mx.array of token ids so far (prompt + output), ``logits`` the
-``[1, vocab]`` scores of the next token; it returns them with the tokens the
-constraint forbids masked to ``-inf``. The scheduler asks for one processor per
-request (``logits_processor``) and applies it before sampling and log-probabilities,
-once per generated token, the first call before the first token (``tokens`` = the
-prompt); every later call finds the tokens sampled since and feeds them to the matcher.
-
-The matcher is llguidance's (``LLMatcher``: JSON Schema, regular expressions and Lark
-grammars with inline ``%json{...}`` schemas and special tokens named ``<[id]>``), over
-an ``LLTokenizer`` built once per tokenizer from its ``tokenizer.json`` (about a second
-for a 50k vocabulary). Per step it computes the bitmask of allowed tokens (the EOS tokens
-once the grammar is complete) and masks the rest with ``-inf``, while the forward pass
-of that step runs (the new token is read first, then ``mx.async_eval`` of the logits;
-in a batch only the first constrained row's mask overlaps the forward pass: the others
-read their tokens after it is launched, so they wait for it, then mask).
-BENCHMARKS.md has the overhead per token.
-``Constraint.prefix`` (an assistant prefill the model continues) is fed to the matcher
-before the first token, so the output continues it. In the batched engine each request
-has its own processor, applied to its own row of the batch's logits only.
-
-- ``validate(constraint)``: the grammar alone, without a tokenizer (cheap); raises
-  ``RequestError`` (a ValueError: a 400) with llguidance's reason.
-- ``compiles_for(tokenizer)``: whether ``prepare`` can build a bridge for it (an mlx-lm
-  ``TokenizerWrapper`` around a fast Hugging Face tokenizer).
-- ``prepare(constraint, tokenizer, vocab_size)``: build the tokenizer bridge and the
-  compiled matcher (the prefix consumed) and keep them in a small LRU, raising
-  ``RequestError`` for an invalid grammar or a prefix it rejects. The server calls it
-  in its preparation thread, so ``logits_processor`` at submit only copies a matcher.
-- ``logits_processor(constraint, tokenizer, vocab_size)``: a fresh processor with its
-  own matcher state.
-
-Speculative decoding (engine/speculation/) drafts for constrained rows too:
-``grammar_prefix`` cuts a draft at the first token the grammar would reject (llguidance's
-``validate_tokens``: the matcher unchanged), and the verify step applies the processor
-position by position, feeding it a draft token only once it is accepted, so the matcher
-only ever consumes the tokens the reply keeps (no rollback).
-
-JSON (a ``json_schema`` constraint, unless its ``x-guidance`` says otherwise) is
-compact-or-pretty with bounded whitespace (``JSON_OPTIONS``): a model cannot loop on
-newlines inside a JSON value.
-"""
+"""Constrained decoding: a ``Constraint`` (engine/api.py) -> an mlx-lm logits processor over
+llguidance's ``LLMatcher`` (JSON Schema, regex, Lark), masking forbidden tokens to ``-inf``.
+``validate`` checks a grammar alone (``RequestError``, a 400); ``prepare`` compiles it for a
+tokenizer in the preparation thread (kept in a small LRU); ``logits_processor`` copies a matcher.
+Speculation cuts drafts at the first rejected token (``grammar_prefix``); JSON whitespace is bounded."""
 
 from __future__ import annotations
 
@@ -198,7 +159,8 @@ def prepare(constraint: Constraint, tokenizer: Any, vocab_size: int) -> None:
 
 
 class GrammarProcessor:
-    """One request's matcher as an mlx-lm logits processor (see the module docstring)."""
+    """One request's matcher as an mlx-lm logits processor ``(tokens, logits) -> logits``: the
+    first call sees the prompt; later calls feed the tokens sampled since to the matcher."""
 
     def __init__(self, matcher: Any, vocab_size: int, eos: list[int]) -> None:
         self.matcher = matcher

@@ -1,9 +1,6 @@
-"""Chat templates: messages -> prompt token ids (+ where each message starts), one render and one
-tokenization.
-
-Tokenization holds one lock (HF fast tokenizers are not shareable). A render runs under a trace
-deadline (``render_budget``: a looping template raises ``TemplateRenderError``); an overlong text is
-tokenized only up to a bound (``ContextLengthError``)."""
+"""Chat templates: messages -> prompt token ids (+ each message's start), one render and one
+tokenization under one lock. A render runs under a deadline (a loop: ``TemplateRenderError``);
+an overlong text is tokenized only up to a bound (``ContextLengthError``)."""
 
 from __future__ import annotations
 

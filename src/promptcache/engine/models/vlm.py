@@ -1,9 +1,6 @@
-"""Vision-language models through mlx-vlm (the optional extra ``promptcache[vlm]``).
-
-``load_vlm`` gives the language model behind mlx-lm's interface (``vlm_text``) and a
-``VisionTower``. Families (``SUPPORTED_TYPES``) have fixed tokens per image: ``llava``, ``gemma3``,
-``qwen3_vl`` and ``qwen3_5`` (at ONE resolution, the tower's native grid). Others raise ValueError.
-"""
+"""Vision-language models through mlx-vlm (extra ``promptcache[vlm]``): ``load_vlm`` gives the
+language model behind mlx-lm's interface and a ``VisionTower``. Families (``SUPPORTED_TYPES``):
+llava, gemma3, qwen3_vl, qwen3_5 (one resolution); others raise ValueError."""
 
 from __future__ import annotations
 

@@ -1,9 +1,8 @@
 """Admission control: how many requests run at once and how much KV they may hold (thread-safe).
-
-Admitted within ``max_active`` and ``kv_budget`` (charged ``n x row_bytes(longest)``: mlx-lm pads
-batch rows), else queued FIFO (full: ``OverloadedError``). Background tickets queue apart, never
-take the last slot, and are preempted (newest first) for interactive ones (INTERFACES.md, the port).
-Under memory ``pause`` / ``refuse`` a ticket starts only alone; ``refuse`` rejects submits."""
+Within ``max_active`` and ``kv_budget`` (``n x row_bytes(longest)``) a ticket is admitted, else
+queued FIFO (full: ``OverloadedError``). Background tickets queue apart, never take the last slot
+and are preempted for interactive ones; under memory ``pause`` / ``refuse`` one starts only
+alone (``refuse`` rejects submits)."""
 
 from __future__ import annotations
 

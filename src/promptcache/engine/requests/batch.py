@@ -1,27 +1,8 @@
-"""Batched decode: every decoding request advances in one forward per step.
-
-``DecodeBatch`` holds the decoding rows and mlx-lm's batch caches (``BatchKVCache``,
-``BatchRotatingKVCache``, ``ArraysCache``, ``CacheList``; merged from each request's
-own caches when it joins, compacted with ``filter`` when it leaves). A step is
-pipelined as in mlx-lm's generate loop:
-
-    launch step k: feed the tokens sampled at step k-1, sample per row (each with its
-        own key, processors, log-probabilities), ``mx.async_eval``
-    meanwhile, on the host: report the step k-1 tokens to their requests (stop ids,
-        stop strings, max_tokens, events), save, remove the finished rows
-
-so host work overlaps the next forward. A row that finishes had its last token fed
-already; its end-of-generation save still stores prompt + output[:-1] (KV layers
-are sliced; array states, SSM, are taken from before the step: ``ssm_states``).
-What leaves the batch for the cache is read through ``mlx_compat.row_caches``: views
-sliced and copied block by block, copies of windows and states -- never rows of the
-live batch, which ``filter`` / ``extend`` rebuild and later steps write.
-
-``decode_alone`` is the per-request path for caches mlx-lm cannot batch (quantized
-KV, sliding windows that keep tokens): one forward per request per step. A step the
-speculator takes is one verify forward of every row's draft (``speculation.plan_verify``, the
-forward, ``speculation.apply_verify``).
-"""
+"""Batched decode: every decoding request advances in one forward per step, pipelined as in mlx-lm's
+generate loop (step k launched, then step k-1's tokens reported, saved, finished rows removed).
+``DecodeBatch`` holds the rows and mlx-lm's batch caches; rows leave for the cache as copies
+(``mlx_compat.row_caches``), never views of the live batch. ``decode_alone`` is the per-request
+path for caches mlx-lm cannot batch; speculation is ``plan_verify`` / forward / ``apply_verify``."""
 
 from __future__ import annotations
 

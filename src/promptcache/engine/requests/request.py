@@ -1,12 +1,7 @@
-"""One request's state on the engine thread: prompt, output, sampling, stops, usage:
-start (lookup + restore, or the live state) -> chunked prefill, chunks ending on block
-boundaries, each stored ("mid_prefill"; SSM / hybrid states snapshotted every k blocks
-and at message starts; sliding windows store blocks before they slide out) -> the first
-token and "end_prefill" -> decode (``accept``: stop ids, stop strings, max_tokens) ->
-"end_generation" (prompt + output[:-1]). Saves go through one ``ChainCursor`` over one
-preallocated uint32 buffer; a cache error is counted and becomes a miss or a skipped
-save, never a failed request. The cache side is ``request_saves.py`` (docs/cache.md).
-"""
+"""One request's state on the engine thread: start (lookup + restore, or the live state) ->
+chunked prefill with its saves -> first token -> decode (``accept``: stops, max_tokens) -> the
+end-of-generation save. A cache error becomes a miss or a skipped save, never a failed request;
+the cache side is ``request_saves.py``."""
 
 from __future__ import annotations
 
@@ -140,18 +135,11 @@ class Request:
 
 
     def chunk_end(self) -> int:
-        """Where this request's next chunk ends: the next absolute multiple of the
-        chunk size (so every mid-prefill save lands on a block boundary), or the
-        prompt's end; for a non-truncatable state, the next message start before
-        that (a state snapshot is stored there: a conversation that branches at that
-        message restores up to it).
-
-        Plain KV (truncatable, no window) takes no sliver: a prompt restored up to a few
-        tokens before a multiple would otherwise feed those few as one chunk and the
-        rest as the next, a whole prefill step more (for every row prefilling with
-        it). So a rest of the prompt that fits in one chunk plus its last token (fed on
-        its own in any case) is one chunk, and a chunk that would end less than half a
-        chunk from here ends at the multiple after (at most 1.5 chunks)."""
+        """Where this request's next chunk ends: the next multiple of the chunk size (so
+        mid-prefill saves land on block boundaries) or the prompt's end; for a state that
+        cannot be truncated, the next message start before that (a snapshot is stored
+        there). Plain KV takes no sliver: a rest that fits in one chunk plus its last token
+        is one chunk, and a chunk under half a chunk long ends at the multiple after."""
         chunk = self.ctx.config.prefill_chunk_tokens
         end = (self.pos // chunk + 1) * chunk
         if self.truncatable and not self.sliding:

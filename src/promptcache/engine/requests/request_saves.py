@@ -1,11 +1,7 @@
-"""A request's cache side: lookup + restore at its start, and the stores of its save points.
-``Request`` (``request.py``) calls these: ``lookup_and_restore`` at ``start``,
-``save_mid_prefill`` after each prompt chunk (save point 1), ``store`` at the end of
-the prompt (2), as sliding windows move and at the end of generation (3). Every save goes
-through the request's ``ChainCursor``; any exception from the cache is logged and
-counted and turns into a miss or a skipped save (by cause: ``store_error_cause``, and
-the cache is told which blocks were left out).
-"""
+"""A request's cache side: ``lookup_and_restore`` at its start and the stores of its save points
+(mid-prefill, end of prompt, window moves and end of generation), all through its ``ChainCursor``.
+A cache exception is logged, counted by cause (``store_error_cause``) and becomes a miss or a
+skipped save."""
 
 from __future__ import annotations
 

@@ -1,49 +1,8 @@
-"""The scheduler: one step = one batched decode forward + batched prefill chunks.
-Not mlx-lm's ``BatchGenerator`` (same decode step): its ``extract_cache`` copies a request's
-whole KV, making the mid-prefill save quadratic, and it has no priorities; ours reads only the
-new blocks (docs/benchmarks-history.md, "Batched decode: our scheduler vs ...").
-
-Prefill has two paths:
-- batched (``engine/requests/prefill.py``): interactive requests whose caches mlx-lm batches
-  exactly (``mlx_compat.can_batch_prefill``: plain / MLA KV, sliding windows, the array
-  states of the modules that honour right padding) and no images that prefill at the
-  same step share one forward per chunk (``PrefillBatch``;
-  at most ``prefill_batch_size`` rows and ``prefill_batch_tokens`` tokens per step,
-  each row one chunk per step). A request joins it at a step boundary with its
-  restored caches (every row's own prefix; only its suffix is prefilled);
-- per request (``Request.prefill_chunk`` on its private caches): a lone interactive
-  request (nothing else prefilling interactively: no copy into a batch cache), caches
-  that cannot batch exactly (quantized KV, windows that keep tokens, nemotron_h's
-  Mamba2 state), image prompts, and
-  background requests (next-turn pre-render, shadow verification). One chunk per
-  step: of the oldest interactive one; a background one only when no interactive
-  request is prefilling, so a new interactive request waits at most the background
-  chunk in flight.
-
-Each ``step()``:
-1. takes newly admitted requests (``Admission.take``) into the prefill queue;
-2. finishes cancelled requests wherever they are (and takes who was admitted to
-   the slots they freed, e.g. an interactive request that preempted a background one);
-3. launches the batched decode forward (``DecodeBatch.step``: pipelined, the host
-   work of the previous step's tokens overlaps it);
-4. moves waiting interactive requests into the prefill batch (their first step
-   there also does their cache lookup and restore) and runs its forward: one chunk
-   per row; rows whose prompt ended emit their first token and go to the decode batch
-   together. A new request that shares at least ``share_prefix_min_tokens`` whole
-   blocks with one being prefilled, which neither that one has computed yet nor the
-   cache holds for it, is not started yet: it waits until that one has stored them,
-   then restores them (requests sent together that share a system prompt + tools
-   compute it once);
-5. runs ONE per-request prefill chunk (see above);
-6. advances the requests mlx-lm cannot batch (one forward each);
-7. moves requests whose prefill ended into the batch (up to ``max_batch_size``
-   rows; more wait for a free row) or, if their caches cannot batch, to the
-   per-request path.
-So a step delays the running streams by at most one chunk of each prefilling
-request in it (bounded by ``prefill_batch_tokens`` + one chunk). A request releases
-its admission ticket when it finishes, before its result is delivered (so a client
-that has its answer is no longer counted as active).
-"""
+"""The scheduler: one step = one batched decode forward + prefill chunks (``step`` gives the order).
+Interactive requests whose caches batch exactly prefill together (``prefill.py``, one chunk per
+row per step); the rest (a lone request, quantized KV, windows that keep tokens, images,
+background work) prefill one chunk per step, background only when nothing interactive is. A step
+thus delays running streams by at most one chunk per prefilling request."""
 
 from __future__ import annotations
 
@@ -234,16 +193,10 @@ class Scheduler:
         return need <= room
 
     def _not_waiting_for_a_prefix(self, pending: list[Request]) -> list[Request]:
-        """The pending requests that start now. A new request whose prompt shares at
-        least ``share_prefix_min_tokens`` whole blocks (neither computed yet nor cached
-        for it) with an interactive request being prefilled (in the prefill batch, on
-        the per-request path, or starting ahead of it this step) waits: that one
-        stores the blocks as its prefill passes them (save point 1), and the waiting
-        request's lookup, once it starts, restores them. Requests sent together that share a long prefix
-        (parallel subagents: one system prompt + tools) compute it once, not once each.
-        A waiting request is looked at again every step; it starts as soon as no
-        leader has that much of their shared prefix left to compute (a leader that
-        finishes, fails or is cancelled leaves)."""
+        """The pending requests that start now. One that shares at least
+        ``share_prefix_min_tokens`` whole blocks (neither computed nor cached) with an
+        interactive request being prefilled waits until that leader has stored them, then
+        restores them: requests sent together with one system prompt + tools compute it once."""
         need = self.ctx.config.share_prefix_min_tokens
         if need <= 0 or self.ctx.cache is None or not pending:
             return pending

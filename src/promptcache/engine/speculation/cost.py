@@ -1,9 +1,6 @@
-"""What a verify forward costs, in decode steps: the startup fit (``VerifyCost``,
-``measure_verify_cost``), a fixed table (``TableCost``, ``--spec-verify-cost``) or the
-fit corrected by the forwards the engine times (``OnlineCost``); and never slower,
-measured (``StepGuard``: per batch size, whole verify steps against plain decode steps;
-a size that loses, or keeps being gated, decodes without speculation for a while,
-doubling on each failed probe). docs/architecture.md says why each piece is there."""
+"""What a verify forward costs, in decode steps: the startup fit (``VerifyCost``), a fixed table
+(``TableCost``, ``--spec-verify-cost``) or the fit corrected online (``OnlineCost``); and
+``StepGuard``: per batch size, a size whose verify steps lose to plain decode stops speculating."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The speculator: per request, drafts (``drafts``), the gate (``gate``, priced by
 ``cost``) and the acceptance that adapts both; the verify step is ``verify``.
-The whole story (draft lengths, cool-downs, probes, fills, credits): docs/architecture.md."""
+The rules (draft lengths, cool-downs, probes, fills, credits): docs/architecture.md."""
 
 from __future__ import annotations
 

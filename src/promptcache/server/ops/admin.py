@@ -26,12 +26,12 @@ router = APIRouter()
 
 def cache_stats_dict(engine: EngineAPI) -> dict[str, Any] | None:
     """The cache's stats with its levels; None without a cache."""
-    return engine.cache_stats()
+    return engine.cache_port.cache_stats()
 
 
 def kv_stats_dict(engine: EngineAPI) -> dict[str, Any] | None:
     """Arrays and bytes per cached token, the KV quantization (if the engine reports them)."""
-    got = engine.kv_stats()
+    got = engine.cache_port.kv_stats()
     return dict(got) if got is not None else None
 
 
@@ -69,7 +69,7 @@ async def health(request: Request) -> dict[str, Any] | JSONResponse:
         "status": "ok", "model": st.model_id,
         "cache_enabled": st.engine.cache is not None,
         "uptime_s": round(time.time() - st.started_at, 3)}
-    tiers = st.engine.tier_health()
+    tiers = st.engine.cache_port.tier_health()
     if tiers:
         body["tiers"] = tiers if detail else {
             name: {k: v for k, v in entry.items() if not isinstance(v, str) or k in _PLAIN}

@@ -1,12 +1,6 @@
-"""Prometheus metrics: one ``CollectorRegistry`` per app (no global state).
-
-Request-side metrics are counted as requests finish. Cache-side metrics (hit rate per
-tier, bytes per tier, spills, drops, quarantines, ...) are read from
-``engine.cache.stats().to_dict()`` at scrape time by a custom collector that flattens
-the numeric values: ``{"hits": 3}`` -> ``promptcache_cache_hits 3``; nested mappings
-keyed by tier name become a ``tier`` label (``{"bytes_by_tier": {"ram": 10}}`` ->
-``promptcache_cache_bytes_by_tier{tier="ram"} 10``); other nesting joins names with ``_``.
-"""
+"""Prometheus metrics: one ``CollectorRegistry`` per app (no global state). Request metrics are
+counted as requests finish; cache metrics are read from ``cache.stats()`` at scrape time and
+flattened (``{"bytes_by_tier": {"ram": 10}}`` -> ``promptcache_cache_bytes_by_tier{tier="ram"}``)."""
 
 from __future__ import annotations
 

@@ -61,8 +61,9 @@ async def export_pack(request: Request) -> Response:
         raise APIError(400, "name what to export: messages, tokens, session_id or all=true")
 
     def build() -> tuple[bytes, dict[str, Any]]:
-        return st.engine.export_pack(tenant, selection, tokens=tokens,
-                                     session_id=session if isinstance(session, str) else None)
+        return st.engine.cache_port.export_pack(
+            tenant, selection, tokens=tokens,
+            session_id=session if isinstance(session, str) else None)
 
     try:
         data, summary = await run_in_threadpool(build)
@@ -113,7 +114,7 @@ async def import_pack(request: Request) -> dict[str, Any]:
         raise APIError(400, f"the pack belongs to tenant {tenant!r}, not {scope_tenant!r}",
                        code="tenant_mismatch")
     try:
-        report = await run_in_threadpool(st.engine.import_pack, pack)
+        report = await run_in_threadpool(st.engine.cache_port.import_pack, pack)
     except packfile.PackError as e:
         log.warning("pack import refused: %s", e)
         raise APIError(400, str(e), code="invalid_pack") from e

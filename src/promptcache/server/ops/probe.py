@@ -1,9 +1,6 @@
-"""``POST /v1/cache/probe``: what the cache holds for a request, without generating. The
-body (chat, Messages or Responses; ``?api=`` or guessed) is prepared exactly as a real
-turn and looked up as a pure query (nothing promoted, stored or counted); the answer
-(docs/api.md) gives the cached tokens by tier, the first divergence and its cause, the
-restore-or-recompute plan a turn would take now, and the comparison with the session's
-previous turn."""
+"""``POST /v1/cache/probe``: what the cache holds for a request, without generating. The body is
+prepared exactly as a real turn and looked up as a pure query (nothing promoted, stored or
+counted); the answer is described in docs/api.md."""
 
 from __future__ import annotations
 
@@ -83,7 +80,7 @@ def _previous(div: Divergence) -> dict[str, Any] | None:
 
 def analyse(prep: Preparer, prepared: Prepared, tenant: str, source: Any) -> dict[str, Any]:
     """The probe's answer (worker thread: a render, decoding; the cache lookup runs on
-    the engine thread, ``EngineAPI.probe_cache``)."""
+    the engine thread, ``CachePortAPI.probe_cache``)."""
     engine = prep.engine
     tokens = prepared.tokens
     n = len(tokens)
@@ -92,7 +89,7 @@ def analyse(prep: Preparer, prepared: Prepared, tenant: str, source: Any) -> dic
                            "cache_miss_reason": None, "restore_plan": None,
                            "previous_turn": _previous(prepared.divergence)}
     extra = image_extra_keys(prepared.images)
-    match = engine.probe_cache(tokens, tenant, extra, CONTEXT_TOKENS) \
+    match = engine.cache_port.probe_cache(tokens, tenant, extra, CONTEXT_TOKENS) \
         if engine.cache is not None else None
     if match is None:  # no cache (or its lookup failed)
         out["cause"] = out["cache_miss_reason"] = "unavailable"

@@ -332,7 +332,7 @@ class Preparer:
         if tenant is None or self.engine.cache is None:
             return CachePrediction(0)
         try:
-            got = self.engine.predict_cached(tokens, tenant, image_extra_keys(images))
+            got = self.engine.cache_port.predict_cached(tokens, tenant, image_extra_keys(images))
         except Exception:  # an engine that raises instead of degrading
             log.debug("cache lookup for the usage prediction failed", exc_info=True)
             got = None

@@ -175,7 +175,7 @@ class PreRenderer:
 
     def _mark_active(self, key: TurnKey, req: GenerationRequest) -> None:
         """The next turn's prefix is the session's latest chain (on the engine thread)."""
-        self.engine.mark_active(req.prompt_tokens, req.tenant, key.activity)
+        self.engine.cache_port.mark_active(req.prompt_tokens, req.tenant, key.activity)
 
     def _watch(self, slot: object, handle: HandleAPI) -> None:
         task = asyncio.ensure_future(self._await(slot, handle))

@@ -96,20 +96,17 @@ RETENTIONS = ("in_memory", "24h")
 
 def claim_chain(request: Request, tenant: str, key: TurnKey | None, prepared: Prepared,
                 chat: ChatPrompt, result: GenerationResult) -> None:
-    """Tell the cache what this turn wants kept (queued in the preparation worker, in
-    order with the next preparations; never on the event loop; each call runs on the
-    engine thread, ``EngineAPI.protect`` / ``mark_active``, after the blocks the turn
-    stored): each Anthropic breakpoint is protected for its ttl (``PromptCache.protect``,
-    persisted at once); with a prompt_cache_key the turn's whole chain (prompt + output)
-    replaces the key's previous chain for ``KEY_PROTECT_S``, written to the lower tiers
-    at once only with ``prompt_cache_retention: 24h``; a turn with a session marks its
-    chain as the session's latest (``PromptCache.mark_active``). A call that fails or
-    times out is logged and counted by the engine; the reply is already sent."""
+    """Tell the cache what this turn wants kept, queued in the preparation worker (each call
+    runs on the engine thread after the turn's stores): each Anthropic breakpoint protected (and
+    persisted) for its ttl; with a prompt_cache_key the whole chain for ``KEY_PROTECT_S`` (persisted
+    only with ``prompt_cache_retention: 24h``); with a session its chain marked the latest. A failed
+    call is logged and counted by the engine; the reply is already sent."""
     if result.finish_reason in ("error", "cancelled"):
         return
     engine: EngineAPI = request.app.state.pc.engine
     if engine.cache is None:
         return
+    port = engine.cache_port
     breakpoints = list(prepared.breakpoints)
     if not breakpoints and key is None:
         return
@@ -118,13 +115,13 @@ def claim_chain(request: Request, tenant: str, key: TurnKey | None, prepared: Pr
 
     def apply() -> None:
         for pos, ttl in breakpoints:
-            engine.protect(tokens, tenant, min(pos, len(tokens)), ttl, extra_keys=extra)
+            port.protect(tokens, tenant, min(pos, len(tokens)), ttl, extra_keys=extra)
         if chat.retention is not None and key is not None:
-            engine.protect(tokens, tenant, len(tokens), KEY_PROTECT_S, key=key.activity,
-                           persist=chat.retention == "24h", extra_keys=extra,
-                           pin_s=86400.0 if chat.retention == "24h" else None)
+            port.protect(tokens, tenant, len(tokens), KEY_PROTECT_S, key=key.activity,
+                         persist=chat.retention == "24h", extra_keys=extra,
+                         pin_s=86400.0 if chat.retention == "24h" else None)
         if key is not None:
-            engine.mark_active(tokens, tenant, key.activity, extra_keys=extra)
+            port.mark_active(tokens, tenant, key.activity, extra_keys=extra)
 
     preparer_of(request).submit(apply)
 

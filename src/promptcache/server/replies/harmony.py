@@ -22,10 +22,6 @@ _MAX_HEADER = 512
 _HEADER_STARTS = (START, CHANNEL, "assistant", " to=", "to=")
 
 
-def is_harmony_template(source: str) -> bool:
-    return CHANNEL in source and MESSAGE in source
-
-
 def _partial(text: str, markers: Sequence[str]) -> int:
     """Length of the longest suffix of ``text`` that is a proper prefix of a marker."""
     return max(_partial_suffix(text, m) for m in markers)
