@@ -144,6 +144,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--new", type=int, default=256, help="new tokens of each next turn")
     ap.add_argument("--chunk", type=int, default=512, help="--prefill-chunk-tokens")
     ap.add_argument("--redis", action="store_true", help="also from a redis-server")
+    ap.add_argument("--segment-mb", type=int, default=256, help="0: one SSD file per block")
     ap.add_argument("--no-mlx-lm", action="store_true", help="leave mlx_lm.server out")
     ap.add_argument("--repeats", type=int, default=3, help="the fastest of this many")
     ap.add_argument("--gap", type=float, default=1.0,
@@ -214,7 +215,7 @@ def run(argv: list[str] | None = None) -> str:
 
     def engine(ssd_dir: Path | None, with_redis: bool) -> Engine:
         ssd = (SSDConfig(path=ssd_dir, policy="write_back", fsync=False,
-                         budget_bytes=max(1 << 30, 4 * kv_max))
+                         budget_bytes=max(1 << 30, 4 * kv_max), segment_bytes=a.segment_mb << 20)
                if ssd_dir is not None else None)
         return Engine(model, tokenizer, model_id=info.model_id,
                       fingerprint=f"long-{a.shape}-{info.fingerprint}",
