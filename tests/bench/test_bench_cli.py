@@ -173,6 +173,8 @@ def test_the_long_session_is_a_scenario(tmp_path: Path,
     # 8 layers' K and V from two runs of blocks (slabs): 32 copies, not one per block
     assert row["copies"] == 32
     assert "mlx_lm_s" not in row  # mlx_lm not named
+    # the floor sampled after each of 3 live turns, 3 RAM turns and the SSD turn: its best
+    assert len(row["floor_samples"]) == 7 and row["floor_s"] == min(row["floor_samples"])
     md = (out / "report.md").read_text()
     assert "## Long sessions" in md and "\n| 256 | " in md
     assert "--scenarios long" in md and "--long-sizes 256 --long-new 16" in md
