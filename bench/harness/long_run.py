@@ -31,7 +31,6 @@ import os
 import random
 import re
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -42,6 +41,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from page_cache import drop_cache
 
+from .long_measure import Floor, copy_time, paired, read_time, timed
 from .long_session import complete_once, over_budget, table
 
 SHAPES: dict[str, dict[str, Any]] = {
@@ -100,36 +100,6 @@ def word_tokens(tokenizer: Any) -> list[int]:
     return out
 
 
-def timed(fn: Any) -> float:
-    t = time.perf_counter()
-    fn()
-    return time.perf_counter() - t
-
-
-def copy_time(nbytes: int) -> float:
-    """One contiguous copy of ``nbytes`` (read + write once), the fastest of 3."""
-    a = mx.zeros((max(1, nbytes // 4),), dtype=mx.float32)
-    mx.eval(a)
-    return min(timed(lambda: mx.eval(a + 0)) for _ in range(3))
-
-
-def read_time(folder: Path, nbytes: int) -> float:
-    """One sequential read (dd, 8 MB blocks) of a file of ``nbytes`` in ``folder``,
-    dropped from the page cache first."""
-    path = folder / "dd.bin"
-    with open(path, "wb") as f:
-        chunk = os.urandom(1 << 20)
-        for _ in range(max(1, nbytes >> 20)):
-            f.write(chunk)
-        f.flush()
-        os.fsync(f.fileno())
-    drop_cache([path])
-    took = timed(lambda: subprocess.run(["dd", f"if={path}", "of=/dev/null", "bs=8M"],
-                                        check=True, capture_output=True))
-    path.unlink()
-    return took
-
-
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     ap.add_argument("--shape", choices=sorted([*SHAPES, REAL]), default="small")
@@ -141,7 +111,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--no-mlx-lm", action="store_true", help="leave mlx_lm.server out")
     ap.add_argument("--repeats", type=int, default=3, help="the fastest of this many")
     ap.add_argument("--gap", type=float, default=1.0,
-                    help="seconds before each turn (think time; the floor has none)")
+                    help="seconds before each turn and each floor sample (think time)")
     ap.add_argument("--budget-min", type=float, default=15.0,
                     help="a size estimated to take longer than this many minutes is skipped")
     ap.add_argument("--dir", default=None, help="folder for the SSD tier (default: a temp)")
@@ -153,7 +123,7 @@ def run(argv: list[str] | None = None) -> str:
     """Run the scenario; its Markdown table."""
     a = parser().parse_args(argv)
 
-    from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
+    from mlx_lm.models.cache import make_prompt_cache
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
     from promptcache.cli.wiring import build_cache
@@ -305,39 +275,23 @@ def run(argv: list[str] | None = None) -> str:
             state = adapters.restore(model, hit.blocks, m, reserve=len(history) - m + a.new + 1)
             cache.release(hit)
             rest = mx.array(history[m:] + words(a.new))[None]
-            floors: list[float] = []
-
-            def floor(state: Any = state, rest: Any = rest, floors: list[float] = floors) -> None:
-                # as the engine prefills: the chunk's caches, the last token alone (logits)
-                t = time.perf_counter()
-                model(rest[:, :-1], cache=state)
-                mx.eval([x for _, x in adapters.state_arrays(state)])
-                mx.eval(model(rest[:, -1:], cache=state)[0, -1])
-                floors.append(time.perf_counter() - t)
-                trim_prompt_cache(state, int(rest.shape[1]))
-
+            floor = Floor(model, state, rest, a.gap, adapters.state_arrays)
+            floors = floor.samples
             floor()
             floors.clear()  # the first warms the kernels of these widths
-            # each next turn a.repeats times, the fastest (a retry: trims the last one's state)
-            lives = []
-            for _ in range(a.repeats):
-                lives.append(ask(eng, history + words(a.new)))
-                floor()
-            live = min(lives, key=lambda r: r.ttft_s)
+            live = paired(lambda e=eng, h=history: ask(e, h + words(a.new)), a.repeats, floor, row,
+                          "live")
             row.update(live_s=live.ttft_s, live_by_tier=dict(live.usage.cached_by_tier))
-            rams = []
-            for _ in range(a.repeats):
-                eng.release_live()
-                before = eng.engine_stats()
-                rams.append(ask(eng, history + words(a.new)))
-                after = eng.engine_stats()
-                floor()
-            ram = min(rams, key=lambda r: r.ttft_s)
-            copied = after["restore_copy_bytes"] - before["restore_copy_bytes"]
+            before = eng.engine_stats()
+            ram = paired(lambda e=eng, h=history: (e.release_live(), ask(e, h + words(a.new)))[1],
+                         a.repeats, floor, row, "ram")
+            after = eng.engine_stats()
+            copied = (after["restore_copy_bytes"] - before["restore_copy_bytes"]) // a.repeats
             row.update(ram_s=ram.ttft_s, ram_restore_s=ram.restore_s,
                        ram_by_tier=dict(ram.usage.cached_by_tier), copy_bytes=copied,
-                       copies=after["restore_copies"] - before["restore_copies"],
-                       copy_s=copy_time(copied), floor_new=int(rest.shape[1]))
+                       copies=(after["restore_copies"] - before["restore_copies"]) // a.repeats,
+                       copy_s=copy_time(copied, fresh=True), copy_warm_s=copy_time(copied),
+                       floor_new=int(rest.shape[1]))
             # the SSD after a clean shutdown and a restart, page cache dropped
             row["shutdown_s"] = timed(eng.close)
             stored = sum(p.stat().st_size for p in ssd_dir.rglob("*") if p.is_file())
@@ -351,6 +305,7 @@ def run(argv: list[str] | None = None) -> str:
                        ssd_by_tier=dict(ssd.usage.cached_by_tier),
                        read_s=read_time(root, stored))
             floor()
+            row["ssd_floor_s"] = floors[-1]
             if a.redis:  # a new server: nothing in its RAM or SSD, Redis holds the blocks
                 other = engine(None, True)
                 red = ask(other, history + words(a.new))
@@ -371,7 +326,7 @@ def run(argv: list[str] | None = None) -> str:
                 tokenizer.encode(prompt)
                 row["tokenize_s"] = time.perf_counter() - t
             row.update(floor_s=min(floors), floor_samples=floors)
-            del state, floor
+            del state, floor, floors
             # a cold prefill of the next turn's whole prompt
             row["cold_s"] = cold_prefill(history + words(a.new))
             row["size_s"] = time.perf_counter() - t_size

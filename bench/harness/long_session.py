@@ -5,11 +5,14 @@ a size still fits the run's budget, and one timed text completion on a peer serv
 A row is the dict the bench measures at one size (times in seconds):
 ``size``, ``floor_s``, ``live_s``, ``ram_s``, ``copy_s``, ``copies``, ``ssd_s``, ``read_s``,
 ``cold_s`` (the whole prompt prefilled on an empty cache), ``mlx_lm_s`` (the same next
-turn on mlx_lm.server; absent when it did not run), ``redis_s`` (with ``--redis``).
+turn on mlx_lm.server; absent when it did not run), ``redis_s`` (with ``--redis``);
+``live_samples`` / ``live_floors``, ``ram_samples`` / ``ram_floors`` (each turn and the floor
+sampled right after it) and ``ssd_floor_s`` (the floor right after the SSD turn) where measured.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -23,6 +26,10 @@ def ratios(row: Mapping[str, Any]) -> dict[str, float | None]:
     - ``live_floor``: the live state / the floor (target <= 1.05)
     - ``ram_copy``: (RAM tier - floor) / one copy of the restored bytes (target <= 1.2)
     - ``ssd_read``: SSD after a restart / (dd of its bytes + floor) (target <= 1.2)
+
+    the first two the median over the pairs (a turn, the floor right after it) where the row
+    has them (the machine's drift between a turn and its floor is small, between phases not);
+    the third with the floor sampled right after the SSD turn where there is one;
     - ``ssd_cold``: SSD after a restart / a cold prefill (target <= 1)
     - ``mlx_floor``: mlx_lm.server / the floor
     - ``live_mlx``: ours (the live state) / mlx_lm.server
@@ -30,15 +37,27 @@ def ratios(row: Mapping[str, Any]) -> dict[str, float | None]:
     def div(a: float | None, b: float | None) -> float | None:
         return None if a is None or b is None or b <= 0 else a / b
 
+    def paired(key: str, f: Any) -> float | None:
+        turns, floors = row.get(f"{key}_samples"), row.get(f"{key}_floors")
+        if not turns or not floors or len(turns) != len(floors):
+            return None
+        got = [f(t, x) for t, x in zip(turns, floors, strict=True)]
+        return None if None in got else statistics.median(got)
+
     floor = row.get("floor_s")
     ram = row.get("ram_s")
     mlx = row.get("mlx_lm_s")
+    copy = row.get("copy_s")
+    ssd_floor = row.get("ssd_floor_s", floor)
+    live_floor = paired("live", div)
+    ram_copy = paired("ram", lambda t, x: div(t - x, copy))
     return {
-        "live_floor": div(row.get("live_s"), floor),
-        "ram_copy": div(None if ram is None or floor is None else ram - floor, row.get("copy_s")),
+        "live_floor": live_floor if live_floor is not None else div(row.get("live_s"), floor),
+        "ram_copy": ram_copy if ram_copy is not None else div(
+            None if ram is None or floor is None else ram - floor, copy),
         "ssd_read": div(row.get("ssd_s"),
-                        None if row.get("read_s") is None or floor is None
-                        else row["read_s"] + floor),
+                        None if row.get("read_s") is None or ssd_floor is None
+                        else row["read_s"] + ssd_floor),
         "ssd_cold": div(row.get("ssd_s"), row.get("cold_s")),
         "mlx_floor": div(mlx, floor),
         "live_mlx": div(row.get("live_s"), mlx),

@@ -175,6 +175,9 @@ def test_the_long_session_is_a_scenario(tmp_path: Path,
     assert "mlx_lm_s" not in row  # mlx_lm not named
     # the floor sampled after each of 3 live turns, 3 RAM turns and the SSD turn: its best
     assert len(row["floor_samples"]) == 7 and row["floor_s"] == min(row["floor_samples"])
+    f = row["floor_samples"]
+    assert (row["live_floors"], row["ram_floors"], row["ssd_floor_s"]) == (f[:3], f[3:6], f[6])
+    assert len(row["live_samples"]) == len(row["ram_samples"]) == 3
     md = (out / "report.md").read_text()
     assert "## Long sessions" in md and "\n| 256 | " in md
     assert "--scenarios long" in md and "--long-sizes 256 --long-new 16" in md

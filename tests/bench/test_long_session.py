@@ -21,6 +21,19 @@ def test_ratios_of_a_row() -> None:
     assert partial["live_floor"] == pytest.approx(1.05)
 
 
+def test_the_targets_are_the_medians_of_the_pairs() -> None:
+    # each turn beside the floor sampled right after it: the median of the pairs' ratios,
+    # not the fastest turn over the fastest floor of another moment
+    row = {**ROW, "live_samples": [1.2, 2.2, 1.0], "live_floors": [1.0, 2.0, 1.0],
+           "ram_samples": [1.5, 1.1, 2.3], "ram_floors": [1.0, 1.0, 2.0], "ssd_floor_s": 1.25}
+    q = ratios(row)
+    assert q["live_floor"] == pytest.approx(1.1)  # median of 1.2, 1.1, 1.0
+    assert q["ram_copy"] == pytest.approx(1.5)  # median of 2.5, 0.5, 1.5 copies of 0.2 s
+    assert q["ssd_read"] == pytest.approx(1.5 / (0.25 + 1.25))  # the floor after the SSD turn
+    # samples without their floors (or of other lengths) fall back to the fastest of each
+    assert ratios({**ROW, "live_samples": [1.2], "live_floors": []})["live_floor"] == 1.05
+
+
 def test_table_has_the_new_columns() -> None:
     md = table([ROW], redis=True).splitlines()
     assert md[0] == ("| tokens | floor | live | live / floor | RAM | (RAM - floor) / copy "
