@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
-from page_cache import drop_cache
+from page_cache import drop_files
 
 
 def timed(fn: Any) -> float:
@@ -30,6 +30,12 @@ def copy_time(nbytes: int, fresh: bool = False) -> float:
             mx.clear_cache()
         best = min(best, timed(lambda: mx.eval(a + 0)))
     return best
+
+
+def parts(result: Any) -> dict[str, float]:
+    """Where a turn's time to first token went (the engine's own timings, seconds)."""
+    return {k: round(float(getattr(result, k)), 4)
+            for k in ("ttft_s", "queue_s", "lookup_s", "restore_s", "prefill_s")}
 
 
 class Floor:
@@ -73,7 +79,7 @@ def read_time(folder: Path, nbytes: int) -> float:
             f.write(chunk)
         f.flush()
         os.fsync(f.fileno())
-    drop_cache([path])
+    drop_files([path])
     took = timed(lambda: subprocess.run(["dd", f"if={path}", "of=/dev/null", "bs=8M"],
                                         check=True, capture_output=True))
     path.unlink()

@@ -39,9 +39,9 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from page_cache import drop_cache
+from page_cache import drop_files
 
-from .long_measure import Floor, copy_time, paired, read_time, timed
+from .long_measure import Floor, copy_time, paired, parts, read_time, timed
 from .long_session import complete_once, over_budget, table
 
 SHAPES: dict[str, dict[str, Any]] = {
@@ -281,13 +281,14 @@ def run(argv: list[str] | None = None) -> str:
             floors.clear()  # the first warms the kernels of these widths
             live = paired(lambda e=eng, h=history: ask(e, h + words(a.new)), a.repeats, floor, row,
                           "live")
-            row.update(live_s=live.ttft_s, live_by_tier=dict(live.usage.cached_by_tier))
+            row.update(live_s=live.ttft_s, live_by_tier=dict(live.usage.cached_by_tier),
+                       live_parts=parts(live))
             before = eng.engine_stats()
             ram = paired(lambda e=eng, h=history: (e.release_live(), ask(e, h + words(a.new)))[1],
                          a.repeats, floor, row, "ram")
             after = eng.engine_stats()
             copied = (after["restore_copy_bytes"] - before["restore_copy_bytes"]) // a.repeats
-            row.update(ram_s=ram.ttft_s, ram_restore_s=ram.restore_s,
+            row.update(ram_s=ram.ttft_s, ram_restore_s=ram.restore_s, ram_parts=parts(ram),
                        ram_by_tier=dict(ram.usage.cached_by_tier), copy_bytes=copied,
                        copies=(after["restore_copies"] - before["restore_copies"]) // a.repeats,
                        copy_s=copy_time(copied, fresh=True), copy_warm_s=copy_time(copied),
@@ -295,21 +296,23 @@ def run(argv: list[str] | None = None) -> str:
             # the SSD after a clean shutdown and a restart, page cache dropped
             row["shutdown_s"] = timed(eng.close)
             stored = sum(p.stat().st_size for p in ssd_dir.rglob("*") if p.is_file())
-            row["page_cache"] = drop_cache([p for p in ssd_dir.rglob("*") if p.is_file()])
+            # the SSD's files only: a global drop would also evict the process's own code
+            row["page_cache"] = drop_files([p for p in ssd_dir.rglob("*") if p.is_file()])
             mx.clear_cache()
             t = time.perf_counter()
             eng = engine(ssd_dir, a.redis)
             row["restart_s"] = time.perf_counter() - t
             ssd = ask(eng, history + words(a.new))
             row.update(ssd_s=ssd.ttft_s, ssd_restore_s=ssd.restore_s, ssd_bytes=stored,
-                       ssd_by_tier=dict(ssd.usage.cached_by_tier),
+                       ssd_by_tier=dict(ssd.usage.cached_by_tier), ssd_parts=parts(ssd),
                        read_s=read_time(root, stored))
             floor()
             row["ssd_floor_s"] = floors[-1]
             if a.redis:  # a new server: nothing in its RAM or SSD, Redis holds the blocks
                 other = engine(None, True)
                 red = ask(other, history + words(a.new))
-                row.update(redis_s=red.ttft_s, redis_by_tier=dict(red.usage.cached_by_tier))
+                row.update(redis_s=red.ttft_s, redis_by_tier=dict(red.usage.cached_by_tier),
+                           redis_parts=parts(red))
                 other.close()
                 floor()
             if peer is not None:  # the same next turns on mlx_lm.server
