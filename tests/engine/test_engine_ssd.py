@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from promptcache.cli.wiring import build_cache
 from promptcache.config import CacheConfig, SSDConfig
@@ -27,10 +28,13 @@ def test_restarted_engine_hits_ssd_blocks(tiny_llama_path, tmp_path):
     assert stats["cache"]["promotions"] == 4
 
 
-def test_a_run_read_from_the_ssd_is_one_array_and_one_copy_per_layer(tiny_llama_path, tmp_path):
+@pytest.mark.parametrize("segment_bytes", [0, 1 << 20])
+def test_a_run_read_from_the_ssd_is_one_array_and_one_copy_per_layer(tiny_llama_path, tmp_path,
+                                                                     segment_bytes):
     from promptcache.engine.payload.blockbuf import BlockPayload
 
-    ssd = SSDConfig(path=tmp_path / "blocks", policy="write_through", fsync=False)
+    ssd = SSDConfig(path=tmp_path / "blocks", policy="write_through", fsync=False,
+                    segment_bytes=segment_bytes)
     ec, cc = EngineConfig(restore_plan="load", prefill_chunk_tokens=16), CacheConfig(block_size=8, ram_budget_bytes=64 * 1024**2)
     prompt = [int(t) for t in np.random.default_rng(6).integers(3, 1000, size=41)]
     with Engine.load(tiny_llama_path, ec, cc, cache=build_cache(cc, ssd)) as first:
@@ -47,6 +51,11 @@ def test_a_run_read_from_the_ssd_is_one_array_and_one_copy_per_layer(tiny_llama_
     assert all(isinstance(p, BlockPayload) for p in payloads)
     assert [p.row for p in payloads] == [0, 1, 2, 3, 4]
     assert len({id(p.slab) for p in payloads}) == 1 and payloads[0].slab is not None
+    # one file per block: the rows stacked on the host first; a segment: the run's span of
+    # the mapping copied once, its headers between the rows
+    step = payloads[0].layout.nbytes
+    assert payloads[0].slab.ndim == (1 if segment_bytes else 2)
+    assert all(p.step > step if segment_bytes else p.step == step for p in payloads)
     # restored with one strided copy per layer array for the run, one for the room
     assert stats["restore_copies"] == 2 * 2 * 2
 

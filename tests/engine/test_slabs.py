@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache
 
+from promptcache.engine.payload import blockbuf
 from promptcache.engine.payload.adapters import (
     BlockSpan,
     RestoreTally,
@@ -166,6 +167,51 @@ def test_rows_from_host_make_one_array_for_the_run():
         assert np.array_equal(np.asarray(c.keys), np.asarray(ref.keys[..., :40, :]))
     with pytest.raises(ValueError, match="uint8"):
         rows_from_host([np.zeros(3, dtype=np.uint8)], blocks[0].layout)
+
+
+def _mapped(host: list[np.ndarray], header: int) -> list[np.ndarray]:
+    """The buffers as a segment's mapping holds them: each behind a header of one size."""
+    size = host[0].size
+    mapped = bytearray(b"h" * header)
+    for h in host:
+        mapped += h.tobytes() + b"h" * header
+    mv = memoryview(bytes(mapped))
+    return [np.frombuffer(mv[header + i * (size + header):][:size], np.uint8)
+            for i in range(len(host))]
+
+
+@pytest.mark.parametrize("header", [52, 51])
+def test_rows_at_one_step_in_one_buffer_are_copied_once(header: int) -> None:
+    # a segment's mapping: the run is one span copied once (rows ``step`` bytes apart), no
+    # host copy first; a step that is not a multiple of the dtypes' size takes np.stack's
+    # copy. Either way the rows and the restored KV equal the blocks exactly.
+    caches = _caches("plain")
+    blocks = [extract_block(caches, s, s + BS, False) for s in range(0, 40, BS)]
+    ad = MLXPayloadAdapter()
+    host = [ad.to_buffer(p)[0] for p in blocks]
+    size = host[0].size
+    views = _mapped(host, header)
+    span = blockbuf._one_step(views, 4)
+    rows = rows_from_host(views, blocks[0].layout)
+    if header == 52:
+        assert span is not None and span[1] == size + header
+        assert span[0].size == 4 * (size + header) + size
+        assert rows[0].slab is not None and rows[0].slab.ndim == 1
+        assert [p.step for p in rows] == [size + header] * 5
+    else:
+        assert span is None and rows[0].slab is not None and rows[0].slab.ndim == 2
+    assert len({id(p.slab) for p in rows}) == 1 and [p.row for p in rows] == [0, 1, 2, 3, 4]
+    assert [_bytes(p) for p in rows] == [_bytes(p) for p in blocks]
+    tally = RestoreTally()
+    out = restore(caches, _spans(rows), 40, tally=tally)
+    assert tally.copies == 4  # one strided copy per layer array for the five blocks
+    for c, ref in zip(out, caches, strict=True):
+        assert np.array_equal(np.asarray(c.keys), np.asarray(ref.keys[..., :40, :]))
+        assert np.array_equal(np.asarray(c.values), np.asarray(ref.values[..., :40, :]))
+    # other owners, another step, or one buffer alone: no span
+    assert blockbuf._one_step([np.array(h) for h in host], 4) is None
+    assert blockbuf._one_step([views[0], views[2], views[3]], 4) is None
+    assert blockbuf._one_step(views[:1], 4) is None
 
 
 def test_a_row_travels_to_a_lower_tier_as_its_own_bytes():

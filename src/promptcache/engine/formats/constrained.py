@@ -10,7 +10,6 @@ import json
 import logging
 import threading
 import weakref
-from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -18,6 +17,7 @@ import mlx.core as mx
 import numpy as np
 
 from ...errors import RequestError
+from ...lru import BoundedLRU
 from .. import mlx_compat
 from ..api import Constraint
 
@@ -79,7 +79,7 @@ class _Bridge:
 
     def __init__(self, ll: Any) -> None:
         self.ll = ll
-        self.compiled: OrderedDict[tuple[str, str, str], Any] = OrderedDict()
+        self.compiled: BoundedLRU[tuple[str, str, str], Any] = BoundedLRU(_COMPILED_MAX)
 
 
 _lock = threading.Lock()
@@ -132,7 +132,6 @@ def _compiled_matcher(constraint: Constraint, tokenizer: Any, vocab_size: int) -
     with _lock:
         hit = bridge.compiled.get(key)
         if hit is not None:
-            bridge.compiled.move_to_end(key)
             return hit
     ll = bridge.ll
     grammar = grammar_of(constraint)
@@ -146,9 +145,7 @@ def _compiled_matcher(constraint: Constraint, tokenizer: Any, vocab_size: int) -
             raise RequestError(f"the assistant prefill {constraint.prefix[:80]!r} does not "
                                f"match the {_what(constraint)}")
     with _lock:
-        bridge.compiled[key] = matcher
-        while len(bridge.compiled) > _COMPILED_MAX:
-            bridge.compiled.popitem(last=False)
+        bridge.compiled.put(key, matcher)
     return matcher
 
 

@@ -369,6 +369,6 @@ def _rows_view(p: BlockPayload, key: str, count: int) -> mx.array:
     b, h, t, d = part.shape
     sb, sh, st, sd = part.strides
     typed = p.slab.view(part.dtype)
-    row_elems = p.layout.nbytes // part.dtype.size
+    row_elems = p.step // part.dtype.size  # (a multiple: rows_from_host)
     return mx.as_strided(typed, (b, h, count, t, d), (sb, sh, row_elems, st, sd),
                          p.row * row_elems + part.elem_offset)

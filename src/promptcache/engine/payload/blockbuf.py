@@ -18,23 +18,27 @@ from .blocklayout import DTYPES, NAME_RE, Item, Layout, dtype_name, format_layou
 class BlockPayload(Mapping[str, mx.array]):
     """A block's arrays in one ``uint8`` buffer; ``payload[name]`` is a view into it."""
 
-    __slots__ = ("buffer", "layout", "slab", "row")
+    __slots__ = ("buffer", "layout", "slab", "row", "step")
 
     def __init__(self, buffer: mx.array, layout: Layout, slab: mx.array | None = None,
-                 row: int = 0) -> None:
+                 row: int = 0, step: int = 0) -> None:
         if not isinstance(buffer, mx.array) or buffer.dtype != mx.uint8 or buffer.ndim != 1:
             raise ValueError("a block buffer must be a 1-d uint8 mx.array")
         if buffer.size != layout.nbytes:
             raise ValueError(f"block buffer holds {buffer.size} bytes, its layout needs {layout.nbytes}")
-        if slab is not None and (slab.dtype != mx.uint8 or slab.ndim != 2
-                                 or slab.shape[1] != layout.nbytes
-                                 or not 0 <= row < slab.shape[0]):
-            raise ValueError("a block's slab must be a 2-d uint8 mx.array of rows of its "
-                             "layout's size, and its row inside it")
+        if slab is not None:
+            if slab.ndim == 2:
+                step = int(slab.shape[1])
+            if (slab.dtype != mx.uint8 or slab.ndim not in (1, 2) or step != layout.nbytes
+                    and (slab.ndim == 2 or step < layout.nbytes) or row < 0
+                    or row * step + layout.nbytes > slab.size):
+                raise ValueError("a block's slab must be a uint8 mx.array of rows of its layout's "
+                                 "size (2-d), or of rows ``step`` bytes apart (1-d), its row in it")
         self.buffer = buffer
         self.layout = layout
-        self.slab = slab  # the run's 2-d buffer when ``buffer`` is its row ``row``
+        self.slab = slab  # the run's buffer when ``buffer`` is its row ``row``
         self.row = row
+        self.step = step  # bytes from one row of ``slab`` to the next
 
     @property
     def nbytes(self) -> int:
@@ -148,15 +152,48 @@ def pack_rows(entries: Sequence[tuple[Item, Sequence[mx.array]]], n: int
 
 
 def rows_from_host(buffers: Sequence[object], layout: Layout) -> list[BlockPayload]:
-    """Blocks of one layout from host ``uint8`` buffers as rows of one slab (one array)."""
+    """Blocks of one layout from host ``uint8`` buffers as rows of one slab (one array). Where
+    the buffers lie at one step in one exported buffer (a segment's mapping: blocks behind
+    headers of one size) the slab is that span, copied once: rows ``step`` bytes apart."""
     arrs = [np.asarray(b) for b in buffers]
     if not arrs or any(a.dtype != np.uint8 or a.shape != (layout.nbytes,) for a in arrs):
         raise ValueError(f"block buffers must be uint8 ({layout.nbytes},) each")
-    host = np.stack(arrs)
+    span = _one_step(arrs, max((p.dtype.size for p in layout.parts.values()), default=1))
+    if span is None:
+        slab = mx.array(np.stack(arrs))
+        rows = [slab[i] for i in range(len(arrs))]
+        mx.eval(slab, *rows)
+        return [BlockPayload(r, layout, slab, i) for i, r in enumerate(rows)]
+    host, step = span
     slab = mx.array(host)
-    rows = [slab[i] for i in range(len(arrs))]
+    rows = [slab[i * step:i * step + layout.nbytes] for i in range(len(arrs))]
     mx.eval(slab, *rows)
-    return [BlockPayload(r, layout, slab, i) for i, r in enumerate(rows)]
+    return [BlockPayload(r, layout, slab, i, step) for i, r in enumerate(rows)]
+
+
+def _owner(a: np.ndarray) -> object:
+    """The object that exports ``a``'s memory (a memoryview's exporter, e.g. an mmap)."""
+    o: object = a
+    while isinstance(o, np.ndarray) and o.base is not None:
+        o = o.base
+    return o.obj if isinstance(o, memoryview) else o
+
+
+def _one_step(arrs: Sequence[np.ndarray], align: int) -> tuple[np.ndarray, int] | None:
+    """``(span, step)``: the 1-d arrays' memory from the first's start to the last's end (a
+    view) when all lie at one ``step`` (>= their size, a multiple of ``align``) in the memory
+    of one owner; else None."""
+    if len(arrs) < 2 or not all(a.flags.c_contiguous for a in arrs):
+        return None
+    owner = _owner(arrs[0])
+    at = [int(a.__array_interface__["data"][0]) for a in arrs]
+    step = at[1] - at[0]
+    if step < arrs[0].size or step % align \
+            or any(b - a != step for a, b in zip(at, at[1:], strict=False)) \
+            or any(_owner(a) is not owner for a in arrs[1:]):
+        return None
+    size = (len(arrs) - 1) * step + arrs[0].size
+    return np.lib.stride_tricks.as_strided(arrs[0], (size,), (1,), writeable=False), step
 
 
 def pack_named(arrays: Mapping[str, mx.array]) -> BlockPayload:
