@@ -152,12 +152,9 @@ def test_rotating_and_quantized_layers_keep_their_own_path():
                 assert np.array_equal(np.asarray(u)[..., :N, :], np.asarray(v)[..., :N, :])
 
 
-def test_rows_from_host_make_one_array_for_the_run():
-    caches = _caches("plain")
-    blocks = [extract_block(caches, s, s + BS, False) for s in range(0, 40, BS)]
-    ad = MLXPayloadAdapter()
-    host = [ad.to_buffer(p)[0] for p in blocks]
-    rows = rows_from_host(host, blocks[0].layout)
+def _one_run_restores_exactly(rows: list[BlockPayload], blocks: list[BlockPayload],
+                              caches: list[KVCache]) -> None:
+    """Rows 0-4 of one slab, the blocks' bytes, restored with one copy per layer array."""
     assert len({id(p.slab) for p in rows}) == 1 and [p.row for p in rows] == [0, 1, 2, 3, 4]
     assert [_bytes(p) for p in rows] == [_bytes(p) for p in blocks]
     tally = RestoreTally()
@@ -165,6 +162,16 @@ def test_rows_from_host_make_one_array_for_the_run():
     assert tally.copies == 4  # one strided copy per layer array for the five blocks
     for c, ref in zip(out, caches, strict=True):
         assert np.array_equal(np.asarray(c.keys), np.asarray(ref.keys[..., :40, :]))
+        assert np.array_equal(np.asarray(c.values), np.asarray(ref.values[..., :40, :]))
+
+
+def test_rows_from_host_make_one_array_for_the_run():
+    caches = _caches("plain")
+    blocks = [extract_block(caches, s, s + BS, False) for s in range(0, 40, BS)]
+    ad = MLXPayloadAdapter()
+    host = [ad.to_buffer(p)[0] for p in blocks]
+    rows = rows_from_host(host, blocks[0].layout)
+    _one_run_restores_exactly(rows, blocks, caches)
     with pytest.raises(ValueError, match="uint8"):
         rows_from_host([np.zeros(3, dtype=np.uint8)], blocks[0].layout)
 
@@ -200,14 +207,7 @@ def test_rows_at_one_step_in_one_buffer_are_copied_once(header: int) -> None:
         assert [p.step for p in rows] == [size + header] * 5
     else:
         assert span is None and rows[0].slab is not None and rows[0].slab.ndim == 2
-    assert len({id(p.slab) for p in rows}) == 1 and [p.row for p in rows] == [0, 1, 2, 3, 4]
-    assert [_bytes(p) for p in rows] == [_bytes(p) for p in blocks]
-    tally = RestoreTally()
-    out = restore(caches, _spans(rows), 40, tally=tally)
-    assert tally.copies == 4  # one strided copy per layer array for the five blocks
-    for c, ref in zip(out, caches, strict=True):
-        assert np.array_equal(np.asarray(c.keys), np.asarray(ref.keys[..., :40, :]))
-        assert np.array_equal(np.asarray(c.values), np.asarray(ref.values[..., :40, :]))
+    _one_run_restores_exactly(rows, blocks, caches)
     # other owners, another step, or one buffer alone: no span
     assert blockbuf._one_step([np.array(h) for h in host], 4) is None
     assert blockbuf._one_step([views[0], views[2], views[3]], 4) is None
