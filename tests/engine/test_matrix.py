@@ -188,7 +188,8 @@ def _reply(run: Run, eng: Engine, msgs: list[dict[str, str]], turn: Turn, user: 
 
 def _engine(path: Path, ssd: Path) -> Engine:
     cc = CacheConfig(block_size=BLOCK, ram_budget_bytes=64 * 1024**2)
-    sc = SSDConfig(path=ssd, policy="write_back", fsync=False)
+    # segment files, serve's default layout (a restored run is one span of the mapping)
+    sc = SSDConfig(path=ssd, policy="write_back", fsync=False, segment_bytes=1 << 20)
     rec = _Logits()
     eng = Engine.load(path, EngineConfig(restore_plan="load", prefill_chunk_tokens=CHUNK, snapshot_every_blocks=1),
                       cc, cache=build_cache(cc, sc), logits_hook=rec)

@@ -27,10 +27,9 @@ class BlockPayload(Mapping[str, mx.array]):
         if buffer.size != layout.nbytes:
             raise ValueError(f"block buffer holds {buffer.size} bytes, its layout needs {layout.nbytes}")
         if slab is not None:
-            if slab.ndim == 2:
-                step = int(slab.shape[1])
-            if (slab.dtype != mx.uint8 or slab.ndim not in (1, 2) or step != layout.nbytes
-                    and (slab.ndim == 2 or step < layout.nbytes) or row < 0
+            step = int(slab.shape[1]) if slab.ndim == 2 else step
+            rows_fit = step == layout.nbytes if slab.ndim == 2 else step >= layout.nbytes
+            if (slab.dtype != mx.uint8 or slab.ndim not in (1, 2) or not rows_fit or row < 0
                     or row * step + layout.nbytes > slab.size):
                 raise ValueError("a block's slab must be a uint8 mx.array of rows of its layout's "
                                  "size (2-d), or of rows ``step`` bytes apart (1-d), its row in it")
@@ -159,14 +158,13 @@ def rows_from_host(buffers: Sequence[object], layout: Layout) -> list[BlockPaylo
     if not arrs or any(a.dtype != np.uint8 or a.shape != (layout.nbytes,) for a in arrs):
         raise ValueError(f"block buffers must be uint8 ({layout.nbytes},) each")
     span = _one_step(arrs, max((p.dtype.size for p in layout.parts.values()), default=1))
-    if span is None:
-        slab = mx.array(np.stack(arrs))
+    if span is None:  # the rows stacked on the host first: a 2-d slab
+        slab, step = mx.array(np.stack(arrs)), layout.nbytes
         rows = [slab[i] for i in range(len(arrs))]
-        mx.eval(slab, *rows)
-        return [BlockPayload(r, layout, slab, i) for i, r in enumerate(rows)]
-    host, step = span
-    slab = mx.array(host)
-    rows = [slab[i * step:i * step + layout.nbytes] for i in range(len(arrs))]
+    else:
+        host, step = span
+        slab = mx.array(host)
+        rows = [slab[i * step:i * step + layout.nbytes] for i in range(len(arrs))]
     mx.eval(slab, *rows)
     return [BlockPayload(r, layout, slab, i, step) for i, r in enumerate(rows)]
 
